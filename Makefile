@@ -1,0 +1,57 @@
+# The one entry point: `make demo` and `make test` work on a fresh clone.
+# Knobs: PYTHON (>= 3.11; default python3.11, else python3), LLAMA_BACKEND (see
+# native/install-llama-cpp.sh), PYTEST_ARGS (extra pytest arguments).
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+LLAMA_BACKEND ?= cpu
+PYTEST_ARGS ?=
+
+BIN := $(VENV)/bin
+INSTALLED := $(VENV)/.hetspec-installed
+
+.PHONY: help setup demo test lint format clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+
+$(BIN)/python:
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+	  { echo "hetspec needs Python >= 3.11; run make with PYTHON=/path/to/python3.11" >&2; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+
+# Reinstalls only when the dependency set or the llama.cpp build configuration changes;
+# the package itself is installed editable, so code changes need no reinstall.
+$(INSTALLED): $(BIN)/python pyproject.toml constraints.txt native/install-llama-cpp.sh
+	@echo "Installing hetspec and its dependencies into $(VENV) (pinned by constraints.txt)."
+	$(BIN)/python -m pip install -q -c constraints.txt pip setuptools wheel
+	native/install-llama-cpp.sh $(BIN)/python $(LLAMA_BACKEND)
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,bench]'
+	@touch $@
+
+setup: $(INSTALLED) ## create .venv and install everything (llama.cpp is compiled once)
+
+demo: setup ## run hetspec on this box (for now: the runtime report; serving comes next)
+	$(BIN)/hetspecd --check
+	@echo
+	@echo "hetspecd cannot serve prompts yet: this build has the foundation only."
+
+lint: setup ## ruff lint and format check
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup ## apply ruff's formatting and safe fixes
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+test: lint ## lint, then the whole pytest suite (GPU tests skip without CUDA)
+	@rc=0; $(BIN)/pytest $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: that is a failure here" >&2; fi; \
+	exit $$rc
+
+clean: ## remove .venv and caches (pip's wheel cache, and so the llama.cpp build, is kept)
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

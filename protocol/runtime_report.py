@@ -1,0 +1,54 @@
+"""What a worker process reports about the runtime it would compute with.
+
+The daemon never imports torch or llama.cpp itself: it asks a freshly spawned worker process
+to describe its runtime and decodes the answer as one of these structs.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class LlamaCppReport(msgspec.Struct, tag="llama.cpp", frozen=True, forbid_unknown_fields=True):
+    """The llama.cpp build the CPU worker loads (through llama-cpp-python)."""
+
+    package_version: str
+    system_info: str
+    gpu_offload: bool
+    # SIMD extensions the host CPU offers but this build does not use: a build made with
+    # SOURCE_DATE_EPOCH set, or for another machine, runs several times slower than it could.
+    missing_cpu_features: list[str]
+    cores: list[int]
+
+
+class TorchReport(msgspec.Struct, tag="torch", frozen=True, forbid_unknown_fields=True):
+    """The torch build the GPU worker loads."""
+
+    torch_version: str
+    cuda_available: bool
+    cuda_version: str | None
+    devices: list[str]
+    bf16_supported: bool
+    threads: int
+    cores: list[int]
+
+
+class ProbeFailure(msgspec.Struct, tag="failure", frozen=True, forbid_unknown_fields=True):
+    """The runtime could not be loaded at all; ``message`` says why and what to do."""
+
+    runtime: str
+    message: str
+
+
+RuntimeReport = LlamaCppReport | TorchReport | ProbeFailure
+
+_decoder = msgspec.json.Decoder(RuntimeReport)
+
+
+def encode_runtime_report(report: RuntimeReport) -> bytes:
+    return msgspec.json.encode(report)
+
+
+def decode_runtime_report(data: bytes) -> RuntimeReport:
+    """Decode a report; raises ``msgspec.ValidationError``/``DecodeError`` on anything else."""
+    return _decoder.decode(data)
