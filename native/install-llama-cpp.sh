@@ -54,8 +54,8 @@ pip_args=(-c "$constraints" --no-deps --force-reinstall)
 if [[ "$backend" != cpu || -n "${LLAMA_REBUILD:-}" ]]; then
   pip_args+=(--no-cache-dir)
 fi
-echo "Building llama-cpp-python for '$backend' (CMAKE_ARGS=$CMAKE_ARGS)."
-echo "The first build compiles llama.cpp: about 10 minutes on 2 cores; later setups reuse it."
+echo "Installing llama-cpp-python for '$backend' (CMAKE_ARGS=$CMAKE_ARGS)."
+echo "A first build compiles llama.cpp (about 4 minutes on 2 cores); pip caches it for later setups."
 start=$SECONDS
 "$python" -m pip install -q "${pip_args[@]}" llama-cpp-python
 echo "$backend $CMAKE_ARGS" > "$stamp"

@@ -1,0 +1,181 @@
+"""Export a Hugging Face Llama folder with a byte-level BPE tokenizer to a GGUF file.
+
+This covers the models hetspec builds itself (the bundled demo pair and the tiny models the tests
+write); other models come as GGUF from their publishers or llama.cpp's own converter. Needs only
+numpy, safetensors and gguf, so it runs without torch.
+
+    python -m hetspec.models.gguf_export MODEL_DIR OUT.gguf --type q8_0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.numpy import load_file
+
+OUT_TYPES = {
+    "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
+    "f16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
+    "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+}
+
+_LAYER_TENSORS = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+class ExportError(ValueError):
+    """The folder is not a model this exporter handles; the message says what is wrong."""
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    """`model.layers.3.mlp.up_proj.weight` -> `blk.3.ffn_up.weight`."""
+    fixed = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    if hf_name in fixed:
+        return fixed[hf_name]
+    parts = hf_name.split(".")
+    if parts[:2] == ["model", "layers"] and parts[-1] == "weight":
+        name = _LAYER_TENSORS.get(".".join(parts[3:-1]))
+        if name:
+            return f"blk.{parts[2]}.{name}.weight"
+    raise ExportError(f"unexpected tensor {hf_name!r} for a Llama model")
+
+
+def rotary_rows_to_interleaved(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Reorder q/k projection rows from HF's rotary layout to llama.cpp's.
+
+    HF rotates the two halves of each head ([x0..x(d/2-1)] with [x(d/2)..]); llama.cpp rotates
+    adjacent pairs (x0 with x1, ...). Per head, row i of the first half goes to 2i and row i of
+    the second half to 2i+1.
+    """
+    rows, cols = weight.shape
+    head_dim = rows // n_heads
+    halves = weight.reshape(n_heads, 2, head_dim // 2, cols)
+    return halves.swapaxes(1, 2).reshape(rows, cols)
+
+
+def _rope_theta(config: dict) -> float:
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ExportError(f"rope type {rope['rope_type']!r} is not supported by this exporter")
+    return float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, n_vocab: int) -> None:
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+    settings = json.loads((model_dir / "tokenizer_config.json").read_text())
+    bpe = tokenizer["model"]
+    if bpe.get("type") != "BPE" or tokenizer.get("pre_tokenizer", {}).get("type") != "ByteLevel":
+        raise ExportError(f"{model_dir}: only byte-level BPE tokenizers are supported")
+    vocab: dict[str, int] = dict(bpe["vocab"])
+    specials = {t["content"]: t["id"] for t in tokenizer.get("added_tokens", []) if t["special"]}
+    vocab.update(specials)
+    if len(vocab) > n_vocab:
+        raise ExportError(f"{model_dir}: tokenizer has {len(vocab)} tokens, model {n_vocab}")
+    tokens = [f"[PAD{i}]" for i in range(n_vocab)]
+    types = [gguf.TokenType.UNUSED] * n_vocab
+    for text, token_id in vocab.items():
+        tokens[token_id] = text
+        types[token_id] = gguf.TokenType.CONTROL if text in specials else gguf.TokenType.NORMAL
+    merges = [m if isinstance(m, str) else " ".join(m) for m in bpe["merges"]]
+
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(vocab[settings["bos_token"]])
+    writer.add_eos_token_id(vocab[settings["eos_token"]])
+    writer.add_add_bos_token(bool(settings.get("add_bos_token", False)))
+    writer.add_add_eos_token(False)
+    if settings.get("chat_template"):
+        writer.add_chat_template(settings["chat_template"])
+
+
+def export_gguf(model_dir: Path, out_path: Path, out_type: str = "f16") -> Path:
+    """Write ``out_path`` from the HF Llama folder ``model_dir``; returns ``out_path``."""
+    if out_type not in OUT_TYPES:
+        raise ExportError(f"unknown GGUF type {out_type!r}; choose one of {', '.join(OUT_TYPES)}")
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+        weights = load_file(model_dir / "model.safetensors")
+    except (OSError, json.JSONDecodeError) as error:
+        raise ExportError(f"{model_dir}: cannot read the model: {error}") from error
+    if config.get("model_type") != "llama":
+        raise ExportError(f"{model_dir}: model_type {config.get('model_type')!r} is not 'llama'")
+
+    n_heads = config["num_attention_heads"]
+    n_kv_heads = config.get("num_key_value_heads", n_heads)
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
+    qtype, file_type = OUT_TYPES[out_type]
+
+    writer = gguf.GGUFWriter(out_path, "llama")
+    writer.add_name(config.get("_name_or_path") or model_dir.name)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(n_heads)
+    writer.add_head_count_kv(n_kv_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(_rope_theta(config))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_file_type(file_type)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    _add_tokenizer(writer, model_dir, config["vocab_size"])
+
+    for hf_name, tensor in weights.items():
+        data = tensor.astype(np.float32)
+        if hf_name.endswith("q_proj.weight"):
+            data = rotary_rows_to_interleaved(data, n_heads)
+        elif hf_name.endswith("k_proj.weight"):
+            data = rotary_rows_to_interleaved(data, n_kv_heads)
+        # llama.cpp keeps 1-D tensors (norms) in F32; Q8_0 needs rows in blocks of 32.
+        tensor_type = qtype
+        if data.ndim == 1 or (qtype == gguf.GGMLQuantizationType.Q8_0 and data.shape[-1] % 32):
+            tensor_type = gguf.GGMLQuantizationType.F32
+        packed = gguf.quants.quantize(data, tensor_type)
+        writer.add_tensor(gguf_tensor_name(hf_name), packed, raw_dtype=tensor_type)
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hetspec.models.gguf_export")
+    parser.add_argument("model_dir", type=Path, help="Hugging Face Llama model folder")
+    parser.add_argument("out", type=Path, help="GGUF file to write")
+    parser.add_argument("--type", choices=sorted(OUT_TYPES), default="f16")
+    args = parser.parse_args(argv)
+    try:
+        export_gguf(args.model_dir, args.out, args.type)
+    except ExportError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB, {args.type})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
