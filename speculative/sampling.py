@@ -1,0 +1,88 @@
+"""The distributions tokens are drawn from: temperature, top-k and top-p over a logit row.
+
+Speculative sampling is lossless only if the drafter reports exactly the distribution it drew
+each token from, and the verifier applies the same warping to the target's logits; both sides
+use these functions for that reason.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import numpy as np
+
+
+class SamplingError(ValueError):
+    """Sampling parameters out of range; the message says which and what is allowed."""
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    """``temperature == 0`` is greedy decoding; ``top_k == 0`` and ``top_p == 1`` switch off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise SamplingError(f"temperature must be a finite number >= 0, not {self.temperature}")
+        if self.top_k < 0:
+            raise SamplingError(f"top_k must be >= 0 (0 = off), not {self.top_k}")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            raise SamplingError(f"top_p must be in (0, 1], not {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def softmax(logits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Row-wise softmax in float32 (into ``out`` when given, which may be ``logits`` itself)."""
+    out = np.subtract(logits, logits.max(axis=-1, keepdims=True), out=out, dtype=np.float32)
+    np.exp(out, out=out)
+    out /= out.sum(axis=-1, keepdims=True)
+    return out
+
+
+def distribution(
+    logits: np.ndarray, params: SamplingParams, out: np.ndarray | None = None
+) -> np.ndarray:
+    """The probability rows tokens are drawn from, for logit rows of shape (..., vocab).
+
+    Greedy decoding picks the argmax and has no sampling distribution; it gets the plain
+    softmax (temperature 1), whose top probability is the drafter's confidence.
+    """
+    if params.greedy:
+        return softmax(logits, out)
+    out = np.divide(logits, params.temperature, out=out, dtype=np.float32)
+    vocab = out.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = np.partition(out, vocab - params.top_k, axis=-1)[..., vocab - params.top_k]
+        out[out < kth[..., None]] = -np.inf
+    softmax(out, out)
+    if params.top_p < 1:
+        order = np.argsort(-out, axis=-1, kind="stable")
+        sorted_probs = np.take_along_axis(out, order, axis=-1)
+        before = np.cumsum(sorted_probs, axis=-1) - sorted_probs
+        # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
+        drop = np.zeros_like(out, dtype=bool)
+        np.put_along_axis(drop, order, before >= params.top_p, axis=-1)
+        out[drop] = 0
+        out /= out.sum(axis=-1, keepdims=True)
+    return out
+
+
+def choose(probs: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> np.ndarray:
+    """One token per row: the argmax when greedy, else a draw from the row."""
+    if params.greedy:
+        return probs.argmax(axis=-1)
+    flat = probs.reshape(-1, probs.shape[-1])
+    cumulative = np.cumsum(flat, axis=-1, dtype=np.float64)
+    draws = rng.random(len(flat)) * cumulative[:, -1]
+    picks = np.array(
+        [np.searchsorted(c, d, side="right") for c, d in zip(cumulative, draws, strict=True)]
+    )
+    # Guard against float round-off landing on a zero-probability tail token.
+    picks = np.minimum(picks, flat.shape[-1] - 1)
+    return picks.reshape(probs.shape[:-1])

@@ -1,0 +1,125 @@
+"""Token trees and sampling distributions: the pure pieces both runtimes rely on."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hetspec.speculative.sampling import SamplingError, SamplingParams, choose, distribution
+from hetspec.speculative.tree import (
+    TreeError,
+    ancestor_mask,
+    chain_parents,
+    depths,
+    is_path,
+    path_to,
+    validate_parents,
+)
+
+
+@st.composite
+def trees(draw, max_nodes: int = 24) -> np.ndarray:
+    n = draw(st.integers(1, max_nodes))
+    return np.array([draw(st.integers(-1, i - 1)) for i in range(n)], dtype=np.int64)
+
+
+@given(trees())
+def test_mask_depth_and_paths_agree(parents: np.ndarray) -> None:
+    mask = ancestor_mask(validate_parents(parents))
+    node_depths = depths(parents)
+    for node in range(len(parents)):
+        path = path_to(node, parents)
+        assert path[-1] == node
+        assert is_path(path, parents)
+        assert node_depths[node] == len(path) - 1
+        assert np.flatnonzero(mask[node]).tolist() == sorted(path)
+
+
+@given(trees(), st.integers(0, 24))
+def test_extending_a_tree_equals_building_it_whole(parents: np.ndarray, cut: int) -> None:
+    cut = min(cut, len(parents))
+    old, new = parents[:cut], parents[cut:]
+    old_mask = ancestor_mask(old)
+    extended = ancestor_mask(validate_parents(new, existing=cut), old_mask)
+    np.testing.assert_array_equal(extended, ancestor_mask(parents)[cut:])
+    np.testing.assert_array_equal(depths(new, depths(old)), depths(parents)[cut:])
+
+
+def test_chains_and_branches_are_trees() -> None:
+    assert chain_parents(4).tolist() == [-1, 0, 1, 2]
+    assert chain_parents(3, existing=5, below=2).tolist() == [2, 5, 6]
+    assert chain_parents(0).tolist() == []
+    branches = np.array([-1, -1, -1])
+    assert ancestor_mask(branches).tolist() == np.eye(3, dtype=bool).tolist()
+    assert not is_path([0, 1], branches)
+    assert is_path([], branches)
+
+
+@pytest.mark.parametrize("parents", [[0], [-2], [-1, 1], [-1, 0, 3]])
+def test_bad_parents_are_rejected(parents: list[int]) -> None:
+    with pytest.raises(TreeError, match="a parent must be -1"):
+        validate_parents(parents)
+
+
+logit_rows = st.lists(
+    st.floats(-30, 30, allow_nan=False, allow_subnormal=False), min_size=2, max_size=40
+).map(lambda row: np.array(row, dtype=np.float32))
+
+
+@given(
+    logit_rows,
+    st.floats(0.05, 3),
+    st.integers(0, 50),
+    st.floats(0.01, 1.0),
+)
+def test_warped_rows_are_distributions_respecting_top_k_and_top_p(
+    logits: np.ndarray, temperature: float, top_k: int, top_p: float
+) -> None:
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    probs = distribution(logits, params)
+    assert probs.dtype == np.float32
+    assert abs(probs.sum() - 1) < 1e-5
+    assert probs[logits.argmax()] > 0  # the best token always survives
+    kept = probs > 0
+    if 0 < top_k < len(logits):
+        threshold = np.sort(logits)[-top_k]
+        assert not kept[logits < threshold].any()
+    plain = distribution(logits, SamplingParams(temperature=temperature, top_k=top_k))
+    # top-p keeps the smallest set of the most likely tokens reaching mass top_p
+    order = np.argsort(-plain, kind="stable")
+    mass_before = np.cumsum(plain[order]) - plain[order]
+    assert kept[order[mass_before < top_p - 1e-6]].all()
+
+
+def test_greedy_gives_the_plain_softmax_and_the_argmax() -> None:
+    logits = np.array([[1.0, 3.0, 2.0], [0.0, 0.0, 5.0]], np.float32)
+    probs = distribution(logits, SamplingParams())
+    expected = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    np.testing.assert_allclose(probs, expected, rtol=1e-6)
+    assert choose(probs, SamplingParams(), np.random.default_rng()).tolist() == [1, 2]
+
+
+def test_draws_follow_the_distribution() -> None:
+    probs = np.array([0.1, 0.0, 0.6, 0.3], np.float32)
+    params = SamplingParams(temperature=1.0)
+    draws = choose(np.tile(probs, (20000, 1)), params, np.random.default_rng(3))
+    frequencies = np.bincount(draws, minlength=4) / len(draws)
+    np.testing.assert_allclose(frequencies, probs, atol=0.015)
+    assert frequencies[1] == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+    ],
+)
+def test_out_of_range_sampling_parameters(kwargs: dict, message: str) -> None:
+    with pytest.raises(SamplingError, match=message):
+        SamplingParams(**kwargs)

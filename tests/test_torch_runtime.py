@@ -1,0 +1,273 @@
+"""The torch runtime against transformers: prefill, decode, trees, commit/rollback, drafting."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import TINY_CONFIGS, build_reference, save_reference
+
+from hetspec.speculative.sampling import SamplingParams
+from hetspec.speculative.tree import chain_parents, path_to
+from hetspec.workers.torch_runtime import ModelLoadError, TorchRuntime
+from hetspec.workers.torch_runtime.runtime import RuntimeUsageError
+
+TOLERANCE = 1e-4  # max abs logit difference allowed against transformers in fp32
+PROMPT = [1, 17, 42, 5, 88, 23, 9, 61, 2, 70, 33, 14]
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
+def pair(request, tmp_path_factory):
+    """(transformers reference, our runtime over the same saved checkpoint)."""
+    reference = build_reference(request.param)
+    folder = save_reference(reference, tmp_path_factory.mktemp(request.param))
+    return reference, TorchRuntime(folder, device="cpu", dtype="float32")
+
+
+def reference_logits(reference, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return reference(torch.tensor([tokens])).logits[0].float()
+
+
+def assert_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    difference = (ours.cpu() - theirs).abs().max().item()
+    assert difference <= TOLERANCE, f"max abs logit difference {difference:.2e} > {TOLERANCE}"
+
+
+def test_prefill_logits_match_transformers(pair) -> None:
+    reference, runtime = pair
+    runtime.rollback(0)
+    output = runtime.forward_tree(PROMPT, chain_parents(len(PROMPT)))
+    assert output.logits.shape == (len(PROMPT), runtime.config.vocab_size)
+    assert output.hidden.shape == (len(PROMPT), runtime.config.hidden_size)
+    assert_close(output.logits, reference_logits(reference, PROMPT))
+
+
+def test_chunked_prefill_then_single_token_decode(pair) -> None:
+    reference, runtime = pair
+    runtime.rollback(0)
+    runtime.prefill(PROMPT, chunk_size=5)  # chunks of 5, 5, 2
+    assert runtime.tokens == PROMPT
+    assert_close(runtime.last_logits(), reference_logits(reference, PROMPT)[-1])
+    for token in (7, 3, 90):
+        output = runtime.forward_tree([token], [-1])
+        runtime.commit([0])
+        assert_close(output.logits[0], reference_logits(reference, runtime.tokens)[-1])
+
+
+def test_tree_nodes_match_their_paths_evaluated_alone(pair) -> None:
+    reference, runtime = pair
+    runtime.prefill(PROMPT)
+    # Two subtrees below the prefix, uneven depths, siblings sharing tokens.
+    tokens = [11, 12, 13, 14, 12, 15, 16, 17, 18]
+    parents = [-1, -1, 0, 0, 1, 2, 4, 6, 3]
+    output = runtime.forward_tree(tokens, parents)
+    for node in range(len(tokens)):
+        path = [tokens[i] for i in path_to(node, np.array(parents))]
+        assert_close(output.logits[node], reference_logits(reference, PROMPT + path)[-1])
+
+
+def test_commit_compacts_an_off_chain_path_and_rollback_rewinds(pair) -> None:
+    reference, runtime = pair
+    runtime.prefill(PROMPT)
+    tokens, parents = [11, 12, 13, 14, 15], [-1, -1, 1, 0, 2]
+    runtime.forward_tree(tokens, parents)
+    runtime.commit([1, 2, 4])  # 12 -> 13 -> 15, stored in slots that were not contiguous
+    assert runtime.tokens == [*PROMPT, 12, 13, 15]
+    assert runtime.pending == 0
+    assert_close(runtime.last_logits(), reference_logits(reference, runtime.tokens)[-1])
+    output = runtime.forward_tree([40, 41], [-1, 0])
+    assert_close(output.logits, reference_logits(reference, [*runtime.tokens, 40, 41])[-2:])
+
+    runtime.rollback(5)
+    assert runtime.tokens == PROMPT[:5]
+    assert_close(runtime.last_logits(), reference_logits(reference, PROMPT[:5])[-1])
+    output = runtime.forward_tree([77], [-1])
+    assert_close(output.logits[0], reference_logits(reference, [*PROMPT[:5], 77])[-1])
+
+
+def test_greedy_with_cache_equals_greedy_recomputing_the_prefix(pair) -> None:
+    reference, runtime = pair
+    runtime.prefill(PROMPT)
+    drafted = runtime.draft(24, SamplingParams(), np.random.default_rng(0)).tokens[0]
+
+    recomputed = list(PROMPT)
+    for _ in range(24):
+        runtime.rollback(0)
+        output = runtime.forward_tree(recomputed, chain_parents(len(recomputed)))
+        recomputed.append(int(output.logits[-1].argmax()))
+    assert drafted.tolist() == recomputed[len(PROMPT) :]
+    expected = reference_logits(reference, recomputed[:-1])[len(PROMPT) - 1 :].argmax(-1)
+    assert drafted.tolist() == expected.tolist()
+
+
+def test_multi_branch_draft_then_append_reuses_the_chosen_branch(pair) -> None:
+    reference, runtime = pair
+    runtime.prefill(PROMPT)
+    result = runtime.draft(4, SamplingParams(), np.random.default_rng(0), branches=3)
+    first_row = result.probs[0, 0]
+    assert result.tokens[:, 0].tolist() == np.argsort(-first_row, kind="stable")[:3].tolist()
+    np.testing.assert_allclose(result.probs.sum(-1), 1, atol=1e-5)
+    for branch in range(3):  # each branch continues greedily from its first token
+        path = [*PROMPT, *result.tokens[branch].tolist()]
+        logits = reference_logits(reference, path[:-1])[len(PROMPT) :]
+        assert result.tokens[branch, 1:].tolist() == logits.argmax(-1).tolist()
+        np.testing.assert_allclose(result.probs[branch, 1:], logits.softmax(-1).numpy(), atol=1e-5)
+    assert (result.nodes[:, -1] == -1).all()
+
+    chosen = [*result.tokens[1, :3].tolist(), 5]  # 3 drafted tokens accepted, then a bonus
+    runtime.append(chosen)
+    assert runtime.tokens == [*PROMPT, *chosen]
+    assert_close(runtime.last_logits(), reference_logits(reference, runtime.tokens)[-1])
+
+
+def test_sampled_draft_is_reproducible_and_draws_from_its_rows(pair) -> None:
+    _, runtime = pair
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
+    runtime.prefill(PROMPT)
+    first = runtime.draft(6, params, np.random.default_rng(7), branches=2)
+    tokens, probs = first.tokens.copy(), first.probs.copy()
+    again = runtime.draft(6, params, np.random.default_rng(7), branches=2)
+    assert (again.tokens == tokens).all()
+    np.testing.assert_array_equal(again.probs, probs)
+    chosen = np.take_along_axis(probs, tokens[..., None], axis=-1)
+    assert (chosen > 0).all()
+    assert ((probs > 0).sum(-1) <= 20).all()  # top-k left at most 20 candidates
+
+
+def test_draft_writes_into_a_caller_buffer(pair) -> None:
+    _, runtime = pair
+    runtime.prefill(PROMPT)
+    buffer = np.zeros((2, 3, runtime.config.vocab_size), np.float32)
+    result = runtime.draft(3, SamplingParams(), np.random.default_rng(0), branches=2, out=buffer)
+    assert result.probs is buffer
+    np.testing.assert_allclose(buffer.sum(-1), 1, atol=1e-5)
+    with pytest.raises(RuntimeUsageError, match="C-contiguous float32"):
+        runtime.draft(3, SamplingParams(), np.random.default_rng(0), out=buffer)
+
+
+def test_bad_calls_are_clear_errors(pair) -> None:
+    _, runtime = pair
+    runtime.prefill(PROMPT)
+    with pytest.raises(RuntimeUsageError, match="outside the vocabulary"):
+        runtime.forward_tree([runtime.config.vocab_size], [-1])
+    with pytest.raises(ValueError, match="parent must be -1"):
+        runtime.forward_tree([1, 2], [-1, 1])
+    runtime.forward_tree([1, 2, 3], [-1, -1, 0])
+    with pytest.raises(RuntimeUsageError, match="not a path"):
+        runtime.commit([1, 2])
+    with pytest.raises(RuntimeUsageError, match="roll back"):
+        runtime.rollback(len(PROMPT) + 1)
+    runtime.rollback(0)
+    with pytest.raises(RuntimeUsageError, match="prefill a prompt first"):
+        runtime.last_logits()
+
+
+def test_context_limits(tmp_path) -> None:
+    folder = save_reference(build_reference("qwen2"), tmp_path / "m")
+    with pytest.raises(ModelLoadError, match=r"outside what the model allows \(1\.\.256\)"):
+        TorchRuntime(folder, device="cpu", max_context=257)
+    runtime = TorchRuntime(folder, device="cpu", max_context=16)
+    runtime.prefill(list(range(1, 15)))
+    with pytest.raises(RuntimeUsageError, match="context full"):
+        runtime.forward_tree([1, 2, 3], [-1, 0, 1])
+    runtime.forward_tree([1, 2], [-1, 0])  # exactly fills the cache
+
+
+def test_sharded_checkpoint_loads(tmp_path) -> None:
+    reference = build_reference("llama3-rope")
+    folder = save_reference(reference, tmp_path / "sharded", max_shard_size="40KB")
+    assert (folder / "model.safetensors.index.json").exists()
+    runtime = TorchRuntime(folder, device="cpu")
+    output = runtime.forward_tree(PROMPT, chain_parents(len(PROMPT)))
+    assert_close(output.logits, reference_logits(reference, PROMPT))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = save_reference(build_reference("llama3-rope"), tmp_path_factory.mktemp("base"))
+    return (
+        folder,
+        load_file(folder / "model.safetensors"),
+        json.loads((folder / "config.json").read_text()),
+    )
+
+
+def write_variant(tmp_path, checkpoint, tensors=None, config=None):
+    _, base_tensors, base_config = checkpoint
+    folder = tmp_path / "variant"
+    folder.mkdir()
+    save_file(base_tensors if tensors is None else tensors, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(base_config if config is None else config))
+    return folder
+
+
+def test_missing_tensor_is_named(tmp_path, checkpoint) -> None:
+    tensors = dict(checkpoint[1])
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    folder = write_variant(tmp_path, checkpoint, tensors=tensors)
+    with pytest.raises(ModelLoadError, match=r"missing tensors: model\.layers\.1\.mlp\.up_proj"):
+        TorchRuntime(folder, device="cpu")
+
+
+def test_wrong_shape_and_unknown_tensor_are_named(tmp_path, checkpoint) -> None:
+    tensors = dict(checkpoint[1])
+    tensors["model.norm.weight"] = torch.ones(65)
+    folder = write_variant(tmp_path, checkpoint, tensors=tensors)
+    with pytest.raises(ModelLoadError, match=r"model\.norm\.weight has shape \(65,\)"):
+        TorchRuntime(folder, device="cpu")
+    tensors = {**checkpoint[1], "model.layers.0.self_attn.extra.weight": torch.ones(2)}
+    (folder / "model.safetensors").unlink()
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"does not use: model\.layers\.0\.self_attn\.extra"):
+        TorchRuntime(folder, device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "RoPE type 'yarn'"),
+        ({"vocab_size": None}, "lacks 'vocab_size'|malformed"),
+    ],
+)
+def test_unsupported_configs_are_clear_errors(tmp_path, checkpoint, change, message) -> None:
+    config = {k: v for k, v in checkpoint[2].items() if change.get(k, 0) is not None}
+    config.update({k: v for k, v in change.items() if v is not None})
+    folder = write_variant(tmp_path, checkpoint, config=config)
+    with pytest.raises(ModelLoadError, match=message) as error:
+        TorchRuntime(folder, device="cpu")
+    assert str(folder) in str(error.value)
+
+
+def test_folder_problems_are_clear_errors(tmp_path, checkpoint) -> None:
+    with pytest.raises(ModelLoadError, match="not a directory"):
+        TorchRuntime(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
+        TorchRuntime(tmp_path / "empty")
+    folder = write_variant(tmp_path, checkpoint)
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError, match="pickle checkpoints are not loaded"):
+        TorchRuntime(folder, device="cpu")
+    (folder / "pytorch_model.bin").unlink()
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ModelLoadError, match="not a readable safetensors file"):
+        TorchRuntime(folder, device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cuda_half_precision_tracks_fp32(tmp_path, dtype) -> None:
+    reference = build_reference("qwen3")
+    folder = save_reference(reference, tmp_path / "m")
+    runtime = TorchRuntime(folder, device="cuda", dtype=dtype)
+    output = runtime.forward_tree(PROMPT, chain_parents(len(PROMPT)))
+    expected = reference_logits(reference, PROMPT)
+    assert output.logits.device.type == "cuda"
+    assert (output.logits.cpu().argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+    assert (output.logits.cpu() - expected).abs().max().item() < 0.2

@@ -1,0 +1,74 @@
+"""Tiny random Hugging Face checkpoints of every architecture the torch runtime supports.
+
+Weights are redrawn larger than transformers' init so logits spread out and a wrong rotary
+layout, mask or bias shows up as a real difference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+COMMON = {
+    "vocab_size": 96,
+    "hidden_size": 64,
+    "intermediate_size": 112,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+}
+
+# name -> (model_type, extra config)
+TINY_CONFIGS = {
+    "llama3-rope": (
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        },
+    ),
+    "llama-linear-bias-tied": (
+        "llama",
+        {
+            "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+            "attention_bias": True,
+            "mlp_bias": True,
+            "tie_word_embeddings": True,
+        },
+    ),
+    "mistral-window": ("mistral", {"sliding_window": 6, "num_key_value_heads": 1}),
+    "qwen2": ("qwen2", {"tie_word_embeddings": True}),
+    "qwen3": ("qwen3", {"head_dim": 24, "tie_word_embeddings": False}),
+}
+
+
+def build_reference(name: str, seed: int = 0):
+    """A transformers model (fp32, eager attention) for the named tiny config."""
+    import transformers  # noqa: PLC0415 (heavy; only the tests that need it pay for it)
+
+    model_type, extra = TINY_CONFIGS[name]
+    config = transformers.AutoConfig.for_model(model_type, **{**COMMON, **extra})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("norm.weight"):
+                param.copy_(1 + 0.2 * torch.randn_like(param))
+            else:
+                param.copy_(0.15 * torch.randn_like(param))
+    return model.eval()
+
+
+def save_reference(model, folder: Path, **save_kwargs) -> Path:
+    model.save_pretrained(folder, safe_serialization=True, **save_kwargs)
+    return folder

@@ -1,0 +1,194 @@
+"""A Llama-family decoder written for inference over an external, preallocated KV cache.
+
+Parameter names match the Hugging Face checkpoints (``model.layers.0.self_attn.q_proj.weight``),
+so a safetensors file loads into it with no renaming. The model is stateless: the caller passes
+the cache, where to write the new keys/values, and which cached keys each new token may see.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetspec.workers.torch_runtime.config import ModelConfig, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 as the reference does; fp16 squares overflow on real activations.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inverse_frequencies(rope: RopeScaling, head_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    if rope.kind == "linear":
+        return inv_freq / rope.factor
+    if rope.kind == "llama3":
+        # Llama 3.1: long wavelengths are stretched by `factor`, short ones kept, and the band
+        # between them interpolated smoothly.
+        wavelength = 2 * math.pi / inv_freq
+        low_wavelength = rope.original_context / rope.low_freq_factor
+        high_wavelength = rope.original_context / rope.high_freq_factor
+        scaled = torch.where(wavelength > low_wavelength, inv_freq / rope.factor, inv_freq)
+        smooth = (rope.original_context / wavelength - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        middle = (wavelength >= high_wavelength) & (wavelength <= low_wavelength)
+        return torch.where(middle, smoothed, scaled)
+    return inv_freq
+
+
+def rope_tables(
+    config: ModelConfig, length: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for positions 0..length-1, shape (length, head_dim), in fp32."""
+    inv_freq = rope_inverse_frequencies(config.rope, config.head_dim)
+    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(device), angles.sin().to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the two halves of each head (the Hugging Face layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(config.hidden_size, heads * head_dim, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(heads * head_dim, config.hidden_size, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        start: int,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """x: (n, hidden) new tokens; keys/values: (kv_heads, capacity, head_dim) cache views.
+
+        The new keys/values go to cache slots start..start+n-1; the tokens attend to slots
+        0..start+n-1 as ``mask`` (n, start+n) allows (None: all of them).
+        """
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(0, 1), cos, sin)
+        keys[:, start : start + n] = apply_rope(k.transpose(0, 1), cos, sin)
+        values[:, start : start + n] = v.transpose(0, 1)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(0),
+            keys[:, : start + n].unsqueeze(0),
+            values[:, : start + n].unsqueeze(0),
+            attn_mask=mask,
+            enable_gqa=self.heads != self.kv_heads,
+        )
+        return self.o_proj(out[0].transpose(0, 1).reshape(n, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The decoder stack plus the output head; tied models reuse the embedding as the head."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def head_weight(self) -> torch.Tensor:
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        cache_keys: torch.Tensor,
+        cache_values: torch.Tensor,
+        start: int,
+        masks: list[torch.Tensor | None],
+    ) -> torch.Tensor:
+        """Run ``tokens`` (n,) through every layer; returns the last layer's output (n, hidden).
+
+        ``cache_keys``/``cache_values``: (layers, kv_heads, capacity, head_dim); ``masks``: one
+        attention mask per layer (layers with the same window share one tensor).
+        """
+        x = self.model.embed_tokens(tokens)
+        for index, layer in enumerate(self.model.layers):
+            x = x + layer.self_attn(
+                layer.input_layernorm(x),
+                cos,
+                sin,
+                keys=cache_keys[index],
+                values=cache_values[index],
+                start=start,
+                mask=masks[index],
+            )
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits for final hidden states (n, hidden) -> (n, vocab)."""
+        return F.linear(self.model.norm(hidden), self.head_weight()).float()
