@@ -15,7 +15,7 @@ import hetspec
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-SUBPACKAGES = ("protocol", "workers", "daemon", "client", "models")
+SUBPACKAGES = ("protocol", "speculative", "workers", "daemon", "client", "models")
 BUILD_LEFTOVERS = (".git", ".venv", "build", "*.egg-info", ".*_cache", ".hypothesis")
 
 
@@ -53,8 +53,9 @@ def test_wheel_holds_only_the_hetspec_namespace(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     top_level = {name.split("/")[0] for name in names}
     assert top_level == {"hetspec", f"hetspec-{hetspec.__version__}.dist-info"}
-    for name in SUBPACKAGES:
-        assert f"hetspec/{name}/__init__.py" in names
+    for name in SUBPACKAGES:  # every module, nested packages included
+        for module in (REPO / name).rglob("*.py"):
+            assert f"hetspec/{name}/{module.relative_to(REPO / name)}" in names
 
     # Imported from the unpacked wheel alone (no editable finder: -S skips .pth files).
     unpacked = tmp_path / "unpacked"
