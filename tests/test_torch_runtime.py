@@ -260,6 +260,17 @@ def test_folder_problems_are_clear_errors(tmp_path, checkpoint) -> None:
         TorchRuntime(folder, device="cpu")
 
 
+@pytest.mark.slow
+def test_compiled_model_gives_the_eager_logits(tmp_path) -> None:
+    folder = save_reference(build_reference("qwen3"), tmp_path / "m")
+    eager = TorchRuntime(folder, device="cpu")
+    compiled = TorchRuntime(folder, device="cpu", compile=True)
+    for runtime in (eager, compiled):
+        runtime.prefill(PROMPT)
+    tree = ([3, 4, 5], [-1, 0, 0])
+    assert_close(compiled.forward_tree(*tree).logits, eager.forward_tree(*tree).logits)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_cuda_half_precision_tracks_fp32(tmp_path, dtype) -> None:

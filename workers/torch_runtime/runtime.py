@@ -81,7 +81,10 @@ class TorchRuntime:
         dtype: str = "auto",
         max_context: int | None = None,
         threads: int | None = None,
+        compile: bool = False,
     ) -> None:
+        """Load ``model_dir``; ``compile`` runs the model through torch.compile (worth it on
+        CUDA for long runs; the first forward of each new shape pays the compilation)."""
         folder = Path(model_dir)
         if not folder.is_dir():
             raise ModelLoadError(f"{folder}: not a directory")
@@ -98,6 +101,7 @@ class TorchRuntime:
             )
         self.capacity = capacity
         self.model = load_model(folder, self.config, self.dtype, self.device)
+        self._run_model = torch.compile(self.model, dynamic=True) if compile else self.model
         c = self.config
         shape = (c.num_layers, c.num_kv_heads, capacity, c.head_dim)
         self._keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -179,7 +183,7 @@ class TorchRuntime:
         device_positions = torch.from_numpy(positions).to(self.device)
         cos = self._cos[device_positions].to(self.dtype)
         sin = self._sin[device_positions].to(self.dtype)
-        hidden = self.model(
+        hidden = self._run_model(
             torch.from_numpy(token_array).to(self.device),
             cos,
             sin,

@@ -1,0 +1,114 @@
+"""Micro-benchmark: how long one tree verification takes against the tree's width.
+
+    python -m hetspec.workers.torch_runtime.bench_verify --model DIR [--contexts 128,512,2048]
+
+For each committed context length it times a forward of a drafted tree of 1, 2, 4 ... 64 nodes
+(a chain by default; ``--shape star`` for independent one-token branches) and prints the
+median latency. This T_verify(width) curve is what the budget controller starts from: while
+verifying w tokens costs little more than verifying one, longer drafts and more branches pay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hetspec.speculative.tree import chain_parents
+from hetspec.workers.torch_runtime import ModelLoadError, TorchRuntime
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[1].parent / "models" / "target"
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part]
+    except ValueError:
+        message = f"expected comma-separated integers, not {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, not {text!r}")
+    return values
+
+
+def time_forward(runtime: TorchRuntime, tokens: np.ndarray, parents: np.ndarray, repeats: int):
+    """Median and spread of forward_tree latency (ms); the tree is discarded after each run."""
+    synchronize = torch.cuda.synchronize if runtime.device.type == "cuda" else lambda: None
+    for _ in range(3):  # warm-up: allocator, kernels, caches, compilation
+        runtime.forward_tree(tokens, parents)
+    synchronize()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runtime.forward_tree(tokens, parents)
+        synchronize()
+        samples.append((time.perf_counter() - start) * 1000)
+    runtime.discard_pending()
+    quartiles = statistics.quantiles(samples, n=4)
+    return statistics.median(samples), quartiles[0], quartiles[2]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m hetspec.workers.torch_runtime.bench_verify", description=__doc__
+    )
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="HF model folder")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--contexts", type=_int_list, default=[128, 512, 1536])
+    parser.add_argument("--widths", type=_int_list, default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument("--shape", choices=["chain", "star"], default="chain")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args(argv)
+
+    try:
+        capacity = max(args.contexts) + max(args.widths)
+        runtime = TorchRuntime(
+            args.model, device=args.device, dtype=args.dtype, threads=args.threads,
+            max_context=capacity, compile=args.compile,
+        )  # fmt: skip
+    except ModelLoadError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    rng = np.random.default_rng(0)
+    vocab = runtime.config.vocab_size
+    print(
+        f"model {args.model} ({sum(p.numel() for p in runtime.model.parameters()) / 1e6:.1f}M "
+        f"parameters) on {runtime.device} {str(runtime.dtype).removeprefix('torch.')}, "
+        f"{torch.get_num_threads()} threads, {args.shape} trees, median of {args.repeats}"
+    )
+    print(f"{'context':>8} {'width':>6} {'ms':>9} {'p25-p75':>15} {'ms/token':>9} {'x w=1':>6}")
+    rows = []
+    for context in args.contexts:
+        runtime.prefill(rng.integers(0, vocab, size=context).tolist())
+        base = None
+        for width in args.widths:
+            tokens = rng.integers(0, vocab, size=width)
+            parents = chain_parents(width) if args.shape == "chain" else np.full(width, -1)
+            median, p25, p75 = time_forward(runtime, tokens, parents, args.repeats)
+            base = base or median
+            rows.append({"context": context, "width": width, "median_ms": round(median, 3),
+                         "p25_ms": round(p25, 3), "p75_ms": round(p75, 3)})  # fmt: skip
+            print(
+                f"{context:>8} {width:>6} {median:>9.3f} {f'{p25:.2f}-{p75:.2f}':>15} "
+                f"{median / width:>9.3f} {median / base:>6.2f}",
+                flush=True,
+            )
+    if args.json:
+        meta = {"model": str(args.model), "device": str(runtime.device), "shape": args.shape,
+                "dtype": str(runtime.dtype), "threads": torch.get_num_threads()}  # fmt: skip
+        args.json.write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
