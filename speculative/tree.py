@@ -89,3 +89,19 @@ def chain_parents(length: int, existing: int = 0, below: int = ROOT) -> np.ndarr
     if length:
         parents[0] = below
     return parents
+
+
+def match_path(node_tokens: np.ndarray, parents: np.ndarray, sequence: Sequence[int]) -> list[int]:
+    """The longest path from the prefix whose node tokens spell the start of ``sequence``.
+
+    Lets a runtime keep what it already evaluated of a draft branch that got accepted.
+    """
+    path: list[int] = []
+    parent = ROOT
+    for token in sequence:
+        hits = np.flatnonzero((parents == parent) & (node_tokens == token))
+        if not len(hits):
+            break
+        parent = int(hits[0])
+        path.append(parent)
+    return path

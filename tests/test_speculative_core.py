@@ -81,12 +81,12 @@ def test_warped_rows_are_distributions_respecting_top_k_and_top_p(
     probs = distribution(logits, params)
     assert probs.dtype == np.float32
     assert abs(probs.sum() - 1) < 1e-5
-    assert probs[logits.argmax()] > 0  # the best token always survives
+    plain = distribution(logits, SamplingParams(temperature=temperature, top_k=top_k))
+    assert probs[plain.argmax()] > 0  # the most likely token always survives top-p
     kept = probs > 0
     if 0 < top_k < len(logits):
         threshold = np.sort(logits)[-top_k]
         assert not kept[logits < threshold].any()
-    plain = distribution(logits, SamplingParams(temperature=temperature, top_k=top_k))
     # top-p keeps the smallest set of the most likely tokens reaching mass top_p
     order = np.argsort(-plain, kind="stable")
     mass_before = np.cumsum(plain[order]) - plain[order]

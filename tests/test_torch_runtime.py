@@ -12,8 +12,7 @@ from tiny_models import TINY_CONFIGS, build_reference, save_reference
 
 from hetspec.speculative.sampling import SamplingParams
 from hetspec.speculative.tree import chain_parents, path_to
-from hetspec.workers.torch_runtime import ModelLoadError, TorchRuntime
-from hetspec.workers.torch_runtime.runtime import RuntimeUsageError
+from hetspec.workers.torch_runtime import ModelLoadError, RuntimeUsageError, TorchRuntime
 
 TOLERANCE = 1e-4  # max abs logit difference allowed against transformers in fp32
 PROMPT = [1, 17, 42, 5, 88, 23, 9, 61, 2, 70, 33, 14]
@@ -32,8 +31,8 @@ def reference_logits(reference, tokens: list[int]) -> torch.Tensor:
         return reference(torch.tensor([tokens])).logits[0].float()
 
 
-def assert_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
-    difference = (ours.cpu() - theirs).abs().max().item()
+def assert_close(ours: torch.Tensor | np.ndarray, theirs: torch.Tensor) -> None:
+    difference = (torch.as_tensor(ours).cpu() - theirs).abs().max().item()
     assert difference <= TOLERANCE, f"max abs logit difference {difference:.2e} > {TOLERANCE}"
 
 

@@ -6,6 +6,14 @@ roll back, or draft branches itself (the Dovetail placement).
 """
 
 from hetspec.workers.torch_runtime.config import ModelConfig, ModelLoadError
-from hetspec.workers.torch_runtime.runtime import DraftResult, TorchRuntime, TreeOutput
+from hetspec.workers.torch_runtime.runtime import TorchRuntime, TreeOutput
+from hetspec.workers.tree_runtime import DraftResult, RuntimeUsageError
 
-__all__ = ["DraftResult", "ModelConfig", "ModelLoadError", "TorchRuntime", "TreeOutput"]
+__all__ = [
+    "DraftResult",
+    "ModelConfig",
+    "ModelLoadError",
+    "RuntimeUsageError",
+    "TorchRuntime",
+    "TreeOutput",
+]

@@ -1,0 +1,280 @@
+"""What both engines share: a committed sequence, a pending token tree, and drafting.
+
+The llama.cpp runtime and the torch runtime keep their keys/values very differently (sequence
+ids in llama.cpp's cache, slots of a preallocated tensor in torch), but the bookkeeping above
+that is the same and lives here: validating trees, positions and ancestor masks of pending
+nodes, committing one path, reusing evaluated nodes when a drafted branch is accepted, rollback,
+and the drafting loop. A subclass supplies the hooks that touch its model and cache.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import numpy as np
+
+from hetspec.speculative.sampling import SamplingParams, choose, distribution
+from hetspec.speculative.tree import (
+    ROOT,
+    ancestor_mask,
+    depths,
+    is_path,
+    match_path,
+    validate_parents,
+)
+
+Output = TypeVar("Output")
+
+
+class RuntimeUsageError(ValueError):
+    """A call the runtime's state does not allow (context full, not a path, ...)."""
+
+
+@dataclass(frozen=True)
+class DraftResult:
+    tokens: np.ndarray  # (branches, steps) int64
+    probs: np.ndarray  # (branches, steps, vocab) float32: the distribution each token came from
+    # (branches, steps) pending-tree node of each token; -1 for the last step, which is drawn
+    # but not evaluated (its keys/values are computed only if it is accepted).
+    nodes: np.ndarray
+
+
+class TreeRuntime(ABC, Generic[Output]):
+    """A committed token sequence plus a pending tree of evaluated, unconfirmed nodes.
+
+    Pending node i sits at position committed + depth(i) and attends to the whole committed
+    prefix and to its own ancestors. ``commit`` keeps one root-to-node path and drops the rest;
+    ``rollback`` shortens the committed sequence.
+    """
+
+    default_chunk: int = 512
+
+    def __init__(self, vocab_size: int, capacity: int) -> None:
+        self.vocab_size = vocab_size
+        self.capacity = capacity
+        self.tokens: list[int] = []  # the committed sequence
+        self._last_logits: np.ndarray | None = None  # next-token logits after tokens[-1]
+        self._reset_pending()
+
+    # ------------------------------------------------------------ hooks
+
+    @abstractmethod
+    def _run(
+        self, tokens: np.ndarray, parents: np.ndarray, positions: np.ndarray, rows: np.ndarray
+    ) -> Output:
+        """Evaluate new pending nodes (already validated); ``rows`` is their ancestor mask over
+        all pending nodes, old and new. Their keys/values must stay until commit or discard."""
+
+    @abstractmethod
+    def _node_logits(self, output: Output, index: int) -> np.ndarray:
+        """float32 (vocab,) logits of node ``index`` of one ``_run`` output."""
+
+    @abstractmethod
+    def _step_logits(self, output: Output) -> np.ndarray:
+        """float32 (nodes, vocab) logits of one ``_run`` output, on the CPU."""
+
+    @abstractmethod
+    def _keep_path(self, path: list[int]) -> None:
+        """Make the cache hold committed + the pending ``path`` only (called before bookkeeping
+        changes, so ``committed`` and the pending tree are still the old ones)."""
+
+    @abstractmethod
+    def _drop_pending_kv(self) -> None:
+        """Remove every pending node's keys/values."""
+
+    @abstractmethod
+    def _truncate_kv(self, length: int) -> None:
+        """Remove committed keys/values from position ``length`` on (pending already dropped)."""
+
+    @abstractmethod
+    def _extend_committed(self, tokens: np.ndarray) -> np.ndarray:
+        """Evaluate a chain directly after the committed prefix, with no pending tree, and keep
+        it; returns the float32 logits after its last token."""
+
+    # ------------------------------------------------------------ state
+
+    @property
+    def committed(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending_tokens)
+
+    def _reset_pending(self) -> None:
+        self._pending_tokens = np.zeros(0, np.int64)
+        self._pending_parents = np.zeros(0, np.int64)
+        self._pending_depths = np.zeros(0, np.int64)
+        self._pending_mask = np.zeros((0, 0), bool)
+        self._pending_outputs: list[tuple[int, Output]] = []  # (first node, its _run output)
+
+    def discard_pending(self) -> None:
+        """Forget the pending tree."""
+        if self.pending:
+            self._drop_pending_kv()
+        self._reset_pending()
+
+    def rollback(self, length: int) -> None:
+        """Shorten the committed sequence to ``length`` tokens and drop the pending tree."""
+        if not 0 <= length <= self.committed:
+            raise RuntimeUsageError(f"cannot roll back to {length}: {self.committed} committed")
+        self.discard_pending()
+        if length < self.committed:
+            self._truncate_kv(length)
+            del self.tokens[length:]
+            self._last_logits = None
+
+    def _checked_tokens(self, tokens: Sequence[int], extra_positions: int) -> np.ndarray:
+        array = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        bad = (array < 0) | (array >= self.vocab_size)
+        if bad.any():
+            raise RuntimeUsageError(
+                f"token id {int(array[bad][0])} outside the vocabulary (0..{self.vocab_size - 1})"
+            )
+        if self.committed + self.pending + extra_positions > self.capacity:
+            raise RuntimeUsageError(
+                f"context full: {self.committed} committed + {self.pending + extra_positions} "
+                f"more tokens exceed the {self.capacity}-token context"
+            )
+        return array
+
+    # ------------------------------------------------------------ trees
+
+    def forward_tree(
+        self, tokens: Sequence[int], parents: Sequence[int], *, extend: bool = False
+    ) -> Output:
+        """Evaluate a token tree below the committed prefix; logits for every node.
+
+        ``parents[i]`` is -1 (the last committed token) or the index of an earlier node of this
+        call. With ``extend=True`` the nodes join the existing pending tree instead, and parent
+        indices count from its first node (existing nodes first).
+        """
+        if not extend:
+            self.discard_pending()
+        if len(tokens) == 0:
+            raise RuntimeUsageError("a forward needs at least one token")
+        if len(parents) != len(tokens):
+            raise RuntimeUsageError(f"{len(tokens)} tokens but {len(parents)} parents")
+        existing = self.pending
+        token_array = self._checked_tokens(tokens, len(tokens))
+        parent_array = validate_parents(parents, existing)
+        node_depths = depths(parent_array, self._pending_depths)
+        rows = ancestor_mask(parent_array, self._pending_mask)
+        output = self._run(token_array, parent_array, self.committed + node_depths, rows)
+
+        mask = np.zeros((existing + len(rows),) * 2, bool)
+        mask[:existing, :existing] = self._pending_mask
+        mask[existing:] = rows
+        self._pending_mask = mask
+        self._pending_tokens = np.concatenate([self._pending_tokens, token_array])
+        self._pending_parents = np.concatenate([self._pending_parents, parent_array])
+        self._pending_depths = np.concatenate([self._pending_depths, node_depths])
+        self._pending_outputs.append((existing, output))
+        return output
+
+    def commit(self, nodes: Sequence[int]) -> None:
+        """Keep the pending nodes ``nodes`` (one path from the prefix down) and drop the rest."""
+        path = [int(node) for node in nodes]
+        in_range = all(0 <= node < self.pending for node in path)
+        if not (in_range and is_path(path, self._pending_parents)):
+            raise RuntimeUsageError(f"nodes {path} are not a path of the pending tree")
+        if not path:
+            self.discard_pending()
+            return
+        first, output = next((f, o) for f, o in reversed(self._pending_outputs) if f <= path[-1])
+        self._last_logits = self._node_logits(output, path[-1] - first)
+        self._keep_path(path)
+        self.tokens.extend(int(t) for t in self._pending_tokens[path])
+        self._reset_pending()
+
+    # ------------------------------------------------------------ sequences
+
+    def append(self, tokens: Sequence[int], chunk_size: int | None = None) -> None:
+        """Make ``tokens`` follow the committed sequence, reusing matching pending nodes.
+
+        What the pending tree already evaluated along ``tokens`` (a draft branch that was
+        accepted) is committed without recomputation; the rest is evaluated in chunks.
+        """
+        sequence = [int(token) for token in tokens]
+        matched = match_path(self._pending_tokens, self._pending_parents, sequence)
+        self.commit(matched)
+        rest = self._checked_tokens(sequence[len(matched) :], len(sequence) - len(matched))
+        size = chunk_size or self.default_chunk
+        for begin in range(0, len(rest), size):
+            chunk = rest[begin : begin + size]
+            self._last_logits = self._extend_committed(chunk)
+            self.tokens.extend(chunk.tolist())
+
+    def prefill(self, prompt: Sequence[int], chunk_size: int | None = None) -> int:
+        """Make the committed sequence exactly ``prompt``; returns how many tokens were reused.
+
+        The longest common prefix with what is committed stays in the cache (a chat's earlier
+        turns); at least one token is re-evaluated so the next-token logits are fresh.
+        """
+        if not len(prompt):
+            raise RuntimeUsageError("the prompt is empty")
+        common = 0
+        for mine, theirs in zip(self.tokens, prompt, strict=False):
+            if mine != theirs:
+                break
+            common += 1
+        common = min(common, len(prompt) - 1)
+        self.rollback(common)
+        self.append(prompt[common:], chunk_size)
+        return common
+
+    # ------------------------------------------------------------ drafting
+
+    def last_logits(self) -> np.ndarray:
+        """float32 logits (vocab,) of the token after the committed sequence."""
+        if self._last_logits is None:
+            if not self.tokens:
+                raise RuntimeUsageError("nothing committed yet: prefill a prompt first")
+            last = self.tokens[-1]
+            self.rollback(self.committed - 1)
+            self.append([last])
+        return self._last_logits
+
+    def draft(
+        self,
+        steps: int,
+        params: SamplingParams,
+        rng: np.random.Generator,
+        *,
+        branches: int = 1,
+        out: np.ndarray | None = None,
+    ) -> DraftResult:
+        """Draft ``branches`` continuations of ``steps`` tokens each, one forward per step.
+
+        Branch first tokens are the top-``branches`` tokens when greedy, independent draws when
+        sampling. ``out`` (branches, steps, vocab) float32 receives the probability rows (e.g. a
+        shared-memory slot); one is allocated when not given. The drafted nodes stay pending:
+        commit the accepted part with ``append`` or ``commit``.
+        """
+        if steps < 1 or not 1 <= branches <= self.vocab_size:
+            raise RuntimeUsageError(f"cannot draft {branches} branches of {steps} steps")
+        shape = (branches, steps, self.vocab_size)
+        if out is None:
+            out = np.empty(shape, np.float32)
+        elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+            raise RuntimeUsageError(f"out must be C-contiguous float32 {shape}, not {out.shape}")
+        first = self.last_logits()
+        self.discard_pending()
+        tokens = np.empty((branches, steps), np.int64)
+        nodes = np.full((branches, steps), -1, np.int64)
+        distribution(first, params, out=out[0, 0])
+        out[1:, 0] = out[0, 0]
+        if params.greedy:
+            tokens[:, 0] = np.argsort(-out[0, 0], kind="stable")[:branches]
+        else:
+            tokens[:, 0] = choose(out[:, 0], params, rng)
+        for step in range(1, steps):
+            parents = nodes[:, step - 2] if step > 1 else np.full(branches, ROOT)
+            nodes[:, step - 1] = self.pending + np.arange(branches)
+            output = self.forward_tree(tokens[:, step - 1], parents, extend=True)
+            distribution(self._step_logits(output), params, out=out[:, step])
+            tokens[:, step] = choose(out[:, step], params, rng)
+        return DraftResult(tokens, out, nodes)
