@@ -17,6 +17,7 @@ from hetspec.speculative.tree import (
     path_to,
     validate_parents,
 )
+from hetspec.speculative.vocab import incompatibilities, vocab_info
 
 
 @st.composite
@@ -123,3 +124,35 @@ def test_draws_follow_the_distribution() -> None:
 def test_out_of_range_sampling_parameters(kwargs: dict, message: str) -> None:
     with pytest.raises(SamplingError, match=message):
         SamplingParams(**kwargs)
+
+
+def _texts(n: int) -> list[bytes]:
+    return [f"tok{i}".encode() for i in range(n)]
+
+
+def test_vocabularies_ignore_padding_and_renamed_specials() -> None:
+    base = vocab_info("bpe", _texts(300), bos=1, eos=2, add_bos=True)
+    padded = vocab_info(
+        "bpe", _texts(300) + [f"[PAD{i}]".encode() for i in range(300, 320)], 1, 2, True
+    )
+    renamed = _texts(300)
+    renamed[3] = b"<unk>"
+    assert (padded.size, padded.real_size) == (320, 300)
+    assert incompatibilities(padded, base) == []
+    assert incompatibilities(vocab_info("bpe", renamed, 1, 2, True), base) == []
+
+
+def test_every_vocabulary_difference_is_named() -> None:
+    target = vocab_info("bpe", _texts(300), bos=1, eos=2, add_bos=True)
+    changed = _texts(300)
+    changed[42] = b"other"
+    draft = vocab_info("spm", changed + _texts(200), bos=1, eos=3, add_bos=False)
+    problems = incompatibilities(draft, target)
+    assert problems[:4] == [
+        "tokenizer kinds differ (spm vs bpe)",
+        "BOS/EOS ids differ (1/3 vs 1/2)",
+        "add-BOS differs (False vs True)",
+        "vocabulary sizes differ by more than 128 (500 vs 300)",
+    ]
+    assert problems[4].startswith("token texts differ (500 tokens, fingerprint ")
+    assert len(problems) == 5
