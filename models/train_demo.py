@@ -248,26 +248,27 @@ def held_out_metrics(
 # ---------------------------------------------------------------- export
 
 
+def write_tokenizer_files(tokenizer: Tokenizer, out_dir: Path, max_length: int) -> None:
+    """tokenizer.json plus the tokenizer_config.json (BOS/EOS, chat template) beside it."""
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    settings = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": BOS,
+        "pad_token": BOS,
+        "add_bos_token": True,
+        "model_max_length": max_length,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
+
+
 def save_model(model: LlamaForCausalLM, tokenizer: Tokenizer, out_dir: Path, name: str) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     model.config._name_or_path = f"hetspec-demo-{name}"
     model.to(torch.float16).save_pretrained(out_dir, safe_serialization=True)
     model.to(torch.float32)
-    tokenizer.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": BOS,
-                "eos_token": BOS,
-                "pad_token": BOS,
-                "add_bos_token": True,
-                "model_max_length": model.config.max_position_embeddings,
-                "chat_template": CHAT_TEMPLATE,
-            },
-            indent=2,
-        )
-    )
+    write_tokenizer_files(tokenizer, out_dir, model.config.max_position_embeddings)
     sizes = {}
     for gguf_type in ("f16", "q8_0"):
         path = export_gguf(out_dir, out_dir / f"{name}-{gguf_type}.gguf", gguf_type)

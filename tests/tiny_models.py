@@ -72,3 +72,48 @@ def build_reference(name: str, seed: int = 0):
 def save_reference(model, folder: Path, **save_kwargs) -> Path:
     model.save_pretrained(folder, safe_serialization=True, **save_kwargs)
     return folder
+
+
+def tokenizer_texts() -> list[str]:
+    """A little real Python for the tiny tokenizers (any machine's standard library)."""
+    import sysconfig  # noqa: PLC0415
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [(root / name).read_text() for name in ("json/__init__.py", "textwrap.py", "glob.py")]
+
+
+def write_tiny_gguf_llama(
+    folder: Path, *, seed: int = 0, layers: int = 2, vocab_size: int = 320, gguf_type="f32"
+) -> Path:
+    """A random tiny Llama with a trained byte-level BPE tokenizer: HF folder + GGUF file.
+
+    Returns the GGUF path; the folder beside it loads in transformers and the torch runtime.
+    """
+    import transformers  # noqa: PLC0415
+
+    from hetspec.models.gguf_export import export_gguf  # noqa: PLC0415
+    from hetspec.models.train_demo import (  # noqa: PLC0415
+        BOS,
+        train_tokenizer,
+        write_tokenizer_files,
+    )
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(tokenizer_texts(), vocab_size)
+    bos = tokenizer.token_to_id(BOS)
+    config = transformers.LlamaConfig(
+        **{**COMMON, "vocab_size": tokenizer.get_vocab_size(), "num_hidden_layers": layers},
+        bos_token_id=bos,
+        eos_token_id=bos,
+    )
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            scale = 0.2 if name.endswith("norm.weight") else 0.15
+            param.copy_(
+                (1 if name.endswith("norm.weight") else 0) + scale * torch.randn_like(param)
+            )
+    model.save_pretrained(folder, safe_serialization=True)
+    write_tokenizer_files(tokenizer, folder, COMMON["max_position_embeddings"])
+    return export_gguf(folder, folder / f"model-{gguf_type}.gguf", gguf_type)

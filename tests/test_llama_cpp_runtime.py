@@ -1,0 +1,222 @@
+"""The llama.cpp runtime on real GGUF files: trees, branches, commit/rollback, errors."""
+
+from __future__ import annotations
+
+import os
+
+import llama_cpp
+import numpy as np
+import pytest
+import torch
+import transformers
+from tiny_models import write_tiny_gguf_llama
+from tokenizers import Tokenizer
+
+from hetspec.speculative.sampling import SamplingParams
+from hetspec.speculative.tree import chain_parents, path_to
+from hetspec.speculative.vocab import incompatibilities
+from hetspec.workers.llama_cpp_runtime import LlamaCppError, LlamaCppRuntime, RuntimeUsageError
+
+TEXT = 'def load(path):\n    """Read the file."""\n    with open(path) as f:\n'
+TOLERANCE = 1e-3  # llama.cpp against itself: a tree node vs its path evaluated alone
+# The CPU flash-attention kernel and an f16 cache round to half precision (~1e-2 on logits);
+# with both off llama.cpp computes in f32 and can be held to transformers' logits.
+EXACT = {"kv_type": "f32", "flash_attention": "off"}
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    return write_tiny_gguf_llama(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module", params=["exact", "default"])
+def settings(request) -> dict:
+    """Every behaviour is checked both in f32 and with the production defaults."""
+    return EXACT if request.param == "exact" else {}
+
+
+@pytest.fixture(scope="module")
+def runtime(gguf, settings):
+    return LlamaCppRuntime(gguf, n_ctx=256, n_batch=64, **settings)
+
+
+@pytest.fixture(scope="module")
+def prompt(runtime):
+    return runtime.tokenize(TEXT)
+
+
+def logits_after(runtime: LlamaCppRuntime, tokens: list[int]) -> np.ndarray:
+    """Next-token logits after ``tokens``, evaluated as a plain sequence."""
+    runtime.prefill(tokens)
+    return runtime.last_logits().copy()
+
+
+def assert_close(ours: np.ndarray, theirs: np.ndarray, tolerance: float = TOLERANCE) -> None:
+    difference = np.abs(ours - theirs).max()
+    assert difference <= tolerance, f"max abs logit difference {difference:.2e} > {tolerance}"
+
+
+def test_tokenizer_and_vocabulary_match_the_hugging_face_folder(runtime, gguf, prompt) -> None:
+    hf = Tokenizer.from_file(str(gguf.parent / "tokenizer.json"))
+    assert prompt == hf.encode(TEXT).ids
+    assert prompt[0] == hf.token_to_id("<|endoftext|>")
+    info = runtime.vocab_info()
+    assert (info.kind, info.size, info.bos, info.eos, info.add_bos) == ("bpe", 320, 0, 0, True)
+    assert b"".join(runtime.token_bytes(t) for t in prompt[1:]).decode() == TEXT
+
+
+def test_logits_match_transformers_on_the_exported_model(gguf, prompt) -> None:
+    reference = transformers.LlamaForCausalLM.from_pretrained(gguf.parent).eval()
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0].numpy()
+    runtime = LlamaCppRuntime(gguf, n_ctx=256, **EXACT)
+    runtime.append(prompt[:1])
+    ours = runtime.forward_tree(prompt[1:], chain_parents(len(prompt) - 1))
+    assert_close(ours, expected[1:], tolerance=1e-4)
+
+
+def test_greedy_draft_of_64_equals_llama_cpps_own_generation(runtime, gguf, prompt) -> None:
+    runtime.prefill(prompt)
+    drafted = runtime.draft(64, SamplingParams(), np.random.default_rng(0)).tokens[0].tolist()
+
+    plain = llama_cpp.Llama(str(gguf), n_ctx=256, n_threads=1, verbose=False)
+    generated = []
+    for token in plain.generate(prompt, temp=0.0, reset=True):
+        generated.append(token)
+        if len(generated) == 64:
+            break
+    assert drafted == generated
+
+
+def test_tree_nodes_match_their_paths_evaluated_alone(runtime, prompt) -> None:
+    tokens = [40, 41, 42, 43, 41, 44, 45, 46, 47, 48]
+    parents = [-1, -1, 0, 0, 1, 2, 4, 6, 3, 3]
+    runtime.prefill(prompt)
+    tree_logits = runtime.forward_tree(tokens, parents).copy()
+    for node in range(len(tokens)):
+        path = [tokens[i] for i in path_to(node, np.array(parents))]
+        assert_close(tree_logits[node], logits_after(runtime, prompt + path))
+
+
+def test_a_tree_grown_over_several_calls_forks_below_inner_nodes(runtime, prompt) -> None:
+    runtime.prefill(prompt)
+    calls = [([50, 51], [-1, 0]), ([52, 53], [1, 0]), ([54, 55, 56], [-1, 2, 1])]
+    parents_so_far: list[int] = []
+    tokens_so_far: list[int] = []
+    outputs = []
+    for tokens, parents in calls:
+        outputs.append(runtime.forward_tree(tokens, parents, extend=True).copy())
+        tokens_so_far += tokens
+        parents_so_far += parents
+    all_logits = np.concatenate(outputs)
+    for node in range(len(tokens_so_far)):
+        path = [tokens_so_far[i] for i in path_to(node, np.array(parents_so_far))]
+        assert_close(all_logits[node], logits_after(runtime, prompt + path))
+
+
+def test_commit_then_continue_matches_a_fresh_run(runtime, gguf, settings, prompt) -> None:
+    runtime.prefill(prompt)
+    runtime.forward_tree([60, 61, 62, 63, 64], [-1, -1, 1, 2, 0])
+    runtime.commit([1, 2, 3])
+    assert runtime.tokens == [*prompt, 61, 62, 63]
+    continued = runtime.draft(12, SamplingParams(), np.random.default_rng(0)).tokens[0]
+
+    fresh = LlamaCppRuntime(gguf, n_ctx=256, n_batch=64, **settings)
+    fresh.prefill([*prompt, 61, 62, 63])
+    assert_close(runtime.last_logits(), fresh.last_logits())
+    assert (
+        continued.tolist()
+        == fresh.draft(12, SamplingParams(), np.random.default_rng(0)).tokens[0].tolist()
+    )
+
+    runtime.rollback(len(prompt) - 3)
+    fresh.prefill(prompt[:-3])
+    assert_close(runtime.last_logits(), fresh.last_logits())
+
+
+def test_branches_draft_greedily_and_the_chosen_one_is_kept(runtime, prompt) -> None:
+    runtime.prefill(prompt)
+    result = runtime.draft(5, SamplingParams(), np.random.default_rng(0), branches=4)
+    tokens, probs = result.tokens.copy(), result.probs.copy()
+    assert tokens[:, 0].tolist() == np.argsort(-probs[0, 0], kind="stable")[:4].tolist()
+    np.testing.assert_allclose(probs.sum(-1), 1, atol=1e-5)
+    for branch in range(4):
+        for step in range(1, 5):
+            expected = logits_after(runtime, prompt + tokens[branch, :step].tolist())
+            assert tokens[branch, step] == expected.argmax()
+
+    runtime.prefill(prompt)
+    runtime.draft(5, SamplingParams(), np.random.default_rng(0), branches=4)
+    accepted = [*tokens[2, :4].tolist(), 7]  # four drafted tokens of branch 2, then a bonus
+    runtime.append(accepted)
+    assert runtime.tokens == prompt + accepted
+    assert_close(runtime.last_logits(), logits_after(runtime, prompt + accepted))
+
+
+def test_sampled_branches_are_reproducible_and_drawn_from_their_rows(runtime, prompt) -> None:
+    params = SamplingParams(temperature=0.9, top_k=40, top_p=0.95)
+    runtime.prefill(prompt)
+    first = runtime.draft(6, params, np.random.default_rng(11), branches=3)
+    tokens, probs = first.tokens.copy(), first.probs.copy()
+    runtime.prefill(prompt)
+    again = runtime.draft(6, params, np.random.default_rng(11), branches=3)
+    assert (again.tokens == tokens).all()
+    np.testing.assert_allclose(again.probs, probs, atol=1e-6)
+    assert (np.take_along_axis(probs, tokens[..., None], axis=-1) > 0).all()
+    assert ((probs > 0).sum(-1) <= 40).all()
+
+
+def test_trees_and_prompts_longer_than_n_batch_are_split(gguf, prompt) -> None:
+    small = LlamaCppRuntime(gguf, n_ctx=256, n_batch=8, **EXACT)
+    big = LlamaCppRuntime(gguf, n_ctx=256, n_batch=256, **EXACT)
+    tokens = list(range(30, 55))
+    parents = [-1] + [i // 2 for i in range(len(tokens) - 1)]  # a binary tree of 25 nodes
+    for runtime in (small, big):
+        runtime.prefill(prompt)  # 23 tokens: three n_batch chunks for the small one
+    assert_close(small.last_logits(), big.last_logits())
+    assert_close(small.forward_tree(tokens, parents), big.forward_tree(tokens, parents))
+
+
+def test_too_many_leaves_is_a_clear_error(gguf, prompt) -> None:
+    runtime = LlamaCppRuntime(gguf, n_ctx=256, n_seq_max=4)
+    runtime.prefill(prompt)
+    runtime.forward_tree([1, 2, 3], [-1, -1, -1])
+    runtime.forward_tree([4], [0], extend=True)  # continues leaf 0: no new sequence
+    with pytest.raises(RuntimeUsageError, match="more than 3 leaves"):
+        runtime.forward_tree([5], [-1], extend=True)
+
+
+def test_context_full_is_a_clear_error(gguf) -> None:
+    runtime = LlamaCppRuntime(gguf, n_ctx=256)
+    runtime.prefill(list(range(1, 250)))
+    with pytest.raises(RuntimeUsageError, match="context full"):
+        runtime.forward_tree(list(range(8)), chain_parents(8))
+
+
+def test_loading_problems_are_clear_errors(tmp_path, gguf) -> None:
+    with pytest.raises(LlamaCppError, match="no such file"):
+        LlamaCppRuntime(tmp_path / "missing.gguf")
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"PK\x03\x04 not a model")
+    with pytest.raises(LlamaCppError, match="not a GGUF file"):
+        LlamaCppRuntime(junk)
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(gguf.read_bytes()[: gguf.stat().st_size // 2])
+    with pytest.raises(LlamaCppError, match=r"could not load this model; llama\.cpp said: "):
+        LlamaCppRuntime(truncated)
+    with pytest.raises(LlamaCppError, match=r"outside what the model allows \(1\.\.256\)"):
+        LlamaCppRuntime(gguf, n_ctx=512)
+    owned = len(os.sched_getaffinity(0))
+    with pytest.raises(LlamaCppError, match=f"this process owns {owned} cores"):
+        LlamaCppRuntime(gguf, threads=owned + 1)
+
+
+def test_draft_and_target_vocabularies_are_compared(tmp_path, gguf, runtime) -> None:
+    same_tokenizer = LlamaCppRuntime(write_tiny_gguf_llama(tmp_path / "other", seed=1, layers=1))
+    assert incompatibilities(same_tokenizer.vocab_info(), runtime.vocab_info()) == []
+    other_vocab = LlamaCppRuntime(write_tiny_gguf_llama(tmp_path / "v", vocab_size=300))
+    problems = incompatibilities(other_vocab.vocab_info(), runtime.vocab_info())
+    assert problems == [
+        f"token texts differ (300 tokens, fingerprint {other_vocab.vocab_info().fingerprint[:12]} "
+        f"vs 320 tokens, {runtime.vocab_info().fingerprint[:12]})"
+    ]

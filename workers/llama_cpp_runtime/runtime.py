@@ -1,0 +1,313 @@
+"""LlamaCppRuntime: token trees and batched branches on llama.cpp's sequence machinery.
+
+llama.cpp has no custom attention mask; a cell of its KV cache is visible to a query when they
+share a sequence id and the cell's position is not after the query's. So the committed prefix is
+sequence 0, every leaf of the pending tree owns a sequence forked from the prefix (a metadata
+copy in the unified cache), and each node carries the ids of all leaves below it: it then sees
+the prefix and exactly its ancestors. Committing a path copies its cells into sequence 0 and
+keeps only sequence 0; nothing is recomputed and no state is saved or restored.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import llama_cpp as L
+import numpy as np
+
+from hetspec.speculative.tree import ROOT
+from hetspec.speculative.vocab import VocabInfo, vocab_info
+from hetspec.workers.llama_cpp_runtime.log import llama_log
+from hetspec.workers.tree_runtime import RuntimeUsageError, TreeRuntime
+
+DEFAULT_MAX_CONTEXT = 8192
+MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
+PREFIX_SEQ = 0
+VOCAB_KINDS = {0: "none", 1: "spm", 2: "bpe", 3: "wpm", 4: "ugm", 5: "rwkv", 6: "plamo2"}
+FLASH_ATTENTION = {
+    "auto": L.LLAMA_FLASH_ATTN_TYPE_AUTO,
+    "on": L.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+    "off": L.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+}
+GGUF_MAGIC = b"GGUF"
+KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}  # ggml type ids; a quantized V needs flash attention
+
+
+class LlamaCppError(RuntimeError):
+    """llama.cpp refused a model, a context or a batch; carries what llama.cpp logged."""
+
+
+class LlamaCppRuntime(TreeRuntime[np.ndarray]):
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        n_ctx: int | None = None,
+        n_batch: int = 512,
+        n_ubatch: int | None = None,
+        threads: int | None = None,
+        threads_batch: int | None = None,
+        n_seq_max: int = 16,
+        mmap: bool = True,
+        flash_attention: str = "auto",
+        kv_type: str = "f16",
+    ) -> None:
+        """Load a GGUF file. ``n_seq_max`` - 1 is the most leaves a pending tree may have;
+        threads default to the cores this process may run on and may not exceed them."""
+        path = Path(model_path)
+        self.path = path
+        owned = len(os.sched_getaffinity(0))
+        threads = threads or owned
+        threads_batch = threads_batch or threads
+        if max(threads, threads_batch) > owned:
+            raise LlamaCppError(
+                f"{max(threads, threads_batch)} threads requested but this process owns {owned} "
+                "cores; more threads than cores only slows llama.cpp down"
+            )
+        if flash_attention not in FLASH_ATTENTION:
+            raise LlamaCppError(f"flash_attention must be one of {', '.join(FLASH_ATTENTION)}")
+        if kv_type not in KV_TYPES:
+            raise LlamaCppError(f"kv_type must be one of {', '.join(KV_TYPES)}, not {kv_type!r}")
+        if not 2 <= n_seq_max <= MAX_SEQUENCES:
+            raise LlamaCppError(f"n_seq_max must be in 2..{MAX_SEQUENCES}, not {n_seq_max}")
+        self._check_file(path)
+        self._log = llama_log()
+        L.llama_backend_init()
+
+        self._model = self._load_model(path, mmap)
+        trained = L.llama_model_n_ctx_train(self._model)
+        n_ctx = n_ctx or min(trained, DEFAULT_MAX_CONTEXT)
+        if not 0 < n_ctx <= trained:
+            self.close()
+            raise LlamaCppError(
+                f"{path}: context {n_ctx} is outside what the model allows (1..{trained})"
+            )
+        n_batch = min(n_batch, n_ctx)
+        context_params = L.llama_context_default_params()
+        context_params.n_ctx = n_ctx
+        context_params.n_batch = n_batch
+        context_params.n_ubatch = min(n_ubatch or n_batch, n_batch)
+        context_params.n_seq_max = n_seq_max
+        # llama.cpp reserves an output row per sequence at creation and aborts the process
+        # (GGML_ASSERT) when that exceeds n_outputs_max, which defaults to n_batch.
+        context_params.n_outputs_max = max(n_batch, n_seq_max)
+        context_params.n_threads = threads
+        context_params.n_threads_batch = threads_batch
+        context_params.flash_attn_type = FLASH_ATTENTION[flash_attention]
+        context_params.type_k = context_params.type_v = KV_TYPES[kv_type]
+        context_params.kv_unified = True  # tree nodes carry several sequence ids
+        context_params.no_perf = True
+        mark = self._log.count
+        self._context = L.llama_init_from_model(self._model, context_params)
+        if not self._context:
+            self.close()
+            raise self._error(f"{path}: llama.cpp could not create a context", mark)
+        self._memory = L.llama_get_memory(self._context)
+        self.n_batch = n_batch
+        self.n_seq_max = n_seq_max
+        self.default_chunk = n_batch
+        self.threads, self.threads_batch = threads, threads_batch
+        self._batch = L.llama_batch_init(n_batch, 0, n_seq_max)
+        self._vocab = L.llama_model_get_vocab(self._model)
+        vocab_size = L.llama_vocab_n_tokens(self._vocab)
+        super().__init__(vocab_size, n_ctx)
+
+    # ------------------------------------------------------------ setup helpers
+
+    def _load_model(self, path: Path, mmap: bool) -> L.llama_model_p:
+        params = L.llama_model_default_params()
+        params.n_gpu_layers = 0  # the CPU worker: the GPU belongs to the torch worker
+        params.load_mode = L.LLAMA_LOAD_MODE_MMAP if mmap else L.LLAMA_LOAD_MODE_NONE
+        mark = self._log.count
+        model = L.llama_model_load_from_file(str(path).encode(), params)
+        if not model:
+            raise self._error(f"{path}: llama.cpp could not load this model", mark)
+        return model
+
+    @staticmethod
+    def _check_file(path: Path) -> None:
+        try:
+            with path.open("rb") as handle:
+                magic = handle.read(4)
+        except FileNotFoundError:
+            raise LlamaCppError(f"{path}: no such file") from None
+        except IsADirectoryError:
+            raise LlamaCppError(f"{path}: a directory, not a GGUF file") from None
+        except OSError as error:
+            raise LlamaCppError(f"{path}: cannot read: {error.strerror}") from None
+        if magic != GGUF_MAGIC:
+            raise LlamaCppError(f"{path}: not a GGUF file (starts with {magic!r})")
+
+    def _error(self, message: str, mark: int) -> LlamaCppError:
+        said = self._log.since(mark)
+        detail = ("; llama.cpp said: " + " | ".join(said[-4:])) if said else ""
+        return LlamaCppError(message + detail)
+
+    def close(self) -> None:
+        """Free the context, batch and model (also done when the object is collected)."""
+        if getattr(self, "_batch", None) is not None:
+            L.llama_batch_free(self._batch)
+            self._batch = None
+        if getattr(self, "_context", None):
+            L.llama_free(self._context)
+            self._context = None
+        if getattr(self, "_model", None):
+            L.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ vocabulary
+
+    def vocab_info(self) -> VocabInfo:
+        texts = [L.llama_vocab_get_text(self._vocab, i) or b"" for i in range(self.vocab_size)]
+        return vocab_info(
+            VOCAB_KINDS.get(L.llama_vocab_type(self._vocab), "unknown"),
+            texts,
+            L.llama_vocab_bos(self._vocab),
+            L.llama_vocab_eos(self._vocab),
+            bool(L.llama_vocab_get_add_bos(self._vocab)),
+        )
+
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        """Token ids of ``text``; special-token markup (``<|im_start|>``) is parsed."""
+        data = text.encode()
+        capacity = len(data) + 8
+        while True:
+            buffer = (L.llama_token * capacity)()
+            count = L.llama_tokenize(self._vocab, data, len(data), buffer, capacity,
+                                     add_special, True)  # fmt: skip
+            if count >= 0:
+                return list(buffer[:count])
+            capacity = -count
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token stands for (specials rendered), for incremental detokenizing."""
+        buffer = ctypes.create_string_buffer(64)
+        count = L.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, True)
+        if count < 0:
+            buffer = ctypes.create_string_buffer(-count)
+            count = L.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, True)
+        return buffer.raw[:count]
+
+    # ------------------------------------------------------------ decoding
+
+    def _decode(
+        self, tokens: np.ndarray, positions: np.ndarray, seqs: list[list[int]], logits: str
+    ) -> np.ndarray | None:
+        """Decode in n_batch parts; ``logits`` is "all" (rows returned) or "last" (one row)."""
+        count = len(tokens)
+        rows = np.empty((count, self.vocab_size), np.float32) if logits == "all" else None
+        batch = self._batch
+        for begin in range(0, count, self.n_batch):
+            end = min(count, begin + self.n_batch)
+            for slot, index in enumerate(range(begin, end)):
+                batch.token[slot] = int(tokens[index])
+                batch.pos[slot] = int(positions[index])
+                batch.n_seq_id[slot] = len(seqs[index])
+                for j, seq in enumerate(seqs[index]):
+                    batch.seq_id[slot][j] = seq
+                batch.logits[slot] = logits == "all" or index == count - 1
+            batch.n_tokens = end - begin
+            mark = self._log.count
+            status = L.llama_decode(self._context, batch)
+            if status != 0:
+                raise self._error(f"llama_decode failed with status {status}", mark)
+            if rows is not None:
+                part = np.ctypeslib.as_array(
+                    L.llama_get_logits(self._context), shape=(end - begin, self.vocab_size)
+                )
+                rows[begin:end] = part
+        if rows is not None:
+            return rows
+        last = L.llama_get_logits_ith(self._context, -1)
+        return np.ctypeslib.as_array(last, shape=(self.vocab_size,)).copy()
+
+    # ------------------------------------------------------------ TreeRuntime hooks
+
+    def _run(
+        self, tokens: np.ndarray, parents: np.ndarray, positions: np.ndarray, rows: np.ndarray
+    ) -> np.ndarray:
+        seqs = self._assign_sequences(parents)
+        return self._decode(tokens, positions, [sorted(s) for s in seqs], "all")
+
+    def _assign_sequences(self, parents: np.ndarray) -> list[set[int]]:
+        """Give each new leaf a sequence and each new node the sequences of the leaves below it.
+
+        A leaf continuing an old leaf reuses that leaf's sequence; any other leaf gets a fresh
+        sequence forked from its nearest old ancestor (or the prefix) with seq_cp.
+        """
+        existing = self.pending
+        old_parents = self._pending_parents
+        open_leaves = set(range(existing)) - set(old_parents[old_parents >= 0].tolist())
+        new_seqs: list[set[int]] = [set() for _ in parents]
+        has_child = np.zeros(len(parents), bool)
+        for parent in parents:
+            if parent >= existing:
+                has_child[parent - existing] = True
+        for leaf in np.flatnonzero(~has_child):
+            node = existing + int(leaf)
+            chain = []
+            while node >= existing:
+                chain.append(node - existing)
+                node = int(parents[node - existing])
+            seq = self._sequence_below(node, open_leaves)
+            for index in chain:
+                new_seqs[index].add(seq)
+        self._node_seqs.extend(new_seqs)
+        return new_seqs
+
+    def _sequence_below(self, anchor: int, open_leaves: set[int]) -> int:
+        """A sequence whose cells are the prefix plus ``anchor``'s path, to extend below it.
+
+        ``open_leaves``: old leaves no new leaf has claimed yet; the first leaf below one of
+        them simply continues its sequence.
+        """
+        if anchor in open_leaves:
+            open_leaves.discard(anchor)
+            return min(self._node_seqs[anchor])
+        if not self._free_seqs:
+            raise RuntimeUsageError(
+                f"the pending tree would have more than {self.n_seq_max - 1} leaves; "
+                "create the runtime with a larger n_seq_max"
+            )
+        seq = self._free_seqs.pop()
+        if anchor == ROOT:
+            L.llama_memory_seq_cp(self._memory, PREFIX_SEQ, seq, 0, self.committed)
+        else:
+            source = min(self._node_seqs[anchor])
+            end = self.committed + int(self._pending_depths[anchor]) + 1
+            L.llama_memory_seq_cp(self._memory, source, seq, 0, end)
+            for ancestor in np.flatnonzero(self._pending_mask[anchor]):
+                self._node_seqs[ancestor].add(seq)
+        return seq
+
+    def _reset_pending(self) -> None:
+        super()._reset_pending()
+        self._node_seqs: list[set[int]] = []
+        self._free_seqs = list(range(self.n_seq_max - 1, PREFIX_SEQ, -1))
+
+    def _node_logits(self, output: np.ndarray, index: int) -> np.ndarray:
+        return output[index].copy()
+
+    def _step_logits(self, output: np.ndarray) -> np.ndarray:
+        return output
+
+    def _keep_path(self, path: list[int]) -> None:
+        seq = min(self._node_seqs[path[-1]])
+        end = self.committed + len(path)
+        L.llama_memory_seq_cp(self._memory, seq, PREFIX_SEQ, self.committed, end)
+        L.llama_memory_seq_keep(self._memory, PREFIX_SEQ)
+
+    def _drop_pending_kv(self) -> None:
+        L.llama_memory_seq_keep(self._memory, PREFIX_SEQ)
+
+    def _truncate_kv(self, length: int) -> None:
+        L.llama_memory_seq_rm(self._memory, PREFIX_SEQ, length, -1)
+
+    def _extend_committed(self, tokens: np.ndarray) -> np.ndarray:
+        positions = self.committed + np.arange(len(tokens))
+        return self._decode(tokens, positions, [[PREFIX_SEQ]] * len(tokens), "last")
