@@ -1,10 +1,12 @@
-"""Typed messages exchanged between hetspec processes.
+"""Typed messages exchanged between hetspec processes, and the shared memory they point into.
 
-This package depends on nothing else of hetspec (only msgspec and the standard library), so
-the daemon, the workers and the client can all import it. Messages are msgspec structs encoded
-as JSON or MessagePack; nothing crossing a process boundary is ever pickled.
+This package depends on nothing else of hetspec (only msgspec, numpy and the standard library),
+so the daemon, the workers and the client can all import it. Messages are msgspec structs
+encoded as JSON or MessagePack; nothing crossing a process boundary is ever pickled.
 """
 
+from hetspec.protocol.arena import Arena, ArenaError, ArenaLayout, ArrayRef
+from hetspec.protocol.frames import Codec, MessageError, frame_array, frame_ref
 from hetspec.protocol.runtime_report import (
     LlamaCppReport,
     ProbeFailure,
@@ -13,12 +15,25 @@ from hetspec.protocol.runtime_report import (
     decode_runtime_report,
     encode_runtime_report,
 )
+from hetspec.protocol.sampling import SamplingError, SamplingParams
+from hetspec.protocol.vocab import VocabInfo
 
 __all__ = [
+    "Arena",
+    "ArenaError",
+    "ArenaLayout",
+    "ArrayRef",
+    "Codec",
     "LlamaCppReport",
+    "MessageError",
     "ProbeFailure",
     "RuntimeReport",
+    "SamplingError",
+    "SamplingParams",
     "TorchReport",
+    "VocabInfo",
     "decode_runtime_report",
     "encode_runtime_report",
+    "frame_array",
+    "frame_ref",
 ]

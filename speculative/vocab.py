@@ -12,20 +12,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-import msgspec
+from hetspec.protocol.vocab import VocabInfo
+
+__all__ = ["VocabInfo", "incompatibilities", "is_padding", "vocab_info"]
 
 FIRST_COMPARED_ID = 5
 MAX_SIZE_DIFFERENCE = 128
-
-
-class VocabInfo(msgspec.Struct, frozen=True):
-    kind: str  # "bpe", "spm", ...
-    size: int  # rows of the logits, padding included
-    real_size: int  # ids up to the last non-padding token
-    bos: int
-    eos: int
-    add_bos: bool
-    fingerprint: str  # sha256 of the texts of ids FIRST_COMPARED_ID .. real_size - 1
 
 
 def is_padding(text: bytes, token_id: int) -> bool:

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 ALLOWED = {
     "hetspec": set(),
     "protocol": set(),
-    "speculative": set(),
+    "speculative": {"hetspec.protocol"},
     "models": set(),
     "workers": {"hetspec", "hetspec.protocol", "hetspec.speculative"},
     "daemon": {"hetspec", "hetspec.protocol", "hetspec.speculative"},

@@ -16,6 +16,7 @@ from hetspec.speculative.sampling import SamplingParams
 from hetspec.speculative.tree import chain_parents, path_to
 from hetspec.speculative.vocab import incompatibilities
 from hetspec.workers.llama_cpp_runtime import LlamaCppError, LlamaCppRuntime, RuntimeUsageError
+from hetspec.workers.torch_runtime import TorchRuntime
 
 TEXT = 'def load(path):\n    """Read the file."""\n    with open(path) as f:\n'
 TOLERANCE = 1e-3  # llama.cpp against itself: a tree node vs its path evaluated alone
@@ -220,3 +221,16 @@ def test_draft_and_target_vocabularies_are_compared(tmp_path, gguf, runtime) -> 
         f"token texts differ (300 tokens, fingerprint {other_vocab.vocab_info().fingerprint[:12]} "
         f"vs 320 tokens, {runtime.vocab_info().fingerprint[:12]})"
     ]
+
+
+def test_the_torch_runtime_reports_the_same_vocabulary_from_the_folder(runtime, gguf) -> None:
+    """Both engines must agree on ids, texts and bytes, or the daemon could not pair them."""
+    folder_runtime = TorchRuntime(gguf.parent, max_context=64)
+    assert folder_runtime.vocab_info() == runtime.vocab_info()
+    text = 'def f(x):\n    """héllo 😀 wörld"""\n    return x<|im_end|>'
+    assert folder_runtime.tokenize(text) == runtime.tokenize(text)
+    assert folder_runtime.tokenize(text, add_special=False) == runtime.tokenize(
+        text, add_special=False
+    )
+    for token in range(runtime.vocab_size):
+        assert folder_runtime.token_bytes(token) == runtime.token_bytes(token), token

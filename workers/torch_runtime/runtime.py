@@ -9,13 +9,16 @@ The tree bookkeeping, appending and drafting come from ``TreeRuntime``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from hetspec.protocol.vocab import VocabInfo
 from hetspec.workers.torch_runtime.config import ModelConfig, ModelLoadError
 from hetspec.workers.torch_runtime.model import rope_tables
+from hetspec.workers.torch_runtime.tokenizer import FolderTokenizer
 from hetspec.workers.torch_runtime.weights import load_model
 from hetspec.workers.tree_runtime import TreeRuntime
 
@@ -82,7 +85,24 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         self._keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self._values = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self._cos, self._sin = rope_tables(c, capacity, self.device)
+        self.folder = folder
         super().__init__(c.vocab_size, capacity)
+
+    # ------------------------------------------------------------ vocabulary
+
+    @cached_property
+    def tokenizer(self) -> FolderTokenizer:
+        """The folder's ``tokenizer.json`` (read on first use: tests build folders without one)."""
+        return FolderTokenizer(self.folder, self.config.vocab_size)
+
+    def vocab_info(self) -> VocabInfo:
+        return self.tokenizer.vocab_info()
+
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        return self.tokenizer.tokenize(text, add_special=add_special)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.tokenizer.token_bytes(token)
 
     # ------------------------------------------------------------ TreeRuntime hooks
 

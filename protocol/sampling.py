@@ -1,0 +1,31 @@
+"""How a request wants its tokens drawn; travels from the client through the daemon to workers."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+
+class SamplingError(ValueError):
+    """Sampling parameters out of range; the message says which and what is allowed."""
+
+
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``temperature == 0`` is greedy decoding; ``top_k == 0`` and ``top_p == 1`` switch off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise SamplingError(f"temperature must be a finite number >= 0, not {self.temperature}")
+        if self.top_k < 0:
+            raise SamplingError(f"top_k must be >= 0 (0 = off), not {self.top_k}")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            raise SamplingError(f"top_p must be in (0, 1], not {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,15 @@
+"""A model's vocabulary identity, as a worker reports it to the daemon."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class VocabInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    kind: str  # "bpe", "spm", ...
+    size: int  # rows of the logits, padding included
+    real_size: int  # ids up to the last non-padding token
+    bos: int
+    eos: int
+    add_bos: bool
+    fingerprint: str  # sha256 of the texts of ids 5 .. real_size - 1 (hetspec.speculative.vocab)

@@ -1,0 +1,212 @@
+"""Messages between the daemon and a worker process: commands one way, replies the other.
+
+Each direction is one tagged union (``op`` names the message), encoded as MessagePack in the
+first ZeroMQ frame. Arrays never go inside that frame: an ``ArrayRef`` points either at an
+extra frame of the same message (small arrays, sent zero-copy) or at a slot of the shared
+arena (probability rows and logits). ``request`` ids let the daemon match replies to commands.
+
+Protocol version history: 1 = the first one.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from hetspec.protocol.arena import ArenaLayout, ArrayRef
+from hetspec.protocol.sampling import SamplingParams
+from hetspec.protocol.vocab import VocabInfo
+
+PROTOCOL_VERSION = 1
+
+
+class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"):
+    pass
+
+
+# ---------------------------------------------------------------- runtime settings
+
+
+class LlamaCppSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="llama.cpp"):
+    n_ctx: int | None = None  # None: min(the model's training context, 8192)
+    n_batch: int = 512
+    n_ubatch: int | None = None
+    threads: int | None = None  # None: the cores the worker owns
+    threads_batch: int | None = None
+    n_seq_max: int = 16
+    mmap: bool = True
+    flash_attention: str = "auto"
+    kv_type: str = "f16"
+
+
+class TorchSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="torch"):
+    device: str = "auto"
+    dtype: str = "auto"
+    max_context: int | None = None
+    threads: int | None = None
+    compile: bool = False
+
+
+RuntimeSettings = LlamaCppSettings | TorchSettings
+
+
+# ---------------------------------------------------------------- daemon -> worker
+
+
+class Load(_Message, tag="load"):
+    """Load a model (replacing any loaded one); answered by ``Ready`` or ``Failed``."""
+
+    model: str
+    settings: RuntimeSettings
+    arena: ArenaLayout | None = None
+
+
+class Prefill(_Message, tag="prefill"):
+    """Make the committed sequence ``tokens`` (reusing a common prefix); starts a request's
+    random generator from ``seed`` (None: from the OS)."""
+
+    request: int
+    tokens: list[int]
+    seed: int | None = None
+
+
+class Draft(_Message, tag="draft"):
+    """Draft ``branches`` x ``steps`` tokens; the probability rows go to arena slot ``out``."""
+
+    request: int
+    steps: int
+    sampling: SamplingParams
+    out: int
+    branches: int = 1
+
+
+class VerifyTree(_Message, tag="verify"):
+    """Evaluate a token tree (``parents[i]`` = -1 for the committed prefix); the float32
+    logits of every node go to arena slot ``out``."""
+
+    request: int
+    tokens: list[int]
+    parents: list[int]
+    out: int
+    extend: bool = False
+
+
+class Commit(_Message, tag="commit"):
+    """Keep the pending nodes ``nodes`` (a path) and then append ``tokens`` after them."""
+
+    request: int
+    nodes: list[int] = []
+    tokens: list[int] = []
+
+
+class Rollback(_Message, tag="rollback"):
+    request: int
+    length: int
+
+
+class Tokenize(_Message, tag="tokenize"):
+    request: int
+    text: str
+    add_special: bool = True
+
+
+class Echo(_Message, tag="echo"):
+    """Copy the array at ``data`` into slot ``out`` (or back as a frame): the round-trip probe."""
+
+    request: int
+    data: ArrayRef
+    out: int = -1
+
+
+class Cancel(_Message, tag="cancel"):
+    """Stop work on ``request`` at the next step (handled by the worker's I/O thread)."""
+
+    request: int
+
+
+class Shutdown(_Message, tag="shutdown"):
+    pass
+
+
+Command = (
+    Load | Prefill | Draft | VerifyTree | Commit | Rollback | Tokenize | Echo | Cancel | Shutdown
+)
+
+
+# ---------------------------------------------------------------- worker -> daemon
+
+
+class Hello(_Message, tag="hello"):
+    """First message of every worker, before it loads anything."""
+
+    protocol: int
+    pid: int
+    runtime: str  # "llama.cpp" or "torch"
+    cores: list[int]
+
+
+class Ready(_Message, tag="ready"):
+    model: str
+    device: str
+    vocab: VocabInfo
+    context: int  # tokens the loaded context holds
+    threads: int
+    load_ms: float
+    token_bytes: list[bytes]  # what every id stands for, so the daemon can detokenize
+
+
+class Heartbeat(_Message, tag="heartbeat"):
+    sent: float  # time.monotonic() on the worker, for liveness only
+    busy: int | None = None  # the request being computed, if any
+
+
+class Prefilled(_Message, tag="prefilled"):
+    request: int
+    reused: int
+    committed: int
+    elapsed_ms: float
+
+
+class Drafted(_Message, tag="drafted"):
+    request: int
+    tokens: list[list[int]]  # (branches, steps)
+    nodes: list[list[int]]  # pending-tree node of each token, -1 where not evaluated
+    probs: ArrayRef
+    elapsed_ms: float
+
+
+class Verified(_Message, tag="verified"):
+    request: int
+    logits: ArrayRef
+    elapsed_ms: float
+
+
+class Committed(_Message, tag="committed"):
+    request: int
+    committed: int
+    elapsed_ms: float
+
+
+class Tokenized(_Message, tag="tokenized"):
+    request: int
+    tokens: list[int]
+
+
+class Echoed(_Message, tag="echoed"):
+    request: int
+    data: ArrayRef
+
+
+class Failed(_Message, tag="failed"):
+    """A command could not be carried out. ``kind``: "usage" (the command does not fit the
+    state: context full, not a path, ...), "load" (the model cannot be loaded), "cancelled",
+    "protocol" (a malformed message) or "internal" (a bug: the message says where)."""
+
+    request: int | None
+    kind: str
+    message: str
+
+
+Reply = (
+    Hello | Ready | Heartbeat | Prefilled | Drafted | Verified | Committed | Tokenized | Echoed
+    | Failed
+)  # fmt: skip

@@ -1,0 +1,112 @@
+"""Worker messages, their framing, and the shared-memory arena (across a real second process)."""
+
+from __future__ import annotations
+
+import stat
+import subprocess
+import sys
+
+import msgspec
+import numpy as np
+import pytest
+
+from hetspec.protocol import (
+    Arena,
+    ArenaError,
+    ArrayRef,
+    Codec,
+    MessageError,
+    frame_array,
+    frame_ref,
+)
+from hetspec.protocol import worker_messages as m
+from hetspec.protocol.arena import ArenaLayout
+
+COMMANDS = [
+    m.Load(model="/models/t", settings=m.TorchSettings(device="cpu"), arena=None),
+    m.Load(
+        model="/m.gguf",
+        settings=m.LlamaCppSettings(n_seq_max=8),
+        arena=ArenaLayout("/dev/shm/x", 4, 128),
+    ),
+    m.Prefill(request=1, tokens=[1, 2, 3], seed=7),
+    m.Draft(
+        request=2, steps=4, sampling=m.SamplingParams(temperature=0.7, top_k=40), out=1, branches=2
+    ),
+    m.VerifyTree(request=3, tokens=[5, 6], parents=[-1, 0], out=0, extend=True),
+    m.Commit(request=4, nodes=[0, 1], tokens=[9]),
+    m.Rollback(request=5, length=3),
+    m.Tokenize(request=6, text="héllo"),
+    m.Echo(request=7, data=ArrayRef("<f4", (2, 3), frame=1), out=-1),
+    m.Cancel(request=8),
+    m.Shutdown(),
+]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: type(c).__name__)
+def test_every_command_round_trips_and_is_not_a_reply(command) -> None:
+    frames = Codec(m.Reply).encode(command)
+    assert Codec(m.Command).decode(frames) == command
+    with pytest.raises(MessageError, match="not a valid message"):
+        Codec(m.Reply).decode(frames)
+
+
+def test_malformed_messages_are_refused_with_the_reason() -> None:
+    commands = Codec(m.Command)
+    encode = msgspec.msgpack.encode
+    with pytest.raises(MessageError, match="Invalid value 'launch'"):
+        commands.decode([encode({"op": "launch"})])
+    with pytest.raises(MessageError, match="unknown field `speed`"):
+        commands.decode([encode({"op": "rollback", "request": 1, "length": 2, "speed": 3})])
+    with pytest.raises(MessageError, match="temperature must be a finite number"):
+        commands.decode([encode({"op": "draft", "request": 1, "steps": 2, "out": 0,
+                                 "sampling": {"temperature": float("nan")}})])  # fmt: skip
+    with pytest.raises(MessageError, match="empty message"):
+        commands.decode([])
+    with pytest.raises(ValueError, match="either in one frame"):
+        ArrayRef("<f4", (3,), frame=1, slot=0)
+
+
+def test_small_arrays_travel_as_their_own_frames() -> None:
+    array = np.arange(12, dtype=np.float32).reshape(3, 4)
+    codec = Codec(m.Command)
+    frames = codec.encode(m.Echo(request=1, data=frame_ref(array, 1)), [array])
+    sent = [bytes(memoryview(frame)) for frame in frames]  # what the socket delivers
+    message = codec.decode(sent)
+    np.testing.assert_array_equal(frame_array(message.data, sent), array)
+    with pytest.raises(MessageError, match="has 48 bytes, expected 52"):
+        frame_array(ArrayRef("<f4", (13,), frame=1), sent)
+    with pytest.raises(MessageError, match="has 2 frames"):
+        frame_array(ArrayRef("<f4", (3,), frame=2), sent)
+
+
+def test_the_arena_is_private_shared_with_another_process_and_unlinked(tmp_path) -> None:
+    path = tmp_path / "hetspec-test-arena"
+    with Arena.create(path, slots=3, slot_bytes=1000) as arena:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert arena.layout.slot_bytes == 1024  # rounded up to the alignment
+        row = arena.empty(1, (250,))
+        row[:] = np.arange(250)
+        script = (
+            "import sys, msgspec, numpy as np\n"
+            "from hetspec.protocol import Arena, ArrayRef\n"
+            "from hetspec.protocol.arena import ArenaLayout\n"
+            "layout = msgspec.json.decode(sys.argv[1], type=ArenaLayout)\n"
+            "arena = Arena.attach(layout)\n"
+            "row = arena.view(ArrayRef('<f4', (250,), slot=1))\n"
+            "arena.empty(2, (250,))[:] = row * 2\n"
+        )
+        layout = msgspec.json.encode(arena.layout).decode()
+        subprocess.run([sys.executable, "-c", script, layout], check=True, timeout=60)
+        np.testing.assert_array_equal(
+            arena.view(ArrayRef("<f4", (250,), slot=2)), np.arange(250) * 2
+        )
+        with pytest.raises(ArenaError, match="does not fit in a 1024-byte slot"):
+            arena.empty(0, (257,))
+        with pytest.raises(ArenaError, match="slot 3 outside"):
+            arena.empty(3, (1,))
+        with pytest.raises(ArenaError, match="cannot create"):
+            Arena.create(path, slots=1, slot_bytes=8)  # never reuses a segment
+    assert not path.exists()
+    with pytest.raises(ArenaError, match="cannot open"):
+        Arena.attach(ArenaLayout(str(path), 3, 1024))
