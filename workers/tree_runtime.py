@@ -175,6 +175,25 @@ class TreeRuntime(ABC, Generic[Output]):
         self._pending_outputs.append((existing, output))
         return output
 
+    def evaluate_tree(
+        self,
+        tokens: Sequence[int],
+        parents: Sequence[int],
+        *,
+        extend: bool = False,
+        out: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """``forward_tree``, returning the float32 (nodes, vocab) logits on the CPU, written
+        into ``out`` (e.g. a shared-memory slot) when given."""
+        shape = (len(tokens), self.vocab_size)
+        if out is not None and (out.shape != shape or out.dtype != np.float32):
+            raise RuntimeUsageError(f"out must be float32 {shape}, not {out.dtype} {out.shape}")
+        logits = self._step_logits(self.forward_tree(tokens, parents, extend=extend))
+        if out is None:
+            return logits
+        np.copyto(out, logits)
+        return out
+
     def commit(self, nodes: Sequence[int]) -> None:
         """Keep the pending nodes ``nodes`` (one path from the prefix down) and drop the rest."""
         path = [int(node) for node in nodes]

@@ -1,0 +1,109 @@
+"""Micro-benchmark: one daemon -> worker -> daemon round trip carrying a probability row.
+
+    python -m hetspec.daemon.bench_roundtrip [--model GGUF] [--floats 32768] [--count 5000]
+
+Starts a real llama.cpp worker process (with the bundled draft model unless told otherwise),
+then times ``Echo`` calls from the daemon's asyncio/uvloop side: the daemon writes a row into
+an arena slot, the worker copies it into another slot, the daemon reads the answer in place.
+For comparison it also sends the row as a message frame both ways. Every speculative round
+pays this hop at least twice, so it must stay far below a draft step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import uvloop
+
+from hetspec.daemon.worker_client import WorkerClient, WorkerSpec, WorkerStartError
+from hetspec.protocol import Arena, ArrayRef, frame_array
+from hetspec.protocol import worker_messages as m
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "draft" / "draft-q8_0.gguf"
+
+
+async def time_calls(client: WorkerClient, make, count: int, check) -> list[float]:
+    samples = []
+    for index in range(count):
+        start = time.perf_counter()
+        reply, frames = await client.call(make())
+        check(reply, frames)
+        if index >= count // 10:  # the first tenth warms caches and the allocator
+            samples.append((time.perf_counter() - start) * 1e6)
+    return samples
+
+
+async def run(args: argparse.Namespace) -> int:
+    row = np.random.default_rng(0).random(args.floats, dtype=np.float32)
+    with tempfile.TemporaryDirectory(prefix="hetspec-bench-") as runtime_dir:
+        name = f"/dev/shm/hetspec-bench-{os.getpid()}"
+        with Arena.create(name, slots=2, slot_bytes=row.nbytes) as arena:
+            spec = WorkerSpec(
+                "cpu",
+                "llama.cpp",
+                str(args.model),
+                m.LlamaCppSettings(n_ctx=256, threads=1),
+                log_format="console",
+            )
+            client = WorkerClient(spec, Path(runtime_dir), 1, arena.layout)
+            try:
+                await client.start(load_timeout_s=120)
+            except WorkerStartError as error:
+                print(f"error: {error}", file=sys.stderr)
+                return 1
+            try:
+                arena.empty(0, row.shape)[:] = row
+                in_slot = ArrayRef(row.dtype.str, row.shape, slot=0)
+
+                def via_arena():
+                    return m.Echo(request=client.next_request(), data=in_slot, out=1)
+
+                def arena_answer(reply, frames):
+                    assert arena.view(reply.data)[-1] == row[-1]
+
+                def via_frames():
+                    data = ArrayRef(row.dtype.str, row.shape, frame=1)
+                    return m.Echo(request=client.next_request(), data=data)
+
+                async def framed_call():
+                    return await client.call(via_frames(), (row,))
+
+                arena_us = await time_calls(client, via_arena, args.count, arena_answer)
+                frame_us = []
+                for index in range(args.count):
+                    start = time.perf_counter()
+                    reply, frames = await framed_call()
+                    assert frame_array(reply.data, frames)[-1] == row[-1]
+                    if index >= args.count // 10:
+                        frame_us.append((time.perf_counter() - start) * 1e6)
+            finally:
+                await client.stop()
+    kib = row.nbytes / 1024
+    print(f"round trip daemon -> worker -> daemon, {args.floats} float32 ({kib:.0f} KiB) each way, "
+          f"{len(arena_us)} calls after warm-up")  # fmt: skip
+    for label, samples in (("shared-memory arena", arena_us), ("message frames", frame_us)):
+        q = statistics.quantiles(samples, n=10)
+        print(f"  {label:<20} median {statistics.median(samples):7.1f} us   "
+              f"p10 {q[0]:7.1f}   p90 {q[-1]:7.1f}")  # fmt: skip
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hetspec.daemon.bench_roundtrip",
+                                     description=__doc__)  # fmt: skip
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="GGUF the worker loads")
+    parser.add_argument("--floats", type=int, default=32768, help="length of the row")
+    parser.add_argument("--count", type=int, default=5000)
+    args = parser.parse_args(argv)
+    return uvloop.run(run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,317 @@
+"""The daemon's side of one worker process: spawn, handshake, calls, death detection, stop.
+
+A ``WorkerClient`` is one incarnation of a worker. It binds two fresh ZeroMQ endpoints in the
+runtime directory (so nothing queued for a dead incarnation can reach the next one), starts
+``python -m hetspec.workers.process`` as a new interpreter, and waits for ``Hello`` (protocol
+version) and then ``Ready`` (model loaded). Death is noticed three ways: the process exits
+(asyncio watches it), its heartbeats stop (it is killed), or, the other way round, the daemon
+dies and the worker sees EOF on its death pipe. When the worker dies every call in flight
+fails at once with ``WorkerDied``; nothing waits for a reply that cannot come.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import structlog
+import zmq
+import zmq.asyncio
+
+from hetspec.protocol import Codec, MessageError
+from hetspec.protocol import worker_messages as m
+from hetspec.protocol.arena import ArenaLayout
+
+log = structlog.get_logger("hetspec.daemon.worker")
+
+
+class WorkerError(RuntimeError):
+    """A worker answered a command with ``Failed``; ``kind`` says what sort of failure."""
+
+    def __init__(self, worker: str, kind: str, message: str) -> None:
+        super().__init__(f"{worker} worker: {message}")
+        self.worker, self.kind, self.message = worker, kind, message
+
+
+class WorkerDied(WorkerError):
+    def __init__(self, worker: str, reason: str) -> None:
+        super().__init__(worker, "died", reason)
+
+
+class WorkerStartError(RuntimeError):
+    """A worker could not be started or could not load its model."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    name: str  # "cpu" or "gpu": how logs and errors name it
+    runtime: str  # "llama.cpp" or "torch"
+    model: str
+    settings: m.RuntimeSettings
+    cores: tuple[int, ...] = ()
+    heartbeat_s: float = 0.5  # the worker's beat interval
+    heartbeat_timeout_s: float = 10.0  # silence after which the worker is killed
+    log_format: str = "json"
+
+
+@dataclass
+class _Call:
+    future: asyncio.Future
+    command: str
+
+
+@dataclass
+class WorkerClient:
+    spec: WorkerSpec
+    runtime_dir: Path
+    generation: int
+    arena: ArenaLayout | None = None
+    pid: int | None = None
+    ready: m.Ready | None = None
+    died: asyncio.Future = field(init=False)  # resolves to the reason once the worker is gone
+
+    def __post_init__(self) -> None:
+        self._context = zmq.asyncio.Context.instance()
+        self._codec = Codec(m.Reply)
+        self._calls: dict[int, _Call] = {}
+        self._ids = itertools.count(1)
+        self._tasks: list[asyncio.Task] = []
+        self._process: asyncio.subprocess.Process | None = None
+        self._death_write: int | None = None
+        self._last_beat = time.monotonic()
+        self._stopping = False
+        self._handshake: asyncio.Future | None = None  # resolves to Hello
+        self._loading: asyncio.Future | None = None  # resolves to Ready
+        self.died = asyncio.get_running_loop().create_future()
+
+    # ------------------------------------------------------------ lifecycle
+
+    def _endpoint(self, role: str) -> str:
+        return f"ipc://{self.runtime_dir}/{self.spec.name}-{self.generation}-{role}.sock"
+
+    async def start(self, load_timeout_s: float) -> m.Ready:
+        """Spawn, handshake and load; raises ``WorkerStartError`` with the reason on failure."""
+        started = time.perf_counter()
+        self._commands = self._context.socket(zmq.PUSH)
+        self._commands.setsockopt(zmq.LINGER, 0)
+        self._commands.bind(self._endpoint("commands"))
+        self._replies = self._context.socket(zmq.PULL)
+        self._replies.setsockopt(zmq.LINGER, 0)
+        self._replies.bind(self._endpoint("replies"))
+        death_read, self._death_write = os.pipe()
+        argv = [
+            sys.executable, "-m", "hetspec.workers.process",
+            "--runtime", self.spec.runtime, "--name", self.spec.name,
+            "--commands", self._endpoint("commands"), "--replies", self._endpoint("replies"),
+            "--death-fd", str(death_read), "--parent", str(os.getpid()),
+            "--cores", ",".join(map(str, self.spec.cores)),
+            "--heartbeat", str(self.spec.heartbeat_s), "--log-format", self.spec.log_format,
+        ]  # fmt: skip
+        try:
+            self._process = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, pass_fds=(death_read,)
+            )
+        finally:
+            os.close(death_read)
+        self.pid = self._process.pid
+        loop = asyncio.get_running_loop()
+        self._handshake = loop.create_future()
+        self._tasks = [
+            asyncio.create_task(self._receive(), name=f"{self.spec.name}-receive"),
+            asyncio.create_task(self._watch_exit(), name=f"{self.spec.name}-exit"),
+            asyncio.create_task(self._watch_heartbeats(), name=f"{self.spec.name}-beats"),
+        ]
+        log.info("worker started", worker=self.spec.name, pid=self.pid,
+                 runtime=self.spec.runtime, cores=list(self.spec.cores))  # fmt: skip
+        try:
+            hello = await self._wait(self._handshake, load_timeout_s, "say hello")
+            if hello.protocol != m.PROTOCOL_VERSION:
+                raise WorkerStartError(
+                    f"{self.spec.name} worker speaks protocol {hello.protocol}, the daemon "
+                    f"{m.PROTOCOL_VERSION}: reinstall hetspec so both come from one version"
+                )
+            load = m.Load(model=self.spec.model, settings=self.spec.settings, arena=self.arena)
+            self._loading = loop.create_future()
+            await self._commands.send(self._codec_encode(load)[0])
+            try:
+                self.ready = await self._wait(self._loading, load_timeout_s, "load its model")
+            except WorkerError as error:
+                raise WorkerStartError(f"{self.spec.name} worker: {error.message}") from None
+        except BaseException:
+            await self.stop(grace_s=1.0)
+            raise
+        ready = self.ready
+        log.info("worker ready", worker=self.spec.name, pid=self.pid, device=ready.device,
+                 model=ready.model, load_ms=round(ready.load_ms),
+                 startup_ms=round((time.perf_counter() - started) * 1000))  # fmt: skip
+        return ready
+
+    async def _wait(self, future: asyncio.Future, timeout_s: float, what: str):
+        done, _ = await asyncio.wait({future, self.died}, timeout=timeout_s,
+                                     return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        if future in done:
+            return future.result()
+        if self.died in done:
+            raise WorkerStartError(f"{self.spec.name} worker {self.died.result()} before it could "
+                                   f"{what}")  # fmt: skip
+        raise WorkerStartError(f"{self.spec.name} worker did not {what} within {timeout_s:g} s")
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Ask the worker to exit; terminate, then kill, if it does not within ``grace_s``."""
+        self._stopping = True
+        process = self._process
+        if process is not None and process.returncode is None:
+            with contextlib.suppress(zmq.ZMQError):
+                await self._commands.send_multipart(self._codec_encode(m.Shutdown()))
+            for action in (None, signal.SIGTERM, signal.SIGKILL):
+                if action is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        process.send_signal(action)
+                try:
+                    await asyncio.wait_for(asyncio.shield(process.wait()), grace_s)
+                    break
+                except TimeoutError:
+                    log.warning("worker slow to stop", worker=self.spec.name, pid=self.pid,
+                                next_step=str(action or "SIGTERM"))  # fmt: skip
+        await asyncio.sleep(0)  # let the exit watcher fail outstanding calls
+        self._mark_dead("was stopped")
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._close_sockets()
+
+    def kill(self) -> None:
+        """SIGKILL the worker now (a hung one); the exit watcher does the rest."""
+        if self._process is not None and self._process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._process.kill()
+
+    def _close_sockets(self) -> None:
+        for sock in (getattr(self, "_commands", None), getattr(self, "_replies", None)):
+            if sock is not None:
+                sock.close(linger=0)
+        for role in ("commands", "replies"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._endpoint(role).removeprefix("ipc://"))
+        if self._death_write is not None:
+            os.close(self._death_write)
+            self._death_write = None
+
+    def _mark_dead(self, reason: str) -> None:
+        if not self.died.done():
+            self.died.set_result(reason)
+        for request, call in list(self._calls.items()):
+            if not call.future.done():
+                call.future.set_exception(
+                    WorkerDied(self.spec.name, f"{reason} during {call.command}")
+                )
+            self._calls.pop(request, None)
+
+    async def _watch_exit(self) -> None:
+        code = await self._process.wait()
+        reason = (
+            f"exited with code {code}"
+            if code >= 0
+            else f"was killed by {signal.Signals(-code).name}"
+        )
+        if self._stopping:
+            log.info("worker exited", worker=self.spec.name, pid=self.pid, reason=reason)
+        elif not self.died.done():
+            log.warning("worker died", worker=self.spec.name, pid=self.pid, reason=reason)
+        self._mark_dead(reason)
+
+    async def _watch_heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.spec.heartbeat_s)
+            silent = time.monotonic() - self._last_beat
+            if silent > self.spec.heartbeat_timeout_s:
+                log.error("worker stopped answering; killing it", worker=self.spec.name,
+                          pid=self.pid, silent_s=round(silent, 1))  # fmt: skip
+                self.kill()
+                return
+
+    async def _receive(self) -> None:
+        while True:
+            frames = await self._replies.recv_multipart(copy=False)
+            self._last_beat = time.monotonic()
+            try:
+                reply = self._codec.decode(frames)
+            except MessageError as error:
+                log.error("malformed reply from worker", worker=self.spec.name, error=str(error))
+                continue
+            if isinstance(reply, m.Heartbeat):
+                continue
+            if isinstance(reply, m.Hello):
+                if self._handshake is not None and not self._handshake.done():
+                    self._handshake.set_result(reply)
+                continue
+            loading = self._loading is not None and not self._loading.done()
+            if isinstance(reply, m.Ready) or (isinstance(reply, m.Failed) and reply.request is None
+                                              and loading):  # fmt: skip
+                self._settle_load(reply)
+                continue
+            request = getattr(reply, "request", None)
+            call = self._calls.pop(request, None) if request is not None else None
+            if call is None:
+                log.warning("reply nobody waits for", worker=self.spec.name,
+                            op=type(reply).__name__, request=request)  # fmt: skip
+                continue
+            if call.future.done():
+                continue
+            if isinstance(reply, m.Failed):
+                call.future.set_exception(WorkerError(self.spec.name, reply.kind, reply.message))
+            else:
+                call.future.set_result((reply, frames))
+
+    def _settle_load(self, reply: m.Ready | m.Failed) -> None:
+        if self._loading is None or self._loading.done():
+            return
+        if isinstance(reply, m.Ready):
+            self._loading.set_result(reply)
+        else:
+            self._loading.set_exception(WorkerError(self.spec.name, reply.kind, reply.message))
+
+    # ------------------------------------------------------------ calls
+
+    def _codec_encode(self, message: msgspec.Struct, arrays=()) -> list:
+        return self._codec.encode(message, arrays)
+
+    def next_request(self) -> int:
+        return next(self._ids)
+
+    def _send_call(self, request: int, command: msgspec.Struct, arrays=()) -> asyncio.Future:
+        future = asyncio.get_running_loop().create_future()
+        if self.died.done():
+            future.set_exception(WorkerDied(self.spec.name, self.died.result()))
+            return future
+        self._calls[request] = _Call(future, type(command).__name__)
+        self._commands.send_multipart(self._codec_encode(command, arrays), copy=False)
+        return future
+
+    async def call(self, command: msgspec.Struct, arrays: tuple[np.ndarray, ...] = ()):
+        """Send ``command`` (whose ``request`` came from ``next_request``) and return the reply
+        and its frames; raises ``WorkerError`` for a ``Failed`` reply and ``WorkerDied`` when
+        the worker is gone. Cancelling the await sends ``Cancel`` to the worker."""
+        request = command.request
+        future = self._send_call(request, command, arrays)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._calls.pop(request, None)
+            if not self.died.done():
+                with contextlib.suppress(zmq.ZMQError):
+                    await self._commands.send(self._codec_encode(m.Cancel(request=request))[0])
+            raise
+
+    @property
+    def alive(self) -> bool:
+        return self.ready is not None and not self.died.done()

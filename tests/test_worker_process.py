@@ -1,0 +1,207 @@
+"""Real worker processes driven by the daemon's WorkerClient over ZeroMQ and shared memory."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from tiny_models import write_tiny_gguf_llama
+
+from hetspec.daemon.worker_client import (
+    WorkerClient,
+    WorkerDied,
+    WorkerError,
+    WorkerSpec,
+    WorkerStartError,
+)
+from hetspec.protocol import Arena, ArrayRef, frame_array
+from hetspec.protocol import worker_messages as m
+
+LOAD_TIMEOUT = 120
+VOCAB = 320
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    return write_tiny_gguf_llama(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture
+def arena(tmp_path):
+    with Arena.create(
+        f"/dev/shm/hetspec-test-{os.getpid()}-{tmp_path.name}", 4, 16 * VOCAB * 4
+    ) as arena:
+        yield arena
+
+
+def spec(gguf, runtime: str, **overrides) -> WorkerSpec:
+    if runtime == "torch":
+        settings = m.TorchSettings(max_context=128, threads=1)
+        model = str(gguf.parent)
+    else:
+        settings = m.LlamaCppSettings(n_ctx=128, threads=1, n_seq_max=4)
+        model = str(gguf)
+    options = {"name": "gpu" if runtime == "torch" else "cpu", "runtime": runtime, "model": model,
+               "settings": settings, "cores": (0,), "log_format": "console"}  # fmt: skip
+    return WorkerSpec(**{**options, **overrides})
+
+
+async def started(spec: WorkerSpec, tmp_path, arena) -> WorkerClient:
+    client = WorkerClient(spec, tmp_path, generation=1, arena=arena.layout)
+    await client.start(LOAD_TIMEOUT)
+    return client
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie is dead too
+        return stat.read().split(") ")[1][0] != "Z"
+
+
+async def test_both_engines_hand_shake_draft_and_verify_through_the_arena(
+    gguf, tmp_path, arena
+) -> None:
+    cpu = await started(spec(gguf, "llama.cpp"), tmp_path, arena)
+    gpu = await started(spec(gguf, "torch"), tmp_path, arena)
+    try:
+        assert cpu.ready.vocab == gpu.ready.vocab
+        assert cpu.ready.token_bytes == gpu.ready.token_bytes
+        assert (cpu.ready.device, gpu.ready.device, cpu.ready.context) == ("cpu", "cpu", 128)
+        assert os.sched_getaffinity(cpu.pid) == {0}
+
+        reply, _ = await cpu.call(m.Tokenize(request=cpu.next_request(), text="def load(path):"))
+        prompt = reply.tokens
+        for client in (cpu, gpu):
+            reply, _ = await client.call(m.Prefill(request=client.next_request(), tokens=prompt))
+            assert reply.committed == len(prompt)
+        draft, _ = await cpu.call(
+            m.Draft(
+                request=cpu.next_request(), steps=4, sampling=m.SamplingParams(), out=0, branches=2
+            )
+        )
+        probs = arena.view(draft.probs)
+        assert probs.shape == (2, 4, VOCAB)
+        np.testing.assert_allclose(probs.sum(-1), 1, atol=1e-5)
+        chain = draft.tokens[0]
+        verified, _ = await gpu.call(m.VerifyTree(request=gpu.next_request(), tokens=chain,
+                                                  parents=[-1, 0, 1, 2], out=1))  # fmt: skip
+        logits = arena.view(verified.logits)
+        # the same model on both sides: the target agrees with every greedy draft token
+        assert logits[:3].argmax(-1).tolist() == chain[1:]
+        committed, _ = await gpu.call(
+            m.Commit(request=gpu.next_request(), nodes=[0, 1], tokens=[7])
+        )
+        assert committed.committed == len(prompt) + 3
+
+        with pytest.raises(WorkerError, match="cannot roll back to 99") as failure:
+            await gpu.call(m.Rollback(request=gpu.next_request(), length=99))
+        assert failure.value.kind == "usage"
+        with pytest.raises(WorkerError, match="does not fit"):
+            await gpu.call(m.VerifyTree(request=gpu.next_request(), tokens=[1] * 17,
+                                        parents=list(range(-1, 16)), out=2))  # fmt: skip
+        # still serving after refusing bad commands
+        reply, _ = await gpu.call(m.Rollback(request=gpu.next_request(), length=2))
+        assert reply.committed == 2
+    finally:
+        await asyncio.gather(cpu.stop(), gpu.stop())
+    assert not pid_alive(cpu.pid)
+    assert not pid_alive(gpu.pid)
+    assert not list(tmp_path.glob("*.sock"))
+
+
+async def test_arrays_travel_in_frames_and_in_slots(gguf, tmp_path, arena) -> None:
+    cpu = await started(spec(gguf, "llama.cpp"), tmp_path, arena)
+    try:
+        row = np.random.default_rng(0).random(1000, dtype=np.float32)
+        echoed, frames = await cpu.call(
+            m.Echo(request=cpu.next_request(), data=m.ArrayRef("<f4", (1000,), frame=1)), (row,)
+        )
+        np.testing.assert_array_equal(frame_array(echoed.data, frames), row)
+        arena.empty(2, (1000,))[:] = row
+        echoed, _ = await cpu.call(
+            m.Echo(request=cpu.next_request(), data=ArrayRef("<f4", (1000,), slot=2), out=3)
+        )
+        np.testing.assert_array_equal(arena.view(echoed.data), row)
+    finally:
+        await cpu.stop()
+
+
+@pytest.mark.parametrize("runtime", ["llama.cpp", "torch"])
+async def test_a_model_that_cannot_load_is_a_clear_start_error(
+    gguf, tmp_path, arena, runtime
+) -> None:
+    missing = tmp_path / "missing-model"
+    started_at = time.monotonic()
+    with pytest.raises(WorkerStartError, match=f"worker: .*{missing.name}"):
+        await started(spec(gguf, runtime, model=str(missing)), tmp_path, arena)
+    assert time.monotonic() - started_at < 30
+
+
+async def test_a_killed_worker_fails_the_call_in_flight_at_once(gguf, tmp_path, arena) -> None:
+    cpu = await started(spec(gguf, "llama.cpp"), tmp_path, arena)
+    try:
+        await cpu.call(m.Prefill(request=cpu.next_request(), tokens=[0, 5, 6]))
+        calls = [asyncio.ensure_future(cpu.call(m.Draft(request=cpu.next_request(), steps=16,
+                 sampling=m.SamplingParams(), out=i % 2))) for i in range(500)]  # fmt: skip
+        await calls[0]  # the worker is busy with the queue now
+        os.kill(cpu.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        assert time.monotonic() - killed_at < 2
+        failures = [r for r in results if isinstance(r, WorkerDied)]
+        assert failures, results[:3]
+        assert "was killed by SIGKILL" in str(failures[0])
+        with pytest.raises(WorkerDied):
+            await cpu.call(m.Rollback(request=cpu.next_request(), length=0))
+    finally:
+        await cpu.stop()
+
+
+async def test_a_hung_worker_is_killed_when_its_heartbeats_stop(gguf, tmp_path, arena) -> None:
+    cpu = await started(
+        spec(gguf, "llama.cpp", heartbeat_s=0.1, heartbeat_timeout_s=1.0), tmp_path, arena
+    )
+    try:
+        os.kill(cpu.pid, signal.SIGSTOP)
+        reason = await asyncio.wait_for(cpu.died, 10)
+        assert reason == "was killed by SIGKILL"
+    finally:
+        await cpu.stop()
+
+
+def test_a_worker_exits_when_the_daemon_dies(gguf, tmp_path) -> None:
+    """The daemon is SIGKILLed with its worker loaded: the death pipe takes the worker down."""
+    script = f"""
+import asyncio, os, sys
+from hetspec.daemon.worker_client import WorkerClient, WorkerSpec
+from hetspec.protocol import worker_messages as m
+async def main():
+    spec = WorkerSpec("cpu", "llama.cpp", {str(gguf)!r}, m.LlamaCppSettings(n_ctx=64, threads=1))
+    client = WorkerClient(spec, __import__("pathlib").Path({str(tmp_path)!r}), 1)
+    await client.start(120)
+    print("worker pid", client.pid, flush=True)
+    await asyncio.sleep(600)
+asyncio.run(main())
+"""
+    daemon = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    line = ""
+    while not line.startswith("worker pid"):  # structlog's default output shares stdout
+        line = daemon.stdout.readline()
+        assert line, "the daemon stand-in exited early"
+    worker_pid = int(line.split()[-1])
+    assert pid_alive(worker_pid)
+    daemon.kill()
+    daemon.wait()
+    deadline = time.monotonic() + 5
+    while pid_alive(worker_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(worker_pid)

@@ -1,0 +1,328 @@
+"""``python -m hetspec.workers.process``: a worker process hosting one engine.
+
+The daemon starts this as a fresh interpreter (never a fork: a process forked after llama.cpp
+has decoded hangs, and forking after CUDA is unsafe) and talks to it over two ZeroMQ sockets
+the daemon binds: commands (PUSH -> our PULL) and replies (our PUSH -> its PULL).
+
+Two threads keep I/O apart from compute:
+- the I/O thread receives and decodes commands, answers malformed ones itself, turns ``Cancel``
+  into a flag, sends heartbeats (on its own socket, so no socket is shared between threads),
+  and exits the process when the daemon dies (the death pipe reaches EOF);
+- the main thread runs the engine one command at a time and sends each reply.
+Torch and llama.cpp release the GIL while they compute, so heartbeats flow during long work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+import msgspec
+import numpy as np
+import structlog
+import zmq
+
+from hetspec.logs import configure_logging
+from hetspec.protocol import Arena, ArenaError, Codec, MessageError, frame_array, frame_ref
+from hetspec.protocol import worker_messages as m
+from hetspec.protocol.sampling import SamplingError
+
+RUNTIMES = ("llama.cpp", "torch")
+PR_SET_PDEATHSIG = 1
+log = structlog.get_logger("hetspec.worker")
+
+
+class LoadError(RuntimeError):
+    """The model could not be loaded; the message says why."""
+
+
+def die_with_parent(parent: int) -> None:
+    """Ask Linux to SIGKILL us when the daemon dies (a second guard besides the death pipe)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the death pipe alone guards
+    if os.getppid() != parent:  # the daemon died before prctl took effect
+        os._exit(1)
+
+
+def load_runtime(kind: str, model: str, settings: m.RuntimeSettings):
+    """Import and build the engine only now, in this process, after the cores are set."""
+    options = msgspec.structs.asdict(settings)
+    if kind == "llama.cpp":
+        from hetspec.workers.llama_cpp_runtime import LlamaCppError, LlamaCppRuntime  # noqa: PLC0415
+
+        if not isinstance(settings, m.LlamaCppSettings):
+            raise LoadError("the llama.cpp worker takes llama.cpp settings")
+        try:
+            return LlamaCppRuntime(model, **options), "cpu"
+        except LlamaCppError as error:
+            raise LoadError(str(error)) from None
+    from hetspec.workers.torch_runtime import ModelLoadError, TorchRuntime  # noqa: PLC0415
+
+    if not isinstance(settings, m.TorchSettings):
+        raise LoadError("the torch worker takes torch settings")
+    try:
+        runtime = TorchRuntime(model, **options)
+        runtime.vocab_info()  # a folder without a usable tokenizer fails here, at load
+    except ModelLoadError as error:
+        raise LoadError(str(error)) from None
+    return runtime, str(runtime.device)
+
+
+class IOThread(threading.Thread):
+    """Receives commands, watches the daemon, sends heartbeats."""
+
+    def __init__(self, context: zmq.Context, args: argparse.Namespace, inbox: queue.SimpleQueue):
+        super().__init__(name="worker-io", daemon=True)
+        self.commands = context.socket(zmq.PULL)
+        self.commands.connect(args.commands)
+        self.beats = context.socket(zmq.PUSH)
+        self.beats.setsockopt(zmq.LINGER, 0)
+        self.beats.connect(args.replies)
+        self.codec = Codec(m.Command)
+        self.inbox = inbox
+        self.death_fd = args.death_fd
+        self.interval = args.heartbeat
+        self.cancelled: set[int] = set()
+        self.busy: int | None = None  # written by the compute thread, read here
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.commands, zmq.POLLIN)
+        poller.register(self.death_fd, zmq.POLLIN)
+        next_beat = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if now >= next_beat:
+                self.beats.send(self.codec.encode(m.Heartbeat(sent=now, busy=self.busy))[0])
+                next_beat = now + self.interval
+            events = dict(poller.poll(timeout=max(1, int((next_beat - now) * 1000))))
+            if self.death_fd in events:  # EOF: the daemon is gone, and so is our purpose
+                os._exit(3)
+            if self.commands in events:
+                self._receive(self.commands.recv_multipart())
+
+    def _receive(self, frames: list[bytes]) -> None:
+        try:
+            command = self.codec.decode(frames)
+        except MessageError as error:
+            failed = m.Failed(request=None, kind="protocol", message=str(error))
+            self.beats.send(self.codec.encode(failed)[0])
+            return
+        if isinstance(command, m.Cancel):
+            self.cancelled.add(command.request)
+            return
+        self.inbox.put((command, frames))
+
+
+class Worker:
+    """The compute side: one engine, the arena, and the handlers for each command."""
+
+    def __init__(self, kind: str, replies: zmq.Socket, io: IOThread) -> None:
+        self.kind = kind
+        self.replies = replies
+        self.io = io
+        self.codec = Codec(m.Command)
+        self.runtime = None
+        self.arena: Arena | None = None
+        self.rng = np.random.default_rng()
+        self.handlers: dict[type, Callable] = {
+            m.Load: self.load, m.Prefill: self.prefill, m.Draft: self.draft,
+            m.VerifyTree: self.verify, m.Commit: self.commit, m.Rollback: self.rollback,
+            m.Tokenize: self.tokenize, m.Echo: self.echo,
+        }  # fmt: skip
+
+    def send(self, message: msgspec.Struct, arrays=()) -> None:
+        self.replies.send_multipart(self.codec.encode(message, arrays), copy=False)
+
+    def serve(self) -> None:
+        while True:
+            command, frames = self.io.inbox.get()
+            if isinstance(command, m.Shutdown):
+                return
+            request = getattr(command, "request", None)
+            if request in self.io.cancelled:
+                self.io.cancelled.discard(request)
+                self.send(m.Failed(request=request, kind="cancelled", message="cancelled"))
+                continue
+            self.io.busy = request
+            try:
+                reply, arrays = self.handlers[type(command)](command, frames)
+            except Exception as error:
+                reply, arrays = self.failure(command, error), ()
+            finally:
+                self.io.busy = None
+            self.send(reply, arrays)
+
+    def failure(self, command: msgspec.Struct, error: Exception) -> m.Failed:
+        from hetspec.workers.tree_runtime import RuntimeUsageError  # noqa: PLC0415
+
+        request = getattr(command, "request", None)
+        if isinstance(error, LoadError):
+            return m.Failed(request=request, kind="load", message=str(error))
+        if isinstance(error, RuntimeUsageError | SamplingError | ArenaError | MessageError):
+            return m.Failed(request=request, kind="usage", message=str(error))
+        where = traceback.extract_tb(error.__traceback__)[-1]
+        log.error("command failed", op=type(command).__name__, exc_info=error)
+        message = f"{type(error).__name__}: {error} (at {where.filename}:{where.lineno})"
+        return m.Failed(request=request, kind="internal", message=message)
+
+    # ------------------------------------------------------------ handlers
+
+    def _engine(self):
+        if self.runtime is None:
+            raise LoadError("no model is loaded")
+        return self.runtime
+
+    def _slot(self, slot: int, shape: tuple[int, ...]) -> np.ndarray:
+        if self.arena is None:
+            raise ArenaError("no shared-memory arena was given at load")
+        return self.arena.empty(slot, shape)
+
+    def load(self, command: m.Load, frames) -> tuple:
+        start = time.perf_counter()
+        if self.runtime is not None:
+            getattr(self.runtime, "close", lambda: None)()
+            self.runtime = None
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+        if command.arena is not None:
+            self.arena = Arena.attach(command.arena)
+        self.runtime, device = load_runtime(self.kind, command.model, command.settings)
+        runtime = self.runtime
+        threads = getattr(runtime, "threads", None) or _torch_threads()
+        ready = m.Ready(
+            model=command.model, device=device, vocab=runtime.vocab_info(),
+            context=runtime.capacity, threads=threads,
+            load_ms=(time.perf_counter() - start) * 1000,
+            token_bytes=[runtime.token_bytes(i) for i in range(runtime.vocab_size)],
+        )  # fmt: skip
+        log.info("model loaded", model=command.model, device=device, ms=round(ready.load_ms))
+        return ready, ()
+
+    def prefill(self, command: m.Prefill, frames) -> tuple:
+        start = time.perf_counter()
+        reused = self._engine().prefill(command.tokens)
+        self.rng = np.random.default_rng(command.seed)
+        elapsed = (time.perf_counter() - start) * 1000
+        committed = self.runtime.committed
+        return m.Prefilled(command.request, reused, committed, elapsed), ()
+
+    def draft(self, command: m.Draft, frames) -> tuple:
+        start = time.perf_counter()
+        engine = self._engine()
+        out = self._slot(command.out, (command.branches, command.steps, engine.vocab_size))
+        result = engine.draft(
+            command.steps, command.sampling, self.rng, branches=command.branches, out=out
+        )
+        probs = m.ArrayRef(out.dtype.str, out.shape, slot=command.out)
+        elapsed = (time.perf_counter() - start) * 1000
+        reply = m.Drafted(command.request, result.tokens.tolist(), result.nodes.tolist(), probs,
+                          elapsed)  # fmt: skip
+        return reply, ()
+
+    def verify(self, command: m.VerifyTree, frames) -> tuple:
+        start = time.perf_counter()
+        engine = self._engine()
+        out = self._slot(command.out, (len(command.tokens), engine.vocab_size))
+        engine.evaluate_tree(command.tokens, command.parents, extend=command.extend, out=out)
+        logits = m.ArrayRef(out.dtype.str, out.shape, slot=command.out)
+        return m.Verified(command.request, logits, (time.perf_counter() - start) * 1000), ()
+
+    def commit(self, command: m.Commit, frames) -> tuple:
+        start = time.perf_counter()
+        engine = self._engine()
+        engine.commit(command.nodes)
+        if command.tokens:
+            engine.append(command.tokens)
+        elapsed = (time.perf_counter() - start) * 1000
+        return m.Committed(command.request, engine.committed, elapsed), ()
+
+    def rollback(self, command: m.Rollback, frames) -> tuple:
+        start = time.perf_counter()
+        engine = self._engine()
+        engine.rollback(command.length)
+        elapsed = (time.perf_counter() - start) * 1000
+        return m.Committed(command.request, engine.committed, elapsed), ()
+
+    def tokenize(self, command: m.Tokenize, frames) -> tuple:
+        tokens = self._engine().tokenize(command.text, add_special=command.add_special)
+        return m.Tokenized(command.request, tokens), ()
+
+    def echo(self, command: m.Echo, frames) -> tuple:
+        """Copy the array back: into slot ``out``, or as a frame when ``out`` is -1."""
+        if command.data.frame >= 1:
+            data = frame_array(command.data, frames)
+        else:
+            if self.arena is None:
+                raise ArenaError("no shared-memory arena was given at load")
+            data = self.arena.view(command.data)
+        if command.out < 0:
+            return m.Echoed(command.request, frame_ref(data, 1)), (data,)
+        target = self._slot(command.out, data.shape)
+        np.copyto(target, data, casting="no")
+        return m.Echoed(command.request, m.ArrayRef(data.dtype.str, data.shape,
+                                                    slot=command.out)), ()  # fmt: skip
+
+
+def _torch_threads() -> int:
+    import torch  # noqa: PLC0415
+
+    return torch.get_num_threads()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m hetspec.workers.process")
+    parser.add_argument("--runtime", choices=RUNTIMES, required=True)
+    parser.add_argument("--name", required=True, help="how logs name this worker")
+    parser.add_argument("--commands", required=True, help="ZeroMQ endpoint the daemon pushes to")
+    parser.add_argument("--replies", required=True, help="ZeroMQ endpoint the daemon pulls from")
+    parser.add_argument("--death-fd", type=int, required=True, help="read end of the death pipe")
+    parser.add_argument("--parent", type=int, required=True, help="the daemon's pid")
+    parser.add_argument("--cores", default="", help="comma-separated cores this worker owns")
+    parser.add_argument("--heartbeat", type=float, default=0.5, help="seconds between beats")
+    parser.add_argument("--log-format", choices=["json", "console"], default="json")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    die_with_parent(args.parent)
+    if args.cores:  # before any runtime is imported: thread pools size themselves from it
+        os.sched_setaffinity(0, {int(core) for core in args.cores.split(",")})
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when we stop
+    configure_logging(log_format=args.log_format, worker=args.name, pid=os.getpid())
+
+    context = zmq.Context()
+    replies = context.socket(zmq.PUSH)
+    replies.setsockopt(zmq.LINGER, 2000)
+    replies.connect(args.replies)
+    io = IOThread(context, args, queue.SimpleQueue())
+    worker = Worker(args.runtime, replies, io)
+    cores = sorted(os.sched_getaffinity(0))
+    hello = m.Hello(protocol=m.PROTOCOL_VERSION, pid=os.getpid(), runtime=args.runtime, cores=cores)
+    worker.send(hello)
+    io.start()
+    log.info("worker started", runtime=args.runtime, cores=cores)
+    worker.serve()
+    log.info("worker stopping")
+    if worker.arena is not None:
+        worker.arena.close()
+    replies.close()  # lingers until the last replies are out
+    sys.stderr.flush()
+    os._exit(0)  # the I/O thread's sockets would make a normal exit wait on zmq_ctx_term
+
+
+if __name__ == "__main__":
+    sys.exit(main())
