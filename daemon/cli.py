@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
+from pathlib import Path
 
 import msgspec
+import uvloop
 
 from hetspec import __version__
+from hetspec.daemon.config import DEFAULT_CONFIG_FILE, ConfigError, load_config, parse_value
 from hetspec.daemon.runtime_check import check_runtimes, describe
+from hetspec.daemon.service import Service
 from hetspec.logs import LOG_LEVELS, configure_logging, get_logger
 from hetspec.protocol import ProbeFailure
 
@@ -35,9 +40,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--json", action="store_true", help="with --check: print the reports as JSON"
     )
-    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info")
-    parser.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
+    parser.add_argument("--config", type=Path, help=f"TOML file (default {DEFAULT_CONFIG_FILE}, "
+                        "or $HETSPEC_CONFIG; a missing default file is fine)")  # fmt: skip
+    parser.add_argument("--socket", help="Unix socket to serve HTTP on")
+    parser.add_argument("--runtime-dir", help="directory for the lock and worker endpoints")
+    parser.add_argument("--placement", choices=("draft-cpu", "draft-gpu"))
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any setting, e.g. --set cpu_worker.n_batch=256 (repeatable)",
+    )
+    parser.add_argument("--log-level", choices=LOG_LEVELS)
+    parser.add_argument("--log-format", choices=("auto", "json", "console"))
     return parser
+
+
+def overrides_from(args: argparse.Namespace) -> dict[str, object]:
+    overrides: dict[str, object] = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
+        overrides[key.strip()] = parse_value(value.strip())
+    named = {"socket": args.socket, "runtime_dir": args.runtime_dir, "placement": args.placement,
+             "log_level": args.log_level, "log_format": args.log_format}  # fmt: skip
+    overrides.update({key: value for key, value in named.items() if value is not None})
+    return overrides
 
 
 def run_check(as_json: bool) -> int:
@@ -57,14 +87,19 @@ def run_check(as_json: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_level, args.log_format, process="hetspecd")
     if args.check:
+        configure_logging(args.log_level or "info", args.log_format or "auto", process="hetspecd")
         return run_check(args.json)
-    get_logger(__name__).error(
-        "serving is not available in this version yet; `hetspecd --check` reports the runtimes",
-        version=__version__,
-    )
-    return 1
+    try:
+        config = load_config(args.config, overrides_from(args))
+    except ConfigError as error:
+        print(f"hetspecd: bad configuration: {error}", file=sys.stderr)
+        return 2
+    configure_logging(config.log_level, config.log_format, process="hetspecd")
+    worker_log_format = "json" if config.log_format == "auto" and not sys.stderr.isatty() else (
+        "console" if config.log_format == "auto" else config.log_format)  # fmt: skip
+    get_logger(__name__).info("starting", version=__version__, pid=os.getpid())
+    return uvloop.run(Service(config, worker_log_format).run())
 
 
 if __name__ == "__main__":

@@ -37,14 +37,14 @@ log = structlog.get_logger("hetspec.daemon.worker")
 class WorkerError(RuntimeError):
     """A worker answered a command with ``Failed``; ``kind`` says what sort of failure."""
 
-    def __init__(self, worker: str, kind: str, message: str) -> None:
-        super().__init__(f"{worker} worker: {message}")
+    def __init__(self, worker: str, kind: str, message: str, text: str | None = None) -> None:
+        super().__init__(text or f"{worker} worker: {message}")
         self.worker, self.kind, self.message = worker, kind, message
 
 
 class WorkerDied(WorkerError):
     def __init__(self, worker: str, reason: str) -> None:
-        super().__init__(worker, "died", reason)
+        super().__init__(worker, "died", reason, f"the {worker} worker {reason}")
 
 
 class WorkerStartError(RuntimeError):

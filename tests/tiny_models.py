@@ -83,7 +83,13 @@ def tokenizer_texts() -> list[str]:
 
 
 def write_tiny_gguf_llama(
-    folder: Path, *, seed: int = 0, layers: int = 2, vocab_size: int = 320, gguf_type="f32"
+    folder: Path,
+    *,
+    seed: int = 0,
+    layers: int = 2,
+    vocab_size: int = 320,
+    gguf_type: str = "f32",
+    context: int | None = None,
 ) -> Path:
     """A random tiny Llama with a trained byte-level BPE tokenizer: HF folder + GGUF file.
 
@@ -102,7 +108,12 @@ def write_tiny_gguf_llama(
     tokenizer = train_tokenizer(tokenizer_texts(), vocab_size)
     bos = tokenizer.token_to_id(BOS)
     config = transformers.LlamaConfig(
-        **{**COMMON, "vocab_size": tokenizer.get_vocab_size(), "num_hidden_layers": layers},
+        **{
+            **COMMON,
+            "vocab_size": tokenizer.get_vocab_size(),
+            "num_hidden_layers": layers,
+            "max_position_embeddings": context or COMMON["max_position_embeddings"],
+        },
         bos_token_id=bos,
         eos_token_id=bos,
     )
@@ -115,5 +126,5 @@ def write_tiny_gguf_llama(
                 (1 if name.endswith("norm.weight") else 0) + scale * torch.randn_like(param)
             )
     model.save_pretrained(folder, safe_serialization=True)
-    write_tokenizer_files(tokenizer, folder, COMMON["max_position_embeddings"])
+    write_tokenizer_files(tokenizer, folder, config.max_position_embeddings)
     return export_gguf(folder, folder / f"model-{gguf_type}.gguf", gguf_type)

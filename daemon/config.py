@@ -1,0 +1,179 @@
+"""hetspecd's configuration: defaults < TOML file < ``HETSPEC_*`` environment < command line.
+
+Every setting has a default, so ``hetspecd`` with no configuration serves the bundled demo
+models. A bad setting is one ``ConfigError`` line naming the key and where it came from.
+
+Environment variables name a key with its section: ``HETSPEC_SOCKET``,
+``HETSPEC_CPU_WORKER__N_BATCH`` (a double underscore between section and key). Values are
+read as TOML values when they parse as one (``8``, ``true``, ``[0, 1]``) and as strings
+otherwise. ``--set section.key=value`` on the command line does the same.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from hetspec.protocol.worker_messages import LlamaCppSettings, TorchSettings
+
+DEFAULT_CONFIG_FILE = Path("/etc/hetspec/hetspecd.toml")
+BUNDLED_MODELS = Path(__file__).resolve().parents[1] / "models"
+ENV_PREFIX = "HETSPEC_"
+
+
+class ConfigError(ValueError):
+    """One line that names the bad key, what is wrong and where the value came from."""
+
+
+class ModelPaths(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One model in both exports: the torch worker loads ``folder``, llama.cpp ``gguf``."""
+
+    folder: str
+    gguf: str
+
+
+class CpuWorkerConfig(LlamaCppSettings, forbid_unknown_fields=True, kw_only=True, tag=False):
+    cores: list[int] | None = None  # None: the daemon splits the box (see cores.py)
+
+
+class GpuWorkerConfig(TorchSettings, forbid_unknown_fields=True, kw_only=True, tag=False):
+    cores: list[int] | None = None
+
+
+class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    socket: str = "/run/hetspec/hetspecd.sock"
+    runtime_dir: str = "/run/hetspec"  # ZeroMQ endpoints and the instance lock live here
+    placement: Literal["draft-cpu", "draft-gpu"] = "draft-cpu"
+    target: ModelPaths = msgspec.field(
+        default_factory=lambda: ModelPaths(
+            folder=str(BUNDLED_MODELS / "target"),
+            gguf=str(BUNDLED_MODELS / "target" / "target-q8_0.gguf"),
+        )
+    )
+    draft: ModelPaths = msgspec.field(
+        default_factory=lambda: ModelPaths(
+            folder=str(BUNDLED_MODELS / "draft"),
+            gguf=str(BUNDLED_MODELS / "draft" / "draft-q8_0.gguf"),
+        )
+    )
+    cpu_worker: CpuWorkerConfig = msgspec.field(default_factory=CpuWorkerConfig)
+    gpu_worker: GpuWorkerConfig = msgspec.field(default_factory=GpuWorkerConfig)
+    arena_slots: int = 8  # shared-memory slots for probability rows and logits
+    max_tree_nodes: int = 64  # the widest draft or tree a slot must hold
+    load_timeout_s: float = 300.0
+    drain_timeout_s: float = 30.0
+    heartbeat_s: float = 0.5
+    heartbeat_timeout_s: float = 10.0
+    restart_backoff_s: tuple[float, float] = (0.5, 30.0)  # first and largest delay
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["auto", "json", "console"] = "auto"
+
+    def __post_init__(self) -> None:
+        positive = {"arena_slots": self.arena_slots, "max_tree_nodes": self.max_tree_nodes,
+                    "load_timeout_s": self.load_timeout_s, "heartbeat_s": self.heartbeat_s,
+                    "heartbeat_timeout_s": self.heartbeat_timeout_s}  # fmt: skip
+        for key, value in positive.items():
+            if not value > 0:
+                raise ValueError(f"{key} must be > 0, not {value}")
+        if self.heartbeat_timeout_s <= 2 * self.heartbeat_s:
+            raise ValueError("heartbeat_timeout_s must exceed two heartbeat_s intervals")
+        low, high = self.restart_backoff_s
+        if not 0 < low <= high:
+            raise ValueError(f"restart_backoff_s must be [first, largest] with 0 < first <= "
+                             f"largest, not {list(self.restart_backoff_s)}")  # fmt: skip
+
+
+def parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_path(tree: dict, dotted: str, value: Any, source: str) -> None:
+    *sections, key = dotted.split(".")
+    node = tree
+    for section in sections:
+        child = node.setdefault(section, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: {section} is not a section ({source})")
+        node = child
+    node[key] = value
+
+
+def _environment_overrides(environ: Mapping[str, str]) -> list[tuple[str, Any, str]]:
+    overrides = []
+    for name, text in sorted(environ.items()):
+        if not name.startswith(ENV_PREFIX) or name == "HETSPEC_CONFIG":
+            continue
+        dotted = name.removeprefix(ENV_PREFIX).lower().replace("__", ".")
+        overrides.append((dotted, parse_value(text), f"environment variable {name}"))
+    return overrides
+
+
+def _describe_validation_error(error: msgspec.ValidationError) -> tuple[str, str]:
+    """msgspec says "Expected `int`, got `str` - at `$.cpu_worker.n_batch`": split it."""
+    text = str(error)
+    message, _, where = text.rpartition(" - at `$.")
+    if not message:  # a top-level problem; our own checks start with the key they concern
+        first, _, rest = text.partition(" ")
+        if first in DaemonConfig.__struct_fields__:
+            return first, rest
+        return "", text[0].lower() + text[1:]
+    return where.rstrip("`"), message[0].lower() + message[1:]
+
+
+def load_config(
+    path: Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> DaemonConfig:
+    """The effective configuration. ``path`` None means ``$HETSPEC_CONFIG`` or the default
+    file, either of which may be absent; an explicit path must exist."""
+    environ = os.environ if environ is None else environ
+    explicit = path is not None or bool(environ.get("HETSPEC_CONFIG"))
+    path = Path(path or environ.get("HETSPEC_CONFIG") or DEFAULT_CONFIG_FILE)
+    tree: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    try:
+        tree = tomllib.loads(path.read_text())
+        for key in _flatten(tree):
+            sources[key] = str(path)
+    except FileNotFoundError:
+        if explicit:
+            raise ConfigError(f"configuration file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"cannot read configuration file {path}: {error}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path} is not valid TOML: {error}") from None
+    layered = _environment_overrides(environ)
+    layered += [(k, v, f"--set {k}") for k, v in (overrides or {}).items()]
+    for dotted, value, source in layered:
+        _set_path(tree, dotted, value, source)
+        sources[dotted] = source
+    try:
+        return msgspec.convert(tree, DaemonConfig, strict=False)
+    except msgspec.ValidationError as error:
+        key, message = _describe_validation_error(error)
+        source = sources.get(key) or next(
+            (s for k, s in sources.items() if k.startswith(key + ".") or key.startswith(k)),
+            "defaults",
+        )
+        if "unknown field" in message:
+            field = message.split("`")[1]
+            key = f"{key}.{field}" if key else field
+            raise ConfigError(f"{key}: unknown setting ({sources.get(key, source)})") from None
+        raise ConfigError(f"{key or 'configuration'}: {message} ({source})") from None
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        keys += _flatten(value, dotted + ".") if isinstance(value, dict) else [dotted]
+    return keys

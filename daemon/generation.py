@@ -1,0 +1,107 @@
+"""Generation requests as the daemon runs them today: autoregressive on the target worker.
+
+This is the baseline every speculative mode is measured against and the path the daemon's
+supervision is exercised on; the speculative engine (draft on one worker, verify on the other)
+replaces the loop below, not the request handling around it.
+"""
+
+from __future__ import annotations
+
+import codecs
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+
+from hetspec.daemon.worker_client import WorkerClient
+from hetspec.protocol import worker_messages as m
+from hetspec.protocol.sampling import SamplingParams
+
+
+class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    prompt: str
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stream: bool = True
+    ignore_eos: bool = False  # generate exactly max_tokens (benchmarks)
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            raise ValueError("prompt must not be empty")
+        if not 1 <= self.max_tokens <= 1_000_000:
+            raise ValueError(f"max_tokens must be in 1..1000000, not {self.max_tokens}")
+        self.sampling  # noqa: B018 - validates temperature/top_k/top_p
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p)
+
+
+class Detokenizer:
+    """Token ids to text, piece by piece, never splitting a UTF-8 character across pieces."""
+
+    def __init__(self, token_bytes: list[bytes]) -> None:
+        self._bytes = token_bytes
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add(self, token: int) -> str:
+        return self._decoder.decode(self._bytes[token])
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    prompt_ms: float = 0.0
+    decode_ms: float = 0.0
+    done_reason: str = "length"
+
+
+async def generate(
+    request: GenerateRequest, worker: WorkerClient, slot: int, result: GenerationResult
+) -> AsyncIterator[str]:
+    """Yield text pieces; ``result`` holds the tokens and timings (complete when exhausted).
+    Each token is sampled by the worker from its logits (its probability row lands in arena
+    slot ``slot``, unread: plain decoding needs only the token) and then committed."""
+    ready = worker.ready
+    started = time.perf_counter()
+    tokenized, _ = await worker.call(m.Tokenize(request=worker.next_request(), text=request.prompt))
+    prompt = tokenized.tokens
+    if len(prompt) + request.max_tokens > ready.context:
+        raise ValueError(
+            f"the prompt has {len(prompt)} tokens; with max_tokens "
+            f"{request.max_tokens} that exceeds the {ready.context}-token context"
+        )
+    await worker.call(m.Prefill(request=worker.next_request(), tokens=prompt, seed=request.seed))
+    result.prompt_tokens = len(prompt)
+    result.prompt_ms = (time.perf_counter() - started) * 1000
+    decode_start = time.perf_counter()
+    detokenizer = Detokenizer(ready.token_bytes)
+    eos = -1 if request.ignore_eos else ready.vocab.eos
+    try:
+        while len(result.tokens) < request.max_tokens:
+            drafted, _ = await worker.call(
+                m.Draft(request=worker.next_request(), steps=1, sampling=request.sampling, out=slot)
+            )
+            token = drafted.tokens[0][0]
+            if token == eos:
+                result.done_reason = "stop"
+                break
+            result.tokens.append(token)
+            piece = detokenizer.add(token)
+            if piece:
+                yield piece
+            if len(result.tokens) < request.max_tokens:
+                await worker.call(m.Commit(request=worker.next_request(), tokens=[token]))
+        tail = detokenizer.flush()
+        if tail:
+            yield tail
+    finally:
+        result.decode_ms = (time.perf_counter() - decode_start) * 1000

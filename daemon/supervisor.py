@@ -1,0 +1,181 @@
+"""The supervisor: both workers up, their vocabularies compatible, and kept up.
+
+It builds each worker's spec from the configuration and the placement (which model each
+runtime loads), starts both at once, refuses a draft/target pair whose tokenizers differ,
+and restarts a worker that dies, with exponential backoff, for as long as the daemon runs.
+A request that was using a dead worker fails at once (``WorkerDied``); the next one waits for
+the restarted worker (``wait_ready``) or fails clearly if it does not come back in time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import structlog
+
+from hetspec.daemon.config import DaemonConfig
+from hetspec.daemon.cores import check_cores, cuda_present, owned_cores, split_cores
+from hetspec.daemon.worker_client import WorkerClient, WorkerSpec, WorkerStartError
+from hetspec.protocol import worker_messages as m
+from hetspec.protocol.arena import ArenaLayout
+from hetspec.speculative.vocab import incompatibilities
+
+log = structlog.get_logger("hetspec.daemon.supervisor")
+
+
+class StartupError(RuntimeError):
+    """The daemon cannot serve with this configuration; the message says why."""
+
+
+class WorkerUnavailable(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Roles:
+    drafter: str  # worker name: "cpu" or "gpu"
+    verifier: str
+
+
+def roles(placement: str) -> Roles:
+    return Roles("cpu", "gpu") if placement == "draft-cpu" else Roles("gpu", "cpu")
+
+
+def vocab_size_of(folder: str) -> int:
+    """The logits width of a model folder, read from config.json without loading anything."""
+    path = Path(folder) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+        return int(config.get("text_config", config)["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise StartupError(f"cannot read the vocabulary size from {path}: {error}") from None
+
+
+def worker_specs(config: DaemonConfig, log_format: str) -> dict[str, WorkerSpec]:
+    """The two workers' specs for this configuration's placement and core split."""
+    owned = owned_cores()
+    cpu_cores, gpu_cores = split_cores(owned, cuda_present(config.gpu_worker.device))
+    cpu_cfg, gpu_cfg = config.cpu_worker, config.gpu_worker
+    cpu_cores = cpu_cfg.cores or cpu_cores
+    gpu_cores = gpu_cfg.cores or gpu_cores
+    check_cores("cpu_worker", cpu_cores, max(cpu_cfg.threads or 0, cpu_cfg.threads_batch or 0)
+                or None, owned)  # fmt: skip
+    check_cores("gpu_worker", gpu_cores, gpu_cfg.threads, owned)
+    drafting_on_cpu = config.placement == "draft-cpu"
+    cpu_model = config.draft.gguf if drafting_on_cpu else config.target.gguf
+    gpu_model = config.target.folder if drafting_on_cpu else config.draft.folder
+    cpu_settings = m.LlamaCppSettings(**_fields(cpu_cfg, m.LlamaCppSettings))
+    gpu_settings = m.TorchSettings(**_fields(gpu_cfg, m.TorchSettings))
+    if gpu_settings.threads is None:  # torch would otherwise size its pool from the whole box
+        gpu_settings = msgspec.structs.replace(gpu_settings, threads=len(set(gpu_cores)))
+    common = {"heartbeat_s": config.heartbeat_s, "heartbeat_timeout_s": config.heartbeat_timeout_s,
+              "log_format": log_format}  # fmt: skip
+    return {
+        "cpu": WorkerSpec("cpu", "llama.cpp", cpu_model, cpu_settings, tuple(cpu_cores), **common),
+        "gpu": WorkerSpec("gpu", "torch", gpu_model, gpu_settings, tuple(gpu_cores), **common),
+    }
+
+
+def _fields(struct: msgspec.Struct, target: type) -> dict:
+    return {name: getattr(struct, name) for name in target.__struct_fields__}
+
+
+class Supervisor:
+    def __init__(self, config: DaemonConfig, specs: dict[str, WorkerSpec], runtime_dir: Path,
+                 arena: ArenaLayout) -> None:  # fmt: skip
+        self.config = config
+        self.specs = specs
+        self.runtime_dir = runtime_dir
+        self.arena = arena
+        self.roles = roles(config.placement)
+        self.workers: dict[str, WorkerClient] = {}
+        self.restarts = dict.fromkeys(specs, 0)
+        self._generation = dict.fromkeys(specs, 0)
+        self._ready = {name: asyncio.Event() for name in specs}
+        self._watchers: list[asyncio.Task] = []
+        self._stopping = False
+
+    async def _spawn(self, name: str) -> WorkerClient:
+        self._generation[name] += 1
+        client = WorkerClient(
+            self.specs[name], self.runtime_dir, self._generation[name], self.arena
+        )
+        await client.start(self.config.load_timeout_s)
+        return client
+
+    async def start(self) -> None:
+        """Start both workers and check they can work together; ``StartupError`` if not."""
+        names = list(self.specs)
+        results = await asyncio.gather(*(self._spawn(n) for n in names), return_exceptions=True)
+        started = {n: r for n, r in zip(names, results, strict=True) if isinstance(r, WorkerClient)}
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            await asyncio.gather(*(c.stop() for c in started.values()))
+            for failure in failures:
+                if not isinstance(failure, WorkerStartError):
+                    raise failure
+            raise StartupError("; ".join(str(f) for f in failures))
+        self.workers = started
+        drafter, verifier = started[self.roles.drafter], started[self.roles.verifier]
+        problems = incompatibilities(drafter.ready.vocab, verifier.ready.vocab)
+        if problems:
+            await asyncio.gather(*(c.stop() for c in started.values()))
+            raise StartupError(
+                f"the draft model {drafter.spec.model} and the target model "
+                f"{verifier.spec.model} do not share a tokenizer: {'; '.join(problems)}"
+            )
+        for name in names:
+            self._ready[name].set()
+            self._watchers.append(asyncio.create_task(self._watch(name), name=f"watch-{name}"))
+
+    async def _watch(self, name: str) -> None:
+        """Restart ``name`` whenever it dies, backing off while restarts keep failing."""
+        first, largest = self.config.restart_backoff_s
+        while True:
+            reason = await self.workers[name].died
+            if self._stopping:
+                return
+            self._ready[name].clear()
+            await self.workers[name].stop(grace_s=1.0)  # reap it and release its endpoints
+            delay = first
+            while not self._stopping:
+                log.warning("restarting worker", worker=name, reason=reason, in_s=delay)
+                await asyncio.sleep(delay)
+                try:
+                    client = await self._spawn(name)
+                except WorkerStartError as error:
+                    log.error("worker restart failed", worker=name, error=str(error))
+                    delay = min(delay * 2, largest)
+                    continue
+                if client.ready.vocab != self.workers[name].ready.vocab:
+                    log.error("restarted worker loaded a different vocabulary", worker=name)
+                self.workers[name] = client
+                self.restarts[name] += 1
+                self._ready[name].set()
+                log.info("worker restarted", worker=name, pid=client.pid,
+                         restarts=self.restarts[name])  # fmt: skip
+                break
+
+    def ready(self) -> bool:
+        return all(event.is_set() for event in self._ready.values())
+
+    async def worker(self, name: str, timeout_s: float) -> WorkerClient:
+        """The live worker ``name``, waiting up to ``timeout_s`` for a restart to finish."""
+        try:
+            await asyncio.wait_for(self._ready[name].wait(), timeout_s)
+        except TimeoutError:
+            raise WorkerUnavailable(
+                f"the {name} worker is restarting and was not ready within {timeout_s:g} s"
+            ) from None
+        return self.workers[name]
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        self._stopping = True
+        for task in self._watchers:
+            task.cancel()
+        await asyncio.gather(*self._watchers, return_exceptions=True)
+        await asyncio.gather(*(client.stop(grace_s) for client in self.workers.values()))

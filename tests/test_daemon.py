@@ -1,0 +1,270 @@
+"""The real hetspecd with real worker processes: handshake, refusal, restart, drain, cleanup."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tiny_models import write_tiny_gguf_llama
+
+from hetspec.daemon.instance import Instance
+from hetspec.protocol.arena import SHM_DIR
+from hetspec.speculative.sampling import SamplingParams
+from hetspec.workers.torch_runtime import TorchRuntime
+
+CONTEXT = 4096
+STARTUP_TIMEOUT = 120
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: Path, timeout: float = 60) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.unix_path = str(path)
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.unix_path)
+
+
+def request(sock: Path, method: str, path: str, body: dict | None = None):
+    connection = UnixHTTPConnection(sock)
+    connection.request(method, path, json.dumps(body) if body is not None else None)
+    response = connection.getresponse()
+    return response.status, json.loads(response.read())
+
+
+def stream(sock: Path, body: dict):
+    """An open NDJSON stream: (connection, response); read lines with response.readline()."""
+    connection = UnixHTTPConnection(sock)
+    connection.request("POST", "/api/generate", json.dumps({**body, "stream": True}))
+    response = connection.getresponse()
+    assert response.status == 200
+    return connection, response
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "target": write_tiny_gguf_llama(root / "target", seed=0, layers=2, context=CONTEXT),
+        "draft": write_tiny_gguf_llama(root / "draft", seed=1, layers=1, context=CONTEXT),
+        "other": write_tiny_gguf_llama(
+            root / "other", seed=1, layers=1, vocab_size=300, context=CONTEXT
+        ),
+    }
+
+
+class Daemon:
+    def __init__(self, tmp_path: Path, target: Path, draft: Path, *extra: str) -> None:
+        tmp_path.mkdir(parents=True, exist_ok=True)
+        self.socket = tmp_path / "hetspecd.sock"
+        self.runtime_dir = tmp_path / "run"
+        self.log = tmp_path / "hetspecd.log"
+        settings = {
+            "target.folder": target.parent,
+            "target.gguf": target,
+            "draft.folder": draft.parent,
+            "draft.gguf": draft,
+            "cpu_worker.n_ctx": CONTEXT,
+            "gpu_worker.max_context": CONTEXT,
+            "heartbeat_timeout_s": 5,
+            "restart_backoff_s": [0.2, 2],
+        }
+        argv = [
+            sys.executable,
+            "-m",
+            "hetspec.daemon",
+            "--socket",
+            str(self.socket),
+            "--runtime-dir",
+            str(self.runtime_dir),
+            "--log-format",
+            "json",
+            *extra,
+        ]
+        for key, value in settings.items():
+            argv += [
+                "--set",
+                f"{key}={json.dumps(value if not isinstance(value, Path) else str(value))}",
+            ]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HETSPEC_")}
+        with open(self.log, "wb") as log:
+            self.process = subprocess.Popen(argv, stderr=log, stdout=log, env=env)
+
+    def wait_ready(self) -> dict:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.log.read_text()
+            if self.socket.exists():
+                status, health = request(self.socket, "GET", "/health")
+                if status == 200:
+                    return health
+                assert health["status"] == "loading"
+            time.sleep(0.1)
+        raise AssertionError(f"not ready in {STARTUP_TIMEOUT} s:\n{self.log.read_text()}")
+
+    def health(self) -> dict:
+        return request(self.socket, "GET", "/health")[1]
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=60)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def segments(runtime_dir: Path) -> list[Path]:
+    return list(SHM_DIR.glob(f"{Instance(runtime_dir).name}-*"))
+
+
+@pytest.fixture
+def daemon(tmp_path, models):
+    daemon = Daemon(tmp_path, models["target"], models["draft"])
+    yield daemon
+    daemon.stop()
+
+
+def test_the_ready_daemon_serves_the_targets_own_greedy_output(daemon, models) -> None:
+    health = daemon.wait_ready()
+    assert set(health["workers"]) == {"cpu", "gpu"}
+    assert health["workers"]["gpu"]["model"] == str(models["target"].parent)
+    assert health["workers"]["cpu"]["model"] == str(models["draft"])
+
+    prompt = "def load(path):\n"
+    status, body = request(
+        daemon.socket,
+        "POST",
+        "/api/generate",
+        {"prompt": prompt, "max_tokens": 24, "stream": False, "ignore_eos": True},
+    )
+    assert status == 200, body
+    target = TorchRuntime(models["target"].parent, max_context=64)
+    target.prefill(target.tokenize(prompt))
+    expected = target.draft(25, SamplingParams(), np.random.default_rng(0)).tokens[0, :24]
+    assert body["tokens"] == expected.tolist()
+    assert body["timings"]["predicted_n"] == 24
+    assert body["response"] == b"".join(target.token_bytes(t) for t in expected).decode(
+        errors="replace"
+    )
+
+    status, error = request(daemon.socket, "POST", "/api/generate", {"prompt": "x", "top_p": 0})
+    assert status == 400
+    assert "top_p must be in (0, 1]" in error["error"]
+
+
+def test_a_draft_with_another_tokenizer_is_refused_naming_both_models(tmp_path, models) -> None:
+    daemon = Daemon(tmp_path, models["target"], models["other"])
+    assert daemon.process.wait(timeout=STARTUP_TIMEOUT) == 1
+    log = daemon.log.read_text()
+    assert "do not share a tokenizer" in log
+    assert str(models["other"]) in log
+    assert str(models["target"].parent) in log
+    assert not segments(daemon.runtime_dir)
+    assert not daemon.socket.exists()
+
+
+def test_a_killed_worker_fails_its_request_fast_and_is_restarted(daemon) -> None:
+    health = daemon.wait_ready()
+    gpu_pid = health["workers"]["gpu"]["pid"]
+    body = {"prompt": "import os\n", "max_tokens": 3000, "ignore_eos": True}
+    connection, response = stream(daemon.socket, body)
+    assert "response" in json.loads(response.readline())
+    os.kill(gpu_pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    lines = [json.loads(line) for line in iter(response.readline, b"")]
+    assert time.monotonic() - killed_at < 2
+    final = lines[-1]
+    assert final["done_reason"] == "error"
+    assert "gpu worker was killed by SIGKILL" in final["error"]
+    assert len(final["tokens"]) < 3000
+    connection.close()
+
+    restarted = daemon.wait_ready()
+    assert restarted["workers"]["gpu"]["restarts"] == 1
+    assert restarted["workers"]["gpu"]["pid"] != gpu_pid
+    status, again = request(
+        daemon.socket,
+        "POST",
+        "/api/generate",
+        {"prompt": "import os\n", "max_tokens": 8, "stream": False},
+    )
+    assert status == 200
+    assert again["done"] is True
+
+
+def test_sigterm_lets_the_request_finish_and_leaves_nothing_behind(daemon) -> None:
+    health = daemon.wait_ready()
+    workers = [w["pid"] for w in health["workers"].values()]
+    assert segments(daemon.runtime_dir)
+    connection, response = stream(
+        daemon.socket, {"prompt": "class A:\n", "max_tokens": 1500, "ignore_eos": True}
+    )
+    json.loads(response.readline())
+    daemon.process.send_signal(signal.SIGTERM)
+    lines = [json.loads(line) for line in iter(response.readline, b"")]
+    connection.close()
+    assert lines[-1]["done_reason"] == "length"
+    assert len(lines[-1]["tokens"]) == 1500
+    assert daemon.process.wait(timeout=60) == 0
+    assert not any(pid_alive(pid) for pid in workers)
+    assert not segments(daemon.runtime_dir)
+    assert not daemon.socket.exists()
+    assert not list(daemon.runtime_dir.glob("*.sock"))
+
+
+def test_a_restart_removes_what_a_killed_instance_left(tmp_path, models) -> None:
+    runtime_dir = tmp_path / "run"
+    runtime_dir.mkdir()
+    stale = SHM_DIR / f"{Instance(runtime_dir).name}-999999-arena"
+    stale.write_bytes(b"x" * 4096)
+    (runtime_dir / "gpu-7-commands.sock").write_text("")
+    daemon = Daemon(tmp_path, models["target"], models["draft"])
+    try:
+        daemon.wait_ready()
+        assert not stale.exists()
+        assert not (runtime_dir / "gpu-7-commands.sock").exists()
+        second = Daemon(
+            tmp_path / "second",
+            models["target"],
+            models["draft"],
+            "--runtime-dir",
+            str(runtime_dir),
+        )
+        assert second.process.wait(timeout=60) == 1
+        assert "another hetspecd" in second.log.read_text()
+    finally:
+        stale.unlink(missing_ok=True)
+        assert daemon.stop() == 0
+
+
+def test_bad_configuration_is_one_clear_line(tmp_path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "hetspec.daemon", "--set", "cpu_worker.n_batch=lots"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "HETSPEC_CONFIG": ""},
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "hetspecd: bad configuration: cpu_worker.n_batch: expected `int`, got `str` "
+        "(--set cpu_worker.n_batch)"
+    ]

@@ -1,0 +1,68 @@
+"""Configuration layering and core splitting: pure functions, no processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetspec.daemon.config import BUNDLED_MODELS, ConfigError, load_config
+from hetspec.daemon.cores import CoreError, check_cores, split_cores
+
+
+def test_defaults_serve_the_bundled_models_without_any_file() -> None:
+    config = load_config(environ={})
+    assert config.target.folder == str(BUNDLED_MODELS / "target")
+    assert config.draft.gguf == str(BUNDLED_MODELS / "draft" / "draft-q8_0.gguf")
+    assert (config.socket, config.placement) == ("/run/hetspec/hetspecd.sock", "draft-cpu")
+
+
+def test_file_then_environment_then_flags(tmp_path) -> None:
+    path = tmp_path / "hetspecd.toml"
+    path.write_text('socket = "/a.sock"\nplacement = "draft-gpu"\n[cpu_worker]\nn_batch = 64\n')
+    environ = {"HETSPEC_SOCKET": "/b.sock", "HETSPEC_CPU_WORKER__CORES": "[0, 1]",
+               "HETSPEC_CONFIG": str(path)}  # fmt: skip
+    config = load_config(environ=environ, overrides={"socket": "/c.sock"})
+    assert (config.socket, config.placement) == ("/c.sock", "draft-gpu")
+    assert (config.cpu_worker.n_batch, config.cpu_worker.cores) == (64, [0, 1])
+
+
+@pytest.mark.parametrize(
+    ("contents", "environ", "message"),
+    [
+        (
+            "[cpu_worker]\nn_batch = 'x'\n",
+            {},
+            "cpu_worker.n_batch: expected `int`, got `str` (FILE)",
+        ),
+        ("[cpu_worker]\nspeed = 3\n", {}, "cpu_worker.speed: unknown setting (FILE)"),
+        ("placement = 'gpu'\n", {}, "placement: invalid enum value 'gpu' (FILE)"),
+        ("socket = \n", {}, "FILE is not valid TOML"),
+        ("", {"HETSPEC_BOGUS": "1"}, "bogus: unknown setting (environment variable HETSPEC_BOGUS)"),
+        (
+            "",
+            {"HETSPEC_HEARTBEAT_TIMEOUT_S": "0.5"},
+            "heartbeat_timeout_s: must exceed two heartbeat_s intervals "
+            "(environment variable HETSPEC_HEARTBEAT_TIMEOUT_S)",
+        ),
+    ],
+)
+def test_bad_settings_name_the_key_and_where_it_came_from(tmp_path, contents, environ, message):
+    path = tmp_path / "hetspecd.toml"
+    path.write_text(contents)
+    with pytest.raises(ConfigError) as error:
+        load_config(path, environ=environ)
+    assert str(error.value).startswith(message.replace("FILE", str(path)))
+
+
+def test_an_explicit_file_must_exist(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml", environ={})
+
+
+def test_cores_are_split_by_what_the_gpu_worker_computes_on() -> None:
+    assert split_cores({0, 1, 2, 3}, cuda=True) == ([1, 2, 3], [0])
+    assert split_cores({0, 1, 2, 3, 4}, cuda=False) == ([2, 3, 4], [0, 1])
+    assert split_cores({5}, cuda=False) == ([5], [5])
+    with pytest.raises(CoreError, match="not among the cores"):
+        check_cores("cpu_worker", [7], None, owned={0, 1})
+    with pytest.raises(CoreError, match="threads = 3 exceeds its 2 cores"):
+        check_cores("cpu_worker", [0, 1], 3, owned={0, 1})
