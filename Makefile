@@ -35,10 +35,18 @@ $(INSTALLED): $(BIN)/python pyproject.toml constraints.txt native/install-llama-
 
 setup: $(INSTALLED) ## create .venv and install everything (llama.cpp is compiled once)
 
-demo: setup ## run hetspec on this box (for now: the runtime report; serving comes next)
+DEMO_PROMPT ?= def read_lines(path):
+
+demo: setup ## start hetspecd on the bundled models, stream one answer, stop it
 	$(BIN)/hetspecd --check
-	@echo
-	@echo "hetspecd cannot serve prompts yet: this build has the foundation only."
+	@dir=$$(mktemp -d); \
+	echo; echo "Starting hetspecd (socket $$dir/hetspecd.sock, log $$dir/hetspecd.log)"; \
+	$(BIN)/hetspecd --socket $$dir/hetspecd.sock --runtime-dir $$dir/run 2>$$dir/hetspecd.log & pid=$$!; \
+	rc=0; $(BIN)/hetspec --socket $$dir/hetspecd.sock health --wait 300 >/dev/null && \
+	  echo "Prompt: $(DEMO_PROMPT)" && \
+	  $(BIN)/hetspec --socket $$dir/hetspecd.sock generate "$(DEMO_PROMPT)" --max-tokens 96 || rc=$$?; \
+	kill -TERM $$pid; wait $$pid || rc=$$?; \
+	if [ $$rc -ne 0 ]; then tail -20 $$dir/hetspecd.log; fi; exit $$rc
 
 lint: setup ## ruff lint and format check
 	$(BIN)/ruff check .

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from hetspec import __version__
+from hetspec.client.connection import DEFAULT_SOCKET, Client, ClientError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,15 +20,76 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Check the box the daemon runs on with `hetspecd --check`.",
     )
     parser.add_argument("--version", action="version", version=f"hetspec {__version__}")
+    parser.add_argument(
+        "--socket",
+        default=os.environ.get("HETSPEC_SOCKET", str(DEFAULT_SOCKET)),
+        help="the daemon's socket (default $HETSPEC_SOCKET or %(default)s)",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    health = commands.add_parser("health", help="is the daemon ready? (exit 0 when it is)")
+    health.add_argument(
+        "--wait",
+        type=float,
+        default=0,
+        metavar="SECONDS",
+        help="wait up to this long for the workers to be ready",
+    )
+    generate = commands.add_parser("generate", help="stream a completion of PROMPT")
+    generate.add_argument("prompt")
+    generate.add_argument("--max-tokens", type=int, default=128)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--seed", type=int)
+    generate.add_argument("--quiet", action="store_true", help="no statistics on stderr")
     return parser
 
 
+def run_generate(client: Client, args: argparse.Namespace) -> int:
+    options = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+    }
+    final: dict = {}
+    for message in client.generate(args.prompt, **options):
+        if message.get("done"):
+            final = message
+        else:
+            sys.stdout.write(message["response"])
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    if final.get("done_reason") == "error":
+        print(f"hetspec: generation failed: {final.get('error')}", file=sys.stderr)
+        return 1
+    if not args.quiet:
+        t = final.get("timings", {})
+        print(
+            f"[{t.get('predicted_n')} tokens in {t.get('predicted_ms', 0):.0f} ms, "
+            f"{t.get('predicted_per_second')} tokens/s; prompt {t.get('prompt_n')} tokens in "
+            f"{t.get('prompt_ms', 0):.0f} ms; stop: {final.get('done_reason')}; "
+            f"devices: {final.get('devices')}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    parser.parse_args(argv)
-    # No command is available yet: say so plainly instead of pretending.
-    parser.print_help(sys.stderr)
-    return 2
+    args = build_parser().parse_args(argv)
+    client = Client(args.socket)
+    try:
+        if args.command == "health":
+            body = client.wait_ready(args.wait) if args.wait else client.health()[1]
+            print(body.get("status"))
+            return 0 if body.get("status") == "ready" else 1
+        return run_generate(client, args)
+    except ClientError as error:
+        print(f"hetspec: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

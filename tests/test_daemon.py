@@ -164,6 +164,27 @@ def test_the_ready_daemon_serves_the_targets_own_greedy_output(daemon, models) -
         errors="replace"
     )
 
+    shell = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hetspec.client.cli",
+            "--socket",
+            str(daemon.socket),
+            "generate",
+            prompt,
+            "--max-tokens",
+            "24",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert shell.returncode == 0, shell.stderr
+    assert shell.stdout.startswith(body["response"][:10])
+    assert "tokens/s" in shell.stderr
+
     status, error = request(daemon.socket, "POST", "/api/generate", {"prompt": "x", "top_p": 0})
     assert status == 400
     assert "top_p must be in (0, 1]" in error["error"]
