@@ -69,6 +69,7 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     drain_timeout_s: float = 30.0
     heartbeat_s: float = 0.5
     heartbeat_timeout_s: float = 10.0
+    call_timeout_s: float = 300.0  # longest one worker command may take before it is killed
     restart_backoff_s: tuple[float, float] = (0.5, 30.0)  # first and largest delay
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["auto", "json", "console"] = "auto"
@@ -76,7 +77,8 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def __post_init__(self) -> None:
         positive = {"arena_slots": self.arena_slots, "max_tree_nodes": self.max_tree_nodes,
                     "load_timeout_s": self.load_timeout_s, "heartbeat_s": self.heartbeat_s,
-                    "heartbeat_timeout_s": self.heartbeat_timeout_s}  # fmt: skip
+                    "heartbeat_timeout_s": self.heartbeat_timeout_s,
+                    "call_timeout_s": self.call_timeout_s}  # fmt: skip
         for key, value in positive.items():
             if not value > 0:
                 raise ValueError(f"{key} must be > 0, not {value}")

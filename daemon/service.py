@@ -25,6 +25,7 @@ from hetspec.daemon.config import DaemonConfig
 from hetspec.daemon.cores import CoreError
 from hetspec.daemon.generation import GenerateRequest, GenerationResult, generate
 from hetspec.daemon.instance import Instance, InstanceError
+from hetspec.daemon.slots import SlotPool
 from hetspec.daemon.supervisor import (
     StartupError,
     Supervisor,
@@ -37,7 +38,6 @@ from hetspec.protocol.arena import Arena, ArenaError
 from hetspec.protocol.sampling import SamplingError
 
 log = structlog.get_logger("hetspec.daemon")
-DRAFT_SLOT = 0  # the autoregressive loop's one slot; the speculative engine lends the rest
 
 
 def json_error(status: int, message: str, **headers: str) -> web.Response:
@@ -60,6 +60,8 @@ class Service:
         self._idle = asyncio.Event()
         self._idle.set()
         self._serial = asyncio.Lock()  # one request decodes at a time
+        self.slots = SlotPool(config.arena_slots)
+        self._requests = 0
         self._stop = asyncio.Event()
         self.started = time.monotonic()
 
@@ -180,8 +182,13 @@ class Service:
             worker = await self.supervisor.worker(verifier, self.config.load_timeout_s)
         except WorkerUnavailable as error:
             return json_error(503, str(error), **{"Retry-After": "5"})
+        self._requests += 1
+        with self.slots.lease(f"request {self._requests}") as slot:
+            return await self._respond(request, body, worker, slot)
+
+    async def _respond(self, request, body: GenerateRequest, worker, slot: int):
         result = GenerationResult()
-        pieces = generate(body, worker, DRAFT_SLOT, result)
+        pieces = generate(body, worker, slot, result)
         response = None
         try:
             if body.stream:

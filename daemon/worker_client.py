@@ -60,6 +60,7 @@ class WorkerSpec:
     cores: tuple[int, ...] = ()
     heartbeat_s: float = 0.5  # the worker's beat interval
     heartbeat_timeout_s: float = 10.0  # silence after which the worker is killed
+    call_timeout_s: float = 300.0  # a command taking longer means a wedged engine: kill it
     log_format: str = "json"
 
 
@@ -304,7 +305,23 @@ class WorkerClient:
         request = command.request
         future = self._send_call(request, command, arrays)
         try:
-            return await future
+            return await asyncio.wait_for(future, self.spec.call_timeout_s)
+        except TimeoutError:
+            log.error(
+                "worker did not answer in time; killing it",
+                worker=self.spec.name,
+                pid=self.pid,
+                op=type(command).__name__,
+                timeout_s=self.spec.call_timeout_s,
+            )
+            self._calls.pop(request, None)
+            self.kill()
+            raise WorkerError(
+                self.spec.name,
+                "timeout",
+                f"no answer to {type(command).__name__} "
+                f"within {self.spec.call_timeout_s:g} s; the worker is restarted",
+            ) from None
         except asyncio.CancelledError:
             self._calls.pop(request, None)
             if not self.died.done():

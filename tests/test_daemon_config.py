@@ -6,6 +6,7 @@ import pytest
 
 from hetspec.daemon.config import BUNDLED_MODELS, ConfigError, load_config
 from hetspec.daemon.cores import CoreError, check_cores, split_cores
+from hetspec.daemon.slots import SlotError, SlotPool
 
 
 def test_defaults_serve_the_bundled_models_without_any_file() -> None:
@@ -66,3 +67,17 @@ def test_cores_are_split_by_what_the_gpu_worker_computes_on() -> None:
         check_cores("cpu_worker", [7], None, owned={0, 1})
     with pytest.raises(CoreError, match="threads = 3 exceeds its 2 cores"):
         check_cores("cpu_worker", [0, 1], 3, owned={0, 1})
+
+
+def test_arena_slots_are_lent_to_one_owner_at_a_time() -> None:
+    pool = SlotPool(2)
+    first = pool.lend("request 1")
+    with pool.lease("request 2") as second:
+        assert second != first
+        with pytest.raises(SlotError, match=r"no free arena slot for request 3 \(held: "):
+            pool.lend("request 3")
+    assert pool.free == 1
+    assert pool.reclaim("request 1") == [first]
+    assert pool.free == 2
+    with pytest.raises(SlotError, match="was not lent"):
+        pool.give_back(first)

@@ -205,3 +205,15 @@ asyncio.run(main())
     while pid_alive(worker_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not pid_alive(worker_pid)
+
+
+async def test_a_call_that_takes_too_long_kills_the_wedged_worker(gguf, tmp_path, arena) -> None:
+    cpu = await started(spec(gguf, "llama.cpp", call_timeout_s=0.5), tmp_path, arena)
+    try:
+        os.kill(cpu.pid, signal.SIGSTOP)  # wedged: it will not answer
+        with pytest.raises(WorkerError, match=r"no answer to Rollback within 0\.5 s") as failure:
+            await cpu.call(m.Rollback(request=cpu.next_request(), length=0))
+        assert failure.value.kind == "timeout"
+        assert await asyncio.wait_for(cpu.died, 5) == "was killed by SIGKILL"
+    finally:
+        await cpu.stop()
