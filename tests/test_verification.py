@@ -1,0 +1,90 @@
+"""Tree verification: greedy follows the target exactly; sampling is lossless (chi-square)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetspec.speculative.tree import is_path
+from hetspec.speculative.verify import verify_greedy, verify_sampling
+
+# chi-square critical values at p = 0.001 (no scipy here): a correct sampler fails 1 in 1000
+CHI2_CRITICAL_0001 = {4: 18.467, 24: 51.179}
+
+
+@st.composite
+def trees_with_logits(draw, vocab: int = 4):
+    n = draw(st.integers(1, 12))
+    parents = np.array([draw(st.integers(-1, i - 1)) for i in range(n)])
+    tokens = np.array([draw(st.integers(0, vocab - 1)) for _ in range(n)])
+    seed = draw(st.integers(0, 2**32 - 1))
+    logits = np.random.default_rng(seed).normal(size=(n + 1, vocab))
+    return tokens, parents, logits
+
+
+@settings(max_examples=300, deadline=None)
+@given(trees_with_logits())
+def test_greedy_takes_exactly_the_targets_argmax_path(case) -> None:
+    tokens, parents, logits = case
+    verdict = verify_greedy(tokens, parents, logits)
+    assert is_path(verdict.path, parents)
+    row = 0
+    for node in verdict.path:
+        assert tokens[node] == logits[row].argmax()
+        row = node + 1
+    assert verdict.bonus == logits[row].argmax()
+    end = verdict.path[-1] if verdict.path else -1
+    assert not any(tokens[c] == verdict.bonus for c in np.flatnonzero(parents == end))
+
+
+def _normalized(rng: np.random.Generator, shape) -> np.ndarray:
+    raw = rng.random(shape) ** 2 + 0.02
+    return raw / raw.sum(-1, keepdims=True)
+
+
+@pytest.mark.parametrize("branches", [1, 3])
+def test_sampled_tokens_follow_the_target_distribution(branches: int) -> None:
+    """Two emitted tokens, drafted from a very different distribution, in ``branches``
+    independent branches of depth 2: their joint law must be the target's."""
+    vocab, trials = 5, 20000
+    rng = np.random.default_rng(1234 + branches)
+    p_first, p_second = _normalized(rng, vocab), _normalized(rng, (vocab, vocab))
+    q_first, q_second = _normalized(rng, vocab), _normalized(rng, (vocab, vocab))
+    p_third = np.full(vocab, 1 / vocab)
+    counts = np.zeros((vocab, vocab))
+    for _ in range(trials):
+        firsts = rng.choice(vocab, size=branches, p=q_first)
+        seconds = [rng.choice(vocab, p=q_second[x]) for x in firsts]
+        tokens = np.array([*firsts, *seconds])
+        parents = np.array([-1] * branches + list(range(branches)))
+        draft = np.array([q_first] * branches + [q_second[x] for x in firsts])
+        target = np.array([p_first, *(p_second[x] for x in firsts), *[p_third] * branches])
+        emitted = verify_sampling(tokens, parents, draft, target, rng).tokens(tokens)
+        if len(emitted) == 1:  # the next round would draw the second token from the target
+            emitted.append(rng.choice(vocab, p=p_second[emitted[0]]))
+        counts[emitted[0], emitted[1]] += 1
+    expected = trials * p_first[:, None] * p_second
+    joint = ((counts - expected) ** 2 / expected).sum()
+    first = counts.sum(1)
+    marginal = ((first - trials * p_first) ** 2 / (trials * p_first)).sum()
+    assert marginal < CHI2_CRITICAL_0001[4], marginal
+    assert joint < CHI2_CRITICAL_0001[24], joint
+
+
+def test_drafts_from_the_target_itself_are_always_accepted() -> None:
+    rng = np.random.default_rng(0)
+    p = _normalized(rng, (4, 6))
+    tokens, parents = np.array([2, 3, 1]), np.array([-1, 0, 1])
+    verdict = verify_sampling(tokens, parents, p[:3], p, rng)
+    assert verdict.path == [0, 1, 2]
+
+
+def test_mismatched_rows_are_refused() -> None:
+    with pytest.raises(ValueError, match="2 nodes need 3 target rows"):
+        verify_greedy([1, 2], [-1, 0], np.zeros((2, 4)))
+    with pytest.raises(ValueError, match="2 nodes need 2 draft rows"):
+        verify_sampling(
+            [1, 2], [-1, 0], np.zeros((1, 4)), np.zeros((3, 4)), np.random.default_rng()
+        )
