@@ -1,0 +1,172 @@
+"""The budget controller: how many tokens to draft, in how many branches, given what it costs.
+
+DuoDecoding sets the draft length gamma once, to c = T_verify / T_draft. That is the right
+start but the box changes under us (another process takes a core, the prompt grows), so the
+controller keeps measuring:
+- T_draft(branches): seconds per drafting step, a windowed median per branch count (a median,
+  so one preempted step does not swing it);
+- T_verify(width): a least-squares line through windowed medians per tree width;
+- acceptance by depth (and at depth 1 by branch count): exponentially decayed counts, so old
+  behaviour fades within a few dozen rounds.
+From these it predicts, for every (gamma, branches), the expected tokens a round commits
+(the accepted ones plus the target's bonus token) and the round's duration, overlapped
+(max(draft, verify): drafting the next round runs while this one is verified) or sequential
+(draft + verify), and picks the best rate. Depths never tried yet get an optimistic prior, so
+the controller explores them when the costs make them plausible.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+
+class WindowedMedian:
+    def __init__(self, window: int) -> None:
+        self._samples: deque[float] = deque(maxlen=window)
+
+    def add(self, value: float) -> None:
+        self._samples.append(value)
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    @property
+    def value(self) -> float | None:
+        return statistics.median(self._samples) if self._samples else None
+
+
+@dataclass(frozen=True)
+class Decision:
+    gamma: int  # tokens drafted per branch
+    branches: int
+    expected_tokens: float  # committed per round, bonus included
+    round_s: float
+    tokens_per_s: float
+
+
+@dataclass
+class BudgetController:
+    max_gamma: int = 16
+    max_branches: int = 4
+    max_width: int = 64  # nodes a verification may hold (the arena slot size)
+    parallel: bool = True
+    window: int = 24  # samples per median: re-converges within a few dozen rounds
+    decay: float = 0.95  # per-round weight of older acceptance counts
+    prior_acceptance: float = 0.8  # for depths not observed yet (optimistic: explore them)
+    prior_weight: float = 1.0
+    batched_step_cost: float = 0.4  # prior: each extra branch adds this share of a draft step
+    warmup_rounds: int = 3  # rounds at gamma = c before acceptance estimates are trusted
+    history: list[Decision] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._draft = {k: WindowedMedian(self.window) for k in range(1, self.max_branches + 1)}
+        self._verify: dict[int, WindowedMedian] = {}
+        self._offered = [0.0] * (self.max_gamma + 1)  # index = depth (1-based)
+        self._accepted = [0.0] * (self.max_gamma + 1)
+        self._first_offered = [0.0] * (self.max_branches + 1)  # depth 1, by branch count
+        self._first_accepted = [0.0] * (self.max_branches + 1)
+        self._rounds = 0
+
+    # ------------------------------------------------------------ measurements
+
+    def record_draft(self, steps: int, branches: int, seconds: float) -> None:
+        """A draft of ``steps`` steps (one forward each) for ``branches`` branches."""
+        if steps > 0 and seconds > 0:
+            self._draft[branches].add(seconds / steps)
+
+    def record_verify(self, width: int, seconds: float) -> None:
+        if width > 0 and seconds > 0:
+            self._verify.setdefault(width, WindowedMedian(self.window)).add(seconds)
+
+    def record_round(self, gamma: int, branches: int, accepted: int) -> None:
+        """A verified round: ``accepted`` of the ``gamma`` tokens on the best branch."""
+        self._rounds += 1
+        for depth in range(1, self.max_gamma + 1):
+            self._offered[depth] *= self.decay
+            self._accepted[depth] *= self.decay
+        for k in range(1, self.max_branches + 1):
+            self._first_offered[k] *= self.decay
+            self._first_accepted[k] *= self.decay
+        for depth in range(1, min(gamma, accepted + 1) + 1):
+            self._offered[depth] += 1
+            self._accepted[depth] += depth <= accepted
+        self._first_offered[branches] += 1
+        self._first_accepted[branches] += accepted >= 1
+
+    # ------------------------------------------------------------ estimates
+
+    def draft_step_s(self, branches: int) -> float | None:
+        measured = self._draft[branches].value
+        if measured is not None:
+            return measured
+        for k, median in self._draft.items():  # scale a measured branch count by the prior
+            if median.value is not None:
+                single = median.value / (1 + self.batched_step_cost * (k - 1))
+                return single * (1 + self.batched_step_cost * (branches - 1))
+        return None
+
+    def verify_s(self, width: int) -> float | None:
+        points = [(w, m.value) for w, m in self._verify.items() if len(m)]
+        if not points:
+            return None
+        if len(points) == 1:
+            return points[0][1]
+        n = len(points)
+        mean_w = sum(w for w, _ in points) / n
+        mean_t = sum(t for _, t in points) / n
+        spread = sum((w - mean_w) ** 2 for w, _ in points)
+        slope = max(0.0, sum((w - mean_w) * (t - mean_t) for w, t in points) / spread)
+        return max(mean_t + slope * (width - mean_w), min(t for _, t in points) * 0.5)
+
+    def acceptance(self, depth: int, branches: int = 1) -> float:
+        """P(depth accepted | depth - 1 accepted); at depth 1 with ``branches`` candidates."""
+        if depth == 1:
+            offered, accepted = self._first_offered[branches], self._first_accepted[branches]
+            if offered < 1 and branches > 1:  # unseen: k independent tries at depth 1
+                return 1 - (1 - self.acceptance(1, 1)) ** branches
+        else:
+            offered, accepted = self._offered[depth], self._accepted[depth]
+        prior = self.prior_acceptance * self.prior_weight
+        return (accepted + prior) / (offered + self.prior_weight)
+
+    def expected_tokens(self, gamma: int, branches: int = 1) -> float:
+        total, reach = 1.0, 1.0  # the bonus token always comes
+        for depth in range(1, gamma + 1):
+            reach *= self.acceptance(depth, branches)
+            total += reach
+        return total
+
+    # ------------------------------------------------------------ decisions
+
+    def cost_ratio(self) -> float | None:
+        """DuoDecoding's c = T_verify / T_draft, once both were measured."""
+        step, verify = self.draft_step_s(1), self.verify_s(2)
+        return None if step is None or verify is None else verify / step
+
+    def choose(self) -> Decision:
+        ratio = self.cost_ratio()
+        if ratio is None:
+            decision = Decision(1, 1, 1.0, 0.0, 0.0)  # nothing measured yet: a 1-token round
+        elif self._rounds < self.warmup_rounds:  # no acceptance data yet: DuoDecoding's gamma = c
+            gamma = max(1, min(self.max_gamma, round(ratio), self.max_width - 1))
+            decision = self._evaluate(gamma, 1)
+        else:
+            decision = max(self._candidates(), key=lambda d: d.tokens_per_s)
+        self.history.append(decision)
+        return decision
+
+    def _evaluate(self, gamma: int, branches: int) -> Decision:
+        draft_s = gamma * self.draft_step_s(branches)
+        verify_s = self.verify_s(gamma * branches + 1)  # the tree plus last round's bonus token
+        round_s = max(draft_s, verify_s) if self.parallel else draft_s + verify_s
+        tokens = self.expected_tokens(gamma, branches)
+        return Decision(gamma, branches, tokens, round_s, tokens / round_s)
+
+    def _candidates(self):
+        for branches in range(1, self.max_branches + 1):
+            for gamma in range(1, self.max_gamma + 1):
+                if gamma * branches + 1 > self.max_width:
+                    break
+                yield self._evaluate(gamma, branches)

@@ -1,0 +1,102 @@
+"""The budget controller against a simulated box whose costs and acceptance are known."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hetspec.speculative.budget import BudgetController
+
+
+class SimulatedBox:
+    """True costs and acceptance; the controller only sees noisy measurements of them."""
+
+    def __init__(self, draft_step_s: float, verify_base_s: float, verify_per_node_s: float,
+                 acceptance: float, rng: np.random.Generator) -> None:  # fmt: skip
+        self.draft_step_s = draft_step_s
+        self.verify_base_s, self.verify_per_node_s = verify_base_s, verify_per_node_s
+        self.acceptance = acceptance
+        self.rng = rng
+
+    def step_s(self, branches: int) -> float:
+        return self.draft_step_s * (1 + 0.5 * (branches - 1))
+
+    def verify_s(self, width: int) -> float:
+        return self.verify_base_s + self.verify_per_node_s * width
+
+    def first_acceptance(self, branches: int) -> float:
+        return 1 - (1 - self.acceptance) ** branches
+
+    def rate(self, gamma: int, branches: int, parallel: bool = True) -> float:
+        """Expected committed tokens per second of a fixed (gamma, branches)."""
+        tokens, reach = 1.0, 1.0
+        for depth in range(1, gamma + 1):
+            reach *= self.first_acceptance(branches) if depth == 1 else self.acceptance
+            tokens += reach
+        draft, verify = gamma * self.step_s(branches), self.verify_s(gamma * branches + 1)
+        return tokens / (max(draft, verify) if parallel else draft + verify)
+
+    def best_rate(self, parallel: bool = True) -> float:
+        return max(self.rate(g, k, parallel) for g in range(1, 17) for k in range(1, 5))
+
+    def run_round(self, controller: BudgetController) -> None:
+        decision = controller.choose()
+        gamma, branches = decision.gamma, decision.branches
+        noise = self.rng.lognormal(0, 0.1, size=2)
+        controller.record_draft(gamma, branches, gamma * self.step_s(branches) * noise[0])
+        controller.record_verify(
+            gamma * branches + 1, self.verify_s(gamma * branches + 1) * noise[1]
+        )
+        accepted = 0
+        if self.rng.random() < self.first_acceptance(branches):
+            accepted = 1
+            while accepted < gamma and self.rng.random() < self.acceptance:
+                accepted += 1
+        controller.record_round(gamma, branches, accepted)
+
+
+def test_it_starts_with_one_token_then_gamma_equal_to_c() -> None:
+    controller = BudgetController()
+    first = controller.choose()
+    assert (first.gamma, first.branches) == (1, 1)
+    controller.record_draft(1, 1, 0.001)
+    controller.record_verify(2, 0.006)
+    assert controller.cost_ratio() == pytest.approx(6)
+    assert controller.choose().gamma == 6
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize("acceptance", [0.5, 0.9])
+def test_it_converges_near_the_best_fixed_budget(parallel: bool, acceptance: float) -> None:
+    box = SimulatedBox(0.001, 0.006, 0.0002, acceptance, np.random.default_rng(7))
+    controller = BudgetController(parallel=parallel)
+    for _ in range(150):
+        box.run_round(controller)
+    late = controller.history[-50:]
+    achieved = np.mean([box.rate(d.gamma, d.branches, parallel) for d in late])
+    assert achieved >= 0.95 * box.best_rate(parallel)
+
+
+def test_it_reconverges_when_the_cpu_gets_busier_mid_run() -> None:
+    box = SimulatedBox(0.001, 0.008, 0.0001, 0.8, np.random.default_rng(3))
+    controller = BudgetController()
+    for _ in range(100):
+        box.run_round(controller)
+    before = controller.history[-1].gamma
+    box.draft_step_s *= 3  # another process takes the drafter's core
+    for _ in range(40):
+        box.run_round(controller)
+    after = controller.history[-10:]
+    assert after[-1].gamma < before
+    achieved = np.mean([box.rate(d.gamma, d.branches) for d in after])
+    assert achieved >= 0.95 * box.best_rate()
+
+
+def test_acceptance_by_depth_follows_what_happened() -> None:
+    controller = BudgetController(prior_weight=0.01)
+    for _ in range(50):
+        controller.record_round(gamma=4, branches=1, accepted=2)
+    assert controller.acceptance(1) == pytest.approx(1, abs=0.01)
+    assert controller.acceptance(2) == pytest.approx(1, abs=0.01)
+    assert controller.acceptance(3) == pytest.approx(0, abs=0.01)
+    assert controller.expected_tokens(4) == pytest.approx(3, abs=0.05)
