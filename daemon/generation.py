@@ -18,6 +18,9 @@ from hetspec.daemon.worker_client import WorkerClient
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.sampling import SamplingParams
 
+MODES = ("autoregressive", "sequential")
+MAX_GAMMA = 32
+
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prompt: str
@@ -28,6 +31,8 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seed: int | None = None
     stream: bool = True
     ignore_eos: bool = False  # generate exactly max_tokens (benchmarks)
+    mode: str = "sequential"  # "autoregressive": the target alone; "sequential": speculative
+    gamma: int | None = None  # a fixed draft length; None lets the budget controller choose
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -35,6 +40,13 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if not 1 <= self.max_tokens <= 1_000_000:
             raise ValueError(f"max_tokens must be in 1..1000000, not {self.max_tokens}")
         self.sampling  # noqa: B018 - validates temperature/top_k/top_p
+        if self.mode not in MODES:
+            raise ValueError(
+                f"mode must be one of {', '.join(MODES)}, not {self.mode!r} (the "
+                "overlapped modes parallel and adaptive are not available yet)"
+            )
+        if self.gamma is not None and not 1 <= self.gamma <= MAX_GAMMA:
+            raise ValueError(f"gamma must be in 1..{MAX_GAMMA}, not {self.gamma}")
 
     @property
     def sampling(self) -> SamplingParams:

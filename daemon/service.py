@@ -14,6 +14,8 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -23,6 +25,7 @@ from aiohttp import web
 from hetspec import __version__
 from hetspec.daemon.config import DaemonConfig
 from hetspec.daemon.cores import CoreError
+from hetspec.daemon.engine import SpeculativeDecoder, SpeculativeStats, WorkerPair
 from hetspec.daemon.generation import GenerateRequest, GenerationResult, generate
 from hetspec.daemon.instance import Instance, InstanceError
 from hetspec.daemon.slots import SlotPool
@@ -33,11 +36,22 @@ from hetspec.daemon.supervisor import (
     vocab_size_of,
     worker_specs,
 )
-from hetspec.daemon.worker_client import WorkerError
+from hetspec.daemon.worker_client import WorkerClient, WorkerError
 from hetspec.protocol.arena import Arena, ArenaError
 from hetspec.protocol.sampling import SamplingError
+from hetspec.speculative.budget import BudgetController
 
 log = structlog.get_logger("hetspec.daemon")
+
+
+@dataclass(frozen=True)
+class Job:
+    body: GenerateRequest
+    pieces: AsyncIterator[str]
+    result: GenerationResult
+    stats: SpeculativeStats
+    drafter: WorkerClient
+    verifier: WorkerClient
 
 
 def json_error(status: int, message: str, **headers: str) -> web.Response:
@@ -61,6 +75,8 @@ class Service:
         self._idle.set()
         self._serial = asyncio.Lock()  # one request decodes at a time
         self.slots = SlotPool(config.arena_slots)
+        # one controller for the daemon's life: costs measured in one request still hold
+        self.controller = BudgetController(parallel=False, max_width=config.max_tree_nodes - 1)
         self._requests = 0
         self._stop = asyncio.Event()
         self.started = time.monotonic()
@@ -177,18 +193,39 @@ class Service:
                 self._idle.set()
 
     async def _generate(self, request: web.Request, body: GenerateRequest) -> web.StreamResponse:
-        verifier = self.supervisor.roles.verifier
+        roles = self.supervisor.roles
         try:
-            worker = await self.supervisor.worker(verifier, self.config.load_timeout_s)
+            verifier = await self.supervisor.worker(roles.verifier, self.config.load_timeout_s)
+            drafter = await self.supervisor.worker(roles.drafter, self.config.load_timeout_s)
         except WorkerUnavailable as error:
             return json_error(503, str(error), **{"Retry-After": "5"})
         self._requests += 1
-        with self.slots.lease(f"request {self._requests}") as slot:
-            return await self._respond(request, body, worker, slot)
+        owner = f"request {self._requests}"
+        with self.slots.lease(owner) as draft_slot, self.slots.lease(owner) as verify_slot:
+            result = GenerationResult()
+            stats = SpeculativeStats()
+            if body.mode == "autoregressive":
+                pieces = generate(body, verifier, draft_slot, result)
+            else:
+                pair = WorkerPair(drafter, verifier, self.arena, draft_slot, verify_slot)
+                decoder = SpeculativeDecoder(body, pair, self.controller, stats)
+                pieces = decoder.stream(result)
+            job = Job(body, pieces, result, stats, drafter, verifier)
+            return await self._respond(request, job)
 
-    async def _respond(self, request, body: GenerateRequest, worker, slot: int):
-        result = GenerationResult()
-        pieces = generate(body, worker, slot, result)
+    async def _respond(self, request: web.Request, job: Job) -> web.StreamResponse:
+        body, pieces, result, stats = job.body, job.pieces, job.result, job.stats
+        drafter, verifier = job.drafter, job.verifier
+
+        def final() -> dict:
+            document = self._final(result, drafter, verifier, body.mode)
+            if body.mode != "autoregressive":
+                speculative = stats.summary(self.controller)
+                document["timings"]["draft_n"] = speculative.pop("draft_n")
+                document["timings"]["draft_n_accepted"] = speculative.pop("draft_n_accepted")
+                document["speculative"] = speculative
+            return document
+
         response = None
         try:
             if body.stream:
@@ -199,11 +236,11 @@ class Service:
                     await response.write(msgspec.json.encode({"response": first}) + b"\n")
                 async for piece in pieces:
                     await response.write(msgspec.json.encode({"response": piece}) + b"\n")
-                await response.write(msgspec.json.encode(self._final(result, worker)) + b"\n")
+                await response.write(msgspec.json.encode(final()) + b"\n")
                 await response.write_eof()
                 return response
             text = "".join([piece async for piece in pieces])
-            return web.json_response({**self._final(result, worker), "response": text})
+            return web.json_response({**final(), "response": text})
         except ValueError as error:  # the prompt does not fit the context, ...
             if response is None:
                 return json_error(400, str(error))
@@ -212,13 +249,13 @@ class Service:
             log.warning("request failed", error=str(error))
             if response is None:
                 return json_error(503, str(error), **{"Retry-After": "2"})
-            final = {**self._final(result, worker), "done_reason": "error", "error": str(error)}
-            await response.write(msgspec.json.encode(final) + b"\n")
+            failed = {**final(), "done_reason": "error", "error": str(error)}
+            await response.write(msgspec.json.encode(failed) + b"\n")
             await response.write_eof()
             return response
 
     @staticmethod
-    def _final(result: GenerationResult, worker) -> dict:
+    def _final(result: GenerationResult, drafter, verifier, mode: str) -> dict:
         decode_s = result.decode_ms / 1000
         return {
             "done": True,
@@ -231,5 +268,6 @@ class Service:
                 "predicted_ms": round(result.decode_ms, 3),
                 "predicted_per_second": round(len(result.tokens) / decode_s, 2) if decode_s else 0,
             },
-            "devices": {"target": worker.ready.device},
+            "mode": mode,
+            "devices": {"target": verifier.ready.device, "draft": drafter.ready.device},
         }

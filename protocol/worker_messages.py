@@ -81,13 +81,15 @@ class Draft(_Message, tag="draft"):
 
 class VerifyTree(_Message, tag="verify"):
     """Evaluate a token tree (``parents[i]`` = -1 for the committed prefix); the float32
-    logits of every node go to arena slot ``out``."""
+    logits of every node go to arena slot ``out``, after the logits that follow the committed
+    prefix itself when ``root_row`` (then row i + 1 belongs to node i)."""
 
     request: int
     tokens: list[int]
     parents: list[int]
     out: int
     extend: bool = False
+    root_row: bool = False
 
 
 class Commit(_Message, tag="commit"):

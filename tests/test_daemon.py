@@ -122,6 +122,13 @@ class Daemon:
         return self.process.wait(timeout=60)
 
 
+def target_greedy(gguf: Path, prompt: str, count: int) -> np.ndarray:
+    """The target model's own greedy continuation, from the torch runtime in this process."""
+    target = TorchRuntime(gguf.parent, max_context=256)
+    target.prefill(target.tokenize(prompt))
+    return target.draft(count + 1, SamplingParams(), np.random.default_rng(0)).tokens[0, :count]
+
+
 def pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as stat:
@@ -188,6 +195,66 @@ def test_the_ready_daemon_serves_the_targets_own_greedy_output(daemon, models) -
     status, error = request(daemon.socket, "POST", "/api/generate", {"prompt": "x", "top_p": 0})
     assert status == 400
     assert "top_p must be in (0, 1]" in error["error"]
+
+
+@pytest.mark.parametrize("draft", ["draft", "target"])
+def test_speculative_greedy_output_is_the_targets_own(tmp_path, models, draft) -> None:
+    """With a different draft (mostly rejected) and with the target as its own draft (always
+    accepted), fixed and adaptive gamma, with and without branches: the target's tokens."""
+    daemon = Daemon(tmp_path, models["target"], models[draft])
+    try:
+        daemon.wait_ready()
+        prompts = [
+            "import os\n",
+            "class Point:\n    def __init__(self",
+            "# héllo\n",
+            "x = [",
+            "def",
+        ]
+        accepted = 0
+        for index, prompt in enumerate(prompts):
+            options = [{"gamma": 1 + index}, {}][index % 2]
+            status, body = request(
+                daemon.socket,
+                "POST",
+                "/api/generate",
+                {
+                    "prompt": prompt,
+                    "max_tokens": 40,
+                    "stream": False,
+                    "ignore_eos": True,
+                    **options,
+                },
+            )
+            assert status == 200, body
+            assert body["tokens"] == target_greedy(models["target"], prompt, 40).tolist(), prompt
+            accepted += body["timings"]["draft_n_accepted"]
+            assert body["speculative"]["rounds"] >= 1
+        if draft == "target":
+            assert accepted >= 100
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_sampled_speculative_output_is_reproducible_by_seed(daemon) -> None:
+    """With a fixed gamma: an adaptive one draws random numbers in an order that depends on
+    the controller's timing-driven choices."""
+    daemon.wait_ready()
+    body = {
+        "prompt": "import os\n",
+        "max_tokens": 30,
+        "stream": False,
+        "temperature": 0.9,
+        "top_k": 50,
+        "ignore_eos": True,
+        "gamma": 3,
+    }
+    runs = [
+        request(daemon.socket, "POST", "/api/generate", {**body, "seed": seed})[1]["tokens"]
+        for seed in (1, 1, 2)
+    ]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
 
 
 def test_a_draft_with_another_tokenizer_is_refused_naming_both_models(tmp_path, models) -> None:

@@ -235,8 +235,13 @@ class Worker:
     def verify(self, command: m.VerifyTree, frames) -> tuple:
         start = time.perf_counter()
         engine = self._engine()
-        out = self._slot(command.out, (len(command.tokens), engine.vocab_size))
-        engine.evaluate_tree(command.tokens, command.parents, extend=command.extend, out=out)
+        first = 1 if command.root_row else 0
+        out = self._slot(command.out, (first + len(command.tokens), engine.vocab_size))
+        if command.root_row:
+            out[0] = engine.last_logits()
+        engine.evaluate_tree(
+            command.tokens, command.parents, extend=command.extend, out=out[first:]
+        )
         logits = m.ArrayRef(out.dtype.str, out.shape, slot=command.out)
         return m.Verified(command.request, logits, (time.perf_counter() - start) * 1000), ()
 

@@ -1,0 +1,221 @@
+"""Speculative decoding across the two workers, one round after the other (sequential mode).
+
+Each round the drafter drafts ``gamma`` tokens in ``branches`` branches, the verifier evaluates
+them as one tree, and ``hetspec.speculative.verify`` decides which drafted tokens the target
+accepts and which token the target itself adds (the bonus). Only those tokens are emitted.
+
+Bookkeeping between rounds: the drafter commits everything emitted (its accepted nodes are
+reused, the bonus is evaluated). The verifier commits only the accepted nodes: the bonus token
+becomes the first node of the next round's tree, so the target evaluates it together with the
+next draft instead of in a forward of its own. In the first round nothing is pending and the
+verifier reports the distribution after the prompt as the tree's root row.
+
+The overlapped mode (drafting round k + 1 while round k is verified) builds on this loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hetspec.daemon.generation import Detokenizer, GenerateRequest, GenerationResult
+from hetspec.daemon.worker_client import WorkerClient
+from hetspec.protocol import Arena
+from hetspec.protocol import worker_messages as m
+from hetspec.speculative.budget import BudgetController
+from hetspec.speculative.sampling import distribution
+from hetspec.speculative.verify import verify_greedy, verify_sampling
+
+
+@dataclass
+class SpeculativeStats:
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_by_depth: list[int] = field(default_factory=list)  # rounds accepting >= depth
+    gammas: list[int] = field(default_factory=list)
+    branches: list[int] = field(default_factory=list)
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+
+    def summary(self, controller: BudgetController) -> dict:
+        step = controller.draft_step_s(1)
+        return {
+            "rounds": self.rounds,
+            "draft_n": self.drafted,
+            "draft_n_accepted": self.accepted,
+            "mean_accepted_length": round(self.accepted / self.rounds, 3) if self.rounds else 0,
+            "acceptance_by_depth": self.accepted_by_depth,
+            "gamma_history": self.gammas[-64:],
+            "branch_history": self.branches[-64:],
+            "t_draft_ms": round(step * 1000, 3) if step else None,
+            "t_verify_ms": round(self.verify_ms / self.rounds, 3) if self.rounds else None,
+        }
+
+
+def _draft_tree(drafted: m.Drafted) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    """Flatten branches into tree nodes: tokens, parents and each node's (branch, step)."""
+    tokens, parents, origin = [], [], []
+    for branch, row in enumerate(drafted.tokens):
+        parent = -1
+        for step, token in enumerate(row):
+            tokens.append(token)
+            parents.append(parent)
+            origin.append((branch, step))
+            parent = len(tokens) - 1
+    return tokens, parents, origin
+
+
+@dataclass(frozen=True)
+class WorkerPair:
+    drafter: WorkerClient
+    verifier: WorkerClient
+    arena: Arena
+    draft_slot: int  # where the drafter writes its probability rows
+    verify_slot: int  # where the verifier writes the tree's logits
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    emitted: list[int]  # verified tokens, cut at EOS and max_tokens
+    stopped: bool  # EOS reached
+
+
+class SpeculativeDecoder:
+    """One request's rounds; the controller is shared with other requests (costs persist)."""
+
+    def __init__(
+        self,
+        request: GenerateRequest,
+        pair: WorkerPair,
+        controller: BudgetController,
+        stats: SpeculativeStats,
+    ) -> None:
+        self.request = request
+        self.pair = pair
+        self.controller = controller
+        self.stats = stats
+        self.params = request.sampling
+        self.rng = np.random.default_rng(request.seed)
+        self.eos = -1 if request.ignore_eos else pair.verifier.ready.vocab.eos
+        self.pending_bonus: int | None = None  # emitted, not yet evaluated by the verifier
+
+    async def prefill(self, result: GenerationResult) -> None:
+        drafter, verifier = self.pair.drafter, self.pair.verifier
+        started = time.perf_counter()
+        text = self.request.prompt
+        tokenized, _ = await verifier.call(m.Tokenize(request=verifier.next_request(), text=text))
+        prompt = tokenized.tokens
+        context = min(drafter.ready.context, verifier.ready.context)
+        room = self.controller.max_width + 1
+        if len(prompt) + self.request.max_tokens + room > context:
+            raise ValueError(
+                f"the prompt has {len(prompt)} tokens; with max_tokens "
+                f"{self.request.max_tokens} and room for a draft tree that exceeds "
+                f"the {context}-token context"
+            )
+        seed = self.request.seed
+        await drafter.call(m.Prefill(request=drafter.next_request(), tokens=prompt, seed=seed))
+        await verifier.call(m.Prefill(request=verifier.next_request(), tokens=prompt))
+        result.prompt_tokens = len(prompt)
+        result.prompt_ms = (time.perf_counter() - started) * 1000
+
+    def _budget(self, remaining: int) -> tuple[int, int]:
+        if self.request.gamma:
+            return min(self.request.gamma, remaining), 1
+        decision = self.controller.choose()
+        return min(decision.gamma, remaining), decision.branches
+
+    async def round(self, remaining: int) -> RoundOutcome:
+        drafter, verifier, arena = self.pair.drafter, self.pair.verifier, self.pair.arena
+        gamma, branches = self._budget(remaining)
+        start = time.perf_counter()
+        drafted, _ = await drafter.call(
+            m.Draft(
+                request=drafter.next_request(),
+                steps=gamma,
+                sampling=self.params,
+                out=self.pair.draft_slot,
+                branches=branches,
+            )
+        )
+        draft_s = time.perf_counter() - start
+        tokens, parents, origin = _draft_tree(drafted)
+        bonus = self.pending_bonus
+        tree_tokens = tokens if bonus is None else [bonus, *tokens]
+        tree_parents = parents if bonus is None else [-1, *(p + 1 for p in parents)]
+        start = time.perf_counter()
+        verified, _ = await verifier.call(
+            m.VerifyTree(
+                request=verifier.next_request(),
+                tokens=tree_tokens,
+                parents=tree_parents,
+                out=self.pair.verify_slot,
+                root_row=bonus is None,
+            )
+        )
+        verify_s = time.perf_counter() - start
+        logits = arena.view(verified.logits)  # row 0: the distribution the draft grows from
+        if self.params.greedy:
+            verdict = verify_greedy(tokens, parents, logits)
+        else:
+            probs = arena.view(drafted.probs)
+            draft_rows = np.stack([probs[b, s] for b, s in origin])
+            target_rows = distribution(logits, self.params)
+            verdict = verify_sampling(tokens, parents, draft_rows, target_rows, self.rng)
+
+        emitted = verdict.tokens(np.asarray(tokens))
+        stopped = self.eos in emitted
+        emitted = emitted[: emitted.index(self.eos)] if stopped else emitted
+        emitted = emitted[:remaining]
+        first = 0 if bonus is None else 1
+        path = [0] * first + [node + first for node in verdict.path]
+        await verifier.call(m.Commit(request=verifier.next_request(), nodes=path))
+        if not stopped and len(emitted) < remaining:  # the drafter continues from here
+            await drafter.call(m.Commit(request=drafter.next_request(), tokens=emitted))
+        self.pending_bonus = verdict.bonus
+        self._record(
+            gamma, branches, len(verdict.path), len(tree_tokens), draft_s=draft_s, verify_s=verify_s
+        )
+        return RoundOutcome(emitted, stopped)
+
+    def _record(self, gamma, branches, accepted, width, *, draft_s, verify_s) -> None:
+        self.controller.record_draft(gamma, branches, draft_s)
+        self.controller.record_verify(width, verify_s)
+        self.controller.record_round(gamma, branches, accepted)
+        stats = self.stats
+        stats.rounds += 1
+        stats.drafted += gamma * branches
+        stats.accepted += accepted
+        stats.gammas.append(gamma)
+        stats.branches.append(branches)
+        stats.draft_ms += draft_s * 1000
+        stats.verify_ms += verify_s * 1000
+        stats.accepted_by_depth += [0] * (accepted - len(stats.accepted_by_depth))
+        for depth in range(accepted):
+            stats.accepted_by_depth[depth] += 1
+
+    async def stream(self, result: GenerationResult) -> AsyncIterator[str]:
+        """Yield text pieces of verified tokens only; ``result`` fills in as it goes."""
+        await self.prefill(result)
+        decode_start = time.perf_counter()
+        detokenizer = Detokenizer(self.pair.verifier.ready.token_bytes)
+        try:
+            while len(result.tokens) < self.request.max_tokens:
+                outcome = await self.round(self.request.max_tokens - len(result.tokens))
+                for token in outcome.emitted:
+                    result.tokens.append(token)
+                    piece = detokenizer.add(token)
+                    if piece:
+                        yield piece
+                if outcome.stopped:
+                    result.done_reason = "stop"
+                    break
+            tail = detokenizer.flush()
+            if tail:
+                yield tail
+        finally:
+            result.decode_ms = (time.perf_counter() - decode_start) * 1000
