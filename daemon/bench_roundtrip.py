@@ -42,6 +42,10 @@ async def time_calls(client: WorkerClient, make, count: int, check) -> list[floa
 
 async def run(args: argparse.Namespace) -> int:
     row = np.random.default_rng(0).random(args.floats, dtype=np.float32)
+    cores = sorted(os.sched_getaffinity(0))
+    worker_cores = tuple(cores[-1:])
+    if len(cores) > 1:  # as in the daemon: the worker owns its core, the daemon uses the others
+        os.sched_setaffinity(0, cores[:-1])
     with tempfile.TemporaryDirectory(prefix="hetspec-bench-") as runtime_dir:
         name = f"/dev/shm/hetspec-bench-{os.getpid()}"
         with Arena.create(name, slots=2, slot_bytes=row.nbytes) as arena:
@@ -50,6 +54,7 @@ async def run(args: argparse.Namespace) -> int:
                 "llama.cpp",
                 str(args.model),
                 m.LlamaCppSettings(n_ctx=256, threads=1),
+                cores=worker_cores,
                 log_format="console",
             )
             client = WorkerClient(spec, Path(runtime_dir), 1, arena.layout)

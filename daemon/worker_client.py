@@ -25,7 +25,6 @@ import msgspec
 import numpy as np
 import structlog
 import zmq
-import zmq.asyncio
 
 from hetspec.protocol import Codec, MessageError
 from hetspec.protocol import worker_messages as m
@@ -64,6 +63,15 @@ class WorkerSpec:
     log_format: str = "json"
 
 
+class _Expired(Exception):
+    """A call's timer fired before its reply came."""
+
+
+def _expire(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_exception(_Expired())
+
+
 @dataclass
 class _Call:
     future: asyncio.Future
@@ -81,7 +89,7 @@ class WorkerClient:
     died: asyncio.Future = field(init=False)  # resolves to the reason once the worker is gone
 
     def __post_init__(self) -> None:
-        self._context = zmq.asyncio.Context.instance()
+        self._context = zmq.Context.instance()
         self._codec = Codec(m.Reply)
         self._calls: dict[int, _Call] = {}
         self._ids = itertools.count(1)
@@ -126,8 +134,9 @@ class WorkerClient:
         self.pid = self._process.pid
         loop = asyncio.get_running_loop()
         self._handshake = loop.create_future()
+        loop.add_reader(self._replies.FD, self._on_readable)
+        self._on_readable()  # anything that arrived before the reader was registered
         self._tasks = [
-            asyncio.create_task(self._receive(), name=f"{self.spec.name}-receive"),
             asyncio.create_task(self._watch_exit(), name=f"{self.spec.name}-exit"),
             asyncio.create_task(self._watch_heartbeats(), name=f"{self.spec.name}-beats"),
         ]
@@ -142,7 +151,7 @@ class WorkerClient:
                 )
             load = m.Load(model=self.spec.model, settings=self.spec.settings, arena=self.arena)
             self._loading = loop.create_future()
-            await self._commands.send(self._codec_encode(load)[0])
+            await self._send_first(self._codec_encode(load), load_timeout_s)
             try:
                 self.ready = await self._wait(self._loading, load_timeout_s, "load its model")
             except WorkerError as error:
@@ -171,8 +180,8 @@ class WorkerClient:
         self._stopping = True
         process = self._process
         if process is not None and process.returncode is None:
-            with contextlib.suppress(zmq.ZMQError):
-                await self._commands.send_multipart(self._codec_encode(m.Shutdown()))
+            with contextlib.suppress(zmq.ZMQError, WorkerError):  # no reader: signals follow
+                self._send(self._codec_encode(m.Shutdown()))
             for action in (None, signal.SIGTERM, signal.SIGKILL):
                 if action is not None:
                     with contextlib.suppress(ProcessLookupError):
@@ -197,6 +206,9 @@ class WorkerClient:
                 self._process.kill()
 
     def _close_sockets(self) -> None:
+        replies = getattr(self, "_replies", None)
+        if replies is not None and not replies.closed:
+            asyncio.get_running_loop().remove_reader(replies.FD)
         for sock in (getattr(self, "_commands", None), getattr(self, "_replies", None)):
             if sock is not None:
                 sock.close(linger=0)
@@ -240,38 +252,45 @@ class WorkerClient:
                 self.kill()
                 return
 
-    async def _receive(self) -> None:
-        while True:
-            frames = await self._replies.recv_multipart(copy=False)
-            self._last_beat = time.monotonic()
-            try:
-                reply = self._codec.decode(frames)
-            except MessageError as error:
-                log.error("malformed reply from worker", worker=self.spec.name, error=str(error))
-                continue
-            if isinstance(reply, m.Heartbeat):
-                continue
-            if isinstance(reply, m.Hello):
-                if self._handshake is not None and not self._handshake.done():
-                    self._handshake.set_result(reply)
-                continue
-            loading = self._loading is not None and not self._loading.done()
-            if isinstance(reply, m.Ready) or (isinstance(reply, m.Failed) and reply.request is None
-                                              and loading):  # fmt: skip
-                self._settle_load(reply)
-                continue
-            request = getattr(reply, "request", None)
-            call = self._calls.pop(request, None) if request is not None else None
-            if call is None:
-                log.warning("reply nobody waits for", worker=self.spec.name,
-                            op=type(reply).__name__, request=request)  # fmt: skip
-                continue
-            if call.future.done():
-                continue
-            if isinstance(reply, m.Failed):
-                call.future.set_exception(WorkerError(self.spec.name, reply.kind, reply.message))
-            else:
-                call.future.set_result((reply, frames))
+    def _on_readable(self) -> None:
+        """The replies socket's FD fired. ZeroMQ signals edges, so drain until it is empty.
+
+        A plain socket with a reader callback, rather than zmq.asyncio: each reply then costs
+        one callback instead of several futures and task switches (~100 us less a round trip).
+        """
+        while self._replies.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._dispatch(self._replies.recv_multipart(zmq.NOBLOCK))
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        self._last_beat = time.monotonic()
+        try:
+            reply = self._codec.decode(frames)
+        except MessageError as error:
+            log.error("malformed reply from worker", worker=self.spec.name, error=str(error))
+            return
+        if isinstance(reply, m.Heartbeat):
+            return
+        if isinstance(reply, m.Hello):
+            if self._handshake is not None and not self._handshake.done():
+                self._handshake.set_result(reply)
+            return
+        loading = self._loading is not None and not self._loading.done()
+        if isinstance(reply, m.Ready) or (isinstance(reply, m.Failed) and reply.request is None
+                                          and loading):  # fmt: skip
+            self._settle_load(reply)
+            return
+        request = getattr(reply, "request", None)
+        call = self._calls.pop(request, None) if request is not None else None
+        if call is None:
+            log.warning("reply nobody waits for", worker=self.spec.name,
+                        op=type(reply).__name__, request=request)  # fmt: skip
+            return
+        if call.future.done():
+            return
+        if isinstance(reply, m.Failed):
+            call.future.set_exception(WorkerError(self.spec.name, reply.kind, reply.message))
+        else:
+            call.future.set_result((reply, frames))
 
     def _settle_load(self, reply: m.Ready | m.Failed) -> None:
         if self._loading is None or self._loading.done():
@@ -295,8 +314,38 @@ class WorkerClient:
             future.set_exception(WorkerDied(self.spec.name, self.died.result()))
             return future
         self._calls[request] = _Call(future, type(command).__name__)
-        self._commands.send_multipart(self._codec_encode(command, arrays), copy=False)
+        # zero-copy pays only for big frames; pyzmq's zero-copy path costs more for small ones
+        try:
+            self._send(self._codec_encode(command, arrays), copy=not arrays)
+        except WorkerError as error:
+            self._calls.pop(request, None)
+            future.set_exception(error)
         return future
+
+    async def _send_first(self, frames: list, timeout_s: float) -> None:
+        """The first command: the worker's commands connection may still be in its handshake
+        when its Hello arrives (a different socket), and until then PUSH has nowhere to send."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self._commands.send_multipart(frames, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                if time.monotonic() > deadline or self.died.done():
+                    raise WorkerStartError(
+                        f"{self.spec.name} worker never connected its command socket"
+                    ) from None
+                await asyncio.sleep(0.001)
+
+    def _send(self, frames: list, copy: bool = True) -> None:
+        """Queue frames for the worker; zero-copy only for big arrays (pyzmq's zero-copy path
+        costs more than a copy for small frames). Never blocks the event loop."""
+        try:
+            self._commands.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
+        except zmq.Again:
+            raise WorkerError(
+                self.spec.name, "overloaded", "its command queue is full (it stopped reading)"
+            ) from None
 
     async def call(self, command: msgspec.Struct, arrays: tuple[np.ndarray, ...] = ()):
         """Send ``command`` (whose ``request`` came from ``next_request``) and return the reply
@@ -304,9 +353,11 @@ class WorkerClient:
         the worker is gone. Cancelling the await sends ``Cancel`` to the worker."""
         request = command.request
         future = self._send_call(request, command, arrays)
+        # a timer handle instead of asyncio.wait_for, which costs ~50 us per call
+        timer = asyncio.get_running_loop().call_later(self.spec.call_timeout_s, _expire, future)
         try:
-            return await asyncio.wait_for(future, self.spec.call_timeout_s)
-        except TimeoutError:
+            return await future
+        except _Expired:
             log.error(
                 "worker did not answer in time; killing it",
                 worker=self.spec.name,
@@ -323,11 +374,14 @@ class WorkerClient:
                 f"within {self.spec.call_timeout_s:g} s; the worker is restarted",
             ) from None
         except asyncio.CancelledError:
+            timer.cancel()
             self._calls.pop(request, None)
             if not self.died.done():
                 with contextlib.suppress(zmq.ZMQError):
-                    await self._commands.send(self._codec_encode(m.Cancel(request=request))[0])
+                    self._send(self._codec_encode(m.Cancel(request=request)))
             raise
+        finally:
+            timer.cancel()
 
     @property
     def alive(self) -> bool:
