@@ -41,8 +41,31 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=0)
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--seed", type=int)
+    generate.add_argument("--mode", choices=["sequential", "autoregressive"], default="sequential")
+    generate.add_argument("--gamma", type=int, help="fixed draft length (default: adaptive)")
     generate.add_argument("--quiet", action="store_true", help="no statistics on stderr")
     return parser
+
+
+def statistics_line(final: dict) -> str:
+    t = final.get("timings", {})
+    devices = final.get("devices", {})
+    line = (
+        f"[{final.get('mode')}: {t.get('predicted_n')} tokens in "
+        f"{t.get('predicted_ms', 0):.0f} ms, {t.get('predicted_per_second')} tokens/s; "
+        f"prompt {t.get('prompt_n')} tokens in {t.get('prompt_ms', 0):.0f} ms; "
+        f"stop: {final.get('done_reason')}; target on {devices.get('target')}, "
+        f"draft on {devices.get('draft')}"
+    )
+    speculative = final.get("speculative")
+    if speculative:
+        gammas = speculative.get("gamma_history") or [0]
+        line += (
+            f"; {speculative['rounds']} rounds, {t.get('draft_n_accepted')}/"
+            f"{t.get('draft_n')} drafted tokens accepted, mean accepted length "
+            f"{speculative['mean_accepted_length']}, gamma {min(gammas)}..{max(gammas)}"
+        )
+    return line + "]"
 
 
 def run_generate(client: Client, args: argparse.Namespace) -> int:
@@ -52,6 +75,8 @@ def run_generate(client: Client, args: argparse.Namespace) -> int:
         "top_k": args.top_k,
         "top_p": args.top_p,
         "seed": args.seed,
+        "mode": args.mode,
+        "gamma": args.gamma,
     }
     final: dict = {}
     for message in client.generate(args.prompt, **options):
@@ -65,14 +90,7 @@ def run_generate(client: Client, args: argparse.Namespace) -> int:
         print(f"hetspec: generation failed: {final.get('error')}", file=sys.stderr)
         return 1
     if not args.quiet:
-        t = final.get("timings", {})
-        print(
-            f"[{t.get('predicted_n')} tokens in {t.get('predicted_ms', 0):.0f} ms, "
-            f"{t.get('predicted_per_second')} tokens/s; prompt {t.get('prompt_n')} tokens in "
-            f"{t.get('prompt_ms', 0):.0f} ms; stop: {final.get('done_reason')}; "
-            f"devices: {final.get('devices')}]",
-            file=sys.stderr,
-        )
+        print(statistics_line(final), file=sys.stderr)
     return 0
 
 
