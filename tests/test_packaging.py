@@ -85,9 +85,9 @@ def test_console_scripts_answer_help_and_version(command: str) -> None:
     assert version.stdout.strip() == f"{command} {hetspec.__version__}"
 
 
-@pytest.mark.parametrize("command", ["hetspecd", "hetspec"])
-def test_bad_flag_is_one_usage_error_not_a_traceback(command: str) -> None:
-    result = run(BIN / command, "--no-such-flag")
+@pytest.mark.parametrize(("command", "args"), [("hetspecd", []), ("hetspec", ["health"])])
+def test_bad_flag_is_one_usage_error_not_a_traceback(command: str, args: list[str]) -> None:
+    result = run(BIN / command, *args, "--no-such-flag")
     assert result.returncode == 2
     assert "unrecognized arguments: --no-such-flag" in result.stderr
     assert "Traceback" not in result.stderr
