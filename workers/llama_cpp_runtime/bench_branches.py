@@ -13,42 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 from hetspec.speculative.sampling import SamplingParams
+from hetspec.workers.benchmarking import positive_int_list, timed_ms
 from hetspec.workers.llama_cpp_runtime import LlamaCppError, LlamaCppRuntime
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "draft" / "draft-q8_0.gguf"
 PROMPT = 'import os\n\n\ndef walk_tree(top):\n    """Yield every file below top."""\n'
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part]
-    except ValueError:
-        message = f"expected comma-separated integers, not {text!r}"
-        raise argparse.ArgumentTypeError(message) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, not {text!r}")
-    return values
-
-
-def median_ms(work, repeats: int) -> tuple[float, float, float]:
-    """Median, p25 and p75 of ``work()`` in milliseconds, after two warm-up calls."""
-    for _ in range(2):
-        work()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        work()
-        samples.append((time.perf_counter() - start) * 1000)
-    quartiles = statistics.quantiles(samples, n=4)
-    return statistics.median(samples), quartiles[0], quartiles[2]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m hetspec.workers.llama_cpp_runtime.bench_branches", description=__doc__
     )
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="GGUF file")
-    parser.add_argument("--branches", type=_int_list, default=[2, 4, 8])
+    parser.add_argument("--branches", type=positive_int_list, default=[2, 4, 8])
     parser.add_argument("--steps", type=int, default=8, help="tokens drafted per branch")
     parser.add_argument("--context", type=int, default=256, help="prompt length in tokens")
     parser.add_argument("--threads", type=int, default=None)
@@ -95,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         def batched(b=branches):
             runtime.draft(args.steps, params, rng, branches=b)
 
-        separate_ms = median_ms(separate, args.repeats)
-        batched_ms = median_ms(batched, args.repeats)
+        separate_ms = timed_ms(separate, args.repeats)
+        batched_ms = timed_ms(batched, args.repeats)
         ratio = batched_ms[0] / separate_ms[0]
         rows.append({"branches": branches, "separate_ms": separate_ms, "batched_ms": batched_ms,
                      "ratio": round(ratio, 3)})  # fmt: skip

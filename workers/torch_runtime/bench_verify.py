@@ -12,46 +12,31 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from hetspec.speculative.tree import chain_parents
+from hetspec.workers.benchmarking import positive_int_list, timed_ms
 from hetspec.workers.torch_runtime import ModelLoadError, TorchRuntime
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1].parent / "models" / "target"
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part]
-    except ValueError:
-        message = f"expected comma-separated integers, not {text!r}"
-        raise argparse.ArgumentTypeError(message) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, not {text!r}")
-    return values
-
-
 def time_forward(runtime: TorchRuntime, tokens: np.ndarray, parents: np.ndarray, repeats: int):
-    """Median and spread of forward_tree latency (ms); the tree is discarded after each run."""
+    """Median and quartiles of forward_tree latency (ms); the tree is discarded after each run."""
     synchronize = torch.cuda.synchronize if runtime.device.type == "cuda" else lambda: None
-    for _ in range(3):  # warm-up: allocator, kernels, caches, compilation
-        runtime.forward_tree(tokens, parents)
-    synchronize()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+
+    def forward() -> None:
         runtime.forward_tree(tokens, parents)
         synchronize()
-        samples.append((time.perf_counter() - start) * 1000)
+
+    # warm-up: allocator, kernels, caches, compilation
+    result = timed_ms(forward, repeats, warmup=3)
     runtime.discard_pending()
-    quartiles = statistics.quantiles(samples, n=4)
-    return statistics.median(samples), quartiles[0], quartiles[2]
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
-    parser.add_argument("--contexts", type=_int_list, default=[128, 512, 1536])
-    parser.add_argument("--widths", type=_int_list, default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument("--contexts", type=positive_int_list, default=[128, 512, 1536])
+    parser.add_argument("--widths", type=positive_int_list, default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--shape", choices=["chain", "star"], default="chain")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--json", type=Path, help="also write the rows here")

@@ -1,0 +1,36 @@
+"""What the worker micro-benchmarks share: argument parsing and robust timing."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+
+def positive_int_list(text: str) -> list[int]:
+    """argparse type for "1,2,4": positive integers, or a usage error saying what is wrong."""
+    try:
+        values = [int(part) for part in text.split(",") if part]
+    except ValueError:
+        message = f"expected comma-separated integers, not {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, not {text!r}")
+    return values
+
+
+def timed_ms(
+    work: Callable[[], object], repeats: int, warmup: int = 2
+) -> tuple[float, float, float]:
+    """Median, p25 and p75 of ``work()`` in milliseconds, after ``warmup`` untimed calls (the
+    median, because a shared machine preempts the odd run)."""
+    for _ in range(warmup):
+        work()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        work()
+        samples.append((time.perf_counter() - start) * 1000)
+    quartiles = statistics.quantiles(samples, n=4)
+    return statistics.median(samples), quartiles[0], quartiles[2]
