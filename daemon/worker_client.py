@@ -151,7 +151,7 @@ class WorkerClient:
                 )
             load = m.Load(model=self.spec.model, settings=self.spec.settings, arena=self.arena)
             self._loading = loop.create_future()
-            await self._send_first(self._codec_encode(load), load_timeout_s)
+            await self._send_first(self._codec.encode(load), load_timeout_s)
             try:
                 self.ready = await self._wait(self._loading, load_timeout_s, "load its model")
             except WorkerError as error:
@@ -181,7 +181,7 @@ class WorkerClient:
         process = self._process
         if process is not None and process.returncode is None:
             with contextlib.suppress(zmq.ZMQError, WorkerError):  # no reader: signals follow
-                self._send(self._codec_encode(m.Shutdown()))
+                self._send(self._codec.encode(m.Shutdown()))
             for action in (None, signal.SIGTERM, signal.SIGKILL):
                 if action is not None:
                     with contextlib.suppress(ProcessLookupError):
@@ -302,9 +302,6 @@ class WorkerClient:
 
     # ------------------------------------------------------------ calls
 
-    def _codec_encode(self, message: msgspec.Struct, arrays=()) -> list:
-        return self._codec.encode(message, arrays)
-
     def next_request(self) -> int:
         return next(self._ids)
 
@@ -316,7 +313,7 @@ class WorkerClient:
         self._calls[request] = _Call(future, type(command).__name__)
         # zero-copy pays only for big frames; pyzmq's zero-copy path costs more for small ones
         try:
-            self._send(self._codec_encode(command, arrays), copy=not arrays)
+            self._send(self._codec.encode(command, arrays), copy=not arrays)
         except WorkerError as error:
             self._calls.pop(request, None)
             future.set_exception(error)
@@ -378,7 +375,7 @@ class WorkerClient:
             self._calls.pop(request, None)
             if not self.died.done():
                 with contextlib.suppress(zmq.ZMQError):
-                    self._send(self._codec_encode(m.Cancel(request=request)))
+                    self._send(self._codec.encode(m.Cancel(request=request)))
             raise
         finally:
             timer.cancel()

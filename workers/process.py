@@ -36,6 +36,7 @@ from hetspec.logs import configure_logging
 from hetspec.protocol import Arena, ArenaError, Codec, MessageError, frame_array, frame_ref
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.sampling import SamplingError
+from hetspec.workers.tree_runtime import RuntimeUsageError
 
 RUNTIMES = ("llama.cpp", "torch")
 PR_SET_PDEATHSIG = 1
@@ -192,8 +193,6 @@ class Worker:
             self.send(reply, arrays)
 
     def failure(self, command: msgspec.Struct, error: Exception) -> m.Failed:
-        from hetspec.workers.tree_runtime import RuntimeUsageError  # noqa: PLC0415
-
         request = getattr(command, "request", None)
         if isinstance(error, LoadError):
             return m.Failed(request=request, kind="load", message=str(error))
@@ -360,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         worker.arena.close()
     replies.close()  # lingers until the last replies are out
     sys.stderr.flush()
-    os._exit(0)  # the I/O thread's sockets would make a normal exit wait on zmq_ctx_term
+    os._exit(0)  # the watchdog's socket would make a normal exit wait on zmq_ctx_term
 
 
 if __name__ == "__main__":
