@@ -70,13 +70,16 @@ class Prefill(_Message, tag="prefill"):
 
 
 class Draft(_Message, tag="draft"):
-    """Draft ``branches`` x ``steps`` tokens; the probability rows go to arena slot ``out``."""
+    """Draft ``branches`` x ``steps`` tokens; the probability rows go to arena slot ``out``.
+    ``append`` is first made to follow the committed sequence (the tokens the last round
+    emitted: the accepted drafted ones are reused, not recomputed), saving a round trip."""
 
     request: int
     steps: int
     sampling: SamplingParams
     out: int
     branches: int = 1
+    append: list[int] = []
 
 
 class VerifyTree(_Message, tag="verify"):
@@ -90,6 +93,7 @@ class VerifyTree(_Message, tag="verify"):
     out: int
     extend: bool = False
     root_row: bool = False
+    commit: list[int] = []  # pending nodes (a path) to keep before the tree is evaluated
 
 
 class Commit(_Message, tag="commit"):
@@ -174,6 +178,7 @@ class Drafted(_Message, tag="drafted"):
     nodes: list[list[int]]  # pending-tree node of each token, -1 where not evaluated
     probs: ArrayRef
     elapsed_ms: float
+    append_ms: float = 0.0  # of elapsed_ms, the time spent on the command's ``append``
 
 
 class Verified(_Message, tag="verified"):

@@ -68,6 +68,7 @@ class BudgetController:
         self._first_offered = [0.0] * (self.max_branches + 1)  # depth 1, by branch count
         self._first_accepted = [0.0] * (self.max_branches + 1)
         self._rounds = 0
+        self._overhead = WindowedMedian(self.window)
 
     # ------------------------------------------------------------ measurements
 
@@ -75,6 +76,11 @@ class BudgetController:
         """A draft of ``steps`` steps (one forward each) for ``branches`` branches."""
         if steps > 0 and seconds > 0:
             self._draft[branches].add(seconds / steps)
+
+    def record_overhead(self, seconds: float) -> None:
+        """What a round costs besides drafting and verifying: messages, bookkeeping, catching
+        the drafter up with the emitted tokens. Added to every candidate's round time."""
+        self._overhead.add(max(0.0, seconds))
 
     def record_verify(self, width: int, seconds: float) -> None:
         if width > 0 and seconds > 0:
@@ -161,6 +167,7 @@ class BudgetController:
         draft_s = gamma * self.draft_step_s(branches)
         verify_s = self.verify_s(gamma * branches + 1)  # the tree plus last round's bonus token
         round_s = max(draft_s, verify_s) if self.parallel else draft_s + verify_s
+        round_s += self._overhead.value or 0.0
         tokens = self.expected_tokens(gamma, branches)
         return Decision(gamma, branches, tokens, round_s, tokens / round_s)
 

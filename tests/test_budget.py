@@ -100,3 +100,19 @@ def test_acceptance_by_depth_follows_what_happened() -> None:
     assert controller.acceptance(2) == pytest.approx(1, abs=0.01)
     assert controller.acceptance(3) == pytest.approx(0, abs=0.01)
     assert controller.expected_tokens(4) == pytest.approx(3, abs=0.05)
+
+
+def test_a_costly_round_overhead_is_amortised_over_longer_drafts() -> None:
+    def settled_gamma(overhead_s: float) -> int:
+        controller = BudgetController(parallel=False, prior_weight=0.01)
+        rng = np.random.default_rng(0)
+        for _ in range(60):
+            controller.record_draft(1, 1, 0.001)
+            controller.record_verify(2, 0.005)
+            controller.record_verify(17, 0.006)
+            controller.record_overhead(overhead_s)
+            accepted = min(16, int(rng.geometric(0.2)) - 1)  # acceptance 0.8 at every depth
+            controller.record_round(gamma=16, branches=1, accepted=accepted)
+        return controller.choose().gamma
+
+    assert settled_gamma(0.02) > settled_gamma(0.0)

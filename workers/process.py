@@ -249,13 +249,16 @@ class Worker:
         start = time.perf_counter()
         engine = self._engine()
         out = self._slot(command.out, (command.branches, command.steps, engine.vocab_size))
+        if command.append:
+            engine.append(command.append)
+        append_ms = (time.perf_counter() - start) * 1000
         result = engine.draft(
             command.steps, command.sampling, self.rng, branches=command.branches, out=out
         )
         probs = m.ArrayRef(out.dtype.str, out.shape, slot=command.out)
         elapsed = (time.perf_counter() - start) * 1000
         reply = m.Drafted(command.request, result.tokens.tolist(), result.nodes.tolist(), probs,
-                          elapsed)  # fmt: skip
+                          elapsed, append_ms)  # fmt: skip
         return reply, ()
 
     def verify(self, command: m.VerifyTree, frames) -> tuple:
@@ -263,6 +266,8 @@ class Worker:
         engine = self._engine()
         first = 1 if command.root_row else 0
         out = self._slot(command.out, (first + len(command.tokens), engine.vocab_size))
+        if command.commit:
+            engine.commit(command.commit)
         if command.root_row:
             out[0] = engine.last_logits()
         engine.evaluate_tree(
