@@ -4,17 +4,19 @@ Each round the drafter drafts ``gamma`` tokens in ``branches`` branches, the ver
 them as one tree, and ``hetspec.speculative.verify`` decides which drafted tokens the target
 accepts and which token the target itself adds (the bonus). Only those tokens are emitted.
 
-Bookkeeping between rounds: the drafter commits everything emitted (its accepted nodes are
-reused, the bonus is evaluated). The verifier commits only the accepted nodes: the bonus token
-becomes the first node of the next round's tree, so the target evaluates it together with the
-next draft instead of in a forward of its own. In the first round nothing is pending and the
-verifier reports the distribution after the prompt as the tree's root row.
+Bookkeeping between rounds, carried by the next round's commands: the drafter appends
+everything emitted (its accepted nodes are reused, the bonus is evaluated) before it drafts;
+the verifier commits only the accepted nodes, and the bonus token becomes the first node of the
+next round's tree, so the target evaluates it together with the next draft instead of in a
+forward of its own. In the first round nothing is pending and the verifier reports the
+distribution after the prompt as the tree's root row.
 
 The overlapped mode (drafting round k + 1 while round k is verified) builds on this loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -123,8 +125,10 @@ class SpeculativeDecoder:
                 f"the {context}-token context"
             )
         seed = self.request.seed
-        await drafter.call(m.Prefill(request=drafter.next_request(), tokens=prompt, seed=seed))
-        await verifier.call(m.Prefill(request=verifier.next_request(), tokens=prompt))
+        await asyncio.gather(  # both at once: the first token waits for the slower, not the sum
+            drafter.call(m.Prefill(request=drafter.next_request(), tokens=prompt, seed=seed)),
+            verifier.call(m.Prefill(request=verifier.next_request(), tokens=prompt)),
+        )
         result.prompt_tokens = len(prompt)
         result.prompt_ms = (time.perf_counter() - started) * 1000
 
