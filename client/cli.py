@@ -53,7 +53,8 @@ def statistics_line(final: dict) -> str:
     line = (
         f"[{final.get('mode')}: {t.get('predicted_n')} tokens in "
         f"{t.get('predicted_ms', 0):.0f} ms, {t.get('predicted_per_second')} tokens/s; "
-        f"prompt {t.get('prompt_n')} tokens in {t.get('prompt_ms', 0):.0f} ms; "
+        f"prompt {t.get('prompt_n')} tokens in {t.get('prompt_ms', 0):.0f} ms, "
+        f"first token after {t.get('ttft_ms') or 0:.0f} ms; "
         f"stop: {final.get('done_reason')}; target on {devices.get('target')}, "
         f"draft on {devices.get('draft')}"
     )

@@ -133,6 +133,10 @@ class SpeculativeDecoder:
         result.prompt_ms = (time.perf_counter() - started) * 1000
 
     def _budget(self, remaining: int) -> tuple[int, int]:
+        if self.stats.rounds == 0:
+            # One token first: drafting it costs no forward (it is drawn from the prefill's
+            # logits), so the first verified token arrives one target forward after prefill.
+            return 1, 1
         if self.request.gamma:
             return min(self.request.gamma, remaining), 1
         decision = self.controller.choose()
@@ -225,7 +229,7 @@ class SpeculativeDecoder:
             while len(result.tokens) < self.request.max_tokens:
                 outcome = await self.round(self.request.max_tokens - len(result.tokens))
                 for token in outcome.emitted:
-                    result.tokens.append(token)
+                    result.add(token)
                     piece = detokenizer.add(token)
                     if piece:
                         yield piece

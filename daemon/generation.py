@@ -74,6 +74,13 @@ class GenerationResult:
     prompt_ms: float = 0.0
     decode_ms: float = 0.0
     done_reason: str = "length"
+    started: float = field(default_factory=time.perf_counter)  # when the request began
+    ttft_ms: float | None = None  # request start to the first verified token
+
+    def add(self, token: int) -> None:
+        if self.ttft_ms is None:
+            self.ttft_ms = (time.perf_counter() - self.started) * 1000
+        self.tokens.append(token)
 
 
 async def generate(
@@ -106,7 +113,7 @@ async def generate(
             if token == eos:
                 result.done_reason = "stop"
                 break
-            result.tokens.append(token)
+            result.add(token)
             piece = detokenizer.add(token)
             if piece:
                 yield piece

@@ -267,6 +267,7 @@ class Service:
                 "predicted_n": len(result.tokens),
                 "predicted_ms": round(result.decode_ms, 3),
                 "predicted_per_second": round(len(result.tokens) / decode_s, 2) if decode_s else 0,
+                "ttft_ms": round(result.ttft_ms, 3) if result.ttft_ms is not None else None,
             },
             "mode": mode,
             "devices": {"target": verifier.ready.device, "draft": drafter.ready.device},
