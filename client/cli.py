@@ -41,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=0)
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--seed", type=int)
-    generate.add_argument("--mode", choices=["sequential", "autoregressive"], default="sequential")
+    generate.add_argument(
+        "--mode", choices=["sequential", "parallel", "autoregressive"], default="sequential"
+    )
     generate.add_argument("--gamma", type=int, help="fixed draft length (default: adaptive)")
     generate.add_argument("--quiet", action="store_true", help="no statistics on stderr")
     return parser

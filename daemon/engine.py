@@ -42,6 +42,8 @@ class SpeculativeStats:
     branches: list[int] = field(default_factory=list)
     draft_ms: float = 0.0
     verify_ms: float = 0.0
+    run_ahead: int = 0  # parallel mode: rounds drafted ahead during verification
+    run_ahead_held: int = 0  # ... whose run-ahead became the next draft
 
     def summary(self, controller: BudgetController) -> dict:
         step = controller.draft_step_s(1)
@@ -55,6 +57,8 @@ class SpeculativeStats:
             "branch_history": self.branches[-64:],
             "t_draft_ms": round(step * 1000, 3) if step else None,
             "t_verify_ms": round(self.verify_ms / self.rounds, 3) if self.rounds else None,
+            "run_ahead": self.run_ahead,
+            "run_ahead_held": self.run_ahead_held,
         }
 
 
@@ -132,6 +136,22 @@ class SpeculativeDecoder:
         result.prompt_tokens = len(prompt)
         result.prompt_ms = (time.perf_counter() - started) * 1000
 
+    def _judge(self, tokens, parents, logits, draft_rows, remaining):
+        """Verify a round's draft; returns the verdict, the tokens to emit (cut at EOS and
+        ``remaining``) and whether EOS came. Sets what the next round tells the verifier."""
+        if self.params.greedy:
+            verdict = verify_greedy(tokens, parents, logits)
+        else:
+            target_rows = distribution(logits, self.params)
+            verdict = verify_sampling(tokens, parents, draft_rows(), target_rows, self.rng)
+        emitted = verdict.tokens(np.asarray(tokens))
+        stopped = self.eos in emitted
+        emitted = emitted[: emitted.index(self.eos)] if stopped else emitted
+        first = 0 if self.pending_bonus is None else 1
+        self.verifier_keeps = [0] * first + [node + first for node in verdict.path]
+        self.pending_bonus = verdict.bonus
+        return verdict, emitted[:remaining], stopped
+
     def _budget(self, remaining: int) -> tuple[int, int]:
         if self.stats.rounds == 0:
             # One token first: drafting it costs no forward (it is drawn from the prefill's
@@ -175,22 +195,13 @@ class SpeculativeDecoder:
         )
         verify_s = time.perf_counter() - start
         logits = arena.view(verified.logits)  # row 0: the distribution the draft grows from
-        if self.params.greedy:
-            verdict = verify_greedy(tokens, parents, logits)
-        else:
-            probs = arena.view(drafted.probs)
-            draft_rows = np.stack([probs[b, s] for b, s in origin])
-            target_rows = distribution(logits, self.params)
-            verdict = verify_sampling(tokens, parents, draft_rows, target_rows, self.rng)
 
-        emitted = verdict.tokens(np.asarray(tokens))
-        stopped = self.eos in emitted
-        emitted = emitted[: emitted.index(self.eos)] if stopped else emitted
-        emitted = emitted[:remaining]
-        first = 0 if bonus is None else 1
-        self.verifier_keeps = [0] * first + [node + first for node in verdict.path]
+        def draft_rows() -> np.ndarray:
+            probs = arena.view(drafted.probs)
+            return np.stack([probs[b, s] for b, s in origin])
+
+        verdict, emitted, stopped = self._judge(tokens, parents, logits, draft_rows, remaining)
         self.drafter_appends = emitted
-        self.pending_bonus = verdict.bonus
         round_s = time.perf_counter() - round_start
         self._record(
             gamma,
@@ -208,11 +219,21 @@ class SpeculativeDecoder:
         self.controller.record_verify(width, verify_s)
         self.controller.record_overhead(round_s - draft_s - verify_s)
         self.controller.record_round(gamma, branches, accepted)
+        self._count(
+            gamma * branches,
+            accepted,
+            draft_s=draft_s,
+            verify_s=verify_s,
+            gamma=gamma,
+            branches=branches,
+        )
+
+    def _count(self, drafted, accepted, *, draft_s, verify_s, gamma=None, branches=1) -> None:
         stats = self.stats
         stats.rounds += 1
-        stats.drafted += gamma * branches
+        stats.drafted += drafted
         stats.accepted += accepted
-        stats.gammas.append(gamma)
+        stats.gammas.append(gamma or drafted)
         stats.branches.append(branches)
         stats.draft_ms += draft_s * 1000
         stats.verify_ms += verify_s * 1000
@@ -241,3 +262,132 @@ class SpeculativeDecoder:
                 yield tail
         finally:
             result.decode_ms = (time.perf_counter() - decode_start) * 1000
+
+
+@dataclass
+class _Unverified:
+    """A draft the verifier has not seen yet, as the drafter's pending tree holds it."""
+
+    tokens: list[int]
+    probs: np.ndarray  # (len(tokens), vocab): the distribution each token was drawn from
+    last_parent: int  # the drafter's pending node the last (unevaluated) token hangs from
+
+
+class OverlappedDecoder(SpeculativeDecoder):
+    """Parallel mode: while the verifier checks round k, the drafter drafts round k + 1.
+
+    The drafter runs ahead optimistically: it assumes every token of round k is accepted,
+    guesses the target's bonus token itself, and drafts on from there, keeping everything in
+    its pending tree. If the verifier accepts the whole draft and its bonus equals the guess,
+    the run-ahead becomes the next draft at no waiting; otherwise it is dropped and the next
+    draft starts from the verified tokens (the drafter catches up by appending them, which
+    reuses what matched). The run-ahead's tokens are drawn given the guessed bonus, so when
+    the guess holds they are exactly as valid a proposal as a fresh draft: output stays lossless.
+    """
+
+    MAX_RUN_AHEAD = 48  # emitted tokens the drafter may hold pending before it must catch up
+
+    def __init__(self, request, pair: WorkerPair, controller, stats) -> None:
+        super().__init__(request, pair, controller, stats)
+        self.unverified: _Unverified | None = None
+        self.behind: list[int] = []  # emitted tokens the drafter holds only as pending nodes
+
+    def _gamma(self, remaining: int) -> int:
+        if self.stats.rounds == 0:
+            return 1
+        gamma = self.request.gamma or self.controller.choose().gamma
+        return max(1, min(gamma, remaining))
+
+    async def _draft_afresh(self, remaining: int) -> float:
+        gamma = self._gamma(remaining)
+        drafter = self.pair.drafter
+        start = time.perf_counter()
+        drafted, _ = await drafter.call(
+            m.Draft(
+                request=drafter.next_request(),
+                steps=gamma,
+                sampling=self.params,
+                out=self.pair.draft_slot,
+                append=self.behind,
+            )
+        )
+        draft_s = time.perf_counter() - start - drafted.append_ms / 1000
+        self.behind = []
+        self.unverified = self._unverified(drafted, skip=0)
+        return draft_s
+
+    def _unverified(self, drafted: m.Drafted, skip: int) -> _Unverified:
+        nodes = drafted.nodes[0]
+        last_parent = nodes[-2] if len(nodes) >= 2 else drafted.root
+        probs = self.pair.arena.view(drafted.probs)[0, skip:].copy()
+        return _Unverified(drafted.tokens[0][skip:], probs, last_parent)
+
+    async def round(self, remaining: int) -> RoundOutcome:
+        drafter, verifier, arena = self.pair.drafter, self.pair.verifier, self.pair.arena
+        round_start = time.perf_counter()
+        draft_s = 0.0
+        if self.unverified is None:
+            draft_s = await self._draft_afresh(remaining)
+        draft = self.unverified
+        bonus = self.pending_bonus
+        tokens = draft.tokens
+        parents = list(range(-1, len(tokens) - 1))
+        tree_tokens = tokens if bonus is None else [bonus, *tokens]
+        tree_parents = parents if bonus is None else [-1, *(p + 1 for p in parents)]
+        verify_start = time.perf_counter()
+        verify = asyncio.ensure_future(
+            verifier.call(
+                m.VerifyTree(
+                    request=verifier.next_request(),
+                    tokens=tree_tokens,
+                    parents=tree_parents,
+                    out=self.pair.verify_slot,
+                    root_row=bonus is None,
+                    commit=self.verifier_keeps,
+                )
+            )
+        )
+        ahead = None
+        ahead_gamma = self._gamma(remaining - len(tokens))
+        if len(self.behind) + len(tokens) < self.MAX_RUN_AHEAD:
+            ahead = asyncio.ensure_future(
+                drafter.call(
+                    m.Draft(
+                        request=drafter.next_request(),
+                        steps=ahead_gamma + 1,
+                        sampling=self.params,
+                        out=self.pair.draft_slot,  # the rows under verification were copied
+                        after=(draft.last_parent, tokens[-1]),
+                    )
+                )
+            )
+        try:
+            verified, _ = await verify
+        except BaseException:
+            if ahead is not None:
+                ahead.cancel()
+            raise
+        verify_s = time.perf_counter() - verify_start
+        logits = arena.view(verified.logits)
+        verdict, emitted, stopped = self._judge(
+            tokens, parents, logits, lambda: draft.probs, remaining
+        )
+        self.behind += emitted
+
+        self.unverified = None
+        if ahead is not None:
+            ahead_start = verify_start
+            guessed, _ = await ahead
+            draft_s = max(draft_s, time.perf_counter() - ahead_start)
+            held = len(verdict.path) == len(tokens) and guessed.tokens[0][0] == verdict.bonus
+            self.stats.run_ahead += 1
+            if held and not stopped and len(emitted) < remaining:
+                self.unverified = self._unverified(guessed, skip=1)
+                self.stats.run_ahead_held += 1
+            self.controller.record_draft(ahead_gamma + 1, 1, guessed.elapsed_ms / 1000)
+        round_s = time.perf_counter() - round_start
+        self.controller.record_verify(len(tree_tokens), verify_s)
+        self.controller.record_overhead(round_s - max(draft_s, verify_s))
+        self.controller.record_round(len(tokens), 1, len(verdict.path))
+        self._count(len(tokens), len(verdict.path), draft_s=draft_s, verify_s=verify_s)
+        return RoundOutcome(emitted, stopped)

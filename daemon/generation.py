@@ -18,7 +18,7 @@ from hetspec.daemon.worker_client import WorkerClient
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.sampling import SamplingParams
 
-MODES = ("autoregressive", "sequential")
+MODES = ("autoregressive", "sequential", "parallel")
 MAX_GAMMA = 32
 
 
@@ -31,7 +31,9 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seed: int | None = None
     stream: bool = True
     ignore_eos: bool = False  # generate exactly max_tokens (benchmarks)
-    mode: str = "sequential"  # "autoregressive": the target alone; "sequential": speculative
+    # "autoregressive": the target alone; "sequential": draft, then verify; "parallel": the
+    # drafter runs ahead while the verifier verifies
+    mode: str = "sequential"
     gamma: int | None = None  # a fixed draft length; None lets the budget controller choose
 
     def __post_init__(self) -> None:
@@ -41,10 +43,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError(f"max_tokens must be in 1..1000000, not {self.max_tokens}")
         self.sampling  # noqa: B018 - validates temperature/top_k/top_p
         if self.mode not in MODES:
-            raise ValueError(
-                f"mode must be one of {', '.join(MODES)}, not {self.mode!r} (the "
-                "overlapped modes parallel and adaptive are not available yet)"
-            )
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
         if self.gamma is not None and not 1 <= self.gamma <= MAX_GAMMA:
             raise ValueError(f"gamma must be in 1..{MAX_GAMMA}, not {self.gamma}")
 

@@ -25,7 +25,12 @@ from aiohttp import web
 from hetspec import __version__
 from hetspec.daemon.config import DaemonConfig
 from hetspec.daemon.cores import CoreError
-from hetspec.daemon.engine import SpeculativeDecoder, SpeculativeStats, WorkerPair
+from hetspec.daemon.engine import (
+    OverlappedDecoder,
+    SpeculativeDecoder,
+    SpeculativeStats,
+    WorkerPair,
+)
 from hetspec.daemon.generation import GenerateRequest, GenerationResult, generate
 from hetspec.daemon.instance import Instance, InstanceError
 from hetspec.daemon.slots import SlotPool
@@ -76,7 +81,11 @@ class Service:
         self._serial = asyncio.Lock()  # one request decodes at a time
         self.slots = SlotPool(config.arena_slots)
         # one controller for the daemon's life: costs measured in one request still hold
-        self.controller = BudgetController(parallel=False, max_width=config.max_tree_nodes - 1)
+        width = config.max_tree_nodes - 1
+        self.controllers = {
+            "sequential": BudgetController(parallel=False, max_width=width),
+            "parallel": BudgetController(parallel=True, max_width=width, max_branches=1),
+        }
         self._requests = 0
         self._stop = asyncio.Event()
         self.started = time.monotonic()
@@ -208,7 +217,8 @@ class Service:
                 pieces = generate(body, verifier, draft_slot, result)
             else:
                 pair = WorkerPair(drafter, verifier, self.arena, draft_slot, verify_slot)
-                decoder = SpeculativeDecoder(body, pair, self.controller, stats)
+                kind = OverlappedDecoder if body.mode == "parallel" else SpeculativeDecoder
+                decoder = kind(body, pair, self.controllers[body.mode], stats)
                 pieces = decoder.stream(result)
             job = Job(body, pieces, result, stats, drafter, verifier)
             return await self._respond(request, job)
@@ -220,7 +230,7 @@ class Service:
         def final() -> dict:
             document = self._final(result, drafter, verifier, body.mode)
             if body.mode != "autoregressive":
-                speculative = stats.summary(self.controller)
+                speculative = stats.summary(self.controllers[body.mode])
                 document["timings"]["draft_n"] = speculative.pop("draft_n")
                 document["timings"]["draft_n_accepted"] = speculative.pop("draft_n_accepted")
                 document["speculative"] = speculative

@@ -80,6 +80,9 @@ class Draft(_Message, tag="draft"):
     out: int
     branches: int = 1
     append: list[int] = []
+    # (pending node, token): continue a pending draft below ``token`` instead of starting from
+    # the committed end; the pending tree is kept (running ahead of verification)
+    after: tuple[int, int] | None = None
 
 
 class VerifyTree(_Message, tag="verify"):
@@ -179,6 +182,7 @@ class Drafted(_Message, tag="drafted"):
     probs: ArrayRef
     elapsed_ms: float
     append_ms: float = 0.0  # of elapsed_ms, the time spent on the command's ``append``
+    root: int = -1  # the pending node the branches hang from (-1: the committed end)
 
 
 class Verified(_Message, tag="verified"):

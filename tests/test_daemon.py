@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ from hetspec.speculative.sampling import SamplingParams
 from hetspec.workers.torch_runtime import TorchRuntime
 
 CONTEXT = 4096
+MODES = ("sequential", "parallel")  # the speculative ones
 STARTUP_TIMEOUT = 120
 
 
@@ -212,7 +214,7 @@ def test_speculative_greedy_output_is_the_targets_own(tmp_path, models, draft) -
             "def",
         ]
         accepted = 0
-        for index, prompt in enumerate(prompts):
+        for (index, prompt), mode in itertools.product(enumerate(prompts), MODES):
             options = [{"gamma": 1 + index}, {}][index % 2]
             status, body = request(
                 daemon.socket,
@@ -223,11 +225,13 @@ def test_speculative_greedy_output_is_the_targets_own(tmp_path, models, draft) -
                     "max_tokens": 40,
                     "stream": False,
                     "ignore_eos": True,
+                    "mode": mode,
                     **options,
                 },
             )
             assert status == 200, body
-            assert body["tokens"] == target_greedy(models["target"], prompt, 40).tolist(), prompt
+            expected = target_greedy(models["target"], prompt, 40).tolist()
+            assert body["tokens"] == expected, (prompt, mode)
             accepted += body["timings"]["draft_n_accepted"]
             assert body["speculative"]["rounds"] >= 1
         if draft == "target":
@@ -249,12 +253,15 @@ def test_sampled_speculative_output_is_reproducible_by_seed(daemon) -> None:
         "ignore_eos": True,
         "gamma": 3,
     }
-    runs = [
-        request(daemon.socket, "POST", "/api/generate", {**body, "seed": seed})[1]["tokens"]
-        for seed in (1, 1, 2)
-    ]
-    assert runs[0] == runs[1]
-    assert runs[0] != runs[2]
+    for mode in MODES:
+        runs = [
+            request(daemon.socket, "POST", "/api/generate", {**body, "seed": seed, "mode": mode})[
+                1
+            ]["tokens"]
+            for seed in (1, 1, 2)
+        ]
+        assert runs[0] == runs[1], mode
+        assert runs[0] != runs[2], mode
 
 
 def test_a_draft_with_another_tokenizer_is_refused_naming_both_models(tmp_path, models) -> None:

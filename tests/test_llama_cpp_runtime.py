@@ -234,3 +234,19 @@ def test_the_torch_runtime_reports_the_same_vocabulary_from_the_folder(runtime, 
     )
     for token in range(runtime.vocab_size):
         assert folder_runtime.token_bytes(token) == runtime.token_bytes(token), token
+
+
+@pytest.mark.parametrize("engine", ["llama.cpp", "torch"])
+def test_a_draft_continues_after_a_pending_one(runtime, gguf, prompt, engine) -> None:
+    """Running ahead: continuing a pending draft equals drafting the whole length at once."""
+    drafter = runtime if engine == "llama.cpp" else TorchRuntime(gguf.parent, max_context=128)
+    greedy, rng = SamplingParams(), np.random.default_rng(0)
+    drafter.prefill(prompt)
+    whole = drafter.draft(7, greedy, rng).tokens[0].tolist()
+    drafter.prefill(prompt)
+    head = drafter.draft(4, greedy, rng)
+    tail = drafter.draft(3, greedy, rng, after=(int(head.nodes[0, 2]), int(head.tokens[0, 3])))
+    assert head.tokens[0].tolist() + tail.tokens[0].tolist() == whole
+    assert tail.root == drafter.pending - 3  # below the evaluated 4th token
+    drafter.append(whole)  # the whole chain is pending and is reused
+    assert drafter.tokens == [*prompt, *whole]

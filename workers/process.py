@@ -253,12 +253,17 @@ class Worker:
             engine.append(command.append)
         append_ms = (time.perf_counter() - start) * 1000
         result = engine.draft(
-            command.steps, command.sampling, self.rng, branches=command.branches, out=out
+            command.steps,
+            command.sampling,
+            self.rng,
+            branches=command.branches,
+            out=out,
+            after=command.after,
         )
         probs = m.ArrayRef(out.dtype.str, out.shape, slot=command.out)
         elapsed = (time.perf_counter() - start) * 1000
         reply = m.Drafted(command.request, result.tokens.tolist(), result.nodes.tolist(), probs,
-                          elapsed, append_ms)  # fmt: skip
+                          elapsed, append_ms, result.root)  # fmt: skip
         return reply, ()
 
     def verify(self, command: m.VerifyTree, frames) -> tuple:

@@ -40,6 +40,7 @@ class DraftResult:
     # (branches, steps) pending-tree node of each token; -1 for the last step, which is drawn
     # but not evaluated (its keys/values are computed only if it is accepted).
     nodes: np.ndarray
+    root: int = -1  # the pending node the branches hang from (-1: the committed end)
 
 
 class TreeRuntime(ABC, Generic[Output]):
@@ -265,6 +266,7 @@ class TreeRuntime(ABC, Generic[Output]):
         *,
         branches: int = 1,
         out: np.ndarray | None = None,
+        after: tuple[int, int] | None = None,
     ) -> DraftResult:
         """Draft ``branches`` continuations of ``steps`` tokens each, one forward per step.
 
@@ -272,6 +274,11 @@ class TreeRuntime(ABC, Generic[Output]):
         sampling. ``out`` (branches, steps, vocab) float32 receives the probability rows (e.g. a
         shared-memory slot); one is allocated when not given. The drafted nodes stay pending:
         commit the accepted part with ``append`` or ``commit``.
+
+        ``after`` = (parent, token) continues a pending draft instead of starting afresh:
+        ``token`` (a drafted token not evaluated yet) is evaluated as a child of pending node
+        ``parent`` (ROOT: the committed end), the pending tree is kept, and the branches grow
+        below it. This is how a drafter runs ahead while its last draft is being verified.
         """
         if steps < 1 or not 1 <= branches <= self.vocab_size:
             raise RuntimeUsageError(f"cannot draft {branches} branches of {steps} steps")
@@ -280,8 +287,14 @@ class TreeRuntime(ABC, Generic[Output]):
             out = np.empty(shape, np.float32)
         elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
             raise RuntimeUsageError(f"out must be C-contiguous float32 {shape}, not {out.shape}")
-        first = self.last_logits()
-        self.discard_pending()
+        if after is None:
+            first = self.last_logits()
+            self.discard_pending()
+            root = ROOT
+        else:
+            output = self.forward_tree([after[1]], [after[0]], extend=True)
+            first = self._step_logits(output)[0]
+            root = self.pending - 1
         tokens = np.empty((branches, steps), np.int64)
         nodes = np.full((branches, steps), -1, np.int64)
         distribution(first, params, out=out[0, 0])
@@ -291,9 +304,9 @@ class TreeRuntime(ABC, Generic[Output]):
         else:
             tokens[:, 0] = choose(out[:, 0], params, rng)
         for step in range(1, steps):
-            parents = nodes[:, step - 2] if step > 1 else np.full(branches, ROOT)
+            parents = nodes[:, step - 2] if step > 1 else np.full(branches, root)
             nodes[:, step - 1] = self.pending + np.arange(branches)
             output = self.forward_tree(tokens[:, step - 1], parents, extend=True)
             distribution(self._step_logits(output), params, out=out[:, step])
             tokens[:, step] = choose(out[:, step], params, rng)
-        return DraftResult(tokens, out, nodes)
+        return DraftResult(tokens, out, nodes, root)
