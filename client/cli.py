@@ -42,9 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--seed", type=int)
     generate.add_argument(
-        "--mode", choices=["sequential", "parallel", "autoregressive"], default="sequential"
+        "--mode",
+        choices=["adaptive", "parallel", "sequential", "autoregressive"],
+        help="how to decode (default: the daemon's configured mode, normally adaptive)",
     )
-    generate.add_argument("--gamma", type=int, help="fixed draft length (default: adaptive)")
+    generate.add_argument(
+        "--gamma", type=int, help="fixed draft length (modes parallel and sequential)"
+    )
     generate.add_argument("--quiet", action="store_true", help="no statistics on stderr")
     return parser
 

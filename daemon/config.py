@@ -49,6 +49,9 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     socket: str = "/run/hetspec/hetspecd.sock"
     runtime_dir: str = "/run/hetspec"  # ZeroMQ endpoints and the instance lock live here
     placement: Literal["draft-cpu", "draft-gpu"] = "draft-cpu"
+    # how requests that name no mode are decoded (see hetspec.daemon.generation.MODES)
+    mode: Literal["autoregressive", "sequential", "parallel", "adaptive"] = "adaptive"
+    gamma: int = 4  # the draft length of mode "parallel" when a request gives none
     target: ModelPaths = msgspec.field(
         default_factory=lambda: ModelPaths(
             folder=str(BUNDLED_MODELS / "target"),
@@ -82,6 +85,8 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         for key, value in positive.items():
             if not value > 0:
                 raise ValueError(f"{key} must be > 0, not {value}")
+        if not 1 <= self.gamma <= 32:
+            raise ValueError(f"gamma must be in 1..32, not {self.gamma}")
         if self.heartbeat_timeout_s <= 2 * self.heartbeat_s:
             raise ValueError("heartbeat_timeout_s must exceed two heartbeat_s intervals")
         low, high = self.restart_backoff_s

@@ -8,8 +8,9 @@ Bookkeeping between rounds, carried by the next round's commands: the drafter ap
 everything emitted (its accepted nodes are reused, the bonus is evaluated) before it drafts;
 the verifier commits only the accepted nodes, and the bonus token becomes the first node of the
 next round's tree, so the target evaluates it together with the next draft instead of in a
-forward of its own. In the first round nothing is pending and the verifier reports the
-distribution after the prompt as the tree's root row.
+forward of its own. The first token needs no round: the verifier's prefill returns the logits
+after the prompt, the target chooses the token from them, and it becomes the first bonus; so
+it arrives after the slower of the two prefills (they run at once), not after a draft.
 
 The overlapped mode (drafting round k + 1 while round k is verified) builds on this loop.
 """
@@ -29,7 +30,13 @@ from hetspec.protocol import Arena
 from hetspec.protocol import worker_messages as m
 from hetspec.speculative.budget import BudgetController
 from hetspec.speculative.sampling import distribution
-from hetspec.speculative.verify import verify_greedy, verify_sampling
+from hetspec.speculative.verify import (
+    Verdict,
+    accept_token,
+    draw,
+    verify_greedy,
+    verify_sampling,
+)
 
 
 @dataclass
@@ -99,22 +106,27 @@ class SpeculativeDecoder:
         pair: WorkerPair,
         controller: BudgetController,
         stats: SpeculativeStats,
+        *,
+        gamma: int | None = None,
     ) -> None:
         self.request = request
+        self.gamma = gamma  # a fixed draft length; None: the controller chooses
         self.pair = pair
         self.controller = controller
         self.stats = stats
         self.params = request.sampling
         self.rng = np.random.default_rng(request.seed)
         self.eos = -1 if request.ignore_eos else pair.verifier.ready.vocab.eos
-        self.pending_bonus: int | None = None  # emitted, not yet evaluated by the verifier
+        self.pending_bonus = -1  # emitted, not yet evaluated by the verifier (set by _begin)
         # What the last round decided, sent with the next round's commands (one round trip
         # per worker per round instead of two): the verifier's accepted path, and the
         # drafter's emitted tokens.
         self.verifier_keeps: list[int] = []
         self.drafter_appends: list[int] = []
 
-    async def prefill(self, result: GenerationResult) -> None:
+    async def prefill(self, result: GenerationResult) -> int:
+        """Prefill both workers at once; returns the first token, chosen by the target from
+        its prefill's logits (so it comes after the slower prefill, without any draft)."""
         drafter, verifier = self.pair.drafter, self.pair.verifier
         started = time.perf_counter()
         text = self.request.prompt
@@ -128,37 +140,49 @@ class SpeculativeDecoder:
                 f"{self.request.max_tokens} and room for a draft tree that exceeds "
                 f"the {context}-token context"
             )
-        seed = self.request.seed
-        await asyncio.gather(  # both at once: the first token waits for the slower, not the sum
+        seed, slot = self.request.seed, self.pair.verify_slot
+        _, (prefilled, _) = await asyncio.gather(
             drafter.call(m.Prefill(request=drafter.next_request(), tokens=prompt, seed=seed)),
-            verifier.call(m.Prefill(request=verifier.next_request(), tokens=prompt)),
+            verifier.call(m.Prefill(request=verifier.next_request(), tokens=prompt, out=slot)),
         )
         result.prompt_tokens = len(prompt)
         result.prompt_ms = (time.perf_counter() - started) * 1000
+        logits = self.pair.arena.view(prefilled.logits)
+        if self.params.greedy:
+            return int(np.argmax(logits[0]))
+        return draw(distribution(logits, self.params)[0], self.rng)
+
+    def _begin(self, first: int) -> None:
+        """The first token is emitted; the verifier evaluates it with the first draft, the
+        drafter drafts after it."""
+        self.pending_bonus = first
+        self.drafter_appends = [first]
+
+    def _verdict(self, tokens, parents, logits, draft_rows) -> Verdict:
+        """Which drafted tokens the target accepts, and its own next token."""
+        if self.params.greedy:
+            return verify_greedy(tokens, parents, logits)
+        target_rows = distribution(logits, self.params)
+        return verify_sampling(tokens, parents, draft_rows(), target_rows, self.rng)
 
     def _judge(self, tokens, parents, logits, draft_rows, remaining):
-        """Verify a round's draft; returns the verdict, the tokens to emit (cut at EOS and
-        ``remaining``) and whether EOS came. Sets what the next round tells the verifier."""
-        if self.params.greedy:
-            verdict = verify_greedy(tokens, parents, logits)
-        else:
-            target_rows = distribution(logits, self.params)
-            verdict = verify_sampling(tokens, parents, draft_rows(), target_rows, self.rng)
+        """Verify a round's draft; see ``_settle``."""
+        verdict = self._verdict(tokens, parents, logits, draft_rows)
+        return (verdict, *self._settle(verdict, tokens, remaining))
+
+    def _settle(self, verdict: Verdict, tokens, remaining: int) -> tuple[list[int], bool]:
+        """The tokens to emit (cut at EOS and ``remaining``) and whether EOS came; sets what
+        the next round tells the verifier."""
         emitted = verdict.tokens(np.asarray(tokens))
         stopped = self.eos in emitted
         emitted = emitted[: emitted.index(self.eos)] if stopped else emitted
-        first = 0 if self.pending_bonus is None else 1
-        self.verifier_keeps = [0] * first + [node + first for node in verdict.path]
+        self.verifier_keeps = [0, *(node + 1 for node in verdict.path)]  # the bonus, the path
         self.pending_bonus = verdict.bonus
-        return verdict, emitted[:remaining], stopped
+        return emitted[:remaining], stopped
 
     def _budget(self, remaining: int) -> tuple[int, int]:
-        if self.stats.rounds == 0:
-            # One token first: drafting it costs no forward (it is drawn from the prefill's
-            # logits), so the first verified token arrives one target forward after prefill.
-            return 1, 1
-        if self.request.gamma:
-            return min(self.request.gamma, remaining), 1
+        if self.gamma:
+            return min(self.gamma, remaining), 1
         decision = self.controller.choose()
         return min(decision.gamma, remaining), decision.branches
 
@@ -180,8 +204,8 @@ class SpeculativeDecoder:
         draft_s = time.perf_counter() - start - drafted.append_ms / 1000
         tokens, parents, origin = _draft_tree(drafted)
         bonus = self.pending_bonus
-        tree_tokens = tokens if bonus is None else [bonus, *tokens]
-        tree_parents = parents if bonus is None else [-1, *(p + 1 for p in parents)]
+        tree_tokens = [bonus, *tokens]  # row 0: after the bonus, where the draft grows from
+        tree_parents = [-1, *(p + 1 for p in parents)]
         start = time.perf_counter()
         verified, _ = await verifier.call(
             m.VerifyTree(
@@ -189,7 +213,6 @@ class SpeculativeDecoder:
                 tokens=tree_tokens,
                 parents=tree_parents,
                 out=self.pair.verify_slot,
-                root_row=bonus is None,
                 commit=self.verifier_keeps,
             )
         )
@@ -243,12 +266,13 @@ class SpeculativeDecoder:
 
     async def stream(self, result: GenerationResult) -> AsyncIterator[str]:
         """Yield text pieces of verified tokens only; ``result`` fills in as it goes."""
-        await self.prefill(result)
+        first = await self.prefill(result)
         decode_start = time.perf_counter()
         detokenizer = Detokenizer(self.pair.verifier.ready.token_bytes)
         try:
-            while len(result.tokens) < self.request.max_tokens:
-                outcome = await self.round(self.request.max_tokens - len(result.tokens))
+            self._begin(first)
+            outcome = RoundOutcome([], True) if first == self.eos else RoundOutcome([first], False)
+            while True:
                 for token in outcome.emitted:
                     result.add(token)
                     piece = detokenizer.add(token)
@@ -257,6 +281,9 @@ class SpeculativeDecoder:
                 if outcome.stopped:
                     result.done_reason = "stop"
                     break
+                if len(result.tokens) >= self.request.max_tokens:
+                    break
+                outcome = await self.round(self.request.max_tokens - len(result.tokens))
             tail = detokenizer.flush()
             if tail:
                 yield tail
@@ -287,18 +314,20 @@ class OverlappedDecoder(SpeculativeDecoder):
 
     MAX_RUN_AHEAD = 48  # emitted tokens the drafter may hold pending before it must catch up
 
-    def __init__(self, request, pair: WorkerPair, controller, stats) -> None:
-        super().__init__(request, pair, controller, stats)
+    def __init__(self, request, pair: WorkerPair, controller, stats, *, gamma=None) -> None:
+        super().__init__(request, pair, controller, stats, gamma=gamma)
         self.unverified: _Unverified | None = None
         self.behind: list[int] = []  # emitted tokens the drafter holds only as pending nodes
 
+    def _begin(self, first: int) -> None:
+        self.pending_bonus = first
+        self.behind = [first]
+
     def _gamma(self, remaining: int) -> int:
-        if self.stats.rounds == 0:
-            return 1
-        gamma = self.request.gamma or self.controller.choose().gamma
+        gamma = self.gamma or self.controller.choose().gamma
         return max(1, min(gamma, remaining))
 
-    async def _draft_afresh(self, remaining: int) -> float:
+    async def _draft_afresh(self, remaining: int) -> None:
         gamma = self._gamma(remaining)
         drafter = self.pair.drafter
         start = time.perf_counter()
@@ -312,9 +341,23 @@ class OverlappedDecoder(SpeculativeDecoder):
             )
         )
         draft_s = time.perf_counter() - start - drafted.append_ms / 1000
+        self.controller.record_draft(gamma, 1, draft_s)
         self.behind = []
         self.unverified = self._unverified(drafted, skip=0)
-        return draft_s
+
+    def _second_opinion(self, verdict: Verdict, guessed: m.Drafted, last_logits) -> tuple:
+        """The whole draft was accepted; the run-ahead's first token guessed the bonus. Greedy:
+        the guess holds if it is the target's argmax. Sampling: the guess is a token drawn from
+        the drafter, so it is judged like one (kept with probability min(1, p/q), else the
+        bonus is redrawn from the residual): the bonus still follows the target exactly, and
+        the run-ahead is used far more often than if it had to equal an independent draw."""
+        guess = guessed.tokens[0][0]
+        if self.params.greedy:
+            return verdict, guess == verdict.bonus
+        target = distribution(last_logits, self.params)[0]
+        draft = self.pair.arena.view(guessed.probs)[0, 0]
+        held, bonus = accept_token(guess, draft, target, self.rng)
+        return Verdict(verdict.path, bonus), held
 
     def _unverified(self, drafted: m.Drafted, skip: int) -> _Unverified:
         nodes = drafted.nodes[0]
@@ -325,15 +368,15 @@ class OverlappedDecoder(SpeculativeDecoder):
     async def round(self, remaining: int) -> RoundOutcome:
         drafter, verifier, arena = self.pair.drafter, self.pair.verifier, self.pair.arena
         round_start = time.perf_counter()
-        draft_s = 0.0
         if self.unverified is None:
-            draft_s = await self._draft_afresh(remaining)
+            await self._draft_afresh(remaining)
+        fresh_s = time.perf_counter() - round_start  # the drafter catching up after a miss
         draft = self.unverified
         bonus = self.pending_bonus
         tokens = draft.tokens
         parents = list(range(-1, len(tokens) - 1))
-        tree_tokens = tokens if bonus is None else [bonus, *tokens]
-        tree_parents = parents if bonus is None else [-1, *(p + 1 for p in parents)]
+        tree_tokens = [bonus, *tokens]  # row 0: after the bonus, where the draft grows from
+        tree_parents = [-1, *(p + 1 for p in parents)]
         verify_start = time.perf_counter()
         verify = asyncio.ensure_future(
             verifier.call(
@@ -342,7 +385,6 @@ class OverlappedDecoder(SpeculativeDecoder):
                     tokens=tree_tokens,
                     parents=tree_parents,
                     out=self.pair.verify_slot,
-                    root_row=bonus is None,
                     commit=self.verifier_keeps,
                 )
             )
@@ -369,25 +411,27 @@ class OverlappedDecoder(SpeculativeDecoder):
             raise
         verify_s = time.perf_counter() - verify_start
         logits = arena.view(verified.logits)
-        verdict, emitted, stopped = self._judge(
-            tokens, parents, logits, lambda: draft.probs, remaining
-        )
-        self.behind += emitted
-
+        verdict = self._verdict(tokens, parents, logits, lambda: draft.probs)
         self.unverified = None
+        ahead_s = 0.0
         if ahead is not None:
-            ahead_start = verify_start
             guessed, _ = await ahead
-            draft_s = max(draft_s, time.perf_counter() - ahead_start)
-            held = len(verdict.path) == len(tokens) and guessed.tokens[0][0] == verdict.bonus
+            ahead_s = time.perf_counter() - verify_start
             self.stats.run_ahead += 1
-            if held and not stopped and len(emitted) < remaining:
-                self.unverified = self._unverified(guessed, skip=1)
-                self.stats.run_ahead_held += 1
+            self.stats.draft_ms += guessed.elapsed_ms
             self.controller.record_draft(ahead_gamma + 1, 1, guessed.elapsed_ms / 1000)
+            if len(verdict.path) == len(tokens):  # all accepted: does the guessed bonus hold?
+                verdict, held = self._second_opinion(verdict, guessed, logits[-1:])
+                if held:
+                    self.unverified = self._unverified(guessed, skip=1)
+        emitted, stopped = self._settle(verdict, tokens, remaining)
+        self.behind += emitted
+        if self.unverified is not None and (stopped or len(emitted) >= remaining):
+            self.unverified = None  # the request ends here
+        self.stats.run_ahead_held += self.unverified is not None
         round_s = time.perf_counter() - round_start
         self.controller.record_verify(len(tree_tokens), verify_s)
-        self.controller.record_overhead(round_s - max(draft_s, verify_s))
+        self.controller.record_overhead(round_s - fresh_s - max(verify_s, ahead_s))
         self.controller.record_round(len(tokens), 1, len(verdict.path))
-        self._count(len(tokens), len(verdict.path), draft_s=draft_s, verify_s=verify_s)
+        self._count(len(tokens), len(verdict.path), draft_s=fresh_s, verify_s=verify_s)
         return RoundOutcome(emitted, stopped)

@@ -18,7 +18,10 @@ from hetspec.daemon.worker_client import WorkerClient
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.sampling import SamplingParams
 
-MODES = ("autoregressive", "sequential", "parallel")
+# "autoregressive": the target alone; "sequential": draft, then verify, the budget controller
+# choosing gamma unless the request fixes it; "parallel": the drafter drafts the next round while
+# the verifier verifies this one, at a fixed gamma; "adaptive": parallel plus the controller
+MODES = ("autoregressive", "sequential", "parallel", "adaptive")
 MAX_GAMMA = 32
 
 
@@ -31,10 +34,8 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seed: int | None = None
     stream: bool = True
     ignore_eos: bool = False  # generate exactly max_tokens (benchmarks)
-    # "autoregressive": the target alone; "sequential": draft, then verify; "parallel": the
-    # drafter runs ahead while the verifier verifies
-    mode: str = "sequential"
-    gamma: int | None = None  # a fixed draft length; None lets the budget controller choose
+    mode: str | None = None  # one of MODES; None: the daemon's configured mode
+    gamma: int | None = None  # a fixed draft length (sequential and parallel modes)
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -42,10 +43,20 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if not 1 <= self.max_tokens <= 1_000_000:
             raise ValueError(f"max_tokens must be in 1..1000000, not {self.max_tokens}")
         self.sampling  # noqa: B018 - validates temperature/top_k/top_p
-        if self.mode not in MODES:
+        if self.mode is not None and self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
         if self.gamma is not None and not 1 <= self.gamma <= MAX_GAMMA:
             raise ValueError(f"gamma must be in 1..{MAX_GAMMA}, not {self.gamma}")
+        if self.mode is not None:
+            self.resolve_mode(self.mode)
+
+    def resolve_mode(self, default: str) -> str:
+        """The mode this request runs in, given the daemon's configured one."""
+        mode = self.mode or default
+        if self.gamma is not None and mode in ("autoregressive", "adaptive"):
+            raise ValueError(f"gamma fixes the draft length, which mode {mode!r} does not "
+                             "use; use mode 'parallel' or 'sequential'")  # fmt: skip
+        return mode
 
     @property
     def sampling(self) -> SamplingParams:
@@ -86,8 +97,9 @@ async def generate(
     request: GenerateRequest, worker: WorkerClient, slot: int, result: GenerationResult
 ) -> AsyncIterator[str]:
     """Yield text pieces; ``result`` holds the tokens and timings (complete when exhausted).
-    Each token is sampled by the worker from its logits (its probability row lands in arena
-    slot ``slot``, unread: plain decoding needs only the token) and then committed."""
+    One call per token: the worker appends the last token (one forward) and samples the next
+    from its logits (the probability row lands in arena slot ``slot``, unread: plain decoding
+    needs only the token). The first token is sampled from the prefill's logits."""
     ready = worker.ready
     started = time.perf_counter()
     tokenized, _ = await worker.call(m.Tokenize(request=worker.next_request(), text=request.prompt))
@@ -106,7 +118,13 @@ async def generate(
     try:
         while len(result.tokens) < request.max_tokens:
             drafted, _ = await worker.call(
-                m.Draft(request=worker.next_request(), steps=1, sampling=request.sampling, out=slot)
+                m.Draft(
+                    request=worker.next_request(),
+                    steps=1,
+                    sampling=request.sampling,
+                    out=slot,
+                    append=result.tokens[-1:],
+                )
             )
             token = drafted.tokens[0][0]
             if token == eos:
@@ -116,8 +134,6 @@ async def generate(
             piece = detokenizer.add(token)
             if piece:
                 yield piece
-            if len(result.tokens) < request.max_tokens:
-                await worker.call(m.Commit(request=worker.next_request(), tokens=[token]))
         tail = detokenizer.flush()
         if tail:
             yield tail

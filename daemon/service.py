@@ -43,7 +43,6 @@ from hetspec.daemon.supervisor import (
 )
 from hetspec.daemon.worker_client import WorkerClient, WorkerError
 from hetspec.protocol.arena import Arena, ArenaError
-from hetspec.protocol.sampling import SamplingError
 from hetspec.speculative.budget import BudgetController
 
 log = structlog.get_logger("hetspec.daemon")
@@ -52,6 +51,7 @@ log = structlog.get_logger("hetspec.daemon")
 @dataclass(frozen=True)
 class Job:
     body: GenerateRequest
+    mode: str
     pieces: AsyncIterator[str]
     result: GenerationResult
     stats: SpeculativeStats
@@ -82,9 +82,12 @@ class Service:
         self.slots = SlotPool(config.arena_slots)
         # one controller for the daemon's life: costs measured in one request still hold
         width = config.max_tree_nodes - 1
+        # (parallel mode shares the overlapped controller: it feeds it measurements only)
+        overlapped = BudgetController(parallel=True, max_width=width, max_branches=1)
         self.controllers = {
             "sequential": BudgetController(parallel=False, max_width=width),
-            "parallel": BudgetController(parallel=True, max_width=width, max_branches=1),
+            "parallel": overlapped,
+            "adaptive": overlapped,
         }
         self._requests = 0
         self._stop = asyncio.Event()
@@ -187,7 +190,8 @@ class Service:
             return json_error(503, "hetspecd is shutting down", **{"Retry-After": "5"})
         try:
             body = msgspec.json.decode(await request.read(), type=GenerateRequest)
-        except (msgspec.DecodeError, msgspec.ValidationError, SamplingError) as error:
+            mode = body.resolve_mode(self.config.mode)
+        except (msgspec.DecodeError, ValueError) as error:  # ValueError: SamplingError, ...
             return json_error(400, f"bad request: {error}")
         if self.supervisor is None or not self.supervisor.workers:
             return json_error(503, "the workers are still loading", **{"Retry-After": "5"})
@@ -195,13 +199,13 @@ class Service:
         self._idle.clear()
         try:
             async with self._serial:
-                return await self._generate(request, body)
+                return await self._generate(request, body, mode)
         finally:
             self.in_flight -= 1
             if not self.in_flight:
                 self._idle.set()
 
-    async def _generate(self, request: web.Request, body: GenerateRequest) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, body: GenerateRequest, mode: str):
         roles = self.supervisor.roles
         try:
             verifier = await self.supervisor.worker(roles.verifier, self.config.load_timeout_s)
@@ -210,27 +214,28 @@ class Service:
             return json_error(503, str(error), **{"Retry-After": "5"})
         self._requests += 1
         owner = f"request {self._requests}"
+        gamma = body.gamma or (self.config.gamma if mode == "parallel" else None)
         with self.slots.lease(owner) as draft_slot, self.slots.lease(owner) as verify_slot:
             result = GenerationResult()
             stats = SpeculativeStats()
-            if body.mode == "autoregressive":
+            if mode == "autoregressive":
                 pieces = generate(body, verifier, draft_slot, result)
             else:
                 pair = WorkerPair(drafter, verifier, self.arena, draft_slot, verify_slot)
-                kind = OverlappedDecoder if body.mode == "parallel" else SpeculativeDecoder
-                decoder = kind(body, pair, self.controllers[body.mode], stats)
+                kind = SpeculativeDecoder if mode == "sequential" else OverlappedDecoder
+                decoder = kind(body, pair, self.controllers[mode], stats, gamma=gamma)
                 pieces = decoder.stream(result)
-            job = Job(body, pieces, result, stats, drafter, verifier)
+            job = Job(body, mode, pieces, result, stats, drafter, verifier)
             return await self._respond(request, job)
 
     async def _respond(self, request: web.Request, job: Job) -> web.StreamResponse:
         body, pieces, result, stats = job.body, job.pieces, job.result, job.stats
-        drafter, verifier = job.drafter, job.verifier
+        drafter, verifier, mode = job.drafter, job.verifier, job.mode
 
         def final() -> dict:
-            document = self._final(result, drafter, verifier, body.mode)
-            if body.mode != "autoregressive":
-                speculative = stats.summary(self.controllers[body.mode])
+            document = self._final(result, drafter, verifier, mode)
+            if mode != "autoregressive":
+                speculative = stats.summary(self.controllers[mode])
                 document["timings"]["draft_n"] = speculative.pop("draft_n")
                 document["timings"]["draft_n_accepted"] = speculative.pop("draft_n_accepted")
                 document["speculative"] = speculative

@@ -62,11 +62,13 @@ class Load(_Message, tag="load"):
 
 class Prefill(_Message, tag="prefill"):
     """Make the committed sequence ``tokens`` (reusing a common prefix); starts a request's
-    random generator from ``seed`` (None: from the OS)."""
+    random generator from ``seed`` (None: from the OS). With ``out`` >= 0 the float32 logits
+    after the last token go to that arena slot (the first token can be chosen at once)."""
 
     request: int
     tokens: list[int]
     seed: int | None = None
+    out: int = -1
 
 
 class Draft(_Message, tag="draft"):
@@ -173,6 +175,7 @@ class Prefilled(_Message, tag="prefilled"):
     reused: int
     committed: int
     elapsed_ms: float
+    logits: ArrayRef | None = None  # (1, vocab) when the command gave ``out``
 
 
 class Drafted(_Message, tag="drafted"):

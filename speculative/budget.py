@@ -3,16 +3,25 @@
 DuoDecoding sets the draft length gamma once, to c = T_verify / T_draft. That is the right
 start but the box changes under us (another process takes a core, the prompt grows), so the
 controller keeps measuring:
-- T_draft(branches): seconds per drafting step, a windowed median per branch count (a median,
-  so one preempted step does not swing it);
+- T_draft(branches): seconds per drafting step: a level (a windowed median of recent steps, each
+  scaled to one branch, so every round refreshes it whatever its branch count; a median, so
+  one preempted step does not swing it) times the cost of k branches relative to one,
+  1 + batched_step_cost * (k - 1) (llama.cpp's batched branches measured 0.28-0.39 on the
+  demo pair; per-k estimates went stale for the branch counts not chosen lately and misled
+  the controller after a load change);
 - T_verify(width): a least-squares line through windowed medians per tree width;
 - acceptance by depth (and at depth 1 by branch count): exponentially decayed counts, so old
   behaviour fades within a few dozen rounds.
 From these it predicts, for every (gamma, branches), the expected tokens a round commits
-(the accepted ones plus the target's bonus token) and the round's duration, overlapped
-(max(draft, verify): drafting the next round runs while this one is verified) or sequential
-(draft + verify), and picks the best rate. Depths never tried yet get an optimistic prior, so
-the controller explores them when the costs make them plausible.
+(the accepted ones plus the target's bonus token) and the round's duration, and picks the best
+rate. Sequential: draft + verify. Overlapped: while the verifier verifies, the drafter drafts
+the next round (gamma + 1 steps: its guess of the bonus token, then gamma) assuming the whole
+draft is accepted; that draft is used only when all gamma tokens and the guess hold (about the
+chance that gamma + 1 tokens are accepted), otherwise the next round drafts afresh first. So an
+overlapped round costs max((gamma + 1) draft steps, verify) + P(miss) * gamma draft steps.
+Depths never tried yet get an optimistic prior, so the controller explores them when the costs
+make them plausible; and every ``probe_every`` rounds it tries a gamma next to its choice, so a
+width measured once in a bad moment is measured again instead of ruling that width out.
 """
 
 from __future__ import annotations
@@ -55,13 +64,14 @@ class BudgetController:
     window: int = 24  # samples per median: re-converges within a few dozen rounds
     decay: float = 0.95  # per-round weight of older acceptance counts
     prior_acceptance: float = 0.8  # for depths not observed yet (optimistic: explore them)
-    prior_weight: float = 1.0
-    batched_step_cost: float = 0.4  # prior: each extra branch adds this share of a draft step
+    prior_weight: float = 3.0  # in rounds: one unlucky round must not rule a depth out
+    batched_step_cost: float = 0.4  # each extra branch adds this share of a draft step
     warmup_rounds: int = 3  # rounds at gamma = c before acceptance estimates are trusted
+    probe_every: int = 16  # rounds between tries of a neighbouring gamma (0: never)
     history: list[Decision] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self._draft = {k: WindowedMedian(self.window) for k in range(1, self.max_branches + 1)}
+        self._draft_level = WindowedMedian(self.window)  # per step, scaled to one branch
         self._verify: dict[int, WindowedMedian] = {}
         self._offered = [0.0] * (self.max_gamma + 1)  # index = depth (1-based)
         self._accepted = [0.0] * (self.max_gamma + 1)
@@ -75,7 +85,7 @@ class BudgetController:
     def record_draft(self, steps: int, branches: int, seconds: float) -> None:
         """A draft of ``steps`` steps (one forward each) for ``branches`` branches."""
         if steps > 0 and seconds > 0:
-            self._draft[branches].add(seconds / steps)
+            self._draft_level.add(seconds / steps / self._branch_factor(branches))
 
     def record_overhead(self, seconds: float) -> None:
         """What a round costs besides drafting and verifying: messages, bookkeeping, catching
@@ -103,15 +113,13 @@ class BudgetController:
 
     # ------------------------------------------------------------ estimates
 
+    def _branch_factor(self, branches: int) -> float:
+        """A step's cost for ``branches`` branches relative to one branch."""
+        return 1 + self.batched_step_cost * (branches - 1)
+
     def draft_step_s(self, branches: int) -> float | None:
-        measured = self._draft[branches].value
-        if measured is not None:
-            return measured
-        for k, median in self._draft.items():  # scale a measured branch count by the prior
-            if median.value is not None:
-                single = median.value / (1 + self.batched_step_cost * (k - 1))
-                return single * (1 + self.batched_step_cost * (branches - 1))
-        return None
+        level = self._draft_level.value
+        return None if level is None else level * self._branch_factor(branches)
 
     def verify_s(self, width: int) -> float | None:
         points = [(w, m.value) for w, m in self._verify.items() if len(m)]
@@ -130,8 +138,11 @@ class BudgetController:
         """P(depth accepted | depth - 1 accepted); at depth 1 with ``branches`` candidates."""
         if depth == 1:
             offered, accepted = self._first_offered[branches], self._first_accepted[branches]
-            if offered < 1 and branches > 1:  # unseen: k independent tries at depth 1
-                return 1 - (1 - self.acceptance(1, 1)) ** branches
+            seen = max(range(1, self.max_branches + 1), key=self._first_offered.__getitem__)
+            if offered < 1 and self._first_offered[seen] >= 1:
+                # unseen: infer from the branch count seen most, as independent tries
+                single = 1 - (1 - self.acceptance(1, seen)) ** (1 / seen)
+                return 1 - (1 - single) ** branches
         else:
             offered, accepted = self._offered[depth], self._accepted[depth]
         prior = self.prior_acceptance * self.prior_weight
@@ -143,6 +154,13 @@ class BudgetController:
             reach *= self.acceptance(depth, branches)
             total += reach
         return total
+
+    def reach(self, depth: int, branches: int = 1) -> float:
+        """P(the first ``depth`` drafted tokens are all accepted)."""
+        chance = 1.0
+        for d in range(1, depth + 1):
+            chance *= self.acceptance(min(d, self.max_gamma), branches)
+        return chance
 
     # ------------------------------------------------------------ decisions
 
@@ -160,13 +178,29 @@ class BudgetController:
             decision = self._evaluate(gamma, 1)
         else:
             decision = max(self._candidates(), key=lambda d: d.tokens_per_s)
+            if self.probe_every and self._rounds % self.probe_every == 0:
+                decision = self._neighbour(decision)
         self.history.append(decision)
         return decision
 
+    def _neighbour(self, best: Decision) -> Decision:
+        """By turns: gamma - 1, gamma + 1, one branch less, one branch more (where allowed)."""
+        turn = (self._rounds // self.probe_every) % 4
+        gamma = best.gamma + (-1, 1, 0, 0)[turn]
+        branches = best.branches + (0, 0, -1, 1)[turn]
+        if (1 <= gamma <= self.max_gamma and 1 <= branches <= self.max_branches
+                and gamma * branches + 1 <= self.max_width):  # fmt: skip
+            return self._evaluate(gamma, branches)
+        return best
+
     def _evaluate(self, gamma: int, branches: int) -> Decision:
-        draft_s = gamma * self.draft_step_s(branches)
+        step_s = self.draft_step_s(branches)
         verify_s = self.verify_s(gamma * branches + 1)  # the tree plus last round's bonus token
-        round_s = max(draft_s, verify_s) if self.parallel else draft_s + verify_s
+        if self.parallel:
+            held = self.reach(gamma + 1, branches)  # the run-ahead becomes the next draft
+            round_s = max((gamma + 1) * step_s, verify_s) + (1 - held) * gamma * step_s
+        else:
+            round_s = gamma * step_s + verify_s
         round_s += self._overhead.value or 0.0
         tokens = self.expected_tokens(gamma, branches)
         return Decision(gamma, branches, tokens, round_s, tokens / round_s)

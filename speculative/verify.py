@@ -64,10 +64,24 @@ def verify_greedy(tokens, parents, target: np.ndarray) -> Verdict:
         node = match
 
 
-def _draw(probs: np.ndarray, rng: np.random.Generator) -> int:
+def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """One token drawn from ``probs`` (weights; need not sum to 1)."""
     cumulative = np.cumsum(probs, dtype=np.float64)
     pick = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
     return min(pick, len(probs) - 1)
+
+
+def accept_token(
+    token: int, draft: np.ndarray, target: np.ndarray, rng: np.random.Generator
+) -> tuple[bool, int]:
+    """Speculative sampling of one drafted ``token`` drawn from ``draft``: kept with probability
+    min(1, p/q), else replaced by a draw from the residual norm(max(p - q, 0)). Either way the
+    returned token follows ``target``; returns (kept, token)."""
+    p, q = target.astype(np.float64), draft.astype(np.float64)
+    if rng.random() * q[token] < p[token]:
+        return True, int(token)
+    residual = np.maximum(p - q, 0.0)
+    return False, draw(residual if residual.sum() > 0 else p, rng)
 
 
 def verify_sampling(
@@ -97,6 +111,6 @@ def verify_sampling(
                 break
             p = residual / total
         if accepted is None:
-            return Verdict(path, _draw(p, rng))
+            return Verdict(path, draw(p, rng))
         path.append(accepted)
         node = accepted

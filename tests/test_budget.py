@@ -27,14 +27,21 @@ class SimulatedBox:
     def first_acceptance(self, branches: int) -> float:
         return 1 - (1 - self.acceptance) ** branches
 
+    def reach(self, depth: int, branches: int) -> float:
+        """P(the first ``depth`` drafted tokens are accepted)."""
+        return self.first_acceptance(branches) * self.acceptance ** (depth - 1)
+
     def rate(self, gamma: int, branches: int, parallel: bool = True) -> float:
-        """Expected committed tokens per second of a fixed (gamma, branches)."""
-        tokens, reach = 1.0, 1.0
-        for depth in range(1, gamma + 1):
-            reach *= self.first_acceptance(branches) if depth == 1 else self.acceptance
-            tokens += reach
-        draft, verify = gamma * self.step_s(branches), self.verify_s(gamma * branches + 1)
-        return tokens / (max(draft, verify) if parallel else draft + verify)
+        """Expected committed tokens per second of a fixed (gamma, branches). Overlapped as the
+        engine does it: the drafter runs gamma + 1 steps ahead during verification, and that
+        run-ahead serves as the next draft only if gamma + 1 tokens would have been accepted;
+        otherwise the next round drafts afresh first."""
+        tokens = 1 + sum(self.reach(depth, branches) for depth in range(1, gamma + 1))
+        step, verify = self.step_s(branches), self.verify_s(gamma * branches + 1)
+        if not parallel:
+            return tokens / (gamma * step + verify)
+        miss = 1 - self.reach(gamma + 1, branches)
+        return tokens / (max((gamma + 1) * step, verify) + miss * gamma * step)
 
     def best_rate(self, parallel: bool = True) -> float:
         return max(self.rate(g, k, parallel) for g in range(1, 17) for k in range(1, 5))

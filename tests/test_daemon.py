@@ -23,7 +23,7 @@ from hetspec.speculative.sampling import SamplingParams
 from hetspec.workers.torch_runtime import TorchRuntime
 
 CONTEXT = 4096
-MODES = ("sequential", "parallel")  # the speculative ones
+MODES = ("sequential", "parallel", "adaptive")  # the speculative ones
 STARTUP_TIMEOUT = 120
 
 
@@ -197,6 +197,13 @@ def test_the_ready_daemon_serves_the_targets_own_greedy_output(daemon, models) -
     status, error = request(daemon.socket, "POST", "/api/generate", {"prompt": "x", "top_p": 0})
     assert status == 400
     assert "top_p must be in (0, 1]" in error["error"]
+    # the configured mode is adaptive, which chooses gamma itself
+    status, error = request(daemon.socket, "POST", "/api/generate", {"prompt": "x", "gamma": 3})
+    assert status == 400
+    assert "gamma fixes the draft length, which mode 'adaptive' does not use" in error["error"]
+    status, error = request(daemon.socket, "POST", "/api/generate", {"prompt": "x", "mode": "x"})
+    assert status == 400
+    assert "mode must be one of autoregressive, sequential, parallel, adaptive" in error["error"]
 
 
 @pytest.mark.parametrize("draft", ["draft", "target"])
@@ -215,7 +222,8 @@ def test_speculative_greedy_output_is_the_targets_own(tmp_path, models, draft) -
         ]
         accepted = 0
         for (index, prompt), mode in itertools.product(enumerate(prompts), MODES):
-            options = [{"gamma": 1 + index}, {}][index % 2]
+            fixed = index % 2 == 0 and mode != "adaptive"
+            options = {"gamma": 1 + index} if fixed else {}
             status, body = request(
                 daemon.socket,
                 "POST",
@@ -253,7 +261,7 @@ def test_sampled_speculative_output_is_reproducible_by_seed(daemon) -> None:
         "ignore_eos": True,
         "gamma": 3,
     }
-    for mode in MODES:
+    for mode in ("sequential", "parallel"):
         runs = [
             request(daemon.socket, "POST", "/api/generate", {**body, "seed": seed, "mode": mode})[
                 1

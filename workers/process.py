@@ -227,6 +227,8 @@ class Worker:
             self.arena = Arena.attach(command.arena)
         self.runtime, device = load_runtime(self.kind, command.model, command.settings)
         runtime = self.runtime
+        if self.arena is not None:  # the widest tree a verification can send
+            runtime.warm_up(self.arena.layout.slot_bytes // (runtime.vocab_size * 4))
         threads = getattr(runtime, "threads", None) or _torch_threads()
         ready = m.Ready(
             model=command.model, device=device, vocab=runtime.vocab_info(),
@@ -239,11 +241,17 @@ class Worker:
 
     def prefill(self, command: m.Prefill, frames) -> tuple:
         start = time.perf_counter()
-        reused = self._engine().prefill(command.tokens)
+        engine = self._engine()
+        reused = engine.prefill(command.tokens)
         self.rng = np.random.default_rng(command.seed)
+        logits = None
+        if command.out >= 0:
+            row = self._slot(command.out, (1, engine.vocab_size))
+            row[0] = engine.last_logits()
+            logits = m.ArrayRef(row.dtype.str, row.shape, slot=command.out)
         elapsed = (time.perf_counter() - start) * 1000
-        committed = self.runtime.committed
-        return m.Prefilled(command.request, reused, committed, elapsed), ()
+        committed = engine.committed
+        return m.Prefilled(command.request, reused, committed, elapsed, logits), ()
 
     def draft(self, command: m.Draft, frames) -> tuple:
         start = time.perf_counter()
