@@ -7,6 +7,7 @@ import os
 import sys
 
 from hetspec import __version__
+from hetspec.client import bench as bench_module
 from hetspec.client.connection import DEFAULT_SOCKET, Client, ClientError
 
 
@@ -33,6 +34,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="SECONDS",
         help="wait up to this long for the workers to be ready",
+    )
+    bench = commands.add_parser(
+        "bench",
+        help="compare the decoding modes (starts its own hetspecd on the bundled models)",
+        description=bench_module.__doc__.split("\n\n")[0],
+    )
+    bench_module.add_arguments(bench)
+    bench.add_argument(
+        "--running",
+        action="store_true",
+        help="bench the daemon at --socket instead of starting one (its placement only)",
     )
     generate = commands.add_parser("generate", help="stream a completion of PROMPT")
     generate.add_argument("prompt")
@@ -103,6 +115,10 @@ def run_generate(client: Client, args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        args.argv = sys.argv[2:] if argv is None else argv[1:]
+        args.socket = args.socket if args.running else None
+        return bench_module.main(args)
     client = Client(args.socket)
     try:
         if args.command == "health":

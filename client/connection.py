@@ -68,6 +68,19 @@ class Client:
             time.sleep(0.2)
         raise ClientError(f"hetspecd was not ready within {timeout_s:g} s ({last})")
 
+    def complete(self, prompt: str, **options: object) -> dict:
+        """One generation, not streamed: the final object with the whole text in ``response``."""
+        connection, response = self._request(
+            "POST", "/api/generate", {"prompt": prompt, **options, "stream": False}
+        )
+        try:
+            body = json.loads(response.read())
+        finally:
+            connection.close()
+        if response.status != 200:
+            raise ClientError(body.get("error", f"HTTP {response.status}"))
+        return body
+
     def generate(self, prompt: str, **options: object) -> Iterator[dict]:
         """Stream the NDJSON objects of one generation: pieces, then the final statistics."""
         connection, response = self._request(

@@ -56,6 +56,7 @@ async def run(args: argparse.Namespace) -> int:
                 m.LlamaCppSettings(n_ctx=256, threads=1),
                 cores=worker_cores,
                 log_format="console",
+                spin_us=args.spin_us,
             )
             client = WorkerClient(spec, Path(runtime_dir), 1, arena.layout)
             try:
@@ -106,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="GGUF the worker loads")
     parser.add_argument("--floats", type=int, default=32768, help="length of the row")
     parser.add_argument("--count", type=int, default=5000)
+    parser.add_argument(
+        "--spin-us", type=float, default=100.0, help="the worker's poll before it sleeps"
+    )
     args = parser.parse_args(argv)
     return uvloop.run(run(args))
 

@@ -118,6 +118,7 @@ class SpeculativeDecoder:
         self.rng = np.random.default_rng(request.seed)
         self.eos = -1 if request.ignore_eos else pair.verifier.ready.vocab.eos
         self.pending_bonus = -1  # emitted, not yet evaluated by the verifier (set by _begin)
+        self.drafter_prefill: asyncio.Future | None = None
         # What the last round decided, sent with the next round's commands (one round trip
         # per worker per round instead of two): the verifier's accepted path, and the
         # drafter's emitted tokens.
@@ -126,7 +127,9 @@ class SpeculativeDecoder:
 
     async def prefill(self, result: GenerationResult) -> int:
         """Prefill both workers at once; returns the first token, chosen by the target from
-        its prefill's logits (so it comes after the slower prefill, without any draft)."""
+        its prefill's logits, as soon as the verifier's prefill is done: the drafter's goes on
+        (``self.drafter_prefill``) until the first round needs it. So the first token waits
+        for the target's prefill only, never for a draft."""
         drafter, verifier = self.pair.drafter, self.pair.verifier
         started = time.perf_counter()
         text = self.request.prompt
@@ -141,10 +144,16 @@ class SpeculativeDecoder:
                 f"the {context}-token context"
             )
         seed, slot = self.request.seed, self.pair.verify_slot
-        _, (prefilled, _) = await asyncio.gather(
-            drafter.call(m.Prefill(request=drafter.next_request(), tokens=prompt, seed=seed)),
-            verifier.call(m.Prefill(request=verifier.next_request(), tokens=prompt, out=slot)),
+        self.drafter_prefill = asyncio.ensure_future(
+            drafter.call(m.Prefill(request=drafter.next_request(), tokens=prompt, seed=seed))
         )
+        try:
+            prefilled, _ = await verifier.call(
+                m.Prefill(request=verifier.next_request(), tokens=prompt, out=slot)
+            )
+        except BaseException:
+            self.drafter_prefill.cancel()
+            raise
         result.prompt_tokens = len(prompt)
         result.prompt_ms = (time.perf_counter() - started) * 1000
         logits = self.pair.arena.view(prefilled.logits)
@@ -283,12 +292,17 @@ class SpeculativeDecoder:
                     break
                 if len(result.tokens) >= self.request.max_tokens:
                     break
+                await self.drafter_prefill
                 outcome = await self.round(self.request.max_tokens - len(result.tokens))
             tail = detokenizer.flush()
             if tail:
                 yield tail
         finally:
             result.decode_ms = (time.perf_counter() - decode_start) * 1000
+            if not self.drafter_prefill.done():  # the request ended before any round
+                self.drafter_prefill.cancel()
+            elif not self.drafter_prefill.cancelled():
+                self.drafter_prefill.exception()  # retrieved: raised above if it mattered
 
 
 @dataclass

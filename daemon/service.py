@@ -82,12 +82,11 @@ class Service:
         self.slots = SlotPool(config.arena_slots)
         # one controller for the daemon's life: costs measured in one request still hold
         width = config.max_tree_nodes - 1
-        # (parallel mode shares the overlapped controller: it feeds it measurements only)
-        overlapped = BudgetController(parallel=True, max_width=width, max_branches=1)
+        # (parallel mode's gamma is fixed: its controller only measures, for the statistics)
         self.controllers = {
             "sequential": BudgetController(parallel=False, max_width=width),
-            "parallel": overlapped,
-            "adaptive": overlapped,
+            "parallel": BudgetController(parallel=True, max_width=width, max_branches=1),
+            "adaptive": BudgetController(parallel=True, max_width=width, max_branches=1),
         }
         self._requests = 0
         self._stop = asyncio.Event()

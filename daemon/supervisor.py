@@ -73,7 +73,7 @@ def worker_specs(config: DaemonConfig, log_format: str) -> dict[str, WorkerSpec]
     if gpu_settings.threads is None:  # torch would otherwise size its pool from the whole box
         gpu_settings = msgspec.structs.replace(gpu_settings, threads=len(set(gpu_cores)))
     common = {"heartbeat_s": config.heartbeat_s, "heartbeat_timeout_s": config.heartbeat_timeout_s,
-              "call_timeout_s": config.call_timeout_s,
+              "call_timeout_s": config.call_timeout_s, "spin_us": config.worker_spin_us,
               "log_format": log_format}  # fmt: skip
     return {
         "cpu": WorkerSpec("cpu", "llama.cpp", cpu_model, cpu_settings, tuple(cpu_cores), **common),

@@ -61,6 +61,7 @@ class WorkerSpec:
     heartbeat_timeout_s: float = 10.0  # silence after which the worker is killed
     call_timeout_s: float = 300.0  # a command taking longer means a wedged engine: kill it
     log_format: str = "json"
+    spin_us: float = 100.0  # how long the worker polls for its next command before it sleeps
 
 
 class _Expired(Exception):
@@ -124,6 +125,7 @@ class WorkerClient:
             "--death-fd", str(death_read), "--parent", str(os.getpid()),
             "--cores", ",".join(map(str, self.spec.cores)),
             "--heartbeat", str(self.spec.heartbeat_s), "--log-format", self.spec.log_format,
+            "--spin-us", str(self.spec.spin_us),
         ]  # fmt: skip
         try:
             self._process = await asyncio.create_subprocess_exec(

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import hashlib
 import json
 import math
 import sys
@@ -33,6 +32,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from hetspec.models.corpus import stdlib_sources
 from hetspec.models.gguf_export import export_gguf
 
 BOS = "<|endoftext|>"
@@ -42,7 +42,6 @@ CHAT_TEMPLATE = (
     "{{ message['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "_bundled"}
 
 
 @dataclass(frozen=True)
@@ -75,23 +74,6 @@ DRAFT = ModelShape(layers=2, hidden=128, heads=4, kv_heads=2, ffn=352, tied=True
 
 
 # ---------------------------------------------------------------- data
-
-
-def stdlib_sources() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """(relative path, text) of the stdlib's modules, split ~95/5 by a hash of the path."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    train, held_out = [], []
-    for path in sorted(root.rglob("*.py")):
-        relative = path.relative_to(root)
-        if set(relative.parts[:-1]) & SKIPPED_DIRS:
-            continue
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        bucket = int(hashlib.sha1(str(relative).encode()).hexdigest(), 16) % 20
-        (held_out if bucket == 0 else train).append((str(relative), text))
-    return train, held_out
 
 
 def chat_examples(text: str) -> list[str]:

@@ -344,7 +344,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--spin-us",
         type=float,
-        default=1000,
+        default=100,
         help="how long to poll for the next command before sleeping",
     )
     parser.add_argument("--log-format", choices=["json", "console"], default="json")
