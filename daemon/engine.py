@@ -49,7 +49,7 @@ class SpeculativeStats:
     branches: list[int] = field(default_factory=list)
     draft_ms: float = 0.0
     verify_ms: float = 0.0
-    run_ahead: int = 0  # parallel mode: rounds drafted ahead during verification
+    run_ahead: int = 0  # overlapped rounds: the drafter drafted ahead during verification
     run_ahead_held: int = 0  # ... whose run-ahead became the next draft
 
     def summary(self, controller: BudgetController) -> dict:
@@ -196,8 +196,11 @@ class SpeculativeDecoder:
         return min(decision.gamma, remaining), decision.branches
 
     async def round(self, remaining: int) -> RoundOutcome:
+        return await self._sequential_round(remaining, *self._budget(remaining))
+
+    async def _sequential_round(self, remaining: int, gamma: int, branches: int) -> RoundOutcome:
+        """Draft (``branches`` x ``gamma``), then verify: one worker computes at a time."""
         drafter, verifier, arena = self.pair.drafter, self.pair.verifier, self.pair.arena
-        gamma, branches = self._budget(remaining)
         round_start = start = time.perf_counter()
         drafted, _ = await drafter.call(
             m.Draft(
@@ -315,7 +318,12 @@ class _Unverified:
 
 
 class OverlappedDecoder(SpeculativeDecoder):
-    """Parallel mode: while the verifier checks round k, the drafter drafts round k + 1.
+    """Parallel and adaptive modes: while the verifier checks round k, the drafter drafts
+    round k + 1.
+
+    In adaptive mode the controller decides each round whether to overlap at all: where the
+    two workers slow each other down (cores that share execution resources), a plain round
+    (which may also draft several branches) can be the faster choice.
 
     The drafter runs ahead optimistically: it assumes every token of round k is accepted,
     guesses the target's bonus token itself, and drafts on from there, keeping everything in
@@ -337,12 +345,15 @@ class OverlappedDecoder(SpeculativeDecoder):
         self.pending_bonus = first
         self.behind = [first]
 
-    def _gamma(self, remaining: int) -> int:
-        gamma = self.gamma or self.controller.choose().gamma
-        return max(1, min(gamma, remaining))
+    def _plan(self, remaining: int) -> tuple[int, int, bool]:
+        """(gamma, branches, overlap) for this round: fixed (parallel mode: always overlap), or
+        the controller's choice (adaptive mode: it overlaps only where that pays on this box)."""
+        if self.gamma:
+            return max(1, min(self.gamma, remaining)), 1, True
+        decision = self.controller.choose()
+        return max(1, min(decision.gamma, remaining)), decision.branches, decision.overlap
 
-    async def _draft_afresh(self, remaining: int) -> None:
-        gamma = self._gamma(remaining)
+    async def _draft_afresh(self, gamma: int) -> None:
         drafter = self.pair.drafter
         start = time.perf_counter()
         drafted, _ = await drafter.call(
@@ -379,11 +390,45 @@ class OverlappedDecoder(SpeculativeDecoder):
         probs = self.pair.arena.view(drafted.probs)[0, skip:].copy()
         return _Unverified(drafted.tokens[0][skip:], probs, last_parent)
 
+    def _run_ahead(self, draft: _Unverified, gamma: int) -> asyncio.Future | None:
+        """Draft the next round below the draft under verification: the guessed bonus, then
+        ``gamma`` tokens. None when the drafter holds too much unverified already."""
+        if len(self.behind) + len(draft.tokens) >= self.MAX_RUN_AHEAD:
+            return None
+        drafter = self.pair.drafter
+        command = m.Draft(
+            request=drafter.next_request(),
+            steps=gamma + 1,
+            sampling=self.params,
+            out=self.pair.draft_slot,  # the rows under verification were copied
+            after=(draft.last_parent, draft.tokens[-1]),
+        )
+        return asyncio.ensure_future(drafter.call(command))
+
+    async def _take_run_ahead(self, ahead, gamma, verdict, tokens, logits) -> Verdict:
+        """Wait for the run-ahead; it becomes the next draft (``self.unverified``) when the
+        whole draft was accepted and its guess of the bonus holds."""
+        guessed, _ = await ahead
+        self.stats.run_ahead += 1
+        self.stats.draft_ms += guessed.elapsed_ms
+        self.controller.record_draft(gamma + 1, 1, guessed.elapsed_ms / 1000, overlapped=True)
+        if len(verdict.path) == len(tokens):  # all accepted: does the guessed bonus hold?
+            verdict, held = self._second_opinion(verdict, guessed, logits[-1:])
+            if held:
+                self.unverified = self._unverified(guessed, skip=1)
+        return verdict
+
     async def round(self, remaining: int) -> RoundOutcome:
-        drafter, verifier, arena = self.pair.drafter, self.pair.verifier, self.pair.arena
+        gamma, branches, overlap = self._plan(remaining)
+        if self.unverified is None and not overlap:  # a plain round (branches allowed)
+            self.drafter_appends, self.behind = self.behind, []
+            outcome = await self._sequential_round(remaining, gamma, branches)
+            self.behind = list(self.drafter_appends)
+            return outcome
+        verifier, arena = self.pair.verifier, self.pair.arena
         round_start = time.perf_counter()
         if self.unverified is None:
-            await self._draft_afresh(remaining)
+            await self._draft_afresh(gamma)
         fresh_s = time.perf_counter() - round_start  # the drafter catching up after a miss
         draft = self.unverified
         bonus = self.pending_bonus
@@ -403,20 +448,8 @@ class OverlappedDecoder(SpeculativeDecoder):
                 )
             )
         )
-        ahead = None
-        ahead_gamma = self._gamma(remaining - len(tokens))
-        if len(self.behind) + len(tokens) < self.MAX_RUN_AHEAD:
-            ahead = asyncio.ensure_future(
-                drafter.call(
-                    m.Draft(
-                        request=drafter.next_request(),
-                        steps=ahead_gamma + 1,
-                        sampling=self.params,
-                        out=self.pair.draft_slot,  # the rows under verification were copied
-                        after=(draft.last_parent, tokens[-1]),
-                    )
-                )
-            )
+        ahead_gamma = max(1, min(gamma, remaining - len(tokens)))
+        ahead = self._run_ahead(draft, ahead_gamma) if overlap else None
         try:
             verified, _ = await verify
         except BaseException:
@@ -429,22 +462,15 @@ class OverlappedDecoder(SpeculativeDecoder):
         self.unverified = None
         ahead_s = 0.0
         if ahead is not None:
-            guessed, _ = await ahead
+            verdict = await self._take_run_ahead(ahead, ahead_gamma, verdict, tokens, logits)
             ahead_s = time.perf_counter() - verify_start
-            self.stats.run_ahead += 1
-            self.stats.draft_ms += guessed.elapsed_ms
-            self.controller.record_draft(ahead_gamma + 1, 1, guessed.elapsed_ms / 1000)
-            if len(verdict.path) == len(tokens):  # all accepted: does the guessed bonus hold?
-                verdict, held = self._second_opinion(verdict, guessed, logits[-1:])
-                if held:
-                    self.unverified = self._unverified(guessed, skip=1)
         emitted, stopped = self._settle(verdict, tokens, remaining)
         self.behind += emitted
         if self.unverified is not None and (stopped or len(emitted) >= remaining):
             self.unverified = None  # the request ends here
         self.stats.run_ahead_held += self.unverified is not None
         round_s = time.perf_counter() - round_start
-        self.controller.record_verify(len(tree_tokens), verify_s)
+        self.controller.record_verify(len(tree_tokens), verify_s, overlapped=ahead is not None)
         self.controller.record_overhead(round_s - fresh_s - max(verify_s, ahead_s))
         self.controller.record_round(len(tokens), 1, len(verdict.path))
         self._count(len(tokens), len(verdict.path), draft_s=fresh_s, verify_s=verify_s)

@@ -86,7 +86,7 @@ class Service:
         self.controllers = {
             "sequential": BudgetController(parallel=False, max_width=width),
             "parallel": BudgetController(parallel=True, max_width=width, max_branches=1),
-            "adaptive": BudgetController(parallel=True, max_width=width, max_branches=1),
+            "adaptive": BudgetController(parallel=True, max_width=width),
         }
         self._requests = 0
         self._stop = asyncio.Event()

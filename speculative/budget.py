@@ -12,16 +12,20 @@ controller keeps measuring:
 - T_verify(width): a least-squares line through windowed medians per tree width;
 - acceptance by depth (and at depth 1 by branch count): exponentially decayed counts, so old
   behaviour fades within a few dozen rounds.
-From these it predicts, for every (gamma, branches), the expected tokens a round commits
-(the accepted ones plus the target's bonus token) and the round's duration, and picks the best
-rate. Sequential: draft + verify. Overlapped: while the verifier verifies, the drafter drafts
+Costs are kept apart for rounds where one worker computes at a time and for overlapped ones,
+where both compute at once: on a box whose cores share execution resources (SMT siblings, a
+VM's vCPUs) each then runs slower, and that decides whether overlapping pays.
+From these it predicts, for every (gamma, branches, overlap), the expected tokens a round
+commits (the accepted ones plus the target's bonus token) and the round's duration, and picks
+the best rate. Sequential: draft + verify. Overlapped (one branch): while the verifier verifies, the drafter drafts
 the next round (gamma + 1 steps: its guess of the bonus token, then gamma) assuming the whole
 draft is accepted; that draft is used only when all gamma tokens and the guess hold (about the
 chance that gamma + 1 tokens are accepted), otherwise the next round drafts afresh first. So an
 overlapped round costs max((gamma + 1) draft steps, verify) + P(miss) * gamma draft steps.
 Depths never tried yet get an optimistic prior, so the controller explores them when the costs
-make them plausible; and every ``probe_every`` rounds it tries a gamma next to its choice, so a
-width measured once in a bad moment is measured again instead of ruling that width out.
+make them plausible; and every ``probe_every`` rounds it tries a neighbour of its choice (gamma
++-1, branches +-1, the other kind of round), so a cost measured once in a bad moment is
+measured again instead of ruling that choice out for good.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class Decision:
     expected_tokens: float  # committed per round, bonus included
     round_s: float
     tokens_per_s: float
+    overlap: bool = False  # the drafter drafts the next round while this one is verified
 
 
 @dataclass
@@ -60,7 +65,7 @@ class BudgetController:
     max_gamma: int = 16
     max_branches: int = 4
     max_width: int = 64  # nodes a verification may hold (the arena slot size)
-    parallel: bool = True
+    parallel: bool = True  # overlapped rounds may be chosen (they draft a single branch)
     window: int = 24  # samples per median: re-converges within a few dozen rounds
     decay: float = 0.95  # per-round weight of older acceptance counts
     prior_acceptance: float = 0.8  # for depths not observed yet (optimistic: explore them)
@@ -71,8 +76,10 @@ class BudgetController:
     history: list[Decision] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self._draft_level = WindowedMedian(self.window)  # per step, scaled to one branch
-        self._verify: dict[int, WindowedMedian] = {}
+        # keyed by "overlapped": costs differ when both workers compute at once (they share a
+        # box: on a 2-vCPU VM a forward took 1.7x as long while the other vCPU was busy)
+        self._draft_level = {c: WindowedMedian(self.window) for c in (False, True)}
+        self._verify: dict[bool, dict[int, WindowedMedian]] = {False: {}, True: {}}
         self._offered = [0.0] * (self.max_gamma + 1)  # index = depth (1-based)
         self._accepted = [0.0] * (self.max_gamma + 1)
         self._first_offered = [0.0] * (self.max_branches + 1)  # depth 1, by branch count
@@ -82,19 +89,24 @@ class BudgetController:
 
     # ------------------------------------------------------------ measurements
 
-    def record_draft(self, steps: int, branches: int, seconds: float) -> None:
-        """A draft of ``steps`` steps (one forward each) for ``branches`` branches."""
+    def record_draft(
+        self, steps: int, branches: int, seconds: float, *, overlapped: bool = False
+    ) -> None:
+        """A draft of ``steps`` steps (one forward each) for ``branches`` branches, alone or
+        while the verifier computed (``overlapped``)."""
         if steps > 0 and seconds > 0:
-            self._draft_level.add(seconds / steps / self._branch_factor(branches))
+            level = self._draft_level[overlapped]
+            level.add(seconds / steps / self._branch_factor(branches))
 
     def record_overhead(self, seconds: float) -> None:
         """What a round costs besides drafting and verifying: messages, bookkeeping, catching
         the drafter up with the emitted tokens. Added to every candidate's round time."""
         self._overhead.add(max(0.0, seconds))
 
-    def record_verify(self, width: int, seconds: float) -> None:
+    def record_verify(self, width: int, seconds: float, *, overlapped: bool = False) -> None:
         if width > 0 and seconds > 0:
-            self._verify.setdefault(width, WindowedMedian(self.window)).add(seconds)
+            widths = self._verify[overlapped]
+            widths.setdefault(width, WindowedMedian(self.window)).add(seconds)
 
     def record_round(self, gamma: int, branches: int, accepted: int) -> None:
         """A verified round: ``accepted`` of the ``gamma`` tokens on the best branch."""
@@ -117,12 +129,17 @@ class BudgetController:
         """A step's cost for ``branches`` branches relative to one branch."""
         return 1 + self.batched_step_cost * (branches - 1)
 
-    def draft_step_s(self, branches: int) -> float | None:
-        level = self._draft_level.value
+    def draft_step_s(self, branches: int, overlapped: bool = False) -> float | None:
+        """Seconds per draft step; a condition never measured borrows the other's."""
+        level = self._draft_level[overlapped].value or self._draft_level[not overlapped].value
         return None if level is None else level * self._branch_factor(branches)
 
-    def verify_s(self, width: int) -> float | None:
-        points = [(w, m.value) for w, m in self._verify.items() if len(m)]
+    def verify_s(self, width: int, overlapped: bool = False) -> float | None:
+        """Seconds to verify ``width`` nodes; a condition never measured borrows the other's."""
+        return self._verify_fit(width, overlapped) or self._verify_fit(width, not overlapped)
+
+    def _verify_fit(self, width: int, overlapped: bool) -> float | None:
+        points = [(w, m.value) for w, m in self._verify[overlapped].items() if len(m)]
         if not points:
             return None
         if len(points) == 1:
@@ -175,7 +192,7 @@ class BudgetController:
             decision = Decision(1, 1, 1.0, 0.0, 0.0)  # nothing measured yet: a 1-token round
         elif self._rounds < self.warmup_rounds:  # no acceptance data yet: DuoDecoding's gamma = c
             gamma = max(1, min(self.max_gamma, round(ratio), self.max_width - 1))
-            decision = self._evaluate(gamma, 1)
+            decision = self._evaluate(gamma, 1, self.parallel)
         else:
             decision = max(self._candidates(), key=lambda d: d.tokens_per_s)
             if self.probe_every and self._rounds % self.probe_every == 0:
@@ -184,26 +201,32 @@ class BudgetController:
         return decision
 
     def _neighbour(self, best: Decision) -> Decision:
-        """By turns: gamma - 1, gamma + 1, one branch less, one branch more (where allowed)."""
-        turn = (self._rounds // self.probe_every) % 4
-        gamma = best.gamma + (-1, 1, 0, 0)[turn]
-        branches = best.branches + (0, 0, -1, 1)[turn]
+        """By turns: gamma - 1, gamma + 1, one branch less, one branch more, and (when
+        overlapping is allowed) the other kind of round; where allowed."""
+        turns = 5 if self.parallel else 4
+        turn = (self._rounds // self.probe_every) % turns
+        gamma = best.gamma + (-1, 1, 0, 0, 0)[turn]
+        branches = best.branches + (0, 0, -1, 1, 0)[turn]
+        overlap = best.overlap != (turn == 4)
+        if overlap:
+            branches = 1
         if (1 <= gamma <= self.max_gamma and 1 <= branches <= self.max_branches
                 and gamma * branches + 1 <= self.max_width):  # fmt: skip
-            return self._evaluate(gamma, branches)
+            return self._evaluate(gamma, branches, overlap)
         return best
 
-    def _evaluate(self, gamma: int, branches: int) -> Decision:
-        step_s = self.draft_step_s(branches)
-        verify_s = self.verify_s(gamma * branches + 1)  # the tree plus last round's bonus token
-        if self.parallel:
-            held = self.reach(gamma + 1, branches)  # the run-ahead becomes the next draft
-            round_s = max((gamma + 1) * step_s, verify_s) + (1 - held) * gamma * step_s
+    def _evaluate(self, gamma: int, branches: int, overlap: bool = False) -> Decision:
+        verify_s = self.verify_s(gamma * branches + 1, overlap)  # the tree plus the last bonus
+        if overlap:
+            step_s = self.draft_step_s(1, overlapped=True)
+            held = self.reach(gamma + 1)  # the run-ahead becomes the next draft
+            fresh_s = gamma * self.draft_step_s(1)  # otherwise the next round drafts alone first
+            round_s = max((gamma + 1) * step_s, verify_s) + (1 - held) * fresh_s
         else:
-            round_s = gamma * step_s + verify_s
+            round_s = gamma * self.draft_step_s(branches) + verify_s
         round_s += self._overhead.value or 0.0
         tokens = self.expected_tokens(gamma, branches)
-        return Decision(gamma, branches, tokens, round_s, tokens / round_s)
+        return Decision(gamma, branches, tokens, round_s, tokens / round_s, overlap)
 
     def _candidates(self):
         for branches in range(1, self.max_branches + 1):
@@ -211,3 +234,5 @@ class BudgetController:
                 if gamma * branches + 1 > self.max_width:
                     break
                 yield self._evaluate(gamma, branches)
+                if self.parallel and branches == 1:
+                    yield self._evaluate(gamma, 1, overlap=True)
