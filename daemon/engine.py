@@ -191,7 +191,7 @@ class SpeculativeDecoder:
 
     def _budget(self, remaining: int) -> tuple[int, int]:
         if self.gamma:
-            return min(self.gamma, remaining), 1
+            return min(self.gamma, remaining), self.request.branches or 1
         decision = self.controller.choose()
         return min(decision.gamma, remaining), decision.branches
 

@@ -23,6 +23,7 @@ from hetspec.protocol.sampling import SamplingParams
 # the verifier verifies this one, at a fixed gamma; "adaptive": parallel plus the controller
 MODES = ("autoregressive", "sequential", "parallel", "adaptive")
 MAX_GAMMA = 32
+MAX_BRANCHES = 8
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -36,6 +37,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ignore_eos: bool = False  # generate exactly max_tokens (benchmarks)
     mode: str | None = None  # one of MODES; None: the daemon's configured mode
     gamma: int | None = None  # a fixed draft length (sequential and parallel modes)
+    branches: int | None = None  # with gamma, in sequential mode: a fixed branch count
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -47,6 +49,8 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
         if self.gamma is not None and not 1 <= self.gamma <= MAX_GAMMA:
             raise ValueError(f"gamma must be in 1..{MAX_GAMMA}, not {self.gamma}")
+        if self.branches is not None and not 1 <= self.branches <= MAX_BRANCHES:
+            raise ValueError(f"branches must be in 1..{MAX_BRANCHES}, not {self.branches}")
         if self.mode is not None:
             self.resolve_mode(self.mode)
 
@@ -56,6 +60,9 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.gamma is not None and mode in ("autoregressive", "adaptive"):
             raise ValueError(f"gamma fixes the draft length, which mode {mode!r} does not "
                              "use; use mode 'parallel' or 'sequential'")  # fmt: skip
+        if self.branches is not None and (mode != "sequential" or self.gamma is None):
+            raise ValueError("branches fixes the branch count of mode 'sequential' and needs "
+                             f"gamma as well (mode {mode!r}, gamma {self.gamma})")  # fmt: skip
         return mode
 
     @property

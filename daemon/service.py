@@ -214,6 +214,9 @@ class Service:
         self._requests += 1
         owner = f"request {self._requests}"
         gamma = body.gamma or (self.config.gamma if mode == "parallel" else None)
+        if gamma and gamma * (body.branches or 1) + 1 > self.config.max_tree_nodes:
+            return json_error(400, f"gamma x branches + 1 = {gamma * (body.branches or 1) + 1} "
+                              f"exceeds max_tree_nodes ({self.config.max_tree_nodes})")  # fmt: skip
         with self.slots.lease(owner) as draft_slot, self.slots.lease(owner) as verify_slot:
             result = GenerationResult()
             stats = SpeculativeStats()

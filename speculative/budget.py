@@ -17,11 +17,12 @@ where both compute at once: on a box whose cores share execution resources (SMT 
 VM's vCPUs) each then runs slower, and that decides whether overlapping pays.
 From these it predicts, for every (gamma, branches, overlap), the expected tokens a round
 commits (the accepted ones plus the target's bonus token) and the round's duration, and picks
-the best rate. Sequential: draft + verify. Overlapped (one branch): while the verifier verifies, the drafter drafts
-the next round (gamma + 1 steps: its guess of the bonus token, then gamma) assuming the whole
-draft is accepted; that draft is used only when all gamma tokens and the guess hold (about the
-chance that gamma + 1 tokens are accepted), otherwise the next round drafts afresh first. So an
-overlapped round costs max((gamma + 1) draft steps, verify) + P(miss) * gamma draft steps.
+the best rate. Sequential: draft + verify. Overlapped (one branch): while the verifier
+verifies, the drafter drafts the next round (gamma + 1 steps: its guess of the bonus token,
+then gamma) assuming the whole draft is accepted; that draft is used only when all gamma
+tokens and the guess hold (about the chance that gamma + 1 tokens are accepted), otherwise
+the next round drafts afresh first. So an overlapped round costs
+max((gamma + 1) draft steps, verify) + P(miss) * gamma draft steps.
 Depths never tried yet get an optimistic prior, so the controller explores them when the costs
 make them plausible; and every ``probe_every`` rounds it tries a neighbour of its choice (gamma
 +-1, branches +-1, the other kind of round), so a cost measured once in a bad moment is
@@ -58,6 +59,35 @@ class Decision:
     round_s: float
     tokens_per_s: float
     overlap: bool = False  # the drafter drafts the next round while this one is verified
+
+
+@dataclass(frozen=True)
+class _Line:
+    mean_w: float
+    mean_t: float
+    slope: float
+    floor: float
+
+    def at(self, width: int) -> float:
+        return max(self.mean_t + self.slope * (width - self.mean_w), self.floor)
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """Every estimate ``choose`` needs, computed once per decision (it weighs ~100 candidates
+    every round, and a round is a few milliseconds)."""
+
+    step: dict[bool, float]  # seconds per draft step of one branch, by "overlapped"
+    verify: dict[bool, _Line]
+    reach: list[list[float]]  # [branches][depth]: P(the first depth tokens are accepted)
+    overhead: float
+    branch_cost: float
+
+    def step_s(self, branches: int, overlapped: bool = False) -> float:
+        return self.step[overlapped] * (1 + self.branch_cost * (branches - 1))
+
+    def tokens(self, gamma: int, branches: int) -> float:
+        return 1.0 + sum(self.reach[branches][1 : gamma + 1])  # the bonus always comes
 
 
 @dataclass
@@ -139,17 +169,22 @@ class BudgetController:
         return self._verify_fit(width, overlapped) or self._verify_fit(width, not overlapped)
 
     def _verify_fit(self, width: int, overlapped: bool) -> float | None:
+        line = self._verify_line(overlapped)
+        return None if line is None else line.at(width)
+
+    def _verify_line(self, overlapped: bool) -> _Line | None:
+        """A least-squares line (slope >= 0) through the windowed medians per width."""
         points = [(w, m.value) for w, m in self._verify[overlapped].items() if len(m)]
         if not points:
             return None
-        if len(points) == 1:
-            return points[0][1]
         n = len(points)
         mean_w = sum(w for w, _ in points) / n
         mean_t = sum(t for _, t in points) / n
         spread = sum((w - mean_w) ** 2 for w, _ in points)
-        slope = max(0.0, sum((w - mean_w) * (t - mean_t) for w, t in points) / spread)
-        return max(mean_t + slope * (width - mean_w), min(t for _, t in points) * 0.5)
+        slope = 0.0
+        if spread > 0:
+            slope = max(0.0, sum((w - mean_w) * (t - mean_t) for w, t in points) / spread)
+        return _Line(mean_w, mean_t, slope, min(t for _, t in points) * 0.5)
 
     def acceptance(self, depth: int, branches: int = 1) -> float:
         """P(depth accepted | depth - 1 accepted); at depth 1 with ``branches`` candidates."""
@@ -186,6 +221,18 @@ class BudgetController:
         step, verify = self.draft_step_s(1), self.verify_s(2)
         return None if step is None or verify is None else verify / step
 
+    def _snapshot(self) -> _Snapshot:
+        step = {c: self.draft_step_s(1, c) for c in (False, True)}
+        verify = {c: self._verify_line(c) or self._verify_line(not c) for c in (False, True)}
+        reach = [[]]
+        for branches in range(1, self.max_branches + 1):
+            chances = [1.0]
+            for depth in range(1, self.max_gamma + 2):
+                chances.append(chances[-1] * self.acceptance(min(depth, self.max_gamma), branches))
+            reach.append(chances)
+        overhead = self._overhead.value or 0.0
+        return _Snapshot(step, verify, reach, overhead, self.batched_step_cost)
+
     def choose(self) -> Decision:
         ratio = self.cost_ratio()
         if ratio is None:
@@ -194,13 +241,15 @@ class BudgetController:
             gamma = max(1, min(self.max_gamma, round(ratio), self.max_width - 1))
             decision = self._evaluate(gamma, 1, self.parallel)
         else:
-            decision = max(self._candidates(), key=lambda d: d.tokens_per_s)
+            snapshot = self._snapshot()
+            _, gamma, branches, overlap = max(self._rates(snapshot))
+            decision = self._evaluate(gamma, branches, overlap, snapshot)
             if self.probe_every and self._rounds % self.probe_every == 0:
-                decision = self._neighbour(decision)
+                decision = self._neighbour(decision, snapshot)
         self.history.append(decision)
         return decision
 
-    def _neighbour(self, best: Decision) -> Decision:
+    def _neighbour(self, best: Decision, snapshot: _Snapshot) -> Decision:
         """By turns: gamma - 1, gamma + 1, one branch less, one branch more, and (when
         overlapping is allowed) the other kind of round; where allowed."""
         turns = 5 if self.parallel else 4
@@ -212,27 +261,37 @@ class BudgetController:
             branches = 1
         if (1 <= gamma <= self.max_gamma and 1 <= branches <= self.max_branches
                 and gamma * branches + 1 <= self.max_width):  # fmt: skip
-            return self._evaluate(gamma, branches, overlap)
+            return self._evaluate(gamma, branches, overlap, snapshot)
         return best
 
-    def _evaluate(self, gamma: int, branches: int, overlap: bool = False) -> Decision:
-        verify_s = self.verify_s(gamma * branches + 1, overlap)  # the tree plus the last bonus
+    def _evaluate(
+        self, gamma: int, branches: int, overlap: bool = False, snapshot: _Snapshot | None = None
+    ) -> Decision:
+        s = snapshot or self._snapshot()
+        verify_s = s.verify[overlap].at(gamma * branches + 1)  # the tree plus the last bonus
         if overlap:
-            step_s = self.draft_step_s(1, overlapped=True)
-            held = self.reach(gamma + 1)  # the run-ahead becomes the next draft
-            fresh_s = gamma * self.draft_step_s(1)  # otherwise the next round drafts alone first
-            round_s = max((gamma + 1) * step_s, verify_s) + (1 - held) * fresh_s
+            held = s.reach[1][gamma + 1]  # the run-ahead becomes the next draft
+            fresh_s = gamma * s.step_s(1)  # otherwise the next round drafts alone first
+            round_s = max((gamma + 1) * s.step_s(1, True), verify_s) + (1 - held) * fresh_s
         else:
-            round_s = gamma * self.draft_step_s(branches) + verify_s
-        round_s += self._overhead.value or 0.0
-        tokens = self.expected_tokens(gamma, branches)
+            round_s = gamma * s.step_s(branches) + verify_s
+        round_s += s.overhead
+        tokens = s.tokens(gamma, branches)
         return Decision(gamma, branches, tokens, round_s, tokens / round_s, overlap)
 
-    def _candidates(self):
+    def _rates(self, s: _Snapshot):
+        """(expected tokens/s, gamma, branches, overlap) of every candidate: ``_evaluate``'s
+        arithmetic, inlined, because it runs ~100 times a round."""
+        overhead, plain, ahead = s.overhead, s.verify[False], s.verify[True]
         for branches in range(1, self.max_branches + 1):
+            step, reach, tokens = s.step_s(branches), s.reach[branches], 1.0
             for gamma in range(1, self.max_gamma + 1):
                 if gamma * branches + 1 > self.max_width:
                     break
-                yield self._evaluate(gamma, branches)
+                tokens += reach[gamma]
+                round_s = gamma * step + plain.at(gamma * branches + 1) + overhead
+                yield tokens / round_s, gamma, branches, False
                 if self.parallel and branches == 1:
-                    yield self._evaluate(gamma, 1, overlap=True)
+                    both = max((gamma + 1) * s.step_s(1, True), ahead.at(gamma + 1))
+                    round_s = both + (1 - reach[gamma + 1]) * gamma * step + overhead
+                    yield tokens / round_s, gamma, 1, True

@@ -163,3 +163,17 @@ def test_a_costly_round_overhead_is_amortised_over_longer_drafts() -> None:
         return controller.choose().gamma
 
     assert settled_gamma(0.02) > settled_gamma(0.0)
+
+
+def test_the_fast_candidate_loop_agrees_with_the_cost_model() -> None:
+    box = SimulatedBox(0.0004, 0.003, 0.0001, 0.7, np.random.default_rng(0), contention=1.3)
+    controller = BudgetController(parallel=True, max_width=63)
+    for _ in range(100):
+        box.run_round(controller)
+    snapshot = controller._snapshot()
+    rates = list(controller._rates(snapshot))
+    assert any(overlap for *_, overlap in rates)
+    assert any(not o for *_, o in rates)
+    for rate, gamma, branches, overlap in rates:
+        decision = controller._evaluate(gamma, branches, overlap, snapshot)
+        assert rate == pytest.approx(decision.tokens_per_s, rel=1e-9)

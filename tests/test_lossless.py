@@ -1,0 +1,165 @@
+"""Lossless on the bundled demo models, through the real daemon, in both placements.
+
+- Greedy: every speculative mode returns, token for token, what the target alone returns
+  (its autoregressive mode on the same daemon, and for draft-cpu the torch target run in this
+  process) on 20 prompts: held-out standard-library code and chat prompts.
+- Sampling: the marginal laws of the second and third generated tokens (the first comes
+  straight from the target's prefill) match the target's exact law, computed here from the
+  target model itself, with and without branching (chi-square at p = 0.001).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_daemon import request, target_greedy
+
+from hetspec.client.bench import prompt_set
+from hetspec.daemon.config import BUNDLED_MODELS
+from hetspec.speculative.sampling import SamplingParams, distribution
+
+PLACEMENTS = ("draft-cpu", "draft-gpu")
+GREEDY_TOKENS = 24
+# chi-square critical values at p = 0.001 by degrees of freedom (no scipy here)
+CHI2_CRITICAL_0001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458,
+                      7: 24.322, 8: 26.124, 9: 27.877, 10: 29.588, 11: 31.264}  # fmt: skip
+
+
+class BundledDaemon:
+    """hetspecd on the bundled models (its defaults), in ``placement``."""
+
+    def __init__(self, tmp_path: Path, placement: str) -> None:
+        self.socket = tmp_path / "hetspecd.sock"
+        self.log = tmp_path / "hetspecd.log"
+        argv = [sys.executable, "-m", "hetspec.daemon", "--socket", str(self.socket),
+                "--runtime-dir", str(tmp_path / "run"), "--placement", placement,
+                "--log-format", "json"]  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HETSPEC_")}
+        with open(self.log, "wb") as log:
+            self.process = subprocess.Popen(argv, stderr=log, stdout=log, env=env)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.log.read_text()
+            if self.socket.exists() and request(self.socket, "GET", "/health")[0] == 200:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"not ready:\n{self.log.read_text()}")
+
+    def generate(self, prompt: str, **options) -> dict:
+        status, body = request(self.socket, "POST", "/api/generate",
+                               {"prompt": prompt, "stream": False, **options})  # fmt: skip
+        assert status == 200, body
+        return body
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        assert self.process.wait(timeout=60) == 0
+
+
+@pytest.fixture(scope="module", params=PLACEMENTS)
+def daemon(request, tmp_path_factory):
+    daemon = BundledDaemon(tmp_path_factory.mktemp(request.param), request.param)
+    daemon.placement = request.param
+    yield daemon
+    daemon.stop()
+
+
+SPECULATIVE = [
+    {"mode": "sequential"},  # the controller's choice, branches included
+    {"mode": "sequential", "gamma": 3, "branches": 3},
+    {"mode": "parallel", "gamma": 2},
+    {"mode": "parallel", "gamma": 5},
+    {"mode": "adaptive"},
+]
+
+
+def test_every_mode_returns_the_targets_own_greedy_output(daemon) -> None:
+    prompts = prompt_set(16)
+    assert len(prompts) == 20
+    options = {"max_tokens": GREEDY_TOKENS, "ignore_eos": True}
+    drafted = 0
+    for index, prompt in enumerate(prompts):
+        target = daemon.generate(prompt, mode="autoregressive", **options)["tokens"]
+        assert len(target) == GREEDY_TOKENS
+        if daemon.placement == "draft-cpu" and index % 5 == 0:  # the torch target, here
+            gguf = BUNDLED_MODELS / "target" / "target-q8_0.gguf"
+            assert target == target_greedy(gguf, prompt, GREEDY_TOKENS).tolist()
+        for mode in SPECULATIVE:
+            body = daemon.generate(prompt, **options, **mode)
+            assert body["tokens"] == target, (index, mode)
+            drafted += body["timings"]["draft_n"]
+    assert drafted > 0
+
+
+def target_runtime(placement: str):
+    """The target model as the verifying worker loads it, in this process."""
+    if placement == "draft-cpu":
+        from hetspec.workers.torch_runtime import TorchRuntime  # noqa: PLC0415
+
+        return TorchRuntime(BUNDLED_MODELS / "target", max_context=512)
+    from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
+
+    return LlamaCppRuntime(BUNDLED_MODELS / "target" / "target-q8_0.gguf", n_ctx=512, threads=1)
+
+
+def exact_marginals(runtime, prompt: str, params: SamplingParams) -> list[dict[int, float]]:
+    """P(token i = x) for the first three generated tokens, by enumerating every prefix the
+    warped (top-k) target allows."""
+    base = runtime.tokenize(prompt)
+
+    def next_law(prefix: list[int]) -> dict[int, float]:
+        runtime.prefill(base + prefix)
+        row = distribution(runtime.last_logits()[None, :], params)[0]
+        return {int(t): float(row[t]) for t in np.flatnonzero(row > 0)}
+
+    first = next_law([])
+    second: dict[int, float] = {}
+    third: dict[int, float] = {}
+    for a, pa in first.items():
+        after_a = next_law([a])
+        for b, pb in after_a.items():
+            second[b] = second.get(b, 0.0) + pa * pb
+            for c, pc in next_law([a, b]).items():
+                third[c] = third.get(c, 0.0) + pa * pb * pc
+    return [first, second, third]
+
+
+def chi_square(counts: dict[int, int], law: dict[int, float], trials: int) -> tuple[float, int]:
+    """Statistic and degrees of freedom, pooling outcomes expected fewer than 5 times."""
+    cells, pooled_expected, pooled_observed = [], 0.0, 0
+    for token, p in law.items():
+        expected = p * trials
+        if expected < 5:
+            pooled_expected += expected
+            pooled_observed += counts.get(token, 0)
+        else:
+            cells.append((counts.get(token, 0), expected))
+    if pooled_expected > 0:
+        cells.append((pooled_observed, pooled_expected))
+    statistic = sum((o - e) ** 2 / e for o, e in cells)
+    return statistic, len(cells) - 1
+
+
+@pytest.mark.parametrize("branches", [1, 3])
+def test_sampled_tokens_follow_the_targets_law(daemon, branches: int) -> None:
+    prompt, trials = "def add(a, b):\n", 1200
+    params = SamplingParams(temperature=1.0, top_k=6)
+    law = exact_marginals(target_runtime(daemon.placement), prompt, params)
+    counts: list[dict[int, int]] = [{}, {}, {}]
+    for seed in range(trials):
+        body = daemon.generate(prompt, max_tokens=3, temperature=1.0, top_k=6, seed=seed,
+                               ignore_eos=True, mode="sequential", gamma=2,
+                               branches=branches)  # fmt: skip
+        for position, token in enumerate(body["tokens"]):
+            counts[position][token] = counts[position].get(token, 0) + 1
+    for position in (1, 2):  # the tokens that went through drafting and verification
+        statistic, df = chi_square(counts[position], law[position], trials)
+        assert df >= 1
+        assert statistic < CHI2_CRITICAL_0001[df], (position, statistic, df, counts[position])
