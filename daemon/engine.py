@@ -38,6 +38,8 @@ from hetspec.speculative.verify import (
     verify_sampling,
 )
 
+VERIFIER_STREAM = 0x5EC  # told apart from the drafter's stream of the same seed (see __init__)
+
 
 @dataclass
 class SpeculativeStats:
@@ -115,7 +117,11 @@ class SpeculativeDecoder:
         self.controller = controller
         self.stats = stats
         self.params = request.sampling
-        self.rng = np.random.default_rng(request.seed)
+        # The drafter seeds its own generator with the request's seed; verification must draw
+        # from an independent stream: with the same stream a drafted token and the uniform
+        # that judges it are correlated, and the output no longer follows the target.
+        seed = None if request.seed is None else [request.seed, VERIFIER_STREAM]
+        self.rng = np.random.default_rng(seed)
         self.eos = -1 if request.ignore_eos else pair.verifier.ready.vocab.eos
         self.pending_bonus = -1  # emitted, not yet evaluated by the verifier (set by _begin)
         self.drafter_prefill: asyncio.Future | None = None

@@ -69,6 +69,12 @@ def worker_specs(config: DaemonConfig, log_format: str) -> dict[str, WorkerSpec]
     cpu_model = config.draft.gguf if drafting_on_cpu else config.target.gguf
     gpu_model = config.target.folder if drafting_on_cpu else config.draft.folder
     cpu_settings = m.LlamaCppSettings(**_fields(cpu_cfg, m.LlamaCppSettings))
+    exact = not drafting_on_cpu  # the llama.cpp worker verifies: exact logits (see settings)
+    cpu_settings = msgspec.structs.replace(
+        cpu_settings,
+        flash_attention=cpu_settings.flash_attention or ("off" if exact else "auto"),
+        kv_type=cpu_settings.kv_type or ("f32" if exact else "f16"),
+    )
     gpu_settings = m.TorchSettings(**_fields(gpu_cfg, m.TorchSettings))
     if gpu_settings.threads is None:  # torch would otherwise size its pool from the whole box
         gpu_settings = msgspec.structs.replace(gpu_settings, threads=len(set(gpu_cores)))

@@ -34,8 +34,12 @@ class LlamaCppSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     threads_batch: int | None = None
     n_seq_max: int = 16
     mmap: bool = True
-    flash_attention: str = "auto"
-    kv_type: str = "f16"
+    # None: by role. A verifying llama.cpp gets "off" and "f32": then a tree's logits equal
+    # each path's evaluated alone exactly, so greedy output is the target's own token for
+    # token (flash attention moved them by up to 0.13 on the demo target, flipping near-ties).
+    # A drafter gets "auto" and "f16" (faster; a draft only has to be good, not exact).
+    flash_attention: str | None = None
+    kv_type: str | None = None
 
 
 class TorchSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="torch"):

@@ -1,8 +1,10 @@
 """Lossless on the bundled demo models, through the real daemon, in both placements.
 
 - Greedy: every speculative mode returns, token for token, what the target alone returns
-  (its autoregressive mode on the same daemon, and for draft-cpu the torch target run in this
-  process) on 20 prompts: held-out standard-library code and chat prompts.
+  (its autoregressive mode on the same daemon, and the same model run in this process) on 20
+  prompts: held-out standard-library code and chat prompts. (A verifying llama.cpp worker
+  runs without flash attention and with an f32 KV cache for this: with them, a tree's logits
+  differed from one token at a time by up to 0.13 and flipped a near-tie on prompt 8.)
 - Sampling: the marginal laws of the second and third generated tokens (the first comes
   straight from the target's prefill) match the target's exact law, computed here from the
   target model itself, with and without branching (chi-square at p = 0.001).
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_daemon import request, target_greedy
+from test_daemon import request
 
 from hetspec.client.bench import prompt_set
 from hetspec.daemon.config import BUNDLED_MODELS
@@ -27,9 +29,16 @@ from hetspec.speculative.sampling import SamplingParams, distribution
 
 PLACEMENTS = ("draft-cpu", "draft-gpu")
 GREEDY_TOKENS = 24
-# chi-square critical values at p = 0.001 by degrees of freedom (no scipy here)
-CHI2_CRITICAL_0001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458,
-                      7: 24.322, 8: 26.124, 9: 27.877, 10: 29.588, 11: 31.264}  # fmt: skip
+# chi-square critical values at p = 0.001 (no scipy here): the table for few degrees of
+# freedom, the Wilson-Hilferty approximation (within 1% from 10 on) above it
+CHI2_CRITICAL_0001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515}
+
+
+def chi2_critical_0001(df: int) -> float:
+    if df in CHI2_CRITICAL_0001:
+        return CHI2_CRITICAL_0001[df]
+    z = 3.0902  # the standard normal's 0.999 quantile
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
 
 
 class BundledDaemon:
@@ -88,9 +97,11 @@ def test_every_mode_returns_the_targets_own_greedy_output(daemon) -> None:
     for index, prompt in enumerate(prompts):
         target = daemon.generate(prompt, mode="autoregressive", **options)["tokens"]
         assert len(target) == GREEDY_TOKENS
-        if daemon.placement == "draft-cpu" and index % 5 == 0:  # the torch target, here
-            gguf = BUNDLED_MODELS / "target" / "target-q8_0.gguf"
-            assert target == target_greedy(gguf, prompt, GREEDY_TOKENS).tolist()
+        if index % 5 == 0:  # the same target in this process, greedy, one token at a time
+            runtime = target_runtime(daemon.placement)
+            runtime.prefill(runtime.tokenize(prompt))
+            alone = runtime.draft(GREEDY_TOKENS + 1, SamplingParams(), np.random.default_rng(0))
+            assert target == alone.tokens[0, :GREEDY_TOKENS].tolist()
         for mode in SPECULATIVE:
             body = daemon.generate(prompt, **options, **mode)
             assert body["tokens"] == target, (index, mode)
@@ -103,10 +114,10 @@ def target_runtime(placement: str):
     if placement == "draft-cpu":
         from hetspec.workers.torch_runtime import TorchRuntime  # noqa: PLC0415
 
-        return TorchRuntime(BUNDLED_MODELS / "target", max_context=512)
+        return TorchRuntime(BUNDLED_MODELS / "target", max_context=1024)
     from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
 
-    return LlamaCppRuntime(BUNDLED_MODELS / "target" / "target-q8_0.gguf", n_ctx=512, threads=1)
+    return LlamaCppRuntime(BUNDLED_MODELS / "target" / "target-q8_0.gguf", n_ctx=1024, threads=1)
 
 
 def exact_marginals(runtime, prompt: str, params: SamplingParams) -> list[dict[int, float]]:
@@ -162,4 +173,4 @@ def test_sampled_tokens_follow_the_targets_law(daemon, branches: int) -> None:
     for position in (1, 2):  # the tokens that went through drafting and verification
         statistic, df = chi_square(counts[position], law[position], trials)
         assert df >= 1
-        assert statistic < CHI2_CRITICAL_0001[df], (position, statistic, df, counts[position])
+        assert statistic < chi2_critical_0001(df), (position, statistic, df, counts[position])

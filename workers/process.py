@@ -60,7 +60,7 @@ def die_with_parent(parent: int) -> None:
 
 def load_runtime(kind: str, model: str, settings: m.RuntimeSettings):
     """Import and build the engine only now, in this process, after the cores are set."""
-    options = msgspec.structs.asdict(settings)
+    options = {k: v for k, v in msgspec.structs.asdict(settings).items() if v is not None}
     if kind == "llama.cpp":
         from hetspec.workers.llama_cpp_runtime import LlamaCppError, LlamaCppRuntime  # noqa: PLC0415
 
