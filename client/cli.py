@@ -54,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--seed", type=int)
     generate.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="end the answer before TEXT (repeatable)",
+    )
+    generate.add_argument(
         "--mode",
         choices=["adaptive", "parallel", "sequential", "autoregressive"],
         help="how to decode (default: the daemon's configured mode, normally adaptive)",
@@ -94,6 +101,7 @@ def run_generate(client: Client, args: argparse.Namespace) -> int:
         "top_k": args.top_k,
         "top_p": args.top_p,
         "seed": args.seed,
+        "stop": args.stop,
         "mode": args.mode,
         "gamma": args.gamma,
     }

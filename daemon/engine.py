@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hetspec.daemon.generation import Detokenizer, GenerateRequest, GenerationResult
+from hetspec.daemon.generation import GenerateRequest, GenerationResult, TextOutput
 from hetspec.daemon.worker_client import WorkerClient
 from hetspec.protocol import Arena
 from hetspec.protocol import worker_messages as m
@@ -205,22 +205,28 @@ class SpeculativeDecoder:
         return await self._sequential_round(remaining, *self._budget(remaining))
 
     async def _sequential_round(self, remaining: int, gamma: int, branches: int) -> RoundOutcome:
-        """Draft (``branches`` x ``gamma``), then verify: one worker computes at a time."""
+        """Draft (``branches`` x ``gamma``), then verify: one worker computes at a time. With
+        gamma 0 the target decodes one token alone (where drafting does not pay, e.g. a slow
+        drafter) and the drafter catches up whenever drafting resumes."""
         drafter, verifier, arena = self.pair.drafter, self.pair.verifier, self.pair.arena
         round_start = start = time.perf_counter()
-        drafted, _ = await drafter.call(
-            m.Draft(
-                request=drafter.next_request(),
-                steps=gamma,
-                sampling=self.params,
-                out=self.pair.draft_slot,
-                branches=branches,
-                append=self.drafter_appends,
+        behind, drafted, draft_s = self.drafter_appends, None, 0.0
+        tokens, parents, origin = [], [], []
+        if gamma > 0:
+            behind = []
+            drafted, _ = await drafter.call(
+                m.Draft(
+                    request=drafter.next_request(),
+                    steps=gamma,
+                    sampling=self.params,
+                    out=self.pair.draft_slot,
+                    branches=branches,
+                    append=self.drafter_appends,
+                )
             )
-        )
-        # the drafter's catching up with the last round is per-round overhead, not drafting
-        draft_s = time.perf_counter() - start - drafted.append_ms / 1000
-        tokens, parents, origin = _draft_tree(drafted)
+            # the drafter's catching up with the last round is per-round overhead
+            draft_s = time.perf_counter() - start - drafted.append_ms / 1000
+            tokens, parents, origin = _draft_tree(drafted)
         bonus = self.pending_bonus
         tree_tokens = [bonus, *tokens]  # row 0: after the bonus, where the draft grows from
         tree_parents = [-1, *(p + 1 for p in parents)]
@@ -238,11 +244,13 @@ class SpeculativeDecoder:
         logits = arena.view(verified.logits)  # row 0: the distribution the draft grows from
 
         def draft_rows() -> np.ndarray:
+            if drafted is None:
+                return np.zeros((0, logits.shape[1]), np.float32)
             probs = arena.view(drafted.probs)
             return np.stack([probs[b, s] for b, s in origin])
 
         verdict, emitted, stopped = self._judge(tokens, parents, logits, draft_rows, remaining)
-        self.drafter_appends = emitted
+        self.drafter_appends = behind + emitted
         round_s = time.perf_counter() - round_start
         self._record(
             gamma,
@@ -286,24 +294,26 @@ class SpeculativeDecoder:
         """Yield text pieces of verified tokens only; ``result`` fills in as it goes."""
         first = await self.prefill(result)
         decode_start = time.perf_counter()
-        detokenizer = Detokenizer(self.pair.verifier.ready.token_bytes)
+        output = TextOutput(self.pair.verifier.ready.token_bytes, self.request.stops)
         try:
             self._begin(first)
             outcome = RoundOutcome([], True) if first == self.eos else RoundOutcome([first], False)
             while True:
                 for token in outcome.emitted:
                     result.add(token)
-                    piece = detokenizer.add(token)
+                    piece = output.add(token)
                     if piece:
                         yield piece
-                if outcome.stopped:
+                    if output.stopped:  # a stop string: the round's later tokens are dropped
+                        break
+                if outcome.stopped or output.stopped:
                     result.done_reason = "stop"
                     break
                 if len(result.tokens) >= self.request.max_tokens:
                     break
                 await self.drafter_prefill
                 outcome = await self.round(self.request.max_tokens - len(result.tokens))
-            tail = detokenizer.flush()
+            tail = output.flush()
             if tail:
                 yield tail
         finally:

@@ -24,6 +24,7 @@ from hetspec.protocol.sampling import SamplingParams
 MODES = ("autoregressive", "sequential", "parallel", "adaptive")
 MAX_GAMMA = 32
 MAX_BRANCHES = 8
+MAX_STOPS, MAX_STOP_CHARS = 16, 256
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -33,6 +34,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    stop: str | list[str] = []  # text that ends generation (not included in the response)
     stream: bool = True
     ignore_eos: bool = False  # generate exactly max_tokens (benchmarks)
     mode: str | None = None  # one of MODES; None: the daemon's configured mode
@@ -47,6 +49,9 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         self.sampling  # noqa: B018 - validates temperature/top_k/top_p
         if self.mode is not None and self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
+        if len(self.stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in self.stops):
+            raise ValueError(f"stop takes at most {MAX_STOPS} strings of at most "
+                             f"{MAX_STOP_CHARS} characters")  # fmt: skip
         if self.gamma is not None and not 1 <= self.gamma <= MAX_GAMMA:
             raise ValueError(f"gamma must be in 1..{MAX_GAMMA}, not {self.gamma}")
         if self.branches is not None and not 1 <= self.branches <= MAX_BRANCHES:
@@ -66,6 +71,10 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return mode
 
     @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p)
 
@@ -82,6 +91,41 @@ class Detokenizer:
 
     def flush(self) -> str:
         return self._decoder.decode(b"", final=True)
+
+
+class TextOutput:
+    """A request's verified tokens as the text it streams: detokenized piece by piece, with
+    text that could begin a stop string held back until it is known not to; at a stop string
+    the text ends just before it and ``stopped`` is set (the token that completed it is the
+    last one generated)."""
+
+    def __init__(self, token_bytes: list[bytes], stops: list[str]) -> None:
+        self._detokenizer = Detokenizer(token_bytes)
+        self._stops = [stop for stop in stops if stop]
+        self._held = ""
+        self.stopped = False
+
+    def add(self, token: int) -> str:
+        """The text that may be sent now that ``token`` was generated."""
+        return self._release(self._detokenizer.add(token))
+
+    def flush(self) -> str:
+        """What is left at the end of generation (nothing after a stop string)."""
+        if self.stopped:
+            return ""
+        text, self._held = self._held + self._detokenizer.flush(), ""
+        return text
+
+    def _release(self, piece: str) -> str:
+        text = self._held + piece
+        found = [(text.find(stop), stop) for stop in self._stops if stop in text]
+        if found:
+            self.stopped, self._held = True, ""
+            return text[: min(at for at, _ in found)]
+        keep = max((n for stop in self._stops for n in range(1, len(stop))
+                    if text.endswith(stop[:n])), default=0)  # fmt: skip
+        self._held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep]
 
 
 @dataclass
@@ -120,7 +164,7 @@ async def generate(
     result.prompt_tokens = len(prompt)
     result.prompt_ms = (time.perf_counter() - started) * 1000
     decode_start = time.perf_counter()
-    detokenizer = Detokenizer(ready.token_bytes)
+    output = TextOutput(ready.token_bytes, request.stops)
     eos = -1 if request.ignore_eos else ready.vocab.eos
     try:
         while len(result.tokens) < request.max_tokens:
@@ -138,10 +182,13 @@ async def generate(
                 result.done_reason = "stop"
                 break
             result.add(token)
-            piece = detokenizer.add(token)
+            piece = output.add(token)
             if piece:
                 yield piece
-        tail = detokenizer.flush()
+            if output.stopped:
+                result.done_reason = "stop"
+                break
+        tail = output.flush()
         if tail:
             yield tail
     finally:

@@ -15,7 +15,8 @@ controller keeps measuring:
 Costs are kept apart for rounds where one worker computes at a time and for overlapped ones,
 where both compute at once: on a box whose cores share execution resources (SMT siblings, a
 VM's vCPUs) each then runs slower, and that decides whether overlapping pays.
-From these it predicts, for every (gamma, branches, overlap), the expected tokens a round
+From these it predicts, for every (gamma, branches, overlap), gamma = 0 included (no draft: the
+target decodes alone, for boxes or texts where drafting does not pay), the expected tokens a round
 commits (the accepted ones plus the target's bonus token) and the round's duration, and picks
 the best rate. Sequential: draft + verify. Overlapped (one branch): while the verifier
 verifies, the drafter drafts the next round (gamma + 1 steps: its guess of the bonus token,
@@ -53,7 +54,7 @@ class WindowedMedian:
 
 @dataclass(frozen=True)
 class Decision:
-    gamma: int  # tokens drafted per branch
+    gamma: int  # tokens drafted per branch (0: none, the target decodes alone)
     branches: int
     expected_tokens: float  # committed per round, bonus included
     round_s: float
@@ -141,6 +142,8 @@ class BudgetController:
     def record_round(self, gamma: int, branches: int, accepted: int) -> None:
         """A verified round: ``accepted`` of the ``gamma`` tokens on the best branch."""
         self._rounds += 1
+        if gamma == 0:  # the target alone: nothing was offered, nothing learned
+            return
         for depth in range(1, self.max_gamma + 1):
             self._offered[depth] *= self.decay
             self._accepted[depth] *= self.decay
@@ -259,7 +262,7 @@ class BudgetController:
         overlap = best.overlap != (turn == 4)
         if overlap:
             branches = 1
-        if (1 <= gamma <= self.max_gamma and 1 <= branches <= self.max_branches
+        if (int(overlap) <= gamma <= self.max_gamma and 1 <= branches <= self.max_branches
                 and gamma * branches + 1 <= self.max_width):  # fmt: skip
             return self._evaluate(gamma, branches, overlap, snapshot)
         return best
@@ -283,6 +286,7 @@ class BudgetController:
         """(expected tokens/s, gamma, branches, overlap) of every candidate: ``_evaluate``'s
         arithmetic, inlined, because it runs ~100 times a round."""
         overhead, plain, ahead = s.overhead, s.verify[False], s.verify[True]
+        yield 1 / (plain.at(1) + overhead), 0, 1, False  # no draft: the target alone
         for branches in range(1, self.max_branches + 1):
             step, reach, tokens = s.step_s(branches), s.reach[branches], 1.0
             for gamma in range(1, self.max_gamma + 1):

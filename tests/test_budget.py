@@ -48,7 +48,7 @@ class SimulatedBox:
         return tokens / (both + miss * gamma * step)
 
     def best_rate(self, parallel: bool = True) -> float:
-        sequential = max(self.rate(g, k, False) for g in range(1, 17) for k in range(1, 5))
+        sequential = max(self.rate(g, k, False) for g in range(17) for k in range(1, 5))
         overlapped = max(self.rate(g, 1, True) for g in range(1, 17)) if parallel else 0
         return max(sequential, overlapped)
 
@@ -69,7 +69,7 @@ class SimulatedBox:
             controller.record_draft(gamma, branches, gamma * self.step_s(branches) * noise[0])
             controller.record_verify(width, self.verify_s(width) * noise[1])
         accepted = 0
-        if self.rng.random() < self.first_acceptance(branches):
+        if gamma and self.rng.random() < self.first_acceptance(branches):
             accepted = 1
             while accepted < gamma and self.rng.random() < self.acceptance:
                 accepted += 1
@@ -177,3 +177,14 @@ def test_the_fast_candidate_loop_agrees_with_the_cost_model() -> None:
     for rate, gamma, branches, overlap in rates:
         decision = controller._evaluate(gamma, branches, overlap, snapshot)
         assert rate == pytest.approx(decision.tokens_per_s, rel=1e-9)
+
+
+def test_it_drafts_nothing_where_drafting_cannot_pay() -> None:
+    """A drafter slower than the target (a CPU torch draft against a llama.cpp target on a
+    small box): the target decoding alone (gamma 0) is the best choice, and it is taken."""
+    box = SimulatedBox(0.004, 0.001, 0.00005, 0.6, np.random.default_rng(0))
+    controller = BudgetController(parallel=True)
+    for _ in range(120):
+        box.run_round(controller)
+    late = controller.history[-40:]
+    assert np.mean([d.gamma == 0 for d in late]) >= 0.8

@@ -12,8 +12,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_daemon import request
+from test_daemon import request, stream
 
 from hetspec.client.bench import prompt_set
 from hetspec.daemon.config import BUNDLED_MODELS
@@ -107,6 +109,46 @@ def test_every_mode_returns_the_targets_own_greedy_output(daemon) -> None:
             assert body["tokens"] == target, (index, mode)
             drafted += body["timings"]["draft_n"]
     assert drafted > 0
+
+
+@pytest.mark.parametrize("mode", ["autoregressive", "sequential", "parallel", "adaptive"])
+def test_a_stop_string_ends_the_text_just_before_it(daemon, mode: str) -> None:
+    prompt = prompt_set(2)[1]
+    options = {"max_tokens": 48, "ignore_eos": True, "mode": mode}
+    full = daemon.generate(prompt, **options)
+    text = full["response"]
+    stop = text[20:24]
+    expected = text[: text.find(stop)]
+    body = daemon.generate(prompt, **options, stop=[stop, "never in this text \x00"])
+    assert (body["response"], body["done_reason"]) == (expected, "stop")
+    assert body["tokens"] == full["tokens"][: len(body["tokens"])]
+    assert len(body["tokens"]) < len(full["tokens"])
+    connection, response = stream(daemon.socket, {"prompt": prompt, **options, "stop": stop})
+    try:
+        lines = [json.loads(line) for line in iter(response.readline, b"")]
+    finally:
+        connection.close()
+    assert "".join(line.get("response", "") for line in lines[:-1]) == expected
+    assert lines[-1]["done"]
+    assert lines[-1]["done_reason"] == "stop"
+
+
+@pytest.mark.parametrize("mode", ["sequential", "adaptive"])
+def test_a_client_that_hangs_up_cancels_its_generation_mid_round(daemon, mode: str) -> None:
+    """The daemon notices the closed socket, stops decoding at once and serves the next
+    request normally (the workers' state from the abandoned one is reset by the next prefill)."""
+    prompt = "import os\n"
+    connection, response = stream(daemon.socket, {"prompt": prompt, "max_tokens": 1900,
+                                                  "ignore_eos": True, "mode": mode})  # fmt: skip
+    for _ in range(3):
+        assert json.loads(response.readline())["response"] is not None
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+    started = time.monotonic()
+    body = daemon.generate(prompt, max_tokens=16, ignore_eos=True, mode=mode)
+    assert time.monotonic() - started < 2  # not queued behind the 1900 tokens (~4 s)
+    expected = daemon.generate(prompt, max_tokens=16, ignore_eos=True, mode="autoregressive")
+    assert body["tokens"] == expected["tokens"]
 
 
 def target_runtime(placement: str):

@@ -1,0 +1,56 @@
+"""What a request streams: verified tokens as text, cut before a stop string, UTF-8 intact."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetspec.daemon.generation import TextOutput
+
+# single ASCII letters, a two-letter token, and the two halves of "é" (0xC3 0xA9)
+TOKENS = [b"a", b"b", b"c", b"ab", b"\xc3", b"\xa9", b"\n"]
+
+
+def run(tokens: list[int], stops: list[str]) -> tuple[str, bool, int]:
+    """Everything streamed, whether it stopped, and how many tokens it took."""
+    output, pieces = TextOutput(TOKENS, stops), []
+    for used, token in enumerate(tokens, 1):
+        pieces.append(output.add(token))
+        if output.stopped:
+            return "".join(pieces), True, used
+    return "".join(pieces) + output.flush(), False, len(tokens)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(st.integers(0, len(TOKENS) - 1), max_size=30),
+    st.lists(st.text(alphabet="abcé\n", min_size=1, max_size=4), max_size=3),
+)
+def test_the_stream_is_the_text_up_to_the_first_stop_string(tokens, stops) -> None:
+    full = b"".join(TOKENS[t] for t in tokens).decode("utf-8", errors="replace")
+    streamed, stopped, used = run(tokens, stops)
+    ends = [full.find(stop) for stop in stops if stop in full]
+    if not ends:
+        assert (streamed, stopped) == (full, False)
+        return
+    assert stopped
+    assert streamed == full[: min(ends)]
+    # it stopped at the token that completed the first stop string, not later
+    text_so_far = b"".join(TOKENS[t] for t in tokens[: used - 1]).decode("utf-8", "replace")
+    assert not any(stop in text_so_far for stop in stops)
+
+
+def test_text_that_may_begin_a_stop_string_waits_for_the_next_token() -> None:
+    output = TextOutput(TOKENS, ["bc"])
+    assert output.add(0) == "a"
+    assert output.add(1) == ""  # "b" may begin "bc"
+    assert output.add(0) == "ba"  # it did not
+    assert output.add(1) == ""
+    assert output.add(2) == ""  # "bc": stop, nothing of it is sent
+    assert output.stopped
+
+
+def test_a_character_split_across_tokens_comes_out_whole() -> None:
+    output = TextOutput(TOKENS, [])
+    assert output.add(4) == ""
+    assert output.add(5) == "é"
