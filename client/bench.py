@@ -132,8 +132,14 @@ class Record:
         )  # fmt: skip
 
     @property
+    @property
+    def decoded(self) -> int:
+        """Tokens decoded after the first, which comes with the prefill in every system."""
+        return self.tokens - 1
+
+    @property
     def tokens_per_s(self) -> float:
-        return self.tokens / self.decode_ms * 1000
+        return self.decoded / self.decode_ms * 1000
 
     @property
     def ideal_tokens_per_s(self) -> float | None:
@@ -150,7 +156,7 @@ def summarise(records: list[Record]) -> dict:
     by_repeat: dict[int, list[Record]] = {}
     for record in records:
         by_repeat.setdefault(record.repeat, []).append(record)
-    rates = [sum(r.tokens for r in rs) / sum(r.decode_ms for r in rs) * 1000
+    rates = [sum(r.decoded for r in rs) / sum(r.decode_ms for r in rs) * 1000
              for rs in by_repeat.values()]  # fmt: skip
     rounds = sum(r.rounds for r in records)
     ideal = [r.tokens_per_s / r.ideal_tokens_per_s for r in records if r.ideal_tokens_per_s]
@@ -259,8 +265,9 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def modes_table(records: list[Record], plan: list[System]) -> tuple[str, dict]:
-    summaries = {s.name: summarise([r for r in records if r.system == s.name]) for s in plan}
+def modes_table(records: list[Record]) -> tuple[str, dict]:
+    names = list(dict.fromkeys(r.system for r in records))
+    summaries = {name: summarise([r for r in records if r.system == name]) for name in names}
     base = summaries["autoregressive"]
     sequential = summaries["sequential"]
     lines = [
@@ -289,7 +296,7 @@ def load_table(records: list[Record]) -> tuple[str, dict]:
         rows[name] = {
             "before": summarise([r for r in mine if not r.loaded])["tokens_per_s"],
             "after": summarise([r for r in mine if r.loaded])["tokens_per_s"],
-            "whole": sum(r.tokens for r in mine) / sum(r.decode_ms for r in mine) * 1000,
+            "whole": sum(r.decoded for r in mine) / sum(r.decode_ms for r in mine) * 1000,
         }
     fixed = {n: v for n, v in rows.items() if n != "adaptive"}
     best = max(fixed, key=lambda n: fixed[n]["whole"])
@@ -335,6 +342,26 @@ def plot(path: Path, results: dict) -> bool:
     return True
 
 
+def run_peers(args, out: Path) -> list[Record]:
+    """transformers' assisted generation and llama.cpp-only speculative decoding, on the same
+    models and prompts, in a process of their own (``hetspec.workers.peers``)."""
+    prompts = out / "prompts.json"
+    prompts.write_text(json.dumps(prompt_set(args.prompts)))
+    print("peers: transformers assisted generation, llama.cpp speculative", file=sys.stderr)
+    command = [sys.executable, "-m", "hetspec.workers.peers", "--prompts", str(prompts),
+               "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        print(f"hetspec bench: the peers failed, left out:\n{done.stderr[-2000:]}", file=sys.stderr)
+        return []
+    records = []
+    for line in done.stdout.splitlines():
+        row = json.loads(line)
+        records.append(Record(row["system"], row["prompt"], row["repeat"], False, row["tokens"],
+                              row["decode_ms"], row["ttft_ms"]))  # fmt: skip
+    return records
+
+
 def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -344,11 +371,14 @@ def main(args: argparse.Namespace) -> int:
         f"{os.cpu_count()} CPUs, Python {platform.python_version()}, "
         f"{time.strftime('%Y-%m-%d %H:%M')}; {args.max_tokens} tokens per request.\n"
     ]
+    peers = run_peers(args, out) if args.peers else []
     try:
-        for placement in args.placement:
+        for number, placement in enumerate(args.placement):
             with daemon(placement, args.socket, out) as client:
                 measured = bench_placement(client, placement, args)
-            table, summary = modes_table(measured["modes"], systems(args.gammas))
+            if number == 0:  # the peers run once; their rows join the first table
+                measured["modes"] += peers
+            table, summary = modes_table(measured["modes"])
             report += [f"## {placement}: modes\n", table, ""]
             results[placement] = {"summary": summary, "load_records": measured["load"],
                                   "records": measured["modes"]}  # fmt: skip
@@ -395,3 +425,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-load", dest="load", action="store_false",
                         help="skip the busy-core run")  # fmt: skip
     parser.add_argument("--out", default="bench-results", help="folder for the reports")
+    parser.add_argument(
+        "--no-peers",
+        dest="peers",
+        action="store_false",
+        help="skip transformers' assisted generation and llama.cpp-only speculative decoding",
+    )

@@ -68,6 +68,7 @@ class SpeculativeStats:
             "t_verify_ms": round(self.verify_ms / self.rounds, 3) if self.rounds else None,
             "run_ahead": self.run_ahead,
             "run_ahead_held": self.run_ahead_held,
+            "controller": controller.estimates(),
         }
 
 
@@ -224,8 +225,9 @@ class SpeculativeDecoder:
                     append=self.drafter_appends,
                 )
             )
-            # the drafter's catching up with the last round is per-round overhead
-            draft_s = time.perf_counter() - start - drafted.append_ms / 1000
+            # catching up with the last round's tokens included: its forward gives the first
+            # drafted token's distribution, so gamma tokens cost gamma forwards
+            draft_s = time.perf_counter() - start
             tokens, parents, origin = _draft_tree(drafted)
         bonus = self.pending_bonus
         tree_tokens = [bonus, *tokens]  # row 0: after the bonus, where the draft grows from
@@ -264,9 +266,12 @@ class SpeculativeDecoder:
         return RoundOutcome(emitted, stopped)
 
     def _record(self, gamma, branches, accepted, width, *, draft_s, verify_s, round_s) -> None:
-        self.controller.record_draft(gamma, branches, draft_s)
-        self.controller.record_verify(width, verify_s)
-        self.controller.record_overhead(round_s - draft_s - verify_s)
+        if gamma == 0:
+            self.controller.record_target_alone(round_s)
+        else:
+            self.controller.record_draft(gamma, branches, draft_s)
+            self.controller.record_verify(width, verify_s)
+            self.controller.record_overhead(round_s - draft_s - verify_s)
         self.controller.record_round(gamma, branches, accepted)
         self._count(
             gamma * branches,
@@ -366,8 +371,8 @@ class OverlappedDecoder(SpeculativeDecoder):
         the controller's choice (adaptive mode: it overlaps only where that pays on this box)."""
         if self.gamma:
             return max(1, min(self.gamma, remaining)), 1, True
-        decision = self.controller.choose()
-        return max(1, min(decision.gamma, remaining)), decision.branches, decision.overlap
+        decision = self.controller.choose()  # gamma 0 (the target alone) is never overlapped
+        return min(decision.gamma, remaining), decision.branches, decision.overlap
 
     async def _draft_afresh(self, gamma: int) -> None:
         drafter = self.pair.drafter
@@ -381,7 +386,7 @@ class OverlappedDecoder(SpeculativeDecoder):
                 append=self.behind,
             )
         )
-        draft_s = time.perf_counter() - start - drafted.append_ms / 1000
+        draft_s = time.perf_counter() - start  # the catch-up's forward is the first step's
         self.controller.record_draft(gamma, 1, draft_s)
         self.behind = []
         self.unverified = self._unverified(drafted, skip=0)

@@ -83,6 +83,7 @@ class _Snapshot:
     reach: list[list[float]]  # [branches][depth]: P(the first depth tokens are accepted)
     overhead: float
     branch_cost: float
+    alone: float  # seconds of a round without a draft (the target decoding one token)
 
     def step_s(self, branches: int, overlapped: bool = False) -> float:
         return self.step[overlapped] * (1 + self.branch_cost * (branches - 1))
@@ -117,6 +118,7 @@ class BudgetController:
         self._first_accepted = [0.0] * (self.max_branches + 1)
         self._rounds = 0
         self._overhead = WindowedMedian(self.window)
+        self._alone = WindowedMedian(self.window)  # whole rounds with gamma 0
 
     # ------------------------------------------------------------ measurements
 
@@ -128,6 +130,13 @@ class BudgetController:
         if steps > 0 and seconds > 0:
             level = self._draft_level[overlapped]
             level.add(seconds / steps / self._branch_factor(branches))
+
+    def record_target_alone(self, seconds: float) -> None:
+        """A whole round without a draft. Kept apart from the verify line: a verifier that
+        did not wait for a draft meanwhile answers faster than one that did (it was not
+        asleep), so width-1 rounds do not fit the line through drafted rounds."""
+        if seconds > 0:
+            self._alone.add(seconds)
 
     def record_overhead(self, seconds: float) -> None:
         """What a round costs besides drafting and verifying: messages, bookkeeping, catching
@@ -224,6 +233,28 @@ class BudgetController:
         step, verify = self.draft_step_s(1), self.verify_s(2)
         return None if step is None or verify is None else verify / step
 
+    def estimates(self) -> dict:
+        """What the controller believes now, in milliseconds, for the request statistics."""
+
+        def ms(seconds: float | None) -> float | None:
+            return None if seconds is None else round(seconds * 1000, 3)
+
+        decision = self.history[-1] if self.history else None
+        return {
+            "draft_step_ms": {"alone": ms(self._draft_level[False].value),
+                              "overlapped": ms(self._draft_level[True].value)},
+            "verify_ms": {kind: {w: ms(self._verify_fit(w, c)) for w in (1, 2, 5, 9, 17)}
+                          for kind, c in (("alone", False), ("overlapped", True))},
+            "overhead_ms": ms(self._overhead.value),
+            "target_alone_round_ms": ms(self._alone.value),
+            "acceptance_by_depth": [round(self.acceptance(d), 3) for d in range(1, 9)],
+            "last_decision": None if decision is None else {
+                "gamma": decision.gamma, "branches": decision.branches,
+                "overlap": decision.overlap,
+                "expected_tokens": round(decision.expected_tokens, 3),
+                "expected_tokens_per_s": round(decision.tokens_per_s, 1)},
+        }  # fmt: skip
+
     def _snapshot(self) -> _Snapshot:
         step = {c: self.draft_step_s(1, c) for c in (False, True)}
         verify = {c: self._verify_line(c) or self._verify_line(not c) for c in (False, True)}
@@ -234,7 +265,9 @@ class BudgetController:
                 chances.append(chances[-1] * self.acceptance(min(depth, self.max_gamma), branches))
             reach.append(chances)
         overhead = self._overhead.value or 0.0
-        return _Snapshot(step, verify, reach, overhead, self.batched_step_cost)
+        plain = verify[False]
+        alone = self._alone.value or (plain.at(1) + overhead if plain else float("inf"))
+        return _Snapshot(step, verify, reach, overhead, self.batched_step_cost, alone)
 
     def choose(self) -> Decision:
         ratio = self.cost_ratio()
@@ -259,7 +292,7 @@ class BudgetController:
         turn = (self._rounds // self.probe_every) % turns
         gamma = best.gamma + (-1, 1, 0, 0, 0)[turn]
         branches = best.branches + (0, 0, -1, 1, 0)[turn]
-        overlap = best.overlap != (turn == 4)
+        overlap = best.overlap != (turn == 4) and gamma > 0
         if overlap:
             branches = 1
         if (int(overlap) <= gamma <= self.max_gamma and 1 <= branches <= self.max_branches
@@ -271,6 +304,8 @@ class BudgetController:
         self, gamma: int, branches: int, overlap: bool = False, snapshot: _Snapshot | None = None
     ) -> Decision:
         s = snapshot or self._snapshot()
+        if gamma == 0:
+            return Decision(0, 1, 1.0, s.alone, 1 / s.alone)
         verify_s = s.verify[overlap].at(gamma * branches + 1)  # the tree plus the last bonus
         if overlap:
             held = s.reach[1][gamma + 1]  # the run-ahead becomes the next draft
@@ -286,7 +321,7 @@ class BudgetController:
         """(expected tokens/s, gamma, branches, overlap) of every candidate: ``_evaluate``'s
         arithmetic, inlined, because it runs ~100 times a round."""
         overhead, plain, ahead = s.overhead, s.verify[False], s.verify[True]
-        yield 1 / (plain.at(1) + overhead), 0, 1, False  # no draft: the target alone
+        yield 1 / s.alone, 0, 1, False  # no draft: the target alone
         for branches in range(1, self.max_branches + 1):
             step, reach, tokens = s.step_s(branches), s.reach[branches], 1.0
             for gamma in range(1, self.max_gamma + 1):

@@ -65,6 +65,8 @@ class SimulatedBox:
                                      overlapped=True)  # fmt: skip
             if self.rng.random() > self.reach(gamma + 1, 1):  # a miss: the next draft is fresh
                 controller.record_draft(gamma, 1, gamma * self.step_s(1) * noise[2])
+        elif gamma == 0:
+            controller.record_target_alone(self.verify_s(1) * noise[1])
         else:
             controller.record_draft(gamma, branches, gamma * self.step_s(branches) * noise[0])
             controller.record_verify(width, self.verify_s(width) * noise[1])
