@@ -132,7 +132,6 @@ class Record:
         )  # fmt: skip
 
     @property
-    @property
     def decoded(self) -> int:
         """Tokens decoded after the first, which comes with the prefill in every system."""
         return self.tokens - 1
