@@ -38,18 +38,32 @@ from dataclasses import dataclass, field
 
 
 class WindowedMedian:
-    def __init__(self, window: int) -> None:
-        self._samples: deque[float] = deque(maxlen=window)
+    """The median of the last ``window`` samples, forgetting samples older than ``max_age``
+    ticks of ``clock`` (the controller's round count): a choice measured long ago, under other
+    conditions, then has no estimate and is judged by its prior again (so it gets tried again)
+    instead of being ruled out by a stale median that rare probes could not move."""
+
+    def __init__(self, window: int, clock=None, max_age: int | None = None) -> None:
+        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self._clock = clock or (lambda: 0)
+        self._max_age = max_age
 
     def add(self, value: float) -> None:
-        self._samples.append(value)
+        self._samples.append((self._clock(), value))
+
+    def _fresh(self) -> list[float]:
+        if self._max_age is None:
+            return [value for _, value in self._samples]
+        oldest = self._clock() - self._max_age
+        return [value for tick, value in self._samples if tick >= oldest]
 
     def __len__(self) -> int:
-        return len(self._samples)
+        return len(self._fresh())
 
     @property
     def value(self) -> float | None:
-        return statistics.median(self._samples) if self._samples else None
+        fresh = self._fresh()
+        return statistics.median(fresh) if fresh else None
 
 
 @dataclass(frozen=True)
@@ -105,20 +119,24 @@ class BudgetController:
     batched_step_cost: float = 0.4  # each extra branch adds this share of a draft step
     warmup_rounds: int = 3  # rounds at gamma = c before acceptance estimates are trusted
     probe_every: int = 16  # rounds between tries of a neighbouring gamma (0: never)
+    max_age: int = 96  # rounds after which a cost measurement is forgotten
     history: list[Decision] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # keyed by "overlapped": costs differ when both workers compute at once (they share a
         # box: on a 2-vCPU VM a forward took 1.7x as long while the other vCPU was busy)
-        self._draft_level = {c: WindowedMedian(self.window) for c in (False, True)}
+        self._draft_level = {c: self._median() for c in (False, True)}
         self._verify: dict[bool, dict[int, WindowedMedian]] = {False: {}, True: {}}
         self._offered = [0.0] * (self.max_gamma + 1)  # index = depth (1-based)
         self._accepted = [0.0] * (self.max_gamma + 1)
         self._first_offered = [0.0] * (self.max_branches + 1)  # depth 1, by branch count
         self._first_accepted = [0.0] * (self.max_branches + 1)
         self._rounds = 0
-        self._overhead = WindowedMedian(self.window)
-        self._alone = WindowedMedian(self.window)  # whole rounds with gamma 0
+        self._overhead = self._median()
+        self._alone = self._median()  # whole rounds with gamma 0
+
+    def _median(self) -> WindowedMedian:
+        return WindowedMedian(self.window, lambda: self._rounds, self.max_age)
 
     # ------------------------------------------------------------ measurements
 
@@ -146,7 +164,7 @@ class BudgetController:
     def record_verify(self, width: int, seconds: float, *, overlapped: bool = False) -> None:
         if width > 0 and seconds > 0:
             widths = self._verify[overlapped]
-            widths.setdefault(width, WindowedMedian(self.window)).add(seconds)
+            widths.setdefault(width, self._median()).add(seconds)
 
     def record_round(self, gamma: int, branches: int, accepted: int) -> None:
         """A verified round: ``accepted`` of the ``gamma`` tokens on the best branch."""
