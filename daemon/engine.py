@@ -209,25 +209,13 @@ class SpeculativeDecoder:
         """Draft (``branches`` x ``gamma``), then verify: one worker computes at a time. With
         gamma 0 the target decodes one token alone (where drafting does not pay, e.g. a slow
         drafter) and the drafter catches up whenever drafting resumes."""
-        drafter, verifier, arena = self.pair.drafter, self.pair.verifier, self.pair.arena
+        verifier, arena = self.pair.verifier, self.pair.arena
         round_start = start = time.perf_counter()
         behind, drafted, draft_s = self.drafter_appends, None, 0.0
         tokens, parents, origin = [], [], []
         if gamma > 0:
             behind = []
-            drafted, _ = await drafter.call(
-                m.Draft(
-                    request=drafter.next_request(),
-                    steps=gamma,
-                    sampling=self.params,
-                    out=self.pair.draft_slot,
-                    branches=branches,
-                    append=self.drafter_appends,
-                )
-            )
-            # catching up with the last round's tokens included: its forward gives the first
-            # drafted token's distribution, so gamma tokens cost gamma forwards
-            draft_s = time.perf_counter() - start
+            drafted, draft_s = await self._draft(gamma, branches, self.drafter_appends)
             tokens, parents, origin = _draft_tree(drafted)
         bonus = self.pending_bonus
         tree_tokens = [bonus, *tokens]  # row 0: after the bonus, where the draft grows from
@@ -265,11 +253,34 @@ class SpeculativeDecoder:
         )
         return RoundOutcome(emitted, stopped)
 
+    async def _draft(self, gamma: int, branches: int, append: list[int]) -> tuple:
+        """Draft after catching up with ``append``; returns the reply and the call's seconds,
+        and records the cost of one draft step. The catch-up's forward yields the first
+        token's distribution, so gamma tokens cost gamma forwards; but a long catch-up (after
+        rounds without a draft) is not a step, so then the step is timed from the others."""
+        drafter = self.pair.drafter
+        start = time.perf_counter()
+        drafted, _ = await drafter.call(
+            m.Draft(
+                request=drafter.next_request(),
+                steps=gamma,
+                sampling=self.params,
+                out=self.pair.draft_slot,
+                branches=branches,
+                append=append,
+            )
+        )
+        seconds = time.perf_counter() - start
+        if len(append) <= 2:
+            self.controller.record_draft(gamma, branches, seconds)
+        elif gamma >= 2:
+            self.controller.record_draft(gamma - 1, branches, seconds - drafted.append_ms / 1000)
+        return drafted, seconds
+
     def _record(self, gamma, branches, accepted, width, *, draft_s, verify_s, round_s) -> None:
         if gamma == 0:
             self.controller.record_target_alone(round_s)
         else:
-            self.controller.record_draft(gamma, branches, draft_s)
             self.controller.record_verify(width, verify_s)
             self.controller.record_overhead(round_s - draft_s - verify_s)
         self.controller.record_round(gamma, branches, accepted)
@@ -375,19 +386,7 @@ class OverlappedDecoder(SpeculativeDecoder):
         return min(decision.gamma, remaining), decision.branches, decision.overlap
 
     async def _draft_afresh(self, gamma: int) -> None:
-        drafter = self.pair.drafter
-        start = time.perf_counter()
-        drafted, _ = await drafter.call(
-            m.Draft(
-                request=drafter.next_request(),
-                steps=gamma,
-                sampling=self.params,
-                out=self.pair.draft_slot,
-                append=self.behind,
-            )
-        )
-        draft_s = time.perf_counter() - start  # the catch-up's forward is the first step's
-        self.controller.record_draft(gamma, 1, draft_s)
+        drafted, _ = await self._draft(gamma, 1, self.behind)
         self.behind = []
         self.unverified = self._unverified(drafted, skip=0)
 
