@@ -35,6 +35,13 @@ GGUF_MAGIC = b"GGUF"
 KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}  # ggml type ids; a quantized V needs flash attention
 
 
+def _cpu_has_amx() -> bool:
+    try:
+        return "amx_int8" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 class LlamaCppError(RuntimeError):
     """llama.cpp refused a model, a context or a batch; carries what llama.cpp logged."""
 
@@ -120,6 +127,10 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
         params = L.llama_model_default_params()
         params.n_gpu_layers = 0  # the CPU worker: the GPU belongs to the torch worker
         params.load_mode = L.LLAMA_LOAD_MODE_MMAP if mmap else L.LLAMA_LOAD_MODE_NONE
+        # llama.cpp's extra buffer types repack weights for the CPU's SIMD; on CPUs with AMX
+        # the AMX buffer of llama-cpp-python 0.3.36 segfaults on Q8_0 models (seen on a
+        # Sapphire Rapids VM), so plain buffers there
+        params.use_extra_bufts = not _cpu_has_amx()
         mark = self._log.count
         model = L.llama_model_load_from_file(str(path).encode(), params)
         if not model:
