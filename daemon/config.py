@@ -45,6 +45,30 @@ class GpuWorkerConfig(TorchSettings, forbid_unknown_fields=True, kw_only=True, t
     cores: list[int] | None = None
 
 
+class TcpConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """An optional TCP listener beside the Unix socket; every request on it needs the token."""
+
+    listen: str | None = None  # "127.0.0.1:8080", "[::1]:8080", "0.0.0.0:8080"; None: off
+    token: str | None = None  # clients send "Authorization: Bearer <token>"
+    token_file: str | None = None  # or read it from this file (keeps it out of the config)
+
+    def __post_init__(self) -> None:
+        if self.token_file and not self.token:
+            try:
+                self.token = Path(self.token_file).read_text().strip()
+            except OSError as error:
+                raise ValueError(f"token_file: cannot read {self.token_file}: "
+                                 f"{error.strerror}") from None  # fmt: skip
+        if self.listen is None:
+            return
+        _, sep, port = self.listen.rpartition(":")
+        if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"listen must be HOST:PORT, not {self.listen!r}")
+        if not self.token or len(self.token) < 16:
+            raise ValueError("a TCP listener needs a bearer token of at least 16 characters "
+                             "(tcp.token or tcp.token_file)")  # fmt: skip
+
+
 class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     socket: str = "/run/hetspec/hetspecd.sock"
     runtime_dir: str = "/run/hetspec"  # ZeroMQ endpoints and the instance lock live here
@@ -52,6 +76,9 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # how requests that name no mode are decoded (see hetspec.daemon.generation.MODES)
     mode: Literal["autoregressive", "sequential", "parallel", "adaptive"] = "adaptive"
     gamma: int = 4  # the draft length of mode "parallel" when a request gives none
+    max_queue: int = 16  # requests that may wait while one decodes; more get 429
+    model_name: str | None = None  # the name the API serves; None: the target's folder name
+    tcp: TcpConfig = msgspec.field(default_factory=TcpConfig)
     target: ModelPaths = msgspec.field(
         default_factory=lambda: ModelPaths(
             folder=str(BUNDLED_MODELS / "target"),
@@ -89,6 +116,8 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         for key, value in positive.items():
             if not value > 0:
                 raise ValueError(f"{key} must be > 0, not {value}")
+        if not 0 <= self.max_queue <= 10_000:
+            raise ValueError(f"max_queue must be in 0..10000, not {self.max_queue}")
         if not 0 <= self.worker_spin_us <= 100_000:
             raise ValueError(f"worker_spin_us must be in 0..100000, not {self.worker_spin_us}")
         if not 1 <= self.gamma <= 32:

@@ -24,7 +24,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hetspec.daemon.generation import GenerateRequest, GenerationResult, TextOutput
+from hetspec.daemon.generation import (
+    GenerateRequest,
+    GenerationResult,
+    TextOutput,
+    token_budget,
+)
 from hetspec.daemon.worker_client import WorkerClient
 from hetspec.protocol import Arena
 from hetspec.protocol import worker_messages as m
@@ -131,6 +136,7 @@ class SpeculativeDecoder:
         # drafter's emitted tokens.
         self.verifier_keeps: list[int] = []
         self.drafter_appends: list[int] = []
+        self.max_tokens = 0  # the request's token budget, known once the prompt is tokenized
 
     async def prefill(self, result: GenerationResult) -> int:
         """Prefill both workers at once; returns the first token, chosen by the target from
@@ -144,12 +150,7 @@ class SpeculativeDecoder:
         prompt = tokenized.tokens
         context = min(drafter.ready.context, verifier.ready.context)
         room = self.controller.max_width + 1
-        if len(prompt) + self.request.max_tokens + room > context:
-            raise ValueError(
-                f"the prompt has {len(prompt)} tokens; with max_tokens "
-                f"{self.request.max_tokens} and room for a draft tree that exceeds "
-                f"the {context}-token context"
-            )
+        self.max_tokens = token_budget(self.request, len(prompt), context, room)
         seed, slot = self.request.seed, self.pair.verify_slot
         self.drafter_prefill = asyncio.ensure_future(
             drafter.call(m.Prefill(request=drafter.next_request(), tokens=prompt, seed=seed))
@@ -209,7 +210,7 @@ class SpeculativeDecoder:
         """Draft (``branches`` x ``gamma``), then verify: one worker computes at a time. With
         gamma 0 the target decodes one token alone (where drafting does not pay, e.g. a slow
         drafter) and the drafter catches up whenever drafting resumes."""
-        verifier, arena = self.pair.verifier, self.pair.arena
+        arena = self.pair.arena
         round_start = start = time.perf_counter()
         behind, drafted, draft_s = self.drafter_appends, None, 0.0
         tokens, parents, origin = [], [], []
@@ -217,19 +218,8 @@ class SpeculativeDecoder:
             behind = []
             drafted, draft_s = await self._draft(gamma, branches, self.drafter_appends)
             tokens, parents, origin = _draft_tree(drafted)
-        bonus = self.pending_bonus
-        tree_tokens = [bonus, *tokens]  # row 0: after the bonus, where the draft grows from
-        tree_parents = [-1, *(p + 1 for p in parents)]
         start = time.perf_counter()
-        verified, _ = await verifier.call(
-            m.VerifyTree(
-                request=verifier.next_request(),
-                tokens=tree_tokens,
-                parents=tree_parents,
-                out=self.pair.verify_slot,
-                commit=self.verifier_keeps,
-            )
-        )
+        verified, _ = await self._verify(tokens, parents)
         verify_s = time.perf_counter() - start
         logits = arena.view(verified.logits)  # row 0: the distribution the draft grows from
 
@@ -246,12 +236,26 @@ class SpeculativeDecoder:
             gamma,
             branches,
             len(verdict.path),
-            len(tree_tokens),
+            len(tokens) + 1,  # the tree: the pending bonus and the draft
             draft_s=draft_s,
             verify_s=verify_s,
             round_s=round_s,
         )
         return RoundOutcome(emitted, stopped)
+
+    def _verify(self, tokens: list[int], parents: list[int]):
+        """The verifier's call for a draft tree below the pending bonus (row 0 of the logits:
+        after the bonus, where the draft grows from), committing the last round's path."""
+        verifier = self.pair.verifier
+        return verifier.call(
+            m.VerifyTree(
+                request=verifier.next_request(),
+                tokens=[self.pending_bonus, *tokens],
+                parents=[-1, *(p + 1 for p in parents)],
+                out=self.pair.verify_slot,
+                commit=self.verifier_keeps,
+            )
+        )
 
     async def _draft(self, gamma: int, branches: int, append: list[int]) -> tuple:
         """Draft after catching up with ``append``; returns the reply and the call's seconds,
@@ -325,10 +329,10 @@ class SpeculativeDecoder:
                 if outcome.stopped or output.stopped:
                     result.done_reason = "stop"
                     break
-                if len(result.tokens) >= self.request.max_tokens:
+                if len(result.tokens) >= self.max_tokens:
                     break
                 await self.drafter_prefill
-                outcome = await self.round(self.request.max_tokens - len(result.tokens))
+                outcome = await self.round(self.max_tokens - len(result.tokens))
             tail = output.flush()
             if tail:
                 yield tail
@@ -445,29 +449,16 @@ class OverlappedDecoder(SpeculativeDecoder):
             outcome = await self._sequential_round(remaining, gamma, branches)
             self.behind = list(self.drafter_appends)
             return outcome
-        verifier, arena = self.pair.verifier, self.pair.arena
+        arena = self.pair.arena
         round_start = time.perf_counter()
         if self.unverified is None:
             await self._draft_afresh(gamma)
         fresh_s = time.perf_counter() - round_start  # the drafter catching up after a miss
         draft = self.unverified
-        bonus = self.pending_bonus
         tokens = draft.tokens
         parents = list(range(-1, len(tokens) - 1))
-        tree_tokens = [bonus, *tokens]  # row 0: after the bonus, where the draft grows from
-        tree_parents = [-1, *(p + 1 for p in parents)]
         verify_start = time.perf_counter()
-        verify = asyncio.ensure_future(
-            verifier.call(
-                m.VerifyTree(
-                    request=verifier.next_request(),
-                    tokens=tree_tokens,
-                    parents=tree_parents,
-                    out=self.pair.verify_slot,
-                    commit=self.verifier_keeps,
-                )
-            )
-        )
+        verify = asyncio.ensure_future(self._verify(tokens, parents))
         ahead_gamma = max(1, min(gamma, remaining - len(tokens)))
         ahead = self._run_ahead(draft, ahead_gamma) if overlap else None
         try:
@@ -490,7 +481,7 @@ class OverlappedDecoder(SpeculativeDecoder):
             self.unverified = None  # the request ends here
         self.stats.run_ahead_held += self.unverified is not None
         round_s = time.perf_counter() - round_start
-        self.controller.record_verify(len(tree_tokens), verify_s, overlapped=ahead is not None)
+        self.controller.record_verify(len(tokens) + 1, verify_s, overlapped=ahead is not None)
         self.controller.record_overhead(round_s - fresh_s - max(verify_s, ahead_s))
         self.controller.record_round(len(tokens), 1, len(verdict.path))
         self._count(len(tokens), len(verdict.path), draft_s=fresh_s, verify_s=verify_s)

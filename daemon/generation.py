@@ -29,7 +29,7 @@ MAX_STOPS, MAX_STOP_CHARS = 16, 256
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prompt: str
-    max_tokens: int = 128
+    max_tokens: int | None = 128  # None: until EOS, a stop, or the end of the context
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -44,7 +44,11 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def __post_init__(self) -> None:
         if not self.prompt:
             raise ValueError("prompt must not be empty")
-        if not 1 <= self.max_tokens <= 1_000_000:
+        for text in (self.prompt, *self.stops):
+            check_unicode(text)
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in 0..2**63-1, not {self.seed}")
+        if self.max_tokens is not None and not 1 <= self.max_tokens <= 1_000_000:
             raise ValueError(f"max_tokens must be in 1..1000000, not {self.max_tokens}")
         self.sampling  # noqa: B018 - validates temperature/top_k/top_p
         if self.mode is not None and self.mode not in MODES:
@@ -77,6 +81,31 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     @property
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p)
+
+
+def check_unicode(text: str) -> None:
+    """JSON can carry lone surrogates (``"\\ud800"``), which no tokenizer can encode."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ValueError(f"text contains a lone surrogate: {text[:40]!r}") from None
+
+
+def token_budget(request: GenerateRequest, prompt_tokens: int, context: int, room: int = 0) -> int:
+    """How many tokens the request may generate: its ``max_tokens``, or what the context
+    leaves when it gives none; ``room`` is kept free (for a draft tree on top of the text)."""
+    left = context - prompt_tokens - room
+    if request.max_tokens is None:
+        if left < 1:
+            raise ValueError(f"the prompt has {prompt_tokens} tokens, which leaves no room "
+                             f"in the {context}-token context")  # fmt: skip
+        return left
+    if request.max_tokens > left:
+        extra = f" and room for a draft tree ({room})" if room else ""
+        raise ValueError(f"the prompt has {prompt_tokens} tokens; with max_tokens "
+                         f"{request.max_tokens}{extra} that exceeds the {context}-token "
+                         "context")  # fmt: skip
+    return request.max_tokens
 
 
 class Detokenizer:
@@ -155,11 +184,7 @@ async def generate(
     started = time.perf_counter()
     tokenized, _ = await worker.call(m.Tokenize(request=worker.next_request(), text=request.prompt))
     prompt = tokenized.tokens
-    if len(prompt) + request.max_tokens > ready.context:
-        raise ValueError(
-            f"the prompt has {len(prompt)} tokens; with max_tokens "
-            f"{request.max_tokens} that exceeds the {ready.context}-token context"
-        )
+    max_tokens = token_budget(request, len(prompt), ready.context)
     await worker.call(m.Prefill(request=worker.next_request(), tokens=prompt, seed=request.seed))
     result.prompt_tokens = len(prompt)
     result.prompt_ms = (time.perf_counter() - started) * 1000
@@ -167,7 +192,7 @@ async def generate(
     output = TextOutput(ready.token_bytes, request.stops)
     eos = -1 if request.ignore_eos else ready.vocab.eos
     try:
-        while len(result.tokens) < request.max_tokens:
+        while len(result.tokens) < max_tokens:
             drafted, _ = await worker.call(
                 m.Draft(
                     request=worker.next_request(),

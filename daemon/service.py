@@ -1,9 +1,10 @@
 """The running daemon: instance lock, arena, supervised workers, HTTP on the Unix socket.
 
 Lifecycle: take the runtime directory's lock and remove what a killed predecessor left; listen
-on the socket at once (``/health`` answers 503 while the workers load); start both workers;
-serve. SIGTERM or SIGINT drains: new requests get 503, the request in flight may finish
-(bounded by ``drain_timeout_s``), then the workers stop and the socket, the endpoints and the
+at once (on the socket systemd passed, or our own; ``/health`` answers 503 while the workers
+load); start both workers; tell systemd READY=1; serve. SIGTERM or SIGINT drains: STOPPING=1,
+new requests get 503, the queue and the request in flight may finish (bounded by
+``drain_timeout_s``), then the workers stop and the socket, the endpoints and the
 shared-memory segment are removed. Every exit path runs that cleanup.
 """
 
@@ -11,19 +12,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import itertools
 import os
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import msgspec
 import structlog
 from aiohttp import web
 
 from hetspec import __version__
-from hetspec.daemon.config import DaemonConfig
+from hetspec.daemon.admission import Admission, QueueFull
+from hetspec.daemon.api_errors import ApiError, json_errors
+from hetspec.daemon.api_native import native_routes
+from hetspec.daemon.api_openai import openai_routes
+from hetspec.daemon.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from hetspec.daemon.config import BUNDLED_MODELS, DaemonConfig
 from hetspec.daemon.cores import CoreError
 from hetspec.daemon.engine import (
     OverlappedDecoder,
@@ -33,6 +40,8 @@ from hetspec.daemon.engine import (
 )
 from hetspec.daemon.generation import GenerateRequest, GenerationResult, generate
 from hetspec.daemon.instance import Instance, InstanceError
+from hetspec.daemon.metrics import Metrics
+from hetspec.daemon.runs import Run
 from hetspec.daemon.slots import SlotPool
 from hetspec.daemon.supervisor import (
     StartupError,
@@ -41,28 +50,13 @@ from hetspec.daemon.supervisor import (
     vocab_size_of,
     worker_specs,
 )
-from hetspec.daemon.worker_client import WorkerClient, WorkerError
+from hetspec.daemon.systemd import Notifier, activated_sockets, watchdog_loop
 from hetspec.protocol.arena import Arena, ArenaError
 from hetspec.speculative.budget import BudgetController
 
 log = structlog.get_logger("hetspec.daemon")
 
-
-@dataclass(frozen=True)
-class Job:
-    body: GenerateRequest
-    mode: str
-    pieces: AsyncIterator[str]
-    result: GenerationResult
-    stats: SpeculativeStats
-    drafter: WorkerClient
-    verifier: WorkerClient
-
-
-def json_error(status: int, message: str, **headers: str) -> web.Response:
-    body = msgspec.json.encode({"error": message})
-    return web.Response(status=status, body=body, content_type="application/json",
-                        headers=headers)  # fmt: skip
+MAX_BODY_BYTES = 4 << 20
 
 
 class Service:
@@ -70,16 +64,20 @@ class Service:
         self.config = config
         self.log_format = log_format
         self.instance = Instance(config.runtime_dir)
+        self.notifier = Notifier.from_environment()
         self.arena: Arena | None = None
         self.supervisor: Supervisor | None = None
         self.runner: web.AppRunner | None = None
         self.draining = False
-        self.listening = False
+        self.own_socket: Path | None = None  # the socket file we created (not systemd's)
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._serial = asyncio.Lock()  # one request decodes at a time
+        self.admission = Admission(config.max_queue)
         self.slots = SlotPool(config.arena_slots)
+        self.metrics = Metrics()
+        self.chat_template: ChatTemplate | None = None
+        self.model_name = config.model_name or _model_name(config.target.folder)
         # one controller for the daemon's life: costs measured in one request still hold
         width = config.max_tree_nodes - 1
         # (parallel mode's gamma is fixed: its controller only measures, for the statistics)
@@ -88,9 +86,10 @@ class Service:
             "parallel": BudgetController(parallel=True, max_width=width, max_branches=1),
             "adaptive": BudgetController(parallel=True, max_width=width),
         }
-        self._requests = 0
+        self._run_ids = itertools.count(1)
         self._stop = asyncio.Event()
         self.started = time.monotonic()
+        self.started_wall = time.time()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -99,9 +98,12 @@ class Service:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._begin_drain, signum)
+        watchdog = None
         try:
             self.instance.acquire()
+            self._load_chat_template()
             await self._listen()
+            self.notifier.status("loading the models")
             specs = worker_specs(self.config, self.log_format)
             vocab = max(vocab_size_of(self.config.target.folder),
                         vocab_size_of(self.config.draft.folder))  # fmt: skip
@@ -110,7 +112,11 @@ class Service:
             )
             self.supervisor = Supervisor(self.config, specs, self.instance.runtime_dir,
                                          self.arena.layout)  # fmt: skip
-            start = asyncio.ensure_future(self.supervisor.start())
+            supervisor = self.supervisor
+            watchdog = asyncio.ensure_future(
+                watchdog_loop(self.notifier, supervisor.heartbeats_fresh)
+            )
+            start = asyncio.ensure_future(supervisor.start())
             stop = asyncio.ensure_future(self._stop.wait())
             await asyncio.wait({start, stop}, return_when=asyncio.FIRST_COMPLETED)
             if not start.done():  # told to stop while loading
@@ -118,21 +124,30 @@ class Service:
                 with contextlib.suppress(asyncio.CancelledError, StartupError):
                     await start
                 return 0
+            stop.cancel()
             start.result()
+            startup_s = round(time.monotonic() - self.started, 2)
             log.info("serving", socket=self.config.socket, placement=self.config.placement,
-                     startup_s=round(time.monotonic() - self.started, 2))  # fmt: skip
+                     startup_s=startup_s)  # fmt: skip
+            self.notifier.ready(f"serving {self.model_name} ({self.config.placement}), "
+                                f"ready after {startup_s} s")  # fmt: skip
             await self._stop.wait()
             await self._drain()
             return 0
-        except (InstanceError, StartupError, CoreError, ArenaError, OSError) as error:
+        except (InstanceError, StartupError, CoreError, ArenaError, ChatTemplateError,
+                OSError) as error:  # fmt: skip
             log.error("cannot serve", error=str(error))
+            self.notifier.status(f"cannot serve: {error}")
             return 1
         finally:
+            if watchdog is not None:
+                watchdog.cancel()
             await self._cleanup()
 
     def _begin_drain(self, signum: int) -> None:
         if not self.draining:
             log.info("draining", signal=signal.Signals(signum).name, in_flight=self.in_flight)
+            self.notifier.stopping()
         self.draining = True
         self._stop.set()
 
@@ -149,28 +164,66 @@ class Service:
             await self.supervisor.stop()
         if self.arena is not None:
             self.arena.close()
-        if self.listening:
+        if self.own_socket is not None:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.config.socket)
+                self.own_socket.unlink()
         self.instance.release()
         log.info("stopped")
 
+    def _load_chat_template(self) -> None:
+        target = self.config.target
+        self.chat_template = load_chat_template(target.folder, target.gguf)
+        if self.chat_template is None:
+            log.warning("the target model has no chat template; /v1/chat/completions is off")
+
     async def _listen(self) -> None:
-        app = web.Application()
-        app.add_routes([web.get("/health", self.health), web.post("/api/generate", self.generate)])
+        app = web.Application(middlewares=[json_errors, self._authorize],
+                              client_max_size=MAX_BODY_BYTES)  # fmt: skip
+        app.add_routes([*native_routes(self), *openai_routes(self)])
+        app.on_response_prepare.append(self._count_response)
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self.runner.setup()
-        socket = Path(self.config.socket)
-        socket.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            socket.unlink()  # a stale socket of a dead instance; the lock says none is alive
-        await web.UnixSite(self.runner, str(socket)).start()
-        self.listening = True
-        os.chmod(socket, 0o660)
+        passed = activated_sockets()
+        if passed:  # socket activation: systemd owns the socket file and its permissions
+            for listener in passed:
+                await web.SockSite(self.runner, listener).start()
+            log.info("listening on sockets passed by systemd", count=len(passed))
+        else:
+            path = Path(self.config.socket)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()  # a stale socket of a dead instance; the lock says none is alive
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(str(path))
+            os.chmod(path, 0o660)  # before listening: never reachable with looser rights
+            listener.listen(128)
+            self.own_socket = path
+            await web.SockSite(self.runner, listener).start()
+        if self.config.tcp.listen:
+            host, _, port = self.config.tcp.listen.rpartition(":")
+            await web.TCPSite(self.runner, host.strip("[]") or None, int(port)).start()
+            log.info("listening on TCP (bearer token required)", address=self.config.tcp.listen)
 
-    # ------------------------------------------------------------ endpoints
+    @web.middleware
+    async def _authorize(self, request: web.Request, handler) -> web.StreamResponse:
+        """Requests over TCP must carry the configured bearer token; the Unix socket's file
+        permissions are its access control."""
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        if isinstance(peer, tuple):  # an IP peer: (host, port, ...)
+            token = self.config.tcp.token or ""
+            given = request.headers.get("Authorization", "")
+            if not token or not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer ...)")
+        return await handler(request)
 
-    async def health(self, request: web.Request) -> web.Response:
+    async def _count_response(self, request: web.Request, response: web.StreamResponse) -> None:
+        route = request.match_info.route.resource
+        endpoint = route.canonical if route is not None else "unmatched"
+        self.metrics.requests.labels(endpoint, str(response.status)).inc()
+
+    # ------------------------------------------------------------ what endpoints use
+
+    def health(self) -> dict:
         supervisor = self.supervisor
         ready = supervisor is not None and supervisor.ready() and not self.draining
         workers = {}
@@ -181,111 +234,112 @@ class Service:
                                  "device": client.ready.device if client.ready else None,
                                  "model": client.spec.model}  # fmt: skip
         status = "ready" if ready else ("draining" if self.draining else "loading")
-        body = {"status": status, "version": __version__, "workers": workers}
-        return web.json_response(body, status=200 if ready else 503)
+        return {"status": status, "version": __version__, "workers": workers}
 
-    async def generate(self, request: web.Request) -> web.StreamResponse:
+    def props(self) -> dict:
+        """What serves here: models, placement, devices, the queue and the live gamma."""
+        health = self.health()
+        roles = self.supervisor.roles if self.supervisor else None
+        devices = {}
+        if roles is not None:
+            for role, name in (("target", roles.verifier), ("draft", roles.drafter)):
+                devices[role] = health["workers"].get(name, {}).get("device")
+        config = self.config
+        last = {mode: controller.history[-1] if controller.history else None
+                for mode, controller in self.controllers.items()}  # fmt: skip
+        return {
+            "version": __version__,
+            "status": health["status"],
+            "model": self.model_name,
+            "models": {"target": {"folder": config.target.folder, "gguf": config.target.gguf},
+                       "draft": {"folder": config.draft.folder, "gguf": config.draft.gguf}},
+            "placement": config.placement,
+            "devices": devices,
+            "mode": config.mode,
+            "gamma": {mode: {"gamma": d.gamma, "branches": d.branches, "overlap": d.overlap}
+                      if d else None for mode, d in last.items()},
+            "parallel_gamma": config.gamma,
+            "queue": {"running": self.admission.running, "waiting": self.admission.waiting,
+                      "capacity": self.admission.capacity, "refused": self.admission.refused},
+            "chat_template": self.chat_template is not None,
+            "uptime_s": round(time.monotonic() - self.started, 1),
+            "workers": health["workers"],
+        }  # fmt: skip
+
+    def refresh_gauges(self) -> None:
+        self.metrics.queue_waiting.set(self.admission.waiting)
+        self.metrics.queue_refused.set(self.admission.refused)
+        if self.supervisor is not None:
+            for name, count in self.supervisor.restarts.items():
+                self.metrics.worker_restarts.labels(name).set(count)
+                client = self.supervisor.workers.get(name)
+                self.metrics.worker_up.labels(name).set(int(bool(client and client.alive)))
+
+    @contextlib.asynccontextmanager
+    async def generation(self, body: GenerateRequest) -> AsyncIterator[Run]:
+        """A turn to generate: waits in the queue, then yields the run (its pieces are
+        produced as the caller iterates). Client errors are ``ApiError``s."""
         if self.draining:
-            return json_error(503, "hetspecd is shutting down", **{"Retry-After": "5"})
+            raise ApiError(503, "hetspecd is shutting down", retry_after_s=5)
         try:
-            body = msgspec.json.decode(await request.read(), type=GenerateRequest)
             mode = body.resolve_mode(self.config.mode)
-        except (msgspec.DecodeError, ValueError) as error:  # ValueError: SamplingError, ...
-            return json_error(400, f"bad request: {error}")
+        except ValueError as error:
+            raise ApiError(400, f"invalid request: {error}") from None
+        gamma = body.gamma or (self.config.gamma if mode == "parallel" else None)
+        if gamma and gamma * (body.branches or 1) + 1 > self.config.max_tree_nodes:
+            raise ApiError(400, f"gamma x branches + 1 = {gamma * (body.branches or 1) + 1} "
+                           f"exceeds max_tree_nodes ({self.config.max_tree_nodes})")  # fmt: skip
         if self.supervisor is None or not self.supervisor.workers:
-            return json_error(503, "the workers are still loading", **{"Retry-After": "5"})
+            raise ApiError(503, "the workers are still loading", retry_after_s=5)
         self.in_flight += 1
         self._idle.clear()
         try:
-            async with self._serial:
-                return await self._generate(request, body, mode)
+            async with self.admission.turn() as waited_s:
+                self.metrics.queue_wait.observe(waited_s)
+                async with self._start(body, mode, gamma, waited_s) as run:
+                    yield run
+        except QueueFull as error:
+            raise ApiError(429, str(error), retry_after_s=error.retry_after_s) from None
         finally:
             self.in_flight -= 1
             if not self.in_flight:
                 self._idle.set()
 
-    async def _generate(self, request: web.Request, body: GenerateRequest, mode: str):
+    @contextlib.asynccontextmanager
+    async def _start(self, body: GenerateRequest, mode: str, gamma: int | None,
+                     waited_s: float) -> AsyncIterator[Run]:  # fmt: skip
         roles = self.supervisor.roles
         try:
             verifier = await self.supervisor.worker(roles.verifier, self.config.load_timeout_s)
             drafter = await self.supervisor.worker(roles.drafter, self.config.load_timeout_s)
         except WorkerUnavailable as error:
-            return json_error(503, str(error), **{"Retry-After": "5"})
-        self._requests += 1
-        owner = f"request {self._requests}"
-        gamma = body.gamma or (self.config.gamma if mode == "parallel" else None)
-        if gamma and gamma * (body.branches or 1) + 1 > self.config.max_tree_nodes:
-            return json_error(400, f"gamma x branches + 1 = {gamma * (body.branches or 1) + 1} "
-                              f"exceeds max_tree_nodes ({self.config.max_tree_nodes})")  # fmt: skip
-        with self.slots.lease(owner) as draft_slot, self.slots.lease(owner) as verify_slot:
+            raise ApiError(503, str(error), retry_after_s=5) from None
+        run_id = f"{int(self.started_wall):x}-{next(self._run_ids)}"
+        devices = {"target": verifier.ready.device, "draft": drafter.ready.device}
+        with self.slots.lease(run_id) as draft_slot, self.slots.lease(run_id) as verify_slot:
             result = GenerationResult()
-            stats = SpeculativeStats()
             if mode == "autoregressive":
-                pieces = generate(body, verifier, draft_slot, result)
+                run = Run(run_id, mode, generate(body, verifier, draft_slot, result), result,
+                          devices, waited_s * 1000)  # fmt: skip
             else:
                 pair = WorkerPair(drafter, verifier, self.arena, draft_slot, verify_slot)
                 kind = SpeculativeDecoder if mode == "sequential" else OverlappedDecoder
-                decoder = kind(body, pair, self.controllers[mode], stats, gamma=gamma)
-                pieces = decoder.stream(result)
-            job = Job(body, mode, pieces, result, stats, drafter, verifier)
-            return await self._respond(request, job)
+                stats, controller = SpeculativeStats(), self.controllers[mode]
+                decoder = kind(body, pair, controller, stats, gamma=gamma)
+                run = Run(run_id, mode, decoder.stream(result), result, devices,
+                          waited_s * 1000, stats, controller)  # fmt: skip
+            try:
+                yield run
+            finally:
+                await run.pieces.aclose()  # a stream left early: stop its decoding now
+                if result.tokens or result.prompt_tokens:
+                    self.metrics.observe_generation(
+                        mode=mode, reason=result.done_reason, prompt_tokens=result.prompt_tokens,
+                        tokens=len(result.tokens), ttft_ms=result.ttft_ms,
+                        decode_ms=result.decode_ms, speculative=run.speculative())  # fmt: skip
 
-    async def _respond(self, request: web.Request, job: Job) -> web.StreamResponse:
-        body, pieces, result, stats = job.body, job.pieces, job.result, job.stats
-        drafter, verifier, mode = job.drafter, job.verifier, job.mode
 
-        def final() -> dict:
-            document = self._final(result, drafter, verifier, mode)
-            if mode != "autoregressive":
-                speculative = stats.summary(self.controllers[mode])
-                document["timings"]["draft_n"] = speculative.pop("draft_n")
-                document["timings"]["draft_n_accepted"] = speculative.pop("draft_n_accepted")
-                document["speculative"] = speculative
-            return document
-
-        response = None
-        try:
-            if body.stream:
-                first = await anext(pieces, "")  # errors before any output are plain 4xx/5xx
-                response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-                await response.prepare(request)
-                if first:
-                    await response.write(msgspec.json.encode({"response": first}) + b"\n")
-                async for piece in pieces:
-                    await response.write(msgspec.json.encode({"response": piece}) + b"\n")
-                await response.write(msgspec.json.encode(final()) + b"\n")
-                await response.write_eof()
-                return response
-            text = "".join([piece async for piece in pieces])
-            return web.json_response({**final(), "response": text})
-        except ValueError as error:  # the prompt does not fit the context, ...
-            if response is None:
-                return json_error(400, str(error))
-            raise
-        except (WorkerError, WorkerUnavailable) as error:
-            log.warning("request failed", error=str(error))
-            if response is None:
-                return json_error(503, str(error), **{"Retry-After": "2"})
-            failed = {**final(), "done_reason": "error", "error": str(error)}
-            await response.write(msgspec.json.encode(failed) + b"\n")
-            await response.write_eof()
-            return response
-
-    @staticmethod
-    def _final(result: GenerationResult, drafter, verifier, mode: str) -> dict:
-        decode_s = result.decode_ms / 1000
-        return {
-            "done": True,
-            "done_reason": result.done_reason,
-            "tokens": result.tokens,
-            "timings": {
-                "prompt_n": result.prompt_tokens,
-                "prompt_ms": round(result.prompt_ms, 3),
-                "predicted_n": len(result.tokens),
-                "predicted_ms": round(result.decode_ms, 3),
-                "predicted_per_second": round(len(result.tokens) / decode_s, 2) if decode_s else 0,
-                "ttft_ms": round(result.ttft_ms, 3) if result.ttft_ms is not None else None,
-            },
-            "mode": mode,
-            "devices": {"target": verifier.ready.device, "draft": drafter.ready.device},
-        }
+def _model_name(folder: str) -> str:
+    """The name /v1/models serves: the target's folder name (the bundled pair: hetspec-demo)."""
+    path = Path(folder).resolve()
+    return "hetspec-demo" if path == (BUNDLED_MODELS / "target").resolve() else path.name

@@ -100,6 +100,7 @@ class Supervisor:
         self.arena = arena
         self.roles = roles(config.placement)
         self.workers: dict[str, WorkerClient] = {}
+        self._starting: dict[str, WorkerClient] = {}  # processes being started or restarted
         self.restarts = dict.fromkeys(specs, 0)
         self._generation = dict.fromkeys(specs, 0)
         self._ready = {name: asyncio.Event() for name in specs}
@@ -111,7 +112,11 @@ class Supervisor:
         client = WorkerClient(
             self.specs[name], self.runtime_dir, self._generation[name], self.arena
         )
-        await client.start(self.config.load_timeout_s)
+        self._starting[name] = client
+        try:
+            await client.start(self.config.load_timeout_s)
+        finally:
+            del self._starting[name]
         return client
 
     async def start(self) -> None:
@@ -166,6 +171,13 @@ class Supervisor:
                 log.info("worker restarted", worker=name, pid=client.pid,
                          restarts=self.restarts[name])  # fmt: skip
                 break
+
+    def heartbeats_fresh(self) -> bool:
+        """Every worker process, serving or loading, beat within three intervals: the daemon
+        is not stuck. False while a worker is down (between restarts) or hangs."""
+        limit = 3 * self.config.heartbeat_s
+        current = [self._starting.get(name) or self.workers.get(name) for name in self.specs]
+        return all(client is not None and client.heard_within(limit) for client in current)
 
     def ready(self) -> bool:
         return all(event.is_set() for event in self._ready.values())

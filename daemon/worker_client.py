@@ -385,3 +385,7 @@ class WorkerClient:
     @property
     def alive(self) -> bool:
         return self.ready is not None and not self.died.done()
+
+    def heard_within(self, seconds: float) -> bool:
+        """Running (loading or ready) and heard from lately: what the systemd watchdog asks."""
+        return not self.died.done() and time.monotonic() - self._last_beat <= seconds

@@ -196,14 +196,20 @@ def test_the_ready_daemon_serves_the_targets_own_greedy_output(daemon, models) -
 
     status, error = request(daemon.socket, "POST", "/api/generate", {"prompt": "x", "top_p": 0})
     assert status == 400
-    assert "top_p must be in (0, 1]" in error["error"]
+    assert "top_p must be in (0, 1]" in error["error"]["message"]
     # the configured mode is adaptive, which chooses gamma itself
     status, error = request(daemon.socket, "POST", "/api/generate", {"prompt": "x", "gamma": 3})
     assert status == 400
-    assert "gamma fixes the draft length, which mode 'adaptive' does not use" in error["error"]
+    assert (
+        "gamma fixes the draft length, which mode 'adaptive' does not use"
+        in error["error"]["message"]
+    )
     status, error = request(daemon.socket, "POST", "/api/generate", {"prompt": "x", "mode": "x"})
     assert status == 400
-    assert "mode must be one of autoregressive, sequential, parallel, adaptive" in error["error"]
+    assert (
+        "mode must be one of autoregressive, sequential, parallel, adaptive"
+        in error["error"]["message"]
+    )
 
 
 @pytest.mark.parametrize("draft", ["draft", "target"])
@@ -295,7 +301,7 @@ def test_a_killed_worker_fails_its_request_fast_and_is_restarted(daemon) -> None
     assert time.monotonic() - killed_at < 2
     final = lines[-1]
     assert final["done_reason"] == "error"
-    assert "gpu worker was killed by SIGKILL" in final["error"]
+    assert "gpu worker was killed by SIGKILL" in final["error"]["message"]
     assert len(final["tokens"]) < 3000
     connection.close()
 

@@ -46,13 +46,15 @@ def chi2_critical_0001(df: int) -> float:
 class BundledDaemon:
     """hetspecd on the bundled models (its defaults), in ``placement``."""
 
-    def __init__(self, tmp_path: Path, placement: str) -> None:
+    def __init__(
+        self, tmp_path: Path, placement: str, *extra: str, env: dict | None = None
+    ) -> None:
         self.socket = tmp_path / "hetspecd.sock"
         self.log = tmp_path / "hetspecd.log"
         argv = [sys.executable, "-m", "hetspec.daemon", "--socket", str(self.socket),
                 "--runtime-dir", str(tmp_path / "run"), "--placement", placement,
-                "--log-format", "json"]  # fmt: skip
-        env = {k: v for k, v in os.environ.items() if not k.startswith("HETSPEC_")}
+                "--log-format", "json", *extra]  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HETSPEC_")} | (env or {})
         with open(self.log, "wb") as log:
             self.process = subprocess.Popen(argv, stderr=log, stdout=log, env=env)
         deadline = time.monotonic() + 180

@@ -1,0 +1,104 @@
+"""Chat messages to a prompt, with the target model's own chat template.
+
+The template comes from the model folder's ``tokenizer_config.json`` (``chat_template``) or,
+failing that, the GGUF file's ``tokenizer.chat_template``; it is rendered in Jinja's sandbox,
+with the variables Hugging Face templates expect. Models mark the end of an assistant turn
+with a special token that is not always their EOS; the markers a template uses become
+implicit stop strings, so a chat answer ends with its turn.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+import msgspec
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# end-of-turn markers of common template families (ChatML, Llama 3, Phi, Gemma, Llama 2)
+TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "</s>")
+
+
+class ChatTemplateError(ValueError):
+    pass
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    role: str
+    content: str
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ("system", "user", "assistant", "developer"):
+            raise ValueError(
+                f"role must be system, user, assistant or developer, not {self.role!r}"
+            )
+
+
+def _raise(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+class ChatTemplate:
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
+        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        environment.globals["raise_exception"] = _raise
+        try:
+            self._template = environment.from_string(source)
+        except jinja2.TemplateError as error:
+            raise ChatTemplateError(f"the model's chat template does not parse: {error}") from None
+        self.source = source
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.stops = [marker for marker in TURN_ENDS if marker in source and marker != eos_token]
+
+    def render(self, messages: list[ChatMessage]) -> str:
+        """The prompt for these messages, ending where the assistant's answer begins."""
+        plain = [{"role": m.role, "content": m.content} for m in messages]
+        try:
+            return self._template.render(
+                messages=plain,
+                add_generation_prompt=True,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as error:
+            raise ChatTemplateError(
+                f"the chat template failed on these messages: {error}"
+            ) from None
+
+
+def load_chat_template(folder: str | Path, gguf: str | Path | None = None) -> ChatTemplate | None:
+    """The target model's template, or None when neither export carries one."""
+    config_path = Path(folder) / "tokenizer_config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        config = {}
+    source = config.get("chat_template")
+    if isinstance(source, list):  # several named templates: the default one
+        source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+    if not source and gguf is not None:
+        source = _gguf_chat_template(Path(gguf))
+    if not source:
+        return None
+
+    def token(name: str) -> str:
+        value = config.get(name)
+        return value.get("content", "") if isinstance(value, dict) else (value or "")
+
+    return ChatTemplate(source, token("bos_token"), token("eos_token"))
+
+
+def _gguf_chat_template(path: Path) -> str | None:
+    from gguf import GGUFReader  # noqa: PLC0415 - only when the folder has no template
+
+    try:
+        field = GGUFReader(path).fields.get("tokenizer.chat_template")
+    except (OSError, ValueError):
+        return None
+    if field is None:
+        return None
+    return bytes(field.parts[field.data[0]]).decode()
