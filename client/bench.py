@@ -39,7 +39,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hetspec.client.connection import Client, ClientError
+from hetspec.client.clients import Client
+from hetspec.client.types import Completion, HetspecError
 from hetspec.models.corpus import stdlib_sources
 
 CHAT_PROMPTS = [
@@ -121,8 +122,8 @@ class Record:
     gammas: list[int] = field(default_factory=list)
 
     @classmethod
-    def of(cls, system: str, prompt: int, repeat: int, loaded: bool, final: dict) -> Record:
-        timings, spec = final["timings"], final.get("speculative") or {}
+    def of(cls, system: str, prompt: int, repeat: int, loaded: bool, done: Completion) -> Record:
+        timings, spec = done.timings, done.speculative or {}
         gammas = spec.get("gamma_history", [])
         return cls(
             system, prompt, repeat, loaded, timings["predicted_n"], timings["predicted_ms"],
@@ -204,7 +205,7 @@ def daemon(placement: str, socket: str | None, log_dir: Path) -> Iterator[Client
                "--runtime-dir", str(run / "run"), "--placement", placement]  # fmt: skip
     process = subprocess.Popen(command, stderr=log)
     try:
-        client = Client(run / "hetspecd.sock")
+        client = Client(f"unix://{run / 'hetspecd.sock'}")
         client.wait_ready(300)
         yield client
     finally:
@@ -215,7 +216,7 @@ def daemon(placement: str, socket: str | None, log_dir: Path) -> Iterator[Client
 
 def drafter_core(client: Client, placement: str) -> int:
     """A core the drafting worker owns (where another tenant hurts drafting)."""
-    workers = client.health()[1]["workers"]
+    workers = client.health()["workers"]
     pid = workers["cpu" if placement == "draft-cpu" else "gpu"]["pid"]
     return min(os.sched_getaffinity(pid))
 
@@ -230,8 +231,8 @@ def run_requests(client, plan, prompts, options, *, repeats, loaded_from=None, b
                 busy.start() if loaded else busy.stop()
             shift = index + repeat
             for system in plan[shift % len(plan) :] + plan[: shift % len(plan)]:
-                final = client.complete(prompt, **options, **system.options)
-                records.append(Record.of(system.name, index, repeat, loaded, final))
+                done = client.generate(prompt, **options, **system.options)
+                records.append(Record.of(system.name, index, repeat, loaded, done))
         print(f"  repeat {repeat + 1}/{repeats} done", file=sys.stderr, flush=True)
     if busy is not None:
         busy.stop()
@@ -386,7 +387,7 @@ def main(args: argparse.Namespace) -> int:
                 report += [f"## {placement}: a busy process on the drafter's core from the "
                            "middle of the prompt list\n", table, ""]  # fmt: skip
                 results[placement]["load"] = load
-    except ClientError as error:
+    except HetspecError as error:
         print(f"hetspec bench: {error}", file=sys.stderr)
         return 1
     text = "\n".join(report)

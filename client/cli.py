@@ -3,12 +3,37 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
 from hetspec import __version__
 from hetspec.client import bench as bench_module
-from hetspec.client.connection import DEFAULT_SOCKET, Client, ClientError
+from hetspec.client.clients import Client
+from hetspec.client.types import DEFAULT_SOCKET, Completion, HetspecError, QueueFull
+
+MODES = ["adaptive", "parallel", "sequential", "autoregressive"]
+
+
+def _add_generation_options(parser: argparse.ArgumentParser, max_tokens: int | None) -> None:
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=max_tokens,
+        help="most tokens to generate (default %(default)s)",
+    )
+    parser.add_argument("--temperature", type=float, help="0 = greedy (the default for run)")
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--seed", type=int, help="makes sampled output reproducible")
+    parser.add_argument(
+        "--stop", action="append", metavar="TEXT", help="end the answer before TEXT (repeatable)"
+    )
+    parser.add_argument(
+        "--mode", choices=MODES, help="how to decode (default: the daemon's, normally adaptive)"
+    )
+    parser.add_argument("--gamma", type=int, help="fixed draft length (parallel, sequential)")
+    parser.add_argument("--quiet", action="store_true", help="no summary line on stderr")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,17 +41,35 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hetspec",
         description=(
             "Shell client of hetspecd, the heterogeneous CPU/GPU speculative decoding daemon. "
-            "It talks to a running daemon over its Unix socket."
+            "It talks to a running daemon over its Unix socket (or TCP)."
         ),
         epilog="Check the box the daemon runs on with `hetspecd --check`.",
     )
     parser.add_argument("--version", action="version", version=f"hetspec {__version__}")
     parser.add_argument(
+        "--host",
+        default=None,
+        help="unix:///path or http://host:port (default $HETSPEC_HOST, else "
+        f"unix://{DEFAULT_SOCKET}); a TCP daemon needs $HETSPEC_TOKEN",
+    )
+    parser.add_argument(
         "--socket",
-        default=os.environ.get("HETSPEC_SOCKET", str(DEFAULT_SOCKET)),
-        help="the daemon's socket (default $HETSPEC_SOCKET or %(default)s)",
+        default=os.environ.get("HETSPEC_SOCKET"),
+        help="the daemon's Unix socket (same as --host unix://PATH)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="machine-readable output: one JSON document"
     )
     commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser(
+        "run", aliases=["generate"], help="stream a completion of PROMPT, then a summary line"
+    )
+    run.add_argument("prompt")
+    _add_generation_options(run, 128)
+    chat = commands.add_parser("chat", help="an interactive chat (the model's chat template)")
+    chat.add_argument("--system", help="a system message to start the chat with")
+    _add_generation_options(chat, 512)
+    commands.add_parser("status", help="models, devices, placement, queue and live gamma")
     health = commands.add_parser("health", help="is the daemon ready? (exit 0 when it is)")
     health.add_argument(
         "--wait",
@@ -44,58 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--running",
         action="store_true",
-        help="bench the daemon at --socket instead of starting one (its placement only)",
+        help="bench the daemon at --host instead of starting one (its placement only)",
     )
-    generate = commands.add_parser("generate", help="stream a completion of PROMPT")
-    generate.add_argument("prompt")
-    generate.add_argument("--max-tokens", type=int, default=128)
-    generate.add_argument("--temperature", type=float, default=0.0)
-    generate.add_argument("--top-k", type=int, default=0)
-    generate.add_argument("--top-p", type=float, default=1.0)
-    generate.add_argument("--seed", type=int)
-    generate.add_argument(
-        "--stop",
-        action="append",
-        default=[],
-        metavar="TEXT",
-        help="end the answer before TEXT (repeatable)",
-    )
-    generate.add_argument(
-        "--mode",
-        choices=["adaptive", "parallel", "sequential", "autoregressive"],
-        help="how to decode (default: the daemon's configured mode, normally adaptive)",
-    )
-    generate.add_argument(
-        "--gamma", type=int, help="fixed draft length (modes parallel and sequential)"
-    )
-    generate.add_argument("--quiet", action="store_true", help="no statistics on stderr")
     return parser
 
 
-def statistics_line(final: dict) -> str:
-    t = final.get("timings", {})
-    devices = final.get("devices", {})
-    line = (
-        f"[{final.get('mode')}: {t.get('predicted_n')} tokens in "
-        f"{t.get('predicted_ms', 0):.0f} ms, {t.get('predicted_per_second')} tokens/s; "
-        f"prompt {t.get('prompt_n')} tokens in {t.get('prompt_ms', 0):.0f} ms, "
-        f"first token after {t.get('ttft_ms') or 0:.0f} ms; "
-        f"stop: {final.get('done_reason')}; target on {devices.get('target')}, "
-        f"draft on {devices.get('draft')}"
-    )
-    speculative = final.get("speculative")
-    if speculative:
-        gammas = speculative.get("gamma_history") or [0]
-        line += (
-            f"; {speculative['rounds']} rounds, {t.get('draft_n_accepted')}/"
-            f"{t.get('draft_n')} drafted tokens accepted, mean accepted length "
-            f"{speculative['mean_accepted_length']}, gamma {min(gammas)}..{max(gammas)}"
-        )
-    return line + "]"
-
-
-def run_generate(client: Client, args: argparse.Namespace) -> int:
-    options = {
+def _options(args: argparse.Namespace) -> dict:
+    return {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "top_k": args.top_k,
@@ -105,40 +103,160 @@ def run_generate(client: Client, args: argparse.Namespace) -> int:
         "mode": args.mode,
         "gamma": args.gamma,
     }
-    final: dict = {}
-    for message in client.generate(args.prompt, **options):
-        if message.get("done"):
-            final = message
-        else:
-            sys.stdout.write(message["response"])
+
+
+def summary_line(done: Completion) -> str:
+    """One line: speed, accepted tokens per round, gamma."""
+    t = done.timings
+    line = (
+        f"[{done.mode}: {t.get('predicted_n')} tokens, {t.get('predicted_per_second')} "
+        f"tokens/s, first token after {t.get('ttft_ms') or 0:.0f} ms; "
+        f"stop: {done.done_reason}"
+    )
+    speculative = done.speculative
+    if speculative:
+        gammas = speculative.get("gamma_history") or [0]
+        line += (
+            f"; {speculative['mean_accepted_length']} accepted per round over "
+            f"{speculative['rounds']} rounds ({t.get('draft_n_accepted')}/"
+            f"{t.get('draft_n')} drafted), gamma {min(gammas)}..{max(gammas)}"
+        )
+    devices = done.devices
+    if devices:
+        line += f"; target on {devices.get('target')}, draft on {devices.get('draft')}"
+    return line + "]"
+
+
+def _as_json(done: Completion) -> str:
+    return json.dumps(
+        {
+            "response": done.text,
+            "done_reason": done.done_reason,
+            "id": done.id,
+            "mode": done.mode,
+            "tokens": done.tokens,
+            "timings": done.timings,
+            "speculative": done.speculative,
+            "devices": done.devices,
+        }
+    )
+
+
+def run_generate(client: Client, args: argparse.Namespace) -> int:
+    if args.temperature is None:
+        args.temperature = 0.0  # a shell prompt gets the target's own greedy answer
+    if args.json:
+        print(_as_json(client.generate(args.prompt, **_options(args))))
+        return 0
+    with client.stream(args.prompt, **_options(args)) as answer:
+        for piece in answer:
+            sys.stdout.write(piece)
             sys.stdout.flush()
     sys.stdout.write("\n")
-    if final.get("done_reason") == "error":
-        print(f"hetspec: generation failed: {final.get('error')}", file=sys.stderr)
-        return 1
-    if not args.quiet:
-        print(statistics_line(final), file=sys.stderr)
+    if not args.quiet and answer.completion is not None:
+        print(summary_line(answer.completion), file=sys.stderr)
     return 0
+
+
+def run_chat(client: Client, args: argparse.Namespace) -> int:
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("you> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line:  # end of input
+            return 0
+        text = line.rstrip("\n")
+        if not text.strip():
+            continue
+        if text.strip() in ("/exit", "/quit"):
+            return 0
+        messages.append({"role": "user", "content": text})
+        if args.json:
+            done = client.chat(messages, **_options(args))
+            print(_as_json(done), flush=True)
+        else:
+            if interactive:
+                print("assistant> ", end="", flush=True)
+            with client.chat_stream(messages, **_options(args)) as answer:
+                for piece in answer:
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+            sys.stdout.write("\n")
+            done = answer.completion
+            if done is not None and not args.quiet:
+                print(summary_line(done), file=sys.stderr)
+        messages.append({"role": "assistant", "content": done.text if done else ""})
+
+
+def run_health(client: Client, args: argparse.Namespace) -> int:
+    health = client.wait_ready(args.wait) if args.wait else client.health()
+    print(json.dumps(health) if args.json else health["status"])
+    return 0 if health["status"] == "ready" else 1
+
+
+def run_status(client: Client, args: argparse.Namespace) -> int:
+    props = client.props()
+    if args.json:
+        print(json.dumps(props))
+        return 0
+    queue, devices = props["queue"], props["devices"]
+    live = props["gamma"].get(props["mode"]) or {}
+    print(f"hetspecd {props['version']}: {props['status']}, up {props['uptime_s']} s")
+    print(
+        f"model     {props['model']} (target {props['models']['target']['folder']}, "
+        f"draft {props['models']['draft']['gguf']})"
+    )
+    print(
+        f"placement {props['placement']}: target on {devices.get('target')}, "
+        f"draft on {devices.get('draft')}"
+    )
+    print(
+        f"mode      {props['mode']}; live gamma {live.get('gamma', '-')}, "
+        f"branches {live.get('branches', '-')}, overlap {live.get('overlap', '-')}"
+    )
+    print(
+        f"queue     {'1 running' if queue['running'] else 'idle'}, {queue['waiting']} "
+        f"waiting of {queue['capacity']}, {queue['refused']} refused"
+    )
+    for name, worker in props["workers"].items():
+        print(
+            f"worker    {name}: pid {worker['pid']}, {worker['device']}, "
+            f"restarts {worker['restarts']}"
+        )
+    return 0 if props["status"] == "ready" else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    host = args.host or (f"unix://{args.socket}" if args.socket else None)
     if args.command == "bench":
         args.argv = sys.argv[2:] if argv is None else argv[1:]
-        args.socket = args.socket if args.running else None
+        args.socket = host if args.running else None
         return bench_module.main(args)
-    client = Client(args.socket)
     try:
-        if args.command == "health":
-            body = client.wait_ready(args.wait) if args.wait else client.health()[1]
-            print(body.get("status"))
-            return 0 if body.get("status") == "ready" else 1
-        return run_generate(client, args)
-    except ClientError as error:
+        client = Client(host)
+    except ValueError as error:
+        print(f"hetspec: {error}", file=sys.stderr)
+        return 2
+    commands = {"health": run_health, "status": run_status, "chat": run_chat}
+    try:
+        return commands.get(args.command, run_generate)(client, args)
+    except QueueFull as error:
+        print(
+            f"hetspec: the daemon is busy: {error.message} (retry in "
+            f"{error.retry_after_s or 1:g} s)",
+            file=sys.stderr,
+        )
+        return 1
+    except HetspecError as error:
         print(f"hetspec: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+    finally:
+        client.close()
 
 
 if __name__ == "__main__":
