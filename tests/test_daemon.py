@@ -67,7 +67,16 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 
 class Daemon:
-    def __init__(self, tmp_path: Path, target: Path, draft: Path, *extra: str) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        target: Path,
+        draft: Path,
+        *extra: str,
+        env: dict[str, str] | None = None,
+        launcher: list[str] | None = None,
+        pass_fds: tuple[int, ...] = (),
+    ) -> None:
         tmp_path.mkdir(parents=True, exist_ok=True)
         self.socket = tmp_path / "hetspecd.sock"
         self.runtime_dir = tmp_path / "run"
@@ -99,9 +108,11 @@ class Daemon:
                 "--set",
                 f"{key}={json.dumps(value if not isinstance(value, Path) else str(value))}",
             ]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("HETSPEC_")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HETSPEC_")} | (env or {})
         with open(self.log, "wb") as log:
-            self.process = subprocess.Popen(argv, stderr=log, stdout=log, env=env)
+            self.process = subprocess.Popen(
+                [*(launcher or []), *argv], stderr=log, stdout=log, env=env, pass_fds=pass_fds
+            )
 
     def wait_ready(self) -> dict:
         deadline = time.monotonic() + STARTUP_TIMEOUT
