@@ -89,6 +89,9 @@ class Draft(_Message, tag="draft"):
     # (pending node, token): continue a pending draft below ``token`` instead of starting from
     # the committed end; the pending tree is kept (running ahead of verification)
     after: tuple[int, int] | None = None
+    # DuoDecoding's dynamic multi-sequence drafting, with this threshold scale: the drafter
+    # picks k <= ``branches`` by its uncertainty, k sequences of ``steps // k`` tokens
+    dynamic: float | None = None
 
 
 class VerifyTree(_Message, tag="verify"):

@@ -12,6 +12,7 @@ import transformers
 from tiny_models import write_tiny_gguf_llama
 from tokenizers import Tokenizer
 
+from hetspec.speculative.branching import uncertainty_branches
 from hetspec.speculative.sampling import SamplingParams
 from hetspec.speculative.tree import chain_parents, path_to
 from hetspec.speculative.vocab import incompatibilities
@@ -149,6 +150,40 @@ def test_branches_draft_greedily_and_the_chosen_one_is_kept(runtime, prompt) -> 
     runtime.prefill(prompt)
     runtime.draft(5, SamplingParams(), np.random.default_rng(0), branches=4)
     accepted = [*tokens[2, :4].tolist(), 7]  # four drafted tokens of branch 2, then a bonus
+    runtime.append(accepted)
+    assert runtime.tokens == prompt + accepted
+    assert_close(runtime.last_logits(), logits_after(runtime, prompt + accepted))
+
+
+def test_dynamic_draft_branches_by_the_drafters_uncertainty(runtime, prompt) -> None:
+    greedy, rng = SamplingParams(), np.random.default_rng(0)
+    runtime.prefill(prompt)
+    single = runtime.draft(6, greedy, rng)
+    chain, chain_probs = single.tokens.copy(), single.probs.copy()
+    # a threshold far above p(top-1): no candidate reaches it, one sequence of the whole budget
+    runtime.prefill(prompt)
+    sure = runtime.draft(6, greedy, rng, branches=3, dynamic=1e9)
+    assert sure.tokens.tolist() == chain.tolist()
+    np.testing.assert_allclose(sure.probs, chain_probs, atol=1e-5)
+    # a threshold of 0: every candidate reaches it, the cap's 3 sequences of 6 // 3 tokens
+    runtime.prefill(prompt)
+    unsure = runtime.draft(7, greedy, rng, branches=3, dynamic=0.0)
+    tokens, probs = unsure.tokens.copy(), unsure.probs.copy()
+    assert tokens.shape == (3, 2)
+    assert tokens[:, 0].tolist() == np.argsort(-probs[0, 0], kind="stable")[:3].tolist()
+    np.testing.assert_allclose(probs.sum(-1), 1, atol=1e-5)
+    for branch in range(3):
+        expected = logits_after(runtime, prompt + tokens[branch, :1].tolist())
+        assert tokens[branch, 1] == expected.argmax()
+    # DuoDecoding's own threshold: k is what the rule says for these distributions
+    runtime.prefill(prompt)
+    rule = runtime.draft(6, greedy, rng, branches=4, dynamic=1.0)
+    k = uncertainty_branches(chain_probs[0, 0], float(chain_probs[0, 1].max()), 4)
+    assert rule.tokens.shape == (k, 6 // k)
+    # an accepted sequence is reused from the pending tree, as with fixed branches
+    runtime.prefill(prompt)
+    runtime.draft(7, greedy, rng, branches=3, dynamic=0.0)
+    accepted = [*tokens[1].tolist(), 9]
     runtime.append(accepted)
     assert runtime.tokens == prompt + accepted
     assert_close(runtime.last_logits(), logits_after(runtime, prompt + accepted))

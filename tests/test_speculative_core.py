@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hetspec.speculative.branching import branch_length, uncertainty_branches
 from hetspec.speculative.sampling import SamplingError, SamplingParams, choose, distribution
 from hetspec.speculative.tree import (
     TreeError,
@@ -156,3 +157,14 @@ def test_every_vocabulary_difference_is_named() -> None:
     ]
     assert problems[4].startswith("token texts differ (500 tokens, fingerprint ")
     assert len(problems) == 5
+
+
+def test_uncertainty_branches_follow_duodecodings_threshold() -> None:
+    sure = np.array([0.9, 0.05, 0.03, 0.02])
+    assert uncertainty_branches(sure, 0.9, cap=4) == 1  # theta 0.81: only the top token
+    unsure = np.array([0.35, 0.3, 0.2, 0.15])
+    assert uncertainty_branches(unsure, 0.5, cap=4) == 3  # theta 0.175: three candidates
+    assert uncertainty_branches(unsure, 0.5, cap=2) == 2
+    assert uncertainty_branches(unsure, 0.5, cap=4, scale=0.0) == 4
+    assert uncertainty_branches(unsure, 0.5, cap=4, scale=10.0) == 1  # never below one
+    assert [branch_length(8, k) for k in (1, 2, 3, 4, 9)] == [8, 4, 2, 2, 1]

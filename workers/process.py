@@ -256,7 +256,10 @@ class Worker:
     def draft(self, command: m.Draft, frames) -> tuple:
         start = time.perf_counter()
         engine = self._engine()
-        out = self._slot(command.out, (command.branches, command.steps, engine.vocab_size))
+        dynamic = command.dynamic is not None and command.after is None
+        # a dynamic draft's shape is known only once drafted: it is copied to the slot then
+        shape = (command.branches, command.steps, engine.vocab_size)
+        out = None if dynamic else self._slot(command.out, shape)
         if command.append:
             engine.append(command.append)
         append_ms = (time.perf_counter() - start) * 1000
@@ -267,7 +270,11 @@ class Worker:
             branches=command.branches,
             out=out,
             after=command.after,
+            dynamic=command.dynamic,
         )
+        if out is None:
+            out = self._slot(command.out, result.probs.shape)
+            np.copyto(out, result.probs)
         probs = m.ArrayRef(out.dtype.str, out.shape, slot=command.out)
         elapsed = (time.perf_counter() - start) * 1000
         reply = m.Drafted(command.request, result.tokens.tolist(), result.nodes.tolist(), probs,

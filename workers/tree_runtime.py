@@ -16,6 +16,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
+from hetspec.speculative.branching import branch_length, uncertainty_branches
 from hetspec.speculative.sampling import SamplingParams, choose, distribution
 from hetspec.speculative.tree import (
     ROOT,
@@ -281,8 +282,12 @@ class TreeRuntime(ABC, Generic[Output]):
         branches: int = 1,
         out: np.ndarray | None = None,
         after: tuple[int, int] | None = None,
+        dynamic: float | None = None,
     ) -> DraftResult:
         """Draft ``branches`` continuations of ``steps`` tokens each, one forward per step.
+
+        With ``dynamic`` (a threshold scale), DuoDecoding's rule picks the branch count: up to
+        ``branches`` sequences sharing a budget of ``steps`` tokens (see ``_draft_dynamic``).
 
         Branch first tokens are the top-``branches`` tokens when greedy, independent draws when
         sampling. ``out`` (branches, steps, vocab) float32 receives the probability rows (e.g. a
@@ -296,6 +301,8 @@ class TreeRuntime(ABC, Generic[Output]):
         """
         if steps < 1 or not 1 <= branches <= self.vocab_size:
             raise RuntimeUsageError(f"cannot draft {branches} branches of {steps} steps")
+        if dynamic is not None and after is None:
+            return self._draft_dynamic(steps, params, rng, min(branches, steps), dynamic)
         shape = (branches, steps, self.vocab_size)
         if out is None:
             out = np.empty(shape, np.float32)
@@ -324,3 +331,55 @@ class TreeRuntime(ABC, Generic[Output]):
             distribution(self._step_logits(output), params, out=out[:, step])
             tokens[:, step] = choose(out[:, step], params, rng)
         return DraftResult(tokens, out, nodes, root)
+
+    def _draft_dynamic(
+        self, budget: int, params: SamplingParams, rng: np.random.Generator, cap: int, scale: float
+    ) -> DraftResult:
+        """DuoDecoding's dynamic multi-sequence draft from the committed end.
+
+        The top (greedy) or drawn first token is evaluated first: its continuation's top
+        probability decides k (``uncertainty_branches``). The other k - 1 sequences start from
+        the next candidates (greedy: the next best; sampling: independent draws, as fixed
+        branches do, which keeps multi-candidate verification lossless whatever k is) and all
+        grow to ``budget // k`` tokens, the first sequence one forward ahead of the rest.
+        Branching costs one forward more than a fixed draft of the same shape; not branching
+        costs nothing more."""
+        vocab = self.vocab_size
+        first = distribution(self.last_logits(), params)
+        self.discard_pending()
+        top = int(choose(first[None], params, rng)[0])
+        second = distribution(self._step_logits(self.forward_tree([top], [ROOT]))[0], params)
+        k = uncertainty_branches(first, float(second.max()), cap, scale)
+        length = branch_length(budget, k)
+        tokens = np.empty((k, length), np.int64)
+        nodes = np.full((k, length), -1, np.int64)
+        out = np.empty((k, length, vocab), np.float32)
+        out[:, 0] = first
+        tokens[0, 0], nodes[0, 0] = top, 0
+        if k > 1:
+            if params.greedy:
+                order = np.argsort(-first, kind="stable")
+                tokens[1:, 0] = order[order != top][: k - 1]
+            else:
+                tokens[1:, 0] = choose(out[1:, 0], params, rng)
+        if length > 1:
+            out[0, 1] = second
+            tokens[0, 1] = choose(second[None], params, rng)[0]
+        evaluated = np.array([1] + [0] * (k - 1))  # positions evaluated so far, per sequence
+        while True:
+            grow = [b for b in range(k) if evaluated[b] < length - 1]
+            if not grow:
+                break
+            positions = evaluated[grow]
+            parents = [
+                int(nodes[b, p - 1]) if p else ROOT for b, p in zip(grow, positions, strict=True)
+            ]
+            start = self.pending
+            output = self.forward_tree(tokens[grow, positions], parents, extend=True)
+            logits = self._step_logits(output)
+            for row, (b, p) in enumerate(zip(grow, positions, strict=True)):
+                nodes[b, p] = start + row
+                distribution(logits[row], params, out=out[b, p + 1])
+                tokens[b, p + 1] = choose(out[b, p + 1][None], params, rng)[0]
+            evaluated[grow] += 1
+        return DraftResult(tokens, out, nodes, ROOT)
