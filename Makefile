@@ -44,7 +44,7 @@ demo: setup ## start hetspecd on the bundled models, stream one answer, stop it
 	$(BIN)/hetspecd --socket $$dir/hetspecd.sock --runtime-dir $$dir/run 2>$$dir/hetspecd.log & pid=$$!; \
 	rc=0; $(BIN)/hetspec --socket $$dir/hetspecd.sock health --wait 300 >/dev/null && \
 	  echo "Prompt: $(DEMO_PROMPT)" && \
-	  $(BIN)/hetspec --socket $$dir/hetspecd.sock generate "$(DEMO_PROMPT)" --max-tokens 96 || rc=$$?; \
+	  $(BIN)/hetspec --socket $$dir/hetspecd.sock run "$(DEMO_PROMPT)" --max-tokens 96 || rc=$$?; \
 	kill -TERM $$pid; wait $$pid || rc=$$?; \
 	if [ $$rc -ne 0 ]; then tail -20 $$dir/hetspecd.log; fi; exit $$rc
 
