@@ -33,6 +33,7 @@ from hetspec.daemon.generation import (
 from hetspec.daemon.worker_client import WorkerClient
 from hetspec.protocol import Arena
 from hetspec.protocol import worker_messages as m
+from hetspec.speculative.branching import uncertainty_branches
 from hetspec.speculative.budget import BudgetController
 from hetspec.speculative.sampling import distribution
 from hetspec.speculative.verify import (
@@ -58,6 +59,7 @@ class SpeculativeStats:
     verify_ms: float = 0.0
     run_ahead: int = 0  # overlapped rounds: the drafter drafted ahead during verification
     run_ahead_held: int = 0  # ... whose run-ahead became the next draft
+    rule_rounds: int = 0  # rounds drafted by DuoDecoding's uncertainty rule
 
     def summary(self, controller: BudgetController) -> dict:
         step = controller.draft_step_s(1)
@@ -73,6 +75,7 @@ class SpeculativeStats:
             "t_verify_ms": round(self.verify_ms / self.rounds, 3) if self.rounds else None,
             "run_ahead": self.run_ahead,
             "run_ahead_held": self.run_ahead_held,
+            "rule_rounds": self.rule_rounds,
             "controller": controller.estimates(),
         }
 
@@ -197,27 +200,47 @@ class SpeculativeDecoder:
         self.pending_bonus = verdict.bonus
         return emitted[:remaining], stopped
 
-    def _budget(self, remaining: int) -> tuple[int, int]:
+    def _budget(self, remaining: int) -> tuple[int, int, bool]:
+        """(gamma, branches, drafted by the uncertainty rule) for this round."""
         if self.gamma:
-            return min(self.gamma, remaining), self.request.branches or 1
+            dynamic = self.request.dynamic
+            branches = self.request.branches or (self.controller.max_branches if dynamic else 1)
+            return min(self.gamma, remaining), branches, dynamic
         decision = self.controller.choose()
-        return min(decision.gamma, remaining), decision.branches
+        return min(decision.gamma, remaining), decision.branches, decision.dynamic
 
     async def round(self, remaining: int) -> RoundOutcome:
         return await self._sequential_round(remaining, *self._budget(remaining))
 
-    async def _sequential_round(self, remaining: int, gamma: int, branches: int) -> RoundOutcome:
-        """Draft (``branches`` x ``gamma``), then verify: one worker computes at a time. With
-        gamma 0 the target decodes one token alone (where drafting does not pay, e.g. a slow
-        drafter) and the drafter catches up whenever drafting resumes."""
+    def _rule_would_pick(self, probs: np.ndarray) -> int | None:
+        """The k DuoDecoding's rule would pick for a chain drafted from these probability
+        rows (it needs two), so the controller learns what the rule is worth on this text."""
+        controller = self.controller
+        if len(probs) < 2 or not controller.dynamic or controller.max_branches < 2:
+            return None
+        return uncertainty_branches(probs[0], float(probs[1].max()), controller.max_branches,
+                                    controller.dynamic_scale)  # fmt: skip
+
+    async def _sequential_round(
+        self, remaining: int, gamma: int, branches: int, dynamic: bool = False
+    ) -> RoundOutcome:
+        """Draft (``branches`` x ``gamma``, or by the uncertainty rule with budget ``gamma``),
+        then verify: one worker computes at a time. With gamma 0 the target decodes one token
+        alone (where drafting does not pay, e.g. a slow drafter) and the drafter catches up
+        whenever drafting resumes."""
         arena = self.pair.arena
         round_start = start = time.perf_counter()
         behind, drafted, draft_s = self.drafter_appends, None, 0.0
         tokens, parents, origin = [], [], []
+        rule_k = None
         if gamma > 0:
             behind = []
-            drafted, draft_s = await self._draft(gamma, branches, self.drafter_appends)
+            drafted, draft_s = await self._draft(gamma, branches, self.drafter_appends, dynamic)
             tokens, parents, origin = _draft_tree(drafted)
+            if dynamic:  # the shape the rule chose
+                branches, gamma = len(drafted.tokens), len(drafted.tokens[0])
+            elif branches == 1:
+                rule_k = self._rule_would_pick(arena.view(drafted.probs)[0])
         start = time.perf_counter()
         verified, _ = await self._verify(tokens, parents)
         verify_s = time.perf_counter() - start
@@ -240,6 +263,8 @@ class SpeculativeDecoder:
             draft_s=draft_s,
             verify_s=verify_s,
             round_s=round_s,
+            dynamic=dynamic,
+            rule_k=rule_k,
         )
         return RoundOutcome(emitted, stopped)
 
@@ -257,11 +282,14 @@ class SpeculativeDecoder:
             )
         )
 
-    async def _draft(self, gamma: int, branches: int, append: list[int]) -> tuple:
+    async def _draft(
+        self, gamma: int, branches: int, append: list[int], dynamic: bool = False
+    ) -> tuple:
         """Draft after catching up with ``append``; returns the reply and the call's seconds,
         and records the cost of one draft step. The catch-up's forward yields the first
         token's distribution, so gamma tokens cost gamma forwards; but a long catch-up (after
-        rounds without a draft) is not a step, so then the step is timed from the others."""
+        rounds without a draft) is not a step, so then the step is timed from the others.
+        ``dynamic``: the rule shares a budget of ``gamma`` among up to ``branches``."""
         drafter = self.pair.drafter
         start = time.perf_counter()
         drafted, _ = await drafter.call(
@@ -272,22 +300,29 @@ class SpeculativeDecoder:
                 out=self.pair.draft_slot,
                 branches=branches,
                 append=append,
+                dynamic=self.controller.dynamic_scale if dynamic else None,
             )
         )
         seconds = time.perf_counter() - start
+        branches, steps = len(drafted.tokens), len(drafted.tokens[0])
+        if dynamic and branches > 1:
+            steps += 1  # the rule's look at the top sequence's second token
         if len(append) <= 2:
-            self.controller.record_draft(gamma, branches, seconds)
-        elif gamma >= 2:
-            self.controller.record_draft(gamma - 1, branches, seconds - drafted.append_ms / 1000)
+            self.controller.record_draft(steps, branches, seconds)
+        elif steps >= 2:
+            self.controller.record_draft(steps - 1, branches, seconds - drafted.append_ms / 1000)
         return drafted, seconds
 
-    def _record(self, gamma, branches, accepted, width, *, draft_s, verify_s, round_s) -> None:
+    def _record(
+        self, gamma, branches, accepted, width, *, draft_s, verify_s, round_s, dynamic, rule_k
+    ) -> None:
         if gamma == 0:
             self.controller.record_target_alone(round_s)
         else:
             self.controller.record_verify(width, verify_s)
             self.controller.record_overhead(round_s - draft_s - verify_s)
-        self.controller.record_round(gamma, branches, accepted)
+        self.controller.record_round(gamma, branches, accepted, dynamic=dynamic, rule_k=rule_k)
+        self.stats.rule_rounds += dynamic
         self._count(
             gamma * branches,
             accepted,
@@ -381,13 +416,14 @@ class OverlappedDecoder(SpeculativeDecoder):
         self.pending_bonus = first
         self.behind = [first]
 
-    def _plan(self, remaining: int) -> tuple[int, int, bool]:
-        """(gamma, branches, overlap) for this round: fixed (parallel mode: always overlap), or
-        the controller's choice (adaptive mode: it overlaps only where that pays on this box)."""
+    def _plan(self, remaining: int) -> tuple[int, int, bool, bool]:
+        """(gamma, branches, overlap, dynamic) for this round: fixed (parallel mode: always
+        overlap), or the controller's choice (adaptive mode: it overlaps only where that pays
+        on this box; gamma 0, the target alone, and rule-drafted rounds are never overlapped)."""
         if self.gamma:
-            return max(1, min(self.gamma, remaining)), 1, True
-        decision = self.controller.choose()  # gamma 0 (the target alone) is never overlapped
-        return min(decision.gamma, remaining), decision.branches, decision.overlap
+            return max(1, min(self.gamma, remaining)), 1, True, False
+        d = self.controller.choose()
+        return min(d.gamma, remaining), d.branches, d.overlap, d.dynamic
 
     async def _draft_afresh(self, gamma: int) -> None:
         drafted, _ = await self._draft(gamma, 1, self.behind)
@@ -443,10 +479,10 @@ class OverlappedDecoder(SpeculativeDecoder):
         return verdict
 
     async def round(self, remaining: int) -> RoundOutcome:
-        gamma, branches, overlap = self._plan(remaining)
+        gamma, branches, overlap, dynamic = self._plan(remaining)
         if self.unverified is None and not overlap:  # a plain round (branches allowed)
             self.drafter_appends, self.behind = self.behind, []
-            outcome = await self._sequential_round(remaining, gamma, branches)
+            outcome = await self._sequential_round(remaining, gamma, branches, dynamic)
             self.behind = list(self.drafter_appends)
             return outcome
         arena = self.pair.arena
@@ -483,6 +519,7 @@ class OverlappedDecoder(SpeculativeDecoder):
         round_s = time.perf_counter() - round_start
         self.controller.record_verify(len(tokens) + 1, verify_s, overlapped=ahead is not None)
         self.controller.record_overhead(round_s - fresh_s - max(verify_s, ahead_s))
-        self.controller.record_round(len(tokens), 1, len(verdict.path))
+        rule_k = self._rule_would_pick(draft.probs)
+        self.controller.record_round(len(tokens), 1, len(verdict.path), rule_k=rule_k)
         self._count(len(tokens), len(verdict.path), draft_s=fresh_s, verify_s=verify_s)
         return RoundOutcome(emitted, stopped)

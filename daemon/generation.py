@@ -40,6 +40,9 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     mode: str | None = None  # one of MODES; None: the daemon's configured mode
     gamma: int | None = None  # a fixed draft length (sequential and parallel modes)
     branches: int | None = None  # with gamma, in sequential mode: a fixed branch count
+    # with gamma, in sequential mode: DuoDecoding's uncertainty rule picks the branch count
+    # (at most ``branches``, default 4) and the branches share the budget gamma
+    dynamic: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -72,6 +75,9 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.branches is not None and (mode != "sequential" or self.gamma is None):
             raise ValueError("branches fixes the branch count of mode 'sequential' and needs "
                              f"gamma as well (mode {mode!r}, gamma {self.gamma})")  # fmt: skip
+        if self.dynamic and (mode != "sequential" or self.gamma is None):
+            raise ValueError("dynamic drafts mode 'sequential' by the uncertainty rule and "
+                             f"needs gamma (mode {mode!r}, gamma {self.gamma})")  # fmt: skip
         return mode
 
     @property

@@ -36,6 +36,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+from hetspec.speculative.branching import branch_length
+
 
 class WindowedMedian:
     """The median of the last ``window`` samples, forgetting samples older than ``max_age``
@@ -74,6 +76,9 @@ class Decision:
     round_s: float
     tokens_per_s: float
     overlap: bool = False  # the drafter drafts the next round while this one is verified
+    # DuoDecoding's rule picks the branch count: gamma is then the budget the branches share
+    # and branches the most it may pick
+    dynamic: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,7 @@ class _Snapshot:
     overhead: float
     branch_cost: float
     alone: float  # seconds of a round without a draft (the target decoding one token)
+    dynamic: list[tuple[float, list[float]]]  # rule-drafted rounds: (share, reach) per k
 
     def step_s(self, branches: int, overlapped: bool = False) -> float:
         return self.step[overlapped] * (1 + self.branch_cost * (branches - 1))
@@ -120,6 +126,8 @@ class BudgetController:
     warmup_rounds: int = 3  # rounds at gamma = c before acceptance estimates are trusted
     probe_every: int = 16  # rounds between tries of a neighbouring gamma (0: never)
     max_age: int = 96  # rounds after which a cost measurement is forgotten
+    dynamic: bool = True  # may choose DuoDecoding's uncertainty rule (plain rounds)
+    dynamic_scale: float = 1.0  # the rule's threshold: theta = scale x p1 x p2
     history: list[Decision] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -131,6 +139,15 @@ class BudgetController:
         self._accepted = [0.0] * (self.max_gamma + 1)
         self._first_offered = [0.0] * (self.max_branches + 1)  # depth 1, by branch count
         self._first_accepted = [0.0] * (self.max_branches + 1)
+        # rounds drafted by the rule, by the k it picked: how often, and first-depth acceptance
+        # (it branches where the drafter is unsure, so these differ from fixed-k rounds')
+        # Every single-branch draft also says which k the rule would have picked (its first two
+        # probability rows decide), so the rule's value is known before it is ever used.
+        self._rule_picked = [0.0] * (self.max_branches + 1)
+        self._rule_offered = [0.0] * (self.max_branches + 1)  # rounds the rule drafted
+        self._rule_accepted = [0.0] * (self.max_branches + 1)
+        self._single_offered = [0.0] * (self.max_branches + 1)  # one branch, by would-be k
+        self._single_accepted = [0.0] * (self.max_branches + 1)
         self._rounds = 0
         self._overhead = self._median()
         self._alone = self._median()  # whole rounds with gamma 0
@@ -166,22 +183,46 @@ class BudgetController:
             widths = self._verify[overlapped]
             widths.setdefault(width, self._median()).add(seconds)
 
-    def record_round(self, gamma: int, branches: int, accepted: int) -> None:
-        """A verified round: ``accepted`` of the ``gamma`` tokens on the best branch."""
+    def record_round(
+        self,
+        gamma: int,
+        branches: int,
+        accepted: int,
+        *,
+        dynamic: bool = False,
+        rule_k: int | None = None,
+    ) -> None:
+        """A verified round: ``accepted`` of the ``gamma`` tokens on the best branch; with
+        ``dynamic``, the rule drafted ``branches`` sequences of ``gamma`` tokens; ``rule_k``:
+        the k the rule would have picked for this single-branch draft."""
         self._rounds += 1
         if gamma == 0:  # the target alone: nothing was offered, nothing learned
             return
         for depth in range(1, self.max_gamma + 1):
             self._offered[depth] *= self.decay
             self._accepted[depth] *= self.decay
-        for k in range(1, self.max_branches + 1):
-            self._first_offered[k] *= self.decay
-            self._first_accepted[k] *= self.decay
-        for depth in range(1, min(gamma, accepted + 1) + 1):
+        for counts in (self._first_offered, self._first_accepted, self._rule_picked,
+                       self._rule_offered, self._rule_accepted, self._single_offered,
+                       self._single_accepted):  # fmt: skip
+            for k in range(1, self.max_branches + 1):
+                counts[k] *= self.decay
+        for depth in range(2 if dynamic else 1, min(gamma, accepted + 1) + 1):
             self._offered[depth] += 1
             self._accepted[depth] += depth <= accepted
-        self._first_offered[branches] += 1
-        self._first_accepted[branches] += accepted >= 1
+        branches = min(branches, self.max_branches)
+        if dynamic:
+            rule_k = branches
+            self._rule_offered[branches] += 1
+            self._rule_accepted[branches] += accepted >= 1
+        else:
+            self._first_offered[branches] += 1
+            self._first_accepted[branches] += accepted >= 1
+        if rule_k is not None:
+            rule_k = min(max(rule_k, 1), self.max_branches)
+            self._rule_picked[rule_k] += 1
+            if branches == 1:
+                self._single_offered[rule_k] += 1
+                self._single_accepted[rule_k] += accepted >= 1
 
     # ------------------------------------------------------------ estimates
 
@@ -229,6 +270,26 @@ class BudgetController:
             offered, accepted = self._offered[depth], self._accepted[depth]
         prior = self.prior_acceptance * self.prior_weight
         return (accepted + prior) / (offered + self.prior_weight)
+
+    def rule_acceptance(self, branches: int) -> float:
+        """P(depth 1 accepted) when the rule picks ``branches``: from the rounds it drafted,
+        and before those from single-branch rounds it would have given ``branches`` (as
+        independent tries), else from all single-branch rounds."""
+        w = self.prior_weight
+        single = self.acceptance(1, 1)
+        single = (self._single_accepted[branches] + single * w) / (
+            self._single_offered[branches] + w
+        )
+        inferred = 1 - (1 - single) ** branches
+        offered, accepted = self._rule_offered[branches], self._rule_accepted[branches]
+        return (accepted + inferred * w) / (offered + w)
+
+    def rule_shares(self) -> list[tuple[int, float]]:
+        """(k, how often the rule picks k), from recent rule rounds; k = 1 before any."""
+        total = sum(self._rule_picked)
+        if total < 1e-9:
+            return [(1, 1.0)]
+        return [(k, n / total) for k, n in enumerate(self._rule_picked) if n > 0]
 
     def expected_tokens(self, gamma: int, branches: int = 1) -> float:
         total, reach = 1.0, 1.0  # the bonus token always comes
@@ -285,7 +346,13 @@ class BudgetController:
         overhead = self._overhead.value or 0.0
         plain = verify[False]
         alone = self._alone.value or (plain.at(1) + overhead if plain else float("inf"))
-        return _Snapshot(step, verify, reach, overhead, self.batched_step_cost, alone)
+        dynamic = []
+        for k, share in self.rule_shares() if self.dynamic and self.max_branches > 1 else []:
+            chances = [1.0, self.rule_acceptance(k)]
+            for depth in range(2, self.max_gamma + 1):
+                chances.append(chances[-1] * self.acceptance(depth, k))
+            dynamic.append((share, chances))
+        return _Snapshot(step, verify, reach, overhead, self.batched_step_cost, alone, dynamic)
 
     def choose(self) -> Decision:
         ratio = self.cost_ratio()
@@ -297,20 +364,33 @@ class BudgetController:
         else:
             snapshot = self._snapshot()
             _, gamma, branches, overlap = max(self._rates(snapshot))
-            decision = self._evaluate(gamma, branches, overlap, snapshot)
+            # (a negative branch count marks the rule's candidates, to keep the tuples cheap)
+            decision = self._evaluate(gamma, max(branches, 1), overlap, snapshot,
+                                      dynamic=branches < 0)  # fmt: skip
             if self.probe_every and self._rounds % self.probe_every == 0:
                 decision = self._neighbour(decision, snapshot)
         self.history.append(decision)
         return decision
 
     def _neighbour(self, best: Decision, snapshot: _Snapshot) -> Decision:
-        """By turns: gamma - 1, gamma + 1, one branch less, one branch more, and (when
-        overlapping is allowed) the other kind of round; where allowed."""
-        turns = 5 if self.parallel else 4
-        turn = (self._rounds // self.probe_every) % turns
-        gamma = best.gamma + (-1, 1, 0, 0, 0)[turn]
-        branches = best.branches + (0, 0, -1, 1, 0)[turn]
-        overlap = best.overlap != (turn == 4) and gamma > 0
+        """By turns: gamma - 1, gamma + 1, one branch less, one branch more, and another kind
+        of round: alternately overlapped or not (when overlapping is allowed) and drafted by
+        the rule or with fixed branches (when the rule is); where allowed."""
+        others = ["overlap"] * self.parallel + ["rule"] * bool(snapshot.dynamic)
+        turns = ["shorter", "longer", "fewer", "more"] + ["other"] * bool(others)
+        probe = self._rounds // self.probe_every
+        turn = turns[probe % len(turns)]
+        if turn == "other":  # the kinds of round take turns, keeping the cycle short
+            turn = others[probe // len(turns) % len(others)]
+        if turn == "rule":
+            if best.dynamic:
+                return self._evaluate(best.gamma, 1, False, snapshot)
+            if best.gamma >= 2:
+                return self._evaluate(best.gamma, 1, False, snapshot, dynamic=True)
+            return best
+        gamma = best.gamma + {"shorter": -1, "longer": 1}.get(turn, 0)
+        branches = (1 if best.dynamic else best.branches) + {"fewer": -1, "more": 1}.get(turn, 0)
+        overlap = best.overlap != (turn == "overlap") and gamma > 0
         if overlap:
             branches = 1
         if (int(overlap) <= gamma <= self.max_gamma and 1 <= branches <= self.max_branches
@@ -319,11 +399,20 @@ class BudgetController:
         return best
 
     def _evaluate(
-        self, gamma: int, branches: int, overlap: bool = False, snapshot: _Snapshot | None = None
+        self,
+        gamma: int,
+        branches: int,
+        overlap: bool = False,
+        snapshot: _Snapshot | None = None,
+        dynamic: bool = False,
     ) -> Decision:
         s = snapshot or self._snapshot()
         if gamma == 0:
             return Decision(0, 1, 1.0, s.alone, 1 / s.alone)
+        if dynamic and s.dynamic:
+            tokens, round_s = self._rule_round(s, gamma)
+            return Decision(gamma, self.max_branches, tokens, round_s, tokens / round_s,
+                            dynamic=True)  # fmt: skip
         verify_s = s.verify[overlap].at(gamma * branches + 1)  # the tree plus the last bonus
         if overlap:
             held = s.reach[1][gamma + 1]  # the run-ahead becomes the next draft
@@ -334,6 +423,18 @@ class BudgetController:
         round_s += s.overhead
         tokens = s.tokens(gamma, branches)
         return Decision(gamma, branches, tokens, round_s, tokens / round_s, overlap)
+
+    def _rule_round(self, s: _Snapshot, budget: int) -> tuple[float, float]:
+        """Expected tokens and seconds of a round drafted by the rule with ``budget``, over
+        the branch counts it has been picking: k sequences of budget // k tokens, drafted in
+        budget forwards when k = 1 and budget // k + 1 otherwise (the rule's probe)."""
+        plain, tokens, round_s = s.verify[False], 0.0, s.overhead
+        for (k, _), (share, reach) in zip(self.rule_shares(), s.dynamic, strict=True):
+            length = branch_length(budget, k)
+            forwards = budget if k == 1 else length + 1
+            tokens += share * (1.0 + sum(reach[1 : length + 1]))
+            round_s += share * (forwards * s.step_s(k) + plain.at(k * length + 1))
+        return tokens, round_s
 
     def _rates(self, s: _Snapshot):
         """(expected tokens/s, gamma, branches, overlap) of every candidate: ``_evaluate``'s
@@ -352,3 +453,7 @@ class BudgetController:
                     both = max((gamma + 1) * s.step_s(1, True), ahead.at(gamma + 1))
                     round_s = both + (1 - reach[gamma + 1]) * gamma * step + overhead
                     yield tokens / round_s, gamma, 1, True
+        if s.dynamic:  # drafted by the rule, as a plain round (branches = the cap)
+            for budget in range(2, min(self.max_gamma, self.max_width - 1) + 1):
+                tokens, round_s = self._rule_round(s, budget)
+                yield tokens / round_s, budget, -self.max_branches, False

@@ -9,16 +9,23 @@ from hetspec.speculative.budget import BudgetController
 
 
 class SimulatedBox:
-    """True costs and acceptance; the controller only sees noisy measurements of them."""
+    """True costs and acceptance; the controller only sees noisy measurements of them.
+
+    A share ``uncertain`` of rounds finds the drafter unsure: its top token is accepted with
+    ``uncertain_acceptance`` instead of ``acceptance``, and DuoDecoding's rule branches into
+    ``rule_branches`` sequences there (and drafts one sequence elsewhere)."""
 
     def __init__(self, draft_step_s: float, verify_base_s: float, verify_per_node_s: float,
-                 acceptance: float, rng: np.random.Generator, *,
-                 contention: float = 1.0) -> None:  # fmt: skip
+                 acceptance: float, rng: np.random.Generator, *, contention: float = 1.0,
+                 uncertain: float = 0.0, uncertain_acceptance: float = 0.3,
+                 rule_branches: int = 3) -> None:  # fmt: skip
         self.draft_step_s = draft_step_s
         self.verify_base_s, self.verify_per_node_s = verify_base_s, verify_per_node_s
         self.acceptance = acceptance
         self.rng = rng
         self.contention = contention  # how much slower each worker runs while both compute
+        self.uncertain, self.uncertain_acceptance = uncertain, uncertain_acceptance
+        self.rule_branches = rule_branches
 
     def step_s(self, branches: int) -> float:
         return self.draft_step_s * (1 + 0.5 * (branches - 1))
@@ -26,12 +33,16 @@ class SimulatedBox:
     def verify_s(self, width: int) -> float:
         return self.verify_base_s + self.verify_per_node_s * width
 
-    def first_acceptance(self, branches: int) -> float:
-        return 1 - (1 - self.acceptance) ** branches
+    def first_acceptance(self, branches: int, unsure: bool = False) -> float:
+        single = self.uncertain_acceptance if unsure else self.acceptance
+        return 1 - (1 - single) ** branches
 
-    def reach(self, depth: int, branches: int) -> float:
+    def reach(self, depth: int, branches: int, unsure: bool = False) -> float:
         """P(the first ``depth`` drafted tokens are accepted)."""
-        return self.first_acceptance(branches) * self.acceptance ** (depth - 1)
+        return self.first_acceptance(branches, unsure) * self.acceptance ** (depth - 1)
+
+    def _kinds(self):
+        return [(False, 1 - self.uncertain), (True, self.uncertain)]
 
     def rate(self, gamma: int, branches: int, overlap: bool = True) -> float:
         """Expected committed tokens per second of a fixed (gamma, branches, overlap).
@@ -39,23 +50,54 @@ class SimulatedBox:
         during verification, both slowed by contention, and that run-ahead serves as the next
         draft only if gamma + 1 tokens would have been accepted; otherwise the next round
         drafts afresh first, alone."""
-        tokens = 1 + sum(self.reach(depth, branches) for depth in range(1, gamma + 1))
-        step, verify = self.step_s(branches), self.verify_s(gamma * branches + 1)
-        if not overlap:
-            return tokens / (gamma * step + verify)
-        miss = 1 - self.reach(gamma + 1, branches)
-        both = max((gamma + 1) * step, verify) * self.contention
-        return tokens / (both + miss * gamma * step)
+        tokens = seconds = 0.0
+        for unsure, share in self._kinds():
+            tokens += share * (
+                1 + sum(self.reach(d, branches, unsure) for d in range(1, gamma + 1))
+            )
+            step, verify = self.step_s(branches), self.verify_s(gamma * branches + 1)
+            if not overlap:
+                seconds += share * (gamma * step + verify)
+                continue
+            miss = 1 - self.reach(gamma + 1, branches, unsure)
+            seconds += share * (max((gamma + 1) * step, verify) * self.contention
+                                + miss * gamma * step)  # fmt: skip
+        return tokens / seconds
 
-    def best_rate(self, parallel: bool = True) -> float:
+    def rule_shape(self, budget: int, unsure: bool) -> tuple[int, int, int]:
+        """(k, length, forwards) of a round the rule drafts."""
+        k = min(self.rule_branches, budget) if unsure else 1
+        length = max(1, budget // k)
+        return k, length, budget if k == 1 else length + 1
+
+    def rule_rate(self, budget: int) -> float:
+        tokens = seconds = 0.0
+        for unsure, share in self._kinds():
+            k, length, forwards = self.rule_shape(budget, unsure)
+            tokens += share * (1 + sum(self.reach(d, k, unsure) for d in range(1, length + 1)))
+            seconds += share * (forwards * self.step_s(k) + self.verify_s(k * length + 1))
+        return tokens / seconds
+
+    def decision_rate(self, decision) -> float:
+        if decision.dynamic:
+            return self.rule_rate(decision.gamma)
+        return self.rate(decision.gamma, decision.branches, decision.overlap)
+
+    def best_rate(self, parallel: bool = True, rule: bool = True) -> float:
         sequential = max(self.rate(g, k, False) for g in range(17) for k in range(1, 5))
         overlapped = max(self.rate(g, 1, True) for g in range(1, 17)) if parallel else 0
-        return max(sequential, overlapped)
+        ruled = max(self.rule_rate(b) for b in range(2, 17)) if rule else 0
+        return max(sequential, overlapped, ruled)
 
     def run_round(self, controller: BudgetController) -> None:
         decision = controller.choose()
         gamma, branches, overlap = decision.gamma, decision.branches, decision.overlap
+        unsure = self.rng.random() < self.uncertain
         noise = self.rng.lognormal(0, 0.1, size=3)
+        if decision.dynamic:
+            branches, gamma, forwards = self.rule_shape(decision.gamma, unsure)
+            controller.record_draft(forwards, branches,
+                                    forwards * self.step_s(branches) * noise[0])  # fmt: skip
         width = gamma * branches + 1
         if overlap:
             slow = self.contention
@@ -63,19 +105,24 @@ class SimulatedBox:
                                     overlapped=True)  # fmt: skip
             controller.record_verify(width, self.verify_s(width) * slow * noise[1],
                                      overlapped=True)  # fmt: skip
-            if self.rng.random() > self.reach(gamma + 1, 1):  # a miss: the next draft is fresh
+            if self.rng.random() > self.reach(gamma + 1, 1, unsure):  # a miss: a fresh draft
                 controller.record_draft(gamma, 1, gamma * self.step_s(1) * noise[2])
         elif gamma == 0:
             controller.record_target_alone(self.verify_s(1) * noise[1])
         else:
-            controller.record_draft(gamma, branches, gamma * self.step_s(branches) * noise[0])
+            if not decision.dynamic:
+                controller.record_draft(gamma, branches, gamma * self.step_s(branches) * noise[0])
             controller.record_verify(width, self.verify_s(width) * noise[1])
         accepted = 0
-        if gamma and self.rng.random() < self.first_acceptance(branches):
+        if gamma and self.rng.random() < self.first_acceptance(branches, unsure):
             accepted = 1
             while accepted < gamma and self.rng.random() < self.acceptance:
                 accepted += 1
-        controller.record_round(gamma, branches, accepted)
+        # a single-branch draft's first two rows tell which k the rule would have picked
+        would = self.rule_branches if unsure else 1
+        rule_k = would if branches == 1 and gamma >= 2 and not decision.dynamic else None
+        controller.record_round(gamma, branches, accepted, dynamic=decision.dynamic,
+                                rule_k=rule_k)  # fmt: skip
 
 
 def test_it_starts_with_one_token_then_gamma_equal_to_c() -> None:
@@ -103,7 +150,7 @@ def test_it_converges_near_the_best_fixed_budget(parallel, acceptance, contentio
         for _ in range(150):
             box.run_round(controller)
         late = controller.history[-50:]
-        achieved = np.mean([box.rate(d.gamma, d.branches, d.overlap) for d in late])
+        achieved = np.mean([box.decision_rate(d) for d in late])
         shares.append(achieved / box.best_rate(parallel))
     assert np.mean(shares) >= 0.95, shares
     assert min(shares) >= 0.9, shares
@@ -135,7 +182,7 @@ def test_it_reconverges_when_the_cpu_gets_busier_mid_run() -> None:
             box.run_round(controller)
         after = controller.history[-10:]
         assert after[-1].gamma < before
-        achieved = np.mean([box.rate(d.gamma, d.branches, d.overlap) for d in after])
+        achieved = np.mean([box.decision_rate(d) for d in after])
         shares.append(achieved / box.best_rate())
     assert np.mean(shares) >= 0.95, shares
     assert min(shares) >= 0.9, shares
@@ -177,7 +224,8 @@ def test_the_fast_candidate_loop_agrees_with_the_cost_model() -> None:
     assert any(overlap for *_, overlap in rates)
     assert any(not o for *_, o in rates)
     for rate, gamma, branches, overlap in rates:
-        decision = controller._evaluate(gamma, branches, overlap, snapshot)
+        decision = controller._evaluate(gamma, max(branches, 1), overlap, snapshot,
+                                        dynamic=branches < 0)  # fmt: skip
         assert rate == pytest.approx(decision.tokens_per_s, rel=1e-9)
 
 
@@ -190,3 +238,23 @@ def test_it_drafts_nothing_where_drafting_cannot_pay() -> None:
         box.run_round(controller)
     late = controller.history[-40:]
     assert np.mean([d.gamma == 0 for d in late]) >= 0.8
+
+
+def test_it_drafts_by_the_uncertainty_rule_where_that_pays() -> None:
+    """A drafter that is sometimes sure (its top token accepted 90% of the time) and
+    sometimes lost (5%): DuoDecoding's rule, one long sequence when sure and three short ones
+    when lost, beats every fixed shape; the controller learns its value from the k the rule
+    would pick for the single-branch drafts, then uses it."""
+    shares, ruled = [], []
+    for seed in SEEDS:
+        box = SimulatedBox(0.001, 0.006, 0.0001, 0.9, np.random.default_rng(seed),
+                           uncertain=0.3, uncertain_acceptance=0.05)  # fmt: skip
+        controller = BudgetController(parallel=False)
+        for _ in range(150):
+            box.run_round(controller)
+        late = controller.history[-50:]
+        shares.append(np.mean([box.decision_rate(d) for d in late]) / box.best_rate(False))
+        ruled.append(np.mean([d.dynamic for d in late]))
+    assert box.best_rate(False) > 1.02 * box.best_rate(False, rule=False)
+    assert np.mean(shares) >= 0.93, shares
+    assert np.mean(ruled) >= 0.25, ruled

@@ -87,6 +87,7 @@ def daemon(request, tmp_path_factory):
 SPECULATIVE = [
     {"mode": "sequential"},  # the controller's choice, branches included
     {"mode": "sequential", "gamma": 3, "branches": 3},
+    {"mode": "sequential", "gamma": 6, "branches": 3, "dynamic": True},  # the rule's k
     {"mode": "parallel", "gamma": 2},
     {"mode": "parallel", "gamma": 5},
     {"mode": "adaptive"},
@@ -202,16 +203,16 @@ def chi_square(counts: dict[int, int], law: dict[int, float], trials: int) -> tu
     return statistic, len(cells) - 1
 
 
-@pytest.mark.parametrize("branches", [1, 3])
-def test_sampled_tokens_follow_the_targets_law(daemon, branches: int) -> None:
+@pytest.mark.parametrize("shape", [{}, {"branches": 3}, {"branches": 3, "dynamic": True}],
+                         ids=["chain", "branches", "uncertainty-rule"])  # fmt: skip
+def test_sampled_tokens_follow_the_targets_law(daemon, shape: dict) -> None:
     prompt, trials = "def add(a, b):\n", 1200
     params = SamplingParams(temperature=1.0, top_k=6)
     law = exact_marginals(target_runtime(daemon.placement), prompt, params)
     counts: list[dict[int, int]] = [{}, {}, {}]
     for seed in range(trials):
         body = daemon.generate(prompt, max_tokens=3, temperature=1.0, top_k=6, seed=seed,
-                               ignore_eos=True, mode="sequential", gamma=2,
-                               branches=branches)  # fmt: skip
+                               ignore_eos=True, mode="sequential", gamma=2, **shape)  # fmt: skip
         for position, token in enumerate(body["tokens"]):
             counts[position][token] = counts[position].get(token, 0) + 1
     for position in (1, 2):  # the tokens that went through drafting and verification
