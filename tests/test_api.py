@@ -414,3 +414,36 @@ def test_fuzzed_bad_requests_are_all_4xx_and_the_daemon_keeps_serving(daemon, ht
     served = http.post("/api/generate", json={"prompt": PROMPT, "stream": False, **GREEDY})
     assert served.status_code == 200
     assert len(served.json()["tokens"]) == 12
+
+
+def test_a_client_that_leaves_the_queue_is_forgotten(daemon, http) -> None:
+    """A queued request whose client disconnects leaves the queue at once; the running one
+    and the next ones are unaffected."""
+    import threading  # noqa: PLC0415
+
+    long = {"prompt": PROMPT, "stream": False, "max_tokens": 600, "ignore_eos": True}
+    results = {}
+
+    def run_long() -> None:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(daemon.socket)),
+                          base_url="http://x", timeout=120) as client:  # fmt: skip
+            results["long"] = client.post("/api/generate", json=long)
+
+    runner = threading.Thread(target=run_long)
+    runner.start()
+    deadline = time.monotonic() + 10
+    while not http.get("/props").json()["queue"]["running"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with pytest.raises(httpx.ReadTimeout):  # queued behind the long one, then gone
+        http.post("/api/generate", json={"prompt": PROMPT, **GREEDY}, timeout=0.3)
+    queue = http.get("/props").json()["queue"]
+    while queue["waiting"] and time.monotonic() < deadline:
+        queue = http.get("/props").json()["queue"]
+    assert queue["waiting"] == 0
+    assert queue["running"]  # it left while the long request was still decoding
+    runner.join()
+    assert results["long"].status_code == 200
+    assert len(results["long"].json()["tokens"]) == 600
+    after = http.post("/api/generate", json={"prompt": PROMPT, "stream": False, **GREEDY})
+    assert after.status_code == 200
