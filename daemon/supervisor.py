@@ -78,6 +78,13 @@ def worker_specs(config: DaemonConfig, log_format: str) -> dict[str, WorkerSpec]
     gpu_settings = m.TorchSettings(**_fields(gpu_cfg, m.TorchSettings))
     if gpu_settings.threads is None:  # torch would otherwise size its pool from the whole box
         gpu_settings = msgspec.structs.replace(gpu_settings, threads=len(set(gpu_cores)))
+    if drafting_on_cpu and gpu_settings.dtype == "auto":
+        # A verifying torch worker computes in float32: in bf16 a tree's logits differ from
+        # one token at a time enough to flip near-ties (seen on an H100: greedy output left
+        # the target's own), so losslessness would depend on the batch shape. A drafter may
+        # round: its tokens are only proposals. (gpu_worker.dtype = "bfloat16" trades this
+        # exactness for memory on a model that does not fit in float32.)
+        gpu_settings = msgspec.structs.replace(gpu_settings, dtype="float32")
     common = {"heartbeat_s": config.heartbeat_s, "heartbeat_timeout_s": config.heartbeat_timeout_s,
               "call_timeout_s": config.call_timeout_s, "spin_us": config.worker_spin_us,
               "log_format": log_format}  # fmt: skip

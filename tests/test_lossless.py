@@ -159,7 +159,7 @@ def target_runtime(placement: str):
     if placement == "draft-cpu":
         from hetspec.workers.torch_runtime import TorchRuntime  # noqa: PLC0415
 
-        return TorchRuntime(BUNDLED_MODELS / "target", max_context=1024)
+        return TorchRuntime(BUNDLED_MODELS / "target", max_context=1024, dtype="float32")
     from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
 
     return LlamaCppRuntime(BUNDLED_MODELS / "target" / "target-q8_0.gguf", n_ctx=1024, threads=1)
