@@ -120,6 +120,7 @@ class Record:
     t_verify_ms: float | None = None
     overlapped: int = 0  # rounds whose next draft was drafted during verification
     gammas: list[int] = field(default_factory=list)
+    by_depth: list[int] = field(default_factory=list)  # rounds accepting >= depth 1, 2, ...
 
     @classmethod
     def of(cls, system: str, prompt: int, repeat: int, loaded: bool, done: Completion) -> Record:
@@ -130,6 +131,7 @@ class Record:
             timings["ttft_ms"], spec.get("rounds", 0), timings.get("draft_n_accepted", 0),
             statistics.fmean(gammas) if gammas else 0.0, spec.get("t_draft_ms"),
             spec.get("t_verify_ms"), spec.get("run_ahead", 0), gammas,
+            spec.get("acceptance_by_depth", []),
         )  # fmt: skip
 
     @property
@@ -320,7 +322,7 @@ def plot(path: Path, results: dict) -> bool:
     except ImportError:
         return False
     placements = list(results)
-    figure, axes = plt.subplots(len(placements), 2, figsize=(12, 4 * len(placements)),
+    figure, axes = plt.subplots(len(placements), 3, figsize=(18, 4 * len(placements)),
                                 squeeze=False)  # fmt: skip
     for row, placement in enumerate(placements):
         summaries = results[placement]["summary"]
@@ -328,18 +330,42 @@ def plot(path: Path, results: dict) -> bool:
         axes[row][0].barh(names, [summaries[n]["tokens_per_s"] for n in names])
         axes[row][0].set_xlabel("decode tokens/s")
         axes[row][0].set_title(f"{placement}: decoding modes")
-        loaded = [r for r in results[placement]["load_records"] if r.system == "adaptive"]
-        gammas = [g for r in loaded for g in r.gammas]
-        axes[row][1].plot(gammas)
-        switch = sum(len(r.gammas) for r in loaded if not r.loaded)
-        axes[row][1].axvline(switch, color="red", linestyle="--", label="load starts")
-        axes[row][1].set_xlabel("round")
-        axes[row][1].set_ylabel("gamma")
-        axes[row][1].set_title(f"{placement}: adaptive gamma, load on the drafter's core")
-        axes[row][1].legend()
+        _plot_gamma(axes[row][1], placement, results[placement])
+        _plot_acceptance(axes[row][2], placement, results[placement]["records"])
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     return True
+
+
+def _plot_gamma(axis, placement: str, result: dict) -> None:
+    """Adaptive gamma round by round: across the load phase when there was one."""
+    loaded = [r for r in result["load_records"] if r.system == "adaptive"]
+    records = loaded or [r for r in result["records"] if r.system == "adaptive"]
+    axis.plot([g for r in records for g in r.gammas])
+    if loaded:
+        switch = sum(len(r.gammas) for r in loaded if not r.loaded)
+        axis.axvline(switch, color="red", linestyle="--", label="load starts")
+        axis.legend()
+    axis.set_xlabel("round")
+    axis.set_ylabel("gamma")
+    what = "load on the drafter's core" if loaded else "over the prompt set"
+    axis.set_title(f"{placement}: adaptive gamma, {what}")
+
+
+def _plot_acceptance(axis, placement: str, records: list[Record]) -> None:
+    """P(the first d drafted tokens are accepted) for d = 1..8, per speculative system."""
+    depths = range(1, 9)
+    for system in dict.fromkeys(r.system for r in records if r.rounds):
+        mine = [r for r in records if r.system == system]
+        rounds = sum(r.rounds for r in mine)
+        reach = [sum(r.by_depth[d - 1] for r in mine if len(r.by_depth) >= d) / rounds
+                 for d in depths]  # fmt: skip
+        axis.plot(list(depths), reach, marker="o", label=system)
+    axis.set_xlabel("draft position")
+    axis.set_ylabel("share of rounds accepted up to it")
+    axis.set_ylim(0, 1)
+    axis.set_title(f"{placement}: acceptance by position")
+    axis.legend(fontsize="small")
 
 
 def run_peers(args, out: Path) -> list[Record]:
