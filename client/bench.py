@@ -204,7 +204,10 @@ def daemon(placement: str, socket: str | None, log_dir: Path) -> Iterator[Client
     log = (log_dir / f"hetspecd-{placement}.log").open("w")
     hetspecd = Path(sys.executable).with_name("hetspecd")
     command = [str(hetspecd), "--socket", str(run / "hetspecd.sock"),
-               "--runtime-dir", str(run / "run"), "--placement", placement]  # fmt: skip
+               "--runtime-dir", str(run / "run"),
+               "--placement", placement.removesuffix("-llama")]  # fmt: skip
+    if placement.endswith("-llama"):  # both workers in llama.cpp
+        command += ["--set", 'gpu_runtime="llama.cpp"']
     process = subprocess.Popen(command, stderr=log)
     try:
         client = Client(f"unix://{run / 'hetspecd.sock'}")
@@ -219,7 +222,7 @@ def daemon(placement: str, socket: str | None, log_dir: Path) -> Iterator[Client
 def drafter_core(client: Client, placement: str) -> int:
     """A core the drafting worker owns (where another tenant hurts drafting)."""
     workers = client.health()["workers"]
-    pid = workers["cpu" if placement == "draft-cpu" else "gpu"]["pid"]
+    pid = workers["cpu" if placement.startswith("draft-cpu") else "gpu"]["pid"]
     return min(os.sched_getaffinity(pid))
 
 
@@ -440,7 +443,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--placement",
         type=lambda s: s.split(","),
         default=["draft-cpu"],
-        help="comma-separated: draft-cpu, draft-gpu (default draft-cpu)",
+        help="comma-separated: draft-cpu, draft-gpu, draft-cpu-llama (DuoDecoding's, with "
+        "the GPU worker in llama.cpp too: gpu_runtime) (default draft-cpu)",
     )
     parser.add_argument("--gammas", type=lambda s: [int(g) for g in s.split(",")],
                         default=[2, 4, 6], help="fixed gammas of the parallel rows")  # fmt: skip

@@ -77,6 +77,11 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     mode: Literal["autoregressive", "sequential", "parallel", "adaptive"] = "adaptive"
     gamma: int = 4  # the draft length of mode "parallel" when a request gives none
     max_queue: int = 16  # requests that may wait while one decodes; more get 429
+    # The GPU worker's runtime: torch (the model folder), or llama.cpp (the GGUF file, every
+    # layer offloaded when llama.cpp was built for the GPU; on a box without one, two
+    # llama.cpp workers on their own cores still overlap drafting with verifying). The
+    # llama.cpp GPU worker takes cpu_worker's llama.cpp settings.
+    gpu_runtime: Literal["torch", "llama.cpp"] = "torch"
     model_name: str | None = None  # the name the API serves; None: the target's folder name
     tcp: TcpConfig = msgspec.field(default_factory=TcpConfig)
     target: ModelPaths = msgspec.field(

@@ -85,12 +85,23 @@ def worker_specs(config: DaemonConfig, log_format: str) -> dict[str, WorkerSpec]
         # round: its tokens are only proposals. (gpu_worker.dtype = "bfloat16" trades this
         # exactness for memory on a model that does not fit in float32.)
         gpu_settings = msgspec.structs.replace(gpu_settings, dtype="float32")
+    gpu_runtime = "torch"
+    if config.gpu_runtime == "llama.cpp":
+        gpu_runtime = "llama.cpp"
+        gpu_model = config.target.gguf if drafting_on_cpu else config.draft.gguf
+        exact = drafting_on_cpu  # the GPU worker verifies
+        gpu_settings = msgspec.structs.replace(
+            m.LlamaCppSettings(**_fields(cpu_cfg, m.LlamaCppSettings)),
+            threads=None, threads_batch=None, gpu_layers=-1,
+            flash_attention=cpu_cfg.flash_attention or ("off" if exact else "auto"),
+            kv_type=cpu_cfg.kv_type or ("f32" if exact else "f16"),
+        )  # fmt: skip
     common = {"heartbeat_s": config.heartbeat_s, "heartbeat_timeout_s": config.heartbeat_timeout_s,
               "call_timeout_s": config.call_timeout_s, "spin_us": config.worker_spin_us,
               "log_format": log_format}  # fmt: skip
     return {
         "cpu": WorkerSpec("cpu", "llama.cpp", cpu_model, cpu_settings, tuple(cpu_cores), **common),
-        "gpu": WorkerSpec("gpu", "torch", gpu_model, gpu_settings, tuple(gpu_cores), **common),
+        "gpu": WorkerSpec("gpu", gpu_runtime, gpu_model, gpu_settings, tuple(gpu_cores), **common),
     }
 
 

@@ -40,6 +40,7 @@ class LlamaCppSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     # A drafter gets "auto" and "f16" (faster; a draft only has to be good, not exact).
     flash_attention: str | None = None
     kv_type: str | None = None
+    gpu_layers: int = 0  # layers llama.cpp offloads to a GPU (a GPU build only); -1: all
 
 
 class TorchSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="torch"):

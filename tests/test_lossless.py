@@ -29,7 +29,8 @@ from hetspec.client.bench import prompt_set
 from hetspec.daemon.config import BUNDLED_MODELS
 from hetspec.speculative.sampling import SamplingParams, distribution
 
-PLACEMENTS = ("draft-cpu", "draft-gpu")
+# the two placements, and DuoDecoding's with both workers in llama.cpp (gpu_runtime)
+PLACEMENTS = ("draft-cpu", "draft-gpu", "draft-cpu-llama")
 GREEDY_TOKENS = 24
 # chi-square critical values at p = 0.001 (no scipy here): the table for few degrees of
 # freedom, the Wilson-Hilferty approximation (within 1% from 10 on) above it
@@ -78,7 +79,9 @@ class BundledDaemon:
 
 @pytest.fixture(scope="module", params=PLACEMENTS)
 def daemon(request, tmp_path_factory):
-    daemon = BundledDaemon(tmp_path_factory.mktemp(request.param), request.param)
+    placement = request.param.removesuffix("-llama")
+    extra = ("--set", 'gpu_runtime="llama.cpp"') if request.param.endswith("-llama") else ()
+    daemon = BundledDaemon(tmp_path_factory.mktemp(request.param), placement, *extra)
     daemon.placement = request.param
     yield daemon
     daemon.stop()
@@ -156,7 +159,7 @@ def test_a_client_that_hangs_up_cancels_its_generation_mid_round(daemon, mode: s
 
 def target_runtime(placement: str):
     """The target model as the verifying worker loads it, in this process."""
-    if placement == "draft-cpu":
+    if placement == "draft-cpu":  # torch verifies (draft-cpu-llama: llama.cpp, as draft-gpu)
         from hetspec.workers.torch_runtime import TorchRuntime  # noqa: PLC0415
 
         return TorchRuntime(BUNDLED_MODELS / "target", max_context=1024, dtype="float32")

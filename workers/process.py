@@ -67,7 +67,8 @@ def load_runtime(kind: str, model: str, settings: m.RuntimeSettings):
         if not isinstance(settings, m.LlamaCppSettings):
             raise LoadError("the llama.cpp worker takes llama.cpp settings")
         try:
-            return LlamaCppRuntime(model, **options), "cpu"
+            runtime = LlamaCppRuntime(model, **options)
+            return runtime, "gpu (llama.cpp)" if runtime.offloaded else "cpu"
         except LlamaCppError as error:
             raise LoadError(str(error)) from None
     from hetspec.workers.torch_runtime import ModelLoadError, TorchRuntime  # noqa: PLC0415

@@ -60,6 +60,7 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
         mmap: bool = True,
         flash_attention: str = "auto",
         kv_type: str = "f16",
+        gpu_layers: int = 0,
     ) -> None:
         """Load a GGUF file. ``n_seq_max`` - 1 is the most leaves a pending tree may have;
         threads default to the cores this process may run on and may not exceed them."""
@@ -83,7 +84,7 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
         self._log = llama_log()
         L.llama_backend_init()
 
-        self._model = self._load_model(path, mmap)
+        self._model = self._load_model(path, mmap, gpu_layers)
         trained = L.llama_model_n_ctx_train(self._model)
         n_ctx = n_ctx or min(trained, DEFAULT_MAX_CONTEXT)
         if not 0 < n_ctx <= trained:
@@ -123,9 +124,13 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
 
     # ------------------------------------------------------------ setup helpers
 
-    def _load_model(self, path: Path, mmap: bool) -> L.llama_model_p:
+    def _load_model(self, path: Path, mmap: bool, gpu_layers: int) -> L.llama_model_p:
         params = L.llama_model_default_params()
-        params.n_gpu_layers = 0  # the CPU worker: the GPU belongs to the torch worker
+        # 0 for the CPU worker (the GPU belongs to the torch worker); a llama.cpp GPU worker
+        # offloads what it is told (-1: every layer), which a CPU-only build ignores
+        params.n_gpu_layers = gpu_layers if gpu_layers >= 0 else 2**31 - 1
+        # where the layers run: offloading needs a GPU build of llama.cpp and a GPU
+        self.offloaded = gpu_layers != 0 and bool(L.llama_supports_gpu_offload())
         params.load_mode = L.LLAMA_LOAD_MODE_MMAP if mmap else L.LLAMA_LOAD_MODE_NONE
         # llama.cpp's extra buffer types repack weights for the CPU's SIMD; on CPUs with AMX
         # the AMX buffer of llama-cpp-python 0.3.36 segfaults on Q8_0 models (seen on a
