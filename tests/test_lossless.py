@@ -165,7 +165,8 @@ def target_runtime(placement: str):
         return TorchRuntime(BUNDLED_MODELS / "target", max_context=1024, dtype="float32")
     from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
 
-    return LlamaCppRuntime(BUNDLED_MODELS / "target" / "target-q8_0.gguf", n_ctx=1024, threads=1)
+    return LlamaCppRuntime(BUNDLED_MODELS / "target" / "target-q8_0.gguf", n_ctx=1024, threads=1,
+                           flash_attention="off", kv_type="f32")  # fmt: skip
 
 
 def exact_marginals(runtime, prompt: str, params: SamplingParams) -> list[dict[int, float]]:
