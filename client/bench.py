@@ -244,23 +244,28 @@ def run_requests(client, plan, prompts, options, *, repeats, loaded_from=None, b
     return records
 
 
-def bench_placement(client: Client, placement: str, args) -> dict:
+def measure_modes(client: Client, placement: str, args) -> list[Record]:
     prompts = prompt_set(args.prompts)
-    options = {"max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0.0}
     plan = systems(args.gammas)
     print(f"{placement}: warm-up", file=sys.stderr, flush=True)
-    run_requests(client, plan, prompts[: args.warmup], options, repeats=1)
+    run_requests(client, plan, prompts[: args.warmup], request_options(args), repeats=1)
     print(f"{placement}: modes, {len(prompts)} prompts x {len(plan)} systems", file=sys.stderr)
-    modes = run_requests(client, plan, prompts, options, repeats=args.repeats)
-    result = {"modes": modes, "load": []}
-    if args.load:
-        loaded_plan = [s for s in plan if s.overlapped]
-        busy = BusyCore(drafter_core(client, placement))
-        print(f"{placement}: load on core {busy.core} from prompt {len(prompts) // 2}",
-              file=sys.stderr)  # fmt: skip
-        result["load"] = run_requests(client, loaded_plan, prompts, options, repeats=1,
-                                      loaded_from=len(prompts) // 2, busy=busy)  # fmt: skip
-    return result
+    return run_requests(client, plan, prompts, request_options(args), repeats=args.repeats)
+
+
+def measure_load(client: Client, placement: str, args) -> list[Record]:
+    """The overlapped systems again, a busy process on the drafter's core from mid-run."""
+    prompts = prompt_set(args.prompts)
+    loaded_plan = [s for s in systems(args.gammas) if s.overlapped]
+    busy = BusyCore(drafter_core(client, placement))
+    print(f"{placement}: load on core {busy.core} from prompt {len(prompts) // 2}",
+          file=sys.stderr)  # fmt: skip
+    return run_requests(client, loaded_plan, prompts, request_options(args), repeats=1,
+                        loaded_from=len(prompts) // 2, busy=busy)  # fmt: skip
+
+
+def request_options(args) -> dict:
+    return {"max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0.0}
 
 
 # ---------------------------------------------------------------- report
@@ -404,23 +409,34 @@ def main(args: argparse.Namespace) -> int:
     try:
         for number, placement in enumerate(args.placement):
             with daemon(placement, args.socket, out) as client:
-                measured = bench_placement(client, placement, args)
-            if number == 0:  # the peers run once; their rows join the first table
-                measured["modes"] += peers
-            table, summary = modes_table(measured["modes"])
-            report += [f"## {placement}: modes\n", table, ""]
-            results[placement] = {"summary": summary, "load_records": measured["load"],
-                                  "records": measured["modes"]}  # fmt: skip
-            if measured["load"]:
-                table, load = load_table(measured["load"])
-                report += [f"## {placement}: a busy process on the drafter's core from the "
-                           "middle of the prompt list\n", table, ""]  # fmt: skip
-                results[placement]["load"] = load
+                modes = measure_modes(client, placement, args)
+                if number == 0:  # the peers run once; their rows join the first table
+                    modes += peers
+                table, summary = modes_table(modes)
+                report += [f"## {placement}: modes\n", table, ""]
+                results[placement] = {"summary": summary, "load_records": [], "records": modes}
+                write_reports(out, report, results)  # a run cut short keeps what it measured
+                print(table, file=sys.stderr, flush=True)
+                if args.load:
+                    loaded = measure_load(client, placement, args)
+                    table, load = load_table(loaded)
+                    report += [f"## {placement}: a busy process on the drafter's core from "
+                               "the middle of the prompt list\n", table, ""]  # fmt: skip
+                    results[placement] |= {"load": load, "load_records": loaded}
+                    write_reports(out, report, results)
     except HetspecError as error:
         print(f"hetspec bench: {error}", file=sys.stderr)
         return 1
-    text = "\n".join(report)
-    (out / "bench.md").write_text(text + "\n")
+    plotted = plot(out / "bench.png", results)
+    print("\n".join(report))
+    print(f"\nwritten: {out / 'bench.md'}, {out / 'bench.json'}"
+          + (f", {out / 'bench.png'}" if plotted else " (no matplotlib: no plot)"))  # fmt: skip
+    return 0
+
+
+def write_reports(out: Path, report: list[str], results: dict) -> None:
+    """bench.md and bench.json as far as measured."""
+    (out / "bench.md").write_text("\n".join(report) + "\n")
     document = {
         placement: {
             "summary": r["summary"],
@@ -431,11 +447,6 @@ def main(args: argparse.Namespace) -> int:
         for placement, r in results.items()
     }
     (out / "bench.json").write_text(json.dumps(document, indent=1))
-    plotted = plot(out / "bench.png", results)
-    print(text)
-    print(f"\nwritten: {out / 'bench.md'}, {out / 'bench.json'}"
-          + (f", {out / 'bench.png'}" if plotted else " (no matplotlib: no plot)"))  # fmt: skip
-    return 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
