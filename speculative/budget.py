@@ -128,7 +128,12 @@ class BudgetController:
     max_age: int = 96  # rounds after which a cost measurement is forgotten
     dynamic: bool = True  # may choose DuoDecoding's uncertainty rule (plain rounds)
     dynamic_scale: float = 1.0  # the rule's threshold: theta = scale x p1 x p2
-    history: list[Decision] = field(default_factory=list)
+    # rounds a choice of gamma 0 is kept without weighing every candidate again: while the
+    # target decodes alone only its own cost is measured, and such a round is about a
+    # millisecond, of which choosing took a tenth
+    keep_alone_rounds: int = 4
+    history: list[Decision] = field(default_factory=list)  # the latest decisions
+    HISTORY_KEPT = 1024  # a daemon runs for months: older decisions are dropped
 
     def __post_init__(self) -> None:
         # keyed by "overlapped": costs differ when both workers compute at once (they share a
@@ -149,6 +154,7 @@ class BudgetController:
         self._single_offered = [0.0] * (self.max_branches + 1)  # one branch, by would-be k
         self._single_accepted = [0.0] * (self.max_branches + 1)
         self._rounds = 0
+        self._kept = 0  # rounds the last gamma-0 decision was reused
         self._overhead = self._median()
         self._alone = self._median()  # whole rounds with gamma 0
 
@@ -355,6 +361,13 @@ class BudgetController:
         return _Snapshot(step, verify, reach, overhead, self.batched_step_cost, alone, dynamic)
 
     def choose(self) -> Decision:
+        last = self.history[-1] if self.history else None
+        probe_due = self.probe_every and self._rounds % self.probe_every == 0
+        if last and last.gamma == 0 and self._kept < self.keep_alone_rounds and not probe_due:
+            self._kept += 1
+            self.history.append(last)
+            return last
+        self._kept = 0
         ratio = self.cost_ratio()
         if ratio is None:
             decision = Decision(1, 1, 1.0, 0.0, 0.0)  # nothing measured yet: a 1-token round
@@ -367,9 +380,11 @@ class BudgetController:
             # (a negative branch count marks the rule's candidates, to keep the tuples cheap)
             decision = self._evaluate(gamma, max(branches, 1), overlap, snapshot,
                                       dynamic=branches < 0)  # fmt: skip
-            if self.probe_every and self._rounds % self.probe_every == 0:
+            if probe_due:
                 decision = self._neighbour(decision, snapshot)
         self.history.append(decision)
+        if len(self.history) > 2 * self.HISTORY_KEPT:
+            del self.history[: self.HISTORY_KEPT]
         return decision
 
     def _neighbour(self, best: Decision, snapshot: _Snapshot) -> Decision:

@@ -258,3 +258,28 @@ def test_it_drafts_by_the_uncertainty_rule_where_that_pays() -> None:
     assert box.best_rate(False) > 1.02 * box.best_rate(False, rule=False)
     assert np.mean(shares) >= 0.93, shares
     assert np.mean(ruled) >= 0.25, ruled
+
+
+def test_a_target_alone_choice_is_kept_a_few_rounds_and_history_stays_bounded() -> None:
+    box = SimulatedBox(0.004, 0.001, 0.00005, 0.6, np.random.default_rng(0))
+    controller = BudgetController(keep_alone_rounds=4)
+    for _ in range(150):
+        box.run_round(controller)
+    assert controller.history[-1].gamma == 0
+    weighed = 0
+    original = controller._snapshot
+
+    def counting():
+        nonlocal weighed
+        weighed += 1
+        return original()
+
+    controller._snapshot = counting
+    for _ in range(40):
+        box.run_round(controller)
+    assert 40 // 5 <= weighed <= 40 // 5 + 40 // controller.probe_every + 1  # one in five
+    for _ in range(2 * BudgetController.HISTORY_KEPT + 10):
+        controller.record_target_alone(0.001)
+        controller.record_round(0, 1, 0)
+        controller.choose()
+    assert len(controller.history) <= 2 * BudgetController.HISTORY_KEPT
