@@ -235,31 +235,25 @@ class SpeculativeDecoder:
         if gamma == 0:
             return await self._target_alone_round(remaining)
         arena = self.pair.arena
-        round_start = start = time.perf_counter()
-        behind, drafted, draft_s = self.drafter_appends, None, 0.0
-        tokens, parents, origin = [], [], []
+        round_start = time.perf_counter()
+        drafted, draft_s = await self._draft(gamma, branches, self.drafter_appends, dynamic)
+        tokens, parents, origin = _draft_tree(drafted)
         rule_k = None
-        if gamma > 0:
-            behind = []
-            drafted, draft_s = await self._draft(gamma, branches, self.drafter_appends, dynamic)
-            tokens, parents, origin = _draft_tree(drafted)
-            if dynamic:  # the shape the rule chose
-                branches, gamma = len(drafted.tokens), len(drafted.tokens[0])
-            elif branches == 1:
-                rule_k = self._rule_would_pick(arena.view(drafted.probs)[0])
+        if dynamic:  # the shape the rule chose
+            branches, gamma = len(drafted.tokens), len(drafted.tokens[0])
+        elif branches == 1:
+            rule_k = self._rule_would_pick(arena.view(drafted.probs)[0])
         start = time.perf_counter()
         verified, _ = await self._verify(tokens, parents)
         verify_s = time.perf_counter() - start
         logits = arena.view(verified.logits)  # row 0: the distribution the draft grows from
 
         def draft_rows() -> np.ndarray:
-            if drafted is None:
-                return np.zeros((0, logits.shape[1]), np.float32)
             probs = arena.view(drafted.probs)
             return np.stack([probs[b, s] for b, s in origin])
 
         verdict, emitted, stopped = self._judge(tokens, parents, logits, draft_rows, remaining)
-        self.drafter_appends = behind + emitted
+        self.drafter_appends = emitted  # the drafter caught up with the rest in this draft
         round_s = time.perf_counter() - round_start
         self._record(
             gamma,
@@ -310,7 +304,7 @@ class SpeculativeDecoder:
         return verifier.call(
             m.VerifyTree(
                 request=verifier.next_request(),
-                tokens=[self.pending_bonus, *tokens],
+                tokens=self.verifier_tree,
                 parents=[-1, *(p + 1 for p in parents)],
                 out=self.pair.verify_slot,
                 commit=self.verifier_keeps,

@@ -103,7 +103,7 @@ class _Snapshot:
     overhead: float
     branch_cost: float
     alone: float  # seconds of a round without a draft (the target decoding one token)
-    dynamic: list[tuple[float, list[float]]]  # rule-drafted rounds: (share, reach) per k
+    dynamic: list[tuple[int, float, list[float]]]  # the rule's rounds: (k, share, reach)
 
     def step_s(self, branches: int, overlapped: bool = False) -> float:
         return self.step[overlapped] * (1 + self.branch_cost * (branches - 1))
@@ -357,7 +357,7 @@ class BudgetController:
             chances = [1.0, self.rule_acceptance(k)]
             for depth in range(2, self.max_gamma + 1):
                 chances.append(chances[-1] * self.acceptance(depth, k))
-            dynamic.append((share, chances))
+            dynamic.append((k, share, chances))
         return _Snapshot(step, verify, reach, overhead, self.batched_step_cost, alone, dynamic)
 
     def choose(self) -> Decision:
@@ -444,7 +444,7 @@ class BudgetController:
         the branch counts it has been picking: k sequences of budget // k tokens, drafted in
         budget forwards when k = 1 and budget // k + 1 otherwise (the rule's probe)."""
         plain, tokens, round_s = s.verify[False], 0.0, s.overhead
-        for (k, _), (share, reach) in zip(self.rule_shares(), s.dynamic, strict=True):
+        for k, share, reach in s.dynamic:
             length = branch_length(budget, k)
             forwards = budget if k == 1 else length + 1
             tokens += share * (1.0 + sum(reach[1 : length + 1]))
