@@ -49,6 +49,11 @@ def _unreachable(address: Address, error: Exception) -> DaemonUnreachable:
     return DaemonUnreachable(f"cannot reach hetspecd at {address}: {reason}{hint}")
 
 
+def _is_error(path: str, status: int) -> bool:
+    """An error status; /health's 503 (loading, draining) is an answer, not an error."""
+    return status >= 400 and not (path == "/health" and status == 503)
+
+
 def _chat_completion(document: dict) -> Completion:
     choice = document["choices"][0]
     return Completion(
@@ -121,7 +126,7 @@ class Client:
             response = self._http.send(request, stream=stream)
         except httpx.TransportError as error:
             raise _unreachable(self.address, error) from None
-        if response.status_code >= 400 and not (path == "/health" and response.status_code == 503):
+        if _is_error(path, response.status_code):
             content = response.read()
             response.close()
             raise error_from(response.status_code, content, response.headers.get("Retry-After"))
@@ -233,7 +238,7 @@ class AsyncClient:
             response = await self._http.send(request, stream=stream)
         except httpx.TransportError as error:
             raise _unreachable(self.address, error) from None
-        if response.status_code >= 400 and not (path == "/health" and response.status_code == 503):
+        if _is_error(path, response.status_code):
             content = await response.aread()
             await response.aclose()
             raise error_from(response.status_code, content, response.headers.get("Retry-After"))

@@ -110,9 +110,6 @@ class ChatRequest(_Common, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("logprobs are not supported")
 
 
-FINISH_REASONS = {"stop": "stop", "length": "length", "error": "error"}
-
-
 def _event(document: dict | str) -> bytes:
     data = document if isinstance(document, str) else msgspec.json.encode(document).decode()
     return f"data: {data}\n\n".encode()
@@ -144,7 +141,7 @@ def openai_routes(service: Service) -> list[web.RouteDef]:
         async with service.generation(generate) as run:
             if not body.stream:
                 text = await collect(run)
-                reason = FINISH_REASONS[run.result.done_reason]
+                reason = run.result.done_reason
                 choice = (
                     {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
                 )
@@ -176,7 +173,7 @@ def openai_routes(service: Service) -> list[web.RouteDef]:
                 }
 
             def end() -> bytes:
-                events = _event(chunk(None, FINISH_REASONS[run.result.done_reason]))
+                events = _event(chunk(None, run.result.done_reason))
                 if body.stream_options and body.stream_options.include_usage:
                     events += _event(
                         {

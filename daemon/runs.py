@@ -69,13 +69,13 @@ class Run:
         return document
 
 
-def as_api_error(error: Exception) -> ApiError | None:
-    """The client-facing form of a failure during generation; None for a bug of ours."""
+def as_api_error(error: Exception) -> ApiError:
+    """The client-facing form of a failure during generation; a bug of ours is re-raised."""
     if isinstance(error, (WorkerError, WorkerUnavailable)):
         return ApiError(503, f"generation failed: {error}", retry_after_s=2)
     if isinstance(error, ValueError):  # the prompt does not fit the context, ...
         return ApiError(400, str(error))
-    return None
+    raise error
 
 
 async def collect(run: Run) -> str:
@@ -83,10 +83,7 @@ async def collect(run: Run) -> str:
     try:
         return "".join([piece async for piece in run.pieces])
     except Exception as error:
-        api_error = as_api_error(error)
-        if api_error is None:
-            raise
-        raise api_error from None
+        raise as_api_error(error) from None
 
 
 async def stream(
@@ -102,10 +99,7 @@ async def stream(
     try:
         first = await anext(run.pieces, "")
     except Exception as error:
-        api_error = as_api_error(error)
-        if api_error is None:
-            raise
-        raise api_error from None
+        raise as_api_error(error) from None
     response = web.StreamResponse(
         headers={"Content-Type": content_type, "Cache-Control": "no-cache"}
     )
@@ -116,11 +110,9 @@ async def stream(
         async for piece in run.pieces:
             await response.write(encode_piece(piece))
     except Exception as error:
-        api_error = as_api_error(error)
-        if api_error is None:
-            raise
+        failure = as_api_error(error)  # after the response began: an error object ends it
         run.result.done_reason = "error"
-        await response.write(encode_failure(api_error))
+        await response.write(encode_failure(failure))
     else:
         await response.write(encode_end())
     await response.write_eof()

@@ -68,41 +68,49 @@ def worker_specs(config: DaemonConfig, log_format: str) -> dict[str, WorkerSpec]
     drafting_on_cpu = config.placement == "draft-cpu"
     cpu_model = config.draft.gguf if drafting_on_cpu else config.target.gguf
     gpu_model = config.target.folder if drafting_on_cpu else config.draft.folder
-    cpu_settings = m.LlamaCppSettings(**_fields(cpu_cfg, m.LlamaCppSettings))
-    exact = not drafting_on_cpu  # the llama.cpp worker verifies: exact logits (see settings)
-    cpu_settings = msgspec.structs.replace(
-        cpu_settings,
-        flash_attention=cpu_settings.flash_attention or ("off" if exact else "auto"),
-        kv_type=cpu_settings.kv_type or ("f32" if exact else "f16"),
-    )
-    gpu_settings = m.TorchSettings(**_fields(gpu_cfg, m.TorchSettings))
-    if gpu_settings.threads is None:  # torch would otherwise size its pool from the whole box
-        gpu_settings = msgspec.structs.replace(gpu_settings, threads=len(set(gpu_cores)))
-    if drafting_on_cpu and gpu_settings.dtype == "auto":
-        # A verifying torch worker computes in float32: in bf16 a tree's logits differ from
-        # one token at a time enough to flip near-ties (seen on an H100: greedy output left
-        # the target's own), so losslessness would depend on the batch shape. A drafter may
-        # round: its tokens are only proposals. (gpu_worker.dtype = "bfloat16" trades this
-        # exactness for memory on a model that does not fit in float32.)
-        gpu_settings = msgspec.structs.replace(gpu_settings, dtype="float32")
-    gpu_runtime = "torch"
-    if config.gpu_runtime == "llama.cpp":
-        gpu_runtime = "llama.cpp"
+    cpu_settings = _llama_settings(cpu_cfg, verifies=not drafting_on_cpu)
+    if config.gpu_runtime == "llama.cpp":  # the GPU worker's model in llama.cpp too
         gpu_model = config.target.gguf if drafting_on_cpu else config.draft.gguf
-        exact = drafting_on_cpu  # the GPU worker verifies
-        gpu_settings = msgspec.structs.replace(
-            m.LlamaCppSettings(**_fields(cpu_cfg, m.LlamaCppSettings)),
-            threads=None, threads_batch=None, gpu_layers=-1,
-            flash_attention=cpu_cfg.flash_attention or ("off" if exact else "auto"),
-            kv_type=cpu_cfg.kv_type or ("f32" if exact else "f16"),
-        )  # fmt: skip
+        gpu_settings = _llama_settings(cpu_cfg, verifies=drafting_on_cpu, threads=None,
+                                       threads_batch=None, gpu_layers=-1)  # fmt: skip
+    else:
+        gpu_settings = _torch_settings(gpu_cfg, verifies=drafting_on_cpu, cores=gpu_cores)
     common = {"heartbeat_s": config.heartbeat_s, "heartbeat_timeout_s": config.heartbeat_timeout_s,
               "call_timeout_s": config.call_timeout_s, "spin_us": config.worker_spin_us,
               "log_format": log_format}  # fmt: skip
     return {
         "cpu": WorkerSpec("cpu", "llama.cpp", cpu_model, cpu_settings, tuple(cpu_cores), **common),
-        "gpu": WorkerSpec("gpu", gpu_runtime, gpu_model, gpu_settings, tuple(gpu_cores), **common),
+        "gpu": WorkerSpec(
+            "gpu", config.gpu_runtime, gpu_model, gpu_settings, tuple(gpu_cores), **common
+        ),
     }
+
+
+def _llama_settings(cfg, *, verifies: bool, **changes) -> m.LlamaCppSettings:
+    """llama.cpp settings by role, where the configuration leaves them open: a verifier gets
+    exact logits (no flash attention, an f32 KV cache: a tree's logits then equal each path's
+    evaluated alone, see LlamaCppSettings), a drafter the faster auto/f16."""
+    settings = m.LlamaCppSettings(**_fields(cfg, m.LlamaCppSettings))
+    return msgspec.structs.replace(
+        settings,
+        flash_attention=settings.flash_attention or ("off" if verifies else "auto"),
+        kv_type=settings.kv_type or ("f32" if verifies else "f16"),
+        **changes,
+    )
+
+
+def _torch_settings(cfg, *, verifies: bool, cores: list[int]) -> m.TorchSettings:
+    settings = m.TorchSettings(**_fields(cfg, m.TorchSettings))
+    if settings.threads is None:  # torch would otherwise size its pool from the whole box
+        settings = msgspec.structs.replace(settings, threads=len(set(cores)))
+    if verifies and settings.dtype == "auto":
+        # A verifying torch worker computes in float32: in bf16 a tree's logits differ from
+        # one token at a time enough to flip near-ties (seen on an H100: greedy output left
+        # the target's own), so losslessness would depend on the batch shape. A drafter may
+        # round: its tokens are only proposals. (gpu_worker.dtype = "bfloat16" trades this
+        # exactness for memory on a model that does not fit in float32.)
+        settings = msgspec.structs.replace(settings, dtype="float32")
+    return settings
 
 
 def _fields(struct: msgspec.Struct, target: type) -> dict:
