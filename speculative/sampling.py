@@ -11,7 +11,7 @@ import numpy as np
 
 from hetspec.protocol.sampling import SamplingError, SamplingParams
 
-__all__ = ["SamplingError", "SamplingParams", "choose", "distribution", "softmax"]
+__all__ = ["SamplingError", "SamplingParams", "choose", "distribution", "softmax", "top_tokens"]
 
 
 def softmax(logits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -48,6 +48,19 @@ def distribution(
         out[drop] = 0
         out /= out.sum(axis=-1, keepdims=True)
     return out
+
+
+def top_tokens(row: np.ndarray, count: int) -> np.ndarray:
+    """The ``count`` highest entries of a row, best first, ties to the lower index: the order
+    of a stable descending sort, without sorting the whole vocabulary (a 4k-token argsort
+    cost 0.2 ms, as much as a forward of the demo target)."""
+    if count == 1:
+        return np.array([int(row.argmax())])
+    kth = np.partition(row, row.size - count)[row.size - count]
+    above = np.flatnonzero(row > kth)
+    ties = np.flatnonzero(row == kth)[: count - len(above)]
+    candidates = np.concatenate([above, ties])
+    return candidates[np.lexsort((candidates, -row[candidates]))]
 
 
 def choose(probs: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> np.ndarray:

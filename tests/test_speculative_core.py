@@ -8,7 +8,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hetspec.speculative.branching import branch_length, uncertainty_branches
-from hetspec.speculative.sampling import SamplingError, SamplingParams, choose, distribution
+from hetspec.speculative.sampling import (
+    SamplingError,
+    SamplingParams,
+    choose,
+    distribution,
+    top_tokens,
+)
 from hetspec.speculative.tree import (
     TreeError,
     ancestor_mask,
@@ -168,3 +174,12 @@ def test_uncertainty_branches_follow_duodecodings_threshold() -> None:
     assert uncertainty_branches(unsure, 0.5, cap=4, scale=0.0) == 4
     assert uncertainty_branches(unsure, 0.5, cap=4, scale=10.0) == 1  # never below one
     assert [branch_length(8, k) for k in (1, 2, 3, 4, 9)] == [8, 4, 2, 2, 1]
+
+
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=40), st.data())
+def test_top_tokens_is_the_stable_descending_order(values, data):
+    """Ties included (few distinct values), the prefix of a stable descending argsort."""
+    row = np.array(values, np.float32)
+    count = data.draw(st.integers(1, len(values)))
+    expected = np.argsort(-row, kind="stable")[:count]
+    assert top_tokens(row, count).tolist() == expected.tolist()

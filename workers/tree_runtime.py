@@ -17,7 +17,7 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from hetspec.speculative.branching import branch_length, uncertainty_branches
-from hetspec.speculative.sampling import SamplingParams, choose, distribution
+from hetspec.speculative.sampling import SamplingParams, choose, distribution, top_tokens
 from hetspec.speculative.tree import (
     ROOT,
     ancestor_mask,
@@ -321,7 +321,7 @@ class TreeRuntime(ABC, Generic[Output]):
         distribution(first, params, out=out[0, 0])
         out[1:, 0] = out[0, 0]
         if params.greedy:
-            tokens[:, 0] = np.argsort(-out[0, 0], kind="stable")[:branches]
+            tokens[:, 0] = top_tokens(out[0, 0], branches)
         else:
             tokens[:, 0] = choose(out[:, 0], params, rng)
         for step in range(1, steps):
@@ -358,7 +358,7 @@ class TreeRuntime(ABC, Generic[Output]):
         tokens[0, 0], nodes[0, 0] = top, 0
         if k > 1:
             if params.greedy:
-                order = np.argsort(-first, kind="stable")
+                order = top_tokens(first, k)
                 tokens[1:, 0] = order[order != top][: k - 1]
             else:
                 tokens[1:, 0] = choose(out[1:, 0], params, rng)
