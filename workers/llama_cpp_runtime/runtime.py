@@ -103,6 +103,10 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
         context_params.n_outputs_max = max(n_batch, n_seq_max)
         context_params.n_threads = threads
         context_params.n_threads_batch = threads_batch
+        if flash_attention == "auto" and not self.offloaded:
+            # llama.cpp's "auto" turns it on for the CPU too, where (demo target, 500 tokens of
+            # context, one thread) it made a step 1.5x and a 5-token batch 4x slower
+            flash_attention = "off"
         context_params.flash_attn_type = FLASH_ATTENTION[flash_attention]
         context_params.type_k = context_params.type_v = KV_TYPES[kv_type]
         context_params.kv_unified = True  # tree nodes carry several sequence ids
