@@ -336,10 +336,12 @@ class SpeculativeDecoder:
         branches, steps = len(drafted.tokens), len(drafted.tokens[0])
         if dynamic and branches > 1:
             steps += 1  # the rule's look at the top sequence's second token
+        worker_s = drafted.elapsed_ms / 1000
+        self.controller.record_draft_latency(seconds - worker_s)
         if len(append) <= 2:
-            self.controller.record_draft(steps, branches, seconds)
+            self.controller.record_draft(steps, branches, worker_s)
         elif steps >= 2:
-            self.controller.record_draft(steps - 1, branches, seconds - drafted.append_ms / 1000)
+            self.controller.record_draft(steps - 1, branches, worker_s - drafted.append_ms / 1000)
         return drafted, seconds
 
     def _record(
@@ -406,6 +408,13 @@ class SpeculativeDecoder:
                 self.drafter_prefill.cancel()
             elif not self.drafter_prefill.cancelled():
                 self.drafter_prefill.exception()  # retrieved: raised above if it mattered
+
+
+async def _timed(call):
+    """A call's reply and its seconds until the reply was in (not until it was awaited)."""
+    start = time.perf_counter()
+    reply = await call
+    return reply, time.perf_counter() - start
 
 
 @dataclass
@@ -492,15 +501,17 @@ class OverlappedDecoder(SpeculativeDecoder):
             out=self.pair.draft_slot,  # the rows under verification were copied
             after=(draft.last_parent, draft.tokens[-1]),
         )
-        return asyncio.ensure_future(drafter.call(command))
+        return asyncio.ensure_future(_timed(drafter.call(command)))
 
     async def _take_run_ahead(self, ahead, gamma, verdict, tokens, logits) -> Verdict:
         """Wait for the run-ahead; it becomes the next draft (``self.unverified``) when the
         whole draft was accepted and its guess of the bonus holds."""
-        guessed, _ = await ahead
+        (guessed, _), seconds = await ahead
         self.stats.run_ahead += 1
         self.stats.draft_ms += guessed.elapsed_ms
-        self.controller.record_draft(gamma + 1, 1, guessed.elapsed_ms / 1000, overlapped=True)
+        worker_s = guessed.elapsed_ms / 1000
+        self.controller.record_draft(gamma + 1, 1, worker_s, overlapped=True)
+        self.controller.record_draft_latency(seconds - worker_s, overlapped=True)
         if len(verdict.path) == len(tokens):  # all accepted: does the guessed bonus hold?
             verdict, held = self._second_opinion(verdict, guessed, logits[-1:])
             if held:

@@ -8,7 +8,11 @@ controller keeps measuring:
   one preempted step does not swing it) times the cost of k branches relative to one,
   1 + batched_step_cost * (k - 1) (llama.cpp's batched branches measured 0.28-0.39 on the
   demo pair; per-k estimates went stale for the branch counts not chosen lately and misled
-  the controller after a load change);
+  the controller after a load change); plus a draft call's latency (the message round trip and
+  the worker's wake-up, a windowed median of call time minus the worker's own time), paid
+  once per call whatever its length: folded into the steps, it made short drafts look dear
+  and long ones cheap, and hid what a run-ahead costs (its reply came 0.85 ms after its
+  1.25 ms of drafting on a busy 2-vCPU VM);
 - T_verify(width): a least-squares line through windowed medians per tree width;
 - acceptance by depth (and at depth 1 by branch count): exponentially decayed counts, so old
   behaviour fades within a few dozen rounds.
@@ -98,6 +102,7 @@ class _Snapshot:
     every round, and a round is a few milliseconds)."""
 
     step: dict[bool, float]  # seconds per draft step of one branch, by "overlapped"
+    latency: dict[bool, float]  # a draft call's seconds besides its steps, by "overlapped"
     verify: dict[bool, _Line]
     reach: list[list[float]]  # [branches][depth]: P(the first depth tokens are accepted)
     overhead: float
@@ -107,6 +112,10 @@ class _Snapshot:
 
     def step_s(self, branches: int, overlapped: bool = False) -> float:
         return self.step[overlapped] * (1 + self.branch_cost * (branches - 1))
+
+    def draft_s(self, steps: int, branches: int = 1, overlapped: bool = False) -> float:
+        """A draft call of ``steps`` steps, from sending it to having its reply."""
+        return self.latency[overlapped] + steps * self.step_s(branches, overlapped)
 
     def tokens(self, gamma: int, branches: int) -> float:
         return 1.0 + sum(self.reach[branches][1 : gamma + 1])  # the bonus always comes
@@ -139,6 +148,7 @@ class BudgetController:
         # keyed by "overlapped": costs differ when both workers compute at once (they share a
         # box: on a 2-vCPU VM a forward took 1.7x as long while the other vCPU was busy)
         self._draft_level = {c: self._median() for c in (False, True)}
+        self._draft_latency = {c: self._median() for c in (False, True)}
         self._verify: dict[bool, dict[int, WindowedMedian]] = {False: {}, True: {}}
         self._offered = [0.0] * (self.max_gamma + 1)  # index = depth (1-based)
         self._accepted = [0.0] * (self.max_gamma + 1)
@@ -171,6 +181,10 @@ class BudgetController:
         if steps > 0 and seconds > 0:
             level = self._draft_level[overlapped]
             level.add(seconds / steps / self._branch_factor(branches))
+
+    def record_draft_latency(self, seconds: float, *, overlapped: bool = False) -> None:
+        """A draft call's time besides the worker's own (messages, wake-ups)."""
+        self._draft_latency[overlapped].add(max(0.0, seconds))
 
     def record_target_alone(self, seconds: float) -> None:
         """A whole round without a draft. Kept apart from the verify line: a verifier that
@@ -241,6 +255,12 @@ class BudgetController:
         level = self._draft_level[overlapped].value or self._draft_level[not overlapped].value
         return None if level is None else level * self._branch_factor(branches)
 
+    def draft_latency_s(self, overlapped: bool = False) -> float:
+        """A draft call's latency; a condition never measured borrows the other's (0 before
+        any: then the steps carry it)."""
+        latency = self._draft_latency
+        return latency[overlapped].value or latency[not overlapped].value or 0.0
+
     def verify_s(self, width: int, overlapped: bool = False) -> float | None:
         """Seconds to verify ``width`` nodes; a condition never measured borrows the other's."""
         return self._verify_fit(width, overlapped) or self._verify_fit(width, not overlapped)
@@ -249,8 +269,11 @@ class BudgetController:
         line = self._verify_line(overlapped)
         return None if line is None else line.at(width)
 
-    def _verify_line(self, overlapped: bool) -> _Line | None:
-        """A least-squares line (slope >= 0) through the windowed medians per width."""
+    def _verify_line(self, overlapped: bool, borrow: bool = True) -> _Line | None:
+        """A least-squares line (slope >= 0) through the windowed medians per width. Where
+        one width only was measured, the slope comes from the other condition's line, scaled
+        to this one's level: flat, it priced narrow trees like the one wide tree measured and
+        kept the controller from ever trying them."""
         points = [(w, m.value) for w, m in self._verify[overlapped].items() if len(m)]
         if not points:
             return None
@@ -261,6 +284,8 @@ class BudgetController:
         slope = 0.0
         if spread > 0:
             slope = max(0.0, sum((w - mean_w) * (t - mean_t) for w, t in points) / spread)
+        elif borrow and (other := self._verify_line(not overlapped, borrow=False)):
+            slope = other.slope * mean_t / other.at(round(mean_w))
         return _Line(mean_w, mean_t, slope, min(t for _, t in points) * 0.5)
 
     def acceptance(self, depth: int, branches: int = 1) -> float:
@@ -328,6 +353,8 @@ class BudgetController:
         return {
             "draft_step_ms": {"alone": ms(self._draft_level[False].value),
                               "overlapped": ms(self._draft_level[True].value)},
+            "draft_latency_ms": {"alone": ms(self._draft_latency[False].value),
+                                 "overlapped": ms(self._draft_latency[True].value)},
             "verify_ms": {kind: {w: ms(self._verify_fit(w, c)) for w in (1, 2, 5, 9, 17)}
                           for kind, c in (("alone", False), ("overlapped", True))},
             "overhead_ms": ms(self._overhead.value),
@@ -342,6 +369,7 @@ class BudgetController:
 
     def _snapshot(self) -> _Snapshot:
         step = {c: self.draft_step_s(1, c) for c in (False, True)}
+        latency = {c: self.draft_latency_s(c) for c in (False, True)}
         verify = {c: self._verify_line(c) or self._verify_line(not c) for c in (False, True)}
         reach = [[]]
         for branches in range(1, self.max_branches + 1):
@@ -358,7 +386,8 @@ class BudgetController:
             for depth in range(2, self.max_gamma + 1):
                 chances.append(chances[-1] * self.acceptance(depth, k))
             dynamic.append((k, share, chances))
-        return _Snapshot(step, verify, reach, overhead, self.batched_step_cost, alone, dynamic)
+        return _Snapshot(step, latency, verify, reach, overhead, self.batched_step_cost, alone,
+                         dynamic)  # fmt: skip
 
     def choose(self) -> Decision:
         last = self.history[-1] if self.history else None
@@ -397,6 +426,8 @@ class BudgetController:
         turn = turns[probe % len(turns)]
         if turn == "other":  # the kinds of round take turns, keeping the cycle short
             turn = others[probe // len(turns) % len(others)]
+        if best.gamma == 0:  # from the target alone only a draft is a neighbour
+            turn = ["longer", "overlap"][probe % 2] if self.parallel else "longer"
         if turn == "rule":
             if best.dynamic:
                 return self._evaluate(best.gamma, 1, False, snapshot)
@@ -405,6 +436,8 @@ class BudgetController:
             return best
         gamma = best.gamma + {"shorter": -1, "longer": 1}.get(turn, 0)
         branches = (1 if best.dynamic else best.branches) + {"fewer": -1, "more": 1}.get(turn, 0)
+        if turn == "overlap":
+            gamma = max(gamma, 1)
         overlap = best.overlap != (turn == "overlap") and gamma > 0
         if overlap:
             branches = 1
@@ -431,10 +464,10 @@ class BudgetController:
         verify_s = s.verify[overlap].at(gamma * branches + 1)  # the tree plus the last bonus
         if overlap:
             held = s.reach[1][gamma + 1]  # the run-ahead becomes the next draft
-            fresh_s = gamma * s.step_s(1)  # otherwise the next round drafts alone first
-            round_s = max((gamma + 1) * s.step_s(1, True), verify_s) + (1 - held) * fresh_s
+            fresh_s = s.draft_s(gamma)  # otherwise the next round drafts alone first
+            round_s = max(s.draft_s(gamma + 1, 1, True), verify_s) + (1 - held) * fresh_s
         else:
-            round_s = gamma * s.step_s(branches) + verify_s
+            round_s = s.draft_s(gamma, branches) + verify_s
         round_s += s.overhead
         tokens = s.tokens(gamma, branches)
         return Decision(gamma, branches, tokens, round_s, tokens / round_s, overlap)
@@ -448,13 +481,14 @@ class BudgetController:
             length = branch_length(budget, k)
             forwards = budget if k == 1 else length + 1
             tokens += share * (1.0 + sum(reach[1 : length + 1]))
-            round_s += share * (forwards * s.step_s(k) + plain.at(k * length + 1))
+            round_s += share * (s.draft_s(forwards, k) + plain.at(k * length + 1))
         return tokens, round_s
 
     def _rates(self, s: _Snapshot):
         """(expected tokens/s, gamma, branches, overlap) of every candidate: ``_evaluate``'s
         arithmetic, inlined, because it runs ~100 times a round."""
         overhead, plain, ahead = s.overhead, s.verify[False], s.verify[True]
+        latency, ahead_latency = s.latency[False], s.latency[True]
         yield 1 / s.alone, 0, 1, False  # no draft: the target alone
         for branches in range(1, self.max_branches + 1):
             step, reach, tokens = s.step_s(branches), s.reach[branches], 1.0
@@ -462,11 +496,13 @@ class BudgetController:
                 if gamma * branches + 1 > self.max_width:
                     break
                 tokens += reach[gamma]
-                round_s = gamma * step + plain.at(gamma * branches + 1) + overhead
+                fresh = latency + gamma * step
+                round_s = fresh + plain.at(gamma * branches + 1) + overhead
                 yield tokens / round_s, gamma, branches, False
                 if self.parallel and branches == 1:
-                    both = max((gamma + 1) * s.step_s(1, True), ahead.at(gamma + 1))
-                    round_s = both + (1 - reach[gamma + 1]) * gamma * step + overhead
+                    run_ahead = ahead_latency + (gamma + 1) * s.step_s(1, True)
+                    both = max(run_ahead, ahead.at(gamma + 1))
+                    round_s = both + (1 - reach[gamma + 1]) * fresh + overhead
                     yield tokens / round_s, gamma, 1, True
         if s.dynamic:  # drafted by the rule, as a plain round (branches = the cap)
             for budget in range(2, min(self.max_gamma, self.max_width - 1) + 1):
