@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hetspec.daemon.generation import (
+    ALONE_TOKENS,
     GenerateRequest,
     GenerationResult,
     TextOutput,
@@ -269,31 +270,34 @@ class SpeculativeDecoder:
         return RoundOutcome(emitted, stopped)
 
     async def _target_alone_round(self, remaining: int) -> RoundOutcome:
-        """No draft: the target decodes one token by itself, sampling it in its own process
-        as autoregressive mode does (the logits need not travel through the daemon, which
-        made these rounds 25% slower than autoregressive decoding). The drafter falls behind
-        by the token and catches up when drafting resumes."""
+        """No draft: the target decodes ``ALONE_TOKENS`` tokens by itself, sampling them in
+        its own process as autoregressive mode does (the logits need not travel through the
+        daemon, which made these rounds 25% slower than autoregressive decoding). It holds
+        all but the last as evaluated pending nodes: the next round commits them as it
+        commits an accepted path, and the last becomes the pending bonus. The drafter falls
+        behind by the tokens and catches up when drafting resumes."""
         verifier = self.pair.verifier
         start = time.perf_counter()
         kept = [self.verifier_tree[node] for node in self.verifier_keeps]  # last round's path
         drafted, _ = await verifier.call(
             m.Draft(
                 request=verifier.next_request(),
-                steps=1,
+                steps=min(ALONE_TOKENS, remaining),
                 sampling=self.params,
                 out=self.pair.verify_slot,
                 append=[*kept, self.pending_bonus],
             )
         )
-        token = drafted.tokens[0][0]
-        self.verifier_keeps, self.verifier_tree = [], []  # all committed: nothing pending
-        self.pending_bonus = token
-        stopped = token == self.eos
-        emitted = [] if stopped else [token][:remaining]
+        tokens = drafted.tokens[0]
+        self.verifier_tree = tokens[:-1]  # evaluated while sampling: pending nodes 0, 1, ...
+        self.verifier_keeps = list(range(len(tokens) - 1))
+        self.pending_bonus = tokens[-1]
+        stopped = self.eos in tokens
+        emitted = tokens[: tokens.index(self.eos)] if stopped else tokens[:remaining]
         self.drafter_appends = self.drafter_appends + emitted
         round_s = time.perf_counter() - start
-        self._record(0, 1, 0, 1, draft_s=0.0, verify_s=round_s, round_s=round_s,
-                     dynamic=False, rule_k=None)  # fmt: skip
+        self._record(0, 1, 0, 1, draft_s=0.0, verify_s=round_s / len(tokens),
+                     round_s=round_s / len(tokens), dynamic=False, rule_k=None)  # fmt: skip
         return RoundOutcome(emitted, stopped)
 
     def _verify(self, tokens: list[int], parents: list[int]):
