@@ -205,11 +205,12 @@ async def generate(
     last: list[int] = []  # the last call's tokens, which the worker holds unconfirmed
     try:
         while len(result.tokens) < max_tokens and result.done_reason != "stop":
+            # the first token alone: it comes with the prefill, not after more
+            steps = ALONE_TOKENS if result.tokens else 1
             drafted, _ = await worker.call(
                 m.Draft(
                     request=worker.next_request(),
-                    # the first token alone: it comes with the prefill, not after more
-                    steps=min(ALONE_TOKENS if result.tokens else 1, max_tokens - len(result.tokens)),
+                    steps=min(steps, max_tokens - len(result.tokens)),
                     sampling=request.sampling,
                     out=slot,
                     append=last or result.tokens[-1:],

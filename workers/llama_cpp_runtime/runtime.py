@@ -103,11 +103,7 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
         context_params.n_outputs_max = max(n_batch, n_seq_max)
         context_params.n_threads = threads
         context_params.n_threads_batch = threads_batch
-        if flash_attention == "auto" and not self.offloaded:
-            # llama.cpp's "auto" turns it on for the CPU too, where (demo target, 500 tokens of
-            # context, one thread) it made a step 1.5x and a 5-token batch 4x slower
-            flash_attention = "off"
-        context_params.flash_attn_type = FLASH_ATTENTION[flash_attention]
+        context_params.flash_attn_type = FLASH_ATTENTION[self._flash_attention(flash_attention)]
         context_params.type_k = context_params.type_v = KV_TYPES[kv_type]
         context_params.kv_unified = True  # tree nodes carry several sequence ids
         context_params.no_perf = True
@@ -127,6 +123,12 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
         super().__init__(vocab_size, n_ctx)
 
     # ------------------------------------------------------------ setup helpers
+
+    def _flash_attention(self, setting: str) -> str:
+        """llama.cpp's "auto" turns flash attention on for the CPU too, where (demo target,
+        500 tokens of context, one thread) it made a step 1.5x and a 5-token batch 4x slower;
+        so "auto" means "off" unless layers are offloaded."""
+        return "off" if setting == "auto" and not self.offloaded else setting
 
     def _load_model(self, path: Path, mmap: bool, gpu_layers: int) -> L.llama_model_p:
         params = L.llama_model_default_params()
