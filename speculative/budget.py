@@ -141,6 +141,11 @@ class BudgetController:
     # target decodes alone only its own cost is measured, and such a round is about a
     # millisecond, of which choosing took a tenth
     keep_alone_rounds: int = 4
+    # While the target decodes alone, each probe that finds gamma 0 still best halves how
+    # often the next comes (down to one in 2**max_alone_backoff probe slots): a probe is a
+    # drafted round plus the drafter catching up on everything since the last, which on the
+    # 2-vCPU VM cost adaptive 15% against the target alone where drafting never paid.
+    max_alone_backoff: int = 3
     history: list[Decision] = field(default_factory=list)  # the latest decisions
     HISTORY_KEPT = 1024  # a daemon runs for months: older decisions are dropped
 
@@ -165,6 +170,8 @@ class BudgetController:
         self._single_accepted = [0.0] * (self.max_branches + 1)
         self._rounds = 0
         self._kept = 0  # rounds the last gamma-0 decision was reused
+        self._alone_backoff = 0  # probe slots skipped while alone: 2**this - 1 of every 2**this
+        self._alone_probes = 0  # probes taken from gamma 0 (they alternate two kinds)
         self._overhead = self._median()
         self._alone = self._median()  # whole rounds with gamma 0
 
@@ -391,8 +398,11 @@ class BudgetController:
 
     def choose(self) -> Decision:
         last = self.history[-1] if self.history else None
+        alone = last is not None and last.gamma == 0
         probe_due = self.probe_every and self._rounds % self.probe_every == 0
-        if last and last.gamma == 0 and self._kept < self.keep_alone_rounds and not probe_due:
+        if probe_due and alone:  # thinned out while the target keeps decoding alone
+            probe_due = (self._rounds // self.probe_every) % (1 << self._alone_backoff) == 0
+        if alone and self._kept < self.keep_alone_rounds and not probe_due:
             self._kept += 1
             self.history.append(last)
             return last
@@ -409,6 +419,10 @@ class BudgetController:
             # (a negative branch count marks the rule's candidates, to keep the tuples cheap)
             decision = self._evaluate(gamma, max(branches, 1), overlap, snapshot,
                                       dynamic=branches < 0)  # fmt: skip
+            if decision.gamma:
+                self._alone_backoff = 0
+            elif probe_due:
+                self._alone_backoff = min(self._alone_backoff + 1, self.max_alone_backoff)
             if probe_due:
                 decision = self._neighbour(decision, snapshot)
         self.history.append(decision)
@@ -427,7 +441,8 @@ class BudgetController:
         if turn == "other":  # the kinds of round take turns, keeping the cycle short
             turn = others[probe // len(turns) % len(others)]
         if best.gamma == 0:  # from the target alone only a draft is a neighbour
-            turn = ["longer", "overlap"][probe % 2] if self.parallel else "longer"
+            self._alone_probes += 1
+            turn = ["longer", "overlap"][self._alone_probes % 2] if self.parallel else "longer"
         if turn == "rule":
             if best.dynamic:
                 return self._evaluate(best.gamma, 1, False, snapshot)

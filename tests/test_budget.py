@@ -272,6 +272,29 @@ def test_it_drafts_nothing_where_drafting_cannot_pay() -> None:
     assert np.mean([d.gamma == 0 for d in late]) >= 0.8
 
 
+def test_probes_thin_out_while_the_target_decodes_alone_and_drafting_resumes_when_it_pays():
+    """Each probe (a drafted round, and the drafter catching up) costs where drafting does
+    not pay; after probes that confirm gamma 0 they come at most once in 2**3 probe slots.
+    When the drafter gets faster (another tenant leaves its core), drafting resumes within a
+    couple of those longer intervals."""
+    box = SimulatedBox(0.004, 0.001, 0.00005, 0.6, np.random.default_rng(0))
+    controller = BudgetController(parallel=True)
+    for _ in range(300):
+        box.run_round(controller)
+    start = len(controller.history)
+    for _ in range(2048):
+        box.run_round(controller)
+    drafted = sum(d.gamma > 0 for d in controller.history[start:])
+    slot = controller.probe_every << controller.max_alone_backoff
+    assert drafted <= 2048 // slot + 2, drafted
+    box.draft_step_s = 0.00005  # now drafting pays: 1.8x the target alone
+    assert box.best_rate() > 1.7 * box.rate(0, 1, False)
+    for _ in range(3 * slot):
+        box.run_round(controller)
+    late = controller.history[-40:]
+    assert np.mean([d.gamma > 0 for d in late]) >= 0.8
+
+
 def test_it_drafts_by_the_uncertainty_rule_where_that_pays() -> None:
     """A drafter that is sometimes sure (its top token accepted 90% of the time) and
     sometimes lost (5%): DuoDecoding's rule, one long sequence when sure and three short ones
