@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hetspec.daemon.generation import (
-    ALONE_TOKENS,
     GenerateRequest,
     GenerationResult,
     TextOutput,
+    alone_tokens,
     token_budget,
 )
 from hetspec.daemon.worker_client import WorkerClient
@@ -147,8 +147,10 @@ class SpeculativeDecoder:
     async def prefill(self, result: GenerationResult) -> int:
         """Prefill both workers at once; returns the first token, chosen by the target from
         its prefill's logits, as soon as the verifier's prefill is done: the drafter's goes on
-        (``self.drafter_prefill``) until the first round needs it. So the first token waits
-        for the target's prefill only, never for a draft."""
+        (``self.drafter_prefill``) until the first draft needs it. So the first token waits
+        for the target's prefill only, never for a draft, and rounds without a draft need not
+        wait for a slow drafter's prefill at all (a torch drafter on the CPU took longer over
+        a prompt than the llama.cpp target over its first tokens)."""
         drafter, verifier = self.pair.drafter, self.pair.verifier
         started = time.perf_counter()
         text = self.request.prompt
@@ -297,7 +299,7 @@ class SpeculativeDecoder:
         return RoundOutcome(emitted, stopped)
 
     async def _target_alone_round(self, remaining: int) -> RoundOutcome:
-        """No draft: the target decodes ``ALONE_TOKENS`` tokens by itself, sampling them in
+        """No draft: the target decodes a few tokens (``alone_tokens``) by itself, sampling them in
         its own process as autoregressive mode does (the logits need not travel through the
         daemon, which made these rounds 25% slower than autoregressive decoding). It holds
         all but the last as evaluated pending nodes: the next round commits them as it
@@ -309,7 +311,7 @@ class SpeculativeDecoder:
         drafted, _ = await self._choosing_meanwhile(verifier.call(
             m.Draft(
                 request=verifier.next_request(),
-                steps=min(ALONE_TOKENS, remaining),
+                steps=min(alone_tokens(self.controller.target_alone_s()), remaining),
                 sampling=self.params,
                 out=self.pair.verify_slot,
                 append=[*kept, self.pending_bonus],
@@ -350,6 +352,7 @@ class SpeculativeDecoder:
         token's distribution, so gamma tokens cost gamma forwards; but a long catch-up (after
         rounds without a draft) is not a step, so then the step is timed from the others.
         ``dynamic``: the rule shares a budget of ``gamma`` among up to ``branches``."""
+        await self.drafter_prefill
         drafter = self.pair.drafter
         start = time.perf_counter()
         drafted, _ = await drafter.call(
@@ -428,14 +431,13 @@ class SpeculativeDecoder:
                     break
                 if len(result.tokens) >= self.max_tokens:
                     break
-                await self.drafter_prefill
                 outcome = await self.round(self.max_tokens - len(result.tokens))
             tail = output.flush()
             if tail:
                 yield tail
         finally:
             result.decode_ms = (time.perf_counter() - decode_start) * 1000
-            if not self.drafter_prefill.done():  # the request ended before any round
+            if not self.drafter_prefill.done():  # the request ended before any draft
                 self.drafter_prefill.cancel()
             elif not self.drafter_prefill.cancelled():
                 self.drafter_prefill.exception()  # retrieved: raised above if it mattered

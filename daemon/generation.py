@@ -22,10 +22,21 @@ from hetspec.protocol.sampling import SamplingParams
 # choosing gamma unless the request fixes it; "parallel": the drafter drafts the next round while
 # the verifier verifies this one, at a fixed gamma; "adaptive": parallel plus the controller
 MODES = ("autoregressive", "sequential", "parallel", "adaptive")
-# Tokens the target decodes per call when it decodes alone (autoregressive mode, and rounds
-# without a draft): one call per token cost a message round trip per token (~0.2 ms, a third
-# of a demo-target token on a 2-vCPU VM); more per call would only delay the stream.
-ALONE_TOKENS = 4
+# When the target decodes alone (autoregressive mode, rounds without a draft) a call decodes
+# as many tokens as take about ALONE_CALL_S: one call per token cost a message round trip per
+# token (~0.2 ms, a third of a demo-target token on a 2-vCPU VM), while a slow model still
+# streams token by token.
+ALONE_CALL_S = 0.004
+MAX_ALONE_TOKENS = 16
+
+
+def alone_tokens(token_s: float | None) -> int:
+    """Tokens per call for a target taking ``token_s`` per token (None: not known yet)."""
+    if not token_s or token_s <= 0:
+        return 2
+    return max(1, min(MAX_ALONE_TOKENS, int(ALONE_CALL_S / token_s)))
+
+
 MAX_GAMMA = 32
 MAX_BRANCHES = 8
 MAX_STOPS, MAX_STOP_CHARS = 16, 256
@@ -187,10 +198,10 @@ async def generate(
     request: GenerateRequest, worker: WorkerClient, slot: int, result: GenerationResult
 ) -> AsyncIterator[str]:
     """Yield text pieces; ``result`` holds the tokens and timings (complete when exhausted).
-    ``ALONE_TOKENS`` per call: the worker appends the last call's tokens (it evaluated all
-    but the last while sampling them, so one forward) and samples the next ones, one forward
-    each (their probability rows land in arena slot ``slot``, unread: plain decoding needs
-    only the tokens). The first token is sampled from the prefill's logits."""
+    Several tokens per call (``alone_tokens``): the worker appends the last call's tokens (it
+    evaluated all but the last while sampling them, so one forward) and samples the next
+    ones, one forward each (their probability rows land in arena slot ``slot``, unread: plain
+    decoding needs only the tokens). The first token is sampled from the prefill's logits."""
     ready = worker.ready
     started = time.perf_counter()
     tokenized, _ = await worker.call(m.Tokenize(request=worker.next_request(), text=request.prompt))
@@ -203,10 +214,11 @@ async def generate(
     output = TextOutput(ready.token_bytes, request.stops)
     eos = -1 if request.ignore_eos else ready.vocab.eos
     last: list[int] = []  # the last call's tokens, which the worker holds unconfirmed
+    token_s = None  # the worker's seconds per token, from the last call
     try:
         while len(result.tokens) < max_tokens and result.done_reason != "stop":
             # the first token alone: it comes with the prefill, not after more
-            steps = ALONE_TOKENS if result.tokens else 1
+            steps = alone_tokens(token_s) if result.tokens else 1
             drafted, _ = await worker.call(
                 m.Draft(
                     request=worker.next_request(),
@@ -217,6 +229,8 @@ async def generate(
                 )
             )
             last = drafted.tokens[0]
+            if result.tokens:  # (the first call only sampled from the prefill's logits)
+                token_s = drafted.elapsed_ms / 1000 / len(last)
             for token in last:
                 if token == eos:
                     result.done_reason = "stop"

@@ -193,6 +193,10 @@ class BudgetController:
         """A draft call's time besides the worker's own (messages, wake-ups)."""
         self._draft_latency[overlapped].add(max(0.0, seconds))
 
+    def target_alone_s(self) -> float | None:
+        """Seconds per token of the target decoding alone, once measured."""
+        return self._alone.value
+
     def record_target_alone(self, seconds: float) -> None:
         """A whole round without a draft. Kept apart from the verify line: a verifier that
         did not wait for a draft meanwhile answers faster than one that did (it was not

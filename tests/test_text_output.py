@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetspec.daemon.generation import TextOutput
+from hetspec.daemon.generation import ALONE_CALL_S, MAX_ALONE_TOKENS, TextOutput, alone_tokens
 
 # single ASCII letters, a two-letter token, and the two halves of "é" (0xC3 0xA9)
 TOKENS = [b"a", b"b", b"c", b"ab", b"\xc3", b"\xa9", b"\n"]
@@ -54,3 +54,12 @@ def test_a_character_split_across_tokens_comes_out_whole() -> None:
     output = TextOutput(TOKENS, [])
     assert output.add(4) == ""
     assert output.add(5) == "é"
+
+
+def test_the_target_alone_decodes_about_a_fixed_time_per_call() -> None:
+    """A fast target decodes many tokens per call (the call's round trip is amortised), a
+    slow one token by token (the stream stays fluent); unknown speed: two, to measure it."""
+    assert alone_tokens(None) == 2
+    assert alone_tokens(ALONE_CALL_S / 6) == 6
+    assert alone_tokens(1e-6) == MAX_ALONE_TOKENS
+    assert alone_tokens(0.1) == 1
