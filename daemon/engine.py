@@ -536,9 +536,10 @@ class OverlappedDecoder(SpeculativeDecoder):
         )
         return asyncio.ensure_future(_timed(drafter.call(command)))
 
-    async def _take_run_ahead(self, ahead, gamma, verdict, tokens, logits) -> Verdict:
+    async def _take_run_ahead(self, ahead, gamma, verdict, tokens, logits):
         """Wait for the run-ahead; it becomes the next draft (``self.unverified``) when the
-        whole draft was accepted and its guess of the bonus holds."""
+        whole draft was accepted and its guess of the bonus holds. Returns the verdict and
+        the seconds the run-ahead's reply took."""
         (guessed, _), seconds = await ahead
         self.stats.run_ahead += 1
         self.stats.draft_ms += guessed.elapsed_ms
@@ -549,7 +550,7 @@ class OverlappedDecoder(SpeculativeDecoder):
             verdict, held = self._second_opinion(verdict, guessed, logits[-1:])
             if held:
                 self.unverified = self._unverified(guessed, skip=1)
-        return verdict
+        return verdict, seconds
 
     async def round(self, remaining: int) -> RoundOutcome:
         gamma, branches, overlap, dynamic = self._plan(remaining)
@@ -582,10 +583,11 @@ class OverlappedDecoder(SpeculativeDecoder):
         logits = arena.view(verified.logits)
         verdict = self._verdict(tokens, parents, logits, lambda: draft.probs)
         self.unverified = None
-        ahead_s = 0.0
+        ahead_s = 0.0  # until the run-ahead's reply (sent with the verification)
         if ahead is not None:
-            verdict = await self._take_run_ahead(ahead, ahead_gamma, verdict, tokens, logits)
-            ahead_s = time.perf_counter() - verify_start
+            verdict, ahead_s = await self._take_run_ahead(
+                ahead, ahead_gamma, verdict, tokens, logits
+            )
         emitted, stopped = self._settle(verdict, tokens, remaining)
         self.behind += emitted
         if self.unverified is not None and (stopped or len(emitted) >= remaining):

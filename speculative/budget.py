@@ -173,7 +173,10 @@ class BudgetController:
         self._alone_backoff = 0  # probe slots skipped while alone: 2**this - 1 of every 2**this
         self._alone_probes = 0  # probes taken from gamma 0 (they alternate two kinds)
         self._overhead = self._median()
-        self._alone = self._median()  # whole rounds with gamma 0
+        # seconds per token of rounds with gamma 0, never forgotten: without it the target
+        # alone was priced as a one-node verification (a call per token), twice its cost when
+        # it decodes several tokens per call, and drafting looked better than it was
+        self._alone = WindowedMedian(self.window, lambda: self._rounds)
 
     def _median(self) -> WindowedMedian:
         return WindowedMedian(self.window, lambda: self._rounds, self.max_age)
