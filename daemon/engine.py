@@ -325,7 +325,8 @@ class SpeculativeDecoder:
         emitted = tokens[: tokens.index(self.eos)] if stopped else tokens[:remaining]
         self.drafter_appends = self.drafter_appends + emitted
         round_s = time.perf_counter() - start
-        self._record(0, 1, 0, 1, draft_s=0.0, verify_s=round_s / len(tokens),
+        compute_s = drafted.elapsed_ms / 1000  # per token, below: what the controller wants
+        self._record(0, 1, 0, 1, draft_s=0.0, verify_s=compute_s / len(tokens),
                      round_s=round_s / len(tokens), dynamic=False, rule_k=None)  # fmt: skip
         return RoundOutcome(emitted, stopped)
 
@@ -382,7 +383,7 @@ class SpeculativeDecoder:
         self, gamma, branches, accepted, width, *, draft_s, verify_s, round_s, dynamic, rule_k
     ) -> None:
         if gamma == 0:
-            self.controller.record_target_alone(round_s)
+            self.controller.record_target_alone(round_s, compute_s=verify_s)
         else:
             self.controller.record_verify(width, verify_s)
             self.controller.record_overhead(round_s - draft_s - verify_s)

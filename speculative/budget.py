@@ -177,6 +177,7 @@ class BudgetController:
         # alone was priced as a one-node verification (a call per token), twice its cost when
         # it decodes several tokens per call, and drafting looked better than it was
         self._alone = WindowedMedian(self.window, lambda: self._rounds)
+        self._alone_compute = WindowedMedian(self.window, lambda: self._rounds)
 
     def _median(self) -> WindowedMedian:
         return WindowedMedian(self.window, lambda: self._rounds, self.max_age)
@@ -197,15 +198,20 @@ class BudgetController:
         self._draft_latency[overlapped].add(max(0.0, seconds))
 
     def target_alone_s(self) -> float | None:
-        """Seconds per token of the target decoding alone, once measured."""
-        return self._alone.value
+        """Seconds per token the target computes when it decodes alone, once measured: what
+        sizes its calls (the round's time per token, call latency included, would shrink
+        the calls it is measured on: on a busy VM it settled on one token per call)."""
+        return self._alone_compute.value
 
-    def record_target_alone(self, seconds: float) -> None:
-        """A whole round without a draft. Kept apart from the verify line: a verifier that
+    def record_target_alone(self, seconds: float, *, compute_s: float | None = None) -> None:
+        """A round without a draft: ``seconds`` per token of the whole round, ``compute_s``
+        per token of the target's own work. Kept apart from the verify line: a verifier that
         did not wait for a draft meanwhile answers faster than one that did (it was not
         asleep), so width-1 rounds do not fit the line through drafted rounds."""
         if seconds > 0:
             self._alone.add(seconds)
+        if compute_s:
+            self._alone_compute.add(compute_s)
 
     def record_overhead(self, seconds: float) -> None:
         """What a round costs besides drafting and verifying: messages, bookkeeping, catching
