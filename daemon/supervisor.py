@@ -88,13 +88,14 @@ def worker_specs(config: DaemonConfig, log_format: str) -> dict[str, WorkerSpec]
 
 def _llama_settings(cfg, *, verifies: bool, **changes) -> m.LlamaCppSettings:
     """llama.cpp settings by role, where the configuration leaves them open: a verifier gets
-    exact logits (no flash attention, an f32 KV cache: a tree's logits then equal each path's
-    evaluated alone, see LlamaCppSettings), a drafter the faster auto/f16."""
+    logits closest to one token at a time (no flash attention, an f32 V cache, see
+    LlamaCppSettings), a drafter the faster auto/f16."""
     settings = m.LlamaCppSettings(**_fields(cfg, m.LlamaCppSettings))
     return msgspec.structs.replace(
         settings,
         flash_attention=settings.flash_attention or ("off" if verifies else "auto"),
-        kv_type=settings.kv_type or ("f32" if verifies else "f16"),
+        kv_type=settings.kv_type or "f16",
+        v_type=settings.v_type or ("f32" if verifies and not settings.kv_type else None),
         **changes,
     )
 

@@ -7,6 +7,7 @@ import pytest
 from hetspec.daemon.config import BUNDLED_MODELS, ConfigError, load_config
 from hetspec.daemon.cores import CoreError, check_cores, split_cores
 from hetspec.daemon.slots import SlotError, SlotPool
+from hetspec.daemon.supervisor import worker_specs
 
 
 def test_defaults_serve_the_bundled_models_without_any_file() -> None:
@@ -81,3 +82,18 @@ def test_arena_slots_are_lent_to_one_owner_at_a_time() -> None:
     assert pool.free == 2
     with pytest.raises(SlotError, match="was not lent"):
         pool.give_back(first)
+
+
+def test_llama_cpp_settings_follow_the_workers_role_unless_configured() -> None:
+    """A verifier: no flash attention, f16 K and f32 V caches (its logits stay closest to one
+    token at a time); a drafter: llama.cpp's "auto" and f16; a configured type is kept."""
+
+    def cpu_settings(**environ: str):
+        return worker_specs(load_config(environ=environ), "json")["cpu"].settings
+
+    drafter = cpu_settings()  # the default placement, draft-cpu: llama.cpp drafts
+    assert (drafter.flash_attention, drafter.kv_type, drafter.v_type) == ("auto", "f16", None)
+    verifier = cpu_settings(HETSPEC_PLACEMENT="draft-gpu")
+    assert (verifier.flash_attention, verifier.kv_type, verifier.v_type) == ("off", "f16", "f32")
+    chosen = cpu_settings(HETSPEC_PLACEMENT="draft-gpu", HETSPEC_CPU_WORKER__KV_TYPE="f32")
+    assert (chosen.kv_type, chosen.v_type) == ("f32", None)

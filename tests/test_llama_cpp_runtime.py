@@ -245,6 +245,8 @@ def test_loading_problems_are_clear_errors(tmp_path, gguf) -> None:
     owned = len(os.sched_getaffinity(0))
     with pytest.raises(LlamaCppError, match=f"this process owns {owned} cores"):
         LlamaCppRuntime(gguf, threads=owned + 1)
+    with pytest.raises(LlamaCppError, match="v_type must be one of f32, f16, q8_0, not 'f8'"):
+        LlamaCppRuntime(gguf, v_type="f8")
 
 
 def test_draft_and_target_vocabularies_are_compared(tmp_path, gguf, runtime) -> None:

@@ -166,7 +166,7 @@ def target_runtime(placement: str):
     from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
 
     return LlamaCppRuntime(BUNDLED_MODELS / "target" / "target-q8_0.gguf", n_ctx=1024, threads=1,
-                           flash_attention="off", kv_type="f32")  # fmt: skip
+                           flash_attention="off", kv_type="f16", v_type="f32")  # fmt: skip
 
 
 def exact_marginals(runtime, prompt: str, params: SamplingParams) -> list[dict[int, float]]:

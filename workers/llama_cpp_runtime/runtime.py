@@ -60,6 +60,7 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
         mmap: bool = True,
         flash_attention: str = "auto",
         kv_type: str = "f16",
+        v_type: str | None = None,
         gpu_layers: int = 0,
     ) -> None:
         """Load a GGUF file. ``n_seq_max`` - 1 is the most leaves a pending tree may have;
@@ -74,12 +75,8 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
                 f"{max(threads, threads_batch)} threads requested but this process owns {owned} "
                 "cores; more threads than cores only slows llama.cpp down"
             )
-        if flash_attention not in FLASH_ATTENTION:
-            raise LlamaCppError(f"flash_attention must be one of {', '.join(FLASH_ATTENTION)}")
-        if kv_type not in KV_TYPES:
-            raise LlamaCppError(f"kv_type must be one of {', '.join(KV_TYPES)}, not {kv_type!r}")
-        if not 2 <= n_seq_max <= MAX_SEQUENCES:
-            raise LlamaCppError(f"n_seq_max must be in 2..{MAX_SEQUENCES}, not {n_seq_max}")
+        v_type = v_type or kv_type
+        self._check_options(flash_attention, kv_type, v_type, n_seq_max)
         self._check_file(path)
         self._log = llama_log()
         L.llama_backend_init()
@@ -104,7 +101,7 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
         context_params.n_threads = threads
         context_params.n_threads_batch = threads_batch
         context_params.flash_attn_type = FLASH_ATTENTION[self._flash_attention(flash_attention)]
-        context_params.type_k = context_params.type_v = KV_TYPES[kv_type]
+        context_params.type_k, context_params.type_v = KV_TYPES[kv_type], KV_TYPES[v_type]
         context_params.kv_unified = True  # tree nodes carry several sequence ids
         context_params.no_perf = True
         mark = self._log.count
@@ -147,6 +144,16 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
         if not model:
             raise self._error(f"{path}: llama.cpp could not load this model", mark)
         return model
+
+    @staticmethod
+    def _check_options(flash_attention: str, kv_type: str, v_type: str, n_seq_max: int) -> None:
+        if flash_attention not in FLASH_ATTENTION:
+            raise LlamaCppError(f"flash_attention must be one of {', '.join(FLASH_ATTENTION)}")
+        for name, value in (("kv_type", kv_type), ("v_type", v_type)):
+            if value not in KV_TYPES:
+                raise LlamaCppError(f"{name} must be one of {', '.join(KV_TYPES)}, not {value!r}")
+        if not 2 <= n_seq_max <= MAX_SEQUENCES:
+            raise LlamaCppError(f"n_seq_max must be in 2..{MAX_SEQUENCES}, not {n_seq_max}")
 
     @staticmethod
     def _check_file(path: Path) -> None:
