@@ -150,20 +150,27 @@ def test_it_starts_with_one_token_then_gamma_equal_to_c() -> None:
 SEEDS = range(6)  # the box's noise differs per seed; the controller must do well on all
 
 
+def settled_shares(make_box, parallel: bool, rounds: int = 150) -> list[float]:
+    """Per seed: the rate of the controller's last 50 choices over the box's best fixed shape."""
+    shares = []
+    for seed in SEEDS:
+        box = make_box(np.random.default_rng(seed))
+        controller = BudgetController(parallel=parallel)
+        for _ in range(rounds):
+            box.run_round(controller)
+        late = controller.history[-50:]
+        shares.append(np.mean([box.decision_rate(d) for d in late]) / box.best_rate(parallel))
+    return shares
+
+
 @pytest.mark.parametrize("contention", [1.0, 1.7])
 @pytest.mark.parametrize("parallel", [True, False])
 @pytest.mark.parametrize("acceptance", [0.5, 0.9])
 def test_it_converges_near_the_best_fixed_budget(parallel, acceptance, contention) -> None:
-    shares = []
-    for seed in SEEDS:
-        box = SimulatedBox(0.001, 0.006, 0.0002, acceptance, np.random.default_rng(seed),
-                           contention=contention)  # fmt: skip
-        controller = BudgetController(parallel=parallel)
-        for _ in range(150):
-            box.run_round(controller)
-        late = controller.history[-50:]
-        achieved = np.mean([box.decision_rate(d) for d in late])
-        shares.append(achieved / box.best_rate(parallel))
+    shares = settled_shares(
+        lambda rng: SimulatedBox(0.001, 0.006, 0.0002, acceptance, rng, contention=contention),
+        parallel,
+    )
     assert np.mean(shares) >= 0.95, shares
     assert min(shares) >= 0.9, shares
 
@@ -205,16 +212,12 @@ def test_a_draft_calls_latency_is_priced_once_per_call(parallel) -> None:
     """A box like the 2-vCPU VM: a draft step of 0.25 ms, but 0.6 ms of messages and
     wake-up per draft call. Folded into the steps, the latency would make every gamma look as
     dear per token as the one measured; priced per call, the controller finds the best shape."""
-    shares = []
-    for seed in SEEDS:
-        box = SimulatedBox(0.00025, 0.0008, 0.0002, 0.8, np.random.default_rng(seed),
-                           contention=1.1, call_latency_s=0.0006)  # fmt: skip
-        controller = BudgetController(parallel=parallel)
-        for _ in range(150):
-            box.run_round(controller)
-        late = controller.history[-50:]
-        achieved = np.mean([box.decision_rate(d) for d in late])
-        shares.append(achieved / box.best_rate(parallel))
+
+    def vm_like(rng):
+        return SimulatedBox(0.00025, 0.0008, 0.0002, 0.8, rng, contention=1.1,
+                            call_latency_s=0.0006)  # fmt: skip
+
+    shares = settled_shares(vm_like, parallel)
     assert np.mean(shares) >= 0.95, shares
     assert min(shares) >= 0.9, shares
 
