@@ -176,8 +176,8 @@ class BudgetController:
         # seconds per token of rounds with gamma 0, never forgotten: without it the target
         # alone was priced as a one-node verification (a call per token), twice its cost when
         # it decodes several tokens per call, and drafting looked better than it was
-        self._alone = WindowedMedian(self.window, lambda: self._rounds)
-        self._alone_compute = WindowedMedian(self.window, lambda: self._rounds)
+        self._alone = WindowedMedian(self.window)
+        self._alone_compute = WindowedMedian(self.window)
 
     def _median(self) -> WindowedMedian:
         return WindowedMedian(self.window, lambda: self._rounds, self.max_age)
