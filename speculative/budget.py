@@ -146,8 +146,13 @@ class BudgetController:
     # drafted round plus the drafter catching up on everything since the last, which on the
     # 2-vCPU VM cost adaptive 15% against the target alone where drafting never paid.
     max_alone_backoff: int = 3
+    # Drafting stops (gamma 0) only for a rate this much better than the best draft's: the
+    # acceptance estimates are noisy, and at gamma 0 none are gathered, so a dip could park
+    # the controller there for rounds where drafting was in fact better.
+    alone_entry_margin: float = 0.1
     history: list[Decision] = field(default_factory=list)  # the latest decisions
     HISTORY_KEPT = 1024  # a daemon runs for months: older decisions are dropped
+    ALONE_MEASURED_AFTER_PROBES = 4  # see _alone_unmeasured
 
     def __post_init__(self) -> None:
         # keyed by "overlapped": costs differ when both workers compute at once (they share a
@@ -428,7 +433,8 @@ class BudgetController:
             decision = self._evaluate(gamma, 1, self.parallel)
         else:
             snapshot = self._snapshot()
-            _, gamma, branches, overlap = max(self._rates(snapshot))
+            entry = 1.0 if alone else 1 / (1 + self.alone_entry_margin)
+            _, gamma, branches, overlap = max(self._rates(snapshot, entry))
             # (a negative branch count marks the rule's candidates, to keep the tuples cheap)
             decision = self._evaluate(gamma, max(branches, 1), overlap, snapshot,
                                       dynamic=branches < 0)  # fmt: skip
@@ -438,10 +444,25 @@ class BudgetController:
                 self._alone_backoff = min(self._alone_backoff + 1, self.max_alone_backoff)
             if probe_due:
                 decision = self._neighbour(decision, snapshot)
+            elif decision.gamma and self._alone_unmeasured():
+                decision = self._evaluate(0, 1, False, snapshot)
+            if decision.gamma == 0 and self.history and self.history[-1].gamma:
+                self._kept = self.keep_alone_rounds  # a trial of gamma 0: one round, not kept
         self.history.append(decision)
         if len(self.history) > 2 * self.HISTORY_KEPT:
             del self.history[: self.HISTORY_KEPT]
         return decision
+
+    def _alone_unmeasured(self) -> bool:
+        """Whether this round should measure the target alone, never measured yet: its price
+        is a guess then (a one-node verification, dearer than decoding alone, where calls
+        take several tokens and the verifier may borrow the drafter's cores). One round, half
+        way between probes, so the probes' cycle stays as it is, and only after a few probe
+        cycles: earlier, while the drafting shape first settles, it slowed that down (the
+        simulated boxes' settled rate 0.5% lower)."""
+        half, rounds = self.probe_every // 2, self._rounds
+        settled = rounds >= self.ALONE_MEASURED_AFTER_PROBES * self.probe_every
+        return not len(self._alone) and settled and half > 0 and rounds % self.probe_every == half
 
     def _neighbour(self, best: Decision, snapshot: _Snapshot) -> Decision:
         """By turns: gamma - 1, gamma + 1, one branch less, one branch more, and another kind
@@ -512,12 +533,13 @@ class BudgetController:
             round_s += share * (s.draft_s(forwards, k) + plain.at(k * length + 1))
         return tokens, round_s
 
-    def _rates(self, s: _Snapshot):
+    def _rates(self, s: _Snapshot, alone_weight: float = 1.0):
         """(expected tokens/s, gamma, branches, overlap) of every candidate: ``_evaluate``'s
-        arithmetic, inlined, because it runs ~100 times a round."""
+        arithmetic, inlined, because it runs ~100 times a round. The target alone's rate is
+        weighed by ``alone_weight``."""
         overhead, plain, ahead = s.overhead, s.verify[False], s.verify[True]
         latency, ahead_latency = s.latency[False], s.latency[True]
-        yield 1 / s.alone, 0, 1, False  # no draft: the target alone
+        yield alone_weight / s.alone, 0, 1, False  # no draft: the target alone
         for branches in range(1, self.max_branches + 1):
             step, reach, tokens = s.step_s(branches), s.reach[branches], 1.0
             for gamma in range(1, self.max_gamma + 1):

@@ -20,7 +20,8 @@ class SimulatedBox:
     def __init__(self, draft_step_s: float, verify_base_s: float, verify_per_node_s: float,
                  acceptance: float, rng: np.random.Generator, *, contention: float = 1.0,
                  uncertain: float = 0.0, uncertain_acceptance: float = 0.3,
-                 rule_branches: int = 3, call_latency_s: float = 0.0) -> None:  # fmt: skip
+                 rule_branches: int = 3, call_latency_s: float = 0.0,
+                 alone_speedup: float = 1.0) -> None:  # fmt: skip
         self.draft_step_s = draft_step_s
         self.verify_base_s, self.verify_per_node_s = verify_base_s, verify_per_node_s
         self.acceptance = acceptance
@@ -29,6 +30,9 @@ class SimulatedBox:
         self.uncertain, self.uncertain_acceptance = uncertain, uncertain_acceptance
         self.rule_branches = rule_branches
         self.call_latency_s = call_latency_s
+        # how much faster than a one-node verification the target decodes a token alone
+        # (several tokens per call; the drafter's cores lent to it)
+        self.alone_speedup = alone_speedup
 
     def step_s(self, branches: int) -> float:
         return self.draft_step_s * (1 + 0.5 * (branches - 1))
@@ -38,6 +42,9 @@ class SimulatedBox:
 
     def verify_s(self, width: int) -> float:
         return self.verify_base_s + self.verify_per_node_s * width
+
+    def alone_s(self) -> float:
+        return self.verify_s(1) / self.alone_speedup
 
     def first_acceptance(self, branches: int, unsure: bool = False) -> float:
         single = self.uncertain_acceptance if unsure else self.acceptance
@@ -56,6 +63,8 @@ class SimulatedBox:
         during verification, both slowed by contention, and that run-ahead serves as the next
         draft only if gamma + 1 tokens would have been accepted; otherwise the next round
         drafts afresh first, alone."""
+        if gamma == 0:
+            return 1 / self.alone_s()
         tokens = seconds = 0.0
         for unsure, share in self._kinds():
             tokens += share * (
@@ -119,7 +128,7 @@ class SimulatedBox:
                 controller.record_draft(gamma, 1, gamma * self.step_s(1) * noise[2])
                 controller.record_draft_latency(latency)
         elif gamma == 0:
-            controller.record_target_alone(self.verify_s(1) * noise[1])
+            controller.record_target_alone(self.alone_s() * noise[1])
         else:
             if not decision.dynamic:
                 controller.record_draft(gamma, branches, gamma * self.step_s(branches) * noise[0])
@@ -272,6 +281,26 @@ def test_it_drafts_nothing_where_drafting_cannot_pay() -> None:
     for _ in range(120):
         box.run_round(controller)
     late = controller.history[-40:]
+    assert np.mean([d.gamma == 0 for d in late]) >= 0.8
+
+
+def test_the_target_alone_is_measured_once_even_where_a_guess_prices_it_out() -> None:
+    """Unmeasured, the target alone is priced as a one-node verification; where it decodes
+    alone far faster than that (the drafter's cores lent to it, several tokens a call) and
+    drafting pays only against that guess, one round measures it once the drafting shape
+    has settled, and then the target decodes alone."""
+    box = SimulatedBox(0.0002, 0.001, 0.00005, 0.8, np.random.default_rng(0),
+                       alone_speedup=3.0)  # fmt: skip
+    guessed = box.verify_s(1)  # drafting is ~2x that guess: gamma 1 is never near the best
+    assert max(box.rate(g, 1, o) for g in range(1, 9) for o in (False, True)) > 1.9 / guessed
+    assert box.best_rate() == box.rate(0, 1)
+    controller = BudgetController(parallel=True)
+    for _ in range((controller.ALONE_MEASURED_AFTER_PROBES + 1) * controller.probe_every):
+        box.run_round(controller)
+    assert any(d.gamma == 0 for d in controller.history)
+    for _ in range(200):
+        box.run_round(controller)
+    late = controller.history[-80:]
     assert np.mean([d.gamma == 0 for d in late]) >= 0.8
 
 
