@@ -82,6 +82,10 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # llama.cpp workers on their own cores still overlap drafting with verifying). The
     # llama.cpp GPU worker takes cpu_worker's llama.cpp settings.
     gpu_runtime: Literal["torch", "llama.cpp"] = "torch"
+    # Where both workers compute on the CPU (no CUDA), the verifier computes on the drafter's
+    # cores too whenever the drafter has nothing to do: the target decoding alone, a plain
+    # round's verification (see workers/spare_cores.py). False keeps each on its own cores.
+    lend_cores: bool = True
     model_name: str | None = None  # the name the API serves; None: the target's folder name
     tcp: TcpConfig = msgspec.field(default_factory=TcpConfig)
     target: ModelPaths = msgspec.field(

@@ -315,6 +315,7 @@ class SpeculativeDecoder:
                 sampling=self.params,
                 out=self.pair.verify_slot,
                 append=[*kept, self.pending_bonus],
+                spare_cores=self.drafter_prefill.done(),  # the drafter idles, unless prefilling
             )
         ))  # fmt: skip
         tokens = drafted.tokens[0]
@@ -330,9 +331,10 @@ class SpeculativeDecoder:
                      round_s=round_s / len(tokens), dynamic=False, rule_k=None)  # fmt: skip
         return RoundOutcome(emitted, stopped)
 
-    def _verify(self, tokens: list[int], parents: list[int]):
+    def _verify(self, tokens: list[int], parents: list[int], *, drafter_idle: bool = True):
         """The verifier's call for a draft tree below the pending bonus (row 0 of the logits:
-        after the bonus, where the draft grows from), committing the last round's path."""
+        after the bonus, where the draft grows from), committing the last round's path; on
+        the drafter's cores too while the drafter has nothing to do."""
         verifier = self.pair.verifier
         self.verifier_tree = [self.pending_bonus, *tokens]
         return verifier.call(
@@ -342,6 +344,7 @@ class SpeculativeDecoder:
                 parents=[-1, *(p + 1 for p in parents)],
                 out=self.pair.verify_slot,
                 commit=self.verifier_keeps,
+                spare_cores=drafter_idle,
             )
         )
 
@@ -522,11 +525,14 @@ class OverlappedDecoder(SpeculativeDecoder):
         probs = self.pair.arena.view(drafted.probs)[0, skip:].copy()
         return _Unverified(drafted.tokens[0][skip:], probs, last_parent)
 
-    def _run_ahead(self, draft: _Unverified, gamma: int) -> asyncio.Future | None:
+    def _may_run_ahead(self, draft: _Unverified) -> bool:
+        """Whether the drafter may draft below ``draft``: not while it holds too much
+        unverified already."""
+        return len(self.behind) + len(draft.tokens) < self.MAX_RUN_AHEAD
+
+    def _run_ahead(self, draft: _Unverified, gamma: int) -> asyncio.Future:
         """Draft the next round below the draft under verification: the guessed bonus, then
-        ``gamma`` tokens. None when the drafter holds too much unverified already."""
-        if len(self.behind) + len(draft.tokens) >= self.MAX_RUN_AHEAD:
-            return None
+        ``gamma`` tokens."""
         drafter = self.pair.drafter
         command = m.Draft(
             request=drafter.next_request(),
@@ -569,9 +575,10 @@ class OverlappedDecoder(SpeculativeDecoder):
         tokens = draft.tokens
         parents = list(range(-1, len(tokens) - 1))
         verify_start = time.perf_counter()
-        verify = asyncio.ensure_future(self._verify(tokens, parents))
+        runs_ahead = overlap and self._may_run_ahead(draft)
+        verify = asyncio.ensure_future(self._verify(tokens, parents, drafter_idle=not runs_ahead))
         ahead_gamma = max(1, min(gamma, remaining - len(tokens)))
-        ahead = self._run_ahead(draft, ahead_gamma) if overlap else None
+        ahead = self._run_ahead(draft, ahead_gamma) if runs_ahead else None
         try:
             await self._choose_ahead()
             verified, _ = await verify

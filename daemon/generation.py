@@ -207,7 +207,9 @@ async def generate(
     tokenized, _ = await worker.call(m.Tokenize(request=worker.next_request(), text=request.prompt))
     prompt = tokenized.tokens
     max_tokens = token_budget(request, len(prompt), ready.context)
-    await worker.call(m.Prefill(request=worker.next_request(), tokens=prompt, seed=request.seed))
+    # the drafter has nothing to do in this mode: the target may compute on its cores too
+    await worker.call(m.Prefill(request=worker.next_request(), tokens=prompt, seed=request.seed,
+                                spare_cores=True))  # fmt: skip
     result.prompt_tokens = len(prompt)
     result.prompt_ms = (time.perf_counter() - started) * 1000
     decode_start = time.perf_counter()
@@ -226,6 +228,7 @@ async def generate(
                     sampling=request.sampling,
                     out=slot,
                     append=last or result.tokens[-1:],
+                    spare_cores=True,
                 )
             )
             last = drafted.tokens[0]

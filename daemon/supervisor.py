@@ -58,7 +58,8 @@ def vocab_size_of(folder: str) -> int:
 def worker_specs(config: DaemonConfig, log_format: str) -> dict[str, WorkerSpec]:
     """The two workers' specs for this configuration's placement and core split."""
     owned = owned_cores()
-    cpu_cores, gpu_cores = split_cores(owned, cuda_present(config.gpu_worker.device))
+    cuda = cuda_present(config.gpu_worker.device)
+    cpu_cores, gpu_cores = split_cores(owned, cuda)
     cpu_cfg, gpu_cfg = config.cpu_worker, config.gpu_worker
     cpu_cores = cpu_cfg.cores or cpu_cores
     gpu_cores = gpu_cfg.cores or gpu_cores
@@ -78,12 +79,16 @@ def worker_specs(config: DaemonConfig, log_format: str) -> dict[str, WorkerSpec]
     common = {"heartbeat_s": config.heartbeat_s, "heartbeat_timeout_s": config.heartbeat_timeout_s,
               "call_timeout_s": config.call_timeout_s, "spin_us": config.worker_spin_us,
               "log_format": log_format}  # fmt: skip
+    # Both compute on the CPU: the verifier may borrow the drafter's cores while it idles.
+    lend = config.lend_cores and not cuda
+    cpu_spare = set(gpu_cores) - set(cpu_cores) if lend and not drafting_on_cpu else set()
+    gpu_spare = set(cpu_cores) - set(gpu_cores) if lend and drafting_on_cpu else set()
     return {
-        "cpu": WorkerSpec("cpu", "llama.cpp", cpu_model, cpu_settings, tuple(cpu_cores), **common),
-        "gpu": WorkerSpec(
-            "gpu", config.gpu_runtime, gpu_model, gpu_settings, tuple(gpu_cores), **common
-        ),
-    }
+        "cpu": WorkerSpec("cpu", "llama.cpp", cpu_model, cpu_settings, tuple(cpu_cores),
+                          spare_cores=tuple(sorted(cpu_spare)), **common),
+        "gpu": WorkerSpec("gpu", config.gpu_runtime, gpu_model, gpu_settings, tuple(gpu_cores),
+                          spare_cores=tuple(sorted(gpu_spare)), **common),
+    }  # fmt: skip
 
 
 def _llama_settings(cfg, *, verifies: bool, **changes) -> m.LlamaCppSettings:

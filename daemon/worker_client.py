@@ -57,6 +57,8 @@ class WorkerSpec:
     model: str
     settings: m.RuntimeSettings
     cores: tuple[int, ...] = ()
+    # the other worker's cores, computed on too when a command says that worker is idle
+    spare_cores: tuple[int, ...] = ()
     heartbeat_s: float = 0.5  # the worker's beat interval
     heartbeat_timeout_s: float = 10.0  # silence after which the worker is killed
     call_timeout_s: float = 300.0  # a command taking longer means a wedged engine: kill it
@@ -124,6 +126,7 @@ class WorkerClient:
             "--commands", self._endpoint("commands"), "--replies", self._endpoint("replies"),
             "--death-fd", str(death_read), "--parent", str(os.getpid()),
             "--cores", ",".join(map(str, self.spec.cores)),
+            "--spare-cores", ",".join(map(str, self.spec.spare_cores)),
             "--heartbeat", str(self.spec.heartbeat_s), "--log-format", self.spec.log_format,
             "--spin-us", str(self.spec.spin_us),
         ]  # fmt: skip
@@ -143,7 +146,8 @@ class WorkerClient:
             asyncio.create_task(self._watch_heartbeats(), name=f"{self.spec.name}-beats"),
         ]
         log.info("worker started", worker=self.spec.name, pid=self.pid,
-                 runtime=self.spec.runtime, cores=list(self.spec.cores))  # fmt: skip
+                 runtime=self.spec.runtime, cores=list(self.spec.cores),
+                 spare_cores=list(self.spec.spare_cores))  # fmt: skip
         try:
             hello = await self._wait(self._handshake, load_timeout_s, "say hello")
             if hello.protocol != m.PROTOCOL_VERSION:

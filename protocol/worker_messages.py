@@ -5,7 +5,8 @@ first ZeroMQ frame. Arrays never go inside that frame: an ``ArrayRef`` points ei
 extra frame of the same message (small arrays, sent zero-copy) or at a slot of the shared
 arena (probability rows and logits). ``request`` ids let the daemon match replies to commands.
 
-Protocol version history: 1 = the first one.
+Protocol version history: 1 = the first one; 2 = spare cores (``Hello.spare_cores``, the
+``spare_cores`` flag of the compute commands).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from hetspec.protocol.arena import ArenaLayout, ArrayRef
 from hetspec.protocol.sampling import SamplingParams
 from hetspec.protocol.vocab import VocabInfo
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"):
@@ -80,6 +81,7 @@ class Prefill(_Message, tag="prefill"):
     tokens: list[int]
     seed: int | None = None
     out: int = -1
+    spare_cores: bool = False  # the other worker is idle: compute on its cores too
 
 
 class Draft(_Message, tag="draft"):
@@ -99,6 +101,7 @@ class Draft(_Message, tag="draft"):
     # DuoDecoding's dynamic multi-sequence drafting, with this threshold scale: the drafter
     # picks k <= ``branches`` by its uncertainty, k sequences of ``steps // k`` tokens
     dynamic: float | None = None
+    spare_cores: bool = False
 
 
 class VerifyTree(_Message, tag="verify"):
@@ -113,6 +116,7 @@ class VerifyTree(_Message, tag="verify"):
     extend: bool = False
     root_row: bool = False
     commit: list[int] = []  # pending nodes (a path) to keep before the tree is evaluated
+    spare_cores: bool = False
 
 
 class Commit(_Message, tag="commit"):
@@ -167,6 +171,8 @@ class Hello(_Message, tag="hello"):
     pid: int
     runtime: str  # "llama.cpp" or "torch"
     cores: list[int]
+    # the other worker's cores, which this one computes on too when a command says it is idle
+    spare_cores: list[int] = []
 
 
 class Ready(_Message, tag="ready"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hetspec.daemon.config import BUNDLED_MODELS, ConfigError, load_config
-from hetspec.daemon.cores import CoreError, check_cores, split_cores
+from hetspec.daemon.cores import CoreError, check_cores, owned_cores, split_cores
 from hetspec.daemon.slots import SlotError, SlotPool
 from hetspec.daemon.supervisor import worker_specs
 
@@ -68,6 +68,22 @@ def test_cores_are_split_by_what_the_gpu_worker_computes_on() -> None:
         check_cores("cpu_worker", [7], None, owned={0, 1})
     with pytest.raises(CoreError, match="threads = 3 exceeds its 2 cores"):
         check_cores("cpu_worker", [0, 1], 3, owned={0, 1})
+
+
+@pytest.mark.skipif(len(owned_cores()) < 2, reason="needs two cores to split")
+def test_the_verifier_borrows_the_drafters_cores_only_where_both_compute_on_the_cpu() -> None:
+    def spare(**environ: str) -> dict[str, tuple[int, ...]]:
+        specs = worker_specs(load_config(environ=environ), "json")
+        return {name: spec.spare_cores for name, spec in specs.items()}
+
+    cpu_cores, gpu_cores = split_cores(owned_cores(), cuda=False)
+    on_cpu = {"HETSPEC_GPU_WORKER__DEVICE": "cpu"}
+    # draft-cpu: the GPU worker verifies; draft-gpu: the CPU worker does
+    assert spare(**on_cpu) == {"cpu": (), "gpu": tuple(cpu_cores)}
+    assert spare(**on_cpu, HETSPEC_PLACEMENT="draft-gpu") == {"cpu": tuple(gpu_cores), "gpu": ()}
+    assert spare(**on_cpu, HETSPEC_LEND_CORES="false") == {"cpu": (), "gpu": ()}
+    # with CUDA the verifier's work is on the GPU: nothing to lend
+    assert spare(HETSPEC_GPU_WORKER__DEVICE="cuda") == {"cpu": (), "gpu": ()}
 
 
 def test_arena_slots_are_lent_to_one_owner_at_a_time() -> None:

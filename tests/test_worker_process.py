@@ -135,6 +135,46 @@ async def test_arrays_travel_in_frames_and_in_slots(gguf, tmp_path, arena) -> No
         await cpu.stop()
 
 
+def thread_cores(pid: int) -> set[frozenset[int]]:
+    """The distinct core sets the process's threads may run on."""
+    return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+@pytest.mark.parametrize("runtime", ["llama.cpp", "torch"])
+async def test_a_worker_computes_on_the_spare_cores_only_when_a_command_says_so(
+    gguf, tmp_path, arena, runtime
+) -> None:
+    """Every thread (the runtime's pool included) moves to the own + spare cores for a
+    command marked spare_cores and back for the next compute command that is not; the
+    logits do not depend on it (greedy output must not change with the cores)."""
+    own, spare = sorted(os.sched_getaffinity(0))[:2]
+    client = await started(spec(gguf, runtime, cores=(own,), spare_cores=(spare,)), tmp_path,
+                           arena)  # fmt: skip
+    try:
+        assert thread_cores(client.pid) == {frozenset({own})}
+        assert client.ready.threads == 1
+
+        async def verify(wide: bool) -> np.ndarray:
+            await client.call(m.Prefill(request=client.next_request(), tokens=list(range(40)),
+                                        spare_cores=wide))  # fmt: skip
+            verified, _ = await client.call(
+                m.VerifyTree(request=client.next_request(), tokens=[5, 6, 7, 8],
+                             parents=[-1, 0, 1, 0], out=0, spare_cores=wide)
+            )  # fmt: skip
+            return arena.view(verified.logits).copy()
+
+        wide = await verify(True)
+        assert thread_cores(client.pid) == {frozenset({own, spare})}
+        await client.call(m.Rollback(request=client.next_request(), length=3))
+        assert thread_cores(client.pid) == {frozenset({own, spare})}  # light work: unchanged
+        narrow = await verify(False)
+        assert thread_cores(client.pid) == {frozenset({own})}
+        np.testing.assert_array_equal(wide, narrow)
+    finally:
+        await client.stop()
+
+
 @pytest.mark.parametrize("runtime", ["llama.cpp", "torch"])
 async def test_a_model_that_cannot_load_is_a_clear_start_error(
     gguf, tmp_path, arena, runtime

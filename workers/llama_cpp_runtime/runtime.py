@@ -189,6 +189,11 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
     def __del__(self) -> None:
         self.close()
 
+    def set_extra_threads(self, extra: int) -> None:
+        """Compute with ``extra`` threads beyond the configured ones (on cores lent for now:
+        see workers/spare_cores.py); 0 restores the configured counts."""
+        L.llama_set_n_threads(self._context, self.threads + extra, self.threads_batch + extra)
+
     # ------------------------------------------------------------ vocabulary
 
     def vocab_info(self) -> VocabInfo:

@@ -69,6 +69,7 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
             raise ModelLoadError(f"{folder}: not a directory")
         if threads is not None:
             torch.set_num_threads(threads)
+        self.threads = torch.get_num_threads()
         self.config = ModelConfig.from_folder(folder)
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
@@ -87,6 +88,11 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         self._cos, self._sin = rope_tables(c, capacity, self.device)
         self.folder = folder
         super().__init__(c.vocab_size, capacity)
+
+    def set_extra_threads(self, extra: int) -> None:
+        """Compute with ``extra`` threads beyond the configured ones (on cores lent for now:
+        see workers/spare_cores.py); 0 restores the configured count."""
+        torch.set_num_threads(self.threads + extra)
 
     # ------------------------------------------------------------ vocabulary
 
