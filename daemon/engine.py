@@ -134,6 +134,7 @@ class SpeculativeDecoder:
         self.rng = np.random.default_rng(seed)
         self.eos = -1 if request.ignore_eos else pair.verifier.ready.vocab.eos
         self.pending_bonus = -1  # emitted, not yet evaluated by the verifier (set by _begin)
+        self.alone_streak = 0  # rounds in a row without a draft, up to this one
         self.drafter_prefill: asyncio.Future | None = None
         # What the last round decided, sent with the next round's commands (one round trip
         # per worker per round instead of two): the verifier's accepted path, and the
@@ -264,6 +265,7 @@ class SpeculativeDecoder:
         whenever drafting resumes."""
         if gamma == 0:
             return await self._target_alone_round(remaining)
+        self.alone_streak = 0
         arena = self.pair.arena
         round_start = time.perf_counter()
         drafted, draft_s = await self._draft(gamma, branches, self.drafter_appends, dynamic)
@@ -327,14 +329,20 @@ class SpeculativeDecoder:
         self.drafter_appends = self.drafter_appends + emitted
         round_s = time.perf_counter() - start
         compute_s = drafted.elapsed_ms / 1000  # per token, below: what the controller wants
+        # The first round without a draft is a transition: it evaluates the last round's
+        # bonus and moves the worker onto the spare cores; its time is not what decoding
+        # alone costs (taken for it, a one-round trial priced the target alone 2.5x too dear).
+        steady, self.alone_streak = self.alone_streak > 0, self.alone_streak + 1
         self._record(0, 1, 0, 1, draft_s=0.0, verify_s=compute_s / len(tokens),
-                     round_s=round_s / len(tokens), dynamic=False, rule_k=None)  # fmt: skip
+                     round_s=round_s / len(tokens) if steady else 0.0, dynamic=False,
+                     rule_k=None)  # fmt: skip
         return RoundOutcome(emitted, stopped)
 
-    def _verify(self, tokens: list[int], parents: list[int], *, drafter_idle: bool = True):
+    def _verify(self, tokens: list[int], parents: list[int]):
         """The verifier's call for a draft tree below the pending bonus (row 0 of the logits:
-        after the bonus, where the draft grows from), committing the last round's path; on
-        the drafter's cores too while the drafter has nothing to do."""
+        after the bonus, where the draft grows from), committing the last round's path. On
+        its own cores only, even in a plain round where the drafter waits: moving a worker's
+        threads back costs ~0.5 ms on a 2-vCPU VM, more than a verification gains."""
         verifier = self.pair.verifier
         self.verifier_tree = [self.pending_bonus, *tokens]
         return verifier.call(
@@ -344,7 +352,6 @@ class SpeculativeDecoder:
                 parents=[-1, *(p + 1 for p in parents)],
                 out=self.pair.verify_slot,
                 commit=self.verifier_keeps,
-                spare_cores=drafter_idle,
             )
         )
 
@@ -525,14 +532,11 @@ class OverlappedDecoder(SpeculativeDecoder):
         probs = self.pair.arena.view(drafted.probs)[0, skip:].copy()
         return _Unverified(drafted.tokens[0][skip:], probs, last_parent)
 
-    def _may_run_ahead(self, draft: _Unverified) -> bool:
-        """Whether the drafter may draft below ``draft``: not while it holds too much
-        unverified already."""
-        return len(self.behind) + len(draft.tokens) < self.MAX_RUN_AHEAD
-
-    def _run_ahead(self, draft: _Unverified, gamma: int) -> asyncio.Future:
+    def _run_ahead(self, draft: _Unverified, gamma: int) -> asyncio.Future | None:
         """Draft the next round below the draft under verification: the guessed bonus, then
-        ``gamma`` tokens."""
+        ``gamma`` tokens. None when the drafter holds too much unverified already."""
+        if len(self.behind) + len(draft.tokens) >= self.MAX_RUN_AHEAD:
+            return None
         drafter = self.pair.drafter
         command = m.Draft(
             request=drafter.next_request(),
@@ -568,6 +572,7 @@ class OverlappedDecoder(SpeculativeDecoder):
             return outcome
         arena = self.pair.arena
         round_start = time.perf_counter()
+        self.alone_streak = 0
         if self.unverified is None:
             await self._draft_afresh(gamma)
         fresh_s = time.perf_counter() - round_start  # the drafter catching up after a miss
@@ -575,10 +580,9 @@ class OverlappedDecoder(SpeculativeDecoder):
         tokens = draft.tokens
         parents = list(range(-1, len(tokens) - 1))
         verify_start = time.perf_counter()
-        runs_ahead = overlap and self._may_run_ahead(draft)
-        verify = asyncio.ensure_future(self._verify(tokens, parents, drafter_idle=not runs_ahead))
+        verify = asyncio.ensure_future(self._verify(tokens, parents))
         ahead_gamma = max(1, min(gamma, remaining - len(tokens)))
-        ahead = self._run_ahead(draft, ahead_gamma) if runs_ahead else None
+        ahead = self._run_ahead(draft, ahead_gamma) if overlap else None
         try:
             await self._choose_ahead()
             verified, _ = await verify

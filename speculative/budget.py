@@ -447,7 +447,9 @@ class BudgetController:
             elif decision.gamma and self._alone_unmeasured():
                 decision = self._evaluate(0, 1, False, snapshot)
             if decision.gamma == 0 and self.history and self.history[-1].gamma:
-                self._kept = self.keep_alone_rounds  # a trial of gamma 0: one round, not kept
+                # a trial of gamma 0: two rounds, not kept as a choice is (the engine measures
+                # only the second: the first is a transition from drafting)
+                self._kept = self.keep_alone_rounds - 1
         self.history.append(decision)
         if len(self.history) > 2 * self.HISTORY_KEPT:
             del self.history[: self.HISTORY_KEPT]
