@@ -232,7 +232,8 @@ class Service:
                 workers[name] = {"pid": client.pid, "alive": client.alive,
                                  "restarts": supervisor.restarts[name],
                                  "device": client.ready.device if client.ready else None,
-                                 "model": client.spec.model}  # fmt: skip
+                                 "model": client.spec.model, "cores": list(client.spec.cores),
+                                 "spare_cores": list(client.spec.spare_cores)}  # fmt: skip
         status = "ready" if ready else ("draining" if self.draining else "loading")
         return {"status": status, "version": __version__, "workers": workers}
 

@@ -166,6 +166,10 @@ def test_the_ready_daemon_serves_the_targets_own_greedy_output(daemon, models) -
     assert set(health["workers"]) == {"cpu", "gpu"}
     assert health["workers"]["gpu"]["model"] == str(models["target"].parent)
     assert health["workers"]["cpu"]["model"] == str(models["draft"])
+    cpu, gpu = health["workers"]["cpu"], health["workers"]["gpu"]
+    assert not set(cpu["cores"]) & set(gpu["cores"]) or len(os.sched_getaffinity(0)) == 1
+    if gpu["device"] == "cpu" and len(os.sched_getaffinity(0)) >= 2:  # the target may borrow
+        assert (gpu["spare_cores"], cpu["spare_cores"]) == (cpu["cores"], [])
 
     prompt = "def load(path):\n"
     status, body = request(
