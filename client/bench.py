@@ -7,8 +7,10 @@ then:
 
 1. Modes: a fixed prompt set (held-out standard-library files cut at function starts, plus a few
    chat prompts) through every system: autoregressive (the target alone), sequential,
-   parallel at each fixed gamma, and adaptive. Requests are interleaved (prompt by prompt, each
-   system in turn, the order rotating) so that a noisy box slows every system alike. Decode
+   parallel at each fixed gamma, and adaptive; and the peers (transformers' assisted
+   generation, llama.cpp-only speculative decoding: ``hetspec.workers.peers``, a process of
+   their own). Requests are interleaved (prompt by prompt, each system in turn, the order
+   rotating) so that a noisy box slows every system alike. Decode
    tokens/s (after the prompt; the first token comes with the prefill in every mode) and TTFT
    are counted separately; overlapped rows also get their efficiency: measured tokens/s over
    the ideal from the run's own measurements, (mean accepted + 1) / max(gamma * T_draft,
@@ -87,10 +89,48 @@ def prompt_set(code: int) -> list[str]:
 class System:
     name: str
     options: dict
+    peer: Peers | None = None  # a peer system, run by that process instead of the daemon
 
     @property
     def overlapped(self) -> bool:
-        return self.options["mode"] in ("parallel", "adaptive")
+        return self.options.get("mode") in ("parallel", "adaptive")
+
+
+class Peers:
+    """The peer systems' process (``hetspec.workers.peers``), asked one request at a time so
+    that their requests interleave with hetspec's."""
+
+    def __init__(self) -> None:
+        command = [sys.executable, "-m", "hetspec.workers.peers"]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True)  # fmt: skip
+        self.systems = [System(name, {}, self) for name in self._reply()["systems"]]
+
+    def _reply(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            self.process.wait(10)
+            raise HetspecError(f"the peers' process ended: {self.process.stderr.read()[-2000:]}")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise HetspecError(f"peers: {reply['error']}")
+        return reply
+
+    def record(self, system: str, prompt: str, index: int, repeat: int, max_tokens: int):
+        request = {"system": system, "prompt": prompt, "max_tokens": max_tokens}
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        row = self._reply()
+        return Record(system, index, repeat, False, row["tokens"], row["decode_ms"],
+                      row["ttft_ms"])  # fmt: skip
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
 
 def systems(gammas: list[int]) -> list[System]:
@@ -236,6 +276,10 @@ def run_requests(client, plan, prompts, options, *, repeats, loaded_from=None, b
                 busy.start() if loaded else busy.stop()
             shift = index + repeat
             for system in plan[shift % len(plan) :] + plan[: shift % len(plan)]:
+                if system.peer is not None:
+                    records.append(system.peer.record(system.name, prompt, index, repeat,
+                                                      options["max_tokens"]))  # fmt: skip
+                    continue
                 done = client.generate(prompt, **options, **system.options)
                 records.append(Record.of(system.name, index, repeat, loaded, done))
         print(f"  repeat {repeat + 1}/{repeats} done", file=sys.stderr, flush=True)
@@ -244,9 +288,9 @@ def run_requests(client, plan, prompts, options, *, repeats, loaded_from=None, b
     return records
 
 
-def measure_modes(client: Client, placement: str, args) -> list[Record]:
+def measure_modes(client: Client, placement: str, args, peers: Peers | None) -> list[Record]:
     prompts = prompt_set(args.prompts)
-    plan = systems(args.gammas)
+    plan = systems(args.gammas) + (peers.systems if peers else [])
     print(f"{placement}: warm-up", file=sys.stderr, flush=True)
     run_requests(client, plan, prompts[: args.warmup], request_options(args), repeats=1)
     print(f"{placement}: modes, {len(prompts)} prompts x {len(plan)} systems", file=sys.stderr)
@@ -376,26 +420,6 @@ def _plot_acceptance(axis, placement: str, records: list[Record]) -> None:
     axis.legend(fontsize="small")
 
 
-def run_peers(args, out: Path) -> list[Record]:
-    """transformers' assisted generation and llama.cpp-only speculative decoding, on the same
-    models and prompts, in a process of their own (``hetspec.workers.peers``)."""
-    prompts = out / "prompts.json"
-    prompts.write_text(json.dumps(prompt_set(args.prompts)))
-    print("peers: transformers assisted generation, llama.cpp speculative", file=sys.stderr)
-    command = [sys.executable, "-m", "hetspec.workers.peers", "--prompts", str(prompts),
-               "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats)]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        print(f"hetspec bench: the peers failed, left out:\n{done.stderr[-2000:]}", file=sys.stderr)
-        return []
-    records = []
-    for line in done.stdout.splitlines():
-        row = json.loads(line)
-        records.append(Record(row["system"], row["prompt"], row["repeat"], False, row["tokens"],
-                              row["decode_ms"], row["ttft_ms"]))  # fmt: skip
-    return records
-
-
 def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -405,25 +429,14 @@ def main(args: argparse.Namespace) -> int:
         f"{os.cpu_count()} CPUs, Python {platform.python_version()}, "
         f"{time.strftime('%Y-%m-%d %H:%M')}; {args.max_tokens} tokens per request.\n"
     ]
-    peers = run_peers(args, out) if args.peers else []
     try:
-        for number, placement in enumerate(args.placement):
-            with daemon(placement, args.socket, out) as client:
-                modes = measure_modes(client, placement, args)
-                if number == 0:  # the peers run once; their rows join the first table
-                    modes += peers
-                table, summary = modes_table(modes)
-                report += [f"## {placement}: modes\n", table, ""]
-                results[placement] = {"summary": summary, "load_records": [], "records": modes}
-                write_reports(out, report, results)  # a run cut short keeps what it measured
-                print(table, file=sys.stderr, flush=True)
-                if args.load:
-                    loaded = measure_load(client, placement, args)
-                    table, load = load_table(loaded)
-                    report += [f"## {placement}: a busy process on the drafter's core from "
-                               "the middle of the prompt list\n", table, ""]  # fmt: skip
-                    results[placement] |= {"load": load, "load_records": loaded}
-                    write_reports(out, report, results)
+        with contextlib.ExitStack() as stack:
+            peers = None
+            if args.peers:
+                print("peers: loading transformers and llama.cpp", file=sys.stderr, flush=True)
+                peers = Peers()
+                stack.callback(peers.close)
+            _measure(args, out, peers, report, results)
     except HetspecError as error:
         print(f"hetspec bench: {error}", file=sys.stderr)
         return 1
@@ -432,6 +445,25 @@ def main(args: argparse.Namespace) -> int:
     print(f"\nwritten: {out / 'bench.md'}, {out / 'bench.json'}"
           + (f", {out / 'bench.png'}" if plotted else " (no matplotlib: no plot)"))  # fmt: skip
     return 0
+
+
+def _measure(args, out: Path, peers: Peers | None, report: list[str], results: dict) -> None:
+    """Every placement's tables, the peers' requests among hetspec's in each."""
+    for placement in args.placement:
+        with daemon(placement, args.socket, out) as client:
+            modes = measure_modes(client, placement, args, peers)
+            table, summary = modes_table(modes)
+            report += [f"## {placement}: modes\n", table, ""]
+            results[placement] = {"summary": summary, "load_records": [], "records": modes}
+            write_reports(out, report, results)  # a run cut short keeps what it measured
+            print(table, file=sys.stderr, flush=True)
+            if args.load:
+                loaded = measure_load(client, placement, args)
+                table, load = load_table(loaded)
+                report += [f"## {placement}: a busy process on the drafter's core from "
+                           "the middle of the prompt list\n", table, ""]  # fmt: skip
+                results[placement] |= {"load": load, "load_records": loaded}
+                write_reports(out, report, results)
 
 
 def write_reports(out: Path, report: list[str], results: dict) -> None:

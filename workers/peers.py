@@ -1,10 +1,14 @@
 """The systems hetspec is compared with, on the same bundled models, counted as it counts.
 
-    python -m hetspec.workers.peers --prompts PROMPTS.json [--max-tokens 128] [--repeats 3]
+    python -m hetspec.workers.peers [--threads N]
 
 ``hetspec bench`` runs this as a process of its own (the client never imports torch or
-llama.cpp) and reads one JSON object per line: system, prompt, repeat, tokens, decode_ms,
-ttft_ms. Greedy, exactly ``--max-tokens`` tokens (EOS ignored), both cores for each system:
+llama.cpp) and interleaves its requests with hetspec's, so that a box whose speed drifts (a
+shared VM's did by up to 2x within an hour) slows every system alike. It loads both peers,
+writes ``{"systems": [...]}`` as its first line, then answers one JSON request per line
+(``{"system", "prompt", "max_tokens"}``) with ``{"ttft_ms", "decode_ms", "tokens"}`` (or
+``{"error"}``). Greedy, exactly ``max_tokens`` tokens (EOS ignored), all of the process's
+cores for each system:
 
 - ``transformers assisted``: Hugging Face transformers' assisted generation,
   ``target.generate(assistant_model=draft)``, the peer most users would reach for;
@@ -24,6 +28,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 
@@ -32,41 +37,51 @@ from hetspec.speculative.verify import verify_greedy
 MODELS = Path(__file__).resolve().parents[1] / "models"
 
 
-def transformers_assisted(prompts, max_tokens: int, repeats: int, threads: int):
-    import torch  # noqa: PLC0415
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+class TransformersAssisted:
+    name = "transformers assisted"
 
-    torch.set_num_threads(threads)
-    tokenizer = AutoTokenizer.from_pretrained(MODELS / "target")
-    target = AutoModelForCausalLM.from_pretrained(MODELS / "target", dtype=torch.float32).eval()
-    draft = AutoModelForCausalLM.from_pretrained(MODELS / "draft", dtype=torch.float32).eval()
+    def __init__(self, threads: int) -> None:
+        import torch  # noqa: PLC0415
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
-    def run(ids, count: int) -> float:
+        torch.set_num_threads(threads)
+        self.torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(MODELS / "target")
+        load = AutoModelForCausalLM.from_pretrained
+        self.target = load(MODELS / "target", dtype=torch.float32).eval()
+        self.draft = load(MODELS / "draft", dtype=torch.float32).eval()
+
+    def _generate(self, ids, count: int) -> float:
         start = time.perf_counter()
-        with torch.inference_mode():
-            out = target.generate(ids, assistant_model=draft, do_sample=False,
-                                  max_new_tokens=count, min_new_tokens=count)  # fmt: skip
+        with self.torch.inference_mode():
+            out = self.target.generate(ids, assistant_model=self.draft, do_sample=False,
+                                       max_new_tokens=count, min_new_tokens=count)  # fmt: skip
         assert out.shape[1] - ids.shape[1] == count
         return (time.perf_counter() - start) * 1000
 
-    run(tokenizer(prompts[0], return_tensors="pt").input_ids, 8)  # warm-up
-    for repeat in range(repeats):
-        for index, prompt in enumerate(prompts):
-            ids = tokenizer(prompt, return_tensors="pt").input_ids
-            first = run(ids, 1)
-            total = run(ids, max_tokens)
-            yield "transformers assisted", index, repeat, first, total - first
+    def run(self, prompt: str, max_tokens: int) -> tuple[float, float]:
+        """(TTFT, decode) in ms: transformers cannot report the first token's time, so the
+        prompt runs twice, for one token and for all of them."""
+        ids = self.tokenizer(prompt, return_tensors="pt").input_ids
+        first = self._generate(ids, 1)
+        return first, self._generate(ids, max_tokens) - first
 
 
-def llama_cpp_speculative(prompts, max_tokens: int, repeats: int, threads: int, gamma: int = 4):
-    from hetspec.protocol.sampling import SamplingParams  # noqa: PLC0415
-    from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
+class LlamaCppSpeculative:
+    def __init__(self, threads: int, gamma: int = 4) -> None:
+        from hetspec.protocol.sampling import SamplingParams  # noqa: PLC0415
+        from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
 
-    target = LlamaCppRuntime(MODELS / "target" / "target-q8_0.gguf", n_ctx=2048, threads=threads)
-    draft = LlamaCppRuntime(MODELS / "draft" / "draft-q8_0.gguf", n_ctx=2048, threads=threads)
-    greedy, rng = SamplingParams(), np.random.default_rng(0)
+        self.name = f"llama.cpp speculative gamma={gamma}"
+        self.gamma = gamma
+        self.target = LlamaCppRuntime(MODELS / "target" / "target-q8_0.gguf", n_ctx=2048,
+                                      threads=threads)  # fmt: skip
+        self.draft = LlamaCppRuntime(MODELS / "draft" / "draft-q8_0.gguf", n_ctx=2048,
+                                     threads=threads)  # fmt: skip
+        self.greedy, self.rng = SamplingParams(), np.random.default_rng(0)
 
-    def run(prompt: str) -> tuple[float, float]:
+    def run(self, prompt: str, max_tokens: int) -> tuple[float, float]:
+        target, draft, gamma = self.target, self.draft, self.gamma
         start = time.perf_counter()
         tokens = target.tokenize(prompt)
         target.prefill(tokens)
@@ -76,7 +91,7 @@ def llama_cpp_speculative(prompts, max_tokens: int, repeats: int, threads: int, 
         emitted, behind = 1, [bonus]
         while emitted < max_tokens:
             draft.append(behind)
-            drafted = draft.draft(gamma, greedy, rng).tokens[0].tolist()
+            drafted = draft.draft(gamma, self.greedy, self.rng).tokens[0].tolist()
             chain = list(range(-1, gamma - 1))
             logits = target.evaluate_tree([bonus, *drafted], [-1, *(p + 1 for p in chain)])
             verdict = verify_greedy(drafted, chain, logits)
@@ -87,27 +102,38 @@ def llama_cpp_speculative(prompts, max_tokens: int, repeats: int, threads: int, 
         end = time.perf_counter()
         return (first - start) * 1000, (end - first) * 1000 * (max_tokens - 1) / (emitted - 1)
 
-    run(prompts[0])  # warm-up
-    for repeat in range(repeats):
-        for index, prompt in enumerate(prompts):
-            ttft, decode = run(prompt)
-            yield f"llama.cpp speculative gamma={gamma}", index, repeat, ttft, decode
+
+def serve(threads: int, requests: TextIO, replies: TextIO) -> None:
+    peers = {peer.name: peer for peer in (LlamaCppSpeculative(threads),
+                                          TransformersAssisted(threads))}  # fmt: skip
+    for peer in peers.values():
+        peer.run("def main():\n", 8)  # warm-up
+
+    def reply(message: dict) -> None:
+        replies.write(json.dumps(message) + "\n")
+        replies.flush()
+
+    reply({"systems": list(peers)})
+    for line in requests:
+        try:
+            request = json.loads(line)
+            peer = peers[request["system"]]
+            ttft, decode = peer.run(request["prompt"], request["max_tokens"])
+        except (ValueError, KeyError, TypeError) as error:
+            reply({"error": f"bad request {line.strip()[:200]!r}: {error!r}"})
+            continue
+        reply({"ttft_ms": ttft, "decode_ms": decode, "tokens": request["max_tokens"]})
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hetspec.workers.peers")
-    parser.add_argument("--prompts", type=Path, required=True, help="JSON list of prompts")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = argparse.ArgumentParser(
+        prog="python -m hetspec.workers.peers",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     args = parser.parse_args(argv)
-    prompts = json.loads(args.prompts.read_text())
-    for peer in (llama_cpp_speculative, transformers_assisted):
-        for system, index, repeat, ttft, decode in peer(prompts, args.max_tokens, args.repeats,
-                                                        args.threads):  # fmt: skip
-            record = {"system": system, "prompt": index, "repeat": repeat,
-                      "tokens": args.max_tokens, "ttft_ms": ttft, "decode_ms": decode}  # fmt: skip
-            print(json.dumps(record), flush=True)
+    serve(args.threads, sys.stdin, sys.stdout)
     return 0
 
 
