@@ -29,6 +29,7 @@ from hetspec.daemon.generation import (
     GenerationResult,
     TextOutput,
     alone_tokens,
+    slot_rows,
     token_budget,
 )
 from hetspec.daemon.worker_client import WorkerClient
@@ -313,7 +314,8 @@ class SpeculativeDecoder:
         drafted, _ = await self._choosing_meanwhile(verifier.call(
             m.Draft(
                 request=verifier.next_request(),
-                steps=min(alone_tokens(self.controller.target_alone_s()), remaining),
+                steps=min(alone_tokens(self.controller.target_alone_s(), slot_rows(verifier)),
+                          remaining),
                 sampling=self.params,
                 out=self.pair.verify_slot,
                 append=[*kept, self.pending_bonus],
