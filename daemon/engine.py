@@ -432,13 +432,14 @@ class SpeculativeDecoder:
             self._begin(first)
             outcome = RoundOutcome([], True) if first == self.eos else RoundOutcome([first], False)
             while True:
+                pieces = []  # one write per round, not per token
                 for token in outcome.emitted:
                     result.add(token)
-                    piece = output.add(token)
-                    if piece:
-                        yield piece
+                    pieces.append(output.add(token))
                     if output.stopped:  # a stop string: the round's later tokens are dropped
                         break
+                if any(pieces):
+                    yield "".join(pieces)
                 if outcome.stopped or output.stopped:
                     result.done_reason = "stop"
                     break

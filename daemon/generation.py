@@ -244,17 +244,18 @@ async def generate(
             last = drafted.tokens[0]
             if result.tokens:  # (the first call only sampled from the prefill's logits)
                 token_s = drafted.elapsed_ms / 1000 / len(last)
+            pieces = []  # one write per call, not per token
             for token in last:
                 if token == eos:
                     result.done_reason = "stop"
                     break
                 result.add(token)
-                piece = output.add(token)
-                if piece:
-                    yield piece
+                pieces.append(output.add(token))
                 if output.stopped:
                     result.done_reason = "stop"
                     break
+            if any(pieces):
+                yield "".join(pieces)
         tail = output.flush()
         if tail:
             yield tail
