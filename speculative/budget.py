@@ -202,6 +202,10 @@ class BudgetController:
         """A draft call's time besides the worker's own (messages, wake-ups)."""
         self._draft_latency[overlapped].add(max(0.0, seconds))
 
+    def decodes_alone(self) -> bool:
+        """Whether the latest decision has the target decode alone (gamma 0)."""
+        return bool(self.history) and self.history[-1].gamma == 0
+
     def target_alone_s(self) -> float | None:
         """Seconds per token the target computes when it decodes alone, once measured: what
         sizes its calls (the round's time per token, call latency included, would shrink
