@@ -13,10 +13,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
 
 from hetspec.daemon.worker_client import WorkerClient
+from hetspec.protocol import Arena
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.sampling import SamplingParams
+from hetspec.speculative.sampling import distribution
+from hetspec.speculative.verify import draw
 
 # "autoregressive": the target alone; "sequential": draft, then verify, the budget controller
 # choosing gamma unless the request fixes it; "parallel": the drafter drafts the next round while
@@ -40,6 +44,13 @@ def alone_tokens(token_s: float | None, limit: int = MAX_ALONE_TOKENS) -> int:
     return max(1, min(MAX_ALONE_TOKENS, limit, int(ALONE_CALL_S / token_s)))
 
 
+def first_token(logits: np.ndarray, params: SamplingParams, seed: int | None) -> int:
+    """The token after the prompt, from the prefill's (1, vocab) logits."""
+    if params.greedy:
+        return int(np.argmax(logits[0]))
+    return draw(distribution(logits, params)[0], np.random.default_rng(seed))
+
+
 def slot_rows(worker: WorkerClient) -> int:
     """How many vocabulary rows one arena slot holds for this worker."""
     if worker.arena is None:
@@ -48,6 +59,7 @@ def slot_rows(worker: WorkerClient) -> int:
 
 
 MAX_GAMMA = 32
+FIRST_TOKEN_STREAM = 0x1F7  # the daemon's draw of the first token, apart from the worker's
 MAX_BRANCHES = 8
 MAX_STOPS, MAX_STOP_CHARS = 16, 256
 
@@ -205,47 +217,40 @@ class GenerationResult:
 
 
 async def generate(
-    request: GenerateRequest, worker: WorkerClient, slot: int, result: GenerationResult
+    request: GenerateRequest,
+    worker: WorkerClient,
+    slot: int,
+    result: GenerationResult,
+    arena: Arena,
 ) -> AsyncIterator[str]:
     """Yield text pieces; ``result`` holds the tokens and timings (complete when exhausted).
-    Several tokens per call (``alone_tokens``): the worker appends the last call's tokens (it
-    evaluated all but the last while sampling them, so one forward) and samples the next
-    ones, one forward each (their probability rows land in arena slot ``slot``, unread: plain
-    decoding needs only the tokens). The first token is sampled from the prefill's logits."""
+    The first token is chosen here from the prefill's logits (in arena slot ``slot``), as the
+    speculative modes choose theirs: no call of its own. Then several tokens per call
+    (``alone_tokens``): the worker appends the last call's tokens (it evaluated all but the
+    last while sampling them, so one forward) and samples the next ones, one forward each
+    (their probability rows land in the slot, unread: plain decoding needs only the tokens)."""
     ready = worker.ready
     started = time.perf_counter()
     tokenized, _ = await worker.call(m.Tokenize(request=worker.next_request(), text=request.prompt))
     prompt = tokenized.tokens
     max_tokens = token_budget(request, len(prompt), ready.context)
     # the drafter has nothing to do in this mode: the target may compute on its cores too
-    await worker.call(m.Prefill(request=worker.next_request(), tokens=prompt, seed=request.seed,
-                                spare_cores=True))  # fmt: skip
+    prefilled, _ = await worker.call(
+        m.Prefill(request=worker.next_request(), tokens=prompt, seed=request.seed, out=slot,
+                  spare_cores=True)
+    )  # fmt: skip
+    seed = None if request.seed is None else request.seed ^ FIRST_TOKEN_STREAM
+    tokens = [first_token(arena.view(prefilled.logits), request.sampling, seed)]
     result.prompt_tokens = len(prompt)
     result.prompt_ms = (time.perf_counter() - started) * 1000
     decode_start = time.perf_counter()
     output = TextOutput(ready.token_bytes, request.stops)
     eos = -1 if request.ignore_eos else ready.vocab.eos
-    last: list[int] = []  # the last call's tokens, which the worker holds unconfirmed
     token_s = None  # the worker's seconds per token, from the last call
     try:
-        while len(result.tokens) < max_tokens and result.done_reason != "stop":
-            # the first token alone: it comes with the prefill, not after more
-            steps = alone_tokens(token_s, slot_rows(worker)) if result.tokens else 1
-            drafted, _ = await worker.call(
-                m.Draft(
-                    request=worker.next_request(),
-                    steps=min(steps, max_tokens - len(result.tokens)),
-                    sampling=request.sampling,
-                    out=slot,
-                    append=last or result.tokens[-1:],
-                    spare_cores=True,
-                )
-            )
-            last = drafted.tokens[0]
-            if result.tokens:  # (the first call only sampled from the prefill's logits)
-                token_s = drafted.elapsed_ms / 1000 / len(last)
+        while True:
             pieces = []  # one write per call, not per token
-            for token in last:
+            for token in tokens:
                 if token == eos:
                     result.done_reason = "stop"
                     break
@@ -256,6 +261,21 @@ async def generate(
                     break
             if any(pieces):
                 yield "".join(pieces)
+            if len(result.tokens) >= max_tokens or result.done_reason == "stop":
+                break
+            steps = alone_tokens(token_s, slot_rows(worker))
+            drafted, _ = await worker.call(
+                m.Draft(
+                    request=worker.next_request(),
+                    steps=min(steps, max_tokens - len(result.tokens)),
+                    sampling=request.sampling,
+                    out=slot,
+                    append=tokens,  # the last call's (the worker holds them unconfirmed)
+                    spare_cores=True,
+                )
+            )
+            tokens = drafted.tokens[0]
+            token_s = drafted.elapsed_ms / 1000 / len(tokens)
         tail = output.flush()
         if tail:
             yield tail

@@ -320,8 +320,8 @@ class Service:
         with self.slots.lease(run_id) as draft_slot, self.slots.lease(run_id) as verify_slot:
             result = GenerationResult()
             if mode == "autoregressive":
-                run = Run(run_id, mode, generate(body, verifier, draft_slot, result), result,
-                          devices, waited_s * 1000)  # fmt: skip
+                pieces = generate(body, verifier, draft_slot, result, self.arena)
+                run = Run(run_id, mode, pieces, result, devices, waited_s * 1000)
             else:
                 pair = WorkerPair(drafter, verifier, self.arena, draft_slot, verify_slot)
                 kind = SpeculativeDecoder if mode == "sequential" else OverlappedDecoder
