@@ -12,7 +12,9 @@ then:
    their own). Requests are interleaved (prompt by prompt, each system in turn, the order
    rotating) so that a noisy box slows every system alike. Decode
    tokens/s (after the prompt; the first token comes with the prefill in every mode) and TTFT
-   are counted separately; overlapped rows also get their efficiency: measured tokens/s over
+   (a whole prompt prefilled: the daemon's workers prefill another prompt before each
+   request, so that no system reuses the prefix the one before it left) are counted
+   separately; overlapped rows also get their efficiency: measured tokens/s over
    the ideal from the run's own measurements, (mean accepted + 1) / max(gamma * T_draft,
    T_verify).
 2. Load: the same prompts again for adaptive and each fixed gamma, with a busy process started
@@ -52,6 +54,7 @@ CHAT_PROMPTS = [
     "Write a function that checks whether a string is a palindrome.",
 ]
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+FORGET_PROMPT = "# -*- coding: utf-8 -*-\n"  # shares no prefix with the prompts that matter
 
 
 def code_prompts(count: int, context_lines: int = 30) -> list[str]:
@@ -266,6 +269,13 @@ def drafter_core(client: Client, placement: str) -> int:
     return min(os.sched_getaffinity(pid))
 
 
+def forget_prompt(client: Client) -> None:
+    """Have both workers prefill another prompt, so that the next request's prompt is
+    prefilled in full, as the peers' are: otherwise every system after the first on a prompt
+    reused its cached prefix, and TTFT told the order the systems ran in, not the systems."""
+    client.generate(FORGET_PROMPT, max_tokens=2, ignore_eos=True, mode="sequential", gamma=1)
+
+
 def run_requests(client, plan, prompts, options, *, repeats, loaded_from=None, busy=None):
     """Every (system, prompt) ``repeats`` times, interleaved; returns the records."""
     records = []
@@ -280,6 +290,7 @@ def run_requests(client, plan, prompts, options, *, repeats, loaded_from=None, b
                     records.append(system.peer.record(system.name, prompt, index, repeat,
                                                       options["max_tokens"]))  # fmt: skip
                     continue
+                forget_prompt(client)
                 done = client.generate(prompt, **options, **system.options)
                 records.append(Record.of(system.name, index, repeat, loaded, done))
         print(f"  repeat {repeat + 1}/{repeats} done", file=sys.stderr, flush=True)
