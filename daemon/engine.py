@@ -38,6 +38,7 @@ from hetspec.protocol import worker_messages as m
 from hetspec.speculative.branching import uncertainty_branches
 from hetspec.speculative.budget import BudgetController, Decision
 from hetspec.speculative.sampling import distribution
+from hetspec.speculative.spare_cores import SpareCoreChoice
 from hetspec.speculative.verify import (
     Verdict,
     accept_token,
@@ -102,6 +103,8 @@ class WorkerPair:
     arena: Arena
     draft_slot: int  # where the drafter writes its probability rows
     verify_slot: int  # where the verifier writes the tree's logits
+    # whether the verifier, decoding alone, computes on the drafter's cores too
+    cores: SpareCoreChoice = field(default_factory=SpareCoreChoice)
 
 
 @dataclass(frozen=True)
@@ -170,6 +173,7 @@ class SpeculativeDecoder:
         seed, slot = self.request.seed, self.pair.verify_slot
         self._drafter_prompt = prompt
         decodes_alone = self.gamma is None and self.controller.decodes_alone()
+        wide = decodes_alone and self.pair.cores.preferred()
         if not decodes_alone:
             self._start_drafter_prefill()
         try:
@@ -177,7 +181,7 @@ class SpeculativeDecoder:
             # its draws are independent of the drafter's
             own = None if seed is None else seed ^ 0x7A26E7
             command = m.Prefill(request=verifier.next_request(), tokens=prompt, out=slot,
-                                seed=own, spare_cores=decodes_alone)  # fmt: skip
+                                seed=own, spare_cores=wide)  # fmt: skip
             prefilled, _ = await verifier.call(command)
         except BaseException:
             if self.drafter_prefill is not None:
@@ -330,6 +334,8 @@ class SpeculativeDecoder:
         verifier = self.pair.verifier
         start = time.perf_counter()
         kept = [self.verifier_tree[node] for node in self.verifier_keeps]  # last round's path
+        idle = self._drafter_idle()  # else the drafter prefills: the target stays on its own
+        wide = idle and self.pair.cores.choose()
         drafted, _ = await self._choosing_meanwhile(verifier.call(
             m.Draft(
                 request=verifier.next_request(),
@@ -338,7 +344,7 @@ class SpeculativeDecoder:
                 sampling=self.params,
                 out=self.pair.verify_slot,
                 append=[*kept, self.pending_bonus],
-                spare_cores=self._drafter_idle(),  # unless the drafter is prefilling
+                spare_cores=wide,
             )
         ))  # fmt: skip
         tokens = drafted.tokens[0]
@@ -350,6 +356,8 @@ class SpeculativeDecoder:
         self.drafter_appends = self.drafter_appends + emitted
         round_s = time.perf_counter() - start
         compute_s = drafted.elapsed_ms / 1000  # per token, below: what the controller wants
+        if idle:
+            self.pair.cores.record(wide, compute_s / len(tokens))
         # The first round without a draft is a transition: it evaluates the last round's
         # bonus and moves the worker onto the spare cores; its time is not what decoding
         # alone costs (taken for it, a one-round trial priced the target alone 2.5x too dear).

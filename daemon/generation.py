@@ -20,6 +20,7 @@ from hetspec.protocol import Arena
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.sampling import SamplingParams
 from hetspec.speculative.sampling import distribution
+from hetspec.speculative.spare_cores import SpareCoreChoice
 from hetspec.speculative.verify import draw
 
 # "autoregressive": the target alone; "sequential": draft, then verify, the budget controller
@@ -221,23 +222,26 @@ async def generate(
     worker: WorkerClient,
     slot: int,
     result: GenerationResult,
+    *,
     arena: Arena,
+    cores: SpareCoreChoice,
 ) -> AsyncIterator[str]:
     """Yield text pieces; ``result`` holds the tokens and timings (complete when exhausted).
     The first token is chosen here from the prefill's logits (in arena slot ``slot``), as the
     speculative modes choose theirs: no call of its own. Then several tokens per call
     (``alone_tokens``): the worker appends the last call's tokens (it evaluated all but the
     last while sampling them, so one forward) and samples the next ones, one forward each
-    (their probability rows land in the slot, unread: plain decoding needs only the tokens)."""
+    (their probability rows land in the slot, unread: plain decoding needs only the tokens).
+    The drafter has nothing to do in this mode: the target computes on its cores too, where
+    ``cores`` finds that this pays."""
     ready = worker.ready
     started = time.perf_counter()
     tokenized, _ = await worker.call(m.Tokenize(request=worker.next_request(), text=request.prompt))
     prompt = tokenized.tokens
     max_tokens = token_budget(request, len(prompt), ready.context)
-    # the drafter has nothing to do in this mode: the target may compute on its cores too
     prefilled, _ = await worker.call(
         m.Prefill(request=worker.next_request(), tokens=prompt, seed=request.seed, out=slot,
-                  spare_cores=True)
+                  spare_cores=cores.preferred())
     )  # fmt: skip
     seed = None if request.seed is None else request.seed ^ FIRST_TOKEN_STREAM
     tokens = [first_token(arena.view(prefilled.logits), request.sampling, seed)]
@@ -264,6 +268,7 @@ async def generate(
             if len(result.tokens) >= max_tokens or result.done_reason == "stop":
                 break
             steps = alone_tokens(token_s, slot_rows(worker))
+            wide = cores.choose()
             drafted, _ = await worker.call(
                 m.Draft(
                     request=worker.next_request(),
@@ -271,11 +276,12 @@ async def generate(
                     sampling=request.sampling,
                     out=slot,
                     append=tokens,  # the last call's (the worker holds them unconfirmed)
-                    spare_cores=True,
+                    spare_cores=wide,
                 )
             )
             tokens = drafted.tokens[0]
             token_s = drafted.elapsed_ms / 1000 / len(tokens)
+            cores.record(wide, token_s)
         tail = output.flush()
         if tail:
             yield tail

@@ -53,6 +53,7 @@ from hetspec.daemon.supervisor import (
 from hetspec.daemon.systemd import Notifier, activated_sockets, watchdog_loop
 from hetspec.protocol.arena import Arena, ArenaError
 from hetspec.speculative.budget import BudgetController
+from hetspec.speculative.spare_cores import SpareCoreChoice
 
 log = structlog.get_logger("hetspec.daemon")
 
@@ -86,6 +87,9 @@ class Service:
             "parallel": BudgetController(parallel=True, max_width=width, max_branches=1),
             "adaptive": BudgetController(parallel=True, max_width=width),
         }
+        # whether the target decoding alone computes on the drafter's cores too: measured
+        # for the daemon's life, by every mode
+        self.spare_cores = SpareCoreChoice()
         self._run_ids = itertools.count(1)
         self._stop = asyncio.Event()
         self.started = time.monotonic()
@@ -320,10 +324,12 @@ class Service:
         with self.slots.lease(run_id) as draft_slot, self.slots.lease(run_id) as verify_slot:
             result = GenerationResult()
             if mode == "autoregressive":
-                pieces = generate(body, verifier, draft_slot, result, self.arena)
+                pieces = generate(body, verifier, draft_slot, result, arena=self.arena,
+                                  cores=self.spare_cores)  # fmt: skip
                 run = Run(run_id, mode, pieces, result, devices, waited_s * 1000)
             else:
-                pair = WorkerPair(drafter, verifier, self.arena, draft_slot, verify_slot)
+                pair = WorkerPair(drafter, verifier, self.arena, draft_slot, verify_slot,
+                                  self.spare_cores)  # fmt: skip
                 kind = SpeculativeDecoder if mode == "sequential" else OverlappedDecoder
                 stats, controller = SpeculativeStats(), self.controllers[mode]
                 decoder = kind(body, pair, controller, stats, gamma=gamma)

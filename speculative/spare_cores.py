@@ -1,0 +1,55 @@
+"""Whether the target, decoding alone, should also compute on the drafter's cores.
+
+Where both workers compute on the CPU the target may borrow the drafter's cores while the
+drafter idles (see hetspec.workers.spare_cores): on a 2-vCPU VM that doubled its speed. But
+when another process keeps those cores busy, the target's extra threads wait on each other
+at every step, and borrowing made it five times slower than its own core alone (the bench's
+busy-core run). So the daemon measures both: the target's own compute per token with and
+without the spare cores, the better one is used, and every ``explore_every`` calls the other
+is tried once, so that a change either way is noticed within a few dozen calls.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+
+class SpareCoreChoice:
+    def __init__(self, window: int = 5, explore_every: int = 16) -> None:
+        self._cost: dict[bool, deque[float]] = {c: deque(maxlen=window) for c in (True, False)}
+        self.explore_every = explore_every
+        self._calls = 0
+        self._exploring = False  # the last choice was the one not preferred
+        self._confirming = False  # ... and it measured better: try it again at once
+        self._best = True
+
+    def _median(self, wide: bool) -> float | None:
+        samples = self._cost[wide]
+        return statistics.median(samples) if samples else None
+
+    def preferred(self) -> bool:
+        """The better choice as measured (the spare cores until shown otherwise)."""
+        wide, narrow = self._median(True), self._median(False)
+        return wide is None or narrow is None or wide <= narrow
+
+    def choose(self) -> bool:
+        """For the next call of the target alone: the preferred choice, or now and then the
+        other one, to measure it again (and again at once while it measures better, so that
+        a few calls overturn a median of old measurements)."""
+        self._calls += 1
+        best = self.preferred()
+        if best != self._best:
+            self._best, self._confirming = best, False
+        self._exploring = self._confirming or self._calls % self.explore_every == 0
+        return not best if self._exploring else best
+
+    def record(self, wide: bool, seconds_per_token: float) -> None:
+        """The target's own compute per token in a call made with (``wide``) or without
+        the spare cores."""
+        if seconds_per_token <= 0:
+            return
+        if self._exploring:
+            other = self._median(not wide)
+            self._confirming = other is not None and seconds_per_token < other
+        self._cost[wide].append(seconds_per_token)
