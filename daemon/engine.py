@@ -29,6 +29,7 @@ from hetspec.daemon.generation import (
     GenerationResult,
     TextOutput,
     alone_tokens,
+    first_token,
     slot_rows,
     token_budget,
 )
@@ -42,7 +43,6 @@ from hetspec.speculative.spare_cores import SpareCoreChoice
 from hetspec.speculative.verify import (
     Verdict,
     accept_token,
-    draw,
     verify_greedy,
     verify_sampling,
 )
@@ -189,10 +189,7 @@ class SpeculativeDecoder:
             raise
         result.prompt_tokens = len(prompt)
         result.prompt_ms = (time.perf_counter() - started) * 1000
-        logits = self.pair.arena.view(prefilled.logits)
-        if self.params.greedy:
-            return int(np.argmax(logits[0]))
-        return draw(distribution(logits, self.params)[0], self.rng)
+        return first_token(self.pair.arena.view(prefilled.logits), self.params, self.rng)
 
     def _start_drafter_prefill(self) -> asyncio.Future:
         if self.drafter_prefill is None:

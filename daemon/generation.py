@@ -45,11 +45,11 @@ def alone_tokens(token_s: float | None, limit: int = MAX_ALONE_TOKENS) -> int:
     return max(1, min(MAX_ALONE_TOKENS, limit, int(ALONE_CALL_S / token_s)))
 
 
-def first_token(logits: np.ndarray, params: SamplingParams, seed: int | None) -> int:
-    """The token after the prompt, from the prefill's (1, vocab) logits."""
+def first_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """The token after the prompt, from the prefill's (1, vocab) logits (every mode's)."""
     if params.greedy:
         return int(np.argmax(logits[0]))
-    return draw(distribution(logits, params)[0], np.random.default_rng(seed))
+    return draw(distribution(logits, params)[0], rng)
 
 
 def slot_rows(worker: WorkerClient) -> int:
@@ -60,7 +60,6 @@ def slot_rows(worker: WorkerClient) -> int:
 
 
 MAX_GAMMA = 32
-FIRST_TOKEN_STREAM = 0x1F7  # the daemon's draw of the first token, apart from the worker's
 MAX_BRANCHES = 8
 MAX_STOPS, MAX_STOP_CHARS = 16, 256
 
@@ -243,8 +242,9 @@ async def generate(
         m.Prefill(request=worker.next_request(), tokens=prompt, seed=request.seed, out=slot,
                   spare_cores=cores.preferred())
     )  # fmt: skip
-    seed = None if request.seed is None else request.seed ^ FIRST_TOKEN_STREAM
-    tokens = [first_token(arena.view(prefilled.logits), request.sampling, seed)]
+    # the daemon's draw of the first token: a stream apart from the worker's, same seed
+    rng = np.random.default_rng(None if request.seed is None else request.seed ^ 0x1F7)
+    tokens = [first_token(arena.view(prefilled.logits), request.sampling, rng)]
     result.prompt_tokens = len(prompt)
     result.prompt_ms = (time.perf_counter() - started) * 1000
     decode_start = time.perf_counter()
