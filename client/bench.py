@@ -103,17 +103,22 @@ class Peers:
     """The peer systems' process (``hetspec.workers.peers``), asked one request at a time so
     that their requests interleave with hetspec's."""
 
-    def __init__(self) -> None:
+    def __init__(self, log: Path) -> None:
+        # its stderr goes to a file: a pipe nobody reads would fill with warnings and stall it
+        self.log = log
         command = [sys.executable, "-m", "hetspec.workers.peers"]
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True)  # fmt: skip
+        with log.open("w") as errors:
+            self.process = subprocess.Popen(
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True
+            )
         self.systems = [System(name, {}, self) for name in self._reply()["systems"]]
 
     def _reply(self) -> dict:
         line = self.process.stdout.readline()
         if not line:
             self.process.wait(10)
-            raise HetspecError(f"the peers' process ended: {self.process.stderr.read()[-2000:]}")
+            said = self.log.read_text(errors="replace")[-2000:]
+            raise HetspecError(f"the peers' process ended ({self.log}):\n{said}")
         reply = json.loads(line)
         if "error" in reply:
             raise HetspecError(f"peers: {reply['error']}")
@@ -445,7 +450,7 @@ def main(args: argparse.Namespace) -> int:
             peers = None
             if args.peers:
                 print("peers: loading transformers and llama.cpp", file=sys.stderr, flush=True)
-                peers = Peers()
+                peers = Peers(out / "peers.log")
                 stack.callback(peers.close)
             _measure(args, out, peers, report, results)
     except HetspecError as error:
