@@ -12,8 +12,16 @@ import msgspec
 import uvloop
 
 from hetspec import __version__
-from hetspec.daemon.config import DEFAULT_CONFIG_FILE, ConfigError, load_config, parse_value
+from hetspec.daemon.config import (
+    DEFAULT_CONFIG_FILE,
+    ConfigError,
+    DaemonConfig,
+    load_config,
+    parse_value,
+)
+from hetspec.daemon.cores import CoreError
 from hetspec.daemon.runtime_check import check_runtimes, describe
+from hetspec.daemon.runtime_choice import RuntimeChoiceError, cache_dir, decide_gpu_runtime
 from hetspec.daemon.service import Service
 from hetspec.logs import LOG_LEVELS, configure_logging, get_logger
 from hetspec.protocol import ProbeFailure
@@ -34,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--check",
         action="store_true",
         help="describe the llama.cpp and torch runtimes the workers would use on this box "
-        "(devices, cores, CPU features of the llama.cpp build) and exit; non-zero if one "
-        "cannot load",
+        "(devices, cores, CPU features of the llama.cpp build), and which runtime the GPU "
+        'worker would use with this configuration (gpu_runtime "auto" measures each, as the '
+        "daemon does at load, and caches the figures), then exit; non-zero if one cannot load",
     )
     parser.add_argument(
         "--json", action="store_true", help="with --check: print the reports as JSON"
@@ -70,10 +79,22 @@ def overrides_from(args: argparse.Namespace) -> dict[str, object]:
     return overrides
 
 
-def run_check(as_json: bool) -> int:
+def run_check(as_json: bool, config: DaemonConfig | None) -> int:
+    """Describe the runtimes; with a configuration, also decide the GPU worker's runtime as
+    the daemon would (measuring for "auto", or reading the cached profiles)."""
     reports = check_runtimes()
+    failed = any(isinstance(r, ProbeFailure) for r in reports.values())
+    decision, problem = None, None
+    if config is not None and not failed:
+        try:
+            decision = uvloop.run(
+                decide_gpu_runtime(config, "console", cache_dir(config.cache_dir))
+            )
+        except (RuntimeChoiceError, CoreError, ValueError) as error:
+            problem = str(error)
     if as_json:
-        document = {"hetspecd": __version__, "runtimes": reports}
+        document = {"hetspecd": __version__, "runtimes": reports, "gpu_runtime": decision,
+                    "gpu_runtime_error": problem}  # fmt: skip
         sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(document)) + b"\n")
     else:
         print(
@@ -82,19 +103,23 @@ def run_check(as_json: bool) -> int:
         )
         for report in reports.values():
             print("\n".join(describe(report)))
-    return 1 if any(isinstance(r, ProbeFailure) for r in reports.values()) else 0
+        if decision is not None:
+            print(f"{config.placement}: {decision.summary()}")
+        if problem is not None:
+            print(f"ERROR choosing the GPU worker's runtime: {problem}")
+    return 1 if failed or problem else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.check:
-        configure_logging(args.log_level or "info", args.log_format or "auto", process="hetspecd")
-        return run_check(args.json)
     try:
         config = load_config(args.config, overrides_from(args))
     except ConfigError as error:
         print(f"hetspecd: bad configuration: {error}", file=sys.stderr)
         return 2
+    if args.check:
+        configure_logging(args.log_level or "info", args.log_format or "auto", process="hetspecd")
+        return run_check(args.json, config)
     configure_logging(config.log_level, config.log_format, process="hetspecd")
     worker_log_format = "json" if config.log_format == "auto" and not sys.stderr.isatty() else (
         "console" if config.log_format == "auto" else config.log_format)  # fmt: skip

@@ -79,13 +79,17 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_queue: int = 16  # requests that may wait while one decodes; more get 429
     # The GPU worker's runtime: torch (the model folder), or llama.cpp (the GGUF file, every
     # layer offloaded when llama.cpp was built for the GPU; on a box without one, two
-    # llama.cpp workers on their own cores still overlap drafting with verifying). The
-    # llama.cpp GPU worker takes cpu_worker's llama.cpp settings.
-    gpu_runtime: Literal["torch", "llama.cpp"] = "torch"
+    # llama.cpp workers on their own cores still overlap drafting with verifying), or "auto":
+    # whichever measures fastest here at load (see runtime_choice.py; profiles are cached).
+    # The llama.cpp GPU worker takes cpu_worker's llama.cpp settings.
+    gpu_runtime: Literal["auto", "torch", "llama.cpp"] = "auto"
     # Where both workers compute on the CPU (no CUDA), the verifier computes on the drafter's
     # cores too whenever the drafter has nothing to do: the target decoding alone, a plain
     # round's verification (see workers/spare_cores.py). False keeps each on its own cores.
     lend_cores: bool = True
+    # Measured runtime profiles (gpu_runtime "auto") are kept here; None: $XDG_CACHE_HOME/hetspec,
+    # else ~/.cache/hetspec (the systemd unit points XDG_CACHE_HOME at its CacheDirectory).
+    cache_dir: str | None = None
     model_name: str | None = None  # the name the API serves; None: the target's folder name
     tcp: TcpConfig = msgspec.field(default_factory=TcpConfig)
     target: ModelPaths = msgspec.field(

@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import structlog
 from aiohttp import web
 
@@ -42,6 +43,12 @@ from hetspec.daemon.generation import GenerateRequest, GenerationResult, generat
 from hetspec.daemon.instance import Instance, InstanceError
 from hetspec.daemon.metrics import Metrics
 from hetspec.daemon.runs import Run
+from hetspec.daemon.runtime_choice import (
+    RuntimeChoiceError,
+    RuntimeDecision,
+    cache_dir,
+    decide_gpu_runtime,
+)
 from hetspec.daemon.slots import SlotPool
 from hetspec.daemon.supervisor import (
     StartupError,
@@ -68,6 +75,7 @@ class Service:
         self.notifier = Notifier.from_environment()
         self.arena: Arena | None = None
         self.supervisor: Supervisor | None = None
+        self.runtime_decision: RuntimeDecision | None = None
         self.runner: web.AppRunner | None = None
         self.draining = False
         self.own_socket: Path | None = None  # the socket file we created (not systemd's)
@@ -108,19 +116,8 @@ class Service:
             self._load_chat_template()
             await self._listen()
             self.notifier.status("loading the models")
-            specs = worker_specs(self.config, self.log_format)
-            vocab = max(vocab_size_of(self.config.target.folder),
-                        vocab_size_of(self.config.draft.folder))  # fmt: skip
-            self.arena = self.instance.create_arena(
-                self.config.arena_slots, self.config.max_tree_nodes * vocab * 4
-            )
-            self.supervisor = Supervisor(self.config, specs, self.instance.runtime_dir,
-                                         self.arena.layout)  # fmt: skip
-            supervisor = self.supervisor
-            watchdog = asyncio.ensure_future(
-                watchdog_loop(self.notifier, supervisor.heartbeats_fresh)
-            )
-            start = asyncio.ensure_future(supervisor.start())
+            watchdog = asyncio.ensure_future(watchdog_loop(self.notifier, self._heartbeats_fresh))
+            start = asyncio.ensure_future(self._load())
             stop = asyncio.ensure_future(self._stop.wait())
             await asyncio.wait({start, stop}, return_when=asyncio.FIRST_COMPLETED)
             if not start.done():  # told to stop while loading
@@ -139,7 +136,7 @@ class Service:
             await self._drain()
             return 0
         except (InstanceError, StartupError, CoreError, ArenaError, ChatTemplateError,
-                OSError) as error:  # fmt: skip
+                RuntimeChoiceError, OSError) as error:  # fmt: skip
             log.error("cannot serve", error=str(error))
             self.notifier.status(f"cannot serve: {error}")
             return 1
@@ -147,6 +144,32 @@ class Service:
             if watchdog is not None:
                 watchdog.cancel()
             await self._cleanup()
+
+    async def _load(self) -> None:
+        """Decide the GPU worker's runtime (measuring, for "auto"), then start both workers."""
+        if self.config.gpu_runtime == "auto":
+            self.notifier.status("measuring which runtime verifies fastest")
+        decision = await decide_gpu_runtime(
+            self.config, self.log_format, cache_dir(self.config.cache_dir)
+        )
+        self.runtime_decision = decision
+        log.info("gpu worker runtime", runtime=decision.runtime, chosen_by=decision.chosen_by,
+                 summary=decision.summary())  # fmt: skip
+        self.notifier.status("loading the models")
+        specs = worker_specs(self.config, self.log_format, decision.runtime)
+        vocab = max(vocab_size_of(self.config.target.folder),
+                    vocab_size_of(self.config.draft.folder))  # fmt: skip
+        self.arena = self.instance.create_arena(
+            self.config.arena_slots, self.config.max_tree_nodes * vocab * 4
+        )
+        self.supervisor = Supervisor(self.config, specs, self.instance.runtime_dir,
+                                     self.arena.layout)  # fmt: skip
+        await self.supervisor.start()
+
+    def _heartbeats_fresh(self) -> bool:
+        """While the runtimes are measured there is no worker yet: the profiling processes
+        are bounded by load_timeout_s."""
+        return self.supervisor is None or self.supervisor.heartbeats_fresh()
 
     def _begin_drain(self, signum: int) -> None:
         if not self.draining:
@@ -260,6 +283,9 @@ class Service:
                        "draft": {"folder": config.draft.folder, "gguf": config.draft.gguf}},
             "placement": config.placement,
             "devices": devices,
+            "gpu_runtime": msgspec.to_builtins(self.runtime_decision)
+            if self.runtime_decision
+            else None,
             "mode": config.mode,
             "gamma": {mode: {"gamma": d.gamma, "branches": d.branches, "overlap": d.overlap}
                       if d else None for mode, d in last.items()},

@@ -55,8 +55,14 @@ def vocab_size_of(folder: str) -> int:
         raise StartupError(f"cannot read the vocabulary size from {path}: {error}") from None
 
 
-def worker_specs(config: DaemonConfig, log_format: str) -> dict[str, WorkerSpec]:
-    """The two workers' specs for this configuration's placement and core split."""
+def worker_specs(config: DaemonConfig, log_format: str,
+                 gpu_runtime: str | None = None) -> dict[str, WorkerSpec]:  # fmt: skip
+    """The two workers' specs for this configuration's placement and core split, with the GPU
+    worker in ``gpu_runtime`` (default: the configured one, which must not be "auto": that is
+    decided by measurement first, see runtime_choice)."""
+    gpu_runtime = gpu_runtime or config.gpu_runtime
+    if gpu_runtime not in ("torch", "llama.cpp"):
+        raise ValueError(f"the GPU worker's runtime must be decided, not {gpu_runtime!r}")
     owned = owned_cores()
     cuda = cuda_present(config.gpu_worker.device)
     cpu_cores, gpu_cores = split_cores(owned, cuda)
@@ -70,7 +76,7 @@ def worker_specs(config: DaemonConfig, log_format: str) -> dict[str, WorkerSpec]
     cpu_model = config.draft.gguf if drafting_on_cpu else config.target.gguf
     gpu_model = config.target.folder if drafting_on_cpu else config.draft.folder
     cpu_settings = _llama_settings(cpu_cfg, verifies=not drafting_on_cpu)
-    if config.gpu_runtime == "llama.cpp":  # the GPU worker's model in llama.cpp too
+    if gpu_runtime == "llama.cpp":  # the GPU worker's model in llama.cpp too
         gpu_model = config.target.gguf if drafting_on_cpu else config.draft.gguf
         gpu_settings = _llama_settings(cpu_cfg, verifies=drafting_on_cpu, threads=None,
                                        threads_batch=None, gpu_layers=-1)  # fmt: skip
@@ -86,7 +92,7 @@ def worker_specs(config: DaemonConfig, log_format: str) -> dict[str, WorkerSpec]
     return {
         "cpu": WorkerSpec("cpu", "llama.cpp", cpu_model, cpu_settings, tuple(cpu_cores),
                           spare_cores=tuple(sorted(cpu_spare)), **common),
-        "gpu": WorkerSpec("gpu", config.gpu_runtime, gpu_model, gpu_settings, tuple(gpu_cores),
+        "gpu": WorkerSpec("gpu", gpu_runtime, gpu_model, gpu_settings, tuple(gpu_cores),
                           spare_cores=tuple(sorted(gpu_spare)), **common),
     }  # fmt: skip
 

@@ -42,7 +42,32 @@ class ProbeFailure(msgspec.Struct, tag="failure", frozen=True, forbid_unknown_fi
 
 RuntimeReport = LlamaCppReport | TorchReport | ProbeFailure
 
+
+class RuntimeProfile(msgspec.Struct, tag="profile", frozen=True, forbid_unknown_fields=True):
+    """What one forward costs a runtime holding one model, measured on the worker's cores.
+
+    ``median_ms[i]`` is the median time of one forward of ``widths[i]`` chained tokens (a
+    verification of ``widths[i] - 1`` drafted tokens plus the bonus) after a committed
+    context of ``prefix`` tokens, the forwarded tokens dropped again after each repeat.
+    """
+
+    runtime: str  # "llama.cpp" or "torch"
+    device: str  # where it computed: "cpu", "cuda:0", "gpu (llama.cpp)"
+    model: str
+    prefix: int
+    widths: list[int]
+    median_ms: list[float]
+    load_s: float
+    cores: list[int]
+
+    def cost_ms(self) -> dict[int, float]:
+        return dict(zip(self.widths, self.median_ms, strict=True))
+
+
+ProfileResult = RuntimeProfile | ProbeFailure
+
 _decoder = msgspec.json.Decoder(RuntimeReport)
+_profile_decoder = msgspec.json.Decoder(ProfileResult)
 
 
 def encode_runtime_report(report: RuntimeReport) -> bytes:
@@ -52,3 +77,8 @@ def encode_runtime_report(report: RuntimeReport) -> bytes:
 def decode_runtime_report(data: bytes) -> RuntimeReport:
     """Decode a report; raises ``msgspec.ValidationError``/``DecodeError`` on anything else."""
     return _decoder.decode(data)
+
+
+def decode_profile(data: bytes) -> ProfileResult:
+    """Decode a profile; raises ``msgspec.ValidationError``/``DecodeError`` on anything else."""
+    return _profile_decoder.decode(data)

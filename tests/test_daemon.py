@@ -101,6 +101,9 @@ class Daemon:
             str(self.runtime_dir),
             "--log-format",
             "json",
+            # the torch verifier these tests mean, not one measured at load (test_runtime_choice)
+            "--set",
+            'gpu_runtime="torch"',
             *extra,
         ]
         for key, value in settings.items():

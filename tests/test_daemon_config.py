@@ -73,7 +73,7 @@ def test_cores_are_split_by_what_the_gpu_worker_computes_on() -> None:
 @pytest.mark.skipif(len(owned_cores()) < 2, reason="needs two cores to split")
 def test_the_verifier_borrows_the_drafters_cores_only_where_both_compute_on_the_cpu() -> None:
     def spare(**environ: str) -> dict[str, tuple[int, ...]]:
-        specs = worker_specs(load_config(environ=environ), "json")
+        specs = worker_specs(load_config(environ=environ), "json", gpu_runtime="torch")
         return {name: spec.spare_cores for name, spec in specs.items()}
 
     cpu_cores, gpu_cores = split_cores(owned_cores(), cuda=False)
@@ -105,7 +105,9 @@ def test_llama_cpp_settings_follow_the_workers_role_unless_configured() -> None:
     token at a time); a drafter: llama.cpp's "auto" and f16; a configured type is kept."""
 
     def cpu_settings(**environ: str):
-        return worker_specs(load_config(environ=environ), "json")["cpu"].settings
+        return worker_specs(load_config(environ=environ), "json", gpu_runtime="torch")[
+            "cpu"
+        ].settings
 
     drafter = cpu_settings()  # the default placement, draft-cpu: llama.cpp drafts
     assert (drafter.flash_attention, drafter.kv_type, drafter.v_type) == ("auto", "f16", None)

@@ -54,7 +54,7 @@ class BundledDaemon:
         self.log = tmp_path / "hetspecd.log"
         argv = [sys.executable, "-m", "hetspec.daemon", "--socket", str(self.socket),
                 "--runtime-dir", str(tmp_path / "run"), "--placement", placement,
-                "--log-format", "json", *extra]  # fmt: skip
+                "--log-format", "json", "--set", 'gpu_runtime="torch"', *extra]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if not k.startswith("HETSPEC_")} | (env or {})
         with open(self.log, "wb") as log:
             self.process = subprocess.Popen(argv, stderr=log, stdout=log, env=env)

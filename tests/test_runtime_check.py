@@ -65,22 +65,36 @@ def test_torch_probe_sees_the_cuda_device() -> None:
     assert report.devices
 
 
-def test_hetspecd_check_prints_both_runtimes() -> None:
-    result = subprocess.run(
-        [BIN / "hetspecd", "--check"], capture_output=True, text=True, timeout=180, check=False
-    )
+def test_hetspecd_check_prints_both_runtimes_and_the_gpu_workers_choice(tmp_path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HETSPEC_")}
+    env["HETSPEC_CACHE_DIR"] = str(tmp_path)
+    result = subprocess.run([BIN / "hetspecd", "--check"], capture_output=True, text=True,
+                            timeout=300, check=False, env=env)  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("hetspecd ")
     assert any(line.startswith("llama.cpp (CPU worker): llama-cpp-python 0.3.") for line in lines)
     assert any(line.startswith("torch (GPU worker): torch 2.13.0") for line in lines)
+    choice = [line for line in lines if line.startswith("draft-cpu: gpu_runtime ")]
+    assert choice, lines
+    assert "measured as verifier" in choice[0]
+    assert "T(8)=" in choice[0]
 
-    as_json = subprocess.run(
-        [BIN / "hetspecd", "--check", "--json"], capture_output=True, timeout=180, check=True
-    )
+    as_json = subprocess.run([BIN / "hetspecd", "--check", "--json"], capture_output=True,
+                             timeout=300, check=True, env=env)  # fmt: skip
     document = msgspec.json.decode(as_json.stdout)
     assert set(document["runtimes"]) == {"llama.cpp", "torch"}
     assert document["runtimes"]["torch"]["type"] == "torch"
+    assert document["gpu_runtime"]["cached"]  # the first --check measured; this one reuses it
+    assert document["gpu_runtime"]["runtime"] in choice[0]
+
+
+def test_hetspecd_check_refuses_a_bad_configuration() -> None:
+    result = subprocess.run([BIN / "hetspecd", "--check", "--set", 'gpu_runtime="cuda"'],
+                            capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert result.returncode == 2
+    assert "gpu_runtime" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_a_hung_probe_becomes_a_failure_report() -> None:

@@ -1,0 +1,213 @@
+"""``gpu_runtime = "auto"``: the GPU worker's runtime chosen by measuring each one here.
+
+At load, for every runtime that can hold the GPU worker's model on this box (torch, on CUDA
+where present and on the CPU otherwise; llama.cpp, offloaded where built for a GPU), a
+process of its own loads the model as the worker would and times forwards of the widths a
+verifier uses (``hetspec.workers.profile``). The draft model's cost is measured the same
+way. The runtime with the best expected decode rate wins (``speculative.runtime_choice``).
+Profiles are cached per model file, settings, cores and box, so a restart reuses them; a
+model file or a runtime that changed is measured again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import msgspec
+import structlog
+
+from hetspec import __version__
+from hetspec.daemon.config import DaemonConfig
+from hetspec.daemon.supervisor import roles, worker_specs
+from hetspec.daemon.worker_client import WorkerSpec
+from hetspec.protocol import ProbeFailure, RuntimeProfile, decode_profile
+from hetspec.speculative.runtime_choice import Rate, best_rate, fastest
+
+log = structlog.get_logger("hetspec.daemon.runtime_choice")
+
+CANDIDATES = ("llama.cpp", "torch")
+VERIFY_WIDTHS = [1, 2, 4, 8]  # the verifications the controller mostly chooses on a CPU
+PREFIX_TOKENS = 128
+
+
+class RuntimeDecision(msgspec.Struct, frozen=True, kw_only=True):
+    """The GPU worker's runtime and why: the figures behind a measured choice."""
+
+    runtime: str
+    chosen_by: str  # "configuration" or "measurement"
+    role: str = "verifier"  # what the GPU worker does in this placement
+    profiles: list[RuntimeProfile] = []
+    failures: list[ProbeFailure] = []  # candidates that could not load here
+    draft_ms: float | None = None  # the drafter's cost per token, where it was measured
+    rates: dict[str, float] = {}  # expected decode tokens/s per runtime
+    gammas: dict[str, int] = {}  # the draft length each rate assumes (0: the target alone)
+    cached: bool = False  # every profile came from the cache
+
+    def summary(self) -> str:
+        """One line for the log and ``--check``."""
+        if self.chosen_by == "configuration":
+            return f"gpu_runtime {self.runtime} (configured)"
+        figures = ", ".join(
+            f"{p.runtime} on {p.device}: "
+            + " ".join(f"T({w})={ms:.2f}ms" for w, ms in zip(p.widths, p.median_ms, strict=True))
+            + f" -> {self.rates[p.runtime]:.0f} tok/s (gamma {self.gammas[p.runtime]})"
+            for p in self.profiles
+        )
+        failed = "".join(f"; {f.runtime} unusable: {f.message}" for f in self.failures)
+        cached = " (cached profiles)" if self.cached else ""
+        return f"gpu_runtime {self.runtime} (measured as {self.role}{cached}: {figures}{failed})"
+
+
+class RuntimeChoiceError(RuntimeError):
+    """No runtime could hold the model; the message says why each failed."""
+
+
+def cache_dir(configured: str | None, environ: dict[str, str] | None = None) -> Path:
+    """hetspec's cache: the configured ``cache_dir``, else ``$XDG_CACHE_HOME/hetspec``, else
+    ``~/.cache/hetspec``."""
+    if configured:
+        return Path(configured)
+    environ = os.environ if environ is None else environ
+    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "hetspec"
+
+
+def _file_identity(path: Path) -> list:
+    """What changes when a model changes: size and modification time of its files."""
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    identity = []
+    for file in files:
+        try:
+            stat = file.stat()
+        except OSError:
+            continue
+        identity.append([file.name, stat.st_size, stat.st_mtime_ns])
+    return identity
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def profile_key(spec: WorkerSpec, widths: list[int]) -> str:
+    """A digest of everything a profile depends on: model files, settings, cores, the box."""
+    ingredients = {
+        "hetspec": __version__,
+        "runtime": spec.runtime,
+        "model": str(Path(spec.model).resolve()),
+        "files": _file_identity(Path(spec.model)),
+        "settings": msgspec.json.encode(spec.settings).decode(),
+        "cores": list(spec.cores),
+        "widths": widths,
+        "prefix": PREFIX_TOKENS,
+        "box": [platform.machine(), _cpu_model(), os.path.exists("/dev/nvidia0")],
+        "versions": [_package_version("llama_cpp_python"), _package_version("torch")],
+    }
+    return hashlib.sha256(json.dumps(ingredients, sort_keys=True).encode()).hexdigest()[:24]
+
+
+async def measure(spec: WorkerSpec, widths: list[int], timeout_s: float,
+                  cache: Path | None) -> tuple[RuntimeProfile | ProbeFailure, bool]:  # fmt: skip
+    """The profile of ``spec``'s runtime and model (from the cache when there), and whether it
+    came from the cache. A runtime that cannot load or hangs is a ``ProbeFailure``."""
+    path = cache / "profiles" / f"{profile_key(spec, widths)}.json" if cache else None
+    if path is not None:
+        try:
+            result = decode_profile(path.read_bytes())
+            if isinstance(result, RuntimeProfile):
+                return result, True
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            pass  # absent or unreadable: measure again
+    command = [sys.executable, "-m", "hetspec.workers.profile", spec.runtime, spec.model,
+               "--settings", msgspec.json.encode(spec.settings).decode(),
+               "--widths", ",".join(map(str, widths)), "--prefix", str(PREFIX_TOKENS),
+               "--cores", ",".join(map(str, spec.cores))]  # fmt: skip
+    process = await asyncio.create_subprocess_exec(
+        *command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        stdout, stderr = await asyncio.wait_for(process.communicate(), timeout_s)
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+        return ProbeFailure(runtime=spec.runtime, message=f"profiling took more than "
+                            f"{timeout_s:g} s"), False  # fmt: skip
+    except asyncio.CancelledError:  # the daemon stops while loading: leave no process behind
+        process.kill()
+        await process.wait()
+        raise
+    try:
+        result = decode_profile(stdout.strip().splitlines()[-1])
+    except (IndexError, msgspec.DecodeError, msgspec.ValidationError):
+        said = (stderr.decode(errors="replace").strip().splitlines() or ["no output"])[-1]
+        return ProbeFailure(runtime=spec.runtime, message=f"profiling exited with "
+                            f"{process.returncode}: {said}"), False  # fmt: skip
+    if path is not None and isinstance(result, RuntimeProfile):
+        _store(path, msgspec.json.encode(result))
+    return result, False
+
+
+def _store(path: Path, data: bytes) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_bytes(data)
+        temporary.replace(path)
+    except OSError as error:  # a read-only cache only costs a measurement next time
+        log.warning("cannot cache the runtime profile", path=str(path), error=str(error))
+
+
+async def decide_gpu_runtime(config: DaemonConfig, log_format: str = "json",
+                             cache: Path | None = None) -> RuntimeDecision:  # fmt: skip
+    """The GPU worker's runtime: the configured one, or for ``"auto"`` the fastest measured.
+    Raises ``RuntimeChoiceError`` when no candidate can load the model."""
+    if config.gpu_runtime != "auto":
+        return RuntimeDecision(runtime=config.gpu_runtime, chosen_by="configuration")
+    role = "verifier" if roles(config.placement).verifier == "gpu" else "drafter"
+    timeout_s = config.load_timeout_s
+    draft_ms = None
+    cached = True
+    if role == "verifier":  # the drafter is the CPU worker's llama.cpp either way
+        drafter = worker_specs(config, log_format, gpu_runtime="llama.cpp")["cpu"]
+        draft, hit = await measure(drafter, [1], timeout_s, cache)
+        cached &= hit
+        if isinstance(draft, RuntimeProfile):
+            draft_ms = draft.median_ms[0]
+    widths = VERIFY_WIDTHS if role == "verifier" else [1]
+    profiles, failures = [], []
+    for runtime in CANDIDATES:
+        spec = worker_specs(config, log_format, gpu_runtime=runtime)["gpu"]
+        result, hit = await measure(spec, widths, timeout_s, cache)
+        cached &= hit
+        (profiles if isinstance(result, RuntimeProfile) else failures).append(result)
+    if not profiles:
+        reasons = "; ".join(f"{f.runtime}: {f.message}" for f in failures)
+        raise RuntimeChoiceError(f"no runtime can hold the GPU worker's model: {reasons}")
+    rates: dict[str, Rate] = {p.runtime: best_rate(p.cost_ms(), draft_ms) for p in profiles}
+    return RuntimeDecision(
+        runtime=fastest(rates), chosen_by="measurement", role=role, profiles=profiles,
+        failures=failures, draft_ms=draft_ms,
+        rates={name: round(rate.tokens_per_s, 1) for name, rate in rates.items()},
+        gammas={name: rate.gamma for name, rate in rates.items()}, cached=cached,
+    )  # fmt: skip

@@ -1,0 +1,140 @@
+"""gpu_runtime = "auto": each runtime measured here, the fastest chosen, the figures cached."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+from test_daemon import request
+from test_lossless import BundledDaemon
+
+from hetspec.daemon.config import BUNDLED_MODELS, load_config
+from hetspec.daemon.runtime_choice import cache_dir, decide_gpu_runtime
+from hetspec.protocol import ProbeFailure, RuntimeProfile, decode_profile
+from hetspec.speculative.runtime_choice import Rate, best_rate, expected_tokens, fastest
+
+TARGET_GGUF = BUNDLED_MODELS / "target" / "target-q8_0.gguf"
+
+
+def test_expected_tokens_counts_the_accepted_run_and_the_verifiers_own() -> None:
+    assert expected_tokens(0, 0.7) == 1
+    assert expected_tokens(3, 0.5) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens(4, 1.0) == 5
+
+
+def test_best_rate_drafts_only_where_a_wide_verification_pays() -> None:
+    cheap_width = {1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0}  # a GPU: width is nearly free
+    dear_width = {1: 10.0, 2: 20.0, 4: 40.0, 8: 80.0}  # width costs as much as tokens
+    assert best_rate(cheap_width, None) == Rate(100.0, 0)  # no drafter: the target alone
+    assert best_rate(cheap_width, draft_ms=0.5).gamma == 7
+    assert best_rate(cheap_width, draft_ms=0.5).tokens_per_s > 100.0
+    assert best_rate(dear_width, draft_ms=0.5) == Rate(100.0, 0)
+    with pytest.raises(ValueError, match="width 1"):
+        best_rate({2: 1.0}, None)
+
+
+def test_the_fastest_runtime_wins_and_a_tie_keeps_the_first() -> None:
+    assert fastest({"torch": Rate(50.0, 0), "llama.cpp": Rate(80.0, 3)}) == "llama.cpp"
+    assert fastest({"llama.cpp": Rate(50.0, 0), "torch": Rate(50.0, 2)}) == "llama.cpp"
+    with pytest.raises(ValueError, match="no runtime"):
+        fastest({})
+
+
+def profile(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hetspec.workers.profile", *argv],
+                          capture_output=True, timeout=180, check=False)  # fmt: skip
+
+
+def test_a_profile_times_each_width_in_a_process_of_its_own() -> None:
+    result = profile("llama.cpp", str(TARGET_GGUF), "--widths", "1,4", "--repeats", "3")
+    assert result.returncode == 0, result.stderr
+    report = decode_profile(result.stdout)
+    assert isinstance(report, RuntimeProfile)
+    assert (report.runtime, report.device, report.widths) == ("llama.cpp", "cpu", [1, 4])
+    assert all(ms > 0 for ms in report.median_ms)
+    assert report.prefix == 128
+
+
+def test_a_model_that_cannot_load_is_a_failure_report_not_a_traceback(tmp_path) -> None:
+    result = profile("torch", str(tmp_path / "nowhere"))
+    assert result.returncode == 0
+    report = decode_profile(result.stdout)
+    assert isinstance(report, ProbeFailure)
+    assert "nowhere" in report.message
+    assert b"Traceback" not in result.stderr
+
+
+def test_the_cache_dir_follows_the_environment() -> None:
+    assert cache_dir("/x", {"XDG_CACHE_HOME": "/y"}) == Path("/x")
+    assert cache_dir(None, {"XDG_CACHE_HOME": "/y"}) == Path("/y/hetspec")
+    assert cache_dir(None, {"HOME": "/home/z"}).name == "hetspec"
+
+
+def test_auto_measures_both_runtimes_chooses_the_fastest_and_reuses_the_figures(tmp_path) -> None:
+    config = load_config(environ={"HETSPEC_GPU_WORKER__DEVICE": "cpu"})
+    assert config.gpu_runtime == "auto"  # the default
+    decision = asyncio.run(decide_gpu_runtime(config, cache=tmp_path))
+    assert decision.chosen_by == "measurement"
+    assert decision.role == "verifier"  # draft-cpu: the GPU worker holds the target
+    assert {p.runtime for p in decision.profiles} == {"llama.cpp", "torch"}
+    assert not decision.failures
+    assert decision.draft_ms is not None
+    assert decision.draft_ms > 0
+    assert decision.runtime == max(decision.rates, key=decision.rates.get)
+    assert decision.runtime in decision.summary()
+    assert not decision.cached
+
+    again = asyncio.run(decide_gpu_runtime(config, cache=tmp_path))
+    assert again.cached
+    assert again.profiles == decision.profiles
+    assert again.runtime == decision.runtime
+
+
+def test_a_runtime_that_cannot_hold_the_model_is_skipped_with_its_reason(tmp_path) -> None:
+    """A target given as GGUF only (its folder holds no torch model): llama.cpp is chosen."""
+    folder = tmp_path / "gguf-only"
+    folder.mkdir()
+    config = load_config(environ={"HETSPEC_GPU_WORKER__DEVICE": "cpu",
+                                  "HETSPEC_TARGET__FOLDER": str(folder),
+                                  "HETSPEC_TARGET__GGUF": str(TARGET_GGUF)})  # fmt: skip
+    decision = asyncio.run(decide_gpu_runtime(config, cache=tmp_path / "cache"))
+    assert decision.runtime == "llama.cpp"
+    assert [f.runtime for f in decision.failures] == ["torch"]
+    assert "gguf-only" in decision.failures[0].message
+    assert "torch unusable" in decision.summary()
+
+
+def test_a_configured_runtime_is_used_without_measuring(tmp_path) -> None:
+    config = load_config(environ={"HETSPEC_GPU_RUNTIME": "torch"})
+    decision = asyncio.run(decide_gpu_runtime(config, cache=tmp_path))
+    assert (decision.runtime, decision.chosen_by, decision.profiles) == (
+        "torch",
+        "configuration",
+        [],
+    )
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_daemon_says_what_it_chose_and_why(tmp_path) -> None:
+    (tmp_path / "daemon").mkdir()
+    daemon = BundledDaemon(tmp_path / "daemon", "draft-cpu", "--set", 'gpu_runtime="auto"',
+                           env={"HETSPEC_CACHE_DIR": str(tmp_path / "cache")})  # fmt: skip
+    try:
+        status, props = request(daemon.socket, "GET", "/props")
+        assert status == 200
+        choice = props["gpu_runtime"]
+        assert choice["chosen_by"] == "measurement"
+        assert {p["runtime"] for p in choice["profiles"]} == {"llama.cpp", "torch"}
+        assert props["workers"]["gpu"]["model"].endswith(
+            ".gguf" if choice["runtime"] == "llama.cpp" else "target"
+        )
+        logged = [msgspec.json.decode(line) for line in daemon.log.read_bytes().splitlines()
+                  if b"gpu worker runtime" in line]  # fmt: skip
+        assert logged[0]["runtime"] == choice["runtime"]
+        assert "T(1)=" in logged[0]["summary"]
+    finally:
+        daemon.stop()
