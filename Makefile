@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.hetspec-installed
 
-.PHONY: help setup demo test lint format clean
+.PHONY: help setup demo heavy test lint format clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -47,6 +47,9 @@ demo: setup ## start hetspecd on the bundled models, stream one answer, stop it
 	  $(BIN)/hetspec --socket $$dir/hetspecd.sock run "$(DEMO_PROMPT)" --max-tokens 96 || rc=$$?; \
 	kill -TERM $$pid; wait $$pid || rc=$$?; \
 	if [ $$rc -ne 0 ]; then tail -20 $$dir/hetspecd.log; fi; exit $$rc
+
+heavy: setup ## make the default heavy target, heavy-100m, in the cache
+	$(BIN)/python -m hetspec.models.heavy --params 100m
 
 lint: setup ## ruff lint and format check
 	$(BIN)/ruff check .

@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 import gguf
 import numpy as np
-from safetensors.numpy import load_file
+from safetensors import SafetensorError, safe_open
 
 OUT_TYPES = {
     "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
     "f16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
     "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+    "q4_0": (gguf.GGMLQuantizationType.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
 }
 
 _LAYER_TENSORS = {
@@ -109,22 +111,52 @@ def _add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, n_vocab: int) -> No
         writer.add_chat_template(settings["chat_template"])
 
 
+def _tensor_type(
+    gguf_name: str, shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType, head: str
+) -> gguf.GGMLQuantizationType:
+    """The type one tensor is stored in, for a file of ``qtype`` whose output head is ``head``."""
+    if len(shape) == 1:  # llama.cpp keeps 1-D tensors (norms) in F32
+        return gguf.GGMLQuantizationType.F32
+    if qtype == gguf.GGMLQuantizationType.Q4_0 and gguf_name == head:
+        # llama.cpp's quantizer keeps the output head at 6 bits (Q6_K, which gguf-py cannot
+        # write); 4 bits there cost the most quality
+        qtype = gguf.GGMLQuantizationType.Q8_0
+    block_size, _ = gguf.GGML_QUANT_SIZES[qtype]
+    if shape[-1] % block_size:  # block types need rows in whole blocks
+        return gguf.GGMLQuantizationType.F32
+    return qtype
+
+
 def export_gguf(model_dir: Path, out_path: Path, out_type: str = "f16") -> Path:
-    """Write ``out_path`` from the HF Llama folder ``model_dir``; returns ``out_path``."""
+    """Write ``out_path`` from the HF Llama folder ``model_dir``; returns ``out_path``.
+
+    Tensors stream one at a time, so memory stays near the largest tensor (in f32), not the
+    model: a 1B model exports on a small machine.
+    """
     if out_type not in OUT_TYPES:
         raise ExportError(f"unknown GGUF type {out_type!r}; choose one of {', '.join(OUT_TYPES)}")
     try:
         config = json.loads((model_dir / "config.json").read_text())
-        weights = load_file(model_dir / "model.safetensors")
-    except (OSError, json.JSONDecodeError) as error:
+        handle = safe_open(model_dir / "model.safetensors", framework="numpy")
+    except (OSError, json.JSONDecodeError, SafetensorError) as error:
         raise ExportError(f"{model_dir}: cannot read the model: {error}") from error
-    if config.get("model_type") != "llama":
-        raise ExportError(f"{model_dir}: model_type {config.get('model_type')!r} is not 'llama'")
+    with handle:
+        if config.get("model_type") != "llama":
+            model_type = config.get("model_type")
+            raise ExportError(f"{model_dir}: model_type {model_type!r} is not 'llama'")
+        _write(handle, config, model_dir, out_path, out_type)
+    return out_path
 
+
+def _write(handle: safe_open, config: dict, model_dir: Path, out_path: Path, out_type: str) -> None:
+    """Declare every tensor (the header lists them), then convert and write them one by one."""
     n_heads = config["num_attention_heads"]
     n_kv_heads = config.get("num_key_value_heads", n_heads)
     head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
     qtype, file_type = OUT_TYPES[out_type]
+    hf_names = list(handle.keys())
+    # a tied model's embedding doubles as the output head
+    head = "output.weight" if "lm_head.weight" in hf_names else "token_embd.weight"
 
     writer = gguf.GGUFWriter(out_path, "llama")
     writer.add_name(config.get("_name_or_path") or model_dir.name)
@@ -142,24 +174,28 @@ def export_gguf(model_dir: Path, out_path: Path, out_type: str = "f16") -> Path:
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _add_tokenizer(writer, model_dir, config["vocab_size"])
 
-    for hf_name, tensor in weights.items():
-        data = tensor.astype(np.float32)
-        if hf_name.endswith("q_proj.weight"):
-            data = rotary_rows_to_interleaved(data, n_heads)
-        elif hf_name.endswith("k_proj.weight"):
-            data = rotary_rows_to_interleaved(data, n_kv_heads)
-        # llama.cpp keeps 1-D tensors (norms) in F32; Q8_0 needs rows in blocks of 32.
-        tensor_type = qtype
-        if data.ndim == 1 or (qtype == gguf.GGMLQuantizationType.Q8_0 and data.shape[-1] % 32):
-            tensor_type = gguf.GGMLQuantizationType.F32
-        packed = gguf.quants.quantize(data, tensor_type)
-        writer.add_tensor(gguf_tensor_name(hf_name), packed, raw_dtype=tensor_type)
-
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out_path
+    plan = []
+    for hf_name in hf_names:
+        gguf_name = gguf_tensor_name(hf_name)
+        shape = tuple(handle.get_slice(hf_name).get_shape())
+        tensor_type = _tensor_type(gguf_name, shape, qtype, head)
+        block_size, type_size = gguf.GGML_QUANT_SIZES[tensor_type]
+        nbytes = math.prod(shape[:-1]) * shape[-1] // block_size * type_size
+        writer.add_tensor_info(gguf_name, shape, np.dtype(np.float32), nbytes, tensor_type)
+        plan.append((hf_name, tensor_type))
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for hf_name, tensor_type in plan:
+            data = handle.get_tensor(hf_name).astype(np.float32)
+            if hf_name.endswith("q_proj.weight"):
+                data = rotary_rows_to_interleaved(data, n_heads)
+            elif hf_name.endswith("k_proj.weight"):
+                data = rotary_rows_to_interleaved(data, n_kv_heads)
+            writer.write_tensor_data(gguf.quants.quantize(data, tensor_type))
+    finally:
+        writer.close()
 
 
 def main(argv: list[str] | None = None) -> int:
