@@ -105,6 +105,8 @@ class WorkerPair:
     verify_slot: int  # where the verifier writes the tree's logits
     # whether the verifier, decoding alone, computes on the drafter's cores too
     cores: SpareCoreChoice = field(default_factory=SpareCoreChoice)
+    # ... and whether it does while it verifies a plain round's draft (the drafter waits)
+    verify_cores: SpareCoreChoice = field(default_factory=SpareCoreChoice)
 
 
 @dataclass(frozen=True)
@@ -297,8 +299,10 @@ class SpeculativeDecoder:
         elif branches == 1:
             rule_k = self._rule_would_pick(arena.view(drafted.probs)[0])
         start = time.perf_counter()
-        verified, _ = await self._choosing_meanwhile(self._verify(tokens, parents))
+        wide = self.pair.verify_cores.choose()  # the drafter's call is done: it idles
+        verified, _ = await self._choosing_meanwhile(self._verify(tokens, parents, wide=wide))
         verify_s = time.perf_counter() - start
+        self.pair.verify_cores.record(wide, verified.elapsed_ms / 1000 / (len(tokens) + 1))
         logits = arena.view(verified.logits)  # row 0: the distribution the draft grows from
 
         def draft_rows() -> np.ndarray:
@@ -364,11 +368,12 @@ class SpeculativeDecoder:
                      rule_k=None)  # fmt: skip
         return RoundOutcome(emitted, stopped)
 
-    def _verify(self, tokens: list[int], parents: list[int]):
+    def _verify(self, tokens: list[int], parents: list[int], *, wide: bool = False):
         """The verifier's call for a draft tree below the pending bonus (row 0 of the logits:
-        after the bonus, where the draft grows from), committing the last round's path. On
-        its own cores only, even in a plain round where the drafter waits: moving a worker's
-        threads back costs ~0.5 ms on a 2-vCPU VM, more than a verification gains."""
+        after the bonus, where the draft grows from), committing the last round's path; on
+        the drafter's cores too when ``wide`` (only while the drafter waits: moving a
+        worker's threads costs ~0.5 ms on a 2-vCPU VM, more than a demo-target verification
+        gains, far less than a heavy one's, so ``verify_cores`` measures which pays)."""
         verifier = self.pair.verifier
         self.verifier_tree = [self.pending_bonus, *tokens]
         return verifier.call(
@@ -378,6 +383,7 @@ class SpeculativeDecoder:
                 parents=[-1, *(p + 1 for p in parents)],
                 out=self.pair.verify_slot,
                 commit=self.verifier_keeps,
+                spare_cores=wide,
             )
         )
 

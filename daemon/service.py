@@ -98,6 +98,7 @@ class Service:
         # whether the target decoding alone computes on the drafter's cores too: measured
         # for the daemon's life, by every mode
         self.spare_cores = SpareCoreChoice()
+        self.verify_cores = SpareCoreChoice()  # the same for a plain round's verification
         self._run_ids = itertools.count(1)
         self._stop = asyncio.Event()
         self.started = time.monotonic()
@@ -355,7 +356,7 @@ class Service:
                 run = Run(run_id, mode, pieces, result, devices, waited_s * 1000)
             else:
                 pair = WorkerPair(drafter, verifier, self.arena, draft_slot, verify_slot,
-                                  self.spare_cores)  # fmt: skip
+                                  self.spare_cores, self.verify_cores)  # fmt: skip
                 kind = SpeculativeDecoder if mode == "sequential" else OverlappedDecoder
                 stats, controller = SpeculativeStats(), self.controllers[mode]
                 decoder = kind(body, pair, controller, stats, gamma=gamma)
