@@ -1,20 +1,31 @@
-"""The systems hetspec is compared with, on the same bundled models, counted as it counts.
+"""The systems hetspec is compared with, on the same models, counted as it counts.
 
-    python -m hetspec.workers.peers [--threads N]
+    python -m hetspec.workers.peers [--threads N] [--target-gguf F] [--draft-gguf F]
+        [--target-folder D] [--draft-folder D] [--llama-server PATH|build|off]
 
 ``hetspec bench`` runs this as a process of its own (the client never imports torch or
 llama.cpp) and interleaves its requests with hetspec's, so that a box whose speed drifts (a
-shared VM's did by up to 2x within an hour) slows every system alike. It loads both peers,
-writes ``{"systems": [...]}`` as its first line, then answers one JSON request per line
-(``{"system", "prompt", "max_tokens"}``) with ``{"ttft_ms", "decode_ms", "tokens"}`` (or
-``{"error"}``). Greedy, exactly ``max_tokens`` tokens (EOS ignored), all of the process's
-cores for each system:
+shared VM's did by up to 2x within an hour) slows every system alike. It loads the peers and
+writes ``{"systems": [...], "skipped": {name: why}, "llama_server": {...}}`` as its first line
+(a peer that cannot be had is skipped with one line why, the others go on), then answers one
+JSON request per line (``{"system", "prompt", "max_tokens"}``) with ``{"ttft_ms",
+"decode_ms", "tokens"}`` (llama-server's also ``draft_n`` and ``draft_n_accepted``), or
+``{"error"}``. Greedy, exactly ``max_tokens`` tokens (EOS ignored), all of the process's cores
+for each system:
 
 - ``transformers assisted``: Hugging Face transformers' assisted generation,
-  ``target.generate(assistant_model=draft)``, the peer most users would reach for;
-- ``llama.cpp speculative``: both GGUF models in llama.cpp in one process, draft gamma
-  tokens then verify them in one batch, as llama.cpp's own speculative example does (through
-  this package's llama.cpp runtime: the same library calls, none of hetspec's processes).
+  ``target.generate(assistant_model=draft)`` on the model folders, the peer most users would
+  reach for;
+- ``llama-cpp-python loop speculative gamma=4``: both GGUF models in llama.cpp in one process,
+  draft gamma tokens then verify them in one batch, a plain loop written here over this
+  package's llama.cpp runtime (the library calls hetspec makes, none of its processes); not
+  llama.cpp's own implementation;
+- ``llama-server target alone``, ``llama-server speculative (default n-max)`` and
+  ``llama-server speculative n-max=N``: llama.cpp's own server (built from the llama.cpp that
+  llama-cpp-python vendors, see native/build-llama-server.sh) on the target GGUF alone, and
+  with the draft GGUF (``--spec-type draft-simple``) at its default draft length and at the
+  best one of a sweep at startup (draft lengths 1, 2, 3, 4, 6, 8; decode tokens/s on two
+  prompts of its own, none of the bench's; see ``sweep_n_max``).
 
 Decode time is the time after the first token (which comes with the prefill in every system)
 and covers the other max_tokens - 1 tokens.
@@ -27,29 +38,59 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
-from typing import TextIO
+from typing import Protocol, TextIO
 
 import numpy as np
 
 from hetspec.speculative.verify import verify_greedy
+from hetspec.workers.llama_server import (
+    LlamaServer,
+    LlamaServerError,
+    LlamaServerUnavailable,
+    ServerConfig,
+    Timing,
+    find_llama_server,
+)
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
+TARGET_GGUF = MODELS / "target" / "target-q8_0.gguf"
+DRAFT_GGUF = MODELS / "draft" / "draft-q8_0.gguf"
+SWEEP_N_MAX = (1, 2, 3, 4, 6, 8)
+# The sweep's prompts: code like the bench's, but none of its prompts (it tunes on these).
+SWEEP_PROMPTS = (
+    "import os\n\n\ndef walk_files(root):\n    ",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+)
+SWEEP_TOKENS = 64
+SWEEP_REPEATS, SWEEP_MAX_REPEATS, SWEEP_MIN_MS = 2, 30, 1000.0
+WARMUP_PROMPT = "def main():\n"
+
+
+class Peer(Protocol):
+    name: str
+
+    def run(self, prompt: str, max_tokens: int) -> dict[str, float]:
+        """``{"ttft_ms", "decode_ms", ...}`` of one greedy completion of max_tokens tokens."""
+        ...
 
 
 class TransformersAssisted:
     name = "transformers assisted"
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, target: Path, draft: Path) -> None:
         import torch  # noqa: PLC0415
         from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
         torch.set_num_threads(threads)
         self.torch = torch
-        self.tokenizer = AutoTokenizer.from_pretrained(MODELS / "target")
+        self.tokenizer = AutoTokenizer.from_pretrained(target)
         load = AutoModelForCausalLM.from_pretrained
-        self.target = load(MODELS / "target", dtype=torch.float32).eval()
-        self.draft = load(MODELS / "draft", dtype=torch.float32).eval()
+        self.target = load(target, dtype=torch.float32).eval()
+        self.draft = load(draft, dtype=torch.float32).eval()
 
     def _generate(self, ids, count: int) -> float:
         start = time.perf_counter()
@@ -59,29 +100,30 @@ class TransformersAssisted:
         assert out.shape[1] - ids.shape[1] == count
         return (time.perf_counter() - start) * 1000
 
-    def run(self, prompt: str, max_tokens: int) -> tuple[float, float]:
-        """(TTFT, decode) in ms: transformers cannot report the first token's time, so the
-        prompt runs twice, for one token and for all of them."""
+    def run(self, prompt: str, max_tokens: int) -> dict[str, float]:
+        """transformers cannot report the first token's time, so the prompt runs twice, for
+        one token and for all of them."""
         ids = self.tokenizer(prompt, return_tensors="pt").input_ids
         first = self._generate(ids, 1)
-        return first, self._generate(ids, max_tokens) - first
+        return {"ttft_ms": first, "decode_ms": self._generate(ids, max_tokens) - first}
 
 
 class LlamaCppSpeculative:
-    def __init__(self, threads: int, gamma: int = 4) -> None:
+    def __init__(self, threads: int, target: Path, draft: Path, gamma: int = 4) -> None:
         from hetspec.protocol.sampling import SamplingParams  # noqa: PLC0415
         from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
 
-        self.name = f"llama.cpp speculative gamma={gamma}"
+        self.name = f"llama-cpp-python loop speculative gamma={gamma}"
         self.gamma = gamma
-        self.target = LlamaCppRuntime(MODELS / "target" / "target-q8_0.gguf", n_ctx=2048,
-                                      threads=threads)  # fmt: skip
-        self.draft = LlamaCppRuntime(MODELS / "draft" / "draft-q8_0.gguf", n_ctx=2048,
-                                     threads=threads)  # fmt: skip
+        self.target = LlamaCppRuntime(target, n_ctx=2048, threads=threads)
+        self.draft = LlamaCppRuntime(draft, n_ctx=2048, threads=threads)
         self.greedy, self.rng = SamplingParams(), np.random.default_rng(0)
 
-    def run(self, prompt: str, max_tokens: int) -> tuple[float, float]:
+    def run(self, prompt: str, max_tokens: int) -> dict[str, float]:
         target, draft, gamma = self.target, self.draft, self.gamma
+        # the whole prompt every time, as every system here: prefill would keep a common prefix
+        target.rollback(0)
+        draft.rollback(0)
         start = time.perf_counter()
         tokens = target.tokenize(prompt)
         target.prefill(tokens)
@@ -100,29 +142,193 @@ class LlamaCppSpeculative:
             bonus = verdict.bonus
             emitted += len(behind)
         end = time.perf_counter()
-        return (first - start) * 1000, (end - first) * 1000 * (max_tokens - 1) / (emitted - 1)
+        decode = (end - first) * 1000 * (max_tokens - 1) / (emitted - 1)
+        return {"ttft_ms": (first - start) * 1000, "decode_ms": decode}
 
 
-def serve(threads: int, requests: TextIO, replies: TextIO) -> None:
-    peers = {peer.name: peer for peer in (LlamaCppSpeculative(threads),
-                                          TransformersAssisted(threads))}  # fmt: skip
-    for peer in peers.values():
-        peer.run("def main():\n", 8)  # warm-up
+class ServerPool:
+    """llama-server processes by configuration, started on first use and kept, at most
+    ``limit`` at once (the least recently used stops first).
 
+    Each system needs its own flags, so its own server. Keeping them running costs memory (a
+    model per server) but makes a request cost only itself; restarting costs a model load
+    (and its warm-up), which the server's own timings leave out, so a limit of 1 only makes
+    the bench slower, not its figures different. ``servers_that_fit`` picks the limit.
+    """
+
+    def __init__(self, binary: Path, limit: int) -> None:
+        self.binary, self.limit = binary, max(1, limit)
+        self._running: dict[ServerConfig, LlamaServer] = {}
+
+    def get(self, config: ServerConfig) -> LlamaServer:
+        server = self._running.pop(config, None)
+        if server is not None and server.process.poll() is not None:  # it died: start anew
+            server.close()
+            server = None
+        if server is None:
+            while len(self._running) >= self.limit:
+                self._running.pop(next(iter(self._running))).close()
+            server = LlamaServer(self.binary, config)
+        self._running[config] = server  # the most recently used last
+        return server
+
+    def close(self) -> None:
+        while self._running:
+            self._running.popitem()[1].close()
+
+
+def servers_that_fit(models: list[Path], wanted: int) -> int:
+    """How many servers of ``models`` to keep at once: all ``wanted`` while they take under a
+    quarter of the memory available now, else one."""
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        available = int(next(line for line in meminfo.splitlines()
+                             if line.startswith("MemAvailable:")).split()[1]) * 1024  # fmt: skip
+    except (OSError, StopIteration, ValueError):
+        return 1
+    size = sum(path.stat().st_size for path in models if path.exists())
+    return wanted if wanted * size < available / 4 else 1
+
+
+class LlamaServerPeer:
+    """One llama-server configuration as a peer system."""
+
+    def __init__(self, name: str, config: ServerConfig, pool: ServerPool) -> None:
+        self.name, self.config, self.pool = name, config, pool
+
+    def run(self, prompt: str, max_tokens: int) -> dict[str, float]:
+        timing = self.pool.get(self.config).complete(prompt, max_tokens)
+        return {"ttft_ms": timing.ttft_ms, "decode_ms": timing.decode_ms,
+                "draft_n": timing.draft_n, "draft_n_accepted": timing.draft_n_accepted}  # fmt: skip
+
+
+def sweep_n_max(binary: Path, config: ServerConfig, limit: int) -> dict[int, float]:
+    """Decode tokens/s of llama-server's speculative decoding at each draft length of
+    SWEEP_N_MAX, after one warm-up request: SWEEP_PROMPTS, SWEEP_TOKENS tokens each, repeated
+    at least SWEEP_REPEATS times and until SWEEP_MIN_MS of decoding (a small model's 64 tokens
+    take ~30 ms, too few to rank lengths by). With ``limit`` servers room for every length,
+    the lengths take turns, so that a drifting box slows them alike; else one after the
+    other. Lengths whose server fails are left out."""
+    timings: dict[int, list[Timing]] = {n: [] for n in SWEEP_N_MAX}
+    failed: set[int] = set()
+    interleave = limit >= len(SWEEP_N_MAX)
+    turns = ([n for _ in range(SWEEP_MAX_REPEATS) for n in SWEEP_N_MAX] if interleave
+             else [n for n in SWEEP_N_MAX for _ in range(SWEEP_MAX_REPEATS)])  # fmt: skip
+
+    def done(n_max: int) -> bool:
+        measured = timings[n_max]
+        return n_max in failed or (
+            len(measured) >= SWEEP_REPEATS * len(SWEEP_PROMPTS)
+            and sum(t.decode_ms for t in measured) >= SWEEP_MIN_MS
+        )
+
+    pool = ServerPool(binary, limit)
+    try:
+        for n_max in turns:
+            if done(n_max):
+                continue
+            try:
+                server = pool.get(replace(config, n_max=n_max))
+                if not timings[n_max]:
+                    server.complete(WARMUP_PROMPT, 8)
+                timings[n_max] += [server.complete(p, SWEEP_TOKENS) for p in SWEEP_PROMPTS]
+            except LlamaServerError as error:
+                print(f"peers: llama-server n-max={n_max} failed: {error}", file=sys.stderr)
+                failed.add(n_max)
+    finally:
+        pool.close()
+    return {
+        n: sum(t.tokens - 1 for t in measured) / sum(t.decode_ms for t in measured) * 1000
+        for n, measured in timings.items()
+        if measured and n not in failed
+    }
+
+
+def llama_server_peers(
+    pool: ServerPool, threads: int, target: Path, draft: Path, *, skipped: dict, info: dict
+) -> list[Peer]:
+    """llama-server alone, at its default draft length and at the sweep's best (run now);
+    ``info`` gets the binary and the sweep's figures."""
+    alone = ServerConfig(target, threads=threads)
+    speculative = ServerConfig(target, draft, threads=threads)
+    peers: list[Peer] = [
+        LlamaServerPeer("llama-server target alone", alone, pool),
+        LlamaServerPeer("llama-server speculative (default n-max)", speculative, pool),
+    ]
+    speeds = sweep_n_max(pool.binary, speculative, servers_that_fit([target, draft], 6))
+    info.update(binary=str(pool.binary), sweep={str(n): round(v, 1) for n, v in speeds.items()},
+                sweep_prompts=len(SWEEP_PROMPTS), sweep_tokens=SWEEP_TOKENS,
+                sweep_min_decode_ms=SWEEP_MIN_MS)  # fmt: skip
+    if speeds:
+        best = max(speeds, key=speeds.__getitem__)
+        info["best_n_max"] = best
+        config = ServerConfig(target, draft, best, threads=threads)
+        peers.append(LlamaServerPeer(f"llama-server speculative n-max={best}", config, pool))
+    else:
+        skipped["llama-server speculative n-max=N"] = "no draft length of the sweep would run"
+    return peers
+
+
+def load_peers(
+    args: argparse.Namespace, stack: ExitStack, skipped: dict[str, str], info: dict
+) -> list[Peer]:
+    """Every peer that can be had, warmed up; the others go to ``skipped`` with one line why."""
+    candidates: list[tuple[str, Callable[[], Peer]]] = [
+        ("llama-cpp-python loop speculative gamma=4",
+         lambda: LlamaCppSpeculative(args.threads, args.target_gguf, args.draft_gguf)),
+        ("transformers assisted",
+         lambda: TransformersAssisted(args.threads, args.target_folder, args.draft_folder)),
+    ]  # fmt: skip
+    if args.llama_server == "off":
+        skipped["llama-server"] = "turned off (--llama-server off)"
+    else:
+        try:
+            if args.llama_server == "build":
+                binary = find_llama_server(build=True)
+            else:
+                binary = Path(args.llama_server).expanduser()
+                if not (binary.is_file() and os.access(binary, os.X_OK)):
+                    raise LlamaServerUnavailable(f"{binary} is not an executable file")
+            models = [args.target_gguf, args.draft_gguf]
+            pool = ServerPool(binary, servers_that_fit(models, 3))
+            stack.callback(pool.close)
+            peers = llama_server_peers(pool, args.threads, *models, skipped=skipped, info=info)
+            candidates += [(peer.name, lambda peer=peer: peer) for peer in peers]
+        except (LlamaServerUnavailable, LlamaServerError) as error:
+            skipped["llama-server"] = str(error)
+    loaded = []
+    for name, make in candidates:
+        try:
+            peer = make()
+            peer.run(WARMUP_PROMPT, 8)
+        except Exception as error:  # a peer that fails is reported, not fatal to the others
+            said = str(error).strip().splitlines()
+            skipped[name] = f"{type(error).__name__}: {said[0] if said else ''}"[:300]
+            print(f"peers: skipping {name}: {skipped[name]}", file=sys.stderr)
+            continue
+        loaded.append(peer)
+    return loaded
+
+
+def serve(args: argparse.Namespace, requests: TextIO, replies: TextIO) -> None:
     def reply(message: dict) -> None:
         replies.write(json.dumps(message) + "\n")
         replies.flush()
 
-    reply({"systems": list(peers)})
-    for line in requests:
-        try:
-            request = json.loads(line)
-            peer = peers[request["system"]]
-            ttft, decode = peer.run(request["prompt"], request["max_tokens"])
-        except (ValueError, KeyError, TypeError) as error:
-            reply({"error": f"bad request {line.strip()[:200]!r}: {error!r}"})
-            continue
-        reply({"ttft_ms": ttft, "decode_ms": decode, "tokens": request["max_tokens"]})
+    skipped: dict[str, str] = {}
+    info: dict = {}
+    with ExitStack() as stack:
+        peers = {peer.name: peer for peer in load_peers(args, stack, skipped, info)}
+        reply({"systems": list(peers), "skipped": skipped, "llama_server": info})
+        for line in requests:
+            try:
+                request = json.loads(line)
+                peer = peers[request["system"]]
+                result = peer.run(request["prompt"], request["max_tokens"])
+            except (ValueError, KeyError, TypeError, LlamaServerError) as error:
+                reply({"error": f"bad request {line.strip()[:200]!r}: {error!r}"})
+                continue
+            reply({**result, "tokens": request["max_tokens"]})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,8 +338,22 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--target-gguf", type=Path, default=TARGET_GGUF,
+                        help="the target for llama.cpp (default: the bundled one)")  # fmt: skip
+    parser.add_argument("--draft-gguf", type=Path, default=DRAFT_GGUF,
+                        help="the draft for llama.cpp (default: the bundled one)")  # fmt: skip
+    parser.add_argument("--target-folder", type=Path, default=MODELS / "target",
+                        help="the target for transformers (default: the bundled one)")  # fmt: skip
+    parser.add_argument("--draft-folder", type=Path, default=MODELS / "draft",
+                        help="the draft for transformers (default: the bundled one)")  # fmt: skip
+    parser.add_argument(
+        "--llama-server",
+        default="build",
+        help="llama.cpp's own server: a path to the binary, 'build' (the cached build, made "
+        "on first use by native/build-llama-server.sh; the default) or 'off'",
+    )
     args = parser.parse_args(argv)
-    serve(args.threads, sys.stdin, sys.stdout)
+    serve(args, sys.stdin, sys.stdout)
     return 0
 
 
