@@ -43,6 +43,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hetspec.client.bench_targets import BenchTarget, TargetError, forward_ms, resolve
 from hetspec.client.clients import Client
 from hetspec.client.types import Completion, HetspecError
 from hetspec.models.corpus import stdlib_sources
@@ -103,15 +104,26 @@ class Peers:
     """The peer systems' process (``hetspec.workers.peers``), asked one request at a time so
     that their requests interleave with hetspec's."""
 
-    def __init__(self, log: Path) -> None:
+    def __init__(
+        self, log: Path, target: BenchTarget | None = None, llama_server: str = "build"
+    ) -> None:
+        """``target``: its target and draft (None: the bundled ones); ``llama_server``: a path
+        to the binary, "build" (the cached build, made on first use) or "off"."""
         # its stderr goes to a file: a pipe nobody reads would fill with warnings and stall it
         self.log = log
-        command = [sys.executable, "-m", "hetspec.workers.peers"]
+        command = [sys.executable, "-m", "hetspec.workers.peers", "--llama-server", llama_server]
+        if target is not None:
+            command += ["--target-gguf", str(target.target.gguf), "--draft-gguf",
+                        str(target.draft.gguf), "--target-folder", str(target.target.folder),
+                        "--draft-folder", str(target.draft.folder)]  # fmt: skip
         with log.open("w") as errors:
             self.process = subprocess.Popen(
                 command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True
             )
-        self.systems = [System(name, {}, self) for name in self._reply()["systems"]]
+        first = self._reply()
+        self.systems = [System(name, {}, self) for name in first["systems"]]
+        self.skipped: dict[str, str] = first.get("skipped", {})  # system -> one line why
+        self.llama_server: dict = first.get("llama_server", {})  # its binary, draft-length sweep
 
     def _reply(self) -> dict:
         line = self.process.stdout.readline()
@@ -241,25 +253,44 @@ class BusyCore:
 
 
 @contextlib.contextmanager
-def daemon(placement: str, socket: str | None, log_dir: Path) -> Iterator[Client]:
-    """A ready daemon: the one at ``socket``, or a fresh ``hetspecd`` on the bundled models."""
+def daemon(placement: str, socket: str | None, log_dir: Path,
+           target: BenchTarget | None = None) -> Iterator[Client]:  # fmt: skip
+    """A ready daemon: the one at ``socket``, or a fresh ``hetspecd`` at its defaults (the
+    GPU worker's runtime measured at load) on ``target`` (default: the bundled pair)."""
     if socket:
         client = Client(socket)
         client.wait_ready(10)
         yield client
         return
     run = Path(tempfile.mkdtemp(prefix="hetspec-bench-"))
-    log = (log_dir / f"hetspecd-{placement}.log").open("w")
+    name = f"{target.name}-{placement}" if target else placement
+    log = (log_dir / f"hetspecd-{name}.log").open("w")
     hetspecd = Path(sys.executable).with_name("hetspecd")
     command = [str(hetspecd), "--socket", str(run / "hetspecd.sock"),
                "--runtime-dir", str(run / "run"),
                "--placement", placement.removesuffix("-llama")]  # fmt: skip
     if placement.endswith("-llama"):  # both workers in llama.cpp
         command += ["--set", 'gpu_runtime="llama.cpp"']
+    if target is not None:
+        for key, path in (("target.folder", target.target.folder),
+                          ("target.gguf", target.target.gguf),
+                          ("draft.folder", target.draft.folder),
+                          ("draft.gguf", target.draft.gguf)):  # fmt: skip
+            command += ["--set", f"{key}={json.dumps(str(path))}"]
     process = subprocess.Popen(command, stderr=log)
     try:
         client = Client(f"unix://{run / 'hetspecd.sock'}")
-        client.wait_ready(300)
+        deadline = time.monotonic() + 900  # a first start measures the runtimes: minutes
+        while True:
+            try:
+                client.wait_ready(2)
+                break
+            except HetspecError as error:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    log.flush()
+                    said = (log_dir / f"hetspecd-{name}.log").read_text(errors="replace")
+                    raise HetspecError(f"hetspecd did not start on {name}: {error}; its log "
+                                       f"ends: {said[-600:]}") from None  # fmt: skip
         yield client
     finally:
         process.terminate()
@@ -335,13 +366,22 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def modes_table(records: list[Record]) -> tuple[str, dict]:
+def is_target_alone(system: str) -> bool:
+    """The rows that decode with the target alone: hetspec's autoregressive mode and the
+    peers' target-alone rows (llama-server's)."""
+    return system == "autoregressive" or "target alone" in system
+
+
+def modes_table(records: list[Record]) -> tuple[str, dict, str]:
+    """The systems side by side; speed and TTFT relative to the fastest target-alone row."""
     names = list(dict.fromkeys(r.system for r in records))
     summaries = {name: summarise([r for r in records if r.system == name]) for name in names}
-    base = summaries["autoregressive"]
+    fastest = max((n for n in names if is_target_alone(n)),
+                  key=lambda n: summaries[n]["tokens_per_s"])  # fmt: skip
+    base = summaries[fastest]
     sequential = summaries["sequential"]
     lines = [
-        "| system | decode tokens/s | x autoregressive | x sequential | mean accepted | "
+        "| system | decode tokens/s | x fastest target alone | x sequential | mean accepted | "
         "gamma | overlapped rounds | TTFT ms | x TTFT | efficiency |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -355,7 +395,8 @@ def modes_table(records: list[Record]) -> tuple[str, dict]:
             f"{s['ttft_ms'] / base['ttft_ms']:.2f} | "
             f"{_fmt(s['efficiency'], '.2f')} |"
         )
-    return "\n".join(lines), summaries
+    lines.append(f"\nx fastest target alone, x TTFT: relative to {fastest}.")
+    return "\n".join(lines), summaries, fastest
 
 
 def load_table(records: list[Record]) -> tuple[str, dict]:
@@ -445,41 +486,118 @@ def main(args: argparse.Namespace) -> int:
         f"{os.cpu_count()} CPUs, Python {platform.python_version()}, "
         f"{time.strftime('%Y-%m-%d %H:%M')}; {args.max_tokens} tokens per request.\n"
     ]
+    sweep: list[dict] = []
     try:
-        with contextlib.ExitStack() as stack:
-            peers = None
-            if args.peers:
-                print("peers: loading transformers and llama.cpp", file=sys.stderr, flush=True)
-                peers = Peers(out / "peers.log")
-                stack.callback(peers.close)
-            _measure(args, out, peers, report, results)
+        for spec in args.target:
+            _measure_target(spec, args, out, report=report, results=results, sweep=sweep)
     except HetspecError as error:
         print(f"hetspec bench: {error}", file=sys.stderr)
         return 1
+    if len(sweep) > 1:
+        report += ["## Speedup against the cost ratio c\n", sweep_table(sweep), ""]
+        write_reports(out, report, results)
     plotted = plot(out / "bench.png", results)
+    plotted_sweep = len(sweep) > 1 and plot_sweep(out / "bench-sweep.png", sweep)
     print("\n".join(report))
-    print(f"\nwritten: {out / 'bench.md'}, {out / 'bench.json'}"
-          + (f", {out / 'bench.png'}" if plotted else " (no matplotlib: no plot)"))  # fmt: skip
+    written = [out / "bench.md", out / "bench.json"]
+    written += [out / "bench.png"] if plotted else []
+    written += [out / "bench-sweep.png"] if plotted_sweep else []
+    print(f"\nwritten: {', '.join(map(str, written))}"
+          + ("" if plotted else " (no matplotlib: no plot)"))  # fmt: skip
     return 0
 
 
-def _measure(args, out: Path, peers: Peers | None, report: list[str], results: dict) -> None:
-    """Every placement's tables, the peers' requests among hetspec's in each."""
-    for placement in args.placement:
-        with daemon(placement, args.socket, out) as client:
-            modes = measure_modes(client, placement, args, peers)
-            table, summary = modes_table(modes)
-            report += [f"## {placement}: modes\n", table, ""]
-            results[placement] = {"summary": summary, "load_records": [], "records": modes}
-            write_reports(out, report, results)  # a run cut short keeps what it measured
-            print(table, file=sys.stderr, flush=True)
-            if args.load:
-                loaded = measure_load(client, placement, args)
-                table, load = load_table(loaded)
-                report += [f"## {placement}: a busy process on the drafter's core from "
-                           "the middle of the prompt list\n", table, ""]  # fmt: skip
-                results[placement] |= {"load": load, "load_records": loaded}
-                write_reports(out, report, results)
+def _measure_target(spec: str, args, out: Path, *, report: list[str], results: dict,
+                    sweep: list[dict]) -> None:  # fmt: skip
+    """Every placement's tables on one target, the peers' requests among hetspec's."""
+    try:
+        target = resolve(spec, args.draft)
+        print(f"{target.name}: timing one token of the target and of the draft",
+              file=sys.stderr, flush=True)  # fmt: skip
+        t_target, t_draft = forward_ms(target.target.gguf), forward_ms(target.draft.gguf)
+    except TargetError as error:
+        print(f"hetspec bench: skipping {spec}: {error}", file=sys.stderr, flush=True)
+        report += [f"## {spec}: skipped\n", str(error), ""]
+        return
+    cost_ratio = t_target / t_draft
+    report += [f"## Target {target.name}\n",
+               f"Target {target.target.gguf.name}, draft {target.draft.gguf.name}: one token in "
+               f"llama.cpp on every core, after 128 tokens of context, {t_target:.2f} ms and "
+               f"{t_draft:.2f} ms, so c = {cost_ratio:.1f}.\n"]  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        peers = None
+        if args.peers:
+            print(f"{target.name}: loading the peers", file=sys.stderr, flush=True)
+            peers = Peers(out / f"peers-{target.name}.log", target=target,
+                          llama_server=args.llama_server)  # fmt: skip
+            stack.callback(peers.close)
+            for system, why in peers.skipped.items():
+                report.append(f"Peer {system} skipped: {why}\n")
+        for placement in args.placement:
+            key = f"{target.name} {placement}"
+            with daemon(placement, args.socket, out, target) as client:
+                runtime = (client.props().get("gpu_runtime") or {}).get("runtime", "?")
+                modes = measure_modes(client, key, args, peers)
+                table, summary, fastest = modes_table(modes)
+                report += [f"### {key}: modes (the GPU worker in {runtime})\n", table, ""]
+                results[key] = {"summary": summary, "load_records": [], "records": modes}
+                sweep.append({"target": target.name, "placement": placement, "c": cost_ratio,
+                              "fastest_alone": fastest, "summary": summary})  # fmt: skip
+                write_reports(out, report, results)  # a run cut short keeps what it measured
+                print(table, file=sys.stderr, flush=True)
+                if args.load:
+                    loaded = measure_load(client, placement, args)
+                    table, load = load_table(loaded)
+                    report += [f"### {key}: a busy process on the drafter's core from "
+                               "the middle of the prompt list\n", table, ""]  # fmt: skip
+                    results[key] |= {"load": load, "load_records": loaded}
+                    write_reports(out, report, results)
+
+
+def sweep_table(sweep: list[dict]) -> str:
+    """Each system's speed over the fastest target-alone row, one column per target."""
+    columns = [f"{row['target']} {row['placement']} (c={row['c']:.1f})" for row in sweep]
+    systems = list(dict.fromkeys(name for row in sweep for name in row["summary"]))
+    lines = ["| system | " + " | ".join(columns) + " |",
+             "|---|" + "---:|" * len(columns)]  # fmt: skip
+    for system in systems:
+        cells = []
+        for row in sweep:
+            mine, base = row["summary"].get(system), row["summary"][row["fastest_alone"]]
+            cells.append(f"{mine['tokens_per_s'] / base['tokens_per_s']:.2f}" if mine else "-")
+        lines.append(f"| {system} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_sweep(path: Path, sweep: list[dict]) -> bool:
+    """Speedup over the fastest target-alone row against c, one line per system."""
+    try:
+        import matplotlib  # noqa: PLC0415 - optional (bench extra)
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        return False
+    figure, axis = plt.subplots(figsize=(9, 6))
+    placements = list(dict.fromkeys(row["placement"] for row in sweep))
+    for placement in placements:
+        rows = sorted((r for r in sweep if r["placement"] == placement), key=lambda r: r["c"])
+        systems = list(dict.fromkeys(name for row in rows for name in row["summary"]))
+        for system in systems:
+            points = [(row["c"], row["summary"][system]["tokens_per_s"]
+                       / row["summary"][row["fastest_alone"]]["tokens_per_s"])
+                      for row in rows if system in row["summary"]]  # fmt: skip
+            label = system if len(placements) == 1 else f"{system} ({placement})"
+            axis.plot(*zip(*points, strict=True), marker="o", label=label)
+    axis.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    axis.set_xscale("log")
+    axis.set_xlabel("c = T_target / T_draft (llama.cpp, one token)")
+    axis.set_ylabel("decode speed / the fastest target-alone row")
+    axis.set_title("Speedup against the cost ratio of the pair")
+    axis.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    return True
 
 
 def write_reports(out: Path, report: list[str], results: dict) -> None:
@@ -498,6 +616,23 @@ def write_reports(out: Path, report: list[str], results: dict) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--target",
+        type=lambda s: [t.strip() for t in s.split(",") if t.strip()],
+        default=["bundled"],
+        help="comma-separated targets, a table each: bundled (the demo target), heavy-100m, "
+        "heavy-300m, heavy-1b (padded copies of it that compute like that many parameters and "
+        "predict exactly like it; made in the cache on first use), or a model folder or GGUF "
+        "file of your own (default bundled)",
+    )
+    parser.add_argument("--draft", help="the draft for every target: a model folder or GGUF "
+                        "file (default: the bundled draft)")  # fmt: skip
+    parser.add_argument(
+        "--llama-server",
+        default="build",
+        help="llama.cpp's own server as a peer: a path to the binary, 'build' (build it from "
+        "the vendored llama.cpp once, cached; the default) or 'off'",
+    )
     parser.add_argument(
         "--placement",
         type=lambda s: s.split(","),

@@ -12,16 +12,39 @@ def test_bench_runs_every_system_and_writes_its_reports(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     command = [sys.executable, "-m", "hetspec.client.cli", "bench", "--prompts", "1",
                "--repeats", "1", "--warmup", "1", "--max-tokens", "12", "--gammas", "2",
+               "--llama-server", "off", "--out", str(out)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr
+    table = (out / "bench.md").read_text()
+    systems = ("autoregressive", "sequential", "parallel gamma=2", "adaptive",
+               "transformers assisted", "llama-cpp-python loop speculative gamma=4")  # fmt: skip
+    for system in systems:
+        assert f"| {system} |" in table, (system, table, done.stderr)
+    assert "a busy process on the drafter's core" in table
+    document = json.loads((out / "bench.json").read_text())
+    records = document["bundled draft-cpu"]["records"]
+    assert {r["system"] for r in records} >= {"adaptive", "transformers assisted"}
+    assert all(r["tokens"] == 12 and r["decode_ms"] > 0 for r in records)
+    assert (out / "bench.png").stat().st_size > 0
+
+
+def test_bench_sweeps_targets_and_skips_a_bad_one_with_its_reason(tmp_path: Path) -> None:
+    """Two targets (the bundled one, and a folder of the user's: the same model), one that
+    cannot be had: a table per target, the speedup sweep, one line for the skipped one."""
+    out = tmp_path / "bench"
+    user_target = Path(__file__).resolve().parents[1] / "models" / "target"
+    command = [sys.executable, "-m", "hetspec.client.cli", "bench", "--prompts", "1",
+               "--repeats", "1", "--warmup", "1", "--max-tokens", "8", "--gammas", "2",
+               "--no-load", "--no-peers", "--target", f"bundled,heavy-7q,{user_target}",
                "--out", str(out)]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr
     table = (out / "bench.md").read_text()
-    for system in ("autoregressive", "sequential", "parallel gamma=2", "adaptive",
-                   "transformers assisted", "llama.cpp speculative gamma=4"):  # fmt: skip
-        assert f"| {system} |" in table, (system, table, done.stderr)
-    assert "a busy process on the drafter's core" in table
-    document = json.loads((out / "bench.json").read_text())
-    records = document["draft-cpu"]["records"]
-    assert {r["system"] for r in records} >= {"adaptive", "transformers assisted"}
-    assert all(r["tokens"] == 12 and r["decode_ms"] > 0 for r in records)
-    assert (out / "bench.png").stat().st_size > 0
+    assert "## heavy-7q: skipped" in table
+    assert "cannot read size '7q'" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert "### bundled draft-cpu: modes" in table
+    assert "### target draft-cpu: modes" in table
+    assert "## Speedup against the cost ratio c" in table
+    assert "x fastest target alone" in table
+    assert (out / "bench-sweep.png").stat().st_size > 0

@@ -1,0 +1,124 @@
+"""The model pairs ``hetspec bench --target`` compares systems on, and their cost ratio c.
+
+A target is the bundled demo target, a heavy copy of it (``heavy-100m``, ``heavy-300m``,
+``heavy-1b``: made on demand in the cache, see ``hetspec.models.heavy``), or a path of the
+user's own. Every target is drafted by the bundled draft unless ``--draft`` names another;
+a heavy target is never its own draft (the bundled target predicts exactly like it).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import msgspec
+
+from hetspec.protocol import RuntimeProfile, decode_profile
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
+
+
+class TargetError(ValueError):
+    """A target that cannot be benched; one line that says why."""
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    folder: Path  # the Hugging Face folder the torch runtime loads
+    gguf: Path  # the file llama.cpp loads
+
+
+@dataclass(frozen=True)
+class BenchTarget:
+    name: str
+    target: ModelFiles
+    draft: ModelFiles
+
+
+BUNDLED_TARGET = ModelFiles(MODELS / "target", MODELS / "target" / "target-q8_0.gguf")
+BUNDLED_DRAFT = ModelFiles(MODELS / "draft", MODELS / "draft" / "draft-q8_0.gguf")
+
+
+def model_files(path: str) -> ModelFiles:
+    """A model folder (its Q8_0 GGUF, else its only GGUF) or a GGUF file (its folder beside)."""
+    where = Path(path).expanduser()
+    if where.is_file() and where.suffix == ".gguf":
+        return ModelFiles(where.parent, where)
+    if not where.is_dir():
+        raise TargetError(f"{path}: neither a model folder nor a .gguf file")
+    ggufs = sorted(where.glob("*.gguf"))
+    preferred = [p for p in ggufs if "q8_0" in p.name.lower()] or ggufs
+    if not preferred:
+        raise TargetError(f"{path}: no .gguf file in this folder for llama.cpp")
+    if len(preferred) > 1:
+        names = ", ".join(p.name for p in preferred)
+        raise TargetError(f"{path}: several GGUF files ({names}); name one")
+    return ModelFiles(where, preferred[0])
+
+
+def _tokens(path: Path) -> list[str]:
+    try:
+        field = gguf.GGUFReader(path).get_field("tokenizer.ggml.tokens")
+    except (OSError, ValueError) as error:
+        raise TargetError(f"{path}: not a readable GGUF file: {error}") from None
+    if field is None:
+        raise TargetError(f"{path}: has no tokenizer")
+    return [str(token) for token in field.contents()]
+
+
+def vocabulary_mismatch(target: Path, draft: Path) -> str | None:
+    """Why the draft cannot draft for the target (a different vocabulary), or None."""
+    mine, theirs = _tokens(target), _tokens(draft)
+    if len(mine) != len(theirs):
+        return f"the target has {len(mine)} tokens, the draft {len(theirs)}"
+    for index, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+        if a != b:
+            return f"token {index} is {a!r} in the target but {b!r} in the draft"
+    return None
+
+
+def resolve(spec: str, draft: str | None, cache_dir: str | None = None) -> BenchTarget:
+    """The pair for one ``--target`` entry; ``TargetError`` if it cannot be had."""
+    draft_files = model_files(draft) if draft else BUNDLED_DRAFT
+    if spec == "bundled":
+        target, name = BUNDLED_TARGET, "bundled"
+    elif spec.startswith("heavy-"):
+        from hetspec.models.heavy import HeavyModelError, ensure_heavy  # noqa: PLC0415
+
+        try:
+            heavy = ensure_heavy(spec.removeprefix("heavy-"), ("f16", "q8_0"), cache_dir)
+        except HeavyModelError as error:
+            raise TargetError(f"{spec}: {error}") from None
+        target, name = ModelFiles(heavy.folder, heavy.gguf("q8_0")), f"heavy-{heavy.size}"
+    else:
+        target = model_files(spec)
+        name = target.folder.name if target.gguf.parent == target.folder else target.gguf.stem
+    if target.folder.resolve() == draft_files.folder.resolve():
+        raise TargetError(f"{name}: the target and the draft are the same model")
+    if spec.startswith("heavy-") and draft_files.folder.resolve() == BUNDLED_TARGET.folder:
+        raise TargetError(f"{name}: the bundled target predicts exactly like it (every draft "
+                          "token would be accepted); draft with another model")  # fmt: skip
+    problem = vocabulary_mismatch(target.gguf, draft_files.gguf)
+    if problem:
+        raise TargetError(f"{name}: the draft {draft_files.gguf} does not share its vocabulary: "
+                          f"{problem}")  # fmt: skip
+    return BenchTarget(name, target, draft_files)
+
+
+def forward_ms(gguf_path: Path, timeout_s: float = 600.0) -> float:
+    """One token's forward in llama.cpp on every core this process owns, after a 128-token
+    context (``hetspec.workers.profile``, a process of its own)."""
+    command = [sys.executable, "-m", "hetspec.workers.profile", "llama.cpp", str(gguf_path),
+               "--widths", "1", "--repeats", "9"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, timeout=timeout_s, check=False)
+    try:
+        report = decode_profile(result.stdout.strip().splitlines()[-1])
+    except (IndexError, msgspec.DecodeError, msgspec.ValidationError):
+        said = (result.stderr.decode(errors="replace").strip().splitlines() or ["no output"])[-1]
+        raise TargetError(f"{gguf_path}: cannot time a forward: {said}") from None
+    if not isinstance(report, RuntimeProfile):
+        raise TargetError(f"{gguf_path}: cannot time a forward: {report.message}")
+    return report.median_ms[0]
