@@ -30,7 +30,6 @@ from hetspec.daemon.generation import (
     TextOutput,
     alone_tokens,
     first_token,
-    slot_rows,
     token_budget,
 )
 from hetspec.daemon.worker_client import WorkerClient
@@ -160,10 +159,12 @@ class SpeculativeDecoder:
         wait for a slow drafter's prefill at all (a torch drafter on the CPU took longer over
         a prompt than the llama.cpp target over its first tokens).
 
-        While the controller has the target decode alone, the drafter's prefill waits for
-        the first draft instead: until then the target computes on the drafter's cores too,
-        the prefill included (the first round, narrow while the drafter prefilled, cost a
-        request of 128 tokens ~7% against the target alone)."""
+        Where the target may compute on the drafter's cores (both on the CPU) it prefills
+        on them too, and the drafter's prefill waits for the first draft: the first token
+        then comes as fast as from the target alone (prefilled side by side, each on half
+        the box, TTFT was ~1.5x the target alone's on 2 cores), and a demo-size draft
+        prefills in a few milliseconds before its first draft. While the controller has the
+        target decode alone the drafter's prefill waits in any case."""
         drafter, verifier = self.pair.drafter, self.pair.verifier
         started = time.perf_counter()
         text = self.request.prompt
@@ -175,8 +176,8 @@ class SpeculativeDecoder:
         seed, slot = self.request.seed, self.pair.verify_slot
         self._drafter_prompt = prompt
         decodes_alone = self.gamma is None and self.controller.decodes_alone()
-        wide = decodes_alone and self.pair.cores.preferred()
-        if not decodes_alone:
+        wide = bool(verifier.spec.spare_cores) and self.pair.cores.preferred()
+        if not (wide or decodes_alone):
             self._start_drafter_prefill()
         try:
             # the verifier samples by itself in rounds without a draft: its own stream, so
@@ -326,37 +327,34 @@ class SpeculativeDecoder:
         return RoundOutcome(emitted, stopped)
 
     async def _target_alone_round(self, remaining: int) -> RoundOutcome:
-        """No draft: the target decodes a few tokens (``alone_tokens``) by itself, sampling them in
-        its own process as autoregressive mode does (the logits need not travel through the
-        daemon, which made these rounds 25% slower than autoregressive decoding). It holds
-        all but the last as evaluated pending nodes: the next round commits them as it
-        commits an accepted path, and the last becomes the pending bonus. The drafter falls
-        behind by the tokens and catches up when drafting resumes."""
+        """No draft: the target decodes a few tokens (``alone_tokens``) by itself, drawing them
+        in its own process as autoregressive mode does (``Decode``: the logits need not
+        travel through the daemon, which made these rounds 25% slower than autoregressive
+        decoding). It commits the last round's path and every token it draws but the last,
+        which becomes the pending bonus. The drafter falls behind by the tokens and catches
+        up when drafting resumes."""
         verifier = self.pair.verifier
         start = time.perf_counter()
         kept = [self.verifier_tree[node] for node in self.verifier_keeps]  # last round's path
         idle = self._drafter_idle()  # else the drafter prefills: the target stays on its own
         wide = idle and self.pair.cores.choose()
-        drafted, _ = await self._choosing_meanwhile(verifier.call(
-            m.Draft(
+        decoded, _ = await self._choosing_meanwhile(verifier.call(
+            m.Decode(
                 request=verifier.next_request(),
-                steps=min(alone_tokens(self.controller.target_alone_s(), slot_rows(verifier)),
-                          remaining),
+                steps=min(alone_tokens(self.controller.target_alone_s()), remaining),
                 sampling=self.params,
-                out=self.pair.verify_slot,
                 append=[*kept, self.pending_bonus],
                 spare_cores=wide,
             )
         ))  # fmt: skip
-        tokens = drafted.tokens[0]
-        self.verifier_tree = tokens[:-1]  # evaluated while sampling: pending nodes 0, 1, ...
-        self.verifier_keeps = list(range(len(tokens) - 1))
+        tokens = decoded.tokens
+        self.verifier_tree, self.verifier_keeps = [], []  # nothing pending
         self.pending_bonus = tokens[-1]
         stopped = self.eos in tokens
         emitted = tokens[: tokens.index(self.eos)] if stopped else tokens[:remaining]
         self.drafter_appends = self.drafter_appends + emitted
         round_s = time.perf_counter() - start
-        compute_s = drafted.elapsed_ms / 1000  # per token, below: what the controller wants
+        compute_s = decoded.elapsed_ms / 1000  # per token, below: what the controller wants
         if idle:
             self.pair.cores.record(wide, compute_s / len(tokens))
         # The first round without a draft is a transition: it evaluates the last round's

@@ -29,20 +29,18 @@ from hetspec.speculative.verify import draw
 MODES = ("autoregressive", "sequential", "parallel", "adaptive")
 # When the target decodes alone (autoregressive mode, rounds without a draft) a call decodes
 # as many tokens as take about ALONE_CALL_S of its compute: each call costs ~0.8 ms besides
-# (messages, the daemon streaming the tokens, the worker's own bookkeeping; measured on a
-# 2-vCPU VM), a fifth of a 4 ms call, which made autoregressive decoding 1.4x slower than
-# 12 ms calls did. 12 ms of tokens arriving at once still read as a stream, a stop string or
-# a client that hangs up wastes at most that, and a slow model still streams token by token.
-ALONE_CALL_S = 0.012
-MAX_ALONE_TOKENS = 32
+# (messages, the daemon streaming the tokens; measured on a 2-vCPU VM), 3% of a 25 ms call.
+# 25 ms of tokens arriving at once still read as a stream (40 pieces a second), a stop string
+# or a client that hangs up wastes at most that, and a slow model still streams token by token.
+ALONE_CALL_S = 0.025
+MAX_ALONE_TOKENS = 64
 
 
-def alone_tokens(token_s: float | None, limit: int = MAX_ALONE_TOKENS) -> int:
-    """Tokens per call for a target taking ``token_s`` per token (None: not known yet), at
-    most ``limit`` (an arena slot's rows)."""
+def alone_tokens(token_s: float | None) -> int:
+    """Tokens per call for a target taking ``token_s`` per token (None: not known yet)."""
     if not token_s or token_s <= 0:
         return 2
-    return max(1, min(MAX_ALONE_TOKENS, limit, int(ALONE_CALL_S / token_s)))
+    return max(1, min(MAX_ALONE_TOKENS, int(ALONE_CALL_S / token_s)))
 
 
 def first_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
@@ -50,13 +48,6 @@ def first_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gener
     if params.greedy:
         return int(np.argmax(logits[0]))
     return draw(distribution(logits, params)[0], rng)
-
-
-def slot_rows(worker: WorkerClient) -> int:
-    """How many vocabulary rows one arena slot holds for this worker."""
-    if worker.arena is None:
-        return MAX_ALONE_TOKENS
-    return max(1, worker.arena.slot_bytes // (4 * len(worker.ready.token_bytes)))
 
 
 MAX_GAMMA = 32
@@ -228,11 +219,10 @@ async def generate(
     """Yield text pieces; ``result`` holds the tokens and timings (complete when exhausted).
     The first token is chosen here from the prefill's logits (in arena slot ``slot``), as the
     speculative modes choose theirs: no call of its own. Then several tokens per call
-    (``alone_tokens``): the worker appends the last call's tokens (it evaluated all but the
-    last while sampling them, so one forward) and samples the next ones, one forward each
-    (their probability rows land in the slot, unread: plain decoding needs only the tokens).
-    The drafter has nothing to do in this mode: the target computes on its cores too, where
-    ``cores`` finds that this pays."""
+    (``alone_tokens``, ``Decode``): the worker evaluates the last call's last token and draws
+    the next ones, one forward each, committing them as it goes. The drafter has nothing to
+    do in this mode: the target computes on its cores too, where ``cores`` finds that this
+    pays."""
     ready = worker.ready
     started = time.perf_counter()
     tokenized, _ = await worker.call(m.Tokenize(request=worker.next_request(), text=request.prompt))
@@ -267,20 +257,19 @@ async def generate(
                 yield "".join(pieces)
             if len(result.tokens) >= max_tokens or result.done_reason == "stop":
                 break
-            steps = alone_tokens(token_s, slot_rows(worker))
+            steps = alone_tokens(token_s)
             wide = cores.choose()
-            drafted, _ = await worker.call(
-                m.Draft(
+            decoded, _ = await worker.call(
+                m.Decode(
                     request=worker.next_request(),
                     steps=min(steps, max_tokens - len(result.tokens)),
                     sampling=request.sampling,
-                    out=slot,
-                    append=tokens,  # the last call's (the worker holds them unconfirmed)
+                    append=tokens[-1:],  # the last call's last token: drawn, not evaluated
                     spare_cores=wide,
                 )
             )
-            tokens = drafted.tokens[0]
-            token_s = drafted.elapsed_ms / 1000 / len(tokens)
+            tokens = decoded.tokens
+            token_s = decoded.elapsed_ms / 1000 / len(tokens)
             cores.record(wide, token_s)
         tail = output.flush()
         if tail:

@@ -6,7 +6,7 @@ extra frame of the same message (small arrays, sent zero-copy) or at a slot of t
 arena (probability rows and logits). ``request`` ids let the daemon match replies to commands.
 
 Protocol version history: 1 = the first one; 2 = spare cores (``Hello.spare_cores``, the
-``spare_cores`` flag of the compute commands).
+``spare_cores`` flag of the compute commands); 3 = ``Decode`` (the target decoding alone).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from hetspec.protocol.arena import ArenaLayout, ArrayRef
 from hetspec.protocol.sampling import SamplingParams
 from hetspec.protocol.vocab import VocabInfo
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"):
@@ -104,6 +104,19 @@ class Draft(_Message, tag="draft"):
     spare_cores: bool = False
 
 
+class Decode(_Message, tag="decode"):
+    """The target decoding alone: after making ``append`` follow the committed sequence (as
+    ``Draft`` does), draw ``steps`` tokens, one forward each, committing each as it is drawn
+    but the last, which is drawn and not evaluated (the next ``append`` starts with it).
+    Greedy draws are the argmax of the logits, as verification's are. No probability rows."""
+
+    request: int
+    steps: int
+    sampling: SamplingParams
+    append: list[int] = []
+    spare_cores: bool = False
+
+
 class VerifyTree(_Message, tag="verify"):
     """Evaluate a token tree (``parents[i]`` = -1 for the committed prefix); the float32
     logits of every node go to arena slot ``out``, after the logits that follow the committed
@@ -157,8 +170,9 @@ class Shutdown(_Message, tag="shutdown"):
 
 
 Command = (
-    Load | Prefill | Draft | VerifyTree | Commit | Rollback | Tokenize | Echo | Cancel | Shutdown
-)
+    Load | Prefill | Draft | Decode | VerifyTree | Commit | Rollback | Tokenize | Echo | Cancel
+    | Shutdown
+)  # fmt: skip
 
 
 # ---------------------------------------------------------------- worker -> daemon
@@ -208,6 +222,12 @@ class Drafted(_Message, tag="drafted"):
     root: int = -1  # the pending node the branches hang from (-1: the committed end)
 
 
+class Decoded(_Message, tag="decoded"):
+    request: int
+    tokens: list[int]  # all but the last committed
+    elapsed_ms: float  # the worker's own time, the append included
+
+
 class Verified(_Message, tag="verified"):
     request: int
     logits: ArrayRef
@@ -241,6 +261,6 @@ class Failed(_Message, tag="failed"):
 
 
 Reply = (
-    Hello | Ready | Heartbeat | Prefilled | Drafted | Verified | Committed | Tokenized | Echoed
-    | Failed
+    Hello | Ready | Heartbeat | Prefilled | Drafted | Decoded | Verified | Committed | Tokenized
+    | Echoed | Failed
 )  # fmt: skip

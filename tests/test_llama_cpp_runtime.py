@@ -287,3 +287,38 @@ def test_a_draft_continues_after_a_pending_one(runtime, gguf, prompt, engine) ->
     assert tail.root == drafter.pending - 3  # below the evaluated 4th token
     drafter.append(whole)  # the whole chain is pending and is reused
     assert drafter.tokens == [*prompt, *whole]
+
+
+@pytest.mark.parametrize("engine", ["llama.cpp", "torch"])
+def test_decoding_alone_commits_as_it_draws_and_equals_llama_cpps_generation(
+    runtime, gguf, prompt, engine
+) -> None:
+    """The target alone (``decode``): the greedy tokens of plain generation, every one but the
+    last committed; sampled draws reproducible from the generator, committed likewise."""
+    decoder = runtime if engine == "llama.cpp" else TorchRuntime(gguf.parent, max_context=128)
+    decoder.prefill(prompt)
+    first = decoder.decode(5, SamplingParams(), np.random.default_rng(0))
+    decoder.append(first[-1:])
+    rest = decoder.decode(11, SamplingParams(), np.random.default_rng(0))
+    assert decoder.pending == 0
+    assert decoder.tokens == [*prompt, *first, *rest[:-1]]
+
+    plain = llama_cpp.Llama(str(gguf), n_ctx=256, n_threads=1, verbose=False)
+    generated = []
+    for token in plain.generate(prompt, temp=0.0, reset=True):
+        generated.append(token)
+        if len(generated) == 16:
+            break
+    if engine == "llama.cpp":
+        assert first + rest == generated
+    else:  # torch in f32 vs llama.cpp's kernels: near-ties may differ
+        assert np.mean(np.array(first + rest) == np.array(generated)) >= 0.8
+
+    sampled = SamplingParams(temperature=0.8)
+    decoder.prefill(prompt)
+    once = decoder.decode(8, sampled, np.random.default_rng(7))
+    decoder.prefill(prompt)
+    assert decoder.decode(8, sampled, np.random.default_rng(7)) == once
+    assert decoder.tokens == [*prompt, *once[:-1]]
+    with pytest.raises(RuntimeUsageError, match="cannot decode 0"):
+        decoder.decode(0, sampled, np.random.default_rng(7))

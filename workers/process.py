@@ -184,7 +184,7 @@ class Worker:
         self.arena: Arena | None = None
         self.rng = np.random.default_rng()
         self.handlers: dict[type, Callable] = {
-            m.Load: self.load, m.Prefill: self.prefill, m.Draft: self.draft,
+            m.Load: self.load, m.Prefill: self.prefill, m.Draft: self.draft, m.Decode: self.decode,
             m.VerifyTree: self.verify, m.Commit: self.commit, m.Rollback: self.rollback,
             m.Tokenize: self.tokenize, m.Echo: self.echo,
         }  # fmt: skip
@@ -304,6 +304,14 @@ class Worker:
         reply = m.Drafted(command.request, result.tokens.tolist(), result.nodes.tolist(), probs,
                           elapsed, append_ms, result.root)  # fmt: skip
         return reply, ()
+
+    def decode(self, command: m.Decode, frames) -> tuple:
+        start = time.perf_counter()
+        engine = self._engine(command.spare_cores)
+        if command.append:
+            engine.append(command.append)
+        tokens = engine.decode(command.steps, command.sampling, self.rng)
+        return m.Decoded(command.request, tokens, (time.perf_counter() - start) * 1000), ()
 
     def verify(self, command: m.VerifyTree, frames) -> tuple:
         start = time.perf_counter()
