@@ -29,11 +29,12 @@ from hetspec.speculative.verify import draw
 MODES = ("autoregressive", "sequential", "parallel", "adaptive")
 # When the target decodes alone (autoregressive mode, rounds without a draft) a call decodes
 # as many tokens as take about ALONE_CALL_S of its compute: each call costs ~0.8 ms besides
-# (messages, the daemon streaming the tokens; measured on a 2-vCPU VM), 3% of a 25 ms call.
-# 25 ms of tokens arriving at once still read as a stream (40 pieces a second), a stop string
-# or a client that hangs up wastes at most that, and a slow model still streams token by token.
-ALONE_CALL_S = 0.025
-MAX_ALONE_TOKENS = 64
+# (messages, the daemon streaming the tokens; measured on a 2-vCPU VM), and every 16th call
+# measures the other core choice (see spare_cores), so few tokens per call cost a slow target
+# up to 15%. 50 ms of tokens arriving at once still read as a stream (20 pieces a second), a
+# stop string or a client that hangs up wastes at most that.
+ALONE_CALL_S = 0.05
+MAX_ALONE_TOKENS = 128
 
 
 def alone_tokens(token_s: float | None) -> int:

@@ -296,6 +296,9 @@ class Service:
             "chat_template": self.chat_template is not None,
             "uptime_s": round(time.monotonic() - self.started, 1),
             "workers": health["workers"],
+            # the verifier on the drafter's cores too, per token alone and per node verified
+            "spare_cores": {"alone": self.spare_cores.snapshot(),
+                            "verify": self.verify_cores.snapshot()},
         }  # fmt: skip
 
     def refresh_gauges(self) -> None:

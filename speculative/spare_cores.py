@@ -53,3 +53,13 @@ class SpareCoreChoice:
             other = self._median(not wide)
             self._confirming = other is not None and seconds_per_token < other
         self._cost[wide].append(seconds_per_token)
+
+    def snapshot(self) -> dict:
+        """What was measured: the median cost with and without the spare cores (None where
+        not measured yet), and the choice they make."""
+
+        def ms(wide: bool) -> float | None:
+            median = self._median(wide)
+            return None if median is None else round(median * 1000, 4)
+
+        return {"with_ms": ms(True), "without_ms": ms(False), "uses": self.preferred()}

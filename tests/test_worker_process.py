@@ -165,6 +165,10 @@ async def test_a_worker_computes_on_the_spare_cores_only_when_a_command_says_so(
             return arena.view(verified.logits).copy()
 
         wide = await verify(True)
+        # a wide verification gives the drafter its cores back before it answers
+        assert thread_cores(client.pid) == {frozenset({own})}
+        await client.call(m.Prefill(request=client.next_request(), tokens=list(range(40)),
+                                    spare_cores=True))  # fmt: skip
         assert thread_cores(client.pid) == {frozenset({own, spare})}
         await client.call(m.Rollback(request=client.next_request(), length=3))
         assert thread_cores(client.pid) == {frozenset({own, spare})}  # light work: unchanged

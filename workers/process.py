@@ -325,6 +325,8 @@ class Worker:
         engine.evaluate_tree(
             command.tokens, command.parents, extend=command.extend, out=out[first:]
         )
+        if command.spare_cores:  # give the drafter its cores back before it drafts
+            self._engine(False)
         logits = m.ArrayRef(out.dtype.str, out.shape, slot=command.out)
         return m.Verified(command.request, logits, (time.perf_counter() - start) * 1000), ()
 
