@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hetspec.daemon.generation import (
+    TRIAL_TOKENS,
     GenerateRequest,
     GenerationResult,
     TextOutput,
@@ -338,10 +339,13 @@ class SpeculativeDecoder:
         kept = [self.verifier_tree[node] for node in self.verifier_keeps]  # last round's path
         idle = self._drafter_idle()  # else the drafter prefills: the target stays on its own
         wide = idle and self.pair.cores.choose()
+        steps = alone_tokens(self.controller.target_alone_s())
+        if idle and self.pair.cores.exploring:
+            steps = min(steps, TRIAL_TOKENS)
         decoded, _ = await self._choosing_meanwhile(verifier.call(
             m.Decode(
                 request=verifier.next_request(),
-                steps=min(alone_tokens(self.controller.target_alone_s()), remaining),
+                steps=min(steps, remaining),
                 sampling=self.params,
                 append=[*kept, self.pending_bonus],
                 spare_cores=wide,

@@ -35,6 +35,7 @@ MODES = ("autoregressive", "sequential", "parallel", "adaptive")
 # stop string or a client that hangs up wastes at most that.
 ALONE_CALL_S = 0.05
 MAX_ALONE_TOKENS = 128
+TRIAL_TOKENS = 2  # a call that measures the other core choice (see SpareCoreChoice.exploring)
 
 
 def alone_tokens(token_s: float | None) -> int:
@@ -241,7 +242,7 @@ async def generate(
     decode_start = time.perf_counter()
     output = TextOutput(ready.token_bytes, request.stops)
     eos = -1 if request.ignore_eos else ready.vocab.eos
-    token_s = None  # the worker's seconds per token, from the last call
+    token_s = cores.cost_s()  # the worker's seconds per token, from the last call
     try:
         while True:
             pieces = []  # one write per call, not per token
@@ -258,8 +259,10 @@ async def generate(
                 yield "".join(pieces)
             if len(result.tokens) >= max_tokens or result.done_reason == "stop":
                 break
-            steps = alone_tokens(token_s)
             wide = cores.choose()
+            steps = min(
+                alone_tokens(token_s), TRIAL_TOKENS if cores.exploring else MAX_ALONE_TOKENS
+            )
             decoded, _ = await worker.call(
                 m.Decode(
                     request=worker.next_request(),

@@ -44,6 +44,17 @@ class SpareCoreChoice:
         self._exploring = self._confirming or self._calls % self.explore_every == 0
         return not best if self._exploring else best
 
+    @property
+    def exploring(self) -> bool:
+        """The last ``choose()`` tried the choice not preferred: keep that call short, since
+        it is a measurement that may well be twice as slow (a long trial call of a slow
+        target cost ~9% of its decoding)."""
+        return self._exploring
+
+    def cost_s(self) -> float | None:
+        """The preferred choice's median cost per token, if measured."""
+        return self._median(self.preferred())
+
     def record(self, wide: bool, seconds_per_token: float) -> None:
         """The target's own compute per token in a call made with (``wide``) or without
         the spare cores."""

@@ -399,3 +399,17 @@ def test_the_spare_cores_are_used_while_they_pay_and_left_when_another_process_t
     assert np.mean(calls(48)[-32:]) <= 0.1
     costs[True] = 0.0005  # it left
     assert np.mean(calls(64)[-32:]) >= 0.9
+
+
+def test_a_trial_of_the_other_core_choice_is_flagged_and_the_preferred_cost_known():
+    """Callers keep a trial call short (it may cost twice as much) and size the first call of
+    a request from what the preferred choice costs."""
+    choice = SpareCoreChoice(explore_every=4)
+    assert choice.cost_s() is None
+    flags = []
+    for _ in range(8):
+        wide = choice.choose()
+        flags.append(choice.exploring)
+        choice.record(wide, 0.001 if wide else 0.002)
+    assert flags == [False, False, False, True] * 2  # every 4th call tries the other
+    assert choice.cost_s() == pytest.approx(0.001)
