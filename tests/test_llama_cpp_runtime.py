@@ -53,6 +53,17 @@ def logits_after(runtime: LlamaCppRuntime, tokens: list[int]) -> np.ndarray:
     return runtime.last_logits().copy()
 
 
+def llama_cpp_greedy(gguf, prompt: list[int], count: int) -> list[int]:
+    """``count`` greedy tokens after ``prompt`` from llama-cpp-python's own generation loop."""
+    plain = llama_cpp.Llama(str(gguf), n_ctx=256, n_threads=1, verbose=False)
+    generated = []
+    for token in plain.generate(prompt, temp=0.0, reset=True):
+        generated.append(token)
+        if len(generated) == count:
+            return generated
+    return generated
+
+
 def assert_close(ours: np.ndarray, theirs: np.ndarray, tolerance: float = TOLERANCE) -> None:
     difference = np.abs(ours - theirs).max()
     assert difference <= tolerance, f"max abs logit difference {difference:.2e} > {tolerance}"
@@ -81,13 +92,7 @@ def test_greedy_draft_of_64_equals_llama_cpps_own_generation(runtime, gguf, prom
     runtime.prefill(prompt)
     drafted = runtime.draft(64, SamplingParams(), np.random.default_rng(0)).tokens[0].tolist()
 
-    plain = llama_cpp.Llama(str(gguf), n_ctx=256, n_threads=1, verbose=False)
-    generated = []
-    for token in plain.generate(prompt, temp=0.0, reset=True):
-        generated.append(token)
-        if len(generated) == 64:
-            break
-    assert drafted == generated
+    assert drafted == llama_cpp_greedy(gguf, prompt, 64)
 
 
 def test_tree_nodes_match_their_paths_evaluated_alone(runtime, prompt) -> None:
@@ -303,12 +308,7 @@ def test_decoding_alone_commits_as_it_draws_and_equals_llama_cpps_generation(
     assert decoder.pending == 0
     assert decoder.tokens == [*prompt, *first, *rest[:-1]]
 
-    plain = llama_cpp.Llama(str(gguf), n_ctx=256, n_threads=1, verbose=False)
-    generated = []
-    for token in plain.generate(prompt, temp=0.0, reset=True):
-        generated.append(token)
-        if len(generated) == 16:
-            break
+    generated = llama_cpp_greedy(gguf, prompt, 16)
     if engine == "llama.cpp":
         assert first + rest == generated
     else:  # torch in f32 vs llama.cpp's kernels: near-ties may differ
