@@ -59,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="any setting, e.g. --set cpu_worker.n_batch=256 (repeatable)",
+        help="any setting, e.g. --set cpu_worker.n_batch=256 (repeatable). The command "
+        "line is visible to every user of the box (ps): never pass a secret such as "
+        "tcp.token here; use tcp.token_file (a file only hetspecd's user can read)",
     )
     parser.add_argument("--log-level", choices=LOG_LEVELS)
     parser.add_argument("--log-format", choices=("auto", "json", "console"))

@@ -49,16 +49,23 @@ class TcpConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """An optional TCP listener beside the Unix socket; every request on it needs the token."""
 
     listen: str | None = None  # "127.0.0.1:8080", "[::1]:8080", "0.0.0.0:8080"; None: off
-    token: str | None = None  # clients send "Authorization: Bearer <token>"
-    token_file: str | None = None  # or read it from this file (keeps it out of the config)
+    # clients send "Authorization: Bearer <token>". Prefer token_file: a token given with
+    # --set tcp.token=... is in the command line, which every user of the box sees (ps).
+    token: str | None = None
+    token_file: str | None = None  # or read it from this file (mode 0600 or 0640)
 
     def __post_init__(self) -> None:
         if self.token_file and not self.token:
             try:
-                self.token = Path(self.token_file).read_text().strip()
+                with open(self.token_file) as file:
+                    mode = os.fstat(file.fileno()).st_mode
+                    self.token = file.read().strip()
             except OSError as error:
                 raise ValueError(f"token_file: cannot read {self.token_file}: "
                                  f"{error.strerror}") from None  # fmt: skip
+            if mode & 0o006:  # others may read the token, or write their own
+                raise ValueError(f"token_file: {self.token_file} is readable or writable by "
+                                 f"every user (mode {mode & 0o777:04o}); chmod o= it")  # fmt: skip
         if self.listen is None:
             return
         _, sep, port = self.listen.rpartition(":")
@@ -92,6 +99,12 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cache_dir: str | None = None
     model_name: str | None = None  # the name the API serves; None: the target's folder name
     tcp: TcpConfig = msgspec.field(default_factory=TcpConfig)
+    # HTTP connections open at once (Unix socket and TCP together); one more is answered 503
+    # and closed. Each takes a file descriptor: keep it well below LimitNOFILE.
+    http_max_connections: int = 256
+    # A connection without a complete request for this long is closed: an idle keep-alive
+    # connection, or a client whose request headers have not all arrived.
+    http_idle_timeout_s: float = 30.0
     target: ModelPaths = msgspec.field(
         default_factory=lambda: ModelPaths(
             folder=str(BUNDLED_MODELS / "target"),
@@ -118,6 +131,9 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # 2-vCPU VM a busy sibling made a torch forward 1.7x slower), so keep it short.
     worker_spin_us: float = 100.0
     restart_backoff_s: tuple[float, float] = (0.5, 30.0)  # first and largest delay
+    # How long a request waits for a restarting worker before it is answered 503: a killed
+    # CPU worker is back in ~1.5 s, a GPU one in ~9 s on the demo models.
+    restart_wait_s: float = 15.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["auto", "json", "console"] = "auto"
 
@@ -125,18 +141,25 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         positive = {"arena_slots": self.arena_slots, "max_tree_nodes": self.max_tree_nodes,
                     "load_timeout_s": self.load_timeout_s, "heartbeat_s": self.heartbeat_s,
                     "heartbeat_timeout_s": self.heartbeat_timeout_s,
-                    "call_timeout_s": self.call_timeout_s}  # fmt: skip
+                    "call_timeout_s": self.call_timeout_s,
+                    "http_idle_timeout_s": self.http_idle_timeout_s}  # fmt: skip
         for key, value in positive.items():
             if not value > 0:
                 raise ValueError(f"{key} must be > 0, not {value}")
         if not 0 <= self.max_queue <= 10_000:
             raise ValueError(f"max_queue must be in 0..10000, not {self.max_queue}")
+        if not 1 <= self.http_max_connections <= 1_000_000:
+            raise ValueError(
+                f"http_max_connections must be in 1..1000000, not {self.http_max_connections}"
+            )
         if not 0 <= self.worker_spin_us <= 100_000:
             raise ValueError(f"worker_spin_us must be in 0..100000, not {self.worker_spin_us}")
         if not 1 <= self.gamma <= 32:
             raise ValueError(f"gamma must be in 1..32, not {self.gamma}")
         if self.heartbeat_timeout_s <= 2 * self.heartbeat_s:
             raise ValueError("heartbeat_timeout_s must exceed two heartbeat_s intervals")
+        if not 0 <= self.restart_wait_s <= 3600:
+            raise ValueError(f"restart_wait_s must be in 0..3600, not {self.restart_wait_s}")
         low, high = self.restart_backoff_s
         if not 0 < low <= high:
             raise ValueError(f"restart_backoff_s must be [first, largest] with 0 < first <= "

@@ -19,9 +19,15 @@ class Metrics:
             ["endpoint", "status"],
             registry=r,
         )
+        self.connections_refused = Counter(
+            "hetspec_http_connections_refused",
+            "HTTP connections refused (503) because http_max_connections were open",
+            registry=r,
+        )
         self.generations = Counter(
             "hetspec_generations",
-            "Generations finished, by mode and reason",
+            "Generations ended, by mode and reason: stop, length, error, or cancelled (the "
+            "client left or hetspecd stopped)",
             ["mode", "reason"],
             registry=r,
         )

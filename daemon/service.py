@@ -40,6 +40,7 @@ from hetspec.daemon.engine import (
     WorkerPair,
 )
 from hetspec.daemon.generation import GenerateRequest, GenerationResult, generate
+from hetspec.daemon.http_guard import GuardedRunner
 from hetspec.daemon.instance import Instance, InstanceError
 from hetspec.daemon.metrics import Metrics
 from hetspec.daemon.runs import Run
@@ -58,6 +59,7 @@ from hetspec.daemon.supervisor import (
     worker_specs,
 )
 from hetspec.daemon.systemd import Notifier, activated_sockets, watchdog_loop
+from hetspec.daemon.worker_client import WorkerClient, WorkerDied
 from hetspec.protocol.arena import Arena, ArenaError
 from hetspec.speculative.budget import BudgetController
 from hetspec.speculative.spare_cores import SpareCoreChoice
@@ -209,7 +211,10 @@ class Service:
                               client_max_size=MAX_BODY_BYTES)  # fmt: skip
         app.add_routes([*native_routes(self), *openai_routes(self)])
         app.on_response_prepare.append(self._count_response)
-        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        self.runner = GuardedRunner(app, max_connections=self.config.http_max_connections,
+                                    idle_timeout_s=self.config.http_idle_timeout_s,
+                                    on_refused=self._refused_connection,
+                                    handler_cancellation=True, access_log=None)  # fmt: skip
         await self.runner.setup()
         passed = activated_sockets()
         if passed:  # socket activation: systemd owns the socket file and its permissions
@@ -219,6 +224,7 @@ class Service:
         else:
             path = Path(self.config.socket)
             path.parent.mkdir(parents=True, exist_ok=True)
+            self.instance.claim_socket(path)  # refuses while another daemon serves there
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()  # a stale socket of a dead instance; the lock says none is alive
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -239,10 +245,18 @@ class Service:
         peer = request.transport.get_extra_info("peername") if request.transport else None
         if isinstance(peer, tuple):  # an IP peer: (host, port, ...)
             token = self.config.tcp.token or ""
-            given = request.headers.get("Authorization", "")
-            if not token or not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            # as bytes, exactly as received: aiohttp decoded the header with surrogateescape,
+            # and a token from argv may hold surrogates too (then any byte compares)
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            expected = f"Bearer {token}".encode("utf-8", "surrogateescape")
+            if not token or not hmac.compare_digest(given, expected):
                 raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer ...)")
         return await handler(request)
+
+    def _refused_connection(self) -> None:
+        self.metrics.connections_refused.inc()
+        log.warning("too many open HTTP connections; refusing new ones",
+                    limit=self.config.http_max_connections)  # fmt: skip
 
     async def _count_response(self, request: web.Request, response: web.StreamResponse) -> None:
         route = request.match_info.route.resource
@@ -345,28 +359,42 @@ class Service:
                      waited_s: float) -> AsyncIterator[Run]:  # fmt: skip
         roles = self.supervisor.roles
         try:
-            verifier = await self.supervisor.worker(roles.verifier, self.config.load_timeout_s)
-            drafter = await self.supervisor.worker(roles.drafter, self.config.load_timeout_s)
+            verifier = await self.supervisor.worker(roles.verifier, self.config.restart_wait_s)
+            drafter = await self.supervisor.worker(roles.drafter, self.config.restart_wait_s)
         except WorkerUnavailable as error:
             raise ApiError(503, str(error), retry_after_s=5) from None
         run_id = f"{int(self.started_wall):x}-{next(self._run_ids)}"
         devices = {"target": verifier.ready.device, "draft": drafter.ready.device}
         with self.slots.lease(run_id) as draft_slot, self.slots.lease(run_id) as verify_slot:
             result = GenerationResult()
-            if mode == "autoregressive":
-                pieces = generate(body, verifier, draft_slot, result, arena=self.arena,
-                                  cores=self.spare_cores)  # fmt: skip
-                run = Run(run_id, mode, pieces, result, devices, waited_s * 1000)
-            else:
+            stats, controller = SpeculativeStats(), self.controllers.get(mode)
+
+            def pieces(verifier: WorkerClient, drafter: WorkerClient) -> AsyncIterator[str]:
+                if mode == "autoregressive":
+                    return generate(body, verifier, draft_slot, result, arena=self.arena,
+                                    cores=self.spare_cores)  # fmt: skip
                 pair = WorkerPair(drafter, verifier, self.arena, draft_slot, verify_slot,
                                   self.spare_cores, self.verify_cores)  # fmt: skip
                 kind = SpeculativeDecoder if mode == "sequential" else OverlappedDecoder
-                stats, controller = SpeculativeStats(), self.controllers[mode]
-                decoder = kind(body, pair, controller, stats, gamma=gamma)
-                run = Run(run_id, mode, decoder.stream(result), result, devices,
-                          waited_s * 1000, stats, controller)  # fmt: skip
+                return kind(body, pair, controller, stats, gamma=gamma).stream(result)
+
+            def reset() -> None:  # for a start over: what the first attempt counted goes
+                started = result.started  # (the time to the first token counts the wait)
+                result.__init__()
+                result.started = started
+                stats.__init__()
+
+            speculative = (stats, controller) if mode != "autoregressive" else (None, None)
+            again = self._again_if_died(pieces, verifier, drafter, reset, whole=not body.stream)
+            run = Run(run_id, mode, again, result, devices, waited_s * 1000, *speculative)
             try:
                 yield run
+            except (asyncio.CancelledError, ConnectionError):  # the client left (or we stop)
+                result.done_reason = "cancelled"
+                raise
+            except Exception:  # answered as an error (collect); stream() already says so
+                result.done_reason = "error"
+                raise
             finally:
                 await run.pieces.aclose()  # a stream left early: stop its decoding now
                 if result.tokens or result.prompt_tokens:
@@ -374,6 +402,51 @@ class Service:
                         mode=mode, reason=result.done_reason, prompt_tokens=result.prompt_tokens,
                         tokens=len(result.tokens), ttft_ms=result.ttft_ms,
                         decode_ms=result.decode_ms, speculative=run.speculative())  # fmt: skip
+
+    async def _again_if_died(self, pieces, verifier: WorkerClient, drafter: WorkerClient,
+                             reset, *, whole: bool) -> AsyncIterator[str]:  # fmt: skip
+        """``pieces(verifier, drafter)``, started over once (after ``reset()``) with the
+        restarted workers when a worker dies before anything reached the client: before the
+        first piece, or for a ``whole`` (not streamed) request before the last. That is a
+        worker killed just before the request came, its death noticed only during it."""
+        stream = pieces(verifier, drafter)
+        for retry in (True, False):
+            try:
+                if whole:  # the client gets nothing before the end anyway
+                    held = [piece async for piece in stream]
+                else:
+                    held = [piece async for piece in _first(stream)]
+            except WorkerDied as error:
+                if not retry:
+                    raise
+                reason = str(error)
+            else:
+                dead = [] if whole else [c for c in (verifier, drafter) if c.died.done()]
+                if not (retry and dead):
+                    break
+                reason = f"the {dead[0].spec.name} worker {dead[0].died.result()}"
+            await stream.aclose()
+            log.info("a worker died before the request answered anything; starting over",
+                     reason=reason)  # fmt: skip
+            reset()
+            roles, wait_s = self.supervisor.roles, self.config.restart_wait_s
+            verifier = await self.supervisor.worker(roles.verifier, wait_s)
+            drafter = await self.supervisor.worker(roles.drafter, wait_s)
+            stream = pieces(verifier, drafter)
+        try:
+            for piece in held:
+                yield piece
+            async for piece in stream:
+                yield piece
+        finally:
+            await stream.aclose()
+
+
+async def _first(stream: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The first piece of ``stream`` (none if it is empty), leaving the rest in it."""
+    async for piece in stream:
+        yield piece
+        return
 
 
 def _model_name(folder: str) -> str:

@@ -4,13 +4,15 @@ It builds each worker's spec from the configuration and the placement (which mod
 runtime loads), starts both at once, refuses a draft/target pair whose tokenizers differ,
 and restarts a worker that dies, with exponential backoff, for as long as the daemon runs.
 A request that was using a dead worker fails at once (``WorkerDied``); the next one waits for
-the restarted worker (``wait_ready``) or fails clearly if it does not come back in time.
+the restarted worker (``worker``, up to ``restart_wait_s``) or fails clearly if it does not
+come back in time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +34,7 @@ class StartupError(RuntimeError):
 
 
 class WorkerUnavailable(RuntimeError):
-    pass
+    """A worker is restarting and did not come back within the wait allowed."""
 
 
 @dataclass(frozen=True)
@@ -183,28 +185,41 @@ class Supervisor:
             self._watchers.append(asyncio.create_task(self._watch(name), name=f"watch-{name}"))
 
     async def _watch(self, name: str) -> None:
-        """Restart ``name`` whenever it dies, backing off while restarts keep failing."""
+        """Restart ``name`` whenever it dies, for as long as the daemon runs.
+
+        A failed restart, whatever the cause (the worker's own, or the box's: no descriptors
+        or processes left), is logged and retried. The delay doubles, up to the largest of
+        ``restart_backoff_s``, while restarts keep failing or the restarted worker dies again
+        within that largest delay; it starts over once a worker stayed up that long."""
         first, largest = self.config.restart_backoff_s
+        delay = first
+        up_since = time.monotonic()
         while True:
             reason = await self.workers[name].died
             if self._stopping:
                 return
             self._ready[name].clear()
             await self.workers[name].stop(grace_s=1.0)  # reap it and release its endpoints
-            delay = first
+            if time.monotonic() - up_since >= largest:
+                delay = first  # it had recovered: this is a new failure
             while not self._stopping:
                 log.warning("restarting worker", worker=name, reason=reason, in_s=delay)
                 await asyncio.sleep(delay)
+                delay = min(delay * 2, largest)  # for the next attempt, should this one fail
                 try:
                     client = await self._spawn(name)
-                except WorkerStartError as error:
-                    log.error("worker restart failed", worker=name, error=str(error))
-                    delay = min(delay * 2, largest)
+                except Exception as error:  # whatever failed, supervision goes on
+                    text = str(error)
+                    if not isinstance(error, WorkerStartError):
+                        text = f"{type(error).__name__}: {text}"
+                    log.error("worker restart failed", worker=name, error=text)
+                    reason = "could not be restarted"
                     continue
                 if client.ready.vocab != self.workers[name].ready.vocab:
                     log.error("restarted worker loaded a different vocabulary", worker=name)
                 self.workers[name] = client
                 self.restarts[name] += 1
+                up_since = time.monotonic()
                 self._ready[name].set()
                 log.info("worker restarted", worker=name, pid=client.pid,
                          restarts=self.restarts[name])  # fmt: skip
@@ -221,14 +236,21 @@ class Supervisor:
         return all(event.is_set() for event in self._ready.values())
 
     async def worker(self, name: str, timeout_s: float) -> WorkerClient:
-        """The live worker ``name``, waiting up to ``timeout_s`` for a restart to finish."""
+        """The live worker ``name``; while it restarts, wait up to ``timeout_s`` for it, then
+        raise ``WorkerUnavailable``. Never a worker already known to be dead (one that died
+        a moment ago, before its watcher noticed)."""
         try:
-            await asyncio.wait_for(self._ready[name].wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                while True:
+                    await self._ready[name].wait()
+                    client = self.workers[name]
+                    if not client.died.done():
+                        return client
+                    await asyncio.sleep(0.01)  # its watcher clears the ready flag next
         except TimeoutError:
             raise WorkerUnavailable(
                 f"the {name} worker is restarting and was not ready within {timeout_s:g} s"
             ) from None
-        return self.workers[name]
 
     async def stop(self, grace_s: float = 5.0) -> None:
         self._stopping = True

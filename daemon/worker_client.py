@@ -6,7 +6,13 @@ runtime directory (so nothing queued for a dead incarnation can reach the next o
 version) and then ``Ready`` (model loaded). Death is noticed three ways: the process exits
 (asyncio watches it), its heartbeats stop (it is killed), or, the other way round, the daemon
 dies and the worker sees EOF on its death pipe. When the worker dies every call in flight
-fails at once with ``WorkerDied``; nothing waits for a reply that cannot come.
+fails at once with ``WorkerDied``; nothing waits for a reply that cannot come. Nor does a call
+whose command or reply was lost: while it is pending the worker's heartbeats say it is idle
+(``Heartbeat.busy``), and after ``LOST_AFTER_IDLE_BEATS`` such beats the call fails.
+
+Only a decoded, well-formed message refreshes the worker's liveness: junk on the replies
+endpoint must not keep a hung worker alive. The endpoints are created with mode 0600 whatever
+the umask: whoever can connect to them can take the worker's commands.
 """
 
 from __future__ import annotations
@@ -50,6 +56,28 @@ class WorkerStartError(RuntimeError):
     """A worker could not be started or could not load its model."""
 
 
+# Idle heartbeats received while a call is pending before the call counts as lost. The first
+# may have been sent before the command arrived, and a reply may trail the beat that followed
+# it by a moment (they travel on different connections): three span at least two intervals.
+LOST_AFTER_IDLE_BEATS = 3
+
+
+def bind_private(sock: zmq.Socket, endpoint: str) -> None:
+    """Bind an ``ipc://`` endpoint that only this user can connect to, whatever the umask.
+
+    libzmq creates the socket file inside ``bind`` in this thread, so a restrictive umask
+    around it leaves no moment in which the file is open to others; the chmod repeats it in
+    case the file system ignored the umask. (The umask is process-wide: the daemon's event
+    loop is single-threaded and nothing else creates files while this runs.)
+    """
+    previous = os.umask(0o077)
+    try:
+        sock.bind(endpoint)
+    finally:
+        os.umask(previous)
+    os.chmod(endpoint.removeprefix("ipc://"), 0o600)
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     name: str  # "cpu" or "gpu": how logs and errors name it
@@ -79,6 +107,7 @@ def _expire(future: asyncio.Future) -> None:
 class _Call:
     future: asyncio.Future
     command: str
+    idle_beats: int = 0  # heartbeats saying the worker is idle since this was sent
 
 
 @dataclass
@@ -100,6 +129,7 @@ class WorkerClient:
         self._process: asyncio.subprocess.Process | None = None
         self._death_write: int | None = None
         self._last_beat = time.monotonic()
+        self._reading = False  # the replies socket is registered with the event loop
         self._stopping = False
         self._handshake: asyncio.Future | None = None  # resolves to Hello
         self._loading: asyncio.Future | None = None  # resolves to Ready
@@ -111,14 +141,31 @@ class WorkerClient:
         return f"ipc://{self.runtime_dir}/{self.spec.name}-{self.generation}-{role}.sock"
 
     async def start(self, load_timeout_s: float) -> m.Ready:
-        """Spawn, handshake and load; raises ``WorkerStartError`` with the reason on failure."""
+        """Spawn, handshake and load; raises ``WorkerStartError`` with the reason on failure
+        (also when a resource runs out: descriptors, processes), and then leaves nothing
+        behind: no process, no endpoint file, no descriptor."""
         started = time.perf_counter()
+        try:
+            ready = await self._start(load_timeout_s)
+        except BaseException as error:
+            await self.stop(grace_s=1.0)
+            if isinstance(error, OSError | zmq.ZMQError):
+                raise WorkerStartError(
+                    f"cannot start the {self.spec.name} worker: {error}"
+                ) from None
+            raise
+        log.info("worker ready", worker=self.spec.name, pid=self.pid, device=ready.device,
+                 model=ready.model, load_ms=round(ready.load_ms),
+                 startup_ms=round((time.perf_counter() - started) * 1000))  # fmt: skip
+        return ready
+
+    async def _start(self, load_timeout_s: float) -> m.Ready:
         self._commands = self._context.socket(zmq.PUSH)
         self._commands.setsockopt(zmq.LINGER, 0)
-        self._commands.bind(self._endpoint("commands"))
+        bind_private(self._commands, self._endpoint("commands"))
         self._replies = self._context.socket(zmq.PULL)
         self._replies.setsockopt(zmq.LINGER, 0)
-        self._replies.bind(self._endpoint("replies"))
+        bind_private(self._replies, self._endpoint("replies"))
         death_read, self._death_write = os.pipe()
         argv = [
             sys.executable, "-m", "hetspec.workers.process",
@@ -140,6 +187,7 @@ class WorkerClient:
         loop = asyncio.get_running_loop()
         self._handshake = loop.create_future()
         loop.add_reader(self._replies.FD, self._on_readable)
+        self._reading = True
         self._on_readable()  # anything that arrived before the reader was registered
         self._tasks = [
             asyncio.create_task(self._watch_exit(), name=f"{self.spec.name}-exit"),
@@ -148,28 +196,20 @@ class WorkerClient:
         log.info("worker started", worker=self.spec.name, pid=self.pid,
                  runtime=self.spec.runtime, cores=list(self.spec.cores),
                  spare_cores=list(self.spec.spare_cores))  # fmt: skip
+        hello = await self._wait(self._handshake, load_timeout_s, "say hello")
+        if hello.protocol != m.PROTOCOL_VERSION:
+            raise WorkerStartError(
+                f"{self.spec.name} worker speaks protocol {hello.protocol}, the daemon "
+                f"{m.PROTOCOL_VERSION}: reinstall hetspec so both come from one version"
+            )
+        load = m.Load(model=self.spec.model, settings=self.spec.settings, arena=self.arena)
+        self._loading = loop.create_future()
+        await self._send_first(self._codec.encode(load), load_timeout_s)
         try:
-            hello = await self._wait(self._handshake, load_timeout_s, "say hello")
-            if hello.protocol != m.PROTOCOL_VERSION:
-                raise WorkerStartError(
-                    f"{self.spec.name} worker speaks protocol {hello.protocol}, the daemon "
-                    f"{m.PROTOCOL_VERSION}: reinstall hetspec so both come from one version"
-                )
-            load = m.Load(model=self.spec.model, settings=self.spec.settings, arena=self.arena)
-            self._loading = loop.create_future()
-            await self._send_first(self._codec.encode(load), load_timeout_s)
-            try:
-                self.ready = await self._wait(self._loading, load_timeout_s, "load its model")
-            except WorkerError as error:
-                raise WorkerStartError(f"{self.spec.name} worker: {error.message}") from None
-        except BaseException:
-            await self.stop(grace_s=1.0)
-            raise
-        ready = self.ready
-        log.info("worker ready", worker=self.spec.name, pid=self.pid, device=ready.device,
-                 model=ready.model, load_ms=round(ready.load_ms),
-                 startup_ms=round((time.perf_counter() - started) * 1000))  # fmt: skip
-        return ready
+            self.ready = await self._wait(self._loading, load_timeout_s, "load its model")
+        except WorkerError as error:
+            raise WorkerStartError(f"{self.spec.name} worker: {error.message}") from None
+        return self.ready
 
     async def _wait(self, future: asyncio.Future, timeout_s: float, what: str):
         done, _ = await asyncio.wait({future, self.died}, timeout=timeout_s,
@@ -212,14 +252,16 @@ class WorkerClient:
                 self._process.kill()
 
     def _close_sockets(self) -> None:
+        """Close what ``_start`` got so far, however far it got."""
         replies = getattr(self, "_replies", None)
-        if replies is not None and not replies.closed:
+        if self._reading and not replies.closed:
             asyncio.get_running_loop().remove_reader(replies.FD)
+            self._reading = False
         for sock in (getattr(self, "_commands", None), getattr(self, "_replies", None)):
             if sock is not None:
                 sock.close(linger=0)
         for role in ("commands", "replies"):
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):  # never bound, or not ours to remove
                 os.unlink(self._endpoint(role).removeprefix("ipc://"))
         if self._death_write is not None:
             os.close(self._death_write)
@@ -228,12 +270,7 @@ class WorkerClient:
     def _mark_dead(self, reason: str) -> None:
         if not self.died.done():
             self.died.set_result(reason)
-        for request, call in list(self._calls.items()):
-            if not call.future.done():
-                call.future.set_exception(
-                    WorkerDied(self.spec.name, f"{reason} during {call.command}")
-                )
-            self._calls.pop(request, None)
+        self._fail_calls(lambda call: WorkerDied(self.spec.name, f"{reason} during {call.command}"))
 
     async def _watch_exit(self) -> None:
         code = await self._process.wait()
@@ -249,6 +286,10 @@ class WorkerClient:
         self._mark_dead(reason)
 
     async def _watch_heartbeats(self) -> None:
+        """Kill the worker once it is silent for ``heartbeat_timeout_s``, counted from its
+        Hello: until then its interpreter is starting (seconds on a busy box), and
+        ``load_timeout_s`` bounds that."""
+        await self._handshake
         while True:
             await asyncio.sleep(self.spec.heartbeat_s)
             silent = time.monotonic() - self._last_beat
@@ -268,24 +309,22 @@ class WorkerClient:
             self._dispatch(self._replies.recv_multipart(zmq.NOBLOCK))
 
     def _dispatch(self, frames: list[bytes]) -> None:
-        self._last_beat = time.monotonic()
         try:
             reply = self._codec.decode(frames)
         except MessageError as error:
             log.error("malformed reply from worker", worker=self.spec.name, error=str(error))
             return
-        if isinstance(reply, m.Heartbeat):
-            return
-        if isinstance(reply, m.Hello):
-            if self._handshake is not None and not self._handshake.done():
-                self._handshake.set_result(reply)
-            return
-        loading = self._loading is not None and not self._loading.done()
-        if isinstance(reply, m.Ready) or (isinstance(reply, m.Failed) and reply.request is None
-                                          and loading):  # fmt: skip
-            self._settle_load(reply)
+        self._last_beat = time.monotonic()  # only a well-formed message shows it is alive
+        if self._control(reply):
             return
         request = getattr(reply, "request", None)
+        if isinstance(reply, m.Failed) and request is None:
+            # a command the worker could not read; which one is unknown, so none of those
+            # pending is answered: fail them all now rather than at call_timeout_s
+            log.error("worker could not read a command", worker=self.spec.name,
+                      kind=reply.kind, error=reply.message, failing=len(self._calls))  # fmt: skip
+            self._fail_calls(lambda call: WorkerError(self.spec.name, reply.kind, reply.message))
+            return
         call = self._calls.pop(request, None) if request is not None else None
         if call is None:
             log.warning("reply nobody waits for", worker=self.spec.name,
@@ -297,6 +336,48 @@ class WorkerClient:
             call.future.set_exception(WorkerError(self.spec.name, reply.kind, reply.message))
         else:
             call.future.set_result((reply, frames))
+
+    def _control(self, reply: msgspec.Struct) -> bool:
+        """Handle a message that answers no call (heartbeat, handshake, load); False if not."""
+        if isinstance(reply, m.Heartbeat):
+            if reply.busy is None and self._calls:
+                self._note_idle()
+            return True
+        if isinstance(reply, m.Hello):
+            if self._handshake is not None and not self._handshake.done():
+                self._handshake.set_result(reply)
+            return True
+        loading = self._loading is not None and not self._loading.done()
+        if isinstance(reply, m.Ready) or (isinstance(reply, m.Failed) and reply.request is None
+                                          and loading):  # fmt: skip
+            self._settle_load(reply)
+            return True
+        return False
+
+    def _note_idle(self) -> None:
+        """The worker says it computes nothing while calls are pending: after enough such
+        beats their commands (or replies) were lost; fail them instead of waiting for
+        ``call_timeout_s``."""
+        lost = []
+        for request, call in self._calls.items():
+            call.idle_beats += 1
+            if call.idle_beats >= LOST_AFTER_IDLE_BEATS:
+                lost.append(request)
+        for request in lost:
+            call = self._calls.pop(request)
+            log.error("command lost: the worker is idle and never answered", op=call.command,
+                      worker=self.spec.name, request=request)  # fmt: skip
+            if not call.future.done():
+                call.future.set_exception(WorkerError(
+                    self.spec.name, "lost", f"no answer to {call.command}: the worker is idle, "
+                    "so the command or its reply was lost"))  # fmt: skip
+
+    def _fail_calls(self, error_for) -> None:
+        """Fail every pending call with ``error_for(call)``."""
+        calls, self._calls = self._calls, {}
+        for call in calls.values():
+            if not call.future.done():
+                call.future.set_exception(error_for(call))
 
     def _settle_load(self, reply: m.Ready | m.Failed) -> None:
         if self._loading is None or self._loading.done():

@@ -8,14 +8,17 @@ command and takes it back after reading the reply); this module only maps memory
 
 The segment is a file under /dev/shm (what ``shm_open`` uses on Linux), created 0600 with
 O_EXCL, and named after the daemon instance so that a restarted daemon can find and remove
-what an earlier, killed instance left behind.
+what an earlier, killed instance left behind. Its pages are allocated when it is created: a
+/dev/shm too small for it is a clear error then, not a SIGBUS in a worker later.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
+import stat
 from pathlib import Path
 
 import msgspec
@@ -27,6 +30,10 @@ ALIGNMENT = 64  # slot starts on cache-line boundaries
 
 class ArenaError(RuntimeError):
     """The arena cannot be created or mapped, or a reference does not fit in it."""
+
+
+class ArenaExistsError(ArenaError):
+    """``create`` found its path taken (a new name may succeed)."""
 
 
 class ArenaLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -76,33 +83,60 @@ class Arena:
 
     @classmethod
     def create(cls, path: str | Path, slots: int, slot_bytes: int) -> Arena:
+        """A new segment at ``path`` (never an existing file: ``ArenaExistsError``), its pages
+        allocated; ``ArenaError`` naming the size needed and the free space if they do not fit."""
         if slots < 1 or slot_bytes < 1:
             raise ArenaError(f"an arena needs slots and bytes, not {slots} x {slot_bytes}")
         layout = ArenaLayout(str(path), slots, slot_size(slot_bytes))
+        folder = Path(path).parent
+        free = _free_bytes(folder)
+        if free is not None and free < layout.size:  # say so before taking any of it
+            raise ArenaError(_too_small(layout.size, folder, free))
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(path, flags, 0o600)
+        except FileExistsError as error:
+            raise ArenaExistsError(
+                f"cannot create the shared-memory arena {path}: {error.strerror}"
+            ) from None
         except OSError as error:
             raise ArenaError(f"cannot create the shared-memory arena {path}: {error}") from None
         try:
-            os.ftruncate(fd, layout.size)
+            # allocated, not sparse: a full /dev/shm fails here rather than as a SIGBUS later
+            os.posix_fallocate(fd, 0, layout.size)
         except OSError as error:
             os.close(fd)
-            os.unlink(path)
+            unlink_quietly(path)
+            if error.errno == errno.ENOSPC:
+                raise ArenaError(_too_small(layout.size, folder, _free_bytes(folder))) from None
             raise ArenaError(
-                f"cannot size the arena {path} to {layout.size} bytes: {error}"
+                f"cannot allocate the arena {path} ({layout.size} bytes): {error.strerror}"
             ) from None
         return cls(layout, fd, owner=True)
 
     @classmethod
     def attach(cls, layout: ArenaLayout) -> Arena:
+        """Map the segment ``layout`` names: only a regular file of our own user (never through
+        a symlink) of exactly ``layout.size`` bytes, else ``ArenaError``."""
+        # O_NONBLOCK: opening a FIFO planted there must not hang the worker
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
         try:
-            fd = os.open(layout.path, os.O_RDWR)
+            fd = os.open(layout.path, flags)
         except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise ArenaError(f"arena {layout.path} is a symbolic link; refusing it") from None
             raise ArenaError(f"cannot open the shared-memory arena: {error}") from None
-        size = os.fstat(fd).st_size
-        if size != layout.size:
+        info = os.fstat(fd)
+        problem = None
+        if not stat.S_ISREG(info.st_mode):
+            problem = "is not a regular file"
+        elif info.st_uid != os.geteuid():
+            problem = f"belongs to uid {info.st_uid}, not to this process's ({os.geteuid()})"
+        elif info.st_size != layout.size:
+            problem = f"has {info.st_size} bytes, expected {layout.size}"
+        if problem is not None:
             os.close(fd)
-            raise ArenaError(f"arena {layout.path} has {size} bytes, expected {layout.size}")
+            raise ArenaError(f"arena {layout.path} {problem}")
         return cls(layout, fd, owner=False)
 
     def view(self, ref: ArrayRef) -> np.ndarray:
@@ -141,3 +175,18 @@ class Arena:
 def unlink_quietly(path: str | Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+def _free_bytes(folder: Path) -> int | None:
+    """Bytes an unprivileged user may still allocate in ``folder``'s file system."""
+    try:
+        info = os.statvfs(folder)
+    except OSError:
+        return None  # the open below reports a missing folder
+    return info.f_bavail * info.f_frsize
+
+
+def _too_small(size: int, folder: Path, free: int | None) -> str:
+    have = "?" if free is None else f"{free / 2**20:.1f}"
+    return (f"the shared-memory arena needs {size / 2**20:.1f} MiB but {folder} has {have} MiB "
+            "free: make it larger, or the arena smaller (arena_slots, max_tree_nodes)")  # fmt: skip

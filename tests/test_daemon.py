@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tiny_models import write_tiny_gguf_llama
+from tiny_models import write_tiny_gguf_llama, write_tiny_pair
 
 from hetspec.daemon.instance import Instance
 from hetspec.protocol.arena import SHM_DIR
@@ -57,9 +57,7 @@ def stream(sock: Path, body: dict):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
-    return {
-        "target": write_tiny_gguf_llama(root / "target", seed=0, layers=2, context=CONTEXT),
-        "draft": write_tiny_gguf_llama(root / "draft", seed=1, layers=1, context=CONTEXT),
+    return write_tiny_pair(root, CONTEXT) | {
         "other": write_tiny_gguf_llama(
             root / "other", seed=1, layers=1, vocab_size=300, context=CONTEXT
         ),
@@ -358,7 +356,7 @@ def test_sigterm_lets_the_request_finish_and_leaves_nothing_behind(daemon) -> No
 
 def test_a_restart_removes_what_a_killed_instance_left(tmp_path, models) -> None:
     runtime_dir = tmp_path / "run"
-    runtime_dir.mkdir()
+    runtime_dir.mkdir(mode=0o700)  # hetspecd refuses a directory others may write
     stale = SHM_DIR / f"{Instance(runtime_dir).name}-999999-arena"
     stale.write_bytes(b"x" * 4096)
     (runtime_dir / "gpu-7-commands.sock").write_text("")

@@ -128,3 +128,12 @@ def write_tiny_gguf_llama(
     model.save_pretrained(folder, safe_serialization=True)
     write_tokenizer_files(tokenizer, folder, config.max_position_embeddings)
     return export_gguf(folder, folder / f"model-{gguf_type}.gguf", gguf_type)
+
+
+def write_tiny_pair(root: Path, context: int) -> dict[str, Path]:
+    """A tiny target (2 layers) and draft (1 layer) sharing one tokenizer, as the daemon tests
+    serve them: {"target": GGUF path, "draft": GGUF path}, each in its own folder."""
+    return {
+        "target": write_tiny_gguf_llama(root / "target", seed=0, layers=2, context=context),
+        "draft": write_tiny_gguf_llama(root / "draft", seed=1, layers=1, context=context),
+    }

@@ -27,6 +27,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -36,6 +37,7 @@ import zmq
 from hetspec.logs import configure_logging
 from hetspec.protocol import Arena, ArenaError, Codec, MessageError, frame_array, frame_ref
 from hetspec.protocol import worker_messages as m
+from hetspec.protocol.arena import SHM_DIR
 from hetspec.protocol.sampling import SamplingError
 from hetspec.workers.spare_cores import SpareCores, pin_threads
 from hetspec.workers.tree_runtime import RuntimeUsageError
@@ -249,6 +251,10 @@ class Worker:
             self.arena.close()
             self.arena = None
         if command.arena is not None:
+            # only a shared-memory object: never a file elsewhere the command happens to name
+            if Path(command.arena.path).parent != SHM_DIR:
+                raise LoadError(f"the arena must be a shared-memory object in {SHM_DIR}, not "
+                                f"{command.arena.path}")  # fmt: skip
             self.arena = Arena.attach(command.arena)
         self.runtime, device = load_runtime(self.kind, command.model, command.settings)
         runtime = self.runtime
