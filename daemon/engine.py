@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hetspec.daemon.generation import (
-    TRIAL_TOKENS,
     GenerateRequest,
     GenerationResult,
     TextOutput,
@@ -339,9 +338,8 @@ class SpeculativeDecoder:
         kept = [self.verifier_tree[node] for node in self.verifier_keeps]  # last round's path
         idle = self._drafter_idle()  # else the drafter prefills: the target stays on its own
         wide = idle and self.pair.cores.choose()
-        steps = alone_tokens(self.controller.target_alone_s())
-        if idle and self.pair.cores.exploring:
-            steps = min(steps, TRIAL_TOKENS)
+        steps = alone_tokens(self.controller.target_alone_s(),
+                             trial=idle and self.pair.cores.exploring)  # fmt: skip
         decoded, _ = await self._choosing_meanwhile(verifier.call(
             m.Decode(
                 request=verifier.next_request(),

@@ -38,11 +38,13 @@ MAX_ALONE_TOKENS = 128
 TRIAL_TOKENS = 2  # a call that measures the other core choice (see SpareCoreChoice.exploring)
 
 
-def alone_tokens(token_s: float | None) -> int:
-    """Tokens per call for a target taking ``token_s`` per token (None: not known yet)."""
+def alone_tokens(token_s: float | None, *, trial: bool = False) -> int:
+    """Tokens per call for a target taking ``token_s`` per token (None: not known yet); at
+    most TRIAL_TOKENS for a ``trial`` of the core choice not preferred."""
     if not token_s or token_s <= 0:
         return 2
-    return max(1, min(MAX_ALONE_TOKENS, int(ALONE_CALL_S / token_s)))
+    most = TRIAL_TOKENS if trial else MAX_ALONE_TOKENS
+    return max(1, min(most, int(ALONE_CALL_S / token_s)))
 
 
 def first_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
@@ -260,9 +262,7 @@ async def generate(
             if len(result.tokens) >= max_tokens or result.done_reason == "stop":
                 break
             wide = cores.choose()
-            steps = min(
-                alone_tokens(token_s), TRIAL_TOKENS if cores.exploring else MAX_ALONE_TOKENS
-            )
+            steps = alone_tokens(token_s, trial=cores.exploring)
             decoded, _ = await worker.call(
                 m.Decode(
                     request=worker.next_request(),

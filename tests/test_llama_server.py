@@ -32,10 +32,9 @@ from hetspec.workers.llama_server import (
     server_args,
     timing_of,
 )
+from hetspec.workers.peers import DRAFT_GGUF as DRAFT  # the bundled pair, the peers' default
+from hetspec.workers.peers import TARGET_GGUF as TARGET
 
-MODELS = Path(__file__).resolve().parents[1] / "models"
-TARGET = MODELS / "target" / "target-q8_0.gguf"
-DRAFT = MODELS / "draft" / "draft-q8_0.gguf"
 PROMPT = 'def read_lines(path):\n    """Return the lines of a file."""\n'
 
 # The timings of real /completion replies of this llama-server (0.3.36's llama.cpp, bundled

@@ -5,7 +5,13 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetspec.daemon.generation import ALONE_CALL_S, MAX_ALONE_TOKENS, TextOutput, alone_tokens
+from hetspec.daemon.generation import (
+    ALONE_CALL_S,
+    MAX_ALONE_TOKENS,
+    TRIAL_TOKENS,
+    TextOutput,
+    alone_tokens,
+)
 
 # single ASCII letters, a two-letter token, and the two halves of "é" (0xC3 0xA9)
 TOKENS = [b"a", b"b", b"c", b"ab", b"\xc3", b"\xa9", b"\n"]
@@ -63,3 +69,5 @@ def test_the_target_alone_decodes_about_a_fixed_time_per_call() -> None:
     assert alone_tokens(ALONE_CALL_S / 6) == 6
     assert alone_tokens(1e-6) == MAX_ALONE_TOKENS
     assert alone_tokens(0.1) == 1
+    assert alone_tokens(ALONE_CALL_S / 6, trial=True) == TRIAL_TOKENS  # a short trial call
+    assert alone_tokens(0.1, trial=True) == 1
