@@ -58,7 +58,12 @@ class TorchSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag
     compile: bool = False
 
 
-RuntimeSettings = LlamaCppSettings | TorchSettings
+class NativeSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="native"):
+    n_ctx: int | None = None  # None: min(the model's training context, 8192)
+    threads: int | None = None  # None: the cores the worker owns
+
+
+RuntimeSettings = LlamaCppSettings | TorchSettings | NativeSettings
 
 
 # ---------------------------------------------------------------- daemon -> worker

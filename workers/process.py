@@ -17,6 +17,7 @@ a thread wake-up per command, which this project's round-trip budget cannot affo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import importlib
 import os
@@ -42,7 +43,7 @@ from hetspec.protocol.sampling import SamplingError
 from hetspec.workers.spare_cores import SpareCores, pin_threads
 from hetspec.workers.tree_runtime import RuntimeUsageError
 
-RUNTIMES = ("llama.cpp", "torch")
+RUNTIMES = ("llama.cpp", "torch", "native")
 PR_SET_PDEATHSIG = 1
 # How long OpenMP's threads spin for the next parallel step before they sleep, for a worker
 # with spare cores (libgomp's default, 300k pauses, is milliseconds: after a call on the
@@ -80,6 +81,16 @@ def load_runtime(kind: str, model: str, settings: m.RuntimeSettings):
             return runtime, "gpu (llama.cpp)" if runtime.offloaded else "cpu"
         except LlamaCppError as error:
             raise LoadError(str(error)) from None
+    if kind == "native":
+        from hetspec.native.kernels import NativeUnavailable  # noqa: PLC0415
+        from hetspec.workers.native_runtime import NativeRuntime  # noqa: PLC0415
+
+        if not isinstance(settings, m.NativeSettings):
+            raise LoadError("the native worker takes native settings")
+        try:
+            return NativeRuntime(model, **options), "cpu (native)"
+        except NativeUnavailable as error:
+            raise LoadError(str(error)) from None
     from hetspec.workers.torch_runtime import ModelLoadError, TorchRuntime  # noqa: PLC0415
 
     if not isinstance(settings, m.TorchSettings):
@@ -98,7 +109,9 @@ def preload_runtime(kind: str) -> None:
     between two wide calls wait by spinning briefly, as they should. Loaded with the own
     cores only, it sees more threads than CPUs whenever a call computes wide and puts its
     threads to sleep after every step: 3 ms a demo-target token instead of 0.4."""
-    importlib.import_module("llama_cpp" if kind == "llama.cpp" else "torch")
+    modules = {"llama.cpp": "llama_cpp", "torch": "torch", "native": "hetspec.native._hsnative"}
+    with contextlib.suppress(ImportError):  # kernels not built: loading the model says so
+        importlib.import_module(modules[kind])
 
 
 class Watchdog(threading.Thread):

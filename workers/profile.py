@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cores:  # before the runtime loads: its thread pools size themselves from this
         os.sched_setaffinity(0, {int(core) for core in args.cores.split(",")})
     try:
-        default = m.LlamaCppSettings() if args.runtime == "llama.cpp" else m.TorchSettings()
+        defaults = {"llama.cpp": m.LlamaCppSettings, "torch": m.TorchSettings,
+                    "native": m.NativeSettings}  # fmt: skip
+        default = defaults[args.runtime]()
         settings = (msgspec.json.decode(args.settings, type=m.RuntimeSettings)
                     if args.settings else default)  # fmt: skip
         result = profile(args.runtime, args.model, settings, widths=args.widths,

@@ -10,7 +10,6 @@ keeps only sequence 0; nothing is recomputed and no state is saved or restored.
 
 from __future__ import annotations
 
-import ctypes
 import os
 from pathlib import Path
 
@@ -18,14 +17,14 @@ import llama_cpp as L
 import numpy as np
 
 from hetspec.speculative.tree import ROOT
-from hetspec.speculative.vocab import VocabInfo, vocab_info
+from hetspec.speculative.vocab import VocabInfo
 from hetspec.workers.llama_cpp_runtime.log import llama_log
+from hetspec.workers.llama_cpp_runtime.vocabulary import Vocabulary
 from hetspec.workers.tree_runtime import RuntimeUsageError, TreeRuntime
 
 DEFAULT_MAX_CONTEXT = 8192
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
 PREFIX_SEQ = 0
-VOCAB_KINDS = {0: "none", 1: "spm", 2: "bpe", 3: "wpm", 4: "ugm", 5: "rwkv", 6: "plamo2"}
 FLASH_ATTENTION = {
     "auto": L.LLAMA_FLASH_ATTN_TYPE_AUTO,
     "on": L.LLAMA_FLASH_ATTN_TYPE_ENABLED,
@@ -115,9 +114,8 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
         self.default_chunk = n_batch
         self.threads, self.threads_batch = threads, threads_batch
         self._batch = L.llama_batch_init(n_batch, 0, n_seq_max)
-        self._vocab = L.llama_model_get_vocab(self._model)
-        vocab_size = L.llama_vocab_n_tokens(self._vocab)
-        super().__init__(vocab_size, n_ctx)
+        self._vocabulary = Vocabulary(self._model)
+        super().__init__(self._vocabulary.size, n_ctx)
 
     # ------------------------------------------------------------ setup helpers
 
@@ -197,35 +195,15 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
     # ------------------------------------------------------------ vocabulary
 
     def vocab_info(self) -> VocabInfo:
-        texts = [L.llama_vocab_get_text(self._vocab, i) or b"" for i in range(self.vocab_size)]
-        return vocab_info(
-            VOCAB_KINDS.get(L.llama_vocab_type(self._vocab), "unknown"),
-            texts,
-            L.llama_vocab_bos(self._vocab),
-            L.llama_vocab_eos(self._vocab),
-            bool(L.llama_vocab_get_add_bos(self._vocab)),
-        )
+        return self._vocabulary.info()
 
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
         """Token ids of ``text``; special-token markup (``<|im_start|>``) is parsed."""
-        data = text.encode()
-        capacity = len(data) + 8
-        while True:
-            buffer = (L.llama_token * capacity)()
-            count = L.llama_tokenize(self._vocab, data, len(data), buffer, capacity,
-                                     add_special, True)  # fmt: skip
-            if count >= 0:
-                return list(buffer[:count])
-            capacity = -count
+        return self._vocabulary.tokenize(text, add_special=add_special)
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes a token stands for (specials rendered), for incremental detokenizing."""
-        buffer = ctypes.create_string_buffer(64)
-        count = L.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, True)
-        if count < 0:
-            buffer = ctypes.create_string_buffer(-count)
-            count = L.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, True)
-        return buffer.raw[:count]
+        return self._vocabulary.token_bytes(token)
 
     # ------------------------------------------------------------ decoding
 

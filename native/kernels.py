@@ -1,0 +1,153 @@
+"""ctypes bindings of the native kernels; their contracts are in native/src/hsnative.h.
+
+The C code ships as the extension module ``hetspec.native._hsnative`` (built by setup.py,
+optional): loading it as a shared library gives the functions. Arrays cross as pointers, so
+every array handed in must be C-contiguous and of the stated dtype; the helpers here check.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+from dataclasses import dataclass
+
+import numpy as np
+
+F32, F16, Q4_0, Q8_0 = 0, 1, 2, 8  # ggml's type ids, as GGUF stores them
+BLOCK = 32
+TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q8_0: "Q8_0"}
+BLOCK_BYTES = {Q8_0: 34, Q4_0: 18}
+
+
+class NativeUnavailable(RuntimeError):
+    """The kernels were not built for this install, or cannot run here."""
+
+
+class Matrix(ctypes.Structure):
+    _fields_ = [
+        ("type", ctypes.c_int32),
+        ("rows", ctypes.c_int32),
+        ("cols", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+        ("data", ctypes.c_void_p),
+    ]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [
+        ("attn_norm", ctypes.c_void_p),
+        ("ffn_norm", ctypes.c_void_p),
+        *((name, Matrix) for name in ("q", "k", "v", "o", "gate", "up", "down")),
+    ]
+
+
+class Model(ctypes.Structure):
+    _fields_ = [
+        *((name, ctypes.c_int32) for name in ("n_layers", "d_model", "n_ff", "n_heads",
+                                              "n_kv_heads", "head_dim", "vocab", "capacity")),
+        ("eps", ctypes.c_float),
+        ("reserved", ctypes.c_int32),
+        ("layers", ctypes.POINTER(Layer)),
+        ("output_norm", ctypes.c_void_p),
+        ("embed", Matrix),
+        ("output", Matrix),
+        ("rope_cos", ctypes.c_void_p),
+        ("rope_sin", ctypes.c_void_p),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+    ]  # fmt: skip
+
+
+def row_bytes(kind: int, cols: int) -> int:
+    """Bytes of one weight row of ``cols`` values in ggml type ``kind``."""
+    if kind == F32:
+        return 4 * cols
+    if kind == F16:
+        return 2 * cols
+    if kind in BLOCK_BYTES:
+        return cols // BLOCK * BLOCK_BYTES[kind]
+    raise NativeUnavailable(f"ggml type {kind} is not one the native kernels read")
+
+
+def matrix(kind: int, data: np.ndarray, rows: int, cols: int) -> Matrix:
+    """A ``Matrix`` over ``data``, which must outlive it (C reads it in place)."""
+    if kind not in TYPE_NAMES:
+        raise NativeUnavailable(f"ggml type {kind} is not one the native kernels read")
+    if kind in BLOCK_BYTES and cols % BLOCK:
+        raise NativeUnavailable(f"a {TYPE_NAMES[kind]} row of {cols} values is not whole blocks")
+    if not data.flags.c_contiguous or data.nbytes != rows * row_bytes(kind, cols):
+        raise NativeUnavailable(f"{rows}x{cols} {TYPE_NAMES[kind]} weights need "
+                                f"{rows * row_bytes(kind, cols)} contiguous bytes, "
+                                f"not {data.nbytes}")  # fmt: skip
+    return Matrix(kind, rows, cols, 0, data.ctypes.data)
+
+
+def _pointer(array: np.ndarray, dtype: type) -> ctypes.c_void_p:
+    if array.dtype != dtype or not array.flags.c_contiguous:
+        raise ValueError(f"expected a C-contiguous {np.dtype(dtype).name} array")
+    return ctypes.c_void_p(array.ctypes.data)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The loaded library, with typed entry points."""
+
+    library: ctypes.CDLL
+
+    @classmethod
+    def load(cls) -> Kernels:
+        spec = importlib.util.find_spec("hetspec.native._hsnative")
+        if spec is None or spec.origin is None:
+            raise NativeUnavailable(
+                "hetspec's native kernels were not built (the install found no C compiler "
+                "with OpenMP); install gcc and run `make setup` again"
+            )
+        try:
+            library = ctypes.CDLL(spec.origin)
+        except OSError as error:
+            raise NativeUnavailable(f"cannot load the native kernels: {error}") from None
+        library.hs_simd_level.restype = ctypes.c_int
+        library.hs_quantize_rows.restype = None
+        library.hs_matmul.restype = ctypes.c_int
+        library.hs_forward.restype = ctypes.c_int
+        return cls(library)
+
+    def simd_level(self) -> int:
+        """1 where the AVX2 kernels run, 0 for the portable ones."""
+        return self.library.hs_simd_level()
+
+    def quantize_rows(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """int8 (n, cols) values and float32 (n, cols / 32) block scales of float32 rows."""
+        n, cols = x.shape
+        if cols % BLOCK:
+            raise ValueError(f"rows of {cols} values are not whole blocks of {BLOCK}")
+        q = np.empty((n, cols), np.int8)
+        scale = np.empty((n, cols // BLOCK), np.float32)
+        self.library.hs_quantize_rows(_pointer(x, np.float32), n, cols, _pointer(q, np.int8),
+                                      _pointer(scale, np.float32))  # fmt: skip
+        return q, scale
+
+    def matmul(self, weights: Matrix, x: np.ndarray, threads: int = 1) -> np.ndarray:
+        """float32 (n, weights.rows): rows ``x`` (n, weights.cols) times the weights."""
+        n = x.shape[0]
+        if x.shape != (n, weights.cols):
+            raise ValueError(f"x must be (n, {weights.cols}), not {x.shape}")
+        out = np.empty((n, weights.rows), np.float32)
+        status = self.library.hs_matmul(ctypes.byref(weights), _pointer(x, np.float32), n,
+                                        _pointer(out, np.float32), threads)  # fmt: skip
+        if status:
+            raise ValueError("hs_matmul refused its arguments")
+        return out
+
+    def forward(self, model: Model, tokens: np.ndarray, positions: np.ndarray, *, start: int,
+                prefix: int, offsets: np.ndarray, visible: np.ndarray, first_logit: int,
+                logits: np.ndarray, threads: int) -> None:  # fmt: skip
+        """``hs_forward``: evaluate ``tokens`` into cache slots start.., logits into ``logits``."""
+        status = self.library.hs_forward(
+            ctypes.byref(model), len(tokens), _pointer(tokens, np.int32),
+            _pointer(positions, np.int32), start, prefix, _pointer(offsets, np.int32),
+            _pointer(visible, np.int32), first_logit, _pointer(logits, np.float32), threads,
+        )  # fmt: skip
+        if status:
+            raise ValueError("hs_forward refused its arguments (a token, position, slot or "
+                             "shape out of range)")  # fmt: skip

@@ -1,0 +1,172 @@
+"""A Llama GGUF file laid out for the native kernels: weights mapped in place, a KV cache.
+
+The weights stay in the file's pages (``gguf.GGUFReader`` maps it read-only), so the native
+runtime shares them with the page cache instead of holding a second copy. What it supports is
+what llama.cpp's ``llama`` architecture writes for plain Llama models: grouped-query attention,
+RoPE over whole heads (default or linear scaling), SwiGLU, RMSNorm, untied or tied output.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from hetspec.native.kernels import (
+    BLOCK,
+    TYPE_NAMES,
+    Kernels,
+    Layer,
+    Matrix,
+    Model,
+    NativeUnavailable,
+    matrix,
+)
+
+LAYER_TENSORS = {
+    "q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
+    "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down",
+}  # fmt: skip
+DEFAULT_MAX_CONTEXT = 8192
+
+
+class ModelFormatError(NativeUnavailable):
+    """A GGUF file the native kernels cannot run; the message names the file and why."""
+
+
+class NativeModel:
+    """The weights of ``path``, a KV cache of ``capacity`` slots, and one forward call."""
+
+    def __init__(self, path: str | Path, capacity: int | None = None) -> None:
+        self.path = Path(path)
+        try:
+            self._reader = gguf.GGUFReader(self.path, "r")
+        except (OSError, ValueError) as error:
+            raise ModelFormatError(f"{self.path}: not a readable GGUF file ({error})") from None
+        self._tensors = {tensor.name: tensor for tensor in self._reader.tensors}
+        self._keep: list[object] = []  # arrays and structs C holds pointers into
+        architecture = self._field("general.architecture")
+        if architecture != "llama":
+            raise ModelFormatError(f"{self.path}: architecture {architecture!r}; the native "
+                                   "runtime runs llama only")  # fmt: skip
+        self.d_model = int(self._field("llama.embedding_length"))
+        self.n_layers = int(self._field("llama.block_count"))
+        self.n_heads = int(self._field("llama.attention.head_count"))
+        self.n_kv_heads = int(self._field("llama.attention.head_count_kv", self.n_heads))
+        self.head_dim = int(self._field("llama.attention.key_length", self.d_model // self.n_heads))
+        self.n_ff = int(self._field("llama.feed_forward_length"))
+        self.eps = float(self._field("llama.attention.layer_norm_rms_epsilon"))
+        trained = int(self._field("llama.context_length"))
+        self.capacity = capacity or min(trained, DEFAULT_MAX_CONTEXT)
+        if not 0 < self.capacity <= trained:
+            raise ModelFormatError(f"{self.path}: context {self.capacity} is outside what the "
+                                   f"model allows (1..{trained})")  # fmt: skip
+        self._check_rope()
+
+        embed = self._matrix("token_embd.weight")
+        self.vocab = embed.rows
+        output = self._matrix("output.weight") if "output.weight" in self._tensors else embed
+        layers = (Layer * self.n_layers)()
+        for index in range(self.n_layers):
+            layer = layers[index]
+            layer.attn_norm = self._vector(f"blk.{index}.attn_norm.weight")
+            layer.ffn_norm = self._vector(f"blk.{index}.ffn_norm.weight")
+            for field, name in LAYER_TENSORS.items():
+                setattr(layer, field, self._matrix(f"blk.{index}.{name}.weight"))
+        cos, sin = rope_tables(self.capacity, self.head_dim, self._rope_theta, self._rope_factor)
+        shape = (self.n_layers, self.n_kv_heads, self.capacity, self.head_dim)
+        self.keys = np.zeros(shape, np.float32)
+        self.values = np.zeros(shape, np.float32)
+        self._keep += [layers, cos, sin]
+        self.struct = Model(
+            self.n_layers, self.d_model, self.n_ff, self.n_heads, self.n_kv_heads,
+            self.head_dim, self.vocab, self.capacity, self.eps, 0, layers,
+            self._vector("output_norm.weight"), embed, output, cos.ctypes.data, sin.ctypes.data,
+            self.keys.ctypes.data, self.values.ctypes.data,
+        )  # fmt: skip
+        self.kernels = Kernels.load()
+
+    # ------------------------------------------------------------ reading the file
+
+    def _field(self, key: str, default: object = None) -> object:
+        field = self._reader.fields.get(key)
+        if field is None:
+            if default is None:
+                raise ModelFormatError(f"{self.path}: lacks {key!r}")
+            return default
+        return field.contents()
+
+    def _tensor(self, name: str) -> gguf.ReaderTensor:
+        tensor = self._tensors.get(name)
+        if tensor is None:
+            raise ModelFormatError(f"{self.path}: lacks tensor {name!r}")
+        return tensor
+
+    def _matrix(self, name: str) -> Matrix:
+        tensor = self._tensor(name)
+        kind = int(tensor.tensor_type)
+        if kind not in TYPE_NAMES:
+            raise ModelFormatError(
+                f"{self.path}: {name} is {tensor.tensor_type.name}; the native kernels read "
+                f"{', '.join(TYPE_NAMES.values())}"
+            )
+        cols, rows = (int(size) for size in tensor.shape)
+        data = np.ascontiguousarray(tensor.data)
+        self._keep.append(data)
+        try:
+            return matrix(kind, data, rows, cols)
+        except NativeUnavailable as error:
+            raise ModelFormatError(f"{self.path}: {name}: {error}") from None
+
+    def _vector(self, name: str) -> int:
+        tensor = self._tensor(name)
+        if tensor.tensor_type != gguf.GGMLQuantizationType.F32 or tensor.shape[0] != self.d_model:
+            raise ModelFormatError(f"{self.path}: {name} must be F32 ({self.d_model},)")
+        return tensor.data.ctypes.data
+
+    def _check_rope(self) -> None:
+        rotated = int(self._field("llama.rope.dimension_count", self.head_dim))
+        if rotated != self.head_dim:
+            raise ModelFormatError(f"{self.path}: RoPE over {rotated} of {self.head_dim} "
+                                   "dimensions is not supported")  # fmt: skip
+        scaling = str(self._field("llama.rope.scaling.type", "none"))
+        if scaling not in ("none", "linear"):
+            raise ModelFormatError(f"{self.path}: RoPE scaling {scaling!r} is not supported")
+        self._rope_theta = float(self._field("llama.rope.freq_base", 10000.0))
+        factor = float(self._field("llama.rope.scaling.factor", 1.0))
+        self._rope_factor = factor if scaling == "linear" else 1.0
+        if self.d_model % BLOCK or self.n_ff % BLOCK or (self.n_heads * self.head_dim) % BLOCK:
+            raise ModelFormatError(f"{self.path}: widths must be multiples of {BLOCK}")
+
+    # ------------------------------------------------------------ computing
+
+    def forward(self, tokens: np.ndarray, positions: np.ndarray, *, start: int, prefix: int,
+                offsets: np.ndarray, visible: np.ndarray, first_logit: int,
+                threads: int) -> np.ndarray:  # fmt: skip
+        """Logits (n - first_logit, vocab) of new tokens at cache slots start..start+n-1; row
+        i sees slots 0..prefix-1 and ``visible[offsets[i]:offsets[i + 1]]``."""
+        logits = np.empty((len(tokens) - first_logit, self.vocab), np.float32)
+        self.kernels.forward(
+            self.struct, np.ascontiguousarray(tokens, np.int32),
+            np.ascontiguousarray(positions, np.int32), start=start, prefix=prefix,
+            offsets=np.ascontiguousarray(offsets, np.int32),
+            visible=np.ascontiguousarray(visible, np.int32), first_logit=first_logit,
+            logits=logits, threads=threads,
+        )  # fmt: skip
+        return logits
+
+    def move_slots(self, sources: np.ndarray, first: int) -> None:
+        """Copy the keys/values of slots ``sources`` to slots first, first + 1, ..."""
+        targets = first + np.arange(len(sources))
+        self.keys[:, :, targets] = self.keys[:, :, sources]
+        self.values[:, :, targets] = self.values[:, :, sources]
+
+
+def rope_tables(length: int, head_dim: int, theta: float,
+                factor: float = 1.0) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """cos and sin (length, head_dim / 2) float32: the angle of pair i at position p is
+    p / factor * theta ** (-2 i / head_dim), computed in float64."""
+    inverse = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim) / factor
+    angles = np.outer(np.arange(length, dtype=np.float64), inverse)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)

@@ -1,0 +1,65 @@
+/* hetspec's native CPU verifier: a Llama forward over GGUF-quantized weights, built for the
+ * verification shape (a few rows at once).
+ *
+ * Contracts every entry point keeps:
+ * - Width invariance: a row's results depend only on that row's inputs and the cache contents
+ *   it attends to, never on how many other rows share the call or which thread computes it.
+ *   Integer dot products are exact; every float step runs per row in a fixed order.
+ * - Weights are read in place (the caller maps the GGUF file); nothing here copies them.
+ * - Nothing here allocates state that outlives a call; the caller owns every buffer.
+ */
+#ifndef HSNATIVE_H
+#define HSNATIVE_H
+
+#include <stdint.h>
+
+/* ggml's type ids, as GGUF stores them */
+enum { HS_F32 = 0, HS_F16 = 1, HS_Q4_0 = 2, HS_Q8_0 = 8 };
+#define HS_BLOCK 32
+
+typedef struct {
+    int32_t type;
+    int32_t rows; /* output features */
+    int32_t cols; /* input features (a multiple of 32 for the quantized types) */
+    int32_t reserved;
+    const void *data; /* rows x cols in the type's row layout */
+} hs_matrix;
+
+typedef struct {
+    const float *attn_norm, *ffn_norm; /* (d_model,) */
+    hs_matrix q, k, v, o, gate, up, down;
+} hs_layer;
+
+typedef struct {
+    int32_t n_layers, d_model, n_ff, n_heads, n_kv_heads, head_dim, vocab, capacity;
+    float eps;
+    int32_t reserved;
+    const hs_layer *layers;
+    const float *output_norm; /* (d_model,) */
+    hs_matrix embed, output;
+    /* rotary tables (capacity, head_dim / 2): pairs (2i, 2i+1) rotate together (GGUF layout) */
+    const float *rope_cos, *rope_sin;
+    /* (n_layers, n_kv_heads, capacity, head_dim), written by hs_forward at the new rows' slots */
+    float *k_cache, *v_cache;
+} hs_model;
+
+/* 1 when this build runs the AVX2 kernels on this CPU, 0 for the portable ones */
+int hs_simd_level(void);
+
+/* Quantize rows of x (n, cols) to int8 blocks of 32 with one float scale per block. */
+void hs_quantize_rows(const float *x, int n, int cols, int8_t *q, float *scale);
+
+/* out (n, w->rows) = x (n, w->cols) times w's transpose, on `threads` threads.
+ * Quantized weights multiply the rows quantized by hs_quantize_rows. Returns 0, or -1 for a
+ * type this build does not know. */
+int hs_matmul(const hs_matrix *w, const float *x, int n, float *out, int threads);
+
+/* Evaluate n new tokens and write their keys/values to slots start..start+n-1.
+ * Row i sees cached slots 0..n_prefix-1, then the slots visible[offsets[i]..offsets[i+1]) in
+ * increasing order (its pending ancestors, ending with its own slot). Logits of rows
+ * first_logit..n-1 go to logits ((n - first_logit), vocab). Returns 0, or -1 for bad input. */
+int hs_forward(const hs_model *m, int n, const int32_t *tokens, const int32_t *positions,
+               int start, int n_prefix, const int32_t *offsets, const int32_t *visible,
+               int first_logit, float *logits, int threads);
+
+#endif

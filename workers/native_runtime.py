@@ -1,0 +1,108 @@
+"""NativeRuntime: token trees on hetspec's own CPU kernels (hetspec.native), over a GGUF file.
+
+Laid out as the torch runtime is: the committed tokens' keys/values fill cache slots
+0..committed-1 and the pending tree's nodes the slots after them, in evaluation order;
+committing a path copies its slots right after the prefix. Each new node attends to the
+prefix and to its ancestors' slots, listed per node (no dense mask). The kernels compute every
+row the same way whatever the width of the call, so a token's logits inside a tree equal its
+logits evaluated alone, bit for bit: greedy verification returns exactly what this runtime
+decodes alone. The vocabulary comes from llama.cpp (the file loaded ``vocab_only``), so this
+runtime tokenizes exactly as the llama.cpp workers do.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from hetspec.native.kernels import NativeUnavailable
+from hetspec.native.model import NativeModel
+from hetspec.speculative.vocab import VocabInfo
+from hetspec.workers.llama_cpp_runtime.vocabulary import VocabularyFile
+from hetspec.workers.tree_runtime import TreeRuntime
+
+
+class NativeRuntime(TreeRuntime[np.ndarray]):
+    def __init__(self, model_path: str | Path, *, n_ctx: int | None = None,
+                 threads: int | None = None) -> None:  # fmt: skip
+        """Load a Llama GGUF file (Q8_0, Q4_0, F16 or F32 weights); ``threads`` defaults to the
+        cores this process may run on. Raises ``NativeUnavailable`` with the reason."""
+        path = Path(model_path)
+        if not path.is_file():
+            raise NativeUnavailable(f"{path}: no such file")
+        owned = len(os.sched_getaffinity(0))
+        self.threads = threads or owned
+        if not 0 < self.threads <= owned:
+            raise NativeUnavailable(f"{self.threads} threads requested but this process owns "
+                                    f"{owned} cores")  # fmt: skip
+        self._extra_threads = 0
+        self.model = NativeModel(path, n_ctx)
+        vocabulary = VocabularyFile.open(path)
+        if vocabulary is None:
+            raise NativeUnavailable(f"{path}: llama.cpp could not read its vocabulary")
+        if vocabulary.size != self.model.vocab:
+            raise NativeUnavailable(f"{path}: {vocabulary.size} tokens in the vocabulary but "
+                                    f"{self.model.vocab} embedding rows")  # fmt: skip
+        self._vocabulary = vocabulary
+        self.path = path
+        super().__init__(self.model.vocab, self.model.capacity)
+
+    def set_extra_threads(self, extra: int) -> None:
+        """Compute with ``extra`` threads beyond the configured ones (on cores lent for now:
+        see workers/spare_cores.py); 0 restores the configured count."""
+        self._extra_threads = extra
+
+    # ------------------------------------------------------------ vocabulary
+
+    def vocab_info(self) -> VocabInfo:
+        return self._vocabulary.info()
+
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        return self._vocabulary.tokenize(text, add_special=add_special)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self._vocabulary.token_bytes(token)
+
+    # ------------------------------------------------------------ TreeRuntime hooks
+
+    def _forward(self, tokens: np.ndarray, positions: np.ndarray, rows: np.ndarray,
+                 first_logit: int) -> np.ndarray:  # fmt: skip
+        """New nodes into the slots after the pending ones; ``rows`` (new, pending + new) says
+        which pending slots each sees besides the committed prefix."""
+        node, column = np.nonzero(rows)  # row-major: each node's slots in increasing order
+        offsets = np.zeros(len(tokens) + 1, np.int32)
+        np.cumsum(np.bincount(node, minlength=len(tokens)), out=offsets[1:])
+        return self.model.forward(
+            tokens, positions, start=self.committed + self.pending, prefix=self.committed,
+            offsets=offsets, visible=self.committed + column, first_logit=first_logit,
+            threads=self.threads + self._extra_threads,
+        )  # fmt: skip
+
+    def _run(
+        self, tokens: np.ndarray, parents: np.ndarray, positions: np.ndarray, rows: np.ndarray
+    ) -> np.ndarray:
+        return self._forward(tokens, positions, rows, 0)
+
+    def _node_logits(self, output: np.ndarray, index: int) -> np.ndarray:
+        return output[index].copy()
+
+    def _step_logits(self, output: np.ndarray) -> np.ndarray:
+        return output
+
+    def _keep_path(self, path: list[int]) -> None:
+        if path != list(range(len(path))):
+            self.model.move_slots(self.committed + np.asarray(path), self.committed)
+
+    def _drop_pending_kv(self) -> None:
+        """Nothing to do: pending slots are overwritten by the next forward."""
+
+    def _truncate_kv(self, length: int) -> None:
+        """Nothing to do: slots past the committed length are never attended to."""
+
+    def _extend_committed(self, tokens: np.ndarray) -> np.ndarray:
+        count = len(tokens)
+        rows = np.tril(np.ones((count, count), bool))
+        positions = self.committed + np.arange(count)
+        return self._forward(tokens, positions, rows, count - 1)[0]
