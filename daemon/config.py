@@ -88,8 +88,9 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # layer offloaded when llama.cpp was built for the GPU; on a box without one, two
     # llama.cpp workers on their own cores still overlap drafting with verifying), or "auto":
     # whichever measures fastest here at load (see runtime_choice.py; profiles are cached).
-    # The llama.cpp GPU worker takes cpu_worker's llama.cpp settings.
-    gpu_runtime: Literal["auto", "torch", "llama.cpp"] = "auto"
+    # The llama.cpp GPU worker takes cpu_worker's llama.cpp settings. "native": hetspec's own
+    # CPU kernels over the same GGUF file (native/), built for verifying several tokens at once.
+    gpu_runtime: Literal["auto", "torch", "llama.cpp", "native"] = "auto"
     # Where both workers compute on the CPU (no CUDA), the verifier computes on the drafter's
     # cores too whenever the drafter has nothing to do: the target decoding alone, a plain
     # round's verification (see workers/spare_cores.py). False keeps each on its own cores.

@@ -1,7 +1,8 @@
 """``gpu_runtime = "auto"``: the GPU worker's runtime chosen by measuring each one here.
 
 At load, for every runtime that can hold the GPU worker's model on this box (torch, on CUDA
-where present and on the CPU otherwise; llama.cpp, offloaded where built for a GPU), a
+where present and on the CPU otherwise; llama.cpp, offloaded where built for a GPU; hetspec's
+native CPU kernels, where they were built), a
 process of its own loads the model as the worker would and times forwards of the widths a
 verifier uses (``hetspec.workers.profile``). The draft model's cost is measured the same
 way. The runtime with the best expected decode rate wins (``speculative.runtime_choice``).
@@ -32,7 +33,7 @@ from hetspec.speculative.runtime_choice import Rate, best_rate, fastest
 
 log = structlog.get_logger("hetspec.daemon.runtime_choice")
 
-CANDIDATES = ("llama.cpp", "torch")
+CANDIDATES = ("llama.cpp", "native", "torch")
 VERIFY_WIDTHS = [1, 2, 4, 8]  # the verifications the controller mostly chooses on a CPU
 PREFIX_TOKENS = 128
 

@@ -63,7 +63,7 @@ def worker_specs(config: DaemonConfig, log_format: str,
     worker in ``gpu_runtime`` (default: the configured one, which must not be "auto": that is
     decided by measurement first, see runtime_choice)."""
     gpu_runtime = gpu_runtime or config.gpu_runtime
-    if gpu_runtime not in ("torch", "llama.cpp"):
+    if gpu_runtime not in ("torch", "llama.cpp", "native"):
         raise ValueError(f"the GPU worker's runtime must be decided, not {gpu_runtime!r}")
     owned = owned_cores()
     cuda = cuda_present(config.gpu_worker.device)
@@ -82,6 +82,9 @@ def worker_specs(config: DaemonConfig, log_format: str,
         gpu_model = config.target.gguf if drafting_on_cpu else config.draft.gguf
         gpu_settings = _llama_settings(cpu_cfg, verifies=drafting_on_cpu, threads=None,
                                        threads_batch=None, gpu_layers=-1)  # fmt: skip
+    elif gpu_runtime == "native":  # the same GGUF file, on hetspec's own CPU kernels
+        gpu_model = config.target.gguf if drafting_on_cpu else config.draft.gguf
+        gpu_settings = m.NativeSettings(n_ctx=cpu_cfg.n_ctx, threads=gpu_cfg.threads)
     else:
         gpu_settings = _torch_settings(gpu_cfg, verifies=drafting_on_cpu, cores=gpu_cores)
     common = {"heartbeat_s": config.heartbeat_s, "heartbeat_timeout_s": config.heartbeat_timeout_s,

@@ -70,7 +70,8 @@ def row_bytes(kind: int, cols: int) -> int:
 
 
 def matrix(kind: int, data: np.ndarray, rows: int, cols: int) -> Matrix:
-    """A ``Matrix`` over ``data``, which must outlive it (C reads it in place)."""
+    """A ``Matrix`` over ``data`` (C reads it in place). A copy of the structure, e.g. a field
+    of a ``Layer``, does not keep ``data`` alive: its holder must."""
     if kind not in TYPE_NAMES:
         raise NativeUnavailable(f"ggml type {kind} is not one the native kernels read")
     if kind in BLOCK_BYTES and cols % BLOCK:
@@ -79,7 +80,9 @@ def matrix(kind: int, data: np.ndarray, rows: int, cols: int) -> Matrix:
         raise NativeUnavailable(f"{rows}x{cols} {TYPE_NAMES[kind]} weights need "
                                 f"{rows * row_bytes(kind, cols)} contiguous bytes, "
                                 f"not {data.nbytes}")  # fmt: skip
-    return Matrix(kind, rows, cols, 0, data.ctypes.data)
+    weights = Matrix(kind, rows, cols, 0, data.ctypes.data)
+    weights.owner = data  # keeps the bytes alive as long as this Matrix (not its copies)
+    return weights
 
 
 def _pointer(array: np.ndarray, dtype: type) -> ctypes.c_void_p:

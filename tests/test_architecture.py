@@ -19,7 +19,9 @@ ALLOWED = {
     "protocol": set(),
     "speculative": {"hetspec.protocol"},
     "models": set(),
-    "workers": {"hetspec", "hetspec.protocol", "hetspec.speculative"},
+    # the native kernels: C code and its bindings, for the workers alone
+    "native": set(),
+    "workers": {"hetspec", "hetspec.protocol", "hetspec.speculative", "hetspec.native"},
     "daemon": {"hetspec", "hetspec.protocol", "hetspec.speculative"},
     # the benchmark takes its prompts from the demo models' held-out files (models/corpus.py)
     "client": {"hetspec", "hetspec.protocol", "hetspec.models"},

@@ -18,7 +18,6 @@ from hetspec.models.gguf_export import export_gguf
 from hetspec.models.heavy import (
     DEFAULT_TYPES,
     PRESETS,
-    HeavyModel,
     HeavyModelError,
     ensure_heavy,
     main,
@@ -32,12 +31,6 @@ MODELS = Path(__file__).resolve().parents[1] / "models"
 POSITIONS = 320
 # Python source the bundled target was trained on the like of (it completes code).
 TEXT = Path(textwrap.__file__).read_text()[:2000]
-
-
-@pytest.fixture(scope="session")
-def heavy(tmp_path_factory: pytest.TempPathFactory) -> HeavyModel:
-    """heavy-100m with every GGUF type, built once (about 6 s on 2 cores)."""
-    return ensure_heavy("100m", DEFAULT_TYPES, tmp_path_factory.mktemp("cache"), quiet=True)
 
 
 def chain_logits(runtime: LlamaCppRuntime | TorchRuntime) -> np.ndarray:

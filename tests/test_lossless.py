@@ -29,8 +29,10 @@ from hetspec.client.bench import prompt_set
 from hetspec.daemon.config import BUNDLED_MODELS
 from hetspec.speculative.sampling import SamplingParams, distribution
 
-# the two placements, and DuoDecoding's with both workers in llama.cpp (gpu_runtime)
-PLACEMENTS = ("draft-cpu", "draft-gpu", "draft-cpu-llama")
+# the two placements, and DuoDecoding's with the verifier in llama.cpp or on hetspec's native
+# kernels (gpu_runtime) instead of torch
+PLACEMENTS = ("draft-cpu", "draft-gpu", "draft-cpu-llama", "draft-cpu-native")
+RUNTIME_BY_SUFFIX = {"-llama": "llama.cpp", "-native": "native"}
 GREEDY_TOKENS = 24
 # chi-square critical values at p = 0.001 (no scipy here): the table for few degrees of
 # freedom, the Wilson-Hilferty approximation (within 1% from 10 on) above it
@@ -79,8 +81,10 @@ class BundledDaemon:
 
 @pytest.fixture(scope="module", params=PLACEMENTS)
 def daemon(request, tmp_path_factory):
-    placement = request.param.removesuffix("-llama")
-    extra = ("--set", 'gpu_runtime="llama.cpp"') if request.param.endswith("-llama") else ()
+    suffix = next((s for s in RUNTIME_BY_SUFFIX if request.param.endswith(s)), "")
+    placement = request.param.removesuffix(suffix)
+    runtime = RUNTIME_BY_SUFFIX.get(suffix)
+    extra = ("--set", f'gpu_runtime="{runtime}"') if runtime else ()
     daemon = BundledDaemon(tmp_path_factory.mktemp(request.param), placement, *extra)
     daemon.placement = request.param
     yield daemon
@@ -163,6 +167,10 @@ def target_runtime(placement: str):
         from hetspec.workers.torch_runtime import TorchRuntime  # noqa: PLC0415
 
         return TorchRuntime(BUNDLED_MODELS / "target", max_context=1024, dtype="float32")
+    if placement == "draft-cpu-native":
+        from hetspec.workers.native_runtime import NativeRuntime  # noqa: PLC0415
+
+        return NativeRuntime(BUNDLED_MODELS / "target" / "target-q8_0.gguf", n_ctx=1024)
     from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
 
     return LlamaCppRuntime(BUNDLED_MODELS / "target" / "target-q8_0.gguf", n_ctx=1024, threads=1,

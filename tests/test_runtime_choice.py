@@ -74,13 +74,13 @@ def test_the_cache_dir_follows_the_environment() -> None:
     assert cache_dir(None, {"HOME": "/home/z"}).name == "hetspec"
 
 
-def test_auto_measures_both_runtimes_chooses_the_fastest_and_reuses_the_figures(tmp_path) -> None:
+def test_auto_measures_every_runtime_chooses_the_fastest_and_reuses_the_figures(tmp_path) -> None:
     config = load_config(environ={"HETSPEC_GPU_WORKER__DEVICE": "cpu"})
     assert config.gpu_runtime == "auto"  # the default
     decision = asyncio.run(decide_gpu_runtime(config, cache=tmp_path))
     assert decision.chosen_by == "measurement"
     assert decision.role == "verifier"  # draft-cpu: the GPU worker holds the target
-    assert {p.runtime for p in decision.profiles} == {"llama.cpp", "torch"}
+    assert {p.runtime for p in decision.profiles} == {"llama.cpp", "native", "torch"}
     assert not decision.failures
     assert decision.draft_ms is not None
     assert decision.draft_ms > 0
@@ -95,14 +95,14 @@ def test_auto_measures_both_runtimes_chooses_the_fastest_and_reuses_the_figures(
 
 
 def test_a_runtime_that_cannot_hold_the_model_is_skipped_with_its_reason(tmp_path) -> None:
-    """A target given as GGUF only (its folder holds no torch model): llama.cpp is chosen."""
+    """A target given as GGUF only (its folder holds no torch model): a GGUF runtime is chosen."""
     folder = tmp_path / "gguf-only"
     folder.mkdir()
     config = load_config(environ={"HETSPEC_GPU_WORKER__DEVICE": "cpu",
                                   "HETSPEC_TARGET__FOLDER": str(folder),
                                   "HETSPEC_TARGET__GGUF": str(TARGET_GGUF)})  # fmt: skip
     decision = asyncio.run(decide_gpu_runtime(config, cache=tmp_path / "cache"))
-    assert decision.runtime == "llama.cpp"
+    assert decision.runtime in {"llama.cpp", "native"}
     assert [f.runtime for f in decision.failures] == ["torch"]
     assert "gguf-only" in decision.failures[0].message
     assert "torch unusable" in decision.summary()
@@ -128,9 +128,9 @@ def test_the_daemon_says_what_it_chose_and_why(tmp_path) -> None:
         assert status == 200
         choice = props["gpu_runtime"]
         assert choice["chosen_by"] == "measurement"
-        assert {p["runtime"] for p in choice["profiles"]} == {"llama.cpp", "torch"}
+        assert {p["runtime"] for p in choice["profiles"]} == {"llama.cpp", "native", "torch"}
         assert props["workers"]["gpu"]["model"].endswith(
-            ".gguf" if choice["runtime"] == "llama.cpp" else "target"
+            "target" if choice["runtime"] == "torch" else ".gguf"
         )
         logged = [msgspec.json.decode(line) for line in daemon.log.read_bytes().splitlines()
                   if b"gpu worker runtime" in line]  # fmt: skip

@@ -189,13 +189,14 @@ HS_AVX2 INLINE void tile_quantized_avx2(const void *wrow, const int type, const 
             dw = _cvtsh_ss(blk->d);
         }
         const __m256i w_abs = _mm256_sign_epi8(w, w);
+        const __m256 w_scale = _mm256_set1_ps(dw);
         for (int r = 0; r < m; r++) {
             const __m256i x =
                 _mm256_loadu_si256((const __m256i *)(xq + (size_t)r * cols + (size_t)b * HS_BLOCK));
             const __m256i pairs = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w));
             const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-            const float d = dw * xd[(size_t)r * blocks + b];
-            acc[r] = _mm256_fmadd_ps(sums, _mm256_set1_ps(d), acc[r]);
+            const __m256 x_scale = _mm256_broadcast_ss(xd + (size_t)r * blocks + b);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(sums, w_scale), x_scale, acc[r]);
         }
     }
     for (int r = 0; r < m; r++) result[r] = hsum8(acc[r]);
@@ -206,21 +207,22 @@ HS_AVX2 static void tile_avx2(const hs_matrix *w, const void *wrow, const int8_t
     const int cols = w->cols, blocks = cols / HS_BLOCK;
     if (is_quantized(w->type)) {
 #define TILE(type, rows) tile_quantized_avx2(wrow, type, blocks, xq, xd, cols, rows, result)
-        if (w->type == HS_Q8_0) {
-            switch (m) {
-            case 4: TILE(HS_Q8_0, 4); break;
-            case 3: TILE(HS_Q8_0, 3); break;
-            case 2: TILE(HS_Q8_0, 2); break;
-            default: TILE(HS_Q8_0, 1); break;
-            }
-        } else {
-            switch (m) {
-            case 4: TILE(HS_Q4_0, 4); break;
-            case 3: TILE(HS_Q4_0, 3); break;
-            case 2: TILE(HS_Q4_0, 2); break;
-            default: TILE(HS_Q4_0, 1); break;
-            }
-        }
+#define TILES(type)                                                                          \
+    switch (m) {                                                                             \
+    case 8: TILE(type, 8); break;                                                            \
+    case 7: TILE(type, 7); break;                                                            \
+    case 6: TILE(type, 6); break;                                                            \
+    case 5: TILE(type, 5); break;                                                            \
+    case 4: TILE(type, 4); break;                                                            \
+    case 3: TILE(type, 3); break;                                                            \
+    case 2: TILE(type, 2); break;                                                            \
+    default: TILE(type, 1); break;                                                           \
+    }
+        if (w->type == HS_Q8_0)
+            TILES(HS_Q8_0)
+        else
+            TILES(HS_Q4_0)
+#undef TILES
 #undef TILE
         return;
     }
@@ -274,7 +276,7 @@ static void tile_portable(const hs_matrix *w, const void *wrow, const int8_t *xq
                                ((blk->qs[k] >> 4) - 8) * x[b * HS_BLOCK + k + HS_BLOCK / 2];
                     dw = half_to_float(blk->d);
                 }
-                acc += dw * xd[(size_t)r * blocks + b] * (float)sum;
+                acc += (float)sum * dw * xd[(size_t)r * blocks + b];
             }
         } else {
             const float *x = xf + (size_t)r * cols;

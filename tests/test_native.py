@@ -1,0 +1,197 @@
+"""The native CPU verifier: kernels against numpy, width invariance, and the runtime on a model.
+
+Exactness is tested where it is promised: with block scales of 1 every product and sum is a
+small integer, so the float result must equal numpy's int64 product exactly; with real scales
+a row's result must not depend on the rows beside it nor on the thread count.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hetspec.native.kernels import (
+    BLOCK,
+    F16,
+    F32,
+    Q4_0,
+    Q8_0,
+    Kernels,
+    NativeUnavailable,
+    matrix,
+)
+from hetspec.speculative.sampling import SamplingParams
+from hetspec.speculative.tree import chain_parents
+from hetspec.workers.native_runtime import NativeRuntime
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
+TEXT = Path(textwrap.__file__).read_text()[:3000]
+ROWS, COLS = 37, 3 * BLOCK  # odd on purpose: neither a multiple of the row tile nor of 16
+
+
+@pytest.fixture(scope="module")
+def kernels() -> Kernels:
+    return Kernels.load()
+
+
+def quantized(kind: int, values: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """GGUF bytes (rows, row bytes) of integer ``values`` (rows, cols) with block ``scales``."""
+    rows, cols = values.shape
+    blocks = values.reshape(rows, cols // BLOCK, BLOCK)
+    if kind == Q8_0:
+        record = np.zeros(blocks.shape[:2], [("d", "<f2"), ("qs", "i1", BLOCK)])
+        record["qs"] = blocks
+    else:  # Q4_0: element i in the low nibble of byte i, element i + 16 in the high one
+        record = np.zeros(blocks.shape[:2], [("d", "<f2"), ("qs", "u1", BLOCK // 2)])
+        nibbles = (blocks + 8).astype(np.uint8)
+        record["qs"] = nibbles[..., : BLOCK // 2] | (nibbles[..., BLOCK // 2 :] << 4)
+    record["d"] = scales
+    return record.view(np.uint8).reshape(rows, -1).copy()
+
+
+def integer_weights(kind: int, rng: np.random.Generator, rows: int = ROWS,
+                    cols: int = COLS) -> np.ndarray:  # fmt: skip
+    low, high = (-127, 128) if kind == Q8_0 else (-8, 8)
+    return rng.integers(low, high, (rows, cols))
+
+
+def unit_scale_rows(rng: np.random.Generator, n: int, cols: int = COLS) -> np.ndarray:
+    """Integer rows whose every block quantizes with scale exactly 1 (its largest is 127)."""
+    x = rng.integers(-127, 128, (n, cols)).astype(np.float32)
+    x[:, ::BLOCK] = 127
+    return x
+
+
+def test_activations_quantize_per_row_block_as_the_reference(kernels: Kernels) -> None:
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((5, 4 * BLOCK)) * rng.uniform(0.01, 100, (5, 1))).astype(np.float32)
+    x[2, :BLOCK] = 0  # an all-zero block: scale 0, values 0
+    q, scale = kernels.quantize_rows(x)
+    blocks = x.reshape(5, 4, BLOCK)
+    expected_scale = np.abs(blocks).max(-1) / np.float32(127)
+    inverse = np.where(expected_scale != 0, 1 / np.where(expected_scale != 0, expected_scale, 1), 0)
+    scaled = blocks * inverse.astype(np.float32)[..., None]
+    expected = np.sign(scaled) * np.floor(np.abs(scaled) + 0.5)  # C's roundf: half away from 0
+    np.testing.assert_array_equal(scale, expected_scale)
+    np.testing.assert_array_equal(q.reshape(5, 4, BLOCK), expected.astype(np.int8))
+
+
+@pytest.mark.parametrize("kind", [Q8_0, Q4_0])
+def test_quantized_products_are_exact_integers_for_every_width(kernels, kind) -> None:
+    rng = np.random.default_rng(kind)
+    values = integer_weights(kind, rng)
+    weights = matrix(kind, quantized(kind, values, np.ones((ROWS, COLS // BLOCK))), ROWS, COLS)
+    for n in range(1, 33):
+        x = unit_scale_rows(rng, n)
+        expected = x.astype(np.int64) @ values.T
+        for threads in (1, 2):
+            np.testing.assert_array_equal(kernels.matmul(weights, x, threads), expected)
+
+
+@pytest.mark.parametrize("kind", [Q8_0, Q4_0, F16, F32])
+def test_a_rows_result_does_not_depend_on_its_neighbours_or_threads(kernels, kind) -> None:
+    rng = np.random.default_rng(7)
+    rows, cols = 53, 8 * BLOCK
+    if kind in (Q8_0, Q4_0):
+        values = integer_weights(kind, rng, rows, cols)
+        scales = rng.uniform(1e-3, 1e-2, (rows, cols // BLOCK))
+        data = quantized(kind, values, scales)
+        reference = (values.reshape(rows, -1, BLOCK) * scales.astype(np.float16)[..., None]
+                     ).reshape(rows, cols)  # fmt: skip
+    else:
+        dtype = np.float16 if kind == F16 else np.float32
+        reference = rng.standard_normal((rows, cols)).astype(dtype)
+        data = reference.view(np.uint8).reshape(rows, -1)
+    weights = matrix(kind, data, rows, cols)
+    x = rng.standard_normal((16, cols)).astype(np.float32)
+    together = kernels.matmul(weights, x, threads=2)
+    for row in range(16):
+        alone = kernels.matmul(weights, x[row : row + 1].copy(), threads=1)
+        np.testing.assert_array_equal(alone[0], together[row])
+    exact = x.astype(np.float64) @ reference.astype(np.float64).T
+    assert np.abs(together - exact).max() <= 0.02 * np.abs(exact).max()  # int8 activations
+
+
+def test_bad_weights_are_refused_with_a_reason() -> None:
+    with pytest.raises(NativeUnavailable, match="not whole blocks"):
+        matrix(Q8_0, np.zeros((2, 34), np.uint8), 2, 40)
+    with pytest.raises(NativeUnavailable, match="contiguous bytes"):
+        matrix(Q8_0, np.zeros((2, 30), np.uint8), 2, 32)
+    with pytest.raises(NativeUnavailable, match="type 12"):
+        matrix(12, np.zeros((2, 34), np.uint8), 2, 32)
+
+
+# ---------------------------------------------------------------- the runtime on a model
+
+
+@pytest.fixture(scope="module")
+def native(heavy) -> NativeRuntime:
+    return NativeRuntime(heavy.gguf("q8_0"), n_ctx=1024)
+
+
+def test_a_tokens_logits_are_bit_identical_alone_and_inside_a_tree(native) -> None:
+    tokens = native.tokenize(TEXT)[:40]
+    native.prefill(tokens[:20])
+    chain = tokens[20:36]
+    together = native.evaluate_tree(chain, chain_parents(16)).copy()
+    native.discard_pending()
+    for index, token in enumerate(chain):  # one token a call, each committed in turn
+        alone = native.evaluate_tree([token], [-1])
+        np.testing.assert_array_equal(alone[0], together[index])
+        native.commit([0])
+    # a branching tree: node 5 is chain[0], 5, 6 below the prefix
+    native.rollback(20)
+    tree = native.evaluate_tree([*chain[:4], 5, 6, 7], [-1, 0, 1, 2, 0, 4, 1]).copy()
+    native.append([chain[0], 5])
+    np.testing.assert_array_equal(native.evaluate_tree([6], [-1])[0], tree[5])
+
+
+def test_prefill_in_chunks_gives_the_same_logits(native) -> None:
+    tokens = native.tokenize(TEXT)[:300]
+    native.rollback(0)
+    native.prefill(tokens)
+    whole = native.last_logits().copy()
+    native.rollback(0)
+    native.append(tokens, chunk_size=37)
+    np.testing.assert_array_equal(native.last_logits(), whole)
+
+
+@pytest.mark.parametrize("gguf_type", ["q8_0", "q4_0"])
+def test_it_predicts_as_llama_cpp_does_on_the_same_file(heavy, gguf_type) -> None:
+    from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
+
+    path = heavy.gguf(gguf_type)
+    native = NativeRuntime(path, n_ctx=512)
+    llama = LlamaCppRuntime(path, n_ctx=512, flash_attention="off", kv_type="f16", v_type="f32")
+    tokens = native.tokenize(TEXT)[:257]
+    assert tokens == llama.tokenize(TEXT)[:257]
+    ours, theirs = (runtime.prefill(tokens[:1]) or runtime.evaluate_tree(tokens[1:],
+                    chain_parents(256)) for runtime in (native, llama))  # fmt: skip
+    # both quantize activations to 8 bits, in different blocks and scales: close, not equal
+    assert np.abs(ours - theirs).max() <= 0.05 * np.abs(theirs).max()
+    assert (ours.argmax(-1) == theirs.argmax(-1)).mean() >= 0.95
+
+
+def test_greedy_decoding_equals_greedy_verification(native) -> None:
+    prompt = native.tokenize("def read_lines(path):\n")
+    native.prefill(prompt)
+    decoded = native.decode(24, SamplingParams(), np.random.default_rng(0))
+    native.prefill(prompt)
+    logits = native.evaluate_tree(decoded, chain_parents(24))
+    assert [int(native.last_logits().argmax()), *logits.argmax(-1)[:-1].tolist()] == decoded
+
+
+def test_a_file_it_cannot_run_is_one_clear_error(tmp_path) -> None:
+    with pytest.raises(NativeUnavailable, match="no such file"):
+        NativeRuntime(tmp_path / "absent.gguf")
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf at all" * 10)
+    with pytest.raises(NativeUnavailable, match=r"junk\.gguf"):
+        NativeRuntime(junk)
+    with pytest.raises(NativeUnavailable, match="threads"):
+        NativeRuntime(MODELS / "target" / "target-q8_0.gguf", threads=1000)
+    with pytest.raises(NativeUnavailable, match="context"):
+        NativeRuntime(MODELS / "target" / "target-q8_0.gguf", n_ctx=10**6)
