@@ -30,6 +30,14 @@ def profile(runtime_name: str, model: str, settings: m.RuntimeSettings, *, width
     start = time.perf_counter()
     runtime, device = load_runtime(runtime_name, model, settings)
     load_s = time.perf_counter() - start
+    medians = forward_medians(runtime, widths=widths, prefix=prefix, repeats=repeats)
+    return RuntimeProfile(runtime=runtime_name, device=device, model=model, prefix=prefix,
+                          widths=widths, median_ms=medians, load_s=round(load_s, 3),
+                          cores=sorted(os.sched_getaffinity(0)))  # fmt: skip
+
+
+def forward_medians(runtime, *, widths: list[int], prefix: int, repeats: int) -> list[float]:
+    """Median ms of one forward of w chained tokens after ``prefix`` committed ones, per w."""
     # Token ids spread over the vocabulary: the cost of a forward does not depend on them.
     rng = np.random.default_rng(0)
     context = rng.integers(0, runtime.vocab_size, prefix + max(widths)).tolist()
@@ -45,9 +53,7 @@ def profile(runtime_name: str, model: str, settings: m.RuntimeSettings, *, width
             runtime.discard_pending()
 
         medians.append(round(timed_ms(forward, repeats)[0], 4))
-    return RuntimeProfile(runtime=runtime_name, device=device, model=model, prefix=prefix,
-                          widths=widths, median_ms=medians, load_s=round(load_s, 3),
-                          cores=sorted(os.sched_getaffinity(0)))  # fmt: skip
+    return medians
 
 
 def main(argv: list[str] | None = None) -> int:

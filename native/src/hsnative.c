@@ -21,7 +21,7 @@
 #endif
 
 #define INLINE __attribute__((always_inline)) static inline
-#define ROW_TILE 4    /* rows sharing each weight block load */
+#define ROW_TILE 4    /* rows sharing each weight block load (tile_avx2 has a case each) */
 #define COL_CHUNK 16  /* output features a thread takes at a time */
 
 typedef struct {
@@ -209,10 +209,6 @@ HS_AVX2 static void tile_avx2(const hs_matrix *w, const void *wrow, const int8_t
 #define TILE(type, rows) tile_quantized_avx2(wrow, type, blocks, xq, xd, cols, rows, result)
 #define TILES(type)                                                                          \
     switch (m) {                                                                             \
-    case 8: TILE(type, 8); break;                                                            \
-    case 7: TILE(type, 7); break;                                                            \
-    case 6: TILE(type, 6); break;                                                            \
-    case 5: TILE(type, 5); break;                                                            \
     case 4: TILE(type, 4); break;                                                            \
     case 3: TILE(type, 3); break;                                                            \
     case 2: TILE(type, 2); break;                                                            \
@@ -252,6 +248,77 @@ HS_AVX2 static float dot_f32_avx2(const float *a, const float *b, int n) {
     float sum = hsum8(acc);
     for (; k < n; k++) sum += a[k] * b[k];
     return sum;
+}
+
+/* e^x for x <= 0, 8 lanes: 2^n times a degree-6 polynomial of the remainder (relative error
+ * about 2e-7); the same lanes give the same results whatever else is in the vector. */
+HS_AVX2 INLINE __m256 exp_nonpositive(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i exponent = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
+}
+
+/* The query heads of one GQA group (sharing one KV head) over the slots they may see, in slot
+ * order; one call per group keeps its keys and values hot in L1. head_dim: a multiple of 8,
+ * at most 256. */
+HS_AVX2 static void attend_group_avx2(const float *keys, const float *values, int hd,
+                                      const float *queries, int group, int n_prefix,
+                                      const int32_t *visible, int n_visible, float *scores,
+                                      float *out) {
+    const int total = n_prefix + n_visible, chunks = hd / 8;
+    const float scale = 1.0f / sqrtf((float)hd);
+    for (int g = 0; g < group; g++) {
+        const float *q = queries + (size_t)g * hd;
+        float *row = scores + (size_t)g * total;
+        float top = -INFINITY;
+        for (int t = 0; t < total; t++) {
+            const float *k = keys + (size_t)(t < n_prefix ? t : visible[t - n_prefix]) * hd;
+            __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+            for (int c = 1; c < chunks; c++)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(k + 8 * c), acc);
+            row[t] = hsum8(acc) * scale;
+            top = fmaxf(top, row[t]);
+        }
+        const __m256 highest = _mm256_set1_ps(top);
+        int t = 0;
+        __m256 sum = _mm256_setzero_ps();
+        for (; t + 8 <= total; t += 8) {
+            const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + t), highest));
+            _mm256_storeu_ps(row + t, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        float tail[8] = {0};
+        for (int i = 0; t + i < total; i++) tail[i] = row[t + i];
+        _mm256_storeu_ps(tail, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(tail), highest)));
+        float weight = hsum8(sum);
+        for (int i = 0; t + i < total; i++) {
+            row[t + i] = tail[i];
+            weight += tail[i];
+        }
+        __m256 acc[32];
+        for (int c = 0; c < chunks; c++) acc[c] = _mm256_setzero_ps();
+        for (int u = 0; u < total; u++) {
+            const float *v = values + (size_t)(u < n_prefix ? u : visible[u - n_prefix]) * hd;
+            const __m256 p = _mm256_set1_ps(row[u]);
+            for (int c = 0; c < chunks; c++)
+                acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
+        }
+        const __m256 factor = _mm256_set1_ps(1.0f / weight);
+        for (int c = 0; c < chunks; c++)
+            _mm256_storeu_ps(out + (size_t)g * hd + 8 * c, _mm256_mul_ps(acc[c], factor));
+    }
 }
 #endif
 
@@ -377,7 +444,8 @@ static int scratch_alloc(scratch *s, const hs_model *m, int n, int threads) {
     size_t widest = d > f ? d : f;
     if (qd > widest) widest = qd;
     const size_t floats[] = {n * d, n * widest, n * qd, n * kvd, n * kvd, n * qd,
-                             n * d,  n * f,      n * f,  (size_t)threads * m->capacity,
+                             n * d,  n * f,      n * f,
+                             (size_t)threads * m->capacity * (m->n_heads / m->n_kv_heads),
                              n * (widest / HS_BLOCK)};
     float **slots[] = {&s->x,      &s->normed,    &s->q,    &s->k,  &s->v,     &s->attended,
                        &s->projected, &s->gate, &s->up, &s->scores, &s->xd};
@@ -471,7 +539,7 @@ int hs_forward(const hs_model *m, int n, const int32_t *tokens, const int32_t *p
 #pragma omp parallel num_threads(threads)
     {
 #ifdef _OPENMP
-        float *scores = s.scores + (size_t)omp_get_thread_num() * m->capacity;
+        float *scores = s.scores + (size_t)omp_get_thread_num() * m->capacity * group;
 #else
         float *scores = s.scores;
 #endif
@@ -502,12 +570,28 @@ int hs_forward(const hs_model *m, int n, const int32_t *tokens, const int32_t *p
                     memcpy(m->v_cache + slot, s.v + (size_t)i * kvd + (size_t)h * hd, hd * 4);
                 }
             }
+#if HS_X86
+            if (simd && hd % 8 == 0 && hd <= 256) {
+                const size_t layer_base = (size_t)l * kv_heads * m->capacity * hd;
 #pragma omp for schedule(static)
-            for (int item = 0; item < n * heads; item++) {
-                const int i = item / heads, h = item % heads;
-                attend(m, l, s.q + (size_t)i * qd + (size_t)h * hd, h / group, n_prefix,
-                       visible + offsets[i], offsets[i + 1] - offsets[i], scores,
-                       s.attended + (size_t)i * qd + (size_t)h * hd, simd);
+                for (int item = 0; item < n * kv_heads; item++) {
+                    const int i = item / kv_heads, h = item % kv_heads;
+                    const size_t head = layer_base + (size_t)h * m->capacity * hd;
+                    const size_t first = (size_t)i * qd + (size_t)h * group * hd;
+                    attend_group_avx2(m->k_cache + head, m->v_cache + head, hd, s.q + first,
+                                      group, n_prefix, visible + offsets[i],
+                                      offsets[i + 1] - offsets[i], scores, s.attended + first);
+                }
+            } else
+#endif
+            {
+#pragma omp for schedule(static)
+                for (int item = 0; item < n * heads; item++) {
+                    const int i = item / heads, h = item % heads;
+                    attend(m, l, s.q + (size_t)i * qd + (size_t)h * hd, h / group, n_prefix,
+                           visible + offsets[i], offsets[i + 1] - offsets[i], scores,
+                           s.attended + (size_t)i * qd + (size_t)h * hd, simd);
+                }
             }
 #pragma omp for schedule(static)
             for (int i = 0; i < n; i++)
