@@ -167,36 +167,65 @@ HS_AVX2 INLINE __m256i unpack_q4(const block_q4_0 *blk) {
     return _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
 }
 
+HS_AVX2 INLINE __m256i load_weights(const void *wrow, const int type, int b) {
+    if (type == HS_Q8_0) return _mm256_loadu_si256((const __m256i *)((const block_q8_0 *)wrow)[b].qs);
+    return unpack_q4((const block_q4_0 *)wrow + b);
+}
+
+HS_AVX2 INLINE uint16_t weight_scale(const void *wrow, const int type, int b) {
+    return type == HS_Q8_0 ? ((const block_q8_0 *)wrow)[b].d : ((const block_q4_0 *)wrow)[b].d;
+}
+
+/* 8 int32 sums of 32 int8 products (w times x), exact. */
+HS_AVX2 INLINE __m256i block_dot(__m256i w_abs, __m256i w, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w)),
+                             _mm256_set1_epi16(1));
+}
+
 /* m (<= ROW_TILE) rows of quantized activations times one quantized weight row. Each weight
- * block is loaded and made unsigned once for all m rows; each row keeps its own 8-lane float
- * accumulator, so its result never depends on m. */
+ * block is loaded and made unsigned once for all m rows. Four blocks at a time, a row's four
+ * 8-lane integer sums are folded by two horizontal adds into one vector (lane j holds part of
+ * block j % 4), converted once and scaled by (weight scale x row scale) of its block; leftover
+ * blocks go one at a time. Every row runs this same sequence, so its result never depends
+ * on m. */
 HS_AVX2 INLINE void tile_quantized_avx2(const void *wrow, const int type, const int blocks,
                                         const int8_t *xq, const float *xd, const int cols,
                                         const int m, float *result) {
     __m256 acc[ROW_TILE];
     for (int r = 0; r < m; r++) acc[r] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int b = 0; b < blocks; b++) {
-        __m256i w;
-        float dw;
-        if (type == HS_Q8_0) {
-            const block_q8_0 *blk = (const block_q8_0 *)wrow + b;
-            w = _mm256_loadu_si256((const __m256i *)blk->qs);
-            dw = _cvtsh_ss(blk->d);
-        } else {
-            const block_q4_0 *blk = (const block_q4_0 *)wrow + b;
-            w = unpack_q4(blk);
-            dw = _cvtsh_ss(blk->d);
+    int b = 0;
+    for (; b + 4 <= blocks; b += 4) {
+        __m256i w[4], w_abs[4];
+        for (int k = 0; k < 4; k++) {
+            w[k] = load_weights(wrow, type, b + k);
+            w_abs[k] = _mm256_sign_epi8(w[k], w[k]);
         }
+        const uint16_t d0 = weight_scale(wrow, type, b), d1 = weight_scale(wrow, type, b + 1),
+                       d2 = weight_scale(wrow, type, b + 2), d3 = weight_scale(wrow, type, b + 3);
+        const __m256 w_scales = _mm256_cvtph_ps(_mm_setr_epi16(
+            (short)d0, (short)d1, (short)d2, (short)d3, (short)d0, (short)d1, (short)d2, (short)d3));
+        for (int r = 0; r < m; r++) {
+            const int8_t *x = xq + (size_t)r * cols + (size_t)b * HS_BLOCK;
+            const __m256i s0 = block_dot(w_abs[0], w[0], _mm256_loadu_si256((const __m256i *)x));
+            const __m256i s1 = block_dot(w_abs[1], w[1], _mm256_loadu_si256((const __m256i *)(x + 32)));
+            const __m256i s2 = block_dot(w_abs[2], w[2], _mm256_loadu_si256((const __m256i *)(x + 64)));
+            const __m256i s3 = block_dot(w_abs[3], w[3], _mm256_loadu_si256((const __m256i *)(x + 96)));
+            const __m256i folded = _mm256_hadd_epi32(_mm256_hadd_epi32(s0, s1), _mm256_hadd_epi32(s2, s3));
+            const __m256 x_scales = _mm256_broadcast_ps((const __m128 *)(xd + (size_t)r * blocks + b));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(folded), _mm256_mul_ps(w_scales, x_scales),
+                                     acc[r]);
+        }
+    }
+    for (; b < blocks; b++) {
+        const __m256i w = load_weights(wrow, type, b);
         const __m256i w_abs = _mm256_sign_epi8(w, w);
-        const __m256 w_scale = _mm256_set1_ps(dw);
+        const __m256 w_scale = _mm256_set1_ps(_cvtsh_ss(weight_scale(wrow, type, b)));
         for (int r = 0; r < m; r++) {
             const __m256i x =
                 _mm256_loadu_si256((const __m256i *)(xq + (size_t)r * cols + (size_t)b * HS_BLOCK));
-            const __m256i pairs = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w));
-            const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+            const __m256 sums = _mm256_cvtepi32_ps(block_dot(w_abs, w, x));
             const __m256 x_scale = _mm256_broadcast_ss(xd + (size_t)r * blocks + b);
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(sums, w_scale), x_scale, acc[r]);
+            acc[r] = _mm256_fmadd_ps(sums, _mm256_mul_ps(w_scale, x_scale), acc[r]);
         }
     }
     for (int r = 0; r < m; r++) result[r] = hsum8(acc[r]);
