@@ -33,7 +33,15 @@ $(INSTALLED): $(BIN)/python pyproject.toml constraints.txt native/install-llama-
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,bench]'
 	@touch $@
 
-setup: $(INSTALLED) ## create .venv and install everything (llama.cpp is compiled once)
+# The native kernels are an optional C extension built in place (see setup.py); an editable
+# install does not rebuild them when their sources change, so this does.
+NATIVE_BUILT := $(VENV)/.hetspec-native-built
+$(NATIVE_BUILT): $(INSTALLED) setup.py $(wildcard native/src/*.c native/src/*.h)
+	$(BIN)/python setup.py -q build_ext --inplace || \
+	  echo "hetspec: the native kernels were not built (no C compiler with OpenMP?); the other runtimes work" >&2
+	@touch $@
+
+setup: $(INSTALLED) $(NATIVE_BUILT) ## create .venv and install everything (llama.cpp is compiled once)
 
 DEMO_PROMPT ?= def read_lines(path):
 
