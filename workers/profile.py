@@ -25,10 +25,20 @@ from hetspec.workers.process import RUNTIMES, LoadError, load_runtime
 
 
 def profile(runtime_name: str, model: str, settings: m.RuntimeSettings, *, widths: list[int],
-            prefix: int, repeats: int) -> RuntimeProfile:  # fmt: skip
+            prefix: int, repeats: int, fbgemm_int8: bool = False) -> RuntimeProfile:  # fmt: skip
     """Load ``model`` and time its forwards; raises ``LoadError`` if it cannot load."""
     start = time.perf_counter()
     runtime, device = load_runtime(runtime_name, model, settings)
+    if fbgemm_int8:
+        if runtime_name != "torch":
+            raise LoadError("--fbgemm-int8 applies to the torch runtime only")
+        import torch  # noqa: PLC0415
+
+        # the decoder layers' linears; the output head stays f32 (the runtime reads its weight)
+        runtime.model.model = torch.ao.quantization.quantize_dynamic(
+            runtime.model.model, {torch.nn.Linear}, dtype=torch.qint8
+        )
+        device += " (fbgemm int8)"
     load_s = time.perf_counter() - start
     medians = forward_medians(runtime, widths=widths, prefix=prefix, repeats=repeats)
     return RuntimeProfile(runtime=runtime_name, device=device, model=model, prefix=prefix,
@@ -67,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cores", default="", help="comma-separated cores to run on")
+    parser.add_argument("--fbgemm-int8", action="store_true",
+                        help="torch only: the decoder's linears as fbgemm dynamic int8 (not "
+                        "lossless: activations quantized per tensor), for comparison")  # fmt: skip
     args = parser.parse_args(argv)
     if args.cores:  # before the runtime loads: its thread pools size themselves from this
         os.sched_setaffinity(0, {int(core) for core in args.cores.split(",")})
@@ -77,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = (msgspec.json.decode(args.settings, type=m.RuntimeSettings)
                     if args.settings else default)  # fmt: skip
         result = profile(args.runtime, args.model, settings, widths=args.widths,
-                         prefix=args.prefix, repeats=args.repeats)  # fmt: skip
+                         prefix=args.prefix, repeats=args.repeats,
+                         fbgemm_int8=args.fbgemm_int8)  # fmt: skip
     except (LoadError, msgspec.ValidationError, msgspec.DecodeError) as error:
         result = ProbeFailure(runtime=args.runtime, message=f"{args.model}: {error}")
     except Exception as error:  # any runtime failure is a report, never a traceback
