@@ -11,8 +11,7 @@ from hetspec import __version__
 from hetspec.client import bench as bench_module
 from hetspec.client.clients import Client
 from hetspec.client.types import DEFAULT_SOCKET, Completion, HetspecError, QueueFull
-
-MODES = ["adaptive", "parallel", "sequential", "autoregressive"]
+from hetspec.protocol.modes import MODES
 
 
 def _add_generation_options(parser: argparse.ArgumentParser, max_tokens: int | None) -> None:

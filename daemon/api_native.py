@@ -9,8 +9,8 @@ import msgspec
 from aiohttp import web
 
 from hetspec.daemon.api_errors import ApiError, decode
-from hetspec.daemon.generation import GenerateRequest
 from hetspec.daemon.metrics import CONTENT_TYPE_LATEST
+from hetspec.daemon.requests import GenerateRequest
 from hetspec.daemon.runs import collect, stream
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from hetspec.daemon.api_errors import ApiError, decode
 from hetspec.daemon.chat_template import ChatMessage, ChatTemplateError
-from hetspec.daemon.generation import GenerateRequest
+from hetspec.daemon.requests import GenerateRequest
 from hetspec.daemon.runs import Run, collect, stream
 
 if TYPE_CHECKING:

@@ -80,7 +80,7 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     socket: str = "/run/hetspec/hetspecd.sock"
     runtime_dir: str = "/run/hetspec"  # ZeroMQ endpoints and the instance lock live here
     placement: Literal["draft-cpu", "draft-gpu"] = "draft-cpu"
-    # how requests that name no mode are decoded (see hetspec.daemon.generation.MODES)
+    # how requests that name no mode are decoded (see hetspec.protocol.modes)
     mode: Literal["autoregressive", "sequential", "parallel", "adaptive"] = "adaptive"
     gamma: int = 4  # the draft length of mode "parallel" when a request gives none
     max_queue: int = 16  # requests that may wait while one decodes; more get 429

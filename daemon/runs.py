@@ -15,7 +15,7 @@ from aiohttp import web
 
 from hetspec.daemon.api_errors import ApiError
 from hetspec.daemon.engine import SpeculativeStats
-from hetspec.daemon.generation import GenerationResult
+from hetspec.daemon.requests import GenerationResult
 from hetspec.daemon.supervisor import WorkerUnavailable
 from hetspec.daemon.worker_client import WorkerError
 from hetspec.speculative.budget import BudgetController

@@ -30,19 +30,15 @@ from hetspec.daemon.admission import Admission, QueueFull
 from hetspec.daemon.api_errors import ApiError, json_errors
 from hetspec.daemon.api_native import native_routes
 from hetspec.daemon.api_openai import openai_routes
+from hetspec.daemon.autoregressive import generate
 from hetspec.daemon.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from hetspec.daemon.config import BUNDLED_MODELS, DaemonConfig
 from hetspec.daemon.cores import CoreError
-from hetspec.daemon.engine import (
-    OverlappedDecoder,
-    SpeculativeDecoder,
-    SpeculativeStats,
-    WorkerPair,
-)
-from hetspec.daemon.generation import GenerateRequest, GenerationResult, generate
+from hetspec.daemon.engine import Decoder, SpeculativeStats, WorkerPair
 from hetspec.daemon.http_guard import GuardedRunner
 from hetspec.daemon.instance import Instance, InstanceError
 from hetspec.daemon.metrics import Metrics
+from hetspec.daemon.requests import GenerateRequest, GenerationResult
 from hetspec.daemon.runs import Run
 from hetspec.daemon.runtime_choice import (
     RuntimeChoiceError,
@@ -61,8 +57,9 @@ from hetspec.daemon.supervisor import (
 from hetspec.daemon.systemd import Notifier, activated_sockets, watchdog_loop
 from hetspec.daemon.worker_client import WorkerClient, WorkerDied
 from hetspec.protocol.arena import Arena, ArenaError
-from hetspec.speculative.budget import BudgetController
-from hetspec.speculative.spare_cores import SpareCoreChoice
+from hetspec.speculative.budget import BudgetController, ControllerConfig
+from hetspec.speculative.core_choice import SpareCoreChoice
+from hetspec.speculative.rounds import Plan
 
 log = structlog.get_logger("hetspec.daemon")
 
@@ -93,9 +90,9 @@ class Service:
         width = config.max_tree_nodes - 1
         # (parallel mode's gamma is fixed: its controller only measures, for the statistics)
         self.controllers = {
-            "sequential": BudgetController(parallel=False, max_width=width),
-            "parallel": BudgetController(parallel=True, max_width=width, max_branches=1),
-            "adaptive": BudgetController(parallel=True, max_width=width),
+            "sequential": BudgetController(ControllerConfig.of(overlap=False, max_width=width)),
+            "parallel": BudgetController(ControllerConfig.of(max_width=width, max_branches=1)),
+            "adaptive": BudgetController(ControllerConfig.of(max_width=width)),
         }
         # whether the target decoding alone computes on the drafter's cores too: measured
         # for the daemon's life, by every mode
@@ -368,6 +365,11 @@ class Service:
         with self.slots.lease(run_id) as draft_slot, self.slots.lease(run_id) as verify_slot:
             result = GenerationResult()
             stats, controller = SpeculativeStats(), self.controllers.get(mode)
+            fixed = None  # the request's gamma fixes every round's plan
+            if gamma:
+                overlap = mode != "sequential"
+                branches = body.branches or (controller.limits.max_branches if body.dynamic else 1)
+                fixed = Plan(gamma, 1 if overlap else branches, overlap, body.dynamic)
 
             def pieces(verifier: WorkerClient, drafter: WorkerClient) -> AsyncIterator[str]:
                 if mode == "autoregressive":
@@ -375,8 +377,7 @@ class Service:
                                     cores=self.spare_cores)  # fmt: skip
                 pair = WorkerPair(drafter, verifier, self.arena, draft_slot, verify_slot,
                                   self.spare_cores, self.verify_cores)  # fmt: skip
-                kind = SpeculativeDecoder if mode == "sequential" else OverlappedDecoder
-                return kind(body, pair, controller, stats, gamma=gamma).stream(result)
+                return Decoder(body, pair, controller, stats, plan=fixed).stream(result)
 
             def reset() -> None:  # for a start over: what the first attempt counted goes
                 started = result.started  # (the time to the first token counts the wait)

@@ -11,7 +11,8 @@ import numpy as np
 
 from hetspec.protocol.sampling import SamplingError, SamplingParams
 
-__all__ = ["SamplingError", "SamplingParams", "choose", "distribution", "softmax", "top_tokens"]
+__all__ = ["SamplingError", "SamplingParams", "choose", "distribution", "draw", "softmax",
+           "top_tokens"]  # fmt: skip
 
 
 def softmax(logits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -63,16 +64,16 @@ def top_tokens(row: np.ndarray, count: int) -> np.ndarray:
     return candidates[np.lexsort((candidates, -row[candidates]))]
 
 
+def draw(weights: np.ndarray, rng: np.random.Generator) -> int:
+    """One index drawn in proportion to ``weights`` (they need not sum to 1)."""
+    cumulative = np.cumsum(weights, dtype=np.float64)
+    pick = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
+    return min(pick, len(weights) - 1)  # round-off must not land past the last index
+
+
 def choose(probs: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> np.ndarray:
     """One token per row: the argmax when greedy, else a draw from the row."""
     if params.greedy:
         return probs.argmax(axis=-1)
     flat = probs.reshape(-1, probs.shape[-1])
-    cumulative = np.cumsum(flat, axis=-1, dtype=np.float64)
-    draws = rng.random(len(flat)) * cumulative[:, -1]
-    picks = np.array(
-        [np.searchsorted(c, d, side="right") for c, d in zip(cumulative, draws, strict=True)]
-    )
-    # Guard against float round-off landing on a zero-probability tail token.
-    picks = np.minimum(picks, flat.shape[-1] - 1)
-    return picks.reshape(probs.shape[:-1])
+    return np.array([draw(row, rng) for row in flat]).reshape(probs.shape[:-1])

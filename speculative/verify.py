@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hetspec.speculative.sampling import draw
 from hetspec.speculative.tree import ROOT, validate_parents
 
 
@@ -64,11 +65,9 @@ def verify_greedy(tokens, parents, target: np.ndarray) -> Verdict:
         node = match
 
 
-def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """One token drawn from ``probs`` (weights; need not sum to 1)."""
-    cumulative = np.cumsum(probs, dtype=np.float64)
-    pick = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
-    return min(pick, len(probs) - 1)
+def _accepts(token: int, p: np.ndarray, q: np.ndarray, rng: np.random.Generator) -> bool:
+    """Keep ``token``, drawn from ``q``, with probability min(1, p/q): u * q < p."""
+    return bool(rng.random() * q[token] < p[token])
 
 
 def accept_token(
@@ -78,7 +77,7 @@ def accept_token(
     min(1, p/q), else replaced by a draw from the residual norm(max(p - q, 0)). Either way the
     returned token follows ``target``; returns (kept, token)."""
     p, q = target.astype(np.float64), draft.astype(np.float64)
-    if rng.random() * q[token] < p[token]:
+    if _accepts(token, p, q, rng):
         return True, int(token)
     residual = np.maximum(p - q, 0.0)
     return False, draw(residual if residual.sum() > 0 else p, rng)
@@ -101,8 +100,7 @@ def verify_sampling(
         for child in children.get(node, []):
             q = draft[child].astype(np.float64)
             token = tokens[child]
-            # accept with probability min(1, p/q): u * q < p, u uniform in [0, 1)
-            if rng.random() * q[token] < p[token]:
+            if _accepts(token, p, q, rng):
                 accepted = child
                 break
             residual = np.maximum(p - q, 0.0)

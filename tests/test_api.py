@@ -19,7 +19,7 @@ from test_lossless import BundledDaemon
 
 from hetspec.client import AsyncClient, BadRequest, Client, DaemonUnreachable
 from hetspec.daemon.api_openai import ChatRequest, CompletionRequest
-from hetspec.daemon.generation import GenerateRequest
+from hetspec.daemon.requests import GenerateRequest
 
 TOKEN = "test-token-0123456789abcdef"
 QUEUE = 8

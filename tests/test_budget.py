@@ -5,8 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hetspec.speculative.budget import BudgetController
-from hetspec.speculative.spare_cores import SpareCoreChoice
+from hetspec.speculative.budget import BudgetController, ControllerConfig
+from hetspec.speculative.core_choice import SpareCoreChoice
+from hetspec.speculative.cost_model import CostModel, RuleShare, VerifyLine
+from hetspec.speculative.rounds import DraftCall, Plan, RoundReport
+
+MAX_GAMMA, MAX_BRANCHES = 16, 4  # the controller's defaults
+BRANCH_COST = 0.5  # each extra branch adds this share of a draft step (the controller assumes 0.4)
 
 
 class SimulatedBox:
@@ -37,10 +42,7 @@ class SimulatedBox:
         self.last_gamma = 0  # the previous round's (a request starts after the prefill)
 
     def step_s(self, branches: int) -> float:
-        return self.draft_step_s * (1 + 0.5 * (branches - 1))
-
-    def draft_s(self, steps: int, branches: int = 1) -> float:
-        return self.call_latency_s + steps * self.step_s(branches)
+        return self.draft_step_s * (1 + BRANCH_COST * (branches - 1))
 
     def verify_s(self, width: int) -> float:
         return self.verify_base_s + self.verify_per_node_s * width
@@ -56,31 +58,37 @@ class SimulatedBox:
         """P(the first ``depth`` drafted tokens are accepted)."""
         return self.first_acceptance(branches, unsure) * self.acceptance ** (depth - 1)
 
-    def _kinds(self):
-        return [(False, 1 - self.uncertain), (True, self.uncertain)]
+    def cost_model(self, unsure: bool) -> CostModel:
+        """The box's true costs and acceptance, as the controller's own model."""
+        depths = np.arange(MAX_GAMMA + 2)
+        reach = np.array([[1.0 if d == 0 else self.reach(d, max(b, 1), unsure) for d in depths]
+                          for b in range(MAX_BRANCHES + 1)])  # fmt: skip
+        slow = self.contention
+        k = self.rule_branches if unsure else 1
+        return CostModel(
+            step_s={False: self.draft_step_s, True: self.draft_step_s * slow},
+            latency_s={False: self.call_latency_s, True: self.call_latency_s},
+            verify={False: VerifyLine.exact(self.verify_base_s, self.verify_per_node_s),
+                    True: VerifyLine.exact(self.verify_base_s * slow,
+                                           self.verify_per_node_s * slow)},
+            reach=reach, overhead_s=0.0, branch_cost=BRANCH_COST, alone_s=self.alone_s(),
+            rule=(RuleShare(k, 1.0, reach[k]),),
+        )  # fmt: skip
+
+    def _mixed(self, predict) -> float:
+        """Tokens per second over the sure and the unsure rounds."""
+        tokens = seconds = 0.0
+        for unsure, share in [(False, 1 - self.uncertain), (True, self.uncertain)]:
+            t, s = predict(self.cost_model(unsure))
+            tokens, seconds = tokens + share * float(t), seconds + share * float(s)
+        return tokens / seconds
 
     def rate(self, gamma: int, branches: int, overlap: bool = True) -> float:
-        """Expected committed tokens per second of a fixed (gamma, branches, overlap).
-        Overlapped (one branch) as the engine does it: the drafter runs gamma + 1 steps ahead
-        during verification, both slowed by contention, and that run-ahead serves as the next
-        draft only if gamma + 1 tokens would have been accepted; otherwise the next round
-        drafts afresh first, alone."""
-        if gamma == 0:
-            return 1 / self.alone_s()
-        tokens = seconds = 0.0
-        for unsure, share in self._kinds():
-            tokens += share * (
-                1 + sum(self.reach(d, branches, unsure) for d in range(1, gamma + 1))
-            )
-            verify = self.verify_s(gamma * branches + 1)
-            fresh = self.draft_s(gamma, branches) if gamma else 0.0
-            if not overlap:
-                seconds += share * (fresh + verify)
-                continue
-            miss = 1 - self.reach(gamma + 1, branches, unsure)
-            run_ahead = self.call_latency_s + (gamma + 1) * self.step_s(1) * self.contention
-            seconds += share * (max(run_ahead, verify * self.contention) + miss * fresh)
-        return tokens / seconds
+        """Expected committed tokens per second of a fixed (gamma, branches, overlap)."""
+        return self._mixed(lambda model: model.predict(gamma, branches, overlap))
+
+    def rule_rate(self, budget: int) -> float:
+        return self._mixed(lambda model: model.predict_rule(budget))
 
     def rule_shape(self, budget: int, unsure: bool) -> tuple[int, int, int]:
         """(k, length, forwards) of a round the rule drafts."""
@@ -88,18 +96,10 @@ class SimulatedBox:
         length = max(1, budget // k)
         return k, length, budget if k == 1 else length + 1
 
-    def rule_rate(self, budget: int) -> float:
-        tokens = seconds = 0.0
-        for unsure, share in self._kinds():
-            k, length, forwards = self.rule_shape(budget, unsure)
-            tokens += share * (1 + sum(self.reach(d, k, unsure) for d in range(1, length + 1)))
-            seconds += share * (self.draft_s(forwards, k) + self.verify_s(k * length + 1))
-        return tokens / seconds
-
-    def decision_rate(self, decision) -> float:
-        if decision.dynamic:
-            return self.rule_rate(decision.gamma)
-        return self.rate(decision.gamma, decision.branches, decision.overlap)
+    def decision_rate(self, plan: Plan) -> float:
+        if plan.rule:
+            return self.rule_rate(plan.gamma)
+        return self.rate(plan.gamma, plan.branches, plan.overlap)
 
     def best_rate(self, parallel: bool = True, rule: bool = True) -> float:
         sequential = max(self.rate(g, k, False) for g in range(17) for k in range(1, 5))
@@ -107,37 +107,30 @@ class SimulatedBox:
         ruled = max(self.rule_rate(b) for b in range(2, 17)) if rule else 0
         return max(sequential, overlapped, ruled)
 
-    def run_round(self, controller: BudgetController) -> None:
-        decision = controller.choose()
-        gamma, branches, overlap = decision.gamma, decision.branches, decision.overlap
+    def run_round(self, controller: BudgetController) -> Plan:
+        """One round of the controller's choice, reported as the engine reports it."""
+        plan = controller.commit(controller.choose())
+        gamma, branches, overlap = plan.gamma, plan.branches, plan.overlap
         unsure = self.rng.random() < self.uncertain
         noise = self.rng.lognormal(0, 0.1, size=3)
         latency = self.call_latency_s * noise[1]
-        if decision.dynamic:
-            branches, gamma, forwards = self.rule_shape(decision.gamma, unsure)
-            controller.record_draft(forwards, branches,
-                                    forwards * self.step_s(branches) * noise[0])  # fmt: skip
-            controller.record_draft_latency(latency)
+        drafts, width = [], 0
+        if plan.rule:
+            branches, gamma, forwards = self.rule_shape(plan.gamma, unsure)
+            compute = forwards * self.step_s(branches) * noise[0]
+            drafts.append(DraftCall(forwards, branches, compute, latency))
+        elif gamma and not overlap:
+            drafts.append(DraftCall(gamma, branches, gamma * self.step_s(branches) * noise[0],
+                                    latency))  # fmt: skip
         width = gamma * branches + 1
+        verify_s = self.verify_s(width) * noise[1]
         if overlap:
             slow = self.contention
-            controller.record_draft(gamma + 1, 1, (gamma + 1) * self.step_s(1) * slow * noise[0],
-                                    overlapped=True)  # fmt: skip
-            controller.record_draft_latency(latency, overlapped=True)
-            controller.record_verify(width, self.verify_s(width) * slow * noise[1],
-                                     overlapped=True)  # fmt: skip
+            drafts.append(DraftCall(gamma + 1, 1, (gamma + 1) * self.step_s(1) * slow * noise[0],
+                                    latency, overlapped=True))  # fmt: skip
+            verify_s *= slow
             if self.rng.random() > self.reach(gamma + 1, 1, unsure):  # a miss: a fresh draft
-                controller.record_draft(gamma, 1, gamma * self.step_s(1) * noise[2])
-                controller.record_draft_latency(latency)
-        elif gamma == 0:
-            if self.last_gamma == 0:  # as the engine: a transition from drafting is not timed
-                controller.record_target_alone(self.alone_s() * noise[1])
-        else:
-            if not decision.dynamic:
-                controller.record_draft(gamma, branches, gamma * self.step_s(branches) * noise[0])
-                controller.record_draft_latency(latency)
-            controller.record_verify(width, self.verify_s(width) * noise[1])
-        self.last_gamma = gamma
+                drafts.append(DraftCall(gamma, 1, gamma * self.step_s(1) * noise[2], latency))
         accepted = 0
         if gamma and self.rng.random() < self.first_acceptance(branches, unsure):
             accepted = 1
@@ -145,19 +138,32 @@ class SimulatedBox:
                 accepted += 1
         # a single-branch draft's first two rows tell which k the rule would have picked
         would = self.rule_branches if unsure else 1
-        rule_k = would if branches == 1 and gamma >= 2 and not decision.dynamic else None
-        controller.record_round(gamma, branches, accepted, dynamic=decision.dynamic,
-                                rule_k=rule_k)  # fmt: skip
+        rule_k = would if branches == 1 and gamma >= 2 and not plan.rule else None
+        if gamma == 0:  # as the engine: a transition from drafting is not timed
+            steady = self.last_gamma == 0
+            report = RoundReport(0, 1, 0, alone_round_s=self.alone_s() * noise[1] if steady
+                                 else None)  # fmt: skip
+        else:
+            report = RoundReport(gamma, branches, accepted, rule=plan.rule, rule_k=rule_k,
+                                 drafts=tuple(drafts), verify_width=width, verify_s=verify_s,
+                                 verify_overlapped=overlap)  # fmt: skip
+        self.last_gamma = gamma
+        controller.observe(report)
+        return plan
+
+
+def controller_of(**tunables) -> BudgetController:
+    return BudgetController(ControllerConfig.of(**tunables))
 
 
 def test_it_starts_with_one_token_then_gamma_equal_to_c() -> None:
     controller = BudgetController()
-    first = controller.choose()
+    first = controller.commit(controller.choose())
     assert (first.gamma, first.branches) == (1, 1)
-    controller.record_draft(1, 1, 0.001)
-    controller.record_verify(2, 0.006)
-    assert controller.cost_ratio() == pytest.approx(6)
-    assert controller.choose().gamma == 6
+    controller.observe(RoundReport(1, 1, 1, drafts=(DraftCall(1, 1, 0.001, 0.0),),
+                                   verify_width=2, verify_s=0.006))  # fmt: skip
+    assert controller.estimates.cost_ratio() == pytest.approx(6)
+    assert controller.choose().plan.gamma == 6
 
 
 SEEDS = range(12)  # the box's noise differs per seed: the mean over seeds must be high, and
@@ -170,7 +176,7 @@ def settled_shares(make_box, parallel: bool, rounds: int = 150) -> list[float]:
     shares = []
     for seed in SEEDS:
         box = make_box(np.random.default_rng(seed))
-        controller = BudgetController(parallel=parallel)
+        controller = controller_of(overlap=parallel)
         for _ in range(rounds):
             box.run_round(controller)
         late = controller.history[-50:]
@@ -194,7 +200,7 @@ def test_it_overlaps_only_where_the_box_runs_both_workers_at_full_speed() -> Non
     def overlapped_share(contention: float) -> float:
         box = SimulatedBox(0.001, 0.006, 0.0002, 0.7, np.random.default_rng(0),
                            contention=contention)  # fmt: skip
-        controller = BudgetController(parallel=True)
+        controller = controller_of(overlap=True)
         for _ in range(150):
             box.run_round(controller)
         return np.mean([d.overlap for d in controller.history[-50:]])
@@ -238,52 +244,60 @@ def test_a_draft_calls_latency_is_priced_once_per_call(parallel) -> None:
 
 
 def test_acceptance_by_depth_follows_what_happened() -> None:
-    controller = BudgetController(prior_weight=0.01)
+    estimates = controller_of(prior_weight=0.01).estimates
     for _ in range(50):
-        controller.record_round(gamma=4, branches=1, accepted=2)
-    assert controller.acceptance(1) == pytest.approx(1, abs=0.01)
-    assert controller.acceptance(2) == pytest.approx(1, abs=0.01)
-    assert controller.acceptance(3) == pytest.approx(0, abs=0.01)
-    assert controller.expected_tokens(4) == pytest.approx(3, abs=0.05)
+        estimates.observe(RoundReport(gamma=4, branches=1, accepted=2))
+    assert estimates.acceptance(1) == pytest.approx(1, abs=0.01)
+    assert estimates.acceptance(2) == pytest.approx(1, abs=0.01)
+    assert estimates.acceptance(3) == pytest.approx(0, abs=0.01)
+    assert 1 + estimates.reach(1)[1:5].sum() == pytest.approx(3, abs=0.05)
 
 
 def test_a_costly_round_overhead_is_amortised_over_longer_drafts() -> None:
     def settled_gamma(overhead_s: float) -> int:
-        controller = BudgetController(parallel=False, prior_weight=0.01)
+        controller = controller_of(overlap=False, prior_weight=0.01)
         rng = np.random.default_rng(0)
-        for _ in range(60):
-            controller.record_draft(1, 1, 0.001)
-            controller.record_verify(2, 0.005)
-            controller.record_verify(17, 0.006)
-            controller.record_overhead(overhead_s)
+        for round_ in range(60):
             accepted = min(16, int(rng.geometric(0.2)) - 1)  # acceptance 0.8 at every depth
-            controller.record_round(gamma=16, branches=1, accepted=accepted)
-        return controller.choose().gamma
+            width, seconds = ((2, 0.005), (17, 0.006))[round_ % 2]
+            controller.observe(RoundReport(
+                16, 1, accepted, drafts=(DraftCall(1, 1, 0.001, 0.0),), verify_width=width,
+                verify_s=seconds, overhead_s=overhead_s))  # fmt: skip
+        return controller.choose().plan.gamma
 
     assert settled_gamma(0.02) > settled_gamma(0.0)
 
 
-def test_the_fast_candidate_loop_agrees_with_the_cost_model() -> None:
+def test_one_vectorized_prediction_equals_shape_by_shape() -> None:
     box = SimulatedBox(0.0004, 0.003, 0.0001, 0.7, np.random.default_rng(0), contention=1.3,
                        call_latency_s=0.0005)  # fmt: skip
-    controller = BudgetController(parallel=True, max_width=63)
+    controller = controller_of(overlap=True, max_width=63)
     for _ in range(100):
         box.run_round(controller)
-    snapshot = controller._snapshot()
-    rates = list(controller._rates(snapshot))
-    assert any(overlap for *_, overlap in rates)
-    assert any(not o for *_, o in rates)
-    for rate, gamma, branches, overlap in rates:
-        decision = controller._evaluate(gamma, max(branches, 1), overlap, snapshot,
-                                        dynamic=branches < 0)  # fmt: skip
-        assert rate == pytest.approx(decision.tokens_per_s, rel=1e-9)
+    model = controller.estimates.cost_model(rule=True)
+    shapes = [(g, b, o) for g in range(17) for b in range(1, 5) for o in (False, True)]
+    gammas, branches, overlaps = (np.array(column) for column in zip(*shapes, strict=True))
+    tokens, seconds = model.predict(gammas, branches, overlaps)
+    for i, (g, b, o) in enumerate(shapes):
+        one = model.predict(g, b, o)
+        assert (float(one[0]), float(one[1])) == pytest.approx((tokens[i], seconds[i]), rel=1e-12)
+
+
+def test_the_estimated_model_approaches_the_box_s_true_one() -> None:
+    """What the controller predicts for its settled plans is near what the box delivers."""
+    box = SimulatedBox(0.001, 0.006, 0.0002, 0.7, np.random.default_rng(1), contention=1.2)
+    controller = controller_of(overlap=True)
+    for _ in range(200):
+        box.run_round(controller)
+    for plan in controller.history[-20:]:
+        assert plan.tokens_per_s == pytest.approx(box.decision_rate(plan), rel=0.2)
 
 
 def test_it_drafts_nothing_where_drafting_cannot_pay() -> None:
     """A drafter slower than the target (a CPU torch draft against a llama.cpp target on a
     small box): the target decoding alone (gamma 0) is the best choice, and it is taken."""
     box = SimulatedBox(0.004, 0.001, 0.00005, 0.6, np.random.default_rng(0))
-    controller = BudgetController(parallel=True)
+    controller = controller_of(overlap=True)
     for _ in range(120):
         box.run_round(controller)
     late = controller.history[-40:]
@@ -300,8 +314,11 @@ def test_the_target_alone_is_measured_once_even_where_a_guess_prices_it_out() ->
     guessed = box.verify_s(1)  # drafting is ~2x that guess: gamma 1 is never near the best
     assert max(box.rate(g, 1, o) for g in range(1, 9) for o in (False, True)) > 1.9 / guessed
     assert box.best_rate() == box.rate(0, 1)
-    controller = BudgetController(parallel=True)
-    for _ in range((controller.ALONE_MEASURED_AFTER_PROBES + 1) * controller.probe_every):
+    controller = controller_of(overlap=True)
+    for _ in range(
+        (controller.config.exploration.alone_measured_after_probes + 1)
+        * controller.config.exploration.probe_every
+    ):
         box.run_round(controller)
     assert any(d.gamma == 0 for d in controller.history)
     for _ in range(200):
@@ -316,14 +333,15 @@ def test_probes_thin_out_while_the_target_decodes_alone_and_drafting_resumes_whe
     When the drafter gets faster (another tenant leaves its core), drafting resumes within a
     couple of those longer intervals."""
     box = SimulatedBox(0.004, 0.001, 0.00005, 0.6, np.random.default_rng(0))
-    controller = BudgetController(parallel=True)
+    controller = controller_of(overlap=True)
     for _ in range(300):
         box.run_round(controller)
     start = len(controller.history)
     for _ in range(2048):
         box.run_round(controller)
     drafted = sum(d.gamma > 0 for d in controller.history[start:])
-    slot = controller.probe_every << controller.max_alone_backoff
+    explored = controller.config.exploration
+    slot = explored.probe_every << explored.max_alone_backoff
     assert drafted <= 2048 // slot + 2, drafted
     box.draft_step_s = 0.00005  # now drafting pays: 1.8x the target alone
     assert box.best_rate() > 1.7 * box.rate(0, 1, False)
@@ -342,12 +360,12 @@ def test_it_drafts_by_the_uncertainty_rule_where_that_pays() -> None:
     for seed in SEEDS:
         box = SimulatedBox(0.001, 0.006, 0.0001, 0.9, np.random.default_rng(seed),
                            uncertain=0.3, uncertain_acceptance=0.05)  # fmt: skip
-        controller = BudgetController(parallel=False)
+        controller = controller_of(overlap=False)
         for _ in range(150):
             box.run_round(controller)
         late = controller.history[-50:]
         shares.append(np.mean([box.decision_rate(d) for d in late]) / box.best_rate(False))
-        ruled.append(np.mean([d.dynamic for d in late]))
+        ruled.append(np.mean([d.rule for d in late]))
     assert box.best_rate(False) > 1.02 * box.best_rate(False, rule=False)
     assert np.mean(shares) >= 0.93, shares
     assert np.mean(ruled) >= 0.25, ruled
@@ -355,26 +373,27 @@ def test_it_drafts_by_the_uncertainty_rule_where_that_pays() -> None:
 
 def test_a_target_alone_choice_is_kept_a_few_rounds_and_history_stays_bounded() -> None:
     box = SimulatedBox(0.004, 0.001, 0.00005, 0.6, np.random.default_rng(0))
-    controller = BudgetController(keep_alone_rounds=4)
+    controller = controller_of(keep_alone_rounds=4)
     for _ in range(150):
         box.run_round(controller)
     assert controller.history[-1].gamma == 0
     weighed = 0
-    original = controller._snapshot
+    original = controller.estimates.cost_model
 
-    def counting():
+    def counting(rule: bool):
         nonlocal weighed
         weighed += 1
-        return original()
+        return original(rule)
 
-    controller._snapshot = counting
+    controller.estimates.cost_model = counting
     for _ in range(40):
         box.run_round(controller)
-    assert 40 // 5 <= weighed <= 40 // 5 + 40 // controller.probe_every + 1  # one in five
+    assert (
+        40 // 5 <= weighed <= 40 // 5 + 40 // controller.config.exploration.probe_every + 1
+    )  # one in five
     for _ in range(2 * BudgetController.HISTORY_KEPT + 10):
-        controller.record_target_alone(0.001)
-        controller.record_round(0, 1, 0)
-        controller.choose()
+        controller.observe(RoundReport(0, 1, 0, alone_round_s=0.001))
+        controller.commit(controller.choose())
     assert len(controller.history) <= 2 * BudgetController.HISTORY_KEPT
 
 

@@ -1,0 +1,165 @@
+"""The state each worker carries between speculative rounds, owned by one object per side.
+
+The verifier keeps the last tree it evaluated until the next call says which path of it to
+commit, and the bonus token (the target's own token after the accepted path) is emitted before
+the verifier has evaluated it: it becomes the root of the next tree. The drafter learns the
+emitted tokens only with its next draft (appending them reuses the nodes it drafted that were
+accepted), and may hold a run-ahead: a draft of the next round made while this one was verified.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hetspec.daemon.worker_client import WorkerClient
+from hetspec.protocol import Arena
+from hetspec.protocol import worker_messages as m
+from hetspec.protocol.sampling import SamplingParams
+from hetspec.speculative.core_choice import SpareCoreChoice
+from hetspec.speculative.rounds import DraftCall
+from hetspec.speculative.verify import Verdict
+
+
+@dataclass(frozen=True)
+class WorkerPair:
+    drafter: WorkerClient
+    verifier: WorkerClient
+    arena: Arena
+    draft_slot: int  # where the drafter writes its probability rows
+    verify_slot: int  # where the verifier writes the tree's logits
+    # whether the target, decoding alone, also computes on the drafter's cores
+    alone_cores: SpareCoreChoice = field(default_factory=SpareCoreChoice)
+    # ... and whether it does while it verifies a plain round's draft (the drafter waits)
+    verify_cores: SpareCoreChoice = field(default_factory=SpareCoreChoice)
+
+
+@dataclass
+class Unverified:
+    """A draft the verifier has not seen, as the drafter's pending tree holds it."""
+
+    tokens: list[int]
+    probs: np.ndarray  # (len(tokens), vocab): the distribution each token was drawn from
+    last_parent: int  # the drafter's pending node the last (unevaluated) token hangs from
+
+    @classmethod
+    def of(cls, drafted: m.Drafted, arena: Arena, skip: int = 0) -> Unverified:
+        nodes = drafted.nodes[0]
+        last_parent = nodes[-2] if len(nodes) >= 2 else drafted.root
+        probs = arena.view(drafted.probs)[0, skip:].copy()  # the slot is reused next round
+        return cls(drafted.tokens[0][skip:], probs, last_parent)
+
+
+class DrafterSide:
+    """The drafter's prefill (started when first needed), the emitted tokens it has not seen
+    yet (``unseen``), and a run-ahead kept as the next draft (``run_ahead``)."""
+
+    MAX_UNSEEN = 48  # emitted tokens it may hold only as pending nodes before it must catch up
+
+    def __init__(self, pair: WorkerPair, prompt: list[int], seed: int | None) -> None:
+        self.client, self.arena, self.slot = pair.drafter, pair.arena, pair.draft_slot
+        self._prompt, self._seed = prompt, seed
+        self.prefill: asyncio.Future | None = None
+        self.unseen: list[int] = []
+        self.run_ahead: Unverified | None = None
+
+    def start_prefill(self) -> asyncio.Future:
+        if self.prefill is None:
+            command = m.Prefill(request=self.client.next_request(), tokens=self._prompt,
+                                seed=self._seed)  # fmt: skip
+            self.prefill = asyncio.ensure_future(self.client.call(command))
+        return self.prefill
+
+    def idle(self) -> bool:
+        return self.prefill is None or self.prefill.done()
+
+    async def draft(
+        self, gamma: int, branches: int, params: SamplingParams, rule_scale: float | None = None
+    ) -> tuple[m.Drafted, DraftCall, float]:
+        """Draft after appending what it has not seen; the reply, its cost and the call's
+        seconds. The append's forward yields the first token's distribution, so gamma tokens
+        cost gamma forwards; a long catch-up (after rounds without a draft) is not a step, so
+        then the steps are timed from the others."""
+        await self.start_prefill()
+        start = time.perf_counter()
+        drafted, _ = await self.client.call(m.Draft(
+            request=self.client.next_request(), steps=gamma, sampling=params, out=self.slot,
+            branches=branches, append=self.unseen, dynamic=rule_scale))  # fmt: skip
+        seconds = time.perf_counter() - start
+        appended, self.unseen = len(self.unseen), []
+        branches, steps = len(drafted.tokens), len(drafted.tokens[0])
+        if rule_scale is not None and branches > 1:
+            steps += 1  # the rule's look at the top sequence's second token
+        compute_s = drafted.elapsed_ms / 1000
+        latency_s = seconds - compute_s
+        if appended > 2:
+            steps, compute_s = steps - 1, compute_s - drafted.append_ms / 1000
+            steps = steps if steps >= 1 else 0
+        return drafted, DraftCall(steps, branches, compute_s, latency_s), seconds
+
+    def start_run_ahead(self, draft: Unverified, gamma: int,
+                        params: SamplingParams) -> asyncio.Future | None:  # fmt: skip
+        """Draft the next round below ``draft`` while it is verified: a guess of the bonus,
+        then ``gamma`` tokens. None when the drafter holds too much unverified already."""
+        if len(self.unseen) + len(draft.tokens) >= self.MAX_UNSEEN:
+            return None
+        command = m.Draft(request=self.client.next_request(), steps=gamma + 1, sampling=params,
+                          out=self.slot, after=(draft.last_parent, draft.tokens[-1]))  # fmt: skip
+        return asyncio.ensure_future(_timed(self.client.call(command)))
+
+    def close(self) -> None:
+        prefill = self.prefill
+        if prefill is None:
+            return
+        if not prefill.done():  # the request ended before any draft
+            prefill.cancel()
+        elif not prefill.cancelled():
+            prefill.exception()  # retrieved: raised where it mattered
+
+
+async def _timed(call):
+    """A call's reply and its seconds until the reply was in (not until it was awaited)."""
+    start = time.perf_counter()
+    reply, _ = await call
+    return reply, time.perf_counter() - start
+
+
+class VerifierSide:
+    """The bonus token emitted but not evaluated, the last tree evaluated, and which of its
+    nodes the next call commits."""
+
+    def __init__(self, pair: WorkerPair) -> None:
+        self.client, self.slot = pair.verifier, pair.verify_slot
+        self.bonus = -1
+        self._tree: list[int] = []  # the tokens of the last tree evaluated: [bonus, *draft]
+        self._keep: list[int] = []  # its nodes to commit: the bonus and the accepted path
+
+    def verify(self, tokens: list[int], parents: list[int], *, wide: bool = False):
+        """The call evaluating a draft tree below the bonus (logits row 0: after the bonus,
+        where the draft grows from), committing the last round's path first; on the
+        drafter's cores too when ``wide``."""
+        self._tree = [self.bonus, *tokens]
+        return self.client.call(m.VerifyTree(
+            request=self.client.next_request(), tokens=self._tree,
+            parents=[-1, *(p + 1 for p in parents)], out=self.slot, commit=self._keep,
+            spare_cores=wide))  # fmt: skip
+
+    def accepted(self, verdict: Verdict) -> None:
+        self._keep = [0, *(node + 1 for node in verdict.path)]
+        self.bonus = verdict.bonus
+
+    def decode(self, steps: int, params: SamplingParams, *, wide: bool):
+        """The call decoding ``steps`` tokens alone after committing the last round's path
+        and evaluating the bonus; see ``decoded``."""
+        kept = [self._tree[node] for node in self._keep]
+        return self.client.call(m.Decode(
+            request=self.client.next_request(), steps=steps, sampling=params,
+            append=[*kept, self.bonus], spare_cores=wide))  # fmt: skip
+
+    def decoded(self, tokens: list[int]) -> None:
+        """It committed every token it drew but the last, the new bonus."""
+        self._tree, self._keep = [], []
+        self.bonus = tokens[-1]

@@ -1,0 +1,106 @@
+"""What a round of a given shape is expected to commit and cost: the controller's one model.
+
+A round commits its accepted tokens plus the target's bonus token, so with reach(b, d) =
+P(the first d drafted tokens are accepted, b branches drafted) it commits
+1 + sum_{d <= gamma} reach(b, d) tokens. It lasts:
+- a plain round: a draft call of gamma steps, then a verification of gamma * b + 1 nodes;
+- an overlapped round (one branch): while the verifier verifies, the drafter drafts the next
+  round (gamma + 1 steps: its guess of the bonus, then gamma), assuming the whole draft is
+  accepted; that run-ahead is the next draft only if gamma + 1 tokens hold, else the next
+  round drafts afresh first: max(run-ahead, verify) + (1 - reach(1, gamma + 1)) * fresh draft;
+- a round drafted by DuoDecoding's rule with budget B: k sequences of B // k tokens, over the
+  branch counts k the rule has been picking (B forwards when k = 1, B // k + 1 otherwise);
+- a round without a draft: the target decoding one token alone.
+Every drafted round also pays ``overhead`` (messages, bookkeeping). Costs are kept apart for
+one worker computing at a time and both at once (``overlapped``): on cores that share
+execution resources each runs slower then, and that decides whether overlapping pays.
+
+The controller builds one from its estimates each time it weighs the candidates; the tests'
+simulated box builds one from its true costs, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetspec.speculative.branching import branch_length
+
+
+@dataclass(frozen=True)
+class VerifyLine:
+    """Seconds to verify a tree of ``width`` nodes: a line, never below ``floor``."""
+
+    mean_w: float
+    mean_t: float
+    slope: float
+    floor: float
+
+    def at(self, width):
+        return np.maximum(self.mean_t + self.slope * (np.asarray(width) - self.mean_w), self.floor)
+
+    @classmethod
+    def exact(cls, base_s: float, per_node_s: float) -> VerifyLine:
+        """base + per_node x width (the simulated box's)."""
+        return cls(0.0, base_s, per_node_s, 0.0)
+
+
+@dataclass(frozen=True)
+class RuleShare:
+    """How often the rule picks ``k`` branches, and reach by depth in those rounds."""
+
+    k: int
+    share: float
+    reach: np.ndarray  # [depth]: P(the first depth tokens accepted); reach[0] = 1
+
+
+@dataclass(frozen=True)
+class CostModel:
+    step_s: dict[bool, float]  # seconds per draft step of one branch, by "overlapped"
+    latency_s: dict[bool, float]  # a draft call's seconds besides its steps, by "overlapped"
+    verify: dict[bool, VerifyLine]  # by "overlapped"
+    reach: np.ndarray  # [branches, depth]: P(the first depth tokens accepted); row 0 unused
+    overhead_s: float
+    branch_cost: float  # each branch beyond the first adds this share of a step
+    alone_s: float  # seconds per token of the target decoding alone
+    rule: tuple[RuleShare, ...] = ()  # empty: the rule is not a candidate
+
+    @property
+    def max_gamma(self) -> int:
+        return self.reach.shape[1] - 2  # an overlapped round needs reach at gamma + 1
+
+    def draft_s(self, steps, branches=1, overlapped: bool = False):
+        """A draft call of ``steps`` steps, from sending it to having its reply."""
+        step = self.step_s[overlapped] * (1 + self.branch_cost * (np.asarray(branches) - 1))
+        return self.latency_s[overlapped] + np.asarray(steps) * step
+
+    def predict(self, gamma, branches=1, overlap=False) -> tuple[np.ndarray, np.ndarray]:
+        """Expected (tokens committed, seconds) of rounds of these shapes; the arguments
+        broadcast, so one call weighs every candidate. gamma 0: the target alone."""
+        gamma, branches = np.asarray(gamma), np.asarray(branches)
+        overlap = np.asarray(overlap, bool)
+        accepted = np.cumsum(self.reach[:, 1:], axis=1)  # [b, g - 1]: sum of reach to g
+        drafted = gamma > 0
+        g = np.where(drafted, gamma, 1)
+        tokens = np.where(drafted, 1.0 + accepted[branches, g - 1], 1.0)
+        fresh = self.draft_s(g, branches)
+        plain = fresh + self.verify[False].at(g * branches + 1)
+        ahead = self.draft_s(g + 1, 1, overlapped=True)
+        held = self.reach[1, np.minimum(g + 1, self.reach.shape[1] - 1)]
+        overlapped = np.maximum(ahead, self.verify[True].at(g + 1)) + (1 - held) * fresh
+        seconds = np.where(overlap, overlapped, plain) + self.overhead_s
+        return tokens, np.where(drafted, seconds, self.alone_s)
+
+    def predict_rule(self, budget: int) -> tuple[float, float]:
+        """Expected (tokens, seconds) of a round drafted by the rule with ``budget``."""
+        tokens, seconds = 0.0, self.overhead_s
+        for share in self.rule:
+            k = min(share.k, budget)
+            length = branch_length(budget, k)
+            forwards = budget if k == 1 else length + 1
+            tokens += share.share * (1.0 + float(share.reach[1 : length + 1].sum()))
+            seconds += share.share * float(
+                self.draft_s(forwards, k) + self.verify[False].at(k * length + 1)
+            )
+        return float(tokens), float(seconds)

@@ -1,0 +1,278 @@
+"""What the controller has measured, learned from round reports alone.
+
+- A draft step: a level (a windowed median of recent steps, each scaled to one branch, so
+  every round refreshes it whatever its branch count; a median, so one preempted step does
+  not swing it) times 1 + branch_cost x (branches - 1) (per-k estimates went stale for the
+  branch counts not chosen lately); plus a draft call's latency, paid once per call.
+- A verification: a least-squares line through windowed medians per tree width.
+- Acceptance by depth (and at depth 1 by branch count, and by the branch count the rule picks):
+  exponentially decayed counts, so old behaviour fades within a few dozen rounds.
+- The target alone: its seconds per token, kept apart from the verify line (a verifier that
+  did not wait for a draft answers faster).
+Costs are kept apart for rounds where one worker computes at a time and overlapped ones.
+Medians forget samples older than ``max_age`` rounds, so a choice measured long ago is judged
+by its prior again (and tried again) rather than ruled out by a stale figure.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetspec.speculative.cost_model import CostModel, RuleShare, VerifyLine
+from hetspec.speculative.rounds import DraftCall, RoundReport
+
+
+@dataclass(frozen=True)
+class EstimateConfig:
+    max_gamma: int = 16
+    max_branches: int = 4
+    window: int = 24  # samples per median: re-converges within a few dozen rounds
+    max_age: int = 96  # rounds after which a cost measurement is forgotten
+    decay: float = 0.95  # per-round weight of older acceptance counts
+    prior_acceptance: float = 0.8  # for depths not observed yet (optimistic: explore them)
+    prior_weight: float = 3.0  # in rounds: one unlucky round must not rule a depth out
+    branch_cost: float = 0.4  # each extra branch adds this share of a draft step
+
+
+class WindowedMedian:
+    """The median of the last ``window`` samples, ignoring those older than ``max_age``
+    ticks of ``clock``."""
+
+    def __init__(self, window: int, clock=None, max_age: int | None = None) -> None:
+        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self._clock = clock or (lambda: 0)
+        self._max_age = max_age
+
+    def add(self, value: float) -> None:
+        self._samples.append((self._clock(), value))
+
+    def _fresh(self) -> list[float]:
+        if self._max_age is None:
+            return [value for _, value in self._samples]
+        oldest = self._clock() - self._max_age
+        return [value for tick, value in self._samples if tick >= oldest]
+
+    def __len__(self) -> int:
+        return len(self._fresh())
+
+    @property
+    def value(self) -> float | None:
+        fresh = self._fresh()
+        return statistics.median(fresh) if fresh else None
+
+
+class DecayedRate:
+    """Successes over tries, both decayed each round: a rate that follows recent rounds."""
+
+    def __init__(self, size: int) -> None:
+        self.tries = np.zeros(size)
+        self.hits = np.zeros(size)
+
+    def decay(self, factor: float) -> None:
+        self.tries *= factor
+        self.hits *= factor
+
+    def add(self, index: int, hit: bool) -> None:
+        self.tries[index] += 1
+        self.hits[index] += hit
+
+
+class Estimates:
+    def __init__(self, config: EstimateConfig = EstimateConfig()) -> None:
+        self.config = c = config
+        self.rounds = 0  # rounds observed: the medians' clock
+        self._draft_level = {o: self._median() for o in (False, True)}
+        self._draft_latency = {o: self._median() for o in (False, True)}
+        self._verify: dict[bool, dict[int, WindowedMedian]] = {False: {}, True: {}}
+        self._overhead = self._median()
+        # never forgotten: without it the target alone is priced as a one-node verification
+        self._alone = WindowedMedian(c.window)
+        self._alone_compute = WindowedMedian(c.window)
+        self._depth = DecayedRate(c.max_gamma + 1)  # index: depth (1-based)
+        self._first = DecayedRate(c.max_branches + 1)  # depth 1, by branch count
+        # the rule branches where the drafter is unsure, so its rounds' first-depth acceptance
+        # differs from fixed-k rounds'; every single-branch draft also says which k the rule
+        # would have picked, so the rule's value is known before it is ever used
+        self._rule_picked = np.zeros(c.max_branches + 1)
+        self._rule_first = DecayedRate(c.max_branches + 1)  # rounds the rule drafted, by k
+        self._single_first = DecayedRate(c.max_branches + 1)  # one branch, by would-be k
+
+    def _median(self) -> WindowedMedian:
+        return WindowedMedian(self.config.window, lambda: self.rounds, self.config.max_age)
+
+    # ------------------------------------------------------------ learning
+
+    def observe(self, report: RoundReport) -> None:
+        for call in report.drafts:
+            self._observe_draft(call)
+        if report.gamma == 0:
+            if report.alone_round_s:
+                self._alone.add(report.alone_round_s)
+            if report.alone_compute_s:
+                self._alone_compute.add(report.alone_compute_s)
+        else:
+            if report.verify_width > 0 and report.verify_s > 0:
+                widths = self._verify[report.verify_overlapped]
+                widths.setdefault(report.verify_width, self._median()).add(report.verify_s)
+            self._overhead.add(max(0.0, report.overhead_s))
+        self._observe_acceptance(report)
+
+    def _observe_draft(self, call: DraftCall) -> None:
+        if call.steps > 0 and call.compute_s > 0:
+            per_branch = call.compute_s / call.steps / self._branch_factor(call.branches)
+            self._draft_level[call.overlapped].add(per_branch)
+        self._draft_latency[call.overlapped].add(max(0.0, call.latency_s))
+
+    def _observe_acceptance(self, report: RoundReport) -> None:
+        self.rounds += 1
+        if report.gamma == 0:  # nothing was offered, nothing learned
+            return
+        decay, top = self.config.decay, self.config.max_branches
+        for rate in (self._depth, self._first, self._rule_first, self._single_first):
+            rate.decay(decay)
+        self._rule_picked *= decay
+        accepted = report.accepted
+        for depth in range(2 if report.rule else 1, min(report.gamma, accepted + 1) + 1):
+            self._depth.add(depth, depth <= accepted)
+        branches, rule_k = min(report.branches, top), report.rule_k
+        if report.rule:
+            rule_k = branches
+            self._rule_first.add(branches, accepted >= 1)
+        else:
+            self._first.add(branches, accepted >= 1)
+        if rule_k is not None:
+            rule_k = min(max(rule_k, 1), top)
+            self._rule_picked[rule_k] += 1
+            if branches == 1:
+                self._single_first.add(rule_k, accepted >= 1)
+
+    # ------------------------------------------------------------ costs
+
+    def _branch_factor(self, branches: int) -> float:
+        return 1 + self.config.branch_cost * (branches - 1)
+
+    def draft_step_s(self, overlapped: bool = False) -> float | None:
+        """Seconds per draft step of one branch; a condition never measured borrows the other's."""
+        level = self._draft_level
+        return level[overlapped].value or level[not overlapped].value
+
+    def draft_latency_s(self, overlapped: bool = False) -> float:
+        latency = self._draft_latency
+        return latency[overlapped].value or latency[not overlapped].value or 0.0
+
+    def verify_line(self, overlapped: bool, borrow: bool = True) -> VerifyLine | None:
+        """A least-squares line (slope >= 0) through the medians per width. Where one width
+        only was measured, the slope comes from the other condition's line, scaled to this
+        one's level: flat, it priced narrow trees like the one wide tree measured."""
+        points = [(w, m.value) for w, m in self._verify[overlapped].items() if len(m)]
+        if not points:
+            return None
+        widths, times = np.array(points).T
+        mean_w, mean_t = widths.mean(), times.mean()
+        spread = ((widths - mean_w) ** 2).sum()
+        slope = 0.0
+        if spread > 0:
+            slope = max(0.0, float(((widths - mean_w) * (times - mean_t)).sum() / spread))
+        elif borrow and (other := self.verify_line(not overlapped, borrow=False)):
+            slope = other.slope * float(mean_t) / float(other.at(round(mean_w)))
+        return VerifyLine(float(mean_w), float(mean_t), slope, float(times.min()) * 0.5)
+
+    def verify_s(self, width: int, overlapped: bool = False) -> float | None:
+        line = self.verify_line(overlapped) or self.verify_line(not overlapped)
+        return None if line is None else float(line.at(width))
+
+    def cost_ratio(self) -> float | None:
+        """DuoDecoding's c = T_verify / T_draft, once both were measured."""
+        step, verify = self.draft_step_s(), self.verify_s(2)
+        return None if step is None or verify is None else verify / step
+
+    def target_alone_s(self) -> float | None:
+        """The target's own seconds per token decoding alone, once measured."""
+        return self._alone_compute.value
+
+    def alone_measured(self) -> bool:
+        return len(self._alone) > 0
+
+    # ------------------------------------------------------------ acceptance
+
+    def _rate(self, rate: DecayedRate, index: int, prior: float) -> float:
+        w = self.config.prior_weight
+        return float((rate.hits[index] + prior * w) / (rate.tries[index] + w))
+
+    def acceptance(self, depth: int, branches: int = 1) -> float:
+        """P(depth accepted | depth - 1 accepted); at depth 1 with ``branches`` candidates."""
+        prior = self.config.prior_acceptance
+        if depth > 1:
+            return self._rate(self._depth, depth, prior)
+        seen = int(np.argmax(self._first.tries[1:])) + 1  # the branch count tried most
+        if self._first.tries[branches] < 1 and self._first.tries[seen] >= 1:
+            # unseen: inferred from the branch count seen most, as independent tries
+            single = 1 - (1 - self._rate(self._first, seen, prior)) ** (1 / seen)
+            return 1 - (1 - single) ** branches
+        return self._rate(self._first, branches, prior)
+
+    def rule_acceptance(self, k: int) -> float:
+        """P(depth 1 accepted) when the rule picks ``k``: from the rounds it drafted, and
+        before those from single-branch rounds it would have given ``k`` (as independent
+        tries), else from all single-branch rounds."""
+        single = self._rate(self._single_first, k, self.acceptance(1, 1))
+        return self._rate(self._rule_first, k, 1 - (1 - single) ** k)
+
+    def rule_shares(self) -> list[tuple[int, float]]:
+        """(k, how often the rule picks k), from recent rounds; k = 1 before any."""
+        total = self._rule_picked.sum()
+        if total < 1e-9:
+            return [(1, 1.0)]
+        return [(k, float(n / total)) for k, n in enumerate(self._rule_picked) if n > 0]
+
+    def reach(self, branches: int, first: float | None = None) -> np.ndarray:
+        """[depth]: P(the first depth tokens accepted), depth 0 .. max_gamma + 1."""
+        top = self.config.max_gamma
+        steps = [first if first is not None else self.acceptance(1, branches)]
+        steps += [self.acceptance(min(d, top), branches) for d in range(2, top + 2)]
+        return np.concatenate([[1.0], np.cumprod(steps)])
+
+    # ------------------------------------------------------------ the model
+
+    def cost_model(self, rule: bool) -> CostModel | None:
+        """The costs and acceptance as measured; None before a draft and a verification
+        were; ``rule``: include the rule's rounds as candidates."""
+        step = {o: self.draft_step_s(o) for o in (False, True)}
+        verify = {o: self.verify_line(o) or self.verify_line(not o) for o in (False, True)}
+        if step[False] is None or verify[False] is None:
+            return None
+        reach = np.stack([np.zeros(self.config.max_gamma + 2)] + [
+            self.reach(b) for b in range(1, self.config.max_branches + 1)])  # fmt: skip
+        overhead = self._overhead.value or 0.0
+        alone = self._alone.value or float(verify[False].at(1)) + overhead
+        shares = tuple(RuleShare(k, share, self.reach(k, self.rule_acceptance(k)))
+                       for k, share in self.rule_shares()) if rule else ()  # fmt: skip
+        latency = {o: self.draft_latency_s(o) for o in (False, True)}
+        return CostModel(step, latency, verify, reach, overhead, self.config.branch_cost,
+                         alone, shares)  # fmt: skip
+
+    def summary(self) -> dict:
+        """What is believed now, in milliseconds, for the request statistics."""
+
+        def ms(seconds: float | None) -> float | None:
+            return None if seconds is None else round(seconds * 1000, 3)
+
+        def fit(width: int, overlapped: bool) -> float | None:
+            line = self.verify_line(overlapped)
+            return None if line is None else ms(float(line.at(width)))
+
+        return {
+            "draft_step_ms": {"alone": ms(self._draft_level[False].value),
+                              "overlapped": ms(self._draft_level[True].value)},
+            "draft_latency_ms": {"alone": ms(self._draft_latency[False].value),
+                                 "overlapped": ms(self._draft_latency[True].value)},
+            "verify_ms": {kind: {w: fit(w, o) for w in (1, 2, 5, 9, 17)}
+                          for kind, o in (("alone", False), ("overlapped", True))},
+            "overhead_ms": ms(self._overhead.value),
+            "target_alone_round_ms": ms(self._alone.value),
+            "acceptance_by_depth": [round(self.acceptance(d), 3) for d in range(1, 9)],
+        }  # fmt: skip

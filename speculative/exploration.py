@@ -1,0 +1,103 @@
+"""When the controller deviates from the best plan to measure something again.
+
+- Every ``probe_every`` rounds it tries a neighbour of the best plan (gamma -1, +1, a branch
+  less, one more, and the other kind of round), so a cost measured once in a bad moment is
+  measured again instead of ruling that choice out for good.
+- While the target decodes alone (gamma 0) a plan is kept for ``keep_alone_rounds`` rounds
+  without weighing the candidates again (such a round is about a millisecond), and each probe
+  that finds gamma 0 still best halves how often the next comes (down to one in
+  2**max_alone_backoff probe slots): a probe is a drafted round plus the drafter catching up.
+- The target alone, never measured, is priced as a one-node verification, dearer than it is
+  where calls decode several tokens; one round measures it, half way between probes, after a
+  few probe cycles (earlier it slowed the drafting shape's first settling).
+
+The state lives in an immutable ``ExplorationState``: the controller's ``choose`` returns the
+next one with its plan and installs it only when the round is committed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from hetspec.speculative.cost_model import CostModel
+from hetspec.speculative.planning import Limits, plan_of
+from hetspec.speculative.rounds import Plan
+
+
+@dataclass(frozen=True)
+class ExplorationConfig:
+    probe_every: int = 16  # rounds between tries of a neighbouring plan (0: never)
+    keep_alone_rounds: int = 4
+    max_alone_backoff: int = 3
+    alone_measured_after_probes: int = 4
+
+
+@dataclass(frozen=True)
+class ExplorationState:
+    kept: int = 0  # rounds the last gamma-0 plan was reused without weighing
+    alone_backoff: int = 0  # probe slots skipped while alone: 2**this - 1 of every 2**this
+    alone_probes: int = 0  # probes taken from gamma 0 (they alternate two kinds)
+
+
+def probe_due(config: ExplorationConfig, state: ExplorationState, rounds: int,
+              alone: bool) -> bool:  # fmt: skip
+    every = config.probe_every
+    if not every or rounds % every:
+        return False
+    return not alone or (rounds // every) % (1 << state.alone_backoff) == 0
+
+
+def keeps_alone(config: ExplorationConfig, state: ExplorationState, due: bool) -> bool:
+    """Whether the last plan, gamma 0, is reused without weighing the candidates."""
+    return state.kept < config.keep_alone_rounds and not due
+
+
+def after_weighing(config: ExplorationConfig, state: ExplorationState, best: Plan,
+                   due: bool) -> ExplorationState:  # fmt: skip
+    """The state once the candidates were weighed and ``best`` won."""
+    if best.gamma:
+        backoff = 0
+    elif due:
+        backoff = min(state.alone_backoff + 1, config.max_alone_backoff)
+    else:
+        backoff = state.alone_backoff
+    return replace(state, kept=0, alone_backoff=backoff)
+
+
+def alone_unmeasured_round(config: ExplorationConfig, rounds: int, measured: bool) -> bool:
+    """Whether this round should measure the target alone, never measured yet."""
+    half = config.probe_every // 2
+    settled = rounds >= config.alone_measured_after_probes * config.probe_every
+    return not measured and settled and half > 0 and rounds % config.probe_every == half
+
+
+def neighbour(best: Plan, model: CostModel, limits: Limits, state: ExplorationState, *,
+              rounds: int, every: int) -> tuple[Plan, ExplorationState]:  # fmt: skip
+    """By turns: gamma - 1, gamma + 1, one branch less, one more, and another kind of round:
+    alternately overlapped or not (where allowed) and drafted by the rule or with fixed
+    branches (where allowed). From gamma 0 only a draft is a neighbour."""
+    others = ["overlap"] * limits.overlap + ["rule"] * bool(model.rule)
+    turns = ["shorter", "longer", "fewer", "more"] + ["other"] * bool(others)
+    probe = rounds // every
+    turn = turns[probe % len(turns)]
+    if turn == "other":  # the kinds of round take turns, keeping the cycle short
+        turn = others[probe // len(turns) % len(others)]
+    if best.gamma == 0:
+        state = replace(state, alone_probes=state.alone_probes + 1)
+        turn = ["longer", "overlap"][state.alone_probes % 2] if limits.overlap else "longer"
+    if turn == "rule":
+        if best.rule:
+            return plan_of(model, limits, best.gamma), state
+        if best.gamma >= 2:
+            return plan_of(model, limits, best.gamma, rule=True), state
+        return best, state
+    gamma = best.gamma + {"shorter": -1, "longer": 1}.get(turn, 0)
+    branches = (1 if best.rule else best.branches) + {"fewer": -1, "more": 1}.get(turn, 0)
+    if turn == "overlap":
+        gamma = max(gamma, 1)
+    overlap = best.overlap != (turn == "overlap") and gamma > 0
+    if overlap:
+        branches = 1
+    if limits.fits(gamma, branches, overlap):
+        return plan_of(model, limits, gamma, branches, overlap=overlap), state
+    return best, state

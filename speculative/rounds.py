@@ -1,0 +1,67 @@
+"""A speculative round as two values: the plan that goes in, the report that comes out.
+
+The budget controller chooses plans and learns from reports alone; the engine turns a plan
+into worker calls and the calls' timings into a report, and the controller's tests get the
+same reports from a simulated box. So what the controller learns cannot depend on which of
+the two ran the round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One round's shape and what the controller expects of it."""
+
+    gamma: int  # tokens drafted per branch; 0: no draft, the target decodes alone
+    branches: int = 1
+    overlap: bool = False  # the drafter drafts the next round while this one is verified
+    # DuoDecoding's uncertainty rule picks the branch count: ``gamma`` is then the budget
+    # the branches share and ``branches`` the most it may pick
+    rule: bool = False
+    expected_tokens: float = 1.0  # committed per round, the target's bonus token included
+    round_s: float = 0.0  # expected seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.expected_tokens / self.round_s if self.round_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class DraftCall:
+    """One draft call's cost: ``steps`` forwards of ``branches`` branches took ``compute_s``
+    of the drafter's own time (steps 0: not a measure of a step, e.g. a long catch-up), and
+    the call took ``latency_s`` more (messages, wake-ups)."""
+
+    steps: int
+    branches: int
+    compute_s: float
+    latency_s: float
+    overlapped: bool = False  # drafted while the verifier computed
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """What one round did and cost. ``gamma`` and ``branches`` are the shape drafted (the
+    rule picks its own); ``accepted`` counts drafted tokens accepted on the best branch."""
+
+    gamma: int
+    branches: int
+    accepted: int
+    rule: bool = False  # drafted by the uncertainty rule
+    rule_k: int | None = None  # a single-branch draft: the branch count the rule would pick
+    drafts: tuple[DraftCall, ...] = ()
+    verify_width: int = 0  # nodes verified: the pending bonus and the draft
+    verify_s: float = 0.0
+    verify_overlapped: bool = False  # verified while the drafter drafted ahead
+    overhead_s: float = 0.0  # besides drafting and verifying: messages, bookkeeping
+    # gamma 0 (the target alone): seconds per token of the whole round (None: a transition
+    # from drafting, which is not what decoding alone costs) and of the target's own work
+    alone_round_s: float | None = None
+    alone_compute_s: float | None = None
+
+    @property
+    def drafted(self) -> int:
+        return self.gamma * self.branches

@@ -1,0 +1,151 @@
+"""An in-process worker for engine tests: a numpy model behind the worker's own handlers.
+
+``TableModel`` is a ``TreeRuntime`` whose next-token logits depend on the last two tokens and
+the last one's position, so a token the engine loses, repeats or misplaces changes what
+follows, and greedy output is checked against the model's own decoding. ``InProcessWorker``
+runs the real command handlers of ``hetspec.workers.process.Worker`` on it, with a real
+shared-memory arena, behind the ``WorkerClient`` call interface the engine uses; it can
+fail a chosen command, and counts the commands it ran.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hetspec.daemon.worker_client import WorkerError
+from hetspec.protocol import worker_messages as m
+from hetspec.protocol.arena import Arena
+from hetspec.protocol.sampling import SamplingParams
+from hetspec.protocol.vocab import VocabInfo
+from hetspec.workers.process import Worker
+from hetspec.workers.spare_cores import SpareCores
+from hetspec.workers.tree_runtime import TreeRuntime
+
+VOCAB = 32
+PERIOD = 8  # positions the logits tell apart
+
+
+class TableModel(TreeRuntime):
+    def __init__(self, tables: tuple[np.ndarray, np.ndarray, np.ndarray], eos: int = VOCAB - 1,
+                 capacity: int = 512) -> None:  # fmt: skip
+        super().__init__(VOCAB, capacity)
+        self.last_table, self.prev_table, self.position_table = tables
+        self.eos, self.threads = eos, 1
+
+    @classmethod
+    def pair(cls, seed: int = 0, noise: float = 1.0, eos_bias: float = -4.0):
+        """A target and a draft whose logits differ by ``noise`` x N(0, 1) per entry."""
+        rng = np.random.default_rng(seed)
+        tables = (rng.normal(0, 3, (VOCAB, VOCAB)), rng.normal(0, 1, (VOCAB, VOCAB)),
+                  rng.normal(0, 1, (PERIOD, VOCAB)))  # fmt: skip
+        for table in tables[:1]:
+            table[:, VOCAB - 1] += eos_bias  # EOS is rare, not absent
+        draft = tuple(t + noise * rng.normal(0, 1, t.shape) for t in tables)
+        return cls(tables), cls(draft)
+
+    def _logits(self, prev: int, last: int, position: int) -> np.ndarray:
+        row = self.last_table[last] + self.prev_table[prev] + self.position_table[position % PERIOD]
+        return row.astype(np.float32)
+
+    def _before(self) -> int:
+        return self.tokens[-1] if self.tokens else 0
+
+    def _run(self, tokens, parents, positions, rows):
+        known = np.concatenate([self._pending_tokens, tokens])
+        start = len(self._pending_tokens)
+        out = np.empty((len(tokens), VOCAB), np.float32)
+        for i, (parent, position) in enumerate(zip(parents, positions, strict=True)):
+            prev = int(known[parent]) if parent >= 0 else self._before()
+            out[i] = self._logits(prev, int(known[start + i]), int(position))
+        return out
+
+    def _node_logits(self, output, index):
+        return output[index]
+
+    def _step_logits(self, output):
+        return output
+
+    def _keep_path(self, path):
+        pass  # no keys/values: the logits are computed from tokens alone
+
+    def _drop_pending_kv(self):
+        pass
+
+    def _truncate_kv(self, length):
+        pass
+
+    def _extend_committed(self, tokens):
+        prev = int(tokens[-2]) if len(tokens) > 1 else self._before()
+        return self._logits(prev, int(tokens[-1]), self.committed + len(tokens) - 1)
+
+    def set_extra_threads(self, extra: int) -> None:
+        pass
+
+    def vocab_info(self) -> VocabInfo:
+        return VocabInfo("table", VOCAB, VOCAB, 0, self.eos, False, "table")
+
+    def token_bytes(self, token: int) -> bytes:
+        return bytes([ord("a") + token % 26]) if token < 26 else f"<{token}>".encode()
+
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        return [ord(char) % 26 for char in text]
+
+    def greedy(self, prompt: str, count: int) -> list[int]:
+        """The model's own greedy continuation of ``prompt``."""
+        self.prefill(self.tokenize(prompt))
+        return self.decode(count, SamplingParams(), np.random.default_rng(0))
+
+
+@dataclass
+class _Spec:
+    name: str
+    spare_cores: tuple[int, ...] = ()
+
+
+@dataclass
+class InProcessWorker:
+    """The engine's view of a worker (``call``, ``next_request``, ``ready``, ``spec``)."""
+
+    name: str
+    model: TableModel
+    arena: Arena
+    fail_on: type | None = None  # a command type answered with Failed ...
+    fail_after: int = 0  # ... after this many of that type succeeded
+    ran: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.spec = _Spec(self.name)
+        self._ids = itertools.count(1)
+        self._worker = Worker("table", None, None, SpareCores((), ()))
+        self._worker.runtime, self._worker.arena = self.model, self.arena
+        self.ready = m.Ready(
+            model=self.name,
+            device="cpu",
+            vocab=self.model.vocab_info(),
+            context=self.model.capacity,
+            threads=1,
+            load_ms=0.0,
+            token_bytes=[self.model.token_bytes(i) for i in range(VOCAB)],
+        )
+
+    def next_request(self) -> int:
+        return next(self._ids)
+
+    async def call(self, command, arrays=()):
+        await asyncio.sleep(0)  # a reply never comes in the same step as its command
+        kind = type(command)
+        if kind is self.fail_on:
+            if self.fail_after <= 0:
+                raise WorkerError(self.name, "internal", f"{kind.__name__} failed on purpose")
+            self.fail_after -= 1
+        try:
+            reply, _ = self._worker.handlers[kind](command, [])
+        except Exception as error:  # as the worker process answers it: Failed
+            failed = self._worker.failure(command, error)
+            raise WorkerError(self.name, failed.kind, failed.message) from None
+        self.ran.append(kind.__name__)
+        return reply, []

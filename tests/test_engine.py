@@ -1,0 +1,210 @@
+"""The round loop on in-process workers: bookkeeping, plans, run-aheads, EOS, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import msgspec
+import numpy as np
+import pytest
+
+from hetspec.daemon.engine import Decoder, SpeculativeStats, WorkerPair
+from hetspec.daemon.requests import GenerateRequest, GenerationResult
+from hetspec.daemon.worker_client import WorkerError
+from hetspec.protocol import worker_messages as m
+from hetspec.protocol.arena import Arena
+from hetspec.speculative.budget import BudgetController, Choice, ControllerConfig
+from hetspec.speculative.exploration import ExplorationState
+from hetspec.speculative.rounds import DraftCall, Plan, RoundReport
+from tests.fake_worker import VOCAB, InProcessWorker, TableModel
+
+PROMPT = "def read(path):"
+
+
+@pytest.fixture
+def arena():
+    arena = Arena.create(f"/dev/shm/hetspec-test-{uuid.uuid4().hex}", 2, 64 * 4 * 16 * VOCAB)
+    yield arena
+    arena.close()
+
+
+def workers(arena, *, noise: float = 1.0, seed: int = 0, eos_bias: float = -4.0):
+    target, draft = TableModel.pair(seed, noise, eos_bias)
+    pair = WorkerPair(InProcessWorker("cpu", draft, arena), InProcessWorker("gpu", target, arena),
+                      arena, draft_slot=0, verify_slot=1)  # fmt: skip
+    reference, _ = TableModel.pair(seed, noise, eos_bias)
+    return pair, reference
+
+
+class ScriptedController(BudgetController):
+    """The real controller's learning, with the plans a test names."""
+
+    def __init__(self, plans: list[Plan]) -> None:
+        super().__init__(ControllerConfig.of(max_width=63))
+        self.script = list(plans)
+
+    def choose(self) -> Choice:
+        return Choice(self.script.pop(0) if len(self.script) > 1 else self.script[0],
+                      ExplorationState())  # fmt: skip
+
+
+def decode(pair, controller, *, plan=None, max_tokens=40, **options):
+    request = GenerateRequest(prompt=PROMPT, max_tokens=max_tokens, ignore_eos=True, **options)
+    stats, result = SpeculativeStats(), GenerationResult()
+    decoder = Decoder(request, pair, controller, stats, plan=plan)
+
+    async def run() -> str:
+        return "".join([piece async for piece in decoder.stream(result)])
+
+    text = asyncio.run(run())
+    return result, stats, text
+
+
+FIXED = {
+    "plain": Plan(3),
+    "branches": Plan(2, 3),
+    "overlapped": Plan(4, overlap=True),
+    "rule": Plan(6, 4, rule=True),
+    "alone": Plan(0),
+}
+
+
+@pytest.mark.parametrize("noise", [0.0, 1.0, 3.0])
+@pytest.mark.parametrize("kind", sorted(FIXED))
+def test_greedy_output_is_the_targets_own_in_every_kind_of_round(arena, kind, noise) -> None:
+    pair, reference = workers(arena, noise=noise)
+    result, stats, text = decode(pair, BudgetController(), plan=FIXED[kind])
+    assert result.tokens == reference.greedy(PROMPT, 40)
+    assert text == "".join(reference.token_bytes(t).decode() for t in result.tokens)
+    assert stats.rounds > 0
+    assert set(stats.gammas) <= {FIXED[kind].gamma, 1, 2, 3, 4, 5, 6}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_controllers_own_plans_keep_greedy_output_exact(arena, overlap) -> None:
+    pair, reference = workers(arena, noise=0.5)
+    controller = BudgetController(ControllerConfig.of(max_width=63, overlap=overlap))
+    for _ in range(3):  # later requests start from what the earlier measured
+        result, stats, _ = decode(pair, controller, max_tokens=60)
+        assert result.tokens == reference.greedy(PROMPT, 60)
+        msgspec.json.encode(stats.summary(controller))  # plain numbers: the API sends them
+
+
+def test_a_run_ahead_is_kept_when_the_draft_holds_and_dropped_when_it_misses(arena) -> None:
+    pair, _ = workers(arena, noise=0.0)  # the drafter predicts the target exactly
+    _, held, _ = decode(pair, BudgetController(), plan=Plan(3, overlap=True))
+    assert held.run_ahead_held >= held.rounds - 2
+    pair, _ = workers(arena, noise=3.0)
+    _, missed, _ = decode(pair, BudgetController(), plan=Plan(3, overlap=True))
+    assert missed.run_ahead_held < missed.rounds // 2
+
+
+def test_a_kept_run_ahead_does_not_override_the_next_plan(arena) -> None:
+    """An overlapped round whose run-ahead held, then plans without overlap: the target
+    alone, then branches. Each round runs as planned; the run-ahead is dropped."""
+    pair, reference = workers(arena, noise=0.0)
+    plans = [Plan(3, overlap=True), Plan(0), Plan(0), Plan(2, 2), Plan(3, overlap=True)]
+    result, stats, _ = decode(pair, ScriptedController(plans), max_tokens=400)
+    assert stats.gammas[:4] == [3, 0, 0, 2]
+    assert stats.branches[3] == 2
+    assert result.tokens == reference.greedy(PROMPT, 400)
+
+
+def test_choosing_ahead_commits_nothing_for_a_round_that_never_runs(arena) -> None:
+    pair, _ = workers(arena)
+    controller = BudgetController(ControllerConfig.of(max_width=63))
+    _, stats, _ = decode(pair, controller, max_tokens=25)
+    assert len(controller.history) == stats.rounds  # every committed plan ran
+
+
+def test_a_requests_draft_time_is_its_own(arena) -> None:
+    """The controller also holds other requests' measurements (here: a 1 s draft step);
+    a request's statistics give its own drafts' time."""
+    pair, _ = workers(arena)
+    controller = BudgetController()
+    for _ in range(5):
+        controller.observe(RoundReport(1, 1, 0, drafts=(DraftCall(1, 1, 1.0, 0.0),),
+                                       verify_width=2, verify_s=0.001))  # fmt: skip
+    _, stats, _ = decode(pair, controller, plan=Plan(3), max_tokens=6)
+    summary = stats.summary(controller)
+    assert summary["controller"]["draft_step_ms"]["alone"] >= 1000 / 3
+    assert stats.draft_steps > 0
+    assert 0 <= summary["t_draft_ms"] < 100
+
+
+@pytest.mark.parametrize("kind", sorted(FIXED))
+def test_eos_in_mid_round_ends_the_output_before_it(arena, kind) -> None:
+    pair, reference = workers(arena, noise=0.5, seed=3, eos_bias=4.0)
+    expected = reference.greedy(PROMPT, 60)
+    assert reference.eos in expected[1:], "the fixture must reach EOS after the first token"
+    request = GenerateRequest(prompt=PROMPT, max_tokens=60)
+    result, stats = GenerationResult(), SpeculativeStats()
+    decoder = Decoder(request, pair, BudgetController(), stats, plan=FIXED[kind])
+
+    async def run() -> None:
+        async for _ in decoder.stream(result):
+            pass
+
+    asyncio.run(run())
+    assert result.tokens == expected[: expected.index(reference.eos)]
+    assert result.done_reason == "stop"
+
+
+@pytest.mark.parametrize("failing", [m.VerifyTree, m.Draft])
+@pytest.mark.parametrize("kind", ["plain", "overlapped"])
+def test_a_worker_failing_mid_round_fails_the_request_and_leaves_no_call(arena, kind, failing):
+    pair, _ = workers(arena)
+    worker = pair.verifier if failing is m.VerifyTree else pair.drafter
+    worker.fail_on, worker.fail_after = failing, 3
+    request = GenerateRequest(prompt=PROMPT, max_tokens=60, ignore_eos=True)
+    result = GenerationResult()
+    decoder = Decoder(request, pair, BudgetController(), SpeculativeStats(), plan=FIXED[kind])
+
+    async def run() -> set:
+        with pytest.raises(WorkerError, match="on purpose"):
+            async for _ in decoder.stream(result):
+                pass
+        await asyncio.sleep(0.01)
+        return asyncio.all_tasks() - {asyncio.current_task()}
+
+    assert asyncio.run(run()) == set()
+    assert 0 < len(result.tokens) < 60
+
+
+def test_cancelling_a_request_mid_round_leaves_no_call_running(arena) -> None:
+    pair, _ = workers(arena)
+    request = GenerateRequest(prompt=PROMPT, max_tokens=300, ignore_eos=True)
+    result = GenerationResult()
+    decoder = Decoder(request, pair, BudgetController(), SpeculativeStats(),
+                      plan=Plan(3, overlap=True))  # fmt: skip
+
+    async def run() -> set:
+        async def consume() -> None:
+            async for _ in decoder.stream(result):
+                pass
+
+        task = asyncio.create_task(consume())
+        while len(result.tokens) < 20 and not task.done():
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.01)
+        return asyncio.all_tasks() - {asyncio.current_task()}
+
+    assert asyncio.run(run()) == set()
+    assert 20 <= len(result.tokens) < 300
+
+
+def test_sampled_rounds_draw_from_the_request_seed(arena) -> None:
+    """Same seed, same plan: the same tokens (the drafter's and the verifier's streams are
+    both seeded by the request)."""
+    runs = []
+    for _ in range(2):
+        pair, _ = workers(arena)
+        result, _, _ = decode(pair, BudgetController(), plan=Plan(3, overlap=True),
+                              temperature=0.8, seed=7)  # fmt: skip
+        runs.append(result.tokens)
+    assert runs[0] == runs[1]
+    assert len(set(np.diff(runs[0]))) > 3  # not a degenerate loop
