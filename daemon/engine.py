@@ -19,13 +19,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from hetspec.daemon.autoregressive import alone_tokens, first_token
 from hetspec.daemon.requests import GenerateRequest, GenerationResult, token_budget
 from hetspec.daemon.round_sides import DrafterSide, Unverified, VerifierSide, WorkerPair
+from hetspec.daemon.round_stats import SpeculativeStats
 from hetspec.daemon.text_output import TextOutput
 from hetspec.protocol import worker_messages as m
 from hetspec.speculative.branching import uncertainty_branches
@@ -34,57 +35,9 @@ from hetspec.speculative.rounds import DraftCall, Plan, RoundReport
 from hetspec.speculative.sampling import distribution
 from hetspec.speculative.verify import Verdict, accept_token, verify_greedy, verify_sampling
 
-__all__ = ["Decoder", "SpeculativeStats", "WorkerPair"]
+__all__ = ["Decoder", "SpeculativeStats", "WorkerPair"]  # the stats live in round_stats
 
 VERIFIER_STREAM = 0x5EC  # told apart from the drafter's stream of the same seed (see __init__)
-
-
-@dataclass
-class SpeculativeStats:
-    """One request's rounds, for its statistics."""
-
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    accepted_by_depth: list[int] = field(default_factory=list)  # rounds accepting >= depth
-    gammas: list[int] = field(default_factory=list)
-    branches: list[int] = field(default_factory=list)
-    draft_steps: int = 0
-    draft_compute_ms: float = 0.0  # the drafter's own time for those steps
-    verify_ms: float = 0.0
-    run_ahead: int = 0  # overlapped rounds: the drafter drafted ahead during verification
-    run_ahead_held: int = 0  # ... whose run-ahead became the next draft
-    rule_rounds: int = 0  # rounds drafted by DuoDecoding's uncertainty rule
-
-    def count(self, report: RoundReport) -> None:
-        self.rounds += 1
-        self.drafted += report.drafted
-        self.accepted += report.accepted
-        self.gammas.append(report.gamma)
-        self.branches.append(report.branches)
-        self.rule_rounds += report.rule
-        for call in report.drafts:
-            self.draft_steps += call.steps
-            self.draft_compute_ms += call.compute_s * 1000 if call.steps else 0.0
-        self.verify_ms += (report.verify_s if report.gamma else report.alone_compute_s or 0) * 1000
-        depths = self.accepted_by_depth
-        depths += [0] * (report.accepted - len(depths))
-        for depth in range(report.accepted):
-            depths[depth] += 1
-
-    def summary(self, controller: BudgetController) -> dict:
-        per = self.rounds or None
-        step = self.draft_compute_ms / self.draft_steps if self.draft_steps else None
-        return {
-            "rounds": self.rounds, "draft_n": self.drafted, "draft_n_accepted": self.accepted,
-            "mean_accepted_length": round(self.accepted / per, 3) if per else 0,
-            "acceptance_by_depth": self.accepted_by_depth,
-            "gamma_history": self.gammas[-64:], "branch_history": self.branches[-64:],
-            "t_draft_ms": None if step is None else round(step, 3),
-            "t_verify_ms": round(self.verify_ms / per, 3) if per else None,
-            "run_ahead": self.run_ahead, "run_ahead_held": self.run_ahead_held,
-            "rule_rounds": self.rule_rounds, "controller": controller.summary(),
-        }  # fmt: skip
 
 
 def flatten(drafted: m.Drafted) -> tuple[list[int], list[int], list[tuple[int, int]]]:
