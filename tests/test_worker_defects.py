@@ -1,0 +1,84 @@
+"""Issue 19: the daemon/worker plumbing under cancellation and restarts. A cancel on a full
+command queue, a restarted worker with another vocabulary, late cancels in the worker, and
+arena slots lent again while a cancelled call may still write them. Real workers, real
+ZeroMQ, real daemons."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from test_daemon import CONTEXT
+from test_worker_process import LOAD_TIMEOUT, spec
+from tiny_models import write_tiny_gguf_llama, write_tiny_pair
+
+from hetspec.daemon.worker_client import WorkerClient, WorkerError
+from hetspec.protocol import Arena
+from hetspec.protocol import worker_messages as m
+
+VOCAB = 320
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    return write_tiny_gguf_llama(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture
+def arena(tmp_path):
+    with Arena.create(
+        f"/dev/shm/hetspec-test-{os.getpid()}-{tmp_path.name}", 4, 16 * VOCAB * 4
+    ) as arena:
+        yield arena
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return write_tiny_pair(root, CONTEXT) | {
+        "other": write_tiny_gguf_llama(
+            root / "other", seed=1, layers=1, vocab_size=300, context=CONTEXT
+        ),
+    }
+
+
+async def settle(calls: list[asyncio.Future]) -> None:
+    """Retrieve the outcome of calls a test abandoned (their worker is gone)."""
+    await asyncio.gather(*calls, return_exceptions=True)
+
+
+# ------------------------------------------------------------------ 1: cancel on a full queue
+
+
+async def test_a_call_cancelled_while_the_command_queue_is_full_stays_cancelled(
+    gguf, tmp_path, arena
+) -> None:
+    """The worker stops reading until its command queue is full; cancelling a call then
+    cannot send Cancel, and the call must still end cancelled, not as ``WorkerError``."""
+    worker = spec(gguf, "llama.cpp", heartbeat_timeout_s=60)
+    client = WorkerClient(worker, tmp_path, 1, arena.layout)
+    await client.start(LOAD_TIMEOUT)
+    calls: list[asyncio.Future] = []
+    try:
+        os.kill(client.pid, signal.SIGSTOP)  # it reads nothing more: the queue fills
+        text = "x" * 4096
+        while True:
+            command = m.Tokenize(request=client.next_request(), text=text)
+            call = asyncio.ensure_future(client.call(command))
+            await asyncio.sleep(0)  # sent, or refused
+            if call.done():
+                with pytest.raises(WorkerError, match="command queue is full"):
+                    call.result()
+                break
+            calls.append(call)
+            assert len(calls) < 50_000, "the command queue never filled"
+        calls[-1].cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await calls[-1]
+    finally:
+        client.kill()
+        await client.stop()
+        await settle(calls)
