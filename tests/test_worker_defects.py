@@ -11,13 +11,15 @@ import signal
 from pathlib import Path
 
 import pytest
+import zmq
 from test_daemon import CONTEXT
 from test_worker_process import LOAD_TIMEOUT, spec
 from tiny_models import write_tiny_gguf_llama, write_tiny_pair
 
 from hetspec.daemon.worker_client import WorkerClient, WorkerError
-from hetspec.protocol import Arena
+from hetspec.protocol import Arena, Codec
 from hetspec.protocol import worker_messages as m
+from hetspec.workers.process import CommandReader
 
 VOCAB = 320
 
@@ -82,3 +84,43 @@ async def test_a_call_cancelled_while_the_command_queue_is_full_stays_cancelled(
         client.kill()
         await client.stop()
         await settle(calls)
+
+
+# ------------------------------------------------------------------ 3: late cancels
+
+
+def test_the_worker_keeps_nothing_of_a_cancel_that_came_after_its_answer(tmp_path) -> None:
+    """A Cancel for a command the worker already answered has nothing left to stop and must
+    leave nothing behind (a daemon cancelling late on every request would grow the worker
+    without bound); one for a command still queued is answered at once as cancelled."""
+    context = zmq.Context.instance()
+    daemon_side = context.socket(zmq.PUSH)
+    daemon_side.setsockopt(zmq.LINGER, 0)
+    daemon_side.bind(f"ipc://{tmp_path}/commands.sock")
+    answers: list[m.Failed] = []
+    reader = CommandReader(context, f"ipc://{tmp_path}/commands.sock", 0.0, answers.append)
+    codec = Codec(m.Command)
+
+    def send(command) -> None:
+        daemon_side.send_multipart(codec.encode(command))
+
+    try:
+        for request_id in range(1, 101):
+            send(m.Tokenize(request=request_id, text="x"))
+            command, _ = reader.next()
+            assert command.request == request_id  # the worker runs it and answers, then:
+            send(m.Cancel(request=request_id))
+        send(m.Tokenize(request=101, text="x"))
+        assert reader.next()[0].request == 101  # the late cancels are read by now
+        assert not getattr(reader, "cancelled", ()), "late cancels are remembered for ever"
+        assert not answers  # nothing to answer: their commands were answered
+
+        send(m.Tokenize(request=102, text="x"))
+        send(m.Cancel(request=102))  # still queued: it never runs
+        send(m.Tokenize(request=103, text="x"))
+        assert reader.next()[0].request == 103
+        assert [(a.request, a.kind) for a in answers] == [(102, "cancelled")]
+        assert not reader.backlog
+    finally:
+        reader.socket.close(linger=0)
+        daemon_side.close()

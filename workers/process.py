@@ -8,7 +8,8 @@ Two threads, so that liveness never depends on compute:
 - the watchdog thread sends heartbeats (on its own socket: no socket is shared between
   threads) and exits the process when the daemon dies (the death pipe reaches EOF);
 - the main thread receives commands (``CommandReader``: malformed ones are answered, ``Cancel``
-  stops a queued command), runs the engine one command at a time and sends each reply.
+  answers a queued command in its place), runs the engine one command at a time and sends
+  each reply.
 Torch and llama.cpp release the GIL while they compute, so heartbeats flow during long work.
 Receiving on the compute thread instead of handing each command over from an I/O thread saves
 a thread wake-up per command, which this project's round-trip budget cannot afford.
@@ -143,8 +144,13 @@ class CommandReader:
     A hand-off from a receiving thread would cost a thread wake-up per command, and on an idle
     (virtual) CPU a wake-up costs tens of microseconds; so the compute thread receives, and
     after each command it spins for ``spin_s`` before it blocks, because in a speculative
-    round the next command follows within a fraction of a millisecond. Before running a
-    command it drains whatever else arrived, so a ``Cancel`` can still stop a queued command.
+    round the next command follows within a fraction of a millisecond. Whatever arrived
+    with a command is drained into the backlog too, so a ``Cancel`` read there stops a
+    command still queued.
+
+    A ``Cancel`` for a command not in the backlog is dropped: the daemon sends a command
+    before its ``Cancel``, on this one connection, and commands run only between reads, so
+    that command was answered already. Remembering such late cancels would grow without bound.
     """
 
     def __init__(self, context: zmq.Context, endpoint: str, spin_s: float, failed) -> None:
@@ -152,9 +158,8 @@ class CommandReader:
         self.socket.connect(endpoint)
         self.spin_s = spin_s
         self.codec = Codec(m.Command)
-        self.failed = failed  # how to answer a malformed message
+        self.failed = failed  # how to answer a malformed or cancelled command
         self.backlog: deque[tuple[msgspec.Struct, list[bytes]]] = deque()
-        self.cancelled: set[int] = set()
 
     def _take(self, frames: list[bytes]) -> None:
         try:
@@ -163,9 +168,18 @@ class CommandReader:
             self.failed(m.Failed(request=None, kind="protocol", message=str(error)))
             return
         if isinstance(command, m.Cancel):
-            self.cancelled.add(command.request)
+            self._cancel(command.request)
         else:
             self.backlog.append((command, frames))
+
+    def _cancel(self, request: int) -> None:
+        """Answer the queued command ``request`` as cancelled and drop it; none queued: it
+        was answered already, and the Cancel has nothing left to do."""
+        for entry in self.backlog:
+            if getattr(entry[0], "request", None) == request:
+                self.backlog.remove(entry)
+                self.failed(m.Failed(request=request, kind="cancelled", message="cancelled"))
+                return
 
     def _drain(self) -> None:
         while True:
@@ -214,10 +228,6 @@ class Worker:
             if isinstance(command, m.Shutdown):
                 return
             request = getattr(command, "request", None)
-            if request in commands.cancelled:
-                commands.cancelled.discard(request)
-                self.send(m.Failed(request=request, kind="cancelled", message="cancelled"))
-                continue
             self.watchdog.busy = request
             try:
                 reply, arrays = self.handlers[type(command)](command, frames)
