@@ -2,7 +2,8 @@
 
 It builds each worker's spec from the configuration and the placement (which model each
 runtime loads), starts both at once, refuses a draft/target pair whose tokenizers differ,
-and restarts a worker that dies, with exponential backoff, for as long as the daemon runs.
+and restarts a worker that dies, with exponential backoff, for as long as the daemon runs
+(a restarted worker is used only if its tokenizer still fits the other worker's).
 A request that was using a dead worker fails at once (``WorkerDied``); the next one waits for
 the restarted worker (``worker``, up to ``restart_wait_s``) or fails clearly if it does not
 come back in time.
@@ -190,8 +191,9 @@ class Supervisor:
     async def _watch(self, name: str) -> None:
         """Restart ``name`` whenever it dies, for as long as the daemon runs.
 
-        A failed restart, whatever the cause (the worker's own, or the box's: no descriptors
-        or processes left), is logged and retried. The delay doubles, up to the largest of
+        A failed restart, whatever the cause (the worker's own, the box's: no descriptors or
+        processes left, or a model that no longer shares the other worker's tokenizer), is
+        logged and retried. The delay doubles, up to the largest of
         ``restart_backoff_s``, while restarts keep failing or the restarted worker dies again
         within that largest delay; it starts over once a worker stayed up that long."""
         first, largest = self.config.restart_backoff_s
@@ -210,7 +212,7 @@ class Supervisor:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, largest)  # for the next attempt, should this one fail
                 try:
-                    client = await self._spawn(name)
+                    client = await self._restart(name)
                 except Exception as error:  # whatever failed, supervision goes on
                     text = str(error)
                     if not isinstance(error, WorkerStartError):
@@ -218,8 +220,6 @@ class Supervisor:
                     log.error("worker restart failed", worker=name, error=text)
                     reason = "could not be restarted"
                     continue
-                if client.ready.vocab != self.workers[name].ready.vocab:
-                    log.error("restarted worker loaded a different vocabulary", worker=name)
                 self.workers[name] = client
                 self.restarts[name] += 1
                 up_since = time.monotonic()
@@ -227,6 +227,28 @@ class Supervisor:
                 log.info("worker restarted", worker=name, pid=client.pid,
                          restarts=self.restarts[name])  # fmt: skip
                 break
+
+    async def _restart(self, name: str) -> WorkerClient:
+        """A new incarnation of ``name`` whose vocabulary fits the other worker's; else it is
+        stopped and ``WorkerStartError`` says what differs. (Its model file may have been
+        replaced since the daemon started: tokens passed between mismatched vocabularies
+        would be wrong output, not an error.)"""
+        client = await self._spawn(name)
+        other = self.workers[self._other(name)].ready.vocab
+        if name == self.roles.drafter:
+            problems = incompatibilities(client.ready.vocab, other)
+        else:
+            problems = incompatibilities(other, client.ready.vocab)
+        if problems:
+            await client.stop(grace_s=1.0)
+            raise WorkerStartError(
+                f"the restarted {name} worker's model {client.spec.model} no longer shares "
+                f"the other worker's tokenizer: {'; '.join(problems)}"
+            )
+        return client
+
+    def _other(self, name: str) -> str:
+        return self.roles.verifier if name == self.roles.drafter else self.roles.drafter
 
     def heartbeats_fresh(self) -> bool:
         """Every worker process, serving or loading, beat within three intervals: the daemon

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 from pathlib import Path
 
 import pytest
 import zmq
-from test_daemon import CONTEXT
+from test_daemon import CONTEXT, Daemon, request
+from test_hardening_supervision import events, ready_health, wait_until
 from test_worker_process import LOAD_TIMEOUT, spec
 from tiny_models import write_tiny_gguf_llama, write_tiny_pair
 
@@ -84,6 +86,48 @@ async def test_a_call_cancelled_while_the_command_queue_is_full_stays_cancelled(
         client.kill()
         await client.stop()
         await settle(calls)
+
+
+# ------------------------------------------------------------------ 2: vocabulary on restart
+
+
+def test_a_worker_restarted_with_another_vocabulary_is_not_used(tmp_path, models) -> None:
+    """The draft model is replaced on disk by one with another tokenizer, then the CPU
+    worker (the drafter) dies: the restarted worker is refused like a failed restart, with
+    the differences logged, requests meanwhile get a clear 503, and once the right model is
+    back so is the worker."""
+    draft_folder = tmp_path / "draft"
+    shutil.copytree(models["draft"].parent, draft_folder)
+    draft = draft_folder / models["draft"].name
+    original = tmp_path / "original.gguf"
+    shutil.copy(draft, original)
+    daemon = Daemon(tmp_path / "daemon", models["target"], draft, "--set", "restart_wait_s=1")
+    try:
+        health = daemon.wait_ready()
+        swapped = tmp_path / "swapped.gguf"
+        shutil.copy(models["other"], swapped)
+        os.replace(swapped, draft)
+        os.kill(health["workers"]["cpu"]["pid"], signal.SIGKILL)
+        wait_until(lambda: events(daemon, "worker restart failed"), 20,
+                   "the restarted worker refused")  # fmt: skip
+        failure = events(daemon, "worker restart failed")[0]
+        assert failure["worker"] == "cpu"
+        assert "token texts differ" in failure["error"], failure
+        status, body = request(daemon.socket, "POST", "/api/generate",
+                               {"prompt": "x", "max_tokens": 2, "stream": False})  # fmt: skip
+        assert status == 503, body
+        assert "the cpu worker is restarting" in body["error"]["message"]
+        assert not events(daemon, "worker restarted")
+
+        os.replace(original, draft)
+        wait_until(lambda: ready_health(daemon), 30, "the worker back with the right model")
+        assert ready_health(daemon)["workers"]["cpu"]["restarts"] == 1
+        assert len(list(daemon.runtime_dir.glob("*.sock"))) == 4  # the refused ones stopped
+        status, body = request(daemon.socket, "POST", "/api/generate",
+                               {"prompt": "x", "max_tokens": 2, "stream": False})  # fmt: skip
+        assert status == 200, body
+    finally:
+        assert daemon.stop() == 0
 
 
 # ------------------------------------------------------------------ 3: late cancels
