@@ -362,7 +362,12 @@ class Service:
             raise ApiError(503, str(error), retry_after_s=5) from None
         run_id = f"{int(self.started_wall):x}-{next(self._run_ids)}"
         devices = {"target": verifier.ready.device, "draft": drafter.ready.device}
-        with self.slots.lease(run_id) as draft_slot, self.slots.lease(run_id) as verify_slot:
+        # a slot comes back once no call of this run may still write it (cancelled ones too)
+        settled = self.supervisor.settled
+        async with (
+            self.slots.lease(run_id, settled) as draft_slot,
+            self.slots.lease(run_id, settled) as verify_slot,
+        ):
             result = GenerationResult()
             stats, controller = SpeculativeStats(), self.controllers.get(mode)
             fixed = None  # the request's gamma fixes every round's plan

@@ -277,6 +277,12 @@ class Supervisor:
                 f"the {name} worker is restarting and was not ready within {timeout_s:g} s"
             ) from None
 
+    def settled(self) -> asyncio.Future:
+        """Resolves once each worker is done with every call it has in flight now, cancelled
+        ones included (``WorkerClient.settled``): then no slot those calls name is written.
+        A worker replaced since is dead, and so done with its calls."""
+        return asyncio.gather(*(client.settled() for client in self.workers.values()))
+
     async def stop(self, grace_s: float = 5.0) -> None:
         self._stopping = True
         for task in self._watchers:

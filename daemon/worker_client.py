@@ -10,6 +10,11 @@ fails at once with ``WorkerDied``; nothing waits for a reply that cannot come. N
 whose command or reply was lost: while it is pending the worker's heartbeats say it is idle
 (``Heartbeat.busy``), and after ``LOST_AFTER_IDLE_BEATS`` such beats the call fails.
 
+A cancelled call is not over for the worker: its command may be running, writing the arena
+slot it names. It is kept until the worker answers it (or is idle for those beats, or dies),
+and ``settled`` says when every call in flight is over, so that a slot is lent again only
+then.
+
 Only a decoded, well-formed message refreshes the worker's liveness: junk on the replies
 endpoint must not keep a hung worker alive. The endpoints are created with mode 0600 whatever
 the umask: whoever can connect to them can take the worker's commands.
@@ -124,6 +129,9 @@ class WorkerClient:
         self._context = zmq.Context.instance()
         self._codec = Codec(m.Reply)
         self._calls: dict[int, _Call] = {}
+        # cancelled calls the worker has not answered: it may still run them
+        self._abandoned: dict[int, _Call] = {}
+        self._settling: list[tuple[set[int], asyncio.Future]] = []  # see settled()
         self._ids = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
         self._process: asyncio.subprocess.Process | None = None
@@ -271,6 +279,8 @@ class WorkerClient:
         if not self.died.done():
             self.died.set_result(reason)
         self._fail_calls(lambda call: WorkerDied(self.spec.name, f"{reason} during {call.command}"))
+        self._abandoned.clear()  # a dead worker writes nothing more
+        self._wake_settled()
 
     async def _watch_exit(self) -> None:
         code = await self._process.wait()
@@ -307,6 +317,8 @@ class WorkerClient:
         """
         while self._replies.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self._dispatch(self._replies.recv_multipart(zmq.NOBLOCK))
+        if self._settling:
+            self._wake_settled()
 
     def _dispatch(self, frames: list[bytes]) -> None:
         try:
@@ -327,8 +339,9 @@ class WorkerClient:
             return
         call = self._calls.pop(request, None) if request is not None else None
         if call is None:
-            log.warning("reply nobody waits for", worker=self.spec.name,
-                        op=type(reply).__name__, request=request)  # fmt: skip
+            if self._abandoned.pop(request, None) is None:  # else: a cancelled call's answer
+                log.warning("reply nobody waits for", worker=self.spec.name,
+                            op=type(reply).__name__, request=request)  # fmt: skip
             return
         if call.future.done():
             return
@@ -340,7 +353,7 @@ class WorkerClient:
     def _control(self, reply: msgspec.Struct) -> bool:
         """Handle a message that answers no call (heartbeat, handshake, load); False if not."""
         if isinstance(reply, m.Heartbeat):
-            if reply.busy is None and self._calls:
+            if reply.busy is None and (self._calls or self._abandoned):
                 self._note_idle()
             return True
         if isinstance(reply, m.Hello):
@@ -371,6 +384,11 @@ class WorkerClient:
                 call.future.set_exception(WorkerError(
                     self.spec.name, "lost", f"no answer to {call.command}: the worker is idle, "
                     "so the command or its reply was lost"))  # fmt: skip
+        # a cancelled command the idle worker never answered is not running either
+        for request, call in list(self._abandoned.items()):
+            call.idle_beats += 1
+            if call.idle_beats >= LOST_AFTER_IDLE_BEATS:
+                del self._abandoned[request]
 
     def _fail_calls(self, error_for) -> None:
         """Fail every pending call with ``error_for(call)``."""
@@ -435,7 +453,8 @@ class WorkerClient:
         """Send ``command`` (whose ``request`` came from ``next_request``) and return the reply
         and its frames; raises ``WorkerError`` for a ``Failed`` reply and ``WorkerDied`` when
         the worker is gone. Cancelling the await sends ``Cancel`` to the worker where it can
-        and always ends in ``CancelledError``."""
+        and always ends in ``CancelledError``; ``settled`` still counts the call until the
+        worker is done with its command."""
         request = command.request
         future = self._send_call(request, command, arrays)
         # a timer handle instead of asyncio.wait_for, which costs ~50 us per call
@@ -460,8 +479,9 @@ class WorkerClient:
             ) from None
         except asyncio.CancelledError:
             timer.cancel()
-            self._calls.pop(request, None)
-            if not self.died.done():
+            call = self._calls.pop(request, None)  # None: already answered
+            if call is not None and not self.died.done():
+                self._abandoned[request] = call  # until the worker is done with the command
                 # best effort: a full queue (WorkerError "overloaded") or a closed socket must
                 # not turn the cancellation into a failure; the command runs and is answered
                 with contextlib.suppress(zmq.ZMQError, WorkerError):
@@ -469,6 +489,30 @@ class WorkerClient:
             raise
         finally:
             timer.cancel()
+
+    def settled(self) -> asyncio.Future:
+        """A future that resolves once the worker is done with every call in flight now,
+        awaited or cancelled: each answered, failed, given up as lost, or the worker gone.
+        Until then a cancelled call's command may still run and write the slot it names."""
+        future = asyncio.get_running_loop().create_future()
+        waiting = self._calls.keys() | self._abandoned.keys()
+        if waiting and not self.died.done():
+            self._settling.append((waiting, future))
+        else:
+            future.set_result(None)
+        return future
+
+    def _wake_settled(self) -> None:
+        outstanding = self._calls.keys() | self._abandoned.keys()
+        waiting = []
+        for requests, future in self._settling:
+            if future.done():  # given up by whoever waited
+                continue
+            if self.died.done() or not requests & outstanding:  # ids are never reused
+                future.set_result(None)
+            else:
+                waiting.append((requests, future))
+        self._settling = waiting
 
     @property
     def alive(self) -> bool:

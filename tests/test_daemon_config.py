@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from hetspec.daemon.config import BUNDLED_MODELS, ConfigError, load_config
@@ -86,18 +88,43 @@ def test_the_verifier_borrows_the_drafters_cores_only_where_both_compute_on_the_
     assert spare(HETSPEC_GPU_WORKER__DEVICE="cuda") == {"cpu": (), "gpu": ()}
 
 
-def test_arena_slots_are_lent_to_one_owner_at_a_time() -> None:
+async def test_arena_slots_are_lent_to_one_owner_at_a_time() -> None:
     pool = SlotPool(2)
     first = pool.lend("request 1")
-    with pool.lease("request 2") as second:
+    async with pool.lease("request 2") as second:
         assert second != first
         with pytest.raises(SlotError, match=r"no free arena slot for request 3 \(held: "):
             pool.lend("request 3")
     assert pool.free == 1
-    assert pool.reclaim("request 1") == [first]
+    pool.give_back(first)
     assert pool.free == 2
     with pytest.raises(SlotError, match="was not lent"):
         pool.give_back(first)
+
+
+async def test_a_slot_given_back_not_before_a_future_waits_for_it() -> None:
+    """A lease waits for a settling slot rather than failing; the slot is lent once the
+    future is done, whatever its outcome."""
+    pool = SlotPool(1)
+    worker_done = asyncio.get_running_loop().create_future()
+    async with pool.lease("request 1", lambda: worker_done):
+        pass
+    assert pool.free == 0
+    with pytest.raises(SlotError, match=r"settling: \[0\]"):
+        pool.lend("request 2")
+    lent = asyncio.Event()
+
+    async def request_two() -> None:
+        async with pool.lease("request 2"):
+            lent.set()
+
+    second = asyncio.ensure_future(request_two())
+    await asyncio.sleep(0.01)
+    assert not lent.is_set()
+    worker_done.set_exception(RuntimeError("the worker died"))
+    await asyncio.wait_for(second, 1)
+    assert lent.is_set()
+    assert pool.free == 1
 
 
 def test_llama_cpp_settings_follow_the_workers_role_unless_configured() -> None:

@@ -6,20 +6,25 @@ ZeroMQ, real daemons."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import zmq
-from test_daemon import CONTEXT, Daemon, request
+from test_daemon import CONTEXT, Daemon, request, stream, target_greedy
 from test_hardening_supervision import events, ready_health, wait_until
 from test_worker_process import LOAD_TIMEOUT, spec
 from tiny_models import write_tiny_gguf_llama, write_tiny_pair
 
-from hetspec.daemon.worker_client import WorkerClient, WorkerError
-from hetspec.protocol import Arena, Codec
+from hetspec.daemon.slots import SlotPool
+from hetspec.daemon.worker_client import WorkerClient, WorkerDied, WorkerError
+from hetspec.protocol import Arena, ArrayRef, Codec
 from hetspec.protocol import worker_messages as m
 from hetspec.workers.process import CommandReader
 
@@ -168,3 +173,114 @@ def test_the_worker_keeps_nothing_of_a_cancel_that_came_after_its_answer(tmp_pat
     finally:
         reader.socket.close(linger=0)
         daemon_side.close()
+
+
+# ------------------------------------------------------------------ 4: slots and cancels
+
+
+async def test_a_slot_whose_call_was_cancelled_is_not_lent_before_the_worker_is_done(
+    gguf, tmp_path, arena
+) -> None:
+    """One slot, so no rotation hides it: a call writing the slot is cancelled while the
+    worker cannot answer (stopped, as if computing), and the slot goes back. It is lent
+    again only once the worker is done with that call; then nothing overwrites it."""
+    client = WorkerClient(spec(gguf, "llama.cpp", heartbeat_timeout_s=60), tmp_path, 1,
+                          arena.layout)  # fmt: skip
+    await client.start(LOAD_TIMEOUT)
+    pool = SlotPool(1)
+    rows = np.full((16, VOCAB), 1.0, np.float32)
+    second: asyncio.Future | None = None
+    try:
+        async with pool.lease("run 1", client.settled) as slot:
+            os.kill(client.pid, signal.SIGSTOP)
+            echo = m.Echo(request=client.next_request(), data=ArrayRef("<f4", rows.shape, frame=1),
+                          out=slot)  # fmt: skip
+            call = asyncio.ensure_future(client.call(echo, (rows,)))
+            await asyncio.sleep(0)  # sent
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+
+        lent_again = asyncio.Event()
+
+        async def run_two() -> int:
+            async with pool.lease("run 2", client.settled) as slot:
+                lent_again.set()
+                arena.empty(slot, rows.shape)[:] = 2.0  # this run's rows
+                # a round trip: whatever the worker had queued is done by its answer
+                await client.call(m.Tokenize(request=client.next_request(), text="x"))
+                return int(arena.view(ArrayRef("<f4", rows.shape, slot=slot)).min())
+
+        second = asyncio.ensure_future(run_two())
+        await asyncio.sleep(0.3)
+        assert not lent_again.is_set(), "the slot was lent again while the cancelled call may write"
+        assert pool.free == 0
+        os.kill(client.pid, signal.SIGCONT)
+        assert await asyncio.wait_for(second, 10) == 2  # not overwritten by the cancelled call
+        assert pool.free == 1
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(client.pid, signal.SIGCONT)
+        await client.stop()
+        if second is not None:
+            await settle([second])
+
+
+async def test_a_slot_comes_back_when_the_worker_dies_with_the_cancelled_call(
+    gguf, tmp_path, arena
+) -> None:
+    """The worker never answers the cancelled call because it dies: the slot is free again
+    at once, not held for ever."""
+    client = WorkerClient(spec(gguf, "llama.cpp", heartbeat_timeout_s=60), tmp_path, 1,
+                          arena.layout)  # fmt: skip
+    await client.start(LOAD_TIMEOUT)
+    pool = SlotPool(1)
+    try:
+        async with pool.lease("run 1", client.settled) as slot:
+            os.kill(client.pid, signal.SIGSTOP)
+            command = m.Prefill(request=client.next_request(), tokens=[1, 2, 3], out=slot)
+            call = asyncio.ensure_future(client.call(command))
+            await asyncio.sleep(0)
+            call.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await call
+        assert pool.free == 0
+        client.kill()
+        assert await asyncio.wait_for(client.died, 5) == "was killed by SIGKILL"
+        started = time.monotonic()
+        async with pool.lease("run 2", client.settled) as slot:
+            assert slot == 0
+        assert time.monotonic() - started < 1
+        with pytest.raises(WorkerDied):
+            await client.call(m.Tokenize(request=client.next_request(), text="x"))
+    finally:
+        await client.stop()
+
+
+def test_with_two_slots_requests_after_clients_left_mid_stream_are_exact(tmp_path, models) -> None:
+    """The daemon's own path with only the two slots one request holds, so each request gets
+    the slots the one before left: clients leave streams in every speculative mode (their
+    calls are cancelled mid-round), and the next request still gets the target's own greedy
+    tokens, without waiting long for its slots."""
+    daemon = Daemon(tmp_path, models["target"], models["draft"], "--set", "arena_slots=2")
+    prompt = "def load(path):\n"
+    try:
+        daemon.wait_ready()
+        for mode in ("sequential", "parallel", "adaptive"):
+            endless = {"prompt": "class A:\n", "mode": mode, "max_tokens": 4000,
+                       "ignore_eos": True}  # fmt: skip
+            connection, response = stream(daemon.socket, endless)
+            for _ in range(3):
+                assert json.loads(response.readline())["done"] is False
+            connection.close()
+            response.close()
+            started = time.monotonic()
+            status, body = request(daemon.socket, "POST", "/api/generate",
+                                   {"prompt": prompt, "max_tokens": 24, "stream": False,
+                                    "ignore_eos": True, "mode": mode})  # fmt: skip
+            assert status == 200, body
+            assert body["tokens"] == target_greedy(models["target"], prompt, 24).tolist(), mode
+            assert time.monotonic() - started < 10
+        assert "no free arena slot" not in daemon.log.read_text()
+    finally:
+        assert daemon.stop() == 0
