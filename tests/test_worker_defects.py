@@ -284,3 +284,26 @@ def test_with_two_slots_requests_after_clients_left_mid_stream_are_exact(tmp_pat
         assert "no free arena slot" not in daemon.log.read_text()
     finally:
         assert daemon.stop() == 0
+
+
+# ------------------------------------------------------------------ 5: unreadable commands
+
+
+async def test_a_call_whose_own_command_the_worker_cannot_read_fails_at_once(
+    gguf, tmp_path, arena
+) -> None:
+    """A command the daemon encodes but the worker cannot decode (a codec mismatch): the
+    worker answers Failed(request=None), and the call fails with its message at once, not
+    at call_timeout_s; the worker serves on."""
+    client = WorkerClient(spec(gguf, "llama.cpp", call_timeout_s=30), tmp_path, 1, arena.layout)
+    await client.start(LOAD_TIMEOUT)
+    try:
+        started = time.monotonic()
+        with pytest.raises(WorkerError, match="Expected `str`, got `int`") as failure:
+            await client.call(m.Tokenize(request=client.next_request(), text=123))
+        assert failure.value.kind == "protocol"
+        assert time.monotonic() - started < 1
+        reply, _ = await client.call(m.Tokenize(request=client.next_request(), text="x"))
+        assert reply.tokens
+    finally:
+        await client.stop()
