@@ -1,8 +1,15 @@
-"""Suite-wide settings: GPU tests skip, with the reason, when CUDA is absent."""
+"""Suite-wide settings (GPU tests skip, with the reason, when CUDA is absent) and the tiny
+models and arena many modules share (a module may define its own under the same name)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
+from tiny_models import DAEMON_CONTEXT, TINY_VOCAB, write_tiny_gguf_llama, write_tiny_pair
+
+from hetspec.protocol import Arena
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -24,3 +31,28 @@ def heavy(tmp_path_factory: pytest.TempPathFactory):
     from hetspec.models.heavy import DEFAULT_TYPES, ensure_heavy  # noqa: PLC0415
 
     return ensure_heavy("100m", DEFAULT_TYPES, tmp_path_factory.mktemp("cache"), quiet=True)
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    """The tiny llama GGUF (vocabulary TINY_VOCAB)."""
+    return write_tiny_gguf_llama(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture
+def arena(tmp_path):
+    """A 4-slot arena for 16 rows of the tiny vocabulary."""
+    name = f"/dev/shm/hetspec-test-{os.getpid()}-{tmp_path.name}"
+    with Arena.create(name, 4, 16 * TINY_VOCAB * 4) as arena:
+        yield arena
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """The tiny pair the daemon tests serve, and "other": a draft with another tokenizer."""
+    root = tmp_path_factory.mktemp("models")
+    return write_tiny_pair(root, DAEMON_CONTEXT) | {
+        "other": write_tiny_gguf_llama(
+            root / "other", seed=1, layers=1, vocab_size=300, context=DAEMON_CONTEXT
+        ),
+    }

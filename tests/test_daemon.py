@@ -15,14 +15,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tiny_models import write_tiny_gguf_llama, write_tiny_pair
+from tiny_models import DAEMON_CONTEXT
 
 from hetspec.daemon.instance import Instance
 from hetspec.protocol.arena import SHM_DIR
 from hetspec.speculative.sampling import SamplingParams
 from hetspec.workers.torch_runtime import TorchRuntime
 
-CONTEXT = 4096
+CONTEXT = DAEMON_CONTEXT
 MODES = ("sequential", "parallel", "adaptive")  # the speculative ones
 STARTUP_TIMEOUT = 120
 
@@ -52,16 +52,6 @@ def stream(sock: Path, body: dict):
     response = connection.getresponse()
     assert response.status == 200
     return connection, response
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("models")
-    return write_tiny_pair(root, CONTEXT) | {
-        "other": write_tiny_gguf_llama(
-            root / "other", seed=1, layers=1, vocab_size=300, context=CONTEXT
-        ),
-    }
 
 
 class Daemon:

@@ -8,16 +8,17 @@ import uuid
 import msgspec
 import numpy as np
 import pytest
+from fake_worker import VOCAB, InProcessWorker, TableModel
 
-from hetspec.daemon.engine import Decoder, SpeculativeStats, WorkerPair
+from hetspec.daemon.engine import Decoder, WorkerPair
 from hetspec.daemon.requests import GenerateRequest, GenerationResult
+from hetspec.daemon.round_stats import SpeculativeStats
 from hetspec.daemon.worker_client import WorkerError
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.arena import Arena
 from hetspec.speculative.budget import BudgetController, Choice, ControllerConfig
 from hetspec.speculative.exploration import ExplorationState
 from hetspec.speculative.rounds import DraftCall, Plan, RoundReport
-from tests.fake_worker import VOCAB, InProcessWorker, TableModel
 
 PROMPT = "def read(path):"
 

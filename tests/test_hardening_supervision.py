@@ -20,10 +20,9 @@ import pytest
 import zmq
 from test_daemon import CONTEXT, Daemon, UnixHTTPConnection, request
 from test_worker_process import LOAD_TIMEOUT, spec
-from tiny_models import write_tiny_gguf_llama, write_tiny_pair
+from tiny_models import write_tiny_pair
 
 from hetspec.daemon.worker_client import WorkerClient, WorkerError, WorkerStartError
-from hetspec.protocol import Arena
 from hetspec.protocol import worker_messages as m
 
 ROOT = os.geteuid() == 0
@@ -34,18 +33,6 @@ VOCAB = 320
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     return write_tiny_pair(tmp_path_factory.mktemp("models"), CONTEXT)
-
-
-@pytest.fixture(scope="module")
-def gguf(tmp_path_factory):
-    return write_tiny_gguf_llama(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture
-def arena(tmp_path):
-    name = f"/dev/shm/hetspec-test-{os.getpid()}-{tmp_path.name}"
-    with Arena.create(name, 4, 16 * VOCAB * 4) as arena:
-        yield arena
 
 
 def open_fds() -> set[int]:
@@ -256,19 +243,28 @@ async def test_a_command_that_is_lost_fails_its_call_in_about_a_second(
         await client.stop()
 
 
+@pytest.mark.parametrize("unreadable", ["junk", "the call's own command"])
 async def test_a_command_the_worker_cannot_read_fails_the_pending_calls_at_once(
-    gguf, tmp_path, arena
+    gguf, tmp_path, arena, unreadable
 ) -> None:
-    """The worker answers an unreadable command with Failed(request=None); which call it was
-    is unknown, so every pending one fails with the worker's message instead of waiting."""
-    client = WorkerClient(spec(gguf, "llama.cpp"), tmp_path, 1, arena.layout)
+    """The worker answers an unreadable command (junk, or a command the daemon encoded but the
+    worker cannot decode: a codec mismatch) with Failed(request=None); which call it was is
+    unknown, so every pending one fails with the worker's message instead of waiting for
+    call_timeout_s; the worker serves on."""
+    client = WorkerClient(spec(gguf, "llama.cpp", call_timeout_s=30), tmp_path, 1, arena.layout)
     await client.start(LOAD_TIMEOUT)
     try:
-        client._commands.send(b"garbage")  # what a codec mismatch would look like
+        text = "x"
+        if unreadable == "junk":
+            client._commands.send(b"garbage")
+        else:
+            text = 123  # encodes, but the worker's codec wants a str
         started = time.monotonic()
         with pytest.raises(WorkerError) as failure:
-            await client.call(m.Tokenize(request=client.next_request(), text="x"))
+            await client.call(m.Tokenize(request=client.next_request(), text=text))
         assert failure.value.kind == "protocol"
+        if unreadable != "junk":
+            assert "Expected `str`, got `int`" in str(failure.value)
         assert time.monotonic() - started < 1
         reply, _ = await client.call(m.Tokenize(request=client.next_request(), text="x"))
         assert reply.tokens

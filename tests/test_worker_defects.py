@@ -12,46 +12,19 @@ import os
 import shutil
 import signal
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import zmq
-from test_daemon import CONTEXT, Daemon, request, stream, target_greedy
+from test_daemon import Daemon, request, stream, target_greedy
 from test_hardening_supervision import events, ready_health, wait_until
-from test_worker_process import LOAD_TIMEOUT, spec
-from tiny_models import write_tiny_gguf_llama, write_tiny_pair
+from test_worker_process import LOAD_TIMEOUT, VOCAB, spec
 
 from hetspec.daemon.slots import SlotPool
 from hetspec.daemon.worker_client import WorkerClient, WorkerDied, WorkerError
-from hetspec.protocol import Arena, ArrayRef, Codec
+from hetspec.protocol import ArrayRef, Codec
 from hetspec.protocol import worker_messages as m
 from hetspec.workers.process import CommandReader
-
-VOCAB = 320
-
-
-@pytest.fixture(scope="module")
-def gguf(tmp_path_factory):
-    return write_tiny_gguf_llama(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture
-def arena(tmp_path):
-    with Arena.create(
-        f"/dev/shm/hetspec-test-{os.getpid()}-{tmp_path.name}", 4, 16 * VOCAB * 4
-    ) as arena:
-        yield arena
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("models")
-    return write_tiny_pair(root, CONTEXT) | {
-        "other": write_tiny_gguf_llama(
-            root / "other", seed=1, layers=1, vocab_size=300, context=CONTEXT
-        ),
-    }
 
 
 async def settle(calls: list[asyncio.Future]) -> None:
@@ -284,26 +257,3 @@ def test_with_two_slots_requests_after_clients_left_mid_stream_are_exact(tmp_pat
         assert "no free arena slot" not in daemon.log.read_text()
     finally:
         assert daemon.stop() == 0
-
-
-# ------------------------------------------------------------------ 5: unreadable commands
-
-
-async def test_a_call_whose_own_command_the_worker_cannot_read_fails_at_once(
-    gguf, tmp_path, arena
-) -> None:
-    """A command the daemon encodes but the worker cannot decode (a codec mismatch): the
-    worker answers Failed(request=None), and the call fails with its message at once, not
-    at call_timeout_s; the worker serves on."""
-    client = WorkerClient(spec(gguf, "llama.cpp", call_timeout_s=30), tmp_path, 1, arena.layout)
-    await client.start(LOAD_TIMEOUT)
-    try:
-        started = time.monotonic()
-        with pytest.raises(WorkerError, match="Expected `str`, got `int`") as failure:
-            await client.call(m.Tokenize(request=client.next_request(), text=123))
-        assert failure.value.kind == "protocol"
-        assert time.monotonic() - started < 1
-        reply, _ = await client.call(m.Tokenize(request=client.next_request(), text="x"))
-        assert reply.tokens
-    finally:
-        await client.stop()

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from tiny_models import write_tiny_gguf_llama
+from tiny_models import TINY_VOCAB
 
 from hetspec.daemon.worker_client import (
     WorkerClient,
@@ -20,24 +20,11 @@ from hetspec.daemon.worker_client import (
     WorkerSpec,
     WorkerStartError,
 )
-from hetspec.protocol import Arena, ArrayRef, frame_array
+from hetspec.protocol import ArrayRef, frame_array
 from hetspec.protocol import worker_messages as m
 
 LOAD_TIMEOUT = 120
-VOCAB = 320
-
-
-@pytest.fixture(scope="module")
-def gguf(tmp_path_factory):
-    return write_tiny_gguf_llama(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture
-def arena(tmp_path):
-    with Arena.create(
-        f"/dev/shm/hetspec-test-{os.getpid()}-{tmp_path.name}", 4, 16 * VOCAB * 4
-    ) as arena:
-        yield arena
+VOCAB = TINY_VOCAB
 
 
 def spec(gguf, runtime: str, **overrides) -> WorkerSpec:

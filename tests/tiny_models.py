@@ -82,12 +82,16 @@ def tokenizer_texts() -> list[str]:
     return [(root / name).read_text() for name in ("json/__init__.py", "textwrap.py", "glob.py")]
 
 
+TINY_VOCAB = 320  # write_tiny_gguf_llama's default vocabulary
+DAEMON_CONTEXT = 4096  # the context the daemon tests give the tiny pair
+
+
 def write_tiny_gguf_llama(
     folder: Path,
     *,
     seed: int = 0,
     layers: int = 2,
-    vocab_size: int = 320,
+    vocab_size: int = TINY_VOCAB,
     gguf_type: str = "f32",
     context: int | None = None,
 ) -> Path:
