@@ -35,7 +35,7 @@ from hetspec.speculative.rounds import DraftCall, Plan, RoundReport
 from hetspec.speculative.sampling import distribution
 from hetspec.speculative.verify import Verdict, accept_token, verify_greedy, verify_sampling
 
-__all__ = ["Decoder", "SpeculativeStats", "WorkerPair"]  # the stats live in round_stats
+__all__ = ["Decoder", "WorkerPair"]
 
 VERIFIER_STREAM = 0x5EC  # told apart from the drafter's stream of the same seed (see __init__)
 

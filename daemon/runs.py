@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from hetspec.daemon.api_errors import ApiError
-from hetspec.daemon.engine import SpeculativeStats
 from hetspec.daemon.requests import GenerationResult
+from hetspec.daemon.round_stats import SpeculativeStats
 from hetspec.daemon.supervisor import WorkerUnavailable
 from hetspec.daemon.worker_client import WorkerError
 from hetspec.speculative.budget import BudgetController

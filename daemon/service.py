@@ -34,11 +34,12 @@ from hetspec.daemon.autoregressive import generate
 from hetspec.daemon.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from hetspec.daemon.config import BUNDLED_MODELS, DaemonConfig
 from hetspec.daemon.cores import CoreError
-from hetspec.daemon.engine import Decoder, SpeculativeStats, WorkerPair
+from hetspec.daemon.engine import Decoder, WorkerPair
 from hetspec.daemon.http_guard import GuardedRunner
 from hetspec.daemon.instance import Instance, InstanceError
 from hetspec.daemon.metrics import Metrics
 from hetspec.daemon.requests import GenerateRequest, GenerationResult
+from hetspec.daemon.round_stats import SpeculativeStats
 from hetspec.daemon.runs import Run
 from hetspec.daemon.runtime_choice import (
     RuntimeChoiceError,
