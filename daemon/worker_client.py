@@ -419,10 +419,33 @@ class WorkerClient:
         # zero-copy pays only for big frames; pyzmq's zero-copy path costs more for small ones
         try:
             self._send(self._codec.encode(command, arrays), copy=not arrays)
-        except WorkerError as error:
+        except WorkerError as refused:
             self._calls.pop(request, None)
-            future.set_exception(error)
+            # no reader because the process is gone, not because it is slow: ZeroMQ drops a
+            # dead peer's pipe at once, often before the exit watcher runs
+            ended = self._exit_status()
+            if ended is None:
+                future.set_exception(refused)
+            else:
+                log.warning("worker died", worker=self.spec.name, pid=self.pid, reason=ended)
+                self._mark_dead(ended)
+                future.set_exception(WorkerDied(self.spec.name, ended))
         return future
+
+    def _exit_status(self) -> str | None:
+        """How the worker's process ended, or None while it runs; leaves its exit status to
+        the exit watcher (WNOWAIT)."""
+        if self._process is None:
+            return None
+        try:
+            ended = os.waitid(os.P_PID, self._process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # reaped already; the watcher's callback is still to run
+            return "is gone"
+        if ended is None:
+            return None
+        if ended.si_code == os.CLD_EXITED:
+            return f"exited with code {ended.si_status}"
+        return f"was killed by {signal.Signals(ended.si_status).name}"
 
     async def _send_first(self, frames: list, timeout_s: float) -> None:
         """The first command: the worker's commands connection may still be in its handshake

@@ -66,6 +66,25 @@ async def test_a_call_cancelled_while_the_command_queue_is_full_stays_cancelled(
         await settle(calls)
 
 
+async def test_a_call_to_a_worker_killed_a_moment_ago_fails_as_its_death(
+    gguf, tmp_path, arena
+) -> None:
+    """ZeroMQ drops a dead worker's pipe before the exit watcher runs: a command sent then
+    finds no reader, and must fail as the worker's death (which the service starts over
+    from), not as a full command queue."""
+    worker = spec(gguf, "llama.cpp", heartbeat_timeout_s=60)
+    client = WorkerClient(worker, tmp_path, 1, arena.layout)
+    await client.start(LOAD_TIMEOUT)
+    try:
+        os.kill(client.pid, signal.SIGKILL)
+        time.sleep(0.5)  # blocking: the event loop, and so the exit watcher, does not run
+        with pytest.raises(WorkerDied, match=r"the cpu worker (is gone|was killed by SIGKILL)"):
+            await client.call(m.Tokenize(request=client.next_request(), text="x"))
+        assert client.died.done()
+    finally:
+        await client.stop()
+
+
 # ------------------------------------------------------------------ 2: vocabulary on restart
 
 
