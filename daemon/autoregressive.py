@@ -94,7 +94,7 @@ async def generate(
                 yield "".join(pieces)
             if len(result.tokens) >= max_tokens or result.done_reason == "stop":
                 break
-            wide = cores.choose()
+            spare_cores = cores.choose()
             steps = alone_tokens(token_s, trial=cores.exploring)
             decoded, _ = await worker.call(
                 m.Decode(
@@ -102,12 +102,12 @@ async def generate(
                     steps=min(steps, max_tokens - len(result.tokens)),
                     sampling=request.sampling,
                     append=tokens[-1:],  # the last call's last token: drawn, not evaluated
-                    spare_cores=wide,
+                    spare_cores=spare_cores,
                 )
             )
             tokens = decoded.tokens
             token_s = decoded.elapsed_ms / 1000 / len(tokens)
-            cores.record(wide, token_s)
+            cores.record(spare_cores, token_s)
         tail = output.flush()
         if tail:
             yield tail

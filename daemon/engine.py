@@ -130,14 +130,14 @@ class Decoder:
         self.max_tokens = token_budget(self.request, len(prompt), context, room)
         self.drafter = DrafterSide(self.pair, prompt, self.request.seed)
         alone = self.fixed is None and self.controller.decodes_alone()
-        wide = bool(verifier.spec.spare_cores) and self.pair.alone_cores.preferred()
-        if not (wide or alone):
+        spare_cores = bool(verifier.spec.spare_cores) and self.pair.alone_cores.preferred()
+        if not (spare_cores or alone):
             self.drafter.start_prefill()
         # the verifier draws by itself in rounds without a draft: its own stream
         own = None if self.request.seed is None else self.request.seed ^ 0x7A26E7
         prefilled, _ = await verifier.call(m.Prefill(
             request=verifier.next_request(), tokens=prompt, out=self.pair.verify_slot, seed=own,
-            spare_cores=wide))  # fmt: skip
+            spare_cores=spare_cores))  # fmt: skip
         result.prompt_tokens = len(prompt)
         result.prompt_ms = (time.perf_counter() - started) * 1000
         return first_token(self.pair.arena.view(prefilled.logits), self.params, self.rng)
@@ -176,11 +176,13 @@ class Decoder:
                                                            self.params, scale)  # fmt: skip
         tokens, parents, origin = flatten(drafted)
         probs = self.pair.arena.view(drafted.probs)
-        wide = self.pair.verify_cores.choose()  # the drafter's call is done: it idles
+        spare_cores = self.pair.verify_cores.choose()  # the drafter's call is done: it idles
         verify_start = time.perf_counter()
-        verified, _ = await self._choosing_ahead(self.verifier.verify(tokens, parents, wide=wide))
+        verified, _ = await self._choosing_ahead(
+            self.verifier.verify(tokens, parents, spare_cores=spare_cores)
+        )
         verify_s = time.perf_counter() - verify_start
-        self.pair.verify_cores.record(wide, verified.elapsed_ms / 1000 / (len(tokens) + 1))
+        self.pair.verify_cores.record(spare_cores, verified.elapsed_ms / 1000 / (len(tokens) + 1))
         logits = self.pair.arena.view(verified.logits)
         draft_rows = lambda: np.stack([probs[b, s] for b, s in origin])  # noqa: E731
         verdict = self._verdict(tokens, parents, logits, draft_rows)
@@ -243,11 +245,11 @@ class Decoder:
         start = time.perf_counter()
         idle = self.drafter.idle()  # else the drafter prefills: the target keeps to its cores
         cores = self.pair.alone_cores
-        wide = idle and cores.choose()
+        spare_cores = idle and cores.choose()
         steps = alone_tokens(self.controller.estimates.target_alone_s(),
                              trial=idle and cores.exploring)  # fmt: skip
         decoded, _ = await self._choosing_ahead(
-            self.verifier.decode(min(steps, remaining), self.params, wide=wide)
+            self.verifier.decode(min(steps, remaining), self.params, spare_cores=spare_cores)
         )
         tokens = decoded.tokens
         self.verifier.decoded(tokens)
@@ -256,7 +258,7 @@ class Decoder:
         self.drafter.unseen += emitted
         compute_s = decoded.elapsed_ms / 1000 / len(tokens)
         if idle:
-            cores.record(wide, compute_s)
+            cores.record(spare_cores, compute_s)
         # the first round without a draft is a transition (it evaluates the last round's
         # bonus and moves the target onto the spare cores): not what decoding alone costs
         round_s = (time.perf_counter() - start) / len(tokens) if self.alone_streak else None

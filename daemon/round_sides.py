@@ -137,27 +137,27 @@ class VerifierSide:
         self._tree: list[int] = []  # the tokens of the last tree evaluated: [bonus, *draft]
         self._keep: list[int] = []  # its nodes to commit: the bonus and the accepted path
 
-    def verify(self, tokens: list[int], parents: list[int], *, wide: bool = False):
+    def verify(self, tokens: list[int], parents: list[int], *, spare_cores: bool = False):
         """The call evaluating a draft tree below the bonus (logits row 0: after the bonus,
         where the draft grows from), committing the last round's path first; on the
-        drafter's cores too when ``wide``."""
+        drafter's cores too when ``spare_cores``."""
         self._tree = [self.bonus, *tokens]
         return self.client.call(m.VerifyTree(
             request=self.client.next_request(), tokens=self._tree,
             parents=[-1, *(p + 1 for p in parents)], out=self.slot, commit=self._keep,
-            spare_cores=wide))  # fmt: skip
+            spare_cores=spare_cores))  # fmt: skip
 
     def accepted(self, verdict: Verdict) -> None:
         self._keep = [0, *(node + 1 for node in verdict.path)]
         self.bonus = verdict.bonus
 
-    def decode(self, steps: int, params: SamplingParams, *, wide: bool):
+    def decode(self, steps: int, params: SamplingParams, *, spare_cores: bool):
         """The call decoding ``steps`` tokens alone after committing the last round's path
         and evaluating the bonus; see ``decoded``."""
         kept = [self._tree[node] for node in self._keep]
         return self.client.call(m.Decode(
             request=self.client.next_request(), steps=steps, sampling=params,
-            append=[*kept, self.bonus], spare_cores=wide))  # fmt: skip
+            append=[*kept, self.bonus], spare_cores=spare_cores))  # fmt: skip
 
     def decoded(self, tokens: list[int]) -> None:
         """It committed every token it drew but the last, the new bonus."""

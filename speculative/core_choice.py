@@ -24,14 +24,14 @@ class SpareCoreChoice:
         self._confirming = False  # ... and it measured better: try it again at once
         self._best = True
 
-    def _median(self, wide: bool) -> float | None:
-        samples = self._cost[wide]
+    def _median(self, spare_cores: bool) -> float | None:
+        samples = self._cost[spare_cores]
         return statistics.median(samples) if samples else None
 
     def preferred(self) -> bool:
         """The better choice as measured (the spare cores until shown otherwise)."""
-        wide, narrow = self._median(True), self._median(False)
-        return wide is None or narrow is None or wide <= narrow
+        with_spare, without = self._median(True), self._median(False)
+        return with_spare is None or without is None or with_spare <= without
 
     def choose(self) -> bool:
         """For the next call of the target alone: the preferred choice, or now and then the
@@ -55,22 +55,22 @@ class SpareCoreChoice:
         """The preferred choice's median cost per token, if measured."""
         return self._median(self.preferred())
 
-    def record(self, wide: bool, seconds_per_token: float) -> None:
-        """The target's own compute per token in a call made with (``wide``) or without
+    def record(self, spare_cores: bool, seconds_per_token: float) -> None:
+        """The target's own compute per token in a call made with (``spare_cores``) or without
         the spare cores."""
         if seconds_per_token <= 0:
             return
         if self._exploring:
-            other = self._median(not wide)
+            other = self._median(not spare_cores)
             self._confirming = other is not None and seconds_per_token < other
-        self._cost[wide].append(seconds_per_token)
+        self._cost[spare_cores].append(seconds_per_token)
 
     def snapshot(self) -> dict:
         """What was measured: the median cost with and without the spare cores (None where
         not measured yet), and the choice they make."""
 
-        def ms(wide: bool) -> float | None:
-            median = self._median(wide)
+        def ms(spare_cores: bool) -> float | None:
+            median = self._median(spare_cores)
             return None if median is None else round(median * 1000, 4)
 
         return {"with_ms": ms(True), "without_ms": ms(False), "uses": self.preferred()}
