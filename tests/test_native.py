@@ -79,6 +79,18 @@ def test_activations_quantize_per_row_block_as_the_reference(kernels: Kernels) -
     np.testing.assert_array_equal(q.reshape(5, 4, BLOCK), expected.astype(np.int8))
 
 
+
+def test_activation_rounding_is_c_roundf_at_the_halves(kernels: Kernels) -> None:
+    """Halves go away from zero, and the float just below a half goes down (a rounding by
+    adding 0.5 would send 0.49999997 up): the SIMD path is C's roundf exactly."""
+    below_half = np.nextafter(np.float32(0.5), np.float32(0))
+    values = [127, 2.5, -2.5, 0.5, -0.5, below_half, -below_half, 126.5, -126.5, 1.5, 0]
+    x = np.zeros((1, BLOCK), np.float32)
+    x[0, : len(values)] = values  # the largest is 127: the scale is exactly 1
+    q, scale = kernels.quantize_rows(x)
+    assert scale[0, 0] == 1
+    assert q[0, : len(values)].tolist() == [127, 3, -3, 1, -1, 0, 0, 127, -127, 2, 0]
+
 @pytest.mark.parametrize("kind", [Q8_0, Q4_0])
 def test_quantized_products_are_exact_integers_for_every_width(kernels, kind) -> None:
     rng = np.random.default_rng(kind)

@@ -21,7 +21,7 @@
 #endif
 
 #define INLINE __attribute__((always_inline)) static inline
-#define ROW_TILE 4    /* rows sharing each weight block load (tile_avx2 has a case each) */
+#define GROUP 8       /* rows of one interleaved activation group: the 8 int32 lanes of AVX2 */
 #define COL_CHUNK 16  /* output features a thread takes at a time */
 
 typedef struct {
@@ -95,12 +95,6 @@ static void quantize_row(const float *x, int cols, int8_t *q, float *scale) {
     }
 }
 
-void hs_quantize_rows(const float *x, int n, int cols, int8_t *q, float *scale) {
-    for (int i = 0; i < n; i++)
-        quantize_row(x + (size_t)i * cols, cols, q + (size_t)i * cols,
-                     scale + (size_t)i * (cols / HS_BLOCK));
-}
-
 static void rms_norm(const float *x, const float *weight, int cols, float eps, float *out) {
     double squares = 0.0;
     for (int k = 0; k < cols; k++) squares += (double)x[k] * x[k];
@@ -149,6 +143,20 @@ static void rope_row(float *x, int heads, int head_dim, const float *cos, const 
 
 static float silu(float x) { return x / (1.0f + expf(-x)); }
 
+/* ------------------------------------------------------------------ quantized activations
+ * A matrix's input rows are quantized once, into two layouts: row-major, for the kernels
+ * that put output features in vector lanes, and, for every whole group of GROUP rows,
+ * interleaved so that one 32-byte load holds the same four input values of all GROUP rows
+ * (the kernel that puts rows in lanes). */
+
+typedef struct {
+    int8_t *q;        /* (n, cols) */
+    float *d;         /* (n, cols / 32) block scales */
+    int8_t *grouped;  /* per group, per block: 8 runs of 32 bytes; run k holds values
+                       * 4k..4k+3 of the block for rows 0..7 of the group */
+    float *grouped_d; /* per group, per block: the group's 8 block scales */
+} activations;
+
 /* ------------------------------------------------------------------ dot products */
 
 #if HS_X86
@@ -176,66 +184,191 @@ HS_AVX2 INLINE uint16_t weight_scale(const void *wrow, const int type, int b) {
     return type == HS_Q8_0 ? ((const block_q8_0 *)wrow)[b].d : ((const block_q4_0 *)wrow)[b].d;
 }
 
-/* 8 int32 sums of 32 int8 products (w times x), exact. */
-HS_AVX2 INLINE __m256i block_dot(__m256i w_abs, __m256i w, __m256i x) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w)),
-                             _mm256_set1_epi16(1));
-}
+/* The recipe every quantized kernel follows for one (row, output feature), so that a row's
+ * result never depends on which kernel computed it, how many rows shared the call, or which
+ * thread ran it: for each block b in order,
+ *     acc = fma((float)dot_b, x_scale_b * w_scale_b, acc)
+ * where dot_b is the exact integer dot product of the block (at most 32 * 127 * 127 in
+ * magnitude, so its conversion to float is exact). */
 
-/* m (<= ROW_TILE) rows of quantized activations times one quantized weight row. Each weight
- * block is loaded and made unsigned once for all m rows. Four blocks at a time, a row's four
- * 8-lane integer sums are folded by two horizontal adds into one vector (lane j holds part of
- * block j % 4), converted once and scaled by (weight scale x row scale) of its block; leftover
- * blocks go one at a time. Every row runs this same sequence, so its result never depends
- * on m. */
-HS_AVX2 INLINE void tile_quantized_avx2(const void *wrow, const int type, const int blocks,
-                                        const int8_t *xq, const float *xd, const int cols,
-                                        const int m, float *result) {
-    __m256 acc[ROW_TILE];
-    for (int r = 0; r < m; r++) acc[r] = _mm256_setzero_ps();
-    int b = 0;
-    for (; b + 4 <= blocks; b += 4) {
-        __m256i w[4], w_abs[4];
+/* quantize_row's result, 8 lanes at a time: the same largest magnitude, scale and products,
+ * and C's roundf (half away from zero) done exactly, as truncation plus a carry. */
+HS_AVX2 static void quantize_row_avx2(const float *x, int cols, int8_t *q, float *scale) {
+    const __m256 sign_bit = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f);
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undo the packs' lanes */
+    for (int b = 0; b < cols / HS_BLOCK; b++) {
+        const float *xb = x + (size_t)b * HS_BLOCK;
+        __m256 v[4], amax = _mm256_setzero_ps();
         for (int k = 0; k < 4; k++) {
-            w[k] = load_weights(wrow, type, b + k);
-            w_abs[k] = _mm256_sign_epi8(w[k], w[k]);
+            v[k] = _mm256_loadu_ps(xb + 8 * k);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[k]));
         }
-        const uint16_t d0 = weight_scale(wrow, type, b), d1 = weight_scale(wrow, type, b + 1),
-                       d2 = weight_scale(wrow, type, b + 2), d3 = weight_scale(wrow, type, b + 3);
-        const __m256 w_scales = _mm256_cvtph_ps(_mm_setr_epi16(
-            (short)d0, (short)d1, (short)d2, (short)d3, (short)d0, (short)d1, (short)d2, (short)d3));
-        for (int r = 0; r < m; r++) {
-            const int8_t *x = xq + (size_t)r * cols + (size_t)b * HS_BLOCK;
-            const __m256i s0 = block_dot(w_abs[0], w[0], _mm256_loadu_si256((const __m256i *)x));
-            const __m256i s1 = block_dot(w_abs[1], w[1], _mm256_loadu_si256((const __m256i *)(x + 32)));
-            const __m256i s2 = block_dot(w_abs[2], w[2], _mm256_loadu_si256((const __m256i *)(x + 64)));
-            const __m256i s3 = block_dot(w_abs[3], w[3], _mm256_loadu_si256((const __m256i *)(x + 96)));
-            const __m256i folded = _mm256_hadd_epi32(_mm256_hadd_epi32(s0, s1), _mm256_hadd_epi32(s2, s3));
-            const __m256 x_scales = _mm256_broadcast_ps((const __m128 *)(xd + (size_t)r * blocks + b));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(folded), _mm256_mul_ps(w_scales, x_scales),
-                                     acc[r]);
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        const float d = _mm_cvtss_f32(m) / 127.0f;
+        const __m256 inverse = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+        __m256i ints[4];
+        for (int k = 0; k < 4; k++) {
+            const __m256 scaled = _mm256_mul_ps(v[k], inverse);
+            const __m256 whole = _mm256_round_ps(scaled, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            const __m256 fraction = _mm256_andnot_ps(sign_bit, _mm256_sub_ps(scaled, whole));
+            const __m256 away = _mm256_or_ps(_mm256_and_ps(scaled, sign_bit), one);
+            const __m256 carry = _mm256_and_ps(_mm256_cmp_ps(fraction, half, _CMP_GE_OQ), away);
+            ints[k] = _mm256_cvttps_epi32(_mm256_add_ps(whole, carry));
         }
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(ints[0], ints[1]),
+                                                 _mm256_packs_epi32(ints[2], ints[3]));
+        _mm256_storeu_si256((__m256i *)(q + (size_t)b * HS_BLOCK),
+                            _mm256_permutevar8x32_epi32(bytes, order));
+        scale[b] = d;
     }
-    for (; b < blocks; b++) {
-        const __m256i w = load_weights(wrow, type, b);
-        const __m256i w_abs = _mm256_sign_epi8(w, w);
-        const __m256 w_scale = _mm256_set1_ps(_cvtsh_ss(weight_scale(wrow, type, b)));
-        for (int r = 0; r < m; r++) {
-            const __m256i x =
-                _mm256_loadu_si256((const __m256i *)(xq + (size_t)r * cols + (size_t)b * HS_BLOCK));
-            const __m256 sums = _mm256_cvtepi32_ps(block_dot(w_abs, w, x));
-            const __m256 x_scale = _mm256_broadcast_ss(xd + (size_t)r * blocks + b);
-            acc[r] = _mm256_fmadd_ps(sums, _mm256_mul_ps(w_scale, x_scale), acc[r]);
-        }
-    }
-    for (int r = 0; r < m; r++) result[r] = hsum8(acc[r]);
 }
 
-HS_AVX2 static void tile_avx2(const hs_matrix *w, const void *wrow, const int8_t *xq,
-                              const float *xd, const float *xf, int m, float *result) {
-    const int cols = w->cols, blocks = cols / HS_BLOCK;
-    if (is_quantized(w->type)) {
-#define TILE(type, rows) tile_quantized_avx2(wrow, type, blocks, xq, xd, cols, rows, result)
+/* Four bytes at p in every int32 lane, by a broadcast load (no shuffle). */
+HS_AVX2 INLINE __m256i broadcast4(const void *p) {
+    return _mm256_castps_si256(_mm256_broadcast_ss((const float *)p));
+}
+
+/* sum + the exact dot products of four int8 pairs per int32 lane (w times x); w_abs = |w|. */
+HS_AVX2 INLINE __m256i dot4_add(__m256i sum, __m256i w_abs, __m256i w, __m256i x) {
+    return _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w)),
+                                                   _mm256_set1_epi16(1)));
+}
+
+/* Rows in lanes: the rows of `count` (1 or 2) whole groups from `group` on, times one weight
+ * row. Each four weights are broadcast to every lane and made unsigned once for all groups,
+ * so a group of 8 rows costs one multiply chain per 4 weights, with no horizontal sums. */
+HS_AVX2 INLINE void rows_in_lanes_avx2(const void *wrow, const int type, const int blocks,
+                                       const activations *a, const int group, const int count,
+                                       float *result) {
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int b = 0; b < blocks; b++) {
+        int32_t unpacked[8] __attribute__((aligned(32)));
+        const void *values = unpacked;
+        if (type == HS_Q8_0)
+            values = ((const block_q8_0 *)wrow)[b].qs;
+        else
+            _mm256_store_si256((__m256i *)unpacked, unpack_q4((const block_q4_0 *)wrow + b));
+        __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int k = 0; k < HS_BLOCK / 4; k++) {
+            const __m256i w = broadcast4((const char *)values + 4 * k), w_abs = _mm256_sign_epi8(w, w);
+            for (int g = 0; g < count; g++) {
+                const int8_t *x = a->grouped + (((size_t)(group + g) * blocks + b) * GROUP + k) * 4 * GROUP;
+                sums[g] = dot4_add(sums[g], w_abs, w, _mm256_loadu_si256((const __m256i *)x));
+            }
+        }
+        const __m256 w_scale = _mm256_set1_ps(_cvtsh_ss(weight_scale(wrow, type, b)));
+        for (int g = 0; g < count; g++) {
+            const __m256 x_scales = _mm256_loadu_ps(a->grouped_d + ((size_t)(group + g) * blocks + b) * GROUP);
+            acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[g]), _mm256_mul_ps(x_scales, w_scale), acc[g]);
+        }
+    }
+    for (int g = 0; g < count; g++) _mm256_storeu_ps(result + GROUP * g, acc[g]);
+}
+
+/* v[f] lane k -> v[k] lane f, for 8 vectors of 8 int32. */
+HS_AVX2 INLINE void transpose_8x8_epi32(__m256i v[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+        v[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+    }
+}
+
+/* Features in lanes: m (<= 4) row-major rows times 8 weight rows `stride` bytes apart. The 8
+ * rows' blocks are transposed in registers so that lane f holds feature f's values and each
+ * row's four activations are broadcast: the weights are read in place, in their GGUF layout. */
+HS_AVX2 INLINE void features_in_lanes_avx2(const char *wrows, const size_t stride, const int type,
+                                           const int blocks, const int8_t *xq, const float *xd,
+                                           const int cols, const int m, float *result) {
+    __m256 acc[4];
+    for (int r = 0; r < m; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        __m256i w[8];
+        uint16_t scales[8];
+        for (int f = 0; f < 8; f++) {
+            w[f] = load_weights(wrows + stride * f, type, b);
+            scales[f] = weight_scale(wrows + stride * f, type, b);
+        }
+        transpose_8x8_epi32(w);
+        const __m256 w_scales = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scales));
+        __m256i sums[4];
+        for (int r = 0; r < m; r++) sums[r] = _mm256_setzero_si256();
+        for (int k = 0; k < HS_BLOCK / 4; k++) {
+            const __m256i w_abs = _mm256_sign_epi8(w[k], w[k]);
+            for (int r = 0; r < m; r++) {
+                const int8_t *x = xq + (size_t)r * cols + (size_t)b * HS_BLOCK + 4 * k;
+                sums[r] = dot4_add(sums[r], w_abs, w[k], broadcast4(x));
+            }
+        }
+        for (int r = 0; r < m; r++) {
+            const __m256 x_scale = _mm256_set1_ps(xd[(size_t)r * blocks + b]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(x_scale, w_scales), acc[r]);
+        }
+    }
+    for (int r = 0; r < m; r++) _mm256_storeu_ps(result + 8 * r, acc[r]);
+}
+
+/* One (row, feature) by the same recipe, for what the two tilings leave over. */
+HS_AVX2 static float dot_quantized_avx2(const void *wrow, int type, int blocks, const int8_t *x,
+                                        const float *xd) {
+    __m128 acc = _mm_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const __m256i w = load_weights(wrow, type, b);
+        const __m256i sums = dot4_add(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), w,
+                                      _mm256_loadu_si256((const __m256i *)(x + (size_t)b * HS_BLOCK)));
+        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+        const float scale = xd[b] * _cvtsh_ss(weight_scale(wrow, type, b));
+        acc = _mm_fmadd_ss(_mm_cvtepi32_ps(s), _mm_set_ss(scale), acc);
+    }
+    return _mm_cvtss_f32(acc);
+}
+
+/* Output features [first, end) of all n rows, into out (n, w->rows). Whole groups of 8 rows
+ * go rows-in-lanes, two groups at a time over every feature (their activations stay in L1);
+ * the other rows go features-in-lanes, 4 rows by 8 features; leftover features one by one. */
+HS_AVX2 static void quantized_features_avx2(const hs_matrix *w, const activations *a, int n,
+                                            int first, int end, float *out) {
+    const int blocks = w->cols / HS_BLOCK, groups = n / GROUP, grouped = groups * GROUP;
+    const size_t stride = row_bytes(w);
+    const char *data = w->data;
+    float result[4 * 8];
+    for (int g = 0; g < groups; g += 2) {
+        const int count = groups - g > 1 ? 2 : 1;
+        for (int j = first; j < end; j++) {
+#define ROWS(type, count) rows_in_lanes_avx2(data + stride * j, type, blocks, a, g, count, result)
+            if (w->type == HS_Q8_0) {
+                if (count == 2) ROWS(HS_Q8_0, 2); else ROWS(HS_Q8_0, 1);
+            } else {
+                if (count == 2) ROWS(HS_Q4_0, 2); else ROWS(HS_Q4_0, 1);
+            }
+#undef ROWS
+            for (int r = 0; r < GROUP * count; r++)
+                out[(size_t)(g * GROUP + r) * w->rows + j] = result[r];
+        }
+    }
+    int j = first;
+    for (; j + 8 <= end && grouped < n; j += 8) {
+        for (int r0 = grouped; r0 < n; r0 += 4) {
+            const int m = n - r0 < 4 ? n - r0 : 4;
+            const int8_t *q = a->q + (size_t)r0 * w->cols;
+            const float *d = a->d + (size_t)r0 * blocks;
+#define TILE(type, m) \
+    features_in_lanes_avx2(data + stride * j, stride, type, blocks, q, d, w->cols, m, result)
 #define TILES(type)                                                                          \
     switch (m) {                                                                             \
     case 4: TILE(type, 4); break;                                                            \
@@ -243,33 +376,38 @@ HS_AVX2 static void tile_avx2(const hs_matrix *w, const void *wrow, const int8_t
     case 2: TILE(type, 2); break;                                                            \
     default: TILE(type, 1); break;                                                           \
     }
-        if (w->type == HS_Q8_0)
-            TILES(HS_Q8_0)
-        else
-            TILES(HS_Q4_0)
+            if (w->type == HS_Q8_0)
+                TILES(HS_Q8_0)
+            else
+                TILES(HS_Q4_0)
 #undef TILES
 #undef TILE
-        return;
-    }
-    for (int r = 0; r < m; r++) { /* float weights: 8 lanes per row, then a scalar tail */
-        const float *x = xf + (size_t)r * cols;
-        __m256 acc = _mm256_setzero_ps();
-        int k = 0;
-        for (; k + 8 <= cols; k += 8) {
-            const __m256 wv = w->type == HS_F32
-                                  ? _mm256_loadu_ps((const float *)wrow + k)
-                                  : _mm256_cvtph_ps(_mm_loadu_si128(
-                                        (const __m128i *)((const uint16_t *)wrow + k)));
-            acc = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + k), acc);
+            for (int r = 0; r < m; r++)
+                for (int f = 0; f < 8; f++) out[(size_t)(r0 + r) * w->rows + j + f] = result[8 * r + f];
         }
-        float sum = hsum8(acc);
-        for (; k < cols; k++)
-            sum += (w->type == HS_F32 ? ((const float *)wrow)[k]
-                                      : half_to_float(((const uint16_t *)wrow)[k])) * x[k];
-        result[r] = sum;
     }
+    for (; j < end; j++)
+        for (int r = grouped; r < n; r++)
+            out[(size_t)r * w->rows + j] = dot_quantized_avx2(
+                data + stride * j, w->type, blocks, a->q + (size_t)r * w->cols, a->d + (size_t)r * blocks);
 }
 
+/* One row times one f32 or f16 weight row: 8 lanes, then a scalar tail. */
+HS_AVX2 static float dot_float_avx2(const hs_matrix *w, const void *wrow, const float *x) {
+    const int cols = w->cols;
+    __m256 acc = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 8 <= cols; k += 8) {
+        const __m256 wv = w->type == HS_F32
+                              ? _mm256_loadu_ps((const float *)wrow + k)
+                              : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)wrow + k)));
+        acc = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + k), acc);
+    }
+    float sum = hsum8(acc);
+    for (; k < cols; k++)
+        sum += (w->type == HS_F32 ? ((const float *)wrow)[k] : half_to_float(((const uint16_t *)wrow)[k])) * x[k];
+    return sum;
+}
 HS_AVX2 static float dot_f32_avx2(const float *a, const float *b, int n) {
     __m256 acc = _mm256_setzero_ps();
     int k = 0;
@@ -297,6 +435,22 @@ HS_AVX2 INLINE __m256 exp_nonpositive(__m256 x) {
     const __m256i exponent = _mm256_slli_epi32(
         _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
+}
+
+/* g = silu(g) * u, 8 lanes at a time: silu(x) = x / (1 + e^-x) = x e^x / (1 + e^x), the
+ * form whose exponent is not positive, so no lane overflows. */
+HS_AVX2 static void silu_mul_avx2(float *g, const float *u, int n) {
+    const __m256 sign_bit = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+    int k = 0;
+    for (; k + 8 <= n; k += 8) {
+        const __m256 x = _mm256_loadu_ps(g + k);
+        const __m256 e = exp_nonpositive(_mm256_or_ps(x, sign_bit)); /* e^-|x| */
+        const __m256 numerator =
+            _mm256_blendv_ps(_mm256_mul_ps(x, e), x, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
+        const __m256 y = _mm256_div_ps(numerator, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(g + k, _mm256_mul_ps(y, _mm256_loadu_ps(u + k)));
+    }
+    for (; k < n; k++) g[k] = silu(g[k]) * u[k];
 }
 
 /* The query heads of one GQA group (sharing one KV head) over the slots they may see, in slot
@@ -351,39 +505,35 @@ HS_AVX2 static void attend_group_avx2(const float *keys, const float *values, in
 }
 #endif
 
-static void tile_portable(const hs_matrix *w, const void *wrow, const int8_t *xq,
-                          const float *xd, const float *xf, int m, float *result) {
-    const int cols = w->cols, blocks = cols / HS_BLOCK;
-    for (int r = 0; r < m; r++) {
-        float acc = 0.0f;
-        if (w->type == HS_Q8_0 || w->type == HS_Q4_0) {
-            const int8_t *x = xq + (size_t)r * cols;
-            for (int b = 0; b < blocks; b++) {
-                int32_t sum = 0;
-                float dw;
-                if (w->type == HS_Q8_0) {
-                    const block_q8_0 *blk = (const block_q8_0 *)wrow + b;
-                    for (int k = 0; k < HS_BLOCK; k++) sum += blk->qs[k] * x[b * HS_BLOCK + k];
-                    dw = half_to_float(blk->d);
-                } else {
-                    const block_q4_0 *blk = (const block_q4_0 *)wrow + b;
-                    for (int k = 0; k < HS_BLOCK / 2; k++)
-                        sum += ((blk->qs[k] & 0x0f) - 8) * x[b * HS_BLOCK + k] +
-                               ((blk->qs[k] >> 4) - 8) * x[b * HS_BLOCK + k + HS_BLOCK / 2];
-                    dw = half_to_float(blk->d);
-                }
-                acc += (float)sum * dw * xd[(size_t)r * blocks + b];
-            }
+/* One (row, feature) of quantized weights by the recipe above, in plain C. */
+static float dot_quantized_portable(const void *wrow, int type, int blocks, const int8_t *x,
+                                    const float *xd) {
+    float acc = 0.0f;
+    for (int b = 0; b < blocks; b++) {
+        int32_t sum = 0;
+        float dw;
+        if (type == HS_Q8_0) {
+            const block_q8_0 *blk = (const block_q8_0 *)wrow + b;
+            for (int k = 0; k < HS_BLOCK; k++) sum += blk->qs[k] * x[b * HS_BLOCK + k];
+            dw = half_to_float(blk->d);
         } else {
-            const float *x = xf + (size_t)r * cols;
-            for (int k = 0; k < cols; k++)
-                acc += (w->type == HS_F32 ? ((const float *)wrow)[k]
-                                          : half_to_float(((const uint16_t *)wrow)[k])) * x[k];
+            const block_q4_0 *blk = (const block_q4_0 *)wrow + b;
+            for (int k = 0; k < HS_BLOCK / 2; k++)
+                sum += ((blk->qs[k] & 0x0f) - 8) * x[b * HS_BLOCK + k] +
+                       ((blk->qs[k] >> 4) - 8) * x[b * HS_BLOCK + k + HS_BLOCK / 2];
+            dw = half_to_float(blk->d);
         }
-        result[r] = acc;
+        acc = fmaf((float)sum, xd[b] * dw, acc);
     }
+    return acc;
 }
 
+static float dot_float_portable(const hs_matrix *w, const void *wrow, const float *x) {
+    float acc = 0.0f;
+    for (int k = 0; k < w->cols; k++)
+        acc += (w->type == HS_F32 ? ((const float *)wrow)[k] : half_to_float(((const uint16_t *)wrow)[k])) * x[k];
+    return acc;
+}
 static float dot_f32(const float *a, const float *b, int n, int simd) {
 #if HS_X86
     if (simd) return dot_f32_avx2(a, b, n);
@@ -394,36 +544,82 @@ static float dot_f32(const float *a, const float *b, int n, int simd) {
     return sum;
 }
 
+static void quantize_row_simd(const float *x, int cols, int8_t *q, float *scale, int simd) {
+#if HS_X86
+    if (simd) {
+        quantize_row_avx2(x, cols, q, scale);
+        return;
+    }
+#endif
+    (void)simd;
+    quantize_row(x, cols, q, scale);
+}
+
+void hs_quantize_rows(const float *x, int n, int cols, int8_t *q, float *scale) {
+    const int simd = hs_simd_level();
+    for (int i = 0; i < n; i++)
+        quantize_row_simd(x + (size_t)i * cols, cols, q + (size_t)i * cols,
+                          scale + (size_t)i * (cols / HS_BLOCK), simd);
+}
+
+/* Row i (of n rows of width cols) into both layouts. */
+static void quantize_activation(const activations *a, const float *x, int i, int n, int cols,
+                                int simd) {
+    const int blocks = cols / HS_BLOCK;
+    int8_t *q = a->q + (size_t)i * cols;
+    float *d = a->d + (size_t)i * blocks;
+    quantize_row_simd(x, cols, q, d, simd);
+    if (i >= n / GROUP * GROUP) return;
+    const int lane = i % GROUP;
+    const size_t first = (size_t)(i / GROUP) * blocks;
+    for (int b = 0; b < blocks; b++) {
+        int8_t *runs = a->grouped + (first + b) * GROUP * HS_BLOCK;
+        for (int k = 0; k < HS_BLOCK / 4; k++)
+            memcpy(runs + k * HS_BLOCK + 4 * lane, q + b * HS_BLOCK + 4 * k, 4);
+        a->grouped_d[(first + b) * GROUP + lane] = d[b];
+    }
+}
 /* ------------------------------------------------------------------ parallel steps
  * Called inside a parallel region by every thread; each work item is one thread's alone. */
 
-static void matmul_items(const hs_matrix *w, const int8_t *xq, const float *xd, const float *xf,
-                         int n, float *out, int simd, int wait) {
-    const int chunks = (w->rows + COL_CHUNK - 1) / COL_CHUNK;
+/* Output features [first, end) of all n rows: one work item. */
+static void matmul_features(const hs_matrix *w, const activations *a, const float *xf, int n,
+                            int first, int end, float *out, int simd) {
     const size_t stride = row_bytes(w);
+    const int blocks = w->cols / HS_BLOCK;
+#if HS_X86
+    if (simd && is_quantized(w->type)) {
+        quantized_features_avx2(w, a, n, first, end, out);
+        return;
+    }
+#endif
+    for (int j = first; j < end; j++) {
+        const void *wrow = (const char *)w->data + stride * (size_t)j;
+        for (int r = 0; r < n; r++) {
+            float value;
+            if (is_quantized(w->type))
+                value = dot_quantized_portable(wrow, w->type, blocks, a->q + (size_t)r * w->cols,
+                                               a->d + (size_t)r * blocks);
+#if HS_X86
+            else if (simd)
+                value = dot_float_avx2(w, wrow, xf + (size_t)r * w->cols);
+#endif
+            else
+                value = dot_float_portable(w, wrow, xf + (size_t)r * w->cols);
+            out[(size_t)r * w->rows + j] = value;
+        }
+    }
+}
+
+static void matmul_items(const hs_matrix *w, const activations *a, const float *xf, int n,
+                         float *out, int simd, int wait) {
+    const int chunks = (w->rows + COL_CHUNK - 1) / COL_CHUNK;
 #define MATMUL_BODY                                                                          \
     for (int c = 0; c < chunks; c++) {                                                       \
         const int end = c * COL_CHUNK + COL_CHUNK < w->rows ? c * COL_CHUNK + COL_CHUNK      \
                                                             : w->rows;                       \
-        for (int j = c * COL_CHUNK; j < end; j++) {                                          \
-            const void *wrow = (const char *)w->data + stride * (size_t)j;                   \
-            for (int r0 = 0; r0 < n; r0 += ROW_TILE) {                                       \
-                const int m = n - r0 < ROW_TILE ? n - r0 : ROW_TILE;                         \
-                float result[ROW_TILE];                                                      \
-                const int8_t *q = xq ? xq + (size_t)r0 * w->cols : NULL;                     \
-                const float *d = xd ? xd + (size_t)r0 * (w->cols / HS_BLOCK) : NULL;         \
-                const float *f = xf + (size_t)r0 * w->cols;                                  \
-                if (simd) tile_simd(w, wrow, q, d, f, m, result);                            \
-                else tile_portable(w, wrow, q, d, f, m, result);                             \
-                for (int r = 0; r < m; r++) out[(size_t)(r0 + r) * w->rows + j] = result[r]; \
-            }                                                                                \
-        }                                                                                    \
+        matmul_features(w, a, xf, n, c * COL_CHUNK, end, out, simd);                         \
     }
-#if HS_X86
-#define tile_simd tile_avx2
-#else
-#define tile_simd tile_portable
-#endif
     if (wait) {
 #pragma omp for schedule(static)
         MATMUL_BODY
@@ -432,38 +628,39 @@ static void matmul_items(const hs_matrix *w, const int8_t *xq, const float *xd, 
         MATMUL_BODY
     }
 #undef MATMUL_BODY
-#undef tile_simd
 }
 
 int hs_matmul(const hs_matrix *w, const float *x, int n, float *out, int threads) {
     if (n < 1 || threads < 1 || !row_bytes(w) || (is_quantized(w->type) && w->cols % HS_BLOCK))
         return -1;
     const int simd = hs_simd_level();
-    int8_t *q = NULL;
-    float *d = NULL;
+    const size_t blocks = (size_t)n * (w->cols / HS_BLOCK);
+    activations a = {0};
+    void *base = NULL;
     if (is_quantized(w->type)) {
-        q = malloc((size_t)n * w->cols);
-        d = malloc((size_t)n * (w->cols / HS_BLOCK) * sizeof(float));
-        if (!q || !d) {
-            free(q);
-            free(d);
-            return -1;
-        }
-        hs_quantize_rows(x, n, w->cols, q, d);
+        base = malloc(2 * (size_t)n * w->cols + 2 * blocks * sizeof(float));
+        if (!base) return -1;
+        a.d = base;
+        a.grouped_d = a.d + blocks;
+        a.q = (int8_t *)(a.grouped_d + blocks);
+        a.grouped = a.q + (size_t)n * w->cols;
     }
 #pragma omp parallel num_threads(threads)
-    matmul_items(w, q, d, x, n, out, simd, 1);
-    free(q);
-    free(d);
+    {
+        if (base) {
+#pragma omp for schedule(static)
+            for (int i = 0; i < n; i++) quantize_activation(&a, x + (size_t)i * w->cols, i, n, w->cols, simd);
+        }
+        matmul_items(w, &a, x, n, out, simd, 1);
+    }
+    free(base);
     return 0;
 }
-
 /* ------------------------------------------------------------------ the forward */
 
 typedef struct { /* per-call scratch, one allocation */
     float *x, *normed, *q, *k, *v, *attended, *projected, *gate, *up, *scores;
-    int8_t *xq;
-    float *xd;
+    activations acts;
     void *base;
 } scratch;
 
@@ -475,16 +672,19 @@ static int scratch_alloc(scratch *s, const hs_model *m, int n, int threads) {
     const size_t floats[] = {n * d, n * widest, n * qd, n * kvd, n * kvd, n * qd,
                              n * d,  n * f,      n * f,
                              (size_t)threads * m->capacity * (m->n_heads / m->n_kv_heads),
-                             n * (widest / HS_BLOCK)};
+                             n * (widest / HS_BLOCK), n * (widest / HS_BLOCK)};
     float **slots[] = {&s->x,      &s->normed,    &s->q,    &s->k,  &s->v,     &s->attended,
-                       &s->projected, &s->gate, &s->up, &s->scores, &s->xd};
-    size_t total = n * widest; /* the int8 activations first */
+                       &s->projected, &s->gate, &s->up, &s->scores, &s->acts.d,
+                       &s->acts.grouped_d};
+    const size_t int8s = (n * widest + 63) & ~(size_t)63; /* each of the two int8 layouts */
+    size_t total = 2 * int8s;
     for (size_t i = 0; i < sizeof floats / sizeof *floats; i++) total += floats[i] * sizeof(float) + 64;
     char *base = malloc(total + 64);
     if (!base) return -1;
     s->base = base;
-    s->xq = (int8_t *)base;
-    char *cursor = base + ((n * widest + 63) & ~(size_t)63);
+    s->acts.q = (int8_t *)base;
+    s->acts.grouped = (int8_t *)base + int8s;
+    char *cursor = base + 2 * int8s;
     for (size_t i = 0; i < sizeof floats / sizeof *floats; i++) {
         *slots[i] = (float *)cursor;
         cursor += (floats[i] * sizeof(float) + 63) & ~(size_t)63;
@@ -580,12 +780,11 @@ int hs_forward(const hs_model *m, int n, const int32_t *tokens, const int32_t *p
 #pragma omp for schedule(static)
             for (int i = 0; i < n; i++) {
                 rms_norm(s.x + (size_t)i * d, y->attn_norm, d, m->eps, s.normed + (size_t)i * d);
-                quantize_row(s.normed + (size_t)i * d, d, s.xq + (size_t)i * d,
-                             s.xd + (size_t)i * (d / HS_BLOCK));
+                quantize_activation(&s.acts, s.normed + (size_t)i * d, i, n, d, simd);
             }
-            matmul_items(&y->q, s.xq, s.xd, s.normed, n, s.q, simd, 0);
-            matmul_items(&y->k, s.xq, s.xd, s.normed, n, s.k, simd, 0);
-            matmul_items(&y->v, s.xq, s.xd, s.normed, n, s.v, simd, 1);
+            matmul_items(&y->q, &s.acts, s.normed, n, s.q, simd, 0);
+            matmul_items(&y->k, &s.acts, s.normed, n, s.k, simd, 0);
+            matmul_items(&y->v, &s.acts, s.normed, n, s.v, simd, 1);
 #pragma omp for schedule(static)
             for (int i = 0; i < n; i++) {
                 const float *cos = m->rope_cos + (size_t)positions[i] * half;
@@ -624,27 +823,30 @@ int hs_forward(const hs_model *m, int n, const int32_t *tokens, const int32_t *p
             }
 #pragma omp for schedule(static)
             for (int i = 0; i < n; i++)
-                quantize_row(s.attended + (size_t)i * qd, qd, s.xq + (size_t)i * qd,
-                             s.xd + (size_t)i * (qd / HS_BLOCK));
-            matmul_items(&y->o, s.xq, s.xd, s.attended, n, s.projected, simd, 1);
+                quantize_activation(&s.acts, s.attended + (size_t)i * qd, i, n, qd, simd);
+            matmul_items(&y->o, &s.acts, s.attended, n, s.projected, simd, 1);
 #pragma omp for schedule(static)
             for (int i = 0; i < n; i++) {
                 float *x = s.x + (size_t)i * d;
                 for (int k = 0; k < d; k++) x[k] += s.projected[(size_t)i * d + k];
                 rms_norm(x, y->ffn_norm, d, m->eps, s.normed + (size_t)i * d);
-                quantize_row(s.normed + (size_t)i * d, d, s.xq + (size_t)i * d,
-                             s.xd + (size_t)i * (d / HS_BLOCK));
+                quantize_activation(&s.acts, s.normed + (size_t)i * d, i, n, d, simd);
             }
-            matmul_items(&y->gate, s.xq, s.xd, s.normed, n, s.gate, simd, 0);
-            matmul_items(&y->up, s.xq, s.xd, s.normed, n, s.up, simd, 1);
+            matmul_items(&y->gate, &s.acts, s.normed, n, s.gate, simd, 0);
+            matmul_items(&y->up, &s.acts, s.normed, n, s.up, simd, 1);
 #pragma omp for schedule(static)
             for (int i = 0; i < n; i++) {
                 float *g = s.gate + (size_t)i * f;
                 const float *u = s.up + (size_t)i * f;
-                for (int k = 0; k < f; k++) g[k] = silu(g[k]) * u[k];
-                quantize_row(g, f, s.xq + (size_t)i * f, s.xd + (size_t)i * (f / HS_BLOCK));
+                #if HS_X86
+                if (simd)
+                    silu_mul_avx2(g, u, f);
+                else
+#endif
+                    for (int k = 0; k < f; k++) g[k] = silu(g[k]) * u[k];
+                quantize_activation(&s.acts, g, i, n, f, simd);
             }
-            matmul_items(&y->down, s.xq, s.xd, s.gate, n, s.projected, simd, 1);
+            matmul_items(&y->down, &s.acts, s.gate, n, s.projected, simd, 1);
 #pragma omp for schedule(static)
             for (int i = 0; i < n; i++) {
                 float *x = s.x + (size_t)i * d;
@@ -657,9 +859,9 @@ int hs_forward(const hs_model *m, int n, const int32_t *tokens, const int32_t *p
             for (int i = first_logit; i < n; i++) {
                 const size_t r = (size_t)(i - first_logit);
                 rms_norm(s.x + (size_t)i * d, m->output_norm, d, m->eps, s.normed + r * d);
-                quantize_row(s.normed + r * d, d, s.xq + r * d, s.xd + r * (d / HS_BLOCK));
+                quantize_activation(&s.acts, s.normed + r * d, (int)r, outputs, d, simd);
             }
-            matmul_items(&m->output, s.xq, s.xd, s.normed, outputs, logits, simd, 1);
+            matmul_items(&m->output, &s.acts, s.normed, outputs, logits, simd, 1);
         }
     }
     free(s.base);
