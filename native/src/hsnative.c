@@ -472,7 +472,7 @@ HS_AVX2 static void attend_group_avx2(const float *keys, const float *values, in
             for (int c = 1; c < chunks; c++)
                 acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(k + 8 * c), acc);
             row[t] = hsum8(acc) * scale;
-            top = fmaxf(top, row[t]);
+            if (row[t] > top) top = row[t]; /* not fmaxf: a libm call without -ffast-math */
         }
         const __m256 highest = _mm256_set1_ps(top);
         int t = 0;
