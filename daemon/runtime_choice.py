@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -93,6 +94,15 @@ def _file_identity(path: Path) -> list:
     return identity
 
 
+def _native_kernels() -> list:
+    """The built native kernels' identity: a rebuilt library (new kernels) is measured anew.
+    Located through the import system, never imported (the daemon does not load them)."""
+    spec = importlib.util.find_spec("hetspec.native")
+    folders = spec.submodule_search_locations if spec is not None else None
+    return [_file_identity(file) for folder in folders or []
+            for file in sorted(Path(folder).glob("_hsnative*"))]  # fmt: skip
+
+
 def _package_version(name: str) -> str | None:
     try:
         return importlib.metadata.version(name)
@@ -123,6 +133,7 @@ def profile_key(spec: WorkerSpec, widths: list[int]) -> str:
         "prefix": PREFIX_TOKENS,
         "box": [platform.machine(), _cpu_model(), os.path.exists("/dev/nvidia0")],
         "versions": [_package_version("llama_cpp_python"), _package_version("torch")],
+        "native": _native_kernels() if spec.runtime == "native" else None,
     }
     return hashlib.sha256(json.dumps(ingredients, sort_keys=True).encode()).hexdigest()[:24]
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +15,8 @@ from test_daemon import request
 from test_lossless import BundledDaemon
 
 from hetspec.daemon.config import BUNDLED_MODELS, load_config
-from hetspec.daemon.runtime_choice import cache_dir, decide_gpu_runtime
+from hetspec.daemon.runtime_choice import cache_dir, decide_gpu_runtime, profile_key
+from hetspec.daemon.supervisor import worker_specs
 from hetspec.protocol import ProbeFailure, RuntimeProfile, decode_profile
 from hetspec.speculative.runtime_choice import Rate, best_rate, expected_tokens, fastest
 
@@ -138,3 +141,21 @@ def test_the_daemon_says_what_it_chose_and_why(tmp_path) -> None:
         assert "T(1)=" in logged[0]["summary"]
     finally:
         daemon.stop()
+
+
+def test_rebuilt_native_kernels_are_measured_anew() -> None:
+    """The native runtime's cached figures are keyed on the built library: new kernels (a
+    rebuild) must not be ranked by the old ones' speed. The other runtimes' keys stay."""
+    config = load_config(environ={"HETSPEC_GPU_WORKER__DEVICE": "cpu"})
+    specs = {runtime: worker_specs(config, "json", gpu_runtime=runtime)["gpu"]
+             for runtime in ("native", "llama.cpp")}  # fmt: skip
+    library = Path(importlib.util.find_spec("hetspec.native._hsnative").origin)
+    before = {runtime: profile_key(spec, [1, 8]) for runtime, spec in specs.items()}
+    stat = library.stat()
+    try:
+        os.utime(library, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+        after = {runtime: profile_key(spec, [1, 8]) for runtime, spec in specs.items()}
+    finally:
+        os.utime(library, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert after["native"] != before["native"]
+    assert after["llama.cpp"] == before["llama.cpp"]
