@@ -159,6 +159,7 @@ def test_the_worker_keeps_nothing_of_a_cancel_that_came_after_its_answer(tmp_pat
         send(m.Tokenize(request=102, text="x"))
         send(m.Cancel(request=102))  # still queued: it never runs
         send(m.Tokenize(request=103, text="x"))
+        time.sleep(0.1)  # ipc delivers asynchronously: let all three arrive before the read
         assert reader.next()[0].request == 103
         assert [(a.request, a.kind) for a in answers] == [(102, "cancelled")]
         assert not reader.backlog

@@ -189,6 +189,7 @@ class CommandReader:
                 return
 
     def next(self) -> tuple[msgspec.Struct, list[bytes]]:
+        self._drain()  # a Cancel that came while the last command ran stops a queued one
         deadline = time.perf_counter() + self.spin_s
         while not self.backlog and time.perf_counter() < deadline:
             self._drain()
