@@ -57,6 +57,13 @@ class WorkerDied(WorkerError):
         super().__init__(worker, "died", reason, f"the {worker} worker {reason}")
 
 
+def _exit_reason(code: int) -> str:
+    """A process's end in words, from its return code (negative: the signal that killed it)."""
+    if code >= 0:
+        return f"exited with code {code}"
+    return f"was killed by {signal.Signals(-code).name}"
+
+
 class WorkerStartError(RuntimeError):
     """A worker could not be started or could not load its model."""
 
@@ -283,12 +290,7 @@ class WorkerClient:
         self._wake_settled()
 
     async def _watch_exit(self) -> None:
-        code = await self._process.wait()
-        reason = (
-            f"exited with code {code}"
-            if code >= 0
-            else f"was killed by {signal.Signals(-code).name}"
-        )
+        reason = _exit_reason(await self._process.wait())
         if self._stopping:
             log.info("worker exited", worker=self.spec.name, pid=self.pid, reason=reason)
         elif not self.died.done():
@@ -443,9 +445,7 @@ class WorkerClient:
             return "is gone"
         if ended is None:
             return None
-        if ended.si_code == os.CLD_EXITED:
-            return f"exited with code {ended.si_status}"
-        return f"was killed by {signal.Signals(ended.si_status).name}"
+        return _exit_reason(ended.si_status if ended.si_code == os.CLD_EXITED else -ended.si_status)
 
     async def _send_first(self, frames: list, timeout_s: float) -> None:
         """The first command: the worker's commands connection may still be in its handshake
