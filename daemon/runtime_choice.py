@@ -52,6 +52,17 @@ class RuntimeDecision(msgspec.Struct, frozen=True, kw_only=True):
     gammas: dict[str, int] = {}  # the draft length each rate assumes (0: the target alone)
     cached: bool = False  # every profile came from the cache
 
+    def verifier_costs_s(self) -> dict[int, float] | None:
+        """The chosen runtime's forward costs as verifier ({width: seconds}), where they were
+        measured (None: configured, or the GPU worker drafts)."""
+        if self.role != "verifier":
+            return None
+        for profile in self.profiles:
+            if profile.runtime == self.runtime:
+                return {w: ms / 1000 for w, ms in zip(profile.widths, profile.median_ms,
+                                                      strict=True)}  # fmt: skip
+        return None
+
     def summary(self) -> str:
         """One line for the log and ``--check``."""
         if self.chosen_by == "configuration":

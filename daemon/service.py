@@ -156,6 +156,9 @@ class Service:
         self.runtime_decision = decision
         log.info("gpu worker runtime", runtime=decision.runtime, chosen_by=decision.chosen_by,
                  summary=decision.summary())  # fmt: skip
+        if (costs := decision.verifier_costs_s()) is not None:
+            for controller in self.controllers.values():
+                controller.assume_verifier(costs)
         self.notifier.status("loading the models")
         specs = worker_specs(self.config, self.log_format, decision.runtime)
         vocab = max(vocab_size_of(self.config.target.folder),

@@ -83,6 +83,11 @@ class BudgetController:
     def observe(self, report: RoundReport) -> None:
         self.estimates.observe(report)
 
+    def assume_verifier(self, seconds_by_width: dict[int, float]) -> None:
+        """Start from the verifier's forward costs measured before serving (see
+        ``Estimates.assume_verifier``)."""
+        self.estimates.assume_verifier(seconds_by_width)
+
     def decodes_alone(self) -> bool:
         """Whether the latest committed plan has the target decode alone (gamma 0)."""
         return bool(self.history) and self.history[-1].gamma == 0

@@ -9,6 +9,8 @@
   exponentially decayed counts, so old behaviour fades within a few dozen rounds.
 - The target alone: its seconds per token, kept apart from the verify line (a verifier that
   did not wait for a draft answers faster).
+- Before a cost is measured, the verifier's forward costs measured at load (the runtime
+  choice's profile), where the daemon has them: ``assume_verifier``.
 Costs are kept apart for rounds where one worker computes at a time and overlapped ones.
 Medians forget samples older than ``max_age`` rounds, so a choice measured long ago is judged
 by its prior again (and tried again) rather than ruled out by a stale figure.
@@ -100,6 +102,8 @@ class Estimates:
         self._rule_picked = np.zeros(c.max_branches + 1)
         self._rule_first = DecayedRate(c.max_branches + 1)  # rounds the rule drafted, by k
         self._single_first = DecayedRate(c.max_branches + 1)  # one branch, by would-be k
+        self._assumed: VerifyLine | None = None  # the verifier's profile, from before serving
+        self._assumed_alone: float | None = None  # and its cost of one token
 
     def _median(self) -> WindowedMedian:
         return WindowedMedian(self.config.window, lambda: self.rounds, self.config.max_age)
@@ -150,6 +154,19 @@ class Estimates:
             if branches == 1:
                 self._single_first.add(rule_k, accepted >= 1)
 
+    def assume_verifier(self, seconds_by_width: dict[int, float]) -> None:
+        """Forward costs of the verifier measured before serving ({width: seconds}, width 1
+        included): they price the target alone and verifications until rounds measure them.
+        Without them the target alone, never measured, was priced as a verification timed while
+        the drafter drafted beside it, up to 10x dearer than a token alone on a 2-core box."""
+        if 1 not in seconds_by_width or min(seconds_by_width.values()) <= 0:
+            raise ValueError(f"a verifier profile needs positive costs from width 1 on, not "
+                             f"{seconds_by_width}")  # fmt: skip
+        widths = np.array(sorted(seconds_by_width), float)
+        times = np.array([seconds_by_width[int(w)] for w in widths])
+        self._assumed = _fit(widths, times)
+        self._assumed_alone = seconds_by_width[1]
+
     # ------------------------------------------------------------ costs
 
     def _branch_factor(self, branches: int) -> float:
@@ -172,17 +189,21 @@ class Estimates:
         if not points:
             return None
         widths, times = np.array(points).T
-        mean_w, mean_t = widths.mean(), times.mean()
-        spread = ((widths - mean_w) ** 2).sum()
-        slope = 0.0
-        if spread > 0:
-            slope = max(0.0, float(((widths - mean_w) * (times - mean_t)).sum() / spread))
-        elif borrow and (other := self.verify_line(not overlapped, borrow=False)):
-            slope = other.slope * float(mean_t) / float(other.at(round(mean_w)))
-        return VerifyLine(float(mean_w), float(mean_t), slope, float(times.min()) * 0.5)
+        line = _fit(widths, times)
+        if line.slope == 0 and len(points) == 1 and borrow:
+            other = self.verify_line(not overlapped, borrow=False) or self._assumed
+            if other is not None:
+                slope = other.slope * line.mean_t / float(other.at(round(line.mean_w)))
+                line = VerifyLine(line.mean_w, line.mean_t, slope, line.floor)
+        return line
+
+    def _verify_or_stand_in(self, overlapped: bool) -> VerifyLine | None:
+        """This condition's line; where never measured, the profile measured at load, then
+        the other condition's line."""
+        return self.verify_line(overlapped) or self._assumed or self.verify_line(not overlapped)
 
     def verify_s(self, width: int, overlapped: bool = False) -> float | None:
-        line = self.verify_line(overlapped) or self.verify_line(not overlapped)
+        line = self._verify_or_stand_in(overlapped)
         return None if line is None else float(line.at(width))
 
     def cost_ratio(self) -> float | None:
@@ -242,13 +263,18 @@ class Estimates:
         """The costs and acceptance as measured; None before a draft and a verification
         were; ``rule``: include the rule's rounds as candidates."""
         step = {o: self.draft_step_s(o) for o in (False, True)}
-        verify = {o: self.verify_line(o) or self.verify_line(not o) for o in (False, True)}
+        verify = {o: self._verify_or_stand_in(o) for o in (False, True)}
         if step[False] is None or verify[False] is None:
             return None
         reach = np.stack([np.zeros(self.config.max_gamma + 2)] + [
             self.reach(b) for b in range(1, self.config.max_branches + 1)])  # fmt: skip
         overhead = self._overhead.value or 0.0
-        alone = self._alone.value or float(verify[False].at(1)) + overhead
+        if self._alone.value:
+            alone = self._alone.value
+        elif self._assumed_alone is not None:  # a call decoding alone carries many tokens
+            alone = self._assumed_alone
+        else:
+            alone = float(verify[False].at(1)) + overhead
         shares = tuple(RuleShare(k, share, self.reach(k, self.rule_acceptance(k)))
                        for k, share in self.rule_shares()) if rule else ()  # fmt: skip
         latency = {o: self.draft_latency_s(o) for o in (False, True)}
@@ -276,3 +302,13 @@ class Estimates:
             "target_alone_round_ms": ms(self._alone.value),
             "acceptance_by_depth": [round(self.acceptance(d), 3) for d in range(1, 9)],
         }  # fmt: skip
+
+
+def _fit(widths: np.ndarray, times: np.ndarray) -> VerifyLine:
+    """The least-squares line (slope >= 0) through (width, seconds) points."""
+    mean_w, mean_t = float(widths.mean()), float(times.mean())
+    spread = ((widths - mean_w) ** 2).sum()
+    slope = 0.0
+    if spread > 0:
+        slope = max(0.0, float(((widths - mean_w) * (times - mean_t)).sum() / spread))
+    return VerifyLine(mean_w, mean_t, slope, float(times.min()) * 0.5)

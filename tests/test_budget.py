@@ -432,3 +432,34 @@ def test_a_trial_of_the_other_core_choice_is_flagged_and_the_preferred_cost_know
         choice.record(wide, 0.001 if wide else 0.002)
     assert flags == [False, False, False, True] * 2  # every 4th call tries the other
     assert choice.cost_s() == pytest.approx(0.001)
+
+
+def test_the_target_alone_is_priced_by_the_load_profile_until_it_is_measured() -> None:
+    """Seen on the bundled pair (2-core box): every verification measured so far ran beside
+    the drafter (overlapped rounds, ~3 ms for a few nodes), while the target decodes a token
+    alone in 0.36 ms. Priced as such a verification, the target alone looked dear and the
+    controller drafted at 2.5x the cost of decoding alone; priced by the verifier's profile
+    measured at load, it decodes alone."""
+
+    def controller_after_overlapped_rounds(profile: dict[int, float] | None) -> BudgetController:
+        controller = controller_of(overlap=True)
+        if profile is not None:
+            controller.assume_verifier(profile)
+        for _ in range(controller.config.warmup_rounds + 2):
+            controller.commit(controller.choose())
+            controller.observe(RoundReport(
+                4, 1, 3, drafts=(DraftCall(5, 1, 0.0017, 0.0003, overlapped=True),),
+                verify_width=5, verify_s=0.0033, verify_overlapped=True))  # fmt: skip
+        return controller
+
+    profile = {1: 0.00036, 2: 0.00048, 4: 0.00076, 8: 0.00137}
+    unaware = controller_after_overlapped_rounds(None)
+    assert unaware.choose().plan.gamma > 0  # what happened before the profile was used
+    aware = controller_after_overlapped_rounds(profile)
+    model = aware.estimates.cost_model(rule=False)
+    assert model.alone_s == pytest.approx(0.00036)
+    # the plain rounds never measured are priced by the profile's line too
+    assert float(model.verify[False].at(5)) == pytest.approx(0.00095, rel=0.1)
+    assert aware.choose().plan.gamma == 0
+    with pytest.raises(ValueError, match="width 1"):
+        aware.assume_verifier({2: 0.001})

@@ -90,6 +90,12 @@ def test_auto_measures_every_runtime_chooses_the_fastest_and_reuses_the_figures(
     assert decision.runtime == max(decision.rates, key=decision.rates.get)
     assert decision.runtime in decision.summary()
     assert not decision.cached
+    # the chosen verifier's figures are what the controllers start from
+    chosen = next(p for p in decision.profiles if p.runtime == decision.runtime)
+    costs = decision.verifier_costs_s()
+    assert costs is not None
+    assert costs[1] == chosen.median_ms[0] / 1000
+    assert sorted(costs) == chosen.widths
 
     again = asyncio.run(decide_gpu_runtime(config, cache=tmp_path))
     assert again.cached
@@ -119,6 +125,7 @@ def test_a_configured_runtime_is_used_without_measuring(tmp_path) -> None:
         "configuration",
         [],
     )
+    assert decision.verifier_costs_s() is None  # nothing measured: rounds measure it
     assert not list(tmp_path.iterdir())
 
 
