@@ -1,0 +1,105 @@
+"""Where a sampled token's randomness comes from: drawn in order, or keyed by its position.
+
+- ``DrawnSampler``: one generator, draws taken in the order tokens are chosen. Standard
+  speculative sampling needs this (independent uniforms to judge each drafted token), but the
+  text then depends on how many draws came before: on the mode, on the draft length the
+  controller chose, on timing.
+- ``KeyedSampler``: the token at position t is the Gumbel-max choice argmax(log p_t + g_t),
+  with g_t derived from (seed, t) alone by a counter-based generator (Philox, key = seed,
+  counter = t). Both workers and the daemon derive the same g_t, so the drafter proposes with
+  the verifier's own noise, a drafted token is accepted exactly when it is the target's choice,
+  and the text is what the target alone samples with that seed, in every mode. Each token is
+  still an exact sample of p_t given the prefix: g_t is independent of everything before t.
+
+Both choose one token per probability row (rows after temperature, top-k and top-p; see
+``sampling.distribution``); greedy decoding takes the argmax and needs neither.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Protocol
+
+import numpy as np
+
+from hetspec.speculative.sampling import draw, top_tokens
+
+NOISE_CACHE = 64  # positions kept: a round's tree and the next draft reuse the same ones
+
+
+class Sampler(Protocol):
+    def choose(self, rows: np.ndarray, position: int) -> np.ndarray:
+        """One token per probability row of shape (n, vocab); all n rows choose the token at
+        ``position`` (sibling branches, or rows of the same depth)."""
+        ...
+
+    def candidates(self, row: np.ndarray, position: int, count: int) -> np.ndarray:
+        """``count`` proposals for the token at ``position`` from one probability row, the
+        first being ``choose``'s (a draft's sibling branches)."""
+        ...
+
+
+class DrawnSampler:
+    """Draws in order from one generator (seeded by ``seed``; None: from the OS)."""
+
+    def __init__(self, seed: int | list[int] | None = None) -> None:
+        self.rng = np.random.default_rng(seed)
+
+    def choose(self, rows: np.ndarray, position: int) -> np.ndarray:
+        return np.array([draw(row, self.rng) for row in rows.reshape(-1, rows.shape[-1])])
+
+    def candidates(self, row: np.ndarray, position: int, count: int) -> np.ndarray:
+        """Independent draws: what multi-candidate speculative sampling requires."""
+        return np.array([draw(row, self.rng) for _ in range(count)])
+
+
+def gumbel_noise(seed: int, position: int, vocab: int) -> np.ndarray:
+    """The Gumbel noise (vocab,) float64 of the token at ``position`` under ``seed``: the
+    same on every process and call. Each position owns 2**64 counter blocks of Philox."""
+    generator = np.random.Generator(np.random.Philox(key=seed, counter=[0, position, 0, 0]))
+    uniform = generator.random(vocab)
+    with np.errstate(divide="ignore"):  # u = 0 gives -inf: that token is never chosen
+        return -np.log(-np.log(uniform))
+
+
+class KeyedSampler:
+    """Gumbel-max choices with noise keyed by (``seed``, position)."""
+
+    def __init__(self, seed: int) -> None:
+        if not 0 <= seed < 2**128:
+            raise ValueError(f"a keyed seed must be in 0..2**128-1, not {seed}")
+        self.seed = seed
+        self._noise: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+
+    def noise(self, position: int, vocab: int) -> np.ndarray:
+        key = (position, vocab)
+        noise = self._noise.get(key)
+        if noise is None:
+            noise = self._noise[key] = gumbel_noise(self.seed, position, vocab)
+            if len(self._noise) > NOISE_CACHE:
+                self._noise.popitem(last=False)
+        return noise
+
+    def scores(self, rows: np.ndarray, positions) -> np.ndarray:
+        """log(rows) + the noise of each row's position: the argmax of a row is its choice.
+        ``positions``: one per row, or one for all."""
+        rows = rows.reshape(-1, rows.shape[-1])
+        positions = np.broadcast_to(np.asarray(positions), (len(rows),))
+        with np.errstate(divide="ignore"):  # tokens top-k/top-p removed: log 0 = -inf
+            scores = np.log(rows, dtype=np.float64)
+        for index, position in enumerate(positions.tolist()):
+            scores[index] += self.noise(position, rows.shape[-1])
+        return scores
+
+    def choose(self, rows: np.ndarray, position: int) -> np.ndarray:
+        return self.scores(rows, position).argmax(axis=-1)
+
+    def candidates(self, row: np.ndarray, position: int, count: int) -> np.ndarray:
+        """The ``count`` best perturbed scores: the choice, then the runners-up."""
+        return top_tokens(self.scores(row, position)[0], count)
+
+
+def sampler_for(seed: int | None) -> Sampler:
+    """A seeded request's tokens are keyed by position (the same text in every mode); an
+    unseeded one draws in order (standard speculative sampling, which accepts more)."""
+    return DrawnSampler() if seed is None else KeyedSampler(seed)
