@@ -190,7 +190,7 @@ class Estimates:
             return None
         widths, times = np.array(points).T
         line = _fit(widths, times)
-        if line.slope == 0 and len(points) == 1 and borrow:
+        if len(points) == 1 and borrow:  # one width: no slope of its own
             other = self.verify_line(not overlapped, borrow=False) or self._assumed
             if other is not None:
                 slope = other.slope * line.mean_t / float(other.at(round(line.mean_w)))
