@@ -22,7 +22,7 @@ from typing import Protocol
 
 import numpy as np
 
-from hetspec.speculative.sampling import draw, top_tokens
+from hetspec.speculative.sampling import draw_rows, top_tokens
 
 NOISE_CACHE = 64  # positions kept: a round's tree and the next draft reuse the same ones
 
@@ -46,11 +46,11 @@ class DrawnSampler:
         self.rng = np.random.default_rng(seed)
 
     def choose(self, rows: np.ndarray, position: int) -> np.ndarray:
-        return np.array([draw(row, self.rng) for row in rows.reshape(-1, rows.shape[-1])])
+        return draw_rows(rows.reshape(-1, rows.shape[-1]), self.rng)
 
     def candidates(self, row: np.ndarray, position: int, count: int) -> np.ndarray:
         """Independent draws: what multi-candidate speculative sampling requires."""
-        return np.array([draw(row, self.rng) for _ in range(count)])
+        return draw_rows(np.broadcast_to(row, (count, row.shape[-1])), self.rng)
 
 
 def gumbel_noise(seed: int, position: int, vocab: int) -> np.ndarray:
