@@ -24,7 +24,7 @@ def _add_generation_options(parser: argparse.ArgumentParser, max_tokens: int | N
     parser.add_argument("--temperature", type=float, help="0 = greedy (the default for run)")
     parser.add_argument("--top-k", type=int)
     parser.add_argument("--top-p", type=float)
-    parser.add_argument("--seed", type=int, help="makes sampled output reproducible")
+    parser.add_argument("--seed", type=int, help="the same seed, the same sampled text (any mode)")
     parser.add_argument(
         "--stop", action="append", metavar="TEXT", help="end the answer before TEXT (repeatable)"
     )

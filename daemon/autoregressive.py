@@ -15,7 +15,8 @@ from hetspec.protocol import Arena
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.sampling import SamplingParams
 from hetspec.speculative.core_choice import SpareCoreChoice
-from hetspec.speculative.sampling import distribution, draw
+from hetspec.speculative.samplers import Sampler, sampler_for
+from hetspec.speculative.sampling import distribution
 
 # When the target decodes alone (autoregressive mode, rounds without a draft) a call decodes
 # as many tokens as take about ALONE_CALL_S of its compute: each call costs ~0.8 ms besides
@@ -37,11 +38,13 @@ def alone_tokens(token_s: float | None, *, trial: bool = False) -> int:
     return max(1, min(most, int(ALONE_CALL_S / token_s)))
 
 
-def first_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """The token after the prompt, from the prefill's (1, vocab) logits (every mode's)."""
+def first_token(logits: np.ndarray, params: SamplingParams, sampler: Sampler,
+                position: int) -> int:  # fmt: skip
+    """The token after the prompt (at ``position``, the prompt's length), from the prefill's
+    (1, vocab) logits (every mode's)."""
     if params.greedy:
         return int(np.argmax(logits[0]))
-    return draw(distribution(logits, params)[0], rng)
+    return int(sampler.choose(distribution(logits, params), position)[0])
 
 
 async def generate(
@@ -69,9 +72,9 @@ async def generate(
         m.Prefill(request=worker.next_request(), tokens=prompt, seed=request.seed, out=slot,
                   spare_cores=cores.preferred())
     )  # fmt: skip
-    # the daemon's draw of the first token: a stream apart from the worker's, same seed
-    rng = np.random.default_rng(None if request.seed is None else request.seed ^ 0x1F7)
-    tokens = [first_token(arena.view(prefilled.logits), request.sampling, rng)]
+    # the worker's keyed choices continue the daemon's (seeded); unseeded draws are independent
+    sampler = sampler_for(request.seed)
+    tokens = [first_token(arena.view(prefilled.logits), request.sampling, sampler, len(prompt))]
     result.prompt_tokens = len(prompt)
     result.prompt_ms = (time.perf_counter() - started) * 1000
     decode_start = time.perf_counter()

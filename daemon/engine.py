@@ -11,7 +11,8 @@ the verified tokens it emits and a ``RoundReport`` the controller learns from. T
   so they are as valid a proposal as a fresh draft: output stays lossless);
 - the target alone (gamma 0): it decodes a few tokens by itself, where drafting does not pay.
 Only verified tokens are emitted. The first token comes from the verifier's prefill logits,
-so it waits for the target's prefill alone, never for a draft.
+so it waits for the target's prefill alone, never for a draft. A seeded request's tokens are
+the target's keyed choices (``samplers.KeyedSampler``), the same whatever the rounds were.
 """
 
 from __future__ import annotations
@@ -32,12 +33,17 @@ from hetspec.protocol import worker_messages as m
 from hetspec.speculative.branching import uncertainty_branches
 from hetspec.speculative.budget import BudgetController, Choice
 from hetspec.speculative.rounds import DraftCall, Plan, RoundReport
+from hetspec.speculative.samplers import KeyedSampler, sampler_for
 from hetspec.speculative.sampling import distribution
-from hetspec.speculative.verify import Verdict, accept_token, verify_greedy, verify_sampling
+from hetspec.speculative.verify import (
+    Verdict,
+    accept_token,
+    verify_greedy,
+    verify_keyed,
+    verify_sampling,
+)
 
 __all__ = ["Decoder", "WorkerPair"]
-
-VERIFIER_STREAM = 0x5EC  # told apart from the drafter's stream of the same seed (see __init__)
 
 
 def flatten(drafted: m.Drafted) -> tuple[list[int], list[int], list[tuple[int, int]]]:
@@ -68,11 +74,10 @@ class Decoder:
         self.request, self.pair, self.controller, self.stats = request, pair, controller, stats
         self.fixed = plan
         self.params = request.sampling
-        # The drafter seeds its generator with the request's seed; verification draws from an
-        # independent stream: with the same one, a drafted token and the uniform that judges
-        # it are correlated, and the output no longer follows the target.
-        seed = None if request.seed is None else [request.seed, VERIFIER_STREAM]
-        self.rng = np.random.default_rng(seed)
+        # Seeded: keyed choices, the same noise as both workers'. Unseeded: speculative
+        # sampling, from a stream of the daemon's own (the drafter's draws are independent).
+        self.sampler = sampler_for(request.seed)
+        self.position = 0  # the next token's index in the sequence (keyed noise's key)
         self.eos = -1 if request.ignore_eos else pair.verifier.ready.vocab.eos
         self.verifier = VerifierSide(pair)
         self.drafter: DrafterSide | None = None  # once the prompt is tokenized
@@ -133,14 +138,14 @@ class Decoder:
         spare_cores = bool(verifier.spec.spare_cores) and self.pair.alone_cores.preferred()
         if not (spare_cores or alone):
             self.drafter.start_prefill()
-        # the verifier draws by itself in rounds without a draft: its own stream
-        own = None if self.request.seed is None else self.request.seed ^ 0x7A26E7
         prefilled, _ = await verifier.call(m.Prefill(
-            request=verifier.next_request(), tokens=prompt, out=self.pair.verify_slot, seed=own,
-            spare_cores=spare_cores))  # fmt: skip
+            request=verifier.next_request(), tokens=prompt, out=self.pair.verify_slot,
+            seed=self.request.seed, spare_cores=spare_cores))  # fmt: skip
         result.prompt_tokens = len(prompt)
         result.prompt_ms = (time.perf_counter() - started) * 1000
-        return first_token(self.pair.arena.view(prefilled.logits), self.params, self.rng)
+        logits = self.pair.arena.view(prefilled.logits)
+        self.position = len(prompt) + 1
+        return first_token(logits, self.params, self.sampler, len(prompt))
 
     # ------------------------------------------------------------ rounds
 
@@ -253,6 +258,7 @@ class Decoder:
         )
         tokens = decoded.tokens
         self.verifier.decoded(tokens)
+        self.position += len(tokens)
         stopped = self.eos in tokens
         emitted = tokens[: tokens.index(self.eos)] if stopped else tokens[:remaining]
         self.drafter.unseen += emitted
@@ -282,15 +288,19 @@ class Decoder:
             raise
 
     def _verdict(self, tokens, parents, logits, draft_rows) -> Verdict:
+        """Row 0 of ``logits`` chooses the token at ``self.position``."""
         if self.params.greedy:
             return verify_greedy(tokens, parents, logits)
         target_rows = distribution(logits, self.params)
-        return verify_sampling(tokens, parents, draft_rows(), target_rows, self.rng)
+        if isinstance(self.sampler, KeyedSampler):
+            return verify_keyed(tokens, parents, target_rows, self.sampler, self.position)
+        return verify_sampling(tokens, parents, draft_rows(), target_rows, self.sampler.rng)
 
     def _emitted(self, verdict: Verdict, tokens, remaining: int) -> tuple[list[int], bool]:
         """The tokens to emit, cut at EOS and at ``remaining``, and whether EOS came; the
         verifier keeps the accepted path and the bonus."""
         emitted = verdict.tokens(np.asarray(tokens))
+        self.position += len(emitted)
         stopped = self.eos in emitted
         emitted = emitted[: emitted.index(self.eos)] if stopped else emitted
         self.verifier.accepted(verdict)
@@ -298,16 +308,16 @@ class Decoder:
 
     def _second_opinion(self, verdict: Verdict, guessed: m.Drafted, last_logits):
         """The whole draft was accepted and the run-ahead's first token guessed the bonus.
-        Greedy: the guess holds if it is the target's argmax. Sampling: the guess was drawn
-        from the drafter, so it is judged like a drafted token (kept with probability
-        min(1, p/q), else the bonus is redrawn from the residual): the bonus still follows
-        the target exactly."""
+        Greedy and keyed: the guess holds if it is the target's choice, the bonus. Drawn: the
+        guess was drawn from the drafter, so it is judged like a drafted token (kept with
+        probability min(1, p/q), else the bonus is redrawn from the residual): the bonus
+        still follows the target exactly."""
         guess = guessed.tokens[0][0]
-        if self.params.greedy:
+        if self.params.greedy or isinstance(self.sampler, KeyedSampler):
             return verdict, guess == verdict.bonus
         target = distribution(last_logits, self.params)[0]
         draft = self.pair.arena.view(guessed.probs)[0, 0]
-        held, bonus = accept_token(guess, draft, target, self.rng)
+        held, bonus = accept_token(guess, draft, target, self.sampler.rng)
         return Verdict(verdict.path, bonus), held
 
     def _rule_would_pick(self, probs: np.ndarray) -> int | None:

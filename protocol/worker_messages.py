@@ -79,8 +79,10 @@ class Load(_Message, tag="load"):
 
 class Prefill(_Message, tag="prefill"):
     """Make the committed sequence ``tokens`` (reusing a common prefix); starts a request's
-    random generator from ``seed`` (None: from the OS). With ``out`` >= 0 the float32 logits
-    after the last token go to that arena slot (the first token can be chosen at once)."""
+    sampling: with a ``seed``, each token's randomness is keyed by (seed, position), so every
+    process and mode samples the same text; None: draws in order from the OS's entropy.
+    With ``out`` >= 0 the float32 logits after the last token go to that arena slot (the
+    first token can be chosen at once)."""
 
     request: int
     tokens: list[int]

@@ -22,6 +22,7 @@ from typing import Protocol
 
 import numpy as np
 
+from hetspec.protocol.sampling import SamplingParams
 from hetspec.speculative.sampling import draw_rows, top_tokens
 
 NOISE_CACHE = 64  # positions kept: a round's tree and the next draft reuse the same ones
@@ -54,10 +55,13 @@ class DrawnSampler:
 
 
 def gumbel_noise(seed: int, position: int, vocab: int) -> np.ndarray:
-    """The Gumbel noise (vocab,) float64 of the token at ``position`` under ``seed``: the
-    same on every process and call. Each position owns 2**64 counter blocks of Philox."""
+    """The Gumbel noise (vocab,) float32 of the token at ``position`` under ``seed``: the
+    same on every process and call, and for a shorter vocabulary a prefix of it (a drafter's
+    padded table may be a little smaller). Each position owns 2**64 counter blocks of Philox.
+    float32: half float64's cost, and its 2**-24 resolution moves a token's probability by
+    less than 1e-6."""
     generator = np.random.Generator(np.random.Philox(key=seed, counter=[0, position, 0, 0]))
-    uniform = generator.random(vocab)
+    uniform = generator.random(vocab, dtype=np.float32)
     with np.errstate(divide="ignore"):  # u = 0 gives -inf: that token is never chosen
         return -np.log(-np.log(uniform))
 
@@ -86,7 +90,7 @@ class KeyedSampler:
         rows = rows.reshape(-1, rows.shape[-1])
         positions = np.broadcast_to(np.asarray(positions), (len(rows),))
         with np.errstate(divide="ignore"):  # tokens top-k/top-p removed: log 0 = -inf
-            scores = np.log(rows, dtype=np.float64)
+            scores = np.log(rows, dtype=np.float32)
         for index, position in enumerate(positions.tolist()):
             scores[index] += self.noise(position, rows.shape[-1])
         return scores
@@ -97,6 +101,22 @@ class KeyedSampler:
     def candidates(self, row: np.ndarray, position: int, count: int) -> np.ndarray:
         """The ``count`` best perturbed scores: the choice, then the runners-up."""
         return top_tokens(self.scores(row, position)[0], count)
+
+
+def pick(rows: np.ndarray, params: SamplingParams, sampler: Sampler, position: int) -> np.ndarray:
+    """One token per row for the token at ``position``: the argmax when greedy."""
+    if params.greedy:
+        return rows.reshape(-1, rows.shape[-1]).argmax(axis=-1)
+    return sampler.choose(rows, position)
+
+
+def proposals(
+    row: np.ndarray, params: SamplingParams, sampler: Sampler, position: int, count: int
+) -> np.ndarray:
+    """``count`` first tokens of sibling branches: the best ones when greedy."""
+    if params.greedy:
+        return top_tokens(row, count)
+    return sampler.candidates(row, position, count)
 
 
 def sampler_for(seed: int | None) -> Sampler:

@@ -11,8 +11,8 @@ import numpy as np
 
 from hetspec.protocol.sampling import SamplingError, SamplingParams
 
-__all__ = ["SamplingError", "SamplingParams", "choose", "distribution", "draw", "draw_rows",
-           "softmax", "top_tokens"]  # fmt: skip
+__all__ = ["SamplingError", "SamplingParams", "distribution", "draw", "draw_rows", "softmax",
+           "top_tokens"]  # fmt: skip
 
 
 def softmax(logits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -75,10 +75,3 @@ def draw_rows(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """One draw per row of ``probs`` (..., vocab), in row order."""
     flat = probs.reshape(-1, probs.shape[-1])
     return np.array([draw(row, rng) for row in flat]).reshape(probs.shape[:-1])
-
-
-def choose(probs: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> np.ndarray:
-    """One token per row: the argmax when greedy, else a draw from the row."""
-    if params.greedy:
-        return probs.argmax(axis=-1)
-    return draw_rows(probs, rng)

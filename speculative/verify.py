@@ -7,6 +7,9 @@ the committed prefix (the tree's root), row i + 1 the distribution after node i.
 - Greedy: walk down from the root, each step taking the child whose token is the target's
   argmax; the first miss ends the walk and the argmax itself is the bonus token. The output is
   the target's own greedy output, whatever the draft proposed.
+- Keyed (a seeded request): the target's token at each node is its Gumbel-max choice with the
+  noise of that node's position (``samplers.KeyedSampler``); the walk is the greedy one over
+  those perturbed scores. The output is what the target alone samples with that seed.
 - Sampling: multi-candidate speculative sampling (SpecInfer's recursive rejection). At a node,
   its children are tried in order; child x is accepted with probability min(1, p(x) / q(x));
   after a rejection the target distribution becomes the residual norm(max(p - q, 0)) for the
@@ -21,8 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hetspec.speculative.samplers import KeyedSampler
 from hetspec.speculative.sampling import draw
-from hetspec.speculative.tree import ROOT, validate_parents
+from hetspec.speculative.tree import ROOT, depths, validate_parents
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,17 @@ def verify_greedy(tokens, parents, target: np.ndarray) -> Verdict:
             return Verdict(path, wanted)
         path.append(match)
         node = match
+
+
+def verify_keyed(
+    tokens, parents, target: np.ndarray, sampler: KeyedSampler, position: int
+) -> Verdict:
+    """``verify_greedy`` over the target's keyed choices: row 0 chooses the token at
+    ``position``, row i + 1 (after node i) the token at position + depth(i) + 1. ``target``:
+    probability rows after the request's warping."""
+    parents = validate_parents(parents)
+    positions = np.concatenate([[position], position + depths(parents) + 1])
+    return verify_greedy(tokens, parents, sampler.scores(target, positions))
 
 
 def _accepts(token: int, p: np.ndarray, q: np.ndarray, rng: np.random.Generator) -> bool:

@@ -21,6 +21,7 @@ from hetspec.protocol import worker_messages as m
 from hetspec.protocol.arena import Arena
 from hetspec.protocol.sampling import SamplingParams
 from hetspec.protocol.vocab import VocabInfo
+from hetspec.speculative.samplers import DrawnSampler
 from hetspec.workers.process import Worker
 from hetspec.workers.spare_cores import SpareCores
 from hetspec.workers.tree_runtime import TreeRuntime
@@ -97,7 +98,7 @@ class TableModel(TreeRuntime):
     def greedy(self, prompt: str, count: int) -> list[int]:
         """The model's own greedy continuation of ``prompt``."""
         self.prefill(self.tokenize(prompt))
-        return self.decode(count, SamplingParams(), np.random.default_rng(0))
+        return self.decode(count, SamplingParams(), DrawnSampler(0))
 
 
 @dataclass

@@ -134,6 +134,12 @@ def test_openai_requests_with_plain_httpx(daemon, http) -> None:
     models = http.get("/v1/models").json()
     assert models["data"][0]["id"] == "hetspec-demo"
 
+    # seeded sampling: the same text on both endpoints (the target's keyed choices)
+    sampled = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0.8, "seed": 9}
+    native = http.post("/api/generate", json={**sampled, "stream": False}).json()
+    completion = http.post("/v1/completions", json=sampled).json()
+    assert completion["choices"][0]["text"] == native["response"]
+
 
 def test_native_ndjson_stream_over_raw_http(daemon) -> None:
     payload = json.dumps({"prompt": PROMPT, **GREEDY}).encode()
@@ -185,6 +191,10 @@ def test_the_shell_client(daemon) -> None:
     chat = shell(daemon, "chat", "--max-tokens", "6", stdin="hello\nand again\n")
     assert chat.returncode == 0, chat.stderr
     assert chat.stderr.count("tokens/s") == 2
+    seeded = [shell(daemon, "run", PROMPT, "--max-tokens", "30", "--temperature", "0.8",
+                    "--seed", "1", "--mode", mode).stdout for mode in ("adaptive", "sequential",
+                                                                     "autoregressive")]  # fmt: skip
+    assert seeded[0] == seeded[1] == seeded[2] != ""
     bad = shell(daemon, "run", PROMPT, "--top-p", "7")
     assert bad.returncode == 1
     assert "top_p must be in (0, 1]" in bad.stderr

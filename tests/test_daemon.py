@@ -19,6 +19,7 @@ from tiny_models import DAEMON_CONTEXT
 
 from hetspec.daemon.instance import Instance
 from hetspec.protocol.arena import SHM_DIR
+from hetspec.speculative.samplers import DrawnSampler
 from hetspec.speculative.sampling import SamplingParams
 from hetspec.workers.torch_runtime import TorchRuntime
 
@@ -130,7 +131,7 @@ def target_greedy(gguf: Path, prompt: str, count: int) -> np.ndarray:
     """The target model's own greedy continuation, from the torch runtime in this process."""
     target = TorchRuntime(gguf.parent, max_context=256)
     target.prefill(target.tokenize(prompt))
-    return target.draft(count + 1, SamplingParams(), np.random.default_rng(0)).tokens[0, :count]
+    return target.draft(count + 1, SamplingParams(), DrawnSampler(0)).tokens[0, :count]
 
 
 def pid_alive(pid: int) -> bool:
@@ -172,7 +173,7 @@ def test_the_ready_daemon_serves_the_targets_own_greedy_output(daemon, models) -
     assert status == 200, body
     target = TorchRuntime(models["target"].parent, max_context=64)
     target.prefill(target.tokenize(prompt))
-    expected = target.draft(25, SamplingParams(), np.random.default_rng(0)).tokens[0, :24]
+    expected = target.draft(25, SamplingParams(), DrawnSampler(0)).tokens[0, :24]
     assert body["tokens"] == expected.tolist()
     assert body["timings"]["predicted_n"] == 24
     assert body["response"] == b"".join(target.token_bytes(t) for t in expected).decode(
@@ -322,6 +323,28 @@ def test_a_killed_worker_fails_its_request_fast_and_is_restarted(daemon) -> None
     )
     assert status == 200
     assert again["done"] is True
+
+
+def test_a_seeded_request_cut_by_a_worker_restart_gives_the_same_text_again(daemon) -> None:
+    """Keyed sampling: the tokens a killed worker cut short begin the text the retry gives,
+    and the retry on the restarted workers gives the text the request gave before."""
+    gpu_pid = daemon.wait_ready()["workers"]["gpu"]["pid"]
+    body = {"prompt": "import os\n", "max_tokens": 2000, "ignore_eos": True, "seed": 31,
+            "temperature": 0.9, "top_p": 0.95, "mode": "adaptive"}  # fmt: skip
+    status, before = request(daemon.socket, "POST", "/api/generate", {**body, "stream": False})
+    assert status == 200
+    connection, response = stream(daemon.socket, body)
+    assert "response" in json.loads(response.readline())
+    os.kill(gpu_pid, signal.SIGKILL)
+    cut = [json.loads(line) for line in iter(response.readline, b"")][-1]
+    connection.close()
+    assert cut["done_reason"] == "error"
+    assert 0 < len(cut["tokens"]) < len(before["tokens"])
+    assert cut["tokens"] == before["tokens"][: len(cut["tokens"])]
+    assert daemon.wait_ready()["workers"]["gpu"]["pid"] != gpu_pid
+    status, again = request(daemon.socket, "POST", "/api/generate", {**body, "stream": False})
+    assert status == 200
+    assert (again["tokens"], again["response"]) == (before["tokens"], before["response"])
 
 
 def test_sigterm_lets_the_request_finish_and_leaves_nothing_behind(daemon) -> None:

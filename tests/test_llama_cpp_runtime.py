@@ -13,6 +13,7 @@ from tiny_models import write_tiny_gguf_llama
 from tokenizers import Tokenizer
 
 from hetspec.speculative.branching import uncertainty_branches
+from hetspec.speculative.samplers import DrawnSampler
 from hetspec.speculative.sampling import SamplingParams
 from hetspec.speculative.tree import chain_parents, path_to
 from hetspec.speculative.vocab import incompatibilities
@@ -90,7 +91,7 @@ def test_logits_match_transformers_on_the_exported_model(gguf, prompt) -> None:
 
 def test_greedy_draft_of_64_equals_llama_cpps_own_generation(runtime, gguf, prompt) -> None:
     runtime.prefill(prompt)
-    drafted = runtime.draft(64, SamplingParams(), np.random.default_rng(0)).tokens[0].tolist()
+    drafted = runtime.draft(64, SamplingParams(), DrawnSampler(0)).tokens[0].tolist()
 
     assert drafted == llama_cpp_greedy(gguf, prompt, 64)
 
@@ -126,14 +127,13 @@ def test_commit_then_continue_matches_a_fresh_run(runtime, gguf, settings, promp
     runtime.forward_tree([60, 61, 62, 63, 64], [-1, -1, 1, 2, 0])
     runtime.commit([1, 2, 3])
     assert runtime.tokens == [*prompt, 61, 62, 63]
-    continued = runtime.draft(12, SamplingParams(), np.random.default_rng(0)).tokens[0]
+    continued = runtime.draft(12, SamplingParams(), DrawnSampler(0)).tokens[0]
 
     fresh = LlamaCppRuntime(gguf, n_ctx=256, n_batch=64, **settings)
     fresh.prefill([*prompt, 61, 62, 63])
     assert_close(runtime.last_logits(), fresh.last_logits())
     assert (
-        continued.tolist()
-        == fresh.draft(12, SamplingParams(), np.random.default_rng(0)).tokens[0].tolist()
+        continued.tolist() == fresh.draft(12, SamplingParams(), DrawnSampler(0)).tokens[0].tolist()
     )
 
     runtime.rollback(len(prompt) - 3)
@@ -143,7 +143,7 @@ def test_commit_then_continue_matches_a_fresh_run(runtime, gguf, settings, promp
 
 def test_branches_draft_greedily_and_the_chosen_one_is_kept(runtime, prompt) -> None:
     runtime.prefill(prompt)
-    result = runtime.draft(5, SamplingParams(), np.random.default_rng(0), branches=4)
+    result = runtime.draft(5, SamplingParams(), DrawnSampler(0), branches=4)
     tokens, probs = result.tokens.copy(), result.probs.copy()
     assert tokens[:, 0].tolist() == np.argsort(-probs[0, 0], kind="stable")[:4].tolist()
     np.testing.assert_allclose(probs.sum(-1), 1, atol=1e-5)
@@ -153,7 +153,7 @@ def test_branches_draft_greedily_and_the_chosen_one_is_kept(runtime, prompt) -> 
             assert tokens[branch, step] == expected.argmax()
 
     runtime.prefill(prompt)
-    runtime.draft(5, SamplingParams(), np.random.default_rng(0), branches=4)
+    runtime.draft(5, SamplingParams(), DrawnSampler(0), branches=4)
     accepted = [*tokens[2, :4].tolist(), 7]  # four drafted tokens of branch 2, then a bonus
     runtime.append(accepted)
     assert runtime.tokens == prompt + accepted
@@ -161,7 +161,7 @@ def test_branches_draft_greedily_and_the_chosen_one_is_kept(runtime, prompt) -> 
 
 
 def test_dynamic_draft_branches_by_the_drafters_uncertainty(runtime, prompt) -> None:
-    greedy, rng = SamplingParams(), np.random.default_rng(0)
+    greedy, rng = SamplingParams(), DrawnSampler(0)
     runtime.prefill(prompt)
     single = runtime.draft(6, greedy, rng)
     chain, chain_probs = single.tokens.copy(), single.probs.copy()
@@ -197,10 +197,10 @@ def test_dynamic_draft_branches_by_the_drafters_uncertainty(runtime, prompt) -> 
 def test_sampled_branches_are_reproducible_and_drawn_from_their_rows(runtime, prompt) -> None:
     params = SamplingParams(temperature=0.9, top_k=40, top_p=0.95)
     runtime.prefill(prompt)
-    first = runtime.draft(6, params, np.random.default_rng(11), branches=3)
+    first = runtime.draft(6, params, DrawnSampler(11), branches=3)
     tokens, probs = first.tokens.copy(), first.probs.copy()
     runtime.prefill(prompt)
-    again = runtime.draft(6, params, np.random.default_rng(11), branches=3)
+    again = runtime.draft(6, params, DrawnSampler(11), branches=3)
     assert (again.tokens == tokens).all()
     np.testing.assert_allclose(again.probs, probs, atol=1e-6)
     assert (np.take_along_axis(probs, tokens[..., None], axis=-1) > 0).all()
@@ -282,7 +282,7 @@ def test_the_torch_runtime_reports_the_same_vocabulary_from_the_folder(runtime, 
 def test_a_draft_continues_after_a_pending_one(runtime, gguf, prompt, engine) -> None:
     """Running ahead: continuing a pending draft equals drafting the whole length at once."""
     drafter = runtime if engine == "llama.cpp" else TorchRuntime(gguf.parent, max_context=128)
-    greedy, rng = SamplingParams(), np.random.default_rng(0)
+    greedy, rng = SamplingParams(), DrawnSampler(0)
     drafter.prefill(prompt)
     whole = drafter.draft(7, greedy, rng).tokens[0].tolist()
     drafter.prefill(prompt)
@@ -302,9 +302,9 @@ def test_decoding_alone_commits_as_it_draws_and_equals_llama_cpps_generation(
     last committed; sampled draws reproducible from the generator, committed likewise."""
     decoder = runtime if engine == "llama.cpp" else TorchRuntime(gguf.parent, max_context=128)
     decoder.prefill(prompt)
-    first = decoder.decode(5, SamplingParams(), np.random.default_rng(0))
+    first = decoder.decode(5, SamplingParams(), DrawnSampler(0))
     decoder.append(first[-1:])
-    rest = decoder.decode(11, SamplingParams(), np.random.default_rng(0))
+    rest = decoder.decode(11, SamplingParams(), DrawnSampler(0))
     assert decoder.pending == 0
     assert decoder.tokens == [*prompt, *first, *rest[:-1]]
 
@@ -316,9 +316,9 @@ def test_decoding_alone_commits_as_it_draws_and_equals_llama_cpps_generation(
 
     sampled = SamplingParams(temperature=0.8)
     decoder.prefill(prompt)
-    once = decoder.decode(8, sampled, np.random.default_rng(7))
+    once = decoder.decode(8, sampled, DrawnSampler(7))
     decoder.prefill(prompt)
-    assert decoder.decode(8, sampled, np.random.default_rng(7)) == once
+    assert decoder.decode(8, sampled, DrawnSampler(7)) == once
     assert decoder.tokens == [*prompt, *once[:-1]]
     with pytest.raises(RuntimeUsageError, match="cannot decode 0"):
-        decoder.decode(0, sampled, np.random.default_rng(7))
+        decoder.decode(0, sampled, DrawnSampler(7))

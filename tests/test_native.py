@@ -23,6 +23,7 @@ from hetspec.native.kernels import (
     NativeUnavailable,
     matrix,
 )
+from hetspec.speculative.samplers import DrawnSampler
 from hetspec.speculative.sampling import SamplingParams
 from hetspec.speculative.tree import chain_parents
 from hetspec.workers.native_runtime import NativeRuntime
@@ -193,7 +194,7 @@ def test_it_predicts_as_llama_cpp_does_on_the_same_file(heavy, gguf_type) -> Non
 def test_greedy_decoding_equals_greedy_verification(native) -> None:
     prompt = native.tokenize("def read_lines(path):\n")
     native.prefill(prompt)
-    decoded = native.decode(24, SamplingParams(), np.random.default_rng(0))
+    decoded = native.decode(24, SamplingParams(), DrawnSampler(0))
     native.prefill(prompt)
     logits = native.evaluate_tree(decoded, chain_parents(24))
     assert [int(native.last_logits().argmax()), *logits.argmax(-1)[:-1].tolist()] == decoded

@@ -8,10 +8,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hetspec.speculative.branching import branch_length, uncertainty_branches
+from hetspec.speculative.samplers import DrawnSampler, pick
 from hetspec.speculative.sampling import (
     SamplingError,
     SamplingParams,
-    choose,
     distribution,
     top_tokens,
 )
@@ -106,13 +106,13 @@ def test_greedy_gives_the_plain_softmax_and_the_argmax() -> None:
     probs = distribution(logits, SamplingParams())
     expected = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
     np.testing.assert_allclose(probs, expected, rtol=1e-6)
-    assert choose(probs, SamplingParams(), np.random.default_rng()).tolist() == [1, 2]
+    assert pick(probs, SamplingParams(), DrawnSampler(), 0).tolist() == [1, 2]
 
 
 def test_draws_follow_the_distribution() -> None:
     probs = np.array([0.1, 0.0, 0.6, 0.3], np.float32)
     params = SamplingParams(temperature=1.0)
-    draws = choose(np.tile(probs, (20000, 1)), params, np.random.default_rng(3))
+    draws = pick(np.tile(probs, (20000, 1)), params, DrawnSampler(3), 0)
     frequencies = np.bincount(draws, minlength=4) / len(draws)
     np.testing.assert_allclose(frequencies, probs, atol=0.015)
     assert frequencies[1] == 0

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_models import TINY_CONFIGS, build_reference, save_reference
 
+from hetspec.speculative.samplers import DrawnSampler
 from hetspec.speculative.sampling import SamplingParams
 from hetspec.speculative.tree import chain_parents, path_to
 from hetspec.workers.torch_runtime import ModelLoadError, RuntimeUsageError, TorchRuntime
@@ -91,7 +92,7 @@ def test_commit_compacts_an_off_chain_path_and_rollback_rewinds(pair) -> None:
 def test_greedy_with_cache_equals_greedy_recomputing_the_prefix(pair) -> None:
     reference, runtime = pair
     runtime.prefill(PROMPT)
-    drafted = runtime.draft(24, SamplingParams(), np.random.default_rng(0)).tokens[0]
+    drafted = runtime.draft(24, SamplingParams(), DrawnSampler(0)).tokens[0]
 
     recomputed = list(PROMPT)
     for _ in range(24):
@@ -106,7 +107,7 @@ def test_greedy_with_cache_equals_greedy_recomputing_the_prefix(pair) -> None:
 def test_multi_branch_draft_then_append_reuses_the_chosen_branch(pair) -> None:
     reference, runtime = pair
     runtime.prefill(PROMPT)
-    result = runtime.draft(4, SamplingParams(), np.random.default_rng(0), branches=3)
+    result = runtime.draft(4, SamplingParams(), DrawnSampler(0), branches=3)
     first_row = result.probs[0, 0]
     assert result.tokens[:, 0].tolist() == np.argsort(-first_row, kind="stable")[:3].tolist()
     np.testing.assert_allclose(result.probs.sum(-1), 1, atol=1e-5)
@@ -127,9 +128,9 @@ def test_sampled_draft_is_reproducible_and_draws_from_its_rows(pair) -> None:
     _, runtime = pair
     params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
     runtime.prefill(PROMPT)
-    first = runtime.draft(6, params, np.random.default_rng(7), branches=2)
+    first = runtime.draft(6, params, DrawnSampler(7), branches=2)
     tokens, probs = first.tokens.copy(), first.probs.copy()
-    again = runtime.draft(6, params, np.random.default_rng(7), branches=2)
+    again = runtime.draft(6, params, DrawnSampler(7), branches=2)
     assert (again.tokens == tokens).all()
     np.testing.assert_array_equal(again.probs, probs)
     chosen = np.take_along_axis(probs, tokens[..., None], axis=-1)
@@ -141,11 +142,11 @@ def test_draft_writes_into_a_caller_buffer(pair) -> None:
     _, runtime = pair
     runtime.prefill(PROMPT)
     buffer = np.zeros((2, 3, runtime.config.vocab_size), np.float32)
-    result = runtime.draft(3, SamplingParams(), np.random.default_rng(0), branches=2, out=buffer)
+    result = runtime.draft(3, SamplingParams(), DrawnSampler(0), branches=2, out=buffer)
     assert result.probs is buffer
     np.testing.assert_allclose(buffer.sum(-1), 1, atol=1e-5)
     with pytest.raises(RuntimeUsageError, match="C-contiguous float32"):
-        runtime.draft(3, SamplingParams(), np.random.default_rng(0), out=buffer)
+        runtime.draft(3, SamplingParams(), DrawnSampler(0), out=buffer)
 
 
 def test_bad_calls_are_clear_errors(pair) -> None:

@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetspec.speculative.tree import is_path
-from hetspec.speculative.verify import verify_greedy, verify_sampling
+from hetspec.speculative.samplers import KeyedSampler
+from hetspec.speculative.tree import depths, is_path
+from hetspec.speculative.verify import verify_greedy, verify_keyed, verify_sampling
 
 # chi-square critical values at p = 0.001 (no scipy here): a correct sampler fails 1 in 1000
 CHI2_CRITICAL_0001 = {4: 18.467, 24: 51.179}
@@ -37,6 +38,27 @@ def test_greedy_takes_exactly_the_targets_argmax_path(case) -> None:
     assert verdict.bonus == logits[row].argmax()
     end = verdict.path[-1] if verdict.path else -1
     assert not any(tokens[c] == verdict.bonus for c in np.flatnonzero(parents == end))
+
+
+@settings(max_examples=200, deadline=None)
+@given(trees_with_logits(vocab=5), st.integers(0, 2**63 - 1), st.integers(0, 10_000))
+def test_keyed_verification_takes_the_targets_keyed_choice_at_each_position(
+    case, seed: int, position: int
+) -> None:
+    """Each emitted token is the keyed choice of the target's row at that token's position,
+    which is what the target alone, choosing one token at a time, would have emitted."""
+    tokens, parents, logits = case
+    rows = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    verdict = verify_keyed(tokens, parents, rows, KeyedSampler(seed), position)
+    alone = KeyedSampler(seed)  # a fresh one: the choices depend on (seed, position) only
+    node_depths = depths(np.asarray(parents))
+    assert is_path(verdict.path, parents)
+    row = 0
+    for depth, node in enumerate(verdict.path):
+        assert node_depths[node] == depth
+        assert tokens[node] == alone.choose(rows[row], position + depth)[0]
+        row = node + 1
+    assert verdict.bonus == alone.choose(rows[row], position + len(verdict.path))[0]
 
 
 def _normalized(rng: np.random.Generator, shape) -> np.ndarray:

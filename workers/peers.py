@@ -46,6 +46,7 @@ from typing import Protocol, TextIO
 
 import numpy as np
 
+from hetspec.speculative.samplers import DrawnSampler
 from hetspec.speculative.verify import verify_greedy
 from hetspec.workers.llama_server import (
     LlamaServer,
@@ -117,7 +118,7 @@ class LlamaCppSpeculative:
         self.gamma = gamma
         self.target = LlamaCppRuntime(target, n_ctx=2048, threads=threads)
         self.draft = LlamaCppRuntime(draft, n_ctx=2048, threads=threads)
-        self.greedy, self.rng = SamplingParams(), np.random.default_rng(0)
+        self.greedy, self.sampler = SamplingParams(), DrawnSampler(0)
 
     def run(self, prompt: str, max_tokens: int) -> dict[str, float]:
         target, draft, gamma = self.target, self.draft, self.gamma
@@ -133,7 +134,7 @@ class LlamaCppSpeculative:
         emitted, behind = 1, [bonus]
         while emitted < max_tokens:
             draft.append(behind)
-            drafted = draft.draft(gamma, self.greedy, self.rng).tokens[0].tolist()
+            drafted = draft.draft(gamma, self.greedy, self.sampler).tokens[0].tolist()
             chain = list(range(-1, gamma - 1))
             logits = target.evaluate_tree([bonus, *drafted], [-1, *(p + 1 for p in chain)])
             verdict = verify_greedy(drafted, chain, logits)

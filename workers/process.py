@@ -41,6 +41,7 @@ from hetspec.protocol import Arena, ArenaError, Codec, MessageError, frame_array
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.arena import SHM_DIR
 from hetspec.protocol.sampling import SamplingError
+from hetspec.speculative.samplers import DrawnSampler, Sampler, sampler_for
 from hetspec.workers.spare_cores import SpareCores, pin_threads
 from hetspec.workers.tree_runtime import RuntimeUsageError
 
@@ -212,7 +213,7 @@ class Worker:
         self.codec = Codec(m.Command)
         self.runtime = None
         self.arena: Arena | None = None
-        self.rng = np.random.default_rng()
+        self.sampler: Sampler = DrawnSampler()  # a request's, from its Prefill's seed
         self.handlers: dict[type, Callable] = {
             m.Load: self.load, m.Prefill: self.prefill, m.Draft: self.draft, m.Decode: self.decode,
             m.VerifyTree: self.verify, m.Commit: self.commit, m.Rollback: self.rollback,
@@ -297,7 +298,7 @@ class Worker:
         start = time.perf_counter()
         engine = self._engine(command.spare_cores)
         reused = engine.prefill(command.tokens)
-        self.rng = np.random.default_rng(command.seed)
+        self.sampler = sampler_for(command.seed)
         logits = None
         if command.out >= 0:
             row = self._slot(command.out, (1, engine.vocab_size))
@@ -320,7 +321,7 @@ class Worker:
         result = engine.draft(
             command.steps,
             command.sampling,
-            self.rng,
+            self.sampler,
             branches=command.branches,
             out=out,
             after=command.after,
@@ -340,7 +341,7 @@ class Worker:
         engine = self._engine(command.spare_cores)
         if command.append:
             engine.append(command.append)
-        tokens = engine.decode(command.steps, command.sampling, self.rng)
+        tokens = engine.decode(command.steps, command.sampling, self.sampler)
         return m.Decoded(command.request, tokens, (time.perf_counter() - start) * 1000), ()
 
     def verify(self, command: m.VerifyTree, frames) -> tuple:

@@ -17,7 +17,8 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from hetspec.speculative.branching import branch_length, uncertainty_branches
-from hetspec.speculative.sampling import SamplingParams, choose, distribution, top_tokens
+from hetspec.speculative.samplers import Sampler, pick, proposals
+from hetspec.speculative.sampling import SamplingParams, distribution
 from hetspec.speculative.tree import (
     ROOT,
     ancestor_mask,
@@ -273,11 +274,14 @@ class TreeRuntime(ABC, Generic[Output]):
             self.append([last])
         return self._last_logits
 
-    def decode(self, steps: int, params: SamplingParams, rng: np.random.Generator) -> list[int]:
+    def decode(self, steps: int, params: SamplingParams, sampler: Sampler) -> list[int]:
         """Decode alone: draw ``steps`` tokens after the committed sequence, one forward each,
         committing every token but the last as it is drawn (the last is drawn, not evaluated).
         Greedy draws take the argmax of the logits, as ``verify_greedy`` does. The cheapest
-        way to decode: no pending tree and no probability rows."""
+        way to decode: no pending tree and no probability rows.
+
+        A token's position (for a keyed ``sampler``) is its index in the whole sequence, here
+        and in ``draft``: the first token after the committed ones is at ``committed``."""
         if steps < 1:
             raise RuntimeUsageError(f"cannot decode {steps} tokens")
         self.discard_pending()
@@ -287,7 +291,7 @@ class TreeRuntime(ABC, Generic[Output]):
             if params.greedy:
                 token = int(logits.argmax())
             else:
-                token = int(choose(distribution(logits[None], params), params, rng)[0])
+                token = int(sampler.choose(distribution(logits[None], params), self.committed)[0])
             drawn.append(token)
             if len(drawn) == steps:
                 return drawn
@@ -300,7 +304,7 @@ class TreeRuntime(ABC, Generic[Output]):
         self,
         steps: int,
         params: SamplingParams,
-        rng: np.random.Generator,
+        sampler: Sampler,
         *,
         branches: int = 1,
         out: np.ndarray | None = None,
@@ -312,10 +316,11 @@ class TreeRuntime(ABC, Generic[Output]):
         With ``dynamic`` (a threshold scale), DuoDecoding's rule picks the branch count: up to
         ``branches`` sequences sharing a budget of ``steps`` tokens (see ``_draft_dynamic``).
 
-        Branch first tokens are the top-``branches`` tokens when greedy, independent draws when
-        sampling. ``out`` (branches, steps, vocab) float32 receives the probability rows (e.g. a
-        shared-memory slot); one is allocated when not given. The drafted nodes stay pending:
-        commit the accepted part with ``append`` or ``commit``.
+        Branch first tokens are the top-``branches`` tokens when greedy, else the sampler's
+        ``candidates`` (independent draws, or a keyed choice and its runners-up). ``out``
+        (branches, steps, vocab) float32 receives the probability rows (e.g. a shared-memory
+        slot); one is allocated when not given. The drafted nodes stay pending: commit the
+        accepted part with ``append`` or ``commit``.
 
         ``after`` = (parent, token) continues a pending draft instead of starting afresh:
         ``token`` (a drafted token not evaluated yet) is evaluated as a child of pending node
@@ -325,7 +330,7 @@ class TreeRuntime(ABC, Generic[Output]):
         if steps < 1 or not 1 <= branches <= self.vocab_size:
             raise RuntimeUsageError(f"cannot draft {branches} branches of {steps} steps")
         if dynamic is not None and after is None:
-            return self._draft_dynamic(steps, params, rng, min(branches, steps), dynamic)
+            return self._draft_dynamic(steps, params, sampler, min(branches, steps), dynamic)
         shape = (branches, steps, self.vocab_size)
         if out is None:
             out = np.empty(shape, np.float32)
@@ -334,43 +339,42 @@ class TreeRuntime(ABC, Generic[Output]):
         if after is None:
             first = self.last_logits()
             self.discard_pending()
-            root = ROOT
+            root, position = ROOT, self.committed
         else:
             output = self.forward_tree([after[1]], [after[0]], extend=True)
             first = self._step_logits(output)[0]
             root = self.pending - 1
+            position = self.committed + int(self._pending_depths[root]) + 1
         tokens = np.empty((branches, steps), np.int64)
         nodes = np.full((branches, steps), -1, np.int64)
         distribution(first, params, out=out[0, 0])
         out[1:, 0] = out[0, 0]
-        if params.greedy:
-            tokens[:, 0] = top_tokens(out[0, 0], branches)
-        else:
-            tokens[:, 0] = choose(out[:, 0], params, rng)
+        tokens[:, 0] = proposals(out[0, 0], params, sampler, position, branches)
         for step in range(1, steps):
             parents = nodes[:, step - 2] if step > 1 else np.full(branches, root)
             nodes[:, step - 1] = self.pending + np.arange(branches)
             output = self.forward_tree(tokens[:, step - 1], parents, extend=True)
             distribution(self._step_logits(output), params, out=out[:, step])
-            tokens[:, step] = choose(out[:, step], params, rng)
+            tokens[:, step] = pick(out[:, step], params, sampler, position + step)
         return DraftResult(tokens, out, nodes, root)
 
     def _draft_dynamic(
-        self, budget: int, params: SamplingParams, rng: np.random.Generator, cap: int, scale: float
+        self, budget: int, params: SamplingParams, sampler: Sampler, cap: int, scale: float
     ) -> DraftResult:
         """DuoDecoding's dynamic multi-sequence draft from the committed end.
 
         The top (greedy) or drawn first token is evaluated first: its continuation's top
         probability decides k (``uncertainty_branches``). The other k - 1 sequences start from
-        the next candidates (greedy: the next best; sampling: independent draws, as fixed
-        branches do, which keeps multi-candidate verification lossless whatever k is) and all
+        the next candidates (greedy: the next best; sampling: the sampler's, as for fixed
+        branches, which keeps multi-candidate verification lossless whatever k is) and all
         grow to ``budget // k`` tokens, the first sequence one forward ahead of the rest.
         Branching costs one forward more than a fixed draft of the same shape; not branching
         costs nothing more."""
         vocab = self.vocab_size
         first = distribution(self.last_logits(), params)
         self.discard_pending()
-        top = int(choose(first[None], params, rng)[0])
+        position = self.committed
+        top = int(pick(first, params, sampler, position)[0])
         second = distribution(self._step_logits(self.forward_tree([top], [ROOT]))[0], params)
         k = uncertainty_branches(first, float(second.max()), cap, scale)
         length = branch_length(budget, k)
@@ -380,14 +384,11 @@ class TreeRuntime(ABC, Generic[Output]):
         out[:, 0] = first
         tokens[0, 0], nodes[0, 0] = top, 0
         if k > 1:
-            if params.greedy:
-                order = top_tokens(first, k)
-                tokens[1:, 0] = order[order != top][: k - 1]
-            else:
-                tokens[1:, 0] = choose(out[1:, 0], params, rng)
+            # greedy and keyed: the runners-up of ``top``; drawn: independent draws
+            tokens[1:, 0] = proposals(first, params, sampler, position, k)[1:]
         if length > 1:
             out[0, 1] = second
-            tokens[0, 1] = choose(second[None], params, rng)[0]
+            tokens[0, 1] = pick(second, params, sampler, position + 1)[0]
         evaluated = np.array([1] + [0] * (k - 1))  # positions evaluated so far, per sequence
         while True:
             grow = [b for b in range(k) if evaluated[b] < length - 1]
@@ -403,6 +404,6 @@ class TreeRuntime(ABC, Generic[Output]):
             for row, (b, p) in enumerate(zip(grow, positions, strict=True)):
                 nodes[b, p] = start + row
                 distribution(logits[row], params, out=out[b, p + 1])
-                tokens[b, p + 1] = choose(out[b, p + 1][None], params, rng)[0]
+                tokens[b, p + 1] = pick(out[b, p + 1], params, sampler, position + p + 1)[0]
             evaluated[grow] += 1
         return DraftResult(tokens, out, nodes, ROOT)

@@ -16,8 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
+from hetspec.speculative.samplers import DrawnSampler
 from hetspec.speculative.sampling import SamplingParams
 from hetspec.workers.benchmarking import positive_int_list, timed_ms
 from hetspec.workers.llama_cpp_runtime import LlamaCppError, LlamaCppRuntime
@@ -53,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     prompt = (text_tokens * (args.context // len(text_tokens) + 1))[: args.context]
     runtime.prefill(prompt)
     params = SamplingParams(temperature=1.0)
-    rng = np.random.default_rng(0)
+    sampler = DrawnSampler(0)
 
     print(
         f"model {args.model.name}, {runtime.threads} threads, context {args.context}, "
@@ -65,10 +64,10 @@ def main(argv: list[str] | None = None) -> int:
 
         def separate(b=branches):
             for _ in range(b):
-                runtime.draft(args.steps, params, rng)
+                runtime.draft(args.steps, params, sampler)
 
         def batched(b=branches):
-            runtime.draft(args.steps, params, rng, branches=b)
+            runtime.draft(args.steps, params, sampler, branches=b)
 
         separate_ms = timed_ms(separate, args.repeats)
         batched_ms = timed_ms(batched, args.repeats)
