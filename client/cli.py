@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -14,6 +15,17 @@ from hetspec.client.types import DEFAULT_SOCKET, Completion, HetspecError, Queue
 from hetspec.protocol.modes import MODES
 
 
+def finite_float(text: str) -> float:
+    """An argparse type: a float that JSON can carry (not nan or inf)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, not {text!r}")
+    return value
+
+
 def _add_generation_options(parser: argparse.ArgumentParser, max_tokens: int | None) -> None:
     parser.add_argument(
         "--max-tokens",
@@ -21,9 +33,10 @@ def _add_generation_options(parser: argparse.ArgumentParser, max_tokens: int | N
         default=max_tokens,
         help="most tokens to generate (default %(default)s)",
     )
-    parser.add_argument("--temperature", type=float, help="0 = greedy (the default for run)")
+    parser.add_argument("--temperature", type=finite_float, help="0 = greedy (the default "
+                        "for run)")  # fmt: skip
     parser.add_argument("--top-k", type=int)
-    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--top-p", type=finite_float)
     parser.add_argument("--seed", type=int, help="the same seed, the same sampled text (any mode)")
     parser.add_argument(
         "--stop", action="append", metavar="TEXT", help="end the answer before TEXT (repeatable)"
@@ -63,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser(
         "run", aliases=["generate"], help="stream a completion of PROMPT, then a summary line"
     )
-    run.add_argument("prompt")
+    run.add_argument("prompt", help="the text to continue; - reads it from standard input")
     _add_generation_options(run, 128)
     chat = commands.add_parser("chat", help="an interactive chat (the model's chat template)")
     chat.add_argument("--system", help="a system message to start the chat with")
@@ -144,6 +157,8 @@ def _as_json(done: Completion) -> str:
 def run_generate(client: Client, args: argparse.Namespace) -> int:
     if args.temperature is None:
         args.temperature = 0.0  # a shell prompt gets the target's own greedy answer
+    if args.prompt == "-":
+        args.prompt = sys.stdin.read()
     if args.json:
         print(_as_json(client.generate(args.prompt, **_options(args))))
         return 0

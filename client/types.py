@@ -61,6 +61,7 @@ class Address:
 def resolve_address(host: str | None = None) -> Address:
     """``host``, else ``$HETSPEC_HOST``, else the default socket. Forms: ``unix:///path``,
     a bare ``/path``, or ``http://host:port``."""
+    source = "the host" if host else "HETSPEC_HOST"
     host = host or os.environ.get("HETSPEC_HOST") or f"unix://{DEFAULT_SOCKET}"
     if host.startswith("unix://"):
         return Address("http://hetspecd", host.removeprefix("unix://"))
@@ -68,7 +69,7 @@ def resolve_address(host: str | None = None) -> Address:
         return Address("http://hetspecd", host)
     if host.startswith(("http://", "https://")):
         return Address(host.rstrip("/"), None)
-    raise ValueError(f"HETSPEC_HOST must be unix:///path or http://host:port, not {host!r}")
+    raise ValueError(f"{source} must be unix:///path or http://host:port, not {host!r}")
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -198,6 +199,19 @@ def test_the_shell_client(daemon) -> None:
     bad = shell(daemon, "run", PROMPT, "--top-p", "7")
     assert bad.returncode == 1
     assert "top_p must be in (0, 1]" in bad.stderr
+    for option, value in (("--temperature", "nan"), ("--top-p", "inf")):
+        bad = shell(daemon, "run", PROMPT, option, value)
+        assert bad.returncode == 2
+        assert f"{option}: must be a finite number, not '{value}'" in bad.stderr
+        assert "Traceback" not in bad.stderr
+    piped = shell(daemon, "run", "-", "--max-tokens", "12", stdin=PROMPT)
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout == run.stdout
+    wrong = subprocess.run([sys.executable, "-m", "hetspec.client.cli", "--host", "ftp://x",
+                            "status"], capture_output=True, text=True, timeout=60, check=False,
+                           env={**os.environ, "HETSPEC_HOST": ""})  # fmt: skip
+    assert wrong.returncode == 2
+    assert "the host must be unix:///path or http://host:port, not 'ftp://x'" in wrong.stderr
     gone = subprocess.run([sys.executable, "-m", "hetspec.client.cli", "--host",
                            "unix:///nonexistent/hetspecd.sock", "status"],
                           capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
