@@ -298,6 +298,10 @@ class Estimates:
                                  "overlapped": ms(self._draft_latency[True].value)},
             "verify_ms": {kind: {w: fit(w, o) for w in (1, 2, 5, 9, 17)}
                           for kind, o in (("alone", False), ("overlapped", True))},
+            # what the line is fitted through: {width: [median, samples]}
+            "verify_medians_ms": {kind: {w: [ms(m.value), len(m)]
+                                         for w, m in sorted(self._verify[o].items()) if len(m)}
+                                  for kind, o in (("alone", False), ("overlapped", True))},
             "overhead_ms": ms(self._overhead.value),
             "target_alone_round_ms": ms(self._alone.value),
             "acceptance_by_depth": [round(self.acceptance(d), 3) for d in range(1, 9)],
