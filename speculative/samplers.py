@@ -45,7 +45,7 @@ class Sampler(Protocol):
 class DrawnSampler:
     """Draws in order from one generator (seeded by ``seed``; None: from the OS)."""
 
-    def __init__(self, seed: int | list[int] | None = None) -> None:
+    def __init__(self, seed: int | None = None) -> None:
         self.rng = np.random.default_rng(seed)
 
     def choose(self, rows: np.ndarray, position: int) -> np.ndarray:
@@ -94,7 +94,6 @@ class KeyedSampler:
     def __init__(self, seed: int) -> None:
         if not 0 <= seed < 2**128:
             raise ValueError(f"a keyed seed must be in 0..2**128-1, not {seed}")
-        self.seed = seed
         self._derive = PhiloxNoise(seed)
         self._noise: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
 
