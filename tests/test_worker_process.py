@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -122,9 +125,19 @@ async def test_arrays_travel_in_frames_and_in_slots(gguf, tmp_path, arena) -> No
         await cpu.stop()
 
 
-def thread_cores(pid: int) -> set[frozenset[int]]:
-    """The distinct core sets the process's threads may run on."""
-    return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
+def threads_on(pid: int, cores: set[int]) -> dict[int, int]:
+    """{thread id: nanoseconds it has run} for the process's threads that may run on
+    ``cores`` only."""
+    found = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):  # the thread ended meanwhile
+            if os.sched_getaffinity(int(tid)) <= cores:
+                found[int(tid)] = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+    return found
+
+
+def ran_ns(before: dict[int, int], after: dict[int, int]) -> int:
+    return sum(after[tid] - before.get(tid, 0) for tid in after)
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
@@ -132,17 +145,24 @@ def thread_cores(pid: int) -> set[frozenset[int]]:
 async def test_a_worker_computes_on_the_spare_cores_only_when_a_command_says_so(
     gguf, tmp_path, arena, runtime
 ) -> None:
-    """Every thread (the runtime's pool included) moves to the own + spare cores for a
-    command marked spare_cores and back for the next compute command that is not; the
-    logits do not depend on it (greedy output must not change with the cores)."""
+    """A command marked spare_cores computes on the own and the spare cores (the runtime's
+    extra OpenMP thread sits on the spare core), the others on the own cores only (that
+    thread idles); the logits do not depend on it (greedy output must not change with the
+    cores)."""
     own, spare = sorted(os.sched_getaffinity(0))[:2]
     client = await started(spec(gguf, runtime, cores=(own,), spare_cores=(spare,)), tmp_path,
                            arena)  # fmt: skip
     try:
-        assert thread_cores(client.pid) == {frozenset({own})}
         assert client.ready.threads == 1
+        assert os.sched_getaffinity(client.pid) == {own}  # the main thread: OpenMP's master
+
+        async def work(wide: bool) -> None:
+            for _ in range(5):
+                await client.call(m.Prefill(request=client.next_request(),
+                                            tokens=list(range(100)), spare_cores=wide))  # fmt: skip
 
         async def verify(wide: bool) -> np.ndarray:
+            await client.call(m.Rollback(request=client.next_request(), length=0))  # afresh
             await client.call(m.Prefill(request=client.next_request(), tokens=list(range(40)),
                                         spare_cores=wide))  # fmt: skip
             verified, _ = await client.call(
@@ -151,16 +171,16 @@ async def test_a_worker_computes_on_the_spare_cores_only_when_a_command_says_so(
             )  # fmt: skip
             return arena.view(verified.logits).copy()
 
-        wide = await verify(True)
-        # a wide verification gives the drafter its cores back before it answers
-        assert thread_cores(client.pid) == {frozenset({own})}
-        await client.call(m.Prefill(request=client.next_request(), tokens=list(range(40)),
-                                    spare_cores=True))  # fmt: skip
-        assert thread_cores(client.pid) == {frozenset({own, spare})}
-        await client.call(m.Rollback(request=client.next_request(), length=3))
-        assert thread_cores(client.pid) == {frozenset({own, spare})}  # light work: unchanged
-        narrow = await verify(False)
-        assert thread_cores(client.pid) == {frozenset({own})}
+        await work(True)
+        on_spare = threads_on(client.pid, {spare})
+        assert on_spare, "no thread was placed on the spare core"
+        await work(False)  # its thread on the spare core spins briefly, then sleeps
+        main_before, spare_before = threads_on(client.pid, {own}), threads_on(client.pid, {spare})
+        await work(False)
+        main_ns = ran_ns(main_before, threads_on(client.pid, {own}))
+        spare_ns = ran_ns(spare_before, threads_on(client.pid, {spare}))
+        assert spare_ns < 0.05 * main_ns, (spare_ns, main_ns)
+        wide, narrow = await verify(True), await verify(False)
         np.testing.assert_array_equal(wide, narrow)
     finally:
         await client.stop()

@@ -42,16 +42,11 @@ from hetspec.protocol import worker_messages as m
 from hetspec.protocol.arena import SHM_DIR
 from hetspec.protocol.sampling import SamplingError
 from hetspec.speculative.samplers import DrawnSampler, Sampler, sampler_for
-from hetspec.workers.spare_cores import SpareCores, pin_threads
+from hetspec.workers.spare_cores import SPARE_CORES_SPIN_COUNT, SpareCores, openmp_places
 from hetspec.workers.tree_runtime import RuntimeUsageError
 
 RUNTIMES = ("llama.cpp", "torch", "native")
 PR_SET_PDEATHSIG = 1
-# How long OpenMP's threads spin for the next parallel step before they sleep, for a worker
-# with spare cores (libgomp's default, 300k pauses, is milliseconds: after a call on the
-# spare cores its threads kept spinning there while the drafter drafted; measured on the
-# 2-vCPU VM, plain rounds 16% and parallel ones 5% faster with this, decoding alone as fast)
-SPARE_CORES_SPIN_COUNT = "20000"
 log = structlog.get_logger("hetspec.worker")
 
 
@@ -432,10 +427,12 @@ def main(argv: list[str] | None = None) -> int:
     own, spare = _core_list(args.cores), _core_list(args.spare_cores)
     if own:  # before any runtime is imported: thread pools size themselves from it
         os.sched_setaffinity(0, own | spare)
-        if spare - own:  # OpenMP counts its CPUs as it loads: with the spare cores too
+        if spare - own:  # OpenMP reads its places and counts its CPUs as it loads
+            # replacing a user's OMP_PROC_BIND=false, which would stack the threads on one core
+            os.environ.update(openmp_places(own, spare))
             os.environ.setdefault("GOMP_SPINCOUNT", SPARE_CORES_SPIN_COUNT)
             preload_runtime(args.runtime)
-        pin_threads(own)  # with any thread the libraries started meanwhile
+        os.sched_setaffinity(0, own)  # this thread, OpenMP's master, and threads it starts
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when we stop
     configure_logging(log_format=args.log_format, worker=args.name, pid=os.getpid())
 

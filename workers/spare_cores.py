@@ -5,12 +5,15 @@ the target decoding alone (autoregressive mode, rounds where drafting does not p
 verification of a plain round) would leave the drafter's half of the box idle: on a 2-core
 box llama.cpp decodes the demo target 2x faster with both cores than with one. The daemon
 knows when the drafter has nothing in flight and says so in the command; the worker then
-widens every one of its threads' affinity to its own and the spare cores and raises its
-thread count, and narrows both again for the next command that does not say so.
+raises its runtime's thread count by one per spare core, and lowers it again for the next
+command that does not say so.
 
-Every thread is moved, not only the computing one: the runtimes' thread pools (OpenMP) keep
-the affinity their threads were created with, and a pool thread left on a spare core would
-compete with the drafter.
+Every runtime computes on an OpenMP thread pool (libgomp: llama.cpp's, torch's, ours), and
+OpenMP places each thread of a team itself: the worker lists its own cores first and the
+spare ones after them (``openmp_places``), so a team as large as its own cores stays on them
+and only the extra threads of a wide call run on the spare cores, each on one core for good.
+Moving the threads between cores at every call instead (what this module did first) cost a
+migration per call (docs/design-notes.md, "Spare cores").
 """
 
 from __future__ import annotations
@@ -18,6 +21,20 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterable
+
+# How long OpenMP's threads spin for the next parallel step before they sleep, for a worker
+# with spare cores (libgomp's default, 300k pauses, is milliseconds: after a call on the
+# spare cores its threads kept spinning there while the drafter drafted; measured on the
+# 2-vCPU VM, plain rounds 16% and parallel ones 5% faster with this, decoding alone as fast)
+SPARE_CORES_SPIN_COUNT = "20000"
+
+
+def openmp_places(own: Iterable[int], spare: Iterable[int]) -> dict[str, str]:
+    """The OpenMP environment that binds a team's threads one per core, the own cores first
+    (the master on the first), then the spare ones; set before any runtime loads."""
+    own = sorted(set(own))
+    cores = own + sorted(set(spare) - set(own))
+    return {"OMP_PLACES": ",".join(f"{{{core}}}" for core in cores), "OMP_PROC_BIND": "close"}
 
 
 def process_threads() -> list[int]:
@@ -37,7 +54,7 @@ def pin_threads(cores: set[int] | frozenset[int]) -> None:
 
 class SpareCores:
     """Switches a worker between its own cores (its configured threads) and its own plus the
-    spare ones (one more thread per spare core)."""
+    spare ones (one more thread per spare core); OpenMP's places say where each runs."""
 
     def __init__(self, own: Iterable[int], spare: Iterable[int]) -> None:
         self.own = frozenset(own)
@@ -51,6 +68,5 @@ class SpareCores:
         wide = wide and bool(self.spare)
         if wide == self.wide:
             return
-        pin_threads(self.own | self.spare if wide else self.own)
         set_extra_threads(len(self.spare) if wide else 0)
         self.wide = wide
