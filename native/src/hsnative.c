@@ -802,8 +802,9 @@ int hs_forward(const hs_model *m, int n, const int32_t *tokens, const int32_t *p
             if (simd && hd % 8 == 0 && hd <= 256) {
                 const size_t layer_base = (size_t)l * kv_heads * m->capacity * hd;
 #pragma omp for schedule(static)
-                for (int item = 0; item < n * kv_heads; item++) {
-                    const int i = item / kv_heads, h = item % kv_heads;
+                for (int item = 0; item < n * kv_heads; item++) { /* head-major: a head's
+                    keys and values stay in L2 for all rows (row-major re-read them per row) */
+                    const int h = item / n, i = item % n;
                     const size_t head = layer_base + (size_t)h * m->capacity * hd;
                     const size_t first = (size_t)i * qd + (size_t)h * group * hd;
                     attend_group_avx2(m->k_cache + head, m->v_cache + head, hd, s.q + first,
