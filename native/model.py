@@ -76,8 +76,8 @@ class NativeModel:
                 setattr(layer, field, self._matrix(f"blk.{index}.{name}.weight"))
         cos, sin = rope_tables(self.capacity, self.head_dim, self._rope_theta, self._rope_factor)
         shape = (self.n_layers, self.n_kv_heads, self.capacity, self.head_dim)
-        self.keys = np.zeros(shape, np.float32)
-        self.values = np.zeros(shape, np.float32)
+        self.keys = np.zeros(shape, np.float16)  # as the kernels store them
+        self.values = np.zeros(shape, np.float16)
         self._keep += [layers, cos, sin]
         self.struct = Model(
             self.n_layers, self.d_model, self.n_ff, self.n_heads, self.n_kv_heads,

@@ -54,6 +54,46 @@ static float half_to_float(uint16_t h) {
     return f;
 }
 
+/* IEEE binary16, rounded to nearest even (as F16C's vcvtps2ph): the KV cache's format. */
+static uint16_t float_to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint32_t sign = (x >> 16) & 0x8000u, magnitude = x & 0x7fffffffu;
+    if (magnitude >= 0x7f800000u) /* infinity, NaN (quieted) */
+        return (uint16_t)(sign | 0x7c00u | (magnitude > 0x7f800000u ? 0x200u : 0));
+    if (magnitude >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds past 65504 */
+    if (magnitude < 0x38800000u) { /* below 2^-14: a subnormal half (exact scaling by 2^24) */
+        float value;
+        memcpy(&value, &magnitude, sizeof value);
+        return (uint16_t)(sign | (uint32_t)lrintf(value * 16777216.0f));
+    }
+    uint32_t h = (magnitude - 0x38000000u) >> 13, rest = magnitude & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) h++; /* a carry moves the exponent */
+    return (uint16_t)(sign | h);
+}
+
+#if HS_X86
+HS_AVX2 static void store_half_avx2(uint16_t *out, const float *x, int n) {
+    int k = 0;
+    for (; k + 8 <= n; k += 8)
+        _mm_storeu_si128((__m128i *)(out + k),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + k), _MM_FROUND_TO_NEAREST_INT));
+    for (; k < n; k++) out[k] = float_to_half(x[k]);
+}
+#endif
+
+/* n floats into the half-precision KV cache: the same bits with or without F16C. */
+static void store_half(uint16_t *out, const float *x, int n, int simd) {
+#if HS_X86
+    if (simd) {
+        store_half_avx2(out, x, n);
+        return;
+    }
+#endif
+    (void)simd;
+    for (int k = 0; k < n; k++) out[k] = float_to_half(x[k]);
+}
+
 int hs_simd_level(void) {
 #if HS_X86
     __builtin_cpu_init();
@@ -408,14 +448,6 @@ HS_AVX2 static float dot_float_avx2(const hs_matrix *w, const void *wrow, const 
         sum += (w->type == HS_F32 ? ((const float *)wrow)[k] : half_to_float(((const uint16_t *)wrow)[k])) * x[k];
     return sum;
 }
-HS_AVX2 static float dot_f32_avx2(const float *a, const float *b, int n) {
-    __m256 acc = _mm256_setzero_ps();
-    int k = 0;
-    for (; k + 8 <= n; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
-    float sum = hsum8(acc);
-    for (; k < n; k++) sum += a[k] * b[k];
-    return sum;
-}
 
 /* e^x for x <= 0, 8 lanes: 2^n times a degree-6 polynomial of the remainder (relative error
  * about 2e-7); the same lanes give the same results whatever else is in the vector. */
@@ -453,24 +485,28 @@ HS_AVX2 static void silu_mul_avx2(float *g, const float *u, int n) {
     for (; k < n; k++) g[k] = silu(g[k]) * u[k];
 }
 
+HS_AVX2 static inline __m256 load_half8(const uint16_t *h) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+}
+
 /* The query heads of one GQA group (sharing one KV head) over the slots they may see, in slot
  * order; one call per group keeps its keys and values hot in L1. head_dim: a multiple of 8,
  * at most 256. */
-HS_AVX2 static void attend_group_avx2(const float *keys, const float *values, int hd,
+HS_AVX2 INLINE void attend_group_body(const uint16_t *keys, const uint16_t *values, int hd,
                                       const float *queries, int group, int n_prefix,
                                       const int32_t *visible, int n_visible, float *scores,
-                                      float *out) {
-    const int total = n_prefix + n_visible, chunks = hd / 8;
+                                      float *out, const int chunks) {
+    const int total = n_prefix + n_visible;
     const float scale = 1.0f / sqrtf((float)hd);
     for (int g = 0; g < group; g++) {
         const float *q = queries + (size_t)g * hd;
         float *row = scores + (size_t)g * total;
         float top = -INFINITY;
         for (int t = 0; t < total; t++) {
-            const float *k = keys + (size_t)(t < n_prefix ? t : visible[t - n_prefix]) * hd;
-            __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+            const uint16_t *k = keys + (size_t)(t < n_prefix ? t : visible[t - n_prefix]) * hd;
+            __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), load_half8(k));
             for (int c = 1; c < chunks; c++)
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(k + 8 * c), acc);
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), load_half8(k + 8 * c), acc);
             row[t] = hsum8(acc) * scale;
             if (row[t] > top) top = row[t]; /* not fmaxf: a libm call without -ffast-math */
         }
@@ -493,15 +529,33 @@ HS_AVX2 static void attend_group_avx2(const float *keys, const float *values, in
         __m256 acc[32];
         for (int c = 0; c < chunks; c++) acc[c] = _mm256_setzero_ps();
         for (int u = 0; u < total; u++) {
-            const float *v = values + (size_t)(u < n_prefix ? u : visible[u - n_prefix]) * hd;
+            const uint16_t *v = values + (size_t)(u < n_prefix ? u : visible[u - n_prefix]) * hd;
             const __m256 p = _mm256_set1_ps(row[u]);
             for (int c = 0; c < chunks; c++)
-                acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
+                acc[c] = _mm256_fmadd_ps(p, load_half8(v + 8 * c), acc[c]);
         }
         const __m256 factor = _mm256_set1_ps(1.0f / weight);
         for (int c = 0; c < chunks; c++)
             _mm256_storeu_ps(out + (size_t)g * hd + 8 * c, _mm256_mul_ps(acc[c], factor));
     }
+}
+
+/* The body with its chunk count known at compile time for the usual head sizes, so that
+ * the accumulators stay in registers (a loop bound read at run time kept them in memory:
+ * a store-to-load round trip per value and chunk). */
+HS_AVX2 static void attend_group_avx2(const uint16_t *keys, const uint16_t *values, int hd,
+                                      const float *queries, int group, int n_prefix,
+                                      const int32_t *visible, int n_visible, float *scores,
+                                      float *out) {
+#define BODY(chunks) attend_group_body(keys, values, hd, queries, group, n_prefix, visible, \
+                                       n_visible, scores, out, chunks)
+    switch (hd / 8) {
+    case 4: BODY(4); break;
+    case 8: BODY(8); break;
+    case 16: BODY(16); break;
+    default: BODY(hd / 8); break;
+    }
+#undef BODY
 }
 #endif
 
@@ -533,15 +587,6 @@ static float dot_float_portable(const hs_matrix *w, const void *wrow, const floa
     for (int k = 0; k < w->cols; k++)
         acc += (w->type == HS_F32 ? ((const float *)wrow)[k] : half_to_float(((const uint16_t *)wrow)[k])) * x[k];
     return acc;
-}
-static float dot_f32(const float *a, const float *b, int n, int simd) {
-#if HS_X86
-    if (simd) return dot_f32_avx2(a, b, n);
-#endif
-    (void)simd;
-    float sum = 0.0f;
-    for (int k = 0; k < n; k++) sum += a[k] * b[k];
-    return sum;
 }
 
 static void quantize_row_simd(const float *x, int cols, int8_t *q, float *scale, int simd) {
@@ -727,13 +772,17 @@ static void attend(const hs_model *m, int layer, const float *query, int kv_head
                    const int32_t *visible, int n_visible, float *scores, float *out, int simd) {
     const int hd = m->head_dim;
     const size_t base = ((size_t)layer * m->n_kv_heads + kv_head) * m->capacity;
-    const float *keys = m->k_cache + base * hd, *values = m->v_cache + base * hd;
+    (void)simd; /* the keys come as halves: no f32 kernel applies */
+    const uint16_t *keys = m->k_cache + base * hd, *values = m->v_cache + base * hd;
     const float scale = 1.0f / sqrtf((float)hd);
     const int total = n_prefix + n_visible;
     float highest = -INFINITY;
     for (int t = 0; t < total; t++) {
         const int slot = t < n_prefix ? t : visible[t - n_prefix];
-        scores[t] = dot_f32(query, keys + (size_t)slot * hd, hd, simd) * scale;
+        const uint16_t *key = keys + (size_t)slot * hd;
+        float dot = 0.0f;
+        for (int k = 0; k < hd; k++) dot += query[k] * half_to_float(key[k]);
+        scores[t] = dot * scale;
         highest = fmaxf(highest, scores[t]);
     }
     float sum = 0.0f;
@@ -744,9 +793,9 @@ static void attend(const hs_model *m, int layer, const float *query, int kv_head
     for (int k = 0; k < hd; k++) out[k] = 0.0f;
     for (int t = 0; t < total; t++) {
         const int slot = t < n_prefix ? t : visible[t - n_prefix];
-        const float *v = values + (size_t)slot * hd;
+        const uint16_t *v = values + (size_t)slot * hd;
         const float p = scores[t];
-        for (int k = 0; k < hd; k++) out[k] += p * v[k];
+        for (int k = 0; k < hd; k++) out[k] += p * half_to_float(v[k]);
     }
     const float inverse = 1.0f / sum;
     for (int k = 0; k < hd; k++) out[k] *= inverse;
@@ -794,8 +843,8 @@ int hs_forward(const hs_model *m, int n, const int32_t *tokens, const int32_t *p
                 for (int h = 0; h < kv_heads; h++) {
                     const size_t slot =
                         (((size_t)l * kv_heads + h) * m->capacity + (size_t)(start + i)) * hd;
-                    memcpy(m->k_cache + slot, s.k + (size_t)i * kvd + (size_t)h * hd, hd * 4);
-                    memcpy(m->v_cache + slot, s.v + (size_t)i * kvd + (size_t)h * hd, hd * 4);
+                    store_half(m->k_cache + slot, s.k + (size_t)i * kvd + (size_t)h * hd, hd, simd);
+                    store_half(m->v_cache + slot, s.v + (size_t)i * kvd + (size_t)h * hd, hd, simd);
                 }
             }
 #if HS_X86

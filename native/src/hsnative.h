@@ -39,8 +39,9 @@ typedef struct {
     hs_matrix embed, output;
     /* rotary tables (capacity, head_dim / 2): pairs (2i, 2i+1) rotate together (GGUF layout) */
     const float *rope_cos, *rope_sin;
-    /* (n_layers, n_kv_heads, capacity, head_dim), written by hs_forward at the new rows' slots */
-    float *k_cache, *v_cache;
+    /* (n_layers, n_kv_heads, capacity, head_dim) IEEE half floats (as llama.cpp's default
+     * cache: half the memory traffic of attention), written by hs_forward at the new rows' slots */
+    uint16_t *k_cache, *v_cache;
 } hs_model;
 
 /* 1 when this build runs the AVX2 kernels on this CPU, 0 for the portable ones */
