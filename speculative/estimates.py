@@ -182,14 +182,16 @@ class Estimates:
         return latency[overlapped].value or latency[not overlapped].value or 0.0
 
     def verify_line(self, overlapped: bool, borrow: bool = True) -> VerifyLine | None:
-        """A least-squares line (slope >= 0) through the medians per width. Where one width
+        """A least-squares line (slope >= 0) through the medians per width, each weighted by
+        its samples (a width tried once, as the first rounds try 2, must not tilt the line
+        that dozens of rounds at the widths in use put through their medians). Where one width
         only was measured, the slope comes from the other condition's line, scaled to this
         one's level: flat, it priced narrow trees like the one wide tree measured."""
-        points = [(w, m.value) for w, m in self._verify[overlapped].items() if len(m)]
+        points = [(w, m.value, len(m)) for w, m in self._verify[overlapped].items() if len(m)]
         if not points:
             return None
-        widths, times = np.array(points).T
-        line = _fit(widths, times)
+        widths, times, samples = np.array(points).T
+        line = _fit(widths, times, samples)
         if len(points) == 1 and borrow:  # one width: no slope of its own
             other = self.verify_line(not overlapped, borrow=False) or self._assumed
             if other is not None:
@@ -308,11 +310,13 @@ class Estimates:
         }  # fmt: skip
 
 
-def _fit(widths: np.ndarray, times: np.ndarray) -> VerifyLine:
-    """The least-squares line (slope >= 0) through (width, seconds) points."""
-    mean_w, mean_t = float(widths.mean()), float(times.mean())
-    spread = ((widths - mean_w) ** 2).sum()
+def _fit(widths: np.ndarray, times: np.ndarray, weights: np.ndarray | None = None) -> VerifyLine:
+    """The weighted least-squares line (slope >= 0) through (width, seconds) points."""
+    weights = np.ones_like(widths) if weights is None else weights
+    mean_w = float(np.average(widths, weights=weights))
+    mean_t = float(np.average(times, weights=weights))
+    spread = (weights * (widths - mean_w) ** 2).sum()
     slope = 0.0
     if spread > 0:
-        slope = max(0.0, float(((widths - mean_w) * (times - mean_t)).sum() / spread))
+        slope = max(0.0, float((weights * (widths - mean_w) * (times - mean_t)).sum() / spread))
     return VerifyLine(mean_w, mean_t, slope, float(times.min()) * 0.5)
