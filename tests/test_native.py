@@ -122,8 +122,8 @@ def test_a_rows_result_does_not_depend_on_its_neighbours_or_threads(kernels, kin
     x = rng.standard_normal((23, cols)).astype(np.float32)
     alone = np.concatenate([kernels.matmul(weights, x[row : row + 1].copy(), threads=1)
                             for row in range(len(x))])  # fmt: skip
-    # every way rows are split between the kernels: whole groups of 8, groups padded from 6
-    # or 7 rows, features-in-lanes tiles of 1-4 rows
+    # every way rows are split between the kernels: whole groups of 8, groups padded from 5-7
+    # rows, features-in-lanes tiles of 1-4 rows
     for n in (23, 16, 15, 14, 13, 9, 7, 6, 5, 4, 3, 2):
         together = kernels.matmul(weights, x[:n].copy(), threads=2)
         np.testing.assert_array_equal(alone[:n], together, err_msg=f"{n} rows together")

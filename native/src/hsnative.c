@@ -23,6 +23,15 @@
 #define INLINE __attribute__((always_inline)) static inline
 #define GROUP 8       /* rows of one interleaved activation group: the 8 int32 lanes of AVX2 */
 #define COL_CHUNK 16  /* output features a thread takes at a time */
+#define PAD_FROM 5     /* leftover rows from which a padded group is cheaper than them alone */
+
+/* Rows computed rows-in-lanes: whole groups of 8, and the leftover rows too (in a group
+ * padded with zero rows) where there are PAD_FROM or more of them: one pass of 8 rows costs
+ * about what 4 rows cost features-in-lanes. Both kernels give the same bits. */
+static int grouped_rows(int n) {
+    const int leftover = n % GROUP;
+    return leftover >= PAD_FROM ? n + GROUP - leftover : n - leftover;
+}
 
 typedef struct {
     uint16_t d;
@@ -383,7 +392,8 @@ HS_AVX2 static float dot_quantized_avx2(const void *wrow, int type, int blocks, 
  * the other rows go features-in-lanes, 4 rows by 8 features; leftover features one by one. */
 HS_AVX2 static void quantized_features_avx2(const hs_matrix *w, const activations *a, int n,
                                             int first, int end, float *out) {
-    const int blocks = w->cols / HS_BLOCK, groups = n / GROUP, grouped = groups * GROUP;
+    const int blocks = w->cols / HS_BLOCK, groups = grouped_rows(n) / GROUP;
+    const int grouped = groups * GROUP < n ? groups * GROUP : n;
     const size_t stride = row_bytes(w);
     const char *data = w->data;
     float result[4 * 8];
@@ -397,7 +407,7 @@ HS_AVX2 static void quantized_features_avx2(const hs_matrix *w, const activation
                 if (count == 2) ROWS(HS_Q4_0, 2); else ROWS(HS_Q4_0, 1);
             }
 #undef ROWS
-            for (int r = 0; r < GROUP * count; r++)
+            for (int r = 0; r < GROUP * count && g * GROUP + r < n; r++)
                 out[(size_t)(g * GROUP + r) * w->rows + j] = result[r];
         }
     }
@@ -614,7 +624,7 @@ static void quantize_activation(const activations *a, const float *x, int i, int
     int8_t *q = a->q + (size_t)i * cols;
     float *d = a->d + (size_t)i * blocks;
     quantize_row_simd(x, cols, q, d, simd);
-    if (i >= n / GROUP * GROUP) return;
+    if (i >= grouped_rows(n)) return;
     const int lane = i % GROUP;
     const size_t first = (size_t)(i / GROUP) * blocks;
     for (int b = 0; b < blocks; b++) {
@@ -623,6 +633,13 @@ static void quantize_activation(const activations *a, const float *x, int i, int
             memcpy(runs + k * HS_BLOCK + 4 * lane, q + b * HS_BLOCK + 4 * k, 4);
         a->grouped_d[(first + b) * GROUP + lane] = d[b];
     }
+    if (i != n - 1) return;
+    for (int pad = lane + 1; pad < GROUP && i / GROUP * GROUP + pad < grouped_rows(n); pad++)
+        for (int b = 0; b < blocks; b++) { /* the padding rows: zeros, whose results go nowhere */
+            int8_t *runs = a->grouped + (first + b) * GROUP * HS_BLOCK;
+            for (int k = 0; k < HS_BLOCK / 4; k++) memset(runs + k * HS_BLOCK + 4 * pad, 0, 4);
+            a->grouped_d[(first + b) * GROUP + pad] = 0.0f;
+        }
 }
 /* ------------------------------------------------------------------ parallel steps
  * Called inside a parallel region by every thread; each work item is one thread's alone. */
@@ -679,16 +696,16 @@ int hs_matmul(const hs_matrix *w, const float *x, int n, float *out, int threads
     if (n < 1 || threads < 1 || !row_bytes(w) || (is_quantized(w->type) && w->cols % HS_BLOCK))
         return -1;
     const int simd = hs_simd_level();
-    const size_t blocks = (size_t)n * (w->cols / HS_BLOCK);
+    const size_t padded = (size_t)(n + GROUP), blocks = padded * (w->cols / HS_BLOCK);
     activations a = {0};
     void *base = NULL;
-    if (is_quantized(w->type)) {
-        base = malloc(2 * (size_t)n * w->cols + 2 * blocks * sizeof(float));
+    if (is_quantized(w->type)) { /* room for a padded group (see grouped_rows) */
+        base = malloc(2 * padded * w->cols + 2 * blocks * sizeof(float));
         if (!base) return -1;
         a.d = base;
         a.grouped_d = a.d + blocks;
         a.q = (int8_t *)(a.grouped_d + blocks);
-        a.grouped = a.q + (size_t)n * w->cols;
+        a.grouped = a.q + padded * w->cols;
     }
 #pragma omp parallel num_threads(threads)
     {
@@ -714,14 +731,15 @@ static int scratch_alloc(scratch *s, const hs_model *m, int n, int threads) {
                  kvd = (size_t)m->n_kv_heads * m->head_dim;
     size_t widest = d > f ? d : f;
     if (qd > widest) widest = qd;
+    const size_t padded = (size_t)n + GROUP; /* the grouped layout may hold a padded group */
     const size_t floats[] = {n * d, n * widest, n * qd, n * kvd, n * kvd, n * qd,
                              n * d,  n * f,      n * f,
                              (size_t)threads * m->capacity * (m->n_heads / m->n_kv_heads),
-                             n * (widest / HS_BLOCK), n * (widest / HS_BLOCK)};
+                             n * (widest / HS_BLOCK), padded * (widest / HS_BLOCK)};
     float **slots[] = {&s->x,      &s->normed,    &s->q,    &s->k,  &s->v,     &s->attended,
                        &s->projected, &s->gate, &s->up, &s->scores, &s->acts.d,
                        &s->acts.grouped_d};
-    const size_t int8s = (n * widest + 63) & ~(size_t)63; /* each of the two int8 layouts */
+    const size_t int8s = (padded * widest + 63) & ~(size_t)63; /* each of the two int8 layouts */
     size_t total = 2 * int8s;
     for (size_t i = 0; i < sizeof floats / sizeof *floats; i++) total += floats[i] * sizeof(float) + 64;
     char *base = malloc(total + 64);
