@@ -1,8 +1,9 @@
 """``python -m hetspec.client.bench_widths``: T(w), one forward of w tokens, in every runtime.
 
-    python -m hetspec.client.bench_widths [--sizes 100m,300m] [--widths 1,2,4,8,16]
+    python -m hetspec.client.bench_widths [--sizes 100m,300m] [--widths 1,2,4,8,16] [--prefix 128]
 
-For each heavy target (made in the cache when absent) it times, after a 128-token prefix, one
+For each heavy target (made in the cache when absent) it times, after a 128-token prefix (the
+bench's prompts and answers reach 200-700: attention grows with them), one
 forward of w chained tokens in: llama.cpp Q8_0 and Q4_0 (the verifier's settings), hetspec's
 native kernels on the same Q8_0 and Q4_0 files, torch f32, and torch with fbgemm's dynamic int8
 linear layers. Each runs in a worker-side process of its own (``hetspec.workers.profile``) on
@@ -32,12 +33,13 @@ SYSTEMS = {  # name -> (runtime, the heavy model's file, settings)
 }  # fmt: skip
 
 
-def measure_one(name: str, model: str, *, widths: list[int], repeats: int) -> dict:
+def measure_one(name: str, model: str, *, widths: list[int], repeats: int,
+                prefix: int = 128) -> dict:
     """System ``name``'s medians, measured in a fresh process; {"error": ...} when it fails."""
     runtime, _, settings = SYSTEMS[name]
     command = [sys.executable, "-m", "hetspec.workers.profile", runtime, model,
                "--settings", settings, "--widths", ",".join(map(str, widths)),
-               "--repeats", str(repeats)]  # fmt: skip
+               "--repeats", str(repeats), "--prefix", str(prefix)]  # fmt: skip
     if "fbgemm" in name:
         command.append("--fbgemm-int8")
     result = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -51,6 +53,16 @@ def measure_one(name: str, model: str, *, widths: list[int], repeats: int) -> di
     return {"median_ms": report["median_ms"]}
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
+    return value
+
+
 def widths_list(text: str) -> list[int]:
     try:
         widths = [int(part) for part in text.split(",")]
@@ -61,10 +73,10 @@ def widths_list(text: str) -> list[int]:
     return widths
 
 
-def table(results: dict[str, dict[str, dict]], widths: list[int]) -> str:
+def table(results: dict[str, dict[str, dict]], widths: list[int], prefix: int = 128) -> str:
     lines = []
     for size, systems in results.items():
-        lines += [f"\n### heavy-{size}: T(w) in ms (T(w) / T(1) in brackets)\n",
+        lines += [f"\n### heavy-{size}: T(w) in ms after {prefix} tokens (T(w) / T(1) in brackets)\n",
                   "| runtime | " + " | ".join(f"w={w}" for w in widths) + " |",
                   "|---|" + "---:|" * len(widths)]  # fmt: skip
         for name, figures in systems.items():
@@ -85,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="100m,300m", help="heavy targets (default 100m,300m)")
     parser.add_argument("--widths", type=widths_list, default=[1, 2, 4, 8, 16])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--prefix", type=positive_int, default=128,
+                        help="tokens of context before the timed forward (default 128)")
     parser.add_argument("--systems", default=",".join(SYSTEMS),
                         help="comma-separated names of the rows to measure")  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write the figures here")
@@ -106,10 +120,11 @@ def main(argv: list[str] | None = None) -> int:
             model = str(heavy.folder if file == "folder" else heavy.gguf(file))
             print(f"heavy-{size}: {name} ...", file=sys.stderr, flush=True)
             results[size][name] = measure_one(name, model, widths=args.widths,
-                                              repeats=args.repeats)  # fmt: skip
-    print(table(results, args.widths))
+                                              repeats=args.repeats, prefix=args.prefix)  # fmt: skip
+    print(table(results, args.widths, args.prefix))
     if args.json:
-        args.json.write_text(json.dumps({"widths": args.widths, "results": results}, indent=1))
+        args.json.write_text(json.dumps({"widths": args.widths, "prefix": args.prefix,
+                                         "results": results}, indent=1))  # fmt: skip
     return 0
 
 
