@@ -35,7 +35,10 @@ from hetspec.speculative.runtime_choice import Rate, best_rate, fastest
 log = structlog.get_logger("hetspec.daemon.runtime_choice")
 
 CANDIDATES = ("llama.cpp", "native", "torch")
-VERIFY_WIDTHS = [1, 2, 4, 8]  # the verifications the controller mostly chooses on a CPU
+# The verifications the controller chooses from, around the native kernels' steps (one pass
+# over the weights serves up to 8 rows; 5-7 leftover rows ride in a padded pass): the
+# controller fits the rounds' measured costs to this profile's shape.
+VERIFY_WIDTHS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17]
 PREFIX_TOKENS = 128
 
 

@@ -47,6 +47,39 @@ class VerifyLine:
 
 
 @dataclass(frozen=True)
+class ProfileCurve:
+    """Seconds to verify ``width`` nodes as a profile measured them at a few widths: straight
+    between them, the last segment's slope beyond them."""
+
+    widths: tuple[float, ...]
+    times: tuple[float, ...]
+
+    def at(self, width):
+        width = np.asarray(width, float)
+        inside = np.interp(width, self.widths, self.times)
+        if len(self.widths) < 2:
+            return inside
+        slope = (self.times[-1] - self.times[-2]) / (self.widths[-1] - self.widths[-2])
+        return np.where(width > self.widths[-1],
+                        self.times[-1] + max(slope, 0.0) * (width - self.widths[-1]), inside)
+
+
+@dataclass(frozen=True)
+class ProfiledVerify:
+    """A verification's seconds as ``base + scale x`` the profile's: the profile knows the
+    shape (a CPU kernel's cost climbs in steps: one pass over the weights serves up to 8
+    nodes), the rounds measure the level; never below ``floor``."""
+
+    profile: ProfileCurve
+    base: float
+    scale: float
+    floor: float
+
+    def at(self, width):
+        return np.maximum(self.base + self.scale * self.profile.at(width), self.floor)
+
+
+@dataclass(frozen=True)
 class RuleShare:
     """How often the rule picks ``k`` branches, and reach by depth in those rounds."""
 
@@ -59,7 +92,7 @@ class RuleShare:
 class CostModel:
     step_s: dict[bool, float]  # seconds per draft step of one branch, by "overlapped"
     latency_s: dict[bool, float]  # a draft call's seconds besides its steps, by "overlapped"
-    verify: dict[bool, VerifyLine]  # by "overlapped"
+    verify: dict[bool, VerifyLine | ProfiledVerify]  # by "overlapped"
     reach: np.ndarray  # [branches, depth]: P(the first depth tokens accepted); row 0 unused
     overhead_s: float
     branch_cost: float  # each branch beyond the first adds this share of a step

@@ -4,13 +4,14 @@
   every round refreshes it whatever its branch count; a median, so one preempted step does
   not swing it) times 1 + branch_cost x (branches - 1) (per-k estimates went stale for the
   branch counts not chosen lately); plus a draft call's latency, paid once per call.
-- A verification: a least-squares line through windowed medians per tree width.
+- A verification: through windowed medians per tree width (weighted by their samples), the
+  verifier's profile raised and stretched to them where it was measured, else a line.
 - Acceptance by depth (and at depth 1 by branch count, and by the branch count the rule picks):
   exponentially decayed counts, so old behaviour fades within a few dozen rounds.
 - The target alone: its seconds per token, kept apart from the verify line (a verifier that
   did not wait for a draft answers faster).
 - Before a cost is measured, the verifier's forward costs measured at load (the runtime
-  choice's profile), where the daemon has them: ``assume_verifier``.
+  choice's profile), where the daemon has them: ``assume_verifier``; after, their shape.
 Costs are kept apart for rounds where one worker computes at a time and overlapped ones.
 Medians forget samples older than ``max_age`` rounds, so a choice measured long ago is judged
 by its prior again (and tried again) rather than ruled out by a stale figure.
@@ -24,7 +25,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hetspec.speculative.cost_model import CostModel, RuleShare, VerifyLine
+from hetspec.speculative.cost_model import (
+    CostModel,
+    ProfileCurve,
+    ProfiledVerify,
+    RuleShare,
+    VerifyLine,
+)
+
+VerifyCost = VerifyLine | ProfiledVerify
 from hetspec.speculative.rounds import DraftCall, RoundReport
 
 
@@ -102,7 +111,7 @@ class Estimates:
         self._rule_picked = np.zeros(c.max_branches + 1)
         self._rule_first = DecayedRate(c.max_branches + 1)  # rounds the rule drafted, by k
         self._single_first = DecayedRate(c.max_branches + 1)  # one branch, by would-be k
-        self._assumed: VerifyLine | None = None  # the verifier's profile, from before serving
+        self._profile: ProfileCurve | None = None  # the verifier's, measured before serving
         self._assumed_alone: float | None = None  # and its cost of one token
 
     def _median(self) -> WindowedMedian:
@@ -156,15 +165,15 @@ class Estimates:
 
     def assume_verifier(self, seconds_by_width: dict[int, float]) -> None:
         """Forward costs of the verifier measured before serving ({width: seconds}, width 1
-        included): they price the target alone and verifications until rounds measure them.
-        Without them the target alone, never measured, was priced as a verification timed while
+        included): they price the target alone and verifications until rounds measure them,
+        and then give the shape the measured verifications are fitted to. Without them the target alone, never measured, was priced as a verification timed while
         the drafter drafted beside it, up to 10x dearer than a token alone on a 2-core box."""
         if 1 not in seconds_by_width or min(seconds_by_width.values()) <= 0:
             raise ValueError(f"a verifier profile needs positive costs from width 1 on, not "
                              f"{seconds_by_width}")  # fmt: skip
         widths = np.array(sorted(seconds_by_width), float)
         times = np.array([seconds_by_width[int(w)] for w in widths])
-        self._assumed = _fit(widths, times)
+        self._profile = ProfileCurve(tuple(widths.tolist()), tuple(times.tolist()))
         self._assumed_alone = seconds_by_width[1]
 
     # ------------------------------------------------------------ costs
@@ -181,28 +190,32 @@ class Estimates:
         latency = self._draft_latency
         return latency[overlapped].value or latency[not overlapped].value or 0.0
 
-    def verify_line(self, overlapped: bool, borrow: bool = True) -> VerifyLine | None:
-        """A least-squares line (slope >= 0) through the medians per width, each weighted by
-        its samples (a width tried once, as the first rounds try 2, must not tilt the line
-        that dozens of rounds at the widths in use put through their medians). Where one width
-        only was measured, the slope comes from the other condition's line, scaled to this
+    def verify_line(self, overlapped: bool, borrow: bool = True) -> VerifyCost | None:
+        """Through the medians per width, each weighted by its samples (a width tried once,
+        as the first rounds try 2, must not tilt what dozens of rounds put through theirs):
+        where the verifier's profile is known, the profile's curve raised and stretched to
+        them (``_fit_profile``); else a least-squares line (slope >= 0). Where one width only
+        was measured, the line's slope comes from the other condition's line, scaled to this
         one's level: flat, it priced narrow trees like the one wide tree measured."""
         points = [(w, m.value, len(m)) for w, m in self._verify[overlapped].items() if len(m)]
         if not points:
             return None
         widths, times, samples = np.array(points).T
+        if self._profile is not None:
+            return _fit_profile(self._profile, widths, times, samples)
         line = _fit(widths, times, samples)
         if len(points) == 1 and borrow:  # one width: no slope of its own
-            other = self.verify_line(not overlapped, borrow=False) or self._assumed
+            other = self.verify_line(not overlapped, borrow=False)
             if other is not None:
                 slope = other.slope * line.mean_t / float(other.at(round(line.mean_w)))
                 line = VerifyLine(line.mean_w, line.mean_t, slope, line.floor)
         return line
 
-    def _verify_or_stand_in(self, overlapped: bool) -> VerifyLine | None:
+    def _verify_or_stand_in(self, overlapped: bool) -> VerifyCost | None:
         """This condition's line; where never measured, the profile measured at load, then
         the other condition's line."""
-        return self.verify_line(overlapped) or self._assumed or self.verify_line(not overlapped)
+        assumed = self._profile and ProfiledVerify(self._profile, 0.0, 1.0, 0.0)
+        return self.verify_line(overlapped) or assumed or self.verify_line(not overlapped)
 
     def verify_s(self, width: int, overlapped: bool = False) -> float | None:
         line = self._verify_or_stand_in(overlapped)
@@ -308,6 +321,26 @@ class Estimates:
             "target_alone_round_ms": ms(self._alone.value),
             "acceptance_by_depth": [round(self.acceptance(d), 3) for d in range(1, 9)],
         }  # fmt: skip
+
+
+def _fit_profile(profile: ProfileCurve, widths: np.ndarray, times: np.ndarray,
+                 weights: np.ndarray) -> ProfiledVerify:  # fmt: skip
+    """base + scale x the profile, fitted to (width, seconds) medians by weighted least
+    squares where three widths or more were measured (the profile is taken on the worker's
+    own cores; rounds verify on the drafter's too, which flattens the curve), else the
+    profile scaled by the ratio of the medians to it."""
+    expected = profile.at(widths)
+    floor = float(times.min()) * 0.5
+    if len(widths) >= 3:
+        mean_p = float(np.average(expected, weights=weights))
+        mean_t = float(np.average(times, weights=weights))
+        spread = float((weights * (expected - mean_p) ** 2).sum())
+        if spread > 0:
+            scale = float((weights * (expected - mean_p) * (times - mean_t)).sum()) / spread
+            if scale > 0:
+                return ProfiledVerify(profile, mean_t - scale * mean_p, scale, floor)
+    scale = float((weights * times).sum() / (weights * expected).sum())
+    return ProfiledVerify(profile, 0.0, scale, floor)
 
 
 def _fit(widths: np.ndarray, times: np.ndarray, weights: np.ndarray | None = None) -> VerifyLine:

@@ -7,7 +7,13 @@ import pytest
 
 from hetspec.speculative.budget import BudgetController, ControllerConfig
 from hetspec.speculative.core_choice import SpareCoreChoice
-from hetspec.speculative.cost_model import CostModel, RuleShare, VerifyLine
+from hetspec.speculative.cost_model import (
+    CostModel,
+    ProfileCurve,
+    ProfiledVerify,
+    RuleShare,
+    VerifyLine,
+)
 from hetspec.speculative.rounds import DraftCall, Plan, RoundReport
 
 MAX_GAMMA, MAX_BRANCHES = 16, 4  # the controller's defaults
@@ -27,9 +33,13 @@ class SimulatedBox:
                  acceptance: float, rng: np.random.Generator, *, contention: float = 1.0,
                  uncertain: float = 0.0, uncertain_acceptance: float = 0.3,
                  rule_branches: int = 3, call_latency_s: float = 0.0,
-                 alone_speedup: float = 1.0) -> None:  # fmt: skip
+                 alone_speedup: float = 1.0,
+                 verify_ms: dict[int, float] | None = None) -> None:  # fmt: skip
         self.draft_step_s = draft_step_s
         self.verify_base_s, self.verify_per_node_s = verify_base_s, verify_per_node_s
+        # where given, the verification's cost by width instead of base + per node x width
+        self.verify_curve = verify_ms and ProfileCurve(
+            tuple(map(float, verify_ms)), tuple(t / 1000 for t in verify_ms.values()))
         self.acceptance = acceptance
         self.rng = rng
         self.contention = contention  # how much slower each worker runs while both compute
@@ -45,7 +55,14 @@ class SimulatedBox:
         return self.draft_step_s * (1 + BRANCH_COST * (branches - 1))
 
     def verify_s(self, width: int) -> float:
+        if self.verify_curve is not None:
+            return float(self.verify_curve.at(width))
         return self.verify_base_s + self.verify_per_node_s * width
+
+    def verify_cost(self, slow: float = 1.0) -> VerifyLine | ProfiledVerify:
+        if self.verify_curve is not None:
+            return ProfiledVerify(self.verify_curve, 0.0, slow, 0.0)
+        return VerifyLine.exact(self.verify_base_s * slow, self.verify_per_node_s * slow)
 
     def alone_s(self) -> float:
         return self.verify_s(1) / self.alone_speedup
@@ -68,9 +85,7 @@ class SimulatedBox:
         return CostModel(
             step_s={False: self.draft_step_s, True: self.draft_step_s * slow},
             latency_s={False: self.call_latency_s, True: self.call_latency_s},
-            verify={False: VerifyLine.exact(self.verify_base_s, self.verify_per_node_s),
-                    True: VerifyLine.exact(self.verify_base_s * slow,
-                                           self.verify_per_node_s * slow)},
+            verify={False: self.verify_cost(), True: self.verify_cost(slow)},
             reach=reach, overhead_s=0.0, branch_cost=BRANCH_COST, alone_s=self.alone_s(),
             rule=(RuleShare(k, 1.0, reach[k]),),
         )  # fmt: skip
@@ -239,6 +254,41 @@ def test_a_draft_calls_latency_is_priced_once_per_call(parallel) -> None:
                             call_latency_s=0.0006)  # fmt: skip
 
     shares = settled_shares(vm_like, parallel)
+    assert np.mean(shares) >= 0.95, shares
+    assert min(shares) >= 0.85, shares
+
+
+# heavy-100m's forward in the native kernels after 400 tokens, both cores (ms by width): one
+# pass over the weights serves up to 8 rows, so the cost climbs in steps
+NATIVE_VERIFY_MS = {1: 7.1, 2: 9.4, 3: 10.5, 4: 12.5, 5: 14.3, 6: 14.8, 7: 15.2, 8: 15.3,
+                    9: 18.2, 10: 19.8, 11: 20.9, 12: 23.1, 13: 26.9, 16: 27.5, 17: 31.0}  # fmt: skip
+
+
+@pytest.mark.parametrize("acceptance", [0.7, 0.85])
+def test_a_verifier_whose_cost_climbs_in_steps_is_priced_by_its_profile_s_shape(acceptance):
+    """The profile measured at load (on the worker's own core: dearer, and steeper) gives the
+    shape, the rounds the level: the controller settles near the best shape, where a line
+    through the medians prices 8 nodes as dearer than 5."""
+    profile = {w: t / 1000 * (1.6 + 0.04 * w) for w, t in NATIVE_VERIFY_MS.items()}
+
+    def stepped(rng):
+        return SimulatedBox(0.00045, 0, 0, acceptance, rng, contention=1.3,
+                            call_latency_s=0.0006, verify_ms=NATIVE_VERIFY_MS)  # fmt: skip
+
+    def settled(profiled: bool) -> list[float]:
+        shares = []
+        for seed in SEEDS:
+            box = stepped(np.random.default_rng(seed))
+            controller = controller_of(overlap=True)
+            if profiled:
+                controller.assume_verifier(profile)
+            for _ in range(150):
+                box.run_round(controller)
+            late = controller.history[-50:]
+            shares.append(np.mean([box.decision_rate(d) for d in late]) / box.best_rate(True))
+        return shares
+
+    shares = settled(profiled=True)
     assert np.mean(shares) >= 0.95, shares
     assert min(shares) >= 0.85, shares
 
