@@ -33,8 +33,9 @@ SYSTEMS = {  # name -> (runtime, the heavy model's file, settings)
 }  # fmt: skip
 
 
-def measure_one(name: str, model: str, *, widths: list[int], repeats: int,
-                prefix: int = 128) -> dict:
+def measure_one(
+    name: str, model: str, *, widths: list[int], repeats: int, prefix: int = 128
+) -> dict:
     """System ``name``'s medians, measured in a fresh process; {"error": ...} when it fails."""
     runtime, _, settings = SYSTEMS[name]
     command = [sys.executable, "-m", "hetspec.workers.profile", runtime, model,
@@ -76,7 +77,8 @@ def widths_list(text: str) -> list[int]:
 def table(results: dict[str, dict[str, dict]], widths: list[int], prefix: int = 128) -> str:
     lines = []
     for size, systems in results.items():
-        lines += [f"\n### heavy-{size}: T(w) in ms after {prefix} tokens (T(w) / T(1) in brackets)\n",
+        title = f"heavy-{size}: T(w) in ms after {prefix} tokens (T(w) / T(1) in brackets)"
+        lines += [f"\n### {title}\n",
                   "| runtime | " + " | ".join(f"w={w}" for w in widths) + " |",
                   "|---|" + "---:|" * len(widths)]  # fmt: skip
         for name, figures in systems.items():
@@ -97,8 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="100m,300m", help="heavy targets (default 100m,300m)")
     parser.add_argument("--widths", type=widths_list, default=[1, 2, 4, 8, 16])
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--prefix", type=positive_int, default=128,
-                        help="tokens of context before the timed forward (default 128)")
+    parser.add_argument(
+        "--prefix",
+        type=positive_int,
+        default=128,
+        help="tokens of context before the timed forward (default 128)",
+    )
     parser.add_argument("--systems", default=",".join(SYSTEMS),
                         help="comma-separated names of the rows to measure")  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write the figures here")

@@ -60,8 +60,11 @@ class ProfileCurve:
         if len(self.widths) < 2:
             return inside
         slope = (self.times[-1] - self.times[-2]) / (self.widths[-1] - self.widths[-2])
-        return np.where(width > self.widths[-1],
-                        self.times[-1] + max(slope, 0.0) * (width - self.widths[-1]), inside)
+        return np.where(
+            width > self.widths[-1],
+            self.times[-1] + max(slope, 0.0) * (width - self.widths[-1]),
+            inside,
+        )
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,9 @@ from hetspec.speculative.cost_model import (
     RuleShare,
     VerifyLine,
 )
+from hetspec.speculative.rounds import DraftCall, RoundReport
 
 VerifyCost = VerifyLine | ProfiledVerify
-from hetspec.speculative.rounds import DraftCall, RoundReport
 
 
 @dataclass(frozen=True)
@@ -166,8 +166,9 @@ class Estimates:
     def assume_verifier(self, seconds_by_width: dict[int, float]) -> None:
         """Forward costs of the verifier measured before serving ({width: seconds}, width 1
         included): they price the target alone and verifications until rounds measure them,
-        and then give the shape the measured verifications are fitted to. Without them the target alone, never measured, was priced as a verification timed while
-        the drafter drafted beside it, up to 10x dearer than a token alone on a 2-core box."""
+        and then give the shape the measured verifications are fitted to. Without them the
+        target alone, never measured, was priced as a verification timed while the drafter
+        drafted beside it, up to 10x dearer than a token alone on a 2-core box."""
         if 1 not in seconds_by_width or min(seconds_by_width.values()) <= 0:
             raise ValueError(f"a verifier profile needs positive costs from width 1 on, not "
                              f"{seconds_by_width}")  # fmt: skip

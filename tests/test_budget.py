@@ -39,7 +39,8 @@ class SimulatedBox:
         self.verify_base_s, self.verify_per_node_s = verify_base_s, verify_per_node_s
         # where given, the verification's cost by width instead of base + per node x width
         self.verify_curve = verify_ms and ProfileCurve(
-            tuple(map(float, verify_ms)), tuple(t / 1000 for t in verify_ms.values()))
+            tuple(map(float, verify_ms)), tuple(t / 1000 for t in verify_ms.values())
+        )
         self.acceptance = acceptance
         self.rng = rng
         self.contention = contention  # how much slower each worker runs while both compute
@@ -261,7 +262,8 @@ def test_a_draft_calls_latency_is_priced_once_per_call(parallel) -> None:
 # heavy-100m's forward in the native kernels after 400 tokens, both cores (ms by width): one
 # pass over the weights serves up to 8 rows, so the cost climbs in steps
 NATIVE_VERIFY_MS = {1: 7.1, 2: 9.4, 3: 10.5, 4: 12.5, 5: 14.3, 6: 14.8, 7: 15.2, 8: 15.3,
-                    9: 18.2, 10: 19.8, 11: 20.9, 12: 23.1, 13: 26.9, 16: 27.5, 17: 31.0}  # fmt: skip
+                    9: 18.2, 10: 19.8, 11: 20.9, 12: 23.1, 13: 26.9, 16: 27.5,
+                    17: 31.0}  # fmt: skip
 
 
 @pytest.mark.parametrize("acceptance", [0.7, 0.85])

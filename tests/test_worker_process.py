@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-
 from pathlib import Path
 
 import numpy as np
@@ -132,7 +131,8 @@ def threads_on(pid: int, cores: set[int]) -> dict[int, int]:
     for tid in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(OSError):  # the thread ended meanwhile
             if os.sched_getaffinity(int(tid)) <= cores:
-                found[int(tid)] = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+                schedstat = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text()
+                found[int(tid)] = int(schedstat.split()[0])
     return found
 
 

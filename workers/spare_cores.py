@@ -18,8 +18,6 @@ migration per call (docs/design-notes.md, "Spare cores").
 
 from __future__ import annotations
 
-import contextlib
-import os
 from collections.abc import Callable, Iterable
 
 # How long OpenMP's threads spin for the next parallel step before they sleep, for a worker
@@ -35,21 +33,6 @@ def openmp_places(own: Iterable[int], spare: Iterable[int]) -> dict[str, str]:
     own = sorted(set(own))
     cores = own + sorted(set(spare) - set(own))
     return {"OMP_PLACES": ",".join(f"{{{core}}}" for core in cores), "OMP_PROC_BIND": "close"}
-
-
-def process_threads() -> list[int]:
-    """The ids of this process's threads (Linux)."""
-    try:
-        return [int(tid) for tid in os.listdir("/proc/self/task")]
-    except OSError:
-        return [0]  # no /proc: the calling thread only
-
-
-def pin_threads(cores: set[int] | frozenset[int]) -> None:
-    """Let every thread of this process run on ``cores`` only."""
-    for thread in process_threads():
-        with contextlib.suppress(OSError):  # the thread ended meanwhile
-            os.sched_setaffinity(thread, cores)
 
 
 class SpareCores:
