@@ -340,7 +340,9 @@ def measure_modes(client: Client, placement: str, args, peers: Peers | None) -> 
     plan = systems(args.gammas) + (peers.systems if peers else [])
     print(f"{placement}: warm-up", file=sys.stderr, flush=True)
     run_requests(client, plan, prompts[: args.warmup], request_options(args), repeats=1)
-    print(f"{placement}: modes, {len(prompts)} prompts x {len(plan)} systems", file=sys.stderr)
+    chat = len(prompts) - args.prompts
+    print(f"{placement}: modes, {args.prompts} code + {chat} chat prompts x {len(plan)} systems",
+          file=sys.stderr)  # fmt: skip
     return run_requests(client, plan, prompts, request_options(args), repeats=args.repeats)
 
 
@@ -544,7 +546,7 @@ def _measure_target(spec: str, args, out: Path, *, report: list[str], results: d
                 sweep.append({"target": target.name, "placement": placement, "c": cost_ratio,
                               "fastest_alone": fastest, "summary": summary})  # fmt: skip
                 write_reports(out, report, results)  # a run cut short keeps what it measured
-                print(table, file=sys.stderr, flush=True)
+                print(f"{key}: " + progress_line(summary, fastest), file=sys.stderr, flush=True)
                 if args.load:
                     loaded = measure_load(client, placement, args)
                     table, load = load_table(loaded)
@@ -552,6 +554,18 @@ def _measure_target(spec: str, args, out: Path, *, report: list[str], results: d
                                "the middle of the prompt list\n", table, ""]  # fmt: skip
                     results[key] |= {"load": load, "load_records": loaded}
                     write_reports(out, report, results)
+
+
+def progress_line(summary: dict[str, dict], fastest: str) -> str:
+    """The default mode's and the fastest row's speed over the fastest target alone: the
+    tables themselves are printed once, at the end."""
+
+    def ratio(name: str) -> float:
+        return summary[name]["tokens_per_s"] / summary[fastest]["tokens_per_s"]
+
+    best = max(summary, key=ratio)
+    head = f"adaptive {ratio('adaptive'):.2f}x, " if "adaptive" in summary else ""
+    return f"{head}fastest {best} {ratio(best):.2f}x the fastest target alone ({fastest})"
 
 
 def sweep_table(sweep: list[dict]) -> str:
@@ -615,6 +629,28 @@ def write_reports(out: Path, report: list[str], results: dict) -> None:
     (out / "bench.json").write_text(json.dumps(document, indent=1))
 
 
+def positive(text: str) -> int:
+    return _whole(text, 1)
+
+
+def non_negative(text: str) -> int:
+    return _whole(text, 0)
+
+
+def positive_list(text: str) -> list[int]:
+    return [positive(part) for part in text.split(",")]
+
+
+def _whole(text: str, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}: {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target",
@@ -640,15 +676,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated: draft-cpu, draft-gpu, draft-cpu-llama (DuoDecoding's, with "
         "the GPU worker in llama.cpp too: gpu_runtime) (default draft-cpu)",
     )
-    parser.add_argument("--gammas", type=lambda s: [int(g) for g in s.split(",")],
-                        default=[2, 4, 6], help="fixed gammas of the parallel rows")  # fmt: skip
-    parser.add_argument("--prompts", type=int, default=12, help="held-out code prompts")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=4, help="prompts run once first")
+    parser.add_argument("--gammas", type=positive_list, default=[2, 4, 6],
+                        help="fixed gammas of the parallel rows (default 2,4,6)")  # fmt: skip
+    parser.add_argument("--prompts", type=positive, default=12,
+                        help=f"held-out code prompts; the {len(CHAT_PROMPTS)} chat prompts are "
+                        "always added (default 12)")  # fmt: skip
+    parser.add_argument("--max-tokens", type=positive, default=128,
+                        help="tokens every request generates (default 128)")  # fmt: skip
+    parser.add_argument("--repeats", type=positive, default=3,
+                        help="passes over the prompts (default 3)")  # fmt: skip
+    parser.add_argument("--warmup", type=non_negative, default=4,
+                        help="prompts run once first, not counted (default 4)")  # fmt: skip
     parser.add_argument("--no-load", dest="load", action="store_false",
                         help="skip the busy-core run")  # fmt: skip
-    parser.add_argument("--out", default="bench-results", help="folder for the reports")
+    parser.add_argument("--out", default="bench-results",
+                        help="folder for the reports (default bench-results)")  # fmt: skip
     parser.add_argument(
         "--no-peers",
         dest="peers",

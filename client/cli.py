@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench",
         help="compare the decoding modes (starts its own hetspecd on the bundled models)",
-        description=bench_module.__doc__.split("\n\n")[0],
+        description=bench_module.__doc__.split("\n\n")[0].replace("``", ""),
     )
     bench_module.add_arguments(bench)
     bench.add_argument(

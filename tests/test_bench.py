@@ -26,6 +26,32 @@ def test_bench_runs_every_system_and_writes_its_reports(tmp_path: Path) -> None:
     assert {r["system"] for r in records} >= {"adaptive", "transformers assisted"}
     assert all(r["tokens"] == 12 and r["decode_ms"] > 0 for r in records)
     assert (out / "bench.png").stat().st_size > 0
+    # progress on stderr says how many prompts of each kind and one line per table; the
+    # tables themselves are printed once, with the report
+    assert "1 code + 4 chat prompts" in done.stderr
+    assert "x the fastest target alone" in done.stderr
+    assert "| system |" not in done.stderr
+    assert done.stdout.count("| autoregressive |") == 1
+
+
+def test_bench_help_shows_defaults_and_bad_numbers_are_one_line_errors() -> None:
+    def bench(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "hetspec.client.cli", "bench", *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+
+    shown = bench("--help")
+    assert shown.returncode == 0
+    assert "``" not in shown.stdout
+    for default in ("(default 2,4,6)", "(default 12)", "(default 128)", "(default 3)",
+                    "(default 4)", "chat prompts are always added"):  # fmt: skip
+        assert default in " ".join(shown.stdout.split()), default
+    for args, said in [(("--prompts", "0"), "must be at least 1: '0'"),
+                       (("--gammas", "2,x"), "not a whole number: 'x'"),
+                       (("--warmup", "-1"), "must be at least 0: '-1'")]:  # fmt: skip
+        done = bench(*args)
+        assert done.returncode == 2, (args, done.stderr)
+        assert said in done.stderr, (args, done.stderr)
+        assert "Traceback" not in done.stderr
 
 
 def test_bench_sweeps_targets_and_skips_a_bad_one_with_its_reason(tmp_path: Path) -> None:
