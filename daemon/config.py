@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import tomllib
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -247,7 +248,22 @@ def load_config(
             field = message.split("`")[1]
             key = f"{key}.{field}" if key else field
             raise ConfigError(f"{key}: unknown setting ({sources.get(key, source)})") from None
+        if message.startswith("invalid enum value") and (choices := _choices(key)):
+            message += f"; one of: {', '.join(choices)}"
         raise ConfigError(f"{key or 'configuration'}: {message} ({source})") from None
+
+
+def _choices(dotted: str) -> list[str] | None:
+    """The values a setting of a Literal type may take (None for any other type)."""
+    kind: Any = DaemonConfig
+    for part in dotted.split("."):
+        hints = typing.get_type_hints(kind) if isinstance(kind, type) else {}
+        if part not in hints:
+            return None
+        kind = hints[part]
+    if typing.get_origin(kind) is not Literal:
+        return None
+    return [str(value) for value in typing.get_args(kind)]
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> list[str]:

@@ -38,7 +38,17 @@ def test_file_then_environment_then_flags(tmp_path) -> None:
             "cpu_worker.n_batch: expected `int`, got `str` (FILE)",
         ),
         ("[cpu_worker]\nspeed = 3\n", {}, "cpu_worker.speed: unknown setting (FILE)"),
-        ("placement = 'gpu'\n", {}, "placement: invalid enum value 'gpu' (FILE)"),
+        (
+            "placement = 'gpu'\n",
+            {},
+            "placement: invalid enum value 'gpu'; one of: draft-cpu, draft-gpu (FILE)",
+        ),
+        (
+            "",
+            {"HETSPEC_LOG_LEVEL": "loud"},
+            "log_level: invalid enum value 'loud'; one of: debug, info, warning, error "
+            "(environment variable HETSPEC_LOG_LEVEL)",
+        ),
         ("socket = \n", {}, "FILE is not valid TOML"),
         ("", {"HETSPEC_BOGUS": "1"}, "bogus: unknown setting (environment variable HETSPEC_BOGUS)"),
         (
