@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 
 from hetspec.client.types import (
+    DEFAULT_SOCKET,
     Address,
     Completion,
     DaemonUnreachable,
@@ -45,7 +46,10 @@ def _unreachable(address: Address, error: Exception) -> DaemonUnreachable:
     if address.socket and "ermission" in reason:
         hint = " (add yourself to the socket's group, e.g. `sudo usermod -aG hetspec $USER`)"
     elif address.socket and ("No such file" in reason or "refused" in reason):
-        hint = " (is hetspecd running? `systemctl status hetspecd`)"
+        if address.socket == DEFAULT_SOCKET:  # the systemd unit's
+            hint = " (is hetspecd running? `systemctl status hetspecd`)"
+        else:
+            hint = f" (is hetspecd running with `--socket {address.socket}`?)"
     return DaemonUnreachable(f"cannot reach hetspecd at {address}: {reason}{hint}")
 
 

@@ -96,8 +96,11 @@ def test_the_client_library_generates_streams_and_chats(daemon) -> None:
     assert completion.tokens == whole.tokens
     assert "".join(pieces) == whole.text
 
-    with pytest.raises(DaemonUnreachable, match="is hetspecd running"):
+    # a private socket: the hint names it, not the systemd unit
+    hint = r"is hetspecd running with `--socket .*missing`"
+    with pytest.raises(DaemonUnreachable, match=hint) as no:
         Client(f"unix://{daemon.socket}.missing").health()
+    assert "systemctl" not in str(no.value)
 
 
 def test_openai_requests_with_plain_httpx(daemon, http) -> None:
