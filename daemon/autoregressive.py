@@ -78,7 +78,7 @@ async def generate(
     result.prompt_tokens = len(prompt)
     result.prompt_ms = (time.perf_counter() - started) * 1000
     decode_start = time.perf_counter()
-    output = TextOutput(ready.token_bytes, request.stops)
+    output = TextOutput(ready.token_bytes, request.stops, ready.special_tokens)
     eos = -1 if request.ignore_eos else ready.vocab.eos
     token_s = cores.cost_s()  # the worker's seconds per token, from the last call
     try:

@@ -96,7 +96,8 @@ class Decoder:
                 self.drafter.close()
             raise
         decode_start = time.perf_counter()
-        output = TextOutput(self.pair.verifier.ready.token_bytes, self.request.stops)
+        ready = self.pair.verifier.ready
+        output = TextOutput(ready.token_bytes, self.request.stops, ready.special_tokens)
         self.verifier.bonus, self.drafter.unseen = first, [first]
         outcome = RoundOutcome([], True) if first == self.eos else RoundOutcome([first], False)
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+from collections.abc import Iterable
 
 
 class Detokenizer:
@@ -25,15 +26,26 @@ class TextOutput:
     the text ends just before it and ``stopped`` is set (the token that completed it is the
     last one generated)."""
 
-    def __init__(self, token_bytes: list[bytes], stops: list[str]) -> None:
+    def __init__(self, token_bytes: list[bytes], stops: list[str],
+                 special: Iterable[int] = ()) -> None:  # fmt: skip
         self._detokenizer = Detokenizer(token_bytes)
+        self._bytes = token_bytes
         self._stops = [stop for stop in stops if stop]
+        self._special = frozenset(special)
         self._held = ""
         self.stopped = False
 
     def add(self, token: int) -> str:
-        """The text that may be sent now that ``token`` was generated."""
-        return self._release(self._detokenizer.add(token))
+        """The text that may be sent now that ``token`` was generated. A control token is
+        markup, never text: one that is a stop string (a chat turn's end) stops the text
+        there, any other renders as nothing."""
+        if token not in self._special:
+            return self._release(self._detokenizer.add(token))
+        if self._bytes[token].decode(errors="replace") in self._stops:
+            text, self._held = self._held + self._detokenizer.flush(), ""
+            self.stopped = True
+            return text
+        return ""
 
     def flush(self) -> str:
         """What is left at the end of generation (nothing after a stop string)."""

@@ -6,7 +6,8 @@ extra frame of the same message (small arrays, sent zero-copy) or at a slot of t
 arena (probability rows and logits). ``request`` ids let the daemon match replies to commands.
 
 Protocol version history: 1 = the first one; 2 = spare cores (``Hello.spare_cores``, the
-``spare_cores`` flag of the compute commands); 3 = ``Decode`` (the target decoding alone).
+``spare_cores`` flag of the compute commands); 3 = ``Decode`` (the target decoding alone);
+4 = ``Ready.special_tokens`` (control tokens, which the daemon never renders as text).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from hetspec.protocol.arena import ArenaLayout, ArrayRef
 from hetspec.protocol.sampling import SamplingParams
 from hetspec.protocol.vocab import VocabInfo
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"):
@@ -204,6 +205,7 @@ class Ready(_Message, tag="ready"):
     threads: int
     load_ms: float
     token_bytes: list[bytes]  # what every id stands for, so the daemon can detokenize
+    special_tokens: list[int] = []  # control tokens: they end a turn or render as nothing
 
 
 class Heartbeat(_Message, tag="heartbeat"):

@@ -103,6 +103,21 @@ def test_the_client_library_generates_streams_and_chats(daemon) -> None:
     assert "systemctl" not in str(no.value)
 
 
+def test_sampled_text_never_shows_control_tokens(daemon) -> None:
+    """The bundled models sometimes draw <|im_start|>, <|im_end|> or <|endoftext|> (ids 0-2)
+    when sampling hot: the tokens are returned, the text never shows them, in the target
+    alone and in speculative rounds."""
+    drawn = 0
+    with Client(f"unix://{daemon.socket}") as client:
+        for seed in range(30):
+            for mode in ("autoregressive", "adaptive"):
+                done = client.generate("def main():", max_tokens=96, temperature=1.3,
+                                       seed=seed, ignore_eos=True, mode=mode)  # fmt: skip
+                drawn += any(token in (0, 1, 2) for token in done.tokens)
+                assert "<|" not in done.text, (seed, mode, done.text)
+    assert drawn >= 3  # the check saw control tokens drawn
+
+
 def test_openai_requests_with_plain_httpx(daemon, http) -> None:
     native = http.post("/api/generate", json={"prompt": PROMPT, "stream": False, **GREEDY}).json()
     body = {"model": "anything", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}

@@ -62,6 +62,21 @@ def test_a_character_split_across_tokens_comes_out_whole() -> None:
     assert output.add(5) == "é"
 
 
+def test_control_tokens_end_a_turn_or_render_as_nothing() -> None:
+    """A sampled completion may draw <|im_start|> or <|im_end|>: markup, not text. The turn's
+    end stops a chat answer (its template's stop string) with the text held before it sent;
+    elsewhere a control token adds nothing."""
+    tokens = [*TOKENS, b"<|im_end|>", b"<|im_start|>"]
+    end, start = len(TOKENS), len(TOKENS) + 1
+    plain = TextOutput(tokens, [], special=[end, start])
+    assert [plain.add(t) for t in (0, end, 1, start, 2)] == ["a", "", "b", "", "c"]
+    assert not plain.stopped
+    chat = TextOutput(tokens, ["<|im_end|>", "ab!"], special=[end, start])
+    assert chat.add(0) == ""  # "a" may begin "ab!"
+    assert chat.add(end) == "a"  # the turn ended: what was held is text
+    assert chat.stopped
+
+
 def test_the_target_alone_decodes_about_a_fixed_time_per_call() -> None:
     """A fast target decodes many tokens per call (the call's round trip is amortised), a
     slow one token by token (the stream stays fluent); unknown speed: two, to measure it."""

@@ -64,6 +64,9 @@ async def test_both_engines_hand_shake_draft_and_verify_through_the_arena(
     try:
         assert cpu.ready.vocab == gpu.ready.vocab
         assert cpu.ready.token_bytes == gpu.ready.token_bytes
+        # both runtimes name the same control tokens, which the daemon never renders as text
+        assert cpu.ready.special_tokens == gpu.ready.special_tokens
+        assert cpu.ready.special_tokens, "the tiny vocabulary's specials were not found"
         assert (cpu.ready.device, gpu.ready.device, cpu.ready.context) == ("cpu", "cpu", 128)
         assert os.sched_getaffinity(cpu.pid) == {0}
 

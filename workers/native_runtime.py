@@ -65,6 +65,9 @@ class NativeRuntime(TreeRuntime[np.ndarray]):
     def token_bytes(self, token: int) -> bytes:
         return self._vocabulary.token_bytes(token)
 
+    def special_tokens(self) -> list[int]:
+        return self._vocabulary.special_tokens()
+
     # ------------------------------------------------------------ TreeRuntime hooks
 
     def _forward(self, tokens: np.ndarray, positions: np.ndarray, rows: np.ndarray,

@@ -285,6 +285,7 @@ class Worker:
             context=runtime.capacity, threads=runtime.threads,
             load_ms=(time.perf_counter() - start) * 1000,
             token_bytes=[runtime.token_bytes(i) for i in range(runtime.vocab_size)],
+            special_tokens=runtime.special_tokens(),
         )  # fmt: skip
         log.info("model loaded", model=command.model, device=device, ms=round(ready.load_ms))
         return ready, ()

@@ -205,6 +205,9 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
         """The bytes a token stands for (specials rendered), for incremental detokenizing."""
         return self._vocabulary.token_bytes(token)
 
+    def special_tokens(self) -> list[int]:
+        return self._vocabulary.special_tokens()
+
     # ------------------------------------------------------------ decoding
 
     def _decode(

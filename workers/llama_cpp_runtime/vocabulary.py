@@ -43,6 +43,10 @@ class Vocabulary:
                 return list(buffer[:count])
             capacity = -count
 
+    def special_tokens(self) -> list[int]:
+        """The control tokens (``<|im_end|>``, ``<|endoftext|>``): markup, not text."""
+        return [i for i in range(self.size) if L.llama_vocab_is_control(self._vocab, i)]
+
     def token_bytes(self, token: int) -> bytes:
         """The bytes a token stands for (specials rendered), for incremental detokenizing."""
         buffer = ctypes.create_string_buffer(64)

@@ -110,6 +110,10 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
     def token_bytes(self, token: int) -> bytes:
         return self.tokenizer.token_bytes(token)
 
+    def special_tokens(self) -> list[int]:
+        """The tokenizer's special added tokens: markup, not text."""
+        return sorted(t for t in self.tokenizer.specials if t < self.vocab_size)
+
     # ------------------------------------------------------------ TreeRuntime hooks
 
     @torch.inference_mode()
