@@ -47,14 +47,16 @@ DEMO_PROMPT ?= def read_lines(path):
 
 demo: setup ## start hetspecd on the bundled models, stream one answer, stop it
 	$(BIN)/hetspecd --check
-	@dir=$$(mktemp -d); \
+	@dir=$$(mktemp -d); pid=; \
+	trap 'kill -TERM $$pid 2>/dev/null; wait $$pid 2>/dev/null; rm -rf "$$dir"; exit 130' INT TERM; \
 	echo; echo "Starting hetspecd (socket $$dir/hetspecd.sock, log $$dir/hetspecd.log)"; \
 	$(BIN)/hetspecd --socket $$dir/hetspecd.sock --runtime-dir $$dir/run 2>$$dir/hetspecd.log & pid=$$!; \
 	rc=0; $(BIN)/hetspec --socket $$dir/hetspecd.sock health --wait 300 >/dev/null && \
 	  echo "Prompt: $(DEMO_PROMPT)" && \
 	  $(BIN)/hetspec --socket $$dir/hetspecd.sock run "$(DEMO_PROMPT)" --max-tokens 96 || rc=$$?; \
 	kill -TERM $$pid; wait $$pid || rc=$$?; \
-	if [ $$rc -ne 0 ]; then tail -20 $$dir/hetspecd.log; fi; exit $$rc
+	if [ $$rc -ne 0 ]; then tail -20 $$dir/hetspecd.log; echo "(kept for a look: $$dir)"; \
+	else rm -rf "$$dir"; fi; exit $$rc
 
 heavy: setup ## make the default heavy target, heavy-100m, in the cache
 	$(BIN)/python -m hetspec.models.heavy --params 100m

@@ -62,12 +62,13 @@ def _chat_completion(document: dict) -> Completion:
     choice = document["choices"][0]
     return Completion(
         text=choice["message"]["content"],
-        tokens=[],
+        tokens=document.get("tokens", []),
         done_reason=choice["finish_reason"],
         mode=document.get("mode", ""),
         timings=document.get("timings", {}),
         speculative=document.get("speculative"),
         id=document["id"],
+        devices=document.get("devices", {}),
     )
 
 

@@ -134,7 +134,8 @@ def openai_routes(service: Service) -> list[web.RouteDef]:
 
     def extras(run: Run) -> dict:
         final = run.final()  # llama.cpp-style timings and our statistics, beside OpenAI's
-        return {key: final[key] for key in ("timings", "speculative", "mode") if key in final}
+        keys = ("timings", "speculative", "mode", "tokens", "devices")
+        return {key: final[key] for key in keys if key in final}
 
     async def respond(request, body, generate: GenerateRequest, chat: bool):
         kind = "chat.completion" if chat else "text_completion"

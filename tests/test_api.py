@@ -75,6 +75,9 @@ def test_the_client_library_generates_streams_and_chats(daemon) -> None:
         chat = client.chat([{"role": "user", "content": "Write a function."}], max_tokens=8)
         assert chat.done_reason in ("stop", "length")
         assert chat.timings["predicted_n"] <= 8
+        # a chat answer carries the tokens and the devices, as a generation does
+        assert len(chat.tokens) == chat.timings["predicted_n"]
+        assert chat.devices == {"target": "cpu", "draft": "cpu"}
         with client.chat_stream([{"role": "user", "content": "Hi"}], max_tokens=8) as answer:
             text = "".join(answer)
         assert answer.completion.text == text
