@@ -70,7 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the daemon's Unix socket (same as --host unix://PATH)",
     )
     parser.add_argument(
-        "--json", action="store_true", help="machine-readable output: one JSON document"
+        "--json",
+        action="store_true",
+        help="machine-readable output: one JSON document per answer (chat: one line per "
+        'turn), or {"error": ...} when the daemon cannot answer',
     )
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser(
@@ -242,6 +245,14 @@ def run_status(client: Client, args: argparse.Namespace) -> int:
     return 0 if props["status"] == "ready" else 1
 
 
+def _failed(args: argparse.Namespace, message: str) -> int:
+    """Say why on stderr, and with --json as the one document on stdout too."""
+    print(f"hetspec: {message}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"error": message}), flush=True)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     host = args.host or (f"unix://{args.socket}" if args.socket else None)
@@ -258,15 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return commands.get(args.command, run_generate)(client, args)
     except QueueFull as error:
-        print(
-            f"hetspec: the daemon is busy: {error.message} (retry in "
-            f"{error.retry_after_s or 1:g} s)",
-            file=sys.stderr,
-        )
-        return 1
+        return _failed(args, f"the daemon is busy: {error.message} (retry in "
+                             f"{error.retry_after_s or 1:g} s)")  # fmt: skip
     except HetspecError as error:
-        print(f"hetspec: {error}", file=sys.stderr)
-        return 1
+        return _failed(args, str(error))
     except KeyboardInterrupt:
         return 130
     finally:

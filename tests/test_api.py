@@ -239,6 +239,15 @@ def test_the_shell_client(daemon) -> None:
     assert gone.returncode == 1
     assert "cannot reach hetspecd" in gone.stderr
     assert "Traceback" not in gone.stderr
+    gone_json = subprocess.run([sys.executable, "-m", "hetspec.client.cli", "--json", "--host",
+                                "unix:///nonexistent/hetspecd.sock", "status"],
+                               capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert gone_json.returncode == 1
+    assert "cannot reach hetspecd" in json.loads(gone_json.stdout)["error"]
+    turns = shell(daemon, "--json", "chat", "--max-tokens", "6", stdin="hello\nand again\n")
+    documents = [json.loads(line) for line in turns.stdout.splitlines()]  # one line per turn
+    assert len(documents) == 2
+    assert all(d["tokens"] and d["devices"] for d in documents)
 
 
 def test_metrics_count_what_was_served(daemon, http) -> None:
