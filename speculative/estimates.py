@@ -112,7 +112,6 @@ class Estimates:
         self._rule_first = DecayedRate(c.max_branches + 1)  # rounds the rule drafted, by k
         self._single_first = DecayedRate(c.max_branches + 1)  # one branch, by would-be k
         self._profile: ProfileCurve | None = None  # the verifier's, measured before serving
-        self._assumed_alone: float | None = None  # and its cost of one token
 
     def _median(self) -> WindowedMedian:
         return WindowedMedian(self.config.window, lambda: self.rounds, self.config.max_age)
@@ -175,7 +174,6 @@ class Estimates:
         widths = np.array(sorted(seconds_by_width), float)
         times = np.array([seconds_by_width[int(w)] for w in widths])
         self._profile = ProfileCurve(tuple(widths.tolist()), tuple(times.tolist()))
-        self._assumed_alone = seconds_by_width[1]
 
     # ------------------------------------------------------------ costs
 
@@ -287,8 +285,8 @@ class Estimates:
         overhead = self._overhead.value or 0.0
         if self._alone.value:
             alone = self._alone.value
-        elif self._assumed_alone is not None:  # a call decoding alone carries many tokens
-            alone = self._assumed_alone
+        elif self._profile is not None:  # a call decoding alone carries many tokens
+            alone = float(self._profile.at(1))
         else:
             alone = float(verify[False].at(1)) + overhead
         shares = tuple(RuleShare(k, share, self.reach(k, self.rule_acceptance(k)))

@@ -83,11 +83,6 @@ class PhiloxNoise:
         return np.negative(noise, out=noise)
 
 
-def keyed_noise(seed: int, position: int, vocab: int) -> np.ndarray:
-    """The exponential noise (vocab,) float32 of the token at ``position`` under ``seed``."""
-    return PhiloxNoise(seed)(position, vocab)
-
-
 class KeyedSampler:
     """Gumbel-max choices with noise keyed by (``seed``, position)."""
 

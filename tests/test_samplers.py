@@ -8,7 +8,7 @@ import pytest
 from hetspec.speculative.samplers import (
     DrawnSampler,
     KeyedSampler,
-    keyed_noise,
+    PhiloxNoise,
     sampler_for,
 )
 
@@ -25,18 +25,18 @@ def fits_the_law(draws: np.ndarray) -> bool:
 
 
 def test_keyed_noise_depends_on_the_seed_and_position_alone() -> None:
-    first = keyed_noise(7, 12, 4096)
-    assert np.array_equal(first, keyed_noise(7, 12, 4096))  # any process, any call
-    assert not np.array_equal(first, keyed_noise(7, 13, 4096))
-    assert not np.array_equal(first, keyed_noise(8, 12, 4096))
-    assert np.array_equal(keyed_noise(7, 12, 4001), first[:4001])  # a drafter's shorter table
+    first = PhiloxNoise(7)(12, 4096)
+    assert np.array_equal(first, PhiloxNoise(7)(12, 4096))  # any process, any call
+    assert not np.array_equal(first, PhiloxNoise(7)(13, 4096))
+    assert not np.array_equal(first, PhiloxNoise(8)(12, 4096))
+    assert np.array_equal(PhiloxNoise(7)(12, 4001), first[:4001])  # a drafter's shorter table
     assert (first > 0).all()  # exponential: never 0, which would make a score infinite
     # positions own disjoint counter ranges: a long row does not run into the next position
-    assert not np.isin(keyed_noise(7, 13, 8), keyed_noise(7, 12, 100_000)).any()
+    assert not np.isin(PhiloxNoise(7)(13, 8), PhiloxNoise(7)(12, 100_000)).any()
     # a sampler's cache returns what a fresh derivation gives, in any order of positions
     sampler = KeyedSampler(7)
     for position in [5, 12, 5, 300, 12]:
-        assert np.array_equal(sampler.noise(position, 4096), keyed_noise(7, position, 4096))
+        assert np.array_equal(sampler.noise(position, 4096), PhiloxNoise(7)(position, 4096))
 
 
 def test_a_keyed_choice_is_the_same_whatever_was_chosen_before() -> None:

@@ -40,8 +40,7 @@ class SpareCores:
     spare ones (one more thread per spare core); OpenMP's places say where each runs."""
 
     def __init__(self, own: Iterable[int], spare: Iterable[int]) -> None:
-        self.own = frozenset(own)
-        self.spare = frozenset(spare) - self.own
+        self.spare = frozenset(spare) - frozenset(own)
         self.wide = False
 
     def use(self, wide: bool, set_extra_threads: Callable[[int], None]) -> None:
