@@ -43,6 +43,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hetspec.client.arguments import non_negative, positive, positive_list
 from hetspec.client.bench_targets import BenchTarget, TargetError, forward_ms, resolve
 from hetspec.client.clients import Client
 from hetspec.client.types import Completion, HetspecError
@@ -627,28 +628,6 @@ def write_reports(out: Path, report: list[str], results: dict) -> None:
         for placement, r in results.items()
     }
     (out / "bench.json").write_text(json.dumps(document, indent=1))
-
-
-def positive(text: str) -> int:
-    return _whole(text, 1)
-
-
-def non_negative(text: str) -> int:
-    return _whole(text, 0)
-
-
-def positive_list(text: str) -> list[int]:
-    return [positive(part) for part in text.split(",")]
-
-
-def _whole(text: str, least: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < least:
-        raise argparse.ArgumentTypeError(f"must be at least {least}: {text!r}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

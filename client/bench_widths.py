@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hetspec.client.arguments import positive, positive_list
 from hetspec.models.heavy import HeavyModelError, ensure_heavy
 
 SYSTEMS = {  # name -> (runtime, the heavy model's file, settings)
@@ -54,26 +55,6 @@ def measure_one(
     return {"median_ms": report["median_ms"]}
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
-    return value
-
-
-def widths_list(text: str) -> list[int]:
-    try:
-        widths = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a list of widths: {text!r}") from None
-    if not widths or min(widths) < 1:
-        raise argparse.ArgumentTypeError(f"widths must be positive: {text!r}")
-    return widths
-
-
 def table(results: dict[str, dict[str, dict]], widths: list[int], prefix: int = 128) -> str:
     lines = []
     for size, systems in results.items():
@@ -97,11 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     parser.add_argument("--sizes", default="100m,300m", help="heavy targets (default 100m,300m)")
-    parser.add_argument("--widths", type=widths_list, default=[1, 2, 4, 8, 16])
+    parser.add_argument("--widths", type=positive_list, default=[1, 2, 4, 8, 16])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument(
         "--prefix",
-        type=positive_int,
+        type=positive,
         default=128,
         help="tokens of context before the timed forward (default 128)",
     )

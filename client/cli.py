@@ -4,26 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 
 from hetspec import __version__
 from hetspec.client import bench as bench_module
+from hetspec.client.arguments import finite_float
 from hetspec.client.clients import Client
 from hetspec.client.types import DEFAULT_SOCKET, Completion, HetspecError, QueueFull
 from hetspec.protocol.modes import MODES
-
-
-def finite_float(text: str) -> float:
-    """An argparse type: a float that JSON can carry (not nan or inf)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, not {text!r}")
-    return value
 
 
 def _add_generation_options(parser: argparse.ArgumentParser, max_tokens: int | None) -> None:

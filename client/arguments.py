@@ -1,0 +1,40 @@
+"""argparse types shared by the shell client and the benches: a bad value is one line."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def whole(text: str, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}: {text!r}")
+    return value
+
+
+def positive(text: str) -> int:
+    return whole(text, 1)
+
+
+def non_negative(text: str) -> int:
+    return whole(text, 0)
+
+
+def positive_list(text: str) -> list[int]:
+    """Comma-separated whole numbers of at least 1."""
+    return [positive(part) for part in text.split(",")]
+
+
+def finite_float(text: str) -> float:
+    """A float that JSON can carry (not nan or inf)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, not {text!r}")
+    return value
