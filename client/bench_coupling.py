@@ -20,6 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hetspec.client.arguments import positive
 from hetspec.client.bench import daemon, prompt_set
 from hetspec.client.bench_targets import TargetError, resolve
 
@@ -69,9 +70,9 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0])  # fmt: skip
     parser.add_argument("--target", default="bundled", help="comma-separated: bundled, "
                         "heavy-100m, heavy-300m, ... (default: bundled)")  # fmt: skip
-    parser.add_argument("--prompts", type=int, default=16, help="code prompts besides the 4 "
+    parser.add_argument("--prompts", type=positive, default=16, help="code prompts besides the 4 "
                         "chat ones (default: 16)")  # fmt: skip
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=positive, default=64)
     parser.add_argument("--placement", default="draft-cpu")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
