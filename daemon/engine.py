@@ -178,17 +178,23 @@ class Decoder:
     async def _plain_round(self, plan: Plan, remaining: int):
         start = time.perf_counter()
         scale = self.controller.config.rule_scale if plan.rule else None
-        drafted, draft, draft_s = await self.drafter.draft(plan.gamma, plan.branches,
-                                                           self.params, scale)  # fmt: skip
+        # the next plan is weighed while the drafter drafts: the verification may borrow
+        # every core, and a core taken from it stalls all its threads
+        drafted, draft, draft_s = await self._choosing_ahead(
+            self.drafter.draft(plan.gamma, plan.branches, self.params, scale)
+        )
         tokens, parents, origin = flatten(drafted)
         probs = self.pair.arena.view(drafted.probs)
-        spare_cores = self.pair.verify_cores.choose()  # the drafter's call is done: it idles
+        # the drafter's call is done: it idles, and the verifier may borrow its cores
+        cores = self.pair.verify_cores if self.pair.verifier.spec.spare_cores else None
+        spare_cores = cores is not None and cores.choose()
         verify_start = time.perf_counter()
-        verified, _ = await self._choosing_ahead(
-            self.verifier.verify(tokens, parents, spare_cores=spare_cores)
-        )
+        verified, _ = await self.verifier.verify(tokens, parents, spare_cores=spare_cores)
         verify_s = time.perf_counter() - verify_start
-        self.pair.verify_cores.record(spare_cores, verified.elapsed_ms / 1000 / (len(tokens) + 1))
+        width, trial = len(tokens) + 1, cores is not None and cores.exploring
+        if cores is not None:  # per one-node verification: calls of every width compare
+            size = self.controller.estimates.verify_size(width)
+            cores.record(spare_cores, verified.elapsed_ms / 1000 / size)
         logits = self.pair.arena.view(verified.logits)
         draft_rows = lambda: np.stack([probs[b, s] for b, s in origin])  # noqa: E731
         verdict = self._verdict(tokens, parents, logits, draft_rows)
@@ -198,7 +204,7 @@ class Decoder:
         rule_k = None if plan.rule or branches > 1 else self._rule_would_pick(probs[0])
         report = RoundReport(
             gamma, branches, len(verdict.path), rule=plan.rule, rule_k=rule_k, drafts=(draft,),
-            verify_width=len(tokens) + 1, verify_s=verify_s,
+            verify_width=width, verify_s=0.0 if trial else verify_s,
             overhead_s=time.perf_counter() - start - draft_s - verify_s)  # fmt: skip
         return RoundOutcome(emitted, stopped), report
 
@@ -276,8 +282,8 @@ class Decoder:
 
     async def _choosing_ahead(self, call):
         """Await a worker call, choosing the next round's plan while it runs (weighing every
-        candidate takes a fraction of a millisecond the daemon would otherwise add to the
-        round). The choice is committed only if the next round runs."""
+        candidate takes most of a millisecond the daemon would otherwise add to the round).
+        The choice is committed only if the next round runs."""
         task = asyncio.ensure_future(call)
         try:
             if self.fixed is None and self.upcoming is None:

@@ -56,8 +56,9 @@ class SpareCoreChoice:
         return self._median(self.preferred())
 
     def record(self, spare_cores: bool, seconds_per_token: float) -> None:
-        """The target's own compute per token in a call made with (``spare_cores``) or without
-        the spare cores."""
+        """The target's own compute per unit of work (a token decoded, a one-node
+        verification: see ``Estimates.verify_size``) in a call made with (``spare_cores``) or
+        without the spare cores."""
         if seconds_per_token <= 0:
             return
         if self._exploring:

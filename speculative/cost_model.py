@@ -25,8 +25,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hetspec.speculative.branching import branch_length
-
 
 @dataclass(frozen=True)
 class VerifyLine:
@@ -128,15 +126,17 @@ class CostModel:
         seconds = np.where(overlap, overlapped, plain) + self.overhead_s
         return tokens, np.where(drafted, seconds, self.alone_s)
 
-    def predict_rule(self, budget: int) -> tuple[float, float]:
-        """Expected (tokens, seconds) of a round drafted by the rule with ``budget``."""
-        tokens, seconds = 0.0, self.overhead_s
+    def predict_rule(self, budget) -> tuple[np.ndarray, np.ndarray]:
+        """Expected (tokens, seconds) of rounds drafted by the rule with these budgets (an
+        array weighs them all in one call)."""
+        budget = np.asarray(budget)
+        tokens, seconds = np.zeros(budget.shape), np.full(budget.shape, self.overhead_s)
         for share in self.rule:
-            k = min(share.k, budget)
-            length = branch_length(budget, k)
-            forwards = budget if k == 1 else length + 1
-            tokens += share.share * (1.0 + float(share.reach[1 : length + 1].sum()))
-            seconds += share.share * float(
-                self.draft_s(forwards, k) + self.verify[False].at(k * length + 1)
-            )
-        return float(tokens), float(seconds)
+            k = np.minimum(share.k, budget)
+            length = np.maximum(1, budget // k)  # branch_length, elementwise
+            forwards = np.where(k == 1, budget, length + 1)
+            accepted = np.cumsum(share.reach)  # [d]: 1 + sum of reach[1..d]
+            tokens += share.share * accepted[length]
+            seconds += share.share * (self.draft_s(forwards, k)
+                                      + self.verify[False].at(k * length + 1))  # fmt: skip
+        return tokens, seconds

@@ -75,6 +75,11 @@ class WindowedMedian:
         fresh = self._fresh()
         return statistics.median(fresh) if fresh else None
 
+    def median_and_count(self) -> tuple[float | None, int]:
+        """``value`` and ``len`` from one pass over the samples."""
+        fresh = self._fresh()
+        return (statistics.median(fresh) if fresh else None), len(fresh)
+
 
 class DecayedRate:
     """Successes over tries, both decayed each round: a rate that follows recent rounds."""
@@ -196,7 +201,8 @@ class Estimates:
         them (``_fit_profile``); else a least-squares line (slope >= 0). Where one width only
         was measured, the line's slope comes from the other condition's line, scaled to this
         one's level: flat, it priced narrow trees like the one wide tree measured."""
-        points = [(w, m.value, len(m)) for w, m in self._verify[overlapped].items() if len(m)]
+        points = [(w, *m.median_and_count()) for w, m in self._verify[overlapped].items()]
+        points = [point for point in points if point[2]]
         if not points:
             return None
         widths, times, samples = np.array(points).T
@@ -219,6 +225,13 @@ class Estimates:
     def verify_s(self, width: int, overlapped: bool = False) -> float | None:
         line = self._verify_or_stand_in(overlapped)
         return None if line is None else float(line.at(width))
+
+    def verify_size(self, width: int) -> float:
+        """What a ``width``-node verification costs in one-node verifications, by the profile
+        measured at load (without one: ``width``), so that calls of different widths compare."""
+        if self._profile is None:
+            return float(width)
+        return float(self._profile.at(width) / self._profile.at(1))
 
     def cost_ratio(self) -> float | None:
         """DuoDecoding's c = T_verify / T_draft, once both were measured."""
@@ -266,9 +279,12 @@ class Estimates:
 
     def reach(self, branches: int, first: float | None = None) -> np.ndarray:
         """[depth]: P(the first depth tokens accepted), depth 0 .. max_gamma + 1."""
-        top = self.config.max_gamma
-        steps = [first if first is not None else self.acceptance(1, branches)]
-        steps += [self.acceptance(min(d, top), branches) for d in range(2, top + 2)]
+        config, top = self.config, self.config.max_gamma
+        prior, weight = config.prior_acceptance, config.prior_weight
+        rates = (self._depth.hits + prior * weight) / (self._depth.tries + weight)  # acceptance(d)
+        steps = np.empty(top + 1)
+        steps[0] = first if first is not None else self.acceptance(1, branches)
+        steps[1:] = rates[np.minimum(np.arange(2, top + 2), top)]
         return np.concatenate([[1.0], np.cumprod(steps)])
 
     # ------------------------------------------------------------ the model

@@ -31,7 +31,13 @@ def plan_of(model: CostModel, limits: Limits, gamma: int, branches: int = 1, *,
     """The plan of one shape with what ``model`` expects of it."""
     if rule and model.rule:
         tokens, seconds = model.predict_rule(gamma)
-        return Plan(gamma, limits.max_branches, rule=True, expected_tokens=tokens, round_s=seconds)
+        return Plan(
+            gamma,
+            limits.max_branches,
+            rule=True,
+            expected_tokens=float(tokens),
+            round_s=float(seconds),
+        )
     tokens, seconds = model.predict(gamma, branches, overlap)
     drafted = gamma > 0
     return Plan(gamma, branches if drafted else 1, overlap and drafted,
@@ -64,10 +70,18 @@ def best_plan(model: CostModel, limits: Limits, alone_weight: float = 1.0) -> Pl
     plan = Plan(int(gammas[best]), int(branches[best]), bool(overlaps[best]),
                 expected_tokens=float(tokens[best]), round_s=float(seconds[best]))  # fmt: skip
     if limits.rule and model.rule:
-        for budget in range(2, min(limits.max_gamma, limits.max_width - 1) + 1):
-            ruled = plan_of(model, limits, budget, rule=True)
-            if ruled.tokens_per_s > plan.tokens_per_s:
-                plan = ruled
+        budgets = np.arange(2, min(limits.max_gamma, limits.max_width - 1) + 1)
+        if budgets.size:
+            tokens, seconds = model.predict_rule(budgets)
+            top = int(np.argmax(tokens / seconds))
+            if tokens[top] / seconds[top] > plan.tokens_per_s:
+                plan = Plan(
+                    int(budgets[top]),
+                    limits.max_branches,
+                    rule=True,
+                    expected_tokens=float(tokens[top]),
+                    round_s=float(seconds[top]),
+                )
     if alone_weight / model.alone_s > plan.tokens_per_s:
         return Plan(0, expected_tokens=1.0, round_s=model.alone_s)
     return plan

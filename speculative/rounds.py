@@ -54,7 +54,7 @@ class RoundReport:
     rule_k: int | None = None  # a single-branch draft: the branch count the rule would pick
     drafts: tuple[DraftCall, ...] = ()
     verify_width: int = 0  # nodes verified: the pending bonus and the draft
-    verify_s: float = 0.0
+    verify_s: float = 0.0  # 0: not what such a round costs (a trial of the other core choice)
     verify_overlapped: bool = False  # verified while the drafter drafted ahead
     overhead_s: float = 0.0  # besides drafting and verifying: messages, bookkeeping
     # gamma 0 (the target alone): seconds per token of the whole round (None: a transition

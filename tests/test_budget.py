@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from hetspec.speculative.branching import branch_length
 from hetspec.speculative.budget import BudgetController, ControllerConfig
 from hetspec.speculative.core_choice import SpareCoreChoice
 from hetspec.speculative.cost_model import (
@@ -14,6 +15,7 @@ from hetspec.speculative.cost_model import (
     RuleShare,
     VerifyLine,
 )
+from hetspec.speculative.estimates import Estimates
 from hetspec.speculative.rounds import DraftCall, Plan, RoundReport
 
 MAX_GAMMA, MAX_BRANCHES = 16, 4  # the controller's defaults
@@ -333,6 +335,43 @@ def test_one_vectorized_prediction_equals_shape_by_shape() -> None:
     for i, (g, b, o) in enumerate(shapes):
         one = model.predict(g, b, o)
         assert (float(one[0]), float(one[1])) == pytest.approx((tokens[i], seconds[i]), rel=1e-12)
+
+
+def test_the_rule_s_budgets_weighed_at_once_equal_one_by_one() -> None:
+    """The rule's budgets are weighed in one vectorized call (choosing a plan runs while a
+    worker computes, and on a 2-core box it takes that worker's core)."""
+    box = SimulatedBox(0.0004, 0.003, 0.0001, 0.7, np.random.default_rng(2), uncertain=0.4)
+    controller = controller_of(overlap=False, max_width=63)
+    for _ in range(100):
+        box.run_round(controller)
+    model = controller.estimates.cost_model(rule=True)
+    assert len(model.rule) > 1  # several branch counts picked: the mixture is exercised
+    budgets = np.arange(1, 17)
+    tokens, seconds = model.predict_rule(budgets)
+    for i, budget in enumerate(budgets):
+        expected_tokens = expected_s = 0.0
+        for share in model.rule:
+            k = min(share.k, budget)
+            length = branch_length(int(budget), k)
+            forwards = budget if k == 1 else length + 1
+            expected_tokens += share.share * (1 + share.reach[1 : length + 1].sum())
+            expected_s += share.share * (model.draft_s(forwards, k)
+                                         + model.verify[False].at(k * length + 1))  # fmt: skip
+        assert tokens[i] == pytest.approx(expected_tokens, rel=1e-12)
+        assert seconds[i] == pytest.approx(expected_s + model.overhead_s, rel=1e-12)
+
+
+def test_a_trial_of_the_other_core_choice_is_not_priced_as_a_verification() -> None:
+    """A verification made to measure the other core choice (up to twice as slow) says
+    nothing of what the chosen shape costs; and with a profile, calls of different widths
+    compare per one-node verification, so narrow calls do not look dear beside wide ones."""
+    estimates = Estimates()
+    estimates.assume_verifier({1: 0.007, 2: 0.0099, 8: 0.0144, 9: 0.0171})
+    estimates.observe(RoundReport(6, 1, 3, verify_width=7, verify_s=0.0))
+    assert estimates.verify_line(False) is None
+    assert estimates.verify_size(8) == pytest.approx(0.0144 / 0.007)
+    assert estimates.verify_size(1) == 1.0
+    assert Estimates().verify_size(7) == 7.0  # no profile: per node
 
 
 def test_the_estimated_model_approaches_the_box_s_true_one() -> None:
