@@ -143,6 +143,7 @@ def profile_key(spec: WorkerSpec, widths: list[int]) -> str:
         "files": _file_identity(Path(spec.model)),
         "settings": msgspec.json.encode(spec.settings).decode(),
         "cores": list(spec.cores),
+        "spare_cores": list(spec.spare_cores),
         "widths": widths,
         "prefix": PREFIX_TOKENS,
         "box": [platform.machine(), _cpu_model(), os.path.exists("/dev/nvidia0")],
@@ -167,7 +168,10 @@ async def measure(spec: WorkerSpec, widths: list[int], timeout_s: float,
     command = [sys.executable, "-m", "hetspec.workers.profile", spec.runtime, spec.model,
                "--settings", msgspec.json.encode(spec.settings).decode(),
                "--widths", ",".join(map(str, widths)), "--prefix", str(PREFIX_TOKENS),
-               "--cores", ",".join(map(str, spec.cores))]  # fmt: skip
+               "--cores", ",".join(map(str, spec.cores)),
+               # timed as the worker computes when the drafter idles (plain rounds' verification,
+               # decoding alone): on the drafter's cores too, where it may borrow them
+               "--spare-cores", ",".join(map(str, spec.spare_cores))]  # fmt: skip
     process = await asyncio.create_subprocess_exec(
         *command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,

@@ -59,6 +59,8 @@ class RuntimeProfile(msgspec.Struct, tag="profile", frozen=True, forbid_unknown_
     median_ms: list[float]
     load_s: float
     cores: list[int]
+    # the other worker's cores it computed on too (as a verifier does while the drafter idles)
+    spare_cores: list[int] = []
 
     def cost_ms(self) -> dict[int, float]:
         return dict(zip(self.widths, self.median_ms, strict=True))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -60,6 +61,24 @@ def test_a_profile_times_each_width_in_a_process_of_its_own() -> None:
     assert (report.runtime, report.device, report.widths) == ("llama.cpp", "cpu", [1, 4])
     assert all(ms > 0 for ms in report.median_ms)
     assert report.prefix == 128
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_a_verifier_that_borrows_the_drafter_s_cores_is_profiled_on_them() -> None:
+    """Plain rounds verify, and the target decodes alone, on the drafter's cores too: the
+    profile the controller prices them by is taken so, and cached apart."""
+    own, spare = sorted(os.sched_getaffinity(0))[:2]
+    result = profile("native", str(TARGET_GGUF), "--widths", "1,4", "--repeats", "3",
+                     "--cores", str(own), "--spare-cores", str(spare))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = decode_profile(result.stdout)
+    assert isinstance(report, RuntimeProfile)
+    assert (report.cores, report.spare_cores) == ([own], [spare])
+    config = load_config(environ={"HETSPEC_GPU_WORKER__DEVICE": "cpu"})
+    verifier = worker_specs(config, "json", gpu_runtime="native")["gpu"]
+    assert verifier.spare_cores  # a 2-core box: the draft's core is lent
+    alone = dataclasses.replace(verifier, spare_cores=())
+    assert profile_key(verifier, [1, 8]) != profile_key(alone, [1, 8])
 
 
 def test_a_model_that_cannot_load_is_a_failure_report_not_a_traceback(tmp_path) -> None:

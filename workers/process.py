@@ -393,7 +393,7 @@ class Worker:
                                                     slot=command.out)), ()  # fmt: skip
 
 
-def _core_list(text: str) -> set[int]:
+def core_list(text: str) -> set[int]:
     return {int(core) for core in text.split(",") if core}
 
 
@@ -422,18 +422,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def claim_cores(runtime: str, own: set[int], spare: set[int]) -> None:
+    """Run on ``own`` cores, with OpenMP placed so that a wide call's extra threads run on the
+    ``spare`` ones (see spare_cores.py); before any runtime is imported, since thread pools
+    size themselves from the affinity and OpenMP reads its places as it loads."""
+    if not own:
+        return
+    os.sched_setaffinity(0, own | spare)
+    if spare - own:
+        # replacing a user's OMP_PROC_BIND=false, which would stack the threads on one core
+        os.environ.update(openmp_places(own, spare))
+        os.environ.setdefault("GOMP_SPINCOUNT", SPARE_CORES_SPIN_COUNT)
+        preload_runtime(runtime)
+    os.sched_setaffinity(0, own)  # this thread, OpenMP's master, and threads it starts
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     die_with_parent(args.parent)
-    own, spare = _core_list(args.cores), _core_list(args.spare_cores)
-    if own:  # before any runtime is imported: thread pools size themselves from it
-        os.sched_setaffinity(0, own | spare)
-        if spare - own:  # OpenMP reads its places and counts its CPUs as it loads
-            # replacing a user's OMP_PROC_BIND=false, which would stack the threads on one core
-            os.environ.update(openmp_places(own, spare))
-            os.environ.setdefault("GOMP_SPINCOUNT", SPARE_CORES_SPIN_COUNT)
-            preload_runtime(args.runtime)
-        os.sched_setaffinity(0, own)  # this thread, OpenMP's master, and threads it starts
+    claim_cores(args.runtime, core_list(args.cores), core_list(args.spare_cores))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when we stop
     configure_logging(log_format=args.log_format, worker=args.name, pid=os.getpid())
 
@@ -443,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     replies.connect(args.replies)
     watchdog = Watchdog(context, args)
     cores = sorted(os.sched_getaffinity(0))
-    spare = SpareCores(cores, _core_list(args.spare_cores))
+    spare = SpareCores(cores, core_list(args.spare_cores))
     worker = Worker(args.runtime, replies, watchdog, spare)
     commands = CommandReader(context, args.commands, args.spin_us / 1e6, worker.send)
     hello = m.Hello(protocol=m.PROTOCOL_VERSION, pid=os.getpid(), runtime=args.runtime,

@@ -21,14 +21,19 @@ import numpy as np
 from hetspec.protocol import ProbeFailure, RuntimeProfile, encode_runtime_report
 from hetspec.protocol import worker_messages as m
 from hetspec.workers.benchmarking import positive_int_list, timed_ms
-from hetspec.workers.process import RUNTIMES, LoadError, load_runtime
+from hetspec.workers.process import RUNTIMES, LoadError, claim_cores, core_list, load_runtime
+from hetspec.workers.spare_cores import SpareCores
 
 
 def profile(runtime_name: str, model: str, settings: m.RuntimeSettings, *, widths: list[int],
-            prefix: int, repeats: int, fbgemm_int8: bool = False) -> RuntimeProfile:  # fmt: skip
-    """Load ``model`` and time its forwards; raises ``LoadError`` if it cannot load."""
+            prefix: int, repeats: int, fbgemm_int8: bool = False,
+            spare: SpareCores | None = None) -> RuntimeProfile:  # fmt: skip
+    """Load ``model`` and time its forwards (on the ``spare`` cores too, where given); raises
+    ``LoadError`` if it cannot load."""
     start = time.perf_counter()
     runtime, device = load_runtime(runtime_name, model, settings)
+    if spare is not None:
+        spare.use(True, runtime.set_extra_threads)
     if fbgemm_int8:
         if runtime_name != "torch":
             raise LoadError("--fbgemm-int8 applies to the torch runtime only")
@@ -43,7 +48,9 @@ def profile(runtime_name: str, model: str, settings: m.RuntimeSettings, *, width
     medians = forward_medians(runtime, widths=widths, prefix=prefix, repeats=repeats)
     return RuntimeProfile(runtime=runtime_name, device=device, model=model, prefix=prefix,
                           widths=widths, median_ms=medians, load_s=round(load_s, 3),
-                          cores=sorted(os.sched_getaffinity(0)))  # fmt: skip
+                          cores=sorted(os.sched_getaffinity(0)),
+                          spare_cores=sorted(spare.spare) if spare is not None and spare.wide
+                          else [])  # fmt: skip
 
 
 def forward_medians(runtime, *, widths: list[int], prefix: int, repeats: int) -> list[float]:
@@ -77,12 +84,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cores", default="", help="comma-separated cores to run on")
+    parser.add_argument("--spare-cores", default="", help="comma-separated cores the worker "
+                        "also computes on while the other worker idles: the forwards are timed "
+                        "on both, as a verifier computes then")  # fmt: skip
     parser.add_argument("--fbgemm-int8", action="store_true",
                         help="torch only: the decoder's linears as fbgemm dynamic int8 (not "
                         "lossless: activations quantized per tensor), for comparison")  # fmt: skip
     args = parser.parse_args(argv)
-    if args.cores:  # before the runtime loads: its thread pools size themselves from this
-        os.sched_setaffinity(0, {int(core) for core in args.cores.split(",")})
+    own, spare = core_list(args.cores), core_list(args.spare_cores)
+    claim_cores(args.runtime, own, spare)  # as the worker does, before the runtime loads
     try:
         defaults = {"llama.cpp": m.LlamaCppSettings, "torch": m.TorchSettings,
                     "native": m.NativeSettings}  # fmt: skip
@@ -91,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                     if args.settings else default)  # fmt: skip
         result = profile(args.runtime, args.model, settings, widths=args.widths,
                          prefix=args.prefix, repeats=args.repeats,
-                         fbgemm_int8=args.fbgemm_int8)  # fmt: skip
+                         fbgemm_int8=args.fbgemm_int8, spare=SpareCores(own, spare))  # fmt: skip
     except (LoadError, msgspec.ValidationError, msgspec.DecodeError) as error:
         result = ProbeFailure(runtime=args.runtime, message=f"{args.model}: {error}")
     except Exception as error:  # any runtime failure is a report, never a traceback
