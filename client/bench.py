@@ -45,6 +45,7 @@ from pathlib import Path
 
 from hetspec.client.arguments import non_negative, positive, positive_list
 from hetspec.client.bench_targets import BenchTarget, TargetError, forward_ms, resolve
+from hetspec.client.busy_box import busy_note
 from hetspec.client.clients import Client
 from hetspec.client.types import Completion, HetspecError
 from hetspec.models.corpus import stdlib_sources
@@ -439,7 +440,10 @@ def plot(path: Path, results: dict) -> bool:
     for row, placement in enumerate(placements):
         summaries = results[placement]["summary"]
         names = list(summaries)
-        axes[row][0].barh(names, [summaries[n]["tokens_per_s"] for n in names])
+        bars = axes[row][0].barh(names, [summaries[n]["tokens_per_s"] for n in names])
+        axes[row][0].bar_label(bars, fmt="%.1f", padding=2, fontsize="small")
+        axes[row][0].margins(x=0.15)  # room for the labels
+        axes[row][0].invert_yaxis()  # the table's order, top to bottom
         axes[row][0].set_xlabel("decode tokens/s")
         axes[row][0].set_title(f"{placement}: decoding modes")
         _plot_gamma(axes[row][1], placement, results[placement])
@@ -465,16 +469,19 @@ def _plot_gamma(axis, placement: str, result: dict) -> None:
 
 
 def _plot_acceptance(axis, placement: str, records: list[Record]) -> None:
-    """P(the first d drafted tokens are accepted) for d = 1..8, per speculative system."""
+    """P(the first d drafted tokens are accepted | d tokens drafted) for d = 1..8, per
+    speculative system; a position no round of a system drafted is not drawn (not a zero)."""
     depths = range(1, 9)
     for system in dict.fromkeys(r.system for r in records if r.rounds):
         mine = [r for r in records if r.system == system]
-        rounds = sum(r.rounds for r in mine)
-        reach = [sum(r.by_depth[d - 1] for r in mine if len(r.by_depth) >= d) / rounds
-                 for d in depths]  # fmt: skip
+        reach = []
+        for d in depths:
+            drafted = sum(g >= d for r in mine for g in r.gammas)
+            accepted = sum(r.by_depth[d - 1] for r in mine if len(r.by_depth) >= d)
+            reach.append(accepted / drafted if drafted else float("nan"))
         axis.plot(list(depths), reach, marker="o", label=system)
     axis.set_xlabel("draft position")
-    axis.set_ylabel("share of rounds accepted up to it")
+    axis.set_ylabel("share of rounds drafting that far accepted up to it")
     axis.set_ylim(0, 1)
     axis.set_title(f"{placement}: acceptance by position")
     axis.legend(fontsize="small")
@@ -489,6 +496,9 @@ def main(args: argparse.Namespace) -> int:
         f"{os.cpu_count()} CPUs, Python {platform.python_version()}, "
         f"{time.strftime('%Y-%m-%d %H:%M')}; {args.max_tokens} tokens per request.\n"
     ]
+    if note := busy_note():  # said, and kept with the figures it explains
+        print(f"hetspec bench: warning: {note}", file=sys.stderr, flush=True)
+        report.append(f"Warning: {note}.\n")
     sweep: list[dict] = []
     try:
         for spec in args.target:

@@ -1,4 +1,5 @@
-"""OpenAI-compatible endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``.
+"""OpenAI-compatible endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``
+(and ``/v1/models/{id}``).
 
 Existing tools send OpenAI's parameters, so every one of them is accepted at its neutral value
 and refused, with a message that says so, at any value hetspec cannot honour (``n`` > 1,
@@ -218,24 +219,23 @@ def openai_routes(service: Service) -> list[web.RouteDef]:
         generate = body.generate_request(prompt, limit, template.stops)
         return await respond(request, body, generate, chat=True)
 
-    async def models(request: web.Request) -> web.Response:
+    def model_card() -> dict:
         created = int(service.started_wall)
-        return web.json_response(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": service.model_name,
-                        "object": "model",
-                        "created": created,
-                        "owned_by": "hetspec",
-                    }
-                ],
-            }
-        )
+        return {"id": service.model_name, "object": "model", "created": created,
+                "owned_by": "hetspec"}  # fmt: skip
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [model_card()]})
+
+    async def model(request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != service.model_name:
+            raise ApiError(404, f"no model {name!r}: this daemon serves {service.model_name!r}")
+        return web.json_response(model_card())
 
     return [
         web.post("/v1/completions", completions),
         web.post("/v1/chat/completions", chat_completions),
         web.get("/v1/models", models),
+        web.get("/v1/models/{model}", model),
     ]

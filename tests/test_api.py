@@ -155,6 +155,11 @@ def test_openai_requests_with_plain_httpx(daemon, http) -> None:
 
     models = http.get("/v1/models").json()
     assert models["data"][0]["id"] == "hetspec-demo"
+    assert http.get("/v1/models/hetspec-demo").json() == models["data"][0]
+    missing = http.get("/v1/models/gpt-4")
+    assert missing.status_code == 404
+    assert "'gpt-4'" in missing.json()["error"]["message"]
+    assert "'hetspec-demo'" in missing.json()["error"]["message"]
 
     # seeded sampling: the same text on both endpoints (the target's keyed choices)
     sampled = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0.8, "seed": 9}

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+from hetspec.client.bench import BusyCore
+from hetspec.client.busy_box import busy_note
 
 
 def test_bench_runs_every_system_and_writes_its_reports(tmp_path: Path) -> None:
@@ -74,3 +78,19 @@ def test_bench_sweeps_targets_and_skips_a_bad_one_with_its_reason(tmp_path: Path
     assert "## Speedup against the cost ratio c" in table
     assert "x fastest target alone" in table
     assert (out / "bench-sweep.png").stat().st_size > 0
+
+
+def test_a_busy_core_is_named_with_the_process_that_keeps_it_busy() -> None:
+    """Before it starts, the bench says which of its cores another process keeps busy."""
+    core = min(os.sched_getaffinity(0))
+    busy = BusyCore(core)
+    busy.start()
+    try:
+        pid = busy.process.pid
+        note = busy_note({core}, sample_s=0.5)
+    finally:
+        busy.stop()
+    assert note is not None
+    assert f"core {core} " in note
+    assert f"(pid {pid})" in note
+    assert busy_note(set(), sample_s=0.1) is None  # no core of its own to look at
