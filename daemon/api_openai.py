@@ -98,17 +98,29 @@ class CompletionRequest(_Common, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("echo, logprobs, suffix and best_of are not supported")
 
 
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str
+
+
 class ChatRequest(_Common, forbid_unknown_fields=True, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # accepted at their neutral values: plain text, nothing stored
+    response_format: ResponseFormat | None = None
+    store: bool = False
 
     def __post_init__(self) -> None:
         if not self.messages:
             raise ValueError("messages must hold at least one message")
         if self.logprobs or self.top_logprobs is not None:
             raise ValueError("logprobs are not supported")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError(f"response_format {self.response_format.type!r} is not supported: "
+                             f"only {{'type': 'text'}}")  # fmt: skip
+        if self.store:
+            raise ValueError("store is not supported: hetspec keeps no completions")
 
 
 def _event(document: dict | str) -> bytes:

@@ -24,9 +24,21 @@ class ChatTemplateError(ValueError):
     pass
 
 
+class ContentPart(msgspec.Struct, kw_only=True):
+    """One part of a message's content given as a list (OpenAI's form): text only."""
+
+    type: str
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        if self.type != "text":
+            raise ValueError(f"content parts of type {self.type!r} are not supported: the "
+                             f"model reads text only")  # fmt: skip
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     role: str
-    content: str
+    content: str | list[ContentPart]
     name: str | None = None
 
     def __post_init__(self) -> None:
@@ -34,6 +46,13 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError(
                 f"role must be system, user, assistant or developer, not {self.role!r}"
             )
+
+    @property
+    def text(self) -> str:
+        """The content as one text: a list of text parts joined as given."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
 
 
 def _raise(message: str) -> None:
@@ -54,7 +73,7 @@ class ChatTemplate:
 
     def render(self, messages: list[ChatMessage]) -> str:
         """The prompt for these messages, ending where the assistant's answer begins."""
-        plain = [{"role": m.role, "content": m.content} for m in messages]
+        plain = [{"role": m.role, "content": m.text} for m in messages]
         try:
             return self._template.render(
                 messages=plain,

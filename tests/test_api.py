@@ -168,6 +168,37 @@ def test_openai_requests_with_plain_httpx(daemon, http) -> None:
     assert completion["choices"][0]["text"] == native["response"]
 
 
+def test_chat_content_as_text_parts_and_neutral_openai_values(http) -> None:
+    """Content given as a list of text parts reads as the parts joined; OpenAI's neutral
+    response_format and store are accepted, other values and non-text parts are a 400 that
+    names them."""
+    greedy = {"max_tokens": 10, "temperature": 0}
+    whole = [{"role": "user", "content": "Write a function that adds two numbers."}]
+    parts = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Write a function "},
+                {"type": "text", "text": "that adds two numbers."},
+            ],
+        }
+    ]
+    answers = [http.post("/v1/chat/completions", json={"messages": messages, **greedy,
+                                                          "response_format": {"type": "text"},
+                                                          "store": False}).json()
+               for messages in (whole, parts)]  # fmt: skip
+    assert answers[0]["choices"][0]["message"] == answers[1]["choices"][0]["message"]
+    assert answers[0]["usage"] == answers[1]["usage"]
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    for body, named in (({"messages": image}, "'image_url'"),
+                        ({"messages": whole, "response_format": {"type": "json_object"}},
+                         "'json_object'"),
+                        ({"messages": whole, "store": True}, "store")):  # fmt: skip
+        refused = http.post("/v1/chat/completions", json={**body, **greedy})
+        assert refused.status_code == 400, body
+        assert named in refused.json()["error"]["message"]
+
+
 def test_native_ndjson_stream_over_raw_http(daemon) -> None:
     payload = json.dumps({"prompt": PROMPT, **GREEDY}).encode()
     with socket.socket(socket.AF_UNIX) as raw:
