@@ -2,14 +2,16 @@
 (and ``/v1/models/{id}``).
 
 Existing tools send OpenAI's parameters, so every one of them is accepted at its neutral value
-and refused, with a message that says so, at any value hetspec cannot honour (``n`` > 1,
-penalties, logprobs); a parameter OpenAI does not have is refused too. hetspec's own knobs
+and refused, with a message that says so, at any value hetspec cannot honour (penalties,
+logprobs); a parameter OpenAI does not have is refused too. Several answers (``n``, a list of
+prompts) are generated one after another, each a turn in the queue. hetspec's own knobs
 (``top_k``, ``mode``, ``gamma``) are extensions, and responses carry llama.cpp-style
 ``timings`` and our ``speculative`` statistics beside OpenAI's fields.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import TYPE_CHECKING
 
@@ -19,10 +21,13 @@ from aiohttp import web
 from hetspec.daemon.api_errors import ApiError, decode
 from hetspec.daemon.chat_template import ChatMessage, ChatTemplateError
 from hetspec.daemon.requests import GenerateRequest
-from hetspec.daemon.runs import Run, collect, stream
+from hetspec.daemon.runs import Run, collect, stream_runs
 
 if TYPE_CHECKING:
     from hetspec.daemon.service import Service
+
+
+MAX_CHOICES = 16  # answers in one request (n x prompts); they run one after another
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -50,8 +55,6 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def _unsupported(self) -> list[str]:
         problems = []
-        if self.n != 1:
-            problems.append("n must be 1 (one answer per request)")
         if self.presence_penalty or self.frequency_penalty:
             problems.append(
                 "presence_penalty and frequency_penalty are not supported "
@@ -61,24 +64,37 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             problems.append("logit_bias is not supported")
         return problems
 
-    def generate_request(self, prompt: str, max_tokens: int | None, stops: list[str]):
+    def generate_requests(
+        self, prompts: list[str], max_tokens: int | None, stops: list[str]
+    ) -> list[GenerateRequest]:
+        """One generation per answer: ``n`` for each prompt, in the order of the response's
+        choices; with a seed, the j-th answer to a prompt is drawn with seed + j (the same
+        seed would draw the same text n times)."""
         problems = self._unsupported()
+        answers = len(prompts) * self.n
+        if self.n < 1 or answers > MAX_CHOICES:
+            problems.append(f"n x prompts must be 1 to {MAX_CHOICES} answers, not {answers} "
+                            f"(they are generated one after another)")  # fmt: skip
         if problems:
             raise ApiError(400, "; ".join(problems))
         user_stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
-            return GenerateRequest(
-                prompt=prompt,
-                max_tokens=max_tokens,
-                temperature=self.temperature,
-                top_k=self.top_k,
-                top_p=self.top_p,
-                seed=self.seed,
-                stop=user_stops + stops,
-                stream=self.stream,
-                mode=self.mode,
-                gamma=self.gamma,
-            )
+            return [
+                GenerateRequest(
+                    prompt=prompt,
+                    max_tokens=max_tokens,
+                    temperature=self.temperature,
+                    top_k=self.top_k,
+                    top_p=self.top_p,
+                    seed=None if self.seed is None else self.seed + answer,
+                    stop=user_stops + stops,
+                    stream=self.stream,
+                    mode=self.mode,
+                    gamma=self.gamma,
+                )
+                for prompt in prompts
+                for answer in range(self.n)
+            ]
         except ValueError as error:
             raise ApiError(400, f"invalid request: {error}") from None
 
@@ -92,8 +108,8 @@ class CompletionRequest(_Common, forbid_unknown_fields=True, kw_only=True):
     best_of: int = 1
 
     def __post_init__(self) -> None:
-        if isinstance(self.prompt, list) and len(self.prompt) != 1:
-            raise ValueError("prompt must be a string or a list of exactly one string")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must be a string or a list of strings, not an empty list")
         if self.echo or self.logprobs is not None or self.suffix or self.best_of != 1:
             raise ValueError("echo, logprobs, suffix and best_of are not supported")
 
@@ -128,95 +144,110 @@ def _event(document: dict | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
+def _envelope(run: Run, kind: str, model: str) -> dict:
+    return {"id": run.id, "object": kind, "created": int(time.time()), "model": model}
+
+
+def _usage(runs: list[Run], n: int) -> dict:
+    """Every answer's tokens; each prompt's once (its n answers share it)."""
+    prompt = sum(run.result.prompt_tokens for run in runs[::n])
+    completion = sum(len(run.result.tokens) for run in runs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}  # fmt: skip
+
+
+def _extras(run: Run) -> dict:
+    final = run.final()  # llama.cpp-style timings and our statistics, beside OpenAI's
+    keys = ("timings", "speculative", "mode", "tokens", "devices")
+    return {key: final[key] for key in keys if key in final}
+
+
+class _StreamedAnswers:
+    """SSE chunks of answers streamed one after another, each under its choice index."""
+
+    def __init__(self, service: Service, body: _Common, chat: bool) -> None:
+        self.service, self.body, self.chat = service, body, chat
+        self.kind = "chat.completion.chunk" if chat else "text_completion"
+        self.opened: list[Run] = []  # the response's id is the first one's
+        self.started: set[int] = set()  # the choices whose first chunk went out
+
+    @contextlib.asynccontextmanager
+    async def answer(self, generate: GenerateRequest):
+        async with self.service.generation(generate) as run:
+            self.opened.append(run)
+            yield run
+
+    def _chunk(self, index: int, text: str | None, reason: str | None = None) -> bytes:
+        if self.chat:
+            delta = {} if text is None else {"content": text}
+            if index not in self.started:  # a choice's first chunk names the role
+                delta = {"role": "assistant", **delta}
+            choice = {"delta": delta}
+        else:
+            choice = {"text": text or ""}
+        self.started.add(index)
+        choices = [{"index": index, **choice, "logprobs": None, "finish_reason": reason}]
+        model = self.service.model_name
+        return _event({**_envelope(self.opened[0], self.kind, model), "choices": choices})
+
+    def piece(self, index: int, text: str) -> bytes:
+        return self._chunk(index, text)
+
+    def run_end(self, run: Run) -> bytes:
+        # answers run one after another: the one ending is the last opened
+        return self._chunk(len(self.opened) - 1, None, run.result.done_reason)
+
+    def end(self, runs: list[Run]) -> bytes:
+        options = self.body.stream_options
+        if not (options and options.include_usage):
+            return _event("[DONE]")
+        document = {**_envelope(runs[0], self.kind, self.service.model_name), "choices": [],
+                    "usage": _usage(runs, self.body.n)}  # fmt: skip
+        if len(runs) > 1:  # the extras, per answer in the choices' order
+            document["answers"] = [_extras(run) for run in runs]
+        else:
+            document.update(_extras(runs[0]))
+        return _event(document) + _event("[DONE]")
+
+    @staticmethod
+    def failure(error: ApiError) -> bytes:
+        return _event(error.body()) + _event("[DONE]")
+
+
 def openai_routes(service: Service) -> list[web.RouteDef]:
-    def envelope(run: Run, kind: str) -> dict:
-        return {
-            "id": run.id,
-            "object": kind,
-            "created": int(time.time()),
-            "model": service.model_name,
-        }
-
-    def usage(run: Run) -> dict:
-        prompt, completion = run.result.prompt_tokens, len(run.result.tokens)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        }
-
-    def extras(run: Run) -> dict:
-        final = run.final()  # llama.cpp-style timings and our statistics, beside OpenAI's
-        keys = ("timings", "speculative", "mode", "tokens", "devices")
-        return {key: final[key] for key in keys if key in final}
-
-    async def respond(request, body, generate: GenerateRequest, chat: bool):
-        kind = "chat.completion" if chat else "text_completion"
-        async with service.generation(generate) as run:
-            if not body.stream:
-                text = await collect(run)
-                reason = run.result.done_reason
-                choice = (
-                    {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-                )
-                return web.json_response(
-                    {
-                        **envelope(run, kind),
-                        "choices": [
-                            {"index": 0, **choice, "logprobs": None, "finish_reason": reason}
-                        ],
-                        "usage": usage(run),
-                        **extras(run),
-                    }
-                )
-
-            chunk_kind = "chat.completion.chunk" if chat else "text_completion"
-            first = [True]
-
-            def chunk(text: str | None, reason: str | None = None) -> dict:
-                if chat:
-                    delta = {} if text is None else {"content": text}
-                    if first[0]:
-                        delta, first[0] = {"role": "assistant", **delta}, False
-                    choice = {"delta": delta}
-                else:
-                    choice = {"text": text or ""}
-                return {
-                    **envelope(run, chunk_kind),
-                    "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": reason}],
-                }
-
-            def end() -> bytes:
-                events = _event(chunk(None, run.result.done_reason))
-                if body.stream_options and body.stream_options.include_usage:
-                    events += _event(
-                        {
-                            **envelope(run, chunk_kind),
-                            "choices": [],
-                            "usage": usage(run),
-                            **extras(run),
-                        }
-                    )
-                return events + _event("[DONE]")
-
-            def failure(error: ApiError) -> bytes:
-                return _event(error.body()) + _event("[DONE]")
-
-            return await stream(
-                request,
-                run,
-                content_type="text/event-stream",
-                encode_piece=lambda piece: _event(chunk(piece)),
-                encode_end=end,
-                encode_failure=failure,
-            )
+    async def respond(request, body, generates: list[GenerateRequest], chat: bool):
+        if not body.stream:
+            kind = "chat.completion" if chat else "text_completion"
+            runs, choices = [], []
+            for index, generate in enumerate(generates):
+                async with service.generation(generate) as run:
+                    text = await collect(run)
+                runs.append(run)
+                content = {"message": {"role": "assistant", "content": text}} if chat else {
+                    "text": text}  # fmt: skip
+                choices.append({"index": index, **content, "logprobs": None,
+                                "finish_reason": run.result.done_reason})  # fmt: skip
+            document = {**_envelope(runs[0], kind, service.model_name), "choices": choices,
+                        "usage": _usage(runs, body.n)}  # fmt: skip
+            if len(runs) == 1:
+                document.update(_extras(runs[0]))
+            else:
+                for choice, run in zip(choices, runs, strict=True):
+                    choice.update(_extras(run))
+            return web.json_response(document)
+        answers = _StreamedAnswers(service, body, chat)
+        return await stream_runs(
+            request, [answers.answer(generate) for generate in generates],
+            content_type="text/event-stream", encode_piece=answers.piece,
+            encode_run_end=answers.run_end, encode_end=answers.end,
+            encode_failure=answers.failure,
+        )  # fmt: skip
 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = decode(await request.read(), CompletionRequest)
-        prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
-        return await respond(
-            request, body, body.generate_request(prompt, body.max_tokens, []), chat=False
-        )
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        generates = body.generate_requests(prompts, body.max_tokens, [])
+        return await respond(request, body, generates, chat=False)
 
     async def chat_completions(request: web.Request) -> web.StreamResponse:
         body = decode(await request.read(), ChatRequest)
@@ -228,8 +259,8 @@ def openai_routes(service: Service) -> list[web.RouteDef]:
         except ChatTemplateError as error:
             raise ApiError(400, str(error)) from None
         limit = body.max_completion_tokens or body.max_tokens  # None: up to the context
-        generate = body.generate_request(prompt, limit, template.stops)
-        return await respond(request, body, generate, chat=True)
+        generates = body.generate_requests([prompt], limit, template.stops)
+        return await respond(request, body, generates, chat=True)
 
     def model_card() -> dict:
         created = int(service.started_wall)

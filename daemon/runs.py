@@ -8,7 +8,9 @@ stream with an error object instead.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -96,24 +98,75 @@ async def stream(
     encode_failure: Callable[[ApiError], bytes],
 ) -> web.StreamResponse:
     """Stream a run's pieces as they are verified; the first is awaited before responding."""
+
+    @contextlib.asynccontextmanager
+    async def opened():
+        yield run
+
+    return await stream_runs(
+        request, [opened()], content_type=content_type,
+        encode_piece=lambda _, piece: encode_piece(piece), encode_run_end=lambda _: b"",
+        encode_end=lambda _: encode_end(), encode_failure=encode_failure,
+    )  # fmt: skip
+
+
+async def stream_runs(
+    request: web.Request,
+    runs: list[AbstractAsyncContextManager[Run]],
+    *,
+    content_type: str,
+    encode_piece: Callable[[int, str], bytes],
+    encode_run_end: Callable[[Run], bytes],
+    encode_end: Callable[[list[Run]], bytes],
+    encode_failure: Callable[[ApiError], bytes],
+) -> web.StreamResponse:
+    """Stream several runs one after another in one response (each opened only when the one
+    before it is done: its turn in the queue comes then); ``encode_piece`` gets the run's
+    index. The first run's first piece is awaited before responding, so an early failure is
+    a proper 4xx/5xx; a later failure ends the stream with an error object."""
+    response: web.StreamResponse | None = None
+    finished: list[Run] = []
     try:
-        first = await anext(run.pieces, "")
-    except Exception as error:
-        raise as_api_error(error) from None
-    response = web.StreamResponse(
-        headers={"Content-Type": content_type, "Cache-Control": "no-cache"}
-    )
-    await response.prepare(request)
-    try:
-        if first:
-            await response.write(encode_piece(first))
-        async for piece in run.pieces:
-            await response.write(encode_piece(piece))
-    except Exception as error:
-        failure = as_api_error(error)  # after the response began: an error object ends it
-        run.result.done_reason = "error"
-        await response.write(encode_failure(failure))
+        for index, opening in enumerate(runs):
+            async with opening as run:
+                try:
+                    first = await anext(run.pieces, "")
+                except Exception as error:
+                    failure = as_api_error(error)
+                    if response is None:
+                        raise failure from None
+                    run.result.done_reason = "error"
+                    raise _Failed(failure) from None
+                if response is None:
+                    response = web.StreamResponse(
+                        headers={"Content-Type": content_type, "Cache-Control": "no-cache"}
+                    )
+                    await response.prepare(request)
+                try:
+                    if first:
+                        await response.write(encode_piece(index, first))
+                    async for piece in run.pieces:
+                        await response.write(encode_piece(index, piece))
+                except Exception as error:
+                    failure = as_api_error(error)  # after the response began: an error object
+                    run.result.done_reason = "error"
+                    raise _Failed(failure) from None
+                await response.write(encode_run_end(run))
+                finished.append(run)
+    except _Failed as failed:
+        await response.write(encode_failure(failed.error))
+    except ApiError as error:  # a later run refused (the queue full, the daemon draining)
+        if response is None:
+            raise  # nothing sent yet: the client gets this status
+        await response.write(encode_failure(error))
     else:
-        await response.write(encode_end())
+        await response.write(encode_end(finished))
     await response.write_eof()
     return response
+
+
+class _Failed(Exception):
+    """A run failed after the response began: the stream ends with this error."""
+
+    def __init__(self, error: ApiError) -> None:
+        self.error = error

@@ -199,6 +199,48 @@ def test_chat_content_as_text_parts_and_neutral_openai_values(http) -> None:
         assert named in refused.json()["error"]["message"]
 
 
+def test_several_answers_n_and_prompt_lists_streamed_or_not(http) -> None:
+    """n answers per prompt and a list of prompts: choices in order (prompt by prompt, n
+    each), the j-th answer drawn with seed + j, usage over all of them; streamed, every
+    chunk names its choice and the usage chunk lists each answer's extras."""
+    sampled = {"max_tokens": 8, "temperature": 0.8, "seed": 40}
+    prompts = [PROMPT, "class Stack:"]
+    both = http.post("/v1/completions", json={"prompt": prompts, "n": 2, **sampled}).json()
+    assert [c["index"] for c in both["choices"]] == [0, 1, 2, 3]
+    for index, choice in enumerate(both["choices"]):
+        prompt, answer = prompts[index // 2], index % 2
+        native = {"prompt": prompt, "stream": False, **sampled, "seed": 40 + answer}
+        alone = http.post("/api/generate", json=native).json()
+        assert choice["text"] == alone["response"], index
+        assert choice["tokens"] == alone["tokens"]  # the extras, per choice
+    usage = both["usage"]
+    assert usage["prompt_tokens"] == sum(both["choices"][2 * i]["timings"]["prompt_n"]
+                                         for i in range(2))  # each prompt once  # fmt: skip
+    assert usage["completion_tokens"] == sum(len(c["tokens"]) for c in both["choices"])
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+    body = {"prompt": prompts, "n": 2, **sampled, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    texts = {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert texts == {c["index"]: c["text"] for c in both["choices"]}
+    assert chunks[-1]["usage"] == usage
+    assert [a["tokens"] for a in chunks[-1]["answers"]] == [c["tokens"] for c in both["choices"]]
+
+    chat = {"messages": [{"role": "user", "content": "hi"}], "n": 2, **sampled}
+    answers = http.post("/v1/chat/completions", json=chat).json()["choices"]
+    assert [c["message"]["role"] for c in answers] == ["assistant", "assistant"]
+    too_many = http.post("/v1/completions", json={"prompt": prompts, "n": 9, **sampled})
+    assert too_many.status_code == 400
+    assert "18" in too_many.json()["error"]["message"]
+
+
 def test_native_ndjson_stream_over_raw_http(daemon) -> None:
     payload = json.dumps({"prompt": PROMPT, **GREEDY}).encode()
     with socket.socket(socket.AF_UNIX) as raw:
@@ -368,6 +410,7 @@ OUT_OF_RANGE = {  # each value is wrong for its field on every endpoint that has
         lambda m: m not in ("autoregressive", "sequential", "parallel", "adaptive")
     ),
     "stop": st.lists(st.just("x"), min_size=17, max_size=20),
+    "n": st.one_of(st.integers(max_value=0), st.integers(min_value=17, max_value=2**40)),
 }
 
 
