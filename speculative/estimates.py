@@ -343,8 +343,8 @@ def _fit_profile(profile: ProfileCurve, widths: np.ndarray, times: np.ndarray,
     """base + scale x the profile, fitted to (width, seconds) medians by weighted least
     squares where three widths or more were measured (the profile is taken as plain rounds
     verify, on the drafter's cores too where the verifier may borrow them; overlapped rounds
-    verify on its own cores beside a drafting drafter, a flatter curve), else the profile
-    scaled by the ratio of the medians to it."""
+    verify on its own cores beside a drafting drafter, another level and slope), else the
+    profile scaled by the ratio of the medians to it."""
     expected = profile.at(widths)
     floor = float(times.min()) * 0.5
     if len(widths) >= 3:
