@@ -261,6 +261,9 @@ def _choices(dotted: str) -> list[str] | None:
         if part not in hints:
             return None
         kind = hints[part]
+    options = [arg for arg in typing.get_args(kind) if arg is not type(None)]
+    if typing.get_origin(kind) is not Literal and len(options) == 1:  # Optional[Literal]
+        kind = options[0]
     if typing.get_origin(kind) is not Literal:
         return None
     return [str(value) for value in typing.get_args(kind)]

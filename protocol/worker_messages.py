@@ -12,6 +12,8 @@ Protocol version history: 1 = the first one; 2 = spare cores (``Hello.spare_core
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from hetspec.protocol.arena import ArenaLayout, ArrayRef
@@ -26,6 +28,13 @@ class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_fiel
 
 
 # ---------------------------------------------------------------- runtime settings
+
+
+# the values a runtime setting may take: a typo fails when the configuration is read, with
+# the choices listed, not when a worker loads (or, for "auto", never: another runtime won)
+FlashAttention = Literal["auto", "on", "off"]
+CacheType = Literal["f32", "f16", "q8_0"]
+TorchDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 class LlamaCppSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="llama.cpp"):
@@ -45,15 +54,15 @@ class LlamaCppSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     # f16 K with f32 V 0; and an f32 K cache made a 5-token tree 1.9x slower to evaluate.
     # A drafter gets "auto" and "f16" (faster; a draft only has to be good, not exact);
     # "auto" means "off" where no layer is offloaded (on the CPU it only slows llama.cpp).
-    flash_attention: str | None = None
-    kv_type: str | None = None  # the KV cache's type (both K and V unless v_type says)
-    v_type: str | None = None
+    flash_attention: FlashAttention | None = None
+    kv_type: CacheType | None = None  # the KV cache's type (both K and V unless v_type says)
+    v_type: CacheType | None = None
     gpu_layers: int = 0  # layers llama.cpp offloads to a GPU (a GPU build only); -1: all
 
 
 class TorchSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="torch"):
-    device: str = "auto"
-    dtype: str = "auto"
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
+    dtype: TorchDtype = "auto"
     max_context: int | None = None
     threads: int | None = None
     compile: bool = False

@@ -49,6 +49,17 @@ def test_file_then_environment_then_flags(tmp_path) -> None:
             "log_level: invalid enum value 'loud'; one of: debug, info, warning, error "
             "(environment variable HETSPEC_LOG_LEVEL)",
         ),
+        (  # a runtime's setting: refused as the configuration is read, the choices listed
+            "[cpu_worker]\nflash_attention = 'maybe'\n",
+            {},
+            "cpu_worker.flash_attention: invalid enum value 'maybe'; one of: auto, on, off (FILE)",
+        ),
+        (
+            "",
+            {"HETSPEC_GPU_WORKER__DTYPE": "fp8"},
+            "gpu_worker.dtype: invalid enum value 'fp8'; one of: auto, float32, bfloat16, "
+            "float16 (environment variable HETSPEC_GPU_WORKER__DTYPE)",
+        ),
         ("socket = \n", {}, "FILE is not valid TOML"),
         ("", {"HETSPEC_BOGUS": "1"}, "bogus: unknown setting (environment variable HETSPEC_BOGUS)"),
         (
