@@ -177,7 +177,8 @@ class _StreamedAnswers:
             self.opened.append(run)
             yield run
 
-    def _chunk(self, index: int, text: str | None, reason: str | None = None) -> bytes:
+    def chunk(self, index: int, text: str | None, reason: str | None = None) -> bytes:
+        """One choice's piece of text (None: none), and why it ended where it did."""
         if self.chat:
             delta = {} if text is None else {"content": text}
             if index not in self.started:  # a choice's first chunk names the role
@@ -190,12 +191,9 @@ class _StreamedAnswers:
         model = self.service.model_name
         return _event({**_envelope(self.opened[0], self.kind, model), "choices": choices})
 
-    def piece(self, index: int, text: str) -> bytes:
-        return self._chunk(index, text)
-
     def run_end(self, run: Run) -> bytes:
         # answers run one after another: the one ending is the last opened
-        return self._chunk(len(self.opened) - 1, None, run.result.done_reason)
+        return self.chunk(len(self.opened) - 1, None, run.result.done_reason)
 
     def end(self, runs: list[Run]) -> bytes:
         options = self.body.stream_options
@@ -238,7 +236,7 @@ def openai_routes(service: Service) -> list[web.RouteDef]:
         answers = _StreamedAnswers(service, body, chat)
         return await stream_runs(
             request, [answers.answer(generate) for generate in generates],
-            content_type="text/event-stream", encode_piece=answers.piece,
+            content_type="text/event-stream", encode_piece=answers.chunk,
             encode_run_end=answers.run_end, encode_end=answers.end,
             encode_failure=answers.failure,
         )  # fmt: skip

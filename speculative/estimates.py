@@ -96,6 +96,11 @@ class DecayedRate:
         self.tries[index] += 1
         self.hits[index] += hit
 
+    def rate(self, index, prior: float, weight: float):
+        """hits / tries at ``index`` (an int or an array of them), with ``weight`` tries of
+        ``prior`` added: one unlucky try must not rule a choice out."""
+        return (self.hits[index] + prior * weight) / (self.tries[index] + weight)
+
 
 class Estimates:
     def __init__(self, config: EstimateConfig = EstimateConfig()) -> None:
@@ -248,8 +253,7 @@ class Estimates:
     # ------------------------------------------------------------ acceptance
 
     def _rate(self, rate: DecayedRate, index: int, prior: float) -> float:
-        w = self.config.prior_weight
-        return float((rate.hits[index] + prior * w) / (rate.tries[index] + w))
+        return float(rate.rate(index, prior, self.config.prior_weight))
 
     def acceptance(self, depth: int, branches: int = 1) -> float:
         """P(depth accepted | depth - 1 accepted); at depth 1 with ``branches`` candidates."""
@@ -280,11 +284,10 @@ class Estimates:
     def reach(self, branches: int, first: float | None = None) -> np.ndarray:
         """[depth]: P(the first depth tokens accepted), depth 0 .. max_gamma + 1."""
         config, top = self.config, self.config.max_gamma
-        prior, weight = config.prior_acceptance, config.prior_weight
-        rates = (self._depth.hits + prior * weight) / (self._depth.tries + weight)  # acceptance(d)
         steps = np.empty(top + 1)
         steps[0] = first if first is not None else self.acceptance(1, branches)
-        steps[1:] = rates[np.minimum(np.arange(2, top + 2), top)]
+        deeper = np.minimum(np.arange(2, top + 2), top)  # acceptance(d) for d > 1, at once
+        steps[1:] = self._depth.rate(deeper, config.prior_acceptance, config.prior_weight)
         return np.concatenate([[1.0], np.cumprod(steps)])
 
     # ------------------------------------------------------------ the model
