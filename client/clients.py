@@ -8,8 +8,9 @@
             print(piece, end="", flush=True)
     print(answer.completion.timings["predicted_per_second"])
 
-Options are /api/generate's: ``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``,
-``stop``, ``mode``, ``gamma``. ``chat`` and ``chat_stream`` speak /v1/chat/completions.
+Options: ``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop`` (Ollama's
+``options`` of /api/generate) and hetspec's ``mode``, ``gamma``, ``ignore_eos``; the prompt is
+continued as given (``raw``). ``chat`` and ``chat_stream`` speak /v1/chat/completions.
 """
 
 from __future__ import annotations

@@ -102,6 +102,8 @@ class Completion:
 def error_from(status: int, body: bytes, retry_after: str | None) -> ApiError:
     try:
         error = json.loads(body)["error"]
+        if isinstance(error, str):  # Ollama's shape (/api/...): the message alone
+            error = {"message": error}
         message, kind = error["message"], error.get("type", "")
     except (ValueError, KeyError, TypeError):
         message, kind = body.decode(errors="replace").strip() or f"HTTP {status}", ""
@@ -112,13 +114,19 @@ def error_from(status: int, body: bytes, retry_after: str | None) -> ApiError:
     return kind_class(status, message, kind, retry)
 
 
+# the client's names for Ollama's sampling options; the rest are hetspec's top-level extensions
+_OLLAMA_OPTIONS = {"max_tokens": "num_predict", "temperature": "temperature", "top_k": "top_k",
+                   "top_p": "top_p", "seed": "seed", "stop": "stop"}  # fmt: skip
+
+
 def generate_body(prompt: str, options: dict, stream: bool) -> dict:
-    """The /api/generate body; options left None are left to the daemon's defaults."""
-    return {
-        "prompt": prompt,
-        **{k: v for k, v in options.items() if v is not None},
-        "stream": stream,
-    }
+    """The /api/generate body (Ollama's, the prompt continued as given); options left None
+    are left to the daemon's defaults."""
+    given = {k: v for k, v in options.items() if v is not None}
+    sampling = {_OLLAMA_OPTIONS[k]: given.pop(k) for k in list(given) if k in _OLLAMA_OPTIONS}
+    if isinstance(sampling.get("stop"), str):
+        sampling["stop"] = [sampling["stop"]]
+    return {"prompt": prompt, "raw": True, "options": sampling, **given, "stream": stream}
 
 
 def chat_body(messages: list[dict], options: dict, stream: bool) -> dict:
@@ -155,7 +163,7 @@ class StreamParser:
         if document.get("done"):
             self.completion = Completion.from_final(document, "".join(self.pieces))
             if document.get("done_reason") == "error":
-                raise GenerationFailed(document.get("error", {}).get("message", "unknown"))
+                raise GenerationFailed(str(document.get("error", "unknown")))
             return None
         self.pieces.append(document["response"])
         return document["response"]
@@ -165,11 +173,12 @@ class StreamParser:
             timings = chunk.get("timings", {})
             self.completion = Completion(
                 text="".join(self.pieces),
-                tokens=[],
+                tokens=chunk.get("tokens", []),
                 done_reason=self._reason,
                 mode=chunk.get("mode", ""),
                 timings=timings,
                 speculative=chunk.get("speculative"),
+                devices=chunk.get("devices", {}),
                 id=chunk.get("id", ""),
             )
             return None

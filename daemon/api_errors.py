@@ -1,8 +1,9 @@
-"""Errors as the HTTP API returns them: OpenAI's shape, a message that says what to fix.
+"""Errors as the HTTP API returns them, with a message that says what to fix.
 
 Every failure a client can cause is an ``ApiError`` (4xx); the middleware turns it, and
-aiohttp's own 404/405/413, into ``{"error": {"message", "type", "code"}}``. Anything else that
-escapes a handler is a bug of ours: logged with its traceback and answered 500.
+aiohttp's own 404/405/413, into OpenAI's ``{"error": {"message", "type", "code"}}``, or
+Ollama's ``{"error": "message"}`` under ``/api/`` (Ollama's clients read that). Anything else
+that escapes a handler is a bug of ours: logged with its traceback and answered 500.
 """
 
 from __future__ import annotations
@@ -35,13 +36,13 @@ class ApiError(Exception):
         kind = KINDS.get(self.status, "server_error")
         return {"error": {"message": self.message, "type": kind, "code": self.status}}
 
-    def response(self) -> web.Response:
+    def response(self, ollama: bool = False) -> web.Response:
         headers = {}
         if self.retry_after_s is not None:
             headers["Retry-After"] = str(max(1, round(self.retry_after_s)))
         return web.Response(
             status=self.status,
-            body=msgspec.json.encode(self.body()),
+            body=msgspec.json.encode({"error": self.message} if ollama else self.body()),
             content_type="application/json",
             headers=headers,
         )
@@ -65,10 +66,11 @@ def decode(raw: bytes, kind: type):
 
 @web.middleware
 async def json_errors(request: web.Request, handler) -> web.StreamResponse:
+    ollama = request.path.startswith("/api/")
     try:
         return await handler(request)
     except ApiError as error:
-        return error.response()
+        return error.response(ollama)
     except web.HTTPException as error:
         if error.status < 400:
             raise
@@ -77,7 +79,7 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
             405: f"{request.method} is not allowed on {request.path}",
             413: "the request body is too large",
         }.get(error.status, error.reason)
-        return ApiError(error.status, message).response()
+        return ApiError(error.status, message).response(ollama)
     except Exception:
         log.exception("unhandled error", path=request.path)
-        return ApiError(500, "internal error in hetspecd; see its log").response()
+        return ApiError(500, "internal error in hetspecd; see its log").response(ollama)

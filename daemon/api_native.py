@@ -1,24 +1,16 @@
-"""hetspec's own endpoints: ``/api/generate`` (NDJSON, Ollama-style), ``/health``, ``/props``,
-``/metrics``."""
+"""hetspec's status endpoints: ``/health``, ``/props``, ``/metrics`` (generation is Ollama's
+API, in api_ollama)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import msgspec
 from aiohttp import web
 
-from hetspec.daemon.api_errors import ApiError, decode
 from hetspec.daemon.metrics import CONTENT_TYPE_LATEST
-from hetspec.daemon.requests import GenerateRequest
-from hetspec.daemon.runs import collect, stream
 
 if TYPE_CHECKING:
     from hetspec.daemon.service import Service
-
-
-def _line(document: dict) -> bytes:
-    return msgspec.json.encode(document) + b"\n"
 
 
 def native_routes(service: Service) -> list[web.RouteDef]:
@@ -35,28 +27,8 @@ def native_routes(service: Service) -> list[web.RouteDef]:
             body=service.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
 
-    async def generate(request: web.Request) -> web.StreamResponse:
-        body = decode(await request.read(), GenerateRequest)
-        async with service.generation(body) as run:
-            if not body.stream:
-                text = await collect(run)
-                return web.json_response({**run.final(), "response": text})
-
-            def failure(error: ApiError) -> bytes:
-                return _line({**run.final(), "done_reason": "error", **error.body()})
-
-            return await stream(
-                request,
-                run,
-                content_type="application/x-ndjson",
-                encode_piece=lambda piece: _line({"response": piece, "done": False}),
-                encode_end=lambda: _line(run.final()),
-                encode_failure=failure,
-            )
-
     return [
         web.get("/health", health),
         web.get("/props", props),
         web.get("/metrics", metrics),
-        web.post("/api/generate", generate),
     ]

@@ -3,8 +3,9 @@
 
 Existing tools send OpenAI's parameters, so every one of them is accepted at its neutral value
 and refused, with a message that says so, at any value hetspec cannot honour (penalties,
-logprobs); a parameter OpenAI does not have is refused too. Several answers (``n``, a list of
-prompts) are generated one after another, each a turn in the queue. hetspec's own knobs
+``echo``); a parameter OpenAI does not have is refused too. Log-probabilities are the target's
+(``logprobs`` on completions, ``logprobs``/``top_logprobs`` on chat). Several answers (``n``,
+a list of prompts) are generated one after another, each a turn in the queue. hetspec's own knobs
 (``top_k``, ``mode``, ``gamma``) are extensions, and responses carry llama.cpp-style
 ``timings`` and our ``speculative`` statistics beside OpenAI's fields.
 """
@@ -53,6 +54,15 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     mode: str | None = None
     gamma: int | None = None
 
+    def wanted_logprobs(self) -> int | None:
+        """How many alternatives each token's log-probability comes with; None: none."""
+        return None
+
+    def shaped_logprobs(self, entries: list[dict], offset: int) -> dict | None:
+        """A choice's ``logprobs`` for these tokens (``Run.logprob_entries``); ``offset``:
+        where their text begins in the answer."""
+        return None
+
     def _unsupported(self) -> list[str]:
         problems = []
         if self.presence_penalty or self.frequency_penalty:
@@ -91,6 +101,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                     stream=self.stream,
                     mode=self.mode,
                     gamma=self.gamma,
+                    logprobs=self.wanted_logprobs(),
                 )
                 for prompt in prompts
                 for answer in range(self.n)
@@ -110,8 +121,27 @@ class CompletionRequest(_Common, forbid_unknown_fields=True, kw_only=True):
     def __post_init__(self) -> None:
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must be a string or a list of strings, not an empty list")
-        if self.echo or self.logprobs is not None or self.suffix or self.best_of != 1:
-            raise ValueError("echo, logprobs, suffix and best_of are not supported")
+        if self.echo or self.suffix or self.best_of != 1:
+            raise ValueError("echo, suffix and best_of are not supported")
+
+    def wanted_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def shaped_logprobs(self, entries: list[dict], offset: int) -> dict | None:
+        """The completions API's older form: parallel lists, alternatives as dicts."""
+        if self.logprobs is None:
+            return None
+        offsets = []
+        for entry in entries:
+            offsets.append(offset)
+            offset += len(entry["token"])
+        return {
+            "tokens": [entry["token"] for entry in entries],
+            "token_logprobs": [entry["logprob"] for entry in entries],
+            "top_logprobs": [{top["token"]: top["logprob"] for top in entry["top_logprobs"]}
+                             for entry in entries] if self.logprobs else None,
+            "text_offset": offsets,
+        }  # fmt: skip
 
 
 class ResponseFormat(msgspec.Struct, kw_only=True):
@@ -130,13 +160,19 @@ class ChatRequest(_Common, forbid_unknown_fields=True, kw_only=True):
     def __post_init__(self) -> None:
         if not self.messages:
             raise ValueError("messages must hold at least one message")
-        if self.logprobs or self.top_logprobs is not None:
-            raise ValueError("logprobs are not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         if self.response_format is not None and self.response_format.type != "text":
             raise ValueError(f"response_format {self.response_format.type!r} is not supported: "
                              f"only {{'type': 'text'}}")  # fmt: skip
         if self.store:
             raise ValueError("store is not supported: hetspec keeps no completions")
+
+    def wanted_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def shaped_logprobs(self, entries: list[dict], offset: int) -> dict | None:
+        return {"content": entries, "refusal": None} if self.logprobs else None
 
 
 def _event(document: dict | str) -> bytes:
@@ -170,6 +206,7 @@ class _StreamedAnswers:
         self.kind = "chat.completion.chunk" if chat else "text_completion"
         self.opened: list[Run] = []  # the response's id is the first one's
         self.started: set[int] = set()  # the choices whose first chunk went out
+        self.offsets: dict[int, int] = {}  # per choice: where its next token's text begins
 
     @contextlib.asynccontextmanager
     async def answer(self, generate: GenerateRequest):
@@ -187,7 +224,13 @@ class _StreamedAnswers:
         else:
             choice = {"text": text or ""}
         self.started.add(index)
-        choices = [{"index": index, **choice, "logprobs": None, "finish_reason": reason}]
+        logprobs = None
+        if self.body.wanted_logprobs() is not None:  # the tokens generated since the last chunk
+            entries = self.opened[index].unsent_logprobs()
+            logprobs = self.body.shaped_logprobs(entries, self.offsets.get(index, 0))
+            self.offsets[index] = self.offsets.get(index, 0) + sum(len(e["token"])
+                                                                   for e in entries)  # fmt: skip
+        choices = [{"index": index, **choice, "logprobs": logprobs, "finish_reason": reason}]
         model = self.service.model_name
         return _event({**_envelope(self.opened[0], self.kind, model), "choices": choices})
 
@@ -223,7 +266,8 @@ def openai_routes(service: Service) -> list[web.RouteDef]:
                 runs.append(run)
                 content = {"message": {"role": "assistant", "content": text}} if chat else {
                     "text": text}  # fmt: skip
-                choices.append({"index": index, **content, "logprobs": None,
+                logprobs = body.shaped_logprobs(run.unsent_logprobs(), 0)
+                choices.append({"index": index, **content, "logprobs": logprobs,
                                 "finish_reason": run.result.done_reason})  # fmt: skip
             document = {**_envelope(runs[0], kind, service.model_name), "choices": choices,
                         "usage": _usage(runs, body.n)}  # fmt: skip

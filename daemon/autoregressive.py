@@ -15,6 +15,7 @@ from hetspec.protocol import Arena
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.sampling import SamplingParams
 from hetspec.speculative.core_choice import SpareCoreChoice
+from hetspec.speculative.logprobs import token_logprob
 from hetspec.speculative.samplers import Sampler, sampler_for
 from hetspec.speculative.sampling import distribution
 
@@ -74,7 +75,10 @@ async def generate(
     )  # fmt: skip
     # the worker's keyed choices continue the daemon's (seeded); unseeded draws are independent
     sampler = sampler_for(request.seed)
-    tokens = [first_token(arena.view(prefilled.logits), request.sampling, sampler, len(prompt))]
+    logits = arena.view(prefilled.logits)
+    tokens = [first_token(logits, request.sampling, sampler, len(prompt))]
+    top = request.logprobs  # None: no log-probabilities
+    logprobs = [token_logprob(logits[0], tokens[0], top)] if top is not None else None
     result.prompt_tokens = len(prompt)
     result.prompt_ms = (time.perf_counter() - started) * 1000
     decode_start = time.perf_counter()
@@ -84,11 +88,11 @@ async def generate(
     try:
         while True:
             pieces = []  # one write per call, not per token
-            for token in tokens:
+            for index, token in enumerate(tokens):
                 if token == eos:
                     result.done_reason = "stop"
                     break
-                result.add(token)
+                result.add(token, logprobs[index] if logprobs else None)
                 pieces.append(output.add(token))
                 if output.stopped:
                     result.done_reason = "stop"
@@ -106,9 +110,10 @@ async def generate(
                     sampling=request.sampling,
                     append=tokens[-1:],  # the last call's last token: drawn, not evaluated
                     spare_cores=spare_cores,
+                    logprobs=top,
                 )
             )
-            tokens = decoded.tokens
+            tokens, logprobs = decoded.tokens, decoded.logprobs
             token_s = decoded.elapsed_ms / 1000 / len(tokens)
             cores.record(spare_cores, token_s)
         tail = output.flush()

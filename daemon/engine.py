@@ -29,9 +29,11 @@ from hetspec.daemon.requests import GenerateRequest, GenerationResult, token_bud
 from hetspec.daemon.round_sides import DrafterSide, Unverified, VerifierSide, WorkerPair
 from hetspec.daemon.round_stats import SpeculativeStats
 from hetspec.daemon.text_output import TextOutput
+from hetspec.protocol import TokenLogprob
 from hetspec.protocol import worker_messages as m
 from hetspec.speculative.branching import uncertainty_branches
 from hetspec.speculative.budget import BudgetController, Choice
+from hetspec.speculative.logprobs import token_logprob
 from hetspec.speculative.rounds import DraftCall, Plan, RoundReport
 from hetspec.speculative.samplers import KeyedSampler, sampler_for
 from hetspec.speculative.sampling import distribution
@@ -63,6 +65,7 @@ def flatten(drafted: m.Drafted) -> tuple[list[int], list[int], list[tuple[int, i
 class RoundOutcome:
     emitted: list[int]  # verified tokens, cut at EOS and at the request's budget
     stopped: bool  # EOS reached
+    logprobs: list[TokenLogprob] | None = None  # one per emitted token, when asked
 
 
 class Decoder:
@@ -84,6 +87,8 @@ class Decoder:
         self.alone_streak = 0  # rounds in a row without a draft, up to this one
         self.upcoming: Choice | None = None  # the next round's plan, chosen ahead
         self.max_tokens = 0
+        self.top = request.logprobs  # None: no log-probabilities
+        self.first_logprob: list[TokenLogprob] | None = None
 
     # ------------------------------------------------------------ the request
 
@@ -99,12 +104,13 @@ class Decoder:
         ready = self.pair.verifier.ready
         output = TextOutput(ready.token_bytes, self.request.stops, ready.special_tokens)
         self.verifier.bonus, self.drafter.unseen = first, [first]
-        outcome = RoundOutcome([], True) if first == self.eos else RoundOutcome([first], False)
+        outcome = RoundOutcome([], True) if first == self.eos else RoundOutcome(
+            [first], False, self.first_logprob)  # fmt: skip
         try:
             while True:
                 pieces = []  # one write per round, not per token
-                for token in outcome.emitted:
-                    result.add(token)
+                for index, token in enumerate(outcome.emitted):
+                    result.add(token, outcome.logprobs[index] if outcome.logprobs else None)
                     pieces.append(output.add(token))
                     if output.stopped:  # a stop string: the round's later tokens are dropped
                         break
@@ -146,7 +152,10 @@ class Decoder:
         result.prompt_ms = (time.perf_counter() - started) * 1000
         logits = self.pair.arena.view(prefilled.logits)
         self.position = len(prompt) + 1
-        return first_token(logits, self.params, self.sampler, len(prompt))
+        first = first_token(logits, self.params, self.sampler, len(prompt))
+        if self.top is not None:
+            self.first_logprob = [token_logprob(logits[0], first, self.top)]
+        return first
 
     # ------------------------------------------------------------ rounds
 
@@ -198,7 +207,7 @@ class Decoder:
         logits = self.pair.arena.view(verified.logits)
         draft_rows = lambda: np.stack([probs[b, s] for b, s in origin])  # noqa: E731
         verdict = self._verdict(tokens, parents, logits, draft_rows)
-        emitted, stopped = self._emitted(verdict, tokens, remaining)
+        emitted, stopped, logprobs = self._emitted(verdict, tokens, remaining, logits)
         self.drafter.unseen = emitted  # it holds the rest as this draft's pending nodes
         branches, gamma = len(drafted.tokens), len(drafted.tokens[0])
         rule_k = None if plan.rule or branches > 1 else self._rule_would_pick(probs[0])
@@ -206,7 +215,7 @@ class Decoder:
             gamma, branches, len(verdict.path), rule=plan.rule, rule_k=rule_k, drafts=(draft,),
             verify_width=width, verify_s=0.0 if trial else verify_s,
             overhead_s=time.perf_counter() - start - draft_s - verify_s)  # fmt: skip
-        return RoundOutcome(emitted, stopped), report
+        return RoundOutcome(emitted, stopped, logprobs), report
 
     async def _overlapped_round(self, plan: Plan, remaining: int):
         start, drafts = time.perf_counter(), []
@@ -239,7 +248,7 @@ class Decoder:
             if len(verdict.path) == len(tokens):  # all accepted: does the guessed bonus hold?
                 verdict, holds = self._second_opinion(verdict, guessed, logits[-1:])
                 held = Unverified.of(guessed, self.pair.arena, skip=1) if holds else None
-        emitted, stopped = self._emitted(verdict, tokens, remaining)
+        emitted, stopped, logprobs = self._emitted(verdict, tokens, remaining, logits)
         self.drafter.unseen += emitted
         if held is not None and not (stopped or len(emitted) >= remaining):
             self.drafter.run_ahead = held
@@ -249,7 +258,7 @@ class Decoder:
             drafts=tuple(drafts), verify_width=len(tokens) + 1, verify_s=verify_s,
             verify_overlapped=ahead is not None,
             overhead_s=time.perf_counter() - start - fresh_s - max(verify_s, ahead_s))  # fmt: skip
-        return RoundOutcome(emitted, stopped), report
+        return RoundOutcome(emitted, stopped, logprobs), report
 
     async def _alone_round(self, remaining: int):
         """The target decodes a few tokens alone (``alone_tokens``), drawing them in its own
@@ -260,9 +269,9 @@ class Decoder:
         spare_cores = idle and cores.choose()
         steps = alone_tokens(self.controller.estimates.target_alone_s(),
                              trial=idle and cores.exploring)  # fmt: skip
-        decoded, _ = await self._choosing_ahead(
-            self.verifier.decode(min(steps, remaining), self.params, spare_cores=spare_cores)
-        )
+        call = self.verifier.decode(min(steps, remaining), self.params,
+                                    spare_cores=spare_cores, logprobs=self.top)  # fmt: skip
+        decoded, _ = await self._choosing_ahead(call)
         tokens = decoded.tokens
         self.verifier.decoded(tokens)
         self.position += len(tokens)
@@ -276,7 +285,9 @@ class Decoder:
         # bonus and moves the target onto the spare cores): not what decoding alone costs
         round_s = (time.perf_counter() - start) / len(tokens) if self.alone_streak else None
         report = RoundReport(0, 1, 0, alone_round_s=round_s, alone_compute_s=compute_s)
-        return RoundOutcome(emitted, stopped), report
+        return RoundOutcome(
+            emitted, stopped, decoded.logprobs if self.top is not None else None
+        ), report
 
     # ------------------------------------------------------------ pieces of a round
 
@@ -303,15 +314,22 @@ class Decoder:
             return verify_keyed(tokens, parents, target_rows, self.sampler, self.position)
         return verify_sampling(tokens, parents, draft_rows(), target_rows, self.sampler.rng)
 
-    def _emitted(self, verdict: Verdict, tokens, remaining: int) -> tuple[list[int], bool]:
-        """The tokens to emit, cut at EOS and at ``remaining``, and whether EOS came; the
+    def _emitted(self, verdict: Verdict, tokens, remaining: int, logits: np.ndarray):
+        """The tokens to emit, cut at EOS and at ``remaining``, whether EOS came, and the
+        tokens' log-probabilities from the target's ``logits`` when the request asked; the
         verifier keeps the accepted path and the bonus."""
         emitted = verdict.tokens(np.asarray(tokens))
         self.position += len(emitted)
         stopped = self.eos in emitted
         emitted = emitted[: emitted.index(self.eos)] if stopped else emitted
+        emitted = emitted[:remaining]
         self.verifier.accepted(verdict)
-        return emitted[:remaining], stopped
+        logprobs = None
+        if self.top is not None:
+            rows = verdict.rows()
+            logprobs = [token_logprob(logits[row], token, self.top)
+                        for row, token in zip(rows, emitted, strict=False)]  # fmt: skip
+        return emitted, stopped, logprobs
 
     def _second_opinion(self, verdict: Verdict, guessed: m.Drafted, last_logits):
         """The whole draft was accepted and the run-ahead's first token guessed the bonus.

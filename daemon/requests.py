@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from hetspec.protocol.modes import MODES
-from hetspec.protocol.sampling import SamplingParams
+from hetspec.protocol.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 
 MAX_GAMMA = 32
 MAX_BRANCHES = 8
@@ -31,6 +31,8 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # with gamma, in sequential mode: DuoDecoding's uncertainty rule picks the branch count
     # (at most ``branches``, default 4) and the branches share the budget gamma
     dynamic: bool = False
+    # each generated token's log-probability under the target, with this many alternatives
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -51,6 +53,9 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError(f"gamma must be in 1..{MAX_GAMMA}, not {self.gamma}")
         if self.branches is not None and not 1 <= self.branches <= MAX_BRANCHES:
             raise ValueError(f"branches must be in 1..{MAX_BRANCHES}, not {self.branches}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top log-probabilities must be 0..{MAX_TOP_LOGPROBS}, "
+                             f"not {self.logprobs}")  # fmt: skip
         if self.mode is not None:
             self.resolve_mode(self.mode)
 
@@ -111,8 +116,11 @@ class GenerationResult:
     done_reason: str = "length"
     started: float = field(default_factory=time.perf_counter)  # when the request began
     ttft_ms: float | None = None  # request start to the first verified token
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # when the request asked
 
-    def add(self, token: int) -> None:
+    def add(self, token: int, logprob: TokenLogprob | None = None) -> None:
         if self.ttft_ms is None:
             self.ttft_ms = (time.perf_counter() - self.started) * 1000
         self.tokens.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)

@@ -151,13 +151,14 @@ class VerifierSide:
         self._keep = [0, *(node + 1 for node in verdict.path)]
         self.bonus = verdict.bonus
 
-    def decode(self, steps: int, params: SamplingParams, *, spare_cores: bool):
+    def decode(self, steps: int, params: SamplingParams, *, spare_cores: bool,
+               logprobs: int | None = None):  # fmt: skip
         """The call decoding ``steps`` tokens alone after committing the last round's path
         and evaluating the bonus; see ``decoded``."""
         kept = [self._tree[node] for node in self._keep]
         return self.client.call(m.Decode(
             request=self.client.next_request(), steps=steps, sampling=params,
-            append=[*kept, self.bonus], spare_cores=spare_cores))  # fmt: skip
+            append=[*kept, self.bonus], spare_cores=spare_cores, logprobs=logprobs))  # fmt: skip
 
     def decoded(self, tokens: list[int]) -> None:
         """It committed every token it drew but the last, the new bonus."""

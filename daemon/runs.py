@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -20,6 +20,7 @@ from hetspec.daemon.requests import GenerationResult
 from hetspec.daemon.round_stats import SpeculativeStats
 from hetspec.daemon.supervisor import WorkerUnavailable
 from hetspec.daemon.worker_client import WorkerError
+from hetspec.protocol import TokenLogprob
 from hetspec.speculative.budget import BudgetController
 
 
@@ -33,6 +34,28 @@ class Run:
     queue_ms: float
     stats: SpeculativeStats | None = None  # None in autoregressive mode
     controller: BudgetController | None = None
+    token_bytes: list[bytes] = field(default_factory=list)  # what each id stands for
+    _logprobs_sent: int = 0
+
+    def unsent_logprobs(self) -> list[dict]:
+        """The log-probabilities (``logprob_entries``) of the tokens generated since the last
+        call: a streamed piece carries its tokens'; the last object what is left."""
+        entries = self.result.logprobs[self._logprobs_sent :]
+        self._logprobs_sent += len(entries)
+        return self.logprob_entries(entries)
+
+    def logprob_entries(self, entries: list[TokenLogprob]) -> list[dict]:
+        """OpenAI chat's form, which Ollama's follows: each token's text (invalid UTF-8 as
+        U+FFFD), its bytes, its log-probability and the alternatives likewise."""
+
+        def token(token_id: int, logprob: float) -> dict:
+            raw = self.token_bytes[token_id]
+            return {"token": raw.decode(errors="replace"), "logprob": logprob,
+                    "bytes": list(raw)}  # fmt: skip
+
+        return [{**token(entry.token, entry.logprob),
+                 "top_logprobs": [token(i, logprob) for i, logprob in entry.top]}
+                for entry in entries]  # fmt: skip
 
     def speculative(self) -> dict | None:
         return self.stats.summary(self.controller) if self.stats is not None else None

@@ -29,6 +29,7 @@ from hetspec import __version__
 from hetspec.daemon.admission import Admission, QueueFull
 from hetspec.daemon.api_errors import ApiError, json_errors
 from hetspec.daemon.api_native import native_routes
+from hetspec.daemon.api_ollama import OllamaApi
 from hetspec.daemon.api_openai import openai_routes
 from hetspec.daemon.autoregressive import generate
 from hetspec.daemon.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
@@ -38,6 +39,7 @@ from hetspec.daemon.engine import Decoder, WorkerPair
 from hetspec.daemon.http_guard import GuardedRunner
 from hetspec.daemon.instance import Instance, InstanceError
 from hetspec.daemon.metrics import Metrics
+from hetspec.daemon.model_facts import ModelFacts, read_model_facts
 from hetspec.daemon.requests import GenerateRequest, GenerationResult
 from hetspec.daemon.round_stats import SpeculativeStats
 from hetspec.daemon.runs import Run
@@ -86,6 +88,7 @@ class Service:
         self.slots = SlotPool(config.arena_slots)
         self.metrics = Metrics()
         self.chat_template: ChatTemplate | None = None
+        self._facts: dict[str, ModelFacts] = {}  # by path, read when first asked
         self.model_name = config.model_name or _model_name(config.target.folder)
         # one controller for the daemon's life: costs measured in one request still hold
         width = config.max_tree_nodes - 1
@@ -210,7 +213,7 @@ class Service:
     async def _listen(self) -> None:
         app = web.Application(middlewares=[json_errors, self._authorize],
                               client_max_size=MAX_BODY_BYTES)  # fmt: skip
-        app.add_routes([*native_routes(self), *openai_routes(self)])
+        app.add_routes([*native_routes(self), *OllamaApi(self).routes(), *openai_routes(self)])
         app.on_response_prepare.append(self._count_response)
         self.runner = GuardedRunner(app, max_connections=self.config.http_max_connections,
                                     idle_timeout_s=self.config.http_idle_timeout_s,
@@ -266,9 +269,31 @@ class Service:
 
     # ------------------------------------------------------------ what endpoints use
 
+    def ready(self) -> bool:
+        """Both workers loaded and the daemon not draining."""
+        return self.supervisor is not None and self.supervisor.ready() and not self.draining
+
+    def target_path(self) -> str:
+        """The file or folder the target is served from (its worker's, once started)."""
+        if self.supervisor is not None:
+            verifier = self.supervisor.workers.get(self.supervisor.roles.verifier)
+            if verifier is not None:
+                return verifier.spec.model
+        return self.config.target.gguf or self.config.target.folder
+
+    async def target_facts(self) -> ModelFacts:
+        """What the target's file says of itself, read once (off the event loop)."""
+        path = self.target_path()
+        if path not in self._facts:
+            try:
+                self._facts[path] = await asyncio.to_thread(read_model_facts, path)
+            except ValueError as error:
+                raise ApiError(503, f"the target model cannot be described: {error}") from None
+        return self._facts[path]
+
     def health(self) -> dict:
         supervisor = self.supervisor
-        ready = supervisor is not None and supervisor.ready() and not self.draining
+        ready = self.ready()
         workers = {}
         if supervisor is not None:
             for name, client in supervisor.workers.items():
@@ -396,7 +421,8 @@ class Service:
 
             speculative = (stats, controller) if mode != "autoregressive" else (None, None)
             again = self._again_if_died(pieces, verifier, drafter, reset, whole=not body.stream)
-            run = Run(run_id, mode, again, result, devices, waited_s * 1000, *speculative)
+            run = Run(run_id, mode, again, result, devices, waited_s * 1000, *speculative,
+                      token_bytes=verifier.ready.token_bytes)  # fmt: skip
             try:
                 yield run
             except (asyncio.CancelledError, ConnectionError):  # the client left (or we stop)

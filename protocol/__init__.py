@@ -18,7 +18,7 @@ from hetspec.protocol.runtime_report import (
     decode_runtime_report,
     encode_runtime_report,
 )
-from hetspec.protocol.sampling import SamplingError, SamplingParams
+from hetspec.protocol.sampling import SamplingError, SamplingParams, TokenLogprob
 from hetspec.protocol.vocab import VocabInfo
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "RuntimeReport",
     "SamplingError",
     "SamplingParams",
+    "TokenLogprob",
     "TorchReport",
     "VocabInfo",
     "decode_profile",

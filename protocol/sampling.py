@@ -29,3 +29,16 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+MAX_TOP_LOGPROBS = 20
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """A generated token's log-probability under the target's own distribution (the softmax
+    of its logits: no temperature, no truncation), with the ``top`` most likely tokens as
+    (id, log-probability), most likely first."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = []

@@ -17,10 +17,10 @@ from typing import Literal
 import msgspec
 
 from hetspec.protocol.arena import ArenaLayout, ArrayRef
-from hetspec.protocol.sampling import SamplingParams
+from hetspec.protocol.sampling import SamplingParams, TokenLogprob
 from hetspec.protocol.vocab import VocabInfo
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"):
@@ -125,13 +125,15 @@ class Decode(_Message, tag="decode"):
     """The target decoding alone: after making ``append`` follow the committed sequence (as
     ``Draft`` does), draw ``steps`` tokens, one forward each, committing each as it is drawn
     but the last, which is drawn and not evaluated (the next ``append`` starts with it).
-    Greedy draws are the argmax of the logits, as verification's are. No probability rows."""
+    Greedy draws are the argmax of the logits, as verification's are. No probability rows;
+    with ``logprobs`` (0..20), each token's log-probability and that many alternatives."""
 
     request: int
     steps: int
     sampling: SamplingParams
     append: list[int] = []
     spare_cores: bool = False
+    logprobs: int | None = None
 
 
 class VerifyTree(_Message, tag="verify"):
@@ -244,6 +246,7 @@ class Decoded(_Message, tag="decoded"):
     request: int
     tokens: list[int]  # all but the last committed
     elapsed_ms: float  # the worker's own time, the append included
+    logprobs: list[TokenLogprob] = []  # one per token, when the command asked
 
 
 class Verified(_Message, tag="verified"):

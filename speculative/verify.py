@@ -38,6 +38,11 @@ class Verdict:
         """Every token this round commits: the accepted ones, then the bonus."""
         return [int(node_tokens[node]) for node in self.path] + [self.bonus]
 
+    def rows(self) -> list[int]:
+        """The target row each committed token was chosen from (row 0 follows the committed
+        prefix, row i + 1 node i)."""
+        return [0] + [node + 1 for node in self.path]
+
 
 def _children(parents: np.ndarray) -> dict[int, list[int]]:
     children: dict[int, list[int]] = {}

@@ -16,9 +16,11 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_daemon import native
 from test_lossless import BundledDaemon
 
 from hetspec.client import AsyncClient, BadRequest, Client, DaemonUnreachable
+from hetspec.daemon.api_ollama import ChatBody, GenerateBody, Options
 from hetspec.daemon.api_openai import ChatRequest, CompletionRequest
 from hetspec.daemon.requests import GenerateRequest
 
@@ -81,6 +83,8 @@ def test_the_client_library_generates_streams_and_chats(daemon) -> None:
         with client.chat_stream([{"role": "user", "content": "Hi"}], max_tokens=8) as answer:
             text = "".join(answer)
         assert answer.completion.text == text
+        assert len(answer.completion.tokens) == answer.completion.timings["predicted_n"]
+        assert answer.completion.devices == chat.devices
         assert client.models() == ["hetspec-demo"]
         props = client.props()
         assert props["placement"] == "draft-cpu"
@@ -122,13 +126,13 @@ def test_sampled_text_never_shows_control_tokens(daemon) -> None:
 
 
 def test_openai_requests_with_plain_httpx(daemon, http) -> None:
-    native = http.post("/api/generate", json={"prompt": PROMPT, "stream": False, **GREEDY}).json()
+    alone = http.post("/api/generate", json=native(PROMPT, **GREEDY)).json()
     body = {"model": "anything", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
     completion = http.post("/v1/completions", json=body).json()
     assert completion["object"] == "text_completion"
     assert completion["model"] == "hetspec-demo"
     # greedy, so the same text as the native API (unless EOS came early)
-    assert native["response"].startswith(completion["choices"][0]["text"])
+    assert alone["response"].startswith(completion["choices"][0]["text"])
     assert completion["usage"]["completion_tokens"] == completion["timings"]["predicted_n"]
 
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
@@ -163,9 +167,9 @@ def test_openai_requests_with_plain_httpx(daemon, http) -> None:
 
     # seeded sampling: the same text on both endpoints (the target's keyed choices)
     sampled = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0.8, "seed": 9}
-    native = http.post("/api/generate", json={**sampled, "stream": False}).json()
+    alone = http.post("/api/generate", json=native(**sampled)).json()
     completion = http.post("/v1/completions", json=sampled).json()
-    assert completion["choices"][0]["text"] == native["response"]
+    assert completion["choices"][0]["text"] == alone["response"]
 
 
 def test_chat_content_as_text_parts_and_neutral_openai_values(http) -> None:
@@ -209,8 +213,9 @@ def test_several_answers_n_and_prompt_lists_streamed_or_not(http) -> None:
     assert [c["index"] for c in both["choices"]] == [0, 1, 2, 3]
     for index, choice in enumerate(both["choices"]):
         prompt, answer = prompts[index // 2], index % 2
-        native = {"prompt": prompt, "stream": False, **sampled, "seed": 40 + answer}
-        alone = http.post("/api/generate", json=native).json()
+        alone = http.post(
+            "/api/generate", json=native(prompt, **{**sampled, "seed": 40 + answer})
+        ).json()
         assert choice["text"] == alone["response"], index
         assert choice["tokens"] == alone["tokens"]  # the extras, per choice
     usage = both["usage"]
@@ -242,7 +247,7 @@ def test_several_answers_n_and_prompt_lists_streamed_or_not(http) -> None:
 
 
 def test_native_ndjson_stream_over_raw_http(daemon) -> None:
-    payload = json.dumps({"prompt": PROMPT, **GREEDY}).encode()
+    payload = json.dumps({**native(PROMPT, **GREEDY), "stream": True}).encode()
     with socket.socket(socket.AF_UNIX) as raw:
         raw.connect(str(daemon.socket))
         raw.sendall(b"POST /api/generate HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
@@ -329,7 +334,7 @@ def test_the_shell_client(daemon) -> None:
 
 
 def test_metrics_count_what_was_served(daemon, http) -> None:
-    http.post("/api/generate", json={"prompt": PROMPT, "stream": False, **GREEDY})
+    http.post("/api/generate", json=native(PROMPT, **GREEDY))
     text = http.get("/metrics").text
     for name in (
         "hetspec_http_requests_total",
@@ -359,8 +364,7 @@ def test_twenty_clients_at_once_fifo_or_429(daemon) -> None:
 
     async def one(client: httpx.AsyncClient, index: int):
         await asyncio.sleep(index * 0.015)
-        body = {"prompt": f"def f{index}(x):\n", "stream": False, "max_tokens": 48,
-                "ignore_eos": True, "temperature": 0}  # fmt: skip
+        body = native(f"def f{index}(x):\n", max_tokens=48, ignore_eos=True, temperature=0)
         response = await client.post("/api/generate", json=body)
         return index, response.status_code, time.monotonic(), response
 
@@ -380,7 +384,7 @@ def test_twenty_clients_at_once_fifo_or_429(daemon) -> None:
     assert len(served) >= QUEUE + 1
     for _, _, _, response in refused:
         assert int(response.headers["Retry-After"]) >= 1
-        assert response.json()["error"]["type"] == "queue_full"
+        assert "queue" in response.json()["error"]  # Ollama's shape: the message
     finish_order = [index for index, *_ in sorted(served, key=lambda r: r[2])]
     assert finish_order == sorted(finish_order), finish_order
     for _, _, _, response in served:
@@ -392,7 +396,17 @@ def test_twenty_clients_at_once_fifo_or_429(daemon) -> None:
 # ---------------------------------------------------------------- fuzzing: bad input is a 4xx
 
 VALID = {
-    "/api/generate": {"prompt": "def f(x):", "max_tokens": 4, "stream": False},
+    "/api/generate": {
+        "prompt": "def f(x):",
+        "raw": True,
+        "options": {"num_predict": 4},
+        "stream": False,
+    },
+    "/api/chat": {
+        "messages": [{"role": "user", "content": "hi"}],
+        "options": {"num_predict": 4},
+        "stream": False,
+    },
     "/v1/completions": {"prompt": "def f(x):", "max_tokens": 4},
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
 }
@@ -400,7 +414,10 @@ NUMBERS = st.one_of(st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st
 JUNK = st.one_of(st.none(), NUMBERS, st.text(max_size=8), st.lists(st.integers(), max_size=3),
                  st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))  # fmt: skip
 OUT_OF_RANGE = {  # each value is wrong for its field on every endpoint that has the field
-    "max_tokens": st.one_of(st.integers(max_value=0), st.integers(min_value=1_000_001)),
+    # (Ollama's num_predict takes -1 and -2: to the end of the context)
+    "max_tokens": st.one_of(
+        st.integers(max_value=-3), st.just(0), st.integers(min_value=1_000_001)
+    ),
     "temperature": st.one_of(st.floats(max_value=-1e-9, allow_nan=False), st.just(1e400)),
     "top_p": st.one_of(st.floats(max_value=0, allow_nan=False), st.floats(min_value=1.001)),
     "top_k": st.integers(max_value=-1),
@@ -416,6 +433,17 @@ OUT_OF_RANGE = {  # each value is wrong for its field on every endpoint that has
 
 def _raw(document) -> bytes:
     return json.dumps(document).encode()
+
+
+OLLAMA_OPTIONS = {"max_tokens": "num_predict", "temperature": "temperature", "top_k": "top_k",
+                  "top_p": "top_p", "seed": "seed", "stop": "stop"}  # fmt: skip
+
+
+def _set(body: dict, field: str, value) -> dict:
+    """``body`` with ``field`` set: in Ollama's ``options`` where the body has them."""
+    if "options" in body and field in OLLAMA_OPTIONS:
+        return {**body, "options": {**body["options"], OLLAMA_OPTIONS[field]: value}}
+    return {**body, field: value}
 
 
 def _text_field(body: dict) -> str:
@@ -438,7 +466,10 @@ def _not_an_object(draw, body):
 
 def _wrong_type(draw, body):
     field = draw(st.sampled_from(["max_tokens", "temperature", "stream", "top_k", "seed"]))
-    return _raw({**body, field: draw(JUNK.filter(lambda v: not _fits(field, v)))})
+    # Ollama's options take null for "the default"
+    ollama = "options" in body and field in OLLAMA_OPTIONS
+    junk = JUNK.filter(lambda v: not _fits(field, v) and not (ollama and v is None))
+    return _raw(_set(body, field, draw(junk)))
 
 
 def _unknown_field(draw, body):
@@ -448,7 +479,7 @@ def _unknown_field(draw, body):
 
 def _out_of_range(draw, body):
     field = draw(st.sampled_from(sorted(OUT_OF_RANGE)))
-    return _raw({**body, field: draw(OUT_OF_RANGE[field])})
+    return _raw(_set(body, field, draw(OUT_OF_RANGE[field])))
 
 
 def _missing(draw, body):
@@ -485,6 +516,8 @@ def _empty(draw, body):
 
 MUTATIONS = [_garbage_bytes, _not_an_object, _wrong_type, _unknown_field, _out_of_range,
              _missing, _bad_utf8, _surrogate, _nan, _too_long, _empty]  # fmt: skip
+# Ollama's /api/generate without a prompt only loads the model: a valid request
+VALID_WITHOUT_TEXT = {"/api/generate"}
 
 
 @st.composite
@@ -493,6 +526,9 @@ def bad_requests(draw) -> tuple[str, str, bytes]:
     path = draw(st.sampled_from(sorted(VALID)))
     body = dict(VALID[path])
     kind = draw(st.integers(0, len(MUTATIONS) + 1))
+    while kind < len(MUTATIONS) and MUTATIONS[kind] in (_missing, _empty) and (
+            path in VALID_WITHOUT_TEXT):  # fmt: skip
+        kind = draw(st.integers(0, len(MUTATIONS) + 1))
     if kind == len(MUTATIONS):
         return draw(st.sampled_from(["GET", "PUT", "DELETE", "PATCH"])), path, b""
     if kind == len(MUTATIONS) + 1:
@@ -501,7 +537,8 @@ def bad_requests(draw) -> tuple[str, str, bytes]:
 
 
 _FIELDS = {*GenerateRequest.__struct_fields__, *CompletionRequest.__struct_fields__,
-           *ChatRequest.__struct_fields__}  # fmt: skip
+           *ChatRequest.__struct_fields__, *GenerateBody.__struct_fields__,
+           *ChatBody.__struct_fields__, *Options.__struct_fields__}  # fmt: skip
 
 
 def _fits(field: str, value) -> bool:
@@ -514,7 +551,7 @@ def _fits(field: str, value) -> bool:
         return value is None or (type(value) is int and 0 <= value < 2**63)
     if field == "top_k":
         return type(value) is int and value >= 0
-    return (type(value) is int and 1 <= value <= 1_000_000) or (
+    return (type(value) is int and (1 <= value <= 1_000_000 or value in (-1, -2))) or (
         value is None and field == "max_tokens"
     )
 
@@ -537,14 +574,15 @@ def test_fuzzed_bad_requests_are_all_4xx_and_the_daemon_keeps_serving(daemon, ht
         response = http.request(method, path, content=raw,
                                 headers={"Content-Type": "application/json"})  # fmt: skip
         assert 400 <= response.status_code < 500, (case, response.status_code, response.text)
-        assert response.json()["error"]["message"], case
+        error = response.json()["error"]  # Ollama's shape under /api/: the message alone
+        assert error if isinstance(error, str) else error["message"], case
         answered.append(response.status_code)
 
     send()
     assert len(answered) >= 500
     assert daemon.process.poll() is None
     assert http.get("/health").status_code == 200
-    served = http.post("/api/generate", json={"prompt": PROMPT, "stream": False, **GREEDY})
+    served = http.post("/api/generate", json=native(PROMPT, **GREEDY))
     assert served.status_code == 200
     assert len(served.json()["tokens"]) == 12
 
@@ -554,7 +592,7 @@ def test_a_client_that_leaves_the_queue_is_forgotten(daemon, http) -> None:
     and the next ones are unaffected."""
     import threading  # noqa: PLC0415
 
-    long = {"prompt": PROMPT, "stream": False, "max_tokens": 600, "ignore_eos": True}
+    long = native(PROMPT, max_tokens=600, ignore_eos=True)
     results = {}
 
     def run_long() -> None:
@@ -569,7 +607,7 @@ def test_a_client_that_leaves_the_queue_is_forgotten(daemon, http) -> None:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     with pytest.raises(httpx.ReadTimeout):  # queued behind the long one, then gone
-        http.post("/api/generate", json={"prompt": PROMPT, **GREEDY}, timeout=0.3)
+        http.post("/api/generate", json=native(PROMPT, **GREEDY), timeout=0.3)
     queue = http.get("/props").json()["queue"]
     while queue["waiting"] and time.monotonic() < deadline:
         queue = http.get("/props").json()["queue"]
@@ -578,5 +616,5 @@ def test_a_client_that_leaves_the_queue_is_forgotten(daemon, http) -> None:
     runner.join()
     assert results["long"].status_code == 200
     assert len(results["long"].json()["tokens"]) == 600
-    after = http.post("/api/generate", json={"prompt": PROMPT, "stream": False, **GREEDY})
+    after = http.post("/api/generate", json=native(PROMPT, **GREEDY))
     assert after.status_code == 200

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from tiny_models import DAEMON_CONTEXT
 
+from hetspec.client.types import generate_body
 from hetspec.daemon.instance import Instance
 from hetspec.protocol.arena import SHM_DIR
 from hetspec.speculative.samplers import DrawnSampler
@@ -44,6 +45,11 @@ def request(sock: Path, method: str, path: str, body: dict | None = None):
     connection.request(method, path, json.dumps(body) if body is not None else None)
     response = connection.getresponse()
     return response.status, json.loads(response.read())
+
+
+def native(prompt: str, **options) -> dict:
+    """An /api/generate body (Ollama's) for the client library's options, not streamed."""
+    return generate_body(prompt, options, stream=False)
 
 
 def stream(sock: Path, body: dict):
@@ -168,7 +174,7 @@ def test_the_ready_daemon_serves_the_targets_own_greedy_output(daemon, models) -
         daemon.socket,
         "POST",
         "/api/generate",
-        {"prompt": prompt, "max_tokens": 24, "stream": False, "ignore_eos": True},
+        native(prompt, max_tokens=24, ignore_eos=True),
     )
     assert status == 200, body
     target = TorchRuntime(models["target"].parent, max_context=64)
@@ -201,22 +207,16 @@ def test_the_ready_daemon_serves_the_targets_own_greedy_output(daemon, models) -
     assert shell.stdout.startswith(body["response"][:10])
     assert "tokens/s" in shell.stderr
 
-    status, error = request(daemon.socket, "POST", "/api/generate", {"prompt": "x", "top_p": 0})
+    status, error = request(daemon.socket, "POST", "/api/generate", native("x", top_p=0))
     assert status == 400
-    assert "top_p must be in (0, 1]" in error["error"]["message"]
+    assert "top_p must be in (0, 1]" in error["error"]
     # the configured mode is adaptive, which chooses gamma itself
-    status, error = request(daemon.socket, "POST", "/api/generate", {"prompt": "x", "gamma": 3})
+    status, error = request(daemon.socket, "POST", "/api/generate", native("x", gamma=3))
     assert status == 400
-    assert (
-        "gamma fixes the draft length, which mode 'adaptive' does not use"
-        in error["error"]["message"]
-    )
-    status, error = request(daemon.socket, "POST", "/api/generate", {"prompt": "x", "mode": "x"})
+    assert "gamma fixes the draft length, which mode 'adaptive' does not use" in error["error"]
+    status, error = request(daemon.socket, "POST", "/api/generate", native("x", mode="x"))
     assert status == 400
-    assert (
-        "mode must be one of autoregressive, sequential, parallel, adaptive"
-        in error["error"]["message"]
-    )
+    assert "mode must be one of autoregressive, sequential, parallel, adaptive" in error["error"]
 
 
 @pytest.mark.parametrize("draft", ["draft", "target"])
@@ -241,14 +241,7 @@ def test_speculative_greedy_output_is_the_targets_own(tmp_path, models, draft) -
                 daemon.socket,
                 "POST",
                 "/api/generate",
-                {
-                    "prompt": prompt,
-                    "max_tokens": 40,
-                    "stream": False,
-                    "ignore_eos": True,
-                    "mode": mode,
-                    **options,
-                },
+                native(prompt, max_tokens=40, ignore_eos=True, mode=mode, **options),
             )
             assert status == 200, body
             expected = target_greedy(models["target"], prompt, 40).tolist()
@@ -265,22 +258,13 @@ def test_sampled_speculative_output_is_reproducible_by_seed(daemon) -> None:
     """With a fixed gamma: an adaptive one draws random numbers in an order that depends on
     the controller's timing-driven choices."""
     daemon.wait_ready()
-    body = {
-        "prompt": "import os\n",
-        "max_tokens": 30,
-        "stream": False,
-        "temperature": 0.9,
-        "top_k": 50,
-        "ignore_eos": True,
-        "gamma": 3,
-    }
     for mode in ("sequential", "parallel"):
         runs = [
-            request(daemon.socket, "POST", "/api/generate", {**body, "seed": seed, "mode": mode})[
-                1
-            ]["tokens"]
+            request(daemon.socket, "POST", "/api/generate",
+                    native("import os\n", max_tokens=30, temperature=0.9, top_k=50,
+                           ignore_eos=True, gamma=3, seed=seed, mode=mode))[1]["tokens"]
             for seed in (1, 1, 2)
-        ]
+        ]  # fmt: skip
         assert runs[0] == runs[1], mode
         assert runs[0] != runs[2], mode
 
@@ -299,7 +283,7 @@ def test_a_draft_with_another_tokenizer_is_refused_naming_both_models(tmp_path, 
 def test_a_killed_worker_fails_its_request_fast_and_is_restarted(daemon) -> None:
     health = daemon.wait_ready()
     gpu_pid = health["workers"]["gpu"]["pid"]
-    body = {"prompt": "import os\n", "max_tokens": 3000, "ignore_eos": True}
+    body = native("import os\n", max_tokens=3000, ignore_eos=True)
     connection, response = stream(daemon.socket, body)
     assert "response" in json.loads(response.readline())
     os.kill(gpu_pid, signal.SIGKILL)
@@ -308,7 +292,7 @@ def test_a_killed_worker_fails_its_request_fast_and_is_restarted(daemon) -> None
     assert time.monotonic() - killed_at < 2
     final = lines[-1]
     assert final["done_reason"] == "error"
-    assert "gpu worker was killed by SIGKILL" in final["error"]["message"]
+    assert "gpu worker was killed by SIGKILL" in final["error"]
     assert len(final["tokens"]) < 3000
     connection.close()
 
@@ -319,7 +303,7 @@ def test_a_killed_worker_fails_its_request_fast_and_is_restarted(daemon) -> None
         daemon.socket,
         "POST",
         "/api/generate",
-        {"prompt": "import os\n", "max_tokens": 8, "stream": False},
+        native("import os\n", max_tokens=8),
     )
     assert status == 200
     assert again["done"] is True
@@ -329,9 +313,9 @@ def test_a_seeded_request_cut_by_a_worker_restart_gives_the_same_text_again(daem
     """Keyed sampling: the tokens a killed worker cut short begin the text the retry gives,
     and the retry on the restarted workers gives the text the request gave before."""
     gpu_pid = daemon.wait_ready()["workers"]["gpu"]["pid"]
-    body = {"prompt": "import os\n", "max_tokens": 2000, "ignore_eos": True, "seed": 31,
-            "temperature": 0.9, "top_p": 0.95, "mode": "adaptive"}  # fmt: skip
-    status, before = request(daemon.socket, "POST", "/api/generate", {**body, "stream": False})
+    body = native("import os\n", max_tokens=2000, ignore_eos=True, seed=31, temperature=0.9,
+                  top_p=0.95, mode="adaptive")  # fmt: skip
+    status, before = request(daemon.socket, "POST", "/api/generate", body)
     assert status == 200
     connection, response = stream(daemon.socket, body)
     assert "response" in json.loads(response.readline())
@@ -342,7 +326,7 @@ def test_a_seeded_request_cut_by_a_worker_restart_gives_the_same_text_again(daem
     assert 0 < len(cut["tokens"]) < len(before["tokens"])
     assert cut["tokens"] == before["tokens"][: len(cut["tokens"])]
     assert daemon.wait_ready()["workers"]["gpu"]["pid"] != gpu_pid
-    status, again = request(daemon.socket, "POST", "/api/generate", {**body, "stream": False})
+    status, again = request(daemon.socket, "POST", "/api/generate", body)
     assert status == 200
     assert (again["tokens"], again["response"]) == (before["tokens"], before["response"])
 
@@ -352,7 +336,7 @@ def test_sigterm_lets_the_request_finish_and_leaves_nothing_behind(daemon) -> No
     workers = [w["pid"] for w in health["workers"].values()]
     assert segments(daemon.runtime_dir)
     connection, response = stream(
-        daemon.socket, {"prompt": "class A:\n", "max_tokens": 1500, "ignore_eos": True}
+        daemon.socket, native("class A:\n", max_tokens=1500, ignore_eos=True)
     )
     json.loads(response.readline())
     daemon.process.send_signal(signal.SIGTERM)

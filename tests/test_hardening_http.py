@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_daemon import CONTEXT, Daemon, stream
+from test_daemon import CONTEXT, Daemon, native, stream
 from test_systemd import UNITS, unit_settings
 from tiny_models import write_tiny_gguf_llama
 
@@ -237,8 +237,8 @@ def generations(daemon) -> dict[str, float]:
 
 def test_a_generation_the_client_leaves_is_counted_as_cancelled(daemon) -> None:
     before = generations(daemon)
-    connection, response = stream(daemon.socket, {"prompt": "class A:\n", "max_tokens": 4000,
-                                                  "ignore_eos": True})  # fmt: skip
+    connection, response = stream(daemon.socket, native("class A:\n", max_tokens=4000,
+                                                        ignore_eos=True))  # fmt: skip
     assert json.loads(response.readline())["done"] is False
     connection.close()
     response.close()

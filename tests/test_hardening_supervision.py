@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from test_daemon import CONTEXT, Daemon, UnixHTTPConnection, request
+from test_daemon import CONTEXT, Daemon, UnixHTTPConnection, native, request
 from test_worker_process import LOAD_TIMEOUT, spec
 from tiny_models import write_tiny_pair
 
@@ -123,12 +123,12 @@ def test_supervision_outlives_restarts_that_fail_for_want_of_descriptors(tmp_pat
             wait_until(lambda: len(events(daemon, "worker restart failed")) >= 3, 10,
                        "three failed restarts")  # fmt: skip
             started = time.monotonic()
-            held.request("POST", "/api/generate", json.dumps({"prompt": "x", "max_tokens": 2}))
+            held.request("POST", "/api/generate", json.dumps(native("x", max_tokens=2)))
             response = held.getresponse()
             body = json.loads(response.read())
             assert time.monotonic() - started < 5
             assert response.status == 503, body
-            message = body["error"]["message"]
+            message = body["error"]
             assert "the cpu worker is restarting and was not ready within 1 s" in message
         finally:
             resource.prlimit(daemon.process.pid, resource.RLIMIT_NOFILE, (1024, hard))
@@ -167,7 +167,7 @@ def test_a_request_while_a_worker_restarts_waits_for_it(tmp_path, models) -> Non
     it (up to restart_wait_s) instead of being refused; so does one sent right after the
     kill, before the daemon noticed the death (it starts over with the restarted worker)."""
     daemon = Daemon(tmp_path, models["target"], models["draft"])
-    body = {"prompt": "x", "max_tokens": 4, "stream": False, "mode": "sequential"}
+    body = native("x", max_tokens=4, mode="sequential")
     try:
         health = daemon.wait_ready()
         for name, noticed in (("cpu", True), ("cpu", False), ("gpu", False), ("gpu", True)):

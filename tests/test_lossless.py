@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_daemon import request, stream
+from test_daemon import native, request, stream
 
 from hetspec.client.bench import prompt_set
 from hetspec.daemon.config import BUNDLED_MODELS
@@ -76,8 +76,7 @@ class BundledDaemon:
         raise AssertionError(f"not ready:\n{self.log.read_text()}")
 
     def generate(self, prompt: str, **options) -> dict:
-        status, body = request(self.socket, "POST", "/api/generate",
-                               {"prompt": prompt, "stream": False, **options})  # fmt: skip
+        status, body = request(self.socket, "POST", "/api/generate", native(prompt, **options))
         assert status == 200, body
         return body
 
@@ -183,7 +182,7 @@ def test_a_stop_string_ends_the_text_just_before_it(daemon, mode: str) -> None:
     assert (body["response"], body["done_reason"]) == (expected, "stop")
     assert body["tokens"] == full["tokens"][: len(body["tokens"])]
     assert len(body["tokens"]) < len(full["tokens"])
-    connection, response = stream(daemon.socket, {"prompt": prompt, **options, "stop": stop})
+    connection, response = stream(daemon.socket, native(prompt, **options, stop=stop))
     try:
         lines = [json.loads(line) for line in iter(response.readline, b"")]
     finally:
@@ -198,8 +197,8 @@ def test_a_client_that_hangs_up_cancels_its_generation_mid_round(daemon, mode: s
     """The daemon notices the closed socket, stops decoding at once and serves the next
     request normally (the workers' state from the abandoned one is reset by the next prefill)."""
     prompt = "import os\n"
-    connection, response = stream(daemon.socket, {"prompt": prompt, "max_tokens": 1900,
-                                                  "ignore_eos": True, "mode": mode})  # fmt: skip
+    connection, response = stream(daemon.socket, native(prompt, max_tokens=1900,
+                                                        ignore_eos=True, mode=mode))  # fmt: skip
     for _ in range(3):
         assert json.loads(response.readline())["response"] is not None
     connection.sock.shutdown(socket.SHUT_RDWR)

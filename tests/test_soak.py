@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from test_daemon import CONTEXT, Daemon, UnixHTTPConnection, request
+from test_daemon import CONTEXT, Daemon, UnixHTTPConnection, native, request
 from tiny_models import write_tiny_pair
 
 REQUESTS = 400
@@ -48,8 +48,7 @@ def one_request(sock: Path, index: int) -> tuple[str, int, str]:
     come with a JSON error object, a stream must end with a final document."""
     kind = ("generate", "generate", "generate", "generate", "left", "left", "stream",
             "bad", "health", "generate")[index % 10]  # fmt: skip
-    body = {"prompt": f"def f{index}(x):\n", "max_tokens": 8 + index % 17,
-            "mode": MODES[index % len(MODES)], "stream": False}  # fmt: skip
+    body = native(f"def f{index}(x):\n", max_tokens=8 + index % 17, mode=MODES[index % len(MODES)])
     connection = UnixHTTPConnection(sock, timeout=ANSWER_WITHIN_S)
     try:
         if kind == "health":
@@ -74,7 +73,7 @@ def one_request(sock: Path, index: int) -> tuple[str, int, str]:
         if kind == "health":  # 503 while a worker restarts: the document says so
             fine = document.get("status") in ("loading", "ready")
             return kind, response.status, "" if fine else f"not a health document: {document}"
-        message = document.get("error", {}).get("message")
+        message = document.get("error")  # Ollama's shape: the message itself
         return kind, response.status, "" if message else f"no error message: {document}"
     except (OSError, ValueError) as error:  # socket.timeout is an OSError
         return kind, 0, f"{type(error).__name__}: {error}"

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_daemon import CONTEXT, Daemon, request
+from test_daemon import CONTEXT, Daemon, native, request
 from tiny_models import write_tiny_gguf_llama
 
 WATCHDOG_USEC = 400_000  # pings every 0.2 s
@@ -121,8 +121,7 @@ def test_socket_activation_serves_on_the_passed_socket(tmp_path, models) -> None
         health = daemon.wait_ready()
         assert health["status"] == "ready"
         assert not (tmp_path / "d" / "hetspecd.sock").exists()  # it did not bind its own
-        body = {"prompt": "def f(x):", "max_tokens": 4, "stream": False}
-        status, body = request(path, "POST", "/api/generate", body)
+        status, body = request(path, "POST", "/api/generate", native("def f(x):", max_tokens=4))
         assert status == 200, body
         assert len(body["tokens"]) <= 4
         workers = [w["pid"] for w in health["workers"].values()]

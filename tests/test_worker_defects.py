@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 import zmq
-from test_daemon import Daemon, request, stream, target_greedy
+from test_daemon import Daemon, native, request, stream, target_greedy
 from test_hardening_supervision import events, ready_health, wait_until
 from test_worker_process import LOAD_TIMEOUT, VOCAB, spec
 
@@ -111,9 +111,9 @@ def test_a_worker_restarted_with_another_vocabulary_is_not_used(tmp_path, models
         assert failure["worker"] == "cpu"
         assert "token texts differ" in failure["error"], failure
         status, body = request(daemon.socket, "POST", "/api/generate",
-                               {"prompt": "x", "max_tokens": 2, "stream": False})  # fmt: skip
+                               native("x", max_tokens=2))  # fmt: skip
         assert status == 503, body
-        assert "the cpu worker is restarting" in body["error"]["message"]
+        assert "the cpu worker is restarting" in body["error"]
         assert not events(daemon, "worker restarted")
 
         os.replace(original, draft)
@@ -121,7 +121,7 @@ def test_a_worker_restarted_with_another_vocabulary_is_not_used(tmp_path, models
         assert ready_health(daemon)["workers"]["cpu"]["restarts"] == 1
         assert len(list(daemon.runtime_dir.glob("*.sock"))) == 4  # the refused ones stopped
         status, body = request(daemon.socket, "POST", "/api/generate",
-                               {"prompt": "x", "max_tokens": 2, "stream": False})  # fmt: skip
+                               native("x", max_tokens=2))  # fmt: skip
         assert status == 200, body
     finally:
         assert daemon.stop() == 0
@@ -260,17 +260,19 @@ def test_with_two_slots_requests_after_clients_left_mid_stream_are_exact(tmp_pat
     try:
         daemon.wait_ready()
         for mode in ("sequential", "parallel", "adaptive"):
-            endless = {"prompt": "class A:\n", "mode": mode, "max_tokens": 4000,
-                       "ignore_eos": True}  # fmt: skip
+            endless = native("class A:\n", mode=mode, max_tokens=4000, ignore_eos=True)
             connection, response = stream(daemon.socket, endless)
             for _ in range(3):
                 assert json.loads(response.readline())["done"] is False
             connection.close()
             response.close()
             started = time.monotonic()
-            status, body = request(daemon.socket, "POST", "/api/generate",
-                                   {"prompt": prompt, "max_tokens": 24, "stream": False,
-                                    "ignore_eos": True, "mode": mode})  # fmt: skip
+            status, body = request(
+                daemon.socket,
+                "POST",
+                "/api/generate",
+                native(prompt, max_tokens=24, ignore_eos=True, mode=mode),
+            )
             assert status == 200, body
             assert body["tokens"] == target_greedy(models["target"], prompt, 24).tolist(), mode
             assert time.monotonic() - started < 10

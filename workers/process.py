@@ -337,8 +337,11 @@ class Worker:
         engine = self._engine(command.spare_cores)
         if command.append:
             engine.append(command.append)
-        tokens = engine.decode(command.steps, command.sampling, self.sampler)
-        return m.Decoded(command.request, tokens, (time.perf_counter() - start) * 1000), ()
+        logprobs = [] if command.logprobs is not None else None
+        tokens = engine.decode(command.steps, command.sampling, self.sampler, logprobs=logprobs,
+                               top=command.logprobs or 0)  # fmt: skip
+        elapsed = (time.perf_counter() - start) * 1000
+        return m.Decoded(command.request, tokens, elapsed, logprobs or []), ()
 
     def verify(self, command: m.VerifyTree, frames) -> tuple:
         start = time.perf_counter()

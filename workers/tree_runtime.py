@@ -16,7 +16,9 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
+from hetspec.protocol.sampling import TokenLogprob
 from hetspec.speculative.branching import branch_length, uncertainty_branches
+from hetspec.speculative.logprobs import token_logprob
 from hetspec.speculative.samplers import Sampler, pick, proposals
 from hetspec.speculative.sampling import SamplingParams, distribution
 from hetspec.speculative.tree import (
@@ -274,11 +276,13 @@ class TreeRuntime(ABC, Generic[Output]):
             self.append([last])
         return self._last_logits
 
-    def decode(self, steps: int, params: SamplingParams, sampler: Sampler) -> list[int]:
+    def decode(self, steps: int, params: SamplingParams, sampler: Sampler, *,
+               logprobs: list[TokenLogprob] | None = None, top: int = 0) -> list[int]:  # fmt: skip
         """Decode alone: draw ``steps`` tokens after the committed sequence, one forward each,
         committing every token but the last as it is drawn (the last is drawn, not evaluated).
         Greedy draws take the argmax of the logits, as ``verify_greedy`` does. The cheapest
-        way to decode: no pending tree and no probability rows.
+        way to decode: no pending tree and no probability rows. Given a ``logprobs`` list,
+        each drawn token's log-probability (and ``top`` alternatives) is appended to it.
 
         A token's position (for a keyed ``sampler``) is its index in the whole sequence, here
         and in ``draft``: the first token after the committed ones is at ``committed``."""
@@ -293,6 +297,8 @@ class TreeRuntime(ABC, Generic[Output]):
             else:
                 token = int(sampler.choose(distribution(logits[None], params), self.committed)[0])
             drawn.append(token)
+            if logprobs is not None:
+                logprobs.append(token_logprob(logits, token, top))
             if len(drawn) == steps:
                 return drawn
             # append() without its pending-tree matching: ~6% of a demo-target token
