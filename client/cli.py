@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 
 from hetspec import __version__
@@ -82,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="wait up to this long for the workers to be ready",
     )
+    models = commands.add_parser(
+        "models", help="check model files before serving them: hetspec models check TARGET DRAFT"
+    )
+    models.add_argument("action", choices=["check"])
+    models.add_argument("arguments", nargs=argparse.REMAINDER,
+                        help="TARGET DRAFT (see hetspec models check --help)")  # fmt: skip
     bench = commands.add_parser(
         "bench",
         help="compare the decoding modes (starts its own hetspecd on the bundled models)",
@@ -242,13 +249,20 @@ def _failed(args: argparse.Namespace, message: str) -> int:
     return 1
 
 
+def _without_a_client(args: argparse.Namespace, argv: list[str] | None, host: str | None) -> int:
+    if args.command == "models":  # the daemon's own check, in a process of its own
+        check = [sys.executable, "-m", "hetspec.daemon.model_check", *args.arguments]
+        return subprocess.run(check, check=False).returncode
+    args.argv = sys.argv[2:] if argv is None else argv[1:]
+    args.socket = host if args.running else None
+    return bench_module.main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     host = args.host or (f"unix://{args.socket}" if args.socket else None)
-    if args.command == "bench":
-        args.argv = sys.argv[2:] if argv is None else argv[1:]
-        args.socket = host if args.running else None
-        return bench_module.main(args)
+    if args.command in ("bench", "models"):
+        return _without_a_client(args, argv, host)
     try:
         client = Client(host)
     except ValueError as error:

@@ -19,7 +19,7 @@ from hetspec.protocol.runtime_report import (
     encode_runtime_report,
 )
 from hetspec.protocol.sampling import SamplingError, SamplingParams, TokenLogprob
-from hetspec.protocol.vocab import VocabInfo
+from hetspec.protocol.vocab import VocabInfo, VocabReport
 
 __all__ = [
     "Arena",
@@ -38,6 +38,7 @@ __all__ = [
     "TokenLogprob",
     "TorchReport",
     "VocabInfo",
+    "VocabReport",
     "decode_profile",
     "decode_runtime_report",
     "encode_runtime_report",

@@ -13,3 +13,12 @@ class VocabInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     eos: int
     add_bos: bool
     fingerprint: str  # sha256 of the texts of ids 5 .. real_size - 1 (hetspec.speculative.vocab)
+
+
+class VocabReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What ``python -m hetspec.workers.describe`` prints: a model file's vocabulary as a
+    worker reads it, or why it cannot be read."""
+
+    path: str
+    vocab: VocabInfo | None = None
+    error: str | None = None

@@ -1,0 +1,268 @@
+"""``hetspec models check TARGET DRAFT``: can these two models be served as a pair, where?
+
+Each model is a Hugging Face folder (``config.json``, ``*.safetensors``, ``tokenizer.json``),
+a GGUF file, or a folder holding both exports. The check says what each placement and
+runtime would load (a runtime that needs the missing export is marked so), whether the
+pair shares a vocabulary (the daemon's own start-up check, on vocabularies read by the
+workers' own code in a process of their own), the context each allows, the memory each side
+would take, and prints a ``hetspecd.toml`` for the pair. Exit status 0 when the default
+placement can serve the pair, 1 when not, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from hetspec.daemon.config import DaemonConfig
+from hetspec.daemon.model_facts import ModelFacts, read_model_facts
+from hetspec.protocol import VocabReport
+from hetspec.speculative.vocab import incompatibilities
+
+DEFAULT_CONTEXT_LIMIT = 8192  # what the workers load when no context is configured
+# what hetspec's native kernels compute (workers/native_runtime.py)
+NATIVE_FAMILIES, NATIVE_TYPES = ("llama",), ("Q8_0", "Q4_0", "F16", "F32")
+
+
+class CheckError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Model:
+    """One model's exports: ``folder`` for torch, ``gguf`` for llama.cpp and the native
+    kernels; either may be missing."""
+
+    name: str  # "target" or "draft"
+    folder: Path | None
+    gguf: Path | None
+    folder_facts: ModelFacts | None
+    gguf_facts: ModelFacts | None
+
+    @property
+    def facts(self) -> ModelFacts:
+        return self.gguf_facts or self.folder_facts
+
+    def context(self) -> int | None:
+        return self.facts.context_length
+
+
+def find_exports(name: str, path: Path) -> Model:
+    """The folder and the GGUF file ``path`` names (a GGUF next to ``config.json`` is both)."""
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise CheckError(f"{name}: {path} is neither a model folder nor a .gguf file")
+        folder = path.parent if (path.parent / "config.json").is_file() else None
+        gguf = path.resolve()
+    elif path.is_dir():
+        folder = path if (path / "config.json").is_file() else None
+        ggufs = sorted(path.resolve().glob("*.gguf"))
+        if len(ggufs) > 1:
+            names = ", ".join(g.name for g in ggufs)
+            raise CheckError(f"{name}: {path} holds several GGUF files ({names}); name one")
+        gguf = ggufs[0] if ggufs else None
+        if folder is None and gguf is None:
+            raise CheckError(f"{name}: {path} has neither config.json nor a .gguf file")
+    else:
+        raise CheckError(f"{name}: {path}: no such file or folder")
+    try:
+        folder_facts = read_model_facts(folder) if folder else None
+        gguf_facts = read_model_facts(gguf) if gguf else None
+    except ValueError as error:
+        raise CheckError(f"{name}: {error}") from None
+    return Model(name, folder and folder.resolve(), gguf, folder_facts, gguf_facts)
+
+
+def read_vocabs(paths: dict[tuple[str, str], Path], timeout_s: float = 120.0) -> dict:
+    """Each vocabulary as a worker reads it (``python -m hetspec.workers.describe KIND
+    PATH``), all at once; keyed like ``paths`` by (model, "gguf" or "folder")."""
+    describe = [sys.executable, "-m", "hetspec.workers.describe"]
+    running = {key: subprocess.Popen([*describe, key[1], str(path)], stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+               for key, path in paths.items()}  # fmt: skip
+    reports = {}
+    for key, process in running.items():
+        try:
+            out, _ = process.communicate(timeout=timeout_s)
+            reports[key] = msgspec.json.decode(out.strip().splitlines()[-1], type=VocabReport)
+        except (subprocess.TimeoutExpired, IndexError, msgspec.DecodeError) as error:
+            process.kill()
+            process.wait()
+            reports[key] = VocabReport(str(paths[key]), error=f"reading it failed ({error})")
+    return reports
+
+
+def kv_bytes_per_token(facts: ModelFacts, element_bytes: float) -> int | None:
+    """K and V of one position across all layers (``element_bytes`` per K and V element)."""
+    info, family = facts.info, facts.family
+    layers = info.get(f"{family}.block_count")
+    heads = info.get(f"{family}.attention.head_count")
+    kv_heads = info.get(f"{family}.attention.head_count_kv", heads)
+    width = info.get(f"{family}.embedding_length")
+    if not (layers and heads and kv_heads and width):
+        return None
+    head_dim = info.get(f"{family}.attention.key_length", width // heads)
+    return int(layers * kv_heads * head_dim * element_bytes)
+
+
+def _gb(count: float) -> str:
+    return f"{count / 1e9:.2f} GB" if count >= 1e8 else f"{count / 1e6:.1f} MB"
+
+
+@dataclass(frozen=True)
+class Side:
+    """One worker's load: which runtime, which export, how much memory."""
+
+    role: str  # "drafts" or "verifies"
+    worker: str  # "CPU worker" or "GPU worker"
+    runtime: str  # "llama.cpp", "native", "torch"
+    model: Model
+
+    @property
+    def export(self) -> Path | None:
+        return self.model.folder if self.runtime == "torch" else self.model.gguf
+
+    def memory(self, context: int) -> str:
+        if self.export is None:
+            return ""
+        if self.runtime == "torch":  # f32 on a CPU (bf16 on CUDA halves both)
+            weights, element = self.model.folder_facts.parameters * 4, 4.0
+        else:  # llama.cpp's cache types by role (a verifier: f16 K, f32 V)
+            weights = self.model.gguf_facts.size_bytes
+            element = 3.0 if self.role == "verifies" else 2.0
+        per_token = kv_bytes_per_token(self.model.facts, element)
+        kv = per_token * context if per_token is not None else None
+        total = weights + (kv or 0)
+        cache = f" + KV cache {_gb(kv)}" if kv is not None else " + KV cache (unknown)"
+        return f"{_gb(total)} (weights {_gb(weights)}{cache})"
+
+    def unusable(self) -> str | None:
+        """Why this side cannot run, or None."""
+        torch = self.runtime == "torch"
+        if self.export is None:
+            return "needs " + ("a model folder (config.json, safetensors)" if torch else
+                               "a GGUF file")  # fmt: skip
+        facts = self.model.gguf_facts
+        if self.runtime == "native" and (facts.family not in NATIVE_FAMILIES
+                                         or facts.quantization not in NATIVE_TYPES):  # fmt: skip
+            kinds = f"{'/'.join(NATIVE_FAMILIES)} GGUFs of {', '.join(NATIVE_TYPES)}"
+            return f"the native kernels run {kinds}, not {facts.family} {facts.quantization}"
+        return None
+
+    def line(self, context: int) -> str:
+        torch = self.runtime == "torch"
+        what = f"{self.worker} {self.role} with {self.runtime} on the {self.model.name}'s " + (
+            "folder" if torch else "GGUF")  # fmt: skip
+        if (reason := self.unusable()) is not None:
+            return f"    {what}: NO, {reason}"
+        return f"    {what}: {self.export.name}, {self.memory(context)}"
+
+
+def placements(target: Model, draft: Model) -> dict[str, list[list[Side]]]:
+    """For each placement, the alternatives of the GPU worker's runtime: each a pair of
+    sides (the CPU worker always runs llama.cpp)."""
+    return {
+        "draft-cpu": [[Side("drafts", "CPU worker", "llama.cpp", draft),
+                       Side("verifies", "GPU worker", runtime, target)]
+                      for runtime in ("torch", "llama.cpp", "native")],
+        "draft-gpu": [[Side("verifies", "CPU worker", "llama.cpp", target),
+                       Side("drafts", "GPU worker", runtime, draft)]
+                      for runtime in ("torch", "llama.cpp")],
+    }  # fmt: skip
+
+
+def describe_model(model: Model) -> list[str]:
+    facts = model.facts
+    lines = [f"{model.name}: {facts.family}, {facts.parameter_size} parameters, "
+             f"trained context {facts.context_length or 'unknown'}"]  # fmt: skip
+    for kind, path, found in (("folder", model.folder, model.folder_facts),
+                              ("GGUF", model.gguf, model.gguf_facts)):  # fmt: skip
+        if path is None:
+            lines.append(f"  {kind}: none")
+        else:
+            lines.append(f"  {kind}: {path} ({found.quantization}, {_gb(found.size_bytes)})")
+    return lines
+
+
+def check(target: Model, draft: Model) -> tuple[list[str], bool]:
+    """The report's lines, and whether the default placement (draft-cpu) can serve."""
+    lines = [*describe_model(target), *describe_model(draft)]
+    # vocabularies as the workers read them: each GGUF (llama.cpp) and each folder (torch)
+    reports = read_vocabs({(model.name, kind): path
+                           for model in (target, draft)
+                           for kind, path in (("gguf", model.gguf), ("folder", model.folder))
+                           if path is not None})  # fmt: skip
+    failures = [f"  {name} {kind}: {r.error}" for (name, kind), r in reports.items() if r.error]
+    vocabs = {key: r.vocab for key, r in reports.items() if r.vocab is not None}
+    problems = sorted({problem
+                       for (name_a, _), a in vocabs.items() if name_a == "draft"
+                       for (name_b, _), b in vocabs.items() if name_b == "target"
+                       for problem in incompatibilities(a, b)})  # fmt: skip
+    shared = not problems and not failures
+    if shared:
+        any_vocab = next(iter(vocabs.values()))
+        lines.append(f"vocabulary: shared ({any_vocab.kind}, {any_vocab.real_size} tokens), "
+                     "as the daemon checks at start-up")  # fmt: skip
+    else:
+        lines.append("vocabulary: NOT shared, the daemon would refuse the pair:")
+        lines += failures + [f"  {problem}" for problem in problems]
+    contexts = [c for c in (target.context(), draft.context()) if c]
+    context = min([*contexts, DEFAULT_CONTEXT_LIMIT])
+    lines.append(f"context: target {target.context() or '?'}, draft {draft.context() or '?'}; "
+                 f"served by default: {context} tokens (n_ctx / max_context set it)")  # fmt: skip
+    default_ok = False
+    for placement, alternatives in placements(target, draft).items():
+        default = " (the default)" if placement == "draft-cpu" else ""
+        lines.append(f"{placement}{default}:")
+        for sides in alternatives:
+            usable = shared and all(side.unusable() is None for side in sides)
+            default_ok |= usable and placement == "draft-cpu"
+            runtime = sides[1].runtime
+            verdict = "can serve" if usable else "cannot serve"
+            lines.append(f'  gpu_runtime "{runtime}": {verdict}')
+            lines += [side.line(context) for side in sides]
+    vocab = target.facts.info.get(f"{target.facts.family}.vocab_size")
+    if vocab:
+        defaults = DaemonConfig()
+        slots, nodes = defaults.arena_slots, defaults.max_tree_nodes
+        arena = slots * nodes * vocab * 4
+        lines.append(f"shared memory for probability rows: {_gb(arena)} (arena_slots {slots} "
+                     f"x max_tree_nodes {nodes} x {vocab} x 4 bytes)")  # fmt: skip
+    lines += ["", "hetspecd.toml:", *example_config(target, draft)]
+    return lines, default_ok
+
+
+def example_config(target: Model, draft: Model) -> list[str]:
+    lines = []
+    for model in (target, draft):
+        lines.append(f"[{model.name}]")
+        lines.append(f'folder = "{model.folder or ""}"  # torch loads this')
+        lines.append(f'gguf = "{model.gguf or ""}"  # llama.cpp and the native kernels load this')
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hetspec models check",
+                                     description=__doc__.split("\n\n")[0])  # fmt: skip
+    parser.add_argument(
+        "target", type=Path, help="the target: a model folder, a GGUF file, or a folder with both"
+    )
+    parser.add_argument("draft", type=Path, help="the draft, likewise")
+    args = parser.parse_args(argv)
+    try:
+        target, draft = find_exports("target", args.target), find_exports("draft", args.draft)
+    except CheckError as error:
+        print(f"hetspec models check: {error}", file=sys.stderr)
+        return 2
+    lines, ok = check(target, draft)
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

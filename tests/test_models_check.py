@@ -1,0 +1,72 @@
+"""``hetspec models check TARGET DRAFT``, as a user runs it (the shell command), on real model
+files: the bundled pair, a pair that does not share a tokenizer, and bad arguments."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from hetspec.daemon.config import BUNDLED_MODELS
+
+
+def check(*paths: Path | str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hetspec.client.cli", "models", "check",
+                           *map(str, paths)], capture_output=True, text=True, timeout=300,
+                          check=False)  # fmt: skip
+
+
+def config_of(stdout: str) -> dict:
+    return tomllib.loads(stdout.split("hetspecd.toml:\n", 1)[1])
+
+
+def test_the_bundled_pair_can_be_served_everywhere() -> None:
+    target = BUNDLED_MODELS / "target" / "target-q8_0.gguf"
+    done = check(target, BUNDLED_MODELS / "draft" / "draft-q8_0.gguf")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "target: llama, 5.05M parameters, trained context 2048" in out
+    assert "vocabulary: shared (bpe, 4096 tokens)" in out
+    assert out.count("can serve") == 5  # draft-cpu: torch, llama.cpp, native; draft-gpu: two
+    assert "cannot serve" not in out
+    assert "GPU worker verifies with torch on the target's folder" in out
+    assert "KV cache" in out
+    assert "shared memory for probability rows: 8.4 MB" in out
+    config = config_of(out)
+    assert Path(config["target"]["gguf"]) == target.resolve()
+    assert Path(config["target"]["folder"]) == (BUNDLED_MODELS / "target").resolve()
+    assert Path(config["draft"]["folder"]).is_dir()
+
+
+def test_a_draft_with_another_tokenizer_is_refused_as_the_daemon_would(models) -> None:
+    done = check(models["target"], models["other"])
+    assert done.returncode == 1
+    assert "vocabulary: NOT shared" in done.stdout
+    assert "vocabulary sizes differ" in done.stdout or "token texts differ" in done.stdout
+    assert "can serve" not in done.stdout
+
+
+def test_a_gguf_alone_serves_where_no_torch_side_needs_a_folder(models, tmp_path) -> None:
+    alone = tmp_path / "target.gguf"  # no config.json beside it
+    shutil.copy(models["target"], alone)
+    done = check(alone, models["draft"])
+    assert done.returncode == 0, done.stdout
+    out = done.stdout
+    assert "  folder: none" in out
+    assert "GPU worker verifies with torch on the target's folder: NO, needs a model folder" in out
+    assert 'gpu_runtime "llama.cpp": can serve' in out
+    assert config_of(out)["target"]["folder"] == ""
+
+
+def test_bad_arguments_get_one_line_each(tmp_path) -> None:
+    missing = check(tmp_path / "nothing", BUNDLED_MODELS / "draft")
+    assert missing.returncode == 2
+    assert missing.stderr.strip().endswith("nothing: no such file or folder")
+    several = check(BUNDLED_MODELS / "target", BUNDLED_MODELS / "draft")
+    assert several.returncode == 2
+    assert "several GGUF files (target-f16.gguf, target-q8_0.gguf); name one" in several.stderr
+    (tmp_path / "notes.txt").write_text("x")
+    assert check(tmp_path / "notes.txt", BUNDLED_MODELS / "draft").returncode == 2
+    assert "Traceback" not in missing.stderr + several.stderr
