@@ -427,6 +427,10 @@ class OllamaApi:
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": __version__})
 
+    async def root(self, request: web.Request) -> web.Response:
+        """Ollama answers ``GET /`` so that tools can tell it is there."""
+        return web.Response(text=f"hetspecd {__version__} is running (Ollama's API under /api/)")
+
     def routes(self) -> list[web.RouteDef]:
         return [
             web.post("/api/generate", self.generate),
@@ -435,4 +439,5 @@ class OllamaApi:
             web.post("/api/show", self.show),
             web.get("/api/version", self.version),
             web.get("/api/ps", self.ps),
+            web.get("/", self.root),
         ]

@@ -204,6 +204,8 @@ def test_ollama_model_listing_show_ps_version_and_load(local, http) -> None:
     loaded = local.generate(model="hetspec-demo")  # no prompt: Ollama's "load the model"
     assert (loaded.done, loaded.done_reason, loaded.response) == (True, "load", "")
     assert http.get("/api/version").json() == {"version": __version__}
+    assert http.get("/").text.startswith("hetspecd")  # tools probe it to find the server
+    assert http.head("/").status_code == 200
 
 
 # ---------------------------------------------------------------- OpenAI
