@@ -1,6 +1,7 @@
 # The one entry point: `make demo` and `make test` work on a fresh clone.
 # Knobs: PYTHON (>= 3.11; default python3.11, else python3), LLAMA_BACKEND (see
-# native/install-llama-cpp.sh), PYTEST_ARGS (extra pytest arguments).
+# native/install-llama-cpp.sh), PYTEST_ARGS (extra pytest arguments), WHEELHOUSE and EXTRAS
+# (make wheelhouse: where, and which optional groups).
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -14,7 +15,7 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.hetspec-installed
 
-.PHONY: help setup demo heavy test lint format clean
+.PHONY: help setup demo heavy test lint format clean wheelhouse
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -26,7 +27,8 @@ $(BIN)/python:
 
 # Reinstalls only when the dependency set or the llama.cpp build configuration changes;
 # the package itself is installed editable, so code changes need no reinstall.
-$(INSTALLED): $(BIN)/python pyproject.toml constraints.txt native/install-llama-cpp.sh
+$(INSTALLED): $(BIN)/python pyproject.toml constraints.txt native/install-llama-cpp.sh \
+		native/llama-cmake-args.sh
 	@echo "Installing hetspec and its dependencies into $(VENV) (pinned by constraints.txt)."
 	$(BIN)/python -m pip install -q -c constraints.txt pip setuptools wheel
 	native/install-llama-cpp.sh $(BIN)/python $(LLAMA_BACKEND)
@@ -42,6 +44,12 @@ $(NATIVE_BUILT): $(INSTALLED) setup.py $(wildcard native/src/*.c native/src/*.h)
 	@touch $@
 
 setup: $(INSTALLED) $(NATIVE_BUILT) ## create .venv and install everything (llama.cpp is compiled once)
+
+WHEELHOUSE ?= dist/wheelhouse
+EXTRAS ?=
+
+wheelhouse: setup ## wheels to install hetspec with no network (see README, "Offline")
+	native/build-wheelhouse.sh $(BIN)/python $(WHEELHOUSE) $(LLAMA_BACKEND) "$(EXTRAS)"
 
 DEMO_PROMPT ?= def read_lines(path):
 

@@ -27,20 +27,8 @@ stamp="$(dirname "$python")/../.llama-cpp-backend"
 # (reproducible-build mode), which silently makes a build several times slower.
 unset SOURCE_DATE_EPOCH
 
-# Parts of llama.cpp that hetspec never uses: skipping them shortens the build.
-common="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
-common+=" -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF"
-case "$backend" in
-  cpu)          flags="-DGGML_NATIVE=ON" ;;
-  cpu-portable) flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" ;;
-  cuda)         flags="-DGGML_NATIVE=ON -DGGML_CUDA=ON" ;;
-  vulkan)       flags="-DGGML_NATIVE=ON -DGGML_VULKAN=ON" ;;
-  openblas)     flags="-DGGML_NATIVE=ON -DGGML_BLAS=ON -DGGML_BLAS_VENDOR=OpenBLAS" ;;
-  metal)        flags="-DGGML_METAL=ON" ;;
-  *) echo "unknown llama.cpp backend '$backend' (cpu, cpu-portable, cuda, vulkan, openblas, metal)" >&2
-     exit 2 ;;
-esac
-export CMAKE_ARGS="$common $flags ${LLAMA_CMAKE_ARGS:-}"
+args=$("$here/llama-cmake-args.sh" "$backend")
+export CMAKE_ARGS="$args"
 
 wanted=$(sed -n 's/^llama-cpp-python==//p' "$constraints")
 installed=$("$python" -c 'import importlib.metadata as m; print(m.version("llama-cpp-python"))' \
