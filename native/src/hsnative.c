@@ -286,32 +286,65 @@ HS_AVX2 INLINE __m256i dot4_add(__m256i sum, __m256i w_abs, __m256i w, __m256i x
                                                    _mm256_set1_epi16(1)));
 }
 
-/* Rows in lanes: the rows of `count` (1 or 2) whole groups from `group` on, times one weight
- * row. Each four weights are broadcast to every lane and made unsigned once for all groups,
- * so a group of 8 rows costs one multiply chain per 4 weights, with no horizontal sums. */
-HS_AVX2 INLINE void rows_in_lanes_avx2(const void *wrow, const int type, const int blocks,
-                                       const activations *a, const int group, const int count,
-                                       float *result) {
+/* Rows in lanes, Q8_0: the rows of `count` (1 or 2) whole groups from `group` on, times one
+ * weight row. Each four weights are broadcast to every lane and made unsigned once for all
+ * groups, so a group of 8 rows costs one multiply chain per 4 weights, with no horizontal sums. */
+HS_AVX2 INLINE void rows_in_lanes_avx2(const void *wrow, const int blocks, const activations *a,
+                                       const int group, const int count, float *result) {
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int b = 0; b < blocks; b++) {
-        int32_t unpacked[8] __attribute__((aligned(32)));
-        const void *values = unpacked;
-        if (type == HS_Q8_0)
-            values = ((const block_q8_0 *)wrow)[b].qs;
-        else
-            _mm256_store_si256((__m256i *)unpacked, unpack_q4((const block_q4_0 *)wrow + b));
+        const int8_t *values = ((const block_q8_0 *)wrow)[b].qs;
         __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
         for (int k = 0; k < HS_BLOCK / 4; k++) {
-            const __m256i w = broadcast4((const char *)values + 4 * k), w_abs = _mm256_sign_epi8(w, w);
+            const __m256i w = broadcast4(values + 4 * k), w_abs = _mm256_sign_epi8(w, w);
             for (int g = 0; g < count; g++) {
                 const int8_t *x = a->grouped + (((size_t)(group + g) * blocks + b) * GROUP + k) * 4 * GROUP;
                 sums[g] = dot4_add(sums[g], w_abs, w, _mm256_loadu_si256((const __m256i *)x));
             }
         }
-        const __m256 w_scale = _mm256_set1_ps(_cvtsh_ss(weight_scale(wrow, type, b)));
+        const __m256 w_scale = _mm256_set1_ps(_cvtsh_ss(((const block_q8_0 *)wrow)[b].d));
         for (int g = 0; g < count; g++) {
             const __m256 x_scales = _mm256_loadu_ps(a->grouped_d + ((size_t)(group + g) * blocks + b) * GROUP);
             acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[g]), _mm256_mul_ps(x_scales, w_scale), acc[g]);
+        }
+    }
+    for (int g = 0; g < count; g++) _mm256_storeu_ps(result + GROUP * g, acc[g]);
+}
+
+/* Rows in lanes for Q4_0 weights: the activations are made unsigned (x + 128, by flipping the
+ * sign bit) and the weights (-8..7) stay signed, so one maddubs makes each lane's pair sums
+ * with no sign fix-up, and a block's eight of them add up in 16 bits (|each| <= 2 * 255 * 8,
+ * eight <= 32640) before one madd widens them; the offset comes off as 128 times the block's
+ * weight sum. Every step is exact integer arithmetic: the same dot_b as the Q8_0 recipe. */
+HS_AVX2 INLINE void rows_in_lanes_q4_avx2(const void *wrow, const int blocks, const activations *a,
+                                          const int group, const int count, float *result) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int b = 0; b < blocks; b++) {
+        int32_t unpacked[8] __attribute__((aligned(32)));
+        const __m256i weights = unpack_q4((const block_q4_0 *)wrow + b);
+        _mm256_store_si256((__m256i *)unpacked, weights);
+        /* the block's weight sum, in every lane: sad against zero sums |bytes|, so sum w + 8 */
+        const __m256i biased = _mm256_add_epi8(weights, _mm256_set1_epi8(8));
+        const __m256i sad = _mm256_sad_epu8(biased, _mm256_setzero_si256());
+        __m128i total = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
+        total = _mm_add_epi64(total, _mm_unpackhi_epi64(total, total));
+        const int weight_sum = _mm_cvtsi128_si32(total) - 8 * HS_BLOCK;
+        const __m256i offset = _mm256_set1_epi32(128 * weight_sum);
+        __m256i pairs[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int k = 0; k < HS_BLOCK / 4; k++) {
+            const __m256i w = broadcast4((const char *)unpacked + 4 * k);
+            for (int g = 0; g < count; g++) {
+                const int8_t *x = a->grouped + (((size_t)(group + g) * blocks + b) * GROUP + k) * 4 * GROUP;
+                const __m256i xu = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)x), flip);
+                pairs[g] = _mm256_add_epi16(pairs[g], _mm256_maddubs_epi16(xu, w));
+            }
+        }
+        const __m256 w_scale = _mm256_set1_ps(_cvtsh_ss(((const block_q4_0 *)wrow)[b].d));
+        for (int g = 0; g < count; g++) {
+            const __m256i sums = _mm256_sub_epi32(_mm256_madd_epi16(pairs[g], ones), offset);
+            const __m256 x_scales = _mm256_loadu_ps(a->grouped_d + ((size_t)(group + g) * blocks + b) * GROUP);
+            acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(x_scales, w_scale), acc[g]);
         }
     }
     for (int g = 0; g < count; g++) _mm256_storeu_ps(result + GROUP * g, acc[g]);
@@ -406,13 +439,16 @@ HS_AVX2 static void quantized_features_avx2(const hs_matrix *w, const activation
     for (int g = 0; g < groups; g += 2) {
         const int count = groups - g > 1 ? 2 : 1;
         for (int j = first; j < end; j++) {
-#define ROWS(type, count) rows_in_lanes_avx2(data + stride * j, type, blocks, a, g, count, result)
+            /* literal counts: each call is compiled for its count */
+            const char *wrow = data + stride * j;
             if (w->type == HS_Q8_0) {
-                if (count == 2) ROWS(HS_Q8_0, 2); else ROWS(HS_Q8_0, 1);
+                if (count == 2) rows_in_lanes_avx2(wrow, blocks, a, g, 2, result);
+                else rows_in_lanes_avx2(wrow, blocks, a, g, 1, result);
+            } else if (count == 2) {
+                rows_in_lanes_q4_avx2(wrow, blocks, a, g, 2, result);
             } else {
-                if (count == 2) ROWS(HS_Q4_0, 2); else ROWS(HS_Q4_0, 1);
+                rows_in_lanes_q4_avx2(wrow, blocks, a, g, 1, result);
             }
-#undef ROWS
             for (int r = 0; r < GROUP * count && g * GROUP + r < n; r++)
                 out[(size_t)(g * GROUP + r) * w->rows + j] = result[r];
         }
