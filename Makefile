@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.hetspec-installed
 
-.PHONY: help setup demo heavy test lint format clean wheelhouse
+.PHONY: help setup demo heavy test lint format clean wheelhouse device-bundle
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -50,6 +50,9 @@ EXTRAS ?=
 
 wheelhouse: setup ## wheels to install hetspec with no network (see README, "Offline")
 	native/build-wheelhouse.sh $(BIN)/python $(WHEELHOUSE) $(LLAMA_BACKEND) "$(EXTRAS)"
+
+device-bundle: setup ## .device/: what the lent GPU machine (no network) needs, to carry there
+	PIP_PYTHON=$(BIN)/python native/device-bundle.sh .device
 
 DEMO_PROMPT ?= def read_lines(path):
 
