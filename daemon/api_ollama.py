@@ -48,7 +48,7 @@ class Options(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     top_p: float | None = None
     seed: int | None = None
     num_predict: int | None = None
-    stop: list[str] | None = None
+    stop: str | list[str] | None = None  # Ollama's is a list; some clients send one string
     # accepted at their neutral values only (_NEUTRAL)
     repeat_penalty: float | None = None
     presence_penalty: float | None = None
@@ -138,7 +138,8 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 top_k=options.top_k or 0,
                 top_p=options.top_p if options.top_p is not None else 1.0,
                 seed=options.seed,
-                stop=(options.stop or []) + stops,
+                stop=([options.stop] if isinstance(options.stop, str) else options.stop or [])
+                + stops,
                 stream=self.stream,
                 ignore_eos=self.ignore_eos,
                 mode=self.mode,

@@ -127,7 +127,7 @@ def test_ollama_chat_streamed_or_not_and_seeded_like_openai(local, remote) -> No
     assert openai_chat.choices[0].message.content == whole.message.content
 
 
-def test_ollama_options_stop_top_k_and_neutral_values(local) -> None:
+def test_ollama_options_stop_top_k_and_neutral_values(local, http) -> None:
     base = local.generate(model="x", prompt=PROMPT, raw=True,
                           options={"num_predict": 24, "temperature": 0})  # fmt: skip
     stop = base.response[8:12]
@@ -137,6 +137,10 @@ def test_ollama_options_stop_top_k_and_neutral_values(local) -> None:
                                       "num_thread": 2})  # fmt: skip
     assert stopped.response == base.response[: base.response.index(stop)]
     assert stopped.done_reason == "stop"
+    # one string where Ollama's clients send a list: the same stop
+    body = {"prompt": PROMPT, "raw": True, "stream": False,
+            "options": {"num_predict": 24, "temperature": 0, "stop": stop}}  # fmt: skip
+    assert http.post("/api/generate", json=body).json()["response"] == stopped.response
 
 
 @pytest.mark.parametrize(
