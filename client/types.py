@@ -124,8 +124,6 @@ def generate_body(prompt: str, options: dict, stream: bool) -> dict:
     are left to the daemon's defaults."""
     given = {k: v for k, v in options.items() if v is not None}
     sampling = {_OLLAMA_OPTIONS[k]: given.pop(k) for k in list(given) if k in _OLLAMA_OPTIONS}
-    if isinstance(sampling.get("stop"), str):
-        sampling["stop"] = [sampling["stop"]]
     return {"prompt": prompt, "raw": True, "options": sampling, **given, "stream": stream}
 
 

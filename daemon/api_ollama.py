@@ -227,13 +227,6 @@ def _ns(ms: float) -> int:
     return int(ms * 1_000_000)
 
 
-def _extras(run: Run) -> dict:
-    """hetspec's statistics, beside Ollama's (under the native API's documented keys)."""
-    final = run.final()
-    keys = ("id", "tokens", "timings", "mode", "devices", "speculative")
-    return {key: final[key] for key in keys if key in final}
-
-
 class OllamaApi:
     def __init__(self, service: Service) -> None:
         self.service = service
@@ -241,14 +234,8 @@ class OllamaApi:
     # ------------------------------------------------------------ what a model is
 
     def served_context(self) -> int | None:
-        verifier = self._verifier()
+        verifier = self.service.verifier()
         return verifier.ready.context if verifier is not None and verifier.ready else None
-
-    def _verifier(self):
-        supervisor = self.service.supervisor
-        if supervisor is None:
-            return None
-        return supervisor.workers.get(supervisor.roles.verifier)
 
     @staticmethod
     def details(facts: ModelFacts) -> dict:
@@ -316,7 +303,8 @@ class OllamaApi:
             "prompt_eval_duration": _ns(result.prompt_ms),
             "eval_count": len(result.tokens),
             "eval_duration": _ns(result.decode_ms),
-            **_extras(run),
+            "id": run.id,  # hetspec's statistics, beside Ollama's
+            **run.statistics(),
         }
 
     async def _respond(self, request: web.Request, body: _Body, generate: GenerateRequest,
@@ -391,7 +379,7 @@ class OllamaApi:
     async def ps(self, request: web.Request) -> web.Response:
         if not self.service.ready():
             return web.json_response({"models": []})
-        verifier = self._verifier()
+        verifier = self.service.verifier()
         listing = await self.listing()
         on_gpu = verifier.ready.device.startswith("cuda")
         entry = {**listing, "expires_at": NEVER, "size_vram": listing["size"] if on_gpu else 0,

@@ -59,7 +59,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return None
 
     def shaped_logprobs(self, entries: list[dict], offset: int) -> dict | None:
-        """A choice's ``logprobs`` for these tokens (``Run.logprob_entries``); ``offset``:
+        """A choice's ``logprobs`` for these tokens (``Run.unsent_logprobs``); ``offset``:
         where their text begins in the answer."""
         return None
 
@@ -192,12 +192,6 @@ def _usage(runs: list[Run], n: int) -> dict:
             "total_tokens": prompt + completion}  # fmt: skip
 
 
-def _extras(run: Run) -> dict:
-    final = run.final()  # llama.cpp-style timings and our statistics, beside OpenAI's
-    keys = ("timings", "speculative", "mode", "tokens", "devices")
-    return {key: final[key] for key in keys if key in final}
-
-
 class _StreamedAnswers:
     """SSE chunks of answers streamed one after another, each under its choice index."""
 
@@ -245,9 +239,9 @@ class _StreamedAnswers:
         document = {**_envelope(runs[0], self.kind, self.service.model_name), "choices": [],
                     "usage": _usage(runs, self.body.n)}  # fmt: skip
         if len(runs) > 1:  # the extras, per answer in the choices' order
-            document["answers"] = [_extras(run) for run in runs]
+            document["answers"] = [run.statistics() for run in runs]
         else:
-            document.update(_extras(runs[0]))
+            document.update(runs[0].statistics())
         return _event(document) + _event("[DONE]")
 
     @staticmethod
@@ -272,10 +266,10 @@ def openai_routes(service: Service) -> list[web.RouteDef]:
             document = {**_envelope(runs[0], kind, service.model_name), "choices": choices,
                         "usage": _usage(runs, body.n)}  # fmt: skip
             if len(runs) == 1:
-                document.update(_extras(runs[0]))
+                document.update(runs[0].statistics())
             else:
                 for choice, run in zip(choices, runs, strict=True):
-                    choice.update(_extras(run))
+                    choice.update(run.statistics())
             return web.json_response(document)
         answers = _StreamedAnswers(service, body, chat)
         return await stream_runs(

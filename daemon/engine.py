@@ -285,9 +285,7 @@ class Decoder:
         # bonus and moves the target onto the spare cores): not what decoding alone costs
         round_s = (time.perf_counter() - start) / len(tokens) if self.alone_streak else None
         report = RoundReport(0, 1, 0, alone_round_s=round_s, alone_compute_s=compute_s)
-        return RoundOutcome(
-            emitted, stopped, decoded.logprobs if self.top is not None else None
-        ), report
+        return RoundOutcome(emitted, stopped, decoded.logprobs or None), report
 
     # ------------------------------------------------------------ pieces of a round
 

@@ -48,9 +48,6 @@ class Model:
     def facts(self) -> ModelFacts:
         return self.gguf_facts or self.folder_facts
 
-    def context(self) -> int | None:
-        return self.facts.context_length
-
 
 def find_exports(name: str, path: Path) -> Model:
     """The folder and the GGUF file ``path`` names (a GGUF next to ``config.json`` is both)."""
@@ -211,9 +208,10 @@ def check(target: Model, draft: Model) -> tuple[list[str], bool]:
     else:
         lines.append("vocabulary: NOT shared, the daemon would refuse the pair:")
         lines += failures + [f"  {problem}" for problem in problems]
-    contexts = [c for c in (target.context(), draft.context()) if c]
+    trained = target.facts.context_length, draft.facts.context_length
+    contexts = [c for c in trained if c]
     context = min([*contexts, DEFAULT_CONTEXT_LIMIT])
-    lines.append(f"context: target {target.context() or '?'}, draft {draft.context() or '?'}; "
+    lines.append(f"context: target {trained[0] or '?'}, draft {trained[1] or '?'}; "
                  f"served by default: {context} tokens (n_ctx / max_context set it)")  # fmt: skip
     default_ok = False
     for placement, alternatives in placements(target, draft).items():

@@ -38,15 +38,15 @@ class Run:
     _logprobs_sent: int = 0
 
     def unsent_logprobs(self) -> list[dict]:
-        """The log-probabilities (``logprob_entries``) of the tokens generated since the last
-        call: a streamed piece carries its tokens'; the last object what is left."""
+        """The log-probabilities of the tokens generated since the last call (a streamed
+        piece carries its tokens'; the last object what is left), in OpenAI chat's form, which
+        Ollama's follows: each token's text (invalid UTF-8 as U+FFFD), its bytes, its
+        log-probability and the alternatives likewise."""
         entries = self.result.logprobs[self._logprobs_sent :]
         self._logprobs_sent += len(entries)
-        return self.logprob_entries(entries)
+        return self._logprob_entries(entries)
 
-    def logprob_entries(self, entries: list[TokenLogprob]) -> list[dict]:
-        """OpenAI chat's form, which Ollama's follows: each token's text (invalid UTF-8 as
-        U+FFFD), its bytes, its log-probability and the alternatives likewise."""
+    def _logprob_entries(self, entries: list[TokenLogprob]) -> list[dict]:
 
         def token(token_id: int, logprob: float) -> dict:
             raw = self.token_bytes[token_id]
@@ -74,13 +74,11 @@ class Run:
             "queue_ms": round(self.queue_ms, 3),
         }
 
-    def final(self) -> dict:
-        """The native API's last object: why it stopped, the tokens and all statistics."""
+    def statistics(self) -> dict:
+        """What every API reports beside its own fields: the tokens, llama.cpp-style timings,
+        the mode, the devices and, for a speculative mode, our statistics."""
         timings = self.timings()
         document = {
-            "done": True,
-            "done_reason": self.result.done_reason,
-            "id": self.id,
             "tokens": self.result.tokens,
             "timings": timings,
             "mode": self.mode,

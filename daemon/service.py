@@ -273,12 +273,17 @@ class Service:
         """Both workers loaded and the daemon not draining."""
         return self.supervisor is not None and self.supervisor.ready() and not self.draining
 
+    def verifier(self) -> WorkerClient | None:
+        """The worker that serves the target, once started."""
+        if self.supervisor is None:
+            return None
+        return self.supervisor.workers.get(self.supervisor.roles.verifier)
+
     def target_path(self) -> str:
         """The file or folder the target is served from (its worker's, once started)."""
-        if self.supervisor is not None:
-            verifier = self.supervisor.workers.get(self.supervisor.roles.verifier)
-            if verifier is not None:
-                return verifier.spec.model
+        verifier = self.verifier()
+        if verifier is not None:
+            return verifier.spec.model
         return self.config.target.gguf or self.config.target.folder
 
     async def target_facts(self) -> ModelFacts:
