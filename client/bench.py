@@ -39,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -255,17 +255,19 @@ class BusyCore:
 
 
 @contextlib.contextmanager
-def daemon(placement: str, socket: str | None, log_dir: Path,
-           target: BenchTarget | None = None) -> Iterator[Client]:  # fmt: skip
+def daemon(placement: str, socket: str | None, log_dir: Path, target: BenchTarget | None = None,
+           *, settings: Sequence[str] = (),
+           name: str | None = None) -> Iterator[Client]:  # fmt: skip
     """A ready daemon: the one at ``socket``, or a fresh ``hetspecd`` at its defaults (the
-    GPU worker's runtime measured at load) on ``target`` (default: the bundled pair)."""
+    GPU worker's runtime measured at load) on ``target`` (default: the bundled pair), with
+    ``settings`` ("key=value" for ``--set``); ``name`` names its log."""
     if socket:
         client = Client(socket)
         client.wait_ready(10)
         yield client
         return
     run = Path(tempfile.mkdtemp(prefix="hetspec-bench-"))
-    name = f"{target.name}-{placement}" if target else placement
+    name = name or (f"{target.name}-{placement}" if target else placement)
     log = (log_dir / f"hetspecd-{name}.log").open("w")
     hetspecd = Path(sys.executable).with_name("hetspecd")
     command = [str(hetspecd), "--socket", str(run / "hetspecd.sock"),
@@ -279,6 +281,8 @@ def daemon(placement: str, socket: str | None, log_dir: Path,
                           ("draft.folder", target.draft.folder),
                           ("draft.gguf", target.draft.gguf)):  # fmt: skip
             command += ["--set", f"{key}={json.dumps(str(path))}"]
+    for setting in settings:
+        command += ["--set", setting]
     process = subprocess.Popen(command, stderr=log)
     try:
         client = Client(f"unix://{run / 'hetspecd.sock'}")

@@ -92,6 +92,11 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # The llama.cpp GPU worker takes cpu_worker's llama.cpp settings. "native": hetspec's own
     # CPU kernels over the same GGUF file (native/), built for verifying several tokens at once.
     gpu_runtime: Literal["auto", "torch", "llama.cpp", "native"] = "auto"
+    # draft-gpu: Dovetail's draft head, drafting from the target's own features (torch, on the
+    # GPU worker; gpu_runtime "auto" or "torch"). "auto": a head matching the target (its
+    # folder's draft-head/, else the bundled one), else the draft model; a path: that head
+    # (a mismatch is an error); "none": the draft model. See head_choice.py.
+    draft_head: str = "auto"
     # Where both workers compute on the CPU (no CUDA), the verifier computes on the drafter's
     # cores too whenever the drafter has nothing to do: the target decoding alone, a plain
     # round's verification (see workers/spare_cores.py). False keeps each on its own cores.

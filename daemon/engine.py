@@ -29,7 +29,7 @@ from hetspec.daemon.requests import GenerateRequest, GenerationResult, token_bud
 from hetspec.daemon.round_sides import DrafterSide, Unverified, VerifierSide, WorkerPair
 from hetspec.daemon.round_stats import SpeculativeStats
 from hetspec.daemon.text_output import TextOutput
-from hetspec.protocol import TokenLogprob
+from hetspec.protocol import TokenLogprob, frame_array
 from hetspec.protocol import worker_messages as m
 from hetspec.speculative.branching import uncertainty_branches
 from hetspec.speculative.budget import BudgetController, Choice
@@ -143,11 +143,17 @@ class Decoder:
         self.drafter = DrafterSide(self.pair, prompt, self.request.seed)
         alone = self.fixed is None and self.controller.decodes_alone()
         spare_cores = bool(verifier.spec.spare_cores) and self.pair.alone_cores.preferred()
-        if not (spare_cores or alone):
+        head = self.pair.head  # a draft head prefills from the target's prompt features
+        if not (spare_cores or alone or head):
             self.drafter.start_prefill()
-        prefilled, _ = await verifier.call(m.Prefill(
+        prefilled, frames = await verifier.call(m.Prefill(
             request=verifier.next_request(), tokens=prompt, out=self.pair.verify_slot,
-            seed=self.request.seed, spare_cores=spare_cores))  # fmt: skip
+            seed=self.request.seed, spare_cores=spare_cores, report_features=head))  # fmt: skip
+        if head and prefilled.features is not None:
+            rows = frame_array(prefilled.features, frames).copy()
+            self.drafter.prompt_features = (prefilled.features_start, rows)
+            if len(rows):  # the last row is the prompt's last position's
+                self.drafter.features.add(len(prompt) - 1, rows[-1:])
         result.prompt_tokens = len(prompt)
         result.prompt_ms = (time.perf_counter() - started) * 1000
         logits = self.pair.arena.view(prefilled.logits)
@@ -207,7 +213,7 @@ class Decoder:
         logits = self.pair.arena.view(verified.logits)
         draft_rows = lambda: np.stack([probs[b, s] for b, s in origin])  # noqa: E731
         verdict = self._verdict(tokens, parents, logits, draft_rows)
-        emitted, stopped, logprobs = self._emitted(verdict, tokens, remaining, logits)
+        emitted, stopped, logprobs = self._emitted(verdict, tokens, remaining, logits, verified)
         self.drafter.unseen = emitted  # it holds the rest as this draft's pending nodes
         branches, gamma = len(drafted.tokens), len(drafted.tokens[0])
         rule_k = None if plan.rule or branches > 1 else self._rule_would_pick(probs[0])
@@ -248,7 +254,7 @@ class Decoder:
             if len(verdict.path) == len(tokens):  # all accepted: does the guessed bonus hold?
                 verdict, holds = self._second_opinion(verdict, guessed, logits[-1:])
                 held = Unverified.of(guessed, self.pair.arena, skip=1) if holds else None
-        emitted, stopped, logprobs = self._emitted(verdict, tokens, remaining, logits)
+        emitted, stopped, logprobs = self._emitted(verdict, tokens, remaining, logits, verified)
         self.drafter.unseen += emitted
         if held is not None and not (stopped or len(emitted) >= remaining):
             self.drafter.run_ahead = held
@@ -271,8 +277,11 @@ class Decoder:
                              trial=idle and cores.exploring)  # fmt: skip
         call = self.verifier.decode(min(steps, remaining), self.params,
                                     spare_cores=spare_cores, logprobs=self.top)  # fmt: skip
-        decoded, _ = await self._choosing_ahead(call)
+        decoded, frames = await self._choosing_ahead(call)
         tokens = decoded.tokens
+        if decoded.features is not None and self.drafter.features is not None:
+            features = frame_array(decoded.features, frames)
+            self.drafter.features.add(decoded.features_start, features)
         self.verifier.decoded(tokens)
         self.position += len(tokens)
         stopped = self.eos in tokens
@@ -312,16 +321,23 @@ class Decoder:
             return verify_keyed(tokens, parents, target_rows, self.sampler, self.position)
         return verify_sampling(tokens, parents, draft_rows(), target_rows, self.sampler.rng)
 
-    def _emitted(self, verdict: Verdict, tokens, remaining: int, logits: np.ndarray):
+    def _emitted(self, verdict: Verdict, tokens, remaining: int, logits: np.ndarray,
+                 verified: m.Verified):  # fmt: skip
         """The tokens to emit, cut at EOS and at ``remaining``, whether EOS came, and the
         tokens' log-probabilities from the target's ``logits`` when the request asked; the
-        verifier keeps the accepted path and the bonus."""
+        verifier keeps the accepted path and the bonus, whose features (the ones before each
+        emitted token) a draft head gets with its next draft."""
         emitted = verdict.tokens(np.asarray(tokens))
+        bonus_position = self.position - 1
         self.position += len(emitted)
         stopped = self.eos in emitted
         emitted = emitted[: emitted.index(self.eos)] if stopped else emitted
         emitted = emitted[:remaining]
         self.verifier.accepted(verdict)
+        if self.drafter.features is not None:
+            kept = self.verifier.kept_features(verified, self.pair.arena)
+            if kept is not None:
+                self.drafter.features.add(bonus_position, kept)
         logprobs = None
         if self.top is not None:
             rows = verdict.rows()

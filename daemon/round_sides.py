@@ -13,10 +13,11 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from hetspec.daemon.worker_client import WorkerClient
-from hetspec.protocol import Arena
+from hetspec.protocol import Arena, frame_ref
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.sampling import SamplingParams
 from hetspec.speculative.core_choice import SpareCoreChoice
@@ -35,6 +36,32 @@ class WorkerPair:
     alone_cores: SpareCoreChoice = field(default_factory=SpareCoreChoice)
     # ... and whether it does while it verifies a plain round's draft (the drafter waits)
     verify_cores: SpareCoreChoice = field(default_factory=SpareCoreChoice)
+    # >= 0: the drafter is a draft head; the verifier writes its features to this slot
+    feature_slot: int = -1
+
+    @property
+    def head(self) -> bool:
+        return self.feature_slot >= 0
+
+
+class FeatureBook:
+    """The target's features (rows by sequence position) the drafter has not been given."""
+
+    def __init__(self) -> None:
+        self._rows: dict[int, np.ndarray] = {}
+
+    def add(self, start: int, rows: np.ndarray) -> None:
+        for offset, row in enumerate(np.array(rows, np.float32)):  # a copy: slots are reused
+            self._rows[start + offset] = row
+
+    def take(self, first: int, count: int) -> np.ndarray | None:
+        """Rows of positions first..first+count-1, or None when one is missing; rows before
+        first + count are dropped either way."""
+        rows = [self._rows.get(position) for position in range(first, first + count)]
+        self._rows = {p: row for p, row in self._rows.items() if p >= first + count}
+        if not rows or any(row is None for row in rows):
+            return None
+        return np.stack(rows)
 
 
 @dataclass
@@ -64,14 +91,31 @@ class DrafterSide:
         self._prompt, self._seed = prompt, seed
         self.prefill: asyncio.Future | None = None
         self.unseen: list[int] = []
+        self.unseen_start = len(prompt)  # the position of unseen[0]
         self.run_ahead: Unverified | None = None
+        # a draft head's: the prompt's features (from the verifier's prefill), then the rest
+        self.prompt_features: tuple[int, np.ndarray] | None = None
+        self.features = FeatureBook() if pair.head else None
 
     def start_prefill(self) -> asyncio.Future:
         if self.prefill is None:
             command = m.Prefill(request=self.client.next_request(), tokens=self._prompt,
                                 seed=self._seed)  # fmt: skip
-            self.prefill = asyncio.ensure_future(self.client.call(command))
+            arrays = ()
+            if self.prompt_features is not None:
+                start, rows = self.prompt_features
+                command = msgspec.structs.replace(command, features=frame_ref(rows, 1),
+                                                  features_start=start)  # fmt: skip
+                arrays = (rows,)
+            self.prefill = asyncio.ensure_future(self.client.call(command, arrays))
         return self.prefill
+
+    def _appended_features(self) -> tuple[m.ArrayRef | None, tuple]:
+        """The features before each unseen token, where the verifier reported them all."""
+        if self.features is None or not self.unseen:
+            return None, ()
+        rows = self.features.take(self.unseen_start - 1, len(self.unseen))
+        return (None, ()) if rows is None else (frame_ref(rows, 1), (rows,))
 
     def idle(self) -> bool:
         return self.prefill is None or self.prefill.done()
@@ -85,11 +129,14 @@ class DrafterSide:
         then the steps are timed from the others."""
         await self.start_prefill()
         start = time.perf_counter()
+        features, arrays = self._appended_features()
         drafted, _ = await self.client.call(m.Draft(
             request=self.client.next_request(), steps=gamma, sampling=params, out=self.slot,
-            branches=branches, append=self.unseen, dynamic=rule_scale))  # fmt: skip
+            branches=branches, append=self.unseen, dynamic=rule_scale, features=features),
+            arrays)  # fmt: skip
         seconds = time.perf_counter() - start
         appended, self.unseen = len(self.unseen), []
+        self.unseen_start += appended
         branches, steps = len(drafted.tokens), len(drafted.tokens[0])
         if rule_scale is not None and branches > 1:
             steps += 1  # the rule's look at the top sequence's second token
@@ -133,6 +180,7 @@ class VerifierSide:
 
     def __init__(self, pair: WorkerPair) -> None:
         self.client, self.slot = pair.verifier, pair.verify_slot
+        self.feature_slot = pair.feature_slot
         self.bonus = -1
         self._tree: list[int] = []  # the tokens of the last tree evaluated: [bonus, *draft]
         self._keep: list[int] = []  # its nodes to commit: the bonus and the accepted path
@@ -145,7 +193,13 @@ class VerifierSide:
         return self.client.call(m.VerifyTree(
             request=self.client.next_request(), tokens=self._tree,
             parents=[-1, *(p + 1 for p in parents)], out=self.slot, commit=self._keep,
-            spare_cores=spare_cores))  # fmt: skip
+            spare_cores=spare_cores, features_out=self.feature_slot))  # fmt: skip
+
+    def kept_features(self, verified: m.Verified, arena: Arena) -> np.ndarray | None:
+        """The features of the bonus and the accepted path (after ``accepted``), in order."""
+        if verified.features is None:
+            return None
+        return arena.view(verified.features)[self._keep]
 
     def accepted(self, verdict: Verdict) -> None:
         self._keep = [0, *(node + 1 for node in verdict.path)]
@@ -158,7 +212,8 @@ class VerifierSide:
         kept = [self._tree[node] for node in self._keep]
         return self.client.call(m.Decode(
             request=self.client.next_request(), steps=steps, sampling=params,
-            append=[*kept, self.bonus], spare_cores=spare_cores, logprobs=logprobs))  # fmt: skip
+            append=[*kept, self.bonus], spare_cores=spare_cores, logprobs=logprobs,
+            report_features=self.feature_slot >= 0))  # fmt: skip
 
     def decoded(self, tokens: list[int]) -> None:
         """It committed every token it drew but the last, the new bonus."""

@@ -27,6 +27,7 @@ import structlog
 
 from hetspec import __version__
 from hetspec.daemon.config import DaemonConfig
+from hetspec.daemon.head_choice import draft_head_for
 from hetspec.daemon.supervisor import roles, worker_specs
 from hetspec.daemon.worker_client import WorkerSpec
 from hetspec.protocol import ProbeFailure, RuntimeProfile, decode_profile
@@ -70,6 +71,8 @@ class RuntimeDecision(msgspec.Struct, frozen=True, kw_only=True):
         """One line for the log and ``--check``."""
         if self.chosen_by == "configuration":
             return f"gpu_runtime {self.runtime} (configured)"
+        if self.chosen_by.startswith("draft head"):
+            return f"gpu_runtime torch, drafting with the {self.chosen_by}"
         figures = ", ".join(
             f"{p.runtime} on {p.device}: "
             + " ".join(f"T({w})={ms:.2f}ms" for w, ms in zip(p.widths, p.median_ms, strict=True))
@@ -210,8 +213,12 @@ def _store(path: Path, data: bytes) -> None:
 
 async def decide_gpu_runtime(config: DaemonConfig, log_format: str = "json",
                              cache: Path | None = None) -> RuntimeDecision:  # fmt: skip
-    """The GPU worker's runtime: the configured one, or for ``"auto"`` the fastest measured.
-    Raises ``RuntimeChoiceError`` when no candidate can load the model."""
+    """The GPU worker's runtime: "head" where a draft head drafts (see head_choice), else the
+    configured one, or for ``"auto"`` the fastest measured. Raises ``RuntimeChoiceError`` when
+    no candidate can load the model, ``HeadChoiceError`` for a configured head that does not
+    match the target."""
+    if (head := draft_head_for(config)) is not None:
+        return RuntimeDecision(runtime="head", chosen_by=f"draft head {head}", role="drafter")
     if config.gpu_runtime != "auto":
         return RuntimeDecision(runtime=config.gpu_runtime, chosen_by="configuration")
     role = "verifier" if roles(config.placement).verifier == "gpu" else "drafter"

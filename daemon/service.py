@@ -36,6 +36,7 @@ from hetspec.daemon.chat_template import ChatTemplate, ChatTemplateError, load_c
 from hetspec.daemon.config import BUNDLED_MODELS, DaemonConfig
 from hetspec.daemon.cores import CoreError
 from hetspec.daemon.engine import Decoder, WorkerPair
+from hetspec.daemon.head_choice import HeadChoiceError
 from hetspec.daemon.http_guard import GuardedRunner
 from hetspec.daemon.instance import Instance, InstanceError
 from hetspec.daemon.metrics import Metrics
@@ -140,7 +141,7 @@ class Service:
             await self._drain()
             return 0
         except (InstanceError, StartupError, CoreError, ArenaError, ChatTemplateError,
-                RuntimeChoiceError, OSError) as error:  # fmt: skip
+                RuntimeChoiceError, HeadChoiceError, OSError) as error:  # fmt: skip
             log.error("cannot serve", error=str(error))
             self.notifier.status(f"cannot serve: {error}")
             return 1
@@ -401,6 +402,7 @@ class Service:
         async with (
             self.slots.lease(run_id, settled) as draft_slot,
             self.slots.lease(run_id, settled) as verify_slot,
+            self.slots.lease(run_id, settled) as feature_slot,  # a draft head's input
         ):
             result = GenerationResult()
             stats, controller = SpeculativeStats(), self.controllers.get(mode)
@@ -414,8 +416,10 @@ class Service:
                 if mode == "autoregressive":
                     return generate(body, verifier, draft_slot, result, arena=self.arena,
                                     cores=self.spare_cores)  # fmt: skip
+                head = drafter.spec.runtime == "head"
                 pair = WorkerPair(drafter, verifier, self.arena, draft_slot, verify_slot,
-                                  self.spare_cores, self.verify_cores)  # fmt: skip
+                                  self.spare_cores, self.verify_cores,
+                                  feature_slot if head else -1)  # fmt: skip
                 return Decoder(body, pair, controller, stats, plan=fixed).stream(result)
 
             def reset() -> None:  # for a start over: what the first attempt counted goes

@@ -22,6 +22,7 @@ import structlog
 
 from hetspec.daemon.config import DaemonConfig
 from hetspec.daemon.cores import check_cores, cuda_present, owned_cores, split_cores
+from hetspec.daemon.head_choice import draft_head_for
 from hetspec.daemon.worker_client import WorkerClient, WorkerSpec, WorkerStartError
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.arena import ArenaLayout
@@ -64,7 +65,7 @@ def worker_specs(config: DaemonConfig, log_format: str,
     worker in ``gpu_runtime`` (default: the configured one, which must not be "auto": that is
     decided by measurement first, see runtime_choice)."""
     gpu_runtime = gpu_runtime or config.gpu_runtime
-    if gpu_runtime not in ("torch", "llama.cpp", "native"):
+    if gpu_runtime not in ("torch", "llama.cpp", "native", "head"):
         raise ValueError(f"the GPU worker's runtime must be decided, not {gpu_runtime!r}")
     owned = owned_cores()
     cuda = cuda_present(config.gpu_worker.device)
@@ -86,6 +87,15 @@ def worker_specs(config: DaemonConfig, log_format: str,
     elif gpu_runtime == "native":  # the same GGUF file, on hetspec's own CPU kernels
         gpu_model = config.target.gguf if drafting_on_cpu else config.draft.gguf
         gpu_settings = m.NativeSettings(n_ctx=cpu_cfg.n_ctx, threads=gpu_cfg.threads)
+    elif gpu_runtime == "head":  # Dovetail's draft head over the target's features
+        head = draft_head_for(config)
+        if head is None or drafting_on_cpu:
+            raise ValueError("the head runtime needs draft-gpu and a draft head")
+        gpu_model = str(head)
+        torch_settings = _torch_settings(gpu_cfg, verifies=False, cores=gpu_cores)
+        gpu_settings = m.HeadSettings(
+            target=config.target.folder, device=torch_settings.device, dtype=torch_settings.dtype,
+            max_context=torch_settings.max_context, threads=torch_settings.threads)  # fmt: skip
     else:
         gpu_settings = _torch_settings(gpu_cfg, verifies=drafting_on_cpu, cores=gpu_cores)
     common = {"heartbeat_s": config.heartbeat_s, "heartbeat_timeout_s": config.heartbeat_timeout_s,

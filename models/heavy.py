@@ -70,6 +70,9 @@ SOURCE_FILES = (
     "generation_config.json",
 )
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+HEAD_SOURCE = SOURCE.parent / "head"  # the bundled target's draft head (train_head.py)
+HEAD_FOLDER = "draft-head"  # the heavy target's copy of it, widened to its features
+HEAD_FILES = ("head_config.json", "model.safetensors")
 MANIFEST = "heavy.json"
 # Bump when the recipe changes what gets written: cached models of another recipe are rebuilt.
 RECIPE = 1
@@ -283,6 +286,66 @@ def heavy_tensors(
 
 
 # ------------------------------------------------------------------ the cache
+
+
+def widened_head(head_config: Mapping, tensors: Mapping[str, np.ndarray],
+                 feature_size: int) -> tuple[dict, dict[str, np.ndarray]]:  # fmt: skip
+    """The bundled head for a heavy target: its input maps read ``feature_size``-wide
+    features and embeddings whose added columns are zero (so they ignore them), and its
+    blocks stay as trained; the runtime zero-pads its output to the feature size, which the
+    heavy target's final norm maps as the bundled target's does."""
+    narrow = int(head_config["feature_size"])
+    pad = feature_size - narrow
+    if pad < 0:
+        raise HeavyModelError(f"cannot narrow a head of {narrow}-wide features to {feature_size}")
+    widened = {}
+    for name, tensor in tensors.items():
+        wide = tensor
+        if name in ("feature_proj.weight", "token_proj.weight"):
+            wide = np.pad(tensor, ((0, 0), (0, pad)))
+        elif name == "fuse.weight":  # [embedding | feature] columns
+            wide = np.concatenate(
+                [
+                    np.pad(tensor[:, :narrow], ((0, 0), (0, pad))),
+                    np.pad(tensor[:, narrow:], ((0, 0), (0, pad))),
+                ],
+                axis=1,
+            )
+        widened[name] = np.ascontiguousarray(wide)
+    return {**head_config, "feature_size": feature_size}, widened
+
+
+def _write_head(folder: Path, feature_size: int, say: Callable[[str], None]) -> None:
+    """Write (or refresh) ``folder``/draft-head from the bundled head, atomically; nothing
+    when no head is bundled."""
+    if not all((HEAD_SOURCE / name).is_file() for name in HEAD_FILES):
+        return
+    target = folder / HEAD_FOLDER
+    config = json.loads((HEAD_SOURCE / "head_config.json").read_text())
+    source = hashlib.sha256(b"".join((HEAD_SOURCE / name).read_bytes() for name in HEAD_FILES))
+    stamp = {"recipe": RECIPE, "head_sha256": source.hexdigest()}
+    try:
+        if json.loads((target / "source.json").read_text()) == stamp:
+            return
+    except (OSError, json.JSONDecodeError):
+        pass
+    head, tensors = widened_head(config, load_file(HEAD_SOURCE / "model.safetensors"),
+                                 feature_size)  # fmt: skip
+    temp = _temp_name(target)
+    temp.mkdir()
+    try:
+        (temp / "head_config.json").write_text(json.dumps(head, indent=2) + "\n")
+        save_file(tensors, temp / "model.safetensors", metadata={"format": "pt"})
+        (temp / "model.safetensors").chmod((temp / "head_config.json").stat().st_mode & 0o777)
+        (temp / "source.json").write_text(json.dumps(stamp) + "\n")
+        for path in temp.iterdir():
+            _fsync(path)
+        _remove(target)
+        temp.rename(target)
+        _fsync(folder)
+        say(f"{folder.name}: wrote its draft head ({target})")
+    finally:
+        _remove(temp)
 
 
 def _fingerprint(source: Path) -> str:
@@ -506,6 +569,7 @@ def ensure_heavy(
             rebuild = force or not _is_current(folder, manifest)
             if rebuild:
                 _build_folder(folder, manifest, say)
+            _write_head(folder, shape.hidden_size, say)
             ggufs = {}
             for gguf_type in wanted:
                 path = folder / f"heavy-{name}-{gguf_type}.gguf"

@@ -7,7 +7,9 @@ arena (probability rows and logits). ``request`` ids let the daemon match replie
 
 Protocol version history: 1 = the first one; 2 = spare cores (``Hello.spare_cores``, the
 ``spare_cores`` flag of the compute commands); 3 = ``Decode`` (the target decoding alone);
-4 = ``Ready.special_tokens`` (control tokens, which the daemon never renders as text).
+4 = ``Ready.special_tokens`` (control tokens, which the daemon never renders as text);
+5 = log-probabilities (``Decode.logprobs``); 6 = the target's features for a draft head
+(``features`` fields: the hidden state entering the LM head, float32 rows, one per position).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from hetspec.protocol.arena import ArenaLayout, ArrayRef
 from hetspec.protocol.sampling import SamplingParams, TokenLogprob
 from hetspec.protocol.vocab import VocabInfo
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"):
@@ -73,7 +75,18 @@ class NativeSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, ta
     threads: int | None = None  # None: the cores the worker owns
 
 
-RuntimeSettings = LlamaCppSettings | TorchSettings | NativeSettings
+class HeadSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="head"):
+    """A draft head (Dovetail's; ``Load.model`` is its folder) drafting for ``target``, the
+    target's model folder, whose embedding, final norm and LM head it borrows."""
+
+    target: str
+    device: str = "auto"
+    dtype: TorchDtype = "auto"
+    max_context: int | None = None
+    threads: int | None = None
+
+
+RuntimeSettings = LlamaCppSettings | TorchSettings | NativeSettings | HeadSettings
 
 
 # ---------------------------------------------------------------- daemon -> worker
@@ -99,6 +112,10 @@ class Prefill(_Message, tag="prefill"):
     seed: int | None = None
     out: int = -1
     spare_cores: bool = False  # the other worker is idle: compute on its cores too
+    report_features: bool = False  # reply with the features of the positions evaluated
+    # a draft head's input: the target's features of positions features_start.. (a frame)
+    features: ArrayRef | None = None
+    features_start: int = 0
 
 
 class Draft(_Message, tag="draft"):
@@ -119,6 +136,8 @@ class Draft(_Message, tag="draft"):
     # picks k <= ``branches`` by its uncertainty, k sequences of ``steps // k`` tokens
     dynamic: float | None = None
     spare_cores: bool = False
+    # a draft head's input: row i is the target's feature of the position before append[i]
+    features: ArrayRef | None = None
 
 
 class Decode(_Message, tag="decode"):
@@ -134,6 +153,7 @@ class Decode(_Message, tag="decode"):
     append: list[int] = []
     spare_cores: bool = False
     logprobs: int | None = None
+    report_features: bool = False  # reply with the features of the positions evaluated
 
 
 class VerifyTree(_Message, tag="verify"):
@@ -149,6 +169,7 @@ class VerifyTree(_Message, tag="verify"):
     root_row: bool = False
     commit: list[int] = []  # pending nodes (a path) to keep before the tree is evaluated
     spare_cores: bool = False
+    features_out: int = -1  # >= 0: every node's feature (nodes, feature size) to this slot
 
 
 class Commit(_Message, tag="commit"):
@@ -230,6 +251,9 @@ class Prefilled(_Message, tag="prefilled"):
     committed: int
     elapsed_ms: float
     logits: ArrayRef | None = None  # (1, vocab) when the command gave ``out``
+    # with report_features: (evaluated, feature size), of positions features_start.. (a frame)
+    features: ArrayRef | None = None
+    features_start: int = 0
 
 
 class Drafted(_Message, tag="drafted"):
@@ -247,12 +271,15 @@ class Decoded(_Message, tag="decoded"):
     tokens: list[int]  # all but the last committed
     elapsed_ms: float  # the worker's own time, the append included
     logprobs: list[TokenLogprob] = []  # one per token, when the command asked
+    features: ArrayRef | None = None  # with report_features, as Prefilled's
+    features_start: int = 0
 
 
 class Verified(_Message, tag="verified"):
     request: int
     logits: ArrayRef
     elapsed_ms: float
+    features: ArrayRef | None = None  # with features_out: one row per tree node, in order
 
 
 class Committed(_Message, tag="committed"):

@@ -31,6 +31,8 @@ PERIOD = 8  # positions the logits tell apart
 
 
 class TableModel(TreeRuntime):
+    feature_size = 2  # a position's "feature": (its position, its token)
+
     def __init__(self, tables: tuple[np.ndarray, np.ndarray, np.ndarray], eos: int = VOCAB - 1,
                  capacity: int = 512) -> None:  # fmt: skip
         super().__init__(VOCAB, capacity)
@@ -62,6 +64,7 @@ class TableModel(TreeRuntime):
         for i, (parent, position) in enumerate(zip(parents, positions, strict=True)):
             prev = int(known[parent]) if parent >= 0 else self._before()
             out[i] = self._logits(prev, int(known[start + i]), int(position))
+        self._capture(np.stack([positions, tokens], axis=1))
         return out
 
     def _node_logits(self, output, index):
@@ -80,6 +83,7 @@ class TableModel(TreeRuntime):
         pass
 
     def _extend_committed(self, tokens):
+        self._capture(np.stack([self.committed + np.arange(len(tokens)), tokens], axis=1))
         prev = int(tokens[-2]) if len(tokens) > 1 else self._before()
         return self._logits(prev, int(tokens[-1]), self.committed + len(tokens) - 1)
 
@@ -101,6 +105,33 @@ class TableModel(TreeRuntime):
         return self.decode(count, SamplingParams(), DrawnSampler(0))
 
 
+class FeatureCheckingDraft(TableModel):
+    """A draft head's stand-in: it checks every target feature it is given, which must be
+    (the position before each appended token, the token there), and counts them."""
+
+    def __init__(self, tables, **kwargs) -> None:
+        super().__init__(tables, **kwargs)
+        self.features_checked = 0
+
+    def _check(self, start: int, rows: np.ndarray, sequence: list[int]) -> None:
+        expected = [(start + i, sequence[start + i]) for i in range(len(rows)) if start + i >= 0]
+        got = [tuple(int(v) for v in row) for i, row in enumerate(rows) if start + i >= 0]
+        assert got == expected, f"features {got} where {expected} belong"
+        self.features_checked += len(got)
+
+    def provide_features(self, start: int, rows: np.ndarray) -> None:
+        raise AssertionError("the worker feeds features only through prefill and appends")
+
+    def prefill(self, prompt, chunk_size=None, *, features=None, start=0):
+        if features is not None:
+            self._check(start, features, list(prompt))
+        return super().prefill(prompt, chunk_size)
+
+    def append_after_features(self, tokens, features) -> None:
+        self._check(self.committed - 1, features, self.tokens + [int(t) for t in tokens])
+        self.append(tokens)
+
+
 @dataclass
 class _Spec:
     name: str
@@ -117,6 +148,7 @@ class InProcessWorker:
     fail_on: type | None = None  # a command type answered with Failed ...
     fail_after: int = 0  # ... after this many of that type succeeded
     ran: list[str] = field(default_factory=list)
+    commands: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.spec = _Spec(self.name)
@@ -143,10 +175,11 @@ class InProcessWorker:
             if self.fail_after <= 0:
                 raise WorkerError(self.name, "internal", f"{kind.__name__} failed on purpose")
             self.fail_after -= 1
-        try:
-            reply, _ = self._worker.handlers[kind](command, [])
+        try:  # frame 0 would be the message; arrays follow it
+            reply, out = self._worker.handlers[kind](command, [b"", *arrays])
         except Exception as error:  # as the worker process answers it: Failed
             failed = self._worker.failure(command, error)
             raise WorkerError(self.name, failed.kind, failed.message) from None
         self.ran.append(kind.__name__)
-        return reply, []
+        self.commands.append(command)
+        return reply, [b"", *out]

@@ -8,7 +8,7 @@ import uuid
 import msgspec
 import numpy as np
 import pytest
-from fake_worker import VOCAB, InProcessWorker, TableModel
+from fake_worker import VOCAB, FeatureCheckingDraft, InProcessWorker, TableModel
 
 from hetspec.daemon.engine import Decoder, WorkerPair
 from hetspec.daemon.requests import GenerateRequest, GenerationResult
@@ -209,3 +209,42 @@ def test_sampled_rounds_draw_from_the_request_seed(arena) -> None:
         runs.append(result.tokens)
     assert runs[0] == runs[1]
     assert len(set(np.diff(runs[0]))) > 3  # not a degenerate loop
+
+
+HEAD_PLANS = {
+    **{kind: [plan] for kind, plan in FIXED.items() if kind != "alone"},
+    "mixed": [Plan(3), Plan(0), Plan(0), Plan(4, overlap=True), Plan(2, 3), Plan(0), Plan(3),
+              Plan(6, 4, rule=True), Plan(3, overlap=True)],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("kind", sorted(HEAD_PLANS))
+def test_a_draft_head_gets_the_targets_feature_before_every_token(kind, temperature) -> None:
+    """The verifier reports features (here each position's (position, token)); the drafter
+    (checking every row it gets) receives the prompt's with its prefill and, with every
+    append, the feature of the position before each appended token, in every kind of round."""
+    arena = Arena.create(f"/dev/shm/hetspec-test-{uuid.uuid4().hex}", 3, 64 * 4 * 16 * VOCAB)
+    try:
+        target, draft = TableModel.pair(0, 1.0)
+        checking = FeatureCheckingDraft((draft.last_table, draft.prev_table,
+                                         draft.position_table))  # fmt: skip
+        drafter, verifier = (
+            InProcessWorker("gpu", checking, arena),
+            InProcessWorker("cpu", target, arena),
+        )
+        pair = WorkerPair(drafter, verifier, arena, draft_slot=0, verify_slot=1, feature_slot=2)
+        reference, _ = TableModel.pair(0, 1.0)
+        plans = HEAD_PLANS[kind] * 30
+        options = {"temperature": temperature, "seed": 7} if temperature else {}
+        result, _, _ = decode(pair, ScriptedController(plans), max_tokens=120, **options)
+        if not temperature:
+            assert result.tokens == reference.greedy(PROMPT, 120)
+        appends = [c for c in drafter.commands if isinstance(c, m.Draft) and c.append]
+        prefills = [c for c in drafter.commands if isinstance(c, m.Prefill)]
+        assert appends
+        assert all(c.features is not None for c in appends)
+        assert prefills[0].features is not None
+        assert checking.features_checked >= len(PROMPT) + sum(len(c.append) for c in appends)
+    finally:
+        arena.close()

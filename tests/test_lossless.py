@@ -32,10 +32,12 @@ from hetspec.daemon.config import BUNDLED_MODELS
 from hetspec.speculative.samplers import DrawnSampler, KeyedSampler
 from hetspec.speculative.sampling import SamplingParams, distribution
 
-# the two placements, and DuoDecoding's with the verifier in llama.cpp or on hetspec's native
-# kernels (gpu_runtime) instead of torch
-PLACEMENTS = ("draft-cpu", "draft-gpu", "draft-cpu-llama", "draft-cpu-native")
-RUNTIME_BY_SUFFIX = {"-llama": "llama.cpp", "-native": "native"}
+# the two placements (draft-gpu drafting with the bundled draft head), DuoDecoding's with the
+# verifier in llama.cpp or on hetspec's native kernels (gpu_runtime) instead of torch, and
+# Dovetail's with the independent draft model instead of the head
+PLACEMENTS = ("draft-cpu", "draft-gpu", "draft-cpu-llama", "draft-cpu-native", "draft-gpu-model")
+SETTINGS_BY_SUFFIX = {"-llama": 'gpu_runtime="llama.cpp"', "-native": 'gpu_runtime="native"',
+                      "-model": 'draft_head="none"'}  # fmt: skip
 GREEDY_TOKENS = 24
 # chi-square critical values (no scipy here) at p = 0.001 and 0.0001: the table for few
 # degrees of freedom, the Wilson-Hilferty approximation (within 1% from 10 on) above it, with
@@ -87,10 +89,9 @@ class BundledDaemon:
 
 @pytest.fixture(scope="module", params=PLACEMENTS)
 def daemon(request, tmp_path_factory):
-    suffix = next((s for s in RUNTIME_BY_SUFFIX if request.param.endswith(s)), "")
+    suffix = next((s for s in SETTINGS_BY_SUFFIX if request.param.endswith(s)), "")
     placement = request.param.removesuffix(suffix)
-    runtime = RUNTIME_BY_SUFFIX.get(suffix)
-    extra = ("--set", f'gpu_runtime="{runtime}"') if runtime else ()
+    extra = ("--set", SETTINGS_BY_SUFFIX[suffix]) if suffix else ()
     daemon = BundledDaemon(tmp_path_factory.mktemp(request.param), placement, *extra)
     daemon.placement = request.param
     yield daemon

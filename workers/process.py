@@ -45,7 +45,7 @@ from hetspec.speculative.samplers import DrawnSampler, Sampler, sampler_for
 from hetspec.workers.spare_cores import SPARE_CORES_SPIN_COUNT, SpareCores, openmp_places
 from hetspec.workers.tree_runtime import RuntimeUsageError
 
-RUNTIMES = ("llama.cpp", "torch", "native")
+RUNTIMES = ("llama.cpp", "torch", "native", "head")
 PR_SET_PDEATHSIG = 1
 log = structlog.get_logger("hetspec.worker")
 
@@ -90,6 +90,16 @@ def load_runtime(kind: str, model: str, settings: m.RuntimeSettings):
             raise LoadError(str(error)) from None
     from hetspec.workers.torch_runtime import ModelLoadError, TorchRuntime  # noqa: PLC0415
 
+    if kind == "head":
+        from hetspec.workers.torch_runtime.head_runtime import HeadRuntime  # noqa: PLC0415
+
+        if not isinstance(settings, m.HeadSettings):
+            raise LoadError("the draft head's worker takes draft-head settings")
+        try:
+            runtime = HeadRuntime(model, **options)
+        except ModelLoadError as error:
+            raise LoadError(str(error)) from None
+        return runtime, f"{runtime.device} (draft head)"
     if not isinstance(settings, m.TorchSettings):
         raise LoadError("the torch worker takes torch settings")
     try:
@@ -106,7 +116,8 @@ def preload_runtime(kind: str) -> None:
     between two wide calls wait by spinning briefly, as they should. Loaded with the own
     cores only, it sees more threads than CPUs whenever a call computes wide and puts its
     threads to sleep after every step: 3 ms a demo-target token instead of 0.4."""
-    modules = {"llama.cpp": "llama_cpp", "torch": "torch", "native": "hetspec.native._hsnative"}
+    modules = {"llama.cpp": "llama_cpp", "torch": "torch", "native": "hetspec.native._hsnative",
+               "head": "torch"}  # fmt: skip
     with contextlib.suppress(ImportError):  # kernels not built: loading the model says so
         importlib.import_module(modules[kind])
 
@@ -290,10 +301,38 @@ class Worker:
         log.info("model loaded", model=command.model, device=device, ms=round(ready.load_ms))
         return ready, ()
 
+    def _features_in(self, engine, ref: m.ArrayRef, frames) -> np.ndarray:
+        if not hasattr(engine, "provide_features"):
+            raise RuntimeUsageError("this worker drafts without the target's features")
+        if ref.frame < 1:
+            raise MessageError("input features travel in a frame")
+        return frame_array(ref, frames)
+
+    @contextlib.contextmanager
+    def _reporting(self, engine, wanted: bool):
+        """Collect the features of what is evaluated inside the block, when ``wanted``."""
+        if not wanted:
+            yield None
+            return
+        with engine.features_captured() as sink:
+            yield sink
+
+    @staticmethod
+    def _stacked(engine, sink: list[np.ndarray] | None) -> np.ndarray | None:
+        if sink is None:
+            return None
+        return np.concatenate(sink) if sink else np.zeros((0, engine.feature_size), np.float32)
+
     def prefill(self, command: m.Prefill, frames) -> tuple:
         start = time.perf_counter()
         engine = self._engine(command.spare_cores)
-        reused = engine.prefill(command.tokens)
+        with self._reporting(engine, command.report_features) as sink:
+            if command.features is not None:
+                features = self._features_in(engine, command.features, frames)
+                reused = engine.prefill(command.tokens, features=features,
+                                        start=command.features_start)  # fmt: skip
+            else:
+                reused = engine.prefill(command.tokens)
         self.sampler = sampler_for(command.seed)
         logits = None
         if command.out >= 0:
@@ -302,7 +341,13 @@ class Worker:
             logits = m.ArrayRef(row.dtype.str, row.shape, slot=command.out)
         elapsed = (time.perf_counter() - start) * 1000
         committed = engine.committed
-        return m.Prefilled(command.request, reused, committed, elapsed, logits), ()
+        reply = m.Prefilled(command.request, reused, committed, elapsed, logits)
+        rows = self._stacked(engine, sink)
+        if rows is None:
+            return reply, ()
+        reply = msgspec.structs.replace(reply, features=frame_ref(rows, 1),
+                                        features_start=committed - len(rows))  # fmt: skip
+        return reply, (rows,)
 
     def draft(self, command: m.Draft, frames) -> tuple:
         start = time.perf_counter()
@@ -311,7 +356,13 @@ class Worker:
         # a dynamic draft's shape is known only once drafted: it is copied to the slot then
         shape = (command.branches, command.steps, engine.vocab_size)
         out = None if dynamic else self._slot(command.out, shape)
-        if command.append:
+        if command.features is not None:
+            features = self._features_in(engine, command.features, frames)
+            if len(features) != len(command.append):
+                raise RuntimeUsageError(f"{len(command.append)} tokens to append but "
+                                        f"{len(features)} feature rows")  # fmt: skip
+            engine.append_after_features(command.append, features)
+        elif command.append:
             engine.append(command.append)
         append_ms = (time.perf_counter() - start) * 1000
         result = engine.draft(
@@ -335,13 +386,20 @@ class Worker:
     def decode(self, command: m.Decode, frames) -> tuple:
         start = time.perf_counter()
         engine = self._engine(command.spare_cores)
-        if command.append:
-            engine.append(command.append)
         logprobs = [] if command.logprobs is not None else None
-        tokens = engine.decode(command.steps, command.sampling, self.sampler, logprobs=logprobs,
-                               top=command.logprobs or 0)  # fmt: skip
+        with self._reporting(engine, command.report_features) as sink:
+            if command.append:
+                engine.append(command.append)
+            tokens = engine.decode(command.steps, command.sampling, self.sampler,
+                                   logprobs=logprobs, top=command.logprobs or 0)  # fmt: skip
         elapsed = (time.perf_counter() - start) * 1000
-        return m.Decoded(command.request, tokens, elapsed, logprobs or []), ()
+        reply = m.Decoded(command.request, tokens, elapsed, logprobs or [])
+        rows = self._stacked(engine, sink)
+        if rows is None:
+            return reply, ()
+        reply = msgspec.structs.replace(reply, features=frame_ref(rows, 1),
+                                        features_start=engine.committed - len(rows))  # fmt: skip
+        return reply, (rows,)
 
     def verify(self, command: m.VerifyTree, frames) -> tuple:
         start = time.perf_counter()
@@ -352,13 +410,21 @@ class Worker:
             engine.commit(command.commit)
         if command.root_row:
             out[0] = engine.last_logits()
-        engine.evaluate_tree(
-            command.tokens, command.parents, extend=command.extend, out=out[first:]
-        )
+        with self._reporting(engine, command.features_out >= 0) as sink:
+            engine.evaluate_tree(
+                command.tokens, command.parents, extend=command.extend, out=out[first:]
+            )
         if command.spare_cores:  # give the drafter its cores back before it drafts
             self._engine(False)
         logits = m.ArrayRef(out.dtype.str, out.shape, slot=command.out)
-        return m.Verified(command.request, logits, (time.perf_counter() - start) * 1000), ()
+        features = None
+        if sink is not None:
+            rows = self._stacked(engine, sink)
+            target = self._slot(command.features_out, rows.shape)
+            np.copyto(target, rows)
+            features = m.ArrayRef(rows.dtype.str, rows.shape, slot=command.features_out)
+        elapsed = (time.perf_counter() - start) * 1000
+        return m.Verified(command.request, logits, elapsed, features), ()
 
     def commit(self, command: m.Commit, frames) -> tuple:
         start = time.perf_counter()

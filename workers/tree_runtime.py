@@ -9,8 +9,9 @@ and the drafting loop. A subclass supplies the hooks that touch its model and ca
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -56,10 +57,13 @@ class TreeRuntime(ABC, Generic[Output]):
     """
 
     default_chunk: int = 512
+    feature_size: int | None = None  # set by runtimes that can report features
 
     def __init__(self, vocab_size: int, capacity: int) -> None:
         self.vocab_size = vocab_size
         self.capacity = capacity
+        # while features are captured, every forward appends its positions' features here
+        self.features_sink: list[np.ndarray] | None = None
         self.tokens: list[int] = []  # the committed sequence
         self._last_logits: np.ndarray | None = None  # next-token logits after tokens[-1]
         self._reset_pending()
@@ -98,6 +102,23 @@ class TreeRuntime(ABC, Generic[Output]):
     def _extend_committed(self, tokens: np.ndarray) -> np.ndarray:
         """Evaluate a chain directly after the committed prefix, with no pending tree, and keep
         it; returns the float32 logits after its last token."""
+
+    @contextlib.contextmanager
+    def features_captured(self) -> Iterator[list[np.ndarray]]:
+        """Collect the features (float32 (rows, feature_size): the hidden state entering the
+        LM head) of every position evaluated inside the block, in evaluation order."""
+        if self.feature_size is None:
+            raise RuntimeUsageError(f"{type(self).__name__} cannot report features")
+        self.features_sink = sink = []
+        try:
+            yield sink
+        finally:
+            self.features_sink = None
+
+    def _capture(self, rows) -> None:
+        if self.features_sink is not None:
+            # a copy: llama.cpp reuses its output buffer
+            self.features_sink.append(np.array(rows, np.float32).reshape(-1, self.feature_size))
 
     # ------------------------------------------------------------ state
 

@@ -116,6 +116,8 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
         self._batch = L.llama_batch_init(n_batch, 0, n_seq_max)
         self._vocabulary = Vocabulary(self._model)
         super().__init__(self._vocabulary.size, n_ctx)
+        self.feature_size = L.llama_model_n_embd(self._model)
+        self._embeddings = False  # llama.cpp's per-token output of the final norm: features
 
     # ------------------------------------------------------------ setup helpers
 
@@ -217,6 +219,10 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
         count = len(tokens)
         rows = np.empty((count, self.vocab_size), np.float32) if logits == "all" else None
         batch = self._batch
+        features = self.features_sink is not None
+        if features != self._embeddings:  # with embeddings on, every token is an output
+            L.llama_set_embeddings(self._context, features)
+            self._embeddings = features
         for begin in range(0, count, self.n_batch):
             end = min(count, begin + self.n_batch)
             for slot, index in enumerate(range(begin, end)):
@@ -236,6 +242,11 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
                     L.llama_get_logits(self._context), shape=(end - begin, self.vocab_size)
                 )
                 rows[begin:end] = part
+            if features:
+                embeddings = L.llama_get_embeddings(self._context)
+                self._capture(
+                    np.ctypeslib.as_array(embeddings, shape=(end - begin, self.feature_size))
+                )
         if rows is not None:
             return rows
         last = L.llama_get_logits_ith(self._context, -1)

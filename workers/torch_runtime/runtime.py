@@ -70,7 +70,7 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         if threads is not None:
             torch.set_num_threads(threads)
         self.threads = torch.get_num_threads()
-        self.config = ModelConfig.from_folder(folder)
+        self.config = self._read_config(folder)
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
         limit = self.config.max_context
@@ -79,7 +79,7 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
             raise ModelLoadError(
                 f"{folder}: context {capacity} is outside what the model allows (1..{limit})"
             )
-        self.model = load_model(folder, self.config, self.dtype, self.device)
+        self.model = self._load_model(folder)
         self._run_model = torch.compile(self.model, dynamic=True) if compile else self.model
         c = self.config
         shape = (c.num_layers, c.num_kv_heads, capacity, c.head_dim)
@@ -88,6 +88,14 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         self._cos, self._sin = rope_tables(c, capacity, self.device)
         self.folder = folder
         super().__init__(c.vocab_size, capacity)
+        self.feature_size = c.hidden_size
+
+    def _read_config(self, folder: Path) -> ModelConfig:
+        """The shape the KV cache and RoPE tables are built for."""
+        return ModelConfig.from_folder(folder)
+
+    def _load_model(self, folder: Path):
+        return load_model(folder, self.config, self.dtype, self.device)
 
     def set_extra_threads(self, extra: int) -> None:
         """Compute with ``extra`` threads beyond the configured ones (on cores lent for now:
@@ -121,7 +129,12 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         self, tokens: np.ndarray, parents: np.ndarray, positions: np.ndarray, rows: np.ndarray
     ) -> TreeOutput:
         hidden = self._hidden(tokens, positions, rows)
+        self._capture_hidden(hidden)
         return TreeOutput(self.model.logits(hidden), hidden)
+
+    def _capture_hidden(self, hidden: torch.Tensor) -> None:
+        if self.features_sink is not None:
+            self._capture(self.model.model.norm(hidden).float().cpu().numpy())
 
     def _node_logits(self, output: TreeOutput, index: int) -> np.ndarray:
         return output.logits[index].cpu().numpy()
@@ -148,6 +161,7 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         count = len(tokens)
         rows = np.tril(np.ones((count, count), bool))
         hidden = self._hidden(tokens, self.committed + np.arange(count), rows)
+        self._capture_hidden(hidden)
         return self.model.logits(hidden[-1:])[0].cpu().numpy()
 
     # ------------------------------------------------------------ the model call
