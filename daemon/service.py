@@ -167,6 +167,8 @@ class Service:
         specs = worker_specs(self.config, self.log_format, decision.runtime)
         vocab = max(vocab_size_of(self.config.target.folder),
                     vocab_size_of(self.config.draft.folder))  # fmt: skip
+        if decision.runtime == "head":  # a slot also holds a tree's features
+            vocab = max(vocab, vocab_size_of(self.config.target.folder, "hidden_size"))
         self.arena = self.instance.create_arena(
             self.config.arena_slots, self.config.max_tree_nodes * vocab * 4
         )

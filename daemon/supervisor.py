@@ -49,14 +49,15 @@ def roles(placement: str) -> Roles:
     return Roles("cpu", "gpu") if placement == "draft-cpu" else Roles("gpu", "cpu")
 
 
-def vocab_size_of(folder: str) -> int:
-    """The logits width of a model folder, read from config.json without loading anything."""
+def vocab_size_of(folder: str, key: str = "vocab_size") -> int:
+    """The logits width (or another ``key``: "hidden_size", the feature width) of a model
+    folder, read from config.json without loading anything."""
     path = Path(folder) / "config.json"
     try:
         config = json.loads(path.read_text())
-        return int(config.get("text_config", config)["vocab_size"])
+        return int(config.get("text_config", config)[key])
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise StartupError(f"cannot read the vocabulary size from {path}: {error}") from None
+        raise StartupError(f"cannot read {key} from {path}: {error}") from None
 
 
 def worker_specs(config: DaemonConfig, log_format: str,

@@ -32,7 +32,12 @@ from tokenizers import Tokenizer
 from hetspec.models.corpus import stdlib_sources
 from hetspec.models.train_demo import chat_examples, cosine_lr, encode_documents, windows
 from hetspec.workers.torch_runtime.config import ModelConfig
-from hetspec.workers.torch_runtime.draft_head import DraftHead, HeadConfig, load_target_pieces
+from hetspec.workers.torch_runtime.draft_head import (
+    HEAD_CONFIG,
+    DraftHead,
+    HeadConfig,
+    load_target_pieces,
+)
 from hetspec.workers.torch_runtime.model import rope_tables
 from hetspec.workers.torch_runtime.tokenizer import FolderTokenizer
 from hetspec.workers.torch_runtime.weights import load_model
@@ -219,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     state = {name: p.detach().to(torch.float16).contiguous() for name, p in head.named_parameters()}
     save_file(state, str(args.out / "model.safetensors"))
     config.save(args.out)
+    # safetensors creates its file owner-only; give it the umask's mode like the config
+    (args.out / "model.safetensors").chmod((args.out / HEAD_CONFIG).stat().st_mode & 0o777)
     report = {
         "shape": {"blocks": config.blocks, "fusion": config.fusion, "width": config.width},
         "parameters": parameters,

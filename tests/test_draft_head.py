@@ -230,3 +230,32 @@ def test_llama_cpp_reports_the_same_features_and_logits_with_them() -> None:
     np.testing.assert_allclose(runtime.last_logits(), plain_first, atol=1e-4)
     assert runtime.last_logits().argmax() == plain_first.argmax()
     runtime.close()
+
+
+# ------------------------------------------------------------------ the daemon
+
+
+@pytest.mark.skipif(not (BUNDLED_HEAD / "head_config.json").exists(), reason="no bundled head")
+def test_draft_gpu_drafts_with_the_bundled_head_and_it_accepts_more(tmp_path) -> None:
+    """The daemon's default draft-gpu drafts with the head (its device says so), and on
+    held-out code the head's chains of 4 are accepted further than the draft model's."""
+    from test_lossless import BundledDaemon  # noqa: PLC0415
+
+    from hetspec.client.bench import prompt_set  # noqa: PLC0415
+
+    prompts = prompt_set(3)[:3]
+    accepted = {}
+    for name, extra in (("head", ()), ("model", ("--set", 'draft_head="none"'))):
+        daemon = BundledDaemon(tmp_path / name, "draft-gpu", *extra)
+        try:
+            total = rounds = 0
+            for prompt in prompts:
+                body = daemon.generate(prompt, max_tokens=48, ignore_eos=True,
+                                       mode="sequential", gamma=4)  # fmt: skip
+                total += body["timings"]["draft_n_accepted"]
+                rounds += body["speculative"]["rounds"]
+                assert ("draft head" in body["devices"]["draft"]) == (name == "head")
+            accepted[name] = total / rounds
+        finally:
+            daemon.stop()
+    assert accepted["head"] > 1.2 * accepted["model"], accepted

@@ -17,6 +17,8 @@ from safetensors import safe_open
 from hetspec.models.gguf_export import export_gguf
 from hetspec.models.heavy import (
     DEFAULT_TYPES,
+    HEAD_FOLDER,
+    HEAD_SOURCE,
     PRESETS,
     HeavyModelError,
     ensure_heavy,
@@ -89,6 +91,28 @@ def test_llama_cpp_logits_equal_the_bundled_targets(heavy, gguf_type, tmp_path) 
         runtime.close()
     # the trained blocks quantize exactly as in the bundled export, so even q4_0 agrees
     assert_same_predictions(logits["ours"], logits["bundled"])
+
+
+@pytest.mark.skipif(not (HEAD_SOURCE / "head_config.json").exists(), reason="no bundled head")
+def test_the_bundled_head_widened_drafts_for_it_as_for_the_bundled_target(heavy) -> None:
+    """A heavy target's features are the bundled target's, zero-padded: its draft-head (the
+    bundled head with zero input columns) drafts as the bundled head does."""
+    from hetspec.workers.torch_runtime.head_runtime import HeadRuntime  # noqa: PLC0415
+
+    logits = []
+    for target, head in (
+        (MODELS / "target", HEAD_SOURCE),
+        (heavy.folder, heavy.folder / HEAD_FOLDER),
+    ):
+        verifier = TorchRuntime(target, dtype="float32", max_context=512)
+        tokens = verifier.tokenize(TEXT)[:200]
+        with verifier.features_captured() as sink:
+            verifier.prefill(tokens)
+        drafter = HeadRuntime(head, target=target, dtype="float32", max_context=512)
+        drafter.prefill(tokens, features=np.concatenate(sink), start=0)
+        chain = drafter.evaluate_tree(tokens[100:140], chain_parents(40))
+        logits.append(np.concatenate([drafter.last_logits()[None], chain]))
+    assert_same_predictions(logits[1], logits[0])
 
 
 def test_a_second_call_reuses_the_cache(heavy, capfd) -> None:

@@ -112,6 +112,15 @@ class HeadRuntime(TorchRuntime):
         self.provide_features(self.committed - 1, features)
         self.append(tokens)
 
+    def warm_up(self, max_width: int) -> None:
+        """Flat trees of every width up to ``max_width`` (a draft step evaluates one node
+        per branch, all at one depth), then forget them; chains would go one node at a time."""
+        self.rollback(0)
+        self.append([0])
+        for nodes in range(1, min(max_width, self.capacity - 1) + 1):
+            self.forward_tree([0] * nodes, [-1] * nodes)
+        self.rollback(0)
+
     # ------------------------------------------------------------ TreeRuntime hooks
 
     def _reset_pending(self) -> None:
