@@ -87,7 +87,7 @@ def speed(target, prompts: list[str], max_tokens: int, out: Path) -> list[str]:
     mismatches = 0
     for turn in range(2):
         for name, settings in systems:
-            log = f"hetspecd-{target.name}-{name.replace(' ', '-')}-{turn}"
+            log = f"{target.name}-{name.replace(' ', '-')}-{turn}"
             with daemon("draft-gpu", None, out, target, settings=settings, name=log) as client:
                 runtime = (client.props().get("gpu_runtime") or {}).get("runtime", "?")
                 print(f"{target.name} {name} (GPU worker: {runtime}), turn {turn + 1}",
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         results = {}
         for name, settings in head_systems(args.ablation):
-            log = "hetspecd-head-" + "".join(c if c.isalnum() else "-" for c in name)
+            log = "head-" + "".join(c if c.isalnum() else "-" for c in name)
             with daemon("draft-gpu", None, args.out, settings=settings, name=log) as client:
                 print(f"acceptance: {name}", file=sys.stderr, flush=True)
                 client.generate(prompts[0], max_tokens=16)  # warm-up

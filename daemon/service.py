@@ -401,10 +401,11 @@ class Service:
         devices = {"target": verifier.ready.device, "draft": drafter.ready.device}
         # a slot comes back once no call of this run may still write it (cancelled ones too)
         settled = self.supervisor.settled
+        head = drafter.spec.runtime == "head"  # it reads the verifier's features
         async with (
             self.slots.lease(run_id, settled) as draft_slot,
             self.slots.lease(run_id, settled) as verify_slot,
-            self.slots.lease(run_id, settled) as feature_slot,  # a draft head's input
+            self.slots.lease(run_id, settled) if head else _no_slot() as feature_slot,
         ):
             result = GenerationResult()
             stats, controller = SpeculativeStats(), self.controllers.get(mode)
@@ -418,10 +419,8 @@ class Service:
                 if mode == "autoregressive":
                     return generate(body, verifier, draft_slot, result, arena=self.arena,
                                     cores=self.spare_cores)  # fmt: skip
-                head = drafter.spec.runtime == "head"
                 pair = WorkerPair(drafter, verifier, self.arena, draft_slot, verify_slot,
-                                  self.spare_cores, self.verify_cores,
-                                  feature_slot if head else -1)  # fmt: skip
+                                  self.spare_cores, self.verify_cores, feature_slot)  # fmt: skip
                 return Decoder(body, pair, controller, stats, plan=fixed).stream(result)
 
             def reset() -> None:  # for a start over: what the first attempt counted goes
@@ -500,3 +499,9 @@ def _model_name(folder: str) -> str:
     """The name /v1/models serves: the target's folder name (the bundled pair: hetspec-demo)."""
     path = Path(folder).resolve()
     return "hetspec-demo" if path == (BUNDLED_MODELS / "target").resolve() else path.name
+
+
+@contextlib.asynccontextmanager
+async def _no_slot() -> AsyncIterator[int]:
+    """The feature slot of a pair whose drafter reads no features: none (-1)."""
+    yield -1

@@ -18,7 +18,8 @@ ALLOWED = {
     "hetspec": set(),
     "protocol": set(),
     "speculative": {"hetspec.protocol"},
-    "models": set(),
+    # training builds the runtime's own model classes (the draft head, the target's loader)
+    "models": {"hetspec.workers"},
     # the native kernels: C code and its bindings, for the workers alone
     "native": set(),
     "workers": {"hetspec", "hetspec.protocol", "hetspec.speculative", "hetspec.native"},

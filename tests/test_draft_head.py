@@ -248,6 +248,7 @@ def test_draft_gpu_drafts_with_the_bundled_head_by_default(tmp_path) -> None:
     prompts = prompt_set(3)[:3]
     accepted = {}
     for name, extra in (("head", ()), ("model", ("--set", 'draft_head="none"'))):
+        (tmp_path / name).mkdir()
         daemon = BundledDaemon(tmp_path / name, "draft-gpu", *extra)
         try:
             total = rounds = 0

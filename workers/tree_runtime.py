@@ -273,6 +273,12 @@ class TreeRuntime(ABC, Generic[Output]):
         The longest common prefix with what is committed stays in the cache (a chat's earlier
         turns); at least one token is re-evaluated so the next-token logits are fresh.
         """
+        common = self._rollback_to_common_prefix(prompt)
+        self.append(prompt[common:], chunk_size)
+        return common
+
+    def _rollback_to_common_prefix(self, prompt: Sequence[int]) -> int:
+        """Roll back to the longest prefix shared with ``prompt`` but its last token; its length."""
         if not len(prompt):
             raise RuntimeUsageError("the prompt is empty")
         common = 0
@@ -282,7 +288,6 @@ class TreeRuntime(ABC, Generic[Output]):
             common += 1
         common = min(common, len(prompt) - 1)
         self.rollback(common)
-        self.append(prompt[common:], chunk_size)
         return common
 
     # ------------------------------------------------------------ drafting

@@ -21,6 +21,17 @@ class ModelLoadError(ValueError):
     """A model folder that cannot be loaded; the message names the folder and the problem."""
 
 
+def read_folder_json(folder: Path, name: str, kind: str) -> dict:
+    """``folder``/``name`` parsed; a missing or unreadable file is a ``ModelLoadError``."""
+    path = Path(folder) / name
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"{folder}: no {name}; is this {kind}?") from None
+    except (OSError, json.JSONDecodeError) as error:
+        raise ModelLoadError(f"{path}: unreadable: {error}") from None
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     theta: float
@@ -54,13 +65,7 @@ class ModelConfig:
 
     @classmethod
     def from_folder(cls, folder: Path) -> ModelConfig:
-        path = Path(folder) / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ModelLoadError(f"{folder}: no config.json; is this a model folder?") from None
-        except (OSError, json.JSONDecodeError) as error:
-            raise ModelLoadError(f"{path}: unreadable: {error}") from None
+        raw = read_folder_json(folder, "config.json", "a model folder")
         try:
             return cls.from_dict(raw)
         except ModelLoadError as error:

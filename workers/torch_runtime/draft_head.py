@@ -27,7 +27,12 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from hetspec.workers.torch_runtime.config import ModelConfig, ModelLoadError, RopeScaling
+from hetspec.workers.torch_runtime.config import (
+    ModelConfig,
+    ModelLoadError,
+    RopeScaling,
+    read_folder_json,
+)
 from hetspec.workers.torch_runtime.model import DecoderLayer, RMSNorm, apply_rope
 from hetspec.workers.torch_runtime.weights import checkpoint_files
 
@@ -64,12 +69,7 @@ class HeadConfig:
     @classmethod
     def from_folder(cls, folder: Path) -> HeadConfig:
         path = Path(folder) / HEAD_CONFIG
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ModelLoadError(f"{folder}: no {HEAD_CONFIG}; is this a draft head?") from None
-        except (OSError, json.JSONDecodeError) as error:
-            raise ModelLoadError(f"{path}: unreadable: {error}") from None
+        raw = read_folder_json(folder, HEAD_CONFIG, "a draft head")
         if raw.pop("format", None) != FORMAT_VERSION:
             raise ModelLoadError(f"{path}: not a format-{FORMAT_VERSION} draft head config")
         try:

@@ -93,13 +93,7 @@ class HeadRuntime(TorchRuntime):
         """``TreeRuntime.prefill``, with the target's features of positions ``start``.."""
         if features is None:
             return super().prefill(prompt, chunk_size)
-        common = 0
-        for mine, theirs in zip(self.tokens, prompt, strict=False):
-            if mine != theirs:
-                break
-            common += 1
-        common = min(common, len(prompt) - 1)
-        self.rollback(common)
+        common = self._rollback_to_common_prefix(prompt)
         self.provide_features(start, features)
         self.append(prompt[common:], chunk_size)
         return common
