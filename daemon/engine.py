@@ -196,7 +196,7 @@ class Decoder:
         # the next plan is weighed while the drafter drafts: the verification may borrow
         # every core, and a core taken from it stalls all its threads
         drafted, draft, draft_s = await self._choosing_ahead(
-            self.drafter.draft(plan.gamma, plan.branches, self.params, scale)
+            self.drafter.draft(plan.gamma, plan.branches, self.params, scale, length=self.position)
         )
         tokens, parents, origin = flatten(drafted)
         probs = self.pair.arena.view(drafted.probs)
@@ -226,7 +226,8 @@ class Decoder:
     async def _overlapped_round(self, plan: Plan, remaining: int):
         start, drafts = time.perf_counter(), []
         if self.drafter.run_ahead is None:  # the last run-ahead missed: draft afresh first
-            drafted, draft, _ = await self.drafter.draft(plan.gamma, 1, self.params)
+            drafted, draft, _ = await self.drafter.draft(plan.gamma, 1, self.params,
+                                                         length=self.position)  # fmt: skip
             self.drafter.run_ahead, drafts = Unverified.of(drafted, self.pair.arena), [draft]
         fresh_s = time.perf_counter() - start
         draft, self.drafter.run_ahead = self.drafter.run_ahead, None

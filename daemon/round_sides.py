@@ -90,8 +90,7 @@ class DrafterSide:
         self.client, self.arena, self.slot = pair.drafter, pair.arena, pair.draft_slot
         self._prompt, self._seed = prompt, seed
         self.prefill: asyncio.Future | None = None
-        self.unseen: list[int] = []
-        self.unseen_start = len(prompt)  # the position of unseen[0]
+        self.unseen: list[int] = []  # the sequence's last tokens, emitted since its last draft
         self.run_ahead: Unverified | None = None
         # a draft head's: the prompt's features (from the verifier's prefill), then the rest
         self.prompt_features: tuple[int, np.ndarray] | None = None
@@ -110,33 +109,34 @@ class DrafterSide:
             self.prefill = asyncio.ensure_future(self.client.call(command, arrays))
         return self.prefill
 
-    def _appended_features(self) -> tuple[m.ArrayRef | None, tuple]:
-        """The features before each unseen token, where the verifier reported them all."""
+    def _appended_features(self, length: int) -> tuple[m.ArrayRef | None, tuple]:
+        """The features before each unseen token (the last of ``length`` emitted), where the
+        verifier reported them all."""
         if self.features is None or not self.unseen:
             return None, ()
-        rows = self.features.take(self.unseen_start - 1, len(self.unseen))
+        rows = self.features.take(length - len(self.unseen) - 1, len(self.unseen))
         return (None, ()) if rows is None else (frame_ref(rows, 1), (rows,))
 
     def idle(self) -> bool:
         return self.prefill is None or self.prefill.done()
 
-    async def draft(
-        self, gamma: int, branches: int, params: SamplingParams, rule_scale: float | None = None
-    ) -> tuple[m.Drafted, DraftCall, float]:
-        """Draft after appending what it has not seen; the reply, its cost and the call's
-        seconds. The append's forward yields the first token's distribution, so gamma tokens
-        cost gamma forwards; a long catch-up (after rounds without a draft) is not a step, so
-        then the steps are timed from the others."""
+    async def draft(self, gamma: int, branches: int, params: SamplingParams,
+                    rule_scale: float | None = None, *,
+                    length: int) -> tuple[m.Drafted, DraftCall, float]:  # fmt: skip
+        """Draft after appending what it has not seen (the sequence being ``length`` tokens
+        long); the reply, its cost and the call's seconds. The append's forward yields the
+        first token's distribution, so gamma tokens cost gamma forwards; a long catch-up
+        (after rounds without a draft) is not a step, so then the steps are timed from the
+        others."""
         await self.start_prefill()
         start = time.perf_counter()
-        features, arrays = self._appended_features()
+        features, arrays = self._appended_features(length)
         drafted, _ = await self.client.call(m.Draft(
             request=self.client.next_request(), steps=gamma, sampling=params, out=self.slot,
             branches=branches, append=self.unseen, dynamic=rule_scale, features=features),
             arrays)  # fmt: skip
         seconds = time.perf_counter() - start
         appended, self.unseen = len(self.unseen), []
-        self.unseen_start += appended
         branches, steps = len(drafted.tokens), len(drafted.tokens[0])
         if rule_scale is not None and branches > 1:
             steps += 1  # the rule's look at the top sequence's second token

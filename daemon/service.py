@@ -55,7 +55,7 @@ from hetspec.daemon.supervisor import (
     StartupError,
     Supervisor,
     WorkerUnavailable,
-    vocab_size_of,
+    config_number_of,
     worker_specs,
 )
 from hetspec.daemon.systemd import Notifier, activated_sockets, watchdog_loop
@@ -165,10 +165,10 @@ class Service:
                 controller.assume_verifier(costs)
         self.notifier.status("loading the models")
         specs = worker_specs(self.config, self.log_format, decision.runtime)
-        vocab = max(vocab_size_of(self.config.target.folder),
-                    vocab_size_of(self.config.draft.folder))  # fmt: skip
+        vocab = max(config_number_of(self.config.target.folder),
+                    config_number_of(self.config.draft.folder))  # fmt: skip
         if decision.runtime == "head":  # a slot also holds a tree's features
-            vocab = max(vocab, vocab_size_of(self.config.target.folder, "hidden_size"))
+            vocab = max(vocab, config_number_of(self.config.target.folder, "hidden_size"))
         self.arena = self.instance.create_arena(
             self.config.arena_slots, self.config.max_tree_nodes * vocab * 4
         )

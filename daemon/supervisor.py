@@ -49,9 +49,9 @@ def roles(placement: str) -> Roles:
     return Roles("cpu", "gpu") if placement == "draft-cpu" else Roles("gpu", "cpu")
 
 
-def vocab_size_of(folder: str, key: str = "vocab_size") -> int:
-    """The logits width (or another ``key``: "hidden_size", the feature width) of a model
-    folder, read from config.json without loading anything."""
+def config_number_of(folder: str, key: str = "vocab_size") -> int:
+    """A number of a model folder's config.json ("vocab_size": the logits width,
+    "hidden_size": the feature width), read without loading anything."""
     path = Path(folder) / "config.json"
     try:
         config = json.loads(path.read_text())

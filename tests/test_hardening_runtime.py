@@ -17,7 +17,7 @@ from test_worker_process import LOAD_TIMEOUT, spec
 from tiny_models import write_tiny_gguf_llama, write_tiny_pair
 
 from hetspec.daemon.instance import Instance
-from hetspec.daemon.supervisor import vocab_size_of
+from hetspec.daemon.supervisor import config_number_of
 from hetspec.daemon.worker_client import WorkerClient, WorkerStartError
 from hetspec.protocol.arena import SHM_DIR, Arena, ArenaError, ArenaLayout
 
@@ -180,7 +180,7 @@ def test_a_missing_runtime_dir_is_made_0750_and_its_parents_0755_whatever_the_um
 
 
 def test_a_dev_shm_too_small_for_the_arena_is_one_clear_line(tmp_path, models) -> None:
-    vocab = max(vocab_size_of(str(models[name].parent)) for name in ("target", "draft"))
+    vocab = max(config_number_of(str(models[name].parent)) for name in ("target", "draft"))
     slot_bytes = 64 * vocab * 4  # max_tree_nodes x vocabulary x float32
     info = os.statvfs(SHM_DIR)
     free = info.f_bavail * info.f_frsize

@@ -318,10 +318,18 @@ class Worker:
             yield sink
 
     @staticmethod
-    def _stacked(engine, sink: list[np.ndarray] | None) -> np.ndarray | None:
-        if sink is None:
-            return None
+    def _stacked(engine, sink: list[np.ndarray]) -> np.ndarray:
         return np.concatenate(sink) if sink else np.zeros((0, engine.feature_size), np.float32)
+
+    def _reported(self, reply, engine, sink: list[np.ndarray] | None) -> tuple:
+        """``reply`` with the features ``sink`` collected, ending at the committed end, in a
+        frame (none asked: as it is)."""
+        if sink is None:
+            return reply, ()
+        rows = self._stacked(engine, sink)
+        reply = msgspec.structs.replace(reply, features=frame_ref(rows, 1),
+                                        features_start=engine.committed - len(rows))  # fmt: skip
+        return reply, (rows,)
 
     def prefill(self, command: m.Prefill, frames) -> tuple:
         start = time.perf_counter()
@@ -342,12 +350,7 @@ class Worker:
         elapsed = (time.perf_counter() - start) * 1000
         committed = engine.committed
         reply = m.Prefilled(command.request, reused, committed, elapsed, logits)
-        rows = self._stacked(engine, sink)
-        if rows is None:
-            return reply, ()
-        reply = msgspec.structs.replace(reply, features=frame_ref(rows, 1),
-                                        features_start=committed - len(rows))  # fmt: skip
-        return reply, (rows,)
+        return self._reported(reply, engine, sink)
 
     def draft(self, command: m.Draft, frames) -> tuple:
         start = time.perf_counter()
@@ -394,12 +397,7 @@ class Worker:
                                    logprobs=logprobs, top=command.logprobs or 0)  # fmt: skip
         elapsed = (time.perf_counter() - start) * 1000
         reply = m.Decoded(command.request, tokens, elapsed, logprobs or [])
-        rows = self._stacked(engine, sink)
-        if rows is None:
-            return reply, ()
-        reply = msgspec.structs.replace(reply, features=frame_ref(rows, 1),
-                                        features_start=engine.committed - len(rows))  # fmt: skip
-        return reply, (rows,)
+        return self._reported(reply, engine, sink)
 
     def verify(self, command: m.VerifyTree, frames) -> tuple:
         start = time.perf_counter()
