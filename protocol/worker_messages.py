@@ -22,7 +22,7 @@ from hetspec.protocol.arena import ArenaLayout, ArrayRef
 from hetspec.protocol.sampling import SamplingParams, TokenLogprob
 from hetspec.protocol.vocab import VocabInfo
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 
 class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"):
@@ -138,6 +138,9 @@ class Draft(_Message, tag="draft"):
     spare_cores: bool = False
     # a draft head's input: row i is the target's feature of the position before append[i]
     features: ArrayRef | None = None
+    # EAGLE-2's dynamic tree, (depth, top_k): the ``steps`` likeliest of the nodes drafted by
+    # expanding the top_k likeliest of each layer; the reply's ``parents`` give its shape
+    tree: tuple[int, int] | None = None
 
 
 class Decode(_Message, tag="decode"):
@@ -264,6 +267,11 @@ class Drafted(_Message, tag="drafted"):
     elapsed_ms: float
     append_ms: float = 0.0  # of elapsed_ms, the time spent on the command's ``append``
     root: int = -1  # the pending node the branches hang from (-1: the committed end)
+    # a tree draft: one row of ``tokens`` and ``nodes`` holds the nodes ranked best first
+    # (parents before children); ``parents`` per node (-1: the committed end), and the
+    # draft's probability of each node's path; ``probs`` is then empty (nodes are chosen)
+    parents: list[int] = []
+    path_probabilities: list[float] = []
 
 
 class Decoded(_Message, tag="decoded"):

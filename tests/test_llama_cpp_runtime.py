@@ -194,6 +194,55 @@ def test_dynamic_draft_branches_by_the_drafters_uncertainty(runtime, prompt) -> 
     assert_close(runtime.last_logits(), logits_after(runtime, prompt + accepted))
 
 
+def _paths_expanded_by_hand(runtime, prompt, depth: int, top_k: int) -> dict[tuple, float]:
+    """EAGLE-2's expansion done the slow way, every evaluated path as a plain sequence: each
+    drafted path and its probability under the softmax of the draft's logits."""
+    drafted: dict[tuple, float] = {}
+    layer = [((), 1.0)]
+    for _ in range(depth):
+        grown = []
+        for path, probability in sorted(layer, key=lambda item: -item[1])[:top_k]:
+            logits = logits_after(runtime, prompt + list(path)).astype(np.float64)
+            row = np.exp(logits - logits.max())
+            row /= row.sum()
+            for token in np.argsort(-row, kind="stable")[:top_k].tolist():
+                grown.append(((*path, token), probability * row[token]))
+        drafted.update(grown)
+        layer = grown
+    return drafted
+
+
+def test_a_dynamic_tree_drafts_eagle2s_likeliest_nodes(runtime, prompt) -> None:
+    depth, top_k, size = 3, 3, 8
+    runtime.prefill(prompt)
+    tree = runtime.draft_tree(depth, top_k, size, SamplingParams(), DrawnSampler(0))
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    assert len(tokens) == size
+    assert all(parent < index for index, parent in enumerate(parents))
+    assert np.all(np.diff(tree.probabilities) <= 1e-12)  # ranked best first
+    paths = [tuple(tokens[node] for node in path_to(index, tree.parents))
+             for index in range(size)]  # fmt: skip
+    by_hand = _paths_expanded_by_hand(runtime, prompt, depth, top_k)
+    best = sorted(by_hand.values(), reverse=True)[:size]
+    for path, probability in zip(paths, tree.probabilities.tolist(), strict=True):
+        assert by_hand[path] == pytest.approx(probability, rel=1e-3)
+    np.testing.assert_allclose(tree.probabilities, best, rtol=1e-3)
+    # an accepted path of evaluated nodes is reused, not recomputed
+    runtime.prefill(prompt)
+    tree = runtime.draft_tree(depth, top_k, size, SamplingParams(), DrawnSampler(0))
+    deepest = max(range(size), key=lambda node: len(path_to(node, tree.parents)))
+    accepted = [int(tree.tokens[node]) for node in path_to(deepest, tree.parents)] + [5]
+    runtime.append(accepted)
+    assert runtime.tokens == prompt + accepted
+    assert_close(runtime.last_logits(), logits_after(runtime, prompt + accepted))
+
+
+def test_a_dynamic_tree_refuses_an_empty_shape(runtime, prompt) -> None:
+    runtime.prefill(prompt)
+    with pytest.raises(RuntimeUsageError, match="cannot draft a tree"):
+        runtime.draft_tree(0, 2, 4, SamplingParams(), DrawnSampler(0))
+
+
 def test_sampled_branches_are_reproducible_and_drawn_from_their_rows(runtime, prompt) -> None:
     params = SamplingParams(temperature=0.9, top_k=40, top_p=0.95)
     runtime.prefill(prompt)

@@ -368,6 +368,15 @@ class Worker:
         elif command.append:
             engine.append(command.append)
         append_ms = (time.perf_counter() - start) * 1000
+        if command.tree is not None:
+            depth, top_k = command.tree
+            tree = engine.draft_tree(depth, top_k, command.steps, command.sampling, self.sampler)
+            probs = m.ArrayRef("<f4", (1, 0, engine.vocab_size), slot=command.out)
+            reply = m.Drafted(command.request, [tree.tokens.tolist()], [tree.nodes.tolist()],
+                              probs, (time.perf_counter() - start) * 1000, append_ms,
+                              parents=tree.parents.tolist(),
+                              path_probabilities=tree.probabilities.tolist())  # fmt: skip
+            return reply, ()
         result = engine.draft(
             command.steps,
             command.sampling,

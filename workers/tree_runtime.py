@@ -19,9 +19,10 @@ import numpy as np
 
 from hetspec.protocol.sampling import TokenLogprob
 from hetspec.speculative.branching import branch_length, uncertainty_branches
+from hetspec.speculative.dynamic_tree import rank_nodes
 from hetspec.speculative.logprobs import token_logprob
-from hetspec.speculative.samplers import Sampler, pick, proposals
-from hetspec.speculative.sampling import SamplingParams, distribution
+from hetspec.speculative.samplers import KeyedSampler, Sampler, pick, proposals
+from hetspec.speculative.sampling import SamplingParams, distribution, top_tokens
 from hetspec.speculative.tree import (
     ROOT,
     ancestor_mask,
@@ -46,6 +47,16 @@ class DraftResult:
     # but not evaluated (its keys/values are computed only if it is accepted).
     nodes: np.ndarray
     root: int = -1  # the pending node the branches hang from (-1: the committed end)
+
+
+@dataclass(frozen=True)
+class TreeDraftResult:
+    """A dynamic tree draft: its nodes ranked best first, each parent before its children."""
+
+    tokens: np.ndarray  # (n,) int64
+    parents: np.ndarray  # (n,) int64: an earlier node of this list, or -1 (the committed end)
+    probabilities: np.ndarray  # (n,) float64: the draft's probability of each node's path
+    nodes: np.ndarray  # (n,) the pending-tree node of each, -1 where not evaluated
 
 
 class TreeRuntime(ABC, Generic[Output]):
@@ -389,6 +400,70 @@ class TreeRuntime(ABC, Generic[Output]):
             distribution(self._step_logits(output), params, out=out[:, step])
             tokens[:, step] = pick(out[:, step], params, sampler, position + step)
         return DraftResult(tokens, out, nodes, root)
+
+    def draft_tree(self, depth: int, top_k: int, size: int, params: SamplingParams,
+                   sampler: Sampler) -> TreeDraftResult:  # fmt: skip
+        """EAGLE-2's dynamic tree from the committed end (``speculative.dynamic_tree``):
+        ``depth`` layers, each expanding the ``top_k`` likeliest nodes of the layer before into
+        their ``top_k`` likeliest children (one forward per layer after the first); then the
+        ``size`` likeliest drafted nodes, ranked.
+
+        Children are chosen, not drawn: the best tokens of the draft's distribution (after the
+        request's warping), or for a keyed sampler the best of its keyed scores (the target's
+        own choice is the best of those). So a sampled request's verification must treat each
+        node as proposed with certainty (a one-hot draft row), which keeps it lossless for a
+        tree chosen in any way that does not look at the target."""
+        if depth < 1 or not 1 <= top_k <= self.vocab_size or size < 1:
+            raise RuntimeUsageError(f"cannot draft a tree of depth {depth}, {top_k} children "
+                                    f"a node and {size} nodes")  # fmt: skip
+        first = distribution(self.last_logits(), params)
+        self.discard_pending()
+        position = self.committed
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        layers: list[int] = []
+        nodes: list[int] = []
+
+        def grow(row: np.ndarray, parent: int, at: int, layer: int) -> list[int]:
+            if isinstance(sampler, KeyedSampler) and not params.greedy:
+                chosen = sampler.candidates(row, at, top_k)
+            else:
+                chosen = top_tokens(row, top_k)
+            base = scores[parent] if parent != ROOT else 0.0
+            added = []
+            for token in chosen.tolist():
+                if row[token] <= 0:  # outside the warped distribution: never accepted
+                    continue
+                added.append(len(tokens))
+                tokens.append(int(token))
+                parents.append(parent)
+                scores.append(base + float(np.log(row[token])))
+                layers.append(layer)
+                nodes.append(-1)
+            return added
+
+        layer = grow(first, ROOT, position, 0)
+        for level in range(1, depth):
+            expand = sorted(layer, key=lambda node: -scores[node])[:top_k]
+            if not expand:
+                break
+            start = self.pending
+            output = self.forward_tree(
+                [tokens[node] for node in expand],
+                [nodes[parents[node]] if parents[node] != ROOT else ROOT for node in expand],
+                extend=True,
+            )
+            rows = distribution(self._step_logits(output), params)
+            layer = []
+            for row, node in enumerate(expand):
+                nodes[node] = start + row
+                layer += grow(rows[row], node, position + level, level)
+        order, ranked_parents = rank_nodes(parents, scores, layers, size)
+        return TreeDraftResult(
+            np.asarray(tokens, np.int64)[order], ranked_parents,
+            np.exp(np.asarray(scores, np.float64)[order]), np.asarray(nodes, np.int64)[order],
+        )  # fmt: skip
 
     def _draft_dynamic(
         self, budget: int, params: SamplingParams, sampler: Sampler, cap: int, scale: float

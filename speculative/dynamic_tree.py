@@ -1,0 +1,83 @@
+"""EAGLE-2's dynamic draft tree: grow where the draft is confident, verify the likeliest nodes.
+
+The drafter expands, at each depth, the ``top_k`` likeliest nodes of the newest layer (their
+score: the product of the draft's probabilities along the path from the committed end, kept
+as a sum of logs) into their ``top_k`` likeliest children each. Then every drafted node is
+ranked by score and the best ones form the tree to verify. A child never scores above its
+parent (each factor is at most 1), so in the order of descending score, ties broken by depth,
+parents come before their children: every prefix of that order is a tree, and how many nodes
+to verify can be decided after drafting, from the scores and the measured cost of each width.
+
+A node's score estimates the chance that verification accepts it (EAGLE-2's observation that
+a draft's confidence tracks its acceptance): the sum of the kept scores estimates the tokens a
+round accepts. ``Calibration`` learns how far the estimate is off on this text and draft.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetspec.speculative.tree import ROOT
+
+
+def rank_nodes(parents: Sequence[int], scores: Sequence[float], depths: Sequence[int],
+               size: int) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """The ``size`` best drafted nodes as a tree: (indices into the drafted nodes, best first,
+    each parent before its children; their parents, renumbered into that list, -1 for the
+    committed end). ``scores``: log-probabilities of each node's path, a child's no higher
+    than its parent's."""
+    scores, depths = np.asarray(scores, np.float64), np.asarray(depths, np.int64)
+    order = np.lexsort((np.arange(len(scores)), depths, -scores))[: max(size, 0)]
+    position = {int(node): index for index, node in enumerate(order)}
+    renumbered = np.empty(len(order), np.int64)
+    for index, node in enumerate(order):
+        parent = int(parents[node])
+        if parent != ROOT and parent not in position:
+            raise ValueError(f"node {int(node)} ranks above its parent {parent}: the scores "
+                             f"must not rise from a parent to its children")  # fmt: skip
+        renumbered[index] = ROOT if parent == ROOT else position[parent]
+    return order, renumbered
+
+
+@dataclass
+class Calibration:
+    """Accepted tokens over the tokens the scores expected, averaged over recent rounds
+    (exponentially, ``decay`` per round); starts at ``prior``."""
+
+    prior: float = 1.0
+    decay: float = 0.9
+    _accepted: float = 0.0
+    _expected: float = 0.0
+
+    def observe(self, expected: float, accepted: int) -> None:
+        self._accepted = self._accepted * self.decay + accepted
+        self._expected = self._expected * self.decay + expected
+
+    @property
+    def factor(self) -> float:
+        if self._expected <= 0:
+            return self.prior
+        weight = min(self._expected, 4.0) / 4.0  # few rounds seen: lean on the prior
+        measured = self._accepted / self._expected
+        return weight * measured + (1 - weight) * self.prior
+
+
+def best_width(probabilities: Sequence[float], factor: float, draft_s: float,
+               verify_s: Callable[[int], float | None]) -> int:  # fmt: skip
+    """How many of the ranked nodes to verify (at least 1): the count n whose round commits
+    the most tokens per second, (1 + factor * sum of the first n path probabilities) /
+    (draft_s + verify_s(n + 1)); ``verify_s(width)`` is None where the cost is not known,
+    and such widths are not chosen (unless none is known: then all nodes)."""
+    expected = 1 + factor * np.cumsum(np.asarray(probabilities, np.float64))
+    best, best_rate = len(expected), -1.0
+    for count in range(1, len(expected) + 1):
+        seconds = verify_s(count + 1)
+        if seconds is None:
+            continue
+        rate = expected[count - 1] / (draft_s + seconds)
+        if rate > best_rate:
+            best, best_rate = count, rate
+    return best

@@ -1,0 +1,54 @@
+"""EAGLE-2's ranking of drafted nodes and the choice of how many to verify (no model)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from hetspec.speculative.dynamic_tree import Calibration, best_width, rank_nodes
+from hetspec.speculative.tree import path_to
+
+
+def test_ranking_keeps_the_likeliest_nodes_as_a_tree() -> None:
+    # root children 0 (p .6) and 1 (.3); 0's children 2 (.6 * .9) and 3 (.6 * .05); 1's child 4
+    parents = [-1, -1, 0, 0, 1]
+    probabilities = [0.6, 0.3, 0.54, 0.03, 0.3]  # 4 ties with its parent 1 (p = 1 below it)
+    depths = [0, 0, 1, 1, 1]
+    order, ranked = rank_nodes(parents, np.log(probabilities), depths, 4)
+    assert order.tolist() == [0, 2, 1, 4]  # the tie: the parent (shallower) first
+    assert ranked.tolist() == [-1, 0, -1, 2]
+    for size in range(1, 6):  # every prefix is a tree
+        order, ranked = rank_nodes(parents, np.log(probabilities), depths, size)
+        assert all(parent < index for index, parent in enumerate(ranked.tolist()))
+        for index in range(size):
+            path = [order[node] for node in path_to(index, ranked)]
+            assert path == path_to(int(order[index]), np.array(parents))
+
+
+def test_ranking_refuses_scores_that_rise_below_a_parent() -> None:
+    with pytest.raises(ValueError, match="ranks above its parent"):
+        rank_nodes([-1, 0], [math.log(0.2), math.log(0.9)], [0, 1], 1)
+
+
+def test_the_width_is_the_one_that_commits_most_per_second() -> None:
+    probabilities = [0.9, 0.8, 0.5, 0.1, 0.05]
+    flat = best_width(probabilities, 1.0, 0.001, lambda width: 0.010)
+    assert flat == 5  # a flat cost: every node adds expected tokens for nothing
+    steep = best_width(probabilities, 1.0, 0.0, lambda width: 0.010 * width)
+    # (1 + .9) / .02 = 95, (1 + 1.7) / .03 = 90: one node
+    assert steep == 1
+    # a calibration of 2 (the scores understate acceptance) makes the second node pay
+    assert best_width(probabilities, 2.0, 0.0, lambda width: 0.010 * width) == 2
+    unknown = best_width(probabilities, 1.0, 0.0, lambda width: None if width > 3 else 0.01)
+    assert unknown == 2
+    assert best_width(probabilities, 1.0, 0.0, lambda width: None) == len(probabilities)
+
+
+def test_calibration_moves_from_its_prior_to_what_rounds_accept() -> None:
+    calibration = Calibration(prior=1.0)
+    assert calibration.factor == 1.0
+    for _ in range(30):
+        calibration.observe(expected=2.0, accepted=1)
+    assert calibration.factor == pytest.approx(0.5, abs=0.01)
