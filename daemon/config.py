@@ -97,6 +97,11 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # folder's draft-head/, else the bundled one), else the draft model; a path: that head
     # (a mismatch is an error); "none": the draft model. See head_choice.py.
     draft_head: str = "auto"
+    # EAGLE-2's dynamic draft trees in plain rounds (modes sequential and adaptive): each layer
+    # expands this many of the likeliest nodes, and the likeliest drafted nodes are verified,
+    # as many as the measured costs make pay (speculative/dynamic_tree.py). 0: chains and
+    # DuoDecoding's branches.
+    draft_tree: int = 0
     # Where both workers compute on the CPU (no CUDA), the verifier computes on the drafter's
     # cores too whenever the drafter has nothing to do: the target decoding alone, a plain
     # round's verification (see workers/spare_cores.py). False keeps each on its own cores.
@@ -163,6 +168,8 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError(f"worker_spin_us must be in 0..100000, not {self.worker_spin_us}")
         if not 1 <= self.gamma <= 32:
             raise ValueError(f"gamma must be in 1..32, not {self.gamma}")
+        if not 0 <= self.draft_tree <= 8:
+            raise ValueError(f"draft_tree must be in 0..8 (0: no trees), not {self.draft_tree}")
         if self.heartbeat_timeout_s <= 2 * self.heartbeat_s:
             raise ValueError("heartbeat_timeout_s must exceed two heartbeat_s intervals")
         if not 0 <= self.restart_wait_s <= 3600:

@@ -33,6 +33,7 @@ from hetspec.protocol import TokenLogprob, frame_array
 from hetspec.protocol import worker_messages as m
 from hetspec.speculative.branching import uncertainty_branches
 from hetspec.speculative.budget import BudgetController, Choice
+from hetspec.speculative.dynamic_tree import best_width
 from hetspec.speculative.logprobs import token_logprob
 from hetspec.speculative.rounds import DraftCall, Plan, RoundReport
 from hetspec.speculative.samplers import KeyedSampler, sampler_for
@@ -59,6 +60,15 @@ def flatten(drafted: m.Drafted) -> tuple[list[int], list[int], list[tuple[int, i
             origin.append((branch, step))
             parent = len(tokens) - 1
     return tokens, parents, origin
+
+
+def _chosen_rows(tokens: list[int], logits: np.ndarray) -> np.ndarray:
+    """A tree's nodes were chosen, not drawn: each one's draft row is certain of it, which
+    makes speculative sampling accept a node with the target's own probability of it (and
+    take it out of the target's distribution when it is rejected)."""
+    rows = np.zeros((len(tokens), logits.shape[-1]), np.float32)
+    rows[np.arange(len(tokens)), tokens] = 1.0
+    return rows
 
 
 @dataclass(frozen=True)
@@ -183,6 +193,8 @@ class Decoder:
             outcome, report = await self._alone_round(remaining)
         elif plan.overlap:
             outcome, report = await self._overlapped_round(plan, remaining)
+        elif self.controller.limits.tree_k and plan.branches == 1 and not plan.rule:
+            outcome, report = await self._tree_round(plan, remaining)
         else:
             outcome, report = await self._plain_round(plan, remaining)
         self.alone_streak = self.alone_streak + 1 if plan.gamma == 0 else 0
@@ -220,6 +232,41 @@ class Decoder:
         report = RoundReport(
             gamma, branches, len(verdict.path), rule=plan.rule, rule_k=rule_k, drafts=(draft,),
             verify_width=width, verify_s=0.0 if trial else verify_s,
+            overhead_s=time.perf_counter() - start - draft_s - verify_s)  # fmt: skip
+        return RoundOutcome(emitted, stopped, logprobs), report
+
+    async def _tree_round(self, plan: Plan, remaining: int):
+        """EAGLE-2's dynamic tree of ``plan.gamma`` layers; of its ranked nodes, the verified
+        prefix is the one that commits the most tokens per second, by the draft's path
+        probabilities (calibrated by what earlier tree rounds accepted) and the verifier's
+        measured cost per width."""
+        start = time.perf_counter()
+        limits, calibration = self.controller.limits, self.controller.tree_calibration
+        depth = min(plan.gamma, remaining)
+        size = min(limits.max_width - 1, limits.tree_k * (1 + (depth - 1) * limits.tree_k))
+        drafted, draft, draft_s = await self._choosing_ahead(self.drafter.draft_tree(
+            depth, limits.tree_k, size, self.params, length=self.position))  # fmt: skip
+        probabilities = drafted.path_probabilities
+        width = best_width(probabilities, calibration.factor, 0.0,
+                           self.controller.estimates.verify_s)  # fmt: skip
+        tokens, parents = drafted.tokens[0][:width], drafted.parents[:width]
+        cores = self.pair.verify_cores if self.pair.verifier.spec.spare_cores else None
+        spare_cores = cores is not None and cores.choose()
+        verify_start = time.perf_counter()
+        verified, _ = await self.verifier.verify(tokens, parents, spare_cores=spare_cores)
+        verify_s = time.perf_counter() - verify_start
+        trial = cores is not None and cores.exploring
+        if cores is not None:
+            size_of = self.controller.estimates.verify_size(len(tokens) + 1)
+            cores.record(spare_cores, verified.elapsed_ms / 1000 / size_of)
+        logits = self.pair.arena.view(verified.logits)
+        verdict = self._verdict(tokens, parents, logits, lambda: _chosen_rows(tokens, logits))
+        calibration.observe(float(sum(probabilities[:width])), len(verdict.path))
+        emitted, stopped, logprobs = self._emitted(verdict, tokens, remaining, logits, verified)
+        self.drafter.unseen = emitted
+        report = RoundReport(
+            depth, 1, len(verdict.path), drafts=(draft,), verify_width=len(tokens) + 1,
+            verify_s=0.0 if trial else verify_s,
             overhead_s=time.perf_counter() - start - draft_s - verify_s)  # fmt: skip
         return RoundOutcome(emitted, stopped, logprobs), report
 

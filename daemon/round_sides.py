@@ -147,6 +147,25 @@ class DrafterSide:
             steps = steps if steps >= 1 else 0
         return drafted, DraftCall(steps, branches, compute_s, latency_s), seconds
 
+    async def draft_tree(self, depth: int, top_k: int, size: int, params: SamplingParams, *,
+                         length: int) -> tuple[m.Drafted, DraftCall, float]:  # fmt: skip
+        """EAGLE-2's dynamic tree after appending what it has not seen: ``size`` nodes ranked
+        best first (see ``draft``). Its forwards: the append's, then one per layer below the
+        first, each of ``top_k`` nodes."""
+        await self.start_prefill()
+        start = time.perf_counter()
+        features, arrays = self._appended_features(length)
+        drafted, _ = await self.client.call(m.Draft(
+            request=self.client.next_request(), steps=size, sampling=params, out=self.slot,
+            append=self.unseen, features=features, tree=(depth, top_k)), arrays)  # fmt: skip
+        seconds = time.perf_counter() - start
+        appended, self.unseen = len(self.unseen), []
+        steps, compute_s = depth, drafted.elapsed_ms / 1000
+        latency_s = seconds - compute_s
+        if appended > 2:  # a catch-up is not a step
+            steps, compute_s = depth - 1, compute_s - drafted.append_ms / 1000
+        return drafted, DraftCall(steps, top_k, compute_s, latency_s), seconds
+
     def start_run_ahead(self, draft: Unverified, gamma: int,
                         params: SamplingParams) -> asyncio.Future | None:  # fmt: skip
         """Draft the next round below ``draft`` while it is verified: a guess of the bonus,

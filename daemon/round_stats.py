@@ -24,6 +24,7 @@ class SpeculativeStats:
     run_ahead: int = 0  # overlapped rounds: the drafter drafted ahead during verification
     run_ahead_held: int = 0  # ... whose run-ahead became the next draft
     rule_rounds: int = 0  # rounds drafted by DuoDecoding's uncertainty rule
+    verified_nodes: int = 0  # drafted nodes sent to verification (a tree's chosen width)
 
     def count(self, report: RoundReport) -> None:
         self.rounds += 1
@@ -32,6 +33,7 @@ class SpeculativeStats:
         self.gammas.append(report.gamma)
         self.branches.append(report.branches)
         self.rule_rounds += report.rule
+        self.verified_nodes += max(report.verify_width - 1, 0) if report.gamma else 0
         for call in report.drafts:
             self.draft_steps += call.steps
             self.draft_compute_ms += call.compute_s * 1000 if call.steps else 0.0
@@ -52,5 +54,6 @@ class SpeculativeStats:
             "t_draft_ms": None if step is None else round(step, 3),
             "t_verify_ms": round(self.verify_ms / per, 3) if per else None,
             "run_ahead": self.run_ahead, "run_ahead_held": self.run_ahead_held,
-            "rule_rounds": self.rule_rounds, "controller": controller.summary(),
+            "rule_rounds": self.rule_rounds, "verified_nodes": self.verified_nodes,
+            "controller": controller.summary(),
         }  # fmt: skip

@@ -94,10 +94,14 @@ class Service:
         # one controller for the daemon's life: costs measured in one request still hold
         width = config.max_tree_nodes - 1
         # (parallel mode's gamma is fixed: its controller only measures, for the statistics)
+        # dynamic trees replace branches (and DuoDecoding's rule) in plain rounds
+        tree = {"tree_k": config.draft_tree, "max_branches": 1} if config.draft_tree else {}
         self.controllers = {
-            "sequential": BudgetController(ControllerConfig.of(overlap=False, max_width=width)),
+            "sequential": BudgetController(
+                ControllerConfig.of(overlap=False, max_width=width, **tree)
+            ),
             "parallel": BudgetController(ControllerConfig.of(max_width=width, max_branches=1)),
-            "adaptive": BudgetController(ControllerConfig.of(max_width=width)),
+            "adaptive": BudgetController(ControllerConfig.of(max_width=width, **tree)),
         }
         # whether the target decoding alone computes on the drafter's cores too: measured
         # for the daemon's life, by every mode

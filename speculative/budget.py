@@ -23,6 +23,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from hetspec.speculative import exploration as explore
+from hetspec.speculative.dynamic_tree import Calibration
 from hetspec.speculative.estimates import EstimateConfig, Estimates
 from hetspec.speculative.exploration import ExplorationConfig, ExplorationState
 from hetspec.speculative.planning import Limits, best_plan, plan_of
@@ -75,6 +76,8 @@ class BudgetController:
     def __post_init__(self) -> None:
         self.estimates = Estimates(self.config.estimates)
         self._state = ExplorationState()
+        # how the draft's path probabilities compare with what tree rounds accept
+        self.tree_calibration = Calibration()
 
     @property
     def limits(self) -> Limits:

@@ -19,6 +19,9 @@ class Limits:
     max_width: int = 64  # nodes a verification may hold (the arena slot size)
     overlap: bool = True  # overlapped rounds (one branch) may be chosen
     rule: bool = True  # rounds drafted by DuoDecoding's rule may be chosen
+    # > 0: plain rounds draft EAGLE-2's dynamic tree instead of branches, expanding this many
+    # nodes a layer (gamma layers), and verify as many of its nodes as the costs make pay
+    tree_k: int = 0
 
     def fits(self, gamma: int, branches: int, overlap: bool = False) -> bool:
         return (int(overlap) <= gamma <= self.max_gamma and 1 <= branches <= self.max_branches

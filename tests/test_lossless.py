@@ -34,10 +34,12 @@ from hetspec.speculative.sampling import SamplingParams, distribution
 
 # the two placements (draft-gpu drafting with the bundled draft head), DuoDecoding's with the
 # verifier in llama.cpp or on hetspec's native kernels (gpu_runtime) instead of torch, and
-# Dovetail's with the independent draft model instead of the head
-PLACEMENTS = ("draft-cpu", "draft-gpu", "draft-cpu-llama", "draft-cpu-native", "draft-gpu-model")
+# Dovetail's with the independent draft model instead of the head, and the head drafting
+# EAGLE-2's dynamic trees
+PLACEMENTS = ("draft-cpu", "draft-gpu", "draft-cpu-llama", "draft-cpu-native", "draft-gpu-model",
+              "draft-gpu-tree")  # fmt: skip
 SETTINGS_BY_SUFFIX = {"-llama": 'gpu_runtime="llama.cpp"', "-native": 'gpu_runtime="native"',
-                      "-model": 'draft_head="none"'}  # fmt: skip
+                      "-model": 'draft_head="none"', "-tree": "draft_tree=3"}  # fmt: skip
 GREEDY_TOKENS = 24
 # chi-square critical values (no scipy here) at p = 0.001 and 0.0001: the table for few
 # degrees of freedom, the Wilson-Hilferty approximation (within 1% from 10 on) above it, with
@@ -273,11 +275,14 @@ SEEDS = range(1200, 2400)
 
 
 SHAPES = {"chain": {}, "branches": {"branches": 3}, "uncertainty-rule": {"branches": 3,
-          "dynamic": True}, "branches-unseeded": {"branches": 3, "seed": None}}  # fmt: skip
+          "dynamic": True}, "branches-unseeded": {"branches": 3, "seed": None},
+          "tree-unseeded": {"seed": None}}  # fmt: skip
 
 
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 def test_sampled_tokens_follow_the_targets_law(daemon, shape: dict) -> None:
+    if shape == SHAPES["tree-unseeded"] and not daemon.placement.endswith("-tree"):
+        pytest.skip("a tree's chosen nodes (one-hot draft rows): the tree placement's own")
     prompt, trials = "def add(a, b):\n", len(SEEDS)
     params = SamplingParams(temperature=1.0, top_k=6)
     law = exact_marginals(target_runtime(daemon.placement), prompt, params)
