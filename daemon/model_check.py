@@ -20,6 +20,7 @@ from pathlib import Path
 import msgspec
 
 from hetspec.daemon.config import DaemonConfig
+from hetspec.daemon.head_choice import BUNDLED_HEAD, TARGET_HEAD, mismatch
 from hetspec.daemon.model_facts import ModelFacts, read_model_facts
 from hetspec.protocol import VocabReport
 from hetspec.speculative.vocab import incompatibilities
@@ -224,6 +225,7 @@ def check(target: Model, draft: Model) -> tuple[list[str], bool]:
             verdict = "can serve" if usable else "cannot serve"
             lines.append(f'  gpu_runtime "{runtime}": {verdict}')
             lines += [side.line(context) for side in sides]
+    lines += describe_heads(target)
     vocab = target.facts.info.get(f"{target.facts.family}.vocab_size")
     if vocab:
         defaults = DaemonConfig()
@@ -233,6 +235,25 @@ def check(target: Model, draft: Model) -> tuple[list[str], bool]:
                      f"x max_tree_nodes {nodes} x {vocab} x 4 bytes)")  # fmt: skip
     lines += ["", "hetspecd.toml:", *example_config(target, draft)]
     return lines, default_ok
+
+
+def describe_heads(target: Model) -> list[str]:
+    """Which draft head draft-gpu would draft with (``draft_head = "auto"``, torch), and
+    why each candidate does or does not match the target."""
+    heading = 'draft head (draft-gpu, gpu_runtime "torch", draft_head "auto"):'
+    if target.folder is None:
+        return [heading, "  none: a head reads the target's folder (its LM head), there is none"]
+    lines, chosen = [heading], None
+    for candidate in (target.folder / TARGET_HEAD, BUNDLED_HEAD):
+        if not candidate.is_dir():
+            lines.append(f"  {candidate}: absent")
+            continue
+        problem = mismatch(candidate, target.folder)
+        if problem is None and chosen is None:
+            chosen = candidate
+        lines.append(f"  {candidate}: {'matches' if problem is None else problem}")
+    lines.append(f"  drafts with: {chosen or 'the draft model (no head matches)'}")
+    return lines
 
 
 def example_config(target: Model, draft: Model) -> list[str]:

@@ -38,6 +38,9 @@ def test_the_bundled_pair_can_be_served_everywhere() -> None:
     assert Path(config["target"]["gguf"]) == target.resolve()
     assert Path(config["target"]["folder"]) == (BUNDLED_MODELS / "target").resolve()
     assert Path(config["draft"]["folder"]).is_dir()
+    head = BUNDLED_MODELS / "head"
+    assert f"  {head}: matches" in out
+    assert f"  drafts with: {head}" in out
 
 
 def test_a_draft_with_another_tokenizer_is_refused_as_the_daemon_would(models) -> None:
@@ -58,6 +61,7 @@ def test_a_gguf_alone_serves_where_no_torch_side_needs_a_folder(models, tmp_path
     assert "GPU worker verifies with torch on the target's folder: NO, needs a model folder" in out
     assert 'gpu_runtime "llama.cpp": can serve' in out
     assert config_of(out)["target"]["folder"] == ""
+    assert "a head reads the target's folder (its LM head), there is none" in out
 
 
 def test_bad_arguments_get_one_line_each(tmp_path) -> None:
