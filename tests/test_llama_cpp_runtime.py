@@ -243,6 +243,21 @@ def test_a_dynamic_tree_refuses_an_empty_shape(runtime, prompt) -> None:
         runtime.draft_tree(0, 2, 4, SamplingParams(), DrawnSampler(0))
 
 
+@pytest.mark.skipif(not llama_cpp.llama_supports_gpu_offload(),
+                    reason="this llama.cpp build cannot offload layers to a GPU")  # fmt: skip
+def test_partial_offload_verifies_as_the_cpu_does(gguf, prompt) -> None:
+    """Dovetail's partial offload (draft-gpu: cpu_worker.gpu_layers): some of the verifier's
+    layers on the GPU give the logits the CPU gives, within half precision."""
+    cpu = LlamaCppRuntime(gguf, n_ctx=256, n_batch=64)
+    cpu.prefill(prompt)
+    expected = cpu.last_logits().copy()
+    cpu.close()
+    split = LlamaCppRuntime(gguf, n_ctx=256, n_batch=64, gpu_layers=1)
+    assert split.offloaded
+    split.prefill(prompt)
+    assert_close(split.last_logits(), expected, 2e-2)
+
+
 def test_sampled_branches_are_reproducible_and_drawn_from_their_rows(runtime, prompt) -> None:
     params = SamplingParams(temperature=0.9, top_k=40, top_p=0.95)
     runtime.prefill(prompt)
