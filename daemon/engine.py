@@ -33,7 +33,7 @@ from hetspec.protocol import TokenLogprob, frame_array
 from hetspec.protocol import worker_messages as m
 from hetspec.speculative.branching import uncertainty_branches
 from hetspec.speculative.budget import BudgetController, Choice
-from hetspec.speculative.dynamic_tree import best_width
+from hetspec.speculative.dynamic_tree import best_width, within_leaves
 from hetspec.speculative.logprobs import token_logprob
 from hetspec.speculative.rounds import DraftCall, Plan, RoundReport
 from hetspec.speculative.samplers import KeyedSampler, sampler_for
@@ -246,7 +246,10 @@ class Decoder:
         size = min(limits.max_width - 1, limits.tree_k * (1 + (depth - 1) * limits.tree_k))
         drafted, draft, draft_s = await self._choosing_ahead(self.drafter.draft_tree(
             depth, limits.tree_k, size, self.params, length=self.position))  # fmt: skip
-        probabilities = drafted.path_probabilities
+        settings = self.pair.verifier.spec.settings  # llama.cpp: a sequence id per leaf
+        leaves = settings.n_seq_max - 1 if isinstance(settings, m.LlamaCppSettings) else None
+        fits = within_leaves(drafted.parents, leaves)
+        probabilities = drafted.path_probabilities[:fits]
         width = best_width(probabilities, calibration.factor, 0.0,
                            self.controller.estimates.verify_s)  # fmt: skip
         tokens, parents = drafted.tokens[0][:width], drafted.parents[:width]

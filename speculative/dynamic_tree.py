@@ -42,6 +42,23 @@ def rank_nodes(parents: Sequence[int], scores: Sequence[float], depths: Sequence
     return order, renumbered
 
 
+def within_leaves(parents: Sequence[int], most: int | None) -> int:
+    """The longest prefix of ranked nodes (parents first) with at most ``most`` leaves: a
+    verifier may hold only so many branches (llama.cpp: a sequence id per leaf). A node
+    below a leaf keeps the count, a node below an inner node (or the root) adds one, so the
+    count never falls as the prefix grows. ``most`` None: no limit."""
+    if most is None:
+        return len(parents)
+    has_child: set[int] = set()
+    leaves = 0
+    for index, parent in enumerate(parents):
+        leaves += 0 if parent != ROOT and parent not in has_child else 1
+        has_child.add(parent)
+        if leaves > most:
+            return index
+    return len(parents)
+
+
 @dataclass
 class Calibration:
     """Accepted tokens over the tokens the scores expected, averaged over recent rounds

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from hetspec.speculative.dynamic_tree import Calibration, best_width, rank_nodes
+from hetspec.speculative.dynamic_tree import Calibration, best_width, rank_nodes, within_leaves
 from hetspec.speculative.tree import path_to
 
 
@@ -52,3 +52,12 @@ def test_calibration_moves_from_its_prior_to_what_rounds_accept() -> None:
     for _ in range(30):
         calibration.observe(expected=2.0, accepted=1)
     assert calibration.factor == pytest.approx(0.5, abs=0.01)
+
+
+def test_a_prefix_keeps_within_the_verifiers_leaves() -> None:
+    # 0 and 1 below the root (2 leaves), 2 below leaf 0 (still 2), 3 below inner 0 (3), 4 below 2
+    parents = [-1, -1, 0, 0, 2]
+    assert within_leaves(parents, None) == 5
+    assert within_leaves(parents, 3) == 5
+    assert within_leaves(parents, 2) == 3
+    assert within_leaves(parents, 1) == 1

@@ -13,6 +13,7 @@ from tiny_models import write_tiny_gguf_llama
 from tokenizers import Tokenizer
 
 from hetspec.speculative.branching import uncertainty_branches
+from hetspec.speculative.dynamic_tree import within_leaves
 from hetspec.speculative.samplers import DrawnSampler
 from hetspec.speculative.sampling import SamplingParams
 from hetspec.speculative.tree import chain_parents, path_to
@@ -235,6 +236,17 @@ def test_a_dynamic_tree_drafts_eagle2s_likeliest_nodes(runtime, prompt) -> None:
     runtime.append(accepted)
     assert runtime.tokens == prompt + accepted
     assert_close(runtime.last_logits(), logits_after(runtime, prompt + accepted))
+
+
+def test_a_dynamic_tree_expands_only_what_the_runtimes_leaves_hold(gguf, prompt) -> None:
+    narrow = LlamaCppRuntime(gguf, n_ctx=256, n_batch=64, n_seq_max=3)  # 2 leaves
+    narrow.prefill(prompt)
+    tree = narrow.draft_tree(5, 3, 20, SamplingParams(), DrawnSampler(0))
+    pending = narrow._pending_parents.tolist()
+    assert within_leaves(pending, 2) == len(pending)  # never more leaves than it holds
+    assert len(pending) >= 5  # two below the root, then one more a layer at least
+    assert max(len(path_to(node, tree.parents)) for node in range(len(tree.tokens))) == 5
+    narrow.close()
 
 
 def test_a_dynamic_tree_refuses_an_empty_shape(runtime, prompt) -> None:

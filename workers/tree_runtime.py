@@ -19,7 +19,7 @@ import numpy as np
 
 from hetspec.protocol.sampling import TokenLogprob
 from hetspec.speculative.branching import branch_length, uncertainty_branches
-from hetspec.speculative.dynamic_tree import rank_nodes
+from hetspec.speculative.dynamic_tree import rank_nodes, within_leaves
 from hetspec.speculative.logprobs import token_logprob
 from hetspec.speculative.samplers import KeyedSampler, Sampler, pick, proposals
 from hetspec.speculative.sampling import SamplingParams, distribution, top_tokens
@@ -69,6 +69,7 @@ class TreeRuntime(ABC, Generic[Output]):
 
     default_chunk: int = 512
     feature_size: int | None = None  # set by runtimes that can report features
+    max_leaves: int | None = None  # the most leaves the pending tree may have (None: any)
 
     def __init__(self, vocab_size: int, capacity: int) -> None:
         self.vocab_size = vocab_size
@@ -448,12 +449,14 @@ class TreeRuntime(ABC, Generic[Output]):
             expand = sorted(layer, key=lambda node: -scores[node])[:top_k]
             if not expand:
                 break
+            below = [nodes[parents[node]] if parents[node] != ROOT else ROOT for node in expand]
+            # a runtime holding only so many leaves gets the likeliest expansions that fit
+            fits = within_leaves([*self._pending_parents.tolist(), *below], self.max_leaves)
+            expand, below = expand[: fits - self.pending], below[: fits - self.pending]
+            if not expand:
+                break
             start = self.pending
-            output = self.forward_tree(
-                [tokens[node] for node in expand],
-                [nodes[parents[node]] if parents[node] != ROOT else ROOT for node in expand],
-                extend=True,
-            )
+            output = self.forward_tree([tokens[node] for node in expand], below, extend=True)
             rows = distribution(self._step_logits(output), params)
             layer = []
             for row, node in enumerate(expand):

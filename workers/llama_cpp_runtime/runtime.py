@@ -111,6 +111,7 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
         self._memory = L.llama_get_memory(self._context)
         self.n_batch = n_batch
         self.n_seq_max = n_seq_max
+        self.max_leaves = n_seq_max - 1
         self.default_chunk = n_batch
         self.threads, self.threads_batch = threads, threads_batch
         self._batch = L.llama_batch_init(n_batch, 0, n_seq_max)
