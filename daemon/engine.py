@@ -1,10 +1,13 @@
 """Speculative decoding across the two workers: one request's rounds.
 
 A round takes a ``Plan`` (from the budget controller, or fixed by the request) and returns
-the verified tokens it emits and a ``RoundReport`` the controller learns from. Three kinds:
+the verified tokens it emits and a ``RoundReport`` the controller learns from. Four kinds:
 - plain: the drafter drafts ``branches`` x ``gamma`` (or by DuoDecoding's rule), then the
   verifier evaluates the draft as one tree and ``hetspec.speculative.verify`` decides which
   drafted tokens the target accepts and which token it adds itself (the bonus);
+- tree (``Limits.tree_k``, instead of plain single-branch rounds): the drafter drafts
+  EAGLE-2's dynamic tree of ``gamma`` layers and ranks its nodes; the verified part is the
+  ranked prefix that commits the most tokens per second (``speculative.dynamic_tree``);
 - overlapped: while the verifier checks this round's single-branch draft, the drafter drafts
   the next one below it, guessing the bonus; if the whole draft and the guess hold, that
   run-ahead is the next round's draft at no waiting (its tokens were drawn given the guess,
