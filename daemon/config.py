@@ -97,10 +97,10 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # folder's draft-head/, else the bundled one), else the draft model; a path: that head
     # (a mismatch is an error); "none": the draft model. See head_choice.py.
     draft_head: str = "auto"
-    # EAGLE-2's dynamic draft trees in plain rounds (modes sequential and adaptive): each layer
-    # expands this many of the likeliest nodes, and the likeliest drafted nodes are verified,
-    # as many as the measured costs make pay (speculative/dynamic_tree.py). 0: chains and
-    # DuoDecoding's branches.
+    # EAGLE-2's dynamic draft trees in plain rounds of greedy and seeded requests (modes
+    # sequential and adaptive): each layer expands this many of the likeliest nodes, and the
+    # likeliest drafted nodes are verified, as many as the measured costs make pay
+    # (speculative/dynamic_tree.py). 0: chains and DuoDecoding's branches.
     draft_tree: int = 0
     # Where both workers compute on the CPU (no CUDA), the verifier computes on the drafter's
     # cores too whenever the drafter has nothing to do: the target decoding alone, a plain

@@ -65,13 +65,8 @@ def flatten(drafted: m.Drafted) -> tuple[list[int], list[int], list[tuple[int, i
     return tokens, parents, origin
 
 
-def _chosen_rows(tokens: list[int], logits: np.ndarray) -> np.ndarray:
-    """A tree's nodes were chosen, not drawn: each one's draft row is certain of it, which
-    makes speculative sampling accept a node with the target's own probability of it (and
-    take it out of the target's distribution when it is rejected)."""
-    rows = np.zeros((len(tokens), logits.shape[-1]), np.float32)
-    rows[np.arange(len(tokens)), tokens] = 1.0
-    return rows
+def _no_draft_rows() -> np.ndarray:
+    raise AssertionError("tree rounds verify greedy or keyed requests, which need no draft rows")
 
 
 @dataclass(frozen=True)
@@ -196,7 +191,7 @@ class Decoder:
             outcome, report = await self._alone_round(remaining)
         elif plan.overlap:
             outcome, report = await self._overlapped_round(plan, remaining)
-        elif self.controller.limits.tree_k and plan.branches == 1 and not plan.rule:
+        elif self._tree_round_fits(plan):
             outcome, report = await self._tree_round(plan, remaining)
         else:
             outcome, report = await self._plain_round(plan, remaining)
@@ -238,6 +233,13 @@ class Decoder:
             overhead_s=time.perf_counter() - start - draft_s - verify_s)  # fmt: skip
         return RoundOutcome(emitted, stopped, logprobs), report
 
+    def _tree_round_fits(self, plan: Plan) -> bool:
+        """Trees replace single-branch plain rounds of greedy and keyed requests. A drawn
+        request keeps drawn chains: a tree's chosen nodes would be accepted with the target's
+        probability of each (0.3 accepted a round at T = 1, against 1.8-2.1 drawn)."""
+        return (bool(self.controller.limits.tree_k) and plan.branches == 1 and not plan.rule
+                and (self.params.greedy or isinstance(self.sampler, KeyedSampler)))  # fmt: skip
+
     async def _tree_round(self, plan: Plan, remaining: int):
         """EAGLE-2's dynamic tree of ``plan.gamma`` layers; of its ranked nodes, the verified
         prefix is the one that commits the most tokens per second, by the draft's path
@@ -245,10 +247,12 @@ class Decoder:
         measured cost per width."""
         start = time.perf_counter()
         limits, calibration = self.controller.limits, self.controller.tree_calibration
+        first_choice = self.controller.tree_first_choice
         depth = min(plan.gamma, remaining)
         size = min(limits.max_width - 1, limits.tree_k * (1 + (depth - 1) * limits.tree_k))
         drafted, draft, draft_s = await self._choosing_ahead(self.drafter.draft_tree(
-            depth, limits.tree_k, size, self.params, length=self.position))  # fmt: skip
+            depth, limits.tree_k, size, self.params, length=self.position,
+            first_accept=first_choice.rate))  # fmt: skip
         settings = self.pair.verifier.spec.settings  # llama.cpp: a sequence id per leaf
         leaves = settings.n_seq_max - 1 if isinstance(settings, m.LlamaCppSettings) else None
         fits = within_leaves(drafted.parents, leaves)
@@ -266,8 +270,9 @@ class Decoder:
             size_of = self.controller.estimates.verify_size(len(tokens) + 1)
             cores.record(spare_cores, verified.elapsed_ms / 1000 / size_of)
         logits = self.pair.arena.view(verified.logits)
-        verdict = self._verdict(tokens, parents, logits, lambda: _chosen_rows(tokens, logits))
+        verdict = self._verdict(tokens, parents, logits, _no_draft_rows)
         calibration.observe(float(sum(probabilities[:width])), len(verdict.path))
+        first_choice.observe(parents, verdict.path)
         emitted, stopped, logprobs = self._emitted(verdict, tokens, remaining, logits, verified)
         self.drafter.unseen = emitted
         report = RoundReport(

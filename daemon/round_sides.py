@@ -148,7 +148,8 @@ class DrafterSide:
         return drafted, DraftCall(steps, branches, compute_s, latency_s), seconds
 
     async def draft_tree(self, depth: int, top_k: int, size: int, params: SamplingParams, *,
-                         length: int) -> tuple[m.Drafted, DraftCall, float]:  # fmt: skip
+                         length: int,
+                         first_accept: float) -> tuple[m.Drafted, DraftCall, float]:  # fmt: skip
         """EAGLE-2's dynamic tree after appending what it has not seen: ``size`` nodes ranked
         best first (see ``draft``). Its forwards: the append's, then one per layer below the
         first, each of ``top_k`` nodes."""
@@ -157,7 +158,8 @@ class DrafterSide:
         features, arrays = self._appended_features(length)
         drafted, _ = await self.client.call(m.Draft(
             request=self.client.next_request(), steps=size, sampling=params, out=self.slot,
-            append=self.unseen, features=features, tree=(depth, top_k)), arrays)  # fmt: skip
+            append=self.unseen, features=features, tree=(depth, top_k),
+            tree_first_accept=first_accept), arrays)  # fmt: skip
         seconds = time.perf_counter() - start
         appended, self.unseen = len(self.unseen), []
         steps, compute_s = depth, drafted.elapsed_ms / 1000

@@ -141,6 +141,8 @@ class Draft(_Message, tag="draft"):
     # EAGLE-2's dynamic tree, (depth, top_k): the ``steps`` likeliest of the nodes drafted by
     # expanding the top_k likeliest of each layer; the reply's ``parents`` give its shape
     tree: tuple[int, int] | None = None
+    tree_first_accept: float | None = None  # nodes ranked by this acceptance model (see
+    # speculative/dynamic_tree.py) instead of the draft's path probability
 
 
 class Decode(_Message, tag="decode"):

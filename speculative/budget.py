@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from hetspec.speculative import exploration as explore
-from hetspec.speculative.dynamic_tree import Calibration
+from hetspec.speculative.dynamic_tree import Calibration, FirstChoice
 from hetspec.speculative.estimates import EstimateConfig, Estimates
 from hetspec.speculative.exploration import ExplorationConfig, ExplorationState
 from hetspec.speculative.planning import Limits, best_plan, plan_of
@@ -76,8 +76,9 @@ class BudgetController:
     def __post_init__(self) -> None:
         self.estimates = Estimates(self.config.estimates)
         self._state = ExplorationState()
-        # how the draft's path probabilities compare with what tree rounds accept
+        # what tree rounds accept: of the nodes' scores, and of the draft's first choices
         self.tree_calibration = Calibration()
+        self.tree_first_choice = FirstChoice()
 
     @property
     def limits(self) -> Limits:

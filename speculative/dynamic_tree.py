@@ -8,9 +8,14 @@ parent (each factor is at most 1), so in the order of descending score, ties bro
 parents come before their children: every prefix of that order is a tree, and how many nodes
 to verify can be decided after drafting, from the scores and the measured cost of each width.
 
-A node's score estimates the chance that verification accepts it (EAGLE-2's observation that
-a draft's confidence tracks its acceptance): the sum of the kept scores estimates the tokens a
-round accepts. ``Calibration`` learns how far the estimate is off on this text and draft.
+A node's score estimates the chance that verification accepts it: the sum of the kept scores
+estimates the tokens a round accepts, and ``Calibration`` learns how far that is off. EAGLE-2
+scores by the draft's own path probability; greedy (and keyed) verification, though, accepts
+the draft's first choice whenever the two choices agree, whatever its probability (measured
+here: chains kept ~0.83 a step where path probabilities ranked siblings above them and trees
+lost to chains). So with ``first_accept`` (the rate at which first choices are accepted,
+learned from rounds by ``FirstChoice``) a first choice scores that rate, and another child
+x the rest, shared in proportion to the draft: (1 - rate) q(x) / (1 - q(first)).
 """
 
 from __future__ import annotations
@@ -21,6 +26,22 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetspec.speculative.tree import ROOT
+
+
+def child_scores(row: np.ndarray, chosen: Sequence[int], first_accept: float | None) -> np.ndarray:
+    """Log-scores of the children ``chosen`` (the first: the draft's own choice) of a node whose
+    draft distribution is ``row``: log q(x), or with ``first_accept`` the model above. Each is
+    at most 0, so scores never rise from a parent to its children."""
+    chosen = np.asarray(chosen, np.int64)
+    q = row[chosen].astype(np.float64)
+    with np.errstate(divide="ignore"):
+        if first_accept is None:
+            return np.log(q)
+        rate = min(max(first_accept, 0.01), 0.99)
+        rest = max(1.0 - float(q[0]), 1e-12)
+        scores = np.log(np.minimum((1 - rate) * q / rest, 1.0))
+        scores[0] = np.log(rate)
+    return scores
 
 
 def rank_nodes(parents: Sequence[int], scores: Sequence[float], depths: Sequence[int],
@@ -98,3 +119,34 @@ def best_width(probabilities: Sequence[float], factor: float, draft_s: float,
         if rate > best_rate:
             best, best_rate = count, rate
     return best
+
+
+@dataclass
+class FirstChoice:
+    """How often verification accepts the draft's first choice below an accepted node, over
+    recent tree rounds (exponentially, ``decay`` per offer); starts at ``prior``."""
+
+    prior: float = 0.7
+    decay: float = 0.98
+    _accepted: float = 0.0
+    _offered: float = 0.0
+
+    def observe(self, parents: Sequence[int], path: Sequence[int]) -> None:
+        """One verified tree (ranked nodes, ``parents``) and its accepted ``path``: below the
+        root and each accepted node, was the first-listed child (the draft's choice) taken?"""
+        first: dict[int, int] = {}
+        for node, parent in enumerate(parents):
+            first.setdefault(int(parent), node)
+        below = [ROOT, *path]
+        for depth, parent in enumerate(below):
+            if parent not in first:
+                break
+            taken = depth < len(path) and path[depth] == first[parent]
+            self._accepted = self._accepted * self.decay + taken
+            self._offered = self._offered * self.decay + 1
+
+    @property
+    def rate(self) -> float:
+        weight = min(self._offered, 8.0) / 8.0  # few offers seen: lean on the prior
+        measured = self._accepted / self._offered if self._offered else self.prior
+        return weight * measured + (1 - weight) * self.prior

@@ -7,7 +7,14 @@ import math
 import numpy as np
 import pytest
 
-from hetspec.speculative.dynamic_tree import Calibration, best_width, rank_nodes, within_leaves
+from hetspec.speculative.dynamic_tree import (
+    Calibration,
+    FirstChoice,
+    best_width,
+    child_scores,
+    rank_nodes,
+    within_leaves,
+)
 from hetspec.speculative.tree import path_to
 
 
@@ -61,3 +68,27 @@ def test_a_prefix_keeps_within_the_verifiers_leaves() -> None:
     assert within_leaves(parents, 3) == 5
     assert within_leaves(parents, 2) == 3
     assert within_leaves(parents, 1) == 1
+
+
+def test_children_score_by_the_draft_or_by_the_first_choices_acceptance() -> None:
+    row = np.array([0.1, 0.6, 0.25, 0.05])
+    chosen = [1, 2, 0]
+    np.testing.assert_allclose(child_scores(row, chosen, None), np.log([0.6, 0.25, 0.1]))
+    # first choices accepted 80% of the time: the rest, 20%, shared as the draft shares 0.4
+    scores = child_scores(row, chosen, 0.8)
+    np.testing.assert_allclose(np.exp(scores), [0.8, 0.2 * 0.25 / 0.4, 0.2 * 0.1 / 0.4])
+    assert np.all(child_scores(np.array([0.0, 1.0]), [1, 0], 0.5) <= 0)  # never above 1
+
+
+def test_first_choice_acceptance_is_learned_along_the_accepted_path() -> None:
+    # root's children 0 (first) and 1; 0's children 2 (first) and 3; 2's child 4
+    parents = [-1, -1, 0, 0, 2]
+    learner = FirstChoice(prior=0.5, decay=1.0)
+    for _ in range(10):
+        learner.observe(parents, [0, 3])  # first taken, then the second child: 1 of 2 offers
+    assert learner.rate == pytest.approx(0.5)
+    for _ in range(40):
+        learner.observe(parents, [0, 2, 4])  # three offers, all taken
+    assert learner.rate == pytest.approx((10 + 120) / (20 + 120))
+    learner.observe(parents, [])  # the root's first child refused: one offer, not taken
+    assert learner.rate < (10 + 120) / (20 + 120)

@@ -228,6 +228,14 @@ def test_a_dynamic_tree_drafts_eagle2s_likeliest_nodes(runtime, prompt) -> None:
     for path, probability in zip(paths, tree.probabilities.tolist(), strict=True):
         assert by_hand[path] == pytest.approx(probability, rel=1e-3)
     np.testing.assert_allclose(tree.probabilities, best, rtol=1e-3)
+    # ranked by a first-choice acceptance near 1, the best `depth` nodes are the greedy chain
+    runtime.prefill(prompt)
+    chain = runtime.draft(depth, SamplingParams(), DrawnSampler(0)).tokens[0].tolist()
+    runtime.prefill(prompt)
+    sure = runtime.draft_tree(depth, top_k, size, SamplingParams(), DrawnSampler(0),
+                              first_accept=0.95)  # fmt: skip
+    assert sure.tokens[:depth].tolist() == chain
+    assert sure.parents[:depth].tolist() == list(range(-1, depth - 1))
     # an accepted path of evaluated nodes is reused, not recomputed
     runtime.prefill(prompt)
     tree = runtime.draft_tree(depth, top_k, size, SamplingParams(), DrawnSampler(0))

@@ -282,7 +282,7 @@ SHAPES = {"chain": {}, "branches": {"branches": 3}, "uncertainty-rule": {"branch
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 def test_sampled_tokens_follow_the_targets_law(daemon, shape: dict) -> None:
     if shape == SHAPES["tree-unseeded"] and not daemon.placement.endswith("-tree"):
-        pytest.skip("a tree's chosen nodes (one-hot draft rows): the tree placement's own")
+        pytest.skip("drawn requests in tree mode draft drawn chains: the tree placement's own")
     prompt, trials = "def add(a, b):\n", len(SEEDS)
     params = SamplingParams(temperature=1.0, top_k=6)
     law = exact_marginals(target_runtime(daemon.placement), prompt, params)

@@ -370,7 +370,8 @@ class Worker:
         append_ms = (time.perf_counter() - start) * 1000
         if command.tree is not None:
             depth, top_k = command.tree
-            tree = engine.draft_tree(depth, top_k, command.steps, command.sampling, self.sampler)
+            tree = engine.draft_tree(depth, top_k, command.steps, command.sampling, self.sampler,
+                                     first_accept=command.tree_first_accept)  # fmt: skip
             probs = m.ArrayRef("<f4", (1, 0, engine.vocab_size), slot=command.out)
             reply = m.Drafted(command.request, [tree.tokens.tolist()], [tree.nodes.tolist()],
                               probs, (time.perf_counter() - start) * 1000, append_ms,

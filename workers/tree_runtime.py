@@ -19,7 +19,7 @@ import numpy as np
 
 from hetspec.protocol.sampling import TokenLogprob
 from hetspec.speculative.branching import branch_length, uncertainty_branches
-from hetspec.speculative.dynamic_tree import rank_nodes, within_leaves
+from hetspec.speculative.dynamic_tree import child_scores, rank_nodes, within_leaves
 from hetspec.speculative.logprobs import token_logprob
 from hetspec.speculative.samplers import KeyedSampler, Sampler, pick, proposals
 from hetspec.speculative.sampling import SamplingParams, distribution, top_tokens
@@ -403,17 +403,17 @@ class TreeRuntime(ABC, Generic[Output]):
         return DraftResult(tokens, out, nodes, root)
 
     def draft_tree(self, depth: int, top_k: int, size: int, params: SamplingParams,
-                   sampler: Sampler) -> TreeDraftResult:  # fmt: skip
+                   sampler: Sampler, *,
+                   first_accept: float | None = None) -> TreeDraftResult:  # fmt: skip
         """EAGLE-2's dynamic tree from the committed end (``speculative.dynamic_tree``):
         ``depth`` layers, each expanding the ``top_k`` likeliest nodes of the layer before into
         their ``top_k`` likeliest children (one forward per layer after the first); then the
-        ``size`` likeliest drafted nodes, ranked.
+        ``size`` likeliest drafted nodes, ranked. Likeliest: by the draft's path probability,
+        or with ``first_accept`` by the acceptance model of ``dynamic_tree.child_scores``.
 
-        Children are chosen, not drawn: the best tokens of the draft's distribution (after the
-        request's warping), or for a keyed sampler the best of its keyed scores (the target's
-        own choice is the best of those). So a sampled request's verification must treat each
-        node as proposed with certainty (a one-hot draft row), which keeps it lossless for a
-        tree chosen in any way that does not look at the target."""
+        Children are chosen, not drawn: the best tokens of the draft's distribution, or for a
+        keyed sampler the best of its keyed scores (the target's own choice is the best of
+        those): for greedy and keyed verification, which accept whatever tree they get."""
         if depth < 1 or not 1 <= top_k <= self.vocab_size or size < 1:
             raise RuntimeUsageError(f"cannot draft a tree of depth {depth}, {top_k} children "
                                     f"a node and {size} nodes")  # fmt: skip
@@ -433,13 +433,14 @@ class TreeRuntime(ABC, Generic[Output]):
                 chosen = top_tokens(row, top_k)
             base = scores[parent] if parent != ROOT else 0.0
             added = []
-            for token in chosen.tolist():
+            for token, score in zip(chosen.tolist(), child_scores(row, chosen, first_accept),
+                                    strict=True):  # fmt: skip
                 if row[token] <= 0:  # outside the warped distribution: never accepted
                     continue
                 added.append(len(tokens))
                 tokens.append(int(token))
                 parents.append(parent)
-                scores.append(base + float(np.log(row[token])))
+                scores.append(base + float(score))
                 layers.append(layer)
                 nodes.append(-1)
             return added
