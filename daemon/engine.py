@@ -242,8 +242,8 @@ class Decoder:
 
     async def _tree_round(self, plan: Plan, remaining: int):
         """EAGLE-2's dynamic tree of ``plan.gamma`` layers; of its ranked nodes, the verified
-        prefix is the one that commits the most tokens per second, by the draft's path
-        probabilities (calibrated by what earlier tree rounds accepted) and the verifier's
+        prefix is the one that commits the most tokens per second, by the nodes' estimated
+        acceptance (calibrated by what earlier tree rounds accepted) and the verifier's
         measured cost per width."""
         start = time.perf_counter()
         limits, calibration = self.controller.limits, self.controller.tree_calibration
@@ -256,8 +256,8 @@ class Decoder:
         settings = self.pair.verifier.spec.settings  # llama.cpp: a sequence id per leaf
         leaves = settings.n_seq_max - 1 if isinstance(settings, m.LlamaCppSettings) else None
         fits = within_leaves(drafted.parents, leaves)
-        probabilities = drafted.path_probabilities[:fits]
-        width = best_width(probabilities, calibration.factor, 0.0,
+        acceptance = drafted.acceptance[:fits]
+        width = best_width(acceptance, calibration.factor, 0.0,
                            self.controller.estimates.verify_s)  # fmt: skip
         tokens, parents = drafted.tokens[0][:width], drafted.parents[:width]
         cores = self.pair.verify_cores if self.pair.verifier.spec.spare_cores else None
@@ -271,7 +271,7 @@ class Decoder:
             cores.record(spare_cores, verified.elapsed_ms / 1000 / size_of)
         logits = self.pair.arena.view(verified.logits)
         verdict = self._verdict(tokens, parents, logits, _no_draft_rows)
-        calibration.observe(float(sum(probabilities[:width])), len(verdict.path))
+        calibration.observe(float(sum(acceptance[:width])), len(verdict.path))
         first_choice.observe(parents, verdict.path)
         emitted, stopped, logprobs = self._emitted(verdict, tokens, remaining, logits, verified)
         self.drafter.unseen = emitted

@@ -270,10 +270,11 @@ class Drafted(_Message, tag="drafted"):
     append_ms: float = 0.0  # of elapsed_ms, the time spent on the command's ``append``
     root: int = -1  # the pending node the branches hang from (-1: the committed end)
     # a tree draft: one row of ``tokens`` and ``nodes`` holds the nodes ranked best first
-    # (parents before children); ``parents`` per node (-1: the committed end), and the
-    # draft's probability of each node's path; ``probs`` is then empty (nodes are chosen)
+    # (parents before children); ``parents`` per node (-1: the committed end), and each
+    # node's score: its estimated chance of being accepted along its path (see
+    # speculative/dynamic_tree.py); ``probs`` is then empty (nodes are chosen, not drawn)
     parents: list[int] = []
-    path_probabilities: list[float] = []
+    acceptance: list[float] = []
 
 
 class Decoded(_Message, tag="decoded"):

@@ -55,7 +55,7 @@ class TreeDraftResult:
 
     tokens: np.ndarray  # (n,) int64
     parents: np.ndarray  # (n,) int64: an earlier node of this list, or -1 (the committed end)
-    probabilities: np.ndarray  # (n,) float64: the draft's probability of each node's path
+    probabilities: np.ndarray  # (n,) float64: each node's score, as a chance of acceptance
     nodes: np.ndarray  # (n,) the pending-tree node of each, -1 where not evaluated
 
 
