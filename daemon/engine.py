@@ -210,16 +210,8 @@ class Decoder:
         )
         tokens, parents, origin = flatten(drafted)
         probs = self.pair.arena.view(drafted.probs)
-        # the drafter's call is done: it idles, and the verifier may borrow its cores
-        cores = self.pair.verify_cores if self.pair.verifier.spec.spare_cores else None
-        spare_cores = cores is not None and cores.choose()
-        verify_start = time.perf_counter()
-        verified, _ = await self.verifier.verify(tokens, parents, spare_cores=spare_cores)
-        verify_s = time.perf_counter() - verify_start
-        width, trial = len(tokens) + 1, cores is not None and cores.exploring
-        if cores is not None:  # per one-node verification: calls of every width compare
-            size = self.controller.estimates.verify_size(width)
-            cores.record(spare_cores, verified.elapsed_ms / 1000 / size)
+        verified, verify_s, trial = await self._verify_while_drafter_idles(tokens, parents)
+        width = len(tokens) + 1
         logits = self.pair.arena.view(verified.logits)
         draft_rows = lambda: np.stack([probs[b, s] for b, s in origin])  # noqa: E731
         verdict = self._verdict(tokens, parents, logits, draft_rows)
@@ -232,6 +224,22 @@ class Decoder:
             verify_width=width, verify_s=0.0 if trial else verify_s,
             overhead_s=time.perf_counter() - start - draft_s - verify_s)  # fmt: skip
         return RoundOutcome(emitted, stopped, logprobs), report
+
+    async def _verify_while_drafter_idles(self, tokens: list[int], parents: list[int]):
+        """A round's verification once its draft is done: the drafter idles, so the verifier
+        may borrow its cores (the measured better choice, now and then the other as a trial).
+        The reply, its seconds, and whether it was such a trial (not what rounds cost)."""
+        cores = self.pair.verify_cores if self.pair.verifier.spec.spare_cores else None
+        spare_cores = cores is not None and cores.choose()
+        start = time.perf_counter()
+        verified, _ = await self.verifier.verify(tokens, parents, spare_cores=spare_cores)
+        verify_s = time.perf_counter() - start
+        if cores is None:
+            return verified, verify_s, False
+        # per one-node verification: calls of every width compare
+        size = self.controller.estimates.verify_size(len(tokens) + 1)
+        cores.record(spare_cores, verified.elapsed_ms / 1000 / size)
+        return verified, verify_s, cores.exploring
 
     def _tree_round_fits(self, plan: Plan) -> bool:
         """Trees replace single-branch plain rounds of greedy and keyed requests. A drawn
@@ -257,18 +265,9 @@ class Decoder:
         leaves = settings.n_seq_max - 1 if isinstance(settings, m.LlamaCppSettings) else None
         fits = within_leaves(drafted.parents, leaves)
         acceptance = drafted.acceptance[:fits]
-        width = best_width(acceptance, calibration.factor, 0.0,
-                           self.controller.estimates.verify_s)  # fmt: skip
+        width = best_width(acceptance, calibration.factor, self.controller.estimates.verify_s)
         tokens, parents = drafted.tokens[0][:width], drafted.parents[:width]
-        cores = self.pair.verify_cores if self.pair.verifier.spec.spare_cores else None
-        spare_cores = cores is not None and cores.choose()
-        verify_start = time.perf_counter()
-        verified, _ = await self.verifier.verify(tokens, parents, spare_cores=spare_cores)
-        verify_s = time.perf_counter() - verify_start
-        trial = cores is not None and cores.exploring
-        if cores is not None:
-            size_of = self.controller.estimates.verify_size(len(tokens) + 1)
-            cores.record(spare_cores, verified.elapsed_ms / 1000 / size_of)
+        verified, verify_s, trial = await self._verify_while_drafter_idles(tokens, parents)
         logits = self.pair.arena.view(verified.logits)
         verdict = self._verdict(tokens, parents, logits, _no_draft_rows)
         calibration.observe(float(sum(acceptance[:width])), len(verdict.path))

@@ -125,27 +125,14 @@ class DrafterSide:
                     length: int) -> tuple[m.Drafted, DraftCall, float]:  # fmt: skip
         """Draft after appending what it has not seen (the sequence being ``length`` tokens
         long); the reply, its cost and the call's seconds. The append's forward yields the
-        first token's distribution, so gamma tokens cost gamma forwards; a long catch-up
-        (after rounds without a draft) is not a step, so then the steps are timed from the
-        others."""
-        await self.start_prefill()
-        start = time.perf_counter()
-        features, arrays = self._appended_features(length)
-        drafted, _ = await self.client.call(m.Draft(
-            request=self.client.next_request(), steps=gamma, sampling=params, out=self.slot,
-            branches=branches, append=self.unseen, dynamic=rule_scale, features=features),
-            arrays)  # fmt: skip
-        seconds = time.perf_counter() - start
-        appended, self.unseen = len(self.unseen), []
+        first token's distribution, so gamma tokens cost gamma forwards."""
+        drafted, appended, seconds = await self._call(
+            length, steps=gamma, sampling=params, branches=branches, dynamic=rule_scale
+        )
         branches, steps = len(drafted.tokens), len(drafted.tokens[0])
         if rule_scale is not None and branches > 1:
             steps += 1  # the rule's look at the top sequence's second token
-        compute_s = drafted.elapsed_ms / 1000
-        latency_s = seconds - compute_s
-        if appended > 2:
-            steps, compute_s = steps - 1, compute_s - drafted.append_ms / 1000
-            steps = steps if steps >= 1 else 0
-        return drafted, DraftCall(steps, branches, compute_s, latency_s), seconds
+        return drafted, _cost(drafted, appended, steps, branches, seconds), seconds
 
     async def draft_tree(self, depth: int, top_k: int, size: int, params: SamplingParams, *,
                          length: int,
@@ -153,20 +140,22 @@ class DrafterSide:
         """EAGLE-2's dynamic tree after appending what it has not seen: ``size`` nodes ranked
         best first (see ``draft``). Its forwards: the append's, then one per layer below the
         first, each of ``top_k`` nodes."""
+        drafted, appended, seconds = await self._call(
+            length, steps=size, sampling=params, tree=(depth, top_k),
+            tree_first_accept=first_accept)  # fmt: skip
+        return drafted, _cost(drafted, appended, depth, top_k, seconds), seconds
+
+    async def _call(self, length: int, **fields) -> tuple[m.Drafted, int, float]:
+        """A ``Draft`` of ``fields`` that first appends the unseen tokens (with their features
+        for a head): the reply, how many tokens it appended, and the call's seconds."""
         await self.start_prefill()
         start = time.perf_counter()
         features, arrays = self._appended_features(length)
         drafted, _ = await self.client.call(m.Draft(
-            request=self.client.next_request(), steps=size, sampling=params, out=self.slot,
-            append=self.unseen, features=features, tree=(depth, top_k),
-            tree_first_accept=first_accept), arrays)  # fmt: skip
-        seconds = time.perf_counter() - start
+            request=self.client.next_request(), out=self.slot, append=self.unseen,
+            features=features, **fields), arrays)  # fmt: skip
         appended, self.unseen = len(self.unseen), []
-        steps, compute_s = depth, drafted.elapsed_ms / 1000
-        latency_s = seconds - compute_s
-        if appended > 2:  # a catch-up is not a step
-            steps, compute_s = depth - 1, compute_s - drafted.append_ms / 1000
-        return drafted, DraftCall(steps, top_k, compute_s, latency_s), seconds
+        return drafted, appended, time.perf_counter() - start
 
     def start_run_ahead(self, draft: Unverified, gamma: int,
                         params: SamplingParams) -> asyncio.Future | None:  # fmt: skip
@@ -186,6 +175,17 @@ class DrafterSide:
             prefill.cancel()
         elif not prefill.cancelled():
             prefill.exception()  # retrieved: raised where it mattered
+
+
+def _cost(drafted: m.Drafted, appended: int, steps: int, branches: int,
+          seconds: float) -> DraftCall:  # fmt: skip
+    """A draft call's cost. A long catch-up (after rounds without a draft) is not a step:
+    its forward comes off, and the steps are timed from the others."""
+    compute_s = drafted.elapsed_ms / 1000
+    latency_s = seconds - compute_s
+    if appended > 2:
+        steps, compute_s = max(steps - 1, 0), compute_s - drafted.append_ms / 1000
+    return DraftCall(steps, branches, compute_s, latency_s)
 
 
 async def _timed(call):

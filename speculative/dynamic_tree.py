@@ -48,8 +48,8 @@ def rank_nodes(parents: Sequence[int], scores: Sequence[float], depths: Sequence
                size: int) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """The ``size`` best drafted nodes as a tree: (indices into the drafted nodes, best first,
     each parent before its children; their parents, renumbered into that list, -1 for the
-    committed end). ``scores``: log-probabilities of each node's path, a child's no higher
-    than its parent's."""
+    committed end). ``scores``: each node's log-score (``child_scores`` summed along its
+    path), a child's no higher than its parent's."""
     scores, depths = np.asarray(scores, np.float64), np.asarray(depths, np.int64)
     order = np.lexsort((np.arange(len(scores)), depths, -scores))[: max(size, 0)]
     position = {int(node): index for index, node in enumerate(order)}
@@ -103,19 +103,20 @@ class Calibration:
         return weight * measured + (1 - weight) * self.prior
 
 
-def best_width(probabilities: Sequence[float], factor: float, draft_s: float,
+def best_width(acceptance: Sequence[float], factor: float,
                verify_s: Callable[[int], float | None]) -> int:  # fmt: skip
-    """How many of the ranked nodes to verify (at least 1): the count n whose round commits
-    the most tokens per second, (1 + factor * sum of the first n path probabilities) /
-    (draft_s + verify_s(n + 1)); ``verify_s(width)`` is None where the cost is not known,
-    and such widths are not chosen (unless none is known: then all nodes)."""
-    expected = 1 + factor * np.cumsum(np.asarray(probabilities, np.float64))
+    """How many of the ranked nodes to verify (at least 1), once drafted (the draft is paid):
+    the count n whose round commits the most tokens per verification second,
+    (1 + factor * the first n nodes' acceptance) / verify_s(n + 1); ``verify_s(width)`` is
+    None where the cost is not known, and such widths are not chosen (unless none is known:
+    then all nodes)."""
+    expected = 1 + factor * np.cumsum(np.asarray(acceptance, np.float64))
     best, best_rate = len(expected), -1.0
     for count in range(1, len(expected) + 1):
         seconds = verify_s(count + 1)
         if seconds is None:
             continue
-        rate = expected[count - 1] / (draft_s + seconds)
+        rate = expected[count - 1] / seconds
         if rate > best_rate:
             best, best_rate = count, rate
     return best

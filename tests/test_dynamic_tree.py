@@ -41,16 +41,16 @@ def test_ranking_refuses_scores_that_rise_below_a_parent() -> None:
 
 def test_the_width_is_the_one_that_commits_most_per_second() -> None:
     probabilities = [0.9, 0.8, 0.5, 0.1, 0.05]
-    flat = best_width(probabilities, 1.0, 0.001, lambda width: 0.010)
+    flat = best_width(probabilities, 1.0, lambda width: 0.010)
     assert flat == 5  # a flat cost: every node adds expected tokens for nothing
-    steep = best_width(probabilities, 1.0, 0.0, lambda width: 0.010 * width)
+    steep = best_width(probabilities, 1.0, lambda width: 0.010 * width)
     # (1 + .9) / .02 = 95, (1 + 1.7) / .03 = 90: one node
     assert steep == 1
     # a calibration of 2 (the scores understate acceptance) makes the second node pay
-    assert best_width(probabilities, 2.0, 0.0, lambda width: 0.010 * width) == 2
-    unknown = best_width(probabilities, 1.0, 0.0, lambda width: None if width > 3 else 0.01)
+    assert best_width(probabilities, 2.0, lambda width: 0.010 * width) == 2
+    unknown = best_width(probabilities, 1.0, lambda width: None if width > 3 else 0.01)
     assert unknown == 2
-    assert best_width(probabilities, 1.0, 0.0, lambda width: None) == len(probabilities)
+    assert best_width(probabilities, 1.0, lambda width: None) == len(probabilities)
 
 
 def test_calibration_moves_from_its_prior_to_what_rounds_accept() -> None:

@@ -220,14 +220,14 @@ def test_a_dynamic_tree_drafts_eagle2s_likeliest_nodes(runtime, prompt) -> None:
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
     assert len(tokens) == size
     assert all(parent < index for index, parent in enumerate(parents))
-    assert np.all(np.diff(tree.probabilities) <= 1e-12)  # ranked best first
+    assert np.all(np.diff(tree.acceptance) <= 1e-12)  # ranked best first
     paths = [tuple(tokens[node] for node in path_to(index, tree.parents))
              for index in range(size)]  # fmt: skip
     by_hand = _paths_expanded_by_hand(runtime, prompt, depth, top_k)
     best = sorted(by_hand.values(), reverse=True)[:size]
-    for path, probability in zip(paths, tree.probabilities.tolist(), strict=True):
+    for path, probability in zip(paths, tree.acceptance.tolist(), strict=True):
         assert by_hand[path] == pytest.approx(probability, rel=1e-3)
-    np.testing.assert_allclose(tree.probabilities, best, rtol=1e-3)
+    np.testing.assert_allclose(tree.acceptance, best, rtol=1e-3)
     # ranked by a first-choice acceptance near 1, the best `depth` nodes are the greedy chain
     runtime.prefill(prompt)
     chain = runtime.draft(depth, SamplingParams(), DrawnSampler(0)).tokens[0].tolist()

@@ -376,7 +376,7 @@ class Worker:
             reply = m.Drafted(command.request, [tree.tokens.tolist()], [tree.nodes.tolist()],
                               probs, (time.perf_counter() - start) * 1000, append_ms,
                               parents=tree.parents.tolist(),
-                              acceptance=tree.probabilities.tolist())  # fmt: skip
+                              acceptance=tree.acceptance.tolist())  # fmt: skip
             return reply, ()
         result = engine.draft(
             command.steps,

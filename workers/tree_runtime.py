@@ -55,7 +55,7 @@ class TreeDraftResult:
 
     tokens: np.ndarray  # (n,) int64
     parents: np.ndarray  # (n,) int64: an earlier node of this list, or -1 (the committed end)
-    probabilities: np.ndarray  # (n,) float64: each node's score, as a chance of acceptance
+    acceptance: np.ndarray  # (n,) float64: each node's score, its estimated chance of acceptance
     nodes: np.ndarray  # (n,) the pending-tree node of each, -1 where not evaluated
 
 
@@ -448,8 +448,6 @@ class TreeRuntime(ABC, Generic[Output]):
         layer = grow(first, ROOT, position, 0)
         for level in range(1, depth):
             expand = sorted(layer, key=lambda node: -scores[node])[:top_k]
-            if not expand:
-                break
             below = [nodes[parents[node]] if parents[node] != ROOT else ROOT for node in expand]
             # a runtime holding only so many leaves gets the likeliest expansions that fit
             fits = within_leaves([*self._pending_parents.tolist(), *below], self.max_leaves)
