@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from hetspec.endpoints import parse_endpoint
 from hetspec.protocol.worker_messages import LlamaCppSettings, TorchSettings
 
 DEFAULT_CONFIG_FILE = Path("/etc/hetspec/hetspecd.toml")
@@ -77,6 +78,28 @@ class TcpConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                              "(tcp.token or tcp.token_file)")  # fmt: skip
 
 
+class RpcConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The target's layers on other hosts: llama.cpp rpc-servers (`hetspec-rpc-server`).
+    llama.cpp's RPC is unauthenticated: reach them over a tunnel or a private link only
+    (docs/beyond-one-box.md)."""
+
+    servers: list[str] = msgspec.field(default_factory=list)  # HOST:PORT each; []: off
+    # how many of the target's last layers run on the servers, split by their free memory;
+    # -1: every layer and the output layer (this box keeps the embeddings)
+    layers: int = -1
+
+    def __post_init__(self) -> None:
+        for endpoint in self.servers:
+            host, _ = parse_endpoint(endpoint)  # ValueError: one line naming it
+            if ":" in host:
+                raise ValueError(f"servers: {endpoint!r}: llama.cpp's RPC takes IPv4 addresses "
+                                 "or host names, not IPv6")  # fmt: skip
+        if len(set(self.servers)) != len(self.servers):
+            raise ValueError("servers: an rpc-server is listed twice")
+        if self.layers < -1:
+            raise ValueError(f"layers must be -1 (all) or >= 0, not {self.layers}")
+
+
 class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     socket: str = "/run/hetspec/hetspecd.sock"
     runtime_dir: str = "/run/hetspec"  # ZeroMQ endpoints and the instance lock live here
@@ -111,6 +134,9 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cache_dir: str | None = None
     model_name: str | None = None  # the name the API serves; None: the target's folder name
     tcp: TcpConfig = msgspec.field(default_factory=TcpConfig)
+    # The target's layers on other hosts' rpc-servers (llama.cpp's RPC backend): the verifier
+    # then runs in llama.cpp (gpu_runtime "auto" picks it without measuring).
+    rpc: RpcConfig = msgspec.field(default_factory=RpcConfig)
     # HTTP connections open at once (Unix socket and TCP together); one more is answered 503
     # and closed. Each takes a file descriptor: keep it well below LimitNOFILE.
     http_max_connections: int = 256
@@ -174,6 +200,10 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("heartbeat_timeout_s must exceed two heartbeat_s intervals")
         if not 0 <= self.restart_wait_s <= 3600:
             raise ValueError(f"restart_wait_s must be in 0..3600, not {self.restart_wait_s}")
+        if self.rpc.servers and self.gpu_runtime not in ("auto", "llama.cpp"):
+            raise ValueError(f"gpu_runtime {self.gpu_runtime!r} cannot use rpc.servers: the "
+                             "target's layers go to rpc-servers through llama.cpp; set "
+                             'gpu_runtime = "auto" or "llama.cpp"')  # fmt: skip
         low, high = self.restart_backoff_s
         if not 0 < low <= high:
             raise ValueError(f"restart_backoff_s must be [first, largest] with 0 < first <= "

@@ -65,6 +65,7 @@ def describe(report: RuntimeReport) -> list[str]:
             lines = [
                 f"llama.cpp (CPU worker): llama-cpp-python {report.package_version}, "
                 f"GPU offload {'built in' if report.gpu_offload else 'not built'}, "
+                f"RPC {'built in' if report.rpc else 'not built'}, "
                 f"{_cores(report.cores)}",
                 f"  {report.system_info}",
             ]

@@ -73,6 +73,8 @@ class RuntimeDecision(msgspec.Struct, frozen=True, kw_only=True):
             return f"gpu_runtime {self.runtime} (configured)"
         if self.chosen_by.startswith("draft head"):
             return f"gpu_runtime torch, drafting with the {self.chosen_by}"
+        if self.chosen_by.startswith("rpc.servers"):
+            return f"gpu_runtime {self.runtime}, because of {self.chosen_by}"
         figures = ", ".join(
             f"{p.runtime} on {p.device}: "
             + " ".join(f"T({w})={ms:.2f}ms" for w, ms in zip(p.widths, p.median_ms, strict=True))
@@ -222,6 +224,9 @@ async def decide_gpu_runtime(config: DaemonConfig, log_format: str = "json",
     if config.gpu_runtime != "auto":
         return RuntimeDecision(runtime=config.gpu_runtime, chosen_by="configuration")
     role = "verifier" if roles(config.placement).verifier == "gpu" else "drafter"
+    if role == "verifier" and config.rpc.servers:
+        return RuntimeDecision(runtime="llama.cpp", chosen_by="rpc.servers (the target's "
+                               "layers on other hosts run through llama.cpp)")  # fmt: skip
     timeout_s = config.load_timeout_s
     draft_ms = None
     cached = True

@@ -80,11 +80,19 @@ def worker_specs(config: DaemonConfig, log_format: str,
     drafting_on_cpu = config.placement == "draft-cpu"
     cpu_model = config.draft.gguf if drafting_on_cpu else config.target.gguf
     gpu_model = config.target.folder if drafting_on_cpu else config.draft.folder
-    cpu_settings = _llama_settings(cpu_cfg, verifies=not drafting_on_cpu)
+    # the target's layers on rpc-servers: only ever the verifier's llama.cpp
+    remote = ({"rpc_servers": tuple(config.rpc.servers), "gpu_layers": config.rpc.layers}
+              if config.rpc.servers else {})  # fmt: skip
+    if remote and drafting_on_cpu and gpu_runtime != "llama.cpp":
+        raise ValueError(f"rpc.servers needs the verifier in llama.cpp, not {gpu_runtime}")
+    cpu_settings = _llama_settings(cpu_cfg, verifies=not drafting_on_cpu,
+                                   **({} if drafting_on_cpu else remote))  # fmt: skip
     if gpu_runtime == "llama.cpp":  # the GPU worker's model in llama.cpp too
         gpu_model = config.target.gguf if drafting_on_cpu else config.draft.gguf
         gpu_settings = _llama_settings(cpu_cfg, verifies=drafting_on_cpu, threads=None,
-                                       threads_batch=None, gpu_layers=-1)  # fmt: skip
+                                       threads_batch=None,
+                                       **({"gpu_layers": -1} | (remote if drafting_on_cpu
+                                                                else {})))  # fmt: skip
     elif gpu_runtime == "native":  # the same GGUF file, on hetspec's own CPU kernels
         gpu_model = config.target.gguf if drafting_on_cpu else config.draft.gguf
         gpu_settings = m.NativeSettings(n_ctx=cpu_cfg.n_ctx, threads=gpu_cfg.threads)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build llama.cpp's own llama-server from the llama.cpp that the pinned llama-cpp-python vendors.
+# Build llama.cpp's own llama-server (and its RPC server, ggml-rpc-server) from the llama.cpp that
+# the pinned llama-cpp-python vendors.
 #
 #   native/build-llama-server.sh [BACKEND]
 #
@@ -7,8 +8,9 @@
 # e.g. 87 for Jetson Orin). The benchmark runs llama-server as a peer: it is llama.cpp's own
 # server and speculative decoding, the same llama.cpp version that hetspec's workers link.
 #
-# The binary is built once and cached at
-#   ${HETSPEC_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/hetspec}/llama-server/VERSION-BACKEND/bin/llama-server
+# The binaries are built once and cached at
+#   ${HETSPEC_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/hetspec}/llama-server/VERSION-BACKEND/bin/
+# (llama-server, and ggml-rpc-server: another host's layers for docs/beyond-one-box.md)
 # (a later run only prints its path; LLAMA_REBUILD=1 forces a fresh build). A cold build takes
 # about 9 minutes on 2 cores. Progress goes to stdout and the binary's path is stdout's last
 # line; a failure exits non-zero with one line on stderr (the full build log is kept beside the
@@ -29,7 +31,7 @@ unset SOURCE_DATE_EPOCH
 # and a static build, so the cached binary does not depend on a build tree's shared libraries.
 flags="-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF"
 flags+=" -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF"
-flags+=" -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON"
+flags+=" -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON -DGGML_RPC=ON"
 case "$backend" in
   cpu)  ;;
   cuda) command -v nvcc >/dev/null || fail "backend cuda needs the CUDA toolkit: no nvcc on PATH"
@@ -44,7 +46,8 @@ version=$(sed -n 's/^llama-cpp-python==//p' "$constraints")
 cache=${HETSPEC_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/hetspec}/llama-server
 dest="$cache/$version-$backend"
 binary="$dest/bin/llama-server"
-if [[ -z "${LLAMA_REBUILD:-}" && -x "$binary" ]]; then
+rpc_binary="$dest/bin/ggml-rpc-server"
+if [[ -z "${LLAMA_REBUILD:-}" && -x "$binary" && -x "$rpc_binary" ]]; then
   echo "$binary"
   exit 0
 fi
@@ -107,7 +110,8 @@ fi
 
 echo "Compiling llama-server with $(nproc) jobs (about 9 minutes on 2 cores)."
 start=$SECONDS
-if ! cmake --build "$work/build" --target llama-server -j"$(nproc)" >>"$log" 2>&1; then
+if ! cmake --build "$work/build" --target llama-server ggml-rpc-server -j"$(nproc)" \
+     >>"$log" 2>&1; then
   keep_log
   fail "compiling llama-server failed (log: $dest/build.log)"
 fi
@@ -117,6 +121,8 @@ built="$work/build/bin/llama-server"
 
 mkdir -p "$dest/bin"
 cp "$log" "$dest/build.log"
+[[ -x "$work/build/bin/ggml-rpc-server" ]] || { keep_log; fail "the build left no ggml-rpc-server"; }
+mv -f "$work/build/bin/ggml-rpc-server" "$rpc_binary"
 mv -f "$built" "$binary"  # a rename: the cached path never holds a partial binary
 echo "llama-server built in $((SECONDS - start)) s."
 echo "$binary"

@@ -46,5 +46,11 @@ echo "Installing llama-cpp-python for '$backend' (CMAKE_ARGS=$CMAKE_ARGS)."
 echo "A first build compiles llama.cpp (about 4 minutes on 2 cores); pip caches it for later setups."
 start=$SECONDS
 "$python" -m pip install -q "${pip_args[@]}" llama-cpp-python
+# pip's wheel cache is keyed by the source archive alone: a wheel cached by an older setup
+# (built before the RPC backend was switched on) would come back without it. Build afresh then.
+if ! "$python" -c 'import sys, llama_cpp; sys.exit(not llama_cpp.llama_supports_rpc())' 2>/dev/null; then
+  echo "The cached llama-cpp-python wheel lacks the RPC backend; compiling a fresh one."
+  "$python" -m pip install -q "${pip_args[@]}" --no-cache-dir llama-cpp-python
+fi
 echo "$backend $CMAKE_ARGS" > "$stamp"
 echo "llama-cpp-python ready in $((SECONDS - start)) s."

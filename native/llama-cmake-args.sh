@@ -11,6 +11,9 @@ backend=${1:?usage: $0 BACKEND}
 # Parts of llama.cpp that hetspec never uses: skipping them shortens the build.
 common="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
 common+=" -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF"
+# The RPC backend: a verifier may put some of its layers on other hosts' rpc-server
+# (llama_cpp.rpc_servers; docs/beyond-one-box.md). It costs nothing when unused.
+common+=" -DGGML_RPC=ON"
 case "$backend" in
   cpu)          flags="-DGGML_NATIVE=ON" ;;
   cpu-portable) flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" ;;

@@ -14,11 +14,12 @@ class LlamaCppReport(msgspec.Struct, tag="llama.cpp", frozen=True, forbid_unknow
 
     package_version: str
     system_info: str
-    gpu_offload: bool
+    gpu_offload: bool  # a GPU of this machine can take layers
     # SIMD extensions the host CPU offers but this build does not use: a build made with
     # SOURCE_DATE_EPOCH set, or for another machine, runs several times slower than it could.
     missing_cpu_features: list[str]
     cores: list[int]
+    rpc: bool = False  # built with llama.cpp's RPC backend (layers on other hosts' rpc-servers)
 
 
 class TorchReport(msgspec.Struct, tag="torch", frozen=True, forbid_unknown_fields=True):

@@ -22,7 +22,7 @@ from hetspec.protocol.arena import ArenaLayout, ArrayRef
 from hetspec.protocol.sampling import SamplingParams, TokenLogprob
 from hetspec.protocol.vocab import VocabInfo
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 
 class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"):
@@ -60,6 +60,8 @@ class LlamaCppSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     kv_type: CacheType | None = None  # the KV cache's type (both K and V unless v_type says)
     v_type: CacheType | None = None
     gpu_layers: int = 0  # layers llama.cpp offloads to a GPU (a GPU build only); -1: all
+    # HOST:PORT of llama.cpp rpc-servers: the offloaded layers (gpu_layers) run there
+    rpc_servers: tuple[str, ...] = ()
 
 
 class TorchSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="torch"):

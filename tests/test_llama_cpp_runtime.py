@@ -19,6 +19,7 @@ from hetspec.speculative.sampling import SamplingParams
 from hetspec.speculative.tree import chain_parents, path_to
 from hetspec.speculative.vocab import incompatibilities
 from hetspec.workers.llama_cpp_runtime import LlamaCppError, LlamaCppRuntime, RuntimeUsageError
+from hetspec.workers.llama_cpp_runtime.ggml import local_gpu_present
 from hetspec.workers.torch_runtime import TorchRuntime
 
 TEXT = 'def load(path):\n    """Read the file."""\n    with open(path) as f:\n'
@@ -263,7 +264,7 @@ def test_a_dynamic_tree_refuses_an_empty_shape(runtime, prompt) -> None:
         runtime.draft_tree(0, 2, 4, SamplingParams(), DrawnSampler(0))
 
 
-@pytest.mark.skipif(not llama_cpp.llama_supports_gpu_offload(),
+@pytest.mark.skipif(not local_gpu_present(),
                     reason="this llama.cpp build cannot offload layers to a GPU")  # fmt: skip
 def test_partial_offload_verifies_as_the_cpu_does(gguf, prompt) -> None:
     """Dovetail's partial offload (draft-gpu: cpu_worker.gpu_layers): some of the verifier's

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from test_daemon import native, request, stream
+from test_rpc import RpcServer
 
 from hetspec.client.bench import prompt_set
 from hetspec.daemon.config import BUNDLED_MODELS
@@ -34,12 +35,13 @@ from hetspec.speculative.sampling import SamplingParams, distribution
 
 # the two placements (draft-gpu drafting with the bundled draft head), DuoDecoding's with the
 # verifier in llama.cpp or on hetspec's native kernels (gpu_runtime) instead of torch, and
-# Dovetail's with the independent draft model instead of the head, and the head drafting
-# EAGLE-2's dynamic trees
+# Dovetail's with the independent draft model instead of the head, the head drafting
+# EAGLE-2's dynamic trees, and the verifier's last layers on an rpc-server (llama.cpp's RPC)
 PLACEMENTS = ("draft-cpu", "draft-gpu", "draft-cpu-llama", "draft-cpu-native", "draft-gpu-model",
-              "draft-gpu-tree")  # fmt: skip
+              "draft-gpu-tree", "draft-cpu-rpc")  # fmt: skip
 SETTINGS_BY_SUFFIX = {"-llama": 'gpu_runtime="llama.cpp"', "-native": 'gpu_runtime="native"',
-                      "-model": 'draft_head="none"', "-tree": "draft_tree=3"}  # fmt: skip
+                      "-model": 'draft_head="none"', "-tree": "draft_tree=3",
+                      "-rpc": 'gpu_runtime="llama.cpp"'}  # fmt: skip
 GREEDY_TOKENS = 24
 # chi-square critical values (no scipy here) at p = 0.001 and 0.0001: the table for few
 # degrees of freedom, the Wilson-Hilferty approximation (within 1% from 10 on) above it, with
@@ -94,10 +96,15 @@ def daemon(request, tmp_path_factory):
     suffix = next((s for s in SETTINGS_BY_SUFFIX if request.param.endswith(s)), "")
     placement = request.param.removesuffix(suffix)
     extra = ("--set", SETTINGS_BY_SUFFIX[suffix]) if suffix else ()
+    rpc = RpcServer() if suffix == "-rpc" else None
+    if rpc:  # the target's last two layers (of four) on the server
+        extra += ("--set", f'rpc.servers=["{rpc.endpoint}"]', "--set", "rpc.layers=2")
     daemon = BundledDaemon(tmp_path_factory.mktemp(request.param), placement, *extra)
     daemon.placement = request.param
     yield daemon
     daemon.stop()
+    if rpc:
+        rpc.stop()
 
 
 SPECULATIVE = [

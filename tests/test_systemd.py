@@ -51,6 +51,11 @@ def units(tmp_path) -> Path:
     assert count == 1
     (folder / "hetspecd.service").write_text(service)
     shutil.copy(UNITS / "hetspecd.socket", folder)
+    rpc = (UNITS / "hetspec-rpc-server.service").read_text()
+    rpc, count = re.subn(r"(?m)^ExecStart=/usr/bin/hetspec-rpc-server ", f"ExecStart={executable} ",
+                         rpc)  # fmt: skip
+    assert count == 1
+    (folder / "hetspec-rpc-server.service").write_text(rpc)
     return folder
 
 
@@ -62,7 +67,8 @@ def analyze(*args: str) -> subprocess.CompletedProcess[str]:
 
 @needs_analyze
 def test_units_verify_without_a_word(units) -> None:
-    result = analyze("verify", str(units / "hetspecd.service"), str(units / "hetspecd.socket"))
+    result = analyze("verify", str(units / "hetspecd.service"), str(units / "hetspecd.socket"),
+                     str(units / "hetspec-rpc-server.service"))  # fmt: skip
     assert (result.returncode, result.stderr) == (0, "")
 
 
@@ -75,9 +81,10 @@ def test_verify_does_complain_here(units) -> None:
 
 
 @needs_analyze
-def test_service_exposure_is_low(units) -> None:
-    result = analyze("security", "--offline=true", str(units / "hetspecd.service"))
-    found = re.search(r"Overall exposure level for hetspecd\.service: (\d+\.\d+)", result.stdout)
+@pytest.mark.parametrize("unit", ["hetspecd.service", "hetspec-rpc-server.service"])
+def test_service_exposure_is_low(units, unit) -> None:
+    result = analyze("security", "--offline=true", str(units / unit))
+    found = re.search(rf"Overall exposure level for {re.escape(unit)}: (\d+\.\d+)", result.stdout)
     assert found, result.stdout + result.stderr
     score = float(found[1])
     assert score <= MAX_EXPOSURE, f"exposure {score} > {MAX_EXPOSURE}:\n{result.stdout}"

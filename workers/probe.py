@@ -55,6 +55,8 @@ def compiled_cpu_features(system_info: str) -> set[str]:
 def probe_llama_cpp() -> RuntimeReport:
     try:
         import llama_cpp  # noqa: PLC0415 - importing it is what is being probed
+
+        from hetspec.workers.llama_cpp_runtime.ggml import local_gpu_present  # noqa: PLC0415
     except ImportError as error:
         return ProbeFailure(
             runtime="llama.cpp",
@@ -69,9 +71,10 @@ def probe_llama_cpp() -> RuntimeReport:
     return LlamaCppReport(
         package_version=llama_cpp.__version__,
         system_info=system_info,
-        gpu_offload=bool(llama_cpp.llama_supports_gpu_offload()),
+        gpu_offload=local_gpu_present(),
         missing_cpu_features=sorted(missing),
         cores=owned_cores(),
+        rpc=bool(llama_cpp.llama_supports_rpc()),
     )
 
 

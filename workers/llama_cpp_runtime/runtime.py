@@ -18,7 +18,10 @@ import numpy as np
 
 from hetspec.speculative.tree import ROOT
 from hetspec.speculative.vocab import VocabInfo
+from hetspec.workers.llama_cpp_runtime.ggml import local_gpu_present
 from hetspec.workers.llama_cpp_runtime.log import llama_log
+from hetspec.workers.llama_cpp_runtime.rpc import RpcError
+from hetspec.workers.llama_cpp_runtime.rpc import add_servers as add_rpc_servers
 from hetspec.workers.llama_cpp_runtime.vocabulary import Vocabulary
 from hetspec.workers.tree_runtime import RuntimeUsageError, TreeRuntime
 
@@ -61,9 +64,12 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
         kv_type: str = "f16",
         v_type: str | None = None,
         gpu_layers: int = 0,
+        rpc_servers: tuple[str, ...] | list[str] = (),
     ) -> None:
         """Load a GGUF file. ``n_seq_max`` - 1 is the most leaves a pending tree may have;
-        threads default to the cores this process may run on and may not exceed them."""
+        threads default to the cores this process may run on and may not exceed them. With
+        ``rpc_servers`` (HOST:PORT of llama.cpp rpc-servers), the last ``gpu_layers`` layers
+        (-1: all, and the output layer) run on those hosts, split by their free memory."""
         path = Path(model_path)
         self.path = path
         owned = len(os.sched_getaffinity(0))
@@ -80,7 +86,7 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
         self._log = llama_log()
         L.llama_backend_init()
 
-        self._model = self._load_model(path, mmap, gpu_layers)
+        self._model = self._load_model(path, mmap, gpu_layers, tuple(rpc_servers))
         trained = L.llama_model_n_ctx_train(self._model)
         n_ctx = n_ctx or min(trained, DEFAULT_MAX_CONTEXT)
         if not 0 < n_ctx <= trained:
@@ -125,16 +131,25 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
     def _flash_attention(self, setting: str) -> str:
         """llama.cpp's "auto" turns flash attention on for the CPU too, where (demo target,
         500 tokens of context, one thread) it made a step 1.5x and a 5-token batch 4x slower;
-        so "auto" means "off" unless layers are offloaded."""
-        return "off" if setting == "auto" and not self.offloaded else setting
+        so "auto" means "off" unless layers are on a GPU of this machine (rpc-servers
+        compute on their CPUs, as a rule)."""
+        return "off" if setting == "auto" and not self._on_local_gpu else setting
 
-    def _load_model(self, path: Path, mmap: bool, gpu_layers: int) -> L.llama_model_p:
+    def _load_model(self, path: Path, mmap: bool, gpu_layers: int,
+                    rpc_servers: tuple[str, ...]) -> L.llama_model_p:  # fmt: skip
         params = L.llama_model_default_params()
         # 0 for the CPU worker (the GPU belongs to the torch worker); a llama.cpp GPU worker
         # offloads what it is told (-1: every layer), which a CPU-only build ignores
         params.n_gpu_layers = gpu_layers if gpu_layers >= 0 else 2**31 - 1
-        # where the layers run: offloading needs a GPU build of llama.cpp and a GPU
-        self.offloaded = gpu_layers != 0 and bool(L.llama_supports_gpu_offload())
+        if rpc_servers:
+            try:
+                add_rpc_servers(rpc_servers)
+            except RpcError as error:
+                raise LlamaCppError(f"{path}: {error}") from None
+        # where the layers run: offloading needs a GPU build of llama.cpp and a GPU, or
+        # rpc-servers
+        self._on_local_gpu = gpu_layers != 0 and local_gpu_present()
+        self.offloaded = self._on_local_gpu or (gpu_layers != 0 and bool(rpc_servers))
         params.load_mode = L.LLAMA_LOAD_MODE_MMAP if mmap else L.LLAMA_LOAD_MODE_NONE
         # llama.cpp's extra buffer types repack weights for the CPU's SIMD; on CPUs with AMX
         # the AMX buffer of llama-cpp-python 0.3.36 segfaults on Q8_0 models (seen on a

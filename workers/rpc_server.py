@@ -1,0 +1,75 @@
+"""``hetspec-rpc-server``: serve this machine's CPU to a hetspec verifier on another host.
+
+It is llama.cpp's rpc-server, run from the llama.cpp that hetspec's workers link (so its RPC
+protocol always matches theirs). It binds the loopback interface unless told otherwise: the
+protocol has no authentication and no encryption, so reach it through an SSH tunnel or a
+private link (docs/beyond-one-box.md), never an open network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+from hetspec.endpoints import is_loopback
+
+WARNING = (
+    "WARNING: serving on {host}, not the loopback interface. llama.cpp's RPC protocol has no "
+    "authentication and no encryption: anyone who reaches this port can run code paths of "
+    "this process and read what it computes. Only ever expose it on a private link."
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hetspec-rpc-server", description=__doc__.split("\n")[0])
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=50052, help="TCP port (default 50052)")
+    parser.add_argument(
+        "--threads", type=int, default=None,
+        help="CPU threads (default: every core this process may use)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cache-dir", default=None,
+        help="keep received weights here, so a restarted client loads faster",
+    )  # fmt: skip
+    parser.add_argument(
+        "--allow-remote", action="store_true",
+        help="bind a non-loopback address (read the warning it prints)",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    if not 0 < args.port < 65536:
+        parser.error(f"--port must be in 1..65535, not {args.port}")
+    if not is_loopback(args.host) and not args.allow_remote:
+        parser.error(f"--host {args.host} is not a loopback address: llama.cpp's RPC protocol "
+                     "is unauthenticated; add --allow-remote only on a private link")  # fmt: skip
+    if ":" in args.host:
+        parser.error("llama.cpp's RPC takes an IPv4 address or a host name, not IPv6")
+    owned = len(os.sched_getaffinity(0))
+    threads = args.threads or owned
+    if not 0 < threads <= owned:
+        parser.error(f"--threads must be in 1..{owned} (the cores this process may use)")
+    if not is_loopback(args.host):
+        print(WARNING.format(host=args.host), file=sys.stderr)
+
+    from hetspec.workers.llama_cpp_runtime.rpc import RpcError, serve  # noqa: PLC0415
+
+    # The server loop runs inside llama.cpp, where Python's handlers never run: let the
+    # signals end the process directly (it keeps no state worth a clean shutdown).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    endpoint = f"{args.host}:{args.port}"
+    print(f"hetspec-rpc-server: serving {threads} CPU threads at {endpoint}", file=sys.stderr,
+          flush=True)  # fmt: skip
+    try:
+        serve(endpoint, threads, args.cache_dir)
+    except RpcError as error:
+        print(f"hetspec-rpc-server: {error}", file=sys.stderr)
+        return 1
+    print(f"hetspec-rpc-server: could not serve at {endpoint} (in use? see above)", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
