@@ -176,7 +176,26 @@ class CausalLM(nn.Module):
         attention mask per layer (layers with the same window share one tensor).
         """
         x = self.model.embed_tokens(tokens)
-        for index, layer in enumerate(self.model.layers):
+        return self.run_layers(x, range(len(self.model.layers)), cos, sin,
+                               cache_keys=cache_keys, cache_values=cache_values, start=start,
+                               masks=masks)  # fmt: skip
+
+    def run_layers(
+        self,
+        x: torch.Tensor,
+        layers: range,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        cache_keys: torch.Tensor,
+        cache_values: torch.Tensor,
+        start: int,
+        masks: list[torch.Tensor | None],
+    ) -> torch.Tensor:
+        """Run hidden states (n, hidden) through ``layers`` (a pipeline stage's share);
+        ``cache_keys``/``masks`` are indexed from the range's first layer."""
+        for index, layer_index in enumerate(layers):
+            layer = self.model.layers[layer_index]
             x = x + layer.self_attn(
                 layer.input_layernorm(x),
                 cos,

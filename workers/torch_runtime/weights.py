@@ -8,6 +8,7 @@ the folder and the tensors, never a silently half-random model. safetensors only
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -53,12 +54,19 @@ def _listing(names: list[str], limit: int = 5) -> str:
 
 
 def load_model(
-    folder: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device
+    folder: Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    only: Callable[[str], bool] | None = None,
 ) -> CausalLM:
-    """Build the model for ``config`` and fill every parameter from the folder's weights."""
+    """Build the model for ``config`` and fill every parameter from the folder's weights; with
+    ``only``, just the parameters it accepts (a pipeline stage's layers; the others stay on
+    the meta device and take no memory)."""
     with torch.device("meta"):
         model = CausalLM(config)
-    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    declared = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    expected = {name: shape for name, shape in declared.items() if only is None or only(name)}
     tied_head = config.tie_word_embeddings
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
@@ -69,7 +77,8 @@ def load_model(
                     if name.endswith(_IGNORED_SUFFIXES) or (tied_head and name == "lm_head.weight"):
                         continue
                     if name not in expected:
-                        unexpected.append(name)
+                        if name not in declared:
+                            unexpected.append(name)
                         continue
                     if name in state:
                         raise ModelLoadError(f"{folder}: tensor {name} appears in two files")
@@ -90,5 +99,5 @@ def load_model(
     missing = sorted(set(expected) - set(state))
     if missing:
         raise ModelLoadError(f"{folder}: missing tensors: {_listing(missing)}")
-    model.load_state_dict(state, strict=True, assign=True)
+    model.load_state_dict(state, strict=only is None, assign=True)
     return model.eval().requires_grad_(False)

@@ -1,0 +1,115 @@
+"""The bundled target split into torch pipeline stages (workers/torch_runtime/stage.py),
+driven by FlowSpec's tree and stage books in one process: the split model computes what the
+whole model computes, and pipelined greedy verification returns the target's greedy text."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from hetspec.daemon.config import BUNDLED_MODELS
+from hetspec.speculative.flow_stage import StageBook
+from hetspec.speculative.flow_tree import FlowTree
+from hetspec.speculative.samplers import DrawnSampler
+from hetspec.speculative.sampling import SamplingParams
+from hetspec.workers.torch_runtime import TorchRuntime
+from hetspec.workers.torch_runtime.config import ModelLoadError
+from hetspec.workers.torch_runtime.stage import StageRuntime
+
+TARGET = BUNDLED_MODELS / "target"
+PROMPT = "def read_lines(path):\n    with open(path) as"
+SPLITS = {2: [(0, 2), (2, 4)], 3: [(0, 1), (1, 3), (3, 4)]}
+
+
+@pytest.fixture(scope="module")
+def whole():
+    runtime = TorchRuntime(TARGET, device="cpu", dtype="float32", max_context=512)
+    tokens = runtime.tokenize(PROMPT)
+    runtime.prefill(tokens)
+    greedy = runtime.draft(40, SamplingParams(), DrawnSampler(0)).tokens[0].tolist()
+    return tokens, runtime.last_logits().copy(), greedy
+
+
+class Pipeline:
+    """Stages run one after another in this process, each with its own book."""
+
+    def __init__(self, splits, prompt: list[int]) -> None:
+        self.stages = [StageRuntime(TARGET, a, b, max_context=512) for a, b in splits]
+        data = np.asarray(prompt, np.int64)
+        for stage in self.stages:
+            data = stage.prefill(data)
+        self.prefill_logits = data[-1]
+        self.books: list[StageBook] = []
+
+    def start(self, root: int) -> None:
+        self.books = [StageBook(stage.filled, root) for stage in self.stages]
+
+    def run(self, segment) -> tuple[list[int], np.ndarray]:
+        ids, data = segment.ids, np.asarray(segment.tokens, np.int64)
+        parents, positions = segment.parents, np.asarray(segment.positions, np.int64)
+        for stage, book in zip(self.stages, self.books, strict=True):
+            admission = book.admit(ids, parents, segment.epoch)
+            keep = admission.keep
+            ids = [ids[i] for i in keep]
+            parents = [parents[i] for i in keep]
+            data, positions = data[keep], positions[keep]
+            if not ids:
+                return [], np.zeros((0,))
+            committed = book.committed
+            data = stage.admit(admission, data, positions, committed)
+        return ids, data
+
+    def commit(self, accepted: list[int], root: int) -> None:
+        for stage, book in zip(self.stages, self.books, strict=True):
+            stage.compact(book.commit(accepted, root))
+
+
+def test_a_stage_refuses_a_layer_range_the_model_does_not_have() -> None:
+    with pytest.raises(ModelLoadError, match="not a range"):
+        StageRuntime(TARGET, 2, 9)
+
+
+def test_a_stage_loads_only_its_own_layers() -> None:
+    middle = StageRuntime(TARGET, 1, 3)
+    loaded = {n for n, p in middle.model.named_parameters() if not p.is_meta}
+    assert loaded
+    assert all(n.startswith(("model.layers.1.", "model.layers.2.")) for n in loaded)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_split_stages_prefill_as_the_whole_model_does(whole, stages) -> None:
+    prompt, logits, _ = whole
+    pipeline = Pipeline(SPLITS[stages], prompt)
+    np.testing.assert_allclose(pipeline.prefill_logits, logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_pipelined_tree_verification_returns_the_targets_greedy_text(whole, stages, seed):
+    """Segments of a drafted tree (right about 60% of the time, with wrong siblings) are
+    verified through the stages, several in flight before their outputs are used."""
+    prompt, _, greedy = whole
+    rng = random.Random(seed)
+    pipeline = Pipeline(SPLITS[stages], prompt)
+    first = int(np.argmax(pipeline.prefill_logits))
+    tree = FlowTree(first, len(prompt))
+    pipeline.start(tree.root)
+    final, flight = [first], []
+    while len(final) < len(greedy):
+        for leaf in [i for i, n in tree.nodes.items() if not n.children][:2]:
+            path = final[: len(final) - 1] + tree.path_to(leaf)
+            right = greedy[len(path)] if len(path) < len(greedy) else 0
+            guess = right if rng.random() < 0.6 else int(rng.randrange(4096))
+            tree.add(leaf, guess, rng.random())
+            tree.add(leaf, (guess + 1) % 4096, 0.01)
+        if (segment := tree.segment(3)) is not None:
+            flight.append(pipeline.run(segment))
+        if len(flight) >= stages or segment is None:
+            ids, logits = flight.pop(0)
+            choices = {i: int(np.argmax(row)) for i, row in zip(ids, logits, strict=True)}
+            if (advance := tree.deliver(choices)) is not None:
+                pipeline.commit(advance.accepted, advance.root)
+                final += advance.final_tokens
+    assert final[: len(greedy)] == greedy
