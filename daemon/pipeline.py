@@ -1,0 +1,208 @@
+"""The coordinator's side of FlowSpec's pipeline: stage processes (``hetspec-stage``) reached
+over ZeroMQ on TCP with CURVE, fed segments of the draft tree and told its commits.
+
+``PipelineClient`` owns the transport: one CURVE client socket per stage, one CURVE server
+socket where the last stage's outputs (and every stage's replies) arrive, allowed only for
+the stages' public keys. ``verify_greedy`` runs FlowSpec's loop over it: keep the pipeline
+full with the best-scored segments, advance the tree as outputs arrive, tell every stage each
+commit, ask the drafter for more below the live tree. A stage that stops answering fails the
+request within ``timeout_s`` (``PipelineError``), never hangs it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import zmq
+import zmq.asyncio
+from zmq.auth.thread import ThreadAuthenticator
+
+from hetspec.protocol.curve_keys import KnownKeys, load_public, load_secret
+from hetspec.protocol.frames import Codec, MessageError, frame_array, frame_ref
+from hetspec.protocol.pipeline_messages import (
+    PIPELINE_PROTOCOL_VERSION,
+    Commit,
+    Output,
+    Ready,
+    Reset,
+    Rows,
+    StageFailed,
+    ToCoordinator,
+)
+from hetspec.speculative.flow_tree import FlowTree
+
+
+class PipelineError(RuntimeError):
+    """The pipeline cannot serve this request: a stage failed, is unreachable or silent."""
+
+
+@dataclass(frozen=True)
+class StageAddress:
+    endpoint: str  # e.g. tcp://10.0.0.2:5601
+    public_key: Path  # the stage's NAME.key
+
+
+@dataclass
+class PipelineStats:
+    segments: int = 0
+    nodes_sent: int = 0
+    nodes_back: int = 0  # outputs of nodes still live when they arrived
+    commits: int = 0
+
+
+# A drafter: given the tree, add nodes below its live nodes (FlowTree.add); called whenever
+# the tree changed, so it drafts from the freshest context.
+Drafter = Callable[[FlowTree], None]
+
+
+class PipelineClient:
+    def __init__(self, stages: list[StageAddress], key: Path, listen: str,
+                 timeout_s: float = 2.0) -> None:  # fmt: skip
+        """``key``: the coordinator's ``.key_secret``; ``listen``: where outputs arrive (a
+        TCP endpoint the last stage can reach)."""
+        if not stages:
+            raise PipelineError("a pipeline needs at least one stage")
+        self.stages = stages
+        self.listen, self.timeout_s = listen, timeout_s
+        self.public, self.secret = load_secret(key)
+        self.stage_keys = [load_public(s.public_key) for s in stages]
+        self.codec: Codec = Codec(ToCoordinator)
+        self.context = zmq.asyncio.Context()
+        # ZeroMQ's authentication handler, in a thread of its own on the same context (an
+        # asyncio one would be bound to the event loop it was started on)
+        self.auth = ThreadAuthenticator(zmq.Context.shadow(self.context.underlying))
+        self.auth.start()
+        self.auth.configure_curve_callback("*", KnownKeys(self.stage_keys))
+        self.inbound = self.context.socket(zmq.PULL)
+        self.inbound.curve_server = True
+        self.inbound.curve_publickey, self.inbound.curve_secretkey = self.public, self.secret
+        self.inbound.setsockopt(zmq.RCVHWM, 0)
+        self.inbound.bind(listen)
+        self.outbound = []
+        for stage, server_key in zip(stages, self.stage_keys, strict=True):
+            socket = self.context.socket(zmq.PUSH)
+            socket.curve_publickey, socket.curve_secretkey = self.public, self.secret
+            socket.curve_serverkey = server_key
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.SNDHWM, 0)
+            socket.connect(stage.endpoint)
+            self.outbound.append(socket)
+        self._sessions = itertools.count(1)
+        self.session = 0
+
+    def close(self) -> None:
+        self.auth.stop()
+        for socket in [self.inbound, *self.outbound]:
+            socket.close(linger=0)
+        self.context.term()
+
+    async def _receive(self, timeout_s: float | None = None):
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        while True:
+            if not await self.inbound.poll(timeout_s * 1000):
+                raise PipelineError(f"no stage answered within {timeout_s:g} s (a stage died, "
+                                    "or cannot reach the next one)")  # fmt: skip
+            frames = await self.inbound.recv_multipart(copy=False)
+            try:
+                message = self.codec.decode(frames)
+            except MessageError:
+                continue
+            if message.session != self.session:
+                continue  # left over from an earlier request
+            if isinstance(message, StageFailed):
+                raise PipelineError(f"stage {message.stage} failed: {message.message}")
+            return message, frames
+
+    async def reset(self, timeout_s: float | None = None) -> list[Ready]:
+        """A new session on every stage; waits until each says it is ready."""
+        self.session = next(self._sessions)
+        coordinator_key = self.public.decode()
+        for index, socket in enumerate(self.outbound):
+            last = index + 1 == len(self.stages)
+            next_endpoint = self.listen if last else self.stages[index + 1].endpoint
+            next_key = coordinator_key if last else self.stage_keys[index + 1].decode()
+            message = Reset(self.session, index, next_endpoint, next_key, self.listen,
+                            coordinator_key)  # fmt: skip
+            await socket.send_multipart(self.codec.encode(message))
+        ready: dict[int, Ready] = {}
+        while len(ready) < len(self.stages):
+            message, _ = await self._receive(timeout_s)
+            if isinstance(message, Ready):
+                if message.version != PIPELINE_PROTOCOL_VERSION:
+                    raise PipelineError(
+                        f"stage {message.stage} speaks pipeline protocol {message.version}, "
+                        f"not {PIPELINE_PROTOCOL_VERSION}")  # fmt: skip
+                ready[message.index] = message
+        answers = [ready[i] for i in range(len(self.stages))]
+        layers = [(r.first_layer, r.end_layer) for r in answers]
+        starts, ends = [a for a, _ in layers], [b for _, b in layers]
+        if starts != [0, *ends[:-1]] or ends[-1] != answers[0].layers:
+            raise PipelineError(f"the stages' layers {layers}, in pipeline order, do not cover "
+                                f"the model's {answers[0].layers} layers once")  # fmt: skip
+        return answers
+
+    async def prefill(self, tokens: list[int], root_id: int) -> np.ndarray:
+        """Run the prompt through every stage; the logits after its last token."""
+        data = np.asarray(tokens, np.int64)
+        message = Rows(self.session, frame_ref(data, 1), prefill=True, root=root_id)
+        await self.outbound[0].send_multipart(self.codec.encode(message, [data]))
+        while True:
+            message, frames = await self._receive(self.timeout_s + 0.01 * len(tokens))
+            if isinstance(message, Output) and message.prefill:
+                return np.array(frame_array(message.logits, frames)[-1])
+
+    async def send(self, segment) -> None:
+        data = np.asarray(segment.tokens, np.int64)
+        message = Rows(self.session, frame_ref(data, 1), segment.ids, segment.parents,
+                       segment.positions, segment.epoch)  # fmt: skip
+        await self.outbound[0].send_multipart(self.codec.encode(message, [data]))
+
+    async def commit(self, epoch: int, accepted: list[int], root: int) -> None:
+        frames = self.codec.encode(Commit(self.session, epoch, accepted, root))
+        for socket in self.outbound:
+            await socket.send_multipart(frames)
+
+    async def output(self) -> tuple[list[int], np.ndarray]:
+        while True:
+            message, frames = await self._receive()
+            if isinstance(message, Output) and not message.prefill:
+                return message.ids, frame_array(message.logits, frames)
+
+
+async def verify_greedy(
+    client: PipelineClient, prompt: list[int], max_tokens: int, drafter: Drafter, *,
+    segment_size: int = 4, in_flight: int | None = None,
+) -> tuple[list[int], PipelineStats]:  # fmt: skip
+    """The target's greedy continuation of ``prompt`` (``max_tokens`` tokens, exactly what
+    the target alone would say), verified through the pipeline; FlowSpec's schedule: up to
+    ``in_flight`` segments (default: one per stage) keep every stage busy."""
+    in_flight = in_flight or len(client.stages)
+    await client.reset()
+    stats = PipelineStats()
+    logits = await client.prefill(prompt, root_id=0)
+    tree = FlowTree(int(np.argmax(logits)), len(prompt))
+    final = [tree.nodes[tree.root].token]
+    flying = 0
+    while len(final) < max_tokens:
+        drafter(tree)
+        while flying < in_flight and (segment := tree.segment(segment_size)) is not None:
+            await client.send(segment)
+            flying += 1
+            stats.segments += 1
+            stats.nodes_sent += len(segment.ids)
+        if flying == 0:
+            raise PipelineError("nothing to verify: the drafter left the root unsent")
+        ids, rows = await client.output()
+        flying -= 1
+        live = {i: int(np.argmax(row)) for i, row in zip(ids, rows, strict=True)
+                if i in tree.nodes}  # fmt: skip
+        stats.nodes_back += len(live)
+        if (advance := tree.deliver(live)) is not None:
+            stats.commits += 1
+            await client.commit(tree.epoch, advance.accepted, advance.root)
+            final += advance.final_tokens
+    return final[:max_tokens], stats

@@ -1,0 +1,210 @@
+"""FlowSpec's pipeline across processes: `hetspec-stage` processes on the loopback interface,
+each holding a range of the bundled target's layers, reached over ZeroMQ TCP with CURVE, driven
+by the daemon's coordinator (daemon/pipeline.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hetspec.daemon.config import BUNDLED_MODELS
+from hetspec.daemon.pipeline import PipelineClient, PipelineError, StageAddress, verify_greedy
+from hetspec.protocol.curve_keys import CurveKeyError, load_secret, make_keys
+from hetspec.speculative.flow_tree import FlowTree
+from hetspec.speculative.samplers import DrawnSampler
+from hetspec.speculative.sampling import SamplingParams
+from hetspec.workers.torch_runtime import TorchRuntime
+
+TARGET = BUNDLED_MODELS / "target"
+PROMPT = "def read_lines(path):\n    with open(path) as"
+SPLITS = {2: [(0, 2), (2, 4)], 3: [(0, 1), (1, 3), (3, 4)]}
+TOKENS = 32
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class StageProcesses:
+    """Keys for a coordinator and each stage, and the stages running as processes: stage i
+    admits the coordinator and stage i - 1."""
+
+    def __init__(self, folder: Path, splits, link_ms: float = 0.0) -> None:
+        self.keys = folder / "keys"
+        names = ["coordinator"] + [f"stage{i}" for i in range(len(splits))]
+        make_keys(self.keys, names)
+        self.addresses, self.processes, self.logs = [], [], []
+        self.splits, self.link_ms, self.folder = splits, link_ms, folder
+        for index in range(len(splits)):
+            self.addresses.append(StageAddress(f"tcp://127.0.0.1:{free_port()}",
+                                               self.keys / f"stage{index}.key"))  # fmt: skip
+            self.processes.append(None)
+            self.start(index)
+        for index in range(len(splits)):
+            self.wait_ready(index)
+
+    def start(self, index: int) -> None:
+        allowed = self.folder / f"allowed{index}"
+        allowed.mkdir(exist_ok=True)
+        shutil.copy(self.keys / "coordinator.key", allowed)
+        if index:
+            shutil.copy(self.keys / f"stage{index - 1}.key", allowed)
+        first, end = self.splits[index]
+        log = self.folder / f"stage{index}.log"
+        self.processes[index] = subprocess.Popen(
+            [sys.executable, "-m", "hetspec.workers.stage", "serve", "--model", str(TARGET),
+             "--layers", f"{first}:{end}", "--bind", self.addresses[index].endpoint,
+             "--key", str(self.keys / f"stage{index}.key_secret"), "--authorized", str(allowed),
+             "--threads", "1", "--link-ms", str(self.link_ms)],
+            stderr=log.open("w"), stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def wait_ready(self, index: int) -> None:
+        log = self.folder / f"stage{index}.log"
+        deadline = time.monotonic() + 60
+        while " at tcp://" not in log.read_text():
+            assert self.processes[index].poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+
+    def client(self, key: str = "coordinator", timeout_s: float = 2.0) -> PipelineClient:
+        return PipelineClient(self.addresses, self.keys / f"{key}.key_secret",
+                              f"tcp://127.0.0.1:{free_port()}", timeout_s)  # fmt: skip
+
+    def stop(self) -> None:
+        for process in self.processes:
+            process.kill()
+            process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def greedy() -> list[int]:
+    runtime = TorchRuntime(TARGET, device="cpu", dtype="float32", max_context=512)
+    runtime.prefill(runtime.tokenize(PROMPT))
+    tokens = runtime.draft(TOKENS + 8, SamplingParams(), DrawnSampler(0)).tokens[0].tolist()
+    return runtime.tokenize(PROMPT), tokens
+
+
+def oracle_drafter(greedy_tokens, accuracy: float, seed: int):
+    """Drafts below the two best leaves: the target's own next token (where the leaf is on
+    the target's path) with probability ``accuracy``, else a wrong one, and a wrong sibling."""
+    rng = random.Random(seed)
+    prompt, continuation = greedy_tokens
+
+    def draft(tree: FlowTree) -> None:
+        if tree.unsent() >= 4:
+            return
+        for leaf in sorted((i for i, n in tree.nodes.items() if not n.children),
+                           key=lambda i: -tree.nodes[i].score)[:2]:  # fmt: skip
+            depth = tree.nodes[leaf].position + 1 - len(prompt)
+            right = continuation[depth] if depth < len(continuation) else 0
+            guess = right if rng.random() < accuracy else (right + 7) % 4096
+            score = min(tree.nodes[leaf].score, 1.0) * 0.8
+            tree.add(leaf, guess, score)
+            tree.add(leaf, (guess + 1) % 4096, score * 0.1)
+
+    return draft
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_stage_processes_verify_to_the_targets_greedy_text(tmp_path, greedy, stages) -> None:
+    pipeline = StageProcesses(tmp_path, SPLITS[stages])
+
+    async def scenario() -> None:
+        client = pipeline.client()
+        try:
+            for seed, accuracy in ((0, 0.8), (1, 0.3)):
+                drafter = oracle_drafter(greedy, accuracy, seed)
+                tokens, stats = await verify_greedy(client, greedy[0], TOKENS, drafter)
+                assert tokens == greedy[1][:TOKENS]
+                assert stats.commits > 0
+                assert stats.nodes_back <= stats.nodes_sent
+        finally:
+            client.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        pipeline.stop()
+
+
+def test_a_client_without_an_admitted_key_gets_nothing(tmp_path) -> None:
+    pipeline = StageProcesses(tmp_path, SPLITS[2])
+    make_keys(pipeline.keys, ["stranger"])
+
+    async def scenario() -> None:
+        stranger = pipeline.client("stranger", timeout_s=1.0)
+        try:
+            with pytest.raises(PipelineError, match="no stage answered"):
+                await stranger.reset()
+        finally:
+            stranger.close()
+        client = pipeline.client()  # the stages are still fine for the right key
+        try:
+            assert len(await client.reset()) == 2
+        finally:
+            client.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        pipeline.stop()
+
+
+def test_a_killed_stage_fails_the_request_within_two_seconds(tmp_path, greedy) -> None:
+    pipeline = StageProcesses(tmp_path, SPLITS[3])
+
+    async def scenario() -> None:
+        client = pipeline.client(timeout_s=1.5)
+        try:
+            await client.reset()
+            pipeline.processes[1].kill()
+            pipeline.processes[1].wait()
+            start = time.monotonic()
+            with pytest.raises(PipelineError):
+                await verify_greedy(client, greedy[0], TOKENS, oracle_drafter(greedy, 0.8, 0))
+            assert time.monotonic() - start < 2.0
+            pipeline.start(1)  # what its supervisor (systemd, hetspecd) does
+            pipeline.wait_ready(1)
+            tokens, _ = await verify_greedy(client, greedy[0], TOKENS,
+                                            oracle_drafter(greedy, 0.8, 0))  # fmt: skip
+            assert tokens == greedy[1][:TOKENS]
+        finally:
+            client.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        pipeline.stop()
+
+
+def test_keys_are_private_and_never_overwritten(tmp_path) -> None:
+    made = make_keys(tmp_path / "keys", ["a"])
+    secret = next(p for p in made if p.name.endswith("key_secret"))
+    assert secret.stat().st_mode & 0o777 == 0o600
+    with pytest.raises(CurveKeyError, match="exists"):
+        make_keys(tmp_path / "keys", ["a"])
+    os.chmod(secret, 0o644)
+    with pytest.raises(CurveKeyError, match="chmod 600"):
+        load_secret(secret)
+    refused = subprocess.run(
+        [sys.executable, "-m", "hetspec.workers.stage", "serve", "--model", str(TARGET),
+         "--layers", "0:2", "--bind", "tcp://127.0.0.1:1", "--key", str(secret),
+         "--authorized", str(tmp_path / "keys")],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        f"hetspec-stage: {secret} may be read by others (mode 0644); chmod 600 it"
+    ]
