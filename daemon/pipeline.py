@@ -11,8 +11,10 @@ request within ``timeout_s`` (``PipelineError``), never hangs it.
 
 from __future__ import annotations
 
+import inspect
 import itertools
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +36,7 @@ from hetspec.protocol.pipeline_messages import (
     ToCoordinator,
 )
 from hetspec.speculative.flow_tree import FlowTree
+from hetspec.speculative.pipeline_clock import PipelineClock
 
 
 class PipelineError(RuntimeError):
@@ -54,9 +57,10 @@ class PipelineStats:
     commits: int = 0
 
 
-# A drafter: given the tree, add nodes below its live nodes (FlowTree.add); called whenever
-# the tree changed, so it drafts from the freshest context.
-Drafter = Callable[[FlowTree], None]
+# A drafter: given the tree and the final tokens so far (the root's last), add nodes below
+# the tree's live nodes (FlowTree.add), at once or as a coroutine; called after every
+# output, so it drafts from the freshest context.
+Drafter = Callable[[FlowTree, list[int]], Awaitable[None] | None]
 
 
 class PipelineClient:
@@ -145,15 +149,16 @@ class PipelineClient:
                                 f"the model's {answers[0].layers} layers once")  # fmt: skip
         return answers
 
-    async def prefill(self, tokens: list[int], root_id: int) -> np.ndarray:
-        """Run the prompt through every stage; the logits after its last token."""
+    async def prefill(self, tokens: list[int], root_id: int) -> tuple[np.ndarray, Output]:
+        """Run the prompt through every stage; the logits after its last token, and the
+        message (each stage's compute ms and rows)."""
         data = np.asarray(tokens, np.int64)
         message = Rows(self.session, frame_ref(data, 1), prefill=True, root=root_id)
         await self.outbound[0].send_multipart(self.codec.encode(message, [data]))
         while True:
             message, frames = await self._receive(self.timeout_s + 0.01 * len(tokens))
             if isinstance(message, Output) and message.prefill:
-                return np.array(frame_array(message.logits, frames)[-1])
+                return np.array(frame_array(message.logits, frames)[-1]), message
 
     async def send(self, segment) -> None:
         data = np.asarray(segment.tokens, np.int64)
@@ -166,37 +171,51 @@ class PipelineClient:
         for socket in self.outbound:
             await socket.send_multipart(frames)
 
-    async def output(self) -> tuple[list[int], np.ndarray]:
+    async def output(self) -> tuple[list[int], np.ndarray, Output]:
+        """The next segment's node ids, logits, and the message (each stage's compute ms and
+        rows computed)."""
         while True:
             message, frames = await self._receive()
             if isinstance(message, Output) and not message.prefill:
-                return message.ids, frame_array(message.logits, frames)
+                return message.ids, frame_array(message.logits, frames), message
 
 
 async def verify_greedy(
     client: PipelineClient, prompt: list[int], max_tokens: int, drafter: Drafter, *,
-    segment_size: int = 4, in_flight: int | None = None,
+    segment_size: int = 4, in_flight: int | None = None, clock: PipelineClock | None = None,
 ) -> tuple[list[int], PipelineStats]:  # fmt: skip
     """The target's greedy continuation of ``prompt`` (``max_tokens`` tokens, exactly what
     the target alone would say), verified through the pipeline; FlowSpec's schedule: up to
-    ``in_flight`` segments (default: one per stage) keep every stage busy."""
+    ``in_flight`` segments (default: one per stage) keep every stage busy. ``clock`` follows
+    the run as if each stage had a device of its own."""
     in_flight = in_flight or len(client.stages)
     await client.reset()
     stats = PipelineStats()
-    logits = await client.prefill(prompt, root_id=0)
+    logits, reply = await client.prefill(prompt, root_id=0)
+    if clock is not None:
+        clock.sent()
+        clock.returned(reply.costs_ms, reply.widths)
     tree = FlowTree(int(np.argmax(logits)), len(prompt))
     final = [tree.nodes[tree.root].token]
     flying = 0
     while len(final) < max_tokens:
-        drafter(tree)
+        start = time.perf_counter()
+        if inspect.isawaitable(drafted := drafter(tree, final)):
+            await drafted
+        if clock is not None:
+            clock.spend(time.perf_counter() - start)
         while flying < in_flight and (segment := tree.segment(segment_size)) is not None:
             await client.send(segment)
+            if clock is not None:
+                clock.sent()
             flying += 1
             stats.segments += 1
             stats.nodes_sent += len(segment.ids)
         if flying == 0:
             raise PipelineError("nothing to verify: the drafter left the root unsent")
-        ids, rows = await client.output()
+        ids, rows, reply = await client.output()
+        if clock is not None:
+            clock.returned(reply.costs_ms, reply.widths)
         flying -= 1
         live = {i: int(np.argmax(row)) for i, row in zip(ids, rows, strict=True)
                 if i in tree.nodes}  # fmt: skip
@@ -205,4 +224,4 @@ async def verify_greedy(
             stats.commits += 1
             await client.commit(tree.epoch, advance.accepted, advance.root)
             final += advance.final_tokens
-    return final[:max_tokens], stats
+    return final[:max_tokens], stats  # what is still in flight belongs to a dead session

@@ -65,6 +65,8 @@ class Rows(_StageMessage, tag="rows"):
     epoch: int = 0
     prefill: bool = False
     root: int = 0
+    costs_ms: list[float] = []  # each stage so far appends its compute time for these rows
+    widths: list[int] = []  # and how many rows it computed (the live ones)
 
 
 # ---------------------------------------------------------------- a stage -> the coordinator
@@ -78,6 +80,8 @@ class Output(_StageMessage, tag="output"):
     logits: ArrayRef
     ids: list[int] = []
     prefill: bool = False
+    costs_ms: list[float] = []  # every stage's compute time for these rows, in stage order
+    widths: list[int] = []  # how many rows each stage computed
 
 
 class Ready(_StageMessage, tag="ready"):

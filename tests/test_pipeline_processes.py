@@ -102,7 +102,7 @@ def oracle_drafter(greedy_tokens, accuracy: float, seed: int):
     rng = random.Random(seed)
     prompt, continuation = greedy_tokens
 
-    def draft(tree: FlowTree) -> None:
+    def draft(tree: FlowTree, final: list[int]) -> None:
         if tree.unsent() >= 4:
             return
         for leaf in sorted((i for i, n in tree.nodes.items() if not n.children),

@@ -127,10 +127,11 @@ class Stage:
 
     def _rows(self, rows: Rows, data: np.ndarray) -> None:
         try:
+            start = time.perf_counter()
             if rows.prefill:
                 out = self.runtime.prefill(np.array(data))
                 self.book = StageBook(self.runtime.filled, rows.root)
-                self._forward(rows, out, [], [], [])
+                self._forward(rows, out, start)
                 return
             if self.book is None or not self.book.ready(rows.epoch):
                 self.waiting.append((rows, np.array(data)))
@@ -139,23 +140,31 @@ class Stage:
             keep = admission.keep
             if not keep:  # all pruned meanwhile: pass the empty segment on, so that the
                 empty = np.zeros((0, self.runtime.config.hidden_size), np.float32)
-                self._forward(rows, empty, [], [], [])  # coordinator sees it come back
+                self._forward(rows, empty, start)  # the coordinator sees it come back
                 return
             positions = np.asarray(rows.positions, np.int64)[keep]
             out = self.runtime.admit(admission, np.asarray(data)[keep], positions,
                                      self.book.committed)  # fmt: skip
-            self._forward(rows, out, [rows.ids[i] for i in keep],
-                          [rows.parents[i] for i in keep], positions.tolist())  # fmt: skip
+            self._forward(rows, out, start, ids=[rows.ids[i] for i in keep],
+                          parents=[rows.parents[i] for i in keep],
+                          positions=positions.tolist())  # fmt: skip
         except (ValueError, RuntimeError) as error:
             self._fail(str(error))
 
-    def _forward(self, rows: Rows, out: np.ndarray, ids, parents, positions) -> None:
+    def _forward(self, rows: Rows, out: np.ndarray, start: float, *, ids=(), parents=(),
+                 positions=()) -> None:  # fmt: skip
+        """Pass the computed rows on (the last stage: logits to the coordinator), with this
+        stage's compute time since ``start``."""
+        ids, parents, positions = list(ids), list(parents), list(positions)
+        costs = [*rows.costs_ms, (time.perf_counter() - start) * 1000]
+        widths = [*rows.widths, len(out)]
         if self.runtime.last:
             logits = out[-1:] if rows.prefill else out
-            self._reply(Output(rows.session, frame_ref(logits, 1), ids, rows.prefill), [logits])
+            self._reply(Output(rows.session, frame_ref(logits, 1), ids, rows.prefill, costs,
+                               widths), [logits])  # fmt: skip
             return
         message = Rows(rows.session, frame_ref(out, 1), ids, parents, positions, rows.epoch,
-                       rows.prefill, rows.root)  # fmt: skip
+                       rows.prefill, rows.root, costs, widths)  # fmt: skip
         self.sender.send(self.reset.next, self.reset.next_key, self.codec.encode(message, [out]))
 
     def _fail(self, why: str) -> None:

@@ -1,0 +1,282 @@
+"""Bench: the target split into pipeline stages (``hetspec-stage`` processes on loopback, CURVE
+on every link), with and without speculation, at several link delays.
+
+    python -m hetspec.daemon.bench_pipeline --target ~/.cache/hetspec/heavy-100m \\
+        --stages 3 --link-ms 0,2 --prompts 4 --tokens 48
+
+Systems, all greedy and checked against each other token for token:
+- plain pipeline: one token at a time through every stage (no draft);
+- naive pipelined speculation: the drafter's tree as one segment, the next tree only after
+  its verdict (the pipeline holds one segment at a time);
+- FlowSpec: the tree in score order, cut into segments, one per stage in flight, the tree
+  advanced as each segment's logits arrive and the drafter asked again from the new root.
+The drafter is the llama.cpp draft model in a real worker process (EAGLE-2 trees: depth, top-k
+and size below). Stage processes and the drafter share this machine's cores: on a box with
+fewer cores than processes they compete, which a real multi-host pipeline would not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import uvloop
+
+from hetspec.daemon.pipeline import (
+    PipelineClient,
+    PipelineError,
+    PipelineStats,
+    StageAddress,
+    verify_greedy,
+)
+from hetspec.daemon.worker_client import WorkerClient, WorkerSpec, WorkerStartError
+from hetspec.protocol import Arena
+from hetspec.protocol import worker_messages as m
+from hetspec.protocol.curve_keys import make_keys
+from hetspec.protocol.sampling import SamplingParams
+from hetspec.speculative.flow_tree import FlowTree
+from hetspec.speculative.pipeline_clock import CostProfile, PipelineClock
+
+BUNDLED = Path(__file__).resolve().parents[1] / "models"
+PROMPTS = [
+    "def read_lines(path):\n",
+    "class Stack:\n    def __init__(self):\n",
+    "import os\n\ndef walk(folder):\n",
+    "def fibonacci(n):\n",
+    "def merge_sorted(a, b):\n",
+    "def parse_args(argv):\n",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def split_layers(layers: int, stages: int) -> list[tuple[int, int]]:
+    """Contiguous ranges, the first ones one layer larger where it does not divide."""
+    size, extra = divmod(layers, stages)
+    bounds, start = [], 0
+    for index in range(stages):
+        end = start + size + (index < extra)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+class WorkerDrafter:
+    """The draft model in a llama.cpp worker, drafting an EAGLE-2 tree below each new root."""
+
+    def __init__(self, client: WorkerClient, depth: int, top_k: int, size: int) -> None:
+        self.client, self.depth, self.top_k, self.size = client, depth, top_k, size
+        self.seen = 0  # final tokens the drafter has been told
+        self.root: int | None = None  # the root it last drafted below
+        self.seconds = 0.0
+
+    async def start(self, prompt: list[int]) -> None:
+        await self.client.call(m.Prefill(request=self.client.next_request(), tokens=prompt))
+        self.seen, self.root = 0, None
+
+    async def __call__(self, tree: FlowTree, final: list[int]) -> None:
+        if tree.root == self.root:
+            return
+        start = time.perf_counter()
+        drafted, _ = await self.client.call(m.Draft(
+            request=self.client.next_request(), steps=self.size, sampling=SamplingParams(),
+            out=0, append=final[self.seen:], tree=(self.depth, self.top_k)))  # fmt: skip
+        self.seconds += time.perf_counter() - start
+        self.seen, self.root = len(final), tree.root
+        ids: list[int] = []
+        for token, parent, score in zip(drafted.tokens[0], drafted.parents, drafted.acceptance,
+                                        strict=True):  # fmt: skip
+            ids.append(tree.add(tree.root if parent < 0 else ids[parent], token, score))
+
+
+async def no_draft(tree: FlowTree, final: list[int]) -> None:
+    return None
+
+
+@dataclass
+class Row:
+    system: str
+    link_ms: float
+    tokens: int
+    seconds: float  # on this box
+    clock: PipelineClock
+    stats: PipelineStats
+    texts: list[list[int]] = field(default_factory=list)
+
+    def line(self, stages: int, profile: CostProfile) -> str:
+        s = self.stats
+        simulated, utilization = self.clock.timeline(stages, self.link_ms / 1000, profile)
+        used = " / ".join(f"{u:.0%}" for u in utilization)
+        return (f"| {self.system} | {self.link_ms:g} | {self.tokens / self.seconds:6.1f} | "
+                f"{self.tokens / simulated:6.1f} | {used} | "
+                f"{s.nodes_sent / max(s.segments, 1):4.1f} | "
+                f"{self.tokens / max(s.commits, 1):4.2f} |")  # fmt: skip
+
+
+class Stages:
+    """The stage processes of one link delay, with their keys."""
+
+    def __init__(self, folder: Path, target: Path, bounds, link_ms: float) -> None:
+        self.keys = folder / "keys"
+        make_keys(self.keys, ["coordinator"] + [f"stage{i}" for i in range(len(bounds))])
+        self.addresses, self.processes = [], []
+        for index, (first, end) in enumerate(bounds):
+            allowed = folder / f"allowed{index}"
+            allowed.mkdir()
+            for name in ["coordinator"] + ([f"stage{index - 1}"] if index else []):
+                (allowed / f"{name}.key").write_bytes((self.keys / f"{name}.key").read_bytes())
+            endpoint = f"tcp://127.0.0.1:{free_port()}"
+            log = (folder / f"stage{index}.log").open("w")
+            self.processes.append(subprocess.Popen(
+                [sys.executable, "-m", "hetspec.workers.stage", "serve", "--model", str(target),
+                 "--layers", f"{first}:{end}", "--bind", endpoint, "--threads", "1",
+                 "--key", str(self.keys / f"stage{index}.key_secret"),
+                 "--authorized", str(allowed), "--link-ms", str(link_ms)],
+                stderr=log, stdout=subprocess.DEVNULL))  # fmt: skip
+            self.addresses.append(StageAddress(endpoint, self.keys / f"stage{index}.key"))
+        self.logs = [folder / f"stage{i}.log" for i in range(len(bounds))]
+
+    def wait(self) -> None:
+        deadline = time.monotonic() + 120
+        for process, log in zip(self.processes, self.logs, strict=True):
+            while " at tcp://" not in log.read_text():
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"a stage did not start: {log.read_text().strip()}")
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        for process in self.processes:
+            process.kill()
+            process.wait()
+
+
+async def run_system(client, drafter, prompts, *, tokens, system, link_ms, **schedule) -> Row:
+    total = PipelineStats()
+    seconds, produced, texts = 0.0, 0, []
+    clock = PipelineClock()
+    for prompt in prompts:
+        if drafter is not no_draft:
+            await drafter.start(prompt)
+        start = time.perf_counter()
+        out, stats = await verify_greedy(client, prompt, tokens, drafter, clock=clock,
+                                         **schedule)  # fmt: skip
+        seconds += time.perf_counter() - start
+        produced += len(out)
+        texts.append(out)
+        for name in ("segments", "nodes_sent", "nodes_back", "commits"):
+            setattr(total, name, getattr(total, name) + getattr(stats, name))
+    return Row(system, link_ms, produced, seconds, clock, total, texts)
+
+
+async def run(args: argparse.Namespace) -> int:
+    target = Path(args.target).expanduser()
+    layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
+    bounds = split_layers(layers, args.stages)
+    tokenizer_prompts = await tokenize(target, PROMPTS[: args.prompts])
+    print(f"target {target.name}: {layers} layers in {args.stages} stages {bounds}; draft "
+          f"{args.draft.name}; tree depth {args.depth}, top-k {args.top_k}, {args.size} nodes; "
+          f"{args.prompts} prompts x {args.tokens} tokens; {os.cpu_count()} cores "
+          "here")  # fmt: skip
+    print()
+    print(
+        "| system | link ms | tok/s here | tok/s, a device per stage | stage utilization "
+        "(a device per stage) | nodes per segment | tokens per commit |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="hetspec-bench-pipeline-") as folder:
+        arena_name = f"/dev/shm/hetspec-bench-pipeline-{os.getpid()}"
+        with Arena.create(arena_name, slots=1, slot_bytes=1 << 20) as arena:
+            settings = m.LlamaCppSettings(n_ctx=2048, threads=1)
+            spec = WorkerSpec("cpu", "llama.cpp", str(args.draft), settings, log_format="console")
+            worker = WorkerClient(spec, Path(folder), 1, arena.layout)
+            try:
+                await worker.start(load_timeout_s=120)
+            except WorkerStartError as error:
+                print(f"error: {error}", file=sys.stderr)
+                return 1
+            try:
+                drafter = WorkerDrafter(worker, args.depth, args.top_k, args.size)
+                for link_ms in args.link_ms:
+                    here = Path(folder) / f"link{link_ms:g}"
+                    here.mkdir()
+                    stages = Stages(here, target, bounds, link_ms)
+                    try:
+                        stages.wait()
+                        await compare(stages, drafter, tokenizer_prompts, args, link_ms)
+                    finally:
+                        stages.stop()
+            finally:
+                await worker.stop()
+    return 0
+
+
+async def compare(stages, drafter, prompts, args, link_ms) -> None:
+    client = PipelineClient(stages.addresses, stages.keys / "coordinator.key_secret",
+                            f"tcp://127.0.0.1:{free_port()}", timeout_s=30)  # fmt: skip
+    try:
+        runs = [
+            ("plain pipeline", no_draft, {"segment_size": 1, "in_flight": 1}),
+            ("naive pipelined speculation", drafter,
+             {"segment_size": args.size + 1, "in_flight": 1}),
+            ("FlowSpec", drafter, {"segment_size": args.segment, "in_flight": args.stages}),
+        ]  # fmt: skip
+        await verify_greedy(client, prompts[0], 8, no_draft, segment_size=1, in_flight=1)
+        rows = []
+        for system, draft, schedule in runs:
+            rows.append(await run_system(client, draft, prompts, tokens=args.tokens,
+                                         system=system, link_ms=link_ms, **schedule))  # fmt: skip
+        # stage compute times as measured while one segment at a time was in flight (each
+        # stage computing alone): the plain pipeline's and the naive speculation's
+        profile = CostProfile()
+        for row in rows[:2]:
+            row.clock.measured(profile)
+        for row in rows:
+            print(row.line(args.stages, profile), flush=True)
+        if any(row.texts != rows[0].texts for row in rows):
+            print("MISMATCH: the systems' greedy texts differ", file=sys.stderr)
+    except PipelineError as error:
+        print(f"error: {error}", file=sys.stderr)
+    finally:
+        client.close()
+
+
+async def tokenize(target: Path, prompts: list[str]) -> list[list[int]]:
+    from tokenizers import Tokenizer  # noqa: PLC0415
+
+    tokenizer = Tokenizer.from_file(str(target / "tokenizer.json"))
+    return [tokenizer.encode(p).ids for p in prompts]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hetspec.daemon.bench_pipeline",
+                                     description=__doc__.split("\n")[0])  # fmt: skip
+    parser.add_argument("--target", required=True, help="the target's model folder")
+    parser.add_argument("--draft", type=Path, default=BUNDLED / "draft" / "draft-q8_0.gguf")
+    parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--link-ms", default="0,2",
+                        help="comma-separated link delays (ms, each message and hop)")  # fmt: skip
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--size", type=int, default=8, help="nodes drafted per tree")
+    parser.add_argument("--segment", type=int, default=3, help="FlowSpec's nodes per segment")
+    args = parser.parse_args(argv)
+    args.link_ms = [float(x) for x in args.link_ms.split(",")]
+    return uvloop.run(run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
