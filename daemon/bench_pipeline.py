@@ -35,7 +35,7 @@ from hetspec.daemon.pipeline import (
     PipelineError,
     PipelineStats,
     StageAddress,
-    verify_greedy,
+    pipeline_decode,
 )
 from hetspec.daemon.worker_client import WorkerClient, WorkerSpec, WorkerStartError
 from hetspec.protocol import Arena
@@ -170,7 +170,7 @@ async def run_system(client, drafter, prompts, *, tokens, system, link_ms, **sch
         if drafter is not no_draft:
             await drafter.start(prompt)
         start = time.perf_counter()
-        out, stats = await verify_greedy(client, prompt, tokens, drafter, clock=clock,
+        out, stats = await pipeline_decode(client, prompt, tokens, drafter, clock=clock,
                                          **schedule)  # fmt: skip
         seconds += time.perf_counter() - start
         produced += len(out)
@@ -232,7 +232,7 @@ async def compare(stages, drafter, prompts, args, link_ms) -> None:
              {"segment_size": args.size + 1, "in_flight": 1}),
             ("FlowSpec", drafter, {"segment_size": args.segment, "in_flight": args.stages}),
         ]  # fmt: skip
-        await verify_greedy(client, prompts[0], 8, no_draft, segment_size=1, in_flight=1)
+        await pipeline_decode(client, prompts[0], 8, no_draft, segment_size=1, in_flight=1)
         rows = []
         for system, draft, schedule in runs:
             rows.append(await run_system(client, draft, prompts, tokens=args.tokens,

@@ -3,7 +3,7 @@ over ZeroMQ on TCP with CURVE, fed segments of the draft tree and told its commi
 
 ``PipelineClient`` owns the transport: one CURVE client socket per stage, one CURVE server
 socket where the last stage's outputs (and every stage's replies) arrive, allowed only for
-the stages' public keys. ``verify_greedy`` runs FlowSpec's loop over it: keep the pipeline
+the stages' public keys. ``pipeline_decode`` runs FlowSpec's loop over it: keep the pipeline
 full with the best-scored segments, advance the tree as outputs arrive, tell every stage each
 commit, ask the drafter for more below the live tree. A stage that stops answering fails the
 request within ``timeout_s`` (``PipelineError``), never hangs it.
@@ -37,6 +37,8 @@ from hetspec.protocol.pipeline_messages import (
 )
 from hetspec.speculative.flow_tree import FlowTree
 from hetspec.speculative.pipeline_clock import PipelineClock
+from hetspec.speculative.samplers import Sampler, pick
+from hetspec.speculative.sampling import SamplingParams, distribution
 
 
 class PipelineError(RuntimeError):
@@ -55,6 +57,7 @@ class PipelineStats:
     nodes_sent: int = 0
     nodes_back: int = 0  # outputs of nodes still live when they arrived
     commits: int = 0
+    drafted_final: int = 0  # final tokens that had been drafted (accepted drafts)
 
 
 # A drafter: given the tree and the final tokens so far (the root's last), add nodes below
@@ -180,14 +183,26 @@ class PipelineClient:
                 return message.ids, frame_array(message.logits, frames), message
 
 
-async def verify_greedy(
+async def pipeline_decode(
     client: PipelineClient, prompt: list[int], max_tokens: int, drafter: Drafter, *,
+    params: SamplingParams | None = None, sampler: Sampler | None = None,
     segment_size: int = 4, in_flight: int | None = None, clock: PipelineClock | None = None,
 ) -> tuple[list[int], PipelineStats]:  # fmt: skip
-    """The target's greedy continuation of ``prompt`` (``max_tokens`` tokens, exactly what
-    the target alone would say), verified through the pipeline; FlowSpec's schedule: up to
-    ``in_flight`` segments (default: one per stage) keep every stage busy. ``clock`` follows
-    the run as if each stage had a device of its own."""
+    """``max_tokens`` tokens after ``prompt`` as the target alone would choose them (greedy:
+    the same tokens; sampled with ``params`` by ``sampler``: keyed by position, or drawn, in
+    both cases the target's own law, since a drafted token counts only where it equals the
+    target's own choice), verified through the pipeline. FlowSpec's schedule: up to
+    ``in_flight`` segments (default: one per stage) keep every stage busy. ``clock`` records
+    the run for ``PipelineClock.timeline``."""
+    params = params or SamplingParams()
+    if not params.greedy and sampler is None:
+        raise ValueError("a sampled request needs a sampler")
+
+    def choose(logits: np.ndarray, position: int) -> int:
+        if params.greedy:
+            return int(np.argmax(logits))
+        return int(pick(distribution(logits[None, :], params), params, sampler, position)[0])
+
     in_flight = in_flight or len(client.stages)
     await client.reset()
     stats = PipelineStats()
@@ -195,7 +210,7 @@ async def verify_greedy(
     if clock is not None:
         clock.sent()
         clock.returned(reply.costs_ms, reply.widths)
-    tree = FlowTree(int(np.argmax(logits)), len(prompt))
+    tree = FlowTree(choose(logits, len(prompt)), len(prompt))
     final = [tree.nodes[tree.root].token]
     flying = 0
     while len(final) < max_tokens:
@@ -217,11 +232,12 @@ async def verify_greedy(
         if clock is not None:
             clock.returned(reply.costs_ms, reply.widths)
         flying -= 1
-        live = {i: int(np.argmax(row)) for i, row in zip(ids, rows, strict=True)
-                if i in tree.nodes}  # fmt: skip
+        live = {i: choose(row, tree.nodes[i].position + 1)
+                for i, row in zip(ids, rows, strict=True) if i in tree.nodes}  # fmt: skip
         stats.nodes_back += len(live)
         if (advance := tree.deliver(live)) is not None:
             stats.commits += 1
+            stats.drafted_final += advance.drafted
             await client.commit(tree.epoch, advance.accepted, advance.root)
             final += advance.final_tokens
     return final[:max_tokens], stats  # what is still in flight belongs to a dead session

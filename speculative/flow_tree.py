@@ -56,6 +56,7 @@ class Advance:
     final_tokens: list[int]  # tokens now final (the new roots' tokens), in order
     root: int  # the node whose output is awaited next
     pruned: list[int]  # node ids dropped from the tree
+    drafted: int  # how many of final_tokens had been drafted (the rest: the target's own)
 
 
 class FlowTree:
@@ -143,10 +144,12 @@ class FlowTree:
                 self.nodes[node_id].choice = choice
         accepted: list[int] = []
         final: list[int] = []
+        drafted = 0
         while (choice := self.nodes[self.root].choice) is not None:
             accepted.append(self.root)
             old_root = self.nodes[self.root]
             child = old_root.children.get(choice)
+            drafted += child is not None
             if child is None:  # the draft missed: a fresh root, the rest of the tree goes
                 child = self._make(choice, self.root, old_root.position + 1, math.inf)
             self.root = child
@@ -160,7 +163,7 @@ class FlowTree:
         root.parent = None
         root.score = math.inf
         self.epoch += 1
-        return Advance(accepted, final, self.root, pruned)
+        return Advance(accepted, final, self.root, pruned, drafted)
 
     def _prune_outside(self, root: int, keep: set[int]) -> list[int]:
         """Drop every node that is neither below ``root`` nor in ``keep``."""

@@ -105,6 +105,7 @@ def test_a_miss_makes_a_fresh_root_and_prunes_the_rest() -> None:
     advance = tree.deliver({old_root: 4})  # the target wanted 4: nothing drafted matches
     assert advance.accepted == [old_root]
     assert advance.final_tokens == [4]
+    assert advance.drafted == 0
     assert sorted(tree.nodes) == [advance.root]
     assert len(advance.pruned) == 2
     assert tree.nodes[advance.root].token == 4
@@ -130,3 +131,4 @@ def test_a_hit_keeps_the_subtree_in_flight() -> None:
     advance = tree.deliver({below: 6, a: 2})  # both outputs: two tokens at once
     assert advance.accepted == [a, below]
     assert advance.final_tokens == [2, 6]
+    assert advance.drafted == 1  # 6 came from the target alone: nothing below `below` had it

@@ -14,10 +14,11 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from hetspec.daemon.config import BUNDLED_MODELS
-from hetspec.daemon.pipeline import PipelineClient, PipelineError, StageAddress, verify_greedy
+from hetspec.daemon.pipeline import PipelineClient, PipelineError, StageAddress, pipeline_decode
 from hetspec.protocol.curve_keys import CurveKeyError, load_secret, make_keys
 from hetspec.speculative.flow_tree import FlowTree
 from hetspec.speculative.samplers import DrawnSampler
@@ -126,7 +127,7 @@ def test_stage_processes_verify_to_the_targets_greedy_text(tmp_path, greedy, sta
         try:
             for seed, accuracy in ((0, 0.8), (1, 0.3)):
                 drafter = oracle_drafter(greedy, accuracy, seed)
-                tokens, stats = await verify_greedy(client, greedy[0], TOKENS, drafter)
+                tokens, stats = await pipeline_decode(client, greedy[0], TOKENS, drafter)
                 assert tokens == greedy[1][:TOKENS]
                 assert stats.commits > 0
                 assert stats.nodes_back <= stats.nodes_sent
@@ -173,11 +174,11 @@ def test_a_killed_stage_fails_the_request_within_two_seconds(tmp_path, greedy) -
             pipeline.processes[1].wait()
             start = time.monotonic()
             with pytest.raises(PipelineError):
-                await verify_greedy(client, greedy[0], TOKENS, oracle_drafter(greedy, 0.8, 0))
+                await pipeline_decode(client, greedy[0], TOKENS, oracle_drafter(greedy, 0.8, 0))
             assert time.monotonic() - start < 2.0
             pipeline.start(1)  # what its supervisor (systemd, hetspecd) does
             pipeline.wait_ready(1)
-            tokens, _ = await verify_greedy(client, greedy[0], TOKENS,
+            tokens, _ = await pipeline_decode(client, greedy[0], TOKENS,
                                             oracle_drafter(greedy, 0.8, 0))  # fmt: skip
             assert tokens == greedy[1][:TOKENS]
         finally:
@@ -208,3 +209,58 @@ def test_keys_are_private_and_never_overwritten(tmp_path) -> None:
     assert refused.stderr.strip().splitlines() == [
         f"hetspec-stage: {secret} may be read by others (mode 0644); chmod 600 it"
     ]
+
+
+def test_sampled_tokens_through_the_pipeline_follow_the_targets_law(tmp_path, greedy) -> None:
+    """Temperature 1, top-k 6: the second and third tokens' marginal laws through 2 stage
+    processes match the target's exact law (chi-square), keyed by seed and drawn."""
+    from test_lossless import SEEDS, chi2_critical, chi_square, exact_marginals  # noqa: PLC0415
+
+    from hetspec.speculative.samplers import sampler_for  # noqa: PLC0415
+    from hetspec.speculative.sampling import SamplingParams as Params  # noqa: PLC0415
+
+    prompt = "def add(a, b):\n"
+    params = Params(temperature=1.0, top_k=6)
+    runtime = TorchRuntime(TARGET, device="cpu", dtype="float32", max_context=512)
+    law = exact_marginals(runtime, prompt, params)
+    tokens = runtime.tokenize(prompt)
+    pipeline = StageProcesses(tmp_path, SPLITS[2])
+
+    def likely_drafter(tree: FlowTree, final: list[int]) -> None:
+        """The target's own two likeliest tokens below each leaf: drafts that do get
+        accepted, now and then, when sampling."""
+        if tree.unsent() > 1:  # more than the root waits to be sent
+            return
+        for leaf in [i for i, n in tree.nodes.items() if not n.children]:
+            runtime.prefill(tokens + final[:-1] + tree.path_to(leaf))
+            for rank, token in enumerate(np.argsort(runtime.last_logits())[::-1][:2]):
+                tree.add(leaf, int(token), 0.5 / (rank + 1))
+
+    async def sample(seeds) -> tuple[list[dict[int, int]], int]:
+        counts: list[dict[int, int]] = [{}, {}, {}]
+        client = pipeline.client()
+        accepted = 0
+        try:
+            for seed in seeds:
+                out, stats = await pipeline_decode(
+                    client, tokens, 3, likely_drafter, params=params, sampler=sampler_for(seed),
+                    segment_size=3)  # fmt: skip
+                accepted += stats.drafted_final
+                for position, token in enumerate(out):
+                    counts[position][token] = counts[position].get(token, 0) + 1
+        finally:
+            client.close()
+        return counts, accepted
+
+    try:
+        keyed, keyed_accepted = asyncio.run(sample(SEEDS))
+        drawn, drawn_accepted = asyncio.run(sample([None] * len(SEEDS)))
+    finally:
+        pipeline.stop()
+    assert keyed_accepted > len(SEEDS) // 4  # drafts were taken, not just the target's own
+    assert drawn_accepted > len(SEEDS) // 4
+    for counts, p in ((keyed, 0.001), (drawn, 0.0001)):
+        for position in (1, 2):
+            statistic, df = chi_square(counts[position], law[position], len(SEEDS))
+            assert df >= 1
+            assert statistic < chi2_critical(df, p), (position, statistic, df)
