@@ -176,10 +176,13 @@ def test_a_killed_stage_fails_the_request_within_two_seconds(tmp_path, greedy) -
             with pytest.raises(PipelineError):
                 await pipeline_decode(client, greedy[0], TOKENS, oracle_drafter(greedy, 0.8, 0))
             assert time.monotonic() - start < 2.0
+            restart = time.monotonic()
             pipeline.start(1)  # what its supervisor (systemd, hetspecd) does
             pipeline.wait_ready(1)
-            tokens, _ = await pipeline_decode(client, greedy[0], TOKENS,
-                                            oracle_drafter(greedy, 0.8, 0))  # fmt: skip
+            await client.reset()
+            assert time.monotonic() - restart < 5.0  # serving again within 5 s
+            drafter = oracle_drafter(greedy, 0.8, 0)
+            tokens, _ = await pipeline_decode(client, greedy[0], TOKENS, drafter)
             assert tokens == greedy[1][:TOKENS]
         finally:
             client.close()
