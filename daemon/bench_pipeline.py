@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,17 +28,11 @@ from pathlib import Path
 
 import uvloop
 
-from hetspec.daemon.pipeline import (
-    PipelineClient,
-    PipelineError,
-    PipelineStats,
-    StageAddress,
-    pipeline_decode,
-)
+from hetspec.daemon.local_stages import LocalStages, split_layers
+from hetspec.daemon.pipeline import PipelineError, PipelineStats, pipeline_decode
 from hetspec.daemon.worker_client import WorkerClient, WorkerSpec, WorkerStartError
 from hetspec.protocol import Arena
 from hetspec.protocol import worker_messages as m
-from hetspec.protocol.curve_keys import make_keys
 from hetspec.protocol.sampling import SamplingParams
 from hetspec.speculative.flow_tree import FlowTree
 from hetspec.speculative.pipeline_clock import CostProfile, PipelineClock
@@ -54,23 +46,6 @@ PROMPTS = [
     "def merge_sorted(a, b):\n",
     "def parse_args(argv):\n",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def split_layers(layers: int, stages: int) -> list[tuple[int, int]]:
-    """Contiguous ranges, the first ones one layer larger where it does not divide."""
-    size, extra = divmod(layers, stages)
-    bounds, start = [], 0
-    for index in range(stages):
-        end = start + size + (index < extra)
-        bounds.append((start, end))
-        start = end
-    return bounds
 
 
 class WorkerDrafter:
@@ -125,43 +100,6 @@ class Row:
                 f"{self.tokens / max(s.commits, 1):4.2f} |")  # fmt: skip
 
 
-class Stages:
-    """The stage processes of one link delay, with their keys."""
-
-    def __init__(self, folder: Path, target: Path, bounds, link_ms: float) -> None:
-        self.keys = folder / "keys"
-        make_keys(self.keys, ["coordinator"] + [f"stage{i}" for i in range(len(bounds))])
-        self.addresses, self.processes = [], []
-        for index, (first, end) in enumerate(bounds):
-            allowed = folder / f"allowed{index}"
-            allowed.mkdir()
-            for name in ["coordinator"] + ([f"stage{index - 1}"] if index else []):
-                (allowed / f"{name}.key").write_bytes((self.keys / f"{name}.key").read_bytes())
-            endpoint = f"tcp://127.0.0.1:{free_port()}"
-            log = (folder / f"stage{index}.log").open("w")
-            self.processes.append(subprocess.Popen(
-                [sys.executable, "-m", "hetspec.workers.stage", "serve", "--model", str(target),
-                 "--layers", f"{first}:{end}", "--bind", endpoint, "--threads", "1",
-                 "--key", str(self.keys / f"stage{index}.key_secret"),
-                 "--authorized", str(allowed), "--link-ms", str(link_ms)],
-                stderr=log, stdout=subprocess.DEVNULL))  # fmt: skip
-            self.addresses.append(StageAddress(endpoint, self.keys / f"stage{index}.key"))
-        self.logs = [folder / f"stage{i}.log" for i in range(len(bounds))]
-
-    def wait(self) -> None:
-        deadline = time.monotonic() + 120
-        for process, log in zip(self.processes, self.logs, strict=True):
-            while " at tcp://" not in log.read_text():
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"a stage did not start: {log.read_text().strip()}")
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        for process in self.processes:
-            process.kill()
-            process.wait()
-
-
 async def run_system(client, drafter, prompts, *, tokens, system, link_ms, **schedule) -> Row:
     total = PipelineStats()
     seconds, produced, texts = 0.0, 0, []
@@ -211,7 +149,7 @@ async def run(args: argparse.Namespace) -> int:
                 for link_ms in args.link_ms:
                     here = Path(folder) / f"link{link_ms:g}"
                     here.mkdir()
-                    stages = Stages(here, target, bounds, link_ms)
+                    stages = LocalStages(here, target, bounds, link_ms=link_ms)
                     try:
                         stages.wait()
                         await compare(stages, drafter, tokenizer_prompts, args, link_ms)
@@ -223,8 +161,7 @@ async def run(args: argparse.Namespace) -> int:
 
 
 async def compare(stages, drafter, prompts, args, link_ms) -> None:
-    client = PipelineClient(stages.addresses, stages.keys / "coordinator.key_secret",
-                            f"tcp://127.0.0.1:{free_port()}", timeout_s=30)  # fmt: skip
+    client = stages.client(timeout_s=30)
     try:
         runs = [
             ("plain pipeline", no_draft, {"segment_size": 1, "in_flight": 1}),

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +16,8 @@ import numpy as np
 import pytest
 
 from hetspec.daemon.config import BUNDLED_MODELS
-from hetspec.daemon.pipeline import PipelineClient, PipelineError, StageAddress, pipeline_decode
+from hetspec.daemon.local_stages import LocalStages
+from hetspec.daemon.pipeline import PipelineError, pipeline_decode
 from hetspec.protocol.curve_keys import CurveKeyError, load_secret, make_keys
 from hetspec.speculative.flow_tree import FlowTree
 from hetspec.speculative.samplers import DrawnSampler
@@ -31,62 +30,17 @@ SPLITS = {2: [(0, 2), (2, 4)], 3: [(0, 1), (1, 3), (3, 4)]}
 TOKENS = 32
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+def start_stages(folder: Path, splits) -> LocalStages:
+    stages = LocalStages(folder, TARGET, splits)
+    stages.wait(timeout_s=60)
+    return stages
 
 
-class StageProcesses:
-    """Keys for a coordinator and each stage, and the stages running as processes: stage i
-    admits the coordinator and stage i - 1."""
-
-    def __init__(self, folder: Path, splits, link_ms: float = 0.0) -> None:
-        self.keys = folder / "keys"
-        names = ["coordinator"] + [f"stage{i}" for i in range(len(splits))]
-        make_keys(self.keys, names)
-        self.addresses, self.processes, self.logs = [], [], []
-        self.splits, self.link_ms, self.folder = splits, link_ms, folder
-        for index in range(len(splits)):
-            self.addresses.append(StageAddress(f"tcp://127.0.0.1:{free_port()}",
-                                               self.keys / f"stage{index}.key"))  # fmt: skip
-            self.processes.append(None)
-            self.start(index)
-        for index in range(len(splits)):
-            self.wait_ready(index)
-
-    def start(self, index: int) -> None:
-        allowed = self.folder / f"allowed{index}"
-        allowed.mkdir(exist_ok=True)
-        shutil.copy(self.keys / "coordinator.key", allowed)
-        if index:
-            shutil.copy(self.keys / f"stage{index - 1}.key", allowed)
-        first, end = self.splits[index]
-        log = self.folder / f"stage{index}.log"
-        self.processes[index] = subprocess.Popen(
-            [sys.executable, "-m", "hetspec.workers.stage", "serve", "--model", str(TARGET),
-             "--layers", f"{first}:{end}", "--bind", self.addresses[index].endpoint,
-             "--key", str(self.keys / f"stage{index}.key_secret"), "--authorized", str(allowed),
-             "--threads", "1", "--link-ms", str(self.link_ms)],
-            stderr=log.open("w"), stdout=subprocess.DEVNULL,
-        )  # fmt: skip
-
-    def wait_ready(self, index: int) -> None:
-        log = self.folder / f"stage{index}.log"
-        deadline = time.monotonic() + 60
-        while " at tcp://" not in log.read_text():
-            assert self.processes[index].poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
-
-    def client(self, key: str = "coordinator", timeout_s: float = 2.0) -> PipelineClient:
-        return PipelineClient(self.addresses, self.keys / f"{key}.key_secret",
-                              f"tcp://127.0.0.1:{free_port()}", timeout_s)  # fmt: skip
-
-    def stop(self) -> None:
-        for process in self.processes:
-            process.kill()
-            process.wait(timeout=10)
+def run_then_stop(stages: LocalStages, scenario) -> None:
+    try:
+        asyncio.run(scenario())
+    finally:
+        stages.stop()
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +74,7 @@ def oracle_drafter(greedy_tokens, accuracy: float, seed: int):
 
 @pytest.mark.parametrize("stages", [2, 3])
 def test_stage_processes_verify_to_the_targets_greedy_text(tmp_path, greedy, stages) -> None:
-    pipeline = StageProcesses(tmp_path, SPLITS[stages])
+    pipeline = start_stages(tmp_path, SPLITS[stages])
 
     async def scenario() -> None:
         client = pipeline.client()
@@ -134,14 +88,11 @@ def test_stage_processes_verify_to_the_targets_greedy_text(tmp_path, greedy, sta
         finally:
             client.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        pipeline.stop()
+    run_then_stop(pipeline, scenario)
 
 
 def test_a_client_without_an_admitted_key_gets_nothing(tmp_path) -> None:
-    pipeline = StageProcesses(tmp_path, SPLITS[2])
+    pipeline = start_stages(tmp_path, SPLITS[2])
     make_keys(pipeline.keys, ["stranger"])
 
     async def scenario() -> None:
@@ -157,28 +108,24 @@ def test_a_client_without_an_admitted_key_gets_nothing(tmp_path) -> None:
         finally:
             client.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        pipeline.stop()
+    run_then_stop(pipeline, scenario)
 
 
 def test_a_killed_stage_fails_the_request_within_two_seconds(tmp_path, greedy) -> None:
-    pipeline = StageProcesses(tmp_path, SPLITS[3])
+    pipeline = start_stages(tmp_path, SPLITS[3])
 
     async def scenario() -> None:
         client = pipeline.client(timeout_s=1.5)
         try:
             await client.reset()
-            pipeline.processes[1].kill()
-            pipeline.processes[1].wait()
+            pipeline.kill(1)
             start = time.monotonic()
             with pytest.raises(PipelineError):
                 await pipeline_decode(client, greedy[0], TOKENS, oracle_drafter(greedy, 0.8, 0))
             assert time.monotonic() - start < 2.0
             restart = time.monotonic()
             pipeline.start(1)  # what its supervisor (systemd, hetspecd) does
-            pipeline.wait_ready(1)
+            pipeline.wait(1)
             await client.reset()
             assert time.monotonic() - restart < 5.0  # serving again within 5 s
             drafter = oracle_drafter(greedy, 0.8, 0)
@@ -187,10 +134,7 @@ def test_a_killed_stage_fails_the_request_within_two_seconds(tmp_path, greedy) -
         finally:
             client.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        pipeline.stop()
+    run_then_stop(pipeline, scenario)
 
 
 def test_keys_are_private_and_never_overwritten(tmp_path) -> None:
@@ -227,7 +171,7 @@ def test_sampled_tokens_through_the_pipeline_follow_the_targets_law(tmp_path, gr
     runtime = TorchRuntime(TARGET, device="cpu", dtype="float32", max_context=512)
     law = exact_marginals(runtime, prompt, params)
     tokens = runtime.tokenize(prompt)
-    pipeline = StageProcesses(tmp_path, SPLITS[2])
+    pipeline = start_stages(tmp_path, SPLITS[2])
 
     def likely_drafter(tree: FlowTree, final: list[int]) -> None:
         """The target's own two likeliest tokens below each leaf: drafts that do get
