@@ -97,7 +97,12 @@ class Stage:
             case Commit():
                 self._commit(message)
             case Rows():
-                self._rows(message, frame_array(message.data, frames))
+                try:
+                    data = frame_array(message.data, frames)
+                except MessageError as error:
+                    self._fail(f"malformed rows: {error}")
+                    return
+                self._rows(message, data)
 
     def _reply(self, message, arrays=()) -> None:
         reset = self.reset
@@ -107,7 +112,7 @@ class Stage:
     def _reset(self, message: Reset) -> None:
         self.session, self.reset, self.book = message.session, message, None
         self.waiting.clear()
-        self.runtime.filled = 0
+        self.runtime.clear()
         layers = self.runtime.layers
         if message.version != PIPELINE_PROTOCOL_VERSION:
             why = f"protocol {message.version}; this stage speaks {PIPELINE_PROTOCOL_VERSION}"

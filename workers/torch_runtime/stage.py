@@ -106,8 +106,13 @@ class StageRuntime:
             masks[window] = torch.from_numpy(mask).to(self.device)
         return [masks[w] for w in self._windows]
 
+    def clear(self) -> None:
+        """Forget every slot: the next ``prefill`` starts a new sequence."""
+        self.filled = 0
+
     def prefill(self, inputs: np.ndarray) -> np.ndarray:
-        """Extend the committed context (empty cache) by a causal run of ``inputs``."""
+        """Extend the committed context by a causal run of ``inputs`` (token ids for the
+        first stage, hidden states otherwise)."""
         n = len(inputs)
         causal = np.tril(np.ones((n, n), bool))
         return self.forward(inputs, self.filled + np.arange(n), causal, self.filled)
