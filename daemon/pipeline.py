@@ -12,7 +12,7 @@ request within ``timeout_s`` (``PipelineError``), never hangs it.
 from __future__ import annotations
 
 import inspect
-import itertools
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -98,7 +98,6 @@ class PipelineClient:
             socket.setsockopt(zmq.SNDHWM, 0)
             socket.connect(stage.endpoint)
             self.outbound.append(socket)
-        self._sessions = itertools.count(1)
         self.session = 0
 
     def close(self) -> None:
@@ -125,8 +124,10 @@ class PipelineClient:
             return message, frames
 
     async def reset(self, timeout_s: float | None = None) -> list[Ready]:
-        """A new session on every stage; waits until each says it is ready."""
-        self.session = next(self._sessions)
+        """A new session on every stage; waits until each says it is ready. Session numbers
+        are random: rows another coordinator (an earlier daemon) left queued at a stage can
+        never pass for this one's."""
+        self.session = secrets.randbits(63)
         coordinator_key = self.public.decode()
         for index, socket in enumerate(self.outbound):
             last = index + 1 == len(self.stages)
