@@ -55,7 +55,6 @@ class WorkerDrafter:
         self.client, self.depth, self.top_k, self.size = client, depth, top_k, size
         self.seen = 0  # final tokens the drafter has been told
         self.root: int | None = None  # the root it last drafted below
-        self.seconds = 0.0
 
     async def start(self, prompt: list[int]) -> None:
         await self.client.call(m.Prefill(request=self.client.next_request(), tokens=prompt))
@@ -64,11 +63,9 @@ class WorkerDrafter:
     async def __call__(self, tree: FlowTree, final: list[int]) -> None:
         if tree.root == self.root:
             return
-        start = time.perf_counter()
         drafted, _ = await self.client.call(m.Draft(
             request=self.client.next_request(), steps=self.size, sampling=SamplingParams(),
             out=0, append=final[self.seen:], tree=(self.depth, self.top_k)))  # fmt: skip
-        self.seconds += time.perf_counter() - start
         self.seen, self.root = len(final), tree.root
         ids: list[int] = []
         for token, parent, score in zip(drafted.tokens[0], drafted.parents, drafted.acceptance,
@@ -122,7 +119,7 @@ async def run(args: argparse.Namespace) -> int:
     target = Path(args.target).expanduser()
     layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
     bounds = split_layers(layers, args.stages)
-    tokenizer_prompts = await tokenize(target, PROMPTS[: args.prompts])
+    tokenizer_prompts = tokenize(target, PROMPTS[: args.prompts])
     print(f"target {target.name}: {layers} layers in {args.stages} stages {bounds}; draft "
           f"{args.draft.name}; tree depth {args.depth}, top-k {args.top_k}, {args.size} nodes; "
           f"{args.prompts} prompts x {args.tokens} tokens; {os.cpu_count()} cores "
@@ -189,7 +186,7 @@ async def compare(stages, drafter, prompts, args, link_ms) -> None:
         client.close()
 
 
-async def tokenize(target: Path, prompts: list[str]) -> list[list[int]]:
+def tokenize(target: Path, prompts: list[str]) -> list[list[int]]:
     from tokenizers import Tokenizer  # noqa: PLC0415
 
     tokenizer = Tokenizer.from_file(str(target / "tokenizer.json"))

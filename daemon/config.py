@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from hetspec.endpoints import parse_endpoint
+from hetspec.endpoints import parse_rpc_endpoint
 from hetspec.protocol.worker_messages import LlamaCppSettings, TorchSettings
 
 DEFAULT_CONFIG_FILE = Path("/etc/hetspec/hetspecd.toml")
@@ -90,10 +90,7 @@ class RpcConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def __post_init__(self) -> None:
         for endpoint in self.servers:
-            host, _ = parse_endpoint(endpoint)  # ValueError: one line naming it
-            if ":" in host:
-                raise ValueError(f"servers: {endpoint!r}: llama.cpp's RPC takes IPv4 addresses "
-                                 "or host names, not IPv6")  # fmt: skip
+            parse_rpc_endpoint(endpoint)  # ValueError: one line naming it
         if len(set(self.servers)) != len(self.servers):
             raise ValueError("servers: an rpc-server is listed twice")
         if self.layers < -1:

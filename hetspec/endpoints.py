@@ -16,6 +16,16 @@ def parse_endpoint(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def parse_rpc_endpoint(text: str) -> tuple[str, int]:
+    """``parse_endpoint`` for llama.cpp's RPC, which splits an endpoint at its first ':' and so
+    takes IPv4 addresses and host names only."""
+    host, port = parse_endpoint(text)
+    if ":" in host:
+        raise ValueError(f"{text!r}: llama.cpp's RPC takes IPv4 addresses or host names, "
+                         "not IPv6")  # fmt: skip
+    return host, port
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` names this machine only (``localhost``, 127.0.0.0/8, ::1)."""
     if host == "localhost":

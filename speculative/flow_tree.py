@@ -103,10 +103,6 @@ class FlowTree:
     def unsent(self) -> int:
         return sum(not node.sent for node in self.nodes.values())
 
-    def in_flight(self) -> int:
-        """Nodes sent whose output has not come back."""
-        return sum(node.sent and node.choice is None for node in self.nodes.values())
-
     def segment(self, limit: int) -> Segment | None:
         """Up to ``limit`` unsent nodes, best score first among those whose parent is sent
         or already taken; None when nothing can go."""

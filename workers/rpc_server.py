@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 
-from hetspec.endpoints import is_loopback
+from hetspec.endpoints import is_loopback, parse_rpc_endpoint
 
 WARNING = (
     "WARNING: serving on {host}, not the loopback interface. llama.cpp's RPC protocol has no "
@@ -39,13 +39,13 @@ def main(argv: list[str] | None = None) -> int:
         help="bind a non-loopback address (read the warning it prints)",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    if not 0 < args.port < 65536:
-        parser.error(f"--port must be in 1..65535, not {args.port}")
+    try:
+        parse_rpc_endpoint(f"{args.host}:{args.port}")
+    except ValueError as error:
+        parser.error(f"--host/--port: {error}")
     if not is_loopback(args.host) and not args.allow_remote:
         parser.error(f"--host {args.host} is not a loopback address: llama.cpp's RPC protocol "
                      "is unauthenticated; add --allow-remote only on a private link")  # fmt: skip
-    if ":" in args.host:
-        parser.error("llama.cpp's RPC takes an IPv4 address or a host name, not IPv6")
     owned = len(os.sched_getaffinity(0))
     threads = args.threads or owned
     if not 0 < threads <= owned:

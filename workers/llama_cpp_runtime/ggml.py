@@ -20,7 +20,6 @@ reg_by_name = _bind("ggml_backend_reg_by_name", [ctypes.c_char_p], ctypes.c_void
 reg_proc_address = _bind("ggml_backend_reg_get_proc_address",
                          [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p)  # fmt: skip
 register = _bind("ggml_backend_register", [ctypes.c_void_p], None)
-reg_dev_count = _bind("ggml_backend_reg_dev_count", [ctypes.c_void_p], ctypes.c_size_t)
 dev_by_type = _bind("ggml_backend_dev_by_type", [ctypes.c_int], ctypes.c_void_p)
 dev_count = _bind("ggml_backend_dev_count", [], ctypes.c_size_t)
 dev_get = _bind("ggml_backend_dev_get", [ctypes.c_size_t], ctypes.c_void_p)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import socket
 
-from hetspec.endpoints import parse_endpoint
+from hetspec.endpoints import parse_rpc_endpoint
 from hetspec.workers.llama_cpp_runtime import ggml
 
 REACH_TIMEOUT_S = 3.0
@@ -44,12 +44,9 @@ def check_reachable(endpoint: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
     """Raise RpcError unless something accepts TCP connections at ``endpoint``: llama.cpp
     aborts the whole process when it cannot connect, so this is checked first."""
     try:
-        host, port = parse_endpoint(endpoint)
+        host, port = parse_rpc_endpoint(endpoint)
     except ValueError as error:
         raise RpcError(f"rpc server {error}") from None
-    if ":" in host:
-        raise RpcError(f"rpc server {endpoint}: llama.cpp's RPC takes IPv4 addresses or host "
-                       "names, not IPv6")  # fmt: skip
     try:
         with socket.create_connection((host, port), timeout=timeout_s):
             pass
@@ -61,25 +58,19 @@ def check_reachable(endpoint: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
         ) from None
 
 
-def add_servers(endpoints: tuple[str, ...] | list[str]) -> int:
+def add_servers(endpoints: tuple[str, ...] | list[str]) -> None:
     """Register each server's devices with ggml, as llama.cpp's ``--rpc`` does, so the next
     model load places offloaded layers on them (RPC devices first, then local GPUs). A server
-    registered before is not added twice. Returns the number of devices the servers offer."""
+    registered before is not added twice."""
     add_server = _rpc_function("ggml_backend_rpc_add_server", _ADD_SERVER)
-    devices = 0
     for endpoint in endpoints:
         check_reachable(endpoint)
-        name = f"RPC[{endpoint}]".encode()
-        registered = ggml.reg_by_name(name)
-        if registered:
-            devices += ggml.reg_dev_count(registered)
+        if ggml.reg_by_name(f"RPC[{endpoint}]".encode()):
             continue
         registry = add_server(endpoint.encode())
         if not registry:
             raise RpcError(f"the rpc-server at {endpoint} offers no device")
         ggml.register(registry)
-        devices += ggml.reg_dev_count(registry)
-    return devices
 
 
 def serve(endpoint: str, threads: int, cache_dir: str | None = None) -> None:
