@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import hashlib
 import json
 import os
 import platform
@@ -183,6 +184,7 @@ class Record:
     overlapped: int = 0  # rounds whose next draft was drafted during verification
     gammas: list[int] = field(default_factory=list)
     by_depth: list[int] = field(default_factory=list)  # rounds accepting >= depth 1, 2, ...
+    output: str = ""  # a digest of the token ids generated ("": a peer's, not compared)
 
     @classmethod
     def of(cls, system: str, prompt: int, repeat: int, loaded: bool, done: Completion) -> Record:
@@ -193,7 +195,7 @@ class Record:
             timings["ttft_ms"], spec.get("rounds", 0), timings.get("draft_n_accepted", 0),
             statistics.fmean(gammas) if gammas else 0.0, spec.get("t_draft_ms"),
             spec.get("t_verify_ms"), spec.get("run_ahead", 0), gammas,
-            spec.get("acceptance_by_depth", []),
+            spec.get("acceptance_by_depth", []), token_digest(done.tokens),
         )  # fmt: skip
 
     @property
@@ -212,6 +214,21 @@ class Record:
             return None
         round_ms = max(self.gamma_mean * self.t_draft_ms, self.t_verify_ms)
         return (self.accepted / self.rounds + 1) / round_ms * 1000
+
+
+def token_digest(tokens: list[int]) -> str:
+    return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
+
+
+def same_output(records: list[Record], reference: list[Record]) -> tuple[int, int] | None:
+    """(requests whose tokens equal the reference system's for the same prompt and repeat,
+    requests compared); None for rows without outputs (peers)."""
+    expected = {(r.prompt, r.repeat): r.output for r in reference if r.output}
+    pairs = [(r.output, expected.get((r.prompt, r.repeat))) for r in records if r.output]
+    pairs = [(mine, theirs) for mine, theirs in pairs if theirs is not None]
+    if not pairs:
+        return None
+    return sum(mine == theirs for mine, theirs in pairs), len(pairs)
 
 
 def summarise(records: list[Record]) -> dict:
@@ -388,12 +405,16 @@ def modes_table(records: list[Record]) -> tuple[str, dict, str]:
                   key=lambda n: summaries[n]["tokens_per_s"])  # fmt: skip
     base = summaries[fastest]
     sequential = summaries["sequential"]
+    alone = [r for r in records if r.system == "autoregressive"]
+    for name, summary in summaries.items():
+        summary["same_as_alone"] = same_output([r for r in records if r.system == name], alone)
     lines = [
         "| system | decode tokens/s | x fastest target alone | x sequential | mean accepted | "
-        "gamma | overlapped rounds | TTFT ms | x TTFT | efficiency |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "gamma | overlapped rounds | TTFT ms | x TTFT | efficiency | tokens = alone |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, s in summaries.items():
+        same = s["same_as_alone"]
         lines.append(
             f"| {name} | {s['tokens_per_s']:.1f} | "
             f"{s['tokens_per_s'] / base['tokens_per_s']:.2f} | "
@@ -401,9 +422,13 @@ def modes_table(records: list[Record]) -> tuple[str, dict, str]:
             f"{_fmt(s['mean_accepted'], '.2f')} | {_fmt(s['gamma_mean'], '.1f')} | "
             f"{_fmt(s['overlapped'], '.0%')} | {s['ttft_ms']:.2f} | "
             f"{s['ttft_ms'] / base['ttft_ms']:.2f} | "
-            f"{_fmt(s['efficiency'], '.2f')} |"
+            f"{_fmt(s['efficiency'], '.2f')} | {f'{same[0]}/{same[1]}' if same else '-'} |"
         )
-    lines.append(f"\nx fastest target alone, x TTFT: relative to {fastest}.")
+    lines.append(
+        f"\nx fastest target alone, x TTFT: relative to {fastest}. tokens = alone: "
+        "requests whose token ids equal hetspec's target alone (autoregressive) on the "
+        "same prompt (greedy: all of them, or the output is not lossless)."
+    )
     return "\n".join(lines), summaries, fastest
 
 

@@ -140,13 +140,13 @@ def _torch_settings(cfg, *, verifies: bool, cores: list[int]) -> m.TorchSettings
     settings = m.TorchSettings(**_fields(cfg, m.TorchSettings))
     if settings.threads is None:  # torch would otherwise size its pool from the whole box
         settings = msgspec.structs.replace(settings, threads=len(set(cores)))
-    if verifies and settings.dtype == "auto":
-        # A verifying torch worker computes in float32: in bf16 a tree's logits differ from
-        # one token at a time enough to flip near-ties (seen on an H100: greedy output left
-        # the target's own), so losslessness would depend on the batch shape. A drafter may
-        # round: its tokens are only proposals. (gpu_worker.dtype = "bfloat16" trades this
-        # exactness for memory on a model that does not fit in float32.)
-        settings = msgspec.structs.replace(settings, dtype="float32")
+    if verifies:
+        # A verifier's logits must not depend on what a token is verified with, or greedy
+        # output would leave the target's own (seen on an H100 in bf16: a tree's logits
+        # differed from one token's enough to flip near-ties). The worker makes it so: on
+        # CUDA in fixed-width forwards (bf16 where dtype is "auto"), on the CPU in float32.
+        # A drafter may round: its tokens are only proposals.
+        settings = msgspec.structs.replace(settings, verifies=True)
     return settings
 
 

@@ -10,6 +10,9 @@
 #                   the pinned llama-cpp-python source, trimmed of what no build of ours reads
 #                   (llama.cpp's vocabulary test files, docs, tests, benches, other backends):
 #                   77 MB -> about 12 MB. Both llama-cpp-python and llama-server build from it.
+# OUT/llama_cpp_python.tar.gz
+#                   the llama-cpp-python installed here (CPU build), unpacked there by
+#                   native/gpu-checks.sh, which builds only llama-server for CUDA
 # OUT/install.sh    run there, from the repository's root: installs the wheels, builds
 #                   llama-cpp-python for CUDA, installs hetspec (editable, its C kernels built
 #                   for that Python) and builds llama-server for CUDA from the same source.
@@ -59,6 +62,12 @@ if [[ ! -f "$trimmed" ]]; then
   mkdir -p "$vendor/models"  # CMake lists it as an install destination
   tar czf "$trimmed" -C "$work" "$name"
 fi
+
+# llama-cpp-python as installed here (a ctypes package: its libraries do not depend on the
+# Python version), for native/gpu-checks.sh: drafting on the CPU needs no CUDA build of it.
+site=$("${pip[0]}" -c 'import llama_cpp, pathlib; print(pathlib.Path(llama_cpp.__file__).parents[1])')
+tar czf "$out/llama_cpp_python.tar.gz" -C "$site" llama_cpp \
+    $(cd "$site" && ls -d llama_cpp_python-*.dist-info)
 
 cat > "$out/install.sh" <<'EOF'
 #!/usr/bin/env bash

@@ -22,7 +22,7 @@ from hetspec.protocol.arena import ArenaLayout, ArrayRef
 from hetspec.protocol.sampling import SamplingParams, TokenLogprob
 from hetspec.protocol.vocab import VocabInfo
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 
 class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"):
@@ -70,6 +70,16 @@ class TorchSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag
     max_context: int | None = None
     threads: int | None = None
     compile: bool = False
+    # On CUDA: forwards in fixed shapes replayed as CUDA graphs (workers/torch_runtime/
+    # static_forward.py); fixed_width > 0 makes every forward that many rows so a token's
+    # logits never depend on what it is verified with (None: 16 for a verifier on CUDA, else
+    # width buckets); span_buckets False attends over the whole context in every forward.
+    cuda_graphs: bool = True
+    fixed_width: int | None = None
+    span_buckets: bool = True
+    # Set by the daemon for the worker that verifies: dtype "auto" is then bfloat16 in fixed
+    # shapes on CUDA (width-invariant), float32 on the CPU.
+    verifies: bool = False
 
 
 class NativeSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="native"):

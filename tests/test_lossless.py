@@ -225,7 +225,8 @@ def target_runtime(placement: str):
     if placement == "draft-cpu":  # torch verifies (draft-cpu-llama: llama.cpp, as draft-gpu)
         from hetspec.workers.torch_runtime import TorchRuntime  # noqa: PLC0415
 
-        return TorchRuntime(BUNDLED_MODELS / "target", max_context=1024, dtype="float32")
+        # as the daemon's verifier: float32 on the CPU, bf16 in fixed-width forwards on CUDA
+        return TorchRuntime(BUNDLED_MODELS / "target", max_context=1024, verifies=True)
     if placement == "draft-cpu-native":
         from hetspec.workers.native_runtime import NativeRuntime  # noqa: PLC0415
 

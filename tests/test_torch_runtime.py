@@ -13,18 +13,29 @@ from tiny_models import TINY_CONFIGS, build_reference, save_reference
 from hetspec.speculative.samplers import DrawnSampler
 from hetspec.speculative.sampling import SamplingParams
 from hetspec.speculative.tree import chain_parents, path_to
-from hetspec.workers.torch_runtime import ModelLoadError, RuntimeUsageError, TorchRuntime
+from hetspec.workers.torch_runtime import (
+    ModelLoadError,
+    RuntimeUsageError,
+    TorchRuntime,
+    static_forward,
+)
+from hetspec.workers.torch_runtime.static_forward import Shapes
 
 TOLERANCE = 1e-4  # max abs logit difference allowed against transformers in fp32
 PROMPT = [1, 17, 42, 5, 88, 23, 9, 61, 2, 70, 33, 14]
 
 
-@pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
+# (config, fixed_width): 0 runs each call in its own shape (the CPU's default); 4 runs every
+# call as forwards of exactly 4 rows through static_forward.py, the shapes CUDA graphs replay
+@pytest.fixture(scope="module", params=[(c, w) for c in sorted(TINY_CONFIGS) for w in (0, 4)],
+                ids=lambda p: f"{p[0]}-w{p[1]}")  # fmt: skip
 def pair(request, tmp_path_factory):
     """(transformers reference, our runtime over the same saved checkpoint)."""
-    reference = build_reference(request.param)
-    folder = save_reference(reference, tmp_path_factory.mktemp(request.param))
-    return reference, TorchRuntime(folder, device="cpu", dtype="float32")
+    name, fixed_width = request.param
+    reference = build_reference(name)
+    folder = save_reference(reference, tmp_path_factory.mktemp(name))
+    runtime = TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=fixed_width)
+    return reference, runtime
 
 
 def reference_logits(reference, tokens: list[int]) -> torch.Tensor:
@@ -282,3 +293,49 @@ def test_cuda_half_precision_tracks_fp32(tmp_path, dtype) -> None:
     assert output.logits.device.type == "cuda"
     assert (output.logits.cpu().argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
     assert (output.logits.cpu() - expected).abs().max().item() < 0.2
+
+
+def test_fixed_width_logits_do_not_depend_on_the_tree(tmp_path, monkeypatch) -> None:
+    """With a fixed width a token's logits are bit-identical alone and inside any tree: the
+    chain below with a wrong sibling beside every token (siblings between its ancestors in
+    the cache), as several forwards, as a tree of more paths than a forward gathers, across
+    attention span buckets (16, 32, 64 .. here)."""
+    monkeypatch.setattr(static_forward, "MIN_SPAN", 16)
+    folder = save_reference(build_reference("qwen3"), tmp_path / "m")
+    runtime = TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=4)
+    assert runtime._static.shapes.spans == (16, 32, 64, 128, 256)
+    runtime.prefill(PROMPT)
+    chain, alone = [], []
+    for _ in range(30):  # greedy, one token a forward, each committed
+        chain.append(int(runtime.last_logits().argmax()))
+        alone.append(runtime.forward_tree([chain[-1]], [-1]).logits[0].clone())
+        runtime.commit([0])
+    for width in (1, 3, 5, 11):
+        runtime.rollback(len(PROMPT))
+        for begin in range(0, len(chain), width):
+            part = chain[begin : begin + width]
+            tokens = [t for token in part for t in (token, (token + 1) % 96)]
+            parents = [-1 if i < 2 else 2 * (i // 2 - 1) for i in range(len(tokens))]
+            logits = runtime.forward_tree(tokens, parents).logits
+            for i in range(len(part)):
+                assert torch.equal(logits[2 * i], alone[begin + i]), (width, begin + i)
+            runtime.commit([2 * i for i in range(len(part))])
+    # six branches from the root, the chain's first three tokens in the last one
+    runtime.rollback(len(PROMPT))
+    tokens = [*(t + 7 for t in range(5)), chain[0], chain[1], chain[2]]
+    output = runtime.forward_tree(tokens, [-1, -1, -1, -1, -1, -1, 5, 6])
+    for i in range(3):
+        assert torch.equal(output.logits[5 + i], alone[i])
+
+
+def test_shape_buckets() -> None:
+    buckets = Shapes.for_context(1000, fixed_width=0, span_buckets=True)
+    assert buckets.widths == (1, 2, 4, 8, 16, 32, 64)
+    assert buckets.spans == (256, 512, 1000)
+    assert (buckets.width_for(3), buckets.width_for(64), buckets.span_for(513)) == (4, 64, 1000)
+    assert buckets.all()[0] == (64, 1000)
+    assert buckets.all()[-1] == (1, 256)
+    assert buckets.paths == 0  # widths vary: tokens attend in cache order
+    fixed = Shapes.for_context(256, fixed_width=16, span_buckets=False)
+    assert (fixed.widths, fixed.spans, fixed.width_for(1)) == ((16,), (256,), 16)
+    assert fixed.paths == static_forward.INVARIANT_PATHS

@@ -122,6 +122,10 @@ class ServerConfig:
     threads: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
     context: int = 2048
     flash_attention: str | None = None
+    # layers offloaded to the GPU (a CUDA build; None: not passed, the server's default):
+    # the target's (-ngl) and the draft's (-ngld; 0 drafts on the CPU)
+    gpu_layers: int | None = None
+    draft_gpu_layers: int | None = None
 
 
 def server_args(binary: Path, config: ServerConfig, socket: Path) -> list[str]:
@@ -134,11 +138,15 @@ def server_args(binary: Path, config: ServerConfig, socket: Path) -> list[str]:
     args += ["--no-webui", "--cache-ram", "0", "--no-cache-prompt"]
     if config.flash_attention is not None:
         args += ["-fa", config.flash_attention]
+    if config.gpu_layers is not None:
+        args += ["-ngl", str(config.gpu_layers)]
     if config.draft is not None:
         args += ["-md", str(config.draft), "--spec-type", "draft-simple", "-td", threads]
         args += ["-tbd", threads]
         if config.n_max is not None:
             args += ["--spec-draft-n-max", str(config.n_max)]
+        if config.draft_gpu_layers is not None:
+            args += ["-ngld", str(config.draft_gpu_layers)]
     return args
 
 

@@ -82,16 +82,22 @@ class Peer(Protocol):
 class TransformersAssisted:
     name = "transformers assisted"
 
-    def __init__(self, threads: int, target: Path, draft: Path) -> None:
+    def __init__(self, threads: int, target: Path, draft: Path, *, gpu: bool = False) -> None:
+        """On the CPU in float32; with ``gpu``, both models on CUDA in bfloat16 (what a user
+        of a GPU runs), with the static KV cache transformers compiles and graphs."""
         import torch  # noqa: PLC0415
         from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
         torch.set_num_threads(threads)
         self.torch = torch
+        self.device = "cuda" if gpu else "cpu"
+        if gpu:
+            self.name = "transformers assisted (GPU, bf16)"
+        dtype = torch.bfloat16 if gpu else torch.float32
         self.tokenizer = AutoTokenizer.from_pretrained(target)
         load = AutoModelForCausalLM.from_pretrained
-        self.target = load(target, dtype=torch.float32).eval()
-        self.draft = load(draft, dtype=torch.float32).eval()
+        self.target = load(target, dtype=dtype).eval().to(self.device)
+        self.draft = load(draft, dtype=dtype).eval().to(self.device)
 
     def _generate(self, ids, count: int) -> float:
         start = time.perf_counter()
@@ -104,19 +110,21 @@ class TransformersAssisted:
     def run(self, prompt: str, max_tokens: int) -> dict[str, float]:
         """transformers cannot report the first token's time, so the prompt runs twice, for
         one token and for all of them."""
-        ids = self.tokenizer(prompt, return_tensors="pt").input_ids
+        ids = self.tokenizer(prompt, return_tensors="pt").input_ids.to(self.device)
         first = self._generate(ids, 1)
         return {"ttft_ms": first, "decode_ms": self._generate(ids, max_tokens) - first}
 
 
 class LlamaCppSpeculative:
-    def __init__(self, threads: int, target: Path, draft: Path, gamma: int = 4) -> None:
+    def __init__(self, threads: int, target: Path, draft: Path, gamma: int = 4, *,
+                 gpu_layers: int = 0) -> None:  # fmt: skip
         from hetspec.protocol.sampling import SamplingParams  # noqa: PLC0415
         from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
 
         self.name = f"llama-cpp-python loop speculative gamma={gamma}"
         self.gamma = gamma
-        self.target = LlamaCppRuntime(target, n_ctx=2048, threads=threads)
+        self.target = LlamaCppRuntime(target, n_ctx=2048, threads=threads,
+                                      gpu_layers=gpu_layers)  # fmt: skip
         self.draft = LlamaCppRuntime(draft, n_ctx=2048, threads=threads)
         self.greedy, self.sampler = SamplingParams(), DrawnSampler(0)
 
@@ -245,47 +253,100 @@ def sweep_n_max(binary: Path, config: ServerConfig, limit: int) -> dict[int, flo
     }
 
 
+ALL_LAYERS = 999  # -ngl: every layer on the GPU
+
+
 def llama_server_peers(
-    pool: ServerPool, threads: int, target: Path, draft: Path, *, skipped: dict, info: dict
-) -> list[Peer]:
+    pool: ServerPool, threads: int, target: Path, draft: Path, *, skipped: dict, info: dict,
+    gpu: bool = False,
+) -> list[Peer]:  # fmt: skip
     """llama-server alone, at its default draft length and at the sweep's best (run now);
-    ``info`` gets the binary and the sweep's figures."""
-    alone = ServerConfig(target, threads=threads)
-    speculative = ServerConfig(target, draft, threads=threads)
-    peers: list[Peer] = [
-        LlamaServerPeer("llama-server target alone", alone, pool),
-        LlamaServerPeer("llama-server speculative (default n-max)", speculative, pool),
-    ]
-    speeds = sweep_n_max(pool.binary, speculative, servers_that_fit([target, draft], 6))
-    info.update(binary=str(pool.binary), sweep={str(n): round(v, 1) for n, v in speeds.items()},
-                sweep_prompts=len(SWEEP_PROMPTS), sweep_tokens=SWEEP_TOKENS,
-                sweep_min_decode_ms=SWEEP_MIN_MS)  # fmt: skip
-    if speeds:
-        best = max(speeds, key=speeds.__getitem__)
-        info["best_n_max"] = best
-        config = ServerConfig(target, draft, best, threads=threads)
-        peers.append(LlamaServerPeer(f"llama-server speculative n-max={best}", config, pool))
-    else:
-        skipped["llama-server speculative n-max=N"] = "no draft length of the sweep would run"
+    ``info`` gets the binary and the sweep's figures. With ``gpu`` (a CUDA build) the target
+    is on the GPU, and the speculative rows come twice: the draft on the GPU (llama.cpp's
+    usual set-up) and on the CPU (DuoDecoding's placement), each at its own best length;
+    a 16-bit GGUF beside ``target`` (``*-f16.gguf``) adds a target-alone row at hetspec's
+    own precision."""
+    on_gpu = {"gpu_layers": ALL_LAYERS} if gpu else {}
+    alone = ServerConfig(target, threads=threads, **on_gpu)
+    peers: list[Peer] = [LlamaServerPeer("llama-server target alone", alone, pool)]
+    if gpu:
+        half = sorted(target.parent.glob("*-f16.gguf"))
+        if half and half[0] != target:
+            config = ServerConfig(half[0], threads=threads, **on_gpu)
+            peers.append(LlamaServerPeer("llama-server target alone (F16)", config, pool))
+    placements = {"": {}}
+    if gpu:  # where the draft computes: its suffix in the rows' names and its -ngld
+        placements = {" (draft on GPU)": {"draft_gpu_layers": ALL_LAYERS},
+                      " (draft on CPU)": {"draft_gpu_layers": 0}}  # fmt: skip
+    info.update(binary=str(pool.binary), sweep_prompts=len(SWEEP_PROMPTS),
+                sweep_tokens=SWEEP_TOKENS, sweep_min_decode_ms=SWEEP_MIN_MS)  # fmt: skip
+    for suffix, where in placements.items():
+        speculative = ServerConfig(target, draft, threads=threads, **on_gpu, **where)
+        peers.append(LlamaServerPeer(f"llama-server speculative (default n-max){suffix}",
+                                     speculative, pool))  # fmt: skip
+        speeds = sweep_n_max(pool.binary, speculative, servers_that_fit([target, draft], 6))
+        info[f"sweep{suffix}"] = {str(n): round(v, 1) for n, v in speeds.items()}
+        if speeds:
+            best = max(speeds, key=speeds.__getitem__)
+            info[f"best_n_max{suffix}"] = best
+            config = replace(speculative, n_max=best)
+            peers.append(LlamaServerPeer(f"llama-server speculative n-max={best}{suffix}",
+                                         config, pool))  # fmt: skip
+        else:
+            skipped[f"llama-server speculative n-max=N{suffix}"] = (
+                "no draft length of the sweep would run"
+            )
     return peers
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device (False where torch is missing)."""
+    try:
+        import torch  # noqa: PLC0415
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def llama_cpp_offloads() -> bool:
+    """Whether the installed llama-cpp-python can offload layers to a GPU."""
+    try:
+        import llama_cpp  # noqa: PLC0415
+    except ImportError:
+        return False
+    return bool(llama_cpp.llama_supports_gpu_offload())
 
 
 def load_peers(
     args: argparse.Namespace, stack: ExitStack, skipped: dict[str, str], info: dict
 ) -> list[Peer]:
-    """Every peer that can be had, warmed up; the others go to ``skipped`` with one line why."""
+    """Every peer that can be had, warmed up; the others go to ``skipped`` with one line why.
+    With ``args.gpu`` ("auto": where torch sees CUDA) the peers compute on the GPU."""
+    gpu = cuda_available() if args.gpu == "auto" else args.gpu == "on"
     candidates: list[tuple[str, Callable[[], Peer]]] = [
-        ("llama-cpp-python loop speculative gamma=4",
-         lambda: LlamaCppSpeculative(args.threads, args.target_gguf, args.draft_gguf)),
         ("transformers assisted",
-         lambda: TransformersAssisted(args.threads, args.target_folder, args.draft_folder)),
+         lambda: TransformersAssisted(args.threads, args.target_folder, args.draft_folder,
+                                      gpu=gpu)),
     ]  # fmt: skip
+    loop = "llama-cpp-python loop speculative gamma=4"
+    if gpu and not llama_cpp_offloads():
+        skipped[loop] = "the installed llama-cpp-python cannot offload to the GPU (a CPU build)"
+    else:
+        candidates.insert(
+            0,
+            (
+                loop,
+                lambda: LlamaCppSpeculative(
+                    args.threads, args.target_gguf, args.draft_gguf, gpu_layers=-1 if gpu else 0
+                ),
+            ),
+        )
     if args.llama_server == "off":
         skipped["llama-server"] = "turned off (--llama-server off)"
     else:
         try:
             if args.llama_server == "build":
-                binary = find_llama_server(build=True)
+                binary = find_llama_server(build=True, backend="cuda" if gpu else "cpu")
             else:
                 binary = Path(args.llama_server).expanduser()
                 if not (binary.is_file() and os.access(binary, os.X_OK)):
@@ -293,7 +354,8 @@ def load_peers(
             models = [args.target_gguf, args.draft_gguf]
             pool = ServerPool(binary, servers_that_fit(models, 3))
             stack.callback(pool.close)
-            peers = llama_server_peers(pool, args.threads, *models, skipped=skipped, info=info)
+            peers = llama_server_peers(pool, args.threads, *models, skipped=skipped, info=info,
+                                       gpu=gpu)  # fmt: skip
             candidates += [(peer.name, lambda peer=peer: peer) for peer in peers]
         except (LlamaServerUnavailable, LlamaServerError) as error:
             skipped["llama-server"] = str(error)
@@ -353,6 +415,10 @@ def main(argv: list[str] | None = None) -> int:
         help="llama.cpp's own server: a path to the binary, 'build' (the cached build, made "
         "on first use by native/build-llama-server.sh; the default) or 'off'",
     )
+    parser.add_argument("--gpu", choices=["auto", "on", "off"], default="auto",
+                        help="peers on the GPU: llama-server's CUDA build with every layer "
+                        "offloaded, transformers on CUDA in bf16 (default auto: where torch "
+                        "sees CUDA)")  # fmt: skip
     args = parser.parse_args(argv)
     serve(args, sys.stdin, sys.stdout)
     return 0

@@ -21,6 +21,7 @@ import torch
 from hetspec.speculative.tree import chain_parents
 from hetspec.workers.benchmarking import positive_int_list, timed_ms
 from hetspec.workers.torch_runtime import ModelLoadError, TorchRuntime
+from hetspec.workers.torch_runtime.static_forward import MIN_SPAN
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1].parent / "models" / "target"
 
@@ -39,6 +40,39 @@ def time_forward(runtime: TorchRuntime, tokens: np.ndarray, parents: np.ndarray,
     return result
 
 
+def invariance_rows(runtime: TorchRuntime, widths: list[int], rng) -> list[dict]:
+    """For each width: how far a chain's logits evaluated w tokens a forward are from the same
+    tokens one a forward (max |difference|, rows not bit-identical, argmax flips). The chain
+    crosses the first attention-span bucket's end, so spans are compared too."""
+    vocab, length = runtime.config.vocab_size, max(widths)
+    prompt = rng.integers(0, vocab, size=MIN_SPAN - length // 2).tolist()
+    chain = rng.integers(0, vocab, size=length)
+    runtime.prefill(prompt)
+    alone = []
+    for token in chain:
+        alone.append(runtime.forward_tree([int(token)], [-1]).logits[0].float().cpu())
+        runtime.commit([0])
+    alone = torch.stack(alone)
+    print(f"{'width':>6} {'max |diff|':>11} {'rows differ':>12} {'argmax flips':>13}")
+    rows = []
+    for width in widths:
+        runtime.rollback(len(prompt))
+        outputs = []
+        for begin in range(0, length, width):
+            part = chain[begin : begin + width]
+            outputs.append(runtime.forward_tree(part, chain_parents(len(part))).logits.cpu())
+            runtime.commit(list(range(len(part))))
+        together = torch.cat(outputs).float()
+        differ = int((together != alone).any(-1).sum())
+        flips = int((together.argmax(-1) != alone.argmax(-1)).sum())
+        worst = float((together - alone).abs().max())
+        rows.append({"width": width, "max_abs_diff": worst, "rows_differ": differ,
+                     "argmax_flips": flips, "rows": length})  # fmt: skip
+        print(f"{width:>6} {worst:>11.3g} {f'{differ}/{length}':>12} {flips:>13}", flush=True)
+    runtime.rollback(0)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m hetspec.workers.torch_runtime.bench_verify", description=__doc__
@@ -48,6 +82,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument(
+        "--no-graphs",
+        dest="graphs",
+        action="store_false",
+        help="CUDA: run the fixed shapes eagerly, not as CUDA graphs",
+    )
+    parser.add_argument(
+        "--fixed-width",
+        type=int,
+        default=0,
+        help="every forward this many rows (a width-invariant verifier's "
+        "shape); 0: width buckets on CUDA, the call's shape on the CPU",
+    )
+    parser.add_argument(
+        "--no-span-buckets",
+        dest="span_buckets",
+        action="store_false",
+        help="attend over the whole context in every forward",
+    )
+    parser.add_argument(
+        "--invariance",
+        action="store_true",
+        help="also compare each width's chain logits with one token at a time",
+    )
     parser.add_argument("--contexts", type=positive_int_list, default=[128, 512, 1536])
     parser.add_argument("--widths", type=positive_int_list, default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--shape", choices=["chain", "star"], default="chain")
@@ -59,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         capacity = max(args.contexts) + max(args.widths)
         runtime = TorchRuntime(
             args.model, device=args.device, dtype=args.dtype, threads=args.threads,
-            max_context=capacity, compile=args.compile,
+            max_context=capacity, compile=args.compile, cuda_graphs=args.graphs,
+            fixed_width=args.fixed_width, span_buckets=args.span_buckets,
         )  # fmt: skip
     except ModelLoadError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -69,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"model {args.model} ({sum(p.numel() for p in runtime.model.parameters()) / 1e6:.1f}M "
         f"parameters) on {runtime.device} {str(runtime.dtype).removeprefix('torch.')}, "
-        f"{torch.get_num_threads()} threads, {args.shape} trees, median of {args.repeats}"
+        f"{torch.get_num_threads()} threads, {args.shape} trees, median of {args.repeats}; "
+        f"{runtime.graphs} CUDA graphs, fixed width {runtime.fixed_width or 'none'}"
     )
     print(f"{'context':>8} {'width':>6} {'ms':>9} {'p25-p75':>15} {'ms/token':>9} {'x w=1':>6}")
     rows = []
@@ -88,10 +148,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"{median / width:>9.3f} {median / base:>6.2f}",
                 flush=True,
             )
+    invariance = invariance_rows(runtime, args.widths, rng) if args.invariance else []
     if args.json:
         meta = {"model": str(args.model), "device": str(runtime.device), "shape": args.shape,
-                "dtype": str(runtime.dtype), "threads": torch.get_num_threads()}  # fmt: skip
-        args.json.write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
+                "dtype": str(runtime.dtype), "threads": torch.get_num_threads(),
+                "graphs": runtime.graphs, "fixed_width": runtime.fixed_width}  # fmt: skip
+        document = {**meta, "rows": rows, "invariance": invariance}
+        args.json.write_text(json.dumps(document, indent=2) + "\n")
     return 0
 
 

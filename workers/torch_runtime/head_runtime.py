@@ -29,6 +29,8 @@ from hetspec.workers.torch_runtime.tokenizer import FolderTokenizer
 
 
 class HeadRuntime(TorchRuntime):
+    static_shapes = False  # its model takes features beside tokens: forwards run eagerly
+
     def __init__(
         self,
         head_dir: str | Path,

@@ -90,11 +90,20 @@ class Attention(nn.Module):
         values: torch.Tensor,
         start: int,
         mask: torch.Tensor | None,
+        slots: torch.Tensor | None = None,
+        paths: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """x: (n, hidden) new tokens; keys/values: (kv_heads, capacity, head_dim) cache views.
 
         The new keys/values go to cache slots start..start+n-1; the tokens attend to slots
-        0..start+n-1 as ``mask`` (n, start+n) allows (None: all of them).
+        0..start+n-1 as ``mask`` (n, start+n) allows (None: all of them). With ``slots`` (n,)
+        they go to those slots instead and the tokens attend to slots 0..mask.shape[1]-1:
+        shapes that do not depend on where the tokens sit, so a CUDA graph can replay them.
+
+        ``paths`` = (gather (p, span), row_paths (n,)): each token attends instead to the
+        keys its path's gather row lists, in position order (``mask``: (p, n, span), by
+        position); so a token sees the same keys in the same places whether its tree's
+        siblings sit between its ancestors in the cache or not.
         """
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.heads, self.head_dim)
@@ -103,12 +112,30 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(0, 1), cos, sin)
-        keys[:, start : start + n] = apply_rope(k.transpose(0, 1), cos, sin)
-        values[:, start : start + n] = v.transpose(0, 1)
+        if slots is None:
+            keys[:, start : start + n] = apply_rope(k.transpose(0, 1), cos, sin)
+            values[:, start : start + n] = v.transpose(0, 1)
+            span = start + n
+        else:
+            keys.index_copy_(1, slots, apply_rope(k.transpose(0, 1), cos, sin))
+            values.index_copy_(1, slots, v.transpose(0, 1))
+            span = mask.shape[-1]
+        if paths is not None:
+            gather, row_paths = paths
+            count = gather.shape[0]
+            out = F.scaled_dot_product_attention(
+                q.unsqueeze(0).expand(count, -1, -1, -1),
+                keys[:, gather].transpose(0, 1),
+                values[:, gather].transpose(0, 1),
+                attn_mask=mask.unsqueeze(1),
+                enable_gqa=self.heads != self.kv_heads,
+            )  # (paths, heads, n, head_dim): each token's row from its own path
+            out = out[row_paths, :, torch.arange(n, device=x.device)]
+            return self.o_proj(out.reshape(n, self.heads * self.head_dim))
         out = F.scaled_dot_product_attention(
             q.unsqueeze(0),
-            keys[:, : start + n].unsqueeze(0),
-            values[:, : start + n].unsqueeze(0),
+            keys[:, :span].unsqueeze(0),
+            values[:, :span].unsqueeze(0),
             attn_mask=mask,
             enable_gqa=self.heads != self.kv_heads,
         )
@@ -169,16 +196,19 @@ class CausalLM(nn.Module):
         cache_values: torch.Tensor,
         start: int,
         masks: list[torch.Tensor | None],
+        slots: torch.Tensor | None = None,
+        paths: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Run ``tokens`` (n,) through every layer; returns the last layer's output (n, hidden).
 
         ``cache_keys``/``cache_values``: (layers, kv_heads, capacity, head_dim); ``masks``: one
-        attention mask per layer (layers with the same window share one tensor).
+        attention mask per layer (layers with the same window share one tensor); ``slots``,
+        ``paths``: see ``Attention.forward``.
         """
         x = self.model.embed_tokens(tokens)
         return self.run_layers(x, range(len(self.model.layers)), cos, sin,
                                cache_keys=cache_keys, cache_values=cache_values, start=start,
-                               masks=masks)  # fmt: skip
+                               masks=masks, slots=slots, paths=paths)  # fmt: skip
 
     def run_layers(
         self,
@@ -191,6 +221,8 @@ class CausalLM(nn.Module):
         cache_values: torch.Tensor,
         start: int,
         masks: list[torch.Tensor | None],
+        slots: torch.Tensor | None = None,
+        paths: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Run hidden states (n, hidden) through ``layers`` (a pipeline stage's share);
         ``cache_keys``/``masks`` are indexed from the range's first layer."""
@@ -204,6 +236,8 @@ class CausalLM(nn.Module):
                 values=cache_values[index],
                 start=start,
                 mask=masks[index],
+                slots=slots,
+                paths=paths,
             )
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x

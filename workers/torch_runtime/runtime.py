@@ -8,7 +8,7 @@ The tree bookkeeping, appending and drafting come from ``TreeRuntime``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -18,11 +18,15 @@ import torch
 from hetspec.protocol.vocab import VocabInfo
 from hetspec.workers.torch_runtime.config import ModelConfig, ModelLoadError
 from hetspec.workers.torch_runtime.model import rope_tables
+from hetspec.workers.torch_runtime.static_forward import Batch, Shapes, StaticForward
 from hetspec.workers.torch_runtime.tokenizer import FolderTokenizer
 from hetspec.workers.torch_runtime.weights import load_model
 from hetspec.workers.tree_runtime import TreeRuntime
 
 DEFAULT_MAX_CONTEXT = 8192  # the KV cache for a 128k-context model would not fit most boxes
+# A CUDA verifier's rows per forward (``fixed_width``): the widest tree most rounds verify; a
+# wider one takes several forwards. On a GPU a forward of 16 rows costs about one of 1.
+DEFAULT_FIXED_WIDTH = 16
 
 
 @dataclass(frozen=True)
@@ -61,9 +65,22 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         max_context: int | None = None,
         threads: int | None = None,
         compile: bool = False,
+        cuda_graphs: bool = True,
+        fixed_width: int | None = None,
+        span_buckets: bool = True,
+        verifies: bool = False,
     ) -> None:
-        """Load ``model_dir``; ``compile`` runs the model through torch.compile (worth it on
-        CUDA for long runs; the first forward of each new shape pays the compilation)."""
+        """Load ``model_dir``.
+
+        On CUDA every forward runs in a fixed shape (static_forward.py), replayed as a CUDA
+        graph unless ``cuda_graphs`` is False. ``fixed_width`` > 0 makes every forward that
+        many rows (wider calls take several), so a token's logits do not depend on what it is
+        evaluated with; None: ``DEFAULT_FIXED_WIDTH`` for a verifier (``verifies``) on CUDA,
+        else 0 (width buckets 1, 2, 4 .. 64). On the CPU forwards run in the call's own shape
+        unless ``fixed_width`` > 0. ``span_buckets`` False attends over the whole context in
+        every forward instead of the narrowest power of two that holds it. ``compile`` runs
+        the model through torch.compile where shapes vary (the first forward of each new shape
+        pays the compilation)."""
         folder = Path(model_dir)
         if not folder.is_dir():
             raise ModelLoadError(f"{folder}: not a directory")
@@ -81,14 +98,35 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
             )
         self.model = self._load_model(folder)
         self._run_model = torch.compile(self.model, dynamic=True) if compile else self.model
+        if fixed_width is None:
+            fixed_width = DEFAULT_FIXED_WIDTH if verifies and self.device.type == "cuda" else 0
+        if fixed_width < 0:
+            raise ModelLoadError(f"fixed_width {fixed_width} is negative")
+        self.fixed_width = fixed_width
+        static = self.static_shapes and (self.device.type == "cuda" or fixed_width > 0)
+        shapes = Shapes.for_context(capacity, fixed_width=fixed_width, span_buckets=span_buckets)
+        scratch = shapes.widest if static else 0  # slots for padding rows' keys/values
         c = self.config
-        shape = (c.num_layers, c.num_kv_heads, capacity, c.head_dim)
+        shape = (c.num_layers, c.num_kv_heads, capacity + scratch, c.head_dim)
         self._keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self._values = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self._cos, self._sin = rope_tables(c, capacity, self.device)
         self.folder = folder
         super().__init__(c.vocab_size, capacity)
         self.feature_size = c.hidden_size
+        self._static: StaticForward | None = None
+        if static:
+            self._static = StaticForward(
+                self.model, c, keys=self._keys, values=self._values, cos=self._cos,
+                sin=self._sin, capacity=capacity, shapes=shapes, graphs=cuda_graphs,
+            )  # fmt: skip
+
+    static_shapes = True  # a subclass with another model call turns fixed shapes off
+
+    @property
+    def graphs(self) -> int:
+        """How many CUDA graphs forwards replay (0: none)."""
+        return len(self._static.graphs) if self._static is not None else 0
 
     def _read_config(self, folder: Path) -> ModelConfig:
         """The shape the KV cache and RoPE tables are built for."""
@@ -128,9 +166,9 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
     def _run(
         self, tokens: np.ndarray, parents: np.ndarray, positions: np.ndarray, rows: np.ndarray
     ) -> TreeOutput:
-        hidden = self._hidden(tokens, positions, rows)
+        logits, hidden = self._evaluate(tokens, positions, rows, parents)
         self._capture_hidden(hidden)
-        return TreeOutput(self.model.logits(hidden), hidden)
+        return TreeOutput(logits, hidden)
 
     def _capture_hidden(self, hidden: torch.Tensor) -> None:
         if self.features_sink is not None:
@@ -160,11 +198,129 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
     def _extend_committed(self, tokens: np.ndarray) -> np.ndarray:
         count = len(tokens)
         rows = np.tril(np.ones((count, count), bool))
-        hidden = self._hidden(tokens, self.committed + np.arange(count), rows)
+        positions = self.committed + np.arange(count)
+        chain = np.arange(-1, count - 1)
+        logits, hidden = self._evaluate(tokens, positions, rows, chain, last_only=True)
         self._capture_hidden(hidden)
-        return self.model.logits(hidden[-1:])[0].cpu().numpy()
+        return logits[-1].cpu().numpy()
 
     # ------------------------------------------------------------ the model call
+
+    def _evaluate(
+        self, tokens: np.ndarray, positions: np.ndarray, rows: np.ndarray, parents: np.ndarray,
+        *, last_only: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(float32 logits, last hidden states) of new nodes whose keys/values go to the slots
+        after the pending ones (``parents``: as ``forward_tree`` validated them); with
+        ``last_only`` the logits of the last node may be all."""
+        static = self._static
+        if static is not None and static.shapes.paths:
+            return self._run_batches(
+                static, self._invariant_batches(static, positions, parents), tokens
+            )
+        if static is not None and len(tokens) <= static.shapes.widest:
+            return self._run_batches(static, self._bucket_batches(static, positions, rows),
+                                     tokens)  # fmt: skip
+        hidden = self._hidden(tokens, positions, rows)
+        return self.model.logits(hidden[-1:] if last_only else hidden), hidden
+
+    def _run_batches(
+        self, static: StaticForward, batches: list[tuple[np.ndarray, Batch]], tokens: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run (rows, batch without tokens) pairs; outputs in the nodes' order."""
+        logits = torch.empty((len(tokens), self.vocab_size), device=self.device)
+        hidden = torch.empty((len(tokens), self.config.hidden_size), dtype=self.dtype,
+                             device=self.device)  # fmt: skip
+        for chosen, batch in batches:
+            out_logits, out_hidden = static.run(replace(batch, tokens=tokens[chosen]))
+            index = torch.from_numpy(chosen).to(self.device)
+            logits.index_copy_(0, index, out_logits)
+            hidden.index_copy_(0, index, out_hidden)
+        return logits, hidden
+
+    def _bucket_batches(
+        self, static: StaticForward, positions: np.ndarray, rows: np.ndarray
+    ) -> list[tuple[np.ndarray, Batch]]:
+        """One forward in cache order (masks over slots), the narrowest buckets that fit."""
+        first = self.committed + self.pending  # the first new node's cache slot
+        count = len(positions)
+        by_window = self._window_masks(rows, positions, self.pending)
+        batch = Batch(tokens=np.empty(0, np.int64), positions=positions,
+                      slots=np.arange(first, first + count),
+                      masks=[by_window[w] for w in static.windows],
+                      span=static.shapes.span_for(first + count))  # fmt: skip
+        return [(np.arange(count), batch)]
+
+    def _invariant_batches(
+        self, static: StaticForward, positions: np.ndarray, parents: np.ndarray
+    ) -> list[tuple[np.ndarray, Batch]]:
+        """Width-invariant forwards (static_forward.py): rows in order, a forward holding at
+        most ``widest`` rows of one span bucket (their own positions') on at most
+        ``shapes.paths`` root-to-node paths, each row attending to its path in position order.
+        """
+        shapes, committed, existing = static.shapes, self.committed, self.pending
+        tree = np.concatenate([self._pending_parents[:existing], parents])  # pending + new
+        windows = static.windows
+        batches = []
+        chosen: list[int] = []
+        leaves: list[int] = []  # each path's deepest node so far (index into ``tree``)
+        row_paths: list[int] = []
+
+        def flush() -> None:
+            span = shapes.span_for(int(positions[chosen[0]]) + 1)
+            gather = np.zeros((len(leaves), span), np.int64)
+            gather[:, :committed] = np.arange(committed)
+            for path, leaf in enumerate(leaves):
+                node = leaf
+                while node >= 0:  # slot of each ancestor at its position
+                    gather[path, int(self._node_position(node, positions, existing))] = (
+                        committed + node
+                    )
+                    node = int(tree[node])
+            picked = positions[chosen]
+            masks = []
+            for window in windows:
+                mask = np.zeros((shapes.paths, len(chosen), span), bool)
+                mask[:, :, 0] = True  # a row sees slot 0 only through paths not its own
+                keys = np.arange(span)
+                for row, (path, position) in enumerate(zip(row_paths, picked, strict=True)):
+                    seen = keys <= position
+                    if window is not None:
+                        seen &= keys > position - window
+                    mask[path, row] = seen
+                masks.append(mask)
+            rows = np.array(chosen)
+            batches.append((rows, Batch(tokens=np.empty(0, np.int64), positions=picked,
+                                        slots=committed + existing + rows, masks=masks,
+                                        span=span, gather=gather,
+                                        row_paths=np.array(row_paths))))  # fmt: skip
+            chosen.clear(), leaves.clear(), row_paths.clear()
+
+        for row, position in enumerate(positions):
+            node, span = existing + row, shapes.span_for(int(position) + 1)
+            parent = int(tree[node])
+            same_span = chosen and shapes.span_for(int(positions[chosen[0]]) + 1) == span
+            extends = parent in leaves
+            if chosen and (not same_span or len(chosen) == shapes.widest
+                           or (not extends and len(leaves) == shapes.paths)):  # fmt: skip
+                flush()
+                extends = False
+            if extends:
+                path = leaves.index(parent)
+                leaves[path] = node
+            else:
+                path = len(leaves)
+                leaves.append(node)
+            chosen.append(row)
+            row_paths.append(path)
+        flush()
+        return batches
+
+    def _node_position(self, node: int, positions: np.ndarray, existing: int) -> int:
+        """The position of pending node ``node`` (existing ones first, then the new ones)."""
+        if node < existing:
+            return self.committed + int(self._pending_depths[node])
+        return int(positions[node - existing])
 
     def _hidden(self, tokens: np.ndarray, positions: np.ndarray, rows: np.ndarray) -> torch.Tensor:
         """Run new nodes whose keys/values go to the slots after the pending ones."""
@@ -188,21 +344,29 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         None where every key is visible (a single token continuing a chain), which lets SDPA
         take its unmasked path.
         """
-        windows = set(self.config.sliding_windows)
-        plain_ok = rows.all() and windows == {None}
-        by_window: dict[int | None, torch.Tensor | None] = {}
-        if plain_ok:
-            by_window[None] = None
-        else:
-            n, prefix = len(rows), self.committed
-            allowed = np.ones((n, prefix + rows.shape[1]), bool)
-            allowed[:, prefix:] = rows
-            key_positions = np.concatenate(
-                [np.arange(prefix), prefix + self._pending_depths[:existing], positions]
-            )
-            for window in windows:
-                mask = allowed
-                if window is not None:  # keys no more than window-1 positions back
-                    mask = allowed & (key_positions[None, :] > positions[:, None] - window)
-                by_window[window] = torch.from_numpy(mask).to(self.device)
+        if rows.all() and set(self.config.sliding_windows) == {None}:
+            return [None] * len(self.config.sliding_windows)
+        by_window = {
+            window: torch.from_numpy(mask).to(self.device)
+            for window, mask in self._window_masks(rows, positions, existing).items()
+        }
         return [by_window[w] for w in self.config.sliding_windows]
+
+    def _window_masks(
+        self, rows: np.ndarray, positions: np.ndarray, existing: int
+    ) -> dict[int | None, np.ndarray]:
+        """Per distinct sliding window (None: none), which of the committed + pending + new
+        cache slots each new node sees, (n, keys)."""
+        n, prefix = len(rows), self.committed
+        allowed = np.ones((n, prefix + rows.shape[1]), bool)
+        allowed[:, prefix:] = rows
+        key_positions = np.concatenate(
+            [np.arange(prefix), prefix + self._pending_depths[:existing], positions]
+        )
+        by_window = {}
+        for window in set(self.config.sliding_windows):
+            mask = allowed
+            if window is not None:  # keys no more than window-1 positions back
+                mask = allowed & (key_positions[None, :] > positions[:, None] - window)
+            by_window[window] = mask
+        return by_window

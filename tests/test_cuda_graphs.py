@@ -1,0 +1,104 @@
+"""The torch runtime on CUDA: fixed shapes replayed as CUDA graphs, and bit-identical logits
+whatever a token is verified with (skipped, with the reason, where CUDA is absent)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import build_reference, save_reference
+
+from hetspec.speculative.samplers import DrawnSampler
+from hetspec.speculative.sampling import SamplingParams
+from hetspec.speculative.tree import chain_parents
+from hetspec.workers.torch_runtime import TorchRuntime
+
+pytestmark = pytest.mark.gpu
+PROMPT = [1, 17, 42, 5, 88, 23, 9, 61, 2, 70, 33, 14]
+# long enough that the next 40 tokens cross the first attention span bucket (256 slots)
+LONG_PROMPT = [(7 * i + 3) % 90 for i in range(236)]  # tiny vocabulary: 96
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_reference(build_reference("qwen3"), tmp_path_factory.mktemp("qwen3"))
+
+
+def greedy_alone(runtime: TorchRuntime, steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Decode greedily one forward a token; the tokens and each forward's logits."""
+    tokens, rows = [], []
+    logits = torch.from_numpy(runtime.last_logits())
+    for _ in range(steps):
+        token = int(logits.argmax())
+        tokens.append(token)
+        output = runtime.forward_tree([token], [-1])
+        logits = output.logits[0].cpu()
+        rows.append(logits)
+        runtime.commit([0])
+    return tokens, rows
+
+
+def test_forwards_replay_graphs_and_match_eager_shapes(folder) -> None:
+    graphs = TorchRuntime(folder, device="cuda", dtype="float32", max_context=1024)
+    eager = TorchRuntime(folder, device="cuda", dtype="float32", max_context=1024,
+                         cuda_graphs=False)  # fmt: skip
+    assert graphs.graphs == 7 * 3  # widths 1..64, spans 256, 512, 1024
+    assert eager.graphs == 0
+    for runtime in (graphs, eager):
+        runtime.prefill(PROMPT)
+    tree = ([3, 4, 5, 6], [-1, 0, 0, 2])
+    assert torch.equal(graphs.forward_tree(*tree).logits, eager.forward_tree(*tree).logits)
+    assert (
+        graphs.draft(8, SamplingParams(), DrawnSampler(0)).tokens.tolist()
+        == eager.draft(8, SamplingParams(), DrawnSampler(0)).tokens.tolist()
+    )
+
+
+def test_buckets_track_float32_in_bfloat16(folder) -> None:
+    exact = TorchRuntime(folder, device="cuda", dtype="float32", max_context=512)
+    half = TorchRuntime(folder, device="cuda", dtype="bfloat16", max_context=512)
+    for runtime in (exact, half):
+        runtime.prefill(PROMPT)
+    tokens = list(range(20, 40))
+    expected = exact.forward_tree(tokens, chain_parents(len(tokens))).logits
+    ours = half.forward_tree(tokens, chain_parents(len(tokens))).logits
+    assert (ours - expected).abs().max().item() < 0.2
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_verifier_gives_the_same_bits_alone_and_in_any_tree(folder, dtype) -> None:
+    runtime = TorchRuntime(folder, device="cuda", dtype=dtype, max_context=1024, verifies=True)
+    assert runtime.fixed_width == 16
+    runtime.prefill(LONG_PROMPT)
+    chain, alone = greedy_alone(runtime, 40)
+    for width in (1, 3, 9, 16, 23, 40):  # chains and siblings, one and several forwards
+        runtime.rollback(len(LONG_PROMPT))
+        done = 0
+        while done < len(chain):
+            part = chain[done : done + width]
+            # the chain's next tokens, each with a wrong sibling beside it
+            tokens = [t for token in part for t in (token, (token + 1) % runtime.vocab_size)]
+            parents = [-1 if i < 2 else 2 * (i // 2 - 1) for i in range(len(tokens))]
+            logits = runtime.forward_tree(tokens, parents).logits.cpu()
+            for i in range(len(part)):
+                assert torch.equal(logits[2 * i], alone[done + i]), (width, done + i)
+            runtime.commit([2 * i for i in range(len(part))])
+            done += len(part)
+    # six branches from the root (more paths than one forward gathers), the chain in the last
+    runtime.rollback(len(LONG_PROMPT))
+    tokens = [*(t + 7 for t in range(5)), chain[0], chain[1], chain[2]]
+    output = runtime.forward_tree(tokens, [-1, -1, -1, -1, -1, -1, 5, 6])
+    for i in range(3):
+        assert torch.equal(output.logits[5 + i].cpu(), alone[i])
+
+
+def test_graph_outputs_survive_later_forwards(folder) -> None:
+    """A forward's logits are its own, not a view the next replay overwrites."""
+    runtime = TorchRuntime(folder, device="cuda", max_context=512, verifies=True)
+    runtime.prefill(PROMPT)
+    first = runtime.forward_tree([3, 4], [-1, 0])
+    kept = first.logits.clone()
+    runtime.forward_tree([7], [1], extend=True)
+    assert torch.equal(first.logits, kept)
+    runtime.commit([0, 1])
+    assert np.array_equal(runtime.last_logits(), kept[1].cpu().numpy())

@@ -1,0 +1,227 @@
+"""Fixed-shape forwards of a torch model over its KV cache, replayed as CUDA graphs.
+
+A forward here always runs ``width`` rows (the call's tokens, then padding rows whose keys and
+values go to scratch slots past the context) against the first ``span`` cache slots, both
+taken from a small set of buckets, so that each (width, span) pair is one shape. On CUDA each
+shape is captured once as a graph at load and replayed with a single launch: a small model's
+forward is a hundred or more tiny kernels, and launched one by one they, not the GPU, set the
+pace.
+
+Width-invariant forwards (``Shapes.paths`` > 0, one fixed width) also make a token's logits
+bit-identical whatever it is evaluated with, which keeps a bf16 verifier's greedy output
+exactly the bf16 target's own. Three things could otherwise change a token's bits: the
+batch's shape (one width, always), the attention span (each token is evaluated in the span
+bucket of its own position, whatever else the call holds) and where its keys sit in the cache:
+a tree puts its siblings between a node's ancestors, and attention kernels sum over keys in
+cache order. So every token attends to its path's keys gathered in position order, ``paths``
+paths a forward (a chain is one path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hetspec.workers.torch_runtime.config import ModelConfig
+
+MIN_SPAN = 256  # the narrowest attention span bucket (slots)
+MAX_BUCKET_WIDTH = 64  # the widest width bucket when widths vary
+INVARIANT_PATHS = 4  # tree paths one width-invariant forward gathers
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The width and span buckets forwards are padded to (both ascending), and the paths a
+    width-invariant forward gathers (0: tokens attend in cache order, widths vary)."""
+
+    widths: tuple[int, ...]
+    spans: tuple[int, ...]
+    paths: int = 0
+
+    @classmethod
+    def for_context(cls, capacity: int, *, fixed_width: int, span_buckets: bool) -> Shapes:
+        """Width buckets 1, 2, 4 .. 64, or ``fixed_width`` alone (> 0, width-invariant);
+        span buckets 256, 512 .. up to ``capacity`` (or ``capacity`` alone)."""
+        if fixed_width > 0:
+            widths: tuple[int, ...] = (fixed_width,)
+        else:
+            widths = tuple(2**i for i in range(MAX_BUCKET_WIDTH.bit_length()))
+        spans = [capacity]
+        if span_buckets:
+            span = MIN_SPAN
+            while span < capacity:
+                spans.insert(-1, span)
+                span *= 2
+        return cls(widths, tuple(spans), INVARIANT_PATHS if fixed_width > 0 else 0)
+
+    @property
+    def widest(self) -> int:
+        return self.widths[-1]
+
+    def width_for(self, rows: int) -> int:
+        """The narrowest width bucket holding ``rows`` (<= ``widest``)."""
+        return next(w for w in self.widths if w >= rows)
+
+    def span_for(self, keys: int) -> int:
+        """The narrowest span bucket holding ``keys`` cache slots."""
+        return next(s for s in self.spans if s >= keys)
+
+    def all(self) -> list[tuple[int, int]]:
+        """Every (width, span) shape, widest and longest first (the capture order: later,
+        smaller graphs reuse the memory pool of the larger ones)."""
+        return sorted(((w, s) for w in self.widths for s in self.spans), reverse=True)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One forward's rows. ``masks``: per distinct sliding window (``StaticForward.windows``
+    order), which keys each row sees: (n, k) over cache slots, or with ``gather`` (paths, k)
+    (each path's cache slot of every position) (paths, n, k) over positions, a row seeing
+    keys only through its own path (``row_paths``)."""
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    masks: list[np.ndarray]
+    span: int
+    gather: np.ndarray | None = None
+    row_paths: np.ndarray | None = None
+
+
+class StaticForward:
+    """Forwards of ``model`` in fixed shapes; ``run`` returns views of static output buffers
+    that the next ``run`` overwrites (clone what must outlive it).
+
+    ``keys``/``values``: the cache, (layers, kv_heads, capacity + widest, head_dim): the slots
+    past ``capacity`` take the padding rows' keys/values and are never attended to.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: ModelConfig,
+        *,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        capacity: int,
+        shapes: Shapes,
+        graphs: bool,
+    ) -> None:
+        self.model, self.config, self.shapes = model, config, shapes
+        self.keys, self.values, self.cos, self.sin = keys, values, cos, sin
+        self.capacity = capacity
+        self.dtype = keys.dtype
+        device = self.device = keys.device
+        if keys.shape[2] < capacity + shapes.widest:
+            raise ValueError("the cache needs widest scratch slots past its capacity")
+        self.windows = sorted(set(config.sliding_windows), key=lambda w: (w is None, w or 0))
+        self._window_index = [self.windows.index(w) for w in config.sliding_windows]
+        pinned = device.type == "cuda"
+        widest, paths, windows = shapes.widest, shapes.paths, len(self.windows)
+
+        def pair(shape, dtype):  # (on the device, its pinned host staging)
+            return (torch.zeros(shape, dtype=dtype, device=device),
+                    torch.zeros(shape, dtype=dtype, pin_memory=pinned))  # fmt: skip
+
+        # tokens, positions, cache slots, row paths: a row each
+        self._inputs = pair((4, widest), torch.int64)
+        mask_rows = (paths, widest) if paths else (widest,)
+        self._masks = {s: pair((windows, *mask_rows, s), torch.bool) for s in shapes.spans}
+        self._gather = {s: pair((max(paths, 1), s), torch.int64) for s in shapes.spans}
+        self.logits = torch.zeros((widest, config.vocab_size), dtype=torch.float32, device=device)
+        self.hidden = torch.zeros((widest, config.hidden_size), dtype=self.dtype, device=device)
+        self._staged = torch.cuda.Event() if pinned else None  # host staging free again
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        if graphs and device.type == "cuda":
+            self._capture_all()
+
+    # ------------------------------------------------------------ calls
+
+    def run(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Evaluate ``batch`` (n <= widest rows; its keys/values go to ``batch.slots``).
+        Returns (logits float32 (n, vocab), last hidden states (n, hidden)): views valid
+        until the next call."""
+        n, span = len(batch.tokens), batch.span
+        width = self.shapes.width_for(n)
+        if self._staged is not None:
+            self._staged.synchronize()  # the last call's copies have left the staging buffers
+        inputs, host_inputs = self._inputs
+        host = host_inputs.numpy()
+        host[0, :n], host[1, :n], host[2, :n] = batch.tokens, batch.positions, batch.slots
+        host[3, :n] = 0 if batch.row_paths is None else batch.row_paths
+        self._pad_inputs(host, n, width)
+        masks, host_masks = self._masks[span]
+        staged = host_masks.numpy()
+        staged[...] = False
+        for index, mask in enumerate(batch.masks):
+            staged[index, ..., :n, : mask.shape[-1]] = mask
+        staged[..., n:width, 0] = True  # padding rows see slot 0: never a row of no keys
+        inputs.copy_(host_inputs, non_blocking=True)
+        masks.copy_(host_masks, non_blocking=True)
+        if batch.gather is not None:
+            gather, host_gather = self._gather[span]
+            staged_gather = host_gather.numpy()
+            staged_gather[...] = 0
+            staged_gather[: len(batch.gather), : batch.gather.shape[1]] = batch.gather
+            gather.copy_(host_gather, non_blocking=True)
+        if self._staged is not None:
+            self._staged.record()
+        graph = self.graphs.get((width, span))
+        if graph is not None:
+            graph.replay()
+        else:
+            self._forward(width, span)
+        return self.logits[:n], self.hidden[:n]
+
+    def _pad_inputs(self, host: np.ndarray, n: int, width: int) -> None:
+        host[:, n:width] = 0  # token 0 at position 0, seeing slot 0 through path 0
+        host[2, n:width] = self.capacity + np.arange(n, width)  # scratch slots
+
+    def _forward(self, width: int, span: int) -> None:
+        tokens, positions, slots, row_paths = self._inputs[0][:, :width]
+        masks = self._masks[span][0][..., :width, :]
+        paths = (self._gather[span][0], row_paths) if self.shapes.paths else None
+        hidden = self.model(
+            tokens,
+            self.cos[positions].to(self.dtype),
+            self.sin[positions].to(self.dtype),
+            cache_keys=self.keys,
+            cache_values=self.values,
+            start=0,
+            masks=[masks[i] for i in self._window_index],
+            slots=slots,
+            paths=paths,
+        )
+        self.hidden[:width].copy_(hidden)
+        self.logits[:width].copy_(self.model.logits(hidden))
+
+    # ------------------------------------------------------------ graphs
+
+    def _capture_all(self) -> None:
+        """Capture every shape, inputs set to padding (scratch slots only), after warm-up
+        forwards on a side stream (cuBLAS handles and workspaces are made outside a capture)."""
+        inputs, host_inputs = self._inputs
+        self._pad_inputs(host_inputs.numpy(), 0, self.shapes.widest)
+        inputs.copy_(host_inputs)
+        for masks, _ in self._masks.values():
+            masks.zero_()
+            masks[..., 0] = True
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.inference_mode(), torch.cuda.stream(side):
+            for width, span in self.shapes.all():
+                self._forward(width, span)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for width, span in self.shapes.all():
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._forward(width, span)
+                self.graphs[(width, span)] = graph
+        torch.cuda.synchronize(self.device)
