@@ -152,6 +152,12 @@ class Arena:
         raw = self._buffer[start : start + ref.nbytes]
         return raw.view(np.dtype(ref.dtype)).reshape(ref.shape)
 
+    def memory(self) -> np.ndarray:
+        """The whole segment as bytes (e.g. to register it with a GPU driver)."""
+        if self._buffer is None:
+            raise ArenaError("the arena is closed")
+        return self._buffer
+
     def empty(self, slot: int, shape: tuple[int, ...], dtype: str = "<f4") -> np.ndarray:
         """An uninitialised array in ``slot``, for a writer to fill in place."""
         return self.view(ArrayRef(np.dtype(dtype).str, tuple(shape), slot=slot))

@@ -11,12 +11,18 @@ from tiny_models import build_reference, save_reference
 from hetspec.speculative.samplers import DrawnSampler
 from hetspec.speculative.sampling import SamplingParams
 from hetspec.speculative.tree import chain_parents
-from hetspec.workers.torch_runtime import TorchRuntime
+from hetspec.workers.torch_runtime import TorchRuntime, static_forward
 
 pytestmark = pytest.mark.gpu
 PROMPT = [1, 17, 42, 5, 88, 23, 9, 61, 2, 70, 33, 14]
-# long enough that the next 40 tokens cross the first attention span bucket (256 slots)
-LONG_PROMPT = [(7 * i + 3) % 90 for i in range(236)]  # tiny vocabulary: 96
+# the tiny models hold 256 positions: span buckets from 16 here (16, 32 .. 256), so that the
+# 40 tokens after the prompt cross two of them
+LONG_PROMPT = [(7 * i + 3) % 90 for i in range(20)]  # tiny vocabulary: 96
+
+
+@pytest.fixture(autouse=True)
+def small_spans(monkeypatch):
+    monkeypatch.setattr(static_forward, "MIN_SPAN", 16)
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +45,9 @@ def greedy_alone(runtime: TorchRuntime, steps: int) -> tuple[list[int], list[tor
 
 
 def test_forwards_replay_graphs_and_match_eager_shapes(folder) -> None:
-    graphs = TorchRuntime(folder, device="cuda", dtype="float32", max_context=1024)
-    eager = TorchRuntime(folder, device="cuda", dtype="float32", max_context=1024,
-                         cuda_graphs=False)  # fmt: skip
-    assert graphs.graphs == 7 * 3  # widths 1..64, spans 256, 512, 1024
+    graphs = TorchRuntime(folder, device="cuda", dtype="float32")
+    eager = TorchRuntime(folder, device="cuda", dtype="float32", cuda_graphs=False)
+    assert graphs.graphs == 7 * 5  # widths 1..64, spans 16, 32 .. 256
     assert eager.graphs == 0
     for runtime in (graphs, eager):
         runtime.prefill(PROMPT)
@@ -55,8 +60,8 @@ def test_forwards_replay_graphs_and_match_eager_shapes(folder) -> None:
 
 
 def test_buckets_track_float32_in_bfloat16(folder) -> None:
-    exact = TorchRuntime(folder, device="cuda", dtype="float32", max_context=512)
-    half = TorchRuntime(folder, device="cuda", dtype="bfloat16", max_context=512)
+    exact = TorchRuntime(folder, device="cuda", dtype="float32")
+    half = TorchRuntime(folder, device="cuda", dtype="bfloat16")
     for runtime in (exact, half):
         runtime.prefill(PROMPT)
     tokens = list(range(20, 40))
@@ -67,7 +72,7 @@ def test_buckets_track_float32_in_bfloat16(folder) -> None:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_a_verifier_gives_the_same_bits_alone_and_in_any_tree(folder, dtype) -> None:
-    runtime = TorchRuntime(folder, device="cuda", dtype=dtype, max_context=1024, verifies=True)
+    runtime = TorchRuntime(folder, device="cuda", dtype=dtype, verifies=True)
     assert runtime.fixed_width == 16
     runtime.prefill(LONG_PROMPT)
     chain, alone = greedy_alone(runtime, 40)
@@ -94,7 +99,7 @@ def test_a_verifier_gives_the_same_bits_alone_and_in_any_tree(folder, dtype) -> 
 
 def test_graph_outputs_survive_later_forwards(folder) -> None:
     """A forward's logits are its own, not a view the next replay overwrites."""
-    runtime = TorchRuntime(folder, device="cuda", max_context=512, verifies=True)
+    runtime = TorchRuntime(folder, device="cuda", verifies=True)
     runtime.prefill(PROMPT)
     first = runtime.forward_tree([3, 4], [-1, 0])
     kept = first.logits.clone()
@@ -102,3 +107,18 @@ def test_graph_outputs_survive_later_forwards(folder) -> None:
     assert torch.equal(first.logits, kept)
     runtime.commit([0, 1])
     assert np.array_equal(runtime.last_logits(), kept[1].cpu().numpy())
+
+
+def test_logits_go_straight_into_registered_host_memory(folder) -> None:
+    runtime = TorchRuntime(folder, device="cuda", verifies=True)
+    memory = np.zeros(1 << 20, np.uint8)
+    assert runtime.pin_host_memory(memory)
+    assert not runtime.pin_host_memory(memory)  # one region at a time
+    out = memory[: 3 * runtime.vocab_size * 4].view(np.float32).reshape(3, -1)
+    runtime.prefill(PROMPT)
+    logits = runtime.evaluate_tree([3, 4, 5], [-1, 0, 0], out=out)
+    assert logits is out
+    assert torch.equal(
+        torch.from_numpy(out), runtime.forward_tree([3, 4, 5], [-1, 0, 0]).logits.cpu()
+    )
+    runtime.close()

@@ -291,6 +291,7 @@ class Worker:
         runtime = self.runtime
         if self.arena is not None:  # the widest tree a verification can send
             runtime.warm_up(self.arena.layout.slot_bytes // (runtime.vocab_size * 4))
+            runtime.pin_host_memory(self.arena.memory())  # logits straight into the arena
         ready = m.Ready(
             model=command.model, device=device, vocab=runtime.vocab_info(),
             context=runtime.capacity, threads=runtime.threads,

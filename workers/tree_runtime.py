@@ -240,11 +240,21 @@ class TreeRuntime(ABC, Generic[Output]):
         shape = (len(tokens), self.vocab_size)
         if out is not None and (out.shape != shape or out.dtype != np.float32):
             raise RuntimeUsageError(f"out must be float32 {shape}, not {out.dtype} {out.shape}")
-        logits = self._step_logits(self.forward_tree(tokens, parents, extend=extend))
+        output = self.forward_tree(tokens, parents, extend=extend)
         if out is None:
-            return logits
-        np.copyto(out, logits)
+            return self._step_logits(output)
+        self._write_step_logits(output, out)
         return out
+
+    def _write_step_logits(self, output: Output, out: np.ndarray) -> None:
+        """Write ``_step_logits(output)`` into ``out`` (a runtime may skip the copy between)."""
+        np.copyto(out, self._step_logits(output))
+
+    def pin_host_memory(self, memory: np.ndarray) -> bool:
+        """Offer ``memory`` (bytes outputs are often written into, e.g. the shared-memory
+        arena) for the runtime's device to copy into directly, until ``close``; whether it
+        was taken. The default takes nothing."""
+        return False
 
     def commit(self, nodes: Sequence[int]) -> None:
         """Keep the pending nodes ``nodes`` (one path from the prefix down) and drop the rest."""

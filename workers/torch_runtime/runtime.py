@@ -114,6 +114,7 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         self.folder = folder
         super().__init__(c.vocab_size, capacity)
         self.feature_size = c.hidden_size
+        self._pinned: np.ndarray | None = None  # host memory registered with CUDA
         self._static: StaticForward | None = None
         if static:
             self._static = StaticForward(
@@ -179,6 +180,26 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
 
     def _step_logits(self, output: TreeOutput) -> np.ndarray:
         return output.logits.cpu().numpy()
+
+    def _write_step_logits(self, output: TreeOutput, out: np.ndarray) -> None:
+        torch.from_numpy(out).copy_(output.logits)  # one copy: device to ``out`` itself
+
+    def pin_host_memory(self, memory: np.ndarray) -> bool:
+        """On CUDA, page-lock ``memory`` (cudaHostRegister) so logits copied into it go by
+        DMA, not through the driver's staging buffer; False where not on CUDA or refused."""
+        if self.device.type != "cuda" or self._pinned is not None:
+            return False
+        status = torch.cuda.cudart().cudaHostRegister(memory.ctypes.data, memory.nbytes, 0)
+        if int(status) != 0:  # cudaSuccess
+            return False
+        self._pinned = memory
+        return True
+
+    def close(self) -> None:
+        """Release what ``pin_host_memory`` took (before that memory is unmapped)."""
+        if self._pinned is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._pinned.ctypes.data)
+            self._pinned = None
 
     @torch.inference_mode()
     def _keep_path(self, path: list[int]) -> None:
