@@ -96,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         "shape); 0: width buckets on CUDA, the call's shape on the CPU",
     )
     parser.add_argument(
+        "--paths", type=int, default=4, help="tree paths a fixed-width forward gathers"
+    )
+    parser.add_argument(
         "--no-span-buckets",
         dest="span_buckets",
         action="store_false",
@@ -115,10 +118,13 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         capacity = max(args.contexts) + max(args.widths)
+        if args.invariance:  # its chain crosses the first span bucket's end
+            capacity = max(capacity, MIN_SPAN + max(args.widths))
         runtime = TorchRuntime(
             args.model, device=args.device, dtype=args.dtype, threads=args.threads,
             max_context=capacity, compile=args.compile, cuda_graphs=args.graphs,
             fixed_width=args.fixed_width, span_buckets=args.span_buckets,
+            invariant_paths=args.paths,
         )  # fmt: skip
     except ModelLoadError as error:
         print(f"error: {error}", file=sys.stderr)

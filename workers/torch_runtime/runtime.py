@@ -18,7 +18,12 @@ import torch
 from hetspec.protocol.vocab import VocabInfo
 from hetspec.workers.torch_runtime.config import ModelConfig, ModelLoadError
 from hetspec.workers.torch_runtime.model import rope_tables
-from hetspec.workers.torch_runtime.static_forward import Batch, Shapes, StaticForward
+from hetspec.workers.torch_runtime.static_forward import (
+    INVARIANT_PATHS,
+    Batch,
+    Shapes,
+    StaticForward,
+)
 from hetspec.workers.torch_runtime.tokenizer import FolderTokenizer
 from hetspec.workers.torch_runtime.weights import load_model
 from hetspec.workers.tree_runtime import TreeRuntime
@@ -69,6 +74,7 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         fixed_width: int | None = None,
         span_buckets: bool = True,
         verifies: bool = False,
+        invariant_paths: int = INVARIANT_PATHS,
     ) -> None:
         """Load ``model_dir``.
 
@@ -78,9 +84,10 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         evaluated with; None: ``DEFAULT_FIXED_WIDTH`` for a verifier (``verifies``) on CUDA,
         else 0 (width buckets 1, 2, 4 .. 64). On the CPU forwards run in the call's own shape
         unless ``fixed_width`` > 0. ``span_buckets`` False attends over the whole context in
-        every forward instead of the narrowest power of two that holds it. ``compile`` runs
-        the model through torch.compile where shapes vary (the first forward of each new shape
-        pays the compilation)."""
+        every forward instead of the narrowest power of two that holds it. A fixed-width
+        forward gathers ``invariant_paths`` tree paths (a tree of more takes several).
+        ``compile`` runs the model through torch.compile where shapes vary (the first forward
+        of each new shape pays the compilation)."""
         folder = Path(model_dir)
         if not folder.is_dir():
             raise ModelLoadError(f"{folder}: not a directory")
@@ -104,7 +111,13 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
             raise ModelLoadError(f"fixed_width {fixed_width} is negative")
         self.fixed_width = fixed_width
         static = self.static_shapes and (self.device.type == "cuda" or fixed_width > 0)
-        shapes = Shapes.for_context(capacity, fixed_width=fixed_width, span_buckets=span_buckets)
+        try:
+            shapes = Shapes.for_context(
+                capacity, fixed_width=fixed_width, span_buckets=span_buckets,
+                paths=invariant_paths,
+            )  # fmt: skip
+        except ValueError as error:
+            raise ModelLoadError(str(error)) from None
         scratch = shapes.widest if static else 0  # slots for padding rows' keys/values
         c = self.config
         shape = (c.num_layers, c.num_kv_heads, capacity + scratch, c.head_dim)

@@ -41,9 +41,13 @@ class Shapes:
     paths: int = 0
 
     @classmethod
-    def for_context(cls, capacity: int, *, fixed_width: int, span_buckets: bool) -> Shapes:
-        """Width buckets 1, 2, 4 .. 64, or ``fixed_width`` alone (> 0, width-invariant);
-        span buckets 256, 512 .. up to ``capacity`` (or ``capacity`` alone)."""
+    def for_context(cls, capacity: int, *, fixed_width: int, span_buckets: bool,
+                    paths: int = INVARIANT_PATHS) -> Shapes:  # fmt: skip
+        """Width buckets 1, 2, 4 .. 64, or ``fixed_width`` alone (> 0, width-invariant, with
+        ``paths`` paths a forward); span buckets 256, 512 .. up to ``capacity`` (or
+        ``capacity`` alone)."""
+        if paths < 1:
+            raise ValueError(f"a forward gathers at least one path, not {paths}")
         if fixed_width > 0:
             widths: tuple[int, ...] = (fixed_width,)
         else:
@@ -54,7 +58,7 @@ class Shapes:
             while span < capacity:
                 spans.insert(-1, span)
                 span *= 2
-        return cls(widths, tuple(spans), INVARIANT_PATHS if fixed_width > 0 else 0)
+        return cls(widths, tuple(spans), paths if fixed_width > 0 else 0)
 
     @property
     def widest(self) -> int:
