@@ -13,6 +13,7 @@ model file or a runtime that changed is measured again.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -31,7 +32,13 @@ from hetspec.daemon.head_choice import draft_head_for
 from hetspec.daemon.supervisor import roles, worker_specs
 from hetspec.daemon.worker_client import WorkerSpec
 from hetspec.protocol import ProbeFailure, RuntimeProfile, decode_profile
-from hetspec.speculative.runtime_choice import Rate, best_rate, fastest
+from hetspec.speculative.runtime_choice import (
+    Rate,
+    best_rate,
+    fastest,
+    fewest_fast_threads,
+    thread_counts,
+)
 
 log = structlog.get_logger("hetspec.daemon.runtime_choice")
 
@@ -253,3 +260,39 @@ async def decide_gpu_runtime(config: DaemonConfig, log_format: str = "json",
         rates={name: round(rate.tokens_per_s, 1) for name, rate in rates.items()},
         gammas={name: rate.gamma for name, rate in rates.items()}, cached=cached,
     )  # fmt: skip
+
+
+class ThreadChoice(msgspec.Struct, frozen=True, kw_only=True):
+    """The drafting llama.cpp's thread count (for one-token steps) and why."""
+
+    threads: int
+    chosen_by: str  # "configuration" or "measurement"
+    costs_ms: dict[int, float] = {}  # one draft token's cost per thread count timed
+
+
+async def decide_drafter_threads(config: DaemonConfig, log_format: str = "json",
+                                 cache: Path | None = None) -> ThreadChoice | None:  # fmt: skip
+    """How many threads the CPU worker drafts one token with (draft-cpu): the configured
+    ``cpu_worker.threads``, else the fewest of 1, 2, 4 .. its cores that time within 5% of
+    the fastest (a profile process each, cached like the runtimes'). None where the CPU worker
+    does not draft, or owns one core. Batches (prompts, several branches) keep every core."""
+    if config.placement != "draft-cpu":
+        return None
+    spec = worker_specs(config, log_format, gpu_runtime="torch")["cpu"]
+    if config.cpu_worker.threads is not None:
+        return ThreadChoice(threads=config.cpu_worker.threads, chosen_by="configuration")
+    counts = thread_counts(len(set(spec.cores)))
+    if len(counts) == 1:
+        return None
+    costs = {}
+    for count in counts:
+        settings = msgspec.structs.replace(spec.settings, threads=count,
+                                           threads_batch=len(set(spec.cores)))  # fmt: skip
+        result, _ = await measure(dataclasses.replace(spec, settings=settings), [1],
+                                  config.load_timeout_s, cache)  # fmt: skip
+        if isinstance(result, RuntimeProfile):
+            costs[count] = round(result.median_ms[0], 4)
+    if not costs:
+        return None
+    return ThreadChoice(threads=fewest_fast_threads(costs), chosen_by="measurement",
+                        costs_ms=costs)  # fmt: skip

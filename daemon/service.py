@@ -47,7 +47,9 @@ from hetspec.daemon.runs import Run
 from hetspec.daemon.runtime_choice import (
     RuntimeChoiceError,
     RuntimeDecision,
+    ThreadChoice,
     cache_dir,
+    decide_drafter_threads,
     decide_gpu_runtime,
 )
 from hetspec.daemon.slots import SlotPool
@@ -79,6 +81,7 @@ class Service:
         self.arena: Arena | None = None
         self.supervisor: Supervisor | None = None
         self.runtime_decision: RuntimeDecision | None = None
+        self.drafter_threads: ThreadChoice | None = None
         self.runner: web.AppRunner | None = None
         self.draining = False
         self.own_socket: Path | None = None  # the socket file we created (not systemd's)
@@ -167,8 +170,16 @@ class Service:
         if (costs := decision.verifier_costs_s()) is not None:
             for controller in self.controllers.values():
                 controller.assume_verifier(costs)
+        threads = await decide_drafter_threads(
+            self.config, self.log_format, cache_dir(self.config.cache_dir)
+        )
+        self.drafter_threads = threads
+        if threads is not None:
+            log.info("drafter threads", threads=threads.threads, chosen_by=threads.chosen_by,
+                     costs_ms=threads.costs_ms)  # fmt: skip
         self.notifier.status("loading the models")
-        specs = worker_specs(self.config, self.log_format, decision.runtime)
+        specs = worker_specs(self.config, self.log_format, decision.runtime,
+                             threads.threads if threads else None)  # fmt: skip
         vocab = max(config_number_of(self.config.target.folder),
                     config_number_of(self.config.draft.folder))  # fmt: skip
         if decision.runtime == "head":  # a slot also holds a tree's features
@@ -338,6 +349,9 @@ class Service:
             "devices": devices,
             "gpu_runtime": msgspec.to_builtins(self.runtime_decision)
             if self.runtime_decision
+            else None,
+            "drafter_threads": msgspec.to_builtins(self.drafter_threads)
+            if self.drafter_threads
             else None,
             "mode": config.mode,
             "gamma": {mode: {"gamma": d.gamma, "branches": d.branches, "overlap": d.overlap}

@@ -60,11 +60,13 @@ def config_number_of(folder: str, key: str = "vocab_size") -> int:
         raise StartupError(f"cannot read {key} from {path}: {error}") from None
 
 
-def worker_specs(config: DaemonConfig, log_format: str,
-                 gpu_runtime: str | None = None) -> dict[str, WorkerSpec]:  # fmt: skip
+def worker_specs(config: DaemonConfig, log_format: str, gpu_runtime: str | None = None,
+                 drafter_threads: int | None = None) -> dict[str, WorkerSpec]:  # fmt: skip
     """The two workers' specs for this configuration's placement and core split, with the GPU
     worker in ``gpu_runtime`` (default: the configured one, which must not be "auto": that is
-    decided by measurement first, see runtime_choice)."""
+    decided by measurement first, see runtime_choice) and, in draft-cpu, the CPU worker
+    drafting one token on ``drafter_threads`` threads where its threads are not configured
+    (see runtime_choice.decide_drafter_threads; batches keep every core)."""
     gpu_runtime = gpu_runtime or config.gpu_runtime
     if gpu_runtime not in ("torch", "llama.cpp", "native", "head"):
         raise ValueError(f"the GPU worker's runtime must be decided, not {gpu_runtime!r}")
@@ -87,6 +89,11 @@ def worker_specs(config: DaemonConfig, log_format: str,
         raise ValueError(f"rpc.servers needs the verifier in llama.cpp, not {gpu_runtime}")
     cpu_settings = _llama_settings(cpu_cfg, verifies=not drafting_on_cpu,
                                    **({} if drafting_on_cpu else remote))  # fmt: skip
+    if drafting_on_cpu and drafter_threads and cpu_cfg.threads is None:
+        cpu_settings = msgspec.structs.replace(
+            cpu_settings, threads=min(drafter_threads, len(set(cpu_cores))),
+            threads_batch=cpu_cfg.threads_batch or len(set(cpu_cores)),
+        )  # fmt: skip
     if gpu_runtime == "llama.cpp":  # the GPU worker's model in llama.cpp too
         gpu_model = config.target.gguf if drafting_on_cpu else config.draft.gguf
         gpu_settings = _llama_settings(cpu_cfg, verifies=drafting_on_cpu, threads=None,

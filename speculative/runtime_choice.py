@@ -56,3 +56,26 @@ def fastest(rates: Mapping[str, Rate]) -> str:
     if not rates:
         raise ValueError("no runtime to choose from")
     return max(rates, key=lambda name: rates[name].tokens_per_s)
+
+
+# A thread count within this fraction of the fastest counts as fast: fewer threads then win,
+# leaving cores to the rest of the box and to other tenants.
+THREADS_TOLERANCE = 0.05
+
+
+def thread_counts(cores: int) -> list[int]:
+    """The drafter's thread counts worth timing on ``cores`` cores: 1, 2, 4 .. and all."""
+    counts = [1]
+    while counts[-1] * 2 < cores:
+        counts.append(counts[-1] * 2)
+    return [*counts, cores] if cores > 1 else counts
+
+
+def fewest_fast_threads(costs_ms: Mapping[int, float], tolerance: float = THREADS_TOLERANCE) -> int:
+    """The fewest threads whose cost per token is within ``tolerance`` of the cheapest. A
+    small draft model is often fastest on few threads: every step of llama.cpp's graph waits
+    for all of them, and a tiny step is mostly that wait."""
+    if not costs_ms:
+        raise ValueError("no thread count was timed")
+    cheapest = min(costs_ms.values())
+    return min(n for n, cost in costs_ms.items() if cost <= cheapest * (1 + tolerance))

@@ -16,10 +16,22 @@ from test_daemon import request
 from test_lossless import BundledDaemon
 
 from hetspec.daemon.config import BUNDLED_MODELS, load_config
-from hetspec.daemon.runtime_choice import cache_dir, decide_gpu_runtime, profile_key
+from hetspec.daemon.runtime_choice import (
+    cache_dir,
+    decide_drafter_threads,
+    decide_gpu_runtime,
+    profile_key,
+)
 from hetspec.daemon.supervisor import worker_specs
 from hetspec.protocol import ProbeFailure, RuntimeProfile, decode_profile
-from hetspec.speculative.runtime_choice import Rate, best_rate, expected_tokens, fastest
+from hetspec.speculative.runtime_choice import (
+    Rate,
+    best_rate,
+    expected_tokens,
+    fastest,
+    fewest_fast_threads,
+    thread_counts,
+)
 
 TARGET_GGUF = BUNDLED_MODELS / "target" / "target-q8_0.gguf"
 
@@ -185,3 +197,39 @@ def test_rebuilt_native_kernels_are_measured_anew() -> None:
         os.utime(library, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert after["native"] != before["native"]
     assert after["llama.cpp"] == before["llama.cpp"]
+
+
+def test_the_drafter_takes_the_fewest_threads_that_are_about_as_fast() -> None:
+    assert thread_counts(1) == [1]
+    assert thread_counts(2) == [1, 2]
+    assert thread_counts(6) == [1, 2, 4, 6]
+    assert thread_counts(16) == [1, 2, 4, 8, 16]
+    # a tiny draft on a big box: waiting for 15 threads costs more than it computes
+    assert fewest_fast_threads({1: 0.104, 2: 0.10, 4: 0.14, 16: 0.32}) == 1
+    assert fewest_fast_threads({1: 0.11, 2: 0.10, 4: 0.14, 16: 0.32}) == 2
+    assert fewest_fast_threads({1: 0.60, 2: 0.33, 4: 0.20, 8: 0.198}) == 4
+    with pytest.raises(ValueError, match="no thread count"):
+        fewest_fast_threads({})
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_the_drafter_s_threads_are_measured_and_given_to_its_worker(tmp_path) -> None:
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    config = load_config(environ={"HETSPEC_GPU_WORKER__DEVICE": "cpu",
+                                  "HETSPEC_CPU_WORKER__CORES": str(cores)})  # fmt: skip
+    choice = asyncio.run(decide_drafter_threads(config, cache=tmp_path))
+    assert choice is not None
+    assert choice.chosen_by == "measurement"
+    assert sorted(choice.costs_ms) == [1, 2]
+    assert choice.threads in (1, 2)
+    assert all(ms > 0 for ms in choice.costs_ms.values())
+    drafter = worker_specs(config, "json", "torch", choice.threads)["cpu"].settings
+    assert (drafter.threads, drafter.threads_batch) == (choice.threads, 2)  # batches: all cores
+    # configured threads are kept; one core or draft-gpu: nothing to choose
+    configured = load_config(environ={"HETSPEC_CPU_WORKER__THREADS": "1",
+                                      "HETSPEC_CPU_WORKER__CORES": str(cores)})  # fmt: skip
+    assert asyncio.run(decide_drafter_threads(configured)).chosen_by == "configuration"
+    one = load_config(environ={"HETSPEC_CPU_WORKER__CORES": str(cores[:1])})
+    assert asyncio.run(decide_drafter_threads(one, cache=tmp_path)) is None
+    dovetail = load_config(environ={"HETSPEC_PLACEMENT": "draft-gpu"})
+    assert asyncio.run(decide_drafter_threads(dovetail)) is None
