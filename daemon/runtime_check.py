@@ -22,6 +22,15 @@ from hetspec.protocol import (
 RUNTIMES = ("llama.cpp", "torch")
 
 
+def check_runtime(runtime: str, timeout_s: float = 120.0) -> RuntimeReport:
+    """Probe one runtime (blocking); a probe that crashes or hangs becomes a ProbeFailure."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "hetspec.workers.probe", runtime],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    return _collect(runtime, process, timeout_s)
+
+
 def check_runtimes(timeout_s: float = 120.0) -> dict[str, RuntimeReport]:
     """Probe every runtime concurrently; a probe that crashes or hangs becomes a ProbeFailure."""
     probes = {

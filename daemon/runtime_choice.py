@@ -28,10 +28,12 @@ import structlog
 
 from hetspec import __version__
 from hetspec.daemon.config import DaemonConfig
+from hetspec.daemon.cores import cuda_present
 from hetspec.daemon.head_choice import draft_head_for
+from hetspec.daemon.runtime_check import check_runtime
 from hetspec.daemon.supervisor import roles, worker_specs
 from hetspec.daemon.worker_client import WorkerSpec
-from hetspec.protocol import ProbeFailure, RuntimeProfile, decode_profile
+from hetspec.protocol import LlamaCppReport, ProbeFailure, RuntimeProfile, decode_profile
 from hetspec.speculative.runtime_choice import (
     Rate,
     best_rate,
@@ -245,7 +247,17 @@ async def decide_gpu_runtime(config: DaemonConfig, log_format: str = "json",
             draft_ms = draft.median_ms[0]
     widths = VERIFY_WIDTHS if role == "verifier" else [1]
     profiles, failures = [], []
-    for runtime in CANDIDATES:
+    candidates = list(CANDIDATES)
+    if cuda_present(config.gpu_worker.device):  # the GPU worker owns one core there
+        failures.append(ProbeFailure(runtime="native", message="CPU kernels only, and this "
+                                     "box verifies on CUDA"))  # fmt: skip
+        candidates.remove("native")
+        llama = await asyncio.to_thread(check_runtime, "llama.cpp", timeout_s)
+        if not (isinstance(llama, LlamaCppReport) and llama.gpu_offload):
+            failures.append(ProbeFailure(runtime="llama.cpp", message="this llama.cpp build "
+                                         "cannot offload to the GPU"))  # fmt: skip
+            candidates.remove("llama.cpp")
+    for runtime in candidates:
         spec = worker_specs(config, log_format, gpu_runtime=runtime)["gpu"]
         result, hit = await measure(spec, widths, timeout_s, cache)
         cached &= hit

@@ -148,6 +148,24 @@ def test_a_runtime_that_cannot_hold_the_model_is_skipped_with_its_reason(tmp_pat
     assert "torch unusable" in decision.summary()
 
 
+def test_where_cuda_verifies_cpu_only_runtimes_are_not_timed(tmp_path) -> None:
+    """On a GPU box the GPU worker owns one core: timing the target there on CPU kernels
+    took minutes for a 1B target. Here (no CUDA) torch on "cuda" then fails too, and the
+    error names all three reasons."""
+    from hetspec.daemon.runtime_check import check_runtime  # noqa: PLC0415
+    from hetspec.daemon.runtime_choice import RuntimeChoiceError  # noqa: PLC0415
+
+    if getattr(check_runtime("llama.cpp"), "gpu_offload", False):
+        pytest.skip("this llama.cpp build offloads: it is a candidate on a GPU box")
+    config = load_config(environ={"HETSPEC_GPU_WORKER__DEVICE": "cuda"})
+    with pytest.raises(RuntimeChoiceError) as error:
+        asyncio.run(decide_gpu_runtime(config, cache=tmp_path))
+    said = str(error.value)
+    assert "native: CPU kernels only, and this box verifies on CUDA" in said
+    assert "llama.cpp: this llama.cpp build cannot offload to the GPU" in said
+    assert "torch:" in said
+
+
 def test_a_configured_runtime_is_used_without_measuring(tmp_path) -> None:
     config = load_config(environ={"HETSPEC_GPU_RUNTIME": "torch"})
     decision = asyncio.run(decide_gpu_runtime(config, cache=tmp_path))

@@ -309,12 +309,13 @@ def cuda_available() -> bool:
 
 
 def llama_cpp_offloads() -> bool:
-    """Whether the installed llama-cpp-python can offload layers to a GPU."""
+    """Whether the installed llama-cpp-python sees a GPU of this machine (its own
+    ``llama_supports_gpu_offload`` also says yes for a CPU build with the RPC backend)."""
     try:
-        import llama_cpp  # noqa: PLC0415
+        from hetspec.workers.llama_cpp_runtime.ggml import local_gpu_present  # noqa: PLC0415
     except ImportError:
         return False
-    return bool(llama_cpp.llama_supports_gpu_offload())
+    return local_gpu_present()
 
 
 def load_peers(
