@@ -9,7 +9,11 @@ Systems, all greedy and checked against each other token for token:
 - naive pipelined speculation: the drafter's tree as one segment, the next tree only after
   its verdict (the pipeline holds one segment at a time);
 - FlowSpec: the tree in score order, cut into segments, one per stage in flight, the tree
-  advanced as each segment's logits arrive and the drafter asked again from the new root.
+  advanced as each segment's logits arrive and the drafter asked again from the new root;
+- llama.cpp RPC: the target's GGUF (16-bit) in a llama.cpp worker with every layer on as many
+  ``hetspec-rpc-server`` processes as there are stages (llama.cpp splits them), each behind a
+  relay that delays every chunk by the link time; the target alone, one token at a time (its
+  text is llama.cpp's, not compared). What a user reaches for first (docs/beyond-one-box.md).
 The drafter is the llama.cpp draft model in a real worker process (EAGLE-2 trees: depth, top-k
 and size below). Stage processes and the drafter share this machine's cores: on a box with
 fewer cores than processes they compete, which a real multi-host pipeline would not.
@@ -18,6 +22,7 @@ fewer cores than processes they compete, which a real multi-host pipeline would 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -28,7 +33,7 @@ from pathlib import Path
 
 import uvloop
 
-from hetspec.daemon.local_stages import LocalStages, split_layers
+from hetspec.daemon.local_stages import LocalRpcServers, LocalStages, split_layers
 from hetspec.daemon.pipeline import PipelineError, PipelineStats, pipeline_decode
 from hetspec.daemon.worker_client import WorkerClient, WorkerSpec, WorkerStartError
 from hetspec.protocol import Arena
@@ -119,6 +124,14 @@ async def run(args: argparse.Namespace) -> int:
     target = Path(args.target).expanduser()
     layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
     bounds = split_layers(layers, args.stages)
+    if args.layers:
+        counts = [int(n) for n in args.layers.split(",")]
+        if len(counts) != args.stages or sum(counts) != layers or min(counts) < 1:
+            print(f"error: --layers {args.layers} is not {args.stages} positive counts summing "
+                  f"to the target's {layers} layers", file=sys.stderr)  # fmt: skip
+            return 2
+        ends = list(itertools.accumulate(counts))
+        bounds = [(end - n, end) for n, end in zip(counts, ends, strict=True)]
     tokenizer_prompts = tokenize(target, PROMPTS[: args.prompts])
     print(f"target {target.name}: {layers} layers in {args.stages} stages {bounds}; draft "
           f"{args.draft.name}; tree depth {args.depth}, top-k {args.top_k}, {args.size} nodes; "
@@ -152,9 +165,48 @@ async def run(args: argparse.Namespace) -> int:
                         await compare(stages, drafter, tokenizer_prompts, args, link_ms)
                     finally:
                         stages.stop()
+                    if args.rpc:
+                        await rpc_row(here, target, tokenizer_prompts, args, link_ms, arena=arena)
             finally:
                 await worker.stop()
     return 0
+
+
+async def rpc_row(folder: Path, target: Path, prompts, args, link_ms: float, *, arena) -> None:
+    """The llama.cpp RPC row: the target alone, its layers on ``args.stages`` rpc-servers."""
+    gguf = next(iter(sorted(target.glob("*-f16.gguf"))), None)
+    if gguf is None:
+        print(f"| llama.cpp RPC | {link_ms:g} | - | - | - | - | - | (no *-f16.gguf in "
+              f"{target})")  # fmt: skip
+        return
+    servers = LocalRpcServers(folder, args.stages, link_ms=link_ms)
+    worker = None
+    try:
+        servers.wait()
+        await servers.start_links()
+        settings = m.LlamaCppSettings(n_ctx=2048, threads=1, gpu_layers=-1,
+                                      rpc_servers=tuple(servers.endpoints))  # fmt: skip
+        spec = WorkerSpec("gpu", "llama.cpp", str(gguf), settings, log_format="console")
+        worker = WorkerClient(spec, folder, 2, arena.layout)
+        await worker.start(load_timeout_s=300)
+        seconds, produced = 0.0, 0
+        for index, prompt in enumerate([prompts[0], *prompts]):  # the first warms up
+            await worker.call(m.Prefill(request=worker.next_request(), tokens=prompt))
+            start = time.perf_counter()
+            decode = m.Decode(request=worker.next_request(), steps=args.tokens,
+                              sampling=SamplingParams())  # fmt: skip
+            reply, _ = await worker.call(decode)
+            if index:
+                seconds += time.perf_counter() - start
+                produced += len(reply.tokens)
+        print(f"| llama.cpp RPC ({args.stages} servers, target alone) | {link_ms:g} | "
+              f"{produced / seconds:6.1f} | - | - | - | - |", flush=True)  # fmt: skip
+    except (WorkerStartError, RuntimeError) as error:
+        print(f"error: llama.cpp RPC: {error}", file=sys.stderr)
+    finally:
+        if worker is not None:
+            await worker.stop()
+        servers.stop()
 
 
 async def compare(stages, drafter, prompts, args, link_ms) -> None:
@@ -207,6 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--size", type=int, default=8, help="nodes drafted per tree")
     parser.add_argument("--segment", type=int, default=3, help="FlowSpec's nodes per segment")
+    parser.add_argument(
+        "--layers",
+        default=None,
+        help="layers per stage, comma-separated (default: as even as they go)",
+    )
+    parser.add_argument("--no-rpc", dest="rpc", action="store_false",
+                        help="skip the llama.cpp RPC row")  # fmt: skip
     args = parser.parse_args(argv)
     args.link_ms = [float(x) for x in args.link_ms.split(",")]
     return uvloop.run(run(args))

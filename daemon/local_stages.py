@@ -7,6 +7,7 @@ coordinator's public key and stage i - 1's. Each stage logs to ``folder/stageI.l
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import socket
 import subprocess
@@ -100,3 +101,120 @@ class LocalStages:
             if process is not None and process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+class LocalRpcServers:
+    """``hetspec-rpc-server`` processes on loopback (llama.cpp's RPC split of a target's
+    layers), each behind a ``DelayLink`` when ``link_ms`` > 0: the plain path #25 compares
+    FlowSpec's pipeline with. ``endpoints`` are what a llama.cpp worker's ``rpc_servers`` take;
+    ``start_links`` (awaited on the event loop that serves them) opens the delaying links."""
+
+    def __init__(self, folder: Path, count: int, *, link_ms: float = 0.0,
+                 threads: int = 1) -> None:  # fmt: skip
+        self.folder, self.link_ms = folder, link_ms
+        self.ports = [free_port() for _ in range(count)]
+        self.processes = []
+        for index, port in enumerate(self.ports):
+            log = (folder / f"rpc{index}.log").open("w")
+            self.processes.append(subprocess.Popen(
+                [sys.executable, "-m", "hetspec.workers.rpc_server", "--port", str(port),
+                 "--threads", str(threads)],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            ))  # fmt: skip
+        self.links = [DelayLink(port, link_ms) for port in self.ports] if link_ms > 0 else []
+
+    @property
+    def endpoints(self) -> list[str]:
+        ports = [link.port for link in self.links] if self.links else self.ports
+        return [f"127.0.0.1:{port}" for port in ports]
+
+    def wait(self, timeout_s: float = 30.0) -> None:
+        """Until every server accepts connections; RuntimeError naming one that will not."""
+        deadline = time.monotonic() + timeout_s
+        for index, (port, process) in enumerate(zip(self.ports, self.processes, strict=True)):
+            while True:
+                if process.poll() is not None:
+                    said = (self.folder / f"rpc{index}.log").read_text().strip().splitlines()
+                    raise RuntimeError(f"rpc server {index} exited: {said[-1] if said else ''}")
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"rpc server {index} never listened") from None
+                    time.sleep(0.05)
+
+    async def start_links(self) -> None:
+        for link in self.links:
+            await link.start()
+
+    def stop(self) -> None:
+        for link in self.links:
+            link.close()
+        for process in self.processes:
+            process.terminate()
+        for process in self.processes:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+class DelayLink:
+    """A loopback TCP relay to ``target_port`` that delivers every chunk, in order, ``delay_ms``
+    after it arrived, in both directions: a slow link for processes whose sockets hetspec does
+    not own (llama.cpp's RPC), as the stages' --link-ms is for theirs."""
+
+    def __init__(self, target_port: int, delay_ms: float) -> None:
+        self.target_port, self.delay_s = target_port, delay_ms / 1000
+        self.port = free_port()
+        self._server = None
+        self._tasks: set = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+
+    async def _serve(self, reader, writer) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.close()
+            return
+        pumps = [asyncio.ensure_future(self._pump(reader, up_writer)),
+                 asyncio.ensure_future(self._pump(up_reader, writer))]  # fmt: skip
+        self._tasks.update(pumps)
+        await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+        for pump in pumps:
+            pump.cancel()
+            self._tasks.discard(pump)
+        for side in (writer, up_writer):
+            side.close()
+
+    async def _pump(self, reader, writer) -> None:
+        """Copy ``reader`` to ``writer``, each chunk delivered delay_s after it was read."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def deliver() -> None:
+            loop = asyncio.get_running_loop()
+            while (item := await queue.get()) is not None:
+                due, data = item
+                if (wait := due - loop.time()) > 0:
+                    await asyncio.sleep(wait)
+                writer.write(data)
+                await writer.drain()
+
+        sender = asyncio.ensure_future(deliver())
+        try:
+            while data := await reader.read(1 << 16):
+                queue.put_nowait((asyncio.get_running_loop().time() + self.delay_s, data))
+            queue.put_nowait(None)
+            await sender
+        finally:
+            sender.cancel()
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in self._tasks:
+            task.cancel()

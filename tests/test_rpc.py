@@ -4,9 +4,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import numpy as np
 import pytest
 
 from hetspec.daemon.config import BUNDLED_MODELS, ConfigError, load_config
+from hetspec.daemon.local_stages import DelayLink, LocalRpcServers
 from hetspec.daemon.supervisor import worker_specs
 from hetspec.speculative.samplers import DrawnSampler
 from hetspec.speculative.sampling import SamplingParams
@@ -146,3 +149,70 @@ def test_bad_rpc_settings_are_one_line_naming_the_key(tmp_path: Path, toml, mess
     config_file.write_text(toml)
     with pytest.raises(ConfigError, match=message):
         load_config(config_file, environ={})
+
+
+@pytest.fixture
+def event_loop_thread():
+    """An asyncio loop running in a thread: the delaying links serve on it while the test's
+    llama.cpp calls block this thread."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=5)
+
+
+def test_a_delaying_link_delivers_every_chunk_in_order_after_its_delay(event_loop_thread):
+    """The relay the pipeline bench puts in front of llama.cpp's rpc-servers: an echo server
+    behind a 40 ms link answers after two crossings, with every byte, in order."""
+    echo = socket.create_server(("127.0.0.1", 0))
+    port = echo.getsockname()[1]
+
+    def serve() -> None:
+        connection, _ = echo.accept()
+        with connection:
+            while data := connection.recv(1 << 16):
+                connection.sendall(data)
+
+    threading.Thread(target=serve, daemon=True).start()
+    link = DelayLink(port, 40)
+    asyncio.run_coroutine_threadsafe(link.start(), event_loop_thread).result(5)
+    try:
+        with socket.create_connection(("127.0.0.1", link.port), timeout=5) as client:
+            payload = bytes(range(256)) * 64
+            start = time.perf_counter()
+            for offset in range(0, len(payload), 4096):
+                client.sendall(payload[offset : offset + 4096])
+            received = b""
+            while len(received) < len(payload):
+                received += client.recv(1 << 16)
+            elapsed = time.perf_counter() - start
+        assert received == payload
+        assert elapsed >= 0.08  # there and back
+    finally:
+        event_loop_thread.call_soon_threadsafe(link.close)
+        echo.close()
+
+
+def test_two_rpc_servers_behind_slow_links_compute_the_same(tmp_path, event_loop_thread):
+    """llama.cpp splits every layer over two servers, each behind a 5 ms link: the same greedy
+    text as this box alone, each token paying the links."""
+    local = LlamaCppRuntime(TARGET, n_ctx=256, threads=1)
+    _, expected = greedy(local, 8)
+    local.close()
+    servers = LocalRpcServers(tmp_path, 2, link_ms=5)
+    try:
+        servers.wait()
+        asyncio.run_coroutine_threadsafe(servers.start_links(), event_loop_thread).result(5)
+        remote = LlamaCppRuntime(TARGET, n_ctx=256, threads=1, gpu_layers=-1,
+                                 rpc_servers=tuple(servers.endpoints))  # fmt: skip
+        start = time.perf_counter()
+        _, tokens = greedy(remote, 8)
+        elapsed = time.perf_counter() - start
+        remote.close()
+    finally:
+        event_loop_thread.call_soon_threadsafe(lambda: [link.close() for link in servers.links])
+        servers.stop()
+    assert tokens == expected
+    assert elapsed >= 8 * 2 * 0.005  # at least a crossing each way per token

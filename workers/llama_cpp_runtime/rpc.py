@@ -58,19 +58,25 @@ def check_reachable(endpoint: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
         ) from None
 
 
-def add_servers(endpoints: tuple[str, ...] | list[str]) -> None:
-    """Register each server's devices with ggml, as llama.cpp's ``--rpc`` does, so the next
-    model load places offloaded layers on them (RPC devices first, then local GPUs). A server
-    registered before is not added twice."""
+def add_servers(endpoints: tuple[str, ...] | list[str]) -> list[int]:
+    """Register each server's devices with ggml, as llama.cpp's ``--rpc`` does, and return
+    them, in order, for a model load to name (a process keeps every server it ever registered:
+    a load that took all of them would reach for servers long gone). A server registered
+    before is not added twice."""
     add_server = _rpc_function("ggml_backend_rpc_add_server", _ADD_SERVER)
+    devices = []
     for endpoint in endpoints:
         check_reachable(endpoint)
-        if ggml.reg_by_name(f"RPC[{endpoint}]".encode()):
-            continue
-        registry = add_server(endpoint.encode())
+        registry = ggml.reg_by_name(f"RPC[{endpoint}]".encode())
         if not registry:
-            raise RpcError(f"the rpc-server at {endpoint} offers no device")
-        ggml.register(registry)
+            registry = add_server(endpoint.encode())
+            if not registry:
+                raise RpcError(f"the rpc-server at {endpoint} offers no device")
+            ggml.register(registry)
+        devices += [ggml.reg_dev_get(registry, i) for i in range(ggml.reg_dev_count(registry))]
+    if not devices:
+        raise RpcError(f"the rpc-servers {', '.join(endpoints)} offer no device")
+    return devices
 
 
 def serve(endpoint: str, threads: int, cache_dir: str | None = None) -> None:

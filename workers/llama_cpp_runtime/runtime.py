@@ -10,6 +10,7 @@ keeps only sequence 0; nothing is recomputed and no state is saved or restored.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import numpy as np
 
 from hetspec.speculative.tree import ROOT
 from hetspec.speculative.vocab import VocabInfo
-from hetspec.workers.llama_cpp_runtime.ggml import local_gpu_present
+from hetspec.workers.llama_cpp_runtime.ggml import local_gpu_present, local_gpus
 from hetspec.workers.llama_cpp_runtime.log import llama_log
 from hetspec.workers.llama_cpp_runtime.rpc import RpcError
 from hetspec.workers.llama_cpp_runtime.rpc import add_servers as add_rpc_servers
@@ -141,14 +142,19 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
         # 0 for the CPU worker (the GPU belongs to the torch worker); a llama.cpp GPU worker
         # offloads what it is told (-1: every layer), which a CPU-only build ignores
         params.n_gpu_layers = gpu_layers if gpu_layers >= 0 else 2**31 - 1
-        if rpc_servers:
-            try:
-                add_rpc_servers(rpc_servers)
-            except RpcError as error:
-                raise LlamaCppError(f"{path}: {error}") from None
         # where the layers run: offloading needs a GPU build of llama.cpp and a GPU, or
         # rpc-servers
         self._on_local_gpu = gpu_layers != 0 and local_gpu_present()
+        if rpc_servers:
+            try:
+                devices = add_rpc_servers(rpc_servers)
+            except RpcError as error:
+                raise LlamaCppError(f"{path}: {error}") from None
+            # exactly these servers (then this box's GPUs), as llama.cpp orders them: the
+            # NULL-terminated list must live until the load returns
+            devices += local_gpus() if self._on_local_gpu else []
+            self._devices = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
+            params.devices = ctypes.cast(self._devices, ctypes.c_void_p)
         self.offloaded = self._on_local_gpu or (gpu_layers != 0 and bool(rpc_servers))
         params.load_mode = L.LLAMA_LOAD_MODE_MMAP if mmap else L.LLAMA_LOAD_MODE_NONE
         # llama.cpp's extra buffer types repack weights for the CPU's SIMD; on CPUs with AMX
