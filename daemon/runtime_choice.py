@@ -290,7 +290,7 @@ async def decide_drafter_threads(config: DaemonConfig, log_format: str = "json",
     does not draft, or owns one core. Batches (prompts, several branches) keep every core."""
     if config.placement != "draft-cpu":
         return None
-    spec = worker_specs(config, log_format, gpu_runtime="torch")["cpu"]
+    spec = worker_specs(config, log_format, gpu_runtime="llama.cpp")["cpu"]  # any: the CPU side
     if config.cpu_worker.threads is not None:
         return ThreadChoice(threads=config.cpu_worker.threads, chosen_by="configuration")
     counts = thread_counts(len(set(spec.cores)))

@@ -251,3 +251,7 @@ def test_the_drafter_s_threads_are_measured_and_given_to_its_worker(tmp_path) ->
     assert asyncio.run(decide_drafter_threads(one, cache=tmp_path)) is None
     dovetail = load_config(environ={"HETSPEC_PLACEMENT": "draft-gpu"})
     assert asyncio.run(decide_drafter_threads(dovetail)) is None
+    # the target's layers on rpc-servers (the verifier in llama.cpp): the drafter is the same
+    remote = load_config(environ={"HETSPEC_RPC__SERVERS": '["127.0.0.1:50052"]',
+                                  "HETSPEC_CPU_WORKER__CORES": str(cores[:1])})  # fmt: skip
+    assert asyncio.run(decide_drafter_threads(remote, cache=tmp_path)) is None
