@@ -206,6 +206,7 @@ async def rpc_row(folder: Path, target: Path, prompts, args, link_ms: float, *, 
     finally:
         if worker is not None:
             await worker.stop()
+        await servers.close_links()
         servers.stop()
 
 

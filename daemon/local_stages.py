@@ -107,7 +107,8 @@ class LocalRpcServers:
     """``hetspec-rpc-server`` processes on loopback (llama.cpp's RPC split of a target's
     layers), each behind a ``DelayLink`` when ``link_ms`` > 0: the plain path #25 compares
     FlowSpec's pipeline with. ``endpoints`` are what a llama.cpp worker's ``rpc_servers`` take;
-    ``start_links`` (awaited on the event loop that serves them) opens the delaying links."""
+    ``start_links``/``close_links`` (awaited on the event loop that serves them) open and close
+    the delaying links."""
 
     def __init__(self, folder: Path, count: int, *, link_ms: float = 0.0,
                  threads: int = 1) -> None:  # fmt: skip
@@ -148,9 +149,13 @@ class LocalRpcServers:
         for link in self.links:
             await link.start()
 
-    def stop(self) -> None:
+    async def close_links(self) -> None:
+        """On the links' event loop, before ``stop``."""
         for link in self.links:
-            link.close()
+            await link.aclose()
+
+    def stop(self) -> None:
+        """End the server processes (close the links first, on their loop)."""
         for process in self.processes:
             process.terminate()
         for process in self.processes:
@@ -164,39 +169,43 @@ class LocalRpcServers:
 class DelayLink:
     """A loopback TCP relay to ``target_port`` that delivers every chunk, in order, ``delay_ms``
     after it arrived, in both directions: a slow link for processes whose sockets hetspec does
-    not own (llama.cpp's RPC), as the stages' --link-ms is for theirs."""
+    not own (llama.cpp's RPC), as the stages' --link-ms is for theirs. ``start`` and ``aclose``
+    run on the event loop that serves it."""
 
     def __init__(self, target_port: int, delay_ms: float) -> None:
         self.target_port, self.delay_s = target_port, delay_ms / 1000
         self.port = free_port()
-        self._server = None
-        self._tasks: set = set()
+        self._server: asyncio.Server | None = None
+        self._connections: set[asyncio.Task] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
 
     async def _serve(self, reader, writer) -> None:
+        self._connections.add(asyncio.current_task())
+        self._writers.add(writer)
         try:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
         except OSError:
             writer.close()
+            self._writers.discard(writer)
             return
-        pumps = [asyncio.ensure_future(self._pump(reader, up_writer)),
-                 asyncio.ensure_future(self._pump(up_reader, writer))]  # fmt: skip
-        self._tasks.update(pumps)
-        await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
-        for pump in pumps:
-            pump.cancel()
-            self._tasks.discard(pump)
+        self._writers.add(up_writer)
+        # each direction ends at its reader's EOF (or an error); either end closing ends both
+        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer),
+                             return_exceptions=True)  # fmt: skip
         for side in (writer, up_writer):
             side.close()
+            self._writers.discard(side)
+        self._connections.discard(asyncio.current_task())
 
     async def _pump(self, reader, writer) -> None:
         """Copy ``reader`` to ``writer``, each chunk delivered delay_s after it was read."""
+        loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
         async def deliver() -> None:
-            loop = asyncio.get_running_loop()
             while (item := await queue.get()) is not None:
                 due, data = item
                 if (wait := due - loop.time()) > 0:
@@ -207,14 +216,18 @@ class DelayLink:
         sender = asyncio.ensure_future(deliver())
         try:
             while data := await reader.read(1 << 16):
-                queue.put_nowait((asyncio.get_running_loop().time() + self.delay_s, data))
-            queue.put_nowait(None)
-            await sender
+                queue.put_nowait((loop.time() + self.delay_s, data))
         finally:
-            sender.cancel()
+            queue.put_nowait(None)
+            await asyncio.gather(sender, return_exceptions=True)
+            writer.close()  # the other direction's reader then ends too
 
-    def close(self) -> None:
+    async def aclose(self) -> None:
+        """Stop listening and close every connection's sockets; each connection then ends by
+        itself (its readers see the end), and this waits for them."""
         if self._server is not None:
             self._server.close()
-        for task in self._tasks:
-            task.cancel()
+            self._server = None
+        for writer in list(self._writers):
+            writer.close()
+        await asyncio.gather(*list(self._connections), return_exceptions=True)

@@ -161,6 +161,7 @@ def event_loop_thread():
     yield loop
     loop.call_soon_threadsafe(loop.stop)
     thread.join(timeout=5)
+    loop.close()
 
 
 def test_a_delaying_link_delivers_every_chunk_in_order_after_its_delay(event_loop_thread):
@@ -191,7 +192,7 @@ def test_a_delaying_link_delivers_every_chunk_in_order_after_its_delay(event_loo
         assert received == payload
         assert elapsed >= 0.08  # there and back
     finally:
-        event_loop_thread.call_soon_threadsafe(link.close)
+        asyncio.run_coroutine_threadsafe(link.aclose(), event_loop_thread).result(5)
         echo.close()
 
 
@@ -212,7 +213,7 @@ def test_two_rpc_servers_behind_slow_links_compute_the_same(tmp_path, event_loop
         elapsed = time.perf_counter() - start
         remote.close()
     finally:
-        event_loop_thread.call_soon_threadsafe(lambda: [link.close() for link in servers.links])
+        asyncio.run_coroutine_threadsafe(servers.close_links(), event_loop_thread).result(5)
         servers.stop()
     assert tokens == expected
     assert elapsed >= 8 * 2 * 0.005  # at least a crossing each way per token
