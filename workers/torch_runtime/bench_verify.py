@@ -21,7 +21,7 @@ import torch
 from hetspec.speculative.tree import chain_parents
 from hetspec.workers.benchmarking import positive_int_list, timed_ms
 from hetspec.workers.torch_runtime import ModelLoadError, TorchRuntime
-from hetspec.workers.torch_runtime.static_forward import MIN_SPAN
+from hetspec.workers.torch_runtime.static_forward import INVARIANT_PATHS, MIN_SPAN
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1].parent / "models" / "target"
 
@@ -96,7 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         "shape); 0: width buckets on CUDA, the call's shape on the CPU",
     )
     parser.add_argument(
-        "--paths", type=int, default=4, help="tree paths a fixed-width forward gathers"
+        "--paths",
+        type=int,
+        default=INVARIANT_PATHS,
+        help="tree paths a fixed-width forward gathers",
     )
     parser.add_argument(
         "--no-span-buckets",
