@@ -22,7 +22,6 @@ fewer cores than processes they compete, which a real multi-host pipeline would 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import sys
@@ -33,13 +32,22 @@ from pathlib import Path
 
 import uvloop
 
-from hetspec.daemon.local_stages import LocalRpcServers, LocalStages, split_layers
+from hetspec.daemon.local_stages import LocalRpcServers, LocalStages
 from hetspec.daemon.pipeline import PipelineError, PipelineStats, pipeline_decode
 from hetspec.daemon.worker_client import WorkerClient, WorkerSpec, WorkerStartError
 from hetspec.protocol import Arena
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.sampling import SamplingParams
 from hetspec.speculative.flow_tree import FlowTree
+from hetspec.speculative.layer_split import (
+    ModelShape,
+    SplitError,
+    balanced_split,
+    counts_split,
+    even_split,
+    format_range,
+    stage_weights,
+)
 from hetspec.speculative.pipeline_clock import CostProfile, PipelineClock
 
 BUNDLED = Path(__file__).resolve().parents[1] / "models"
@@ -92,11 +100,12 @@ class Row:
     stats: PipelineStats
     texts: list[list[int]] = field(default_factory=list)
 
-    def line(self, stages: int, profile: CostProfile) -> str:
+    def line(self, stages: int, profile: CostProfile, layers: str) -> str:
         s = self.stats
         simulated, utilization = self.clock.timeline(stages, self.link_ms / 1000, profile)
         used = " / ".join(f"{u:.0%}" for u in utilization)
-        return (f"| {self.system} | {self.link_ms:g} | {self.tokens / self.seconds:6.1f} | "
+        return (f"| {self.system} | {layers} | {self.link_ms:g} | "
+                f"{self.tokens / self.seconds:6.1f} | "
                 f"{self.tokens / simulated:6.1f} | {used} | "
                 f"{s.nodes_sent / max(s.segments, 1):4.1f} | "
                 f"{self.tokens / max(s.commits, 1):4.2f} |")  # fmt: skip
@@ -120,29 +129,36 @@ async def run_system(client, drafter, prompts, *, tokens, system, link_ms, **sch
     return Row(system, link_ms, produced, seconds, clock, total, texts)
 
 
+def splits(args, shape: ModelShape) -> list[tuple[int, int]] | None:
+    """The first split to run (``--layers``); None, with the reason printed, if it is bad."""
+    try:
+        if args.layers in ("even", "auto"):
+            return even_split(shape.layers, args.stages)
+        counts = [float(n) for n in args.layers.split(",")]
+        if len(counts) != args.stages:
+            raise SplitError(f"{len(counts)} counts for {args.stages} stages")
+        return counts_split(counts, shape.layers)
+    except (SplitError, ValueError) as error:
+        print(f"error: --layers {args.layers}: {error}", file=sys.stderr)
+        return None
+
+
 async def run(args: argparse.Namespace) -> int:
     target = Path(args.target).expanduser()
-    layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
-    bounds = split_layers(layers, args.stages)
-    if args.layers:
-        counts = [int(n) for n in args.layers.split(",")]
-        if len(counts) != args.stages or sum(counts) != layers or min(counts) < 1:
-            print(f"error: --layers {args.layers} is not {args.stages} positive counts summing "
-                  f"to the target's {layers} layers", file=sys.stderr)  # fmt: skip
-            return 2
-        ends = list(itertools.accumulate(counts))
-        bounds = [(end - n, end) for n, end in zip(counts, ends, strict=True)]
+    shape = ModelShape.from_config(json.loads((target / "config.json").read_text()))
+    if (bounds := splits(args, shape)) is None:
+        return 2
     tokenizer_prompts = tokenize(target, PROMPTS[: args.prompts])
-    print(f"target {target.name}: {layers} layers in {args.stages} stages {bounds}; draft "
+    print(f"target {target.name}: {shape.layers} layers in {args.stages} stages; draft "
           f"{args.draft.name}; tree depth {args.depth}, top-k {args.top_k}, {args.size} nodes; "
           f"{args.prompts} prompts x {args.tokens} tokens; {os.cpu_count()} cores "
           "here")  # fmt: skip
     print()
     print(
-        "| system | link ms | tok/s here | tok/s, a device per stage | stage utilization "
-        "(a device per stage) | nodes per segment | tokens per commit |"
+        "| system | layers | link ms | tok/s here | tok/s, a device per stage | stage "
+        "utilization (a device per stage) | nodes per segment | tokens per commit |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="hetspec-bench-pipeline-") as folder:
         arena_name = f"/dev/shm/hetspec-bench-pipeline-{os.getpid()}"
         with Arena.create(arena_name, slots=1, slot_bytes=1 << 20) as arena:
@@ -159,12 +175,15 @@ async def run(args: argparse.Namespace) -> int:
                 for link_ms in args.link_ms:
                     here = Path(folder) / f"link{link_ms:g}"
                     here.mkdir()
-                    stages = LocalStages(here, target, bounds, link_ms=link_ms)
-                    try:
-                        stages.wait()
-                        await compare(stages, drafter, tokenizer_prompts, args, link_ms)
-                    finally:
-                        stages.stop()
+                    run_split = bounds
+                    for attempt in range(2 if args.layers == "auto" else 1):
+                        (sub := here / f"split{attempt}").mkdir()
+                        stages = LocalStages(sub, target, run_split, link_ms=link_ms)
+                        flowspec = await on_stages(stages, drafter, tokenizer_prompts, args,
+                                                   link_ms)  # fmt: skip
+                        if flowspec is None or attempt:
+                            break
+                        run_split = split_by_cost(shape, run_split, flowspec, args, link_ms)
                     if args.rpc:
                         await rpc_row(here, target, tokenizer_prompts, args, link_ms, arena=arena)
             finally:
@@ -172,11 +191,36 @@ async def run(args: argparse.Namespace) -> int:
     return 0
 
 
+async def on_stages(stages: LocalStages, drafter, prompts, args, link_ms: float):
+    """``compare`` on ``stages``, stopped after."""
+    try:
+        stages.wait()
+        return await compare(stages, drafter, prompts, args, link_ms)
+    finally:
+        stages.stop()
+
+
+def split_by_cost(shape: ModelShape, bounds, flowspec: tuple, args, link_ms: float):
+    """The split whose slowest stage is fastest, from each stage's busy time per parameter in
+    FlowSpec's replayed run on ``bounds`` (the first stage computes rows the later ones never
+    see: pruned in flight)."""
+    row, profile = flowspec
+    seconds, utilization = row.clock.timeline(args.stages, link_ms / 1000, profile)
+    weights = stage_weights(shape, bounds)
+    rates = [u * seconds / w for u, w in zip(utilization, weights, strict=True)]
+    chosen = balanced_split(shape, rates)
+    ranges = ", ".join(format_range(a, b) for a, b in chosen)
+    per_mparam = " / ".join(f"{r * 1e6 * 1000 / max(row.tokens, 1):.3f}" for r in rates)
+    print(f"| split by measured cost: {ranges} (FlowSpec's busy ms per Mparam per token, by "
+          f"stage: {per_mparam}) | | | | | | | |", flush=True)  # fmt: skip
+    return chosen
+
+
 async def rpc_row(folder: Path, target: Path, prompts, args, link_ms: float, *, arena) -> None:
     """The llama.cpp RPC row: the target alone, its layers on ``args.stages`` rpc-servers."""
     gguf = next(iter(sorted(target.glob("*-f16.gguf"))), None)
     if gguf is None:
-        print(f"| llama.cpp RPC | {link_ms:g} | - | - | - | - | - | (no *-f16.gguf in "
+        print(f"| llama.cpp RPC | - | {link_ms:g} | - | - | - | - | - | (no *-f16.gguf in "
               f"{target})")  # fmt: skip
         return
     servers = LocalRpcServers(folder, args.stages, link_ms=link_ms)
@@ -199,8 +243,9 @@ async def rpc_row(folder: Path, target: Path, prompts, args, link_ms: float, *, 
             if index:
                 seconds += time.perf_counter() - start
                 produced += len(reply.tokens)
-        print(f"| llama.cpp RPC ({args.stages} servers, target alone) | {link_ms:g} | "
-              f"{produced / seconds:6.1f} | - | - | - | - |", flush=True)  # fmt: skip
+        print(f"| llama.cpp RPC ({args.stages} servers, target alone) | llama.cpp's | "
+              f"{link_ms:g} | {produced / seconds:6.1f} | - | - | - | - |",
+              flush=True)  # fmt: skip
     except (WorkerStartError, RuntimeError) as error:
         print(f"error: llama.cpp RPC: {error}", file=sys.stderr)
     finally:
@@ -210,8 +255,11 @@ async def rpc_row(folder: Path, target: Path, prompts, args, link_ms: float, *, 
         servers.stop()
 
 
-async def compare(stages, drafter, prompts, args, link_ms) -> None:
+async def compare(stages, drafter, prompts, args, link_ms):
+    """The three systems on running stages, one table row each; FlowSpec's row and the cost
+    profile its replay used, or None if the pipeline failed."""
     client = stages.client(timeout_s=30)
+    layers = " + ".join(f"{(b - a) / 2:g}" for a, b in stages.bounds)
     try:
         runs = [
             ("plain pipeline", no_draft, {"segment_size": 1, "in_flight": 1}),
@@ -230,11 +278,13 @@ async def compare(stages, drafter, prompts, args, link_ms) -> None:
         for row in rows[:2]:
             row.clock.measured(profile)
         for row in rows:
-            print(row.line(args.stages, profile), flush=True)
+            print(row.line(args.stages, profile, layers), flush=True)
         if any(row.texts != rows[0].texts for row in rows):
             print("MISMATCH: the systems' greedy texts differ", file=sys.stderr)
+        return rows[-1], profile
     except PipelineError as error:
         print(f"error: {error}", file=sys.stderr)
+        return None
     finally:
         client.close()
 
@@ -262,8 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--segment", type=int, default=3, help="FlowSpec's nodes per segment")
     parser.add_argument(
         "--layers",
-        default=None,
-        help="layers per stage, comma-separated (default: as even as they go)",
+        default="auto",
+        help="layers per stage: 'even' (whole layers, as even as they go), counts such as "
+        "2.5,2.5,3 (halves split a layer after its attention), or 'auto' (default: even, "
+        "then again split by the stage costs FlowSpec measured on the even split)",
     )
     parser.add_argument("--no-rpc", dest="rpc", action="store_false",
                         help="skip the llama.cpp RPC row")  # fmt: skip

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from hetspec.daemon.pipeline import PipelineClient, StageAddress
 from hetspec.protocol.curve_keys import make_keys
+from hetspec.speculative.layer_split import format_range
 
 READY_LINE = " at tcp://"  # hetspec-stage's line once it serves
 
@@ -27,21 +28,11 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def split_layers(layers: int, stages: int) -> list[tuple[int, int]]:
-    """Contiguous ranges, the first ones one layer larger where it does not divide."""
-    size, extra = divmod(layers, stages)
-    bounds, start = [], 0
-    for index in range(stages):
-        end = start + size + (index < extra)
-        bounds.append((start, end))
-        start = end
-    return bounds
-
-
 class LocalStages:
     def __init__(self, folder: Path, model: Path, bounds: list[tuple[int, int]], *,
                  link_ms: float = 0.0, threads: int = 1) -> None:  # fmt: skip
-        """Start one ``hetspec-stage`` per range in ``bounds``; ``wait`` until they serve."""
+        """Start one ``hetspec-stage`` per range of half-layers in ``bounds``
+        (speculative/layer_split.py); ``wait`` until they serve."""
         self.folder, self.model, self.bounds = folder, model, bounds
         self.link_ms, self.threads = link_ms, threads
         self.keys = folder / "keys"
@@ -63,11 +54,11 @@ class LocalStages:
         allowed.mkdir(exist_ok=True)
         for name in ["coordinator"] + ([f"stage{index - 1}"] if index else []):
             shutil.copy(self.keys / f"{name}.key", allowed)
-        first, end = self.bounds[index]
+        layers = format_range(*self.bounds[index])
         with self.log(index).open("w") as log:
             self.processes[index] = subprocess.Popen(
                 [sys.executable, "-m", "hetspec.workers.stage", "serve", "--model",
-                 str(self.model), "--layers", f"{first}:{end}",
+                 str(self.model), "--layers", layers,
                  "--bind", self.addresses[index].endpoint,
                  "--key", str(self.keys / f"stage{index}.key_secret"),
                  "--authorized", str(allowed), "--threads", str(self.threads),

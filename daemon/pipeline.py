@@ -36,6 +36,7 @@ from hetspec.protocol.pipeline_messages import (
     ToCoordinator,
 )
 from hetspec.speculative.flow_tree import FlowTree
+from hetspec.speculative.layer_split import format_range
 from hetspec.speculative.pipeline_clock import PipelineClock
 from hetspec.speculative.samplers import Sampler, pick
 from hetspec.speculative.sampling import SamplingParams, distribution
@@ -115,8 +116,10 @@ class PipelineClient:
             frames = await self.inbound.recv_multipart(copy=False)
             try:
                 message = self.codec.decode(frames)
-            except MessageError:
-                continue
+            except MessageError as error:  # only admitted stages reach this socket
+                raise PipelineError(f"a stage sent a message this coordinator cannot read "
+                                    f"({error}): is every stage the same hetspec "
+                                    "version?") from None  # fmt: skip
             if message.session != self.session:
                 continue  # left over from an earlier request
             if isinstance(message, StageFailed):
@@ -146,11 +149,12 @@ class PipelineClient:
                         f"not {PIPELINE_PROTOCOL_VERSION}")  # fmt: skip
                 ready[message.index] = message
         answers = [ready[i] for i in range(len(self.stages))]
-        layers = [(r.first_layer, r.end_layer) for r in answers]
-        starts, ends = [a for a, _ in layers], [b for _, b in layers]
-        if starts != [0, *ends[:-1]] or ends[-1] != answers[0].layers:
-            raise PipelineError(f"the stages' layers {layers}, in pipeline order, do not cover "
-                                f"the model's {answers[0].layers} layers once")  # fmt: skip
+        halves = [(r.first_half, r.end_half) for r in answers]
+        starts, ends = [a for a, _ in halves], [b for _, b in halves]
+        if starts != [0, *ends[:-1]] or ends[-1] != 2 * answers[0].layers:
+            ranges = ", ".join(format_range(a, b) for a, b in halves)
+            raise PipelineError(f"the stages' layers ({ranges}), in pipeline order, do not "
+                                f"cover the model's {answers[0].layers} layers once")  # fmt: skip
         return answers
 
     async def prefill(self, tokens: list[int], root_id: int) -> tuple[np.ndarray, Output]:

@@ -13,7 +13,7 @@ import msgspec
 
 from hetspec.protocol.arena import ArrayRef
 
-PIPELINE_PROTOCOL_VERSION = 1
+PIPELINE_PROTOCOL_VERSION = 2
 
 
 class _StageMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"):
@@ -85,14 +85,15 @@ class Output(_StageMessage, tag="output"):
 
 
 class Ready(_StageMessage, tag="ready"):
-    """A stage's answer to ``Reset``: its cache is empty and it holds layers
-    ``first_layer`` .. ``end_layer`` - 1 of a model with ``layers`` layers."""
+    """A stage's answer to ``Reset``: its cache is empty and it holds half-layers
+    ``first_half`` .. ``end_half`` - 1 (half 2i: layer i's attention, 2i + 1: its MLP) of a
+    model with ``layers`` layers."""
 
     session: int
     index: int
     stage: str
-    first_layer: int
-    end_layer: int
+    first_half: int
+    end_half: int
     layers: int
     version: int = PIPELINE_PROTOCOL_VERSION
 

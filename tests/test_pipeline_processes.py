@@ -26,7 +26,8 @@ from hetspec.workers.torch_runtime import TorchRuntime
 
 TARGET = BUNDLED_MODELS / "target"
 PROMPT = "def read_lines(path):\n    with open(path) as"
-SPLITS = {2: [(0, 2), (2, 4)], 3: [(0, 1), (1, 3), (3, 4)]}
+# half-layers (speculative/layer_split.py): three stages split layers 1 and 2 after attention
+SPLITS = {2: [(0, 4), (4, 8)], 3: [(0, 3), (3, 5), (5, 8)]}
 TOKENS = 32
 
 

@@ -20,7 +20,9 @@ from hetspec.workers.torch_runtime.stage import StageRuntime
 
 TARGET = BUNDLED_MODELS / "target"
 PROMPT = "def read_lines(path):\n    with open(path) as"
-SPLITS = {2: [(0, 2), (2, 4)], 3: [(0, 1), (1, 3), (3, 4)]}
+# in layers; 1.5: after layer 1's attention (the middle stage of "halves" holds one MLP)
+SPLITS = {2: [(0, 2), (2, 4)], 3: [(0, 1), (1, 3), (3, 4)],
+          "halves": [(0, 1.5), (1.5, 2), (2, 4)]}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +71,8 @@ class Pipeline:
 def test_a_stage_refuses_a_layer_range_the_model_does_not_have() -> None:
     with pytest.raises(ModelLoadError, match="not a range"):
         StageRuntime(TARGET, 2, 9)
+    with pytest.raises(ModelLoadError, match="half layer"):
+        StageRuntime(TARGET, 0, 1.25)
 
 
 def test_a_stage_loads_only_its_own_layers() -> None:
@@ -78,14 +82,26 @@ def test_a_stage_loads_only_its_own_layers() -> None:
     assert all(n.startswith(("model.layers.1.", "model.layers.2.")) for n in loaded)
 
 
-@pytest.mark.parametrize("stages", [2, 3])
+def test_a_stage_ending_on_a_half_layer_loads_and_caches_only_its_halves() -> None:
+    """1.5:3.5 is layer 1's MLP, layer 2, and layer 3's attention: two layers' KV cache."""
+    stage = StageRuntime(TARGET, 1.5, 3.5, max_context=64)
+    loaded = {n for n, p in stage.model.named_parameters() if not p.is_meta}
+    parts = {".".join(n.split(".")[2:4]) for n in loaded}
+    assert parts == {"1.post_attention_layernorm", "1.mlp", "2.input_layernorm", "2.self_attn",
+                     "2.post_attention_layernorm", "2.mlp", "3.input_layernorm",
+                     "3.self_attn"}  # fmt: skip
+    assert stage._keys.shape[0] == 2
+    assert not stage.first and not stage.last
+
+
+@pytest.mark.parametrize("stages", [2, 3, "halves"])
 def test_split_stages_prefill_as_the_whole_model_does(whole, stages) -> None:
     prompt, logits, _ = whole
     pipeline = Pipeline(SPLITS[stages], prompt)
     np.testing.assert_allclose(pipeline.prefill_logits, logits, atol=1e-4)
 
 
-@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("stages", [2, 3, "halves"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_pipelined_tree_verification_returns_the_targets_greedy_text(whole, stages, seed):
     """Segments of a drafted tree (right about 60% of the time, with wrong siblings) are
@@ -106,7 +122,7 @@ def test_pipelined_tree_verification_returns_the_targets_greedy_text(whole, stag
             tree.add(leaf, (guess + 1) % 4096, 0.01)
         if (segment := tree.segment(3)) is not None:
             flight.append(pipeline.run(segment))
-        if len(flight) >= stages or segment is None:
+        if len(flight) >= len(SPLITS[stages]) or segment is None:
             ids, logits = flight.pop(0)
             choices = {i: int(np.argmax(row)) for i, row in zip(ids, logits, strict=True)}
             if (advance := tree.deliver(choices)) is not None:

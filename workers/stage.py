@@ -38,6 +38,7 @@ from hetspec.protocol.pipeline_messages import (
     ToStage,
 )
 from hetspec.speculative.flow_stage import StageBook
+from hetspec.speculative.layer_split import SplitError, format_range, parse_range
 
 
 class Sender(threading.Thread):
@@ -113,12 +114,12 @@ class Stage:
         self.session, self.reset, self.book = message.session, message, None
         self.waiting.clear()
         self.runtime.clear()
-        layers = self.runtime.layers
+        halves = self.runtime.halves
         if message.version != PIPELINE_PROTOCOL_VERSION:
             why = f"protocol {message.version}; this stage speaks {PIPELINE_PROTOCOL_VERSION}"
             self._reply(StageFailed(message.session, self.name, why))
             return
-        self._reply(Ready(message.session, message.index, self.name, layers.start, layers.stop,
+        self._reply(Ready(message.session, message.index, self.name, halves.start, halves.stop,
                           self.runtime.config.num_layers))  # fmt: skip
 
     def _commit(self, message: Commit) -> None:
@@ -178,10 +179,10 @@ class Stage:
 
 
 def serve(args: argparse.Namespace) -> int:
-    layers = args.layers.split(":")
-    if len(layers) != 2 or not all(part.isdigit() for part in layers):
-        print(f"hetspec-stage: --layers is FIRST:END (e.g. 0:8), not {args.layers!r}",
-              file=sys.stderr)  # fmt: skip
+    try:  # the model's layer count is checked at load
+        first, end = parse_range(args.layers, 10**6)
+    except SplitError as error:
+        print(f"hetspec-stage: --layers: {error}", file=sys.stderr)
         return 2
     try:
         public, secret = load_secret(Path(args.key))
@@ -197,9 +198,8 @@ def serve(args: argparse.Namespace) -> int:
     from hetspec.workers.torch_runtime import ModelLoadError  # noqa: PLC0415
     from hetspec.workers.torch_runtime.stage import StageRuntime  # noqa: PLC0415
 
-    first, end = map(int, layers)
     try:
-        runtime = StageRuntime(args.model, first, end, max_context=args.max_context,
+        runtime = StageRuntime(args.model, first / 2, end / 2, max_context=args.max_context,
                                threads=args.threads)  # fmt: skip
     except ModelLoadError as error:
         print(f"hetspec-stage: {error}", file=sys.stderr)
@@ -219,7 +219,7 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     sender = Sender(context, public, secret, args.link_ms / 1000)
     sender.start()
-    name = f"layers {first}-{end - 1} of {Path(args.model).name}"
+    name = f"layers {format_range(first, end)} of {Path(args.model).name}"
     stage = Stage(runtime, name, sender)
     print(f"hetspec-stage: {name} at {args.bind}", file=sys.stderr, flush=True)
     while True:
@@ -234,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     keys.add_argument("names", nargs="+")
     run = commands.add_parser("serve", help="serve a range of a model's layers")
     run.add_argument("--model", required=True, help="the target's model folder")
-    run.add_argument("--layers", required=True, help="FIRST:END, e.g. 0:8 (END excluded)")
+    run.add_argument("--layers", required=True,
+                     help="FIRST:END in layers, END excluded: 0:8, or 0:2.5 (ending after "
+                     "layer 2's attention)")  # fmt: skip
     run.add_argument("--bind", required=True, help="ZeroMQ endpoint, e.g. tcp://10.0.0.2:5601")
     run.add_argument("--key", required=True, help="this stage's NAME.key_secret (mode 0600)")
     run.add_argument("--authorized", required=True,

@@ -224,22 +224,47 @@ class CausalLM(nn.Module):
         slots: torch.Tensor | None = None,
         paths: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Run hidden states (n, hidden) through ``layers`` (a pipeline stage's share);
-        ``cache_keys``/``masks`` are indexed from the range's first layer."""
-        for index, layer_index in enumerate(layers):
-            layer = self.model.layers[layer_index]
-            x = x + layer.self_attn(
-                layer.input_layernorm(x),
-                cos,
-                sin,
-                keys=cache_keys[index],
-                values=cache_values[index],
-                start=start,
-                mask=masks[index],
-                slots=slots,
-                paths=paths,
-            )
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        """Run hidden states (n, hidden) through ``layers``; ``cache_keys``/``masks`` are
+        indexed from the range's first layer."""
+        return self.run_halves(x, range(2 * layers.start, 2 * layers.stop), cos, sin,
+                               cache_keys=cache_keys, cache_values=cache_values, start=start,
+                               masks=masks, slots=slots, paths=paths)  # fmt: skip
+
+    def run_halves(
+        self,
+        x: torch.Tensor,
+        halves: range,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        cache_keys: torch.Tensor,
+        cache_values: torch.Tensor,
+        start: int,
+        masks: list[torch.Tensor | None],
+        slots: torch.Tensor | None = None,
+        paths: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Run hidden states (n, hidden) through half-layers ``halves`` (a pipeline stage's
+        share; half 2i is layer i's attention with its input norm, 2i + 1 its MLP with its
+        norm); ``cache_keys``/``masks`` are indexed by the range's attention halves in order."""
+        attention = 0
+        for half in halves:
+            layer = self.model.layers[half // 2]
+            if half % 2 == 0:
+                x = x + layer.self_attn(
+                    layer.input_layernorm(x),
+                    cos,
+                    sin,
+                    keys=cache_keys[attention],
+                    values=cache_values[attention],
+                    start=start,
+                    mask=masks[attention],
+                    slots=slots,
+                    paths=paths,
+                )
+                attention += 1
+            else:
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """StageRuntime: a contiguous range of a torch target's layers, a pipeline stage of FlowSpec.
 
 The first stage embeds token ids, the last one ends with the final norm and the LM head; the
-others take and give hidden states. The stage's KV cache holds the committed context and the
+others take and give hidden states. A range may end between a layer's attention and its MLP
+(speculative/layer_split.py), so few layers still split into stages of equal cost. The
+stage's KV cache (its attention halves') holds the committed context and the
 tree nodes pending here (speculative/flow_stage.py decides which slots each new node attends
 to and which slots a commit moves); only this stage's layers are loaded.
 """
@@ -14,6 +16,7 @@ import numpy as np
 import torch
 
 from hetspec.speculative.flow_stage import Admission, Compaction
+from hetspec.speculative.layer_split import SplitError, parse_range
 from hetspec.workers.torch_runtime.config import ModelConfig, ModelLoadError
 from hetspec.workers.torch_runtime.model import rope_tables
 from hetspec.workers.torch_runtime.runtime import DEFAULT_MAX_CONTEXT, pick_device, pick_dtype
@@ -24,25 +27,28 @@ class StageRuntime:
     def __init__(
         self,
         model_dir: str | Path,
-        first_layer: int,
-        end_layer: int,
+        first_layer: float,
+        end_layer: float,
         *,
         device: str = "cpu",
         dtype: str = "float32",
         max_context: int | None = None,
         threads: int | None = None,
     ) -> None:
-        """Layers ``first_layer`` .. ``end_layer`` - 1 of the model in ``model_dir``."""
+        """From layer ``first_layer`` up to ``end_layer`` (excluded) of the model in
+        ``model_dir``; either may be a half (2.5: after layer 2's attention)."""
         folder = Path(model_dir)
         self.config = config = ModelConfig.from_folder(folder)
-        if not 0 <= first_layer < end_layer <= config.num_layers:
-            raise ModelLoadError(f"{folder}: layers {first_layer}..{end_layer - 1} are not a "
-                                 f"range of its {config.num_layers} layers")  # fmt: skip
+        try:
+            first, end = parse_range(f"{first_layer}:{end_layer}", config.num_layers)
+        except SplitError as error:
+            raise ModelLoadError(f"{folder}: {error}") from None
         if threads is not None:
             torch.set_num_threads(threads)
-        self.layers = range(first_layer, end_layer)
-        self.first = first_layer == 0
-        self.last = end_layer == config.num_layers
+        self.halves = range(first, end)
+        self.first = first == 0
+        self.last = end == 2 * config.num_layers
+        self._attention_layers = [half // 2 for half in self.halves if half % 2 == 0]
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
         capacity = max_context or min(config.max_context, DEFAULT_MAX_CONTEXT)
@@ -50,17 +56,19 @@ class StageRuntime:
             raise ModelLoadError(f"{folder}: context {capacity} is outside 1..{config.max_context}")
         self.capacity = capacity
         self.model = load_model(folder, config, self.dtype, self.device, only=self._owns)
-        shape = (len(self.layers), config.num_kv_heads, capacity, config.head_dim)
+        shape = (len(self._attention_layers), config.num_kv_heads, capacity, config.head_dim)
         self._keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self._values = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self._cos, self._sin = rope_tables(config, capacity, self.device)
-        self._windows = [config.sliding_windows[i] for i in self.layers]
+        self._windows = [config.sliding_windows[i] for i in self._attention_layers]
         self.filled = 0  # cache slots in use: committed context, then pending nodes
         self._slot_positions = np.zeros(capacity, np.int64)  # for sliding windows
 
     def _owns(self, name: str) -> bool:
         if name.startswith("model.layers."):
-            return int(name.split(".")[2]) in self.layers
+            _, _, layer, part = name.split(".")[:4]
+            mlp = part in ("post_attention_layernorm", "mlp")
+            return 2 * int(layer) + mlp in self.halves
         if name.startswith("model.embed_tokens."):
             tied = self.config.tie_word_embeddings
             return self.first or (self.last and tied)
@@ -83,8 +91,8 @@ class StageRuntime:
         else:
             x = torch.from_numpy(inputs).to(self.device, self.dtype)
         at = torch.from_numpy(positions).to(self.device)
-        hidden = self.model.run_layers(
-            x, self.layers, self._cos[at].to(self.dtype), self._sin[at].to(self.dtype),
+        hidden = self.model.run_halves(
+            x, self.halves, self._cos[at].to(self.dtype), self._sin[at].to(self.dtype),
             cache_keys=self._keys, cache_values=self._values, start=self.filled,
             masks=self._masks(positions, visible, committed),
         )  # fmt: skip
