@@ -8,15 +8,21 @@ Systems, all greedy and checked against each other token for token:
 - plain pipeline: one token at a time through every stage (no draft);
 - naive pipelined speculation: the drafter's tree as one segment, the next tree only after
   its verdict (the pipeline holds one segment at a time);
-- FlowSpec: the tree in score order, cut into segments, one per stage in flight, the tree
-  advanced as each segment's logits arrive and the drafter asked again from the new root;
+- FlowSpec, no expansion: the tree in score order, cut into segments, one per stage in
+  flight, the tree advanced as each segment's logits arrive and the drafter asked again from
+  the new root;
+- FlowSpec: the same, and while the root waits with every node sent, the drafter expands the
+  likeliest leaf (daemon/pipeline_drafter.py);
 - llama.cpp RPC: the target's GGUF (16-bit) in a llama.cpp worker with every layer on as many
   ``hetspec-rpc-server`` processes as there are stages (llama.cpp splits them), each behind a
   relay that delays every chunk by the link time; the target alone, one token at a time (its
   text is llama.cpp's, not compared). What a user reaches for first (docs/beyond-one-box.md).
 The drafter is the llama.cpp draft model in a real worker process (EAGLE-2 trees: depth, top-k
-and size below). Stage processes and the drafter share this machine's cores: on a box with
-fewer cores than processes they compete, which a real multi-host pipeline would not.
+and size below). With ``--layers auto`` (the default) each link delay runs twice: on the even
+split of whole layers, then on the split the first run's FlowSpec stage costs choose
+(speculative/layer_split.py). Stage processes and the drafter share this machine's cores:
+on a box with fewer cores than processes they compete, which a real multi-host pipeline
+would not.
 """
 
 from __future__ import annotations
@@ -27,13 +33,14 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import uvloop
 
 from hetspec.daemon.local_stages import LocalRpcServers, LocalStages
 from hetspec.daemon.pipeline import PipelineError, PipelineStats, pipeline_decode
+from hetspec.daemon.pipeline_drafter import PipelineDrafter, TreeShape
 from hetspec.daemon.worker_client import WorkerClient, WorkerSpec, WorkerStartError
 from hetspec.protocol import Arena
 from hetspec.protocol import worker_messages as m
@@ -59,31 +66,6 @@ PROMPTS = [
     "def merge_sorted(a, b):\n",
     "def parse_args(argv):\n",
 ]
-
-
-class WorkerDrafter:
-    """The draft model in a llama.cpp worker, drafting an EAGLE-2 tree below each new root."""
-
-    def __init__(self, client: WorkerClient, depth: int, top_k: int, size: int) -> None:
-        self.client, self.depth, self.top_k, self.size = client, depth, top_k, size
-        self.seen = 0  # final tokens the drafter has been told
-        self.root: int | None = None  # the root it last drafted below
-
-    async def start(self, prompt: list[int]) -> None:
-        await self.client.call(m.Prefill(request=self.client.next_request(), tokens=prompt))
-        self.seen, self.root = 0, None
-
-    async def __call__(self, tree: FlowTree, final: list[int]) -> None:
-        if tree.root == self.root:
-            return
-        drafted, _ = await self.client.call(m.Draft(
-            request=self.client.next_request(), steps=self.size, sampling=SamplingParams(),
-            out=0, append=final[self.seen:], tree=(self.depth, self.top_k)))  # fmt: skip
-        self.seen, self.root = len(final), tree.root
-        ids: list[int] = []
-        for token, parent, score in zip(drafted.tokens[0], drafted.parents, drafted.acceptance,
-                                        strict=True):  # fmt: skip
-            ids.append(tree.add(tree.root if parent < 0 else ids[parent], token, score))
 
 
 async def no_draft(tree: FlowTree, final: list[int]) -> None:
@@ -171,7 +153,9 @@ async def run(args: argparse.Namespace) -> int:
                 print(f"error: {error}", file=sys.stderr)
                 return 1
             try:
-                drafter = WorkerDrafter(worker, args.depth, args.top_k, args.size)
+                tree = TreeShape(args.depth, args.top_k, args.size, expand_steps=args.expand)
+                drafters = (PipelineDrafter(worker, arena, replace(tree, expand_steps=0)),
+                            PipelineDrafter(worker, arena, tree))  # fmt: skip
                 for link_ms in args.link_ms:
                     here = Path(folder) / f"link{link_ms:g}"
                     here.mkdir()
@@ -179,7 +163,7 @@ async def run(args: argparse.Namespace) -> int:
                     for attempt in range(2 if args.layers == "auto" else 1):
                         (sub := here / f"split{attempt}").mkdir()
                         stages = LocalStages(sub, target, run_split, link_ms=link_ms)
-                        flowspec = await on_stages(stages, drafter, tokenizer_prompts, args,
+                        flowspec = await on_stages(stages, drafters, tokenizer_prompts, args,
                                                    link_ms)  # fmt: skip
                         if flowspec is None or attempt:
                             break
@@ -191,11 +175,11 @@ async def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def on_stages(stages: LocalStages, drafter, prompts, args, link_ms: float):
+async def on_stages(stages: LocalStages, drafters, prompts, args, link_ms: float):
     """``compare`` on ``stages``, stopped after."""
     try:
         stages.wait()
-        return await compare(stages, drafter, prompts, args, link_ms)
+        return await compare(stages, drafters, prompts, args, link_ms)
     finally:
         stages.stop()
 
@@ -255,17 +239,21 @@ async def rpc_row(folder: Path, target: Path, prompts, args, link_ms: float, *, 
         servers.stop()
 
 
-async def compare(stages, drafter, prompts, args, link_ms):
-    """The three systems on running stages, one table row each; FlowSpec's row and the cost
-    profile its replay used, or None if the pipeline failed."""
+async def compare(stages, drafters, prompts, args, link_ms):
+    """The systems on running stages, one table row each; FlowSpec's row (with expansion)
+    and the cost profile its replay used, or None if the pipeline failed."""
+    plain_tree, drafter = drafters
     client = stages.client(timeout_s=30)
     layers = " + ".join(f"{(b - a) / 2:g}" for a, b in stages.bounds)
     try:
         runs = [
             ("plain pipeline", no_draft, {"segment_size": 1, "in_flight": 1}),
-            ("naive pipelined speculation", drafter,
+            ("naive pipelined speculation", plain_tree,
              {"segment_size": args.size + 1, "in_flight": 1}),
-            ("FlowSpec", drafter, {"segment_size": args.segment, "in_flight": args.stages}),
+            ("FlowSpec, no expansion", plain_tree,
+             {"segment_size": args.segment, "in_flight": args.stages}),
+            ("FlowSpec", drafter, {"segment_size": args.segment, "in_flight": args.stages,
+                                   "expand": drafter.expand}),
         ]  # fmt: skip
         await pipeline_decode(client, prompts[0], 8, no_draft, segment_size=1, in_flight=1)
         rows = []
@@ -279,6 +267,10 @@ async def compare(stages, drafter, prompts, args, link_ms):
             row.clock.measured(profile)
         for row in rows:
             print(row.line(args.stages, profile, layers), flush=True)
+        print(f"(FlowSpec's expansion drafted {drafter.expanded_nodes} nodes below leaves, "
+              f"{drafter.expanded_nodes / max(rows[-1].tokens, 1):.2f} a token)",
+              file=sys.stderr)  # fmt: skip
+        drafter.expanded_nodes = 0
         if any(row.texts != rows[0].texts for row in rows):
             print("MISMATCH: the systems' greedy texts differ", file=sys.stderr)
         return rows[-1], profile
@@ -310,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--size", type=int, default=8, help="nodes drafted per tree")
     parser.add_argument("--segment", type=int, default=3, help="FlowSpec's nodes per segment")
+    parser.add_argument("--expand", type=int, default=TreeShape.expand_steps,
+                        help="tokens per expansion chain below the likeliest leaf while the "
+                        "root waits (0: none)")  # fmt: skip
     parser.add_argument(
         "--layers",
         default="auto",

@@ -65,6 +65,9 @@ class PipelineStats:
 # the tree's live nodes (FlowTree.add), at once or as a coroutine; called after every
 # output, so it drafts from the freshest context.
 Drafter = Callable[[FlowTree, list[int]], Awaitable[None] | None]
+# An expander: add nodes below the live tree while the pipeline has room and nothing to send;
+# whether it added any.
+Expander = Callable[[FlowTree], Awaitable[bool]]
 
 
 class PipelineClient:
@@ -192,13 +195,15 @@ async def pipeline_decode(
     client: PipelineClient, prompt: list[int], max_tokens: int, drafter: Drafter, *,
     params: SamplingParams | None = None, sampler: Sampler | None = None,
     segment_size: int = 4, in_flight: int | None = None, clock: PipelineClock | None = None,
+    expand: Expander | None = None,
 ) -> tuple[list[int], PipelineStats]:  # fmt: skip
     """``max_tokens`` tokens after ``prompt`` as the target alone would choose them (greedy:
     the same tokens; sampled with ``params`` by ``sampler``: keyed by position, or drawn, in
     both cases the target's own law, since a drafted token counts only where it equals the
     target's own choice), verified through the pipeline. FlowSpec's schedule: up to
-    ``in_flight`` segments (default: one per stage) keep every stage busy. ``clock`` records
-    the run for ``PipelineClock.timeline``."""
+    ``in_flight`` segments (default: one per stage) keep every stage busy; when every node
+    is sent and a stage could take more, ``expand`` grows the tree (FlowSpec's expansion)
+    until it adds nothing. ``clock`` records the run for ``PipelineClock.timeline``."""
     params = params or SamplingParams()
     if not params.greedy and sampler is None:
         raise ValueError("a sampled request needs a sampler")
@@ -224,13 +229,8 @@ async def pipeline_decode(
             await drafted
         if clock is not None:
             clock.spend(time.perf_counter() - start)
-        while flying < in_flight and (segment := tree.segment(segment_size)) is not None:
-            await client.send(segment)
-            if clock is not None:
-                clock.sent()
-            flying += 1
-            stats.segments += 1
-            stats.nodes_sent += len(segment.ids)
+        flying += await _fill(client, tree, in_flight - flying, segment_size=segment_size,
+                              expand=expand, clock=clock, stats=stats)  # fmt: skip
         if flying == 0:
             raise PipelineError("nothing to verify: the drafter left the root unsent")
         ids, rows, reply = await client.output()
@@ -246,3 +246,29 @@ async def pipeline_decode(
             await client.commit(tree.epoch, advance.accepted, advance.root)
             final += advance.final_tokens
     return final[:max_tokens], stats  # what is still in flight belongs to a dead session
+
+
+async def _fill(client: PipelineClient, tree: FlowTree, room: int, *, segment_size: int,
+                expand: Expander | None, clock: PipelineClock | None,
+                stats: PipelineStats) -> int:  # fmt: skip
+    """Send up to ``room`` segments, best nodes first, expanding the tree when nothing is
+    left to send; how many went."""
+    sent = 0
+    while sent < room:
+        if (segment := tree.segment(segment_size)) is None:
+            if expand is None:
+                break
+            start = time.perf_counter()
+            grew = await expand(tree)
+            if clock is not None:
+                clock.spend(time.perf_counter() - start)
+            if not grew:
+                break
+            continue
+        await client.send(segment)
+        if clock is not None:
+            clock.sent()
+        sent += 1
+        stats.segments += 1
+        stats.nodes_sent += len(segment.ids)
+    return sent

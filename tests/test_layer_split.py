@@ -70,7 +70,8 @@ def brute_force(shape: ModelShape, rates: list[float]) -> float:
 def test_the_balanced_split_makes_the_slowest_stage_fastest(rates) -> None:
     shape = HEAVY_100M
     bounds = balanced_split(shape, rates)
-    assert bounds[0][0] == 0 and bounds[-1][1] == 16
+    assert bounds[0][0] == 0
+    assert bounds[-1][1] == 16
     assert all(a < b and b == c for (a, b), (c, _) in itertools.pairwise(bounds))
     times = [r * w for r, w in zip(rates, stage_weights(shape, bounds), strict=True)]
     assert max(times) == pytest.approx(brute_force(shape, rates))
@@ -81,7 +82,8 @@ def test_a_stage_that_sees_more_rows_gets_fewer_layers() -> None:
     cost per parameter it holds the fewest layers, and some stage ends on a half layer."""
     bounds = balanced_split(HEAVY_100M, [1.5, 1.0, 1.0])
     sizes = [b - a for a, b in bounds]
-    assert sizes[0] < sizes[1] and sizes[0] < sizes[2]
+    assert sizes[0] < sizes[1]
+    assert sizes[0] < sizes[2]
     assert any(b % 2 for _, b in bounds[:-1])
     with pytest.raises(SplitError):
         balanced_split(HEAVY_100M, [1.0, 0.0])

@@ -5,6 +5,7 @@ by the daemon's coordinator (daemon/pipeline.py)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import random
 import subprocess
@@ -212,3 +213,55 @@ def test_sampled_tokens_through_the_pipeline_follow_the_targets_law(tmp_path, gr
             statistic, df = chi_square(counts[position], law[position], len(SEEDS))
             assert df >= 1
             assert statistic < chi2_critical(df, p), (position, statistic, df)
+
+
+def test_a_draft_workers_tree_and_its_expansion_verify_to_the_greedy_text(tmp_path, greedy):
+    """The bundled draft model in a llama.cpp worker drafts below each root and, with the
+    tree kept small, expands the likeliest leaves while the root waits: chains whose scores
+    never rise, hung below leaves; 3 stage processes still return the target's greedy text."""
+    from hetspec.daemon.pipeline_drafter import PipelineDrafter, TreeShape  # noqa: PLC0415
+    from hetspec.daemon.worker_client import WorkerClient, WorkerSpec  # noqa: PLC0415
+    from hetspec.protocol import Arena  # noqa: PLC0415
+    from hetspec.protocol import worker_messages as m  # noqa: PLC0415
+
+    pipeline = start_stages(tmp_path, SPLITS[3])
+    draft = BUNDLED_MODELS / "draft" / "draft-q8_0.gguf"
+    chains: list[list[float]] = []
+
+    async def scenario() -> None:
+        with Arena.create(f"/dev/shm/hetspec-test-{os.getpid()}", slots=1,
+                          slot_bytes=1 << 20) as arena:  # fmt: skip
+            spec = WorkerSpec("cpu", "llama.cpp", str(draft), m.LlamaCppSettings(n_ctx=512),
+                              log_format="console")  # fmt: skip
+            worker = WorkerClient(spec, tmp_path, 1, arena.layout)
+            await worker.start(load_timeout_s=120)
+            client = pipeline.client()
+            try:
+                shape = TreeShape(depth=2, top_k=2, size=3, expand_steps=2)
+                drafter = PipelineDrafter(worker, arena, shape)
+
+                async def watched(tree: FlowTree) -> bool:
+                    before = set(tree.nodes)
+                    grew = await drafter.expand(tree)
+                    added = [i for i in tree.nodes if i not in before]
+                    assert grew == bool(added)
+                    if added:
+                        parent = tree.nodes[added[0]].parent
+                        assert parent in before
+                        assert list(tree.nodes[parent].children.values()) == [added[0]]
+                        chains.append([tree.nodes[parent].score,
+                                       *(tree.nodes[i].score for i in added)])  # fmt: skip
+                    return grew
+
+                await drafter.start(greedy[0])
+                tokens, stats = await pipeline_decode(client, greedy[0], TOKENS, drafter,
+                                                      segment_size=2, expand=watched)  # fmt: skip
+                assert tokens == greedy[1][:TOKENS]
+                assert stats.drafted_final > TOKENS // 4  # the draft model is good enough
+            finally:
+                client.close()
+                await worker.stop()
+
+    run_then_stop(pipeline, scenario)
+    assert chains
+    assert all(later <= earlier for chain in chains for earlier, later in itertools.pairwise(chain))

@@ -91,7 +91,8 @@ def test_a_stage_ending_on_a_half_layer_loads_and_caches_only_its_halves() -> No
                      "2.post_attention_layernorm", "2.mlp", "3.input_layernorm",
                      "3.self_attn"}  # fmt: skip
     assert stage._keys.shape[0] == 2
-    assert not stage.first and not stage.last
+    assert not stage.first
+    assert not stage.last
 
 
 @pytest.mark.parametrize("stages", [2, 3, "halves"])
