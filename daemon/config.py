@@ -97,6 +97,53 @@ class RpcConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError(f"layers must be -1 (all) or >= 0, not {self.layers}")
 
 
+class PipelineStage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A ``hetspec-stage`` on another host (its layers are set there, ``--layers``)."""
+
+    endpoint: str  # tcp://HOST:PORT, as the stage binds it
+    key: str  # its public key file (NAME.key)
+
+
+class PipelineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """FlowSpec's pipeline: the target's layers in stage processes, verifying the draft
+    model's trees (docs/beyond-one-box.md). The daemon runs the ``local`` stages itself (the
+    first ones, from layer 0) and reaches the ``stages`` of other hosts after them; off when
+    both are empty. Requests decode through it in every speculative mode."""
+
+    # layer ranges this daemon runs as stage processes, in order: ["0:2.5"] (halves split a
+    # layer after its attention, speculative/layer_split.py)
+    local: list[str] = msgspec.field(default_factory=list)
+    stages: list[PipelineStage] = msgspec.field(default_factory=list)
+    # the coordinator's secret key (NAME.key_secret, mode 0600; its NAME.key beside it goes to
+    # every stage's --authorized folder); None: one made at start, enough for local stages
+    key: str | None = None
+    # where the last stage sends its outputs: an address of this host it can reach
+    listen: str = "tcp://127.0.0.1:*"
+    timeout_s: float = 2.0  # a stage silent this long fails the request
+    segment: int = 3  # nodes per segment
+    threads: int = 1  # each local stage's torch threads
+
+    def __post_init__(self) -> None:
+        if self.stages and self.key is None:
+            raise ValueError("key: stages on other hosts need the coordinator's key file "
+                             "(hetspec-stage keys DIR coordinator)")  # fmt: skip
+        for stage in self.stages:
+            if not stage.endpoint.startswith("tcp://"):
+                raise ValueError(f"stages: {stage.endpoint!r} is not a tcp:// endpoint")
+        if not self.listen.startswith("tcp://"):
+            raise ValueError(f"listen: {self.listen!r} is not a tcp:// endpoint")
+        if not 0.1 <= self.timeout_s <= 600:
+            raise ValueError(f"timeout_s must be in 0.1..600, not {self.timeout_s}")
+        if not 1 <= self.segment <= 64:
+            raise ValueError(f"segment must be in 1..64, not {self.segment}")
+        if not 1 <= self.threads <= 1024:
+            raise ValueError(f"threads must be in 1..1024, not {self.threads}")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.local or self.stages)
+
+
 class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     socket: str = "/run/hetspec/hetspecd.sock"
     runtime_dir: str = "/run/hetspec"  # ZeroMQ endpoints and the instance lock live here
@@ -134,6 +181,8 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # The target's layers on other hosts' rpc-servers (llama.cpp's RPC backend): the verifier
     # then runs in llama.cpp (gpu_runtime "auto" picks it without measuring).
     rpc: RpcConfig = msgspec.field(default_factory=RpcConfig)
+    # FlowSpec's pipeline of stage processes instead of a verifier worker
+    pipeline: PipelineConfig = msgspec.field(default_factory=PipelineConfig)
     # HTTP connections open at once (Unix socket and TCP together); one more is answered 503
     # and closed. Each takes a file descriptor: keep it well below LimitNOFILE.
     http_max_connections: int = 256
@@ -201,6 +250,9 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError(f"gpu_runtime {self.gpu_runtime!r} cannot use rpc.servers: the "
                              "target's layers go to rpc-servers through llama.cpp; set "
                              'gpu_runtime = "auto" or "llama.cpp"')  # fmt: skip
+        if self.pipeline.enabled and (self.placement != "draft-cpu" or self.rpc.servers):
+            raise ValueError("pipeline: the stages verify and the CPU worker drafts; it needs "
+                             'placement = "draft-cpu" and no rpc.servers')  # fmt: skip
         low, high = self.restart_backoff_s
         if not 0 < low <= high:
             raise ValueError(f"restart_backoff_s must be [first, largest] with 0 < first <= "

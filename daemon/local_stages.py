@@ -22,6 +22,11 @@ from hetspec.speculative.layer_split import format_range
 READY_LINE = " at tcp://"  # hetspec-stage's line once it serves
 
 
+def public_key(secret: Path) -> Path:
+    """``NAME.key`` beside ``NAME.key_secret``."""
+    return secret.with_name(secret.name.removesuffix("_secret"))
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -30,16 +35,26 @@ def free_port() -> int:
 
 class LocalStages:
     def __init__(self, folder: Path, model: Path, bounds: list[tuple[int, int]], *,
-                 link_ms: float = 0.0, threads: int = 1) -> None:  # fmt: skip
+                 link_ms: float = 0.0, threads: int = 1,
+                 identity: Path | None = None) -> None:  # fmt: skip
         """Start one ``hetspec-stage`` per range of half-layers in ``bounds``
-        (speculative/layer_split.py); ``wait`` until they serve."""
+        (speculative/layer_split.py); ``wait`` until they serve. Each stage has a key pair
+        of its own in ``folder/keys``, or with ``identity`` (a ``NAME.key_secret``, its
+        ``NAME.key`` beside it) every stage and the coordinator share that one: stages on
+        the coordinator's host, whose next stage elsewhere admits only the coordinator."""
         self.folder, self.model, self.bounds = folder, model, bounds
         self.link_ms, self.threads = link_ms, threads
         self.keys = folder / "keys"
-        make_keys(self.keys, ["coordinator"] + [f"stage{i}" for i in range(len(bounds))])
+        if identity is None:
+            make_keys(self.keys, ["coordinator"] + [f"stage{i}" for i in range(len(bounds))])
+            self.secrets = [self.keys / f"stage{i}.key_secret" for i in range(len(bounds))]
+            self.coordinator = self.keys / "coordinator.key_secret"
+        else:
+            self.secrets = [identity] * len(bounds)
+            self.coordinator = identity
         self.addresses = [
-            StageAddress(f"tcp://127.0.0.1:{free_port()}", self.keys / f"stage{i}.key")
-            for i in range(len(bounds))
+            StageAddress(f"tcp://127.0.0.1:{free_port()}", public_key(secret))
+            for secret in self.secrets
         ]
         self.processes: list[subprocess.Popen | None] = [None] * len(bounds)
         for index in range(len(bounds)):
@@ -52,15 +67,15 @@ class LocalStages:
         """(Re)start stage ``index`` (a dead one's supervisor does this)."""
         allowed = self.folder / f"allowed{index}"
         allowed.mkdir(exist_ok=True)
-        for name in ["coordinator"] + ([f"stage{index - 1}"] if index else []):
-            shutil.copy(self.keys / f"{name}.key", allowed)
+        for secret in {self.coordinator, *self.secrets[index - 1 : index]}:
+            shutil.copy(public_key(secret), allowed)
         layers = format_range(*self.bounds[index])
         with self.log(index).open("w") as log:
             self.processes[index] = subprocess.Popen(
                 [sys.executable, "-m", "hetspec.workers.stage", "serve", "--model",
                  str(self.model), "--layers", layers,
                  "--bind", self.addresses[index].endpoint,
-                 "--key", str(self.keys / f"stage{index}.key_secret"),
+                 "--key", str(self.secrets[index]),
                  "--authorized", str(allowed), "--threads", str(self.threads),
                  "--link-ms", str(self.link_ms)],
                 stderr=log, stdout=subprocess.DEVNULL,
@@ -82,10 +97,11 @@ class LocalStages:
         self.processes[index].kill()
         self.processes[index].wait()
 
-    def client(self, key: str = "coordinator", timeout_s: float = 2.0) -> PipelineClient:
-        """A coordinator with key pair ``key`` (from this folder's keys)."""
-        return PipelineClient(self.addresses, self.keys / f"{key}.key_secret",
-                              f"tcp://127.0.0.1:{free_port()}", timeout_s)  # fmt: skip
+    def client(self, key: str | None = None, timeout_s: float = 2.0) -> PipelineClient:
+        """A coordinator with key pair ``key`` (from this folder's keys; default: the
+        coordinator's)."""
+        secret = self.coordinator if key is None else self.keys / f"{key}.key_secret"
+        return PipelineClient(self.addresses, secret, "tcp://127.0.0.1:*", timeout_s)
 
     def stop(self) -> None:
         for process in self.processes:

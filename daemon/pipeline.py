@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,7 +74,7 @@ class PipelineClient:
     def __init__(self, stages: list[StageAddress], key: Path, listen: str,
                  timeout_s: float = 2.0) -> None:  # fmt: skip
         """``key``: the coordinator's ``.key_secret``; ``listen``: where outputs arrive (a
-        TCP endpoint the last stage can reach)."""
+        TCP endpoint the last stage can reach; port ``*``: any free one)."""
         if not stages:
             raise PipelineError("a pipeline needs at least one stage")
         self.stages = stages
@@ -93,6 +93,8 @@ class PipelineClient:
         self.inbound.curve_publickey, self.inbound.curve_secretkey = self.public, self.secret
         self.inbound.setsockopt(zmq.RCVHWM, 0)
         self.inbound.bind(listen)
+        # "tcp://HOST:*" binds a free port: the stages are told the one it got
+        self.listen = self.inbound.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.outbound = []
         for stage, server_key in zip(stages, self.stage_keys, strict=True):
             socket = self.context.socket(zmq.PUSH)
@@ -197,13 +199,36 @@ async def pipeline_decode(
     segment_size: int = 4, in_flight: int | None = None, clock: PipelineClock | None = None,
     expand: Expander | None = None,
 ) -> tuple[list[int], PipelineStats]:  # fmt: skip
-    """``max_tokens`` tokens after ``prompt`` as the target alone would choose them (greedy:
-    the same tokens; sampled with ``params`` by ``sampler``: keyed by position, or drawn, in
-    both cases the target's own law, since a drafted token counts only where it equals the
-    target's own choice), verified through the pipeline. FlowSpec's schedule: up to
-    ``in_flight`` segments (default: one per stage) keep every stage busy; when every node
-    is sent and a stage could take more, ``expand`` grows the tree (FlowSpec's expansion)
-    until it adds nothing. ``clock`` records the run for ``PipelineClock.timeline``."""
+    """``max_tokens`` tokens of ``pipeline_tokens`` (its arguments), and the statistics."""
+    stats = PipelineStats()
+    final: list[int] = []
+    stream = pipeline_tokens(client, prompt, drafter, params=params, sampler=sampler,
+                             segment_size=segment_size, in_flight=in_flight, clock=clock,
+                             expand=expand, stats=stats)  # fmt: skip
+    try:
+        async for tokens in stream:
+            final += tokens
+            if len(final) >= max_tokens:
+                break
+    finally:
+        await stream.aclose()
+    return final[:max_tokens], stats  # what is still in flight belongs to a dead session
+
+
+async def pipeline_tokens(
+    client: PipelineClient, prompt: list[int], drafter: Drafter, *,
+    params: SamplingParams | None = None, sampler: Sampler | None = None,
+    segment_size: int = 4, in_flight: int | None = None, clock: PipelineClock | None = None,
+    expand: Expander | None = None, stats: PipelineStats | None = None,
+) -> AsyncIterator[list[int]]:  # fmt: skip
+    """The tokens after ``prompt`` as the target alone would choose them (greedy: the same
+    tokens; sampled with ``params`` by ``sampler``: keyed by position, or drawn, in both cases
+    the target's own law, since a drafted token counts only where it equals the target's own
+    choice), verified through the pipeline, yielded as they become final (the first: the
+    prefill's) until the caller stops. FlowSpec's schedule: up to ``in_flight`` segments
+    (default: one per stage) keep every stage busy; when every node is sent and a stage could
+    take more, ``expand`` grows the tree (FlowSpec's expansion) until it adds nothing.
+    ``clock`` records the run for ``PipelineClock.timeline``; ``stats`` counts it."""
     params = params or SamplingParams()
     if not params.greedy and sampler is None:
         raise ValueError("a sampled request needs a sampler")
@@ -214,16 +239,17 @@ async def pipeline_decode(
         return int(pick(distribution(logits[None, :], params), params, sampler, position)[0])
 
     in_flight = in_flight or len(client.stages)
+    stats = stats if stats is not None else PipelineStats()
     await client.reset()
-    stats = PipelineStats()
     logits, reply = await client.prefill(prompt, root_id=0)
     if clock is not None:
         clock.sent()
         clock.returned(reply.costs_ms, reply.widths)
     tree = FlowTree(choose(logits, len(prompt)), len(prompt))
     final = [tree.nodes[tree.root].token]
+    yield list(final)
     flying = 0
-    while len(final) < max_tokens:
+    while True:
         start = time.perf_counter()
         if inspect.isawaitable(drafted := drafter(tree, final)):
             await drafted
@@ -245,7 +271,7 @@ async def pipeline_decode(
             stats.drafted_final += advance.drafted
             await client.commit(tree.epoch, advance.accepted, advance.root)
             final += advance.final_tokens
-    return final[:max_tokens], stats  # what is still in flight belongs to a dead session
+            yield advance.final_tokens
 
 
 async def _fill(client: PipelineClient, tree: FlowTree, room: int, *, segment_size: int,

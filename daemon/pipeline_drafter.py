@@ -39,8 +39,10 @@ class PipelineDrafter:
     chosen, and for any verification rule that accepts a token only where the target chose it,
     the tree's shape never changes the output."""
 
-    def __init__(self, client: WorkerClient, arena: Arena, shape: TreeShape) -> None:
-        self.client, self.arena, self.shape = client, arena, shape
+    def __init__(self, client: WorkerClient, arena: Arena, shape: TreeShape,
+                 slot: int = 0) -> None:  # fmt: skip
+        """``slot``: the arena slot expansion chains' probability rows go to."""
+        self.client, self.arena, self.shape, self.slot = client, arena, shape, slot
         self.seen = 0  # final tokens the worker has been told
         self.root: int | None = None  # the tree root it last drafted below
         self.pending: dict[int, int] = {}  # tree node -> the worker's pending node, evaluated
@@ -60,7 +62,7 @@ class PipelineDrafter:
         shape = self.shape
         drafted, _ = await self.client.call(m.Draft(
             request=self.client.next_request(), steps=shape.size, sampling=SamplingParams(),
-            out=0, append=final[self.seen:], tree=(shape.depth, shape.top_k)))  # fmt: skip
+            out=self.slot, append=final[self.seen:], tree=(shape.depth, shape.top_k)))  # fmt: skip
         self.seen, self.root = len(final), tree.root
         self.pending = {tree.root: ROOT}
         self.expanded.clear()
@@ -96,7 +98,7 @@ class PipelineDrafter:
         node = tree.nodes[leaf]
         drafted, _ = await self.client.call(m.Draft(
             request=self.client.next_request(), steps=shape.expand_steps,
-            sampling=SamplingParams(), out=0,
+            sampling=SamplingParams(), out=self.slot,
             after=(self.pending[node.parent], node.token)))  # fmt: skip
         self.pending[leaf] = drafted.root
         probs = self.arena.view(drafted.probs)[0]

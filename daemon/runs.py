@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from hetspec.daemon.api_errors import ApiError
+from hetspec.daemon.pipeline import PipelineError
 from hetspec.daemon.requests import GenerationResult
 from hetspec.daemon.round_stats import SpeculativeStats
 from hetspec.daemon.supervisor import WorkerUnavailable
@@ -94,7 +95,7 @@ class Run:
 
 def as_api_error(error: Exception) -> ApiError:
     """The client-facing form of a failure during generation; a bug of ours is re-raised."""
-    if isinstance(error, (WorkerError, WorkerUnavailable)):
+    if isinstance(error, (WorkerError, WorkerUnavailable, PipelineError)):
         return ApiError(503, f"generation failed: {error}", retry_after_s=2)
     if isinstance(error, ValueError):  # the prompt does not fit the context, ...
         return ApiError(400, str(error))

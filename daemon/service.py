@@ -41,6 +41,7 @@ from hetspec.daemon.http_guard import GuardedRunner
 from hetspec.daemon.instance import Instance, InstanceError
 from hetspec.daemon.metrics import Metrics
 from hetspec.daemon.model_facts import ModelFacts, read_model_facts
+from hetspec.daemon.pipeline_backend import PipelineBackend, PipelineStartError
 from hetspec.daemon.requests import GenerateRequest, GenerationResult
 from hetspec.daemon.round_stats import SpeculativeStats
 from hetspec.daemon.runs import Run
@@ -58,6 +59,7 @@ from hetspec.daemon.supervisor import (
     Supervisor,
     WorkerUnavailable,
     config_number_of,
+    roles,
     worker_specs,
 )
 from hetspec.daemon.systemd import Notifier, activated_sockets, watchdog_loop
@@ -80,6 +82,7 @@ class Service:
         self.notifier = Notifier.from_environment()
         self.arena: Arena | None = None
         self.supervisor: Supervisor | None = None
+        self.pipeline: PipelineBackend | None = None  # [pipeline]: stages verify
         self.runtime_decision: RuntimeDecision | None = None
         self.drafter_threads: ThreadChoice | None = None
         self.runner: web.AppRunner | None = None
@@ -148,7 +151,8 @@ class Service:
             await self._drain()
             return 0
         except (InstanceError, StartupError, CoreError, ArenaError, ChatTemplateError,
-                RuntimeChoiceError, HeadChoiceError, OSError) as error:  # fmt: skip
+                RuntimeChoiceError, HeadChoiceError, PipelineStartError,
+                OSError) as error:  # fmt: skip
             log.error("cannot serve", error=str(error))
             self.notifier.status(f"cannot serve: {error}")
             return 1
@@ -159,6 +163,9 @@ class Service:
 
     async def _load(self) -> None:
         """Decide the GPU worker's runtime (measuring, for "auto"), then start both workers."""
+        if self.config.pipeline.enabled:
+            await self._load_pipeline()
+            return
         if self.config.gpu_runtime == "auto":
             self.notifier.status("measuring which runtime verifies fastest")
         decision = await decide_gpu_runtime(
@@ -191,6 +198,23 @@ class Service:
                                      self.arena.layout)  # fmt: skip
         await self.supervisor.start()
 
+    async def _load_pipeline(self) -> None:
+        """The drafter's worker, then the pipeline's stages (which verify instead of a
+        verifier worker)."""
+        self.notifier.status("loading the draft model and the pipeline's stages")
+        drafter = roles(self.config.placement).drafter
+        specs = worker_specs(self.config, self.log_format, "torch")
+        vocab = max(config_number_of(self.config.target.folder),
+                    config_number_of(self.config.draft.folder))  # fmt: skip
+        self.arena = self.instance.create_arena(
+            self.config.arena_slots, self.config.max_tree_nodes * vocab * 4
+        )
+        self.supervisor = Supervisor(self.config, {drafter: specs[drafter]},
+                                     self.instance.runtime_dir, self.arena.layout)  # fmt: skip
+        await self.supervisor.start()
+        self.pipeline = PipelineBackend(self.config, self.instance.runtime_dir)
+        await self.pipeline.start()
+
     def _heartbeats_fresh(self) -> bool:
         """While the runtimes are measured there is no worker yet: the profiling processes
         are bounded by load_timeout_s."""
@@ -212,6 +236,8 @@ class Service:
     async def _cleanup(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
+        if self.pipeline is not None:
+            await self.pipeline.stop()
         if self.supervisor is not None:
             await self.supervisor.stop()
         if self.arena is not None:
@@ -289,7 +315,9 @@ class Service:
 
     def ready(self) -> bool:
         """Both workers loaded and the daemon not draining."""
-        return self.supervisor is not None and self.supervisor.ready() and not self.draining
+        pipeline_up = self.pipeline is not None and self.pipeline.client is not None
+        return (self.supervisor is not None and self.supervisor.ready() and not self.draining
+                and (pipeline_up or not self.config.pipeline.enabled))  # fmt: skip
 
     def verifier(self) -> WorkerClient | None:
         """The worker that serves the target, once started."""
@@ -326,7 +354,10 @@ class Service:
                                  "model": client.spec.model, "cores": list(client.spec.cores),
                                  "spare_cores": list(client.spec.spare_cores)}  # fmt: skip
         status = "ready" if ready else ("draining" if self.draining else "loading")
-        return {"status": status, "version": __version__, "workers": workers}
+        health = {"status": status, "version": __version__, "workers": workers}
+        if self.pipeline is not None:
+            health["pipeline"] = self.pipeline.health()
+        return health
 
     def props(self) -> dict:
         """What serves here: models, placement, devices, the queue and the live gamma."""
@@ -409,6 +440,10 @@ class Service:
     @contextlib.asynccontextmanager
     async def _start(self, body: GenerateRequest, mode: str, gamma: int | None,
                      waited_s: float) -> AsyncIterator[Run]:  # fmt: skip
+        if self.pipeline is not None:
+            async with self._start_pipeline(body, mode, waited_s) as run:
+                yield run
+            return
         roles = self.supervisor.roles
         try:
             verifier = await self.supervisor.worker(roles.verifier, self.config.restart_wait_s)
@@ -466,6 +501,42 @@ class Service:
                         mode=mode, reason=result.done_reason, prompt_tokens=result.prompt_tokens,
                         tokens=len(result.tokens), ttft_ms=result.ttft_ms,
                         decode_ms=result.decode_ms, speculative=run.speculative())  # fmt: skip
+
+    @contextlib.asynccontextmanager
+    async def _start_pipeline(self, body: GenerateRequest, mode: str,
+                              waited_s: float) -> AsyncIterator[Run]:  # fmt: skip
+        """A run decoded through the pipeline's stages: FlowSpec's schedule in every
+        speculative mode, the plain pipeline in autoregressive mode."""
+        if body.logprobs is not None:
+            raise ApiError(400, "logprobs are not available through the pipeline")
+        try:
+            drafter = await self.supervisor.worker(self.supervisor.roles.drafter,
+                                                   self.config.restart_wait_s)  # fmt: skip
+        except WorkerUnavailable as error:
+            raise ApiError(503, str(error), retry_after_s=5) from None
+        run_id = f"{int(self.started_wall):x}-{next(self._run_ids)}"
+        devices = {"target": "pipeline", "draft": drafter.ready.device}
+        async with self.slots.lease(run_id, self.supervisor.settled) as slot:
+            result = GenerationResult()
+            pieces = self.pipeline.generate(body, drafter, result, arena=self.arena, slot=slot,
+                                            speculative=mode != "autoregressive")  # fmt: skip
+            run = Run(run_id, mode, pieces, result, devices, waited_s * 1000,
+                      token_bytes=drafter.ready.token_bytes)  # fmt: skip
+            try:
+                yield run
+            except (asyncio.CancelledError, ConnectionError):
+                result.done_reason = "cancelled"
+                raise
+            except Exception:
+                result.done_reason = "error"
+                raise
+            finally:
+                await run.pieces.aclose()
+                if result.tokens or result.prompt_tokens:
+                    self.metrics.observe_generation(
+                        mode=mode, reason=result.done_reason, prompt_tokens=result.prompt_tokens,
+                        tokens=len(result.tokens), ttft_ms=result.ttft_ms,
+                        decode_ms=result.decode_ms, speculative=None)  # fmt: skip
 
     async def _again_if_died(self, pieces, verifier: WorkerClient, drafter: WorkerClient,
                              reset, *, whole: bool) -> AsyncIterator[str]:  # fmt: skip

@@ -190,7 +190,8 @@ class Supervisor:
         return client
 
     async def start(self) -> None:
-        """Start both workers and check they can work together; ``StartupError`` if not."""
+        """Start the workers (both, or the drafter alone where pipeline stages verify) and
+        check they can work together; ``StartupError`` if not."""
         names = list(self.specs)
         results = await asyncio.gather(*(self._spawn(n) for n in names), return_exceptions=True)
         started = {n: r for n, r in zip(names, results, strict=True) if isinstance(r, WorkerClient)}
@@ -202,8 +203,9 @@ class Supervisor:
                     raise failure
             raise StartupError("; ".join(str(f) for f in failures))
         self.workers = started
-        drafter, verifier = started[self.roles.drafter], started[self.roles.verifier]
-        problems = incompatibilities(drafter.ready.vocab, verifier.ready.vocab)
+        drafter, verifier = started[self.roles.drafter], started.get(self.roles.verifier)
+        # (no verifier worker: pipeline stages verify, daemon/pipeline_backend.py)
+        problems = verifier and incompatibilities(drafter.ready.vocab, verifier.ready.vocab)
         if problems:
             await asyncio.gather(*(c.stop() for c in started.values()))
             raise StartupError(
@@ -260,6 +262,8 @@ class Supervisor:
         replaced since the daemon started: tokens passed between mismatched vocabularies
         would be wrong output, not an error.)"""
         client = await self._spawn(name)
+        if self._other(name) not in self.workers:
+            return client
         other = self.workers[self._other(name)].ready.vocab
         if name == self.roles.drafter:
             problems = incompatibilities(client.ready.vocab, other)

@@ -1,0 +1,237 @@
+"""FlowSpec's pipeline inside hetspecd: the stages verify, the CPU worker's draft model drafts.
+
+``PipelineBackend`` runs the daemon's local stages (``[pipeline] local``) as supervised
+``hetspec-stage`` processes, restarted when they exit, reaches the other hosts' stages after
+them, and decodes one request at a time through ``pipeline_tokens`` (the coordinator keeps
+one session on the stages). The local stages and the coordinator share one key pair, so a
+stage on another host admits just the coordinator's public key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import shutil
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import structlog
+import zmq
+
+from hetspec.daemon.config import DaemonConfig
+from hetspec.daemon.local_stages import LocalStages
+from hetspec.daemon.pipeline import PipelineClient, PipelineError, StageAddress, pipeline_tokens
+from hetspec.daemon.pipeline_drafter import PipelineDrafter, TreeShape
+from hetspec.daemon.requests import GenerateRequest, GenerationResult, token_budget
+from hetspec.daemon.text_output import TextOutput
+from hetspec.daemon.worker_client import WorkerClient
+from hetspec.protocol import Arena
+from hetspec.protocol import worker_messages as m
+from hetspec.protocol.curve_keys import CurveKeyError, load_secret, make_keys
+from hetspec.speculative.layer_split import SplitError, parse_range
+from hetspec.speculative.samplers import sampler_for
+
+log = structlog.get_logger("hetspec.daemon")
+
+STAGE_CONTEXT = 2048  # the positions a stage's cache holds (hetspec-stage --max-context)
+
+
+class PipelineStartError(RuntimeError):
+    """The pipeline cannot serve: a stage did not start, or the stages do not fit together."""
+
+
+class PipelineBackend:
+    def __init__(self, config: DaemonConfig, runtime_dir: Path) -> None:
+        self.config, self.settings = config, config.pipeline
+        self.folder = runtime_dir / "pipeline"
+        self.local: LocalStages | None = None
+        self.client: PipelineClient | None = None
+        self.restarts = 0
+        self._turn = asyncio.Lock()  # one session on the stages at a time
+        self._watcher: asyncio.Task | None = None
+        self._stopping = False
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Start the local stages and check that every stage answers and that together they
+        hold the target's layers once; ``PipelineStartError`` if not."""
+        settings = self.settings
+        try:
+            layers = _layer_count(Path(self.config.target.folder))
+            bounds = [parse_range(text, layers) for text in settings.local]
+            if bounds and (bounds[0][0] != 0 or any(
+                    a != b for (_, a), (b, _) in itertools.pairwise(bounds))):  # fmt: skip
+                raise SplitError(f"local stages {settings.local} are not consecutive ranges "
+                                 "from layer 0")  # fmt: skip
+            identity = self._identity()
+            remote = [StageAddress(s.endpoint, Path(s.key)) for s in settings.stages]
+        except (SplitError, CurveKeyError, OSError, ValueError) as error:
+            raise PipelineStartError(f"pipeline: {error}") from None
+        addresses = list(remote)
+        if bounds:
+            local = self.folder / "local"  # what an earlier run left: its keys stay out
+            shutil.rmtree(local, ignore_errors=True)
+            local.mkdir(parents=True)
+            self.local = LocalStages(local, Path(self.config.target.folder),
+                                     bounds, threads=settings.threads,
+                                     identity=identity)  # fmt: skip
+            try:
+                await asyncio.to_thread(self.local.wait, None, self.config.load_timeout_s)
+            except RuntimeError as error:
+                self.local.stop()
+                raise PipelineStartError(f"pipeline: {error}") from None
+            addresses = self.local.addresses + addresses
+        try:
+            self.client = PipelineClient(addresses, identity, settings.listen,
+                                         settings.timeout_s)  # fmt: skip
+            await self.client.reset(timeout_s=max(settings.timeout_s, 10.0))
+        except (PipelineError, CurveKeyError, zmq.ZMQError) as error:
+            await self.stop()
+            raise PipelineStartError(f"pipeline: {error}") from None
+        if self.local is not None:
+            self._watcher = asyncio.create_task(self._watch(), name="watch-stages")
+        log.info("pipeline ready", stages=len(addresses), local=settings.local,
+                 remote=[s.endpoint for s in settings.stages])  # fmt: skip
+
+    def _identity(self) -> Path:
+        """The coordinator's (and local stages') secret key: the configured one, else a
+        new pair for this run."""
+        if self.settings.key is not None:
+            load_secret(Path(self.settings.key))  # CurveKeyError: missing, or readable by others
+            return Path(self.settings.key)
+        keys = self.folder / "keys"
+        if keys.exists():  # left by an earlier run of this daemon: a new pair each run
+            for old in keys.iterdir():
+                old.unlink()
+        make_keys(keys, ["coordinator"])
+        return keys / "coordinator.key_secret"
+
+    async def _watch(self) -> None:
+        """Restart a local stage whenever it exits, with the workers' backoff."""
+        first, largest = self.config.restart_backoff_s
+        delay = first
+        while not self._stopping:
+            await asyncio.sleep(0.05)
+            for index, process in enumerate(self.local.processes):
+                if process is None or process.poll() is None:
+                    continue
+                log.warning("restarting pipeline stage", stage=index, code=process.returncode,
+                            in_s=delay)  # fmt: skip
+                await asyncio.sleep(delay)
+                started = time.monotonic()
+                self.local.start(index)
+                try:
+                    await asyncio.to_thread(self.local.wait, index, self.config.load_timeout_s)
+                except RuntimeError as error:
+                    log.error("pipeline stage restart failed", stage=index, error=str(error))
+                    delay = min(delay * 2, largest)
+                    continue
+                self.restarts += 1
+                delay = first
+                log.info("pipeline stage restarted", stage=index, restarts=self.restarts,
+                         took_s=round(time.monotonic() - started, 2))  # fmt: skip
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        if self.local is not None:
+            self.local.stop()
+
+    def health(self) -> dict:
+        local = []
+        if self.local is not None:
+            for index, process in enumerate(self.local.processes):
+                local.append({"layers": self.settings.local[index],
+                              "pid": process.pid if process else None,
+                              "alive": process is not None and process.poll() is None})  # fmt: skip
+        return {"local": local, "remote": [s.endpoint for s in self.settings.stages],
+                "restarts": self.restarts}  # fmt: skip
+
+    # ------------------------------------------------------------ requests
+
+    async def generate(self, request: GenerateRequest, drafter: WorkerClient,
+                       result: GenerationResult, *, arena: Arena, slot: int,
+                       speculative: bool = True) -> AsyncIterator[str]:  # fmt: skip
+        """Yield text pieces as tokens become final; ``result`` as the other modes fill it.
+        Not ``speculative``: the target alone through the stages, one token at a time (the
+        plain pipeline). A stage that fails or falls silent ends the request with
+        ``PipelineError``."""
+        ready = drafter.ready
+        started = time.perf_counter()
+        tokenized, _ = await drafter.call(m.Tokenize(request=drafter.next_request(),
+                                                     text=request.prompt))  # fmt: skip
+        prompt = tokenized.tokens
+        max_tokens = token_budget(request, len(prompt), min(ready.context, STAGE_CONTEXT))
+        async with self._turn:
+            if self.client is None:
+                raise PipelineError("the pipeline is stopping")
+            draft = PipelineDrafter(drafter, arena, TreeShape(), slot)
+            if speculative:
+                await draft.start(prompt)
+                schedule = {"segment_size": self.settings.segment, "expand": draft.expand}
+            else:
+                schedule = {"segment_size": 1, "in_flight": 1}
+            output = TextOutput(ready.token_bytes, request.stops, ready.special_tokens)
+            eos = -1 if request.ignore_eos else ready.vocab.eos
+            result.prompt_tokens = len(prompt)
+            stream = pipeline_tokens(
+                self.client, prompt, draft if speculative else _no_draft,
+                params=request.sampling, sampler=sampler_for(request.seed), **schedule)  # fmt: skip
+            decode_start = None
+            try:
+                async for tokens in stream:
+                    if decode_start is None:
+                        result.prompt_ms = (time.perf_counter() - started) * 1000
+                        decode_start = time.perf_counter()
+                    pieces = _take(tokens, result, output, eos, max_tokens)
+                    if any(pieces):
+                        yield "".join(pieces)
+                    if result.done_reason == "stop" or len(result.tokens) >= max_tokens:
+                        break
+                if tail := output.flush():
+                    yield tail
+            finally:
+                await stream.aclose()
+                if decode_start is not None:
+                    result.decode_ms = (time.perf_counter() - decode_start) * 1000
+
+
+def _layer_count(folder: Path) -> int:
+    try:
+        return int(json.loads((folder / "config.json").read_text())["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{folder}/config.json gives no num_hidden_layers: {error}") from None
+
+
+def _take(tokens: list[int], result: GenerationResult, output: TextOutput, eos: int,
+          max_tokens: int) -> list[str]:  # fmt: skip
+    """Add final ``tokens`` to ``result`` until the end of sequence, a stop string or the
+    budget (``result.done_reason`` says which); their text pieces."""
+    pieces = []
+    for token in tokens:
+        if token == eos:
+            result.done_reason = "stop"
+            break
+        result.add(token)
+        pieces.append(output.add(token))
+        if output.stopped:
+            result.done_reason = "stop"
+            break
+        if len(result.tokens) >= max_tokens:
+            result.done_reason = "length"
+            break
+    return pieces
+
+
+def _no_draft(tree, final) -> None:
+    return None

@@ -1,0 +1,105 @@
+"""hetspecd serving requests through FlowSpec's pipeline (``[pipeline]``): the bundled
+target's layers in two stage processes the daemon runs and supervises (split after layer 1's
+attention), the bundled draft model drafting in the CPU worker.
+
+Greedy output is the target's own, in the speculative modes (FlowSpec's schedule) and in
+autoregressive mode (the plain pipeline); a seed gives the same text in both; a killed stage
+fails the request within 2 s, is back within 5 s, and the next request succeeds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from test_daemon import request
+from test_lossless import BundledDaemon
+
+from hetspec.client.bench import prompt_set
+from hetspec.daemon.config import BUNDLED_MODELS
+
+TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    daemon = BundledDaemon(tmp_path_factory.mktemp("pipeline"), "draft-cpu",
+                           "--set", 'pipeline.local=["0:1.5", "1.5:4"]',
+                           "--set", "pipeline.timeout_s=1.5",
+                           "--set", "restart_backoff_s=[0.2, 5.0]")  # fmt: skip
+    yield daemon
+    daemon.stop()
+
+
+@pytest.fixture(scope="module")
+def target():
+    from hetspec.workers.torch_runtime import TorchRuntime  # noqa: PLC0415
+
+    return TorchRuntime(BUNDLED_MODELS / "target", max_context=1024, verifies=True)
+
+
+def greedy(target, prompt: str) -> list[int]:
+    target.prefill(target.tokenize(prompt))
+    tokens = [int(target.last_logits().argmax())]
+    while len(tokens) < TOKENS:
+        target.append(tokens[-1:])
+        tokens.append(int(target.last_logits().argmax()))
+    return tokens
+
+
+def test_health_shows_the_stages_the_daemon_runs(daemon) -> None:
+    status, health = request(daemon.socket, "GET", "/health")
+    assert status == 200
+    assert [s["layers"] for s in health["pipeline"]["local"]] == ["0:1.5", "1.5:4"]
+    assert all(s["alive"] for s in health["pipeline"]["local"])
+    assert list(health["workers"]) == ["cpu"]  # no verifier worker: the stages verify
+
+
+def test_greedy_output_through_the_pipeline_is_the_targets_own(daemon, target) -> None:
+    options = {"max_tokens": TOKENS, "ignore_eos": True}
+    accepted = 0
+    for prompt in prompt_set(6)[:6]:
+        expected = greedy(target, prompt)
+        for mode in ("adaptive", "autoregressive"):
+            body = daemon.generate(prompt, mode=mode, **options)
+            assert body["tokens"] == expected, (mode, prompt)
+        accepted += body["timings"]["predicted_n"] > 0
+    assert accepted == 6
+
+
+def test_a_seed_gives_the_same_text_drafting_or_not(daemon) -> None:
+    options = {"max_tokens": TOKENS, "ignore_eos": True, "temperature": 1.0, "seed": 7}
+    prompt = "def parse(text):\n"
+    texts = {mode: daemon.generate(prompt, mode=mode, **options)["tokens"]
+             for mode in ("adaptive", "autoregressive")}  # fmt: skip
+    assert texts["adaptive"] == texts["autoregressive"]
+    other = daemon.generate(prompt, mode="adaptive", **(options | {"seed": 8}))["tokens"]
+    assert other != texts["adaptive"]
+
+
+def test_logprobs_are_refused_clearly(daemon) -> None:
+    body = {"model": "x", "prompt": "a", "stream": False, "logprobs": True}
+    status, body = request(daemon.socket, "POST", "/api/generate", body)
+    assert status == 400
+    assert "pipeline" in body["error"]
+
+
+def test_a_killed_stage_fails_the_request_quickly_and_comes_back(daemon, target) -> None:
+    _, health = request(daemon.socket, "GET", "/health")
+    os.kill(health["pipeline"]["local"][1]["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    status, body = request(daemon.socket, "POST", "/api/generate",
+                           {"model": "x", "prompt": "def f(x):\n", "stream": False,
+                            "options": {"num_predict": TOKENS}})  # fmt: skip
+    assert status == 503, body
+    assert time.monotonic() - killed < 2.0
+    while True:
+        _, health = request(daemon.socket, "GET", "/health")
+        if all(s["alive"] for s in health["pipeline"]["local"]) and health["pipeline"]["restarts"]:
+            break
+        assert time.monotonic() - killed < 5.0, health
+        time.sleep(0.05)
+    prompt = "def area(r):\n"
+    body = daemon.generate(prompt, max_tokens=TOKENS, ignore_eos=True)
+    assert body["tokens"] == greedy(target, prompt)
