@@ -56,6 +56,11 @@ def units(tmp_path) -> Path:
                          rpc)  # fmt: skip
     assert count == 1
     (folder / "hetspec-rpc-server.service").write_text(rpc)
+    stage = (UNITS / "hetspec-stage.service").read_text()
+    stage, count = re.subn(r"(?m)^ExecStart=/usr/bin/hetspec-stage ", f"ExecStart={executable} ",
+                           stage)  # fmt: skip
+    assert count == 1
+    (folder / "hetspec-stage.service").write_text(stage)
     return folder
 
 
@@ -68,7 +73,8 @@ def analyze(*args: str) -> subprocess.CompletedProcess[str]:
 @needs_analyze
 def test_units_verify_without_a_word(units) -> None:
     result = analyze("verify", str(units / "hetspecd.service"), str(units / "hetspecd.socket"),
-                     str(units / "hetspec-rpc-server.service"))  # fmt: skip
+                     str(units / "hetspec-rpc-server.service"),
+                     str(units / "hetspec-stage.service"))  # fmt: skip
     assert (result.returncode, result.stderr) == (0, "")
 
 
@@ -81,7 +87,9 @@ def test_verify_does_complain_here(units) -> None:
 
 
 @needs_analyze
-@pytest.mark.parametrize("unit", ["hetspecd.service", "hetspec-rpc-server.service"])
+@pytest.mark.parametrize(
+    "unit", ["hetspecd.service", "hetspec-rpc-server.service", "hetspec-stage.service"]
+)
 def test_service_exposure_is_low(units, unit) -> None:
     result = analyze("security", "--offline=true", str(units / unit))
     found = re.search(rf"Overall exposure level for {re.escape(unit)}: (\d+\.\d+)", result.stdout)
