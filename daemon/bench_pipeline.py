@@ -165,7 +165,7 @@ async def run(args: argparse.Namespace) -> int:
                         stages = LocalStages(sub, target, run_split, link_ms=link_ms)
                         flowspec = await on_stages(stages, drafters, tokenizer_prompts, args,
                                                    link_ms)  # fmt: skip
-                        if flowspec is None or attempt:
+                        if flowspec is None or args.layers != "auto" or attempt:
                             break
                         run_split = split_by_cost(shape, run_split, flowspec, args, link_ms)
                     if args.rpc:

@@ -160,9 +160,11 @@ def test_keys_are_private_and_never_overwritten(tmp_path) -> None:
     ]
 
 
-def test_sampled_tokens_through_the_pipeline_follow_the_targets_law(tmp_path, greedy) -> None:
-    """Temperature 1, top-k 6: the second and third tokens' marginal laws through 2 stage
-    processes match the target's exact law (chi-square), keyed by seed and drawn."""
+@pytest.mark.parametrize("stages", [2, 3])
+def test_sampled_tokens_through_the_pipeline_follow_the_targets_law(tmp_path, stages) -> None:
+    """Temperature 1, top-k 6: the second and third tokens' marginal laws through 2 and 3
+    stage processes (3: split after attention) match the target's exact law (chi-square),
+    keyed by seed and drawn."""
     from test_lossless import SEEDS, chi2_critical, chi_square, exact_marginals  # noqa: PLC0415
 
     from hetspec.speculative.samplers import sampler_for  # noqa: PLC0415
@@ -173,7 +175,7 @@ def test_sampled_tokens_through_the_pipeline_follow_the_targets_law(tmp_path, gr
     runtime = TorchRuntime(TARGET, device="cpu", dtype="float32", max_context=512)
     law = exact_marginals(runtime, prompt, params)
     tokens = runtime.tokenize(prompt)
-    pipeline = start_stages(tmp_path, SPLITS[2])
+    pipeline = start_stages(tmp_path, SPLITS[stages])
 
     def likely_drafter(tree: FlowTree, final: list[int]) -> None:
         """The target's own two likeliest tokens below each leaf: drafts that do get
