@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -103,3 +105,32 @@ def test_a_killed_stage_fails_the_request_quickly_and_comes_back(daemon, target)
     prompt = "def area(r):\n"
     body = daemon.generate(prompt, max_tokens=TOKENS, ignore_eos=True)
     assert body["tokens"] == greedy(target, prompt)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"pipeline": {"stages": [{"endpoint": "tcp://10.0.0.2:5601", "key": "/k"}]}},
+         "stages on other hosts need the coordinator's key"),
+        ({"pipeline": {"key": "/k", "stages": [{"endpoint": "10.0.0.2:5601", "key": "/k"}]}},
+         "not a tcp:// endpoint"),
+        ({"pipeline": {"local": ["0:4"], "timeout_s": 0}}, "timeout_s must be in"),
+        ({"pipeline": {"local": ["0:4"]}, "placement": "draft-gpu"}, 'placement = "draft-cpu"'),
+    ],
+)  # fmt: skip
+def test_a_pipeline_setting_that_cannot_work_is_one_clear_line(overrides, message) -> None:
+    from hetspec.daemon.config import ConfigError, load_config  # noqa: PLC0415
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        load_config(environ={}, overrides=overrides)
+
+
+def test_local_stages_that_do_not_follow_each_other_stop_the_daemon(tmp_path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "hetspec.daemon", "--socket", str(tmp_path / "s.sock"),
+         "--runtime-dir", str(tmp_path / "run"), "--log-format", "console",
+         "--set", 'pipeline.local=["0:1", "2:4"]'],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "not consecutive ranges from layer 0" in result.stdout + result.stderr
