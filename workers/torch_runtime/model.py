@@ -206,27 +206,7 @@ class CausalLM(nn.Module):
         ``paths``: see ``Attention.forward``.
         """
         x = self.model.embed_tokens(tokens)
-        return self.run_layers(x, range(len(self.model.layers)), cos, sin,
-                               cache_keys=cache_keys, cache_values=cache_values, start=start,
-                               masks=masks, slots=slots, paths=paths)  # fmt: skip
-
-    def run_layers(
-        self,
-        x: torch.Tensor,
-        layers: range,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        *,
-        cache_keys: torch.Tensor,
-        cache_values: torch.Tensor,
-        start: int,
-        masks: list[torch.Tensor | None],
-        slots: torch.Tensor | None = None,
-        paths: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """Run hidden states (n, hidden) through ``layers``; ``cache_keys``/``masks`` are
-        indexed from the range's first layer."""
-        return self.run_halves(x, range(2 * layers.start, 2 * layers.stop), cos, sin,
+        return self.run_halves(x, range(2 * len(self.model.layers)), cos, sin,
                                cache_keys=cache_keys, cache_values=cache_values, start=start,
                                masks=masks, slots=slots, paths=paths)  # fmt: skip
 
