@@ -134,3 +134,46 @@ def test_local_stages_that_do_not_follow_each_other_stop_the_daemon(tmp_path) ->
     )  # fmt: skip
     assert result.returncode == 1
     assert "not consecutive ranges from layer 0" in result.stdout + result.stderr
+
+
+def test_a_stage_on_another_host_admits_the_daemons_one_key(tmp_path, target) -> None:
+    """A stage the daemon does not run (as on another host: its own key pair, admitting only
+    the coordinator's public key) after the daemon's local stage, which uses the
+    coordinator's key to reach it."""
+    from hetspec.daemon.local_stages import free_port  # noqa: PLC0415
+    from hetspec.protocol.curve_keys import make_keys  # noqa: PLC0415
+
+    keys, admitted = tmp_path / "keys", tmp_path / "admitted"
+    make_keys(keys, ["coordinator", "stage1"])
+    admitted.mkdir()
+    (admitted / "coordinator.key").write_bytes((keys / "coordinator.key").read_bytes())
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    log = (tmp_path / "stage1.log").open("w")
+    stage = subprocess.Popen(
+        [sys.executable, "-m", "hetspec.workers.stage", "serve", "--model",
+         str(BUNDLED_MODELS / "target"), "--layers", "1.5:4", "--bind", endpoint,
+         "--key", str(keys / "stage1.key_secret"), "--authorized", str(admitted),
+         "--threads", "1"],
+        stdout=subprocess.DEVNULL, stderr=log,
+    )  # fmt: skip
+    try:
+        remote = f'[{{endpoint = "{endpoint}", key = "{keys / "stage1.key"}"}}]'
+        secret = keys / "coordinator.key_secret"
+        (tmp_path / "daemon").mkdir()
+        daemon = BundledDaemon(tmp_path / "daemon", "draft-cpu",
+                               "--set", 'pipeline.local=["0:1.5"]',
+                               "--set", "pipeline.timeout_s=10",  # (a busy test box)
+                               "--set", f"pipeline.stages={remote}",
+                               "--set", f'pipeline.key="{secret}"')  # fmt: skip
+        try:
+            prompt = "def mean(values):\n"
+            body = daemon.generate(prompt, max_tokens=TOKENS, ignore_eos=True)
+            assert body["tokens"] == greedy(target, prompt)
+            _, health = request(daemon.socket, "GET", "/health")
+            assert health["pipeline"]["remote"] == [endpoint]
+        finally:
+            daemon.stop()
+    finally:
+        stage.kill()
+        stage.wait()
+        log.close()
