@@ -367,6 +367,8 @@ class Service:
         if roles is not None:
             for role, name in (("target", roles.verifier), ("draft", roles.drafter)):
                 devices[role] = health["workers"].get(name, {}).get("device")
+            if self.pipeline is not None:  # the stages verify: no verifier worker
+                devices["target"] = "pipeline"
         config = self.config
         last = {mode: controller.history[-1] if controller.history else None
                 for mode, controller in self.controllers.items()}  # fmt: skip
@@ -384,6 +386,7 @@ class Service:
             "drafter_threads": msgspec.to_builtins(self.drafter_threads)
             if self.drafter_threads
             else None,
+            "pipeline": health.get("pipeline"),
             "mode": config.mode,
             "gamma": {mode: {"gamma": d.gamma, "branches": d.branches, "overlap": d.overlap}
                       if d else None for mode, d in last.items()},

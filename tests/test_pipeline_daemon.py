@@ -56,6 +56,9 @@ def test_health_shows_the_stages_the_daemon_runs(daemon) -> None:
     assert [s["layers"] for s in health["pipeline"]["local"]] == ["0:1.5", "1.5:4"]
     assert all(s["alive"] for s in health["pipeline"]["local"])
     assert list(health["workers"]) == ["cpu"]  # no verifier worker: the stages verify
+    _, props = request(daemon.socket, "GET", "/props")
+    assert props["devices"] == {"target": "pipeline", "draft": "cpu"}
+    assert props["pipeline"] == health["pipeline"]
 
 
 def test_greedy_output_through_the_pipeline_is_the_targets_own(daemon, target) -> None:
