@@ -38,3 +38,11 @@ def finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number, not {text!r}")
     return value
+
+
+def setting(text: str) -> str:
+    """A daemon setting for ``hetspecd --set``: ``section.key=value`` (the value as TOML)."""
+    key, equals, value = text.partition("=")
+    if not equals or not key.strip() or not value.strip() or " " in key.strip():
+        raise argparse.ArgumentTypeError(f'not KEY=VALUE (e.g. gpu_runtime="torch"): {text!r}')
+    return f"{key.strip()}={value.strip()}"

@@ -44,7 +44,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hetspec.client.arguments import non_negative, positive, positive_list
+from hetspec.client.arguments import non_negative, positive, positive_list, setting
 from hetspec.client.bench_targets import BenchTarget, TargetError, forward_ms, resolve
 from hetspec.client.busy_box import busy_note
 from hetspec.client.clients import Client
@@ -298,8 +298,8 @@ def daemon(placement: str, socket: str | None, log_dir: Path, target: BenchTarge
                           ("draft.folder", target.draft.folder),
                           ("draft.gguf", target.draft.gguf)):  # fmt: skip
             command += ["--set", f"{key}={json.dumps(str(path))}"]
-    for setting in settings:
-        command += ["--set", setting]
+    for item in settings:
+        command += ["--set", item]
     process = subprocess.Popen(command, stderr=log)
     try:
         client = Client(f"unix://{run / 'hetspecd.sock'}")
@@ -577,7 +577,7 @@ def _measure_target(spec: str, args, out: Path, *, report: list[str], results: d
                 report.append(f"Peer {system} skipped: {why}\n")
         for placement in args.placement:
             key = f"{target.name} {placement}"
-            with daemon(placement, args.socket, out, target) as client:
+            with daemon(placement, args.socket, out, target, settings=args.settings) as client:
                 runtime = (client.props().get("gpu_runtime") or {}).get("runtime", "?")
                 modes = measure_modes(client, key, args, peers)
                 table, summary, fastest = modes_table(modes)
@@ -705,6 +705,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="passes over the prompts (default 3)")  # fmt: skip
     parser.add_argument("--warmup", type=non_negative, default=4,
                         help="prompts run once first, not counted (default 4)")  # fmt: skip
+    parser.add_argument("--set", dest="settings", metavar="KEY=VALUE", type=setting,
+                        action="append", default=[],
+                        help="a setting of every hetspecd the bench starts, as hetspecd's "
+                        '--set (e.g. gpu_runtime="torch"); repeatable')  # fmt: skip
     parser.add_argument("--no-load", dest="load", action="store_false",
                         help="skip the busy-core run")  # fmt: skip
     parser.add_argument("--out", default="bench-results",

@@ -254,6 +254,10 @@ def _without_a_client(args: argparse.Namespace, argv: list[str] | None, host: st
         check = [sys.executable, "-m", "hetspec.daemon.model_check", *args.arguments]
         return subprocess.run(check, check=False).returncode
     args.argv = sys.argv[2:] if argv is None else argv[1:]
+    if args.running and args.settings:
+        print("hetspec bench: --set applies to the daemons the bench starts, not to a running "
+              "one (--running)", file=sys.stderr)  # fmt: skip
+        return 2
     args.socket = host if args.running else None
     return bench_module.main(args)
 

@@ -50,6 +50,8 @@ def test_bench_help_shows_defaults_and_bad_numbers_are_one_line_errors() -> None
                     "(default 4)", "chat prompts are always added"):  # fmt: skip
         assert default in " ".join(shown.stdout.split()), default
     for args, said in [(("--prompts", "0"), "must be at least 1: '0'"),
+                       (("--set", "gpu_runtime"), "not KEY=VALUE"),
+                       (("--running", "--set", "gamma=3"), "not to a running one"),
                        (("--gammas", "2,x"), "not a whole number: 'x'"),
                        (("--warmup", "-1"), "must be at least 0: '-1'")]:  # fmt: skip
         done = bench(*args)
@@ -66,15 +68,15 @@ def test_bench_sweeps_targets_and_skips_a_bad_one_with_its_reason(tmp_path: Path
     command = [sys.executable, "-m", "hetspec.client.cli", "bench", "--prompts", "1",
                "--repeats", "1", "--warmup", "1", "--max-tokens", "8", "--gammas", "2",
                "--no-load", "--no-peers", "--target", f"bundled,heavy-7q,{user_target}",
-               "--out", str(out)]  # fmt: skip
+               "--set", 'gpu_runtime="torch"', "--out", str(out)]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr
     table = (out / "bench.md").read_text()
     assert "## heavy-7q: skipped" in table
     assert "cannot read size '7q'" in done.stderr
     assert "Traceback" not in done.stderr
-    assert "### bundled draft-cpu: modes" in table
-    assert "### target draft-cpu: modes" in table
+    assert "### bundled draft-cpu: modes (the GPU worker in torch)" in table  # --set
+    assert "### target draft-cpu: modes (the GPU worker in torch)" in table
     assert "## Speedup against the cost ratio c" in table
     assert "x fastest target alone" in table
     assert (out / "bench-sweep.png").stat().st_size > 0
