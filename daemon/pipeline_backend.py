@@ -36,7 +36,11 @@ from hetspec.speculative.samplers import sampler_for
 
 log = structlog.get_logger("hetspec.daemon")
 
-STAGE_CONTEXT = 2048  # the positions a stage's cache holds (hetspec-stage --max-context)
+STAGE_CONTEXT = 2048  # the slots a stage's cache holds (hetspec-stage --max-context)
+# slots kept free for the tree's nodes beyond the committed context (segments in flight,
+# computed nodes awaiting their commit, expansion chains), in the stages' caches and the
+# drafter's: a request's prompt and tokens fit in the rest
+TREE_SLOTS = 64
 
 
 class PipelineStartError(RuntimeError):
@@ -171,7 +175,8 @@ class PipelineBackend:
         tokenized, _ = await drafter.call(m.Tokenize(request=drafter.next_request(),
                                                      text=request.prompt))  # fmt: skip
         prompt = tokenized.tokens
-        max_tokens = token_budget(request, len(prompt), min(ready.context, STAGE_CONTEXT))
+        max_tokens = token_budget(request, len(prompt), min(ready.context, STAGE_CONTEXT),
+                                  room=TREE_SLOTS)  # fmt: skip
         async with self._turn:
             if self.client is None:
                 raise PipelineError("the pipeline is stopping")

@@ -180,3 +180,13 @@ def test_a_stage_on_another_host_admits_the_daemons_one_key(tmp_path, target) ->
         stage.kill()
         stage.wait()
         log.close()
+
+
+def test_a_request_that_would_fill_the_stages_caches_is_refused_up_front(daemon) -> None:
+    """The stages hold 2048 slots, some kept for the tree in flight: a request for 2040 more
+    tokens than its prompt is a 400 that says so, before any stage computes."""
+    body = {"model": "x", "prompt": "def f(x):\n", "stream": False,
+            "options": {"num_predict": 2040}}  # fmt: skip
+    status, answer = request(daemon.socket, "POST", "/api/generate", body)
+    assert status == 400
+    assert "room for a draft tree" in answer["error"]

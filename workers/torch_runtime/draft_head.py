@@ -33,7 +33,12 @@ from hetspec.workers.torch_runtime.config import (
     RopeScaling,
     read_folder_json,
 )
-from hetspec.workers.torch_runtime.model import DecoderLayer, RMSNorm, apply_rope
+from hetspec.workers.torch_runtime.model import (
+    DecoderLayer,
+    RMSNorm,
+    apply_rope,
+    unfilled_embedding,
+)
 from hetspec.workers.torch_runtime.weights import checkpoint_files
 
 HEAD_CONFIG = "head_config.json"
@@ -163,7 +168,7 @@ class TargetPieces(nn.Module):
 
     def __init__(self, vocab_size: int, feature_size: int, eps: float) -> None:
         super().__init__()
-        self.embed = nn.Embedding(vocab_size, feature_size)
+        self.embed = unfilled_embedding(vocab_size, feature_size)
         self.norm = RMSNorm(feature_size, eps)
         self.lm_head = nn.Linear(feature_size, vocab_size, bias=False)
 

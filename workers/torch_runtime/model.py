@@ -163,10 +163,16 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
 
+def unfilled_embedding(vocab: int, width: int) -> nn.Embedding:
+    """An embedding whose weight a checkpoint fills: not initialised first. (On the meta
+    device nn.Embedding's random init imports torch._dynamo: 2-3 s of every model load.)"""
+    return nn.Embedding(vocab, width, _weight=torch.empty(vocab, width))
+
+
 class Backbone(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = unfilled_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
