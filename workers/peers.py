@@ -421,7 +421,11 @@ def main(argv: list[str] | None = None) -> int:
                         "offloaded, transformers on CUDA in bf16 (default auto: where torch "
                         "sees CUDA)")  # fmt: skip
     args = parser.parse_args(argv)
-    serve(args, sys.stdin, sys.stdout)
+    try:
+        serve(args, sys.stdin, sys.stdout)
+    except BrokenPipeError:  # the bench that asked is gone: nothing left to answer
+        sys.stdout = None  # (interpreter exit would flush to the closed pipe again)
+        return 1
     return 0
 
 
