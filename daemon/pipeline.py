@@ -46,6 +46,15 @@ class PipelineError(RuntimeError):
     """The pipeline cannot serve this request: a stage failed, is unreachable or silent."""
 
 
+class StagesSilent(PipelineError):
+    """No answer in time: a stage is dead, hung or unreachable. ``silent``: the stages that
+    did not answer a ``Reset`` (empty where it is not known which)."""
+
+    def __init__(self, message: str, silent: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.silent = silent or []
+
+
 @dataclass(frozen=True)
 class StageAddress:
     endpoint: str  # e.g. tcp://10.0.0.2:5601
@@ -116,8 +125,8 @@ class PipelineClient:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         while True:
             if not await self.inbound.poll(timeout_s * 1000):
-                raise PipelineError(f"no stage answered within {timeout_s:g} s (a stage died, "
-                                    "or cannot reach the next one)")  # fmt: skip
+                raise StagesSilent(f"no stage answered within {timeout_s:g} s (a stage died, "
+                                   "or cannot reach the next one)")  # fmt: skip
             frames = await self.inbound.recv_multipart(copy=False)
             try:
                 message = self.codec.decode(frames)
@@ -146,7 +155,12 @@ class PipelineClient:
             await socket.send_multipart(self.codec.encode(message))
         ready: dict[int, Ready] = {}
         while len(ready) < len(self.stages):
-            message, _ = await self._receive(timeout_s)
+            try:
+                message, _ = await self._receive(timeout_s)
+            except StagesSilent:
+                silent = [i for i in range(len(self.stages)) if i not in ready]
+                said = f"stage(s) {', '.join(map(str, silent))} did not answer within "
+                raise StagesSilent(f"{said}{timeout_s or self.timeout_s:g} s", silent) from None
             if isinstance(message, Ready):
                 if message.version != PIPELINE_PROTOCOL_VERSION:
                     raise PipelineError(

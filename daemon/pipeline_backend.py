@@ -23,7 +23,13 @@ import zmq
 
 from hetspec.daemon.config import DaemonConfig
 from hetspec.daemon.local_stages import LocalStages
-from hetspec.daemon.pipeline import PipelineClient, PipelineError, StageAddress, pipeline_tokens
+from hetspec.daemon.pipeline import (
+    PipelineClient,
+    PipelineError,
+    StageAddress,
+    StagesSilent,
+    pipeline_tokens,
+)
 from hetspec.daemon.pipeline_drafter import PipelineDrafter, TreeShape
 from hetspec.daemon.requests import GenerateRequest, GenerationResult, token_budget
 from hetspec.daemon.text_output import TextOutput
@@ -56,6 +62,7 @@ class PipelineBackend:
         self.restarts = 0
         self._turn = asyncio.Lock()  # one session on the stages at a time
         self._watcher: asyncio.Task | None = None
+        self._starting: set[int] = set()  # local stages being restarted (still loading)
         self._stopping = False
 
     # ------------------------------------------------------------ lifecycle
@@ -127,6 +134,7 @@ class PipelineBackend:
                             in_s=delay)  # fmt: skip
                 await asyncio.sleep(delay)
                 started = time.monotonic()
+                self._starting.add(index)
                 self.local.start(index)
                 try:
                     await asyncio.to_thread(self.local.wait, index, self.config.load_timeout_s)
@@ -134,10 +142,24 @@ class PipelineBackend:
                     log.error("pipeline stage restart failed", stage=index, error=str(error))
                     delay = min(delay * 2, largest)
                     continue
+                finally:
+                    self._starting.discard(index)
                 self.restarts += 1
                 delay = first
                 log.info("pipeline stage restarted", stage=index, restarts=self.restarts,
                          took_s=round(time.monotonic() - started, 2))  # fmt: skip
+
+    def _end_hung(self, silent: list[int]) -> None:
+        """Kill the local stages among ``silent`` that still run: a stage that served, is
+        alive and does not answer a ``Reset`` is hung; the watcher restarts what exits (one
+        it is restarting is only loading still)."""
+        for index in silent:
+            if self.local is None or index >= len(self.local.processes) or index in self._starting:
+                continue
+            process = self.local.processes[index]
+            if process is not None and process.poll() is None:
+                log.warning("pipeline stage hung: killing it", stage=index, pid=process.pid)
+                process.kill()
 
     async def stop(self) -> None:
         self._stopping = True
@@ -205,6 +227,9 @@ class PipelineBackend:
                         break
                 if tail := output.flush():
                     yield tail
+            except StagesSilent as error:
+                self._end_hung(error.silent)
+                raise
             finally:
                 await stream.aclose()
                 if decode_start is not None:

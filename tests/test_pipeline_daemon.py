@@ -102,7 +102,7 @@ def test_a_killed_stage_fails_the_request_quickly_and_comes_back(daemon, target)
     while True:
         _, health = request(daemon.socket, "GET", "/health")
         if all(s["alive"] for s in health["pipeline"]["local"]) and health["pipeline"]["restarts"]:
-            break
+            break  # (the first restart of this daemon)
         assert time.monotonic() - killed < 5.0, health
         time.sleep(0.05)
     prompt = "def area(r):\n"
@@ -190,3 +190,27 @@ def test_a_request_that_would_fill_the_stages_caches_is_refused_up_front(daemon)
     status, answer = request(daemon.socket, "POST", "/api/generate", body)
     assert status == 400
     assert "room for a draft tree" in answer["error"]
+
+
+def test_a_hung_stage_is_killed_and_restarted(daemon, target) -> None:
+    """A stage that is alive but answers nothing (stopped): the request fails within 2 s,
+    the daemon kills and restarts the stage, and a request after that succeeds."""
+    _, health = request(daemon.socket, "GET", "/health")
+    hung, restarts = health["pipeline"]["local"][0]["pid"], health["pipeline"]["restarts"]
+    os.kill(hung, signal.SIGSTOP)
+    stopped = time.monotonic()
+    body = {"model": "x", "prompt": "def g(x):\n", "stream": False,
+            "options": {"num_predict": TOKENS}}  # fmt: skip
+    status, answer = request(daemon.socket, "POST", "/api/generate", body)
+    assert status == 503, answer
+    assert "did not answer" in answer["error"]
+    assert time.monotonic() - stopped < 2.0
+    while True:
+        _, health = request(daemon.socket, "GET", "/health")
+        if health["pipeline"]["restarts"] > restarts:  # the watcher saw it serve again
+            break
+        assert time.monotonic() - stopped < 8.0, health
+        time.sleep(0.05)
+    prompt = "def total(xs):\n"
+    body = daemon.generate(prompt, max_tokens=TOKENS, ignore_eos=True)
+    assert body["tokens"] == greedy(target, prompt)
