@@ -489,21 +489,28 @@ class Service:
             again = self._again_if_died(pieces, verifier, drafter, reset, whole=not body.stream)
             run = Run(run_id, mode, again, result, devices, waited_s * 1000, *speculative,
                       token_bytes=verifier.ready.token_bytes)  # fmt: skip
-            try:
+            async with self._counted(run):
                 yield run
-            except (asyncio.CancelledError, ConnectionError):  # the client left (or we stop)
-                result.done_reason = "cancelled"
-                raise
-            except Exception:  # answered as an error (collect); stream() already says so
-                result.done_reason = "error"
-                raise
-            finally:
-                await run.pieces.aclose()  # a stream left early: stop its decoding now
-                if result.tokens or result.prompt_tokens:
-                    self.metrics.observe_generation(
-                        mode=mode, reason=result.done_reason, prompt_tokens=result.prompt_tokens,
-                        tokens=len(result.tokens), ttft_ms=result.ttft_ms,
-                        decode_ms=result.decode_ms, speculative=run.speculative())  # fmt: skip
+
+    @contextlib.asynccontextmanager
+    async def _counted(self, run: Run) -> AsyncIterator[Run]:
+        """Yield ``run``; however it ends, stop its decoding and count it in the metrics."""
+        result = run.result
+        try:
+            yield run
+        except (asyncio.CancelledError, ConnectionError):  # the client left (or we stop)
+            result.done_reason = "cancelled"
+            raise
+        except Exception:  # answered as an error (collect); stream() already says so
+            result.done_reason = "error"
+            raise
+        finally:
+            await run.pieces.aclose()  # a stream left early: stop its decoding now
+            if result.tokens or result.prompt_tokens:
+                self.metrics.observe_generation(
+                    mode=run.mode, reason=result.done_reason, prompt_tokens=result.prompt_tokens,
+                    tokens=len(result.tokens), ttft_ms=result.ttft_ms,
+                    decode_ms=result.decode_ms, speculative=run.speculative())  # fmt: skip
 
     @contextlib.asynccontextmanager
     async def _start_pipeline(self, body: GenerateRequest, mode: str,
@@ -525,21 +532,8 @@ class Service:
                                             speculative=mode != "autoregressive")  # fmt: skip
             run = Run(run_id, mode, pieces, result, devices, waited_s * 1000,
                       token_bytes=drafter.ready.token_bytes)  # fmt: skip
-            try:
+            async with self._counted(run):
                 yield run
-            except (asyncio.CancelledError, ConnectionError):
-                result.done_reason = "cancelled"
-                raise
-            except Exception:
-                result.done_reason = "error"
-                raise
-            finally:
-                await run.pieces.aclose()
-                if result.tokens or result.prompt_tokens:
-                    self.metrics.observe_generation(
-                        mode=mode, reason=result.done_reason, prompt_tokens=result.prompt_tokens,
-                        tokens=len(result.tokens), ttft_ms=result.ttft_ms,
-                        decode_ms=result.decode_ms, speculative=None)  # fmt: skip
 
     async def _again_if_died(self, pieces, verifier: WorkerClient, drafter: WorkerClient,
                              reset, *, whole: bool) -> AsyncIterator[str]:  # fmt: skip
