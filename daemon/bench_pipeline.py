@@ -39,13 +39,12 @@ from pathlib import Path
 import uvloop
 
 from hetspec.daemon.local_stages import LocalRpcServers, LocalStages
-from hetspec.daemon.pipeline import PipelineError, PipelineStats, pipeline_decode
+from hetspec.daemon.pipeline import PipelineError, PipelineStats, no_draft, pipeline_decode
 from hetspec.daemon.pipeline_drafter import PipelineDrafter, TreeShape
 from hetspec.daemon.worker_client import WorkerClient, WorkerSpec, WorkerStartError
 from hetspec.protocol import Arena
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.sampling import SamplingParams
-from hetspec.speculative.flow_tree import FlowTree
 from hetspec.speculative.layer_split import (
     ModelShape,
     SplitError,
@@ -66,10 +65,6 @@ PROMPTS = [
     "def merge_sorted(a, b):\n",
     "def parse_args(argv):\n",
 ]
-
-
-async def no_draft(tree: FlowTree, final: list[int]) -> None:
-    return None
 
 
 @dataclass

@@ -74,6 +74,13 @@ class PipelineStats:
 # the tree's live nodes (FlowTree.add), at once or as a coroutine; called after every
 # output, so it drafts from the freshest context.
 Drafter = Callable[[FlowTree, list[int]], Awaitable[None] | None]
+
+
+def no_draft(tree: FlowTree, final: list[int]) -> None:
+    """The drafter of the plain pipeline: the target alone, one token at a time."""
+    return None
+
+
 # An expander: add nodes below the live tree while the pipeline has room and nothing to send;
 # whether it added any.
 Expander = Callable[[FlowTree], Awaitable[bool]]

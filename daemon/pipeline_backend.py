@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import shutil
 import time
 from collections.abc import AsyncIterator
@@ -28,10 +27,12 @@ from hetspec.daemon.pipeline import (
     PipelineError,
     StageAddress,
     StagesSilent,
+    no_draft,
     pipeline_tokens,
 )
 from hetspec.daemon.pipeline_drafter import PipelineDrafter, TreeShape
 from hetspec.daemon.requests import GenerateRequest, GenerationResult, token_budget
+from hetspec.daemon.supervisor import StartupError, config_number_of
 from hetspec.daemon.text_output import TextOutput
 from hetspec.daemon.worker_client import WorkerClient
 from hetspec.protocol import Arena
@@ -42,7 +43,6 @@ from hetspec.speculative.samplers import sampler_for
 
 log = structlog.get_logger("hetspec.daemon")
 
-STAGE_CONTEXT = 2048  # the slots a stage's cache holds (hetspec-stage --max-context)
 # slots kept free for the tree's nodes beyond the committed context (segments in flight,
 # computed nodes awaiting their commit, expansion chains), in the stages' caches and the
 # drafter's: a request's prompt and tokens fit in the rest
@@ -59,6 +59,7 @@ class PipelineBackend:
         self.folder = runtime_dir / "pipeline"
         self.local: LocalStages | None = None
         self.client: PipelineClient | None = None
+        self.context = 0  # the smallest stage cache's slots, as the stages said at start
         self.restarts = 0
         self._turn = asyncio.Lock()  # one session on the stages at a time
         self._watcher: asyncio.Task | None = None
@@ -72,7 +73,7 @@ class PipelineBackend:
         hold the target's layers once; ``PipelineStartError`` if not."""
         settings = self.settings
         try:
-            layers = _layer_count(Path(self.config.target.folder))
+            layers = config_number_of(self.config.target.folder, "num_hidden_layers")
             bounds = [parse_range(text, layers) for text in settings.local]
             if bounds and (bounds[0][0] != 0 or any(
                     a != b for (_, a), (b, _) in itertools.pairwise(bounds))):  # fmt: skip
@@ -80,7 +81,7 @@ class PipelineBackend:
                                  "from layer 0")  # fmt: skip
             identity = self._identity()
             remote = [StageAddress(s.endpoint, Path(s.key)) for s in settings.stages]
-        except (SplitError, CurveKeyError, OSError, ValueError) as error:
+        except (SplitError, CurveKeyError, StartupError, OSError) as error:
             raise PipelineStartError(f"pipeline: {error}") from None
         addresses = list(remote)
         if bounds:
@@ -99,10 +100,11 @@ class PipelineBackend:
         try:
             self.client = PipelineClient(addresses, identity, settings.listen,
                                          settings.timeout_s)  # fmt: skip
-            await self.client.reset(timeout_s=max(settings.timeout_s, 10.0))
+            ready = await self.client.reset(timeout_s=max(settings.timeout_s, 10.0))
         except (PipelineError, CurveKeyError, zmq.ZMQError) as error:
             await self.stop()
             raise PipelineStartError(f"pipeline: {error}") from None
+        self.context = min(answer.context for answer in ready)
         if self.local is not None:
             self._watcher = asyncio.create_task(self._watch(), name="watch-stages")
         log.info("pipeline ready", stages=len(addresses), local=settings.local,
@@ -197,23 +199,23 @@ class PipelineBackend:
         tokenized, _ = await drafter.call(m.Tokenize(request=drafter.next_request(),
                                                      text=request.prompt))  # fmt: skip
         prompt = tokenized.tokens
-        max_tokens = token_budget(request, len(prompt), min(ready.context, STAGE_CONTEXT),
+        max_tokens = token_budget(request, len(prompt), min(ready.context, self.context),
                                   room=TREE_SLOTS)  # fmt: skip
         async with self._turn:
             if self.client is None:
                 raise PipelineError("the pipeline is stopping")
-            draft = PipelineDrafter(drafter, arena, TreeShape(), slot)
             if speculative:
+                draft = PipelineDrafter(drafter, arena, TreeShape(), slot)
                 await draft.start(prompt)
-                schedule = {"segment_size": self.settings.segment, "expand": draft.expand}
+                schedule = {"drafter": draft, "segment_size": self.settings.segment,
+                            "expand": draft.expand}  # fmt: skip
             else:
-                schedule = {"segment_size": 1, "in_flight": 1}
+                schedule = {"drafter": no_draft, "segment_size": 1, "in_flight": 1}
             output = TextOutput(ready.token_bytes, request.stops, ready.special_tokens)
             eos = -1 if request.ignore_eos else ready.vocab.eos
             result.prompt_tokens = len(prompt)
-            stream = pipeline_tokens(
-                self.client, prompt, draft if speculative else _no_draft,
-                params=request.sampling, sampler=sampler_for(request.seed), **schedule)  # fmt: skip
+            stream = pipeline_tokens(self.client, prompt, params=request.sampling,
+                                     sampler=sampler_for(request.seed), **schedule)  # fmt: skip
             decode_start = None
             try:
                 async for tokens in stream:
@@ -236,13 +238,6 @@ class PipelineBackend:
                     result.decode_ms = (time.perf_counter() - decode_start) * 1000
 
 
-def _layer_count(folder: Path) -> int:
-    try:
-        return int(json.loads((folder / "config.json").read_text())["num_hidden_layers"])
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"{folder}/config.json gives no num_hidden_layers: {error}") from None
-
-
 def _take(tokens: list[int], result: GenerationResult, output: TextOutput, eos: int,
           max_tokens: int) -> list[str]:  # fmt: skip
     """Add final ``tokens`` to ``result`` until the end of sequence, a stop string or the
@@ -261,7 +256,3 @@ def _take(tokens: list[int], result: GenerationResult, output: TextOutput, eos: 
             result.done_reason = "length"
             break
     return pieces
-
-
-def _no_draft(tree, final) -> None:
-    return None

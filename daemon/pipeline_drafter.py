@@ -19,8 +19,7 @@ from hetspec.protocol import Arena
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.sampling import SamplingParams
 from hetspec.speculative.flow_tree import FlowTree
-
-ROOT = -1  # the worker's name for its committed end: the coordinator tree's root
+from hetspec.speculative.tree import ROOT  # the worker's committed end: the tree's root
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,7 @@ class Output(_StageMessage, tag="output"):
 class Ready(_StageMessage, tag="ready"):
     """A stage's answer to ``Reset``: its cache is empty and it holds half-layers
     ``first_half`` .. ``end_half`` - 1 (half 2i: layer i's attention, 2i + 1: its MLP) of a
-    model with ``layers`` layers."""
+    model with ``layers`` layers, in a cache of ``context`` slots."""
 
     session: int
     index: int
@@ -95,6 +95,7 @@ class Ready(_StageMessage, tag="ready"):
     first_half: int
     end_half: int
     layers: int
+    context: int
     version: int = PIPELINE_PROTOCOL_VERSION
 
 

@@ -120,7 +120,7 @@ class Stage:
             self._reply(StageFailed(message.session, self.name, why))
             return
         self._reply(Ready(message.session, message.index, self.name, halves.start, halves.stop,
-                          self.runtime.config.num_layers))  # fmt: skip
+                          self.runtime.config.num_layers, self.runtime.capacity))  # fmt: skip
 
     def _commit(self, message: Commit) -> None:
         if self.book is None or message.epoch != self.book.epoch + 1:
