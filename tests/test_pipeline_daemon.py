@@ -160,6 +160,11 @@ def test_a_stage_on_another_host_admits_the_daemons_one_key(tmp_path, target) ->
         stdout=subprocess.DEVNULL, stderr=log,
     )  # fmt: skip
     try:
+        deadline = time.monotonic() + 60  # bound before the daemon picks its free ports
+        while " at tcp://" not in (tmp_path / "stage1.log").read_text():
+            assert stage.poll() is None
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         remote = f'[{{endpoint = "{endpoint}", key = "{keys / "stage1.key"}"}}]'
         secret = keys / "coordinator.key_secret"
         (tmp_path / "daemon").mkdir()
