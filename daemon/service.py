@@ -187,12 +187,17 @@ class Service:
         self.notifier.status("loading the models")
         specs = worker_specs(self.config, self.log_format, decision.runtime,
                              threads.threads if threads else None)  # fmt: skip
-        vocab = max(config_number_of(self.config.target.folder),
+        await self._start_workers(specs, features=decision.runtime == "head")
+
+    async def _start_workers(self, specs: dict, *, features: bool = False) -> None:
+        """The arena (a slot holds a tree's probability rows, or with ``features`` its
+        target features if wider) and the supervised workers of ``specs``."""
+        width = max(config_number_of(self.config.target.folder),
                     config_number_of(self.config.draft.folder))  # fmt: skip
-        if decision.runtime == "head":  # a slot also holds a tree's features
-            vocab = max(vocab, config_number_of(self.config.target.folder, "hidden_size"))
+        if features:
+            width = max(width, config_number_of(self.config.target.folder, "hidden_size"))
         self.arena = self.instance.create_arena(
-            self.config.arena_slots, self.config.max_tree_nodes * vocab * 4
+            self.config.arena_slots, self.config.max_tree_nodes * width * 4
         )
         self.supervisor = Supervisor(self.config, specs, self.instance.runtime_dir,
                                      self.arena.layout)  # fmt: skip
@@ -204,14 +209,7 @@ class Service:
         self.notifier.status("loading the draft model and the pipeline's stages")
         drafter = roles(self.config.placement).drafter
         specs = worker_specs(self.config, self.log_format, "torch")
-        vocab = max(config_number_of(self.config.target.folder),
-                    config_number_of(self.config.draft.folder))  # fmt: skip
-        self.arena = self.instance.create_arena(
-            self.config.arena_slots, self.config.max_tree_nodes * vocab * 4
-        )
-        self.supervisor = Supervisor(self.config, {drafter: specs[drafter]},
-                                     self.instance.runtime_dir, self.arena.layout)  # fmt: skip
-        await self.supervisor.start()
+        await self._start_workers({drafter: specs[drafter]})
         self.pipeline = PipelineBackend(self.config, self.instance.runtime_dir)
         await self.pipeline.start()
 
