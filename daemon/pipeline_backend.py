@@ -58,6 +58,8 @@ class PipelineBackend:
         self.config, self.settings = config, config.pipeline
         self.folder = runtime_dir / "pipeline"
         self.local: LocalStages | None = None
+        # set once every stage said Ready (so ``context`` is known) until stop: the daemon
+        # serves, and counts as ready, only while it is set
         self.client: PipelineClient | None = None
         self.context = 0  # the smallest stage cache's slots, as the stages said at start
         self.restarts = 0
@@ -70,7 +72,8 @@ class PipelineBackend:
 
     async def start(self) -> None:
         """Start the local stages and check that every stage answers and that together they
-        hold the target's layers once; ``PipelineStartError`` if not."""
+        hold the target's layers once; ``PipelineStartError`` if not. ``client`` is set only
+        after that, with ``context`` from the stages' ``Ready``."""
         settings = self.settings
         try:
             layers = config_number_of(self.config.target.folder, "num_hidden_layers")
@@ -97,14 +100,22 @@ class PipelineBackend:
                 self.local.stop()
                 raise PipelineStartError(f"pipeline: {error}") from None
             addresses = self.local.addresses + addresses
+        client = None
         try:
-            self.client = PipelineClient(addresses, identity, settings.listen,
-                                         settings.timeout_s)  # fmt: skip
-            ready = await self.client.reset(timeout_s=max(settings.timeout_s, 10.0))
-        except (PipelineError, CurveKeyError, zmq.ZMQError) as error:
+            client = PipelineClient(addresses, identity, settings.listen,
+                                    settings.timeout_s)  # fmt: skip
+            ready = await client.reset(timeout_s=max(settings.timeout_s, 10.0))
+        except BaseException as error:
+            if client is not None:  # not published yet: stop() would not close it
+                client.close()
+            if not isinstance(error, (PipelineError, CurveKeyError, zmq.ZMQError)):
+                raise  # cancelled: whoever cancels the start stops the backend
             await self.stop()
             raise PipelineStartError(f"pipeline: {error}") from None
+        # published only now: until every stage's Ready (a remote stage's can take seconds)
+        # the context is unknown, and a request sized by it would be refused as too long
         self.context = min(answer.context for answer in ready)
+        self.client = client
         if self.local is not None:
             self._watcher = asyncio.create_task(self._watch(), name="watch-stages")
         log.info("pipeline ready", stages=len(addresses), local=settings.local,
@@ -192,8 +203,11 @@ class PipelineBackend:
                        speculative: bool = True) -> AsyncIterator[str]:  # fmt: skip
         """Yield text pieces as tokens become final; ``result`` as the other modes fill it.
         Not ``speculative``: the target alone through the stages, one token at a time (the
-        plain pipeline). A stage that fails or falls silent ends the request with
-        ``PipelineError``."""
+        plain pipeline). A stage that fails or falls silent, or a backend not serving (still
+        starting, or stopping), ends the request with ``PipelineError``."""
+        if self.client is None:  # the stages' context is not known (yet, or any more)
+            raise PipelineError("the pipeline is not serving: its stages are starting or "
+                                "stopping")  # fmt: skip
         ready = drafter.ready
         started = time.perf_counter()
         tokenized, _ = await drafter.call(m.Tokenize(request=drafter.next_request(),
