@@ -21,7 +21,12 @@ from hetspec.daemon.config import (
 )
 from hetspec.daemon.cores import CoreError
 from hetspec.daemon.runtime_check import check_runtimes, describe
-from hetspec.daemon.runtime_choice import RuntimeChoiceError, cache_dir, decide_gpu_runtime
+from hetspec.daemon.runtime_choice import (
+    RuntimeChoiceError,
+    cache_dir,
+    decide_drafter,
+    decide_gpu_runtime,
+)
 from hetspec.daemon.service import Service
 from hetspec.logs import LOG_LEVELS, configure_logging, get_logger
 from hetspec.protocol import ProbeFailure
@@ -81,22 +86,27 @@ def overrides_from(args: argparse.Namespace) -> dict[str, object]:
     return overrides
 
 
+async def decide_runtimes(config: DaemonConfig):
+    """The drafter's and the GPU worker's runtimes, decided as the daemon decides them."""
+    cache = cache_dir(config.cache_dir)
+    drafter = await decide_drafter(config, "console", cache)
+    return drafter, await decide_gpu_runtime(config, "console", cache, drafter)
+
+
 def run_check(as_json: bool, config: DaemonConfig | None) -> int:
     """Describe the runtimes; with a configuration, also decide the GPU worker's runtime as
     the daemon would (measuring for "auto", or reading the cached profiles)."""
     reports = check_runtimes()
     failed = any(isinstance(r, ProbeFailure) for r in reports.values())
-    decision, problem = None, None
+    decision, drafter, problem = None, None, None
     if config is not None and not failed:
         try:
-            decision = uvloop.run(
-                decide_gpu_runtime(config, "console", cache_dir(config.cache_dir))
-            )
+            drafter, decision = uvloop.run(decide_runtimes(config))
         except (RuntimeChoiceError, CoreError, ValueError) as error:
             problem = str(error)
     if as_json:
         document = {"hetspecd": __version__, "runtimes": reports, "gpu_runtime": decision,
-                    "gpu_runtime_error": problem}  # fmt: skip
+                    "drafter": drafter, "gpu_runtime_error": problem}  # fmt: skip
         sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(document)) + b"\n")
     else:
         print(
@@ -105,6 +115,8 @@ def run_check(as_json: bool, config: DaemonConfig | None) -> int:
         )
         for report in reports.values():
             print("\n".join(describe(report)))
+        if drafter is not None:
+            print(f"{config.placement}: {drafter.summary()}")
         if decision is not None:
             print(f"{config.placement}: {decision.summary()}")
         if problem is not None:

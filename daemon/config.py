@@ -159,6 +159,12 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # The llama.cpp GPU worker takes cpu_worker's llama.cpp settings. "native": hetspec's own
     # CPU kernels over the same GGUF file (native/), built for verifying several tokens at once.
     gpu_runtime: Literal["auto", "torch", "llama.cpp", "native"] = "auto"
+    # The drafting CPU worker's runtime (draft-cpu): llama.cpp, hetspec's native kernels over
+    # the same GGUF file (no graph to build per step: a small draft's token costs less), or
+    # "auto": whichever drafts one token fastest here, timed at load with each thread count
+    # (see runtime_choice.decide_drafter; cached). In draft-gpu the CPU worker verifies the
+    # target in llama.cpp whatever this says.
+    cpu_runtime: Literal["auto", "llama.cpp", "native"] = "auto"
     # draft-gpu: Dovetail's draft head, drafting from the target's own features (torch, on the
     # GPU worker; gpu_runtime "auto" or "torch"). "auto": a head matching the target (its
     # folder's draft-head/, else the bundled one), else the draft model; a path: that head
@@ -246,17 +252,24 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("heartbeat_timeout_s must exceed two heartbeat_s intervals")
         if not 0 <= self.restart_wait_s <= 3600:
             raise ValueError(f"restart_wait_s must be in 0..3600, not {self.restart_wait_s}")
-        if self.rpc.servers and self.gpu_runtime not in ("auto", "llama.cpp"):
-            raise ValueError(f"gpu_runtime {self.gpu_runtime!r} cannot use rpc.servers: the "
-                             "target's layers go to rpc-servers through llama.cpp; set "
-                             'gpu_runtime = "auto" or "llama.cpp"')  # fmt: skip
-        if self.pipeline.enabled and (self.placement != "draft-cpu" or self.rpc.servers):
-            raise ValueError("pipeline: the stages verify and the CPU worker drafts; it needs "
-                             'placement = "draft-cpu" and no rpc.servers')  # fmt: skip
+        self._check_combinations()
         low, high = self.restart_backoff_s
         if not 0 < low <= high:
             raise ValueError(f"restart_backoff_s must be [first, largest] with 0 < first <= "
                              f"largest, not {list(self.restart_backoff_s)}")  # fmt: skip
+
+    def _check_combinations(self) -> None:
+        """Settings that are each valid but not together."""
+        if self.rpc.servers and self.gpu_runtime not in ("auto", "llama.cpp"):
+            raise ValueError(f"gpu_runtime {self.gpu_runtime!r} cannot use rpc.servers: the "
+                             "target's layers go to rpc-servers through llama.cpp; set "
+                             'gpu_runtime = "auto" or "llama.cpp"')  # fmt: skip
+        if self.cpu_runtime == "native" and self.placement != "draft-cpu":
+            raise ValueError('cpu_runtime "native" drafts: it needs placement = "draft-cpu" '
+                             "(in draft-gpu the CPU worker verifies in llama.cpp)")  # fmt: skip
+        if self.pipeline.enabled and (self.placement != "draft-cpu" or self.rpc.servers):
+            raise ValueError("pipeline: the stages verify and the CPU worker drafts; it needs "
+                             'placement = "draft-cpu" and no rpc.servers')  # fmt: skip
 
 
 def parse_value(text: str) -> Any:

@@ -13,7 +13,6 @@ model file or a runtime that changed is measured again.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -38,7 +37,7 @@ from hetspec.speculative.runtime_choice import (
     Rate,
     best_rate,
     fastest,
-    fewest_fast_threads,
+    fastest_drafter,
     thread_counts,
 )
 
@@ -223,11 +222,13 @@ def _store(path: Path, data: bytes) -> None:
 
 
 async def decide_gpu_runtime(config: DaemonConfig, log_format: str = "json",
-                             cache: Path | None = None) -> RuntimeDecision:  # fmt: skip
+                             cache: Path | None = None,
+                             drafter: DrafterChoice | None = None) -> RuntimeDecision:  # fmt: skip
     """The GPU worker's runtime: "head" where a draft head drafts (see head_choice), else the
-    configured one, or for ``"auto"`` the fastest measured. Raises ``RuntimeChoiceError`` when
-    no candidate can load the model, ``HeadChoiceError`` for a configured head that does not
-    match the target."""
+    configured one, or for ``"auto"`` the fastest measured, with the ``drafter`` decided (its
+    measured cost, else it is timed here). Raises ``RuntimeChoiceError`` when no candidate can
+    load the model, ``HeadChoiceError`` for a configured head that does not match the
+    target."""
     if (head := draft_head_for(config)) is not None:
         return RuntimeDecision(runtime="head", chosen_by=f"draft head {head}", role="drafter")
     if config.gpu_runtime != "auto":
@@ -239,12 +240,16 @@ async def decide_gpu_runtime(config: DaemonConfig, log_format: str = "json",
     timeout_s = config.load_timeout_s
     draft_ms = None
     cached = True
-    if role == "verifier":  # the drafter is the CPU worker's llama.cpp either way
-        drafter = worker_specs(config, log_format, gpu_runtime="llama.cpp")["cpu"]
-        draft, hit = await measure(drafter, [1], timeout_s, cache)
-        cached &= hit
-        if isinstance(draft, RuntimeProfile):
-            draft_ms = draft.median_ms[0]
+    if role == "verifier":  # the drafter is the CPU worker either way
+        draft_ms = drafter.draft_ms() if drafter is not None else None
+        if draft_ms is None:
+            spec = worker_specs(config, log_format, "llama.cpp",
+                                drafter.threads if drafter else None,
+                                drafter.runtime if drafter else None)["cpu"]  # fmt: skip
+            draft, hit = await measure(spec, [1], timeout_s, cache)
+            cached &= hit
+            if isinstance(draft, RuntimeProfile):
+                draft_ms = draft.median_ms[0]
     widths = VERIFY_WIDTHS if role == "verifier" else [1]
     profiles, failures = [], []
     candidates = list(CANDIDATES)
@@ -274,37 +279,62 @@ async def decide_gpu_runtime(config: DaemonConfig, log_format: str = "json",
     )  # fmt: skip
 
 
-class ThreadChoice(msgspec.Struct, frozen=True, kw_only=True):
-    """The drafting llama.cpp's thread count (for one-token steps) and why."""
+class DrafterChoice(msgspec.Struct, frozen=True, kw_only=True):
+    """The drafting CPU worker's runtime and one-token thread count, and why."""
 
-    threads: int
+    runtime: str  # "llama.cpp" or "native"
+    threads: int | None  # None: the runtime's default (every core the worker owns)
     chosen_by: str  # "configuration" or "measurement"
-    costs_ms: dict[int, float] = {}  # one draft token's cost per thread count timed
+    costs_ms: dict[str, dict[int, float]] = {}  # one draft token's cost, per runtime and threads
+    failures: list[ProbeFailure] = []  # runtimes that could not load the draft here
+
+    def summary(self) -> str:
+        """One line for the log and ``--check``."""
+        threads = "its cores" if self.threads is None else f"{self.threads} thread(s)"
+        if self.chosen_by != "measurement":
+            return f"drafter {self.runtime} on {threads} ({self.chosen_by})"
+        figures = ", ".join(f"{runtime} " + " ".join(f"{n}t={ms:.3f}ms" for n, ms in by.items())
+                            for runtime, by in self.costs_ms.items())  # fmt: skip
+        failed = "".join(f"; {f.runtime} unusable: {f.message}" for f in self.failures)
+        return f"drafter {self.runtime} on {threads} (measured a draft token: {figures}{failed})"
+
+    def draft_ms(self) -> float | None:
+        """The chosen runtime's measured cost of one draft token (None: not measured)."""
+        if self.threads is None:
+            return None
+        return self.costs_ms.get(self.runtime, {}).get(self.threads)
 
 
-async def decide_drafter_threads(config: DaemonConfig, log_format: str = "json",
-                                 cache: Path | None = None) -> ThreadChoice | None:  # fmt: skip
-    """How many threads the CPU worker drafts one token with (draft-cpu): the configured
-    ``cpu_worker.threads``, else the fewest of 1, 2, 4 .. its cores that time within 5% of
-    the fastest (a profile process each, cached like the runtimes'). None where the CPU worker
-    does not draft, or owns one core. Batches (prompts, several branches) keep every core."""
+async def decide_drafter(config: DaemonConfig, log_format: str = "json",
+                         cache: Path | None = None) -> DrafterChoice | None:  # fmt: skip
+    """What the CPU worker drafts with (draft-cpu; None elsewhere): the configured
+    ``cpu_runtime`` and ``cpu_worker.threads``, or, for what is left open, the cheapest draft
+    token timed in a profile process per runtime (llama.cpp, native) and thread count (1, 2,
+    4 .. its cores), cached like the GPU worker's profiles; see
+    ``speculative.runtime_choice.fastest_drafter``."""
     if config.placement != "draft-cpu":
         return None
-    spec = worker_specs(config, log_format, gpu_runtime="llama.cpp")["cpu"]  # any: the CPU side
-    if config.cpu_worker.threads is not None:
-        return ThreadChoice(threads=config.cpu_worker.threads, chosen_by="configuration")
-    counts = thread_counts(len(set(spec.cores)))
-    if len(counts) == 1:
-        return None
-    costs = {}
-    for count in counts:
-        settings = msgspec.structs.replace(spec.settings, threads=count,
-                                           threads_batch=len(set(spec.cores)))  # fmt: skip
-        result, _ = await measure(dataclasses.replace(spec, settings=settings), [1],
-                                  config.load_timeout_s, cache)  # fmt: skip
-        if isinstance(result, RuntimeProfile):
-            costs[count] = round(result.median_ms[0], 4)
-    if not costs:
-        return None
-    return ThreadChoice(threads=fewest_fast_threads(costs), chosen_by="measurement",
-                        costs_ms=costs)  # fmt: skip
+    runtimes = ["llama.cpp", "native"] if config.cpu_runtime == "auto" else [config.cpu_runtime]
+    cores = len(set(worker_specs(config, log_format, gpu_runtime="llama.cpp")["cpu"].cores))
+    configured = config.cpu_worker.threads
+    counts = [configured] if configured is not None else thread_counts(cores)
+    if len(runtimes) == 1 and len(counts) == 1:
+        return DrafterChoice(runtime=runtimes[0], threads=configured, chosen_by="configuration")
+    costs: dict[str, dict[int, float]] = {}
+    failures: list[ProbeFailure] = []
+    for runtime in runtimes:
+        for count in counts:  # timed as the worker will run (llama.cpp: batches on every core)
+            spec = worker_specs(config, log_format, gpu_runtime="llama.cpp",
+                                drafter_threads=count, drafter_runtime=runtime)["cpu"]  # fmt: skip
+            result, _ = await measure(spec, [1], config.load_timeout_s, cache)
+            if isinstance(result, RuntimeProfile):
+                costs.setdefault(runtime, {})[count] = round(result.median_ms[0], 4)
+            else:
+                failures.append(result)
+                break  # a runtime that cannot load the draft fails at every count
+    if not costs:  # the worker's own load then says why
+        return DrafterChoice(runtime=runtimes[0], threads=configured, chosen_by="configuration",
+                             failures=failures)  # fmt: skip
+    runtime, threads = fastest_drafter(costs)
+    return DrafterChoice(runtime=runtime, threads=threads, chosen_by="measurement",
+                         costs_ms=costs, failures=failures)  # fmt: skip

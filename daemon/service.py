@@ -46,11 +46,11 @@ from hetspec.daemon.requests import GenerateRequest, GenerationResult
 from hetspec.daemon.round_stats import SpeculativeStats
 from hetspec.daemon.runs import Run
 from hetspec.daemon.runtime_choice import (
+    DrafterChoice,
     RuntimeChoiceError,
     RuntimeDecision,
-    ThreadChoice,
     cache_dir,
-    decide_drafter_threads,
+    decide_drafter,
     decide_gpu_runtime,
 )
 from hetspec.daemon.slots import SlotPool
@@ -84,7 +84,7 @@ class Service:
         self.supervisor: Supervisor | None = None
         self.pipeline: PipelineBackend | None = None  # [pipeline]: stages verify
         self.runtime_decision: RuntimeDecision | None = None
-        self.drafter_threads: ThreadChoice | None = None
+        self.drafter: DrafterChoice | None = None
         self.runner: web.AppRunner | None = None
         self.draining = False
         self.own_socket: Path | None = None  # the socket file we created (not systemd's)
@@ -166,27 +166,26 @@ class Service:
         if self.config.pipeline.enabled:
             await self._load_pipeline()
             return
-        if self.config.gpu_runtime == "auto":
-            self.notifier.status("measuring which runtime verifies fastest")
-        decision = await decide_gpu_runtime(
-            self.config, self.log_format, cache_dir(self.config.cache_dir)
-        )
+        cache = cache_dir(self.config.cache_dir)
+        if self.config.gpu_runtime == "auto" or self.config.cpu_runtime == "auto":
+            self.notifier.status("measuring which runtimes draft and verify fastest")
+        drafter = await decide_drafter(self.config, self.log_format, cache)
+        self.drafter = drafter
+        if drafter is not None:
+            log.info("drafter", runtime=drafter.runtime, threads=drafter.threads,
+                     chosen_by=drafter.chosen_by, costs_ms=drafter.costs_ms,
+                     failures=[f"{f.runtime}: {f.message}" for f in drafter.failures])  # fmt: skip
+        decision = await decide_gpu_runtime(self.config, self.log_format, cache, drafter)
         self.runtime_decision = decision
         log.info("gpu worker runtime", runtime=decision.runtime, chosen_by=decision.chosen_by,
                  summary=decision.summary())  # fmt: skip
         if (costs := decision.verifier_costs_s()) is not None:
             for controller in self.controllers.values():
                 controller.assume_verifier(costs)
-        threads = await decide_drafter_threads(
-            self.config, self.log_format, cache_dir(self.config.cache_dir)
-        )
-        self.drafter_threads = threads
-        if threads is not None:
-            log.info("drafter threads", threads=threads.threads, chosen_by=threads.chosen_by,
-                     costs_ms=threads.costs_ms)  # fmt: skip
         self.notifier.status("loading the models")
         specs = worker_specs(self.config, self.log_format, decision.runtime,
-                             threads.threads if threads else None)  # fmt: skip
+                             drafter.threads if drafter else None,
+                             drafter.runtime if drafter else None)  # fmt: skip
         await self._start_workers(specs, features=decision.runtime == "head")
 
     async def _start_workers(self, specs: dict, *, features: bool = False) -> None:
@@ -208,7 +207,12 @@ class Service:
         verifier worker)."""
         self.notifier.status("loading the draft model and the pipeline's stages")
         drafter = roles(self.config.placement).drafter
-        specs = worker_specs(self.config, self.log_format, "torch")
+        choice = await decide_drafter(self.config, self.log_format,
+                                      cache_dir(self.config.cache_dir))  # fmt: skip
+        self.drafter = choice
+        specs = worker_specs(self.config, self.log_format, "torch",
+                             choice.threads if choice else None,
+                             choice.runtime if choice else None)  # fmt: skip
         await self._start_workers({drafter: specs[drafter]})
         self.pipeline = PipelineBackend(self.config, self.instance.runtime_dir)
         await self.pipeline.start()
@@ -381,9 +385,7 @@ class Service:
             "gpu_runtime": msgspec.to_builtins(self.runtime_decision)
             if self.runtime_decision
             else None,
-            "drafter_threads": msgspec.to_builtins(self.drafter_threads)
-            if self.drafter_threads
-            else None,
+            "drafter": msgspec.to_builtins(self.drafter) if self.drafter else None,
             "pipeline": health.get("pipeline"),
             "mode": config.mode,
             "gamma": {mode: {"gamma": d.gamma, "branches": d.branches, "overlap": d.overlap}

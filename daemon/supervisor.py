@@ -61,15 +61,21 @@ def config_number_of(folder: str, key: str = "vocab_size") -> int:
 
 
 def worker_specs(config: DaemonConfig, log_format: str, gpu_runtime: str | None = None,
-                 drafter_threads: int | None = None) -> dict[str, WorkerSpec]:  # fmt: skip
+                 drafter_threads: int | None = None,
+                 drafter_runtime: str | None = None) -> dict[str, WorkerSpec]:  # fmt: skip
     """The two workers' specs for this configuration's placement and core split, with the GPU
     worker in ``gpu_runtime`` (default: the configured one, which must not be "auto": that is
     decided by measurement first, see runtime_choice) and, in draft-cpu, the CPU worker
-    drafting one token on ``drafter_threads`` threads where its threads are not configured
-    (see runtime_choice.decide_drafter_threads; batches keep every core)."""
+    drafting in ``drafter_runtime`` (default: the configured ``cpu_runtime``, llama.cpp for
+    "auto") one token on ``drafter_threads`` threads where its threads are not configured
+    (see runtime_choice.decide_drafter; llama.cpp's batches keep every core)."""
     gpu_runtime = gpu_runtime or config.gpu_runtime
     if gpu_runtime not in ("torch", "llama.cpp", "native", "head"):
         raise ValueError(f"the GPU worker's runtime must be decided, not {gpu_runtime!r}")
+    configured = config.cpu_runtime if config.cpu_runtime != "auto" else "llama.cpp"
+    drafter_runtime = drafter_runtime or configured
+    if drafter_runtime not in ("llama.cpp", "native"):
+        raise ValueError(f"a drafter runs in llama.cpp or native, not {drafter_runtime!r}")
     owned = owned_cores()
     cuda = cuda_present(config.gpu_worker.device)
     cpu_cores, gpu_cores = split_cores(owned, cuda)
@@ -94,6 +100,9 @@ def worker_specs(config: DaemonConfig, log_format: str, gpu_runtime: str | None 
             cpu_settings, threads=min(drafter_threads, len(set(cpu_cores))),
             threads_batch=cpu_cfg.threads_batch or len(set(cpu_cores)),
         )  # fmt: skip
+    cpu_runtime = drafter_runtime if drafting_on_cpu else "llama.cpp"
+    if cpu_runtime == "native":  # one thread count for every call: the one-token steps'
+        cpu_settings = m.NativeSettings(n_ctx=cpu_cfg.n_ctx, threads=cpu_settings.threads)
     if gpu_runtime == "llama.cpp":  # the GPU worker's model in llama.cpp too
         gpu_model = config.target.gguf if drafting_on_cpu else config.draft.gguf
         gpu_settings = _llama_settings(cpu_cfg, verifies=drafting_on_cpu, threads=None,
@@ -122,7 +131,7 @@ def worker_specs(config: DaemonConfig, log_format: str, gpu_runtime: str | None 
     cpu_spare = set(gpu_cores) - set(cpu_cores) if lend and not drafting_on_cpu else set()
     gpu_spare = set(cpu_cores) - set(gpu_cores) if lend and drafting_on_cpu else set()
     return {
-        "cpu": WorkerSpec("cpu", "llama.cpp", cpu_model, cpu_settings, tuple(cpu_cores),
+        "cpu": WorkerSpec("cpu", cpu_runtime, cpu_model, cpu_settings, tuple(cpu_cores),
                           spare_cores=tuple(sorted(cpu_spare)), **common),
         "gpu": WorkerSpec("gpu", gpu_runtime, gpu_model, gpu_settings, tuple(gpu_cores),
                           spare_cores=tuple(sorted(gpu_spare)), **common),

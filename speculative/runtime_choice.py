@@ -79,3 +79,23 @@ def fewest_fast_threads(costs_ms: Mapping[int, float], tolerance: float = THREAD
         raise ValueError("no thread count was timed")
     cheapest = min(costs_ms.values())
     return min(n for n, cost in costs_ms.items() if cost <= cheapest * (1 + tolerance))
+
+
+def fastest_drafter(costs_ms: Mapping[str, Mapping[int, float]],
+                    tolerance: float = THREADS_TOLERANCE) -> tuple[str, int]:  # fmt: skip
+    """The drafting runtime and thread count, from one draft token's cost ``{runtime:
+    {threads: ms}}``: each runtime at its fewest fast threads (``fewest_fast_threads``), then
+    the cheapest of those, where a runtime listed earlier keeps its place unless a later one
+    is cheaper by more than ``tolerance`` (so noise does not swap a runtime for an equal
+    one). Raises ``ValueError`` when nothing was timed."""
+    best: tuple[str, int, float] | None = None
+    for runtime, by_threads in costs_ms.items():
+        if not by_threads:
+            continue
+        threads = fewest_fast_threads(by_threads, tolerance)
+        cost = by_threads[threads]
+        if best is None or cost < best[2] * (1 - tolerance):
+            best = (runtime, threads, cost)
+    if best is None:
+        raise ValueError("no drafting runtime was timed")
+    return best[0], best[1]

@@ -15,10 +15,10 @@ import pytest
 from test_daemon import request
 from test_lossless import BundledDaemon
 
-from hetspec.daemon.config import BUNDLED_MODELS, load_config
+from hetspec.daemon.config import BUNDLED_MODELS, ConfigError, load_config
 from hetspec.daemon.runtime_choice import (
     cache_dir,
-    decide_drafter_threads,
+    decide_drafter,
     decide_gpu_runtime,
     profile_key,
 )
@@ -29,6 +29,7 @@ from hetspec.speculative.runtime_choice import (
     best_rate,
     expected_tokens,
     fastest,
+    fastest_drafter,
     fewest_fast_threads,
     thread_counts,
 )
@@ -230,28 +231,51 @@ def test_the_drafter_takes_the_fewest_threads_that_are_about_as_fast() -> None:
         fewest_fast_threads({})
 
 
+def test_the_fastest_drafter_is_the_cheapest_token_at_its_fewest_fast_threads() -> None:
+    llama = {1: 0.18, 2: 0.23}
+    # 0.09 is more than 5% below 0.10: two threads pay; 0.099 is not
+    assert fastest_drafter({"llama.cpp": llama, "native": {1: 0.10, 2: 0.09}}) == ("native", 2)
+    assert fastest_drafter({"llama.cpp": llama, "native": {1: 0.10, 2: 0.099}}) == ("native", 1)
+    # within the tolerance the runtime listed first keeps its place
+    assert fastest_drafter({"llama.cpp": {1: 0.100}, "native": {1: 0.098}}) == ("llama.cpp", 1)
+    assert fastest_drafter({"llama.cpp": {}, "native": {4: 0.2}}) == ("native", 4)
+    with pytest.raises(ValueError, match="no drafting runtime"):
+        fastest_drafter({"llama.cpp": {}})
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
-def test_the_drafter_s_threads_are_measured_and_given_to_its_worker(tmp_path) -> None:
+def test_the_drafter_s_runtime_and_threads_are_measured_and_given_to_its_worker(tmp_path) -> None:
     cores = sorted(os.sched_getaffinity(0))[:2]
     config = load_config(environ={"HETSPEC_GPU_WORKER__DEVICE": "cpu",
                                   "HETSPEC_CPU_WORKER__CORES": str(cores)})  # fmt: skip
-    choice = asyncio.run(decide_drafter_threads(config, cache=tmp_path))
+    choice = asyncio.run(decide_drafter(config, cache=tmp_path))
     assert choice is not None
     assert choice.chosen_by == "measurement"
-    assert sorted(choice.costs_ms) == [1, 2]
-    assert choice.threads in (1, 2)
-    assert all(ms > 0 for ms in choice.costs_ms.values())
-    drafter = worker_specs(config, "json", "torch", choice.threads)["cpu"].settings
-    assert (drafter.threads, drafter.threads_batch) == (choice.threads, 2)  # batches: all cores
-    # configured threads are kept; one core or draft-gpu: nothing to choose
+    timed = {name: sorted(by) for name, by in choice.costs_ms.items()}
+    assert timed == {"llama.cpp": [1, 2], "native": [1, 2]}
+    assert all(ms > 0 for by in choice.costs_ms.values() for ms in by.values())
+    assert (choice.runtime, choice.threads) == fastest_drafter(choice.costs_ms)
+    assert choice.draft_ms() == choice.costs_ms[choice.runtime][choice.threads]
+    # each runtime's worker as it was timed: llama.cpp's batches on both cores
+    for runtime in ("llama.cpp", "native"):
+        spec = worker_specs(config, "json", "torch", 1, runtime)["cpu"]
+        assert (spec.runtime, spec.settings.threads) == (runtime, 1)
+        if runtime == "llama.cpp":
+            assert spec.settings.threads_batch == 2
+    # a configured runtime with configured threads: nothing to measure
     configured = load_config(environ={"HETSPEC_CPU_WORKER__THREADS": "1",
+                                      "HETSPEC_CPU_RUNTIME": "native",
                                       "HETSPEC_CPU_WORKER__CORES": str(cores)})  # fmt: skip
-    assert asyncio.run(decide_drafter_threads(configured)).chosen_by == "configuration"
-    one = load_config(environ={"HETSPEC_CPU_WORKER__CORES": str(cores[:1])})
-    assert asyncio.run(decide_drafter_threads(one, cache=tmp_path)) is None
+    chosen = asyncio.run(decide_drafter(configured))
+    assert (chosen.runtime, chosen.threads, chosen.chosen_by) == ("native", 1, "configuration")
+    assert worker_specs(configured, "json", "torch")["cpu"].runtime == "native"
+    # one core, one runtime: the same
+    one = load_config(environ={"HETSPEC_CPU_WORKER__CORES": str(cores[:1]),
+                               "HETSPEC_CPU_RUNTIME": "llama.cpp"})  # fmt: skip
+    assert asyncio.run(decide_drafter(one, cache=tmp_path)).chosen_by == "configuration"
+    # draft-gpu: the CPU worker verifies in llama.cpp; native cannot be asked for there
     dovetail = load_config(environ={"HETSPEC_PLACEMENT": "draft-gpu"})
-    assert asyncio.run(decide_drafter_threads(dovetail)) is None
-    # the target's layers on rpc-servers (the verifier in llama.cpp): the drafter is the same
-    remote = load_config(environ={"HETSPEC_RPC__SERVERS": '["127.0.0.1:50052"]',
-                                  "HETSPEC_CPU_WORKER__CORES": str(cores[:1])})  # fmt: skip
-    assert asyncio.run(decide_drafter_threads(remote, cache=tmp_path)) is None
+    assert asyncio.run(decide_drafter(dovetail)) is None
+    assert worker_specs(dovetail, "json", "torch")["cpu"].runtime == "llama.cpp"
+    with pytest.raises(ConfigError, match="cpu_runtime"):
+        load_config(environ={"HETSPEC_PLACEMENT": "draft-gpu", "HETSPEC_CPU_RUNTIME": "native"})
