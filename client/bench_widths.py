@@ -29,6 +29,9 @@ SYSTEMS = {  # name -> (runtime, the heavy model's file, settings)
                        '"kv_type":"f16","v_type":"f32"}'),
     "native Q8_0": ("native", "q8_0", '{"type":"native"}'),
     "native Q4_0": ("native", "q4_0", '{"type":"native"}'),
+    # the same kernels without AVX-512 VNNI (where the CPU has it): what vpdpbusd is worth
+    "native Q8_0 AVX2": ("native", "q8_0", '{"type":"native","simd":"avx2"}'),
+    "native Q4_0 AVX2": ("native", "q4_0", '{"type":"native","simd":"avx2"}'),
     "torch f32": ("torch", "folder", '{"type":"torch","device":"cpu","dtype":"float32"}'),
     "torch fbgemm int8": ("torch", "folder", '{"type":"torch","device":"cpu","dtype":"float32"}'),
 }  # fmt: skip

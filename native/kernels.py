@@ -17,6 +17,10 @@ F32, F16, Q4_0, Q8_0 = 0, 1, 2, 8  # ggml's type ids, as GGUF stores them
 BLOCK = 32
 TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q8_0: "Q8_0"}
 BLOCK_BYTES = {Q8_0: 34, Q4_0: 18}
+# Kernel levels (hsnative.h's HS_SIMD_*): AVX2 and VNNI give the same bits, VNNI faster; the
+# portable C has the same integer products but rounds its float steps its own way.
+SIMD_LEVELS = {"portable": 0, "avx2": 1, "vnni": 2}
+BEST = -1  # as a cap: the best level this CPU runs
 
 
 class NativeUnavailable(RuntimeError):
@@ -46,7 +50,7 @@ class Model(ctypes.Structure):
         *((name, ctypes.c_int32) for name in ("n_layers", "d_model", "n_ff", "n_heads",
                                               "n_kv_heads", "head_dim", "vocab", "capacity")),
         ("eps", ctypes.c_float),
-        ("reserved", ctypes.c_int32),
+        ("simd", ctypes.c_int32),  # the most capable kernel level allowed; BEST: any
         ("layers", ctypes.POINTER(Layer)),
         ("output_norm", ctypes.c_void_p),
         ("embed", Matrix),
@@ -116,7 +120,8 @@ class Kernels:
         return cls(library)
 
     def simd_level(self) -> int:
-        """1 where the AVX2 kernels run, 0 for the portable ones."""
+        """The best kernel level this CPU runs (``SIMD_LEVELS``: 0 portable, 1 AVX2, 2 AVX-512
+        VNNI)."""
         return self.library.hs_simd_level()
 
     def quantize_rows(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -130,14 +135,16 @@ class Kernels:
                                       _pointer(scale, np.float32))  # fmt: skip
         return q, scale
 
-    def matmul(self, weights: Matrix, x: np.ndarray, threads: int = 1) -> np.ndarray:
-        """float32 (n, weights.rows): rows ``x`` (n, weights.cols) times the weights."""
+    def matmul(self, weights: Matrix, x: np.ndarray, threads: int = 1,
+               simd: int = BEST) -> np.ndarray:  # fmt: skip
+        """float32 (n, weights.rows): rows ``x`` (n, weights.cols) times the weights, with
+        kernels of at most level ``simd``."""
         n = x.shape[0]
         if x.shape != (n, weights.cols):
             raise ValueError(f"x must be (n, {weights.cols}), not {x.shape}")
         out = np.empty((n, weights.rows), np.float32)
         status = self.library.hs_matmul(ctypes.byref(weights), _pointer(x, np.float32), n,
-                                        _pointer(out, np.float32), threads)  # fmt: skip
+                                        _pointer(out, np.float32), threads, simd)  # fmt: skip
         if status:
             raise ValueError("hs_matmul refused its arguments")
         return out

@@ -14,6 +14,7 @@ import gguf
 import numpy as np
 
 from hetspec.native.kernels import (
+    BEST,
     BLOCK,
     TYPE_NAMES,
     Kernels,
@@ -38,7 +39,8 @@ class ModelFormatError(NativeUnavailable):
 class NativeModel:
     """The weights of ``path``, a KV cache of ``capacity`` slots, and one forward call."""
 
-    def __init__(self, path: str | Path, capacity: int | None = None) -> None:
+    def __init__(self, path: str | Path, capacity: int | None = None, simd: int = BEST) -> None:
+        """``simd``: the most capable kernel level to use (``kernels.SIMD_LEVELS``)."""
         self.path = Path(path)
         try:
             self._reader = gguf.GGUFReader(self.path, "r")
@@ -81,7 +83,7 @@ class NativeModel:
         self._keep += [layers, cos, sin]
         self.struct = Model(
             self.n_layers, self.d_model, self.n_ff, self.n_heads, self.n_kv_heads,
-            self.head_dim, self.vocab, self.capacity, self.eps, 0, layers,
+            self.head_dim, self.vocab, self.capacity, self.eps, simd, layers,
             self._vector("output_norm.weight"), embed, output, cos.ctypes.data, sin.ctypes.data,
             self.keys.ctypes.data, self.values.ctypes.data,
         )  # fmt: skip

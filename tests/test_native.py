@@ -19,6 +19,7 @@ from hetspec.native.kernels import (
     F32,
     Q4_0,
     Q8_0,
+    SIMD_LEVELS,
     Kernels,
     NativeUnavailable,
     matrix,
@@ -36,6 +37,12 @@ ROWS, COLS = 37, 3 * BLOCK  # odd on purpose: neither a multiple of the row tile
 @pytest.fixture(scope="module")
 def kernels() -> Kernels:
     return Kernels.load()
+
+
+def levels_here(kernels: Kernels, *, portable: bool = True) -> list[int]:
+    """The kernel levels this CPU runs. The SIMD ones (AVX2, AVX-512 VNNI) give the same bits;
+    the portable C rounds its float steps its own way (no fused multiply-add, libm's expf)."""
+    return list(range(0 if portable else 1, kernels.simd_level() + 1))
 
 
 def quantized(kind: int, values: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -101,7 +108,12 @@ def test_quantized_products_are_exact_integers_for_every_width(kernels, kind) ->
         x = unit_scale_rows(rng, n)
         expected = x.astype(np.int64) @ values.T
         for threads in (1, 2):
-            np.testing.assert_array_equal(kernels.matmul(weights, x, threads), expected)
+            for level in levels_here(kernels):
+                np.testing.assert_array_equal(
+                    kernels.matmul(weights, x, threads, level),
+                    expected,
+                    err_msg=f"{n} rows, kernel level {level}",
+                )
 
 
 @pytest.mark.parametrize("kind", [Q8_0, Q4_0, F16, F32])
@@ -125,8 +137,11 @@ def test_a_rows_result_does_not_depend_on_its_neighbours_or_threads(kernels, kin
     # every way rows are split between the kernels: whole groups of 8, groups padded from 5-7
     # rows, features-in-lanes tiles of 1-4 rows
     for n in (23, 16, 15, 14, 13, 9, 7, 6, 5, 4, 3, 2):
-        together = kernels.matmul(weights, x[:n].copy(), threads=2)
-        np.testing.assert_array_equal(alone[:n], together, err_msg=f"{n} rows together")
+        for level in levels_here(kernels, portable=False):  # every SIMD level: the same bits
+            together = kernels.matmul(weights, x[:n].copy(), threads=2, simd=level)
+            np.testing.assert_array_equal(
+                alone[:n], together, err_msg=f"{n} rows together, kernel level {level}"
+            )
     exact = x.astype(np.float64) @ reference.astype(np.float64).T
     assert np.abs(alone - exact).max() <= 0.02 * np.abs(exact).max()  # int8 activations
 
@@ -163,6 +178,21 @@ def test_a_tokens_logits_are_bit_identical_alone_and_inside_a_tree(native) -> No
     tree = native.evaluate_tree([*chain[:4], 5, 6, 7], [-1, 0, 1, 2, 0, 4, 1]).copy()
     native.append([chain[0], 5])
     np.testing.assert_array_equal(native.evaluate_tree([6], [-1])[0], tree[5])
+
+
+def test_every_kernel_level_gives_the_same_logits(heavy, native) -> None:
+    """AVX-512 VNNI (where the CPU has it) and AVX2 compute the same bits, so a verifier's
+    output does not depend on which of them the box has."""
+    tokens = native.tokenize(TEXT)[:30]
+    levels = levels_here(native.model.kernels, portable=False)
+    outputs = []
+    for level in levels:
+        name = next(name for name, value in SIMD_LEVELS.items() if value == level)
+        runtime = NativeRuntime(heavy.gguf("q8_0"), n_ctx=64, simd=name)
+        runtime.prefill(tokens[:20])
+        outputs.append(runtime.evaluate_tree(tokens[20:30], chain_parents(10)).copy())
+    for level, logits in zip(levels[1:], outputs[1:], strict=True):
+        np.testing.assert_array_equal(logits, outputs[0], err_msg=f"kernel level {level}")
 
 
 def test_prefill_in_chunks_gives_the_same_logits(native) -> None:

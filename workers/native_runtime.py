@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hetspec.native.kernels import NativeUnavailable
+from hetspec.native.kernels import BEST, SIMD_LEVELS, NativeUnavailable
 from hetspec.native.model import NativeModel
 from hetspec.speculative.vocab import VocabInfo
 from hetspec.workers.llama_cpp_runtime.vocabulary import VocabularyFile
@@ -26,9 +26,10 @@ from hetspec.workers.tree_runtime import TreeRuntime
 
 class NativeRuntime(TreeRuntime[np.ndarray]):
     def __init__(self, model_path: str | Path, *, n_ctx: int | None = None,
-                 threads: int | None = None) -> None:  # fmt: skip
+                 threads: int | None = None, simd: str | None = None) -> None:  # fmt: skip
         """Load a Llama GGUF file (Q8_0, Q4_0, F16 or F32 weights); ``threads`` defaults to the
-        cores this process may run on. Raises ``NativeUnavailable`` with the reason."""
+        cores this process may run on; ``simd`` caps the kernels' level (``SIMD_LEVELS``; None:
+        the best here). Raises ``NativeUnavailable`` with the reason."""
         path = Path(model_path)
         if not path.is_file():
             raise NativeUnavailable(f"{path}: no such file")
@@ -38,7 +39,10 @@ class NativeRuntime(TreeRuntime[np.ndarray]):
             raise NativeUnavailable(f"{self.threads} threads requested but this process owns "
                                     f"{owned} cores")  # fmt: skip
         self._extra_threads = 0
-        self.model = NativeModel(path, n_ctx)
+        self.model = NativeModel(path, n_ctx, BEST if simd is None else SIMD_LEVELS[simd])
+        best = self.model.kernels.simd_level()
+        level = best if simd is None else min(best, SIMD_LEVELS[simd])
+        self.kernels = next(name for name, value in SIMD_LEVELS.items() if value == level)
         vocabulary = VocabularyFile.open(path)
         if vocabulary is None:
             raise NativeUnavailable(f"{path}: llama.cpp could not read its vocabulary")

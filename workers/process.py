@@ -85,7 +85,8 @@ def load_runtime(kind: str, model: str, settings: m.RuntimeSettings):
         if not isinstance(settings, m.NativeSettings):
             raise LoadError("the native worker takes native settings")
         try:
-            return NativeRuntime(model, **options), "cpu (native)"
+            runtime = NativeRuntime(model, **options)
+            return runtime, f"cpu (native, {runtime.kernels})"
         except NativeUnavailable as error:
             raise LoadError(str(error)) from None
     from hetspec.workers.torch_runtime import ModelLoadError, TorchRuntime  # noqa: PLC0415

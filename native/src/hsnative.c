@@ -12,6 +12,8 @@
 #include <immintrin.h>
 #define HS_X86 1
 #define HS_AVX2 __attribute__((target("avx2,fma,f16c")))
+/* vpdpbusd on 256-bit vectors (AVX-512 VNNI with VL): the AVX2 kernels plus one instruction */
+#define HS_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
 #else
 #define HS_X86 0
 #endif
@@ -106,11 +108,22 @@ static void store_half(uint16_t *out, const float *x, int n, int simd) {
 int hs_simd_level(void) {
 #if HS_X86
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+          __builtin_cpu_supports("f16c")))
+        return HS_SIMD_PORTABLE;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni"))
+        return HS_SIMD_VNNI;
+    return HS_SIMD_AVX2;
 #else
-    return 0;
+    return HS_SIMD_PORTABLE;
 #endif
+}
+
+/* The kernels a call runs: the best this CPU has, at most `cap` where cap >= 0. */
+static int simd_for(int cap) {
+    const int best = hs_simd_level();
+    return cap >= 0 && cap < best ? cap : best;
 }
 
 static int is_quantized(int type) { return type == HS_Q8_0 || type == HS_Q4_0; }
@@ -204,6 +217,9 @@ typedef struct {
     int8_t *grouped;  /* per group, per block: 8 runs of 32 bytes; run k holds values
                        * 4k..4k+3 of the block for rows 0..7 of the group */
     float *grouped_d; /* per group, per block: the group's 8 block scales */
+    /* the VNNI kernels' block sums of the int8 values (see vnni_start): */
+    int32_t *sum;         /* (n, cols / 32) */
+    int32_t *grouped_sum; /* per group, per block: the group's 8 sums */
 } activations;
 
 /* ------------------------------------------------------------------ dot products */
@@ -484,6 +500,189 @@ HS_AVX2 static void quantized_features_avx2(const hs_matrix *w, const activation
                 data + stride * j, w->type, blocks, a->q + (size_t)r * w->cols, a->d + (size_t)r * blocks);
 }
 
+/* ------------------------------------------------------------------ AVX-512 VNNI
+ * vpdpbusd multiplies unsigned bytes by signed bytes and adds each four products to an int32
+ * lane, exactly. The weights are made the unsigned side: Q8_0's w + 128 (the sign bit
+ * flipped), Q4_0's nibbles as stored (w + 8). So a block's products sum to dot_b + bias * S,
+ * where S is the block's sum of activations (computed once, when they are quantized); starting
+ * the accumulator at -bias * S leaves exactly the AVX2 recipe's dot_b, and the float steps
+ * that follow are the same: both paths give the same bits. One instruction per four products
+ * and row, where AVX2 needs vpsignb, vpmaddubsw, vpmaddwd and vpaddd. */
+
+#define Q8_BIAS_SHIFT 7 /* w + 128 */
+#define Q4_BIAS_SHIFT 3 /* w + 8 */
+
+/* -(sum << shift) in every lane of v's shape: the accumulator's start. */
+HS_VNNI INLINE __m256i vnni_start(const __m256i sums, const int shift) {
+    return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sums, shift));
+}
+
+HS_VNNI INLINE __m256i load_unsigned_weights(const void *wrow, const int type, int b) {
+    if (type == HS_Q8_0)
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)((const block_q8_0 *)wrow)[b].qs),
+                                _mm256_set1_epi8((char)0x80));
+    const __m128i raw = _mm_loadu_si128((const __m128i *)((const block_q4_0 *)wrow)[b].qs);
+    const __m128i low = _mm_set1_epi8(0x0f);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
+}
+
+/* Rows in lanes: the rows of `count` (1 or 2) whole groups from `group` on, times `tile` (1, 2
+ * or 4) weight rows of `type` `stride` bytes apart, into result[(t * count + g) * GROUP ..].
+ * A block's activations stay in registers for every weight row of the tile (a 256-bit load
+ * per four products would otherwise be the bottleneck), and each weight row's four-byte
+ * pieces are broadcast from a copy made unsigned once. */
+HS_VNNI INLINE void rows_in_lanes_vnni(const char *wrows, const size_t stride, const int type,
+                                       const int blocks, const activations *a, const int group,
+                                       const int count, const int tile, float *result) {
+    const int shift = type == HS_Q8_0 ? Q8_BIAS_SHIFT : Q4_BIAS_SHIFT;
+    const size_t block_bytes = stride / blocks;
+    __m256 acc[4][2];
+    for (int t = 0; t < tile; t++)
+        for (int g = 0; g < count; g++) acc[t][g] = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        __m256i x[2][HS_BLOCK / 4], start[2];
+        __m256 x_scales[2];
+        for (int g = 0; g < count; g++) {
+            const size_t at = ((size_t)(group + g) * blocks + b) * GROUP;
+            for (int k = 0; k < HS_BLOCK / 4; k++)
+                x[g][k] = _mm256_loadu_si256((const __m256i *)(a->grouped + (at + k) * 4 * GROUP));
+            start[g] = vnni_start(_mm256_loadu_si256((const __m256i *)(a->grouped_sum + at)), shift);
+            x_scales[g] = _mm256_loadu_ps(a->grouped_d + at);
+        }
+        for (int t = 0; t < tile; t++) {
+            const char *wrow = wrows + stride * t;
+            if (!(b & 1)) /* the next tile's rows (see features_in_lanes_avx2) */
+                _mm_prefetch(wrow + stride * tile + block_bytes * b, _MM_HINT_T0);
+            int32_t weights[HS_BLOCK / 4] __attribute__((aligned(32)));
+            _mm256_store_si256((__m256i *)weights, load_unsigned_weights(wrow, type, b));
+            /* two chains a group: each vpdpbusd waits for its accumulator (a latency of several
+             * cycles); integer sums may be split and added in any order */
+            __m256i sums[2][2];
+            for (int g = 0; g < count; g++) {
+                sums[g][0] = start[g];
+                sums[g][1] = _mm256_setzero_si256();
+            }
+            for (int k = 0; k < HS_BLOCK / 4; k++) {
+                const __m256i w = _mm256_set1_epi32(weights[k]);
+                for (int g = 0; g < count; g++)
+                    sums[g][k & 1] = _mm256_dpbusd_epi32(sums[g][k & 1], w, x[g][k]);
+            }
+            const __m256 w_scale = _mm256_set1_ps(_cvtsh_ss(weight_scale(wrow, type, b)));
+            for (int g = 0; g < count; g++)
+                acc[t][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sums[g][0], sums[g][1])),
+                                            _mm256_mul_ps(x_scales[g], w_scale), acc[t][g]);
+        }
+    }
+    for (int t = 0; t < tile; t++)
+        for (int g = 0; g < count; g++) _mm256_storeu_ps(result + (t * count + g) * GROUP, acc[t][g]);
+}
+
+/* Features in lanes: m (<= 4) row-major rows times 8 weight rows `stride` bytes apart, as
+ * features_in_lanes_avx2 lays them out. */
+HS_VNNI INLINE void features_in_lanes_vnni(const char *wrows, const size_t stride, const int type,
+                                           const int blocks, const int8_t *xq, const float *xd,
+                                           const int32_t *xs, const int cols, const int m,
+                                           float *result) {
+    const int shift = type == HS_Q8_0 ? Q8_BIAS_SHIFT : Q4_BIAS_SHIFT;
+    __m256 acc[4];
+    for (int r = 0; r < m; r++) acc[r] = _mm256_setzero_ps();
+    const size_t block_bytes = stride / blocks;
+    for (int b = 0; b < blocks; b++) {
+        __m256i w[8];
+        uint16_t scales[8];
+        if (!(b & 1)) /* the next 8 rows (see features_in_lanes_avx2) */
+            for (int f = 0; f < 8; f++)
+                _mm_prefetch(wrows + stride * (8 + f) + block_bytes * b, _MM_HINT_T0);
+        for (int f = 0; f < 8; f++) {
+            w[f] = load_unsigned_weights(wrows + stride * f, type, b);
+            scales[f] = weight_scale(wrows + stride * f, type, b);
+        }
+        transpose_8x8_epi32(w);
+        const __m256 w_scales = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scales));
+        __m256i sums[4][2]; /* two chains a row (see rows_in_lanes_vnni) */
+        for (int r = 0; r < m; r++) {
+            sums[r][0] = vnni_start(_mm256_set1_epi32(xs[(size_t)r * blocks + b]), shift);
+            sums[r][1] = _mm256_setzero_si256();
+        }
+        for (int k = 0; k < HS_BLOCK / 4; k++)
+            for (int r = 0; r < m; r++) {
+                const int8_t *x = xq + (size_t)r * cols + (size_t)b * HS_BLOCK + 4 * k;
+                sums[r][k & 1] = _mm256_dpbusd_epi32(sums[r][k & 1], w[k], broadcast4(x));
+            }
+        for (int r = 0; r < m; r++) {
+            const __m256 x_scale = _mm256_set1_ps(xd[(size_t)r * blocks + b]);
+            const __m256i total = _mm256_add_epi32(sums[r][0], sums[r][1]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(x_scale, w_scales), acc[r]);
+        }
+    }
+    for (int r = 0; r < m; r++) _mm256_storeu_ps(result + 8 * r, acc[r]);
+}
+
+/* quantized_features_avx2's tiling with the VNNI kernels; leftover features go through the
+ * AVX2 one-by-one product (the same exact dot_b, so the same bits). */
+HS_VNNI static void quantized_features_vnni(const hs_matrix *w, const activations *a, int n,
+                                            int first, int end, float *out) {
+    const int blocks = w->cols / HS_BLOCK, groups = grouped_rows(n) / GROUP;
+    const int grouped = groups * GROUP < n ? groups * GROUP : n;
+    const size_t stride = row_bytes(w);
+    const char *data = w->data;
+    float result[4 * 2 * GROUP];
+    for (int g = 0; g < groups; g += 2) {
+        const int count = groups - g > 1 ? 2 : 1;
+        const int full = count == 2 ? 2 : 4; /* weight rows a call: the registers allow */
+        for (int j = first; j < end;) {
+            const int tile = end - j >= full ? full : 1;
+            /* literal types, counts and tiles: each call is compiled for its own */
+            const char *wrows = data + stride * j;
+#define ROWS(type)                                                                           \
+    if (count == 2 && tile == 2) rows_in_lanes_vnni(wrows, stride, type, blocks, a, g, 2, 2, result); \
+    else if (count == 2) rows_in_lanes_vnni(wrows, stride, type, blocks, a, g, 2, 1, result);        \
+    else if (tile == 4) rows_in_lanes_vnni(wrows, stride, type, blocks, a, g, 1, 4, result);         \
+    else rows_in_lanes_vnni(wrows, stride, type, blocks, a, g, 1, 1, result);
+            if (w->type == HS_Q8_0) {
+                ROWS(HS_Q8_0)
+            } else {
+                ROWS(HS_Q4_0)
+            }
+#undef ROWS
+            for (int t = 0; t < tile; t++)
+                for (int r = 0; r < GROUP * count && g * GROUP + r < n; r++)
+                    out[(size_t)(g * GROUP + r) * w->rows + j + t] = result[t * count * GROUP + r];
+            j += tile;
+        }
+    }
+    int j = first;
+    for (; j + 8 <= end && grouped < n; j += 8) {
+        for (int r0 = grouped; r0 < n; r0 += 4) {
+            const int m = n - r0 < 4 ? n - r0 : 4;
+            const int8_t *q = a->q + (size_t)r0 * w->cols;
+            const float *d = a->d + (size_t)r0 * blocks;
+            const int32_t *sums = a->sum + (size_t)r0 * blocks;
+#define TILE(type, m) \
+    features_in_lanes_vnni(data + stride * j, stride, type, blocks, q, d, sums, w->cols, m, result)
+#define TILES(type)                                                                          \
+    switch (m) {                                                                             \
+    case 4: TILE(type, 4); break;                                                            \
+    case 3: TILE(type, 3); break;                                                            \
+    case 2: TILE(type, 2); break;                                                            \
+    default: TILE(type, 1); break;                                                           \
+    }
+            if (w->type == HS_Q8_0)
+                TILES(HS_Q8_0)
+            else
+                TILES(HS_Q4_0)
+#undef TILES
+#undef TILE
+            for (int r = 0; r < m; r++)
+                for (int f = 0; f < 8; f++) out[(size_t)(r0 + r) * w->rows + j + f] = result[8 * r + f];
+        }
+    }
+    for (; j < end; j++)
+        for (int r = grouped; r < n; r++)
+            out[(size_t)r * w->rows + j] = dot_quantized_avx2(
+                data + stride * j, w->type, blocks, a->q + (size_t)r * w->cols, a->d + (size_t)r * blocks);
+}
+
 /* One row times one f32 or f16 weight row: 8 lanes, then a scalar tail. */
 HS_AVX2 static float dot_float_avx2(const hs_matrix *w, const void *wrow, const float *x) {
     const int cols = w->cols;
@@ -666,6 +865,13 @@ static void quantize_activation(const activations *a, const float *x, int i, int
     int8_t *q = a->q + (size_t)i * cols;
     float *d = a->d + (size_t)i * blocks;
     quantize_row_simd(x, cols, q, d, simd);
+    const int sums = simd >= HS_SIMD_VNNI;
+    int32_t *sum = sums ? a->sum + (size_t)i * blocks : NULL;
+    for (int b = 0; sums && b < blocks; b++) {
+        int32_t total = 0;
+        for (int k = 0; k < HS_BLOCK; k++) total += q[b * HS_BLOCK + k];
+        sum[b] = total;
+    }
     if (i >= grouped_rows(n)) return;
     const int lane = i % GROUP;
     const size_t first = (size_t)(i / GROUP) * blocks;
@@ -674,6 +880,7 @@ static void quantize_activation(const activations *a, const float *x, int i, int
         for (int k = 0; k < HS_BLOCK / 4; k++)
             memcpy(runs + k * HS_BLOCK + 4 * lane, q + b * HS_BLOCK + 4 * k, 4);
         a->grouped_d[(first + b) * GROUP + lane] = d[b];
+        if (sums) a->grouped_sum[(first + b) * GROUP + lane] = sum[b];
     }
     if (i != n - 1) return;
     for (int pad = lane + 1; pad < GROUP && i / GROUP * GROUP + pad < grouped_rows(n); pad++)
@@ -681,6 +888,7 @@ static void quantize_activation(const activations *a, const float *x, int i, int
             int8_t *runs = a->grouped + (first + b) * GROUP * HS_BLOCK;
             for (int k = 0; k < HS_BLOCK / 4; k++) memset(runs + k * HS_BLOCK + 4 * pad, 0, 4);
             a->grouped_d[(first + b) * GROUP + pad] = 0.0f;
+            if (sums) a->grouped_sum[(first + b) * GROUP + pad] = 0;
         }
 }
 /* ------------------------------------------------------------------ parallel steps
@@ -692,6 +900,10 @@ static void matmul_features(const hs_matrix *w, const activations *a, const floa
     const size_t stride = row_bytes(w);
     const int blocks = w->cols / HS_BLOCK;
 #if HS_X86
+    if (simd >= HS_SIMD_VNNI && is_quantized(w->type)) {
+        quantized_features_vnni(w, a, n, first, end, out);
+        return;
+    }
     if (simd && is_quantized(w->type)) {
         quantized_features_avx2(w, a, n, first, end, out);
         return;
@@ -734,19 +946,21 @@ static void matmul_items(const hs_matrix *w, const activations *a, const float *
 #undef MATMUL_BODY
 }
 
-int hs_matmul(const hs_matrix *w, const float *x, int n, float *out, int threads) {
+int hs_matmul(const hs_matrix *w, const float *x, int n, float *out, int threads, int simd_cap) {
     if (n < 1 || threads < 1 || !row_bytes(w) || (is_quantized(w->type) && w->cols % HS_BLOCK))
         return -1;
-    const int simd = hs_simd_level();
+    const int simd = simd_for(simd_cap);
     const size_t padded = (size_t)(n + GROUP), blocks = padded * (w->cols / HS_BLOCK);
     activations a = {0};
     void *base = NULL;
     if (is_quantized(w->type)) { /* room for a padded group (see grouped_rows) */
-        base = malloc(2 * padded * w->cols + 2 * blocks * sizeof(float));
+        base = malloc(2 * padded * w->cols + 2 * blocks * (sizeof(float) + sizeof(int32_t)));
         if (!base) return -1;
         a.d = base;
         a.grouped_d = a.d + blocks;
-        a.q = (int8_t *)(a.grouped_d + blocks);
+        a.sum = (int32_t *)(a.grouped_d + blocks);
+        a.grouped_sum = a.sum + blocks;
+        a.q = (int8_t *)(a.grouped_sum + blocks);
         a.grouped = a.q + padded * w->cols;
     }
 #pragma omp parallel num_threads(threads)
@@ -777,10 +991,13 @@ static int scratch_alloc(scratch *s, const hs_model *m, int n, int threads) {
     const size_t floats[] = {n * d, n * widest, n * qd, n * kvd, n * kvd, n * qd,
                              n * d,  n * f,      n * f,
                              (size_t)threads * m->capacity * (m->n_heads / m->n_kv_heads),
+                             n * (widest / HS_BLOCK), padded * (widest / HS_BLOCK),
                              n * (widest / HS_BLOCK), padded * (widest / HS_BLOCK)};
+    _Static_assert(sizeof(float) == sizeof(int32_t), "the block sums share the float slots");
     float **slots[] = {&s->x,      &s->normed,    &s->q,    &s->k,  &s->v,     &s->attended,
                        &s->projected, &s->gate, &s->up, &s->scores, &s->acts.d,
-                       &s->acts.grouped_d};
+                       &s->acts.grouped_d, (float **)&s->acts.sum,
+                       (float **)&s->acts.grouped_sum};
     const size_t int8s = (padded * widest + 63) & ~(size_t)63; /* each of the two int8 layouts */
     size_t total = 2 * int8s;
     for (size_t i = 0; i < sizeof floats / sizeof *floats; i++) total += floats[i] * sizeof(float) + 64;
@@ -869,7 +1086,7 @@ int hs_forward(const hs_model *m, int n, const int32_t *tokens, const int32_t *p
         return -1;
     scratch s;
     if (scratch_alloc(&s, m, n, threads)) return -1;
-    const int simd = hs_simd_level();
+    const int simd = simd_for(m->simd);
     const int d = m->d_model, f = m->n_ff, hd = m->head_dim, heads = m->n_heads,
               kv_heads = m->n_kv_heads, qd = heads * hd, kvd = kv_heads * hd;
     const int group = heads / kv_heads, half = hd / 2;

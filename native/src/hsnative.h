@@ -33,7 +33,7 @@ typedef struct {
 typedef struct {
     int32_t n_layers, d_model, n_ff, n_heads, n_kv_heads, head_dim, vocab, capacity;
     float eps;
-    int32_t reserved;
+    int32_t simd; /* the most capable kernels a call may use (HS_SIMD_*); -1: the best here */
     const hs_layer *layers;
     const float *output_norm; /* (d_model,) */
     hs_matrix embed, output;
@@ -44,16 +44,21 @@ typedef struct {
     uint16_t *k_cache, *v_cache;
 } hs_model;
 
-/* 1 when this build runs the AVX2 kernels on this CPU, 0 for the portable ones */
+/* Kernel levels. AVX2 and VNNI give the same bits (exact integer block products, the same
+ * float steps); the portable C has the same integer products and rounds its float steps its
+ * own way (no fused multiply-add, libm's expf). */
+enum { HS_SIMD_PORTABLE = 0, HS_SIMD_AVX2 = 1, HS_SIMD_VNNI = 2 /* AVX-512 VNNI with VL */ };
+
+/* The most capable level this build runs on this CPU */
 int hs_simd_level(void);
 
 /* Quantize rows of x (n, cols) to int8 blocks of 32 with one float scale per block. */
 void hs_quantize_rows(const float *x, int n, int cols, int8_t *q, float *scale);
 
-/* out (n, w->rows) = x (n, w->cols) times w's transpose, on `threads` threads.
- * Quantized weights multiply the rows quantized by hs_quantize_rows. Returns 0, or -1 for a
- * type this build does not know. */
-int hs_matmul(const hs_matrix *w, const float *x, int n, float *out, int threads);
+/* out (n, w->rows) = x (n, w->cols) times w's transpose, on `threads` threads, with kernels
+ * of at most level `simd_cap` (-1: the best here). Quantized weights multiply the rows
+ * quantized by hs_quantize_rows. Returns 0, or -1 for a type this build does not know. */
+int hs_matmul(const hs_matrix *w, const float *x, int n, float *out, int threads, int simd_cap);
 
 /* Evaluate n new tokens and write their keys/values to slots start..start+n-1.
  * Row i sees cached slots 0..n_prefix-1, then the slots visible[offsets[i]..offsets[i+1]) in
