@@ -117,12 +117,12 @@ mkdir -p "$bench_out"
 copier=$!
 left=$(( ${TOTAL_S:-570} - (SECONDS - began) ))
 step $(( left > 60 ? left - 40 : 20 )) "bench heavy-1b draft-cpu" "$python" -m hetspec.client.cli bench \
-    --target heavy-1b --placement draft-cpu --gammas 4,6 --prompts 4 --max-tokens 128 \
+    --target heavy-1b --placement draft-cpu --gammas 4 --prompts 3 --max-tokens 128 \
     --repeats 1 --warmup 1 --out "$bench_out"
 cp "$bench_out"/bench.md "$OUT/bench.md"; cp "$bench_out"/bench.json "$OUT/bench.json"
 left=$(( ${TOTAL_S:-570} - (SECONDS - began) ))
 step $(( left > 30 ? left - 15 : 5 )) "bench heavy-1b draft-gpu" "$python" -m hetspec.client.cli bench \
-    --target heavy-1b --placement draft-gpu --gammas 4 --prompts 2 --max-tokens 64 \
+    --target heavy-1b --placement draft-gpu --gammas 4 --prompts 1 --max-tokens 64 \
     --repeats 1 --warmup 1 --no-load --no-peers --out "$bench_out-gpu"
 cp "$bench_out-gpu"/bench.md "$OUT/bench-draft-gpu.md" 2>/dev/null
 kill $copier 2>/dev/null
