@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import platform
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,9 +18,11 @@ F32, F16, Q4_0, Q8_0 = 0, 1, 2, 8  # ggml's type ids, as GGUF stores them
 BLOCK = 32
 TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q8_0: "Q8_0"}
 BLOCK_BYTES = {Q8_0: 34, Q4_0: 18}
-# Kernel levels (hsnative.h's HS_SIMD_*): AVX2 and VNNI give the same bits, VNNI faster; the
-# portable C has the same integer products but rounds its float steps its own way.
-SIMD_LEVELS = {"portable": 0, "avx2": 1, "vnni": 2}
+# Kernel levels (hsnative.h's HS_SIMD_*), by this machine's architecture. x86-64: AVX2 and VNNI
+# give the same bits, VNNI faster, and the portable C rounds its other float steps its own way;
+# aarch64: the dot-product kernels give the portable bits.
+SIMD_LEVELS = ({"portable": 0, "dotprod": 1} if platform.machine().lower() in ("aarch64", "arm64")
+               else {"portable": 0, "avx2": 1, "vnni": 2})  # fmt: skip
 BEST = -1  # as a cap: the best level this CPU runs
 
 

@@ -39,6 +39,9 @@ class NativeRuntime(TreeRuntime[np.ndarray]):
             raise NativeUnavailable(f"{self.threads} threads requested but this process owns "
                                     f"{owned} cores")  # fmt: skip
         self._extra_threads = 0
+        if simd is not None and simd not in SIMD_LEVELS:
+            raise NativeUnavailable(f"no {simd} kernels on this architecture: it has "
+                                    f"{', '.join(SIMD_LEVELS)}")  # fmt: skip
         self.model = NativeModel(path, n_ctx, BEST if simd is None else SIMD_LEVELS[simd])
         best = self.model.kernels.simd_level()
         level = best if simd is None else min(best, SIMD_LEVELS[simd])

@@ -44,10 +44,15 @@ typedef struct {
     uint16_t *k_cache, *v_cache;
 } hs_model;
 
-/* Kernel levels. AVX2 and VNNI give the same bits (exact integer block products, the same
- * float steps); the portable C has the same integer products and rounds its float steps its
- * own way (no fused multiply-add, libm's expf). */
-enum { HS_SIMD_PORTABLE = 0, HS_SIMD_AVX2 = 1, HS_SIMD_VNNI = 2 /* AVX-512 VNNI with VL */ };
+/* Kernel levels. Every level computes the same exact integer block products. On x86-64, AVX2
+ * and VNNI give the same bits, and the portable C rounds its other float steps its own way
+ * (libm's expf, unfused norms); on aarch64 the dot-product kernels give the portable bits. */
+enum {
+    HS_SIMD_PORTABLE = 0,
+    HS_SIMD_AVX2 = 1,    /* x86-64 */
+    HS_SIMD_VNNI = 2,    /* x86-64: AVX-512 VNNI with VL */
+    HS_SIMD_DOTPROD = 1, /* aarch64: NEON with the dot product (the portable bits, faster) */
+};
 
 /* The most capable level this build runs on this CPU */
 int hs_simd_level(void);
