@@ -12,7 +12,8 @@
 # llama-server's CUDA build (native/build-llama-server.sh cuda, on every core but the first
 # two) and heavy-1b/heavy-300m. The quick call then runs the CUDA tests and T_verify(w) of the
 # torch verifier (widths 1..64: width buckets as graphs, the width-invariant fixed width with
-# 4, 2 and 1 paths a forward, eager) with each width's distance from one token at a time; the
+# chains in one-path forwards and without) with each width's distance from one token at a
+# time and a tree's from its branches as chains; the
 # full call waits for llama-server, runs the lossless suite's greedy test on draft-cpu (the
 # drafter's llama.cpp would fight the build for cores before) and `hetspec bench` on heavy-1b
 # with the GPU peers, busy-core run included, then draft-gpu in what time is left.
@@ -90,9 +91,12 @@ if [[ -n "${QUICK:-}" ]]; then
   while [[ ! -e "$HETSPEC_CACHE_DIR/heavy.done" ]]; do sleep 2; done
   h1b=$(heavy 1b)
   verify 1b-buckets "$h1b" --dtype bfloat16 --invariance
-  verify 1b-fixed16-paths4 "$h1b" --dtype bfloat16 --fixed-width 16 --invariance
-  verify 1b-fixed16-paths2 "$h1b" --dtype bfloat16 --fixed-width 16 --paths 2 --invariance
-  verify 1b-fixed16-paths1 "$h1b" --dtype bfloat16 --fixed-width 16 --paths 1 --invariance
+  # chains in one-path forwards (the default) and in the trees' four-path ones; the
+  # invariance table's "tree" row compares a 4x4 tree with its branches as chains, i.e. the
+  # two shapes: any row that differs means chain_forwards must be off on this GPU
+  verify 1b-fixed16 "$h1b" --dtype bfloat16 --fixed-width 16 --invariance
+  verify 1b-fixed16-no-chain-forwards "$h1b" --dtype bfloat16 --fixed-width 16 \
+      --no-chain-forwards --invariance
   verify 300m-buckets "$(heavy 300m)" --dtype bfloat16
   stamp "done (quick): the llama-server build so far"
   tail -c 300 "$build_log"; echo

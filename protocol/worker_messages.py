@@ -77,6 +77,9 @@ class TorchSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag
     cuda_graphs: bool = True
     fixed_width: int | None = None
     span_buckets: bool = True
+    # In fixed width: a chain (the target alone, a chain's verification) in a forward that
+    # gathers one path, not the several a tree needs (cheaper; see static_forward.py)
+    chain_forwards: bool = True
     # Set by the daemon for the worker that verifies: dtype "auto" is then bfloat16 in fixed
     # shapes on CUDA (width-invariant), float32 on the CPU.
     verifies: bool = False

@@ -69,8 +69,33 @@ def invariance_rows(runtime: TorchRuntime, widths: list[int], rng) -> list[dict]
         rows.append({"width": width, "max_abs_diff": worst, "rows_differ": differ,
                      "argmax_flips": flips, "rows": length})  # fmt: skip
         print(f"{width:>6} {worst:>11.3g} {f'{differ}/{length}':>12} {flips:>13}", flush=True)
+    rows.append(tree_row(runtime, prompt, chain))
     runtime.rollback(0)
     return rows
+
+
+def tree_row(runtime: TorchRuntime, prompt: list[int], chain: np.ndarray) -> dict:
+    """A tree of four branches of four tokens (one forward of four paths, where a fixed-width
+    forward gathers four) against each branch evaluated as a chain (a one-path forward where
+    ``chain_forwards``): the same tokens, the same keys, other shapes."""
+    branches = [chain[4 * b : 4 * b + 4] for b in range(4)]
+    runtime.rollback(len(prompt))
+    as_chains = []
+    for branch in branches:
+        as_chains.append(runtime.forward_tree(branch, chain_parents(4)).logits.float().cpu())
+        runtime.discard_pending()
+    tokens = np.concatenate(branches)
+    parents = np.array([-1 if i % 4 == 0 else i - 1 for i in range(16)])
+    tree = runtime.forward_tree(tokens, parents).logits.float().cpu()
+    runtime.discard_pending()
+    alone = torch.cat(as_chains)
+    differ = int((tree != alone).any(-1).sum())
+    flips = int((tree.argmax(-1) != alone.argmax(-1)).sum())
+    worst = float((tree - alone).abs().max())
+    print(f"{'tree':>6} {worst:>11.3g} {f'{differ}/16':>12} {flips:>13}   (4 branches of 4 "
+          "against each branch as a chain)", flush=True)  # fmt: skip
+    return {"width": "tree 4x4", "max_abs_diff": worst, "rows_differ": differ,
+            "argmax_flips": flips, "rows": 16}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,6 +127,12 @@ def main(argv: list[str] | None = None) -> int:
         help="tree paths a fixed-width forward gathers",
     )
     parser.add_argument(
+        "--no-chain-forwards",
+        dest="chain_forwards",
+        action="store_false",
+        help="fixed width: chains in the shape trees use too (all paths), not one-path forwards",
+    )
+    parser.add_argument(
         "--no-span-buckets",
         dest="span_buckets",
         action="store_false",
@@ -127,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             args.model, device=args.device, dtype=args.dtype, threads=args.threads,
             max_context=capacity, compile=args.compile, cuda_graphs=args.graphs,
             fixed_width=args.fixed_width, span_buckets=args.span_buckets,
-            invariant_paths=args.paths,
+            invariant_paths=args.paths, chain_forwards=args.chain_forwards,
         )  # fmt: skip
     except ModelLoadError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -75,6 +75,7 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         span_buckets: bool = True,
         verifies: bool = False,
         invariant_paths: int = INVARIANT_PATHS,
+        chain_forwards: bool = True,
     ) -> None:
         """Load ``model_dir``.
 
@@ -85,7 +86,9 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         else 0 (width buckets 1, 2, 4 .. 64). On the CPU forwards run in the call's own shape
         unless ``fixed_width`` > 0. ``span_buckets`` False attends over the whole context in
         every forward instead of the narrowest power of two that holds it. A fixed-width
-        forward gathers ``invariant_paths`` tree paths (a tree of more takes several).
+        forward gathers ``invariant_paths`` tree paths (a tree of more takes several);
+        with ``chain_forwards`` a forward whose rows lie on one path runs in a shape of its
+        own that gathers one (a chain attends over a quarter of the keys).
         ``compile`` runs the model through torch.compile where shapes vary (the first forward
         of each new shape pays the compilation)."""
         folder = Path(model_dir)
@@ -129,18 +132,25 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         self.feature_size = c.hidden_size
         self._pinned: np.ndarray | None = None  # host memory registered with CUDA
         self._static: StaticForward | None = None
+        self._chains: StaticForward | None = None  # one-path forwards, beside _static
         if static:
             self._static = StaticForward(
                 self.model, c, keys=self._keys, values=self._values, cos=self._cos,
                 sin=self._sin, capacity=capacity, shapes=shapes, graphs=cuda_graphs,
             )  # fmt: skip
+            if chain_forwards and shapes.paths > 1:
+                self._chains = StaticForward(
+                    self.model, c, keys=self._keys, values=self._values, cos=self._cos,
+                    sin=self._sin, capacity=capacity, shapes=replace(shapes, paths=1),
+                    graphs=cuda_graphs,
+                )  # fmt: skip
 
     static_shapes = True  # a subclass with another model call turns fixed shapes off
 
     @property
     def graphs(self) -> int:
         """How many CUDA graphs forwards replay (0: none)."""
-        return len(self._static.graphs) if self._static is not None else 0
+        return sum(len(s.graphs) for s in (self._static, self._chains) if s is not None)
 
     def _read_config(self, folder: Path) -> ModelConfig:
         """The shape the KV cache and RoPE tables are built for."""
@@ -265,8 +275,15 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         logits = torch.empty((len(tokens), self.vocab_size), device=self.device)
         hidden = torch.empty((len(tokens), self.config.hidden_size), dtype=self.dtype,
                              device=self.device)  # fmt: skip
-        for chosen, batch in batches:
-            out_logits, out_hidden = static.run(replace(batch, tokens=tokens[chosen]))
+        for chosen, rows in batches:
+            batch = replace(rows, tokens=tokens[chosen])
+            if self._chains is not None and batch.gather is not None and len(batch.gather) == 1:
+                # rows on one path: the one-path shape (each row's keys and their order are
+                # the same; only the paths beside it, which it never sees, are left out)
+                out_logits, out_hidden = self._chains.run(
+                    replace(batch, masks=[mask[:1] for mask in batch.masks]))  # fmt: skip
+            else:
+                out_logits, out_hidden = static.run(batch)
             index = torch.from_numpy(chosen).to(self.device)
             logits.index_copy_(0, index, out_logits)
             hidden.index_copy_(0, index, out_hidden)
