@@ -29,9 +29,15 @@ from hetspec.protocol import worker_messages as m
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "draft" / "draft-q8_0.gguf"
 
 
-async def time_calls(client: WorkerClient, make, count: int, check) -> list[float]:
+async def time_calls(client: WorkerClient, make, count: int, check,
+                     gap_us: float = 0.0) -> list[float]:  # fmt: skip
+    """Round-trip times (us) of ``count`` calls, each ``gap_us`` after the last answer (the
+    daemon busy meanwhile, as between a round's calls: the worker polls, then sleeps)."""
     samples = []
     for index in range(count):
+        until = time.perf_counter() + gap_us / 1e6
+        while time.perf_counter() < until:
+            pass
         start = time.perf_counter()
         reply, frames = await client.call(make())
         check(reply, frames)
@@ -81,9 +87,13 @@ async def run(args: argparse.Namespace) -> int:
                 async def framed_call():
                     return await client.call(via_frames(), (row,))
 
-                arena_us = await time_calls(client, via_arena, args.count, arena_answer)
+                arena_us = await time_calls(client, via_arena, args.count, arena_answer,
+                                            args.gap_us)  # fmt: skip
                 frame_us = []
                 for index in range(args.count):
+                    until = time.perf_counter() + args.gap_us / 1e6
+                    while time.perf_counter() < until:
+                        pass
                     start = time.perf_counter()
                     reply, frames = await framed_call()
                     assert frame_array(reply.data, frames)[-1] == row[-1]
@@ -93,7 +103,8 @@ async def run(args: argparse.Namespace) -> int:
                 await client.stop()
     kib = row.nbytes / 1024
     print(f"round trip daemon -> worker -> daemon, {args.floats} float32 ({kib:.0f} KiB) each way, "
-          f"{len(arena_us)} calls after warm-up")  # fmt: skip
+          f"{len(arena_us)} calls after warm-up, {args.gap_us:g} us apart, the worker polling "
+          f"{args.spin_us:g} us before it sleeps")  # fmt: skip
     for label, samples in (("shared-memory arena", arena_us), ("message frames", frame_us)):
         q = statistics.quantiles(samples, n=10)
         print(f"  {label:<20} median {statistics.median(samples):7.1f} us   "
@@ -110,6 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--spin-us", type=float, default=100.0, help="the worker's poll before it sleeps"
     )
+    parser.add_argument(
+        "--gap-us", type=float, default=0.0,
+        help="time between an answer and the next call (longer than --spin-us: the worker "
+        "sleeps, and the call pays its wake-up)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     return uvloop.run(run(args))
 
