@@ -79,7 +79,10 @@ def test_the_client_library_generates_streams_and_chats(daemon) -> None:
         assert chat.timings["predicted_n"] <= 8
         # a chat answer carries the tokens and the devices, as a generation does
         assert len(chat.tokens) == chat.timings["predicted_n"]
-        assert chat.devices == {"target": "cpu", "draft": "cpu"}
+        # the drafter on the CPU, in llama.cpp ("cpu") or the native kernels ("cpu (native,
+        # avx2)"), whichever measured faster at load
+        assert chat.devices["target"] == "cpu"
+        assert chat.devices["draft"].startswith("cpu")
         with client.chat_stream([{"role": "user", "content": "Hi"}], max_tokens=8) as answer:
             text = "".join(answer)
         assert answer.completion.text == text

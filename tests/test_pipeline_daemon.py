@@ -57,7 +57,8 @@ def test_health_shows_the_stages_the_daemon_runs(daemon) -> None:
     assert all(s["alive"] for s in health["pipeline"]["local"])
     assert list(health["workers"]) == ["cpu"]  # no verifier worker: the stages verify
     _, props = request(daemon.socket, "GET", "/props")
-    assert props["devices"] == {"target": "pipeline", "draft": "cpu"}
+    assert props["devices"]["target"] == "pipeline"
+    assert props["devices"]["draft"].startswith("cpu")  # llama.cpp or the native kernels
     assert props["pipeline"] == health["pipeline"]
 
 
