@@ -411,7 +411,9 @@ HS_AVX2 INLINE void transpose_8x8_epi32(__m256i v[8]) {
  * row's four activations are broadcast: the weights are read in place, in their GGUF layout. */
 HS_AVX2 INLINE void features_in_lanes_avx2(const char *wrows, const size_t stride, const int type,
                                            const int blocks, const int8_t *xq, const float *xd,
-                                           const int cols, const int m, float *result) {
+                                           const int32_t *xs, const int cols, const int m,
+                                           float *result) {
+    (void)xs; /* the VNNI kernel's activation sums: one signature for UNGROUPED_ROWS */
     __m256 acc[4];
     for (int r = 0; r < m; r++) acc[r] = _mm256_setzero_ps();
     const size_t block_bytes = stride / blocks;
@@ -463,6 +465,38 @@ HS_AVX2 static float dot_quantized_avx2(const void *wrow, int type, int blocks, 
     return _mm_cvtss_f32(acc);
 }
 
+/* The rows outside whole groups, in a quantized_features_* driver (w, a, n, end, grouped,
+ * blocks, stride, data and result in scope; j the first feature not done): features in lanes,
+ * up to 4 rows by 8 features a TILE call (literal types and row counts: each call is compiled
+ * for its own), then the leftover features one (row, feature) at a time. */
+#define UNGROUPED_ROWS(TILE)                                                                 \
+    for (; j + 8 <= end && grouped < n; j += 8)                                              \
+        for (int r0 = grouped; r0 < n; r0 += 4) {                                            \
+            const int m = n - r0 < 4 ? n - r0 : 4;                                           \
+            const int8_t *q = a->q + (size_t)r0 * w->cols;                                   \
+            const float *d = a->d + (size_t)r0 * blocks;                                     \
+            const int32_t *sums = a->sum + (size_t)r0 * blocks;                              \
+            const char *rows8 = data + stride * j;                                           \
+            switch (w->type == HS_Q8_0 ? m : -m) {                                           \
+            case 4: TILE(rows8, stride, HS_Q8_0, blocks, q, d, sums, w->cols, 4, result); break; \
+            case 3: TILE(rows8, stride, HS_Q8_0, blocks, q, d, sums, w->cols, 3, result); break; \
+            case 2: TILE(rows8, stride, HS_Q8_0, blocks, q, d, sums, w->cols, 2, result); break; \
+            case 1: TILE(rows8, stride, HS_Q8_0, blocks, q, d, sums, w->cols, 1, result); break; \
+            case -4: TILE(rows8, stride, HS_Q4_0, blocks, q, d, sums, w->cols, 4, result); break; \
+            case -3: TILE(rows8, stride, HS_Q4_0, blocks, q, d, sums, w->cols, 3, result); break; \
+            case -2: TILE(rows8, stride, HS_Q4_0, blocks, q, d, sums, w->cols, 2, result); break; \
+            default: TILE(rows8, stride, HS_Q4_0, blocks, q, d, sums, w->cols, 1, result); break; \
+            }                                                                                \
+            for (int r = 0; r < m; r++)                                                      \
+                for (int f = 0; f < 8; f++)                                                  \
+                    out[(size_t)(r0 + r) * w->rows + j + f] = result[8 * r + f];             \
+        }                                                                                    \
+    for (; j < end; j++)                                                                     \
+        for (int r = grouped; r < n; r++)                                                    \
+            out[(size_t)r * w->rows + j] = dot_quantized_avx2(                               \
+                data + stride * j, w->type, blocks, a->q + (size_t)r * w->cols,              \
+                a->d + (size_t)r * blocks);
+
 /* Output features [first, end) of all n rows, into out (n, w->rows). Whole groups of 8 rows
  * go rows-in-lanes, two groups at a time over every feature (their activations stay in L1);
  * the other rows go features-in-lanes, 4 rows by 8 features; leftover features one by one. */
@@ -491,34 +525,7 @@ HS_AVX2 static void quantized_features_avx2(const hs_matrix *w, const activation
         }
     }
     int j = first;
-    for (; j + 8 <= end && grouped < n; j += 8) {
-        for (int r0 = grouped; r0 < n; r0 += 4) {
-            const int m = n - r0 < 4 ? n - r0 : 4;
-            const int8_t *q = a->q + (size_t)r0 * w->cols;
-            const float *d = a->d + (size_t)r0 * blocks;
-#define TILE(type, m) \
-    features_in_lanes_avx2(data + stride * j, stride, type, blocks, q, d, w->cols, m, result)
-#define TILES(type)                                                                          \
-    switch (m) {                                                                             \
-    case 4: TILE(type, 4); break;                                                            \
-    case 3: TILE(type, 3); break;                                                            \
-    case 2: TILE(type, 2); break;                                                            \
-    default: TILE(type, 1); break;                                                           \
-    }
-            if (w->type == HS_Q8_0)
-                TILES(HS_Q8_0)
-            else
-                TILES(HS_Q4_0)
-#undef TILES
-#undef TILE
-            for (int r = 0; r < m; r++)
-                for (int f = 0; f < 8; f++) out[(size_t)(r0 + r) * w->rows + j + f] = result[8 * r + f];
-        }
-    }
-    for (; j < end; j++)
-        for (int r = grouped; r < n; r++)
-            out[(size_t)r * w->rows + j] = dot_quantized_avx2(
-                data + stride * j, w->type, blocks, a->q + (size_t)r * w->cols, a->d + (size_t)r * blocks);
+    UNGROUPED_ROWS(features_in_lanes_avx2)
 }
 
 /* ------------------------------------------------------------------ AVX-512 VNNI
@@ -673,35 +680,7 @@ HS_VNNI static void quantized_features_vnni(const hs_matrix *w, const activation
         }
     }
     int j = first;
-    for (; j + 8 <= end && grouped < n; j += 8) {
-        for (int r0 = grouped; r0 < n; r0 += 4) {
-            const int m = n - r0 < 4 ? n - r0 : 4;
-            const int8_t *q = a->q + (size_t)r0 * w->cols;
-            const float *d = a->d + (size_t)r0 * blocks;
-            const int32_t *sums = a->sum + (size_t)r0 * blocks;
-#define TILE(type, m) \
-    features_in_lanes_vnni(data + stride * j, stride, type, blocks, q, d, sums, w->cols, m, result)
-#define TILES(type)                                                                          \
-    switch (m) {                                                                             \
-    case 4: TILE(type, 4); break;                                                            \
-    case 3: TILE(type, 3); break;                                                            \
-    case 2: TILE(type, 2); break;                                                            \
-    default: TILE(type, 1); break;                                                           \
-    }
-            if (w->type == HS_Q8_0)
-                TILES(HS_Q8_0)
-            else
-                TILES(HS_Q4_0)
-#undef TILES
-#undef TILE
-            for (int r = 0; r < m; r++)
-                for (int f = 0; f < 8; f++) out[(size_t)(r0 + r) * w->rows + j + f] = result[8 * r + f];
-        }
-    }
-    for (; j < end; j++)
-        for (int r = grouped; r < n; r++)
-            out[(size_t)r * w->rows + j] = dot_quantized_avx2(
-                data + stride * j, w->type, blocks, a->q + (size_t)r * w->cols, a->d + (size_t)r * blocks);
+    UNGROUPED_ROWS(features_in_lanes_vnni)
 }
 
 /* One row times one f32 or f16 weight row: 8 lanes, then a scalar tail. */
