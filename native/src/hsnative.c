@@ -62,7 +62,7 @@ typedef struct {
 _Static_assert(sizeof(block_q8_0) == 34, "GGUF Q8_0 blocks are 34 bytes");
 
 /* Block b's scale (IEEE half) of a Q8_0 or Q4_0 weight row. */
-static inline uint16_t weight_scale_of(const void *wrow, int type, int b) {
+INLINE uint16_t weight_scale_of(const void *wrow, int type, int b) {
     return type == HS_Q8_0 ? ((const block_q8_0 *)wrow)[b].d : ((const block_q4_0 *)wrow)[b].d;
 }
 _Static_assert(sizeof(block_q4_0) == 18, "GGUF Q4_0 blocks are 18 bytes");
@@ -266,9 +266,6 @@ HS_AVX2 INLINE __m256i load_weights(const void *wrow, const int type, int b) {
     return unpack_q4((const block_q4_0 *)wrow + b);
 }
 
-HS_AVX2 INLINE uint16_t weight_scale(const void *wrow, const int type, int b) {
-    return type == HS_Q8_0 ? ((const block_q8_0 *)wrow)[b].d : ((const block_q4_0 *)wrow)[b].d;
-}
 
 /* The recipe every quantized kernel follows for one (row, output feature), so that a row's
  * result never depends on which kernel computed it, how many rows shared the call, or which
@@ -406,6 +403,25 @@ HS_AVX2 INLINE void transpose_8x8_epi32(__m256i v[8]) {
     }
 }
 
+/* Block b of 8 weight rows `stride` bytes apart, as signed bytes, transposed in registers so
+ * that w[k] holds the k-th four weights of every row (row f in lane f); their scales in
+ * *w_scales. On even blocks it prefetches the next 8 rows': each 8 rows are short streams the
+ * hardware's prefetchers barely learn (a row of GEMV ran at half the memory's speed without
+ * this). */
+HS_AVX2 INLINE void transposed_block(const char *wrows, const size_t stride, const int type,
+                                     const int b, const size_t block_bytes, __m256i w[8],
+                                     __m256 *w_scales) {
+    uint16_t scales[8];
+    if (!(b & 1))
+        for (int f = 0; f < 8; f++) _mm_prefetch(wrows + stride * (8 + f) + block_bytes * b, _MM_HINT_T0);
+    for (int f = 0; f < 8; f++) {
+        w[f] = load_weights(wrows + stride * f, type, b);
+        scales[f] = weight_scale_of(wrows + stride * f, type, b);
+    }
+    transpose_8x8_epi32(w);
+    *w_scales = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scales));
+}
+
 /* Features in lanes: m (<= 4) row-major rows times 8 weight rows `stride` bytes apart. The 8
  * rows' blocks are transposed in registers so that lane f holds feature f's values and each
  * row's four activations are broadcast: the weights are read in place, in their GGUF layout. */
@@ -419,18 +435,8 @@ HS_AVX2 INLINE void features_in_lanes_avx2(const char *wrows, const size_t strid
     const size_t block_bytes = stride / blocks;
     for (int b = 0; b < blocks; b++) {
         __m256i w[8];
-        uint16_t scales[8];
-        if (!(b & 1)) /* the next 8 rows: each 8 rows are short streams the hardware's
-                         prefetchers barely learn; a row of GEMV ran at half the memory's
-                         speed without this */
-            for (int f = 0; f < 8; f++)
-                _mm_prefetch(wrows + stride * (8 + f) + block_bytes * b, _MM_HINT_T0);
-        for (int f = 0; f < 8; f++) {
-            w[f] = load_weights(wrows + stride * f, type, b);
-            scales[f] = weight_scale(wrows + stride * f, type, b);
-        }
-        transpose_8x8_epi32(w);
-        const __m256 w_scales = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scales));
+        __m256 w_scales;
+        transposed_block(wrows, stride, type, b, block_bytes, w, &w_scales);
         __m256i sums[4];
         for (int r = 0; r < m; r++) sums[r] = _mm256_setzero_si256();
         for (int k = 0; k < HS_BLOCK / 4; k++) {
@@ -459,7 +465,7 @@ HS_AVX2 static float dot_quantized_avx2(const void *wrow, int type, int blocks, 
         __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
         s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
         s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-        const float scale = xd[b] * _cvtsh_ss(weight_scale(wrow, type, b));
+        const float scale = xd[b] * _cvtsh_ss(weight_scale_of(wrow, type, b));
         acc = _mm_fmadd_ss(_mm_cvtepi32_ps(s), _mm_set_ss(scale), acc);
     }
     return _mm_cvtss_f32(acc);
@@ -595,7 +601,7 @@ HS_VNNI INLINE void rows_in_lanes_vnni(const char *wrows, const size_t stride, c
                 for (int g = 0; g < count; g++)
                     sums[g][k & 1] = _mm256_dpbusd_epi32(sums[g][k & 1], w, x[g][k]);
             }
-            const __m256 w_scale = _mm256_set1_ps(_cvtsh_ss(weight_scale(wrow, type, b)));
+            const __m256 w_scale = _mm256_set1_ps(_cvtsh_ss(weight_scale_of(wrow, type, b)));
             for (int g = 0; g < count; g++)
                 acc[t][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sums[g][0], sums[g][1])),
                                             _mm256_mul_ps(x_scales[g], w_scale), acc[t][g]);
@@ -617,16 +623,11 @@ HS_VNNI INLINE void features_in_lanes_vnni(const char *wrows, const size_t strid
     const size_t block_bytes = stride / blocks;
     for (int b = 0; b < blocks; b++) {
         __m256i w[8];
-        uint16_t scales[8];
-        if (!(b & 1)) /* the next 8 rows (see features_in_lanes_avx2) */
-            for (int f = 0; f < 8; f++)
-                _mm_prefetch(wrows + stride * (8 + f) + block_bytes * b, _MM_HINT_T0);
-        for (int f = 0; f < 8; f++) {
-            w[f] = load_unsigned_weights(wrows + stride * f, type, b);
-            scales[f] = weight_scale(wrows + stride * f, type, b);
-        }
-        transpose_8x8_epi32(w);
-        const __m256 w_scales = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scales));
+        __m256 w_scales;
+        transposed_block(wrows, stride, type, b, block_bytes, w, &w_scales);
+        for (int k = 0; k < HS_BLOCK / 4; k++) /* biased to unsigned, as load_unsigned_weights */
+            w[k] = type == HS_Q8_0 ? _mm256_xor_si256(w[k], _mm256_set1_epi8((char)0x80))
+                                   : _mm256_add_epi8(w[k], _mm256_set1_epi8(8));
         __m256i sums[4][2]; /* two chains a row (see rows_in_lanes_vnni) */
         for (int r = 0; r < m; r++) {
             sums[r][0] = vnni_start(_mm256_set1_epi32(xs[(size_t)r * blocks + b]), shift);
