@@ -29,17 +29,17 @@ from hetspec.protocol import worker_messages as m
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "draft" / "draft-q8_0.gguf"
 
 
-async def time_calls(client: WorkerClient, make, count: int, check,
-                     gap_us: float = 0.0) -> list[float]:  # fmt: skip
-    """Round-trip times (us) of ``count`` calls, each ``gap_us`` after the last answer (the
-    daemon busy meanwhile, as between a round's calls: the worker polls, then sleeps)."""
+async def time_calls(call, count: int, check, gap_us: float = 0.0) -> list[float]:
+    """Round-trip times (us) of ``count`` awaits of ``call()``, each ``gap_us`` after the last
+    answer (the daemon busy meanwhile, as between a round's calls: the worker polls, then
+    sleeps), every answer checked."""
     samples = []
     for index in range(count):
         until = time.perf_counter() + gap_us / 1e6
         while time.perf_counter() < until:
             pass
         start = time.perf_counter()
-        reply, frames = await client.call(make())
+        reply, frames = await call()
         check(reply, frames)
         if index >= count // 10:  # the first tenth warms caches and the allocator
             samples.append((time.perf_counter() - start) * 1e6)
@@ -74,31 +74,23 @@ async def run(args: argparse.Namespace) -> int:
                 arena.empty(0, row.shape)[:] = row
                 in_slot = ArrayRef(row.dtype.str, row.shape, slot=0)
 
-                def via_arena():
-                    return m.Echo(request=client.next_request(), data=in_slot, out=1)
+                async def via_arena():
+                    echo = m.Echo(request=client.next_request(), data=in_slot, out=1)
+                    return await client.call(echo)
 
                 def arena_answer(reply, frames):
                     assert arena.view(reply.data)[-1] == row[-1]
 
-                def via_frames():
+                async def via_frames():
                     data = ArrayRef(row.dtype.str, row.shape, frame=1)
-                    return m.Echo(request=client.next_request(), data=data)
+                    return await client.call(m.Echo(request=client.next_request(), data=data),
+                                             (row,))  # fmt: skip
 
-                async def framed_call():
-                    return await client.call(via_frames(), (row,))
-
-                arena_us = await time_calls(client, via_arena, args.count, arena_answer,
-                                            args.gap_us)  # fmt: skip
-                frame_us = []
-                for index in range(args.count):
-                    until = time.perf_counter() + args.gap_us / 1e6
-                    while time.perf_counter() < until:
-                        pass
-                    start = time.perf_counter()
-                    reply, frames = await framed_call()
+                def framed_answer(reply, frames):
                     assert frame_array(reply.data, frames)[-1] == row[-1]
-                    if index >= args.count // 10:
-                        frame_us.append((time.perf_counter() - start) * 1e6)
+
+                arena_us = await time_calls(via_arena, args.count, arena_answer, args.gap_us)
+                frame_us = await time_calls(via_frames, args.count, framed_answer, args.gap_us)
             finally:
                 await client.stop()
     kib = row.nbytes / 1024

@@ -300,8 +300,6 @@ class DrafterChoice(msgspec.Struct, frozen=True, kw_only=True):
 
     def draft_ms(self) -> float | None:
         """The chosen runtime's measured cost of one draft token (None: not measured)."""
-        if self.threads is None:
-            return None
         return self.costs_ms.get(self.runtime, {}).get(self.threads)
 
 
