@@ -611,6 +611,50 @@ HS_VNNI INLINE void rows_in_lanes_vnni(const char *wrows, const size_t stride, c
         for (int g = 0; g < count; g++) _mm256_storeu_ps(result + (t * count + g) * GROUP, acc[t][g]);
 }
 
+/* Two 256-bit halves as one 512-bit vector (lo in lanes 0-7). */
+HS_VNNI INLINE __m512i join256(const void *lo, const void *hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)lo)),
+                              _mm256_loadu_si256((const __m256i *)hi), 1);
+}
+
+/* Rows in lanes for two whole groups (16 rows) in 512-bit vectors: lane r of each vector is
+ * row r of the groups, so one broadcast of four weights and one vpdpbusd serve all 16 rows
+ * (half the instructions of two 256-bit groups, and the wider vpdpbusd does more products a
+ * cycle). `tile` (1 or 4) weight rows share the block's activations, held in 8 registers.
+ * Each lane does exactly what rows_in_lanes_vnni's does: the same bits. */
+HS_VNNI INLINE void rows16_in_lanes_vnni(const char *wrows, const size_t stride, const int type,
+                                         const int blocks, const activations *a, const int group,
+                                         const int tile, float *result) {
+    const int shift = type == HS_Q8_0 ? Q8_BIAS_SHIFT : Q4_BIAS_SHIFT;
+    const size_t block_bytes = stride / blocks;
+    __m512 acc[4];
+    for (int t = 0; t < tile; t++) acc[t] = _mm512_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const size_t at = ((size_t)group * blocks + b) * GROUP;
+        const size_t next = at + (size_t)blocks * GROUP; /* the second group's block b */
+        __m512i x[HS_BLOCK / 4];
+        for (int k = 0; k < HS_BLOCK / 4; k++)
+            x[k] = join256(a->grouped + (at + k) * 4 * GROUP, a->grouped + (next + k) * 4 * GROUP);
+        const __m512i sums = join256(a->grouped_sum + at, a->grouped_sum + next);
+        const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sums, shift));
+        const __m512 x_scales = _mm512_castsi512_ps(join256(a->grouped_d + at, a->grouped_d + next));
+        for (int t = 0; t < tile; t++) {
+            const char *wrow = wrows + stride * t;
+            if (!(b & 1)) /* the next tile's rows (see features_in_lanes_avx2) */
+                _mm_prefetch(wrow + stride * tile + block_bytes * b, _MM_HINT_T0);
+            int32_t weights[HS_BLOCK / 4] __attribute__((aligned(32)));
+            _mm256_store_si256((__m256i *)weights, load_unsigned_weights(wrow, type, b));
+            __m512i chains[2] = {start, _mm512_setzero_si512()}; /* see rows_in_lanes_vnni */
+            for (int k = 0; k < HS_BLOCK / 4; k++)
+                chains[k & 1] = _mm512_dpbusd_epi32(chains[k & 1], _mm512_set1_epi32(weights[k]), x[k]);
+            const __m512 w_scale = _mm512_set1_ps(_cvtsh_ss(weight_scale_of(wrow, type, b)));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(chains[0], chains[1])),
+                                     _mm512_mul_ps(x_scales, w_scale), acc[t]);
+        }
+    }
+    for (int t = 0; t < tile; t++) _mm512_storeu_ps(result + t * 2 * GROUP, acc[t]);
+}
+
 /* Features in lanes: m (<= 4) row-major rows times 8 weight rows `stride` bytes apart, as
  * features_in_lanes_avx2 lays them out. */
 HS_VNNI INLINE void features_in_lanes_vnni(const char *wrows, const size_t stride, const int type,
@@ -658,14 +702,14 @@ HS_VNNI static void quantized_features_vnni(const hs_matrix *w, const activation
     float result[4 * 2 * GROUP];
     for (int g = 0; g < groups; g += 2) {
         const int count = groups - g > 1 ? 2 : 1;
-        const int full = count == 2 ? 2 : 4; /* weight rows a call: the registers allow */
+        const int full = 4; /* weight rows a call: the registers allow */
         for (int j = first; j < end;) {
             const int tile = end - j >= full ? full : 1;
             /* literal types, counts and tiles: each call is compiled for its own */
             const char *wrows = data + stride * j;
 #define ROWS(type)                                                                           \
-    if (count == 2 && tile == 2) rows_in_lanes_vnni(wrows, stride, type, blocks, a, g, 2, 2, result); \
-    else if (count == 2) rows_in_lanes_vnni(wrows, stride, type, blocks, a, g, 2, 1, result);        \
+    if (count == 2 && tile == 4) rows16_in_lanes_vnni(wrows, stride, type, blocks, a, g, 4, result); \
+    else if (count == 2) rows16_in_lanes_vnni(wrows, stride, type, blocks, a, g, 1, result);         \
     else if (tile == 4) rows_in_lanes_vnni(wrows, stride, type, blocks, a, g, 1, 4, result);         \
     else rows_in_lanes_vnni(wrows, stride, type, blocks, a, g, 1, 1, result);
             if (w->type == HS_Q8_0) {
@@ -737,6 +781,28 @@ HS_AVX2 static void silu_mul_avx2(float *g, const float *u, int n) {
     for (; k < n; k++) g[k] = silu(g[k]) * u[k];
 }
 
+/* hsum8 of eight vectors at once, lane j = hsum8(v[j]) bit for bit: the same pairs are added
+ * in the same order ((0+4)+(2+6)) + ((1+5)+(3+7)), by transposing adds instead of one
+ * horizontal sum (a chain of dependent shuffles) per vector. */
+HS_AVX2 INLINE __m256 hsum8_each(const __m256 v[8]) {
+    __m256 u[4], w[2];
+    for (int j = 0; j < 4; j++) /* lane i: v[j] lanes i + (i + 4), then v[j + 4]'s */
+        u[j] = _mm256_add_ps(_mm256_permute2f128_ps(v[j], v[j + 4], 0x20),
+                             _mm256_permute2f128_ps(v[j], v[j + 4], 0x31));
+    for (int j = 0; j < 2; j++) /* per half: (0+2), (1+3) of u[2j], then of u[2j + 1] */
+        w[j] = _mm256_add_ps(_mm256_shuffle_ps(u[2 * j], u[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(u[2 * j], u[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm256_add_ps(_mm256_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm256_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* The largest of 8 lanes (max is exact: any order gives the same value). */
+HS_AVX2 INLINE float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
 HS_AVX2 static inline __m256 load_half8(const uint16_t *h) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
 }
@@ -753,8 +819,22 @@ HS_AVX2 INLINE void attend_group_body(const uint16_t *keys, const uint16_t *valu
     for (int g = 0; g < group; g++) {
         const float *q = queries + (size_t)g * hd;
         float *row = scores + (size_t)g * total;
-        float top = -INFINITY;
-        for (int t = 0; t < total; t++) {
+        __m256 tops = _mm256_set1_ps(-INFINITY);
+        int t = 0;
+        for (; t + 8 <= total; t += 8) { /* eight keys at a time, summed by hsum8_each */
+            __m256 acc[8];
+            for (int j = 0; j < 8; j++) {
+                const uint16_t *k = keys + (size_t)(t + j < n_prefix ? t + j : visible[t + j - n_prefix]) * hd;
+                acc[j] = _mm256_mul_ps(_mm256_loadu_ps(q), load_half8(k));
+                for (int c = 1; c < chunks; c++)
+                    acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), load_half8(k + 8 * c), acc[j]);
+            }
+            const __m256 scores = _mm256_mul_ps(hsum8_each(acc), _mm256_set1_ps(scale));
+            _mm256_storeu_ps(row + t, scores);
+            tops = _mm256_max_ps(tops, scores);
+        }
+        float top = hmax8(tops);
+        for (; t < total; t++) {
             const uint16_t *k = keys + (size_t)(t < n_prefix ? t : visible[t - n_prefix]) * hd;
             __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), load_half8(k));
             for (int c = 1; c < chunks; c++)
@@ -763,7 +843,7 @@ HS_AVX2 INLINE void attend_group_body(const uint16_t *keys, const uint16_t *valu
             if (row[t] > top) top = row[t]; /* not fmaxf: a libm call without -ffast-math */
         }
         const __m256 highest = _mm256_set1_ps(top);
-        int t = 0;
+        t = 0;
         __m256 sum = _mm256_setzero_ps();
         for (; t + 8 <= total; t += 8) {
             const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + t), highest));

@@ -1,0 +1,98 @@
+"""T(w) of several builds of the native kernels, interleaved in one process.
+
+On a shared VM the speed drifts 10-20% within minutes, so builds timed in separate runs are
+hard to compare. This loads each build (a copy of ``_hsnative*.so``, or the installed one) as
+its own library, runs the same forwards through each in turn, width by width, asserts that
+their logits are bit-identical (a kernel change must not change a bit), and prints the median
+time per build and width.
+
+    cp native/_hsnative*.so /tmp/before.so     # then change the C and `make setup`
+    python native/bench/compare_builds.py --model ~/.cache/hetspec/heavy-300m/heavy-300m-q8_0.gguf \
+        before=/tmp/before.so after=installed
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import time
+
+import numpy as np
+
+from hetspec.native.kernels import BEST, SIMD_LEVELS, Kernels
+from hetspec.native.model import NativeModel
+
+
+def load_build(path: str) -> Kernels:
+    if path == "installed":
+        return Kernels.load()
+    library = ctypes.CDLL(path)
+    library.hs_simd_level.restype = ctypes.c_int
+    library.hs_quantize_rows.restype = None
+    library.hs_matmul.restype = ctypes.c_int
+    library.hs_forward.restype = ctypes.c_int
+    return Kernels(library)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="a Q8_0 or Q4_0 GGUF file")
+    parser.add_argument("builds", nargs="+", help="LABEL=PATH (PATH: a .so, or 'installed')")
+    parser.add_argument("--widths", default="1,8,16")
+    parser.add_argument("--context", type=int, default=128, help="tokens already cached")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--simd", choices=["best", *SIMD_LEVELS], default="best")
+    args = parser.parse_args()
+    widths = [int(w) for w in args.widths.split(",")]
+    simd = BEST if args.simd == "best" else SIMD_LEVELS[args.simd]
+    builds = {}
+    for item in args.builds:
+        label, _, path = item.partition("=")
+        builds[label] = load_build(path or label)
+    model = NativeModel(args.model, capacity=args.context + max(widths) + 8, simd=simd)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, model.vocab, args.context)
+
+    def chain(kernels: Kernels, tokens: np.ndarray, start: int, first_logit: int) -> np.ndarray:
+        """A chain of tokens at slots start.. below the cached prefix 0..start-1."""
+        model.kernels = kernels
+        n = len(tokens)
+        visible = np.concatenate([np.arange(start, start + i + 1) for i in range(n)])
+        offsets = np.concatenate([[0], np.cumsum(np.arange(1, n + 1))])
+        return model.forward(tokens, np.arange(start, start + n), start=start, prefix=start,
+                             offsets=offsets, visible=visible, first_logit=first_logit,
+                             threads=args.threads)  # fmt: skip
+
+    def forward(kernels: Kernels, tokens: np.ndarray) -> np.ndarray:
+        return chain(kernels, tokens, args.context, 0)
+
+    # the prefix once, by the first build (every build then reads the same cache)
+    chain(next(iter(builds.values())), prompt, 0, args.context - 1)
+    times: dict[tuple[str, int], list[float]] = {(b, w): [] for b in builds for w in widths}
+    for w in widths:
+        tokens = rng.integers(0, model.vocab, w)
+        reference = None
+        for _ in range(args.repeats):
+            for label, kernels in builds.items():
+                began = time.perf_counter()
+                logits = forward(kernels, tokens)
+                times[label, w].append((time.perf_counter() - began) * 1000)
+                if reference is None:
+                    reference = logits
+                elif not np.array_equal(reference, logits):
+                    raise SystemExit(f"{label} at w={w}: logits differ from the first build's")
+    print(f"{args.model}: {args.threads} threads, {args.context} tokens cached, median of "
+          f"{args.repeats}, builds interleaved; logits bit-identical across builds")
+    print("| build | " + " | ".join(f"T({w}) ms" for w in widths) + " |")
+    print("|---|" + "---:|" * len(widths))
+    for label in builds:
+        medians = [statistics.median(times[label, w]) for w in widths]
+        cells = [f"{m:.2f}" + (f" ({m / medians[0]:.2f}x)" if i else "")
+                 for i, m in enumerate(medians)]
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
