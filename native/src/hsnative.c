@@ -39,6 +39,7 @@
 #define INLINE __attribute__((always_inline)) static inline
 #define GROUP 8       /* rows of one interleaved activation group: the 8 int32 lanes of AVX2 */
 #define COL_CHUNK 16  /* output features a thread takes at a time */
+#define ATTEND_ROWS 16 /* rows one call of the attention kernel takes (attend_rows_body) */
 #define PAD_FROM 5     /* leftover rows from which a padded group is cheaper than them alone */
 
 /* Rows computed rows-in-lanes: whole groups of 8, and the leftover rows too (in a group
@@ -807,80 +808,159 @@ HS_AVX2 static inline __m256 load_half8(const uint16_t *h) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
 }
 
-/* The query heads of one GQA group (sharing one KV head) over the slots they may see, in slot
- * order; one call per group keeps its keys and values hot in L1. head_dim: a multiple of 8,
- * at most 256. */
-HS_AVX2 INLINE void attend_group_body(const uint16_t *keys, const uint16_t *values, int hd,
-                                      const float *queries, int group, int n_prefix,
-                                      const int32_t *visible, int n_visible, float *scores,
-                                      float *out, const int chunks) {
-    const int total = n_prefix + n_visible;
-    const float scale = 1.0f / sqrtf((float)hd);
-    for (int g = 0; g < group; g++) {
-        const float *q = queries + (size_t)g * hd;
-        float *row = scores + (size_t)g * total;
-        __m256 tops = _mm256_set1_ps(-INFINITY);
-        int t = 0;
-        for (; t + 8 <= total; t += 8) { /* eight keys at a time, summed by hsum8_each */
-            __m256 acc[8];
-            for (int j = 0; j < 8; j++) {
-                const uint16_t *k = keys + (size_t)(t + j < n_prefix ? t + j : visible[t + j - n_prefix]) * hd;
-                acc[j] = _mm256_mul_ps(_mm256_loadu_ps(q), load_half8(k));
-                for (int c = 1; c < chunks; c++)
-                    acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), load_half8(k + 8 * c), acc[j]);
-            }
-            const __m256 scores = _mm256_mul_ps(hsum8_each(acc), _mm256_set1_ps(scale));
-            _mm256_storeu_ps(row + t, scores);
-            tops = _mm256_max_ps(tops, scores);
-        }
-        float top = hmax8(tops);
-        for (; t < total; t++) {
-            const uint16_t *k = keys + (size_t)(t < n_prefix ? t : visible[t - n_prefix]) * hd;
-            __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), load_half8(k));
-            for (int c = 1; c < chunks; c++)
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), load_half8(k + 8 * c), acc);
-            row[t] = hsum8(acc) * scale;
-            if (row[t] > top) top = row[t]; /* not fmaxf: a libm call without -ffast-math */
-        }
-        const __m256 highest = _mm256_set1_ps(top);
-        t = 0;
-        __m256 sum = _mm256_setzero_ps();
-        for (; t + 8 <= total; t += 8) {
-            const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + t), highest));
-            _mm256_storeu_ps(row + t, e);
-            sum = _mm256_add_ps(sum, e);
-        }
-        float tail[8] = {0};
-        for (int i = 0; t + i < total; i++) tail[i] = row[t + i];
-        _mm256_storeu_ps(tail, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(tail), highest)));
-        float weight = hsum8(sum);
-        for (int i = 0; t + i < total; i++) {
-            row[t + i] = tail[i];
-            weight += tail[i];
-        }
-        __m256 acc[32];
-        for (int c = 0; c < chunks; c++) acc[c] = _mm256_setzero_ps();
-        for (int u = 0; u < total; u++) {
-            const uint16_t *v = values + (size_t)(u < n_prefix ? u : visible[u - n_prefix]) * hd;
-            const __m256 p = _mm256_set1_ps(row[u]);
-            for (int c = 0; c < chunks; c++)
-                acc[c] = _mm256_fmadd_ps(p, load_half8(v + 8 * c), acc[c]);
-        }
-        const __m256 factor = _mm256_set1_ps(1.0f / weight);
-        for (int c = 0; c < chunks; c++)
-            _mm256_storeu_ps(out + (size_t)g * hd + 8 * c, _mm256_mul_ps(acc[c], factor));
+/* `count` cached keys (or values) as floats, rows of hd: slots first.., or slots[first..]. */
+HS_AVX2 INLINE void widen_slots(const uint16_t *cache, const int32_t *slots, int first, int count,
+                                int hd, float *wide) {
+    for (int j = 0; j < count; j++) {
+        const uint16_t *h = cache + (size_t)(slots ? slots[first + j] : first + j) * hd;
+        for (int c = 0; c < hd; c += 8) _mm256_storeu_ps(wide + (size_t)j * hd + c, load_half8(h + c));
     }
+}
+
+/* One query's scaled scores against `count` widened keys: each key's dot product in chunk
+ * order, summed across lanes as hsum8 does (eight keys at a time by hsum8_each). */
+HS_AVX2 INLINE void score_keys(const float *q, const float *keys, int count, int hd,
+                               const int chunks, float scale, float *row) {
+    int j = 0;
+    for (; j + 8 <= count; j += 8) {
+        __m256 acc[8];
+        for (int i = 0; i < 8; i++) {
+            const float *k = keys + (size_t)(j + i) * hd;
+            acc[i] = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+            for (int c = 1; c < chunks; c++)
+                acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(k + 8 * c), acc[i]);
+        }
+        _mm256_storeu_ps(row + j, _mm256_mul_ps(hsum8_each(acc), _mm256_set1_ps(scale)));
+    }
+    for (; j < count; j++) {
+        const float *k = keys + (size_t)j * hd;
+        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+        for (int c = 1; c < chunks; c++)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(k + 8 * c), acc);
+        row[j] = hsum8(acc) * scale;
+    }
+}
+
+/* Scores -> exp(score - the largest), in place; returns their sum (8 lanes, then the tail). */
+HS_AVX2 INLINE float softmax_weights(float *row, int total) {
+    __m256 tops = _mm256_set1_ps(-INFINITY);
+    int t = 0;
+    for (; t + 8 <= total; t += 8) tops = _mm256_max_ps(tops, _mm256_loadu_ps(row + t));
+    float top = hmax8(tops);
+    for (; t < total; t++)
+        if (row[t] > top) top = row[t]; /* not fmaxf: a libm call without -ffast-math */
+    const __m256 highest = _mm256_set1_ps(top);
+    __m256 sum = _mm256_setzero_ps();
+    for (t = 0; t + 8 <= total; t += 8) {
+        const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + t), highest));
+        _mm256_storeu_ps(row + t, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    float tail[8] = {0};
+    for (int i = 0; t + i < total; i++) tail[i] = row[t + i];
+    _mm256_storeu_ps(tail, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(tail), highest)));
+    float weight = hsum8(sum);
+    for (int i = 0; t + i < total; i++) {
+        row[t + i] = tail[i];
+        weight += tail[i];
+    }
+    return weight;
+}
+
+/* out += sum over `count` widened values of weight * value, value by value in order. */
+HS_AVX2 INLINE void add_values(const float *weights, const float *values, int count, int hd,
+                               const int chunks, float *out) {
+    __m256 acc[32];
+    for (int c = 0; c < chunks; c++) acc[c] = _mm256_loadu_ps(out + 8 * c);
+    for (int u = 0; u < count; u++) {
+        const __m256 p = _mm256_set1_ps(weights[u]);
+        for (int c = 0; c < chunks; c++)
+            acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(values + (size_t)u * hd + 8 * c), acc[c]);
+    }
+    for (int c = 0; c < chunks; c++) _mm256_storeu_ps(out + 8 * c, acc[c]);
+}
+
+#define KEY_BLOCK 32   /* cached keys or values widened to floats at a time (<= 32 KB) */
+
+/* The query heads of one GQA group (sharing one KV head) for `rows` rows of a forward, their
+ * queries and outputs `stride` floats apart: each row sees the prefix (slots 0..n_prefix-1) and
+ * its own slots visible[offsets[r]..offsets[r + 1]), in that order. Dense prefix once for all
+ * rows, sparse rest per row (Ghidorah's split): each block of prefix keys and values is read
+ * and widened once for every row and head, in L1. Each (row, head) gets the same arithmetic
+ * in the same order whatever the rows beside it, so the bits do not depend on the width.
+ * scores: rows * group * (n_prefix + the most visible + 1) floats. head_dim: a multiple of 8,
+ * at most 256. */
+HS_AVX2 INLINE void attend_rows_body(const uint16_t *keys, const uint16_t *values, int hd,
+                                     const float *queries, size_t stride, int rows, int group,
+                                     int n_prefix, const int32_t *visible,
+                                     const int32_t *offsets, float *scores, float *out,
+                                     const int chunks) {
+    const float scale = 1.0f / sqrtf((float)hd);
+    int widest = 0;
+    for (int r = 0; r < rows; r++)
+        if (offsets[r + 1] - offsets[r] > widest) widest = offsets[r + 1] - offsets[r];
+    const size_t width = (size_t)n_prefix + widest + 1; /* the +1: each query's weight sum */
+    float wide[KEY_BLOCK * 256] __attribute__((aligned(32)));
+#define QUERY(r, g) (queries + (size_t)(r) * stride + (size_t)(g) * hd)
+#define OUT(r, g) (out + (size_t)(r) * stride + (size_t)(g) * hd)
+#define ROW(r, g) (scores + ((size_t)(r) * group + (g)) * width)
+#define OWN(r) (visible + offsets[r])
+#define SEEN(r) (offsets[(r) + 1] - offsets[r])
+    for (int t = 0; t < n_prefix; t += KEY_BLOCK) {
+        const int count = n_prefix - t < KEY_BLOCK ? n_prefix - t : KEY_BLOCK;
+        widen_slots(keys, NULL, t, count, hd, wide);
+        for (int r = 0; r < rows; r++)
+            for (int g = 0; g < group; g++)
+                score_keys(QUERY(r, g), wide, count, hd, chunks, scale, ROW(r, g) + t);
+    }
+    for (int r = 0; r < rows; r++)
+        for (int t = 0; t < SEEN(r); t += KEY_BLOCK) {
+            const int count = SEEN(r) - t < KEY_BLOCK ? SEEN(r) - t : KEY_BLOCK;
+            widen_slots(keys, OWN(r), t, count, hd, wide);
+            for (int g = 0; g < group; g++)
+                score_keys(QUERY(r, g), wide, count, hd, chunks, scale, ROW(r, g) + n_prefix + t);
+        }
+    for (int r = 0; r < rows; r++)
+        for (int g = 0; g < group; g++) {
+            ROW(r, g)[width - 1] = softmax_weights(ROW(r, g), n_prefix + SEEN(r));
+            memset(OUT(r, g), 0, (size_t)hd * sizeof(float));
+        }
+    for (int t = 0; t < n_prefix; t += KEY_BLOCK) {
+        const int count = n_prefix - t < KEY_BLOCK ? n_prefix - t : KEY_BLOCK;
+        widen_slots(values, NULL, t, count, hd, wide);
+        for (int r = 0; r < rows; r++)
+            for (int g = 0; g < group; g++)
+                add_values(ROW(r, g) + t, wide, count, hd, chunks, OUT(r, g));
+    }
+    for (int r = 0; r < rows; r++) {
+        for (int t = 0; t < SEEN(r); t += KEY_BLOCK) {
+            const int count = SEEN(r) - t < KEY_BLOCK ? SEEN(r) - t : KEY_BLOCK;
+            widen_slots(values, OWN(r), t, count, hd, wide);
+            for (int g = 0; g < group; g++)
+                add_values(ROW(r, g) + n_prefix + t, wide, count, hd, chunks, OUT(r, g));
+        }
+        for (int g = 0; g < group; g++) {
+            const __m256 factor = _mm256_set1_ps(1.0f / ROW(r, g)[width - 1]);
+            for (int c = 0; c < chunks; c++)
+                _mm256_storeu_ps(OUT(r, g) + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(OUT(r, g) + 8 * c), factor));
+        }
+    }
+#undef QUERY
+#undef OUT
+#undef ROW
+#undef OWN
+#undef SEEN
 }
 
 /* The body with its chunk count known at compile time for the usual head sizes, so that
  * the accumulators stay in registers (a loop bound read at run time kept them in memory:
  * a store-to-load round trip per value and chunk). */
-HS_AVX2 static void attend_group_avx2(const uint16_t *keys, const uint16_t *values, int hd,
-                                      const float *queries, int group, int n_prefix,
-                                      const int32_t *visible, int n_visible, float *scores,
-                                      float *out) {
-#define BODY(chunks) attend_group_body(keys, values, hd, queries, group, n_prefix, visible, \
-                                       n_visible, scores, out, chunks)
+HS_AVX2 static void attend_rows_avx2(const uint16_t *keys, const uint16_t *values, int hd,
+                                     const float *queries, size_t stride, int rows, int group,
+                                     int n_prefix, const int32_t *visible,
+                                     const int32_t *offsets, float *scores, float *out) {
+#define BODY(chunks) attend_rows_body(keys, values, hd, queries, stride, rows, group, n_prefix, \
+                                      visible, offsets, scores, out, chunks)
     switch (hd / 8) {
     case 4: BODY(4); break;
     case 8: BODY(8); break;
@@ -1154,6 +1234,12 @@ typedef struct { /* per-call scratch, one allocation */
     void *base;
 } scratch;
 
+/* A thread's attention scores: attend_rows_body's for ATTEND_ROWS rows, or attend's for one
+ * query. */
+static size_t attention_scratch(const hs_model *m) {
+    return (size_t)ATTEND_ROWS * (m->n_heads / m->n_kv_heads) * ((size_t)m->capacity + 1);
+}
+
 static int scratch_alloc(scratch *s, const hs_model *m, int n, int threads) {
     const size_t d = m->d_model, f = m->n_ff, qd = (size_t)m->n_heads * m->head_dim,
                  kvd = (size_t)m->n_kv_heads * m->head_dim;
@@ -1162,7 +1248,7 @@ static int scratch_alloc(scratch *s, const hs_model *m, int n, int threads) {
     const size_t padded = (size_t)n + GROUP; /* the grouped layout may hold a padded group */
     const size_t floats[] = {n * d, n * widest, n * qd, n * kvd, n * kvd, n * qd,
                              n * d,  n * f,      n * f,
-                             (size_t)threads * m->capacity * (m->n_heads / m->n_kv_heads),
+                             (size_t)threads * attention_scratch(m),
                              n * (widest / HS_BLOCK), padded * (widest / HS_BLOCK),
                              n * (widest / HS_BLOCK), padded * (widest / HS_BLOCK)};
     _Static_assert(sizeof(float) == sizeof(int32_t), "the block sums share the float slots");
@@ -1266,7 +1352,7 @@ int hs_forward(const hs_model *m, int n, const int32_t *tokens, const int32_t *p
 #pragma omp parallel num_threads(threads)
     {
 #ifdef _OPENMP
-        float *scores = s.scores + (size_t)omp_get_thread_num() * m->capacity * group;
+        float *scores = s.scores + (size_t)omp_get_thread_num() * attention_scratch(m);
 #else
         float *scores = s.scores;
 #endif
@@ -1299,15 +1385,17 @@ int hs_forward(const hs_model *m, int n, const int32_t *tokens, const int32_t *p
 #if HS_X86
             if (simd && hd % 8 == 0 && hd <= 256) {
                 const size_t layer_base = (size_t)l * kv_heads * m->capacity * hd;
+                const int row_sets = (n + ATTEND_ROWS - 1) / ATTEND_ROWS;
 #pragma omp for schedule(static)
-                for (int item = 0; item < n * kv_heads; item++) { /* head-major: a head's
-                    keys and values stay in L2 for all rows (row-major re-read them per row) */
-                    const int h = item / n, i = item % n;
+                for (int item = 0; item < kv_heads * row_sets; item++) { /* head-major: a
+                    head's keys and values stay in L2 for all rows */
+                    const int h = item / row_sets, i = item % row_sets * ATTEND_ROWS;
+                    const int rows = n - i < ATTEND_ROWS ? n - i : ATTEND_ROWS;
                     const size_t head = layer_base + (size_t)h * m->capacity * hd;
                     const size_t first = (size_t)i * qd + (size_t)h * group * hd;
-                    attend_group_avx2(m->k_cache + head, m->v_cache + head, hd, s.q + first,
-                                      group, n_prefix, visible + offsets[i],
-                                      offsets[i + 1] - offsets[i], scores, s.attended + first);
+                    attend_rows_avx2(m->k_cache + head, m->v_cache + head, hd, s.q + first, qd,
+                                     rows, group, n_prefix, visible, offsets + i, scores,
+                                     s.attended + first);
                 }
             } else
 #endif
