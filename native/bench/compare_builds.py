@@ -44,6 +44,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--simd", choices=["best", *SIMD_LEVELS], default="best")
+    parser.add_argument("--bits-may-differ", action="store_true",
+                        help="report builds whose logits differ instead of stopping (a change "
+                             "of arithmetic on purpose); each build is still width-invariant "
+                             "by test_native")
     args = parser.parse_args()
     widths = [int(w) for w in args.widths.split(",")]
     simd = BEST if args.simd == "best" else SIMD_LEVELS[args.simd]
@@ -71,28 +75,40 @@ def main() -> None:
     # the prefix once, by the first build (every build then reads the same cache)
     chain(next(iter(builds.values())), prompt, 0, args.context - 1)
     times: dict[tuple[str, int], list[float]] = {(b, w): [] for b in builds for w in widths}
-    for w in widths:
-        tokens = rng.integers(0, model.vocab, w)
-        reference = None
-        for _ in range(args.repeats):
+    differ: dict[str, float] = {}
+    chains = {w: rng.integers(0, model.vocab, w) for w in widths}
+    references: dict[int, np.ndarray] = {}
+    # every repeat times each width of each build back to back, so that T(w) / T(1) can be
+    # taken within a repeat: this VM's speed drifts over seconds, less within one
+    for _ in range(args.repeats):
+        for w in widths:
             for label, kernels in builds.items():
                 began = time.perf_counter()
-                logits = forward(kernels, tokens)
+                logits = forward(kernels, chains[w])
                 times[label, w].append((time.perf_counter() - began) * 1000)
-                if reference is None:
-                    reference = logits
-                elif not np.array_equal(reference, logits):
-                    raise SystemExit(f"{label} at w={w}: logits differ from the first build's")
+                if w not in references:
+                    references[w] = logits
+                elif not np.array_equal(references[w], logits):
+                    if not args.bits_may_differ:
+                        raise SystemExit(f"{label} at w={w}: logits differ from the first build's")
+                    gap = float(np.abs(references[w] - logits).max())
+                    differ[label] = max(differ.get(label, 0.0), gap)
+    same = "logits bit-identical across builds" if not differ else "logits differ from the " \
+        "first build's: " + ", ".join(f"{b} by at most {gap:.2g}" for b, gap in differ.items())
     print(f"{args.model}: {args.threads} threads, {args.context} tokens cached, median of "
-          f"{args.repeats}, builds interleaved; logits bit-identical across builds")
+          f"{args.repeats}, builds interleaved; {same}")
     print("| build | " + " | ".join(f"T({w}) ms" for w in widths) + " |")
     print("|---|" + "---:|" * len(widths))
     for label in builds:
-        medians = [statistics.median(times[label, w]) for w in widths]
-        cells = [f"{m:.2f}" + (f" ({m / medians[0]:.2f}x)" if i else "")
-                 for i, m in enumerate(medians)]
+        cells = []
+        for i, w in enumerate(widths):
+            cell = f"{statistics.median(times[label, w]):.2f}"
+            if i:  # the median of each repeat's own T(w) / T(first width)
+                ratios = [t / t1 for t, t1 in zip(times[label, w], times[label, widths[0]])]
+                cell += f" ({statistics.median(ratios):.2f}x)"
+            cells.append(cell)
         print(f"| {label} | " + " | ".join(cells) + " |")
-
+    print(f"(in brackets: the median over the repeats of T(w) / T({widths[0]}) within a repeat)")
 
 if __name__ == "__main__":
     main()
