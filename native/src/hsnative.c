@@ -561,55 +561,43 @@ HS_VNNI INLINE __m256i load_unsigned_weights(const void *wrow, const int type, i
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
 }
 
-/* Rows in lanes: the rows of `count` (1 or 2) whole groups from `group` on, times `tile` (1, 2
- * or 4) weight rows of `type` `stride` bytes apart, into result[(t * count + g) * GROUP ..].
- * A block's activations stay in registers for every weight row of the tile (a 256-bit load
- * per four products would otherwise be the bottleneck), and each weight row's four-byte
- * pieces are broadcast from a copy made unsigned once. */
+/* Rows in lanes: the 8 rows of the whole group `group`, times `tile` (1 or 4) weight rows of
+ * `type` `stride` bytes apart, into result[t * GROUP ..]. A block's activations stay in
+ * registers for every weight row of the tile (a 256-bit load per four products would
+ * otherwise be the bottleneck), and each weight row's four-byte pieces are broadcast from a
+ * copy made unsigned once. (Q8_0 with the activations as the unsigned side instead and the
+ * weights broadcast straight from the GGUF block measured no faster.) */
 HS_VNNI INLINE void rows_in_lanes_vnni(const char *wrows, const size_t stride, const int type,
                                        const int blocks, const activations *a, const int group,
-                                       const int count, const int tile, float *result) {
+                                       const int tile, float *result) {
     const int shift = type == HS_Q8_0 ? Q8_BIAS_SHIFT : Q4_BIAS_SHIFT;
     const size_t block_bytes = stride / blocks;
-    __m256 acc[4][2];
-    for (int t = 0; t < tile; t++)
-        for (int g = 0; g < count; g++) acc[t][g] = _mm256_setzero_ps();
+    __m256 acc[4];
+    for (int t = 0; t < tile; t++) acc[t] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
-        __m256i x[2][HS_BLOCK / 4], start[2];
-        __m256 x_scales[2];
-        for (int g = 0; g < count; g++) {
-            const size_t at = ((size_t)(group + g) * blocks + b) * GROUP;
-            for (int k = 0; k < HS_BLOCK / 4; k++)
-                x[g][k] = _mm256_loadu_si256((const __m256i *)(a->grouped + (at + k) * 4 * GROUP));
-            start[g] = vnni_start(_mm256_loadu_si256((const __m256i *)(a->grouped_sum + at)), shift);
-            x_scales[g] = _mm256_loadu_ps(a->grouped_d + at);
-        }
+        const size_t at = ((size_t)group * blocks + b) * GROUP;
+        __m256i x[HS_BLOCK / 4];
+        for (int k = 0; k < HS_BLOCK / 4; k++)
+            x[k] = _mm256_loadu_si256((const __m256i *)(a->grouped + (at + k) * 4 * GROUP));
+        const __m256i start = vnni_start(_mm256_loadu_si256((const __m256i *)(a->grouped_sum + at)), shift);
+        const __m256 x_scales = _mm256_loadu_ps(a->grouped_d + at);
         for (int t = 0; t < tile; t++) {
             const char *wrow = wrows + stride * t;
             if (!(b & 1)) /* the next tile's rows (see features_in_lanes_avx2) */
                 _mm_prefetch(wrow + stride * tile + block_bytes * b, _MM_HINT_T0);
             int32_t weights[HS_BLOCK / 4] __attribute__((aligned(32)));
             _mm256_store_si256((__m256i *)weights, load_unsigned_weights(wrow, type, b));
-            /* two chains a group: each vpdpbusd waits for its accumulator (a latency of several
+            /* two chains: each vpdpbusd waits for its accumulator (a latency of several
              * cycles); integer sums may be split and added in any order */
-            __m256i sums[2][2];
-            for (int g = 0; g < count; g++) {
-                sums[g][0] = start[g];
-                sums[g][1] = _mm256_setzero_si256();
-            }
-            for (int k = 0; k < HS_BLOCK / 4; k++) {
-                const __m256i w = _mm256_set1_epi32(weights[k]);
-                for (int g = 0; g < count; g++)
-                    sums[g][k & 1] = _mm256_dpbusd_epi32(sums[g][k & 1], w, x[g][k]);
-            }
+            __m256i chains[2] = {start, _mm256_setzero_si256()};
+            for (int k = 0; k < HS_BLOCK / 4; k++)
+                chains[k & 1] = _mm256_dpbusd_epi32(chains[k & 1], _mm256_set1_epi32(weights[k]), x[k]);
             const __m256 w_scale = _mm256_set1_ps(_cvtsh_ss(weight_scale_of(wrow, type, b)));
-            for (int g = 0; g < count; g++)
-                acc[t][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sums[g][0], sums[g][1])),
-                                            _mm256_mul_ps(x_scales[g], w_scale), acc[t][g]);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(chains[0], chains[1])),
+                                     _mm256_mul_ps(x_scales, w_scale), acc[t]);
         }
     }
-    for (int t = 0; t < tile; t++)
-        for (int g = 0; g < count; g++) _mm256_storeu_ps(result + (t * count + g) * GROUP, acc[t][g]);
+    for (int t = 0; t < tile; t++) _mm256_storeu_ps(result + t * GROUP, acc[t]);
 }
 
 /* Two 256-bit halves as one 512-bit vector (lo in lanes 0-7). */
@@ -711,8 +699,8 @@ HS_VNNI static void quantized_features_vnni(const hs_matrix *w, const activation
 #define ROWS(type)                                                                           \
     if (count == 2 && tile == 4) rows16_in_lanes_vnni(wrows, stride, type, blocks, a, g, 4, result); \
     else if (count == 2) rows16_in_lanes_vnni(wrows, stride, type, blocks, a, g, 1, result);         \
-    else if (tile == 4) rows_in_lanes_vnni(wrows, stride, type, blocks, a, g, 1, 4, result);         \
-    else rows_in_lanes_vnni(wrows, stride, type, blocks, a, g, 1, 1, result);
+    else if (tile == 4) rows_in_lanes_vnni(wrows, stride, type, blocks, a, g, 4, result);            \
+    else rows_in_lanes_vnni(wrows, stride, type, blocks, a, g, 1, result);
             if (w->type == HS_Q8_0) {
                 ROWS(HS_Q8_0)
             } else {
