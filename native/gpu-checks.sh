@@ -11,9 +11,9 @@
 # and starts, once per machine and in sessions of their own (setsid) that outlive the call,
 # llama-server's CUDA build (native/build-llama-server.sh cuda, on every core but the first
 # two) and heavy-1b/heavy-300m. The quick call then runs the CUDA tests and T_verify(w) of the
-# torch verifier (widths 1..64: width buckets as graphs, the width-invariant fixed width with
-# chains in one-path forwards and without) with each width's distance from one token at a
-# time and a tree's from its branches as chains; the
+# torch verifier (widths 1..64: width buckets as graphs, the width-invariant fixed width, and
+# the same through torch.compile) with each width's distance from one token at a time, a
+# tree's from its branches as chains, and a profile of one token's forward; the
 # full call waits for llama-server, runs the lossless suite's greedy test on draft-cpu (the
 # drafter's llama.cpp would fight the build for cores before) and `hetspec bench` on heavy-1b
 # with the GPU peers, busy-core run included, then draft-gpu in what time is left.
@@ -79,24 +79,28 @@ heavy() { "$python" -c "from hetspec.models.heavy import ensure_heavy as e; \
 print(e('$1', ('f16', 'q8_0'), quiet=True).folder)"; }
 verify() {  # verify NAME MODEL ARGS...: T_verify(w) at 512 tokens of context
   local name=$1 model=$2; shift 2
-  step 90 "T_verify $name" "${pin[@]}" "$python" -m hetspec.workers.torch_runtime.bench_verify \
+  step "${VERIFY_S:-90}" "T_verify $name" "${pin[@]}" "$python" -m hetspec.workers.torch_runtime.bench_verify \
       --model "$model" --contexts 512 --widths 1,2,4,8,16,32,64 --repeats 30 \
       --json "$OUT/verify-$name.json" "$@"
 }
 
 if [[ -n "${QUICK:-}" ]]; then
   step 120 "CUDA tests" "${pin[@]}" "$python" -m pytest -q -p no:cacheprovider \
-      tests/test_cuda_graphs.py tests/test_torch_runtime.py -k "cuda or graph or fixed or bucket"
+      tests/test_cuda_graphs.py tests/test_torch_runtime.py \
+      -k "(cuda or graph or fixed or bucket) and not compiled"  # compiling: T_verify's below
   stamp "waiting for the heavy targets"
   while [[ ! -e "$HETSPEC_CACHE_DIR/heavy.done" ]]; do sleep 2; done
   h1b=$(heavy 1b)
   verify 1b-buckets "$h1b" --dtype bfloat16 --invariance
-  # chains in one-path forwards (the default) and in the trees' four-path ones; the
-  # invariance table's "tree" row compares a 4x4 tree with its branches as chains, i.e. the
-  # two shapes: any row that differs means chain_forwards must be off on this GPU
-  verify 1b-fixed16 "$h1b" --dtype bfloat16 --fixed-width 16 --invariance
-  verify 1b-fixed16-no-chain-forwards "$h1b" --dtype bfloat16 --fixed-width 16 \
-      --no-chain-forwards --invariance
+  # the width-invariant verifier (chains in one-path forwards): the invariance table's "tree"
+  # row compares a 4x4 tree with its branches as chains, i.e. the two shapes (any row that
+  # differs means chain_forwards must be off on this GPU); the profile says where a target-
+  # alone token's time goes (the GPU's kernels against the wall time)
+  verify 1b-fixed16 "$h1b" --dtype bfloat16 --fixed-width 16 --invariance --profile-width 1
+  # the same shapes through torch.compile (inductor fuses the kernels between the matmuls),
+  # compiled at load: the step's limit leaves room for that
+  VERIFY_S=200 verify 1b-fixed16-compiled "$h1b" --dtype bfloat16 --fixed-width 16 --invariance \
+      --compile --profile-width 1
   verify 300m-buckets "$(heavy 300m)" --dtype bfloat16
   stamp "done (quick): the llama-server build so far"
   tail -c 300 "$build_log"; echo

@@ -70,9 +70,11 @@ def test_buckets_track_float32_in_bfloat16(folder) -> None:
     assert (ours - expected).abs().max().item() < 0.2
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_a_verifier_gives_the_same_bits_alone_and_in_any_tree(folder, dtype) -> None:
-    runtime = TorchRuntime(folder, device="cuda", dtype=dtype, verifies=True)
+@pytest.mark.parametrize(("dtype", "compile"), [("bfloat16", False), ("float32", False),
+                                            ("bfloat16", True)],
+                         ids=["bf16", "f32", "bf16-compiled"])  # fmt: skip
+def test_a_verifier_gives_the_same_bits_alone_and_in_any_tree(folder, dtype, compile) -> None:
+    runtime = TorchRuntime(folder, device="cuda", dtype=dtype, verifies=True, compile=compile)
     assert runtime.fixed_width == 16
     runtime.prefill(LONG_PROMPT)
     chain, alone = greedy_alone(runtime, 40)
@@ -95,6 +97,16 @@ def test_a_verifier_gives_the_same_bits_alone_and_in_any_tree(folder, dtype) -> 
     output = runtime.forward_tree(tokens, [-1, -1, -1, -1, -1, -1, 5, 6])
     for i in range(3):
         assert torch.equal(output.logits[5 + i].cpu(), alone[i])
+
+
+def test_a_compiled_verifier_tracks_the_eager_one(folder) -> None:
+    eager = TorchRuntime(folder, device="cuda", dtype="float32", verifies=True)
+    compiled = TorchRuntime(folder, device="cuda", dtype="float32", verifies=True, compile=True)
+    for runtime in (eager, compiled):
+        runtime.prefill(PROMPT)
+    tree = ([3, 4, 5, 6], [-1, 0, 0, 2])
+    expected = eager.forward_tree(*tree).logits
+    assert (compiled.forward_tree(*tree).logits - expected).abs().max().item() < 1e-3
 
 
 def test_graph_outputs_survive_later_forwards(folder) -> None:

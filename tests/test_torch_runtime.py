@@ -282,6 +282,21 @@ def test_compiled_model_gives_the_eager_logits(tmp_path) -> None:
     assert_close(compiled.forward_tree(*tree).logits, eager.forward_tree(*tree).logits)
 
 
+@pytest.mark.slow
+def test_compiled_fixed_shapes_track_eager_and_stay_width_invariant(tmp_path) -> None:
+    folder = save_reference(build_reference("qwen3"), tmp_path / "m")
+    eager = TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=4)
+    compiled = TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=4, compile=True)
+    for runtime in (eager, compiled):
+        runtime.prefill(PROMPT)
+    tree = ([3, 4, 5, 6], [-1, 0, 0, 2])
+    assert_close(compiled.forward_tree(*tree).logits, eager.forward_tree(*tree).logits)
+    compiled.discard_pending()
+    alone = compiled.forward_tree([3], [-1]).logits[0].clone()
+    compiled.discard_pending()
+    assert torch.equal(compiled.forward_tree([3, 9, 11], [-1, -1, 0]).logits[0], alone)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_cuda_half_precision_tracks_fp32(tmp_path, dtype) -> None:

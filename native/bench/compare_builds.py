@@ -44,10 +44,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--simd", choices=["best", *SIMD_LEVELS], default="best")
-    parser.add_argument("--bits-may-differ", action="store_true",
-                        help="report builds whose logits differ instead of stopping (a change "
-                             "of arithmetic on purpose); each build is still width-invariant "
-                             "by test_native")
+    parser.add_argument(
+        "--bits-may-differ",
+        action="store_true",
+        help="report builds whose logits differ instead of stopping (a change "
+        "of arithmetic on purpose); each build is still width-invariant "
+        "by test_native",
+    )
     args = parser.parse_args()
     widths = [int(w) for w in args.widths.split(",")]
     simd = BEST if args.simd == "best" else SIMD_LEVELS[args.simd]
@@ -93,10 +96,20 @@ def main() -> None:
                         raise SystemExit(f"{label} at w={w}: logits differ from the first build's")
                     gap = float(np.abs(references[w] - logits).max())
                     differ[label] = max(differ.get(label, 0.0), gap)
-    same = "logits bit-identical across builds" if not differ else "logits differ from the " \
+    print_table(args, builds, widths, times, differ)
+
+
+def print_table(args, builds, widths, times, differ) -> None:
+    same = (
+        "logits bit-identical across builds"
+        if not differ
+        else "logits differ from the "
         "first build's: " + ", ".join(f"{b} by at most {gap:.2g}" for b, gap in differ.items())
-    print(f"{args.model}: {args.threads} threads, {args.context} tokens cached, median of "
-          f"{args.repeats}, builds interleaved; {same}")
+    )
+    print(
+        f"{args.model}: {args.threads} threads, {args.context} tokens cached, median of "
+        f"{args.repeats}, builds interleaved; {same}"
+    )
     print("| build | " + " | ".join(f"T({w}) ms" for w in widths) + " |")
     print("|---|" + "---:|" * len(widths))
     for label in builds:
@@ -104,11 +117,14 @@ def main() -> None:
         for i, w in enumerate(widths):
             cell = f"{statistics.median(times[label, w]):.2f}"
             if i:  # the median of each repeat's own T(w) / T(first width)
-                ratios = [t / t1 for t, t1 in zip(times[label, w], times[label, widths[0]])]
+                ratios = [
+                    t / t1 for t, t1 in zip(times[label, w], times[label, widths[0]], strict=True)
+                ]
                 cell += f" ({statistics.median(ratios):.2f}x)"
             cells.append(cell)
         print(f"| {label} | " + " | ".join(cells) + " |")
     print(f"(in brackets: the median over the repeats of T(w) / T({widths[0]}) within a repeat)")
+
 
 if __name__ == "__main__":
     main()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,47 @@ def time_forward(runtime: TorchRuntime, tokens: np.ndarray, parents: np.ndarray,
     result = timed_ms(forward, repeats, warmup=3)
     runtime.discard_pending()
     return result
+
+
+def profile_forward(
+    runtime: TorchRuntime, tokens: np.ndarray, parents: np.ndarray, repeats: int, top: int = 12
+) -> dict:
+    """Where one forward's time goes, by torch's profiler: on CUDA the device's busy time (its
+    kernels, replayed graphs' included) against the wall time per forward, and the kernels
+    that take most; on the CPU the operators that take most. Returns the same as a row."""
+    from torch.autograd import DeviceType  # noqa: PLC0415
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    cuda = runtime.device.type == "cuda"
+    synchronize = torch.cuda.synchronize if cuda else (lambda: None)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as profiler:
+        began = time.perf_counter()
+        for _ in range(repeats):
+            runtime.forward_tree(tokens, parents)
+            synchronize()
+            runtime.discard_pending()
+        wall = (time.perf_counter() - began) * 1000 / repeats
+    device = DeviceType.CUDA if cuda else DeviceType.CPU
+    totals: dict[str, list[float]] = {}
+    for event in profiler.events():
+        if event.device_type != device or (not cuda and event.cpu_parent is not None):
+            continue  # on the CPU only top-level operators: their children are inside them
+        entry = totals.setdefault(event.name, [0.0, 0])
+        entry[0] += event.time_range.elapsed_us() / 1000 / repeats
+        entry[1] += 1
+    busy = sum(ms for ms, _ in totals.values())
+    what = "kernels on the GPU" if cuda else "top-level operators on the CPU"
+    print(
+        f"profile, {len(tokens)} tokens a forward, {repeats} forwards: {wall:.3f} ms a forward "
+        f"(profiled), {what} {busy:.3f} ms ({busy / wall:.0%} of it)"
+    )
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:top]
+    for name, (ms, count) in ranked:
+        print(f"  {ms:8.3f} ms {count / repeats:6.1f}x  {name[:90]}")
+    return {"width": len(tokens), "wall_ms": round(wall, 3), "busy_ms": round(busy, 3),
+            "top": [{"name": n, "ms": round(ms, 4), "per_forward": c / repeats}
+                    for n, (ms, c) in ranked]}  # fmt: skip
 
 
 def invariance_rows(runtime: TorchRuntime, widths: list[int], rng) -> list[dict]:
@@ -106,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model (each fixed shape at load, with its CUDA graph)",
+    )
     parser.add_argument(
         "--no-graphs",
         dest="graphs",
@@ -142,6 +188,13 @@ def main(argv: list[str] | None = None) -> int:
         "--invariance",
         action="store_true",
         help="also compare each width's chain logits with one token at a time",
+    )
+    parser.add_argument(
+        "--profile-width",
+        type=int,
+        default=0,
+        metavar="W",
+        help="also profile forwards of W tokens at the last context: where the time goes",
     )
     parser.add_argument("--contexts", type=positive_int_list, default=[128, 512, 1536])
     parser.add_argument("--widths", type=positive_int_list, default=[1, 2, 4, 8, 16, 32, 64])
@@ -188,12 +241,19 @@ def main(argv: list[str] | None = None) -> int:
                 f"{median / width:>9.3f} {median / base:>6.2f}",
                 flush=True,
             )
+        if args.profile_width > 0 and context == args.contexts[-1]:
+            width = args.profile_width
+            parents = chain_parents(width) if args.shape == "chain" else np.full(width, -1)
+            profiled = profile_forward(runtime, rng.integers(0, vocab, size=width), parents,
+                                       args.repeats)  # fmt: skip
     invariance = invariance_rows(runtime, args.widths, rng) if args.invariance else []
     if args.json:
         meta = {"model": str(args.model), "device": str(runtime.device), "shape": args.shape,
                 "dtype": str(runtime.dtype), "threads": torch.get_num_threads(),
                 "graphs": runtime.graphs, "fixed_width": runtime.fixed_width}  # fmt: skip
         document = {**meta, "rows": rows, "invariance": invariance}
+        if args.profile_width > 0:
+            document["profile"] = profiled
         args.json.write_text(json.dumps(document, indent=2) + "\n")
     return 0
 

@@ -89,8 +89,8 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         forward gathers ``invariant_paths`` tree paths (a tree of more takes several);
         with ``chain_forwards`` a forward whose rows lie on one path runs in a shape of its
         own that gathers one (a chain attends over a quarter of the keys).
-        ``compile`` runs the model through torch.compile where shapes vary (the first forward
-        of each new shape pays the compilation)."""
+        ``compile`` runs the model through torch.compile: each fixed shape's forward (compiled
+        at load with the graphs on CUDA), or where shapes vary each new shape's first forward."""
         folder = Path(model_dir)
         if not folder.is_dir():
             raise ModelLoadError(f"{folder}: not a directory")
@@ -137,12 +137,13 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
             self._static = StaticForward(
                 self.model, c, keys=self._keys, values=self._values, cos=self._cos,
                 sin=self._sin, capacity=capacity, shapes=shapes, graphs=cuda_graphs,
+                compiled=compile,
             )  # fmt: skip
             if chain_forwards and shapes.paths > 1:
                 self._chains = StaticForward(
                     self.model, c, keys=self._keys, values=self._values, cos=self._cos,
                     sin=self._sin, capacity=capacity, shapes=replace(shapes, paths=1),
-                    graphs=cuda_graphs,
+                    graphs=cuda_graphs, compiled=compile,
                 )  # fmt: skip
 
     static_shapes = True  # a subclass with another model call turns fixed shapes off

@@ -27,6 +27,7 @@ import torch
 from hetspec.workers.torch_runtime.config import ModelConfig
 
 MIN_SPAN = 256  # the narrowest attention span bucket (slots)
+COMPILED_SHAPES = 256  # recompilations allowed a compiled forward: one per shape
 MAX_BUCKET_WIDTH = 64  # the widest width bucket when widths vary
 INVARIANT_PATHS = 4  # tree paths one width-invariant forward gathers
 
@@ -114,8 +115,13 @@ class StaticForward:
         capacity: int,
         shapes: Shapes,
         graphs: bool,
+        compiled: bool = False,
     ) -> None:
+        """``compiled``: each shape's forward through torch.compile (inductor fuses the small
+        kernels between the matmuls), compiled at its first call (at load where graphs are
+        captured) and, on CUDA, captured as that shape's graph."""
         self.model, self.config, self.shapes = model, config, shapes
+        self._compiled = torch.compile(self._compute, dynamic=False) if compiled else None
         self.keys, self.values, self.cos, self.sin = keys, values, cos, sin
         self.capacity = capacity
         self.dtype = keys.dtype
@@ -186,6 +192,14 @@ class StaticForward:
         host[2, n:width] = self.capacity + np.arange(n, width)  # scratch slots
 
     def _forward(self, width: int, span: int) -> None:
+        if self._compiled is None:
+            self._compute(width, span)
+            return
+        # a compiled graph per (width, span): more than dynamo's default limit of 8
+        with torch._dynamo.config.patch(recompile_limit=COMPILED_SHAPES):
+            self._compiled(width, span)
+
+    def _compute(self, width: int, span: int) -> None:
         tokens, positions, slots, row_paths = self._inputs[0][:, :width]
         masks = self._masks[span][0][..., :width, :]
         paths = (self._gather[span][0], row_paths) if self.shapes.paths else None
