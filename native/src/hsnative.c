@@ -644,6 +644,51 @@ HS_VNNI INLINE void rows16_in_lanes_vnni(const char *wrows, const size_t stride,
     for (int t = 0; t < tile; t++) _mm512_storeu_ps(result + t * 2 * GROUP, acc[t]);
 }
 
+/* Rows in lanes for one group (8 rows) and `pairs` (1 or 2) pairs of weight rows, in 512-bit
+ * vectors: lanes 0-7 hold the 8 rows against the pair's first weight row, lanes 8-15 against
+ * its second (the activations in both halves), so one vpdpbusd does the work of two 256-bit
+ * ones and one permute places both rows' four weights where a broadcast each did. Each lane
+ * does exactly what rows_in_lanes_vnni's does: the same bits. */
+HS_VNNI INLINE void rows8_in_lanes_vnni(const char *wrows, const size_t stride, const int type,
+                                        const int blocks, const activations *a, const int group,
+                                        const int pairs, float *result) {
+    const int shift = type == HS_Q8_0 ? Q8_BIAS_SHIFT : Q4_BIAS_SHIFT;
+    const size_t block_bytes = stride / blocks;
+    __m512i place[HS_BLOCK / 4]; /* lanes 0-7: dword k of the low half, 8-15: of the high */
+    for (int k = 0; k < HS_BLOCK / 4; k++)
+        place[k] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(k)), _mm256_set1_epi32(8 + k), 1);
+    __m512 acc[2];
+    for (int p = 0; p < pairs; p++) acc[p] = _mm512_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const size_t at = ((size_t)group * blocks + b) * GROUP;
+        __m512i x[HS_BLOCK / 4];
+        for (int k = 0; k < HS_BLOCK / 4; k++)
+            x[k] = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(a->grouped + (at + k) * 4 * GROUP)));
+        const __m512i start = _mm512_broadcast_i64x4(
+            vnni_start(_mm256_loadu_si256((const __m256i *)(a->grouped_sum + at)), shift));
+        const __m512 x_scales = _mm512_castsi512_ps(
+            _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(a->grouped_d + at))));
+        for (int p = 0; p < pairs; p++) {
+            const char *first = wrows + stride * 2 * p, *second = first + stride;
+            if (!(b & 1)) { /* the next tile's rows (see features_in_lanes_avx2) */
+                _mm_prefetch(first + stride * 2 * pairs + block_bytes * b, _MM_HINT_T0);
+                _mm_prefetch(second + stride * 2 * pairs + block_bytes * b, _MM_HINT_T0);
+            }
+            const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(load_unsigned_weights(first, type, b)),
+                                                    load_unsigned_weights(second, type, b), 1);
+            __m512i chains[2] = {start, _mm512_setzero_si512()}; /* two: see rows_in_lanes_vnni */
+            for (int k = 0; k < HS_BLOCK / 4; k++)
+                chains[k & 1] = _mm512_dpbusd_epi32(chains[k & 1], _mm512_permutexvar_epi32(place[k], both), x[k]);
+            const __m512 w_scales = _mm512_castsi512_ps(_mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_castps_si256(_mm256_set1_ps(_cvtsh_ss(weight_scale_of(first, type, b))))),
+                _mm256_castps_si256(_mm256_set1_ps(_cvtsh_ss(weight_scale_of(second, type, b)))), 1));
+            acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(chains[0], chains[1])),
+                                     _mm512_mul_ps(x_scales, w_scales), acc[p]);
+        }
+    }
+    for (int p = 0; p < pairs; p++) _mm512_storeu_ps(result + p * 2 * GROUP, acc[p]);
+}
+
 /* Features in lanes: m (<= 4) row-major rows times 8 weight rows `stride` bytes apart, as
  * features_in_lanes_avx2 lays them out. */
 HS_VNNI INLINE void features_in_lanes_vnni(const char *wrows, const size_t stride, const int type,
@@ -699,7 +744,7 @@ HS_VNNI static void quantized_features_vnni(const hs_matrix *w, const activation
 #define ROWS(type)                                                                           \
     if (count == 2 && tile == 4) rows16_in_lanes_vnni(wrows, stride, type, blocks, a, g, 4, result); \
     else if (count == 2) rows16_in_lanes_vnni(wrows, stride, type, blocks, a, g, 1, result);         \
-    else if (tile == 4) rows_in_lanes_vnni(wrows, stride, type, blocks, a, g, 4, result);            \
+    else if (tile == 4) rows8_in_lanes_vnni(wrows, stride, type, blocks, a, g, 2, result);           \
     else rows_in_lanes_vnni(wrows, stride, type, blocks, a, g, 1, result);
             if (w->type == HS_Q8_0) {
                 ROWS(HS_Q8_0)
