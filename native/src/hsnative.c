@@ -850,26 +850,41 @@ HS_AVX2 INLINE void widen_slots(const uint16_t *cache, const int32_t *slots, int
     }
 }
 
-/* One query's scaled scores against `count` widened keys: each key's dot product in chunk
+/* A block of keys (or values): slots first.. (or slots[first..]) of the cache's halves, and
+ * `wide`, where the caller widened them to floats in L1 (rows of hd). */
+typedef struct {
+    const uint16_t *cache;
+    const int32_t *slots;
+    int first;
+    const float *wide;
+} kv_block;
+
+/* Dimensions 8c..8c+7 of the block's key (or value) j, from the floats where `widened`. Both
+ * give the same floats: widening a half is exact. */
+HS_AVX2 INLINE __m256 kv_chunk(const kv_block *block, int j, int hd, int c, const int widened) {
+    if (widened) return _mm256_loadu_ps(block->wide + (size_t)j * hd + 8 * c);
+    const int slot = block->slots ? block->slots[block->first + j] : block->first + j;
+    return load_half8(block->cache + (size_t)slot * hd + 8 * c);
+}
+
+/* One query's scaled scores against the block's `count` keys: each key's dot product in chunk
  * order, summed across lanes as hsum8 does (eight keys at a time by hsum8_each). */
-HS_AVX2 INLINE void score_keys(const float *q, const float *keys, int count, int hd,
-                               const int chunks, float scale, float *row) {
+HS_AVX2 INLINE void score_keys(const float *q, const kv_block *keys, int count, int hd,
+                               const int chunks, float scale, float *row, const int widened) {
     int j = 0;
     for (; j + 8 <= count; j += 8) {
         __m256 acc[8];
         for (int i = 0; i < 8; i++) {
-            const float *k = keys + (size_t)(j + i) * hd;
-            acc[i] = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+            acc[i] = _mm256_mul_ps(_mm256_loadu_ps(q), kv_chunk(keys, j + i, hd, 0, widened));
             for (int c = 1; c < chunks; c++)
-                acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(k + 8 * c), acc[i]);
+                acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), kv_chunk(keys, j + i, hd, c, widened), acc[i]);
         }
         _mm256_storeu_ps(row + j, _mm256_mul_ps(hsum8_each(acc), _mm256_set1_ps(scale)));
     }
     for (; j < count; j++) {
-        const float *k = keys + (size_t)j * hd;
-        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), kv_chunk(keys, j, hd, 0, widened));
         for (int c = 1; c < chunks; c++)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(k + 8 * c), acc);
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), kv_chunk(keys, j, hd, c, widened), acc);
         row[j] = hsum8(acc) * scale;
     }
 }
@@ -900,34 +915,35 @@ HS_AVX2 INLINE float softmax_weights(float *row, int total) {
     return weight;
 }
 
-/* out += sum over `count` widened values of weight * value, value by value in order. */
-HS_AVX2 INLINE void add_values(const float *weights, const float *values, int count, int hd,
-                               const int chunks, float *out) {
+/* out += sum over the block's `count` values of weight * value, value by value in order. */
+HS_AVX2 INLINE void add_values(const float *weights, const kv_block *values, int count, int hd,
+                               const int chunks, float *out, const int widened) {
     __m256 acc[32];
     for (int c = 0; c < chunks; c++) acc[c] = _mm256_loadu_ps(out + 8 * c);
     for (int u = 0; u < count; u++) {
         const __m256 p = _mm256_set1_ps(weights[u]);
-        for (int c = 0; c < chunks; c++)
-            acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(values + (size_t)u * hd + 8 * c), acc[c]);
+        for (int c = 0; c < chunks; c++) acc[c] = _mm256_fmadd_ps(p, kv_chunk(values, u, hd, c, widened), acc[c]);
     }
     for (int c = 0; c < chunks; c++) _mm256_storeu_ps(out + 8 * c, acc[c]);
 }
 
-#define KEY_BLOCK 32   /* cached keys or values widened to floats at a time (<= 32 KB) */
+#define KEY_BLOCK 32    /* cached keys or values widened to floats at a time (<= 32 KB) */
+#define WIDEN_QUERIES 8 /* queries of a call from which widening a block once pays */
 
 /* The query heads of one GQA group (sharing one KV head) for `rows` rows of a forward, their
  * queries and outputs `stride` floats apart: each row sees the prefix (slots 0..n_prefix-1) and
  * its own slots visible[offsets[r]..offsets[r + 1]), in that order. Dense prefix once for all
- * rows, sparse rest per row (Ghidorah's split): each block of prefix keys and values is read
- * and widened once for every row and head, in L1. Each (row, head) gets the same arithmetic
- * in the same order whatever the rows beside it, so the bits do not depend on the width.
- * scores: rows * group * (n_prefix + the most visible + 1) floats. head_dim: a multiple of 8,
- * at most 256. */
+ * rows, sparse rest per row (Ghidorah's split); where `widen`, each block of keys and values
+ * is widened to floats once, in L1, for every row and head that reads it (a few queries read
+ * the halves directly: for them the widening costs more than it saves). Each (row, head) gets
+ * the same arithmetic in the same order whatever the rows beside it, so the bits do not depend
+ * on the width. scores: rows * group * (n_prefix + the most visible + 1) floats. head_dim: a
+ * multiple of 8, at most 256. */
 HS_AVX2 INLINE void attend_rows_body(const uint16_t *keys, const uint16_t *values, int hd,
                                      const float *queries, size_t stride, int rows, int group,
                                      int n_prefix, const int32_t *visible,
                                      const int32_t *offsets, float *scores, float *out,
-                                     const int chunks) {
+                                     const int chunks, const int widen) {
     const float scale = 1.0f / sqrtf((float)hd);
     int widest = 0;
     for (int r = 0; r < rows; r++)
@@ -939,45 +955,48 @@ HS_AVX2 INLINE void attend_rows_body(const uint16_t *keys, const uint16_t *value
 #define ROW(r, g) (scores + ((size_t)(r) * group + (g)) * width)
 #define OWN(r) (visible + offsets[r])
 #define SEEN(r) (offsets[(r) + 1] - offsets[r])
-    for (int t = 0; t < n_prefix; t += KEY_BLOCK) {
-        const int count = n_prefix - t < KEY_BLOCK ? n_prefix - t : KEY_BLOCK;
-        widen_slots(keys, NULL, t, count, hd, wide);
+/* for each block of `total` slots (the prefix: slots NULL; a row's own: its list), as `block`,
+ * widened first where `widen` */
+#define BLOCKS(cache, slot_list, total, body)                                                \
+    for (int t = 0; t < (total); t += KEY_BLOCK) {                                           \
+        const int count = (total) - t < KEY_BLOCK ? (total) - t : KEY_BLOCK;                 \
+        const kv_block block = {cache, slot_list, t, wide};                                  \
+        if (widen) widen_slots(cache, slot_list, t, count, hd, wide);                        \
+        body                                                                                 \
+    }
+    BLOCKS(keys, NULL, n_prefix, {
         for (int r = 0; r < rows; r++)
             for (int g = 0; g < group; g++)
-                score_keys(QUERY(r, g), wide, count, hd, chunks, scale, ROW(r, g) + t);
-    }
+                score_keys(QUERY(r, g), &block, count, hd, chunks, scale, ROW(r, g) + t, widen);
+    })
     for (int r = 0; r < rows; r++)
-        for (int t = 0; t < SEEN(r); t += KEY_BLOCK) {
-            const int count = SEEN(r) - t < KEY_BLOCK ? SEEN(r) - t : KEY_BLOCK;
-            widen_slots(keys, OWN(r), t, count, hd, wide);
+        BLOCKS(keys, OWN(r), SEEN(r), {
             for (int g = 0; g < group; g++)
-                score_keys(QUERY(r, g), wide, count, hd, chunks, scale, ROW(r, g) + n_prefix + t);
-        }
+                score_keys(QUERY(r, g), &block, count, hd, chunks, scale,
+                           ROW(r, g) + n_prefix + t, widen);
+        })
     for (int r = 0; r < rows; r++)
         for (int g = 0; g < group; g++) {
             ROW(r, g)[width - 1] = softmax_weights(ROW(r, g), n_prefix + SEEN(r));
             memset(OUT(r, g), 0, (size_t)hd * sizeof(float));
         }
-    for (int t = 0; t < n_prefix; t += KEY_BLOCK) {
-        const int count = n_prefix - t < KEY_BLOCK ? n_prefix - t : KEY_BLOCK;
-        widen_slots(values, NULL, t, count, hd, wide);
+    BLOCKS(values, NULL, n_prefix, {
         for (int r = 0; r < rows; r++)
             for (int g = 0; g < group; g++)
-                add_values(ROW(r, g) + t, wide, count, hd, chunks, OUT(r, g));
-    }
+                add_values(ROW(r, g) + t, &block, count, hd, chunks, OUT(r, g), widen);
+    })
     for (int r = 0; r < rows; r++) {
-        for (int t = 0; t < SEEN(r); t += KEY_BLOCK) {
-            const int count = SEEN(r) - t < KEY_BLOCK ? SEEN(r) - t : KEY_BLOCK;
-            widen_slots(values, OWN(r), t, count, hd, wide);
+        BLOCKS(values, OWN(r), SEEN(r), {
             for (int g = 0; g < group; g++)
-                add_values(ROW(r, g) + n_prefix + t, wide, count, hd, chunks, OUT(r, g));
-        }
+                add_values(ROW(r, g) + n_prefix + t, &block, count, hd, chunks, OUT(r, g), widen);
+        })
         for (int g = 0; g < group; g++) {
             const __m256 factor = _mm256_set1_ps(1.0f / ROW(r, g)[width - 1]);
             for (int c = 0; c < chunks; c++)
                 _mm256_storeu_ps(OUT(r, g) + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(OUT(r, g) + 8 * c), factor));
         }
     }
+#undef BLOCKS
 #undef QUERY
 #undef OUT
 #undef ROW
@@ -987,13 +1006,19 @@ HS_AVX2 INLINE void attend_rows_body(const uint16_t *keys, const uint16_t *value
 
 /* The body with its chunk count known at compile time for the usual head sizes, so that
  * the accumulators stay in registers (a loop bound read at run time kept them in memory:
- * a store-to-load round trip per value and chunk). */
+ * a store-to-load round trip per value and chunk), and whether it widens. */
 HS_AVX2 static void attend_rows_avx2(const uint16_t *keys, const uint16_t *values, int hd,
                                      const float *queries, size_t stride, int rows, int group,
                                      int n_prefix, const int32_t *visible,
                                      const int32_t *offsets, float *scores, float *out) {
-#define BODY(chunks) attend_rows_body(keys, values, hd, queries, stride, rows, group, n_prefix, \
-                                      visible, offsets, scores, out, chunks)
+    const int widen = rows * group >= WIDEN_QUERIES;
+#define BODY(chunks)                                                                          \
+    if (widen)                                                                                \
+        attend_rows_body(keys, values, hd, queries, stride, rows, group, n_prefix, visible,   \
+                         offsets, scores, out, chunks, 1);                                    \
+    else                                                                                      \
+        attend_rows_body(keys, values, hd, queries, stride, rows, group, n_prefix, visible,   \
+                         offsets, scores, out, chunks, 0);
     switch (hd / 8) {
     case 4: BODY(4); break;
     case 8: BODY(8); break;
