@@ -7,6 +7,9 @@
 #   run(command="OUT=$OUT QUICK=1 bash native/gpu-checks.sh", carry=[".device"], timeout_s=300)
 #   run(command="OUT=$OUT bash native/gpu-checks.sh", carry=[".device"], timeout_s=590)
 #
+# (with BENCH_SET='gpu_worker.compile=true' before bash in the second where the quick call's
+# compiled verifier measured faster and bit-identical at every width.)
+#
 # Every call installs the bundle (wheels, the CPU llama-cpp-python package, hetspec editable)
 # and starts, once per machine and in sessions of their own (setsid) that outlive the call,
 # llama-server's CUDA build (native/build-llama-server.sh cuda, on every core but the first
@@ -124,9 +127,11 @@ mkdir -p "$bench_out"
   cp "$bench_out"/bench.json "$OUT/bench.json" 2>/dev/null; done ) &
 copier=$!
 left=$(( ${TOTAL_S:-570} - (SECONDS - began) ))
+# BENCH_SET: one more daemon setting for this bench, e.g. 'gpu_worker.compile=true' where the
+# quick call's T_verify showed the compiled verifier faster and as invariant
 step $(( left > 60 ? left - 40 : 20 )) "bench heavy-1b draft-cpu" "$python" -m hetspec.client.cli bench \
     --target heavy-1b --placement draft-cpu --gammas 4 --prompts 3 --max-tokens 128 \
-    --repeats 1 --warmup 1 --out "$bench_out"
+    --repeats 1 --warmup 1 --out "$bench_out" ${BENCH_SET:+--set "$BENCH_SET"}
 cp "$bench_out"/bench.md "$OUT/bench.md"; cp "$bench_out"/bench.json "$OUT/bench.json"
 left=$(( ${TOTAL_S:-570} - (SECONDS - began) ))
 step $(( left > 30 ? left - 15 : 5 )) "bench heavy-1b draft-gpu" "$python" -m hetspec.client.cli bench \
