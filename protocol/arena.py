@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import mmap
 import os
 import stat
@@ -62,7 +63,8 @@ class ArrayRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        # math.prod, not numpy's: this runs several times a round trip (~5 us each in numpy)
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
 
 def slot_size(nbytes: int) -> int:
