@@ -561,45 +561,6 @@ HS_VNNI INLINE __m256i load_unsigned_weights(const void *wrow, const int type, i
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
 }
 
-/* Rows in lanes: the 8 rows of the whole group `group`, times `tile` (1 or 4) weight rows of
- * `type` `stride` bytes apart, into result[t * GROUP ..]. A block's activations stay in
- * registers for every weight row of the tile (a 256-bit load per four products would
- * otherwise be the bottleneck), and each weight row's four-byte pieces are broadcast from a
- * copy made unsigned once. (Q8_0 with the activations as the unsigned side instead and the
- * weights broadcast straight from the GGUF block measured no faster.) */
-HS_VNNI INLINE void rows_in_lanes_vnni(const char *wrows, const size_t stride, const int type,
-                                       const int blocks, const activations *a, const int group,
-                                       const int tile, float *result) {
-    const int shift = type == HS_Q8_0 ? Q8_BIAS_SHIFT : Q4_BIAS_SHIFT;
-    const size_t block_bytes = stride / blocks;
-    __m256 acc[4];
-    for (int t = 0; t < tile; t++) acc[t] = _mm256_setzero_ps();
-    for (int b = 0; b < blocks; b++) {
-        const size_t at = ((size_t)group * blocks + b) * GROUP;
-        __m256i x[HS_BLOCK / 4];
-        for (int k = 0; k < HS_BLOCK / 4; k++)
-            x[k] = _mm256_loadu_si256((const __m256i *)(a->grouped + (at + k) * 4 * GROUP));
-        const __m256i start = vnni_start(_mm256_loadu_si256((const __m256i *)(a->grouped_sum + at)), shift);
-        const __m256 x_scales = _mm256_loadu_ps(a->grouped_d + at);
-        for (int t = 0; t < tile; t++) {
-            const char *wrow = wrows + stride * t;
-            if (!(b & 1)) /* the next tile's rows (see features_in_lanes_avx2) */
-                _mm_prefetch(wrow + stride * tile + block_bytes * b, _MM_HINT_T0);
-            int32_t weights[HS_BLOCK / 4] __attribute__((aligned(32)));
-            _mm256_store_si256((__m256i *)weights, load_unsigned_weights(wrow, type, b));
-            /* two chains: each vpdpbusd waits for its accumulator (a latency of several
-             * cycles); integer sums may be split and added in any order */
-            __m256i chains[2] = {start, _mm256_setzero_si256()};
-            for (int k = 0; k < HS_BLOCK / 4; k++)
-                chains[k & 1] = _mm256_dpbusd_epi32(chains[k & 1], _mm256_set1_epi32(weights[k]), x[k]);
-            const __m256 w_scale = _mm256_set1_ps(_cvtsh_ss(weight_scale_of(wrow, type, b)));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(chains[0], chains[1])),
-                                     _mm256_mul_ps(x_scales, w_scale), acc[t]);
-        }
-    }
-    for (int t = 0; t < tile; t++) _mm256_storeu_ps(result + t * GROUP, acc[t]);
-}
-
 /* Two 256-bit halves as one 512-bit vector (lo in lanes 0-7). */
 HS_VNNI INLINE __m512i join256(const void *lo, const void *hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)lo)),
@@ -610,7 +571,7 @@ HS_VNNI INLINE __m512i join256(const void *lo, const void *hi) {
  * row r of the groups, so one broadcast of four weights and one vpdpbusd serve all 16 rows
  * (half the instructions of two 256-bit groups, and the wider vpdpbusd does more products a
  * cycle). `tile` (1 or 4) weight rows share the block's activations, held in 8 registers.
- * Each lane does exactly what rows_in_lanes_vnni's does: the same bits. */
+ * Each lane does exactly what rows8_in_lanes_vnni's does: the same bits. */
 HS_VNNI INLINE void rows16_in_lanes_vnni(const char *wrows, const size_t stride, const int type,
                                          const int blocks, const activations *a, const int group,
                                          const int tile, float *result) {
@@ -633,7 +594,7 @@ HS_VNNI INLINE void rows16_in_lanes_vnni(const char *wrows, const size_t stride,
                 _mm_prefetch(wrow + stride * tile + block_bytes * b, _MM_HINT_T0);
             int32_t weights[HS_BLOCK / 4] __attribute__((aligned(32)));
             _mm256_store_si256((__m256i *)weights, load_unsigned_weights(wrow, type, b));
-            __m512i chains[2] = {start, _mm512_setzero_si512()}; /* see rows_in_lanes_vnni */
+            __m512i chains[2] = {start, _mm512_setzero_si512()}; /* see rows8_in_lanes_vnni */
             for (int k = 0; k < HS_BLOCK / 4; k++)
                 chains[k & 1] = _mm512_dpbusd_epi32(chains[k & 1], _mm512_set1_epi32(weights[k]), x[k]);
             const __m512 w_scale = _mm512_set1_ps(_cvtsh_ss(weight_scale_of(wrow, type, b)));
@@ -644,15 +605,20 @@ HS_VNNI INLINE void rows16_in_lanes_vnni(const char *wrows, const size_t stride,
     for (int t = 0; t < tile; t++) _mm512_storeu_ps(result + t * 2 * GROUP, acc[t]);
 }
 
-/* Rows in lanes for one group (8 rows) and `pairs` (1 or 2) pairs of weight rows, in 512-bit
- * vectors: lanes 0-7 hold the 8 rows against the pair's first weight row, lanes 8-15 against
- * its second (the activations in both halves), so one vpdpbusd does the work of two 256-bit
- * ones and one permute places both rows' four weights where a broadcast each did. Each lane
- * does exactly what rows_in_lanes_vnni's does: the same bits. */
+/* Rows in lanes for one group (8 rows) and `rows` (1, 2 or 4) weight rows `stride` bytes
+ * apart, into result[t * GROUP ..], in 512-bit vectors: lanes 0-7 hold the 8 rows against a
+ * pair's first weight row, lanes 8-15 against its second (the activations in both halves; a
+ * lone row is its own second), so one vpdpbusd does the work of two 256-bit ones and one
+ * permute places both rows' four weights. A block's activations stay in registers for every
+ * weight row (a load per four products would otherwise be the bottleneck), and each product
+ * adds into one of two chains (vpdpbusd waits several cycles for its accumulator; integer
+ * sums may be split and added in any order). Each lane's dot_b is the AVX2 kernels' exact
+ * integer and the float steps are theirs: the same bits. (Q8_0 with the activations as the
+ * unsigned side and the weights broadcast straight from the GGUF block measured no faster.) */
 HS_VNNI INLINE void rows8_in_lanes_vnni(const char *wrows, const size_t stride, const int type,
                                         const int blocks, const activations *a, const int group,
-                                        const int pairs, float *result) {
-    const int shift = type == HS_Q8_0 ? Q8_BIAS_SHIFT : Q4_BIAS_SHIFT;
+                                        const int rows, float *result) {
+    const int shift = type == HS_Q8_0 ? Q8_BIAS_SHIFT : Q4_BIAS_SHIFT, pairs = (rows + 1) / 2;
     const size_t block_bytes = stride / blocks;
     __m512i place[HS_BLOCK / 4]; /* lanes 0-7: dword k of the low half, 8-15: of the high */
     for (int k = 0; k < HS_BLOCK / 4; k++)
@@ -669,14 +635,15 @@ HS_VNNI INLINE void rows8_in_lanes_vnni(const char *wrows, const size_t stride, 
         const __m512 x_scales = _mm512_castsi512_ps(
             _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(a->grouped_d + at))));
         for (int p = 0; p < pairs; p++) {
-            const char *first = wrows + stride * 2 * p, *second = first + stride;
+            const char *first = wrows + stride * 2 * p;
+            const char *second = 2 * p + 1 < rows ? first + stride : first;
             if (!(b & 1)) { /* the next tile's rows (see features_in_lanes_avx2) */
-                _mm_prefetch(first + stride * 2 * pairs + block_bytes * b, _MM_HINT_T0);
-                _mm_prefetch(second + stride * 2 * pairs + block_bytes * b, _MM_HINT_T0);
+                _mm_prefetch(first + stride * rows + block_bytes * b, _MM_HINT_T0);
+                _mm_prefetch(second + stride * rows + block_bytes * b, _MM_HINT_T0);
             }
             const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(load_unsigned_weights(first, type, b)),
                                                     load_unsigned_weights(second, type, b), 1);
-            __m512i chains[2] = {start, _mm512_setzero_si512()}; /* two: see rows_in_lanes_vnni */
+            __m512i chains[2] = {start, _mm512_setzero_si512()};
             for (int k = 0; k < HS_BLOCK / 4; k++)
                 chains[k & 1] = _mm512_dpbusd_epi32(chains[k & 1], _mm512_permutexvar_epi32(place[k], both), x[k]);
             const __m512 w_scales = _mm512_castsi512_ps(_mm512_inserti64x4(
@@ -706,7 +673,7 @@ HS_VNNI INLINE void features_in_lanes_vnni(const char *wrows, const size_t strid
         for (int k = 0; k < HS_BLOCK / 4; k++) /* biased to unsigned, as load_unsigned_weights */
             w[k] = type == HS_Q8_0 ? _mm256_xor_si256(w[k], _mm256_set1_epi8((char)0x80))
                                    : _mm256_add_epi8(w[k], _mm256_set1_epi8(8));
-        __m256i sums[4][2]; /* two chains a row (see rows_in_lanes_vnni) */
+        __m256i sums[4][2]; /* two chains a row (see rows8_in_lanes_vnni) */
         for (int r = 0; r < m; r++) {
             sums[r][0] = vnni_start(_mm256_set1_epi32(xs[(size_t)r * blocks + b]), shift);
             sums[r][1] = _mm256_setzero_si256();
@@ -744,8 +711,8 @@ HS_VNNI static void quantized_features_vnni(const hs_matrix *w, const activation
 #define ROWS(type)                                                                           \
     if (count == 2 && tile == 4) rows16_in_lanes_vnni(wrows, stride, type, blocks, a, g, 4, result); \
     else if (count == 2) rows16_in_lanes_vnni(wrows, stride, type, blocks, a, g, 1, result);         \
-    else if (tile == 4) rows8_in_lanes_vnni(wrows, stride, type, blocks, a, g, 2, result);           \
-    else rows_in_lanes_vnni(wrows, stride, type, blocks, a, g, 1, result);
+    else if (tile == 4) rows8_in_lanes_vnni(wrows, stride, type, blocks, a, g, 4, result);           \
+    else rows8_in_lanes_vnni(wrows, stride, type, blocks, a, g, 1, result);
             if (w->type == HS_Q8_0) {
                 ROWS(HS_Q8_0)
             } else {
