@@ -19,7 +19,8 @@
 # tree's from its branches as chains, and a profile of one token's forward; the
 # full call waits for llama-server, runs the lossless suite's greedy test on draft-cpu (the
 # drafter's llama.cpp would fight the build for cores before) and `hetspec bench` on heavy-1b
-# with the GPU peers, busy-core run included, then draft-gpu in what time is left.
+# with the GPU peers, busy-core run included, then draft-gpu on heavy-300m with Dovetail's
+# head and with the independent draft model in what time is left.
 # Everything goes to $OUT/log.txt as it happens, tables to $OUT/*.json and $OUT/bench*.md (the
 # device tool brings back 8 files). Each step has its own time limit; a failed step does not
 # stop the others. docs/bench/gpu/README.md has the last run's figures.
@@ -133,10 +134,16 @@ step $(( left > 60 ? left - 40 : 20 )) "bench heavy-1b draft-cpu" "$python" -m h
     --target heavy-1b --placement draft-cpu --gammas 4 --prompts 3 --max-tokens 128 \
     --repeats 1 --warmup 1 --out "$bench_out" ${BENCH_SET:+--set "$BENCH_SET"}
 cp "$bench_out"/bench.md "$OUT/bench.md"; cp "$bench_out"/bench.json "$OUT/bench.json"
-left=$(( ${TOTAL_S:-570} - (SECONDS - began) ))
-step $(( left > 30 ? left - 15 : 5 )) "bench heavy-1b draft-gpu" "$python" -m hetspec.client.cli bench \
-    --target heavy-1b --placement draft-gpu --gammas 4 --prompts 1 --max-tokens 64 \
-    --repeats 1 --warmup 1 --no-load --no-peers --out "$bench_out-gpu"
-cp "$bench_out-gpu"/bench.md "$OUT/bench-draft-gpu.md" 2>/dev/null
+# draft-gpu on heavy-300m (#22's goal): Dovetail's head, then the independent draft model,
+# each in half of what time is left
+for head in auto none; do
+  left=$(( ${TOTAL_S:-570} - (SECONDS - began) ))
+  [[ $head == auto ]] && left=$(( left / 2 ))
+  step $(( left > 30 ? left - 10 : 5 )) "bench heavy-300m draft-gpu, draft_head $head" \
+      "$python" -m hetspec.client.cli bench --target heavy-300m --placement draft-gpu \
+      --gammas 4 --prompts 1 --max-tokens 64 --repeats 1 --warmup 1 --no-load --no-peers \
+      --set "draft_head=\"$head\"" --out "$bench_out-gpu-$head"
+  cp "$bench_out-gpu-$head"/bench.md "$OUT/bench-draft-gpu-$head.md" 2>/dev/null
+done
 kill $copier 2>/dev/null
 stamp "done"
