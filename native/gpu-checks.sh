@@ -101,6 +101,7 @@ if [[ -n "${QUICK:-}" ]]; then
   # differs means chain_forwards must be off on this GPU); the profile says where a target-
   # alone token's time goes (the GPU's kernels against the wall time)
   verify 1b-fixed16 "$h1b" --dtype bfloat16 --fixed-width 16 --invariance --profile-width 1
+  verify 1b-fixed8 "$h1b" --dtype bfloat16 --fixed-width 8  # a narrower fixed shape's T(1)
   # the same shapes through torch.compile (inductor fuses the kernels between the matmuls),
   # compiled at load: the step's limit leaves room for that
   VERIFY_S=200 verify 1b-fixed16-compiled "$h1b" --dtype bfloat16 --fixed-width 16 --invariance \
