@@ -105,15 +105,19 @@ class Kernels:
     library: ctypes.CDLL
 
     @classmethod
-    def load(cls) -> Kernels:
-        spec = importlib.util.find_spec("hetspec.native._hsnative")
-        if spec is None or spec.origin is None:
-            raise NativeUnavailable(
-                "hetspec's native kernels were not built (the install found no C compiler "
-                "with OpenMP); install gcc and run `make setup` again"
-            )
+    def load(cls, path: str | None = None) -> Kernels:
+        """The installed build, or the shared library at ``path`` (another build of the same
+        sources, e.g. to time two builds in one process)."""
+        if path is None:
+            spec = importlib.util.find_spec("hetspec.native._hsnative")
+            if spec is None or spec.origin is None:
+                raise NativeUnavailable(
+                    "hetspec's native kernels were not built (the install found no C compiler "
+                    "with OpenMP); install gcc and run `make setup` again"
+                )
+            path = spec.origin
         try:
-            library = ctypes.CDLL(spec.origin)
+            library = ctypes.CDLL(path)
         except OSError as error:
             raise NativeUnavailable(f"cannot load the native kernels: {error}") from None
         library.hs_simd_level.restype = ctypes.c_int

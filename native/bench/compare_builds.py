@@ -14,7 +14,6 @@ time per build and width.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import time
 
@@ -22,17 +21,6 @@ import numpy as np
 
 from hetspec.native.kernels import BEST, SIMD_LEVELS, Kernels
 from hetspec.native.model import NativeModel
-
-
-def load_build(path: str) -> Kernels:
-    if path == "installed":
-        return Kernels.load()
-    library = ctypes.CDLL(path)
-    library.hs_simd_level.restype = ctypes.c_int
-    library.hs_quantize_rows.restype = None
-    library.hs_matmul.restype = ctypes.c_int
-    library.hs_forward.restype = ctypes.c_int
-    return Kernels(library)
 
 
 def main() -> None:
@@ -57,7 +45,8 @@ def main() -> None:
     builds = {}
     for item in args.builds:
         label, _, path = item.partition("=")
-        builds[label] = load_build(path or label)
+        path = path or label
+        builds[label] = Kernels.load(None if path == "installed" else path)
     model = NativeModel(args.model, capacity=args.context + max(widths) + 8, simd=simd)
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, model.vocab, args.context)

@@ -703,9 +703,8 @@ HS_VNNI static void quantized_features_vnni(const hs_matrix *w, const activation
     float result[4 * 2 * GROUP];
     for (int g = 0; g < groups; g += 2) {
         const int count = groups - g > 1 ? 2 : 1;
-        const int full = 4; /* weight rows a call: the registers allow */
         for (int j = first; j < end;) {
-            const int tile = end - j >= full ? full : 1;
+            const int tile = end - j >= 4 ? 4 : 1; /* weight rows a call: the registers allow */
             /* literal types, counts and tiles: each call is compiled for its own */
             const char *wrows = data + stride * j;
 #define ROWS(type)                                                                           \
