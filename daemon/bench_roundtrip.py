@@ -5,8 +5,9 @@
 Starts a real llama.cpp worker process (with the bundled draft model unless told otherwise),
 then times ``Echo`` calls from the daemon's asyncio/uvloop side: the daemon writes a row into
 an arena slot, the worker copies it into another slot, the daemon reads the answer in place.
-For comparison it also sends the row as a message frame both ways. Every speculative round
-pays this hop at least twice, so it must stay far below a draft step.
+For comparison it also sends the row as a message frame both ways. Each is timed over both
+links, in turn: the shared-memory mailboxes (where supported) and ZeroMQ alone. Every
+speculative round pays this hop at least twice, so it must stay far below a draft step.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ import uvloop
 from hetspec.daemon.worker_client import WorkerClient, WorkerSpec, WorkerStartError
 from hetspec.protocol import Arena, ArrayRef, frame_array
 from hetspec.protocol import worker_messages as m
+from hetspec.protocol.mailbox import supported as mailboxes_supported
+
+LINKS = {"mailbox": "mailboxes", "zmq": "ZeroMQ alone"}
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "draft" / "draft-q8_0.gguf"
 
@@ -52,56 +56,70 @@ async def run(args: argparse.Namespace) -> int:
     worker_cores = tuple(cores[-1:])
     if len(cores) > 1:  # as in the daemon: the worker owns its core, the daemon uses the others
         os.sched_setaffinity(0, cores[:-1])
+    links = ["mailbox", "zmq"] if mailboxes_supported() else ["zmq"]
+    samples: dict[tuple[str, str, int], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="hetspec-bench-") as runtime_dir:
         name = f"/dev/shm/hetspec-bench-{os.getpid()}"
         with Arena.create(name, slots=2, slot_bytes=row.nbytes) as arena:
-            spec = WorkerSpec(
-                "cpu",
-                "llama.cpp",
-                str(args.model),
-                m.LlamaCppSettings(n_ctx=256, threads=1),
-                cores=worker_cores,
-                log_format="console",
-                spin_us=args.spin_us,
-            )
-            client = WorkerClient(spec, Path(runtime_dir), 1, arena.layout)
-            try:
-                await client.start(load_timeout_s=120)
-            except WorkerStartError as error:
-                print(f"error: {error}", file=sys.stderr)
-                return 1
-            try:
-                arena.empty(0, row.shape)[:] = row
-                in_slot = ArrayRef(row.dtype.str, row.shape, slot=0)
-
-                async def via_arena():
-                    echo = m.Echo(request=client.next_request(), data=in_slot, out=1)
-                    return await client.call(echo)
-
-                def arena_answer(reply, frames):
-                    assert arena.view(reply.data)[-1] == row[-1]
-
-                async def via_frames():
-                    data = ArrayRef(row.dtype.str, row.shape, frame=1)
-                    return await client.call(m.Echo(request=client.next_request(), data=data),
-                                             (row,))  # fmt: skip
-
-                def framed_answer(reply, frames):
-                    assert frame_array(reply.data, frames)[-1] == row[-1]
-
-                arena_us = await time_calls(via_arena, args.count, arena_answer, args.gap_us)
-                frame_us = await time_calls(via_frames, args.count, framed_answer, args.gap_us)
-            finally:
-                await client.stop()
+            for turn in range(args.turns):  # links in turn: the box's drift hits each alike
+                for link in links:
+                    spec = WorkerSpec(
+                        "cpu", "llama.cpp", str(args.model),
+                        m.LlamaCppSettings(n_ctx=256, threads=1), cores=worker_cores,
+                        log_format="console", spin_us=args.spin_us, mailbox=link == "mailbox",
+                    )  # fmt: skip
+                    generation = len(samples) + 1  # fresh endpoints for each worker
+                    client = WorkerClient(spec, Path(runtime_dir), generation, arena.layout)
+                    try:
+                        await client.start(load_timeout_s=120)
+                    except WorkerStartError as error:
+                        print(f"error: {error}", file=sys.stderr)
+                        return 1
+                    try:
+                        timed = await time_link(client, arena, row, args)
+                    finally:
+                        await client.stop()
+                    for kind, answers in timed.items():
+                        samples[link, kind, turn] = answers
     kib = row.nbytes / 1024
-    print(f"round trip daemon -> worker -> daemon, {args.floats} float32 ({kib:.0f} KiB) each way, "
-          f"{len(arena_us)} calls after warm-up, {args.gap_us:g} us apart, the worker polling "
-          f"{args.spin_us:g} us before it sleeps")  # fmt: skip
-    for label, samples in (("shared-memory arena", arena_us), ("message frames", frame_us)):
-        q = statistics.quantiles(samples, n=10)
-        print(f"  {label:<20} median {statistics.median(samples):7.1f} us   "
+    print(f"round trip daemon -> worker -> daemon, {args.floats} float32 ({kib:.0f} KiB) each "
+          f"way, {args.turns} x {args.count - args.count // 10} calls after warm-up per link, "
+          f"{args.gap_us:g} us apart, the worker polling {args.spin_us:g} us before it "
+          "sleeps")  # fmt: skip
+    merged: dict[tuple[str, str], list[float]] = {}
+    for (link, kind, _), answers in samples.items():
+        merged.setdefault((link, kind), []).extend(answers)
+    for (link, kind), times in merged.items():
+        q = statistics.quantiles(times, n=10)
+        label = f"{LINKS[link]}, {kind}"
+        print(f"  {label:<42} median {statistics.median(times):7.1f} us   "
               f"p10 {q[0]:7.1f}   p90 {q[-1]:7.1f}")  # fmt: skip
     return 0
+
+
+async def time_link(client: WorkerClient, arena: Arena, row: np.ndarray, args) -> dict:
+    """Echo round trips of ``row`` through an arena slot and as message frames."""
+    arena.empty(0, row.shape)[:] = row
+    in_slot = ArrayRef(row.dtype.str, row.shape, slot=0)
+
+    async def via_arena():
+        echo = m.Echo(request=client.next_request(), data=in_slot, out=1)
+        return await client.call(echo)
+
+    def arena_answer(reply, frames):
+        assert arena.view(reply.data)[-1] == row[-1]
+
+    async def via_frames():
+        data = ArrayRef(row.dtype.str, row.shape, frame=1)
+        return await client.call(m.Echo(request=client.next_request(), data=data), (row,))
+
+    def framed_answer(reply, frames):
+        assert frame_array(reply.data, frames)[-1] == row[-1]
+
+    return {
+        "shared-memory arena": await time_calls(via_arena, args.count, arena_answer, args.gap_us),
+        "message frames": await time_calls(via_frames, args.count, framed_answer, args.gap_us),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__)  # fmt: skip
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="GGUF the worker loads")
     parser.add_argument("--floats", type=int, default=32768, help="length of the row")
-    parser.add_argument("--count", type=int, default=5000)
+    parser.add_argument("--count", type=int, default=5000, help="calls per link and turn")
+    parser.add_argument("--turns", type=int, default=2, help="times each link is timed, in turn")
     parser.add_argument(
         "--spin-us", type=float, default=100.0, help="the worker's poll before it sleeps"
     )

@@ -40,6 +40,8 @@ import zmq
 from hetspec.protocol import Codec, MessageError
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.arena import ArenaLayout
+from hetspec.protocol.mailbox import Mailbox, MailboxFull
+from hetspec.protocol.mailbox import supported as mailboxes_supported
 
 log = structlog.get_logger("hetspec.daemon.worker")
 
@@ -104,6 +106,9 @@ class WorkerSpec:
     call_timeout_s: float = 300.0  # a command taking longer means a wedged engine: kill it
     log_format: str = "json"
     spin_us: float = 100.0  # how long the worker polls for its next command before it sleeps
+    # commands and replies through shared-memory mailboxes (protocol/mailbox.py) where they
+    # work (x86-64 Linux); False, or elsewhere: through the ZeroMQ sockets alone
+    mailbox: bool = True
 
 
 class _Expired(Exception):
@@ -147,6 +152,8 @@ class WorkerClient:
         self._reading = False  # the replies socket is registered with the event loop
         self._stopping = False
         self._handshake: asyncio.Future | None = None  # resolves to Hello
+        self._outbox: Mailbox | None = None  # commands, when the link uses mailboxes
+        self._inbox: Mailbox | None = None  # replies from the compute thread
         self._loading: asyncio.Future | None = None  # resolves to Ready
         self.died = asyncio.get_running_loop().create_future()
 
@@ -182,26 +189,16 @@ class WorkerClient:
         self._replies.setsockopt(zmq.LINGER, 0)
         bind_private(self._replies, self._endpoint("replies"))
         death_read, self._death_write = os.pipe()
-        argv = [
-            sys.executable, "-m", "hetspec.workers.process",
-            "--runtime", self.spec.runtime, "--name", self.spec.name,
-            "--commands", self._endpoint("commands"), "--replies", self._endpoint("replies"),
-            "--death-fd", str(death_read), "--parent", str(os.getpid()),
-            "--cores", ",".join(map(str, self.spec.cores)),
-            "--spare-cores", ",".join(map(str, self.spec.spare_cores)),
-            "--heartbeat", str(self.spec.heartbeat_s), "--log-format", self.spec.log_format,
-            "--spin-us", str(self.spec.spin_us),
-        ]  # fmt: skip
         try:
-            self._process = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL, pass_fds=(death_read,)
-            )
+            self._process = await self._spawn(death_read)
         finally:
             os.close(death_read)
         self.pid = self._process.pid
         loop = asyncio.get_running_loop()
         self._handshake = loop.create_future()
         loop.add_reader(self._replies.FD, self._on_readable)
+        if self._inbox is not None:
+            loop.add_reader(self._inbox.bell_fd, self._on_bell)
         self._reading = True
         self._on_readable()  # anything that arrived before the reader was registered
         self._tasks = [
@@ -225,6 +222,29 @@ class WorkerClient:
         except WorkerError as error:
             raise WorkerStartError(f"{self.spec.name} worker: {error.message}") from None
         return self.ready
+
+    async def _spawn(self, death_read: int) -> asyncio.subprocess.Process:
+        """Start the worker's interpreter, with the mailboxes when the link uses them."""
+        inherited = [death_read]
+        if self.spec.mailbox and mailboxes_supported():
+            self._outbox = Mailbox.create()
+            self._inbox = Mailbox.create()
+            inherited += [*self._outbox.fds, *self._inbox.fds]
+        argv = [
+            sys.executable, "-m", "hetspec.workers.process",
+            "--runtime", self.spec.runtime, "--name", self.spec.name,
+            "--commands", self._endpoint("commands"), "--replies", self._endpoint("replies"),
+            "--death-fd", str(death_read), "--parent", str(os.getpid()),
+            "--cores", ",".join(map(str, self.spec.cores)),
+            "--spare-cores", ",".join(map(str, self.spec.spare_cores)),
+            "--heartbeat", str(self.spec.heartbeat_s), "--log-format", self.spec.log_format,
+            "--spin-us", str(self.spec.spin_us),
+        ]  # fmt: skip
+        if self._outbox is not None:
+            argv += ["--mailboxes", ",".join(map(str, inherited[1:]))]
+        return await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, pass_fds=inherited
+        )
 
     async def _wait(self, future: asyncio.Future, timeout_s: float, what: str):
         done, _ = await asyncio.wait({future, self.died}, timeout=timeout_s,
@@ -271,7 +291,13 @@ class WorkerClient:
         replies = getattr(self, "_replies", None)
         if self._reading and not replies.closed:
             asyncio.get_running_loop().remove_reader(replies.FD)
+            if self._inbox is not None:
+                asyncio.get_running_loop().remove_reader(self._inbox.bell_fd)
             self._reading = False
+        for box in (self._outbox, self._inbox):
+            if box is not None:
+                box.close()
+        self._outbox = self._inbox = None
         for sock in (getattr(self, "_commands", None), getattr(self, "_replies", None)):
             if sock is not None:
                 sock.close(linger=0)
@@ -319,6 +345,15 @@ class WorkerClient:
         """
         while self._replies.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self._dispatch(self._replies.recv_multipart(zmq.NOBLOCK))
+        if self._settling:
+            self._wake_settled()
+
+    def _on_bell(self) -> None:
+        """The replies mailbox's bell rang: reset it, then read every reply posted."""
+        self._inbox.clear()
+        while (frames := self._inbox.take()) is not None:
+            if isinstance(frames, list):  # the worker never diverts: big replies just use zmq
+                self._dispatch(frames)
         if self._settling:
             self._wake_settled()
 
@@ -449,7 +484,11 @@ class WorkerClient:
 
     async def _send_first(self, frames: list, timeout_s: float) -> None:
         """The first command: the worker's commands connection may still be in its handshake
-        when its Hello arrives (a different socket), and until then PUSH has nowhere to send."""
+        when its Hello arrives (a different socket), and until then PUSH has nowhere to send.
+        A mailbox is there from the start."""
+        if self._outbox is not None:
+            self._send(frames)
+            return
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -464,10 +503,19 @@ class WorkerClient:
 
     def _send(self, frames: list, copy: bool = True) -> None:
         """Queue frames for the worker; zero-copy only for big arrays (pyzmq's zero-copy path
-        costs more than a copy for small frames). Never blocks the event loop."""
+        costs more than a copy for small frames). Never blocks the event loop.
+
+        With mailboxes, a message too big for the ring goes by the socket, and a marker in
+        the ring says where it was, so that the worker reads commands in the order sent."""
         try:
-            self._commands.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
-        except zmq.Again:
+            if self._outbox is None:
+                self._commands.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
+                return
+            if not self._outbox.post(frames):
+                self._commands.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
+                self._outbox.divert()
+            self._outbox.ring()
+        except (zmq.Again, MailboxFull):
             raise WorkerError(
                 self.spec.name, "overloaded", "its command queue is full (it stopped reading)"
             ) from None

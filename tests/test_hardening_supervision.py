@@ -214,8 +214,11 @@ async def test_a_command_that_is_lost_fails_its_call_in_about_a_second(
     gguf, tmp_path, arena
 ) -> None:
     """A second PULL on the commands endpoint takes every other command (the issue's attack,
-    as the same user): those calls fail after a few idle heartbeats, not at call_timeout_s."""
-    client = WorkerClient(spec(gguf, "llama.cpp", heartbeat_s=0.2), tmp_path, 1, arena.layout)
+    as the same user): those calls fail after a few idle heartbeats, not at call_timeout_s.
+    The link is ZeroMQ alone here: through mailboxes (memfds only the two processes hold)
+    no command can be taken, but the detection must work whatever loses a command."""
+    worker = spec(gguf, "llama.cpp", heartbeat_s=0.2, mailbox=False)
+    client = WorkerClient(worker, tmp_path, 1, arena.layout)
     await client.start(LOAD_TIMEOUT)
     thief = zmq.Context.instance().socket(zmq.PULL)
     thief.setsockopt(zmq.LINGER, 0)
@@ -256,7 +259,7 @@ async def test_a_command_the_worker_cannot_read_fails_the_pending_calls_at_once(
     try:
         text = "x"
         if unreadable == "junk":
-            client._commands.send(b"garbage")
+            client._send([b"garbage"])  # by the mailbox where there is one
         else:
             text = 123  # encodes, but the worker's codec wants a str
         started = time.monotonic()

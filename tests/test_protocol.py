@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import select
 import stat
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from hetspec.protocol import (
     MessageError,
     frame_array,
     frame_ref,
+    mailbox,
 )
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.arena import ArenaLayout
@@ -110,3 +112,85 @@ def test_the_arena_is_private_shared_with_another_process_and_unlinked(tmp_path)
     assert not path.exists()
     with pytest.raises(ArenaError, match="cannot open"):
         Arena.attach(ArenaLayout(str(path), 3, 1024))
+
+
+# ------------------------------------------------------------------ mailboxes
+
+
+needs_mailboxes = pytest.mark.skipif(not mailbox.supported(),
+                                     reason="mailboxes need Linux on x86-64")  # fmt: skip
+
+
+@needs_mailboxes
+def test_a_mailbox_delivers_every_message_in_order_across_its_wrap() -> None:
+    """Random posts and takes through a small ring (it wraps many times): what comes out is
+    what went in, in order; a full ring refuses without writing; a message bigger than half
+    the ring is refused so that it can go by the socket; a marker says where it went."""
+    producer = mailbox.Mailbox.create(4096)
+    consumer = mailbox.Mailbox.attach(*producer.fds)
+    rng = np.random.default_rng(0)
+    sent, taken, refused = [], [], 0
+    try:
+        for _ in range(5000):
+            if rng.random() < 0.6:
+                frames = [rng.bytes(int(rng.integers(0, 300))) for _ in range(rng.integers(1, 4))]
+                try:
+                    assert producer.post(frames)
+                    sent.append(frames)
+                except mailbox.MailboxFull:
+                    refused += 1
+            elif (message := consumer.take()) is not None:
+                taken.append(message)
+        while (message := consumer.take()) is not None:
+            taken.append(message)
+        assert taken == sent
+        assert refused > 0
+        assert len(sent) > 1000
+        assert not producer.post([b"x" * 2049])  # over half the ring: the socket's
+        row = np.arange(8, dtype=np.float32)
+        producer.divert()
+        assert producer.post([b"after", row])
+        assert consumer.take() is mailbox.DIVERTED_MESSAGE
+        header, data = consumer.take()
+        assert header == b"after"
+        assert np.frombuffer(data, np.float32).tolist() == row.tolist()
+    finally:
+        producer.close()
+        consumer.close()
+
+
+@needs_mailboxes
+def test_a_mailbox_reaches_another_process_and_rings_its_bell(tmp_path) -> None:
+    """A child that inherited the descriptors sleeps on the bell, reads what was posted and
+    answers through a second mailbox."""
+    commands, replies = mailbox.Mailbox.create(), mailbox.Mailbox.create()
+    script = (
+        "import select, sys\n"
+        "from hetspec.protocol.mailbox import Mailbox\n"
+        "fds = [int(fd) for fd in sys.argv[1:]]\n"
+        "inbox, outbox = Mailbox.attach(*fds[:2]), Mailbox.attach(*fds[2:])\n"
+        "while True:\n"
+        "    poll = select.poll(); poll.register(inbox.bell_fd, select.POLLIN); poll.poll()\n"
+        "    inbox.clear()\n"
+        "    while (frames := inbox.take()) is not None:\n"
+        "        if frames == [b'stop']: sys.exit(0)\n"
+        "        outbox.post([frames[0][::-1]]); outbox.ring()\n"
+    )
+    fds = [*commands.fds, *replies.fds]
+    child = subprocess.Popen([sys.executable, "-c", script, *map(str, fds)], pass_fds=fds)
+    try:
+        for word in (b"first", b"second"):
+            commands.post([word])
+            commands.ring()
+            poll = select.poll()
+            poll.register(replies.bell_fd, select.POLLIN)
+            assert poll.poll(10_000), "no answer within 10 s"
+            replies.clear()
+            assert replies.take() == [word[::-1]]
+        commands.post([b"stop"])
+        commands.ring()
+        assert child.wait(10) == 0
+    finally:
+        child.kill()
+        commands.close()
+        replies.close()

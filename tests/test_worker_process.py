@@ -271,3 +271,25 @@ async def test_a_call_that_takes_too_long_kills_the_wedged_worker(gguf, tmp_path
         assert await asyncio.wait_for(cpu.died, 5) == "was killed by SIGKILL"
     finally:
         await cpu.stop()
+
+
+async def test_a_command_too_big_for_the_mailbox_keeps_its_place_in_line(
+    gguf, tmp_path, arena
+) -> None:
+    """A command bigger than the mailbox's ring goes by the socket with a marker in the ring:
+    the worker reads it where it was sent, between the small ones, and answers each."""
+    cpu = await started(spec(gguf, "llama.cpp"), tmp_path, arena)
+    try:
+        big = np.random.default_rng(1).random(300_000, dtype=np.float32)  # 1.2 MB: the socket
+        small = np.arange(4, dtype=np.float32)
+        rows = (small, big, small)
+        echoes = [
+            m.Echo(request=cpu.next_request(), data=m.ArrayRef("<f4", row.shape, frame=1))
+            for row in rows
+        ]
+        calls = [cpu.call(echo, (row,)) for echo, row in zip(echoes, rows, strict=True)]
+        answers = await asyncio.gather(*calls)
+        for (echoed, frames), row in zip(answers, rows, strict=True):
+            np.testing.assert_array_equal(frame_array(echoed.data, frames), row)
+    finally:
+        await cpu.stop()

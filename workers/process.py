@@ -22,6 +22,7 @@ import contextlib
 import ctypes
 import importlib
 import os
+import select
 import signal
 import sys
 import threading
@@ -40,6 +41,7 @@ from hetspec.logs import configure_logging
 from hetspec.protocol import Arena, ArenaError, Codec, MessageError, frame_array, frame_ref
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.arena import SHM_DIR
+from hetspec.protocol.mailbox import Mailbox, MailboxFull
 from hetspec.protocol.sampling import SamplingError
 from hetspec.speculative.samplers import DrawnSampler, Sampler, sampler_for
 from hetspec.workers.spare_cores import SPARE_CORES_SPIN_COUNT, SpareCores, openmp_places
@@ -159,11 +161,16 @@ class CommandReader:
     A ``Cancel`` for a command not in the backlog is dropped: the daemon sends a command
     before its ``Cancel``, on this one connection, and commands run only between reads, so
     that command was answered already. Remembering such late cancels would grow without bound.
+
+    With a ``mailbox`` the commands come through it (a socket message only where a marker in
+    it says so), and spinning reads shared memory instead of asking ZeroMQ.
     """
 
-    def __init__(self, context: zmq.Context, endpoint: str, spin_s: float, failed) -> None:
+    def __init__(self, context: zmq.Context, endpoint: str, spin_s: float, failed,
+                 mailbox: Mailbox | None = None) -> None:  # fmt: skip
         self.socket = context.socket(zmq.PULL)
         self.socket.connect(endpoint)
+        self.mailbox = mailbox
         self.spin_s = spin_s
         self.codec = Codec(m.Command)
         self.failed = failed  # how to answer a malformed or cancelled command
@@ -190,11 +197,26 @@ class CommandReader:
                 return
 
     def _drain(self) -> None:
+        if self.mailbox is not None:
+            while (frames := self.mailbox.take()) is not None:
+                # diverted: the daemon sent it on the socket before it posted the marker
+                self._take(frames if isinstance(frames, list) else self.socket.recv_multipart())
+            return
         while True:
             try:
                 self._take(self.socket.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
+
+    def _wait(self) -> None:
+        """Sleep until a command may have come."""
+        if self.mailbox is None:
+            self._take(self.socket.recv_multipart())
+            return
+        bell = select.poll()
+        bell.register(self.mailbox.bell_fd, select.POLLIN)
+        bell.poll()
+        self.mailbox.clear()  # before draining: a command posted after the drain rings again
 
     def next(self) -> tuple[msgspec.Struct, list[bytes]]:
         self._drain()  # a Cancel that came while the last command ran stops a queued one
@@ -202,7 +224,7 @@ class CommandReader:
         while not self.backlog and time.perf_counter() < deadline:
             self._drain()
         while not self.backlog:
-            self._take(self.socket.recv_multipart())
+            self._wait()
             self._drain()
         return self.backlog.popleft()
 
@@ -211,10 +233,12 @@ class Worker:
     """The compute side: one engine, the arena, and the handlers for each command."""
 
     def __init__(
-        self, kind: str, replies: zmq.Socket, watchdog: Watchdog, spare: SpareCores
-    ) -> None:
+        self, kind: str, replies: zmq.Socket, watchdog: Watchdog, spare: SpareCores,
+        outbox: Mailbox | None = None,
+    ) -> None:  # fmt: skip
         self.kind = kind
         self.replies = replies
+        self.outbox = outbox  # replies go here when the link uses mailboxes
         self.watchdog = watchdog
         self.spare = spare
         self.codec = Codec(m.Command)
@@ -228,8 +252,16 @@ class Worker:
         }  # fmt: skip
 
     def send(self, message: msgspec.Struct, arrays=()) -> None:
+        frames = self.codec.encode(message, arrays)
+        if self.outbox is not None:
+            # replies are matched by request, not order: one too big for the ring (or one
+            # the daemon has no room for yet) may overtake others by the socket
+            with contextlib.suppress(MailboxFull):
+                if self.outbox.post(frames):
+                    self.outbox.ring()
+                    return
         # zero-copy only pays for big frames; pyzmq's zero-copy path costs more for small ones
-        self.replies.send_multipart(self.codec.encode(message, arrays), copy=not arrays)
+        self.replies.send_multipart(frames, copy=not arrays)
 
     def serve(self, commands: CommandReader) -> None:
         while True:
@@ -497,8 +529,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=100,
         help="how long to poll for the next command before sleeping",
     )
+    parser.add_argument(
+        "--mailboxes",
+        default="",
+        help="inherited descriptors COMMANDS_MEMORY,COMMANDS_BELL,REPLIES_MEMORY,REPLIES_BELL "
+        "of the shared-memory mailboxes (protocol/mailbox.py); none: ZeroMQ alone",
+    )
     parser.add_argument("--log-format", choices=["json", "console"], default="json")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    fds = [int(fd) for fd in args.mailboxes.split(",") if fd]
+    if len(fds) not in (0, 4):
+        parser.error("--mailboxes takes four descriptors")
+    args.mailboxes = fds
+    return args
 
 
 def claim_cores(runtime: str, own: set[int], spare: set[int]) -> None:
@@ -530,8 +573,11 @@ def main(argv: list[str] | None = None) -> int:
     watchdog = Watchdog(context, args)
     cores = sorted(os.sched_getaffinity(0))
     spare = SpareCores(cores, core_list(args.spare_cores))
-    worker = Worker(args.runtime, replies, watchdog, spare)
-    commands = CommandReader(context, args.commands, args.spin_us / 1e6, worker.send)
+    inbox = outbox = None
+    if args.mailboxes:
+        inbox, outbox = Mailbox.attach(*args.mailboxes[:2]), Mailbox.attach(*args.mailboxes[2:])
+    worker = Worker(args.runtime, replies, watchdog, spare, outbox)
+    commands = CommandReader(context, args.commands, args.spin_us / 1e6, worker.send, inbox)
     hello = m.Hello(protocol=m.PROTOCOL_VERSION, pid=os.getpid(), runtime=args.runtime,
                     cores=cores, spare_cores=sorted(spare.spare))  # fmt: skip
     worker.send(hello)
