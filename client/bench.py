@@ -29,7 +29,6 @@ ignored) so that every system decodes the same amount.
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import hashlib
 import json
@@ -49,47 +48,7 @@ from hetspec.client.bench_targets import BenchTarget, TargetError, forward_ms, r
 from hetspec.client.busy_box import busy_note
 from hetspec.client.clients import Client
 from hetspec.client.types import Completion, HetspecError
-from hetspec.models.corpus import stdlib_sources
-
-CHAT_PROMPTS = [
-    "Write a function that returns the n-th Fibonacci number.",
-    "Write a function that reads a file and returns its lines without trailing whitespace.",
-    "Write a function that merges two sorted lists.",
-    "Write a function that checks whether a string is a palindrome.",
-]
-CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
-FORGET_PROMPT = "# -*- coding: utf-8 -*-\n"  # shares no prefix with the prompts that matter
-
-
-def code_prompts(count: int, context_lines: int = 30) -> list[str]:
-    """The first substantial function of each held-out file, cut after its signature (and its
-    docstring, which says what to write), with up to ``context_lines`` lines before it."""
-    prompts = []
-    for path, text in stdlib_sources()[1]:
-        if path.startswith(("encodings/", "idlelib/")):  # codec tables, GUI glue: untypical
-            continue
-        try:
-            tree = ast.parse(text)
-        except SyntaxError:
-            continue
-        lines = text.splitlines()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and len(node.body) >= 3:
-                first = node.body[0]
-                has_docstring = isinstance(first, ast.Expr) and isinstance(
-                    getattr(first, "value", None), ast.Constant
-                )
-                end = first.end_lineno if has_docstring else first.lineno - 1
-                start = max(0, node.lineno - 1 - context_lines)
-                prompts.append("\n".join(lines[start:end]) + "\n")
-                break
-        if len(prompts) == count:
-            break
-    return prompts
-
-
-def prompt_set(code: int) -> list[str]:
-    return code_prompts(code) + [CHAT.format(prompt) for prompt in CHAT_PROMPTS]
+from hetspec.models.corpus import CHAT_PROMPTS, FORGET_PROMPT, prompt_set
 
 
 @dataclass(frozen=True)

@@ -263,3 +263,19 @@ def test_draft_gpu_drafts_with_the_bundled_head_by_default(tmp_path) -> None:
             daemon.stop()
     assert accepted["head"] >= 2.0, accepted
     assert accepted["head"] >= 0.8 * accepted["model"], accepted
+
+
+def test_the_acceptance_bound_walks_continuations_in_chain_rounds() -> None:
+    """models/acceptance_bound.py: a round keeps drafted nodes up to the first the target
+    disagrees with, and the next round starts after the bonus token; the agreement a chain
+    needs inverts its ceiling, and no chain keeps more than gamma."""
+    from hetspec.models.acceptance_bound import ceiling, chain_kept, needed_agreement  # noqa: PLC0415
+
+    agrees = np.ones(10, bool)
+    agrees[2] = False
+    # round 1 at 0 keeps 2 (node 3 at position 2 disagrees), round 2 at 3 keeps 4; 8 + 4 > 10
+    assert chain_kept([agrees], 0, 10, 4) == (6, 2)
+    own_features = [agrees, agrees, np.zeros(10, bool), agrees]  # each chain's third is wrong
+    assert chain_kept(own_features, 0, 10, 4) == (6, 3)  # rounds at 0, 3 and 6 keep 2 each
+    assert needed_agreement(ceiling(0.9, 8), 8) == pytest.approx(0.9)
+    assert needed_agreement(4.2, 4) is None
