@@ -21,6 +21,7 @@ simulated box builds one from its true costs, so the two cannot drift apart.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,6 +54,8 @@ class ProfileCurve:
     times: tuple[float, ...]
 
     def at(self, width):
+        if isinstance(width, int | float):  # the engine's per-round calls: no numpy overhead
+            return self._at_scalar(float(width))
         width = np.asarray(width, float)
         inside = np.interp(width, self.widths, self.times)
         if len(self.widths) < 2:
@@ -63,6 +66,20 @@ class ProfileCurve:
             self.times[-1] + max(slope, 0.0) * (width - self.widths[-1]),
             inside,
         )
+
+    def _at_scalar(self, width: float) -> float:
+        """``at`` for one width, as numpy's interp computes it."""
+        widths, times = self.widths, self.times
+        if len(widths) >= 2 and width > widths[-1]:
+            slope = (times[-1] - times[-2]) / (widths[-1] - widths[-2])
+            return times[-1] + max(slope, 0.0) * (width - widths[-1])
+        if width <= widths[0]:
+            return float(times[0])
+        if width >= widths[-1]:
+            return float(times[-1])
+        j = bisect.bisect_right(widths, width) - 1
+        slope = (times[j + 1] - times[j]) / (widths[j + 1] - widths[j])
+        return slope * (width - widths[j]) + times[j]
 
 
 @dataclass(frozen=True)

@@ -554,3 +554,17 @@ def test_the_target_alone_is_priced_by_the_load_profile_until_it_is_measured() -
     assert aware.choose().plan.gamma == 0
     with pytest.raises(ValueError, match="width 1"):
         aware.assume_verifier({2: 0.001})
+
+
+def test_a_profile_prices_one_width_as_it_prices_an_array_of_them() -> None:
+    """The engine asks for one width a round (pure Python, no numpy overhead); the controller
+    for arrays of candidates (numpy): both give the same seconds, inside the measured widths,
+    on them, before the first and past the last (the last segment's slope, never falling)."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        widths = sorted({float(w) for w in rng.integers(1, 40, int(rng.integers(1, 6)))})
+        curve = ProfileCurve(tuple(widths), tuple(rng.random(len(widths)).tolist()))
+        for width in (0, 1, 2, 3, 5, 7.5, 17, 39, 40, 64, 100):
+            one = curve.at(width)
+            assert isinstance(one, float)
+            assert one == pytest.approx(float(curve.at(np.array([width], float))[0]), rel=1e-15)
