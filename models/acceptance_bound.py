@@ -1,7 +1,8 @@
 """How much a draft can be accepted on the bundled target: draft model against draft head.
 
     python -m hetspec.models.acceptance_bound [--prompts 8] [--tokens 96] [--gammas 4,8,16]
-                                              [--head models/head] [--out FILE.md]
+                                              [--head models/head] [--target-gguf GGUF]
+                                              [--out FILE.md]
 
 Offline, in torch float32, on the benchmarks' prompts (``corpus.prompt_set``): the target's
 own greedy continuation of each prompt, then, at every generated position, whether each
@@ -11,7 +12,9 @@ continuation in rounds of gamma gives the mean drafted tokens a greedy chain kee
 what the daemon's rounds would keep with a verifier that computes as this one does. The
 ceiling for a drafter that agrees with the target with probability a at every step is
 a (1 - a^gamma) / (1 - a) tokens; the last table gives the agreement a head would need for a
-given multiple of the draft model's chain.
+given multiple of the draft model's chain. With ``--target-gguf`` the target's continuation
+and the features the head reads come from llama.cpp over that file instead (as the daemon's
+draft-gpu verifier computes them, e.g. the bundled Q8_0 export).
 """
 
 from __future__ import annotations
@@ -62,6 +65,28 @@ def greedy_continuation(target: Teacher, prompt: list[int], count: int, rope) ->
     return tokens
 
 
+def gguf_continuation(path: Path, prompt: list[int], count: int) -> tuple[torch.Tensor, ...]:
+    """The target's greedy continuation in llama.cpp, and the features of every position."""
+    from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
+
+    runtime = LlamaCppRuntime(
+        path, n_ctx=len(prompt) + count + 1, flash_attention="off", v_type="f32"
+    )  # fmt: skip  (the verifier's settings)
+    try:
+        runtime.prefill(prompt)
+        tokens = list(prompt)
+        for _ in range(count):
+            tokens.append(int(np.argmax(runtime.last_logits())))
+            runtime.append(tokens[-1:])
+        runtime.rollback(0)
+        with runtime.features_captured() as rows:
+            runtime.append(tokens)
+        features = torch.from_numpy(np.concatenate(rows))[None]
+    finally:
+        runtime.close()
+    return torch.tensor(tokens), features
+
+
 def chain_kept(agrees: list[np.ndarray], first: int, end: int, gamma: int) -> tuple[int, int]:
     """(tokens kept, rounds) walking positions first..end in greedy chain rounds:
     ``agrees[k][t]``: the drafter's (k+1)-th chain node, drafted at position t, is the
@@ -91,60 +116,49 @@ def needed_agreement(kept: float, gamma: int) -> float | None:
     return low
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hetspec.models.acceptance_bound")
-    parser.add_argument("--prompts", type=int, default=8, help="code prompts (as bench_head)")
-    parser.add_argument("--tokens", type=int, default=96, help="greedy tokens per prompt")
-    parser.add_argument("--gammas", default="4,8,16")
-    parser.add_argument("--head", type=Path, default=MODELS / "head")
-    parser.add_argument("--out", type=Path, default=None, help="also write the tables here")
-    args = parser.parse_args(argv)
-    gammas = [int(g) for g in args.gammas.split(",")]
-    depth = max(gammas)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+class Drafters:
+    """The target, the draft model and the head, as the measurement reads them."""
 
-    target, draft = Teacher(MODELS / "target"), Causal(MODELS / "draft")
-    rope = rope_tables(target.config, target.config.max_context, CPU)
-    pieces = load_target_pieces(target.config, MODELS / "target", torch.float32, CPU)
-    head = load_head(args.head, target.config, torch.float32, CPU)
-    head_cos, head_sin = rope_tables(head.config.block_config(), target.config.max_context, CPU)
-    tokenizer = Tokenizer.from_file(str(MODELS / "target" / "tokenizer.json"))
+    def __init__(self, head: Path) -> None:
+        self.target, self.draft = Teacher(MODELS / "target"), Causal(MODELS / "draft")
+        limit = self.target.config.max_context
+        self.rope = rope_tables(self.target.config, limit, CPU)
+        self.pieces = load_target_pieces(self.target.config, MODELS / "target", torch.float32,
+                                         CPU)  # fmt: skip
+        self.head = load_head(head, self.target.config, torch.float32, CPU)
+        self.head_rope = rope_tables(self.head.config.block_config(), limit, CPU)
+        self.tokenizer = Tokenizer.from_file(str(MODELS / "target" / "tokenizer.json"))
 
-    kept = {(name, g): [0, 0] for name in ("draft model", "head") for g in gammas}
-    agreement = {"draft model": [0, 0], **{f"head, step {k + 1}": [0, 0] for k in range(depth)}}
-    with torch.no_grad():
-        for prompt in prompt_set(args.prompts)[: args.prompts]:
-            ids = tokenizer.encode(prompt).ids
-            tokens = greedy_continuation(target, ids, args.tokens, rope)
-            features, log_p = target(tokens.view(1, -1), *rope)
+    @torch.no_grad()
+    def agreements(self, prompt: str, tokens_out: int, depth: int, gguf: Path | None):
+        """(first, end, the draft model's agreement, the head's per chain step): position t
+        agrees when the drafter's first choice there is the target's."""
+        ids = self.tokenizer.encode(prompt).ids
+        if gguf is None:
+            tokens = greedy_continuation(self.target, ids, tokens_out, self.rope)
+            features, log_p = self.target(tokens.view(1, -1), *self.rope)
             choice = log_p[0].argmax(-1)  # the target's next token at each position
-            first, end = len(ids) - 1, len(tokens) - 1  # positions predicting generated tokens
-            draft_agrees = (draft.logits(tokens).argmax(-1) == choice).numpy()
-            head_agrees, inputs, n = [], shifted(features), len(tokens)
-            embeddings = pieces.embed(tokens.view(1, -1))
-            for _ in range(depth):  # step k reads step k - 1's predicted features
-                predicted = pieces.feature(head.sequences(inputs, embeddings, head_cos[:n],
-                                                          head_sin[:n]))  # fmt: skip
-                head_agrees.append((pieces.logits(predicted)[0].argmax(-1) == choice).numpy())
-                inputs = shifted(predicted)
-            for name, agrees in (("draft model", [draft_agrees]), ("head", head_agrees)):
-                for g in gammas:
-                    got = chain_kept(agrees, first, end, g)
-                    kept[name, g] = [kept[name, g][0] + got[0], kept[name, g][1] + got[1]]
-            steps = [(f"head, step {k + 1}", a) for k, a in enumerate(head_agrees)]
-            for key, agrees in [("draft model", draft_agrees), *steps]:
-                agreement[key][0] += int(agrees[first:end].sum())
-                agreement[key][1] += end - first
+        else:  # greedy: the next token is the choice (the last position's is never read)
+            tokens, features = gguf_continuation(gguf, ids, tokens_out)
+            choice = torch.cat([tokens[1:], tokens[-1:]])
+        draft = (self.draft.logits(tokens).argmax(-1) == choice).numpy()
+        head, inputs, n = [], shifted(features), len(tokens)
+        embeddings = self.pieces.embed(tokens.view(1, -1))
+        cos, sin = (table[:n] for table in self.head_rope)
+        for _ in range(depth):  # step k reads step k - 1's predicted features
+            predicted = self.pieces.feature(self.head.sequences(inputs, embeddings, cos, sin))
+            head.append((self.pieces.logits(predicted)[0].argmax(-1) == choice).numpy())
+            inputs = shifted(predicted)
+        return len(ids) - 1, len(tokens) - 1, draft, head
 
-    rate = {key: hit / total for key, (hit, total) in agreement.items()}
+
+def report(rate: dict, kept: dict, gammas: list[int], source: str, args) -> str:
+    depth = max(gammas)
     lines = [f"# Greedy acceptance on the bundled target ({args.prompts} prompts x "
-             f"{args.tokens} tokens, torch f32)\n",
+             f"{args.tokens} tokens, {source})\n",
              "| drafter | agreement per step |", "|---|---|"]  # fmt: skip
-    lines += [
-        f"| {key} | {value:.3f} |"
-        for key, value in rate.items()
-        if key in ("draft model", "head, step 1", "head, step 2", f"head, step {depth}")
-    ]
+    shown = ("draft model", "head, step 1", "head, step 2", f"head, step {depth}")
+    lines += [f"| {key} | {value:.3f} |" for key, value in rate.items() if key in shown]
     lines += ["", "| gamma | draft model kept/round | head kept/round | head / draft model | "
               "head agreement needed for 1.5x |", "|---|---|---|---|---|"]  # fmt: skip
     for g in gammas:
@@ -157,7 +171,42 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", f"A chain of any length keeps at most a / (1 - a) tokens: {a / (1 - a):.1f} "
               f"for the draft model's {a:.3f}; 1.5x that needs a head agreeing "
               f"{1.5 * a / (1 + 0.5 * a):.3f} at every step."]  # fmt: skip
-    text = "\n".join(lines)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hetspec.models.acceptance_bound")
+    parser.add_argument("--prompts", type=int, default=8, help="code prompts (as bench_head)")
+    parser.add_argument("--tokens", type=int, default=96, help="greedy tokens per prompt")
+    parser.add_argument("--gammas", default="4,8,16")
+    parser.add_argument("--head", type=Path, default=MODELS / "head")
+    parser.add_argument(
+        "--target-gguf",
+        type=Path,
+        default=None,
+        help="the target's text and features from llama.cpp over this file",
+    )
+    parser.add_argument("--out", type=Path, default=None, help="also write the tables here")
+    args = parser.parse_args(argv)
+    gammas = [int(g) for g in args.gammas.split(",")]
+    depth = max(gammas)
+    drafters = Drafters(args.head)
+    kept = {(name, g): [0, 0] for name in ("draft model", "head") for g in gammas}
+    agreement = {"draft model": [0, 0], **{f"head, step {k + 1}": [0, 0] for k in range(depth)}}
+    for prompt in prompt_set(args.prompts)[: args.prompts]:
+        first, end, draft, head = drafters.agreements(prompt, args.tokens, depth,
+                                                      args.target_gguf)  # fmt: skip
+        for name, agrees in (("draft model", [draft]), ("head", head)):
+            for g in gammas:
+                got = chain_kept(agrees, first, end, g)
+                kept[name, g] = [kept[name, g][0] + got[0], kept[name, g][1] + got[1]]
+        steps = [(f"head, step {k + 1}", a) for k, a in enumerate(head)]
+        for key, agrees in [("draft model", draft), *steps]:
+            agreement[key][0] += int(agrees[first:end].sum())
+            agreement[key][1] += end - first
+    rate = {key: hit / total for key, (hit, total) in agreement.items()}
+    source = "torch f32" if args.target_gguf is None else f"llama.cpp, {args.target_gguf.name}"
+    text = report(rate, kept, gammas, source, args)
     print(text)
     if args.out is not None:
         args.out.write_text(text + "\n")
