@@ -23,6 +23,7 @@ import zmq
 from hetspec.daemon.config import DaemonConfig
 from hetspec.daemon.local_stages import LocalStages
 from hetspec.daemon.pipeline import (
+    FIRST_ANSWER_S,
     PipelineClient,
     PipelineError,
     StageAddress,
@@ -104,7 +105,7 @@ class PipelineBackend:
         try:
             client = PipelineClient(addresses, identity, settings.listen,
                                     settings.timeout_s)  # fmt: skip
-            ready = await client.reset(timeout_s=max(settings.timeout_s, 10.0))
+            ready = await client.reset(timeout_s=max(settings.timeout_s, FIRST_ANSWER_S))
         except BaseException as error:
             if client is not None:  # not published yet: stop() would not close it
                 client.close()
@@ -158,6 +159,8 @@ class PipelineBackend:
                 finally:
                     self._starting.discard(index)
                 self.restarts += 1
+                if self.client is not None:
+                    self.client.fresh.add(index)
                 delay = first
                 log.info("pipeline stage restarted", stage=index, restarts=self.restarts,
                          took_s=round(time.monotonic() - started, 2))  # fmt: skip
