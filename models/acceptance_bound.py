@@ -25,36 +25,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from hetspec.models.corpus import prompt_set
 from hetspec.models.train_head import Teacher, shifted
-from hetspec.workers.torch_runtime.config import ModelConfig
 from hetspec.workers.torch_runtime.draft_head import load_head, load_target_pieces
 from hetspec.workers.torch_runtime.model import rope_tables
-from hetspec.workers.torch_runtime.weights import load_model
 
 MODELS = Path(__file__).parent
 CPU = torch.device("cpu")
-
-
-class Causal:
-    """A model folder's whole-sequence logits (no cache kept between calls): the draft model."""
-
-    def __init__(self, folder: Path) -> None:
-        self.config = ModelConfig.from_folder(folder)
-        self.model = load_model(folder, self.config, torch.float32, CPU)
-        self.cos, self.sin = rope_tables(self.config, self.config.max_context, CPU)
-
-    @torch.no_grad()
-    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        c, n = self.config, len(tokens)
-        shape = (c.num_layers, c.num_kv_heads, n, c.head_dim)
-        causal = [torch.ones(n, n, dtype=torch.bool).tril()] * c.num_layers
-        hidden = self.model(tokens, self.cos[:n], self.sin[:n], cache_keys=torch.zeros(shape),
-                            cache_values=torch.zeros(shape), start=0, masks=causal)  # fmt: skip
-        return F.linear(self.model.model.norm(hidden), self.model.head_weight())
 
 
 def greedy_continuation(target: Teacher, prompt: list[int], count: int, rope) -> torch.Tensor:
@@ -69,9 +48,10 @@ def gguf_continuation(path: Path, prompt: list[int], count: int) -> tuple[torch.
     """The target's greedy continuation in llama.cpp, and the features of every position."""
     from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
 
+    # the daemon's verifier settings: no flash attention, an f32 V cache
     runtime = LlamaCppRuntime(
         path, n_ctx=len(prompt) + count + 1, flash_attention="off", v_type="f32"
-    )  # fmt: skip  (the verifier's settings)
+    )
     try:
         runtime.prefill(prompt)
         tokens = list(prompt)
@@ -120,7 +100,9 @@ class Drafters:
     """The target, the draft model and the head, as the measurement reads them."""
 
     def __init__(self, head: Path) -> None:
-        self.target, self.draft = Teacher(MODELS / "target"), Causal(MODELS / "draft")
+        # Teacher runs any model folder whole-sequence: the draft model's choices too
+        self.target, self.draft = Teacher(MODELS / "target"), Teacher(MODELS / "draft")
+        self.draft_rope = rope_tables(self.draft.config, self.draft.config.max_context, CPU)
         limit = self.target.config.max_context
         self.rope = rope_tables(self.target.config, limit, CPU)
         self.pieces = load_target_pieces(self.target.config, MODELS / "target", torch.float32,
@@ -141,7 +123,8 @@ class Drafters:
         else:  # greedy: the next token is the choice (the last position's is never read)
             tokens, features = gguf_continuation(gguf, ids, tokens_out)
             choice = torch.cat([tokens[1:], tokens[-1:]])
-        draft = (self.draft.logits(tokens).argmax(-1) == choice).numpy()
+        _, draft_log_p = self.draft(tokens.view(1, -1), *self.draft_rope)
+        draft = (draft_log_p[0].argmax(-1) == choice).numpy()
         head, inputs, n = [], shifted(features), len(tokens)
         embeddings = self.pieces.embed(tokens.view(1, -1))
         cos, sin = (table[:n] for table in self.head_rope)

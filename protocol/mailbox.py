@@ -74,7 +74,6 @@ class Mailbox:
         self._written, self._read = counters[0:1], counters[8:9]
         self._data = memoryview(self._map)[HEADER:]
         self._mask = capacity - 1
-        self._pending_skip = 0
         self._closed = False
 
     @classmethod
@@ -112,7 +111,7 @@ class Mailbox:
         size = _aligned(_RECORD.size + lengths + sum(view.nbytes for view in views))
         if size > self.capacity // 2:
             return False
-        offset = self._reserve(size)
+        offset, skip = self._reserve(size)
         _RECORD.pack_into(self._data, offset, len(views), size)
         struct.pack_into(f"<{len(views)}I", self._data, offset + _RECORD.size,
                          *(view.nbytes for view in views))  # fmt: skip
@@ -120,21 +119,21 @@ class Mailbox:
         for view in views:
             self._data[position : position + view.nbytes] = view
             position += view.nbytes
-        self._publish(size)
+        self._publish(skip + size)
         return True
 
     def divert(self) -> None:
         """Mark where the next message goes by the socket instead, keeping the order."""
-        offset = self._reserve(_RECORD.size)
+        offset, skip = self._reserve(_RECORD.size)
         _RECORD.pack_into(self._data, offset, DIVERTED, _RECORD.size)
-        self._publish(_RECORD.size)
+        self._publish(skip + _RECORD.size)
 
     def ring(self) -> None:
         os.eventfd_write(self.bell_fd, 1)
 
-    def _reserve(self, size: int) -> int:
-        """The offset where a record of ``size`` bytes goes, after a WRAP if it would cross
-        the ring's end (published with the record)."""
+    def _reserve(self, size: int) -> tuple[int, int]:
+        """(offset, bytes skipped): where a record of ``size`` bytes goes, after a WRAP
+        marker if it would cross the ring's end (published with the record)."""
         written = int(self._written[0])
         offset = written & self._mask
         skip = self.capacity - offset if offset + size > self.capacity else 0
@@ -142,14 +141,11 @@ class Mailbox:
             raise MailboxFull(f"the mailbox is full ({self.capacity} bytes unread)")
         if skip:
             _RECORD.pack_into(self._data, offset, WRAP, skip)
-            self._pending_skip = skip
-            return 0
-        self._pending_skip = 0
-        return offset
+        return (0 if skip else offset), skip
 
     def _publish(self, size: int) -> None:
         # the frames are in place before the counter says so (x86-64 keeps store order)
-        self._written[0] = int(self._written[0]) + self._pending_skip + size
+        self._written[0] = int(self._written[0]) + size
 
     # ------------------------------------------------------------ consumer
 

@@ -171,6 +171,9 @@ class CommandReader:
         self.socket = context.socket(zmq.PULL)
         self.socket.connect(endpoint)
         self.mailbox = mailbox
+        self._bell = select.poll()  # where a sleeping reader waits for the mailbox's bell
+        if mailbox is not None:
+            self._bell.register(mailbox.bell_fd, select.POLLIN)
         self.spin_s = spin_s
         self.codec = Codec(m.Command)
         self.failed = failed  # how to answer a malformed or cancelled command
@@ -213,9 +216,7 @@ class CommandReader:
         if self.mailbox is None:
             self._take(self.socket.recv_multipart())
             return
-        bell = select.poll()
-        bell.register(self.mailbox.bell_fd, select.POLLIN)
-        bell.poll()
+        self._bell.poll()
         self.mailbox.clear()  # before draining: a command posted after the drain rings again
 
     def next(self) -> tuple[msgspec.Struct, list[bytes]]:
