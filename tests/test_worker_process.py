@@ -179,9 +179,14 @@ async def test_a_worker_computes_on_the_spare_cores_only_when_a_command_says_so(
         assert on_spare, "no thread was placed on the spare core"
         await work(False)  # its thread on the spare core spins briefly, then sleeps
         main_before, spare_before = threads_on(client.pid, {own}), threads_on(client.pid, {spare})
-        await work(False)
-        main_ns = ran_ns(main_before, threads_on(client.pid, {own}))
+        # schedstat advances at a context switch or a scheduler tick; a worker spinning on its
+        # mailbox between commands may not switch at all, so work until a few ticks have passed
+        main_ns, deadline = 0, time.monotonic() + 30
+        while main_ns < 50_000_000 and time.monotonic() < deadline:
+            await work(False)
+            main_ns = ran_ns(main_before, threads_on(client.pid, {own}))
         spare_ns = ran_ns(spare_before, threads_on(client.pid, {spare}))
+        assert main_ns > 0, "the worker's main thread never ran on its own core"
         assert spare_ns < 0.05 * main_ns, (spare_ns, main_ns)
         wide, narrow = await verify(True), await verify(False)
         np.testing.assert_array_equal(wide, narrow)
