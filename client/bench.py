@@ -141,6 +141,10 @@ class Record:
     t_draft_ms: float | None = None
     t_verify_ms: float | None = None
     overlapped: int = 0  # rounds whose next draft was drafted during verification
+    # the daemon's share: its own work a round, and a call's time beyond the worker's own
+    t_overhead_ms: float | None = None
+    t_draft_link_ms: float | None = None
+    t_verify_link_ms: float | None = None
     gammas: list[int] = field(default_factory=list)
     by_depth: list[int] = field(default_factory=list)  # rounds accepting >= depth 1, 2, ...
     output: str = ""  # a digest of the token ids generated ("": a peer's, not compared)
@@ -153,7 +157,8 @@ class Record:
             system, prompt, repeat, loaded, timings["predicted_n"], timings["predicted_ms"],
             timings["ttft_ms"], spec.get("rounds", 0), timings.get("draft_n_accepted", 0),
             statistics.fmean(gammas) if gammas else 0.0, spec.get("t_draft_ms"),
-            spec.get("t_verify_ms"), spec.get("run_ahead", 0), gammas,
+            spec.get("t_verify_ms"), spec.get("run_ahead", 0), spec.get("t_overhead_ms"),
+            spec.get("t_draft_link_ms"), spec.get("t_verify_link_ms"), gammas,
             spec.get("acceptance_by_depth", []), token_digest(done.tokens),
         )  # fmt: skip
 
@@ -391,6 +396,37 @@ def modes_table(records: list[Record]) -> tuple[str, dict, str]:
     return "\n".join(lines), summaries, fastest
 
 
+def rounds_table(records: list[Record]) -> str:
+    """Where a speculative system's round goes, in the daemon's clock: means over its
+    requests, each weighed by its rounds ("" when no system drafted)."""
+    lines = []
+    for name in dict.fromkeys(r.system for r in records):
+        drafted = [r for r in records if r.system == name and r.rounds and r.gamma_mean]
+        if not drafted:
+            continue
+
+        def mean(field: str, of=drafted) -> str:
+            known = [(getattr(r, field), r.rounds) for r in of if getattr(r, field) is not None]
+            weight = sum(n for _, n in known)
+            return _fmt(sum(v * n for v, n in known) / weight if weight else None, ".3f")
+
+        round_ms = sum(r.decode_ms for r in drafted) / sum(r.rounds for r in drafted)
+        lines.append(f"| {name} | {round_ms:.3f} | {mean('gamma_mean')} | "
+                     f"{mean('t_draft_ms')} | {mean('t_draft_link_ms')} | {mean('t_verify_ms')} | "
+                     f"{mean('t_verify_link_ms')} | {mean('t_overhead_ms')} |")  # fmt: skip
+    if not lines:
+        return ""
+    return "\n".join([
+        "| system | round ms | gamma | draft ms a token | draft call's link ms | "
+        "verify ms (daemon-seen) | of which link ms | daemon's own ms a round |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|", *lines,
+        "\nA link: a call's time as the daemon sees it beyond the worker's own (messages, "
+        "wake-ups, the worker's Python around its compute). The daemon's own: a round's time "
+        "outside its draft and verify calls (verdict, bookkeeping, the controller). Round ms: "
+        "decode time over rounds, rounds of the target alone included.",
+    ])  # fmt: skip
+
+
 def load_table(records: list[Record]) -> tuple[str, dict]:
     names = list(dict.fromkeys(r.system for r in records))
     rows = {}
@@ -541,6 +577,8 @@ def _measure_target(spec: str, args, out: Path, *, report: list[str], results: d
                 modes = measure_modes(client, key, args, peers)
                 table, summary, fastest = modes_table(modes)
                 report += [f"### {key}: modes (the GPU worker in {runtime})\n", table, ""]
+                if rounds := rounds_table(modes):
+                    report += [f"### {key}: where a round goes\n", rounds, ""]
                 results[key] = {"summary": summary, "load_records": [], "records": modes}
                 sweep.append({"target": target.name, "placement": placement, "c": cost_ratio,
                               "fastest_alone": fastest, "summary": summary})  # fmt: skip

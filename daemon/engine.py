@@ -222,7 +222,7 @@ class Decoder:
         report = RoundReport(
             gamma, branches, len(verdict.path), rule=plan.rule, rule_k=rule_k, drafts=(draft,),
             verify_width=width, verify_s=0.0 if trial else verify_s,
-            overhead_s=time.perf_counter() - start - draft_s - verify_s)  # fmt: skip
+            verify_compute_s=verified.elapsed_ms / 1000, overhead_s=time.perf_counter() - start - draft_s - verify_s)  # fmt: skip
         return RoundOutcome(emitted, stopped, logprobs), report
 
     async def _verify_while_drafter_idles(self, tokens: list[int], parents: list[int]):
@@ -276,7 +276,7 @@ class Decoder:
         self.drafter.unseen = emitted
         report = RoundReport(
             depth, 1, len(verdict.path), drafts=(draft,), verify_width=len(tokens) + 1,
-            verify_s=0.0 if trial else verify_s,
+            verify_s=0.0 if trial else verify_s, verify_compute_s=verified.elapsed_ms / 1000,
             overhead_s=time.perf_counter() - start - draft_s - verify_s)  # fmt: skip
         return RoundOutcome(emitted, stopped, logprobs), report
 
@@ -320,6 +320,7 @@ class Decoder:
         report = RoundReport(
             len(tokens), 1, len(verdict.path), rule_k=self._rule_would_pick(draft.probs),
             drafts=tuple(drafts), verify_width=len(tokens) + 1, verify_s=verify_s,
+            verify_compute_s=verified.elapsed_ms / 1000,
             verify_overlapped=ahead is not None,
             overhead_s=time.perf_counter() - start - fresh_s - max(verify_s, ahead_s))  # fmt: skip
         return RoundOutcome(emitted, stopped, logprobs), report

@@ -25,6 +25,12 @@ class SpeculativeStats:
     run_ahead_held: int = 0  # ... whose run-ahead became the next draft
     rule_rounds: int = 0  # rounds drafted by DuoDecoding's uncertainty rule
     verified_nodes: int = 0  # drafted nodes sent to verification (a tree's chosen width)
+    # the daemon's share: its work between calls, and calls' time beyond the workers' own
+    overhead_ms: float = 0.0
+    draft_link_ms: float = 0.0
+    draft_calls: int = 0
+    verify_link_ms: float = 0.0
+    verifications: int = 0
 
     def count(self, report: RoundReport) -> None:
         self.rounds += 1
@@ -34,7 +40,14 @@ class SpeculativeStats:
         self.branches.append(report.branches)
         self.rule_rounds += report.rule
         self.verified_nodes += max(report.verify_width - 1, 0) if report.gamma else 0
+        self.overhead_ms += report.overhead_s * 1000
+        if report.gamma and report.verify_s:
+            self.verifications += 1
+            self.verify_link_ms += (report.verify_s - report.verify_compute_s) * 1000
         for call in report.drafts:
+            if not call.overlapped:  # an overlapped call's wait hides behind verification
+                self.draft_calls += 1
+                self.draft_link_ms += call.latency_s * 1000
             self.draft_steps += call.steps
             self.draft_compute_ms += call.compute_s * 1000 if call.steps else 0.0
         self.verify_ms += (report.verify_s if report.gamma else report.alone_compute_s or 0) * 1000
@@ -55,5 +68,12 @@ class SpeculativeStats:
             "t_verify_ms": round(self.verify_ms / per, 3) if per else None,
             "run_ahead": self.run_ahead, "run_ahead_held": self.run_ahead_held,
             "rule_rounds": self.rule_rounds, "verified_nodes": self.verified_nodes,
+            "t_overhead_ms": round(self.overhead_ms / per, 3) if per else None,
+            "t_draft_link_ms": _mean(self.draft_link_ms, self.draft_calls),
+            "t_verify_link_ms": _mean(self.verify_link_ms, self.verifications),
             "controller": controller.summary(),
         }  # fmt: skip
+
+
+def _mean(total_ms: float, count: int) -> float | None:
+    return round(total_ms / count, 3) if count else None

@@ -55,6 +55,7 @@ class RoundReport:
     drafts: tuple[DraftCall, ...] = ()
     verify_width: int = 0  # nodes verified: the pending bonus and the draft
     verify_s: float = 0.0  # 0: not what such a round costs (a trial of the other core choice)
+    verify_compute_s: float = 0.0  # of that, the verifier's own time (the rest: the link)
     verify_overlapped: bool = False  # verified while the drafter drafted ahead
     overhead_s: float = 0.0  # besides drafting and verifying: messages, bookkeeping
     # gamma 0 (the target alone): seconds per token of the whole round (None: a transition

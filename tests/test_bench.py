@@ -25,6 +25,7 @@ def test_bench_runs_every_system_and_writes_its_reports(tmp_path: Path) -> None:
     for system in systems:
         assert f"| {system} |" in table, (system, table, done.stderr)
     assert "a busy process on the drafter's core" in table
+    assert "| parallel gamma=2 |" in table.split("where a round goes")[1]  # it drafts every round
     document = json.loads((out / "bench.json").read_text())
     records = document["bundled draft-cpu"]["records"]
     assert {r["system"] for r in records} >= {"adaptive", "transformers assisted"}

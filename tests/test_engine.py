@@ -92,6 +92,24 @@ def test_the_controllers_own_plans_keep_greedy_output_exact(arena, overlap) -> N
         msgspec.json.encode(stats.summary(controller))  # plain numbers: the API sends them
 
 
+@pytest.mark.parametrize("kind", ["plain", "overlapped", "alone"])
+def test_a_requests_stats_say_where_its_rounds_went(arena, kind) -> None:
+    """The daemon's own time a round and the calls' links (their time beyond the workers'
+    own) are reported, and add up to no more than the decode time."""
+    pair, _ = workers(arena, noise=1.0)
+    result, stats, _ = decode(pair, BudgetController(), plan=FIXED[kind])
+    summary = stats.summary(BudgetController())
+    if kind == "alone":
+        assert summary["t_verify_link_ms"] is None and summary["t_draft_link_ms"] is None
+        return
+    overhead, verify_link = summary["t_overhead_ms"], summary["t_verify_link_ms"]
+    assert overhead > 0 and verify_link >= 0
+    assert (overhead + verify_link) * stats.rounds <= result.decode_ms
+    if kind == "plain":  # an overlapped round's draft waits hide behind its verification
+        assert summary["t_draft_link_ms"] >= 0
+        assert stats.draft_calls == stats.rounds
+
+
 def test_a_run_ahead_is_kept_when_the_draft_holds_and_dropped_when_it_misses(arena) -> None:
     pair, _ = workers(arena, noise=0.0)  # the drafter predicts the target exactly
     _, held, _ = decode(pair, BudgetController(), plan=Plan(3, overlap=True))
