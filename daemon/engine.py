@@ -222,7 +222,8 @@ class Decoder:
         report = RoundReport(
             gamma, branches, len(verdict.path), rule=plan.rule, rule_k=rule_k, drafts=(draft,),
             verify_width=width, verify_s=0.0 if trial else verify_s,
-            verify_compute_s=verified.elapsed_ms / 1000, overhead_s=time.perf_counter() - start - draft_s - verify_s)  # fmt: skip
+            verify_compute_s=verified.elapsed_ms / 1000,
+            overhead_s=time.perf_counter() - start - draft_s - verify_s)  # fmt: skip
         return RoundOutcome(emitted, stopped, logprobs), report
 
     async def _verify_while_drafter_idles(self, tokens: list[int], parents: list[int]):

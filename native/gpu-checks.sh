@@ -7,15 +7,16 @@
 #   run(command="OUT=$OUT QUICK=1 bash native/gpu-checks.sh", carry=[".device"], timeout_s=330)
 #   run(command="OUT=$OUT bash native/gpu-checks.sh", carry=[".device"], timeout_s=590)
 #
-# (with BENCH_SET='gpu_worker.compile=true' before bash in the second where the quick call's
-# compiled verifier measured faster and bit-identical at every width.)
+# (with BENCH_SET='gpu_worker.matmul="triton"' or BENCH_SET='gpu_worker.compile=true' before
+# bash in the second where the quick call's Triton-matmul or compiled verifier measured faster
+# and bit-identical at every width.)
 #
 # Every call installs the bundle (wheels, the CPU llama-cpp-python package, hetspec editable)
 # and starts, once per machine and in sessions of their own (setsid) that outlive the call,
 # llama-server's CUDA build (native/build-llama-server.sh cuda, on every core but the first
 # two) and heavy-1b/heavy-300m. The quick call then runs the CUDA tests and T_verify(w) of the
-# torch verifier (widths 1..64: width buckets as graphs, the width-invariant fixed width, and
-# the same through torch.compile) with each width's distance from one token at a time, a
+# torch verifier (widths 1..64: width buckets as graphs, the width-invariant fixed width, the
+# same with hetspec's Triton matmul and through torch.compile) with each width's distance from one token at a time, a
 # tree's from its branches as chains, and a profile of one token's forward; the
 # full call waits for llama-server, runs the lossless suite's greedy test on draft-cpu (the
 # drafter's llama.cpp would fight the build for cores before) and `hetspec bench` on heavy-1b
@@ -90,7 +91,7 @@ verify() {  # verify NAME MODEL ARGS...: T_verify(w) at 512 tokens of context
 
 if [[ -n "${QUICK:-}" ]]; then
   step 120 "CUDA tests" "${pin[@]}" "$python" -m pytest -q -p no:cacheprovider \
-      tests/test_cuda_graphs.py tests/test_torch_runtime.py \
+      tests/test_cuda_graphs.py tests/test_torch_runtime.py tests/test_skinny_matmul.py \
       -k "(cuda or graph or fixed or bucket) and not compiled"  # compiling: T_verify's below
   stamp "waiting for the heavy targets"
   while [[ ! -e "$HETSPEC_CACHE_DIR/heavy.done" ]]; do sleep 2; done
@@ -102,6 +103,11 @@ if [[ -n "${QUICK:-}" ]]; then
   # alone token's time goes (the GPU's kernels against the wall time)
   verify 1b-fixed16 "$h1b" --dtype bfloat16 --fixed-width 16 --invariance --profile-width 1
   verify 1b-fixed8 "$h1b" --dtype bfloat16 --fixed-width 8  # a narrower fixed shape's T(1)
+  # the fixed width with every linear layer in hetspec's Triton kernel (the weight read once
+  # for all 16 rows, split-K fixed by the weight's shape): cuBLAS's 16-row kernels read heavy-
+  # 1b's 1.95 GB at ~36% of the HBM's bandwidth; Triton compiles its kernels at load
+  VERIFY_S=150 verify 1b-fixed16-triton "$h1b" --dtype bfloat16 --fixed-width 16 --invariance \
+      --matmul triton --profile-width 1
   # the same shapes through torch.compile (inductor fuses the kernels between the matmuls),
   # compiled at load: the step's limit leaves room for that
   VERIFY_S=170 verify 1b-fixed16-compiled "$h1b" --dtype bfloat16 --fixed-width 16 --invariance \
@@ -132,8 +138,8 @@ mkdir -p "$bench_out"
   cp "$bench_out"/bench.json "$OUT/bench.json" 2>/dev/null; done ) &
 copier=$!
 left=$(( ${TOTAL_S:-570} - (SECONDS - began) ))
-# BENCH_SET: one more daemon setting for this bench, e.g. 'gpu_worker.compile=true' where the
-# quick call's T_verify showed the compiled verifier faster and as invariant
+# BENCH_SET: one more daemon setting for this bench, e.g. 'gpu_worker.matmul="triton"' or
+# 'gpu_worker.compile=true' where the quick call's T_verify showed it faster and as invariant
 step $(( left > 60 ? left - 40 : 20 )) "bench heavy-1b draft-cpu" "$python" -m hetspec.client.cli bench \
     --target heavy-1b --placement draft-cpu --gammas 4 --prompts 3 --max-tokens 128 \
     --repeats 1 --warmup 1 --out "$bench_out" ${BENCH_SET:+--set "$BENCH_SET"}

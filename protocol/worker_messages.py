@@ -37,6 +37,7 @@ class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_fiel
 FlashAttention = Literal["auto", "on", "off"]
 CacheType = Literal["f32", "f16", "q8_0"]
 TorchDtype = Literal["auto", "float32", "bfloat16", "float16"]
+MatmulKernel = Literal["torch", "triton"]
 
 
 class LlamaCppSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="llama.cpp"):
@@ -80,6 +81,10 @@ class TorchSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag
     # In fixed width: a chain (the target alone, a chain's verification) in a forward that
     # gathers one path, not the several a tree needs (cheaper; see static_forward.py)
     chain_forwards: bool = True
+    # "triton": linear layers of at most 16 rows (every fixed-width forward) in hetspec's
+    # Triton kernel, which reads each weight once for all rows in an order that does not
+    # depend on the rows (workers/torch_runtime/skinny_matmul.py); "torch": cuBLAS
+    matmul: MatmulKernel = "torch"
     # Set by the daemon for the worker that verifies: dtype "auto" is then bfloat16 in fixed
     # shapes on CUDA (width-invariant), float32 on the CPU.
     verifies: bool = False

@@ -140,7 +140,7 @@ def tree_row(runtime: TorchRuntime, prompt: list[int], chain: np.ndarray) -> dic
             "argmax_flips": flips, "rows": 16}  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m hetspec.workers.torch_runtime.bench_verify", description=__doc__
     )
@@ -152,6 +152,12 @@ def main(argv: list[str] | None = None) -> int:
         "--compile",
         action="store_true",
         help="torch.compile the model (each fixed shape at load, with its CUDA graph)",
+    )
+    parser.add_argument(
+        "--matmul",
+        choices=["torch", "triton"],
+        default="torch",
+        help="linear layers of at most 16 rows: cuBLAS, or hetspec's Triton kernel",
     )
     parser.add_argument(
         "--no-graphs",
@@ -201,7 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", choices=["chain", "star"], default="chain")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--json", type=Path, help="also write the rows here")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments().parse_args(argv)
 
     try:
         capacity = max(args.contexts) + max(args.widths)
@@ -212,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             max_context=capacity, compile=args.compile, cuda_graphs=args.graphs,
             fixed_width=args.fixed_width, span_buckets=args.span_buckets,
             invariant_paths=args.paths, chain_forwards=args.chain_forwards,
+            matmul=args.matmul,
         )  # fmt: skip
     except ModelLoadError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -222,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         f"model {args.model} ({sum(p.numel() for p in runtime.model.parameters()) / 1e6:.1f}M "
         f"parameters) on {runtime.device} {str(runtime.dtype).removeprefix('torch.')}, "
         f"{torch.get_num_threads()} threads, {args.shape} trees, median of {args.repeats}; "
-        f"{runtime.graphs} CUDA graphs, fixed width {runtime.fixed_width or 'none'}"
+        f"{runtime.graphs} CUDA graphs, fixed width {runtime.fixed_width or 'none'}, "
+        f"matmul {args.matmul}"
     )
     print(f"{'context':>8} {'width':>6} {'ms':>9} {'p25-p75':>15} {'ms/token':>9} {'x w=1':>6}")
     rows = []
@@ -250,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         meta = {"model": str(args.model), "device": str(runtime.device), "shape": args.shape,
                 "dtype": str(runtime.dtype), "threads": torch.get_num_threads(),
-                "graphs": runtime.graphs, "fixed_width": runtime.fixed_width}  # fmt: skip
+                "graphs": runtime.graphs, "fixed_width": runtime.fixed_width,
+                "matmul": args.matmul}  # fmt: skip
         document = {**meta, "rows": rows, "invariance": invariance}
         if args.profile_width > 0:
             document["profile"] = profiled

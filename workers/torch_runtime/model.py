@@ -184,6 +184,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Backbone(config)
+        self.head_linear = F.linear  # the output head's matmul (skinny_matmul may take it)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -255,4 +256,4 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for final hidden states (n, hidden) -> (n, vocab)."""
-        return F.linear(self.model.norm(hidden), self.head_weight()).float()
+        return self.head_linear(self.model.norm(hidden), self.head_weight()).float()

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from hetspec.protocol.vocab import VocabInfo
+from hetspec.workers.torch_runtime import skinny_matmul
 from hetspec.workers.torch_runtime.config import ModelConfig, ModelLoadError
 from hetspec.workers.torch_runtime.model import rope_tables
 from hetspec.workers.torch_runtime.static_forward import (
@@ -76,6 +77,7 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         verifies: bool = False,
         invariant_paths: int = INVARIANT_PATHS,
         chain_forwards: bool = True,
+        matmul: str = "torch",
     ) -> None:
         """Load ``model_dir``.
 
@@ -90,7 +92,9 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         with ``chain_forwards`` a forward whose rows lie on one path runs in a shape of its
         own that gathers one (a chain attends over a quarter of the keys).
         ``compile`` runs the model through torch.compile: each fixed shape's forward (compiled
-        at load with the graphs on CUDA), or where shapes vary each new shape's first forward."""
+        at load with the graphs on CUDA), or where shapes vary each new shape's first forward.
+        ``matmul`` "triton": linear layers of at most 16 rows in ``skinny_matmul`` (a GPU, or
+        Triton's interpreter); not with ``compile``."""
         folder = Path(model_dir)
         if not folder.is_dir():
             raise ModelLoadError(f"{folder}: not a directory")
@@ -107,6 +111,7 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
                 f"{folder}: context {capacity} is outside what the model allows (1..{limit})"
             )
         self.model = self._load_model(folder)
+        self._use_matmul(matmul, compile)
         self._run_model = torch.compile(self.model, dynamic=True) if compile else self.model
         if fixed_width is None:
             fixed_width = DEFAULT_FIXED_WIDTH if verifies and self.device.type == "cuda" else 0
@@ -147,6 +152,20 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
                 )  # fmt: skip
 
     static_shapes = True  # a subclass with another model call turns fixed shapes off
+
+    def _use_matmul(self, matmul: str, compile: bool) -> None:
+        if matmul == "torch":
+            return
+        if matmul != "triton":
+            raise ModelLoadError(f'matmul must be "torch" or "triton", not {matmul!r}')
+        if compile:
+            raise ModelLoadError("matmul \"triton\" and compile are two ways to the same "
+                                 "kernels: choose one")  # fmt: skip
+        reason = skinny_matmul.unavailable_reason(self.device)
+        if reason is not None:
+            raise ModelLoadError(f'matmul "triton" cannot run here: {reason}')
+        skinny_matmul.use_skinny_linears(self.model)
+        self.model.head_linear = skinny_matmul.linear
 
     @property
     def graphs(self) -> int:

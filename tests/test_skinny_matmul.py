@@ -1,0 +1,121 @@
+"""The Triton linear layer for few rows: exact sums, rows that do not depend on each other,
+and the torch runtime verifying through it. On the CPU the kernels run in Triton's
+interpreter (the same kernel code, numpy underneath); on CUDA, compiled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import build_reference, save_reference
+
+from hetspec.workers.torch_runtime import ModelLoadError, TorchRuntime, skinny_matmul
+from hetspec.workers.torch_runtime.skinny_matmul import (
+    BLOCK_K,
+    MAX_ROWS,
+    SplitPlan,
+    skinny_linear,
+    unavailable_reason,
+)
+
+triton = pytest.importorskip("triton", reason="Triton is not installed (the test extra has it)")
+PROMPT = [1, 5, 9, 14, 2, 33, 7, 21, 40, 11]
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    """Kernels made for Triton's interpreter, on the CPU; made afresh after the test."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    skinny_matmul._kernels.cache_clear()
+    yield torch.device("cpu")
+    skinny_matmul._kernels.cache_clear()
+
+
+def test_a_weight_is_cut_by_its_shape_and_the_gpu_alone() -> None:
+    for n, k in ((4096, 4096), (11264, 4096), (4096, 11264), (96, 64), (32000, 4096)):
+        plan = SplitPlan.of(n, k, sm_count=132)
+        assert plan.splits * plan.k_per_split >= k > (plan.splits - 1) * plan.k_per_split
+        assert plan.k_per_split % BLOCK_K == 0
+        assert plan.splits == 1 or plan.k_per_split >= 2 * BLOCK_K
+    # a square 4096 layer: 64 column blocks, split in 8 ranges of 512 -> 512 programs
+    assert SplitPlan.of(4096, 4096, 132) == SplitPlan(64, 8, 512)
+    assert SplitPlan.of(96, 64, 132).splits == 1  # too short a K to split
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_sums_match_float64_and_no_row_depends_on_the_others(interpreted, dtype) -> None:
+    generator = torch.Generator().manual_seed(0)
+    n, k = 200, 600  # neither a multiple of its block, and K cut in two splits
+    assert SplitPlan.of(n, k, 132).splits == 2
+    weight = torch.randn(n, k, generator=generator).to(dtype)
+    bias = torch.randn(n, generator=generator).to(dtype)
+    x = torch.randn(MAX_ROWS, k, generator=generator).to(dtype)
+    y = skinny_linear(x, weight, bias)
+    assert y.dtype == dtype
+    assert y.shape == (MAX_ROWS, n)
+    exact = x.double() @ weight.double().T + bias.double()
+    # float32 sums of exact products, then one rounding to the output's type
+    tolerance = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(y.double(), exact, rtol=tolerance, atol=tolerance)
+    for rows in (1, 3, 7, MAX_ROWS - 1):  # the same row among others of any count
+        company = torch.randn(rows - 1, k, generator=generator).to(dtype)
+        alone = skinny_linear(torch.cat([x[5:6], company]), weight, bias)[0]
+        assert torch.equal(alone, y[5]), rows
+    no_bias = skinny_linear(x[:2].reshape(2, 1, k), weight)  # leading shape kept
+    assert no_bias.shape == (2, 1, n)
+    torch.testing.assert_close(no_bias[:, 0].double(), exact[:2] - bias.double(),
+                               rtol=tolerance, atol=tolerance)  # fmt: skip
+
+
+def test_more_rows_than_a_tile_or_a_wrong_width_is_refused(interpreted) -> None:
+    weight = torch.randn(8, 32)
+    with pytest.raises(ValueError, match="at most 16 rows, not 17"):
+        skinny_linear(torch.randn(17, 32), weight)
+    with pytest.raises(ValueError, match="x has 31 columns but the weight 32"):
+        skinny_linear(torch.randn(2, 31), weight)
+    x = torch.randn(17, 32)  # the layer hands more rows to torch
+    torch.testing.assert_close(skinny_matmul.linear(x, weight), x @ weight.T)
+
+
+def test_a_fixed_width_verifier_through_the_kernel_keeps_the_logits(interpreted, tmp_path):
+    """float32 through the kernel tracks float32 through torch, the greedy chain is the
+    same, and a token's logits stay bit-identical alone and inside a tree."""
+    folder = save_reference(build_reference("llama-linear-bias-tied"), tmp_path / "m")
+    options = {"device": "cpu", "dtype": "float32", "fixed_width": 4, "max_context": 64}
+    ours = TorchRuntime(folder, matmul="triton", **options)
+    plain = TorchRuntime(folder, **options)
+    assert type(ours.model.model.layers[0].mlp.up_proj).__name__ == "SkinnyLinear"
+    for runtime in (ours, plain):
+        runtime.prefill(PROMPT)
+    torch.testing.assert_close(ours.last_logits(), plain.last_logits(), rtol=1e-4, atol=1e-4)
+    tree = ([3, 4, 5, 6], [-1, 0, 0, 2])
+    logits = ours.forward_tree(*tree).logits.clone()
+    torch.testing.assert_close(logits, plain.forward_tree(*tree).logits, rtol=1e-4, atol=1e-4)
+    ours.discard_pending()
+    alone = ours.forward_tree([3], [-1]).logits[0]
+    assert torch.equal(alone, logits[0])
+
+
+def test_the_kernel_is_refused_where_it_cannot_run(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    folder = save_reference(build_reference("qwen3"), tmp_path / "m")
+    assert "not for cpu" in unavailable_reason(torch.device("cpu"))
+    with pytest.raises(ModelLoadError, match='matmul "triton" cannot run here: Triton compiles'):
+        TorchRuntime(folder, device="cpu", matmul="triton")
+    with pytest.raises(ModelLoadError, match="choose one"):
+        TorchRuntime(folder, device="cpu", matmul="triton", compile=True)
+    with pytest.raises(ModelLoadError, match="matmul must be"):
+        TorchRuntime(folder, device="cpu", matmul="cutlass")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_on_cuda_the_kernel_tracks_cublas_and_rows_stay_independent(dtype) -> None:
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    weight = torch.randn(4096, 4096, device="cuda", generator=generator).to(dtype) / 64
+    x = torch.randn(MAX_ROWS, 4096, device="cuda", generator=generator).to(dtype)
+    y = skinny_linear(x, weight)
+    exact = x.double() @ weight.double().T
+    tolerance = 1e-4 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(y.double(), exact, rtol=tolerance, atol=tolerance)
+    for rows in (1, 2, 9):
+        assert torch.equal(skinny_linear(x[:rows], weight), y[:rows]), rows

@@ -1,0 +1,178 @@
+"""A linear layer for at most 16 rows, in Triton: the weight read once, in a fixed order.
+
+A verifier's forward on CUDA is a stack of matmuls of a few rows against large weights, so
+its speed is how fast the weights stream from memory. cuBLAS picks its kernel by the row
+count and for 16 rows picks tiles sized for big batches. This kernel is shaped for few rows:
+every program reads a ``BLOCK_N x BLOCK_K`` tile of the weight per step for all rows at once,
+the K dimension split across ``splits`` programs (chosen from the weight's shape and the GPU's
+SM count, never from the row count) and the partial sums added in split order by a second
+kernel. A row's result therefore does not depend on the other rows or on how many there are:
+it is batch-invariant, as a width-invariant verifier needs.
+
+Triton compiles for the GPU; with ``TRITON_INTERPRET=1`` the same kernels run on the CPU
+(slowly), which is how the tests check them where there is no GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+MAX_ROWS = 16  # tl.dot's smallest tile: fewer rows are masked, more take another kernel
+BLOCK_N = 64
+BLOCK_K = 128
+PROGRAMS_PER_SM = 4  # programs in flight per SM that keep enough loads outstanding
+
+
+class SkinnyMatmulUnavailable(RuntimeError):
+    """Triton cannot run here (not installed, or no GPU and no interpreter)."""
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why the kernel cannot run on ``device`` (None: it can)."""
+    try:
+        import triton  # noqa: F401, PLC0415 (a CUDA torch brings it; the CPU may lack it)
+    except ImportError:
+        return "triton is not installed"
+    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return f"Triton compiles for a GPU, not for {device.type} (TRITON_INTERPRET=1 interprets it)"
+
+
+@functools.cache
+def _kernels():
+    import triton  # noqa: PLC0415 (imported where the kernel runs, never on the CPU path)
+    import triton.language as tl  # noqa: PLC0415
+
+    @triton.jit(do_not_specialize=["rows"])
+    def partial_sums(x, w, partial, rows, n, k, k_per_split, x_stride, w_stride,  # noqa: PLR0917
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PRECISION: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+        """partial[split, m, n] = sum over the split's K range of x[m, k] * w[n, k]."""
+        block, split = tl.program_id(0), tl.program_id(1)
+        rm = tl.arange(0, BLOCK_M)
+        rn = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        # tl.full, not tl.zeros: a jitted helper, which the interpreter runs only if it was
+        # on when Triton was imported
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        start = split * k_per_split
+        for offset in range(0, k_per_split, BLOCK_K):
+            rk = start + offset + tl.arange(0, BLOCK_K)
+            a = tl.load(x + rm[:, None] * x_stride + rk[None, :],
+                        mask=(rm[:, None] < rows) & (rk[None, :] < k), other=0.0)  # fmt: skip
+            b = tl.load(w + rn[:, None] * w_stride + rk[None, :],
+                        mask=(rn[:, None] < n) & (rk[None, :] < k), other=0.0)  # fmt: skip
+            if UPCAST:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc += tl.dot(a, tl.trans(b), input_precision=PRECISION)
+        out = partial + split * BLOCK_M * n + rm[:, None] * n + rn[None, :]
+        tl.store(out, acc, mask=(rm[:, None] < rows) & (rn[None, :] < n))
+
+    @triton.jit(do_not_specialize=["rows"])
+    def add_splits(partial, bias, y, rows, n, splits, HAS_BIAS: tl.constexpr,  # noqa: PLR0917
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+        """y[m, n] = the splits' partial sums added in split order (+ bias), in y's dtype."""
+        block = tl.program_id(0)
+        rm = tl.arange(0, BLOCK_M)
+        rn = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rm[:, None] < rows) & (rn[None, :] < n)
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        for split in range(0, splits):
+            acc += tl.load(partial + split * BLOCK_M * n + rm[:, None] * n + rn[None, :],
+                           mask=mask, other=0.0)  # fmt: skip
+        if HAS_BIAS:
+            acc += tl.load(bias + rn, mask=rn < n, other=0.0).to(tl.float32)[None, :]
+        tl.store(y + rm[:, None] * n + rn[None, :], acc.to(y.dtype.element_ty), mask=mask)
+
+    return partial_sums, add_splits
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """How a weight of ``n`` x ``k`` is cut: ``splits`` K ranges of ``k_per_split``."""
+
+    n_blocks: int
+    splits: int
+    k_per_split: int
+
+    @classmethod
+    def of(cls, n: int, k: int, sm_count: int) -> SplitPlan:
+        """Enough programs to keep every SM streaming; each split at least two K blocks.
+        Depends on the weight's shape and the GPU only, so every row count gets the same."""
+        n_blocks = -(-n // BLOCK_N)
+        k_blocks = -(-k // BLOCK_K)
+        wanted = -(-(PROGRAMS_PER_SM * sm_count) // n_blocks)
+        splits = max(1, min(wanted, k_blocks // 2))
+        k_per_split = -(-k_blocks // splits) * BLOCK_K
+        return cls(n_blocks, -(-k // k_per_split), k_per_split)
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: an H100's, so the tests cut weights as it does
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """``x @ weight.T + bias`` for ``x`` of at most ``MAX_ROWS`` rows (any leading shape
+    flattened), accumulated in float32 and returned in ``x``'s dtype."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    rows, k = x.shape
+    n = weight.shape[0]
+    if rows > MAX_ROWS:
+        raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, not {rows}")
+    if weight.shape[1] != k:
+        raise ValueError(f"x has {k} columns but the weight {weight.shape[1]}")
+    x = x.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    plan = SplitPlan.of(n, k, sm_count(x.device))
+    partial_sums, add_splits = _kernels()
+    partial = torch.empty((plan.splits, MAX_ROWS, n), dtype=torch.float32, device=x.device)
+    # float32 stays float32 (not TF32): the exact verifier's products are exact. Triton's
+    # interpreter multiplies bfloat16 tiles wrongly (3.9), so there they go in as float32.
+    exact = x.dtype == torch.float32
+    upcast = x.device.type == "cpu" and x.dtype == torch.bfloat16
+    partial_sums[(plan.n_blocks, plan.splits)](
+        x, weight, partial, rows, n, k, plan.k_per_split, x.stride(0), weight.stride(0),
+        BLOCK_M=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        PRECISION="ieee" if exact else "tf32", UPCAST=upcast,
+        num_warps=4, num_stages=4)  # fmt: skip
+    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    add_splits[(plan.n_blocks,)](
+        partial, bias if bias is not None else partial, y, rows, n, plan.splits,
+        HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=BLOCK_N, num_warps=4)  # fmt: skip
+    return y.reshape(*shape[:-1], n)
+
+
+class SkinnyLinear(nn.Linear):
+    """``nn.Linear`` whose calls of at most ``MAX_ROWS`` rows take ``skinny_linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """``F.linear``, through ``skinny_linear`` for at most ``MAX_ROWS`` rows."""
+    if x.numel() <= MAX_ROWS * x.shape[-1]:
+        return skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def use_skinny_linears(model: nn.Module) -> int:
+    """Turn every ``nn.Linear`` of ``model`` into a ``SkinnyLinear`` in place (the same
+    parameters and state dict); returns how many."""
+    count = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = SkinnyLinear
+            count += 1
+    return count
