@@ -93,6 +93,9 @@ if [[ -n "${QUICK:-}" ]]; then
   step 120 "CUDA tests" "${pin[@]}" "$python" -m pytest -q -p no:cacheprovider \
       tests/test_cuda_graphs.py tests/test_torch_runtime.py tests/test_skinny_matmul.py \
       -k "(cuda or graph or fixed or bucket) and not compiled"  # compiling: T_verify's below
+  # heavy-1b's linear layers alone, cuBLAS against the Triton kernel's tilings (GB/s of
+  # weight, and whether each keeps a row's bits among other rows), while the targets build
+  step 90 "linear layers" "${pin[@]}" "$python" -m hetspec.workers.torch_runtime.bench_matmul
   stamp "waiting for the heavy targets"
   while [[ ! -e "$HETSPEC_CACHE_DIR/heavy.done" ]]; do sleep 2; done
   h1b=$(heavy 1b)

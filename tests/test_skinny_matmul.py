@@ -10,7 +10,7 @@ from tiny_models import build_reference, save_reference
 
 from hetspec.workers.torch_runtime import ModelLoadError, TorchRuntime, skinny_matmul
 from hetspec.workers.torch_runtime.skinny_matmul import (
-    BLOCK_K,
+    DEFAULT_TILING,
     MAX_ROWS,
     SplitPlan,
     skinny_linear,
@@ -34,8 +34,8 @@ def test_a_weight_is_cut_by_its_shape_and_the_gpu_alone() -> None:
     for n, k in ((4096, 4096), (11264, 4096), (4096, 11264), (96, 64), (32000, 4096)):
         plan = SplitPlan.of(n, k, sm_count=132)
         assert plan.splits * plan.k_per_split >= k > (plan.splits - 1) * plan.k_per_split
-        assert plan.k_per_split % BLOCK_K == 0
-        assert plan.splits == 1 or plan.k_per_split >= 2 * BLOCK_K
+        assert plan.k_per_split % DEFAULT_TILING.block_k == 0
+        assert plan.splits == 1 or plan.k_per_split >= 2 * DEFAULT_TILING.block_k
     # a square 4096 layer: 64 column blocks, split in 8 ranges of 512 -> 512 programs
     assert SplitPlan.of(4096, 4096, 132) == SplitPlan(64, 8, 512)
     assert SplitPlan.of(96, 64, 132).splits == 1  # too short a K to split

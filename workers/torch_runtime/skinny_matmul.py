@@ -24,9 +24,22 @@ from torch import nn
 from torch.nn import functional as F
 
 MAX_ROWS = 16  # tl.dot's smallest tile: fewer rows are masked, more take another kernel
-BLOCK_N = 64
-BLOCK_K = 128
-PROGRAMS_PER_SM = 4  # programs in flight per SM that keep enough loads outstanding
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """How the kernel cuts a weight: tiles of ``block_n`` x ``block_k``, and K split until
+    about ``programs_per_sm`` programs per SM are in flight. Anything here may change the
+    bits of a result, never with the row count: one tiling serves every call of a model."""
+
+    block_n: int = 64
+    block_k: int = 128
+    programs_per_sm: int = 4
+    warps: int = 4
+    stages: int = 4
+
+
+DEFAULT_TILING = Tiling()
 
 
 class SkinnyMatmulUnavailable(RuntimeError):
@@ -101,14 +114,14 @@ class SplitPlan:
     k_per_split: int
 
     @classmethod
-    def of(cls, n: int, k: int, sm_count: int) -> SplitPlan:
+    def of(cls, n: int, k: int, sm_count: int, tiling: Tiling = DEFAULT_TILING) -> SplitPlan:
         """Enough programs to keep every SM streaming; each split at least two K blocks.
         Depends on the weight's shape and the GPU only, so every row count gets the same."""
-        n_blocks = -(-n // BLOCK_N)
-        k_blocks = -(-k // BLOCK_K)
-        wanted = -(-(PROGRAMS_PER_SM * sm_count) // n_blocks)
+        n_blocks = -(-n // tiling.block_n)
+        k_blocks = -(-k // tiling.block_k)
+        wanted = -(-(tiling.programs_per_sm * sm_count) // n_blocks)
         splits = max(1, min(wanted, k_blocks // 2))
-        k_per_split = -(-k_blocks // splits) * BLOCK_K
+        k_per_split = -(-k_blocks // splits) * tiling.block_k
         return cls(n_blocks, -(-k // k_per_split), k_per_split)
 
 
@@ -119,8 +132,8 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  tiling: Tiling = DEFAULT_TILING) -> torch.Tensor:  # fmt: skip
     """``x @ weight.T + bias`` for ``x`` of at most ``MAX_ROWS`` rows (any leading shape
     flattened), accumulated in float32 and returned in ``x``'s dtype."""
     shape = x.shape
@@ -133,7 +146,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
         raise ValueError(f"x has {k} columns but the weight {weight.shape[1]}")
     x = x.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
-    plan = SplitPlan.of(n, k, sm_count(x.device))
+    plan = SplitPlan.of(n, k, sm_count(x.device), tiling)
     partial_sums, add_splits = _kernels()
     partial = torch.empty((plan.splits, MAX_ROWS, n), dtype=torch.float32, device=x.device)
     # float32 stays float32 (not TF32): the exact verifier's products are exact. Triton's
@@ -142,13 +155,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
     upcast = x.device.type == "cpu" and x.dtype == torch.bfloat16
     partial_sums[(plan.n_blocks, plan.splits)](
         x, weight, partial, rows, n, k, plan.k_per_split, x.stride(0), weight.stride(0),
-        BLOCK_M=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        BLOCK_M=MAX_ROWS, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
         PRECISION="ieee" if exact else "tf32", UPCAST=upcast,
-        num_warps=4, num_stages=4)  # fmt: skip
+        num_warps=tiling.warps, num_stages=tiling.stages)  # fmt: skip
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     add_splits[(plan.n_blocks,)](
         partial, bias if bias is not None else partial, y, rows, n, plan.splits,
-        HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=BLOCK_N, num_warps=4)  # fmt: skip
+        HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=tiling.block_n,
+        num_warps=tiling.warps)  # fmt: skip
     return y.reshape(*shape[:-1], n)
 
 
