@@ -14,10 +14,12 @@
 # Every call installs the bundle (wheels, the CPU llama-cpp-python package, hetspec editable)
 # and starts, once per machine and in sessions of their own (setsid) that outlive the call,
 # llama-server's CUDA build (native/build-llama-server.sh cuda, on every core but the first
-# two) and heavy-1b/heavy-300m. The quick call then runs the CUDA tests and T_verify(w) of the
-# torch verifier (widths 1..64: width buckets as graphs, the width-invariant fixed width, the
-# same with hetspec's Triton matmul and through torch.compile) with each width's distance from one token at a time, a
-# tree's from its branches as chains, and a profile of one token's forward; the
+# two) and heavy-1b/heavy-300m. The quick call then runs the CUDA tests, heavy-1b's linear
+# layers alone (cuBLAS against the Triton kernel) and T_verify(w) of the torch verifier
+# (widths 1..64: the width-invariant fixed width with cuBLAS, with hetspec's Triton matmul and
+# through torch.compile, then width buckets) with each width's distance from one token at a
+# time, a tree's from its branches as chains, and a profile of one token's forward, then the
+# worker round trip with and without a wake-up; the
 # full call waits for llama-server, runs the lossless suite's greedy test on draft-cpu (the
 # drafter's llama.cpp would fight the build for cores before) and `hetspec bench` on heavy-1b
 # with the GPU peers, busy-core run included, then draft-gpu on heavy-300m with Dovetail's
@@ -90,6 +92,7 @@ verify() {  # verify NAME MODEL ARGS...: T_verify(w) at 512 tokens of context
 }
 
 if [[ -n "${QUICK:-}" ]]; then
+  # most telling first: a step the call's limit cuts off costs the least there
   step 120 "CUDA tests" "${pin[@]}" "$python" -m pytest -q -p no:cacheprovider \
       tests/test_cuda_graphs.py tests/test_torch_runtime.py tests/test_skinny_matmul.py \
       -k "(cuda or graph or fixed or bucket) and not compiled"  # compiling: T_verify's below
@@ -99,26 +102,28 @@ if [[ -n "${QUICK:-}" ]]; then
   stamp "waiting for the heavy targets"
   while [[ ! -e "$HETSPEC_CACHE_DIR/heavy.done" ]]; do sleep 2; done
   h1b=$(heavy 1b)
-  verify 1b-buckets "$h1b" --dtype bfloat16 --invariance
   # the width-invariant verifier (chains in one-path forwards): the invariance table's "tree"
   # row compares a 4x4 tree with its branches as chains, i.e. the two shapes (any row that
   # differs means chain_forwards must be off on this GPU); the profile says where a target-
   # alone token's time goes (the GPU's kernels against the wall time)
   verify 1b-fixed16 "$h1b" --dtype bfloat16 --fixed-width 16 --invariance --profile-width 1
-  verify 1b-fixed8 "$h1b" --dtype bfloat16 --fixed-width 8  # a narrower fixed shape's T(1)
-  # the fixed width with every linear layer in hetspec's Triton kernel (the weight read once
-  # for all 16 rows, split-K fixed by the weight's shape): cuBLAS's 16-row kernels read heavy-
-  # 1b's 1.95 GB at ~36% of the HBM's bandwidth; Triton compiles its kernels at load
+  # the same with every linear layer in hetspec's Triton kernel (the weight read once for all
+  # 16 rows, split-K fixed by the weight's shape): cuBLAS's 16-row kernels read heavy-1b's
+  # 1.95 GB at ~36% of the HBM's bandwidth; Triton compiles its kernels at load
   VERIFY_S=150 verify 1b-fixed16-triton "$h1b" --dtype bfloat16 --fixed-width 16 --invariance \
       --matmul triton --profile-width 1
-  # the same shapes through torch.compile (inductor fuses the kernels between the matmuls),
-  # compiled at load: the step's limit leaves room for that
+  # through torch.compile (inductor fuses the kernels between the matmuls), compiled at load
   VERIFY_S=170 verify 1b-fixed16-compiled "$h1b" --dtype bfloat16 --fixed-width 16 --invariance \
       --compile --profile-width 1
-  verify 300m-buckets "$(heavy 300m)" --dtype bfloat16
-  # the daemon -> worker -> daemon hop through mailboxes and through ZeroMQ alone, on this
-  # box's cores (the 2-vCPU dev VM: 46-56 us against 208-242)
-  step 40 "worker round trip" "$python" -m hetspec.daemon.bench_roundtrip --floats 16 --count 2000
+  verify 1b-buckets "$h1b" --dtype bfloat16 --invariance
+  # a worker woken for every call (1 ms apart, as in a round: it sleeps after 100 us of
+  # polling) against one that polls through the gap: the price of a wake-up on this box, per
+  # link (the 2-vCPU dev VM, back to back: mailboxes 46-56 us, ZeroMQ alone 208-242)
+  for spin in 100 2000; do
+    step 40 "worker round trip, 1 ms apart, polling $spin us" "$python" -m \
+        hetspec.daemon.bench_roundtrip --floats 16 --count 600 --turns 1 --gap-us 1000 \
+        --spin-us $spin
+  done
   stamp "done (quick): the llama-server build so far"
   tail -c 300 "$build_log"; echo
   exit 0
