@@ -9,7 +9,9 @@
 #
 # (with BENCH_SET='gpu_worker.matmul="triton"' or BENCH_SET='gpu_worker.compile=true' before
 # bash in the second where the quick call's Triton-matmul or compiled verifier measured faster
-# and bit-identical at every width.)
+# and bit-identical at every width; BENCH_SET holds settings separated by spaces, e.g. also
+# worker_spin_us=2000 where the quick call's round trips showed a wake-up costing much more
+# than polling through the gap.)
 #
 # Every call installs the bundle (wheels, the CPU llama-cpp-python package, hetspec editable)
 # and starts, once per machine and in sessions of their own (setsid) that outlive the call,
@@ -146,11 +148,14 @@ mkdir -p "$bench_out"
   cp "$bench_out"/bench.json "$OUT/bench.json" 2>/dev/null; done ) &
 copier=$!
 left=$(( ${TOTAL_S:-570} - (SECONDS - began) ))
-# BENCH_SET: one more daemon setting for this bench, e.g. 'gpu_worker.matmul="triton"' or
-# 'gpu_worker.compile=true' where the quick call's T_verify showed it faster and as invariant
+# BENCH_SET: daemon settings for this bench, separated by spaces, e.g. 'gpu_worker.matmul=
+# "triton"' or 'gpu_worker.compile=true' where the quick call's T_verify showed it faster and
+# as invariant
+bench_set=()
+for item in ${BENCH_SET:-}; do bench_set+=(--set "$item"); done
 step $(( left > 60 ? left - 40 : 20 )) "bench heavy-1b draft-cpu" "$python" -m hetspec.client.cli bench \
     --target heavy-1b --placement draft-cpu --gammas 4 --prompts 3 --max-tokens 128 \
-    --repeats 1 --warmup 1 --out "$bench_out" ${BENCH_SET:+--set "$BENCH_SET"}
+    --repeats 1 --warmup 1 --out "$bench_out" "${bench_set[@]}"
 cp "$bench_out"/bench.md "$OUT/bench.md"; cp "$bench_out"/bench.json "$OUT/bench.json"
 # draft-gpu on heavy-300m (#22's goal): Dovetail's head, then the independent draft model,
 # each in half of what time is left
