@@ -165,15 +165,16 @@ class PipelineBackend:
                 log.info("pipeline stage restarted", stage=index, restarts=self.restarts,
                          took_s=round(time.monotonic() - started, 2))  # fmt: skip
 
-    def _end_hung(self, silent: list[int]) -> None:
+    def _end_hung(self, silent: list[int], asked: list) -> None:
         """Kill the local stages among ``silent`` that still run: a stage that served, is
         alive and does not answer a ``Reset`` is hung; the watcher restarts what exits (one
-        it is restarting is only loading still)."""
+        it is restarting is only loading still). ``asked``: the stages' processes when the
+        request began; one started since (a restart) never had the request's ``Reset``."""
         for index in silent:
-            if self.local is None or index >= len(self.local.processes) or index in self._starting:
+            if self.local is None or index >= len(asked) or index in self._starting:
                 continue
             process = self.local.processes[index]
-            if process is not None and process.poll() is None:
+            if process is not None and process is asked[index] and process.poll() is None:
                 log.warning("pipeline stage hung: killing it", stage=index, pid=process.pid)
                 process.kill()
 
@@ -228,6 +229,7 @@ class PipelineBackend:
                             "expand": draft.expand}  # fmt: skip
             else:
                 schedule = {"drafter": no_draft, "segment_size": 1, "in_flight": 1}
+            asked = list(self.local.processes) if self.local is not None else []
             output = TextOutput(ready.token_bytes, request.stops, ready.special_tokens)
             eos = -1 if request.ignore_eos else ready.vocab.eos
             result.prompt_tokens = len(prompt)
@@ -247,7 +249,7 @@ class PipelineBackend:
                 if tail := output.flush():
                     yield tail
             except StagesSilent as error:
-                self._end_hung(error.silent)
+                self._end_hung(error.silent, asked)
                 raise
             finally:
                 await stream.aclose()

@@ -4,7 +4,7 @@ attention), the bundled draft model drafting in the CPU worker.
 
 Greedy output is the target's own, in the speculative modes (FlowSpec's schedule) and in
 autoregressive mode (the plain pipeline); a seed gives the same text in both; a killed stage
-fails the request within 2 s, is back within 5 s, and the next request succeeds."""
+fails the request within 2 s, is back within 8 s, and the next request succeeds."""
 
 from __future__ import annotations
 
@@ -29,7 +29,9 @@ def daemon(tmp_path_factory):
     daemon = BundledDaemon(tmp_path_factory.mktemp("pipeline"), "draft-cpu",
                            "--set", 'pipeline.local=["0:1.5", "1.5:4"]',
                            "--set", "pipeline.timeout_s=1.5",
-                           "--set", "restart_backoff_s=[0.2, 5.0]")  # fmt: skip
+                           # a stage comes back after the request that found it dead has
+                           # failed (not within its 1.5 s, where the request would succeed)
+                           "--set", "restart_backoff_s=[2.0, 5.0]")  # fmt: skip
     yield daemon
     daemon.stop()
 
@@ -104,11 +106,15 @@ def test_a_killed_stage_fails_the_request_quickly_and_comes_back(daemon, target)
         _, health = request(daemon.socket, "GET", "/health")
         if all(s["alive"] for s in health["pipeline"]["local"]) and health["pipeline"]["restarts"]:
             break  # (the first restart of this daemon)
-        assert time.monotonic() - killed < 5.0, health
+        assert time.monotonic() - killed < 8.0, health
         time.sleep(0.05)
     prompt = "def area(r):\n"
     body = daemon.generate(prompt, max_tokens=TOKENS, ignore_eos=True)
     assert body["tokens"] == greedy(target, prompt)
+    # restarted once: the failed request's silent stage was the killed one, never the
+    # process that replaced it meanwhile (which never had that request's Reset)
+    _, health = request(daemon.socket, "GET", "/health")
+    assert health["pipeline"]["restarts"] == 1
 
 
 @pytest.mark.parametrize(
@@ -215,7 +221,7 @@ def test_a_hung_stage_is_killed_and_restarted(daemon, target) -> None:
         _, health = request(daemon.socket, "GET", "/health")
         if health["pipeline"]["restarts"] > restarts:  # the watcher saw it serve again
             break
-        assert time.monotonic() - stopped < 8.0, health
+        assert time.monotonic() - stopped < 12.0, health
         time.sleep(0.05)
     prompt = "def total(xs):\n"
     body = daemon.generate(prompt, max_tokens=TOKENS, ignore_eos=True)
