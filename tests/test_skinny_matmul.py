@@ -13,6 +13,7 @@ from hetspec.workers.torch_runtime.skinny_matmul import (
     DEFAULT_TILING,
     MAX_ROWS,
     SplitPlan,
+    Tiling,
     skinny_linear,
     unavailable_reason,
 )
@@ -39,13 +40,15 @@ def test_a_weight_is_cut_by_its_shape_and_the_gpu_alone() -> None:
     # a square 4096 layer: 64 column blocks, split in 8 ranges of 512 -> 512 programs
     assert SplitPlan.of(4096, 4096, 132) == SplitPlan(64, 8, 512)
     assert SplitPlan.of(96, 64, 132).splits == 1  # too short a K to split
+    assert SplitPlan.of(4096, 4096, 132, Tiling(programs_per_sm=0)).splits == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_sums_match_float64_and_no_row_depends_on_the_others(interpreted, dtype) -> None:
+@pytest.mark.parametrize(("k", "splits"), [(600, 2), (250, 1)])  # one split: no second kernel
+def test_sums_match_float64_and_no_row_depends_on_the_others(interpreted, dtype, k, splits):
     generator = torch.Generator().manual_seed(0)
-    n, k = 200, 600  # neither a multiple of its block, and K cut in two splits
-    assert SplitPlan.of(n, k, 132).splits == 2
+    n = 200  # neither N nor K a multiple of its block
+    assert SplitPlan.of(n, k, 132).splits == splits
     weight = torch.randn(n, k, generator=generator).to(dtype)
     bias = torch.randn(n, generator=generator).to(dtype)
     x = torch.randn(MAX_ROWS, k, generator=generator).to(dtype)

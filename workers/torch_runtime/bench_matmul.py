@@ -31,6 +31,7 @@ HEAVY_1B = (("q, o", 4096, 4096, 10), ("k, v", 2048, 4096, 10), ("gate, up", 112
             ("down", 4096, 11264, 5), ("head", 4096, 4096, 1))  # fmt: skip
 TILINGS = {
     "default": DEFAULT_TILING,
+    "no split": Tiling(programs_per_sm=0),  # one program per column block, no second kernel
     "2 per SM": Tiling(programs_per_sm=2),
     "8 per SM": Tiling(programs_per_sm=8),
     "n 32": Tiling(block_n=32),

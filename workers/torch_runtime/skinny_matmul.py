@@ -63,10 +63,12 @@ def _kernels():
     import triton.language as tl  # noqa: PLC0415
 
     @triton.jit(do_not_specialize=["rows"])
-    def partial_sums(x, w, partial, rows, n, k, k_per_split, x_stride, w_stride,  # noqa: PLR0917
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PRECISION: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
-        """partial[split, m, n] = sum over the split's K range of x[m, k] * w[n, k]."""
+    def partial_sums(x, w, partial, bias, y, rows, n, k, k_per_split,  # noqa: PLR0917
+                     x_stride, w_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr):  # fmt: skip
+        """partial[split, m, n] = sum over the split's K range of x[m, k] * w[n, k]; DIRECT
+        (one split): y[m, n] = that sum (+ bias) in y's dtype instead."""
         block, split = tl.program_id(0), tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
         rn = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -83,8 +85,14 @@ def _kernels():
             if UPCAST:
                 a, b = a.to(tl.float32), b.to(tl.float32)
             acc += tl.dot(a, tl.trans(b), input_precision=PRECISION)
-        out = partial + split * BLOCK_M * n + rm[:, None] * n + rn[None, :]
-        tl.store(out, acc, mask=(rm[:, None] < rows) & (rn[None, :] < n))
+        mask = (rm[:, None] < rows) & (rn[None, :] < n)
+        if DIRECT:
+            if HAS_BIAS:
+                acc += tl.load(bias + rn, mask=rn < n, other=0.0).to(tl.float32)[None, :]
+            tl.store(y + rm[:, None] * n + rn[None, :], acc.to(y.dtype.element_ty), mask=mask)
+        else:
+            tl.store(partial + split * BLOCK_M * n + rm[:, None] * n + rn[None, :], acc,
+                     mask=mask)  # fmt: skip
 
     @triton.jit(do_not_specialize=["rows"])
     def add_splits(partial, bias, y, rows, n, splits, HAS_BIAS: tl.constexpr,  # noqa: PLR0917
@@ -148,21 +156,24 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     plan = SplitPlan.of(n, k, sm_count(x.device), tiling)
     partial_sums, add_splits = _kernels()
-    partial = torch.empty((plan.splits, MAX_ROWS, n), dtype=torch.float32, device=x.device)
+    direct = plan.splits == 1  # one split: no partial sums to add
+    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    partial = y if direct else torch.empty((plan.splits, MAX_ROWS, n), dtype=torch.float32,
+                                           device=x.device)  # fmt: skip
+    bias_or_any = bias if bias is not None else y  # never read without HAS_BIAS
     # float32 stays float32 (not TF32): the exact verifier's products are exact. Triton's
     # interpreter multiplies bfloat16 tiles wrongly (3.9), so there they go in as float32.
     exact = x.dtype == torch.float32
     upcast = x.device.type == "cpu" and x.dtype == torch.bfloat16
     partial_sums[(plan.n_blocks, plan.splits)](
-        x, weight, partial, rows, n, k, plan.k_per_split, x.stride(0), weight.stride(0),
-        BLOCK_M=MAX_ROWS, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
-        PRECISION="ieee" if exact else "tf32", UPCAST=upcast,
-        num_warps=tiling.warps, num_stages=tiling.stages)  # fmt: skip
-    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    add_splits[(plan.n_blocks,)](
-        partial, bias if bias is not None else partial, y, rows, n, plan.splits,
-        HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=tiling.block_n,
-        num_warps=tiling.warps)  # fmt: skip
+        x, weight, partial, bias_or_any, y, rows, n, k, plan.k_per_split, x.stride(0),
+        weight.stride(0), BLOCK_M=MAX_ROWS, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
+        PRECISION="ieee" if exact else "tf32", UPCAST=upcast, HAS_BIAS=bias is not None,
+        DIRECT=direct, num_warps=tiling.warps, num_stages=tiling.stages)  # fmt: skip
+    if not direct:
+        add_splits[(plan.n_blocks,)](
+            partial, bias_or_any, y, rows, n, plan.splits, HAS_BIAS=bias is not None,
+            BLOCK_M=MAX_ROWS, BLOCK_N=tiling.block_n, num_warps=tiling.warps)  # fmt: skip
     return y.reshape(*shape[:-1], n)
 
 
