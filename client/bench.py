@@ -422,8 +422,8 @@ def rounds_table(records: list[Record]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|", *lines,
         "\nA link: a call's time as the daemon sees it beyond the worker's own (messages, "
         "wake-ups, the worker's Python around its compute). The daemon's own: a round's time "
-        "outside its draft and verify calls (verdict, bookkeeping, the controller). Round ms: "
-        "decode time over rounds, rounds of the target alone included.",
+        "outside its draft and verify calls (verdict, bookkeeping, the controller). Round ms "
+        "and the daemon's own: over every round, rounds of the target alone included.",
     ])  # fmt: skip
 
 
