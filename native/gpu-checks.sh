@@ -7,11 +7,11 @@
 #   run(command="OUT=$OUT QUICK=1 bash native/gpu-checks.sh", carry=[".device"], timeout_s=330)
 #   run(command="OUT=$OUT bash native/gpu-checks.sh", carry=[".device"], timeout_s=590)
 #
-# (with BENCH_SET='gpu_worker.matmul="triton"' or BENCH_SET='gpu_worker.compile=true' before
-# bash in the second where the quick call's Triton-matmul or compiled verifier measured faster
-# and bit-identical at every width; BENCH_SET holds settings separated by spaces, e.g. also
-# worker_spin_us=2000 where the quick call's round trips showed a wake-up costing much more
-# than polling through the gap.)
+# The full call benches the verifier the quick call found fastest among those bit-identical at
+# every width (cuBLAS, the Triton matmul, torch.compile: native/gpu-pick-settings.py) unless
+# BENCH_SET is given before bash: daemon settings separated by spaces (e.g. BENCH_SET='' for
+# the default, or one that adds worker_spin_us=2000 where the quick call's round trips showed
+# a wake-up costing much more than polling through the gap).
 #
 # Every call installs the bundle (wheels, the CPU llama-cpp-python package, hetspec editable)
 # and starts, once per machine and in sessions of their own (setsid) that outlive the call,
@@ -126,6 +126,11 @@ if [[ -n "${QUICK:-}" ]]; then
         hetspec.daemon.bench_roundtrip --floats 16 --count 600 --turns 1 --gap-us 1000 \
         --spin-us $spin
   done
+  # the full call's verifier, unless BENCH_SET says otherwise there: the fastest T(1) of the
+  # three fixed-width tables whose every row stayed bit-identical
+  stamp "the verifier the full call benches"
+  "$python" native/gpu-pick-settings.py "$OUT" > "$HETSPEC_CACHE_DIR/bench_set"
+  echo "BENCH_SET for the full call: '$(cat "$HETSPEC_CACHE_DIR/bench_set")'"
   stamp "done (quick): the llama-server build so far"
   tail -c 300 "$build_log"; echo
   exit 0
@@ -151,6 +156,9 @@ left=$(( ${TOTAL_S:-570} - (SECONDS - began) ))
 # BENCH_SET: daemon settings for this bench, separated by spaces, e.g. 'gpu_worker.matmul=
 # "triton"' or 'gpu_worker.compile=true' where the quick call's T_verify showed it faster and
 # as invariant
+# (unset: what the quick call chose, native/gpu-pick-settings.py)
+BENCH_SET=${BENCH_SET-$(cat "$HETSPEC_CACHE_DIR/bench_set" 2>/dev/null)}
+echo "BENCH_SET: '${BENCH_SET:-}'"
 bench_set=()
 for item in ${BENCH_SET:-}; do bench_set+=(--set "$item"); done
 step $(( left > 60 ? left - 40 : 20 )) "bench heavy-1b draft-cpu" "$python" -m hetspec.client.cli bench \
