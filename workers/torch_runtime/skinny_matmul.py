@@ -42,10 +42,6 @@ class Tiling:
 DEFAULT_TILING = Tiling()
 
 
-class SkinnyMatmulUnavailable(RuntimeError):
-    """Triton cannot run here (not installed, or no GPU and no interpreter)."""
-
-
 def unavailable_reason(device: torch.device) -> str | None:
     """Why the kernel cannot run on ``device`` (None: it can)."""
     try:
