@@ -41,8 +41,8 @@ from hetspec.speculative.pipeline_clock import PipelineClock
 from hetspec.speculative.samplers import Sampler, pick
 from hetspec.speculative.sampling import SamplingParams, distribution
 
-# How long a stage's first answer may take (a remote stage's, or a restarted one's: a new
-# process, a new CURVE connection to the coordinator); later Resets wait ``timeout_s``.
+# How long the stages' first answer may take (at the pipeline's start: new CURVE connections
+# to the coordinator, a remote stage still loading); later Resets wait ``timeout_s``.
 FIRST_ANSWER_S = 10.0
 
 
@@ -125,9 +125,6 @@ class PipelineClient:
             socket.connect(stage.endpoint)
             self.outbound.append(socket)
         self.session = 0
-        # stages started again since the last Reset (their watcher says so): a new process's
-        # first answer may take what a start's does, so that Reset waits FIRST_ANSWER_S
-        self.fresh: set[int] = set()
 
     def close(self) -> None:
         self.auth.stop()
@@ -159,8 +156,6 @@ class PipelineClient:
         are random: rows another coordinator (an earlier daemon) left queued at a stage can
         never pass for this one's."""
         self.session = secrets.randbits(63)
-        if timeout_s is None and self.fresh:
-            timeout_s = max(self.timeout_s, FIRST_ANSWER_S)
         coordinator_key = self.public.decode()
         for index, socket in enumerate(self.outbound):
             last = index + 1 == len(self.stages)
@@ -183,7 +178,6 @@ class PipelineClient:
                         f"stage {message.stage} speaks pipeline protocol {message.version}, "
                         f"not {PIPELINE_PROTOCOL_VERSION}")  # fmt: skip
                 ready[message.index] = message
-        self.fresh.clear()
         answers = [ready[i] for i in range(len(self.stages))]
         halves = [(r.first_half, r.end_half) for r in answers]
         starts, ends = [a for a, _ in halves], [b for _, b in halves]

@@ -159,8 +159,6 @@ class PipelineBackend:
                 finally:
                     self._starting.discard(index)
                 self.restarts += 1
-                if self.client is not None:
-                    self.client.fresh.add(index)
                 delay = first
                 log.info("pipeline stage restarted", stage=index, restarts=self.restarts,
                          took_s=round(time.monotonic() - started, 2))  # fmt: skip
