@@ -9,11 +9,14 @@ import torch
 from tiny_models import build_reference, save_reference
 
 from hetspec.workers.torch_runtime import ModelLoadError, TorchRuntime, skinny_matmul
+from hetspec.workers.torch_runtime.bench_matmul import HEAVY_1B, TILINGS
 from hetspec.workers.torch_runtime.skinny_matmul import (
     DEFAULT_TILING,
     MAX_ROWS,
+    Launch,
     SplitPlan,
     Tiling,
+    launches,
     skinny_linear,
     unavailable_reason,
 )
@@ -122,3 +125,85 @@ def test_on_cuda_the_kernel_tracks_cublas_and_rows_stay_independent(dtype) -> No
     torch.testing.assert_close(y.double(), exact, rtol=tolerance, atol=tolerance)
     for rows in (1, 2, 9):
         assert torch.equal(skinny_linear(x[:rows], weight), y[:rows]), rows
+
+
+# ---------------------------------------------------------------- compiled ahead, for GPUs
+# Triton compiles for a GPU without one: these tests build each kernel as a launch on that
+# GPU would (the same arguments, specialized the same way), through PTX to the GPU's binary.
+# Compute capability -> the most shared memory a program may take there, in bytes
+GPUS = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}  # A100, RTX 30/40, H100
+TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+
+
+def compile_for(call: Launch, capability: int):
+    """``call``'s kernel compiled for a CUDA GPU of ``capability`` (e.g. 90), specialized as
+    Triton's JIT does at a launch: pointers and integers divisible by 16 are marked so."""
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+    from triton.compiler import ASTSource  # noqa: PLC0415
+
+    kernel = call.kernel
+    signature, attrs = {}, {}
+    for index, (name, value) in enumerate(zip(kernel.arg_names, call.args, strict=False)):
+        if isinstance(value, torch.Tensor):
+            signature[name] = "*" + TRITON_TYPES[value.dtype]
+            attrs[(index,)] = [["tt.divisibility", 16]]  # torch allocates 256-byte aligned
+        else:
+            signature[name] = "i32"
+            if value % 16 == 0 and index not in kernel.do_not_specialize:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    constants = {k: v for k, v in call.constants.items() if k not in LAUNCH_OPTIONS}
+    signature.update(dict.fromkeys(constants, "constexpr"))
+    options = {k: v for k, v in call.constants.items() if k in LAUNCH_OPTIONS}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+
+
+def gpu_launches(n: int, k: int, dtype: torch.dtype, capability: int,
+                 tiling: Tiling = DEFAULT_TILING) -> list[Launch]:  # fmt: skip
+    """The launches of a 16-row call on a GPU of ``capability`` (no memory: meta tensors)."""
+    x = torch.empty(MAX_ROWS, k, dtype=dtype, device="meta")
+    weight = torch.empty(n, k, dtype=dtype, device="meta")
+    return launches(x, weight, None, tiling, shared=GPUS[capability])[1]
+
+
+@pytest.mark.parametrize("capability", sorted(GPUS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_kernels_compile_for_each_gpu_within_its_shared_memory(capability, dtype) -> None:
+    """The square layer (split, so both kernels) and a short one (one split, stored
+    directly) compile; the weight's loads are pipelined (cp.async: a program asks for the
+    next tiles while it multiplies) and the buffers fit the GPU. float32's tiles are twice
+    the bytes: at 4 stages they would not fit an RTX 30/40 (99 KiB), so it gets fewer."""
+    for n, k in ((4096, 4096), (96, 256)):
+        calls = gpu_launches(n, k, dtype, capability)
+        assert len(calls) == (2 if (n, k) == (4096, 4096) else 1)
+        compiled = compile_for(calls[0], capability)
+        assert 0 < compiled.metadata.shared <= GPUS[capability]
+        assert "cp.async" in compiled.asm["ptx"]
+        for call in calls[1:]:
+            assert compile_for(call, capability).metadata.shared <= GPUS[capability]
+    float32 = gpu_launches(4096, 4096, torch.float32, capability)[0].constants["num_stages"]
+    assert float32 == (2 if GPUS[capability] < 128 * 1024 else 4)
+
+
+def test_every_tiling_the_bench_times_compiles_for_an_h100() -> None:
+    """bench_matmul times these on the GPU session's H100: none may fail there to compile."""
+    n, k = HEAVY_1B[2][1:3]  # gate/up: the widest shape
+    for label, tiling in TILINGS.items():
+        for call in gpu_launches(n, k, torch.bfloat16, 90, tiling):
+            assert compile_for(call, 90).metadata.shared <= GPUS[90], label
+
+
+def test_a_tiling_is_checked_and_its_depth_fits_the_memory() -> None:
+    with pytest.raises(ValueError, match="powers of two"):
+        Tiling(block_n=48)
+    with pytest.raises(ValueError, match="warps is"):
+        Tiling(warps=3)
+    with pytest.raises(ValueError, match="stages is"):
+        Tiling(stages=0)
+    with pytest.raises(ValueError, match="programs_per_sm"):
+        Tiling(programs_per_sm=-1)
+    # a stage holds 16 + 64 rows of 128 bfloat16 values: 20 KiB
+    assert DEFAULT_TILING.stages_within(None, 2) == 4
+    assert DEFAULT_TILING.stages_within(50 * 1024, 2) == 2
+    assert DEFAULT_TILING.stages_within(10 * 1024, 2) == 1

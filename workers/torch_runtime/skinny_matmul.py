@@ -36,7 +36,30 @@ class Tiling:
     block_k: int = 128
     programs_per_sm: int = 4
     warps: int = 4
-    stages: int = 4
+    stages: int = 4  # at most: fewer where a GPU's shared memory holds fewer (same bits)
+
+    def __post_init__(self) -> None:
+        def power_of_two(value: int, low: int, high: int) -> bool:
+            return low <= value <= high and value & (value - 1) == 0
+
+        if not (power_of_two(self.block_n, 16, 256) and power_of_two(self.block_k, 16, 512)):
+            raise ValueError(f"a tile's sides are powers of two, block_n 16..256 and block_k "
+                             f"16..512, not {self.block_n} x {self.block_k}")  # fmt: skip
+        if not power_of_two(self.warps, 1, 16):
+            raise ValueError(f"warps is 1, 2, 4, 8 or 16, not {self.warps}")
+        if not 1 <= self.stages <= 8:
+            raise ValueError(f"stages is 1..8, not {self.stages}")
+        if self.programs_per_sm < 0:
+            raise ValueError(f"programs_per_sm is 0 or more, not {self.programs_per_sm}")
+
+    def stages_within(self, shared_bytes: int | None, element_size: int) -> int:
+        """The pipeline's depth: ``stages``, or fewer so that a buffer of the row tile and
+        the weight tile per stage fits ``shared_bytes`` (None: no limit). The depth only
+        schedules the loads: it never changes a sum."""
+        if shared_bytes is None:
+            return self.stages
+        per_stage = (MAX_ROWS + self.block_n) * self.block_k * element_size
+        return max(1, min(self.stages, shared_bytes // per_stage))
 
 
 DEFAULT_TILING = Tiling()
@@ -136,20 +159,33 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  tiling: Tiling = DEFAULT_TILING) -> torch.Tensor:  # fmt: skip
-    """``x @ weight.T + bias`` for ``x`` of at most ``MAX_ROWS`` rows (any leading shape
-    flattened), accumulated in float32 and returned in ``x``'s dtype."""
-    shape = x.shape
-    x = x.reshape(-1, shape[-1])
+@functools.cache
+def shared_bytes(device: torch.device) -> int | None:
+    """The most shared memory one program may take on ``device`` (None: not a GPU)."""
+    if device.type != "cuda":
+        return None
+    # a block may opt in to all of an SM's shared memory but the 1 KiB CUDA keeps for itself
+    return torch.cuda.get_device_properties(device).shared_memory_per_multiprocessor - 1024
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: the kernel, its grid, its arguments and its compile-time values."""
+
+    kernel: object  # a triton.JITFunction
+    grid: tuple[int, ...]
+    args: tuple
+    constants: dict
+
+
+def launches(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             tiling: Tiling = DEFAULT_TILING, shared: int | None = None,
+             ) -> tuple[torch.Tensor, list[Launch]]:  # fmt: skip
+    """The output buffer of ``x @ weight.T + bias`` (``x`` 2-D, at most ``MAX_ROWS`` rows,
+    contiguous) and the launches that fill it, in order; ``shared``: a program's shared
+    memory in bytes (None: what ``x``'s device allows)."""
     rows, k = x.shape
     n = weight.shape[0]
-    if rows > MAX_ROWS:
-        raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, not {rows}")
-    if weight.shape[1] != k:
-        raise ValueError(f"x has {k} columns but the weight {weight.shape[1]}")
-    x = x.contiguous()
-    weight = weight if weight.stride(1) == 1 else weight.contiguous()
     plan = SplitPlan.of(n, k, sm_count(x.device), tiling)
     partial_sums, add_splits = _kernels()
     direct = plan.splits == 1  # one split: no partial sums to add
@@ -159,18 +195,46 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     bias_or_any = bias if bias is not None else y  # never read without HAS_BIAS
     # float32 stays float32 (not TF32): the exact verifier's products are exact. Triton's
     # interpreter multiplies bfloat16 tiles wrongly (3.9), so there they go in as float32.
+    # FP fusion on, as Triton has always defaulted (3.9 warns that the default will change):
+    # a change would change the bits.
     exact = x.dtype == torch.float32
     upcast = x.device.type == "cpu" and x.dtype == torch.bfloat16
-    partial_sums[(plan.n_blocks, plan.splits)](
-        x, weight, partial, bias_or_any, y, rows, n, k, plan.k_per_split, x.stride(0),
-        weight.stride(0), BLOCK_M=MAX_ROWS, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
-        PRECISION="ieee" if exact else "tf32", UPCAST=upcast, HAS_BIAS=bias is not None,
-        DIRECT=direct, num_warps=tiling.warps, num_stages=tiling.stages)  # fmt: skip
+    has_bias = bias is not None
+    options = {"num_warps": tiling.warps, "enable_fp_fusion": True}
+    stages = tiling.stages_within(shared or shared_bytes(x.device), x.element_size())
+    calls = [Launch(
+        partial_sums, (plan.n_blocks, plan.splits),
+        (x, weight, partial, bias_or_any, y, rows, n, k, plan.k_per_split, x.stride(0),
+         weight.stride(0)),
+        {"BLOCK_M": MAX_ROWS, "BLOCK_N": tiling.block_n, "BLOCK_K": tiling.block_k,
+         "PRECISION": "ieee" if exact else "tf32", "UPCAST": upcast, "HAS_BIAS": has_bias,
+         "DIRECT": direct, "num_stages": stages, **options},
+    )]  # fmt: skip
     if not direct:
-        add_splits[(plan.n_blocks,)](
-            partial, bias_or_any, y, rows, n, plan.splits, HAS_BIAS=bias is not None,
-            BLOCK_M=MAX_ROWS, BLOCK_N=tiling.block_n, num_warps=tiling.warps)  # fmt: skip
-    return y.reshape(*shape[:-1], n)
+        calls.append(Launch(
+            add_splits, (plan.n_blocks,), (partial, bias_or_any, y, rows, n, plan.splits),
+            {"HAS_BIAS": has_bias, "BLOCK_M": MAX_ROWS, "BLOCK_N": tiling.block_n, **options},
+        ))  # fmt: skip
+    return y, calls
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  tiling: Tiling = DEFAULT_TILING) -> torch.Tensor:  # fmt: skip
+    """``x @ weight.T + bias`` for ``x`` of at most ``MAX_ROWS`` rows (any leading shape
+    flattened), accumulated in float32 and returned in ``x``'s dtype."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    rows, k = x.shape
+    if rows > MAX_ROWS:
+        raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, not {rows}")
+    if weight.shape[1] != k:
+        raise ValueError(f"x has {k} columns but the weight {weight.shape[1]}")
+    x = x.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    y, calls = launches(x, weight, bias, tiling)
+    for call in calls:
+        call.kernel[call.grid](*call.args, **call.constants)
+    return y.reshape(*shape[:-1], weight.shape[0])
 
 
 class SkinnyLinear(nn.Linear):
