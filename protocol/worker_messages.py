@@ -22,7 +22,7 @@ from hetspec.protocol.arena import ArenaLayout, ArrayRef
 from hetspec.protocol.sampling import SamplingParams, TokenLogprob
 from hetspec.protocol.vocab import VocabInfo
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 
 class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"):
@@ -65,6 +65,18 @@ class LlamaCppSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     rpc_servers: tuple[str, ...] = ()
 
 
+class MatmulTiling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How the Triton matmul cuts a weight (workers/torch_runtime/skinny_matmul.py,
+    ``Tiling``); None keeps the kernel's default. Block sizes may change a result's bits
+    (one tiling serves a whole model, so losslessness holds); warps and stages do not."""
+
+    block_n: int | None = None
+    block_k: int | None = None
+    programs_per_sm: int | None = None
+    warps: int | None = None
+    stages: int | None = None
+
+
 class TorchSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="torch"):
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
     dtype: TorchDtype = "auto"
@@ -85,6 +97,7 @@ class TorchSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag
     # Triton kernel, which reads each weight once for all rows in an order that does not
     # depend on the rows (workers/torch_runtime/skinny_matmul.py); "torch": cuBLAS
     matmul: MatmulKernel = "torch"
+    matmul_tiling: MatmulTiling | None = None  # with "triton"; bench_matmul times tilings
     # Set by the daemon for the worker that verifies: dtype "auto" is then bfloat16 in fixed
     # shapes on CUDA (width-invariant), float32 on the CPU.
     verifies: bool = False

@@ -6,10 +6,11 @@ import asyncio
 
 import pytest
 
-from hetspec.daemon.config import BUNDLED_MODELS, ConfigError, load_config
+from hetspec.daemon.config import BUNDLED_MODELS, ConfigError, load_config, parse_value
 from hetspec.daemon.cores import CoreError, check_cores, owned_cores, split_cores
 from hetspec.daemon.slots import SlotError, SlotPool
 from hetspec.daemon.supervisor import worker_specs
+from hetspec.protocol.worker_messages import MatmulTiling
 
 
 def test_defaults_serve_the_bundled_models_without_any_file() -> None:
@@ -163,3 +164,16 @@ def test_llama_cpp_settings_follow_the_workers_role_unless_configured() -> None:
     assert (verifier.flash_attention, verifier.kv_type, verifier.v_type) == ("off", "f16", "f32")
     chosen = cpu_settings(HETSPEC_PLACEMENT="draft-gpu", HETSPEC_CPU_WORKER__KV_TYPE="f32")
     assert (chosen.kv_type, chosen.v_type) == ("f32", None)
+
+
+def test_a_matmul_tiling_reaches_the_gpu_workers_settings() -> None:
+    """``--set gpu_worker.matmul_tiling={block_n=32,warps=8}`` (a TOML inline table): the
+    fields given, the others left to the kernel's default; a typo names the key."""
+    tiling = parse_value("{block_n=32,warps=8}")
+    overrides = {"gpu_worker.matmul": "triton", "gpu_worker.matmul_tiling": tiling}
+    config = load_config(environ={}, overrides=overrides)
+    settings = worker_specs(config, "json", gpu_runtime="torch")["gpu"].settings
+    assert settings.matmul == "triton"
+    assert settings.matmul_tiling == MatmulTiling(block_n=32, warps=8)
+    with pytest.raises(ConfigError, match=r"gpu_worker\.matmul_tiling\.block_m: unknown setting"):
+        load_config(environ={}, overrides={"gpu_worker.matmul_tiling": {"block_m": 32}})

@@ -4,10 +4,14 @@ interpreter (the same kernel code, numpy underneath); on CUDA, compiled."""
 
 from __future__ import annotations
 
+import msgspec
+import numpy as np
 import pytest
 import torch
-from tiny_models import build_reference, save_reference
+from tiny_models import build_reference, save_reference, write_tiny_gguf_llama
 
+from hetspec.protocol import worker_messages as m
+from hetspec.workers.process import LoadError, load_runtime
 from hetspec.workers.torch_runtime import ModelLoadError, TorchRuntime, skinny_matmul
 from hetspec.workers.torch_runtime.bench_matmul import HEAVY_1B, TILINGS
 from hetspec.workers.torch_runtime.skinny_matmul import (
@@ -111,6 +115,31 @@ def test_the_kernel_is_refused_where_it_cannot_run(tmp_path, monkeypatch) -> Non
         TorchRuntime(folder, device="cpu", matmul="triton", compile=True)
     with pytest.raises(ModelLoadError, match="matmul must be"):
         TorchRuntime(folder, device="cpu", matmul="cutlass")
+
+
+def test_a_worker_cuts_its_layers_by_the_configured_tiling(interpreted, tmp_path) -> None:
+    """The worker's loader turns ``TorchSettings.matmul_tiling`` into every layer's tiling
+    (the output head's too); a tiling that cannot be, or one without the kernel, is a load
+    error that says why."""
+    folder = str(write_tiny_gguf_llama(tmp_path / "m", seed=0, layers=1).parent)
+    settings = m.TorchSettings(device="cpu", matmul="triton",
+                               matmul_tiling=m.MatmulTiling(block_n=32, warps=8))  # fmt: skip
+    runtime, _ = load_runtime("torch", folder, settings)
+    cut = Tiling(block_n=32, warps=8)
+    layers = [mod for mod in runtime.model.modules() if isinstance(mod, skinny_matmul.SkinnyLinear)]
+    assert layers
+    assert all(layer.tiling == cut for layer in layers)
+    assert runtime.model.head_linear.keywords == {"tiling": cut}
+    plain = TorchRuntime(folder, device="cpu")
+    for each in (runtime, plain):
+        each.prefill(PROMPT[:3])  # through the layers cut so, and through torch
+    np.testing.assert_allclose(runtime.last_logits(), plain.last_logits(), rtol=1e-4, atol=1e-4)
+    bad = msgspec.structs.replace(settings, matmul_tiling=m.MatmulTiling(warps=3))
+    with pytest.raises(LoadError, match="matmul_tiling: warps is 1, 2, 4, 8 or 16, not 3"):
+        load_runtime("torch", folder, bad)
+    cuBLAS = msgspec.structs.replace(settings, matmul="torch")
+    with pytest.raises(LoadError, match='it needs matmul "triton"'):
+        load_runtime("torch", folder, cuBLAS)
 
 
 @pytest.mark.gpu

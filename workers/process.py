@@ -105,6 +105,9 @@ def load_runtime(kind: str, model: str, settings: m.RuntimeSettings):
         return runtime, f"{runtime.device} (draft head)"
     if not isinstance(settings, m.TorchSettings):
         raise LoadError("the torch worker takes torch settings")
+    if settings.matmul_tiling is not None:  # the fields it changes, as plain values
+        tiling = msgspec.structs.asdict(settings.matmul_tiling)
+        options["matmul_tiling"] = {k: v for k, v in tiling.items() if v is not None}
     try:
         runtime = TorchRuntime(model, **options)
         runtime.vocab_info()  # a folder without a usable tokenizer fails here, at load

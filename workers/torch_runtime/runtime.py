@@ -9,7 +9,7 @@ The tree bookkeeping, appending and drafting come from ``TreeRuntime``.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 
 import numpy as np
@@ -78,6 +78,7 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         invariant_paths: int = INVARIANT_PATHS,
         chain_forwards: bool = True,
         matmul: str = "torch",
+        matmul_tiling: dict[str, int] | None = None,
     ) -> None:
         """Load ``model_dir``.
 
@@ -94,7 +95,8 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         ``compile`` runs the model through torch.compile: each fixed shape's forward (compiled
         at load with the graphs on CUDA), or where shapes vary each new shape's first forward.
         ``matmul`` "triton": linear layers of at most 16 rows in ``skinny_matmul`` (a GPU, or
-        Triton's interpreter); not with ``compile``."""
+        Triton's interpreter), cut as ``skinny_matmul.Tiling`` with ``matmul_tiling``'s
+        fields changed; not with ``compile``."""
         folder = Path(model_dir)
         if not folder.is_dir():
             raise ModelLoadError(f"{folder}: not a directory")
@@ -111,7 +113,7 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
                 f"{folder}: context {capacity} is outside what the model allows (1..{limit})"
             )
         self.model = self._load_model(folder)
-        self._use_matmul(matmul, compile)
+        self._use_matmul(matmul, matmul_tiling, compile)
         self._run_model = torch.compile(self.model, dynamic=True) if compile else self.model
         if fixed_width is None:
             fixed_width = DEFAULT_FIXED_WIDTH if verifies and self.device.type == "cuda" else 0
@@ -153,8 +155,11 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
 
     static_shapes = True  # a subclass with another model call turns fixed shapes off
 
-    def _use_matmul(self, matmul: str, compile: bool) -> None:
+    def _use_matmul(self, matmul: str, tiling: dict[str, int] | None, compile: bool) -> None:
         if matmul == "torch":
+            if tiling:
+                raise ModelLoadError('matmul_tiling cuts the Triton matmul: it needs matmul '
+                                     '"triton"')  # fmt: skip
             return
         if matmul != "triton":
             raise ModelLoadError(f'matmul must be "torch" or "triton", not {matmul!r}')
@@ -164,8 +169,12 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         reason = skinny_matmul.unavailable_reason(self.device)
         if reason is not None:
             raise ModelLoadError(f'matmul "triton" cannot run here: {reason}')
-        skinny_matmul.use_skinny_linears(self.model)
-        self.model.head_linear = skinny_matmul.linear
+        try:
+            cut = replace(skinny_matmul.DEFAULT_TILING, **(tiling or {}))
+        except (TypeError, ValueError) as error:
+            raise ModelLoadError(f"matmul_tiling: {error}") from None
+        skinny_matmul.use_skinny_linears(self.model, cut)
+        self.model.head_linear = partial(skinny_matmul.linear, tiling=cut)
 
     @property
     def graphs(self) -> int:

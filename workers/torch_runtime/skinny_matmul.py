@@ -238,26 +238,30 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 class SkinnyLinear(nn.Linear):
-    """``nn.Linear`` whose calls of at most ``MAX_ROWS`` rows take ``skinny_linear``."""
+    """``nn.Linear`` whose calls of at most ``MAX_ROWS`` rows take ``skinny_linear``, cut by
+    its ``tiling``."""
+
+    tiling: Tiling = DEFAULT_TILING
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.tiling)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor,
-           bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           tiling: Tiling = DEFAULT_TILING) -> torch.Tensor:  # fmt: skip
     """``F.linear``, through ``skinny_linear`` for at most ``MAX_ROWS`` rows."""
     if x.numel() <= MAX_ROWS * x.shape[-1]:
-        return skinny_linear(x, weight, bias)
+        return skinny_linear(x, weight, bias, tiling)
     return F.linear(x, weight, bias)
 
 
-def use_skinny_linears(model: nn.Module) -> int:
-    """Turn every ``nn.Linear`` of ``model`` into a ``SkinnyLinear`` in place (the same
-    parameters and state dict); returns how many."""
+def use_skinny_linears(model: nn.Module, tiling: Tiling = DEFAULT_TILING) -> int:
+    """Turn every ``nn.Linear`` of ``model`` into a ``SkinnyLinear`` cut by ``tiling``, in
+    place (the same parameters and state dict); returns how many."""
     count = 0
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = SkinnyLinear
+            module.tiling = tiling
             count += 1
     return count
