@@ -100,7 +100,10 @@ if [[ -n "${QUICK:-}" ]]; then
       -k "(cuda or graph or fixed or bucket) and not compiled"  # compiling: T_verify's below
   # heavy-1b's linear layers alone, cuBLAS against the Triton kernel's tilings (GB/s of
   # weight, and whether each keeps a row's bits among other rows), while the targets build
-  step 90 "linear layers" "${pin[@]}" "$python" -m hetspec.workers.torch_runtime.bench_matmul
+  step 90 "linear layers" "${pin[@]}" "$python" -m hetspec.workers.torch_runtime.bench_matmul \
+      --json "$OUT/matmul.json"
+  # the Triton verifier below runs the tiling fastest over a 16-row forward (none: the default)
+  tiling=$("$python" native/gpu-pick-settings.py --tiling "$OUT")
   stamp "waiting for the heavy targets"
   while [[ ! -e "$HETSPEC_CACHE_DIR/heavy.done" ]]; do sleep 2; done
   h1b=$(heavy 1b)
@@ -113,7 +116,7 @@ if [[ -n "${QUICK:-}" ]]; then
   # 16 rows, split-K fixed by the weight's shape): cuBLAS's 16-row kernels read heavy-1b's
   # 1.95 GB at ~36% of the HBM's bandwidth; Triton compiles its kernels at load
   VERIFY_S=150 verify 1b-fixed16-triton "$h1b" --dtype bfloat16 --fixed-width 16 --invariance \
-      --matmul triton --profile-width 1
+      --matmul triton --matmul-tiling "$tiling" --profile-width 1
   # through torch.compile (inductor fuses the kernels between the matmuls), compiled at load
   VERIFY_S=170 verify 1b-fixed16-compiled "$h1b" --dtype bfloat16 --fixed-width 16 --invariance \
       --compile --profile-width 1

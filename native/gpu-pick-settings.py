@@ -1,12 +1,18 @@
-"""Which verifier the full GPU call should bench, from the quick call's T_verify tables.
+"""Which verifier the full GPU call should bench, from the quick call's tables.
 
     python native/gpu-pick-settings.py OUT_DIR > SETTINGS
+    python native/gpu-pick-settings.py --tiling OUT_DIR > FIELDS
 
 Reads OUT_DIR/verify-1b-fixed16{,-triton,-compiled}.json (bench_verify --json) and prints the
 daemon settings (space-separated, gpu-checks.sh's BENCH_SET) of the fastest width-invariant
 verifier: the lowest T(1) among those whose every invariance row, the tree's included, is
-bit-identical. Nothing (cuBLAS, eager, the default) when neither alternative qualifies. The
-reasoning goes to stderr.
+bit-identical, with the Triton table's tiling. Nothing (cuBLAS, eager, the default) when
+neither alternative qualifies.
+
+With --tiling it reads OUT_DIR/matmul.json (bench_matmul --json) instead and prints the
+Triton kernel's fastest tiling over a forward of 16 rows (a fixed-width verifier's) among
+those that kept every row's bits, as bench_verify's --matmul-tiling takes it
+(``block_n=32,warps=8``; nothing: the default). The reasoning goes to stderr.
 """
 
 from __future__ import annotations
@@ -27,7 +33,35 @@ def t1_ms(table: dict) -> float | None:
     return min(rows) if rows else None
 
 
+def fastest_tiling(document: dict, rows: int = 16) -> str:
+    """The fastest tiling's changed fields at ``rows`` rows, among the invariant ones."""
+    broken = {label.removesuffix(" invariant") for row in document["rows"]
+              for label, kept in row.items()
+              if label.endswith(" invariant") and not kept}  # fmt: skip
+    best: tuple[float, str] | None = None
+    for label, fields in document["tilings"].items():
+        us = document["forward_us"].get(f"{label} rows {rows}")
+        print(f"tiling {label}: {us} us a forward{', rows changed' if label in broken else ''}",
+              file=sys.stderr)  # fmt: skip
+        if us is None or label in broken:
+            continue
+        text = ",".join(f"{field}={value}" for field, value in fields.items())
+        if best is None or us < best[0] or (us == best[0] and not text):
+            best = (us, text)
+    if best is not None:
+        print(f"chosen tiling: {best[1] or 'the default'} ({best[0]} us)", file=sys.stderr)
+    return best[1] if best else ""
+
+
 def main() -> int:
+    if sys.argv[1] == "--tiling":
+        try:
+            document = json.loads((Path(sys.argv[2]) / "matmul.json").read_text())
+        except (OSError, ValueError) as error:
+            print(f"matmul.json: not read ({error}): the default tiling", file=sys.stderr)
+            return 0
+        print(fastest_tiling(document))
+        return 0
     folder = Path(sys.argv[1])
     best: tuple[float, str] | None = None
     for name, setting in CANDIDATES.items():
@@ -43,8 +77,12 @@ def main() -> int:
               file=sys.stderr)  # fmt: skip
         if t1 is None or not invariance or differing:
             continue
+        chosen = setting
+        if tiling := table.get("matmul_tiling"):  # TOML's inline table, without spaces
+            fields = ",".join(f"{field}={value}" for field, value in tiling.items())
+            chosen += f" gpu_worker.matmul_tiling={{{fields}}}"
         if best is None or t1 < best[0]:
-            best = (t1, setting)
+            best = (t1, chosen)
     if best is not None:
         print(f"chosen: {best[1] or 'the default'} ({best[0]} ms)", file=sys.stderr)
         print(best[1])

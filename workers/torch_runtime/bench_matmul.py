@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -39,6 +40,12 @@ TILINGS = {
     "k 256, 3 stages": Tiling(block_k=256, stages=3),
 }
 CALLS = 50  # calls in one graph
+
+
+def changed_fields(tiling: Tiling) -> dict[str, int]:
+    """The fields where ``tiling`` differs from the default (gpu_worker.matmul_tiling's)."""
+    return {field: value for field, value in asdict(tiling).items()
+            if value != getattr(DEFAULT_TILING, field)}  # fmt: skip
 
 
 def time_call(call, repeats: int) -> float:
@@ -115,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
           f"!! rows changed with their company: {broken}")  # fmt: skip
     if args.json:
         summary = {f"{label} rows {rows}": round(us, 1) for (label, rows), us in totals.items()}
-        args.json.write_text(json.dumps({"rows": results, "forward_us": summary}, indent=2))
+        tilings = {label: changed_fields(tiling) for label, tiling in TILINGS.items()}
+        document = {"rows": results, "forward_us": summary, "tilings": tilings}
+        args.json.write_text(json.dumps(document, indent=2))
     return 0
 
 

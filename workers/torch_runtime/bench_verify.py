@@ -140,6 +140,15 @@ def tree_row(runtime: TorchRuntime, prompt: list[int], chain: np.ndarray) -> dic
             "argmax_flips": flips, "rows": 16}  # fmt: skip
 
 
+def tiling_fields(text: str) -> dict[str, int]:
+    """``block_n=32,warps=8`` -> {"block_n": 32, "warps": 8} (an empty text: {})."""
+    try:
+        return {key.strip(): int(value) for key, value in
+                (item.split("=") for item in text.split(",") if item.strip())}  # fmt: skip
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not FIELD=N,...: {text!r}") from None
+
+
 def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m hetspec.workers.torch_runtime.bench_verify", description=__doc__
@@ -158,6 +167,14 @@ def arguments() -> argparse.ArgumentParser:
         choices=["torch", "triton"],
         default="torch",
         help="linear layers of at most 16 rows: cuBLAS, or hetspec's Triton kernel",
+    )
+    parser.add_argument(
+        "--matmul-tiling",
+        type=tiling_fields,
+        default={},
+        metavar="FIELD=N,...",
+        help="--matmul triton: the kernel's tiling, e.g. block_n=32,warps=8 (see "
+        "skinny_matmul.Tiling; bench_matmul times tilings)",
     )
     parser.add_argument(
         "--no-graphs",
@@ -222,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             max_context=capacity, compile=args.compile, cuda_graphs=args.graphs,
             fixed_width=args.fixed_width, span_buckets=args.span_buckets,
             invariant_paths=args.paths, chain_forwards=args.chain_forwards,
-            matmul=args.matmul,
+            matmul=args.matmul, matmul_tiling=args.matmul_tiling,
         )  # fmt: skip
     except ModelLoadError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -235,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{torch.get_num_threads()} threads, {args.shape} trees, median of {args.repeats}; "
         f"{runtime.graphs} CUDA graphs, fixed width {runtime.fixed_width or 'none'}, "
         f"matmul {args.matmul}"
+        + "".join(f" {field}={value}" for field, value in args.matmul_tiling.items())
     )
     print(f"{'context':>8} {'width':>6} {'ms':>9} {'p25-p75':>15} {'ms/token':>9} {'x w=1':>6}")
     rows = []
@@ -263,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = {"model": str(args.model), "device": str(runtime.device), "shape": args.shape,
                 "dtype": str(runtime.dtype), "threads": torch.get_num_threads(),
                 "graphs": runtime.graphs, "fixed_width": runtime.fixed_width,
-                "matmul": args.matmul}  # fmt: skip
+                "matmul": args.matmul, "matmul_tiling": args.matmul_tiling}  # fmt: skip
         document = {**meta, "rows": rows, "invariance": invariance}
         if args.profile_width > 0:
             document["profile"] = profiled
