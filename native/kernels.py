@@ -124,6 +124,7 @@ class Kernels:
         library.hs_quantize_rows.restype = None
         library.hs_matmul.restype = ctypes.c_int
         library.hs_forward.restype = ctypes.c_int
+        library.hs_draft_greedy.restype = ctypes.c_int
         return cls(library)
 
     def simd_level(self) -> int:
@@ -168,3 +169,15 @@ class Kernels:
         if status:
             raise ValueError("hs_forward refused its arguments (a token, position, slot or "
                              "shape out of range)")  # fmt: skip
+
+    def draft_greedy(self, model: Model, tokens: np.ndarray, *, position: int, start: int,
+                     prefix: int, base: np.ndarray, logits: np.ndarray,
+                     threads: int) -> None:  # fmt: skip
+        """``hs_draft_greedy``: ``len(tokens) - 1`` forwards, each next token the argmax."""
+        status = self.library.hs_draft_greedy(
+            ctypes.byref(model), len(tokens) - 1, _pointer(tokens, np.int32), position, start,
+            prefix, _pointer(base, np.int32), len(base), _pointer(logits, np.float32), threads,
+        )  # fmt: skip
+        if status:
+            raise ValueError("hs_draft_greedy refused its arguments (a token, position, slot "
+                             "or shape out of range)")  # fmt: skip

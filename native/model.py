@@ -158,6 +158,20 @@ class NativeModel:
         )  # fmt: skip
         return logits
 
+    def draft_greedy(self, first: int, count: int, *, position: int, start: int, prefix: int,
+                     base: np.ndarray, threads: int) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        """A greedy chain of ``count`` forwards from token ``first`` at slot ``start`` and
+        ``position``, seeing slots 0..prefix-1, ``base`` and its own chain: the chain's
+        count + 1 tokens (``first`` and each forward's argmax) and its (count, vocab) logits."""
+        tokens = np.zeros(count + 1, np.int32)
+        tokens[0] = first
+        logits = np.empty((count, self.vocab), np.float32)
+        self.kernels.draft_greedy(
+            self.struct, tokens, position=position, start=start, prefix=prefix,
+            base=np.ascontiguousarray(base, np.int32), logits=logits, threads=threads,
+        )  # fmt: skip
+        return tokens, logits
+
     def move_slots(self, sources: np.ndarray, first: int) -> None:
         """Copy the keys/values of slots ``sources`` to slots first, first + 1, ..."""
         targets = first + np.arange(len(sources))

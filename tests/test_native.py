@@ -28,6 +28,7 @@ from hetspec.speculative.samplers import DrawnSampler
 from hetspec.speculative.sampling import SamplingParams
 from hetspec.speculative.tree import chain_parents
 from hetspec.workers.native_runtime import NativeRuntime
+from hetspec.workers.tree_runtime import RuntimeUsageError
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 TEXT = Path(textwrap.__file__).read_text()[:3000]
@@ -241,3 +242,55 @@ def test_a_file_it_cannot_run_is_one_clear_error(tmp_path) -> None:
         NativeRuntime(MODELS / "target" / "target-q8_0.gguf", threads=1000)
     with pytest.raises(NativeUnavailable, match="context"):
         NativeRuntime(MODELS / "target" / "target-q8_0.gguf", n_ctx=10**6)
+
+
+class StepwiseRuntime(NativeRuntime):
+    """The same runtime drafting node by node, as every other runtime does."""
+
+    def _chain_greedily(self, first, root, count):
+        return None
+
+
+def pending_state(runtime: NativeRuntime) -> list[np.ndarray]:
+    return [runtime._pending_tokens, runtime._pending_parents, runtime._pending_depths,
+            runtime._pending_mask]  # fmt: skip
+
+
+def test_a_greedy_chain_drafted_in_one_call_is_the_one_drafted_node_by_node(heavy) -> None:
+    """The same tokens, probability rows, logits and pending tree: afresh, continued below a
+    pending draft (``after``, as a drafter running ahead of verification does) and after a
+    commit; only the calls into the kernels differ (one a chain instead of one a token)."""
+    path, params = heavy.gguf("q8_0"), SamplingParams()
+    chained, stepwise = NativeRuntime(path, n_ctx=256), StepwiseRuntime(path, n_ctx=256)
+    prompt = chained.tokenize(TEXT)[:40]
+    drafts = []
+    for runtime in (chained, stepwise):
+        runtime.prefill(prompt)
+        first = runtime.draft(9, params, DrawnSampler(0))
+        state = [a.copy() for a in pending_state(runtime)]
+        ahead = runtime.draft(5, params, DrawnSampler(0), after=(7, int(first.tokens[0, 8])))
+        ahead_state = [a.copy() for a in pending_state(runtime)]
+        runtime.commit([0, 1, 2])  # the logits after node 2 come from the chain's output
+        logits = runtime.last_logits().copy()
+        third = runtime.draft(4, params, DrawnSampler(0))
+        drafts.append((first, state, ahead, ahead_state, logits, third, pending_state(runtime)))
+    for ours, theirs in zip(*drafts, strict=True):
+        if isinstance(ours, list):
+            for a, b in zip(ours, theirs, strict=True):
+                np.testing.assert_array_equal(a, b)
+        elif isinstance(ours, np.ndarray):
+            np.testing.assert_array_equal(ours, theirs)
+        else:
+            np.testing.assert_array_equal(ours.tokens, theirs.tokens)
+            np.testing.assert_array_equal(ours.nodes, theirs.nodes)
+            assert ours.root == theirs.root
+            np.testing.assert_allclose(ours.probs, theirs.probs, rtol=1e-6, atol=1e-9)
+    assert len(set(drafts[0][0].tokens[0].tolist())) > 1  # a real chain, not one token
+
+
+def test_a_greedy_chain_past_the_context_is_refused(heavy) -> None:
+    runtime = NativeRuntime(heavy.gguf("q8_0"), n_ctx=32)
+    runtime.prefill(runtime.tokenize(TEXT)[:28])
+    with pytest.raises(RuntimeUsageError, match="context full"):
+        runtime.draft(8, SamplingParams(), DrawnSampler(0))
+    assert runtime.pending == 0

@@ -115,6 +115,15 @@ class TreeRuntime(ABC, Generic[Output]):
         """Evaluate a chain directly after the committed prefix, with no pending tree, and keep
         it; returns the float32 logits after its last token."""
 
+    def _chain_greedily(self, first: int, root: int,
+                        count: int) -> tuple[np.ndarray, np.ndarray] | None:  # fmt: skip
+        """Optional: evaluate a greedy chain in one call: ``count`` new pending nodes, the
+        first holding token ``first`` below pending node ``root`` (ROOT: the committed end),
+        each next one the argmax of the last one's logits. Returns the count + 1 tokens and
+        the (count, vocab) float32 logits; None where the runtime has no such call (the
+        caller then evaluates node by node)."""
+        return None
+
     @contextlib.contextmanager
     def features_captured(self) -> Iterator[list[np.ndarray]]:
         """Collect the features (float32 (rows, feature_size): the hidden state entering the
@@ -216,16 +225,21 @@ class TreeRuntime(ABC, Generic[Output]):
         node_depths = depths(parent_array, self._pending_depths)
         rows = ancestor_mask(parent_array, self._pending_mask)
         output = self._run(token_array, parent_array, self.committed + node_depths, rows)
+        self._record_pending(token_array, parent_array, node_depths, rows, output)
+        return output
 
+    def _record_pending(self, tokens: np.ndarray, parents: np.ndarray, node_depths: np.ndarray,
+                        rows: np.ndarray, output: Output) -> None:  # fmt: skip
+        """Add evaluated nodes to the pending tree (``rows``: their ancestor mask)."""
+        existing = self.pending
         mask = np.zeros((existing + len(rows),) * 2, bool)
         mask[:existing, :existing] = self._pending_mask
         mask[existing:] = rows
         self._pending_mask = mask
-        self._pending_tokens = np.concatenate([self._pending_tokens, token_array])
-        self._pending_parents = np.concatenate([self._pending_parents, parent_array])
+        self._pending_tokens = np.concatenate([self._pending_tokens, tokens])
+        self._pending_parents = np.concatenate([self._pending_parents, parents])
         self._pending_depths = np.concatenate([self._pending_depths, node_depths])
         self._pending_outputs.append((existing, output))
-        return output
 
     def evaluate_tree(
         self,
@@ -404,6 +418,15 @@ class TreeRuntime(ABC, Generic[Output]):
         distribution(first, params, out=out[0, 0])
         out[1:, 0] = out[0, 0]
         tokens[:, 0] = proposals(out[0, 0], params, sampler, position, branches)
+        if branches == 1 and params.greedy and steps > 1 and self.features_sink is None:
+            start = self.pending
+            chain = self._chain_greedily(int(tokens[0, 0]), root, steps - 1)
+            if chain is not None:
+                chained, logits = chain
+                tokens[0] = chained
+                nodes[0, :-1] = start + np.arange(steps - 1)
+                distribution(logits, params, out=out[0, 1:])
+                return DraftResult(tokens, out, nodes, root)
         for step in range(1, steps):
             parents = nodes[:, step - 2] if step > 1 else np.full(branches, root)
             nodes[:, step - 1] = self.pending + np.arange(branches)

@@ -656,12 +656,49 @@ HS_VNNI INLINE void rows8_in_lanes_vnni(const char *wrows, const size_t stride, 
     for (int p = 0; p < pairs; p++) _mm512_storeu_ps(result + p * 2 * GROUP, acc[p]);
 }
 
+/* One row times 8 weight rows `stride` bytes apart, without the transpose: each weight row's
+ * block meets the row's 32 activations in one vpdpbusd, and a tree of horizontal adds (exact
+ * integers) puts the 8 block sums in lanes, where features_in_lanes_vnni's float steps follow:
+ * the same bits, in about half the instructions (a drafter's and a target-alone token). */
+HS_VNNI INLINE void one_row_in_lanes_vnni(const char *wrows, const size_t stride, const int type,
+                                          const int blocks, const int8_t *xq, const float *xd,
+                                          const int32_t *xs, float *result) {
+    const int shift = type == HS_Q8_0 ? Q8_BIAS_SHIFT : Q4_BIAS_SHIFT;
+    const size_t block_bytes = stride / blocks;
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        if (!(b & 1)) /* the next 8 rows, as transposed_block does */
+            for (int f = 0; f < 8; f++) _mm_prefetch(wrows + stride * (8 + f) + block_bytes * b, _MM_HINT_T0);
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + (size_t)b * HS_BLOCK));
+        __m256i d[8];
+        uint16_t scales[8];
+        for (int f = 0; f < 8; f++) {
+            d[f] = _mm256_dpbusd_epi32(_mm256_setzero_si256(),
+                                       load_unsigned_weights(wrows + stride * f, type, b), x);
+            scales[f] = weight_scale_of(wrows + stride * f, type, b);
+        }
+        /* lanes [f0..f3 | f0..f3] of the low and high 128-bit halves, then joined */
+        const __m256i low = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+        const __m256i high = _mm256_hadd_epi32(_mm256_hadd_epi32(d[4], d[5]), _mm256_hadd_epi32(d[6], d[7]));
+        const __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20),
+                                              _mm256_permute2x128_si256(low, high, 0x31));
+        const __m256i total = _mm256_add_epi32(sums, vnni_start(_mm256_set1_epi32(xs[b]), shift));
+        const __m256 w_scales = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scales));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(_mm256_set1_ps(xd[b]), w_scales), acc);
+    }
+    _mm256_storeu_ps(result, acc);
+}
+
 /* Features in lanes: m (<= 4) row-major rows times 8 weight rows `stride` bytes apart, as
  * features_in_lanes_avx2 lays them out. */
 HS_VNNI INLINE void features_in_lanes_vnni(const char *wrows, const size_t stride, const int type,
                                            const int blocks, const int8_t *xq, const float *xd,
                                            const int32_t *xs, const int cols, const int m,
                                            float *result) {
+    if (m == 1) {
+        one_row_in_lanes_vnni(wrows, stride, type, blocks, xq, xd, xs, result);
+        return;
+    }
     const int shift = type == HS_Q8_0 ? Q8_BIAS_SHIFT : Q4_BIAS_SHIFT;
     __m256 acc[4];
     for (int r = 0; r < m; r++) acc[r] = _mm256_setzero_ps();
@@ -1205,12 +1242,16 @@ static void matmul_features(const hs_matrix *w, const activations *a, const floa
 
 static void matmul_items(const hs_matrix *w, const activations *a, const float *xf, int n,
                          float *out, int simd, int wait) {
-    const int chunks = (w->rows + COL_CHUNK - 1) / COL_CHUNK;
+#ifdef _OPENMP
+    const int size = omp_get_num_threads() > 1 ? COL_CHUNK : w->rows; /* alone: one call */
+#else
+    const int size = w->rows;
+#endif
+    const int chunks = (w->rows + size - 1) / size;
 #define MATMUL_BODY                                                                          \
     for (int c = 0; c < chunks; c++) {                                                       \
-        const int end = c * COL_CHUNK + COL_CHUNK < w->rows ? c * COL_CHUNK + COL_CHUNK      \
-                                                            : w->rows;                       \
-        matmul_features(w, a, xf, n, c * COL_CHUNK, end, out, simd);                         \
+        const int end = c * size + size < w->rows ? c * size + size : w->rows;               \
+        matmul_features(w, a, xf, n, c * size, end, out, simd);                              \
     }
     if (wait) {
 #pragma omp for schedule(static)
@@ -1360,6 +1401,115 @@ static void attend(const hs_model *m, int layer, const float *query, int kv_head
     for (int k = 0; k < hd; k++) out[k] *= inverse;
 }
 
+/* hs_forward's work, run by every thread of its team, or by the caller alone (no team). */
+static void forward_rows(const hs_model *m, const scratch *s, int n, const int32_t *tokens,
+                         const int32_t *positions, int start, int n_prefix,
+                         const int32_t *offsets, const int32_t *visible, int first_logit,
+                         float *logits, int simd) {
+    const int d = m->d_model, f = m->n_ff, hd = m->head_dim, heads = m->n_heads,
+              kv_heads = m->n_kv_heads, qd = heads * hd, kvd = kv_heads * hd;
+    const int group = heads / kv_heads, half = hd / 2;
+#ifdef _OPENMP
+    float *scores = s->scores + (size_t)omp_get_thread_num() * attention_scratch(m);
+#else
+    float *scores = s->scores;
+#endif
+#pragma omp for schedule(static)
+    for (int i = 0; i < n; i++) embed_row(&m->embed, tokens[i], s->x + (size_t)i * d);
+
+    for (int l = 0; l < m->n_layers; l++) {
+        const hs_layer *y = &m->layers[l];
+#pragma omp for schedule(static)
+        for (int i = 0; i < n; i++) {
+            rms_norm(s->x + (size_t)i * d, y->attn_norm, d, m->eps, s->normed + (size_t)i * d);
+            quantize_activation(&s->acts, s->normed + (size_t)i * d, i, n, d, simd);
+        }
+        matmul_items(&y->q, &s->acts, s->normed, n, s->q, simd, 0);
+        matmul_items(&y->k, &s->acts, s->normed, n, s->k, simd, 0);
+        matmul_items(&y->v, &s->acts, s->normed, n, s->v, simd, 1);
+#pragma omp for schedule(static)
+        for (int i = 0; i < n; i++) {
+            const float *cos = m->rope_cos + (size_t)positions[i] * half;
+            const float *sin = m->rope_sin + (size_t)positions[i] * half;
+            rope_row(s->q + (size_t)i * qd, heads, hd, cos, sin);
+            rope_row(s->k + (size_t)i * kvd, kv_heads, hd, cos, sin);
+            for (int h = 0; h < kv_heads; h++) {
+                const size_t slot =
+                    (((size_t)l * kv_heads + h) * m->capacity + (size_t)(start + i)) * hd;
+                store_half(m->k_cache + slot, s->k + (size_t)i * kvd + (size_t)h * hd, hd, simd);
+                store_half(m->v_cache + slot, s->v + (size_t)i * kvd + (size_t)h * hd, hd, simd);
+            }
+        }
+#if HS_X86
+        if (simd && hd % 8 == 0 && hd <= 256) {
+            const size_t layer_base = (size_t)l * kv_heads * m->capacity * hd;
+            const int row_sets = (n + ATTEND_ROWS - 1) / ATTEND_ROWS;
+#pragma omp for schedule(static)
+            for (int item = 0; item < kv_heads * row_sets; item++) { /* head-major: a
+                head's keys and values stay in L2 for all rows */
+                const int h = item / row_sets, i = item % row_sets * ATTEND_ROWS;
+                const int rows = n - i < ATTEND_ROWS ? n - i : ATTEND_ROWS;
+                const size_t head = layer_base + (size_t)h * m->capacity * hd;
+                const size_t first = (size_t)i * qd + (size_t)h * group * hd;
+                attend_rows_avx2(m->k_cache + head, m->v_cache + head, hd, s->q + first, qd,
+                                 rows, group, n_prefix, visible, offsets + i, scores,
+                                 s->attended + first);
+            }
+        } else
+#endif
+        {
+#pragma omp for schedule(static)
+            for (int item = 0; item < n * heads; item++) {
+                const int i = item / heads, h = item % heads;
+                attend(m, l, s->q + (size_t)i * qd + (size_t)h * hd, h / group, n_prefix,
+                       visible + offsets[i], offsets[i + 1] - offsets[i], scores,
+                       s->attended + (size_t)i * qd + (size_t)h * hd, simd);
+            }
+        }
+#pragma omp for schedule(static)
+        for (int i = 0; i < n; i++)
+            quantize_activation(&s->acts, s->attended + (size_t)i * qd, i, n, qd, simd);
+        matmul_items(&y->o, &s->acts, s->attended, n, s->projected, simd, 1);
+#pragma omp for schedule(static)
+        for (int i = 0; i < n; i++) {
+            float *x = s->x + (size_t)i * d;
+            for (int k = 0; k < d; k++) x[k] += s->projected[(size_t)i * d + k];
+            rms_norm(x, y->ffn_norm, d, m->eps, s->normed + (size_t)i * d);
+            quantize_activation(&s->acts, s->normed + (size_t)i * d, i, n, d, simd);
+        }
+        matmul_items(&y->gate, &s->acts, s->normed, n, s->gate, simd, 0);
+        matmul_items(&y->up, &s->acts, s->normed, n, s->up, simd, 1);
+#pragma omp for schedule(static)
+        for (int i = 0; i < n; i++) {
+            float *g = s->gate + (size_t)i * f;
+            const float *u = s->up + (size_t)i * f;
+            #if HS_X86
+            if (simd)
+                silu_mul_avx2(g, u, f);
+            else
+#endif
+                for (int k = 0; k < f; k++) g[k] = silu(g[k]) * u[k];
+            quantize_activation(&s->acts, g, i, n, f, simd);
+        }
+        matmul_items(&y->down, &s->acts, s->gate, n, s->projected, simd, 1);
+#pragma omp for schedule(static)
+        for (int i = 0; i < n; i++) {
+            float *x = s->x + (size_t)i * d;
+            for (int k = 0; k < d; k++) x[k] += s->projected[(size_t)i * d + k];
+        }
+    }
+    const int outputs = n - first_logit;
+    if (outputs > 0) {
+#pragma omp for schedule(static)
+        for (int i = first_logit; i < n; i++) {
+            const size_t r = (size_t)(i - first_logit);
+            rms_norm(s->x + (size_t)i * d, m->output_norm, d, m->eps, s->normed + r * d);
+            quantize_activation(&s->acts, s->normed + r * d, (int)r, outputs, d, simd);
+        }
+        matmul_items(&m->output, &s->acts, s->normed, outputs, logits, simd, 1);
+    }
+}
+
 int hs_forward(const hs_model *m, int n, const int32_t *tokens, const int32_t *positions,
                int start, int n_prefix, const int32_t *offsets, const int32_t *visible,
                int first_logit, float *logits, int threads) {
@@ -1369,112 +1519,42 @@ int hs_forward(const hs_model *m, int n, const int32_t *tokens, const int32_t *p
     scratch s;
     if (scratch_alloc(&s, m, n, threads)) return -1;
     const int simd = simd_for(m->simd);
-    const int d = m->d_model, f = m->n_ff, hd = m->head_dim, heads = m->n_heads,
-              kv_heads = m->n_kv_heads, qd = heads * hd, kvd = kv_heads * hd;
-    const int group = heads / kv_heads, half = hd / 2;
-
+    if (threads == 1) { /* no team: its worksharing loops are orphaned and skip their barriers,
+        where a team of one still makes a futex call at each (about 26 a forward) */
+        forward_rows(m, &s, n, tokens, positions, start, n_prefix, offsets, visible, first_logit,
+                     logits, simd);
+    } else {
 #pragma omp parallel num_threads(threads)
-    {
-#ifdef _OPENMP
-        float *scores = s.scores + (size_t)omp_get_thread_num() * attention_scratch(m);
-#else
-        float *scores = s.scores;
-#endif
-#pragma omp for schedule(static)
-        for (int i = 0; i < n; i++) embed_row(&m->embed, tokens[i], s.x + (size_t)i * d);
-
-        for (int l = 0; l < m->n_layers; l++) {
-            const hs_layer *y = &m->layers[l];
-#pragma omp for schedule(static)
-            for (int i = 0; i < n; i++) {
-                rms_norm(s.x + (size_t)i * d, y->attn_norm, d, m->eps, s.normed + (size_t)i * d);
-                quantize_activation(&s.acts, s.normed + (size_t)i * d, i, n, d, simd);
-            }
-            matmul_items(&y->q, &s.acts, s.normed, n, s.q, simd, 0);
-            matmul_items(&y->k, &s.acts, s.normed, n, s.k, simd, 0);
-            matmul_items(&y->v, &s.acts, s.normed, n, s.v, simd, 1);
-#pragma omp for schedule(static)
-            for (int i = 0; i < n; i++) {
-                const float *cos = m->rope_cos + (size_t)positions[i] * half;
-                const float *sin = m->rope_sin + (size_t)positions[i] * half;
-                rope_row(s.q + (size_t)i * qd, heads, hd, cos, sin);
-                rope_row(s.k + (size_t)i * kvd, kv_heads, hd, cos, sin);
-                for (int h = 0; h < kv_heads; h++) {
-                    const size_t slot =
-                        (((size_t)l * kv_heads + h) * m->capacity + (size_t)(start + i)) * hd;
-                    store_half(m->k_cache + slot, s.k + (size_t)i * kvd + (size_t)h * hd, hd, simd);
-                    store_half(m->v_cache + slot, s.v + (size_t)i * kvd + (size_t)h * hd, hd, simd);
-                }
-            }
-#if HS_X86
-            if (simd && hd % 8 == 0 && hd <= 256) {
-                const size_t layer_base = (size_t)l * kv_heads * m->capacity * hd;
-                const int row_sets = (n + ATTEND_ROWS - 1) / ATTEND_ROWS;
-#pragma omp for schedule(static)
-                for (int item = 0; item < kv_heads * row_sets; item++) { /* head-major: a
-                    head's keys and values stay in L2 for all rows */
-                    const int h = item / row_sets, i = item % row_sets * ATTEND_ROWS;
-                    const int rows = n - i < ATTEND_ROWS ? n - i : ATTEND_ROWS;
-                    const size_t head = layer_base + (size_t)h * m->capacity * hd;
-                    const size_t first = (size_t)i * qd + (size_t)h * group * hd;
-                    attend_rows_avx2(m->k_cache + head, m->v_cache + head, hd, s.q + first, qd,
-                                     rows, group, n_prefix, visible, offsets + i, scores,
-                                     s.attended + first);
-                }
-            } else
-#endif
-            {
-#pragma omp for schedule(static)
-                for (int item = 0; item < n * heads; item++) {
-                    const int i = item / heads, h = item % heads;
-                    attend(m, l, s.q + (size_t)i * qd + (size_t)h * hd, h / group, n_prefix,
-                           visible + offsets[i], offsets[i + 1] - offsets[i], scores,
-                           s.attended + (size_t)i * qd + (size_t)h * hd, simd);
-                }
-            }
-#pragma omp for schedule(static)
-            for (int i = 0; i < n; i++)
-                quantize_activation(&s.acts, s.attended + (size_t)i * qd, i, n, qd, simd);
-            matmul_items(&y->o, &s.acts, s.attended, n, s.projected, simd, 1);
-#pragma omp for schedule(static)
-            for (int i = 0; i < n; i++) {
-                float *x = s.x + (size_t)i * d;
-                for (int k = 0; k < d; k++) x[k] += s.projected[(size_t)i * d + k];
-                rms_norm(x, y->ffn_norm, d, m->eps, s.normed + (size_t)i * d);
-                quantize_activation(&s.acts, s.normed + (size_t)i * d, i, n, d, simd);
-            }
-            matmul_items(&y->gate, &s.acts, s.normed, n, s.gate, simd, 0);
-            matmul_items(&y->up, &s.acts, s.normed, n, s.up, simd, 1);
-#pragma omp for schedule(static)
-            for (int i = 0; i < n; i++) {
-                float *g = s.gate + (size_t)i * f;
-                const float *u = s.up + (size_t)i * f;
-                #if HS_X86
-                if (simd)
-                    silu_mul_avx2(g, u, f);
-                else
-#endif
-                    for (int k = 0; k < f; k++) g[k] = silu(g[k]) * u[k];
-                quantize_activation(&s.acts, g, i, n, f, simd);
-            }
-            matmul_items(&y->down, &s.acts, s.gate, n, s.projected, simd, 1);
-#pragma omp for schedule(static)
-            for (int i = 0; i < n; i++) {
-                float *x = s.x + (size_t)i * d;
-                for (int k = 0; k < d; k++) x[k] += s.projected[(size_t)i * d + k];
-            }
-        }
-        const int outputs = n - first_logit;
-        if (outputs > 0) {
-#pragma omp for schedule(static)
-            for (int i = first_logit; i < n; i++) {
-                const size_t r = (size_t)(i - first_logit);
-                rms_norm(s.x + (size_t)i * d, m->output_norm, d, m->eps, s.normed + r * d);
-                quantize_activation(&s.acts, s.normed + r * d, (int)r, outputs, d, simd);
-            }
-            matmul_items(&m->output, &s.acts, s.normed, outputs, logits, simd, 1);
-        }
+        forward_rows(m, &s, n, tokens, positions, start, n_prefix, offsets, visible, first_logit,
+                     logits, simd);
     }
     free(s.base);
     return 0;
+}
+
+/* The index of the largest value, the lowest of equal ones. */
+static int argmax_row(const float *row, int n) {
+    int best = 0;
+    for (int k = 1; k < n; k++)
+        if (row[k] > row[best]) best = k;
+    return best;
+}
+
+int hs_draft_greedy(const hs_model *m, int count, int32_t *tokens, int position, int start,
+                    int n_prefix, const int32_t *base, int n_base, float *logits, int threads) {
+    if (count < 1 || n_base < 0 || start + count > m->capacity) return -1;
+    int32_t *visible = malloc(sizeof(int32_t) * (size_t)(n_base + count));
+    if (!visible) return -1;
+    memcpy(visible, base, sizeof(int32_t) * (size_t)n_base);
+    int status = 0;
+    for (int i = 0; i < count && !status; i++) {
+        visible[n_base + i] = start + i; /* the ancestors so far, then the node itself */
+        const int32_t offsets[2] = {0, n_base + i + 1}, at = position + i;
+        float *row = logits + (size_t)i * m->vocab;
+        status = hs_forward(m, 1, tokens + i, &at, start + i, n_prefix, offsets, visible, 0, row,
+                            threads);
+        if (!status) tokens[i + 1] = argmax_row(row, m->vocab);
+    }
+    free(visible);
+    return status;
 }

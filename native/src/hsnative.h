@@ -73,4 +73,14 @@ int hs_forward(const hs_model *m, int n, const int32_t *tokens, const int32_t *p
                int start, int n_prefix, const int32_t *offsets, const int32_t *visible,
                int first_logit, float *logits, int threads);
 
+/* A greedy chain: `count` forwards of one token each, the first of tokens[0] at slot `start`
+ * and `position`, each next one the argmax of the last one's logits (ties: the lowest id)
+ * one slot and one position further, written to tokens[i + 1] (tokens holds count + 1).
+ * Node i sees slots 0..n_prefix-1, then base[0..n_base) (the pending ancestors of the
+ * first, increasing), then the chain's slots start..start+i. Logits (count, vocab). Drafting
+ * in one call spares a call per token of the caller's own work. Returns 0, or -1 for bad
+ * input (as hs_forward). */
+int hs_draft_greedy(const hs_model *m, int count, int32_t *tokens, int position, int start,
+                    int n_prefix, const int32_t *base, int n_base, float *logits, int threads);
+
 #endif
