@@ -313,7 +313,14 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
                     replace(batch, masks=[mask[:1] for mask in batch.masks]))  # fmt: skip
             else:
                 out_logits, out_hidden = static.run(batch)
-            index = torch.from_numpy(chosen).to(self.device)
+            if np.array_equal(chosen, np.arange(len(tokens))):  # no index to send
+                logits.copy_(out_logits)
+                hidden.copy_(out_hidden)
+                continue
+            index = torch.from_numpy(chosen)
+            if self.device.type == "cuda":  # a copy from pageable memory waits for the GPU
+                index = index.pin_memory()
+            index = index.to(self.device, non_blocking=True)
             logits.index_copy_(0, index, out_logits)
             hidden.index_copy_(0, index, out_hidden)
         return logits, hidden
