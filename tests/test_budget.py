@@ -568,3 +568,24 @@ def test_a_profile_prices_one_width_as_it_prices_an_array_of_them() -> None:
             one = curve.at(width)
             assert isinstance(one, float)
             assert one == pytest.approx(float(curve.at(np.array([width], float))[0]), rel=1e-15)
+
+
+def test_rounds_of_a_narrow_span_of_widths_price_the_others_by_the_profiles_shape() -> None:
+    """Rounds that verified 12-14 nodes only (a controller settled on long drafts) price a
+    7-node verification by the load profile's shape at their level, not by a line through
+    their three noisy medians tilted by the noise (which priced it 19-38 ms for a true 29.6
+    in simulations, and a controller that believes narrow trees dear never tries them)."""
+    profile = {1: 0.0336, 2: 0.0368, 5: 0.0361, 9: 0.0486, 17: 0.0829}  # the native verifier
+    rng = np.random.default_rng(0)
+    for _ in range(6):
+        estimates = Estimates()
+        estimates.assume_verifier(profile)
+        level = 0.7  # this box verifies at 0.7x the profile
+        for width, rounds in ((12, 5), (13, 12), (14, 6)):
+            true_s = level * float(np.interp(width, list(profile), list(profile.values())))
+            noisy = true_s * (1 + rng.normal(0, 0.08))  # the rounds' median, off by noise
+            for _ in range(rounds):
+                estimates.observe(RoundReport(width - 1, 1, 2, verify_width=width,
+                                              verify_s=noisy))  # fmt: skip
+        seven = level * float(np.interp(7, list(profile), list(profile.values())))
+        assert estimates.verify_s(7) == pytest.approx(seven, rel=0.12)
