@@ -67,8 +67,8 @@ class LlamaCppSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
 
 class MatmulTiling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How the Triton matmul cuts a weight (workers/torch_runtime/skinny_matmul.py,
-    ``Tiling``); None keeps the kernel's default. Block sizes may change a result's bits
-    (one tiling serves a whole model, so losslessness holds); warps and stages do not."""
+    ``Tiling``); None keeps the kernel's default. A tiling may change a result's bits, never
+    with the row count: one tiling serves a whole model, so losslessness holds."""
 
     block_n: int | None = None
     block_k: int | None = None

@@ -351,9 +351,8 @@ def _fit_profile(profile: ProfileCurve, widths: np.ndarray, times: np.ndarray,
     ``FIT_SPAN`` (the profile is taken as plain rounds verify, on the drafter's cores too
     where the verifier may borrow them; overlapped rounds verify on its own cores beside a
     drafting drafter, another level and slope), else the profile scaled by the ratio of the
-    medians to it. Fitted over a narrow span, noise tilts the line: extrapolated, it priced
-    a 7-node verification anywhere from 0.65x to 1.3x its cost from 12-14-node rounds, and a
-    controller that believes narrow trees dear never measures them again."""
+    medians to it: over a narrow span the noise tilts the line, and a controller that
+    believes other widths dear never measures them again (docs/design-notes.md)."""
     expected = profile.at(widths)
     floor = float(times.min()) * 0.5
     if len(widths) >= 3 and expected.max() >= FIT_SPAN * expected.min():
