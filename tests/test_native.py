@@ -247,8 +247,7 @@ def test_a_file_it_cannot_run_is_one_clear_error(tmp_path) -> None:
 class StepwiseRuntime(NativeRuntime):
     """The same runtime drafting node by node, as every other runtime does."""
 
-    def _chain_greedily(self, first, root, count):
-        return None
+    _run_greedy_chain = None
 
 
 def pending_state(runtime: NativeRuntime) -> list[np.ndarray]:

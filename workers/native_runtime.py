@@ -19,7 +19,6 @@ import numpy as np
 
 from hetspec.native.kernels import BEST, SIMD_LEVELS, NativeUnavailable
 from hetspec.native.model import NativeModel
-from hetspec.speculative.tree import ancestor_mask, depths, validate_parents
 from hetspec.speculative.vocab import VocabInfo
 from hetspec.workers.llama_cpp_runtime.vocabulary import VocabularyFile
 from hetspec.workers.tree_runtime import TreeRuntime
@@ -91,23 +90,14 @@ class NativeRuntime(TreeRuntime[np.ndarray]):
             threads=self.threads + self._extra_threads,
         )  # fmt: skip
 
-    def _chain_greedily(self, first: int, root: int,
-                        count: int) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
-        self._checked_tokens([first], count)
-        existing = self.pending
-        parents = np.arange(existing - 1, existing + count - 1)
-        parents[0] = root
-        parents = validate_parents(parents, existing)
-        node_depths = depths(parents, self._pending_depths)
-        rows = ancestor_mask(parents, self._pending_mask)
-        tokens, logits = self.model.draft_greedy(
-            first, count, position=self.committed + int(node_depths[0]),
-            start=self.committed + existing, prefix=self.committed,
-            base=self.committed + np.flatnonzero(rows[0, :existing]),
+    def _run_greedy_chain(self, first: int, positions: np.ndarray,
+                          rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        existing = self.pending  # the first node's pending ancestors, in slot order
+        return self.model.draft_greedy(
+            first, len(rows), position=int(positions[0]), start=self.committed + existing,
+            prefix=self.committed, base=self.committed + np.flatnonzero(rows[0, :existing]),
             threads=self.threads + self._extra_threads,
         )  # fmt: skip
-        self._record_pending(tokens[:count].astype(np.int64), parents, node_depths, rows, logits)
-        return tokens.astype(np.int64), logits
 
     def _run(
         self, tokens: np.ndarray, parents: np.ndarray, positions: np.ndarray, rows: np.ndarray

@@ -115,14 +115,10 @@ class TreeRuntime(ABC, Generic[Output]):
         """Evaluate a chain directly after the committed prefix, with no pending tree, and keep
         it; returns the float32 logits after its last token."""
 
-    def _chain_greedily(self, first: int, root: int,
-                        count: int) -> tuple[np.ndarray, np.ndarray] | None:  # fmt: skip
-        """Optional: evaluate a greedy chain in one call: ``count`` new pending nodes, the
-        first holding token ``first`` below pending node ``root`` (ROOT: the committed end),
-        each next one the argmax of the last one's logits. Returns the count + 1 tokens and
-        the (count, vocab) float32 logits; None where the runtime has no such call (the
-        caller then evaluates node by node)."""
-        return None
+    # Optional hook, a method where a runtime evaluates a greedy chain in one call:
+    # (first token, the chain's positions, its ancestor mask as ``_run`` takes it) -> (the
+    # chain's tokens and the argmax after its last node, its nodes' ``_run`` output)
+    _run_greedy_chain = None
 
     @contextlib.contextmanager
     def features_captured(self) -> Iterator[list[np.ndarray]]:
@@ -227,6 +223,24 @@ class TreeRuntime(ABC, Generic[Output]):
         output = self._run(token_array, parent_array, self.committed + node_depths, rows)
         self._record_pending(token_array, parent_array, node_depths, rows, output)
         return output
+
+    def _chain_greedily(self, first: int, root: int,
+                        count: int) -> tuple[np.ndarray, np.ndarray] | None:  # fmt: skip
+        """``count`` new pending nodes below pending node ``root`` (ROOT: the committed end),
+        the first holding token ``first``, each next one the argmax of the last one's logits,
+        in one call of ``_run_greedy_chain``: the count + 1 tokens and the (count, vocab)
+        float32 logits; None where the runtime has no such call."""
+        if self._run_greedy_chain is None:
+            return None
+        self._checked_tokens([first], count)
+        existing = self.pending
+        chain = validate_parents([root, *range(existing, existing + count - 1)], existing)
+        node_depths = depths(chain, self._pending_depths)
+        rows = ancestor_mask(chain, self._pending_mask)
+        tokens, output = self._run_greedy_chain(first, self.committed + node_depths, rows)
+        tokens = np.asarray(tokens, np.int64)
+        self._record_pending(tokens[:count], chain, node_depths, rows, output)
+        return tokens, self._step_logits(output)
 
     def _record_pending(self, tokens: np.ndarray, parents: np.ndarray, node_depths: np.ndarray,
                         rows: np.ndarray, output: Output) -> None:  # fmt: skip
