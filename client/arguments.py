@@ -40,6 +40,14 @@ def finite_float(text: str) -> float:
     return value
 
 
+def temperature(text: str) -> float:
+    """A sampling temperature: a finite number of at least 0 (0: greedy)."""
+    value = finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0: {text!r}")
+    return value
+
+
 def setting(text: str) -> str:
     """A daemon setting for ``hetspecd --set``: ``section.key=value`` (the value as TOML)."""
     key, equals, value = text.partition("=")

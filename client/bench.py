@@ -23,7 +23,10 @@ then:
 
 Writes ``bench.json`` (every request), ``bench.md`` (the tables) and, when matplotlib is
 installed, ``bench.png``. Every request generates exactly ``--max-tokens`` tokens (EOS is
-ignored) so that every system decodes the same amount.
+ignored) so that every system decodes the same amount. Greedy by default; with
+``--temperature`` T > 0 every system samples from the softmax at T alone (no top-k, top-p or
+min-p), each prompt with a seed of its own (``SEED_BASE`` + its index), so that hetspec's
+modes still produce the target alone's tokens (same seed, same text) unless ``--unseeded``.
 """
 
 from __future__ import annotations
@@ -40,15 +43,17 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from hetspec.client.arguments import non_negative, positive, positive_list, setting
+from hetspec.client.arguments import non_negative, positive, positive_list, setting, temperature
 from hetspec.client.bench_targets import BenchTarget, TargetError, forward_ms, resolve
 from hetspec.client.busy_box import busy_note
 from hetspec.client.clients import Client
 from hetspec.client.types import Completion, HetspecError
 from hetspec.models.corpus import CHAT_PROMPTS, FORGET_PROMPT, prompt_set
+
+SEED_BASE = 1000  # a sampled bench's seed for prompt i: SEED_BASE + i, in every system
 
 
 @dataclass(frozen=True)
@@ -67,13 +72,16 @@ class Peers:
     that their requests interleave with hetspec's."""
 
     def __init__(
-        self, log: Path, target: BenchTarget | None = None, llama_server: str = "build"
-    ) -> None:
+        self, log: Path, target: BenchTarget | None = None, llama_server: str = "build",
+        temperature: float = 0.0,
+    ) -> None:  # fmt: skip
         """``target``: its target and draft (None: the bundled ones); ``llama_server``: a path
-        to the binary, "build" (the cached build, made on first use) or "off"."""
+        to the binary, "build" (the cached build, made on first use) or "off"; every peer
+        samples at ``temperature`` (0: greedy)."""
         # its stderr goes to a file: a pipe nobody reads would fill with warnings and stall it
         self.log = log
-        command = [sys.executable, "-m", "hetspec.workers.peers", "--llama-server", llama_server]
+        command = [sys.executable, "-m", "hetspec.workers.peers", "--llama-server", llama_server,
+                   "--temperature", repr(temperature)]  # fmt: skip
         if target is not None:
             command += ["--target-gguf", str(target.target.gguf), "--draft-gguf",
                         str(target.draft.gguf), "--target-folder", str(target.target.folder),
@@ -98,8 +106,9 @@ class Peers:
             raise HetspecError(f"peers: {reply['error']}")
         return reply
 
-    def record(self, system: str, prompt: str, index: int, repeat: int, max_tokens: int):
-        request = {"system": system, "prompt": prompt, "max_tokens": max_tokens}
+    def record(self, system: str, prompt: str, index: int, repeat: int, max_tokens: int, *,
+               seed: int | None = None):  # fmt: skip
+        request = {"system": system, "prompt": prompt, "max_tokens": max_tokens, "seed": seed}
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         row = self._reply()
@@ -300,7 +309,11 @@ def forget_prompt(client: Client) -> None:
 
 
 def run_requests(client, plan, prompts, options, *, repeats, loaded_from=None, busy=None):
-    """Every (system, prompt) ``repeats`` times, interleaved; returns the records."""
+    """Every (system, prompt) ``repeats`` times, interleaved; returns the records. Sampled
+    ``options`` with ``seeded`` give prompt i the seed ``SEED_BASE`` + i; without, outputs
+    are not compared (each request draws its own)."""
+    options = dict(options)
+    seeded, sampled = options.pop("seeded", True), bool(options.get("temperature"))
     records = []
     for repeat in range(repeats):
         for index, prompt in enumerate(prompts):
@@ -308,14 +321,20 @@ def run_requests(client, plan, prompts, options, *, repeats, loaded_from=None, b
             if busy is not None:
                 busy.start() if loaded else busy.stop()
             shift = index + repeat
+            seed = SEED_BASE + index if sampled and seeded else None
             for system in plan[shift % len(plan) :] + plan[: shift % len(plan)]:
                 if system.peer is not None:
-                    records.append(system.peer.record(system.name, prompt, index, repeat,
-                                                      options["max_tokens"]))  # fmt: skip
+                    records.append(
+                        system.peer.record(
+                            system.name, prompt, index, repeat, options["max_tokens"], seed=seed
+                        )
+                    )
                     continue
                 forget_prompt(client)
-                done = client.generate(prompt, **options, **system.options)
-                records.append(Record.of(system.name, index, repeat, loaded, done))
+                given = {**options, **({} if seed is None else {"seed": seed})}
+                done = client.generate(prompt, **given, **system.options)
+                record = Record.of(system.name, index, repeat, loaded, done)
+                records.append(replace(record, output="") if sampled and not seeded else record)
         print(f"  repeat {repeat + 1}/{repeats} done", file=sys.stderr, flush=True)
     if busy is not None:
         busy.stop()
@@ -345,7 +364,17 @@ def measure_load(client: Client, placement: str, args) -> list[Record]:
 
 
 def request_options(args) -> dict:
-    return {"max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0.0}
+    return {"max_tokens": args.max_tokens, "ignore_eos": True,
+            "temperature": args.temperature, "seeded": args.seeded}  # fmt: skip
+
+
+def sampling_note(args) -> str:
+    """How the bench's requests choose their tokens, for the report's first lines."""
+    if not args.temperature:
+        return "greedy"
+    seeds = (f"prompt i seeded {SEED_BASE} + i in every system" if args.seeded
+             else "unseeded")  # fmt: skip
+    return f"sampled at temperature {args.temperature:g} (no top-k, top-p or min-p), {seeds}"
 
 
 # ---------------------------------------------------------------- report
@@ -391,7 +420,7 @@ def modes_table(records: list[Record]) -> tuple[str, dict, str]:
     lines.append(
         f"\nx fastest target alone, x TTFT: relative to {fastest}. tokens = alone: "
         "requests whose token ids equal hetspec's target alone (autoregressive) on the "
-        "same prompt (greedy: all of them, or the output is not lossless)."
+        "same prompt (greedy or seeded: all of them, or the output is not lossless)."
     )
     return "\n".join(lines), summaries, fastest
 
@@ -518,7 +547,8 @@ def main(args: argparse.Namespace) -> int:
     report = [
         f"# hetspec bench\n\n`hetspec bench {' '.join(args.argv)}` on {platform.node()}, "
         f"{os.cpu_count()} CPUs, Python {platform.python_version()}, "
-        f"{time.strftime('%Y-%m-%d %H:%M')}; {args.max_tokens} tokens per request.\n"
+        f"{time.strftime('%Y-%m-%d %H:%M')}; {args.max_tokens} tokens per request, "
+        f"{sampling_note(args)}.\n"
     ]
     if note := busy_note():  # said, and kept with the figures it explains
         print(f"hetspec bench: warning: {note}", file=sys.stderr, flush=True)
@@ -566,7 +596,8 @@ def _measure_target(spec: str, args, out: Path, *, report: list[str], results: d
         if args.peers:
             print(f"{target.name}: loading the peers", file=sys.stderr, flush=True)
             peers = Peers(out / f"peers-{target.name}.log", target=target,
-                          llama_server=args.llama_server)  # fmt: skip
+                          llama_server=args.llama_server,
+                          temperature=args.temperature)  # fmt: skip
             stack.callback(peers.close)
             for system, why in peers.skipped.items():
                 report.append(f"Peer {system} skipped: {why}\n")
@@ -706,6 +737,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         action="append", default=[],
                         help="a setting of every hetspecd the bench starts, as hetspecd's "
                         '--set (e.g. gpu_runtime="torch"); repeatable')  # fmt: skip
+    parser.add_argument("--temperature", type=temperature, default=0.0,
+                        help="sample every system at this temperature, from the softmax "
+                        "alone (no top-k, top-p or min-p) (default 0: greedy)")  # fmt: skip
+    parser.add_argument("--unseeded", dest="seeded", action="store_false",
+                        help="with --temperature: no seeds, so each request draws its own "
+                        "tokens (hetspec's drawn speculative sampling instead of its keyed "
+                        "one) and outputs are not compared")  # fmt: skip
     parser.add_argument("--no-load", dest="load", action="store_false",
                         help="skip the busy-core run")  # fmt: skip
     parser.add_argument("--out", default="bench-results",

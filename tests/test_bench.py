@@ -54,7 +54,9 @@ def test_bench_help_shows_defaults_and_bad_numbers_are_one_line_errors() -> None
                        (("--set", "gpu_runtime"), "not KEY=VALUE"),
                        (("--running", "--set", "gamma=3"), "not to a running one"),
                        (("--gammas", "2,x"), "not a whole number: 'x'"),
-                       (("--warmup", "-1"), "must be at least 0: '-1'")]:  # fmt: skip
+                       (("--warmup", "-1"), "must be at least 0: '-1'"),
+                       (("--temperature", "-0.5"), "must be at least 0: '-0.5'"),
+                       (("--temperature", "inf"), "a finite number, not 'inf'")]:  # fmt: skip
         done = bench(*args)
         assert done.returncode == 2, (args, done.stderr)
         assert said in done.stderr, (args, done.stderr)
@@ -81,6 +83,36 @@ def test_bench_sweeps_targets_and_skips_a_bad_one_with_its_reason(tmp_path: Path
     assert "## Speedup against the cost ratio c" in table
     assert "x fastest target alone" in table
     assert (out / "bench-sweep.png").stat().st_size > 0
+
+
+def test_sampled_bench_keeps_each_prompts_seed_so_every_mode_makes_the_same_tokens(
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """At a temperature every system samples prompt i with the seed SEED_BASE + i: hetspec's
+    modes then produce the target alone's tokens (same seed, same text), which the table's
+    last column checks; unseeded, outputs are not compared."""
+
+    def bench(out: Path, *extra: str) -> str:
+        command = [sys.executable, "-m", "hetspec.client.cli", "bench", "--prompts", "1",
+                   "--repeats", "1", "--warmup", "0", "--max-tokens", "24", "--gammas", "3",
+                   "--no-load", "--no-peers", "--temperature", "0.9", *extra,
+                   "--out", str(out)]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                              check=False)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return (out / "bench.md").read_text()
+
+    seeded = bench(tmp_path / "seeded")
+    assert "sampled at temperature 0.9 (no top-k, top-p or min-p), prompt i seeded 1000 + i" in (
+        seeded
+    )
+    for system in ("autoregressive", "sequential", "parallel gamma=3", "adaptive"):
+        row = next(line for line in seeded.splitlines() if line.startswith(f"| {system} |"))
+        assert row.endswith("| 5/5 |"), row  # 1 code + 4 chat prompts
+    unseeded = bench(tmp_path / "unseeded", "--unseeded")
+    assert "sampled at temperature 0.9 (no top-k, top-p or min-p), unseeded" in unseeded
+    row = next(line for line in unseeded.splitlines() if line.startswith("| adaptive |"))
+    assert row.endswith("| - |"), row
 
 
 def test_a_busy_core_is_named_with_the_process_that_keeps_it_busy() -> None:

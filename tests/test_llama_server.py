@@ -118,6 +118,18 @@ def test_request_is_greedy_exact_length_and_prefills_the_whole_prompt() -> None:
     assert body["stream"] is False
 
 
+def test_sampled_request_draws_from_the_softmax_at_its_temperature_alone() -> None:
+    """llama-server's own defaults (top-k 40, top-p 0.95, min-p 0.05) are off, as in
+    hetspec's requests, so both sample the same distribution; the seed goes with it."""
+    body = completion_request("x = ", 64, temperature=0.8, seed=7)
+    assert (body["temperature"], body["top_k"], body["top_p"], body["min_p"]) == (0.8, 0, 1, 0)
+    assert body["seed"] == 7
+    assert body["n_predict"] == 64
+    assert body["ignore_eos"] is True
+    assert "seed" not in completion_request("x = ", 64, temperature=0.8)
+    assert completion_request("x = ", 64, seed=7) == completion_request("x = ", 64)  # greedy
+
+
 def test_timings_become_ttft_and_decode() -> None:
     """prompt_ms ends when the first token is sampled; predicted_ms covers the other tokens."""
     spec = timing_of({"content": "...", "timings": SPECULATIVE_TIMINGS})
@@ -272,6 +284,29 @@ def test_peers_go_on_without_llama_server_and_say_why(tmp_path) -> None:
     assert answer["decode_ms"] > 0
 
 
+@pytest.mark.slow
+def test_sampled_peers_skip_the_greedy_loop_and_draw_the_others(tmp_path) -> None:
+    """At a temperature the greedy-only loop is skipped with its reason, and transformers'
+    assisted generation samples (seeded per request)."""
+    command = [sys.executable, "-m", "hetspec.workers.peers", "--threads", "1",
+               "--llama-server", "off", "--temperature", "0.8"]  # fmt: skip
+    requests = [{"system": "transformers assisted", "prompt": PROMPT, "max_tokens": 4,
+                 "seed": seed} for seed in (1, None)]  # fmt: skip
+    done = subprocess.run(command, input="".join(json.dumps(r) + "\n" for r in requests),
+                          capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    first, *answers = (json.loads(line) for line in done.stdout.splitlines())
+    assert first["systems"] == ["transformers assisted"]
+    assert first["skipped"]["llama-cpp-python loop speculative gamma=4"] == (
+        "greedy only (it verifies by the target's argmax)"
+    )
+    assert [a["tokens"] for a in answers] == [4, 4]
+    refused = subprocess.run([*command[:-1], "nan"], capture_output=True, text=True,
+                             timeout=60, check=False)  # fmt: skip
+    assert refused.returncode == 2
+    assert "--temperature must be a finite number >= 0, not nan" in refused.stderr
+
+
 # ------------------------------------------------------------------ with the real binary
 
 
@@ -323,6 +358,20 @@ def test_speculative_server_is_lossless_and_stops_cleanly(binary: Path) -> None:
     assert 0 < timing.draft_n_accepted <= timing.draft_n
     assert process.poll() is not None
     assert not folder.exists()
+
+
+def test_sampled_server_follows_its_seed(binary: Path) -> None:
+    """At a temperature the server draws: the same seed the same tokens, another seed
+    others, and neither is the greedy text."""
+    with LlamaServer(binary, ServerConfig(TARGET, DRAFT, 3, threads=1)) as server:
+        first = server.generate(PROMPT, 32, temperature=1.0, seed=1)["tokens"]
+        again = server.generate(PROMPT, 32, temperature=1.0, seed=1)["tokens"]
+        other = server.generate(PROMPT, 32, temperature=1.0, seed=2)["tokens"]
+        timing = server.complete(PROMPT, 32, temperature=1.0, seed=3)
+    assert first == again
+    assert other != first
+    assert first != greedy_tokens(PROMPT, 32)
+    assert timing.tokens == 32
 
 
 @pytest.mark.slow

@@ -183,9 +183,13 @@ def timing_of(reply: Mapping) -> Timing:
     )
 
 
-def completion_request(prompt: str, max_tokens: int) -> dict:
-    """Greedy, exactly ``max_tokens`` tokens (EOS ignored), the whole prompt prefilled."""
-    return {
+def completion_request(prompt: str, max_tokens: int, temperature: float = 0.0,
+                       seed: int | None = None) -> dict:  # fmt: skip
+    """Exactly ``max_tokens`` tokens (EOS ignored), the whole prompt prefilled. Greedy at
+    ``temperature`` 0; above it, drawn from the softmax at that temperature alone (the server's
+    default top-k 40, top-p 0.95 and min-p 0.05 switched off, as hetspec's requests have
+    them), with ``seed`` (None: the server's own)."""
+    body = {
         "prompt": prompt,
         "n_predict": max_tokens,
         "temperature": 0.0,
@@ -195,6 +199,11 @@ def completion_request(prompt: str, max_tokens: int) -> dict:
         "return_tokens": True,
         "stream": False,
     }
+    if temperature > 0:
+        body.update(temperature=temperature, top_k=0, top_p=1.0, min_p=0.0)
+        if seed is not None:
+            body["seed"] = seed
+    return body
 
 
 def _die_with_parent() -> None:
@@ -272,12 +281,15 @@ class LlamaServer:
             f"llama-server was not ready after {timeout:.0f} s: {_last_words(self.log)}"
         )
 
-    def generate(self, prompt: str, max_tokens: int) -> dict:
-        """The raw /completion reply (``content``, ``tokens``, ``timings``, ...)."""
+    def generate(self, prompt: str, max_tokens: int, temperature: float = 0.0,
+                 seed: int | None = None) -> dict:  # fmt: skip
+        """The raw /completion reply (``content``, ``tokens``, ``timings``, ...); sampling as
+        ``completion_request``'s."""
         if self.client is None:
             raise LlamaServerError("this llama-server is stopped")
         try:
-            response = self.client.post("/completion", json=completion_request(prompt, max_tokens))
+            body = completion_request(prompt, max_tokens, temperature, seed)
+            response = self.client.post("/completion", json=body)
         except httpx.HTTPError as error:
             raise LlamaServerError(
                 f"llama-server did not answer ({error!r}): {_last_words(self.log)}"
@@ -288,9 +300,11 @@ class LlamaServer:
             )
         return response.json()
 
-    def complete(self, prompt: str, max_tokens: int) -> Timing:
-        """Time one greedy completion of exactly ``max_tokens`` tokens (see ``timing_of``)."""
-        timing = timing_of(self.generate(prompt, max_tokens))
+    def complete(self, prompt: str, max_tokens: int, temperature: float = 0.0,
+                 seed: int | None = None) -> Timing:  # fmt: skip
+        """Time one completion of exactly ``max_tokens`` tokens (see ``timing_of``), greedy
+        unless ``temperature`` > 0."""
+        timing = timing_of(self.generate(prompt, max_tokens, temperature, seed))
         if timing.tokens != max_tokens:
             raise LlamaServerError(f"llama-server made {timing.tokens} tokens, not {max_tokens}")
         return timing

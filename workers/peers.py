@@ -8,10 +8,11 @@ llama.cpp) and interleaves its requests with hetspec's, so that a box whose spee
 shared VM's did by up to 2x within an hour) slows every system alike. It loads the peers and
 writes ``{"systems": [...], "skipped": {name: why}, "llama_server": {...}}`` as its first line
 (a peer that cannot be had is skipped with one line why, the others go on), then answers one
-JSON request per line (``{"system", "prompt", "max_tokens"}``) with ``{"ttft_ms",
-"decode_ms", "tokens"}`` (llama-server's also ``draft_n`` and ``draft_n_accepted``), or
-``{"error"}``. Greedy, exactly ``max_tokens`` tokens (EOS ignored), all of the process's cores
-for each system:
+JSON request per line (``{"system", "prompt", "max_tokens"}``, and ``"seed"`` where sampled)
+with ``{"ttft_ms", "decode_ms", "tokens"}`` (llama-server's also ``draft_n`` and
+``draft_n_accepted``), or ``{"error"}``. Exactly ``max_tokens`` tokens (EOS ignored), greedy,
+or with ``--temperature`` T > 0 drawn from the softmax at T alone (no top-k, top-p or min-p,
+as hetspec's bench requests), all of the process's cores for each system:
 
 - ``transformers assisted``: Hugging Face transformers' assisted generation,
   ``target.generate(assistant_model=draft)`` on the model folders, the peer most users would
@@ -19,7 +20,7 @@ for each system:
 - ``llama-cpp-python loop speculative gamma=4``: both GGUF models in llama.cpp in one process,
   draft gamma tokens then verify them in one batch, a plain loop written here over this
   package's llama.cpp runtime (the library calls hetspec makes, none of its processes); not
-  llama.cpp's own implementation;
+  llama.cpp's own implementation; greedy only (skipped at a temperature);
 - ``llama-server target alone``, ``llama-server speculative (default n-max)`` and
   ``llama-server speculative n-max=N``: llama.cpp's own server (built from the llama.cpp that
   llama-cpp-python vendors, see native/build-llama-server.sh) on the target GGUF alone, and
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -74,22 +76,26 @@ WARMUP_PROMPT = "def main():\n"
 class Peer(Protocol):
     name: str
 
-    def run(self, prompt: str, max_tokens: int) -> dict[str, float]:
-        """``{"ttft_ms", "decode_ms", ...}`` of one greedy completion of max_tokens tokens."""
+    def run(self, prompt: str, max_tokens: int, seed: int | None = None) -> dict[str, float]:
+        """``{"ttft_ms", "decode_ms", ...}`` of one completion of max_tokens tokens (sampled
+        with ``seed`` where the peer samples)."""
         ...
 
 
 class TransformersAssisted:
     name = "transformers assisted"
 
-    def __init__(self, threads: int, target: Path, draft: Path, *, gpu: bool = False) -> None:
+    def __init__(self, threads: int, target: Path, draft: Path, *, gpu: bool = False,
+                 temperature: float = 0.0) -> None:  # fmt: skip
         """On the CPU in float32; with ``gpu``, both models on CUDA in bfloat16 (what a user
-        of a GPU runs), with the static KV cache transformers compiles and graphs."""
+        of a GPU runs), with the static KV cache transformers compiles and graphs. Greedy, or
+        at ``temperature`` > 0 its speculative sampling."""
         import torch  # noqa: PLC0415
         from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
         torch.set_num_threads(threads)
         self.torch = torch
+        self.temperature = temperature
         self.device = "cuda" if gpu else "cpu"
         if gpu:
             self.name = "transformers assisted (GPU, bf16)"
@@ -99,20 +105,25 @@ class TransformersAssisted:
         self.target = load(target, dtype=dtype).eval().to(self.device)
         self.draft = load(draft, dtype=dtype).eval().to(self.device)
 
-    def _generate(self, ids, count: int) -> float:
+    def _generate(self, ids, count: int, seed: int | None) -> float:
+        sampling = {"do_sample": False}
+        if self.temperature > 0:  # top-k 0 and top-p 1: the softmax at the temperature alone
+            sampling = {"do_sample": True, "temperature": self.temperature, "top_k": 0,
+                        "top_p": 1.0}  # fmt: skip
+            self.torch.manual_seed(0 if seed is None else seed)
         start = time.perf_counter()
         with self.torch.inference_mode():
-            out = self.target.generate(ids, assistant_model=self.draft, do_sample=False,
+            out = self.target.generate(ids, assistant_model=self.draft, **sampling,
                                        max_new_tokens=count, min_new_tokens=count)  # fmt: skip
         assert out.shape[1] - ids.shape[1] == count
         return (time.perf_counter() - start) * 1000
 
-    def run(self, prompt: str, max_tokens: int) -> dict[str, float]:
+    def run(self, prompt: str, max_tokens: int, seed: int | None = None) -> dict[str, float]:
         """transformers cannot report the first token's time, so the prompt runs twice, for
         one token and for all of them."""
         ids = self.tokenizer(prompt, return_tensors="pt").input_ids.to(self.device)
-        first = self._generate(ids, 1)
-        return {"ttft_ms": first, "decode_ms": self._generate(ids, max_tokens) - first}
+        first = self._generate(ids, 1, seed)
+        return {"ttft_ms": first, "decode_ms": self._generate(ids, max_tokens, seed) - first}
 
 
 class LlamaCppSpeculative:
@@ -128,7 +139,7 @@ class LlamaCppSpeculative:
         self.draft = LlamaCppRuntime(draft, n_ctx=2048, threads=threads)
         self.greedy, self.sampler = SamplingParams(), DrawnSampler(0)
 
-    def run(self, prompt: str, max_tokens: int) -> dict[str, float]:
+    def run(self, prompt: str, max_tokens: int, seed: int | None = None) -> dict[str, float]:
         target, draft, gamma = self.target, self.draft, self.gamma
         # the whole prompt every time, as every system here: prefill would keep a common prefix
         target.rollback(0)
@@ -200,24 +211,29 @@ def servers_that_fit(models: list[Path], wanted: int) -> int:
 
 
 class LlamaServerPeer:
-    """One llama-server configuration as a peer system."""
+    """One llama-server configuration as a peer system, greedy or at ``temperature``."""
 
-    def __init__(self, name: str, config: ServerConfig, pool: ServerPool) -> None:
+    def __init__(self, name: str, config: ServerConfig, pool: ServerPool,
+                 temperature: float = 0.0) -> None:  # fmt: skip
         self.name, self.config, self.pool = name, config, pool
+        self.temperature = temperature
 
-    def run(self, prompt: str, max_tokens: int) -> dict[str, float]:
-        timing = self.pool.get(self.config).complete(prompt, max_tokens)
+    def run(self, prompt: str, max_tokens: int, seed: int | None = None) -> dict[str, float]:
+        server = self.pool.get(self.config)
+        timing = server.complete(prompt, max_tokens, self.temperature, seed)
         return {"ttft_ms": timing.ttft_ms, "decode_ms": timing.decode_ms,
                 "draft_n": timing.draft_n, "draft_n_accepted": timing.draft_n_accepted}  # fmt: skip
 
 
-def sweep_n_max(binary: Path, config: ServerConfig, limit: int) -> dict[int, float]:
+def sweep_n_max(binary: Path, config: ServerConfig, limit: int,
+                temperature: float = 0.0) -> dict[int, float]:  # fmt: skip
     """Decode tokens/s of llama-server's speculative decoding at each draft length of
     SWEEP_N_MAX, after one warm-up request: SWEEP_PROMPTS, SWEEP_TOKENS tokens each, repeated
     at least SWEEP_REPEATS times and until SWEEP_MIN_MS of decoding (a small model's 64 tokens
     take ~30 ms, too few to rank lengths by). With ``limit`` servers room for every length,
     the lengths take turns, so that a drifting box slows them alike; else one after the
-    other. Lengths whose server fails are left out."""
+    other. Lengths whose server fails are left out. At ``temperature`` > 0 each prompt is
+    sampled with a seed of its own, the same at every length."""
     timings: dict[int, list[Timing]] = {n: [] for n in SWEEP_N_MAX}
     failed: set[int] = set()
     interleave = limit >= len(SWEEP_N_MAX)
@@ -240,7 +256,8 @@ def sweep_n_max(binary: Path, config: ServerConfig, limit: int) -> dict[int, flo
                 server = pool.get(replace(config, n_max=n_max))
                 if not timings[n_max]:
                     server.complete(WARMUP_PROMPT, 8)
-                timings[n_max] += [server.complete(p, SWEEP_TOKENS) for p in SWEEP_PROMPTS]
+                timings[n_max] += [server.complete(p, SWEEP_TOKENS, temperature, seed)
+                                   for seed, p in enumerate(SWEEP_PROMPTS)]  # fmt: skip
             except LlamaServerError as error:
                 print(f"peers: llama-server n-max={n_max} failed: {error}", file=sys.stderr)
                 failed.add(n_max)
@@ -258,22 +275,23 @@ ALL_LAYERS = 999  # -ngl: every layer on the GPU
 
 def llama_server_peers(
     pool: ServerPool, threads: int, target: Path, draft: Path, *, skipped: dict, info: dict,
-    gpu: bool = False,
+    gpu: bool = False, temperature: float = 0.0,
 ) -> list[Peer]:  # fmt: skip
     """llama-server alone, at its default draft length and at the sweep's best (run now);
     ``info`` gets the binary and the sweep's figures. With ``gpu`` (a CUDA build) the target
     is on the GPU, and the speculative rows come twice: the draft on the GPU (llama.cpp's
     usual set-up) and on the CPU (DuoDecoding's placement), each at its own best length;
     a 16-bit GGUF beside ``target`` (``*-f16.gguf``) adds a target-alone row at hetspec's
-    own precision."""
+    own precision. Every row samples at ``temperature`` (0: greedy), the sweep too."""
     on_gpu = {"gpu_layers": ALL_LAYERS} if gpu else {}
     alone = ServerConfig(target, threads=threads, **on_gpu)
-    peers: list[Peer] = [LlamaServerPeer("llama-server target alone", alone, pool)]
+    peers: list[Peer] = [LlamaServerPeer("llama-server target alone", alone, pool, temperature)]
     if gpu:
         half = sorted(target.parent.glob("*-f16.gguf"))
         if half and half[0] != target:
             config = ServerConfig(half[0], threads=threads, **on_gpu)
-            peers.append(LlamaServerPeer("llama-server target alone (F16)", config, pool))
+            peers.append(LlamaServerPeer("llama-server target alone (F16)", config, pool,
+                                         temperature))  # fmt: skip
     placements = {"": {}}
     if gpu:  # where the draft computes: its suffix in the rows' names and its -ngld
         placements = {" (draft on GPU)": {"draft_gpu_layers": ALL_LAYERS},
@@ -283,15 +301,16 @@ def llama_server_peers(
     for suffix, where in placements.items():
         speculative = ServerConfig(target, draft, threads=threads, **on_gpu, **where)
         peers.append(LlamaServerPeer(f"llama-server speculative (default n-max){suffix}",
-                                     speculative, pool))  # fmt: skip
-        speeds = sweep_n_max(pool.binary, speculative, servers_that_fit([target, draft], 6))
+                                     speculative, pool, temperature))  # fmt: skip
+        speeds = sweep_n_max(pool.binary, speculative, servers_that_fit([target, draft], 6),
+                             temperature)  # fmt: skip
         info[f"sweep{suffix}"] = {str(n): round(v, 1) for n, v in speeds.items()}
         if speeds:
             best = max(speeds, key=speeds.__getitem__)
             info[f"best_n_max{suffix}"] = best
             config = replace(speculative, n_max=best)
             peers.append(LlamaServerPeer(f"llama-server speculative n-max={best}{suffix}",
-                                         config, pool))  # fmt: skip
+                                         config, pool, temperature))  # fmt: skip
         else:
             skipped[f"llama-server speculative n-max=N{suffix}"] = (
                 "no draft length of the sweep would run"
@@ -327,10 +346,12 @@ def load_peers(
     candidates: list[tuple[str, Callable[[], Peer]]] = [
         ("transformers assisted",
          lambda: TransformersAssisted(args.threads, args.target_folder, args.draft_folder,
-                                      gpu=gpu)),
+                                      gpu=gpu, temperature=args.temperature)),
     ]  # fmt: skip
     loop = "llama-cpp-python loop speculative gamma=4"
-    if gpu and not llama_cpp_offloads():
+    if args.temperature > 0:
+        skipped[loop] = "greedy only (it verifies by the target's argmax)"
+    elif gpu and not llama_cpp_offloads():
         skipped[loop] = "the installed llama-cpp-python cannot offload to the GPU (a CPU build)"
     else:
         candidates.insert(
@@ -356,7 +377,7 @@ def load_peers(
             pool = ServerPool(binary, servers_that_fit(models, 3))
             stack.callback(pool.close)
             peers = llama_server_peers(pool, args.threads, *models, skipped=skipped, info=info,
-                                       gpu=gpu)  # fmt: skip
+                                       gpu=gpu, temperature=args.temperature)  # fmt: skip
             candidates += [(peer.name, lambda peer=peer: peer) for peer in peers]
         except (LlamaServerUnavailable, LlamaServerError) as error:
             skipped["llama-server"] = str(error)
@@ -364,7 +385,7 @@ def load_peers(
     for name, make in candidates:
         try:
             peer = make()
-            peer.run(WARMUP_PROMPT, 8)
+            peer.run(WARMUP_PROMPT, 8, 0)
         except Exception as error:  # a peer that fails is reported, not fatal to the others
             said = str(error).strip().splitlines()
             skipped[name] = f"{type(error).__name__}: {said[0] if said else ''}"[:300]
@@ -388,7 +409,7 @@ def serve(args: argparse.Namespace, requests: TextIO, replies: TextIO) -> None:
             try:
                 request = json.loads(line)
                 peer = peers[request["system"]]
-                result = peer.run(request["prompt"], request["max_tokens"])
+                result = peer.run(request["prompt"], request["max_tokens"], request.get("seed"))
             except (ValueError, KeyError, TypeError, LlamaServerError) as error:
                 reply({"error": f"bad request {line.strip()[:200]!r}: {error!r}"})
                 continue
@@ -420,7 +441,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="peers on the GPU: llama-server's CUDA build with every layer "
                         "offloaded, transformers on CUDA in bf16 (default auto: where torch "
                         "sees CUDA)")  # fmt: skip
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sample every system at this temperature (default 0: greedy)",
+    )
     args = parser.parse_args(argv)
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        parser.error(f"--temperature must be a finite number >= 0, not {args.temperature}")
     try:
         serve(args, sys.stdin, sys.stdout)
     except BrokenPipeError:  # the bench that asked is gone: nothing left to answer
