@@ -124,7 +124,7 @@ class Kernels:
         library.hs_quantize_rows.restype = None
         library.hs_matmul.restype = ctypes.c_int
         library.hs_forward.restype = ctypes.c_int
-        library.hs_draft_greedy.restype = ctypes.c_int
+        library.hs_draft_chain.restype = ctypes.c_int
         return cls(library)
 
     def simd_level(self) -> int:
@@ -170,14 +170,22 @@ class Kernels:
             raise ValueError("hs_forward refused its arguments (a token, position, slot or "
                              "shape out of range)")  # fmt: skip
 
-    def draft_greedy(self, model: Model, tokens: np.ndarray, *, position: int, start: int,
-                     prefix: int, base: np.ndarray, logits: np.ndarray,
-                     threads: int) -> None:  # fmt: skip
-        """``hs_draft_greedy``: ``len(tokens) - 1`` forwards, each next token the argmax."""
-        status = self.library.hs_draft_greedy(
+    def draft_chain(self, model: Model, tokens: np.ndarray, *, position: int, start: int,
+                    prefix: int, base: np.ndarray, logits: np.ndarray, temperature: float = 1.0,
+                    noise: np.ndarray | None = None, uniforms: np.ndarray | None = None,
+                    probs: np.ndarray | None = None, threads: int) -> None:  # fmt: skip
+        """``hs_draft_chain``: ``len(tokens) - 1`` forwards, each next token the argmax, or
+        chosen by ``noise`` or ``uniforms`` from softmax(logits / ``temperature``), whose rows
+        go to ``probs``."""
+        sampled = noise is not None or uniforms is not None
+        inverse = ctypes.c_float(1 / temperature if sampled else 1)  # greedy: temperature 0
+        status = self.library.hs_draft_chain(
             ctypes.byref(model), len(tokens) - 1, _pointer(tokens, np.int32), position, start,
-            prefix, _pointer(base, np.int32), len(base), _pointer(logits, np.float32), threads,
+            prefix, _pointer(base, np.int32), len(base), _pointer(logits, np.float32),
+            None if noise is None else _pointer(noise, np.float32),
+            None if uniforms is None else _pointer(uniforms, np.float64), inverse,
+            None if probs is None else _pointer(probs, np.float32), threads,
         )  # fmt: skip
         if status:
-            raise ValueError("hs_draft_greedy refused its arguments (a token, position, slot "
-                             "or shape out of range)")  # fmt: skip
+            raise ValueError("hs_draft_chain refused its arguments (a token, position, slot "
+                             "or shape out of range, or draws without probabilities)")  # fmt: skip

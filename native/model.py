@@ -158,19 +158,34 @@ class NativeModel:
         )  # fmt: skip
         return logits
 
-    def draft_greedy(self, first: int, count: int, *, position: int, start: int, prefix: int,
-                     base: np.ndarray, threads: int) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
-        """A greedy chain of ``count`` forwards from token ``first`` at slot ``start`` and
+    def draft_chain(
+        self, first: int, count: int, *, position: int, start: int, prefix: int,
+        base: np.ndarray, threads: int, temperature: float = 1.0,
+        noise: np.ndarray | None = None, uniforms: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:  # fmt: skip
+        """A chain of ``count`` forwards from token ``first`` at slot ``start`` and
         ``position``, seeing slots 0..prefix-1, ``base`` and its own chain: the chain's
-        count + 1 tokens (``first`` and each forward's argmax) and its (count, vocab) logits."""
+        count + 1 tokens (``first`` and each forward's choice: the argmax, or from
+        softmax(logits / temperature) by (count, vocab) ``noise`` or (count,) ``uniforms``,
+        see ``hs_draft_chain``), its (count, vocab) logits and the probability rows the tokens
+        came from (None when greedy)."""
         tokens = np.zeros(count + 1, np.int32)
         tokens[0] = first
         logits = np.empty((count, self.vocab), np.float32)
-        self.kernels.draft_greedy(
+        sampled = noise is not None or uniforms is not None
+        probs = np.empty((count, self.vocab), np.float32) if sampled else None
+        if noise is not None and noise.shape != logits.shape:
+            raise ValueError(f"noise must be {logits.shape}, not {noise.shape}")
+        if uniforms is not None and uniforms.shape != (count,):
+            raise ValueError(f"uniforms must be ({count},), not {uniforms.shape}")
+        self.kernels.draft_chain(
             self.struct, tokens, position=position, start=start, prefix=prefix,
-            base=np.ascontiguousarray(base, np.int32), logits=logits, threads=threads,
+            base=np.ascontiguousarray(base, np.int32), logits=logits, temperature=temperature,
+            noise=None if noise is None else np.ascontiguousarray(noise, np.float32),
+            uniforms=None if uniforms is None else np.ascontiguousarray(uniforms, np.float64),
+            probs=probs, threads=threads,
         )  # fmt: skip
-        return tokens, logits
+        return tokens, logits, probs
 
     def move_slots(self, sources: np.ndarray, first: int) -> None:
         """Copy the keys/values of slots ``sources`` to slots first, first + 1, ..."""

@@ -20,6 +20,7 @@ Both choose one token per probability row (rows after temperature, top-k and top
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -28,6 +29,18 @@ from hetspec.protocol.sampling import SamplingParams
 from hetspec.speculative.sampling import draw_rows, top_tokens
 
 NOISE_CACHE = 64  # positions kept: a round's tree and the next draft reuse the same ones
+
+
+@dataclass(frozen=True)
+class ChainDraws:
+    """How a chain's sampled tokens are chosen from their probability rows p where one call
+    drafts the chain (the native kernels' ``hs_draft_chain``): with ``noise`` (count, vocab)
+    float32 > 0, argmax(p / noise), an exponential race (keyed noise: the keyed choice); with
+    ``uniforms`` (count,) float64 in [0, 1), the first token whose cumulative probability
+    exceeds u times the row's total, as ``sampling.draw`` draws."""
+
+    noise: np.ndarray | None = None
+    uniforms: np.ndarray | None = None
 
 
 class Sampler(Protocol):
@@ -39,6 +52,11 @@ class Sampler(Protocol):
     def candidates(self, row: np.ndarray, position: int, count: int) -> np.ndarray:
         """``count`` proposals for the token at ``position`` from one probability row, the
         first being ``choose``'s (a draft's sibling branches)."""
+        ...
+
+    def chain_draws(self, position: int, count: int, vocab: int) -> ChainDraws:
+        """How the tokens at ``position`` .. + count - 1 of a draft chain drafted in one call
+        are chosen from their probability rows: as ``choose`` would choose them."""
         ...
 
 
@@ -54,6 +72,10 @@ class DrawnSampler:
     def candidates(self, row: np.ndarray, position: int, count: int) -> np.ndarray:
         """Independent draws: what multi-candidate speculative sampling requires."""
         return draw_rows(np.broadcast_to(row, (count, row.shape[-1])), self.rng)
+
+    def chain_draws(self, position: int, count: int, vocab: int) -> ChainDraws:
+        """A uniform a token, from the same generator as ``choose``'s draws."""
+        return ChainDraws(uniforms=self.rng.random(count))
 
 
 class PhiloxNoise:
@@ -120,6 +142,10 @@ class KeyedSampler:
     def candidates(self, row: np.ndarray, position: int, count: int) -> np.ndarray:
         """The ``count`` best perturbed scores: the choice, then the runners-up."""
         return top_tokens(self.scores(row, position)[0], count)
+
+    def chain_draws(self, position: int, count: int, vocab: int) -> ChainDraws:
+        """Each position's keyed noise: argmax(p / noise) is ``choose``'s token."""
+        return ChainDraws(noise=np.stack([self.noise(position + i, vocab) for i in range(count)]))
 
 
 def pick(rows: np.ndarray, params: SamplingParams, sampler: Sampler, position: int) -> np.ndarray:

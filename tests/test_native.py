@@ -24,7 +24,7 @@ from hetspec.native.kernels import (
     NativeUnavailable,
     matrix,
 )
-from hetspec.speculative.samplers import DrawnSampler
+from hetspec.speculative.samplers import DrawnSampler, KeyedSampler
 from hetspec.speculative.sampling import SamplingParams
 from hetspec.speculative.tree import chain_parents
 from hetspec.workers.native_runtime import NativeRuntime
@@ -247,7 +247,7 @@ def test_a_file_it_cannot_run_is_one_clear_error(tmp_path) -> None:
 class StepwiseRuntime(NativeRuntime):
     """The same runtime drafting node by node, as every other runtime does."""
 
-    _run_greedy_chain = None
+    _run_chain = None
 
 
 def pending_state(runtime: NativeRuntime) -> list[np.ndarray]:
@@ -285,6 +285,78 @@ def test_a_greedy_chain_drafted_in_one_call_is_the_one_drafted_node_by_node(heav
             assert ours.root == theirs.root
             np.testing.assert_allclose(ours.probs, theirs.probs, rtol=1e-6, atol=1e-9)
     assert len(set(drafts[0][0].tokens[0].tolist())) > 1  # a real chain, not one token
+
+
+class CountingRuntime(NativeRuntime):
+    """Counts its chains drafted in one call."""
+
+    chains = 0
+
+    def _run_chain(self, *args):
+        self.chains += 1
+        return super()._run_chain(*args)
+
+
+@pytest.mark.parametrize("seeded", [True, False], ids=["keyed", "drawn"])
+def test_a_sampled_chain_drafted_in_one_call_is_the_one_drafted_node_by_node(
+    heavy, seeded: bool
+) -> None:  # fmt: skip
+    """Sampled at a temperature alone, a chain is one call too, choosing from rows equal to
+    the node-by-node draft's (to float rounding: the kernels' softmax) with the same sampler:
+    a seeded request's keyed choices (argmax p / the position's noise), an unseeded one's
+    draws (a uniform a token, from the same generator); so the same tokens and pending tree,
+    afresh and continued."""
+    path, params = heavy.gguf("q8_0"), SamplingParams(temperature=0.8)
+    sampler = (lambda: KeyedSampler(7)) if seeded else (lambda: DrawnSampler(7))
+    chained, stepwise = CountingRuntime(path, n_ctx=256), StepwiseRuntime(path, n_ctx=256)
+    prompt = chained.tokenize(TEXT)[:40]
+    drafts = []
+    for runtime in (chained, stepwise):
+        runtime.prefill(prompt)
+        first = runtime.draft(9, params, sampler())
+        ahead = runtime.draft(5, params, sampler(), after=(7, int(first.tokens[0, 8])))
+        drafts.append((first, ahead, [a.copy() for a in pending_state(runtime)]))
+    assert chained.chains == 2
+    for ours, theirs in zip(drafts[0][:2], drafts[1][:2], strict=True):
+        np.testing.assert_array_equal(ours.tokens, theirs.tokens)
+        np.testing.assert_array_equal(ours.nodes, theirs.nodes)
+        np.testing.assert_allclose(ours.probs, theirs.probs, rtol=1e-5, atol=1e-8)
+    for a, b in zip(drafts[0][2], drafts[1][2], strict=True):
+        np.testing.assert_array_equal(a, b)
+    first = drafts[0][0]
+    assert len(set(first.tokens[0].tolist())) > 1
+    if seeded:  # each token the keyed choice of the row reported with it
+        noise = KeyedSampler(7).chain_draws(len(prompt), 9, chained.vocab_size).noise
+        np.testing.assert_array_equal(first.tokens[0], (first.probs[0] / noise).argmax(-1))
+    # top-k and top-p truncate the rows, which the race does not: node by node
+    chained.discard_pending()
+    chained.draft(4, SamplingParams(temperature=0.8, top_p=0.9), KeyedSampler(7))
+    assert chained.chains == 2
+
+
+def test_a_drawn_chain_token_follows_the_row_it_reports() -> None:
+    """Unseeded, each chained token is a draw from the probability row reported with it
+    (chi-square over 3000 chains from one state)."""
+    from test_lossless import chi2_critical, chi_square  # noqa: PLC0415
+
+    runtime = NativeRuntime(MODELS / "draft" / "draft-q8_0.gguf", n_ctx=256)
+    runtime.prefill(runtime.tokenize(TEXT)[:40])
+    counts: dict[int, int] = {}
+    row = None
+    trials = 3000
+    for trial in range(trials):
+        draws = DrawnSampler(trial).chain_draws(40, 1, runtime.vocab_size)
+        tokens, _, probs = runtime._chain(17, -1, 1, draws, 1.5)
+        runtime.discard_pending()
+        if row is None:
+            row = probs[0].copy()
+        np.testing.assert_array_equal(probs[0], row)  # the same state: the same row
+        counts[int(tokens[1])] = counts.get(int(tokens[1]), 0) + 1
+    assert abs(float(row.sum()) - 1) < 1e-5
+    law = {token: float(p) for token, p in enumerate(row) if p > 0}
+    statistic, df = chi_square(counts, law, trials)
+    assert df >= 5, df  # a spread row, not one token
+    assert statistic < chi2_critical(df), (statistic, df)
 
 
 def test_a_greedy_chain_past_the_context_is_refused(heavy) -> None:

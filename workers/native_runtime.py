@@ -19,6 +19,7 @@ import numpy as np
 
 from hetspec.native.kernels import BEST, SIMD_LEVELS, NativeUnavailable
 from hetspec.native.model import NativeModel
+from hetspec.speculative.samplers import ChainDraws
 from hetspec.speculative.vocab import VocabInfo
 from hetspec.workers.llama_cpp_runtime.vocabulary import VocabularyFile
 from hetspec.workers.tree_runtime import TreeRuntime
@@ -90,13 +91,15 @@ class NativeRuntime(TreeRuntime[np.ndarray]):
             threads=self.threads + self._extra_threads,
         )  # fmt: skip
 
-    def _run_greedy_chain(self, first: int, positions: np.ndarray,
-                          rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    def _run_chain(self, first: int, positions: np.ndarray, rows: np.ndarray,
+                   draws: ChainDraws | None, temperature: float):  # fmt: skip
         existing = self.pending  # the first node's pending ancestors, in slot order
-        return self.model.draft_greedy(
+        return self.model.draft_chain(
             first, len(rows), position=int(positions[0]), start=self.committed + existing,
             prefix=self.committed, base=self.committed + np.flatnonzero(rows[0, :existing]),
-            threads=self.threads + self._extra_threads,
+            threads=self.threads + self._extra_threads, temperature=temperature,
+            noise=None if draws is None else draws.noise,
+            uniforms=None if draws is None else draws.uniforms,
         )  # fmt: skip
 
     def _run(

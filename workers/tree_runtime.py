@@ -21,7 +21,7 @@ from hetspec.protocol.sampling import TokenLogprob
 from hetspec.speculative.branching import branch_length, uncertainty_branches
 from hetspec.speculative.dynamic_tree import child_scores, rank_nodes, within_leaves
 from hetspec.speculative.logprobs import token_logprob
-from hetspec.speculative.samplers import KeyedSampler, Sampler, pick, proposals
+from hetspec.speculative.samplers import ChainDraws, KeyedSampler, Sampler, pick, proposals
 from hetspec.speculative.sampling import SamplingParams, distribution, top_tokens
 from hetspec.speculative.tree import (
     ROOT,
@@ -115,10 +115,12 @@ class TreeRuntime(ABC, Generic[Output]):
         """Evaluate a chain directly after the committed prefix, with no pending tree, and keep
         it; returns the float32 logits after its last token."""
 
-    # Optional hook, a method where a runtime evaluates a greedy chain in one call:
-    # (first token, the chain's positions, its ancestor mask as ``_run`` takes it) -> (the
-    # chain's tokens and the argmax after its last node, its nodes' ``_run`` output)
-    _run_greedy_chain = None
+    # Optional hook, a method where a runtime drafts a chain in one call: (first token, the
+    # chain's positions, its ancestor mask as ``_run`` takes it, draws, temperature) -> (the
+    # chain's tokens and the choice after its last node, its nodes' ``_run`` output, the
+    # probability rows the tokens came from or None); each choice the argmax, or with
+    # ``ChainDraws`` one from softmax(logits / temperature) as they say
+    _run_chain = None
 
     @contextlib.contextmanager
     def features_captured(self) -> Iterator[list[np.ndarray]]:
@@ -224,23 +226,48 @@ class TreeRuntime(ABC, Generic[Output]):
         self._record_pending(token_array, parent_array, node_depths, rows, output)
         return output
 
-    def _chain_greedily(self, first: int, root: int,
-                        count: int) -> tuple[np.ndarray, np.ndarray] | None:  # fmt: skip
+    def _chain(self, first: int, root: int, count: int, draws: ChainDraws | None = None,
+               temperature: float = 1.0):  # fmt: skip
         """``count`` new pending nodes below pending node ``root`` (ROOT: the committed end),
-        the first holding token ``first``, each next one the argmax of the last one's logits,
-        in one call of ``_run_greedy_chain``: the count + 1 tokens and the (count, vocab)
-        float32 logits; None where the runtime has no such call."""
-        if self._run_greedy_chain is None:
-            return None
+        the first holding token ``first``, each next one chosen from the last one's logits
+        (the argmax, or as ``draws`` say, see ``_run_chain``), in one call of ``_run_chain``:
+        the count + 1 tokens, the (count, vocab) float32 logits and the probability rows the
+        tokens came from (None without draws)."""
         self._checked_tokens([first], count)
         existing = self.pending
         chain = validate_parents([root, *range(existing, existing + count - 1)], existing)
         node_depths = depths(chain, self._pending_depths)
         rows = ancestor_mask(chain, self._pending_mask)
-        tokens, output = self._run_greedy_chain(first, self.committed + node_depths, rows)
+        tokens, output, probs = self._run_chain(first, self.committed + node_depths, rows,
+                                                draws, temperature)  # fmt: skip
         tokens = np.asarray(tokens, np.int64)
         self._record_pending(tokens[:count], chain, node_depths, rows, output)
-        return tokens, self._step_logits(output)
+        return tokens, self._step_logits(output), probs
+
+    def _draft_chained(self, draft: DraftResult, position: int, params: SamplingParams,
+                       sampler: Sampler) -> bool:  # fmt: skip
+        """A one-branch draft's steps after its first token (in place: ``draft`` holds it) in
+        one ``_chain`` call, filled in as ``draft``'s loop fills them: greedy, or sampled at a
+        temperature alone (top-k and top-p truncate the rows, which the call does not), each
+        token chosen as the sampler's ``chain_draws`` say. False (nothing done) where the
+        runtime has no such call or the request truncates."""
+        truncates = 0 < params.top_k < self.vocab_size or params.top_p < 1
+        if self._run_chain is None or (not params.greedy and truncates):
+            return False
+        steps = draft.tokens.shape[1]
+        draws = None
+        if not params.greedy:
+            draws = sampler.chain_draws(position + 1, steps - 1, self.vocab_size)
+        start = self.pending
+        chained, logits, probs = self._chain(int(draft.tokens[0, 0]), draft.root, steps - 1,
+                                             draws, params.temperature)  # fmt: skip
+        draft.tokens[0] = chained
+        draft.nodes[0, :-1] = start + np.arange(steps - 1)
+        if probs is None:
+            distribution(logits, params, out=draft.probs[0, 1:])
+        else:  # the rows the tokens were drawn from, as lossless verification needs
+            draft.probs[0, 1:] = probs
+        return True
 
     def _record_pending(self, tokens: np.ndarray, parents: np.ndarray, node_depths: np.ndarray,
                         rows: np.ndarray, output: Output) -> None:  # fmt: skip
@@ -432,22 +459,17 @@ class TreeRuntime(ABC, Generic[Output]):
         distribution(first, params, out=out[0, 0])
         out[1:, 0] = out[0, 0]
         tokens[:, 0] = proposals(out[0, 0], params, sampler, position, branches)
-        if branches == 1 and params.greedy and steps > 1 and self.features_sink is None:
-            start = self.pending
-            chain = self._chain_greedily(int(tokens[0, 0]), root, steps - 1)
-            if chain is not None:
-                chained, logits = chain
-                tokens[0] = chained
-                nodes[0, :-1] = start + np.arange(steps - 1)
-                distribution(logits, params, out=out[0, 1:])
-                return DraftResult(tokens, out, nodes, root)
+        result = DraftResult(tokens, out, nodes, root)
+        chainable = branches == 1 and steps > 1 and self.features_sink is None
+        if chainable and self._draft_chained(result, position, params, sampler):
+            return result
         for step in range(1, steps):
             parents = nodes[:, step - 2] if step > 1 else np.full(branches, root)
             nodes[:, step - 1] = self.pending + np.arange(branches)
             output = self.forward_tree(tokens[:, step - 1], parents, extend=True)
             distribution(self._step_logits(output), params, out=out[:, step])
             tokens[:, step] = pick(out[:, step], params, sampler, position + step)
-        return DraftResult(tokens, out, nodes, root)
+        return result
 
     def draft_tree(self, depth: int, top_k: int, size: int, params: SamplingParams,
                    sampler: Sampler, *,

@@ -1540,9 +1540,86 @@ static int argmax_row(const float *row, int n) {
     return best;
 }
 
-int hs_draft_greedy(const hs_model *m, int count, int32_t *tokens, int position, int start,
-                    int n_prefix, const int32_t *base, int n_base, float *logits, int threads) {
+#if HS_X86
+/* probs[k] = e^((row[k] - top) * inv_temperature), 8 lanes at a time (exponents <= 0); their
+ * sum. */
+HS_AVX2 static float exp_row_avx2(const float *row, int n, float top, float inv_temperature,
+                                  float *probs) {
+    const __m256 shift = _mm256_set1_ps(top), scale = _mm256_set1_ps(inv_temperature);
+    __m256 sum = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 8 <= n; k += 8) {
+        const __m256 x = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(row + k), shift), scale);
+        const __m256 e = exp_nonpositive(x);
+        _mm256_storeu_ps(probs + k, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    float total = hsum8(sum);
+    for (; k < n; k++) {
+        probs[k] = expf((row[k] - top) * inv_temperature);
+        total += probs[k];
+    }
+    return total;
+}
+#endif
+
+/* softmax(row * inv_temperature) into probs (the exponentials in vectors where the CPU has
+ * AVX2: probs are what the caller reports, whichever path computed them). */
+static void softmax_row(const float *row, int n, float inv_temperature, float *probs) {
+    float top = row[0];
+    for (int k = 1; k < n; k++)
+        if (row[k] > top) top = row[k];
+    float total = 0.0f;
+#if HS_X86
+    if (hs_simd_level() >= HS_SIMD_AVX2) {
+        total = exp_row_avx2(row, n, top, inv_temperature, probs);
+    } else
+#endif
+    {
+        for (int k = 0; k < n; k++) {
+            probs[k] = expf((row[k] - top) * inv_temperature);
+            total += probs[k];
+        }
+    }
+    const float scale = 1.0f / total;
+    for (int k = 0; k < n; k++) probs[k] *= scale;
+}
+
+/* The index of the largest probs[k] / noise[k], the lowest of equal ones. */
+static int race_row(const float *probs, const float *noise, int n) {
+    int best = 0;
+    float best_score = probs[0] / noise[0];
+    for (int k = 1; k < n; k++) {
+        const float score = probs[k] / noise[k];
+        if (score > best_score) {
+            best_score = score;
+            best = k;
+        }
+    }
+    return best;
+}
+
+/* The first index whose cumulative probability (in double) exceeds u times the total: a draw
+ * from probs for a uniform u in [0, 1); never past the last index. */
+static int inverse_cdf_row(const float *probs, double u, int n) {
+    double total = 0.0;
+    for (int k = 0; k < n; k++) total += probs[k];
+    const double target = u * total;
+    double cumulative = 0.0;
+    for (int k = 0; k < n; k++) {
+        cumulative += probs[k];
+        if (cumulative > target) return k;
+    }
+    return n - 1;
+}
+
+int hs_draft_chain(const hs_model *m, int count, int32_t *tokens, int position, int start,
+                   int n_prefix, const int32_t *base, int n_base, float *logits,
+                   const float *noise, const double *uniforms, float inv_temperature,
+                   float *probs, int threads) {
     if (count < 1 || n_base < 0 || start + count > m->capacity) return -1;
+    const int sampled = noise || uniforms;
+    if ((noise && uniforms) || (sampled && (!probs || !(inv_temperature > 0.0f)))) return -1;
     int32_t *visible = malloc(sizeof(int32_t) * (size_t)(n_base + count));
     if (!visible) return -1;
     memcpy(visible, base, sizeof(int32_t) * (size_t)n_base);
@@ -1550,10 +1627,19 @@ int hs_draft_greedy(const hs_model *m, int count, int32_t *tokens, int position,
     for (int i = 0; i < count && !status; i++) {
         visible[n_base + i] = start + i; /* the ancestors so far, then the node itself */
         const int32_t offsets[2] = {0, n_base + i + 1}, at = position + i;
-        float *row = logits + (size_t)i * m->vocab;
+        const size_t row_at = (size_t)i * m->vocab;
+        float *row = logits + row_at;
         status = hs_forward(m, 1, tokens + i, &at, start + i, n_prefix, offsets, visible, 0, row,
                             threads);
-        if (!status) tokens[i + 1] = argmax_row(row, m->vocab);
+        if (status) break;
+        if (!sampled) {
+            tokens[i + 1] = argmax_row(row, m->vocab);
+            continue;
+        }
+        float *p = probs + row_at;
+        softmax_row(row, m->vocab, inv_temperature, p);
+        tokens[i + 1] = noise ? race_row(p, noise + row_at, m->vocab)
+                              : inverse_cdf_row(p, uniforms[i], m->vocab);
     }
     free(visible);
     return status;

@@ -73,14 +73,24 @@ int hs_forward(const hs_model *m, int n, const int32_t *tokens, const int32_t *p
                int start, int n_prefix, const int32_t *offsets, const int32_t *visible,
                int first_logit, float *logits, int threads);
 
-/* A greedy chain: `count` forwards of one token each, the first of tokens[0] at slot `start`
- * and `position`, each next one the argmax of the last one's logits (ties: the lowest id)
- * one slot and one position further, written to tokens[i + 1] (tokens holds count + 1).
- * Node i sees slots 0..n_prefix-1, then base[0..n_base) (the pending ancestors of the
- * first, increasing), then the chain's slots start..start+i. Logits (count, vocab). Drafting
- * in one call spares a call per token of the caller's own work. Returns 0, or -1 for bad
- * input (as hs_forward). */
-int hs_draft_greedy(const hs_model *m, int count, int32_t *tokens, int position, int start,
-                    int n_prefix, const int32_t *base, int n_base, float *logits, int threads);
+/* A draft chain: `count` forwards of one token each, the first of tokens[0] at slot `start`
+ * and `position`, each next token chosen from the last one's logits and evaluated one slot
+ * and one position further, written to tokens[i + 1] (tokens holds count + 1). Node i sees
+ * slots 0..n_prefix-1, then base[0..n_base) (the pending ancestors of the first,
+ * increasing), then the chain's slots start..start+i. Logits (count, vocab). Drafting in one
+ * call spares a call per token of the caller's own work.
+ *
+ * The choice: with neither `noise` nor `uniforms` the argmax (ties: the lowest id). Else
+ * p = softmax(logits * inv_temperature) goes to `probs` (count, vocab) and the token is, with
+ * (count, vocab) `noise` rows > 0, the argmax of p / noise (ties: the lowest id; with
+ * exponential noise keyed by position, a keyed Gumbel-max choice), or with one uniform in
+ * [0, 1) a token in `uniforms`, the first token whose cumulative probability (summed in
+ * double) exceeds u times the row's total: a draw from p, which `probs` reports. Returns 0,
+ * or -1 for bad input (as hs_forward; both noise and uniforms; or either without probs or
+ * with a temperature's inverse not > 0). */
+int hs_draft_chain(const hs_model *m, int count, int32_t *tokens, int position, int start,
+                   int n_prefix, const int32_t *base, int n_base, float *logits,
+                   const float *noise, const double *uniforms, float inv_temperature,
+                   float *probs, int threads);
 
 #endif
