@@ -2,7 +2,8 @@
 
 Speculative sampling is lossless only if the drafter reports exactly the distribution it drew
 each token from, and the verifier applies the same warping to the target's logits; both sides
-use these functions for that reason.
+use these functions for that reason (a native draft chain computes its rows in C and reports
+those: see ``samplers.ChainDraws``).
 """
 
 from __future__ import annotations
