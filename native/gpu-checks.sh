@@ -11,7 +11,8 @@
 # every width (cuBLAS, the Triton matmul, torch.compile: native/gpu-pick-settings.py) unless
 # BENCH_SET is given before bash: daemon settings separated by spaces (e.g. BENCH_SET='' for
 # the default, or one that adds worker_spin_us=2000 where the quick call's round trips showed
-# a wake-up costing much more than polling through the gap).
+# a wake-up costing much more than polling through the gap). BENCH_ARGS adds arguments to that
+# bench (e.g. BENCH_ARGS='--temperature 0.8': every system sampled, seeded per prompt).
 #
 # Every call installs the bundle (wheels, the CPU llama-cpp-python package, hetspec editable)
 # and starts, once per machine and in sessions of their own (setsid) that outlive the call,
@@ -170,9 +171,11 @@ BENCH_SET=${BENCH_SET-$(cat "$HETSPEC_CACHE_DIR/bench_set" 2>/dev/null)}
 echo "BENCH_SET: '${BENCH_SET:-}'"
 bench_set=()
 for item in ${BENCH_SET:-}; do bench_set+=(--set "$item"); done
+# BENCH_ARGS: more arguments for this bench, separated by spaces (e.g. '--temperature 0.8')
+read -r -a bench_args <<< "${BENCH_ARGS:-}"
 step $(( left > 60 ? left - 40 : 20 )) "bench heavy-1b draft-cpu" "$python" -m hetspec.client.cli bench \
     --target heavy-1b --placement draft-cpu --gammas 4 --prompts 3 --max-tokens 128 \
-    --repeats 1 --warmup 1 --out "$bench_out" "${bench_set[@]}"
+    --repeats 1 --warmup 1 --out "$bench_out" "${bench_set[@]}" "${bench_args[@]}"
 cp "$bench_out"/bench.md "$OUT/bench.md"; cp "$bench_out"/bench.json "$OUT/bench.json"
 # draft-gpu on heavy-300m (#22's goal): Dovetail's head, then the independent draft model,
 # each in half of what time is left
