@@ -1563,17 +1563,19 @@ HS_AVX2 static float exp_row_avx2(const float *row, int n, float top, float inv_
 }
 #endif
 
-/* softmax(row * inv_temperature) into probs (the exponentials in vectors where the CPU has
- * AVX2: probs are what the caller reports, whichever path computed them). */
-static void softmax_row(const float *row, int n, float inv_temperature, float *probs) {
+/* softmax(row * inv_temperature) into probs (the exponentials in vectors at kernel level
+ * `simd` AVX2 or above: probs are what the caller reports, whichever path computed them). */
+static void softmax_row(const float *row, int n, float inv_temperature, float *probs, int simd) {
     float top = row[0];
     for (int k = 1; k < n; k++)
         if (row[k] > top) top = row[k];
     float total = 0.0f;
 #if HS_X86
-    if (hs_simd_level() >= HS_SIMD_AVX2) {
+    if (simd >= HS_SIMD_AVX2) {
         total = exp_row_avx2(row, n, top, inv_temperature, probs);
     } else
+#else
+    (void)simd;
 #endif
     {
         for (int k = 0; k < n; k++) {
@@ -1637,7 +1639,7 @@ int hs_draft_chain(const hs_model *m, int count, int32_t *tokens, int position, 
             continue;
         }
         float *p = probs + row_at;
-        softmax_row(row, m->vocab, inv_temperature, p);
+        softmax_row(row, m->vocab, inv_temperature, p, simd_for(m->simd));
         tokens[i + 1] = noise ? race_row(p, noise + row_at, m->vocab)
                               : inverse_cdf_row(p, uniforms[i], m->vocab);
     }
