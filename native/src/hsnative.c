@@ -1541,45 +1541,27 @@ static int argmax_row(const float *row, int n) {
 }
 
 #if HS_X86
-/* probs[k] = e^((row[k] - top) * inv_temperature), 8 lanes at a time (exponents <= 0); their
- * sum. */
-HS_AVX2 static float exp_row_avx2(const float *row, int n, float top, float inv_temperature,
-                                  float *probs) {
-    const __m256 shift = _mm256_set1_ps(top), scale = _mm256_set1_ps(inv_temperature);
-    __m256 sum = _mm256_setzero_ps();
-    int k = 0;
-    for (; k + 8 <= n; k += 8) {
-        const __m256 x = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(row + k), shift), scale);
-        const __m256 e = exp_nonpositive(x);
-        _mm256_storeu_ps(probs + k, e);
-        sum = _mm256_add_ps(sum, e);
-    }
-    float total = hsum8(sum);
-    for (; k < n; k++) {
-        probs[k] = expf((row[k] - top) * inv_temperature);
-        total += probs[k];
-    }
-    return total;
-}
+HS_AVX2 static float softmax_weights_avx2(float *row, int n) { return softmax_weights(row, n); }
 #endif
 
-/* softmax(row * inv_temperature) into probs (the exponentials in vectors at kernel level
+/* softmax(row * inv_temperature) into probs (attention's softmax_weights at kernel level
  * `simd` AVX2 or above: probs are what the caller reports, whichever path computed them). */
 static void softmax_row(const float *row, int n, float inv_temperature, float *probs, int simd) {
-    float top = row[0];
-    for (int k = 1; k < n; k++)
-        if (row[k] > top) top = row[k];
+    for (int k = 0; k < n; k++) probs[k] = row[k] * inv_temperature;
     float total = 0.0f;
 #if HS_X86
     if (simd >= HS_SIMD_AVX2) {
-        total = exp_row_avx2(row, n, top, inv_temperature, probs);
+        total = softmax_weights_avx2(probs, n);
     } else
 #else
     (void)simd;
 #endif
     {
+        float top = probs[0];
+        for (int k = 1; k < n; k++)
+            if (probs[k] > top) top = probs[k];
         for (int k = 0; k < n; k++) {
-            probs[k] = expf((row[k] - top) * inv_temperature);
+            probs[k] = expf(probs[k] - top);
             total += probs[k];
         }
     }
