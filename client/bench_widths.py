@@ -4,8 +4,8 @@
 
 For each heavy target (made in the cache when absent) it times, after a 128-token prefix (the
 bench's prompts and answers reach 200-700: attention grows with them), one
-forward of w chained tokens in: llama.cpp Q8_0 and Q4_0 (the verifier's settings), hetspec's
-native kernels on the same Q8_0 and Q4_0 files, torch f32, and torch with fbgemm's dynamic int8
+forward of w chained tokens in: llama.cpp Q8_0, Q4_0 and Q4_K_M (the verifier's settings),
+hetspec's native kernels on the same files, torch f32, and torch with fbgemm's dynamic int8
 linear layers. Each runs in a worker-side process of its own (``hetspec.workers.profile``) on
 the same cores, one after the other (never two at once: they would share the cores). Prints a
 markdown table of medians and each runtime's T(w) / T(1); ``--json`` writes the figures too.
@@ -27,8 +27,11 @@ SYSTEMS = {  # name -> (runtime, the heavy model's file, settings)
                        '"kv_type":"f16","v_type":"f32"}'),
     "llama.cpp Q4_0": ("llama.cpp", "q4_0", '{"type":"llama.cpp","flash_attention":"off",'
                        '"kv_type":"f16","v_type":"f32"}'),
+    "llama.cpp Q4_K_M": ("llama.cpp", "q4_k_m", '{"type":"llama.cpp","flash_attention":"off",'
+                         '"kv_type":"f16","v_type":"f32"}'),
     "native Q8_0": ("native", "q8_0", '{"type":"native"}'),
     "native Q4_0": ("native", "q4_0", '{"type":"native"}'),
+    "native Q4_K_M": ("native", "q4_k_m", '{"type":"native"}'),
     # the same kernels without AVX-512 VNNI (where the CPU has it): what vpdpbusd is worth
     "native Q8_0 AVX2": ("native", "q8_0", '{"type":"native","simd":"avx2"}'),
     "native Q4_0 AVX2": ("native", "q4_0", '{"type":"native","simd":"avx2"}'),
@@ -100,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, dict]] = {}
     for size in args.sizes.split(","):
         try:
-            heavy = ensure_heavy(size.strip(), ("q8_0", "q4_0"), None)
+            files = {SYSTEMS[name][1] for name in chosen} - {"folder"}
+            heavy = ensure_heavy(size.strip(), sorted(files), None)
         except HeavyModelError as error:
             print(f"heavy-{size}: {error}", file=sys.stderr)
             return 1

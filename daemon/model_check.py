@@ -27,7 +27,8 @@ from hetspec.speculative.vocab import incompatibilities
 
 DEFAULT_CONTEXT_LIMIT = 8192  # what the workers load when no context is configured
 # what hetspec's native kernels compute (workers/native_runtime.py)
-NATIVE_FAMILIES, NATIVE_TYPES = ("llama",), ("Q8_0", "Q4_0", "F16", "F32")
+NATIVE_FAMILIES = ("llama",)
+NATIVE_TENSOR_TYPES = frozenset({"F32", "F16", "Q8_0", "Q5_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"})
 
 
 class CheckError(ValueError):
@@ -146,10 +147,14 @@ class Side:
             return "needs " + ("a model folder (config.json, safetensors)" if torch else
                                "a GGUF file")  # fmt: skip
         facts = self.model.gguf_facts
-        if self.runtime == "native" and (facts.family not in NATIVE_FAMILIES
-                                         or facts.quantization not in NATIVE_TYPES):  # fmt: skip
-            kinds = f"{'/'.join(NATIVE_FAMILIES)} GGUFs of {', '.join(NATIVE_TYPES)}"
-            return f"the native kernels run {kinds}, not {facts.family} {facts.quantization}"
+        if self.runtime == "native":
+            if facts.family not in NATIVE_FAMILIES:
+                return (f"the native kernels run {'/'.join(NATIVE_FAMILIES)} GGUFs, not "
+                        f"{facts.family}")  # fmt: skip
+            if unread := sorted(facts.tensor_types - NATIVE_TENSOR_TYPES):
+                known = ", ".join(sorted(NATIVE_TENSOR_TYPES))
+                return (f"the native kernels read {known} tensors; this {facts.quantization} "
+                        f"file has {', '.join(unread)}")  # fmt: skip
         return None
 
     def line(self, context: int) -> str:

@@ -37,6 +37,7 @@ class ModelFacts:
     size_bytes: int  # on disk
     modified: datetime
     info: dict = field(default_factory=dict)  # GGUF-style metadata: "llama.context_length"...
+    tensor_types: frozenset[str] = frozenset()  # a GGUF's tensors' ggml types: "Q4_K", "F32"...
 
     @property
     def parameter_size(self) -> str:
@@ -95,8 +96,9 @@ def _gguf_facts(path: Path) -> ModelFacts:
         quantization = LlamaFileType(file_type).name.removeprefix("MOSTLY_")
     except ValueError:
         quantization = f"type {file_type}"
+    tensor_types = frozenset(tensor.tensor_type.name for tensor in reader.tensors)
     return ModelFacts(str(path), "gguf", family, parameters, quantization,
-                      path.stat().st_size, _modified(path), info)  # fmt: skip
+                      path.stat().st_size, _modified(path), info, tensor_types)  # fmt: skip
 
 
 def _folder_facts(folder: Path) -> ModelFacts:

@@ -29,6 +29,9 @@ and Q4_0 quantize the trained weights exactly as they do in the bundled target's
 
     python -m hetspec.models.heavy --params 100m [--cache-dir DIR] [--types f16,q8_0,q4_0]
 
+Types f32, f16, q8_0 and q4_0 are exported directly; q4_k_m, q5_k_m and q6_k (most users'
+files) by llama.cpp's quantizer from the F16 export (``llama_quantize``).
+
 Models are built on demand into a cache outside the repository (``default_cache_dir``) and
 reused; ``ensure_heavy`` is the library entry point. Needs only numpy, safetensors and gguf.
 """
@@ -60,6 +63,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from hetspec.models.gguf_export import OUT_TYPES, ExportError, export_gguf
+from hetspec.models.llama_quantize import QUANT_TYPES, QuantizeError, quantize_gguf
 
 SOURCE = Path(__file__).resolve().parent / "target"
 SOURCE_FILES = (
@@ -154,10 +158,10 @@ def parse_types(types: str | Iterable[str]) -> tuple[str, ...]:
     """GGUF types from ``"f16,q8_0"`` or an iterable, validated, duplicates dropped."""
     names = types.split(",") if isinstance(types, str) else list(types)
     result = tuple(dict.fromkeys(name.strip() for name in names if name.strip()))
-    unknown = [name for name in result if name not in OUT_TYPES]
+    unknown = [name for name in result if name not in OUT_TYPES and name not in QUANT_TYPES]
     if unknown:
         raise HeavyModelError(
-            f"unknown GGUF type {unknown[0]!r}; choose from {', '.join(OUT_TYPES)}"
+            f"unknown GGUF type {unknown[0]!r}; choose from {', '.join([*OUT_TYPES, *QUANT_TYPES])}"
         )
     return result
 
@@ -506,15 +510,24 @@ def _export(folder: Path, size: str, gguf_type: str, say: Callable[[str], None])
     temp = _temp_name(final)
     started = time.monotonic()
     say(f"heavy-{size}: exporting {final.name}")
+    f16 = folder / f"heavy-{size}-f16.gguf"
+    source = f16 if f16.is_file() else _temp_name(f16)  # K-quants: llama.cpp quantizes F16
     try:
-        export_gguf(folder, temp, gguf_type)
+        if gguf_type in QUANT_TYPES:
+            if source != f16:
+                export_gguf(folder, source, "f16")
+            quantize_gguf(source, temp, gguf_type)
+        else:
+            export_gguf(folder, temp, gguf_type)
         _fsync(temp)
         temp.replace(final)
         _fsync(folder)
-    except ExportError as error:
+    except (ExportError, QuantizeError) as error:
         raise HeavyModelError(f"heavy-{size}: {gguf_type} export failed: {error}") from None
     finally:
         temp.unlink(missing_ok=True)
+        if source != f16:
+            source.unlink(missing_ok=True)
     size_mb = final.stat().st_size / 1e6
     say(f"heavy-{size}: wrote {final.name} ({size_mb:.0f} MB, {time.monotonic() - started:.1f} s)")
     return final

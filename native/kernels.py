@@ -14,10 +14,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-F32, F16, Q4_0, Q8_0 = 0, 1, 2, 8  # ggml's type ids, as GGUF stores them
-BLOCK = 32
-TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q8_0: "Q8_0"}
-BLOCK_BYTES = {Q8_0: 34, Q4_0: 18}
+F32, F16, Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K = 0, 1, 2, 6, 8, 12, 13, 14  # ggml's type ids
+BLOCK = 32  # the activations' blocks
+TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q5_0: "Q5_0", Q8_0: "Q8_0", Q4_K: "Q4_K",
+              Q5_K: "Q5_K", Q6_K: "Q6_K"}  # fmt: skip
+# The quantized types' blocks: (values, bytes). K-quants' super-blocks hold 256 values.
+BLOCK_BYTES = {Q8_0: (32, 34), Q4_0: (32, 18), Q5_0: (32, 22), Q4_K: (256, 144),
+               Q5_K: (256, 176), Q6_K: (256, 210)}  # fmt: skip
 # Kernel levels (hsnative.h's HS_SIMD_*), by this machine's architecture. x86-64: AVX2 and VNNI
 # give the same bits, VNNI faster, and the portable C rounds its other float steps its own way;
 # aarch64: the dot-product kernels give the portable bits.
@@ -72,7 +75,8 @@ def row_bytes(kind: int, cols: int) -> int:
     if kind == F16:
         return 2 * cols
     if kind in BLOCK_BYTES:
-        return cols // BLOCK * BLOCK_BYTES[kind]
+        values, size = BLOCK_BYTES[kind]
+        return cols // values * size
     raise NativeUnavailable(f"ggml type {kind} is not one the native kernels read")
 
 
@@ -81,8 +85,9 @@ def matrix(kind: int, data: np.ndarray, rows: int, cols: int) -> Matrix:
     of a ``Layer``, does not keep ``data`` alive: its holder must."""
     if kind not in TYPE_NAMES:
         raise NativeUnavailable(f"ggml type {kind} is not one the native kernels read")
-    if kind in BLOCK_BYTES and cols % BLOCK:
-        raise NativeUnavailable(f"a {TYPE_NAMES[kind]} row of {cols} values is not whole blocks")
+    if kind in BLOCK_BYTES and cols % BLOCK_BYTES[kind][0]:
+        raise NativeUnavailable(f"a {TYPE_NAMES[kind]} row of {cols} values is not whole blocks "
+                                f"of {BLOCK_BYTES[kind][0]}")  # fmt: skip
     if not data.flags.c_contiguous or data.nbytes != rows * row_bytes(kind, cols):
         raise NativeUnavailable(f"{rows}x{cols} {TYPE_NAMES[kind]} weights need "
                                 f"{rows * row_bytes(kind, cols)} contiguous bytes, "
@@ -123,6 +128,7 @@ class Kernels:
         library.hs_simd_level.restype = ctypes.c_int
         library.hs_quantize_rows.restype = None
         library.hs_matmul.restype = ctypes.c_int
+        library.hs_dequantize_rows.restype = ctypes.c_int
         library.hs_forward.restype = ctypes.c_int
         library.hs_draft_chain.restype = ctypes.c_int
         return cls(library)
@@ -155,6 +161,15 @@ class Kernels:
                                         _pointer(out, np.float32), threads, simd)  # fmt: skip
         if status:
             raise ValueError("hs_matmul refused its arguments")
+        return out
+
+    def dequantize(self, weights: Matrix, first: int = 0, count: int | None = None) -> np.ndarray:
+        """float32 (count, weights.cols): rows first.. of the weights, as ggml dequantizes them."""
+        count = weights.rows - first if count is None else count
+        out = np.empty((max(count, 0), weights.cols), np.float32)
+        if self.library.hs_dequantize_rows(ctypes.byref(weights), first, count,
+                                           _pointer(out, np.float32)):  # fmt: skip
+            raise ValueError(f"rows {first}..{first + count - 1} are not rows of the weights")
         return out
 
     def forward(self, model: Model, tokens: np.ndarray, positions: np.ndarray, *, start: int,

@@ -24,6 +24,7 @@ from hetspec.models.heavy import (
     ensure_heavy,
     main,
     parse_size,
+    parse_types,
 )
 from hetspec.speculative.tree import chain_parents
 from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime
@@ -151,6 +152,20 @@ def test_a_folder_of_another_recipe_is_rebuilt(tmp_path) -> None:
     assert json.loads((folder / "heavy.json").read_text())["params"] == model.params
     assert not (folder / "heavy-100m-f16.gguf").exists()  # it belonged to the stale build
     assert sorted(p.name for p in tmp_path.iterdir()) == [".heavy-100m.lock", "heavy-100m"]
+
+
+def test_k_quants_come_from_llama_cpps_quantizer_without_keeping_an_f16(tmp_path) -> None:
+    """Most users' files are K-quants, which gguf-py cannot write: llama.cpp's quantizer makes
+    them from an F16 export, a temporary one when no f16 was asked for."""
+    import gguf  # noqa: PLC0415
+
+    model = ensure_heavy("100m", ["q4_k_m"], tmp_path, quiet=True)
+    kinds = {tensor.tensor_type.name for tensor in gguf.GGUFReader(model.gguf("q4_k_m")).tensors}
+    assert kinds == {"Q4_K", "Q6_K", "F32"}  # Q4_K_M: Q6_K for attn_v, half of ffn_down, output
+    assert sorted(path.name for path in model.folder.glob("*.gguf")) == ["heavy-100m-q4_k_m.gguf"]
+    assert not list(model.folder.glob(".*.tmp"))
+    with pytest.raises(HeavyModelError, match="q4_k_m, q5_k_m, q6_k"):
+        parse_types("q4_k_s")
 
 
 @pytest.mark.parametrize("text", ["7q", "", "100", "m", "1.5.0b"])

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+from dataclasses import replace
 from pathlib import Path
 
 from hetspec.daemon.config import BUNDLED_MODELS
@@ -41,6 +42,27 @@ def test_the_bundled_pair_can_be_served_everywhere() -> None:
     head = BUNDLED_MODELS / "head"
     assert f"  {head}: matches" in out
     assert f"  drafts with: {head}" in out
+
+
+def test_k_quant_files_run_on_the_native_kernels_and_other_types_are_named(tmp_path) -> None:
+    """A Q4_K_M file (here with Q5_0 and Q8_0 tensors too: llama.cpp's choice for rows that are
+    not whole super-blocks) can be verified by the native kernels; a type they do not read is
+    named."""
+    from hetspec.daemon.model_check import Side, find_exports  # noqa: PLC0415
+    from hetspec.models.llama_quantize import quantize_gguf  # noqa: PLC0415
+
+    target = quantize_gguf(BUNDLED_MODELS / "target" / "target-f16.gguf",
+                           tmp_path / "target-q4_k_m.gguf", "q4_k_m", threads=1)  # fmt: skip
+    done = check(target, BUNDLED_MODELS / "draft" / "draft-q8_0.gguf")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert 'gpu_runtime "native": can serve' in done.stdout
+    assert done.stdout.count("can serve") == 4  # not torch: this GGUF has no folder beside it
+    model = find_exports("target", target)
+    assert model.gguf_facts.tensor_types == {"Q4_K", "Q6_K", "Q5_0", "Q8_0", "F32"}
+    other = replace(model.gguf_facts, tensor_types=model.gguf_facts.tensor_types | {"Q4_1"})
+    side = Side("verifies", "CPU worker", "native", replace(model, gguf_facts=other))
+    assert side.unusable() == ("the native kernels read F16, F32, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, "
+                               "Q8_0 tensors; this Q4_K_M file has Q4_1")  # fmt: skip
 
 
 def test_a_draft_with_another_tokenizer_is_refused_as_the_daemon_would(models) -> None:

@@ -15,9 +15,14 @@ import pytest
 
 from hetspec.native.kernels import (
     BLOCK,
+    BLOCK_BYTES,
     F16,
     F32,
     Q4_0,
+    Q4_K,
+    Q5_0,
+    Q5_K,
+    Q6_K,
     Q8_0,
     SIMD_LEVELS,
     Kernels,
@@ -152,8 +157,65 @@ def test_bad_weights_are_refused_with_a_reason() -> None:
         matrix(Q8_0, np.zeros((2, 34), np.uint8), 2, 40)
     with pytest.raises(NativeUnavailable, match="contiguous bytes"):
         matrix(Q8_0, np.zeros((2, 30), np.uint8), 2, 32)
-    with pytest.raises(NativeUnavailable, match="type 12"):
-        matrix(12, np.zeros((2, 34), np.uint8), 2, 32)
+    with pytest.raises(NativeUnavailable, match="type 3"):  # Q4_1
+        matrix(3, np.zeros((2, 20), np.uint8), 2, 32)
+    with pytest.raises(NativeUnavailable, match="not whole blocks of 256"):
+        matrix(Q4_K, np.zeros((2, 144), np.uint8), 2, 128)
+
+
+# ---------------------------------------------------------------- types read by unpacking
+
+UNPACKED = {Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", Q5_0: "Q5_0"}
+
+
+def random_blocks(kind: int, rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+    """Random GGUF bytes of ``kind`` whose float scales (d, dmin) are small and finite."""
+    values, size = BLOCK_BYTES[kind]
+    data = rng.integers(0, 256, (rows, cols // values, size), dtype=np.uint8)
+    scales = rng.uniform(1e-3, 1e-2, (rows, cols // values, 2)).astype("<f2").view(np.uint8)
+    if kind == Q6_K:  # d last
+        data[..., -2:] = scales[..., :2]
+    elif kind == Q5_0:  # d first
+        data[..., :2] = scales[..., :2]
+    else:  # d, dmin first
+        data[..., :4] = scales
+    return data.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", UNPACKED, ids=UNPACKED.values())
+def test_unpacked_types_dequantize_as_gguf_reads_them(kernels, kind) -> None:
+    """gguf-py's numpy dequantizer is an independent reading of each format's layout."""
+    import gguf  # noqa: PLC0415
+
+    rng = np.random.default_rng(kind)
+    rows, cols = 5, 3 * 256
+    data = random_blocks(kind, rng, rows, cols)
+    ours = kernels.dequantize(matrix(kind, data, rows, cols))
+    theirs = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(kind)).reshape(rows, cols)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-7)
+    assert kernels.dequantize(matrix(kind, data, rows, cols), 2, 1).shape == (1, cols)
+    with pytest.raises(ValueError, match="not rows"):
+        kernels.dequantize(matrix(kind, data, rows, cols), 4, 2)
+
+
+@pytest.mark.parametrize("kind", UNPACKED, ids=UNPACKED.values())
+def test_unpacked_types_give_every_row_the_same_bits_at_every_level(kernels, kind) -> None:
+    """One recipe for every kernel level (the portable C included), alone or among others;
+    Q5_0's rows of 11 blocks end in a short chunk."""
+    rng = np.random.default_rng(100 + kind)
+    rows, cols = 37, 11 * BLOCK if kind == Q5_0 else 3 * 256
+    weights = matrix(kind, random_blocks(kind, rng, rows, cols), rows, cols)
+    x = rng.standard_normal((23, cols)).astype(np.float32)
+    alone = np.concatenate([kernels.matmul(weights, x[row : row + 1].copy(), threads=1, simd=0)
+                            for row in range(len(x))])  # fmt: skip
+    for n in (23, 16, 15, 13, 9, 8, 5, 4, 3, 1):
+        for level in levels_here(kernels):
+            together = kernels.matmul(weights, x[:n].copy(), threads=2, simd=level)
+            np.testing.assert_array_equal(
+                alone[:n], together, err_msg=f"{n} rows together, kernel level {level}"
+            )
+    exact = x.astype(np.float64) @ kernels.dequantize(weights).astype(np.float64).T
+    assert np.abs(alone - exact).max() <= 0.02 * np.abs(exact).max()  # int8 activations
 
 
 # ---------------------------------------------------------------- the runtime on a model
@@ -206,11 +268,34 @@ def test_prefill_in_chunks_gives_the_same_logits(native) -> None:
     np.testing.assert_array_equal(native.last_logits(), whole)
 
 
-@pytest.mark.parametrize("gguf_type", ["q8_0", "q4_0"])
-def test_it_predicts_as_llama_cpp_does_on_the_same_file(heavy, gguf_type) -> None:
+@pytest.fixture(scope="module")
+def k_quant_heavy(heavy):
+    """heavy-100m in Q4_K_M (Q4_K and Q6_K tensors), quantized by llama.cpp."""
+    from hetspec.models.heavy import ensure_heavy  # noqa: PLC0415
+
+    return ensure_heavy("100m", ["q4_k_m"], heavy.folder.parent, quiet=True).gguf("q4_k_m")
+
+
+@pytest.fixture(scope="module")
+def k_quant_bundled(tmp_path_factory) -> Path:
+    """The bundled target in Q4_K_M: its FFN rows (704 values) are not whole super-blocks,
+    so llama.cpp's mix holds Q5_0 and Q8_0 tensors too."""
+    from hetspec.models.llama_quantize import quantize_gguf  # noqa: PLC0415
+
+    out = tmp_path_factory.mktemp("kquant") / "target-q4_k_m.gguf"
+    return quantize_gguf(MODELS / "target" / "target-f16.gguf", out, "q4_k_m", threads=1)
+
+
+@pytest.mark.parametrize("gguf_type", ["q8_0", "q4_0", "q4_k_m", "bundled q4_k_m"])
+def test_it_predicts_as_llama_cpp_does_on_the_same_file(request, heavy, gguf_type) -> None:
     from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
 
-    path = heavy.gguf(gguf_type)
+    if gguf_type == "q4_k_m":
+        path = request.getfixturevalue("k_quant_heavy")
+    elif gguf_type == "bundled q4_k_m":
+        path = request.getfixturevalue("k_quant_bundled")
+    else:
+        path = heavy.gguf(gguf_type)
     native = NativeRuntime(path, n_ctx=512)
     llama = LlamaCppRuntime(path, n_ctx=512, flash_attention="off", kv_type="f16", v_type="f32")
     tokens = native.tokenize(TEXT)[:257]

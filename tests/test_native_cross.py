@@ -16,7 +16,8 @@ import pytest
 
 SOURCES = Path(__file__).resolve().parents[1] / "native" / "src"
 FLAGS = ["-O2", "-std=c11", "-fopenmp", "-ffp-contract=off", f"-I{SOURCES}",
-         str(SOURCES / "hsnative.c"), str(SOURCES / "selftest.c"), "-lm"]  # fmt: skip
+         str(SOURCES / "hsnative.c"), str(SOURCES / "unpacked.c"), str(SOURCES / "selftest.c"),
+         "-lm"]  # fmt: skip
 
 
 def build(compiler: str, output: Path, *extra: str) -> None:

@@ -2,53 +2,10 @@
  *
  * Build with -ffp-contract=off: a fused multiply-add that the compiler forms in one
  * specialization of a kernel and not in another would break width invariance. */
-#include "hsnative.h"
+#include "internal.h"
 
-#include <math.h>
-#include <stdlib.h>
-#include <string.h>
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define HS_X86 1
-#define HS_AVX2 __attribute__((target("avx2,fma,f16c")))
-/* vpdpbusd on 256-bit vectors (AVX-512 VNNI with VL): the AVX2 kernels plus one instruction */
-#define HS_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
-#else
-#define HS_X86 0
-#endif
-
-#if defined(__aarch64__)
-#include <arm_neon.h>
-#include <sys/auxv.h>
-#define HS_ARM 1
-/* sdot (ARMv8.2's dot product, optional there and standard from v8.4): four int8 products
- * summed into each int32 lane */
-#define HS_DOTPROD __attribute__((target("arch=armv8.2-a+dotprod")))
-#ifndef HWCAP_ASIMDDP
-#define HWCAP_ASIMDDP (1 << 20)
-#endif
-#else
-#define HS_ARM 0
-#endif
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
-#define INLINE __attribute__((always_inline)) static inline
-#define GROUP 8       /* rows of one interleaved activation group: the 8 int32 lanes of AVX2 */
 #define COL_CHUNK 16  /* output features a thread takes at a time */
 #define ATTEND_ROWS 16 /* rows one call of the attention kernel takes (attend_rows_body) */
-#define PAD_FROM 5     /* leftover rows from which a padded group is cheaper than them alone */
-
-/* Rows computed rows-in-lanes: whole groups of 8, and the leftover rows too (in a group
- * padded with zero rows) where there are PAD_FROM or more of them: one pass of 8 rows costs
- * about what 4 rows cost features-in-lanes. Both kernels give the same bits. */
-static int grouped_rows(int n) {
-    const int leftover = n % GROUP;
-    return leftover >= PAD_FROM ? n + GROUP - leftover : n - leftover;
-}
 
 typedef struct {
     uint16_t d;
@@ -67,23 +24,6 @@ INLINE uint16_t weight_scale_of(const void *wrow, int type, int b) {
     return type == HS_Q8_0 ? ((const block_q8_0 *)wrow)[b].d : ((const block_q4_0 *)wrow)[b].d;
 }
 _Static_assert(sizeof(block_q4_0) == 18, "GGUF Q4_0 blocks are 18 bytes");
-
-static float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    const uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
-    uint32_t bits;
-    if (exponent == 0) {
-        const float magnitude = ldexpf((float)mantissa, -24); /* zero or subnormal */
-        return sign ? -magnitude : magnitude;
-    }
-    if (exponent == 31)
-        bits = sign | 0x7f800000u | (mantissa << 13);
-    else
-        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 /* IEEE binary16, rounded to nearest even (as F16C's vcvtps2ph): the KV cache's format. */
 static uint16_t float_to_half(float f) {
@@ -148,7 +88,7 @@ static int simd_for(int cap) {
     return cap >= 0 && cap < best ? cap : best;
 }
 
-static int is_quantized(int type) { return type == HS_Q8_0 || type == HS_Q4_0; }
+static int is_quantized(int type) { return type == HS_Q8_0 || type == HS_Q4_0 || hs_unpacked_is(type); }
 
 static size_t row_bytes(const hs_matrix *w) {
     switch (w->type) {
@@ -156,7 +96,7 @@ static size_t row_bytes(const hs_matrix *w) {
     case HS_F16: return (size_t)w->cols * 2;
     case HS_Q8_0: return (size_t)(w->cols / HS_BLOCK) * sizeof(block_q8_0);
     case HS_Q4_0: return (size_t)(w->cols / HS_BLOCK) * sizeof(block_q4_0);
-    default: return 0;
+    default: return hs_unpacked_row_bytes(w->type, w->cols);
     }
 }
 
@@ -210,7 +150,14 @@ static void embed_row(const hs_matrix *e, int token, float *out) {
             }
         }
         break;
+    default: hs_unpacked_dequantize_row(e->type, row, e->cols, out); break;
     }
+}
+
+int hs_dequantize_rows(const hs_matrix *w, int first, int count, float *out) {
+    if (!row_bytes(w) || first < 0 || count < 0 || first + count > w->rows) return -1;
+    for (int r = 0; r < count; r++) embed_row(w, first + r, out + (size_t)r * w->cols);
+    return 0;
 }
 
 /* Rotate pairs (2i, 2i+1) of each head by the angles of one position. */
@@ -227,22 +174,6 @@ static void rope_row(float *x, int heads, int head_dim, const float *cos, const 
 
 static float silu(float x) { return x / (1.0f + expf(-x)); }
 
-/* ------------------------------------------------------------------ quantized activations
- * A matrix's input rows are quantized once, into two layouts: row-major, for the kernels
- * that put output features in vector lanes, and, for every whole group of GROUP rows,
- * interleaved so that one 32-byte load holds the same four input values of all GROUP rows
- * (the kernel that puts rows in lanes). */
-
-typedef struct {
-    int8_t *q;        /* (n, cols) */
-    float *d;         /* (n, cols / 32) block scales */
-    int8_t *grouped;  /* per group, per block: 8 runs of 32 bytes; run k holds values
-                       * 4k..4k+3 of the block for rows 0..7 of the group */
-    float *grouped_d; /* per group, per block: the group's 8 block scales */
-    /* the VNNI kernels' block sums of the int8 values (see vnni_start): */
-    int32_t *sum;         /* (n, cols / 32) */
-    int32_t *grouped_sum; /* per group, per block: the group's 8 sums */
-} activations;
 
 /* ------------------------------------------------------------------ dot products */
 
@@ -1172,9 +1103,8 @@ static void quantize_activation(const activations *a, const float *x, int i, int
     int8_t *q = a->q + (size_t)i * cols;
     float *d = a->d + (size_t)i * blocks;
     quantize_row_simd(x, cols, q, d, simd);
-    const int sums = simd >= HS_SIMD_VNNI;
-    int32_t *sum = sums ? a->sum + (size_t)i * blocks : NULL;
-    for (int b = 0; sums && b < blocks; b++) {
+    int32_t *sum = a->sum + (size_t)i * blocks;
+    for (int b = 0; b < blocks; b++) {
         int32_t total = 0;
         for (int k = 0; k < HS_BLOCK; k++) total += q[b * HS_BLOCK + k];
         sum[b] = total;
@@ -1187,7 +1117,7 @@ static void quantize_activation(const activations *a, const float *x, int i, int
         for (int k = 0; k < HS_BLOCK / 4; k++)
             memcpy(runs + k * HS_BLOCK + 4 * lane, q + b * HS_BLOCK + 4 * k, 4);
         a->grouped_d[(first + b) * GROUP + lane] = d[b];
-        if (sums) a->grouped_sum[(first + b) * GROUP + lane] = sum[b];
+        a->grouped_sum[(first + b) * GROUP + lane] = sum[b];
     }
     if (i != n - 1) return;
     for (int pad = lane + 1; pad < GROUP && i / GROUP * GROUP + pad < grouped_rows(n); pad++)
@@ -1195,7 +1125,7 @@ static void quantize_activation(const activations *a, const float *x, int i, int
             int8_t *runs = a->grouped + (first + b) * GROUP * HS_BLOCK;
             for (int k = 0; k < HS_BLOCK / 4; k++) memset(runs + k * HS_BLOCK + 4 * pad, 0, 4);
             a->grouped_d[(first + b) * GROUP + pad] = 0.0f;
-            if (sums) a->grouped_sum[(first + b) * GROUP + pad] = 0;
+            a->grouped_sum[(first + b) * GROUP + pad] = 0;
         }
 }
 /* ------------------------------------------------------------------ parallel steps
@@ -1206,6 +1136,10 @@ static void matmul_features(const hs_matrix *w, const activations *a, const floa
                             int first, int end, float *out, int simd) {
     const size_t stride = row_bytes(w);
     const int blocks = w->cols / HS_BLOCK;
+    if (hs_unpacked_is(w->type)) {
+        hs_unpacked_features(w, a, n, first, end, out, simd);
+        return;
+    }
 #if HS_X86
     if (simd >= HS_SIMD_VNNI && is_quantized(w->type)) {
         quantized_features_vnni(w, a, n, first, end, out);

@@ -14,13 +14,15 @@
 #include <stdint.h>
 
 /* ggml's type ids, as GGUF stores them */
-enum { HS_F32 = 0, HS_F16 = 1, HS_Q4_0 = 2, HS_Q8_0 = 8 };
-#define HS_BLOCK 32
+enum { HS_F32 = 0, HS_F16 = 1, HS_Q4_0 = 2, HS_Q5_0 = 6, HS_Q8_0 = 8, HS_Q4_K = 12, HS_Q5_K = 13,
+       HS_Q6_K = 14 };
+#define HS_BLOCK 32  /* Q8_0, Q5_0 and Q4_0 blocks; the activations' blocks for every quantized type */
+#define HS_SUPER 256 /* the K-quants' (Q4_K, Q5_K, Q6_K) super-blocks: 8 activation blocks */
 
 typedef struct {
     int32_t type;
     int32_t rows; /* output features */
-    int32_t cols; /* input features (a multiple of 32 for the quantized types) */
+    int32_t cols; /* input features (a multiple of 32 for Q8_0, Q5_0, Q4_0; of 256 for K-quants) */
     int32_t reserved;
     const void *data; /* rows x cols in the type's row layout */
 } hs_matrix;
@@ -64,6 +66,10 @@ void hs_quantize_rows(const float *x, int n, int cols, int8_t *q, float *scale);
  * of at most level `simd_cap` (-1: the best here). Quantized weights multiply the rows
  * quantized by hs_quantize_rows. Returns 0, or -1 for a type this build does not know. */
 int hs_matmul(const hs_matrix *w, const float *x, int n, float *out, int threads, int simd_cap);
+
+/* Rows first..first+count-1 of w as floats, into out (count, w->cols), as ggml dequantizes
+ * them. Returns 0, or -1 for a type this build does not know or rows outside w. */
+int hs_dequantize_rows(const hs_matrix *w, int first, int count, float *out);
 
 /* Evaluate n new tokens and write their keys/values to slots start..start+n-1.
  * Row i sees cached slots 0..n_prefix-1, then the slots visible[offsets[i]..offsets[i+1]) in

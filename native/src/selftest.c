@@ -5,11 +5,15 @@
  *                  every kernel level this CPU runs gives the exact integer products (block
  *                  scales 1), and that with real scales each level gives the same bits for a
  *                  row alone and among others, on 1 and 2 threads, and the same bits as the
- *                  portable level where the level promises that (hsnative.h).
+ *                  portable level where the level promises that (hsnative.h); and for
+ *                  Q4_K, Q5_K, Q6_K and Q5_0 weights, the dequantized rows' products within int8
+ *                  activations' error, the portable bits at every level, and the same bits
+ *                  for a row alone and among others.
  *
  * Prints the best level and "ok", or the first mismatch. */
 #include "hsnative.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -96,6 +100,62 @@ static int check(int type, int unit, int best) {
     return failures;
 }
 
+/* K-quant and Q5_0 weights: random blocks (their float scales set to small powers of two),
+ * against a float reference from their dequantized rows; the same bits at every level (one
+ * recipe), and for a row alone and among others, on 1 and 2 threads. */
+static int check_unpacked(int type, int best) {
+    const int values = type == HS_Q5_0 ? HS_BLOCK : HS_SUPER;
+    const int KCOLS = type == HS_Q5_0 ? 11 * HS_BLOCK : 2 * HS_SUPER; /* Q5_0: a short chunk */
+    const size_t bytes = type == HS_Q4_K ? 144 : type == HS_Q5_K ? 176 : type == HS_Q6_K ? 210 : 22;
+    const size_t row = bytes * (size_t)(KCOLS / values);
+    unsigned char *data = malloc(ROWS * row);
+    for (size_t i = 0; i < ROWS * row; i++) data[i] = (unsigned char)next_int(0, 255);
+    for (int s = 0; s < ROWS * (KCOLS / values); s++) { /* d (and dmin): 2^-7 or 2^-8 */
+        unsigned char *block = data + bytes * (size_t)s;
+        const uint16_t d = next_int(0, 1) ? 0x2000 : 0x1c00, dmin = next_int(0, 1) ? 0x2000 : 0x1c00;
+        if (type == HS_Q6_K) memcpy(block + 208, &d, 2);
+        else if (type == HS_Q5_0) memcpy(block, &d, 2);
+        else memcpy(block, &d, 2), memcpy(block + 2, &dmin, 2);
+    }
+    hs_matrix w = {type, ROWS, KCOLS, 0, data};
+    float *x = malloc(sizeof(float) * 33 * KCOLS), *alone = malloc(sizeof(float) * 33 * ROWS),
+          *out = malloc(sizeof(float) * 33 * ROWS), *weights = malloc(sizeof(float) * ROWS * KCOLS),
+          *portable = malloc(sizeof(float) * 33 * ROWS);
+    for (int i = 0; i < 33 * KCOLS; i++) x[i] = (float)next_int(-1000, 1000) / 37.0f;
+    hs_dequantize_rows(&w, 0, ROWS, weights);
+    int failures = 0;
+    for (int r = 0; r < 33; r++) hs_matmul(&w, x + r * KCOLS, 1, portable + r * ROWS, 1, 0);
+    for (int level = 0; level <= best; level++) {
+        for (int r = 0; r < 33; r++) hs_matmul(&w, x + r * KCOLS, 1, alone + r * ROWS, 1, level);
+        for (int i = 0; i < 33 * ROWS; i++) /* one recipe at every level */
+            if (alone[i] != portable[i] && failures++ < 5)
+                printf("type %d level %d: row %d feature %d: %.9g, the portable kernels %.9g\n",
+                       type, level, i / ROWS, i % ROWS, alone[i], portable[i]);
+        for (int i = 0; i < 33 * ROWS; i++) { /* int8 activations: ~1% of the magnitudes */
+            const int r = i / ROWS, j = i % ROWS;
+            double exact = 0.0, scale = 0.0;
+            for (int k = 0; k < KCOLS; k++) {
+                exact += (double)x[r * KCOLS + k] * weights[j * KCOLS + k];
+                scale += fabs((double)x[r * KCOLS + k] * weights[j * KCOLS + k]);
+            }
+            if (fabs(alone[i] - exact) > 0.02 * scale + 1e-6 && failures++ < 5)
+                printf("type %d level %d: row %d feature %d: %.9g, the dequantized weights give %.9g\n",
+                       type, level, r, j, alone[i], exact);
+        }
+        for (int n = 1; n <= 33; n++)
+            for (int threads = 1; threads <= 2; threads++) {
+                hs_matmul(&w, x, n, out, threads, level);
+                for (int i = 0; i < n * ROWS; i++)
+                    if (out[i] != alone[i] && failures++ < 5)
+                        printf("type %d level %d, %d rows on %d threads: row %d feature %d: %.9g, "
+                               "alone %.9g\n", type, level, n, threads, i / ROWS, i % ROWS, out[i],
+                               alone[i]);
+            }
+    }
+    free(data), free(x), free(alone), free(out), free(weights), free(portable);
+    return failures;
+}
+
 int main(void) {
     const int best = hs_simd_level();
     printf("kernel level %d\n", best);
@@ -104,6 +164,10 @@ int main(void) {
         failures += check(HS_Q8_0, unit, best);
         failures += check(HS_Q4_0, unit, best);
     }
+    failures += check_unpacked(HS_Q4_K, best);
+    failures += check_unpacked(HS_Q5_K, best);
+    failures += check_unpacked(HS_Q6_K, best);
+    failures += check_unpacked(HS_Q5_0, best);
     puts(failures ? "FAILED" : "ok");
     return failures != 0;
 }

@@ -1,0 +1,95 @@
+/* What the native kernels' source files share: target attributes, the activations' layouts
+ * and small helpers. Not a public header (the contracts are in hsnative.h). */
+#ifndef HS_INTERNAL_H
+#define HS_INTERNAL_H
+
+#include "hsnative.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define HS_X86 1
+#define HS_AVX2 __attribute__((target("avx2,fma,f16c")))
+/* vpdpbusd on 256-bit vectors (AVX-512 VNNI with VL): the AVX2 kernels plus one instruction */
+#define HS_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
+#else
+#define HS_X86 0
+#endif
+
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#include <sys/auxv.h>
+#define HS_ARM 1
+/* sdot (ARMv8.2's dot product, optional there and standard from v8.4): four int8 products
+ * summed into each int32 lane */
+#define HS_DOTPROD __attribute__((target("arch=armv8.2-a+dotprod")))
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
+#else
+#define HS_ARM 0
+#endif
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define INLINE __attribute__((always_inline)) static inline
+#define GROUP 8       /* rows of one interleaved activation group: the 8 int32 lanes of AVX2 */
+#define PAD_FROM 5     /* leftover rows from which a padded group is cheaper than them alone */
+
+/* Rows computed rows-in-lanes: whole groups of 8, and the leftover rows too (in a group
+ * padded with zero rows) where there are PAD_FROM or more of them: one pass of 8 rows costs
+ * about what 4 rows cost features-in-lanes. Both kernels give the same bits. */
+static inline int grouped_rows(int n) {
+    const int leftover = n % GROUP;
+    return leftover >= PAD_FROM ? n + GROUP - leftover : n - leftover;
+}
+
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+    uint32_t bits;
+    if (exponent == 0) {
+        const float magnitude = ldexpf((float)mantissa, -24); /* zero or subnormal */
+        return sign ? -magnitude : magnitude;
+    }
+    if (exponent == 31)
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    else
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* ------------------------------------------------------------------ quantized activations
+ * A matrix's input rows are quantized once, into two layouts: row-major, for the kernels
+ * that put output features in vector lanes, and, for every whole group of GROUP rows,
+ * interleaved so that one 32-byte load holds the same four input values of all GROUP rows
+ * (the kernel that puts rows in lanes). */
+
+typedef struct {
+    int8_t *q;        /* (n, cols) */
+    float *d;         /* (n, cols / 32) block scales */
+    int8_t *grouped;  /* per group, per block: 8 runs of 32 bytes; run k holds values
+                       * 4k..4k+3 of the block for rows 0..7 of the group */
+    float *grouped_d; /* per group, per block: the group's 8 block scales */
+    /* block sums of the int8 values (the VNNI kernels, and unpacked.c's): */
+    int32_t *sum;         /* (n, cols / 32) */
+    int32_t *grouped_sum; /* per group, per block: the group's 8 sums */
+} activations;
+
+/* Weights unpacked to bytes before their products (unpacked.c): Q4_K, Q5_K, Q6_K, Q5_0. */
+int hs_unpacked_is(int type);
+size_t hs_unpacked_row_bytes(int type, int cols); /* 0: another type, or not whole blocks */
+void hs_unpacked_dequantize_row(int type, const void *row, int cols, float *out);
+/* Output features [first, end) of all n rows (quantized, block sums included) into
+ * out (n, w->rows), with kernels of level simd at most. */
+void hs_unpacked_features(const hs_matrix *w, const activations *a, int n, int first, int end,
+                    float *out, int simd);
+
+#endif

@@ -1,0 +1,536 @@
+/* Weights read by unpacking them to bytes first: ggml's K-quants (Q4_K, Q5_K, Q6_K: what most
+ * users' GGUF files hold, e.g. Q4_K_M's mix of Q4_K and Q6_K) and Q5_0 (the type llama.cpp's
+ * K-quant mixes fall back to for rows that are not whole super-blocks).
+ *
+ * A row is read in chunks of 8 activation blocks (256 values: a K-quant super-block, or 8
+ * Q5_0 blocks; a Q5_0 row's last chunk may hold fewer). Each chunk is unpacked once, for all
+ * the rows a call multiplies: its values as bytes, an integer scale per half-block of 16 (Q4_K
+ * and Q5_K share one across a block's halves; Q5_0's are 1), an integer min per block and
+ * float factors d and -dmin per block (the weight is d * scale * q - dmin * min; Q6_K and
+ * Q5_0: q signed, no min). The weights are read once, in place.
+ *
+ * The recipe every kernel here follows for one (row, output feature) and one chunk, with
+ * activation block b's int8 values x, float scale x_scale_b and integer sum of x:
+ *     A_b = scale_lo * sum(q x over the low 16) + scale_hi * sum(q x over the high 16)
+ *     v_b = (float)A_b * (x_scale_b * d_b)
+ *     v_b = fma((float)(min_b * sum_b(x)), x_scale_b * -dmin_b, v_b)      (Q4_K, Q5_K)
+ *     acc = acc + (((v_0 + v_1) + (v_2 + v_3)) + ((v_4 + v_5) + (v_6 + v_7)))
+ * with v_b = 0 for the blocks a short chunk lacks. A_b is exact (|A_b| < 2^24), and a chunk's
+ * blocks add up as a tree, so one row's chunk is a few vector steps (no chain of dependent
+ * multiply-adds); every kernel level gives the same bits, for a row alone or among others. */
+#include "internal.h"
+
+#define SUB (HS_SUPER / HS_BLOCK) /* activation blocks in a chunk */
+
+typedef struct {
+    uint16_t d, dmin;
+    uint8_t scales[12]; /* 8 scales and 8 mins of 6 bits */
+    uint8_t qs[HS_SUPER / 2];
+} block_q4_k;
+
+typedef struct {
+    uint16_t d, dmin;
+    uint8_t scales[12];
+    uint8_t qh[HS_SUPER / 8]; /* the fifth bits */
+    uint8_t qs[HS_SUPER / 2];
+} block_q5_k;
+
+typedef struct {
+    uint8_t ql[HS_SUPER / 2]; /* low 4 bits */
+    uint8_t qh[HS_SUPER / 4]; /* high 2 bits */
+    int8_t scales[HS_SUPER / 16];
+    uint16_t d;
+} block_q6_k;
+
+typedef struct {
+    uint16_t d;
+    uint8_t qh[4];            /* bit i: value i's fifth bit */
+    uint8_t qs[HS_BLOCK / 2]; /* value i in the low nibble of qs[i], i + 16 in the high */
+} block_q5_0;
+
+_Static_assert(sizeof(block_q4_k) == 144, "GGUF Q4_K super-blocks are 144 bytes");
+_Static_assert(sizeof(block_q5_k) == 176, "GGUF Q5_K super-blocks are 176 bytes");
+_Static_assert(sizeof(block_q6_k) == 210, "GGUF Q6_K super-blocks are 210 bytes");
+_Static_assert(sizeof(block_q5_0) == 22, "GGUF Q5_0 blocks are 22 bytes");
+
+/* One chunk, unpacked. */
+typedef struct {
+    int8_t q[HS_SUPER] __attribute__((aligned(32))); /* Q4_K 0..15, Q5_K 0..31, Q6_K -32..31,
+                                                      * Q5_0 -16..15 */
+    int16_t scale[2 * SUB] __attribute__((aligned(32))); /* per half-block of 16 */
+    /* the same scales in the order rows_major's sums come in: the low halves of blocks 0-3,
+     * their high halves, then blocks 4-7's (AVX2 kernels only) */
+    int32_t halves[2 * SUB] __attribute__((aligned(32)));
+    int32_t min[SUB] __attribute__((aligned(32))); /* per block (Q6_K, Q5_0: unused) */
+    float d[SUB] __attribute__((aligned(32)));
+    float neg_dmin[SUB] __attribute__((aligned(32)));
+    int blocks; /* activation blocks in this chunk: SUB, or fewer at a Q5_0 row's end */
+} unpacked;
+
+int hs_unpacked_is(int type) {
+    return type == HS_Q4_K || type == HS_Q5_K || type == HS_Q6_K || type == HS_Q5_0;
+}
+
+/* Q4_K and Q5_K: values unsigned, with mins; Q6_K and Q5_0: values signed, no mins. */
+INLINE int has_mins(int type) { return type == HS_Q4_K || type == HS_Q5_K; }
+
+/* Values a storage block holds, and its bytes. */
+static int block_values(int type) { return type == HS_Q5_0 ? HS_BLOCK : HS_SUPER; }
+
+static size_t block_bytes(int type) {
+    switch (type) {
+    case HS_Q4_K: return sizeof(block_q4_k);
+    case HS_Q5_K: return sizeof(block_q5_k);
+    case HS_Q6_K: return sizeof(block_q6_k);
+    case HS_Q5_0: return sizeof(block_q5_0);
+    default: return 0;
+    }
+}
+
+size_t hs_unpacked_row_bytes(int type, int cols) {
+    const int values = block_values(type);
+    return cols > 0 && cols % values == 0 ? (size_t)(cols / values) * block_bytes(type) : 0;
+}
+
+/* Chunk c of a row: its first byte. */
+INLINE const char *chunk_at(const char *wrow, int type, int c) {
+    return wrow + (size_t)c * (type == HS_Q5_0 ? SUB * sizeof(block_q5_0) : block_bytes(type));
+}
+
+/* Scale and min j (0..7) of Q4_K's and Q5_K's 12 packed bytes: 6 bits each, the first four
+ * in the low bits of bytes 0..7, the last four split across bytes 8..11 and the top bits. */
+INLINE void scale_min(const uint8_t *s, int j, int *scale, int *min) {
+    if (j < 4) {
+        *scale = s[j] & 63;
+        *min = s[j + 4] & 63;
+    } else {
+        *scale = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+        *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* Everything but the values. */
+static void unpack_factors_portable(const char *chunk, int type, unpacked *u) {
+    if (type == HS_Q6_K) {
+        const block_q6_k *blk = (const block_q6_k *)chunk;
+        const float d = half_to_float(blk->d);
+        for (int h = 0; h < 2 * SUB; h++) u->scale[h] = blk->scales[h];
+        for (int b = 0; b < SUB; b++) u->d[b] = d, u->neg_dmin[b] = 0.0f, u->min[b] = 0;
+    } else if (type == HS_Q5_0) {
+        for (int b = 0; b < SUB; b++) { /* a short chunk's missing blocks: all zero */
+            const int here = b < u->blocks;
+            u->d[b] = here ? half_to_float(((const block_q5_0 *)chunk)[b].d) : 0.0f;
+            u->scale[2 * b] = u->scale[2 * b + 1] = (int16_t)here;
+            u->neg_dmin[b] = 0.0f, u->min[b] = 0;
+        }
+    } else { /* Q5_K begins as Q4_K does */
+        const block_q4_k *blk = (const block_q4_k *)chunk;
+        const float d = half_to_float(blk->d), neg_dmin = -half_to_float(blk->dmin);
+        for (int b = 0; b < SUB; b++) {
+            int scale, min;
+            scale_min(blk->scales, b, &scale, &min);
+            u->scale[2 * b] = u->scale[2 * b + 1] = (int16_t)scale;
+            u->min[b] = min, u->d[b] = d, u->neg_dmin[b] = neg_dmin;
+        }
+    }
+}
+
+static void unpack_portable(const char *chunk, int type, int blocks, unpacked *u) {
+    u->blocks = blocks;
+    unpack_factors_portable(chunk, type, u);
+    if (type == HS_Q6_K) {
+        const block_q6_k *blk = (const block_q6_k *)chunk;
+        for (int half = 0; half < 2; half++) {
+            const uint8_t *ql = blk->ql + 64 * half, *qh = blk->qh + 32 * half;
+            int8_t *q = u->q + 128 * half;
+            for (int l = 0; l < 32; l++) {
+                q[l] = (int8_t)(((ql[l] & 0x0f) | ((qh[l] & 3) << 4)) - 32);
+                q[l + 32] = (int8_t)(((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) - 32);
+                q[l + 64] = (int8_t)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+                q[l + 96] = (int8_t)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+            }
+        }
+    } else if (type == HS_Q5_0) {
+        for (int b = 0; b < blocks; b++) {
+            const block_q5_0 *blk = (const block_q5_0 *)chunk + b;
+            const uint32_t qh = (uint32_t)blk->qh[0] | (uint32_t)blk->qh[1] << 8 |
+                                (uint32_t)blk->qh[2] << 16 | (uint32_t)blk->qh[3] << 24;
+            for (int j = 0; j < HS_BLOCK / 2; j++) {
+                u->q[32 * b + j] = (int8_t)(((blk->qs[j] & 0x0f) | ((qh >> j) & 1) << 4) - 16);
+                u->q[32 * b + j + 16] = (int8_t)(((blk->qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - 16);
+            }
+        }
+    } else { /* Q4_K, Q5_K: each 32 bytes of qs hold 64 values, the first 32 in the low nibbles */
+        const uint8_t *qs = type == HS_Q4_K ? ((const block_q4_k *)chunk)->qs : ((const block_q5_k *)chunk)->qs;
+        const uint8_t *qh = type == HS_Q5_K ? ((const block_q5_k *)chunk)->qh : NULL;
+        for (int c = 0; c < 4; c++)
+            for (int l = 0; l < 32; l++) {
+                const int high_lo = qh ? ((qh[l] >> (2 * c)) & 1) << 4 : 0;
+                const int high_hi = qh ? ((qh[l] >> (2 * c + 1)) & 1) << 4 : 0;
+                u->q[64 * c + l] = (int8_t)((qs[32 * c + l] & 0x0f) | high_lo);
+                u->q[64 * c + 32 + l] = (int8_t)((qs[32 * c + l] >> 4) | high_hi);
+            }
+    }
+}
+
+void hs_unpacked_dequantize_row(int type, const void *row, int cols, float *out) {
+    unpacked u;
+    for (int c = 0; c * HS_SUPER < cols; c++) {
+        const int blocks = (cols - c * HS_SUPER) / HS_BLOCK < SUB ? (cols - c * HS_SUPER) / HS_BLOCK : SUB;
+        unpack_portable(chunk_at(row, type, c), type, blocks, &u);
+        for (int k = 0; k < blocks * HS_BLOCK; k++) { /* as ggml: (d * scale) * q - dmin * min */
+            const int b = k / HS_BLOCK;
+            const float value = type == HS_Q5_0 ? u.d[b] * (float)u.q[k]
+                                                : (u.d[b] * (float)u.scale[k / 16]) * (float)u.q[k];
+            out[c * HS_SUPER + k] = has_mins(type) ? value + u.neg_dmin[b] * (float)u.min[b] : value;
+        }
+    }
+}
+
+/* The tree a chunk's 8 terms add up in. */
+INLINE float chunk_sum(const float v[SUB]) {
+    return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
+#define ROW_CHUNK 16         /* rows the portable kernel accumulates at a time */
+#define PREFETCH_AHEAD 2048 /* bytes of weights the AVX2 kernels ask for ahead of their use */
+
+static void features_portable(const hs_matrix *w, const activations *a, int n, int first, int end,
+                              float *out) {
+    const int blocks = w->cols / HS_BLOCK, chunks = (blocks + SUB - 1) / SUB;
+    const size_t stride = hs_unpacked_row_bytes(w->type, w->cols);
+    unpacked u;
+    for (int j = first; j < end; j++) {
+        const char *wrow = (const char *)w->data + stride * j;
+        for (int r0 = 0; r0 < n; r0 += ROW_CHUNK) {
+            const int m = n - r0 < ROW_CHUNK ? n - r0 : ROW_CHUNK;
+            float acc[ROW_CHUNK] = {0};
+            for (int c = 0; c < chunks; c++) {
+                unpack_portable(chunk_at(wrow, w->type, c), w->type,
+                                blocks - c * SUB < SUB ? blocks - c * SUB : SUB, &u);
+                for (int r = 0; r < m; r++) {
+                    const size_t row = (size_t)(r0 + r);
+                    const int8_t *x = a->q + row * w->cols + (size_t)c * HS_SUPER;
+                    float v[SUB] = {0};
+                    for (int b = 0; b < u.blocks; b++) {
+                        int32_t lo = 0, hi = 0;
+                        for (int k = 0; k < 16; k++) {
+                            lo += u.q[32 * b + k] * x[32 * b + k];
+                            hi += u.q[32 * b + 16 + k] * x[32 * b + 16 + k];
+                        }
+                        const size_t at = row * blocks + (size_t)c * SUB + b;
+                        v[b] = (float)(u.scale[2 * b] * lo + u.scale[2 * b + 1] * hi) * (a->d[at] * u.d[b]);
+                        if (has_mins(w->type))
+                            v[b] = fmaf((float)(u.min[b] * a->sum[at]), a->d[at] * u.neg_dmin[b], v[b]);
+                    }
+                    acc[r] = acc[r] + chunk_sum(v);
+                }
+            }
+            for (int r = 0; r < m; r++) out[(size_t)(r0 + r) * w->rows + j] = acc[r];
+        }
+    }
+}
+
+#if HS_X86
+/* A chunk's values as bytes, and its factors. */
+/* unpack_factors_portable's factors, and the scales again as `halves`. Q4_K's and Q5_K's
+ * packed scales and mins as four 32-bit words: scales 0-3 and mins 0-3 are the low 6 bits of
+ * bytes 0-3 and 4-7; scales 4-7 take bytes 8-11's low nibbles and bytes 0-3's top 2 bits,
+ * mins 4-7 bytes 8-11's high nibbles and bytes 4-7's top bits. */
+HS_AVX2 INLINE void unpack_factors_avx2(const char *chunk, const int type, unpacked *u) {
+    __m256i by_block; /* the scales, one per block, or per half-block (Q6_K) */
+    if (type == HS_Q6_K) {
+        const block_q6_k *blk = (const block_q6_k *)chunk;
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)blk->scales);
+        _mm256_store_si256((__m256i *)u->scale, _mm256_cvtepi8_epi16(bytes));
+        const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7); /* low halves, high */
+        _mm256_store_si256((__m256i *)u->halves, _mm256_permutevar8x32_epi32(_mm256_cvtepi8_epi32(bytes), order));
+        _mm256_store_si256((__m256i *)(u->halves + SUB),
+                           _mm256_permutevar8x32_epi32(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)), order));
+        _mm256_store_ps(u->d, _mm256_set1_ps(_cvtsh_ss(blk->d)));
+        _mm256_store_ps(u->neg_dmin, _mm256_setzero_ps());
+        _mm256_store_si256((__m256i *)u->min, _mm256_setzero_si256());
+        return;
+    }
+    if (type == HS_Q5_0) {
+        uint16_t d[SUB] = {0}; /* a short chunk's missing blocks: all zero */
+        int16_t here[2 * SUB] = {0};
+        for (int b = 0; b < u->blocks; b++) d[b] = ((const block_q5_0 *)chunk)[b].d, here[2 * b] = here[2 * b + 1] = 1;
+        _mm256_store_ps(u->d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d)));
+        _mm256_store_si256((__m256i *)u->scale, _mm256_loadu_si256((const __m256i *)here));
+        _mm256_store_ps(u->neg_dmin, _mm256_setzero_ps());
+        _mm256_store_si256((__m256i *)u->min, _mm256_setzero_si256());
+        return; /* halves: unused (Q5_0's scales are 1) */
+    }
+    const block_q4_k *blk = (const block_q4_k *)chunk;
+    uint32_t words[3];
+    memcpy(words, blk->scales, sizeof words);
+    const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, low2 = 0x03030303u;
+    const uint32_t scales_hi = (words[2] & low4) | ((words[0] >> 6) & low2) << 4;
+    const uint32_t mins_hi = ((words[2] >> 4) & low4) | ((words[1] >> 6) & low2) << 4;
+    const __m128i scales = _mm_setr_epi32((int)(words[0] & low6), (int)scales_hi, 0, 0);
+    const __m128i mins = _mm_setr_epi32((int)(words[1] & low6), (int)mins_hi, 0, 0);
+    _mm256_store_si256((__m256i *)u->scale, _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(scales, scales)));
+    _mm256_store_si256((__m256i *)u->min, _mm256_cvtepu8_epi32(mins));
+    by_block = _mm256_cvtepu8_epi32(scales);
+    _mm256_store_si256((__m256i *)u->halves, _mm256_permutevar8x32_epi32(by_block, _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3)));
+    _mm256_store_si256((__m256i *)(u->halves + SUB), _mm256_permutevar8x32_epi32(by_block, _mm256_setr_epi32(4, 5, 6, 7, 4, 5, 6, 7)));
+    _mm256_store_ps(u->d, _mm256_set1_ps(_cvtsh_ss(blk->d)));
+    _mm256_store_ps(u->neg_dmin, _mm256_set1_ps(-_cvtsh_ss(blk->dmin)));
+}
+
+HS_AVX2 INLINE void unpack_avx2(const char *chunk, const int type, const int blocks, unpacked *u) {
+    u->blocks = blocks;
+    unpack_factors_avx2(chunk, type, u);
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    if (type == HS_Q6_K) {
+        const block_q6_k *blk = (const block_q6_k *)chunk;
+        const __m256i low2 = _mm256_set1_epi8(3), offset = _mm256_set1_epi8(32);
+        for (int half = 0; half < 2; half++) {
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk->ql + 64 * half));
+            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk->ql + 64 * half + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk->qh + 32 * half));
+            /* bits 2k, 2k + 1 of qh, moved to bits 4, 5 (16-bit shifts, then masked per byte) */
+            const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(qh, low2), 4);
+            const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), low2), 4);
+            const __m256i h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), low2), 4);
+            const __m256i h3 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), low2), 4);
+            const __m256i v0 = _mm256_or_si256(_mm256_and_si256(ql0, low4), h0);
+            const __m256i v1 = _mm256_or_si256(_mm256_and_si256(ql1, low4), h1);
+            const __m256i v2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4), h2);
+            const __m256i v3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4), h3);
+            int8_t *q = u->q + 128 * half;
+            _mm256_store_si256((__m256i *)q, _mm256_sub_epi8(v0, offset));
+            _mm256_store_si256((__m256i *)(q + 32), _mm256_sub_epi8(v1, offset));
+            _mm256_store_si256((__m256i *)(q + 64), _mm256_sub_epi8(v2, offset));
+            _mm256_store_si256((__m256i *)(q + 96), _mm256_sub_epi8(v3, offset));
+        }
+        return;
+    }
+    if (type == HS_Q5_0) {
+        /* byte i of a block takes qh's byte i / 8, then keeps bit i % 8 */
+        const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+        const __m256i bits = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+        const __m256i sixteen = _mm256_set1_epi8(16);
+        for (int b = 0; b < blocks; b++) {
+            const block_q5_0 *blk = (const block_q5_0 *)chunk + b;
+            const __m128i raw = _mm_loadu_si128((const __m128i *)blk->qs);
+            const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0f));
+            const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0f));
+            int32_t qh;
+            memcpy(&qh, blk->qh, 4);
+            const __m256i high = _mm256_cmpeq_epi8(
+                _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(qh), spread), bits), bits);
+            const __m256i values = _mm256_or_si256(_mm256_set_m128i(hi, lo), _mm256_and_si256(high, sixteen));
+            _mm256_store_si256((__m256i *)(u->q + 32 * b), _mm256_sub_epi8(values, sixteen));
+        }
+        return;
+    }
+    const uint8_t *qs = type == HS_Q4_K ? ((const block_q4_k *)chunk)->qs : ((const block_q5_k *)chunk)->qs;
+    __m256i qh = _mm256_setzero_si256();
+    if (type == HS_Q5_K) qh = _mm256_loadu_si256((const __m256i *)((const block_q5_k *)chunk)->qh);
+    for (int c = 0; c < 4; c++) {
+        const __m256i bytes = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        __m256i lo = _mm256_and_si256(bytes, low4);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+        if (type == HS_Q5_K) { /* bit 2c of qh[l] is value l's fifth bit, bit 2c + 1 value 32 + l's */
+            const __m256i bit_lo = _mm256_set1_epi8((char)(1 << (2 * c)));
+            const __m256i bit_hi = _mm256_set1_epi8((char)(2 << (2 * c)));
+            const __m256i sixteen = _mm256_set1_epi8(16);
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit_lo), bit_lo), sixteen));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit_hi), bit_hi), sixteen));
+        }
+        _mm256_store_si256((__m256i *)(u->q + 64 * c), lo);
+        _mm256_store_si256((__m256i *)(u->q + 64 * c + 32), hi);
+    }
+}
+
+/* Four bytes at p in every int32 lane. */
+HS_AVX2 INLINE __m256i broadcast4(const void *p) {
+    return _mm256_castps_si256(_mm256_broadcast_ss((const float *)p));
+}
+
+/* Pair sums of w times x: unsigned values (Q4_K, Q5_K) are maddubs's unsigned side; signed
+ * ones (Q6_K, Q5_0) go as |w| times x with w's sign. */
+HS_AVX2 INLINE __m256i pair_products(const int type, const __m256i w, const __m256i x) {
+    if (!has_mins(type)) return _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+    return _mm256_maddubs_epi16(w, x);
+}
+
+/* v_b of the recipe in 8 lanes (of blocks): integer A, activation scales, block factors, and
+ * min * sum(x) (an exact product of exact integers, in floats) where the type has mins. */
+HS_AVX2 INLINE __m256 block_terms(const int type, const __m256i a, const __m256 x_scales,
+                                  const __m256 d, const __m256 mins, const __m256 neg_dmin) {
+    const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(x_scales, d));
+    if (!has_mins(type)) return v;
+    return _mm256_fmadd_ps(mins, _mm256_mul_ps(x_scales, neg_dmin), v);
+}
+
+/* Rows in lanes, block b of chunk c (unpacked in u) for the rows of `count` (1 or 2) whole
+ * groups from `group` on: v_b of each group's 8 rows, into v. A half-block's four runs of pair
+ * sums stay below 2^15 (4 * 2 * 32 * 127) before one madd by its scale widens them. */
+HS_AVX2 INLINE void block_in_lanes(const unpacked *u, const int type, const int c, const int b,
+                                   const int blocks, const activations *a, const int group,
+                                   const int count, __m256 v[2]) {
+    v[0] = v[1] = _mm256_setzero_ps();
+    if (b >= u->blocks) return; /* a short chunk's missing block: 0 */
+    const size_t blk = (size_t)c * SUB + b;
+    __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int h = 0; h < 2; h++) {
+        __m256i pairs[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int k = 4 * h; k < 4 * h + 4; k++) {
+            const __m256i w = broadcast4(u->q + 32 * b + 4 * k);
+            for (int g = 0; g < count; g++) {
+                const int8_t *x = a->grouped + (((size_t)(group + g) * blocks + blk) * GROUP + k) * 4 * GROUP;
+                pairs[g] = _mm256_add_epi16(pairs[g], pair_products(type, w, _mm256_loadu_si256((const __m256i *)x)));
+            }
+        }
+        const __m256i scale = _mm256_set1_epi16(u->scale[2 * b + h]);
+        for (int g = 0; g < count; g++) sums[g] = _mm256_add_epi32(sums[g], _mm256_madd_epi16(pairs[g], scale));
+    }
+    for (int g = 0; g < count; g++) {
+        const size_t at = ((size_t)(group + g) * blocks + blk) * GROUP;
+        const __m256 x_scales = _mm256_loadu_ps(a->grouped_d + at);
+        v[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(sums[g]), _mm256_mul_ps(x_scales, _mm256_set1_ps(u->d[b])));
+        if (has_mins(type)) { /* min * sum: an exact product of exact integers, in floats */
+            const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(a->grouped_sum + at))),
+                                              _mm256_set1_ps((float)u->min[b]));
+            v[g] = _mm256_fmadd_ps(mins, _mm256_mul_ps(x_scales, _mm256_set1_ps(u->neg_dmin[b])), v[g]);
+        }
+    }
+}
+
+/* Rows in lanes: chunk c times the rows of `count` whole groups; acc[g] holds group g's 8
+ * rows. The chunk's terms add up by chunk_sum's tree. */
+HS_AVX2 INLINE void rows_in_lanes(const unpacked *u, const int type, const int c, const int blocks,
+                                  const activations *a, const int group, const int count,
+                                  __m256 acc[2]) {
+    __m256 v[SUB][2];
+    for (int b = 0; b < SUB; b++) block_in_lanes(u, type, c, b, blocks, a, group, count, v[b]);
+    for (int g = 0; g < count; g++) {
+        const __m256 first = _mm256_add_ps(_mm256_add_ps(v[0][g], v[1][g]), _mm256_add_ps(v[2][g], v[3][g]));
+        const __m256 second = _mm256_add_ps(_mm256_add_ps(v[4][g], v[5][g]), _mm256_add_ps(v[6][g], v[7][g]));
+        acc[g] = _mm256_add_ps(acc[g], _mm256_add_ps(first, second));
+    }
+}
+
+/* A_b in lane b, from block b's products summed in pairs (lanes 0-3 the low half-block's,
+ * 4-7 the high's): each half's sum, times its scale, and the halves added (exact integers). */
+HS_AVX2 INLINE __m256i block_products(const int type, const unpacked *u, const __m256i sums[SUB]) {
+    /* lanes: the low halves of blocks 0-3, then their high halves (blocks 4-7 likewise) */
+    __m256i first = _mm256_hadd_epi32(_mm256_hadd_epi32(sums[0], sums[1]), _mm256_hadd_epi32(sums[2], sums[3]));
+    __m256i second = _mm256_hadd_epi32(_mm256_hadd_epi32(sums[4], sums[5]), _mm256_hadd_epi32(sums[6], sums[7]));
+    if (type != HS_Q5_0) { /* Q5_0's scales are 1 */
+        first = _mm256_mullo_epi32(first, _mm256_load_si256((const __m256i *)u->halves));
+        second = _mm256_mullo_epi32(second, _mm256_load_si256((const __m256i *)(u->halves + SUB)));
+    }
+    return _mm256_add_epi32(_mm256_permute2x128_si256(first, second, 0x20),
+                            _mm256_permute2x128_si256(first, second, 0x31));
+}
+
+/* chunk_sum of 8 lanes: hadd pairs lanes (0,1), (2,3) within each half, then the pairs'
+ * pairs; the halves' sums add last. */
+HS_AVX2 INLINE float chunk_sum8(const __m256 v) {
+    const __m256 pairs = _mm256_hadd_ps(v, v), quads = _mm256_hadd_ps(pairs, pairs);
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(quads), _mm256_extractf128_ps(quads, 1)));
+}
+
+/* Rows one by one: chunk c of one weight row times m row-major rows (x their first values,
+ * rows `cols` apart); acc[r] is row r's sum. Lanes hold the chunk's blocks. */
+HS_AVX2 INLINE void rows_major(const unpacked *u, const int type, const int c, const int blocks,
+                               const activations *a, const int first_row, const int cols,
+                               const int m, float *acc) {
+    const __m256 d = _mm256_load_ps(u->d), neg_dmin = _mm256_load_ps(u->neg_dmin);
+    const __m256 block_mins = _mm256_cvtepi32_ps(_mm256_load_si256((const __m256i *)u->min));
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < m; r++) {
+        const size_t row = (size_t)(first_row + r);
+        const int8_t *x = a->q + row * cols + (size_t)c * HS_SUPER;
+        const size_t at = row * blocks + (size_t)c * SUB;
+        __m256i sums[SUB];
+        for (int b = 0; b < SUB; b++) {
+            if (b >= u->blocks) {
+                sums[b] = _mm256_setzero_si256();
+                continue;
+            }
+            const __m256i w = _mm256_load_si256((const __m256i *)(u->q + 32 * b));
+            sums[b] = _mm256_madd_epi16(pair_products(type, w, _mm256_loadu_si256((const __m256i *)(x + 32 * b))), ones);
+        }
+        __m256 x_scales;
+        __m256i x_sums = _mm256_setzero_si256();
+        if (u->blocks == SUB) {
+            x_scales = _mm256_loadu_ps(a->d + at);
+            if (has_mins(type)) x_sums = _mm256_loadu_si256((const __m256i *)(a->sum + at));
+        } else { /* a short chunk: the missing blocks' terms are 0 * 0 */
+            float scales[SUB] = {0};
+            memcpy(scales, a->d + at, sizeof(float) * (size_t)u->blocks);
+            x_scales = _mm256_loadu_ps(scales);
+        }
+        acc[r] = acc[r] + chunk_sum8(block_terms(type, block_products(type, u, sums), x_scales, d,
+                                                 _mm256_mul_ps(block_mins, _mm256_cvtepi32_ps(x_sums)), neg_dmin));
+    }
+}
+
+/* All n rows against output features [first, end): passes of up to two whole groups rows in
+ * lanes, the last pass also taking the rows outside whole groups (fewer than PAD_FROM) one
+ * by one; each chunk is unpacked once a pass. */
+HS_AVX2 INLINE void features_avx2_typed(const hs_matrix *w, const int type, const activations *a,
+                                        const int n, const int first, const int end, float *out) {
+    const int blocks = w->cols / HS_BLOCK, chunks = (blocks + SUB - 1) / SUB;
+    const int groups = grouped_rows(n) / GROUP, grouped = groups * GROUP < n ? groups * GROUP : n;
+    const int passes = groups > 2 ? (groups + 1) / 2 : 1;
+    const size_t stride = hs_unpacked_row_bytes(type, w->cols);
+    const size_t chunk_bytes = (size_t)(chunk_at(NULL, type, 1) - (const char *)NULL);
+    unpacked u;
+    for (int p = 0; p < passes; p++) {
+        const int g = 2 * p, count = groups - g < 2 ? groups - g : 2;
+        const int rest = p == passes - 1 ? n - grouped : 0;
+        for (int j = first; j < end; j++) {
+            const char *wrow = (const char *)w->data + stride * j;
+            __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+            float alone[PAD_FROM] = {0};
+            for (int c = 0; c < chunks; c++) {
+                const char *chunk = chunk_at(wrow, type, c);
+                /* the stream ahead: unpacking costs more than streaming the bytes, and without
+                 * this the hardware's prefetchers stay too close to overlap the two */
+                for (size_t line = 0; line < chunk_bytes; line += 64) _mm_prefetch(chunk + PREFETCH_AHEAD + line, _MM_HINT_T0);
+                unpack_avx2(chunk, type, blocks - c * SUB < SUB ? blocks - c * SUB : SUB, &u);
+                if (count == 2) rows_in_lanes(&u, type, c, blocks, a, g, 2, acc);
+                else if (count == 1) rows_in_lanes(&u, type, c, blocks, a, g, 1, acc);
+                if (rest > 0) rows_major(&u, type, c, blocks, a, grouped, w->cols, rest, alone);
+            }
+            for (int k = 0; k < count; k++) {
+                float lanes[GROUP];
+                _mm256_storeu_ps(lanes, acc[k]);
+                for (int r = 0; r < GROUP && (g + k) * GROUP + r < n; r++)
+                    out[(size_t)((g + k) * GROUP + r) * w->rows + j] = lanes[r];
+            }
+            for (int r = 0; r < rest; r++) out[(size_t)(grouped + r) * w->rows + j] = alone[r];
+        }
+    }
+}
+
+HS_AVX2 static void features_avx2(const hs_matrix *w, const activations *a, int n, int first,
+                                  int end, float *out) {
+    /* literal types: each call is compiled for its own */
+    switch (w->type) {
+    case HS_Q4_K: features_avx2_typed(w, HS_Q4_K, a, n, first, end, out); break;
+    case HS_Q5_K: features_avx2_typed(w, HS_Q5_K, a, n, first, end, out); break;
+    case HS_Q6_K: features_avx2_typed(w, HS_Q6_K, a, n, first, end, out); break;
+    default: features_avx2_typed(w, HS_Q5_0, a, n, first, end, out); break;
+    }
+}
+#endif
+
+void hs_unpacked_features(const hs_matrix *w, const activations *a, int n, int first, int end,
+                          float *out, int simd) {
+#if HS_X86
+    if (simd >= HS_SIMD_AVX2) {
+        features_avx2(w, a, n, first, end, out);
+        return;
+    }
+#endif
+    (void)simd;
+    features_portable(w, a, n, first, end, out);
+}
