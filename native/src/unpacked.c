@@ -402,17 +402,24 @@ HS_AVX2 INLINE void block_in_lanes(const unpacked *u, const int type, const int 
 }
 
 /* Rows in lanes: chunk c times the rows of `count` whole groups; acc[g] holds group g's 8
- * rows. The chunk's terms add up by chunk_sum's tree. */
+ * rows. The chunk's terms add up by chunk_sum's tree as they come (few live registers). */
 HS_AVX2 INLINE void rows_in_lanes(const unpacked *u, const int type, const int c, const int blocks,
                                   const activations *a, const int group, const int count,
                                   __m256 acc[2]) {
-    __m256 v[SUB][2];
-    for (int b = 0; b < SUB; b++) block_in_lanes(u, type, c, b, blocks, a, group, count, v[b]);
-    for (int g = 0; g < count; g++) {
-        const __m256 first = _mm256_add_ps(_mm256_add_ps(v[0][g], v[1][g]), _mm256_add_ps(v[2][g], v[3][g]));
-        const __m256 second = _mm256_add_ps(_mm256_add_ps(v[4][g], v[5][g]), _mm256_add_ps(v[6][g], v[7][g]));
-        acc[g] = _mm256_add_ps(acc[g], _mm256_add_ps(first, second));
-    }
+    __m256 even[2], odd[2], first[2], second[2];
+#define PAIR(b) /* even, odd = v_b, v_(b+1) */                                               \
+    block_in_lanes(u, type, c, b, blocks, a, group, count, even);                           \
+    block_in_lanes(u, type, c, b + 1, blocks, a, group, count, odd);
+    PAIR(0)
+    for (int g = 0; g < count; g++) first[g] = _mm256_add_ps(even[g], odd[g]);
+    PAIR(2)
+    for (int g = 0; g < count; g++) first[g] = _mm256_add_ps(first[g], _mm256_add_ps(even[g], odd[g]));
+    PAIR(4)
+    for (int g = 0; g < count; g++) second[g] = _mm256_add_ps(even[g], odd[g]);
+    PAIR(6)
+#undef PAIR
+    for (int g = 0; g < count; g++)
+        acc[g] = _mm256_add_ps(acc[g], _mm256_add_ps(first[g], _mm256_add_ps(second[g], _mm256_add_ps(even[g], odd[g]))));
 }
 
 /* A_b in lane b, from block b's products summed in pairs (lanes 0-3 the low half-block's,
