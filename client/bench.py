@@ -704,8 +704,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=["bundled"],
         help="comma-separated targets, a table each: bundled (the demo target), heavy-100m, "
         "heavy-300m, heavy-1b (padded copies of it that compute like that many parameters and "
-        "predict exactly like it; made in the cache on first use), or a model folder or GGUF "
-        "file of your own (default bundled)",
+        "predict exactly like it; made in the cache on first use; in Q8_0, or another GGUF type "
+        "named after it: heavy-300m-q4_k_m), or a model folder or GGUF file of your own "
+        "(default bundled)",
     )
     parser.add_argument("--draft", help="the draft for every target: a model folder or GGUF "
                         "file (default: the bundled draft)")  # fmt: skip

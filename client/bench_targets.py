@@ -1,9 +1,10 @@
 """The model pairs ``hetspec bench --target`` compares systems on, and their cost ratio c.
 
 A target is the bundled demo target, a heavy copy of it (``heavy-100m``, ``heavy-300m``,
-``heavy-1b``: made on demand in the cache, see ``hetspec.models.heavy``), or a path of the
-user's own. Every target is drafted by the bundled draft unless ``--draft`` names another;
-a heavy target is never its own draft (the bundled target predicts exactly like it).
+``heavy-1b``: made on demand in the cache, see ``hetspec.models.heavy``; Q8_0, or another GGUF
+type named after it, e.g. ``heavy-300m-q4_k_m``), or a path of the user's own. Every target
+is drafted by the bundled draft unless ``--draft`` names another; a heavy target is never its
+own draft (the bundled target predicts exactly like it).
 """
 
 from __future__ import annotations
@@ -88,11 +89,13 @@ def resolve(spec: str, draft: str | None, cache_dir: str | None = None) -> Bench
     elif spec.startswith("heavy-"):
         from hetspec.models.heavy import HeavyModelError, ensure_heavy  # noqa: PLC0415
 
+        size, _, kind = spec.removeprefix("heavy-").partition("-")  # heavy-300m-q4_k_m
         try:
-            heavy = ensure_heavy(spec.removeprefix("heavy-"), ("f16", "q8_0"), cache_dir)
+            heavy = ensure_heavy(size, ("f16", kind or "q8_0"), cache_dir)
         except HeavyModelError as error:
             raise TargetError(f"{spec}: {error}") from None
-        target, name = ModelFiles(heavy.folder, heavy.gguf("q8_0")), f"heavy-{heavy.size}"
+        name = f"heavy-{heavy.size}" + (f"-{kind}" if kind else "")
+        target = ModelFiles(heavy.folder, heavy.gguf(kind or "q8_0"))
     else:
         target = model_files(spec)
         name = target.folder.name if target.gguf.parent == target.folder else target.gguf.stem

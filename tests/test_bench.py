@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from hetspec.client.bench import BusyCore
 from hetspec.client.busy_box import busy_note
 
@@ -83,6 +85,14 @@ def test_bench_sweeps_targets_and_skips_a_bad_one_with_its_reason(tmp_path: Path
     assert "## Speedup against the cost ratio c" in table
     assert "x fastest target alone" in table
     assert (out / "bench-sweep.png").stat().st_size > 0
+
+
+def test_a_heavy_target_of_an_unknown_gguf_type_is_one_clear_error(tmp_path: Path) -> None:
+    from hetspec.client.bench_targets import TargetError, resolve  # noqa: PLC0415
+
+    with pytest.raises(TargetError, match="heavy-100m-q4_k_s: unknown GGUF type 'q4_k_s'"):
+        resolve("heavy-100m-q4_k_s", None, str(tmp_path))
+    assert not any(tmp_path.iterdir())  # refused before anything was built
 
 
 def test_sampled_bench_keeps_each_prompts_seed_so_every_mode_makes_the_same_tokens(

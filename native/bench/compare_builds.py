@@ -25,7 +25,7 @@ from hetspec.native.model import NativeModel
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="a Q8_0 or Q4_0 GGUF file")
+    parser.add_argument("--model", required=True, help="a GGUF file the native kernels read")
     parser.add_argument("builds", nargs="+", help="LABEL=PATH (PATH: a .so, or 'installed')")
     parser.add_argument("--widths", default="1,8,16")
     parser.add_argument("--context", type=int, default=128, help="tokens already cached")
