@@ -370,9 +370,9 @@ HS_AVX2 INLINE __m256 block_terms(const int type, const __m256i a, const __m256 
 /* Rows in lanes, block b of chunk c (unpacked in u) for the rows of `count` (1 or 2) whole
  * groups from `group` on: v_b of each group's 8 rows, into v. A half-block's four runs of pair
  * sums stay below 2^15 (4 * 2 * 32 * 127) before one madd by its scale widens them. */
-HS_AVX2 INLINE void block_in_lanes(const unpacked *u, const int type, const int c, const int b,
-                                   const int blocks, const activations *a, const int group,
-                                   const int count, __m256 v[2]) {
+HS_AVX2 INLINE void block_in_lanes_avx2(const unpacked *u, const int type, const int c, const int b,
+                                        const int blocks, const activations *a, const int group,
+                                        const int count, __m256 v[2]) {
     v[0] = v[1] = _mm256_setzero_ps();
     if (b >= u->blocks) return; /* a short chunk's missing block: 0 */
     const size_t blk = (size_t)c * SUB + b;
@@ -402,25 +402,30 @@ HS_AVX2 INLINE void block_in_lanes(const unpacked *u, const int type, const int 
 }
 
 /* Rows in lanes: chunk c times the rows of `count` whole groups; acc[g] holds group g's 8
- * rows. The chunk's terms add up by chunk_sum's tree as they come (few live registers). */
-HS_AVX2 INLINE void rows_in_lanes(const unpacked *u, const int type, const int c, const int blocks,
-                                  const activations *a, const int group, const int count,
-                                  __m256 acc[2]) {
-    __m256 even[2], odd[2], first[2], second[2];
-#define PAIR(b) /* even, odd = v_b, v_(b+1) */                                               \
-    block_in_lanes(u, type, c, b, blocks, a, group, count, even);                           \
-    block_in_lanes(u, type, c, b + 1, blocks, a, group, count, odd);
-    PAIR(0)
-    for (int g = 0; g < count; g++) first[g] = _mm256_add_ps(even[g], odd[g]);
-    PAIR(2)
-    for (int g = 0; g < count; g++) first[g] = _mm256_add_ps(first[g], _mm256_add_ps(even[g], odd[g]));
-    PAIR(4)
-    for (int g = 0; g < count; g++) second[g] = _mm256_add_ps(even[g], odd[g]);
-    PAIR(6)
-#undef PAIR
-    for (int g = 0; g < count; g++)
-        acc[g] = _mm256_add_ps(acc[g], _mm256_add_ps(first[g], _mm256_add_ps(second[g], _mm256_add_ps(even[g], odd[g]))));
-}
+ * rows. The chunk's terms add up by chunk_sum's tree as they come (few live registers).
+ * Defined per kernel level (SUFFIX), on that level's block_in_lanes. */
+#define ROWS_IN_LANES(ATTR, SUFFIX)                                                          \
+    ATTR INLINE void rows_in_lanes_##SUFFIX(const unpacked *u, const int type, const int c, \
+                                            const int blocks, const activations *a,        \
+                                            const int group, const int count, __m256 acc[2]) { \
+        __m256 even[2], odd[2], first[2], second[2];                                         \
+        block_in_lanes_##SUFFIX(u, type, c, 0, blocks, a, group, count, even);              \
+        block_in_lanes_##SUFFIX(u, type, c, 1, blocks, a, group, count, odd);               \
+        for (int g = 0; g < count; g++) first[g] = _mm256_add_ps(even[g], odd[g]);          \
+        block_in_lanes_##SUFFIX(u, type, c, 2, blocks, a, group, count, even);              \
+        block_in_lanes_##SUFFIX(u, type, c, 3, blocks, a, group, count, odd);               \
+        for (int g = 0; g < count; g++)                                                      \
+            first[g] = _mm256_add_ps(first[g], _mm256_add_ps(even[g], odd[g]));              \
+        block_in_lanes_##SUFFIX(u, type, c, 4, blocks, a, group, count, even);              \
+        block_in_lanes_##SUFFIX(u, type, c, 5, blocks, a, group, count, odd);               \
+        for (int g = 0; g < count; g++) second[g] = _mm256_add_ps(even[g], odd[g]);         \
+        block_in_lanes_##SUFFIX(u, type, c, 6, blocks, a, group, count, even);              \
+        block_in_lanes_##SUFFIX(u, type, c, 7, blocks, a, group, count, odd);               \
+        for (int g = 0; g < count; g++)                                                      \
+            acc[g] = _mm256_add_ps(acc[g], _mm256_add_ps(first[g], _mm256_add_ps(           \
+                                               second[g], _mm256_add_ps(even[g], odd[g])))); \
+    }
+ROWS_IN_LANES(HS_AVX2, avx2)
 
 /* A_b in lane b, from block b's products summed in pairs (lanes 0-3 the low half-block's,
  * 4-7 the high's): each half's sum, times its scale, and the halves added (exact integers). */
@@ -443,96 +448,158 @@ HS_AVX2 INLINE float chunk_sum8(const __m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(quads), _mm256_extractf128_ps(quads, 1)));
 }
 
-/* Rows one by one: chunk c of one weight row times m row-major rows (x their first values,
- * rows `cols` apart); acc[r] is row r's sum. Lanes hold the chunk's blocks. */
-HS_AVX2 INLINE void rows_major(const unpacked *u, const int type, const int c, const int blocks,
-                               const activations *a, const int first_row, const int cols,
-                               const int m, float *acc) {
-    const __m256 d = _mm256_load_ps(u->d), neg_dmin = _mm256_load_ps(u->neg_dmin);
-    const __m256 block_mins = _mm256_cvtepi32_ps(_mm256_load_si256((const __m256i *)u->min));
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int r = 0; r < m; r++) {
-        const size_t row = (size_t)(first_row + r);
-        const int8_t *x = a->q + row * cols + (size_t)c * HS_SUPER;
-        const size_t at = row * blocks + (size_t)c * SUB;
-        __m256i sums[SUB];
-        for (int b = 0; b < SUB; b++) {
-            if (b >= u->blocks) {
-                sums[b] = _mm256_setzero_si256();
-                continue;
-            }
-            const __m256i w = _mm256_load_si256((const __m256i *)(u->q + 32 * b));
-            sums[b] = _mm256_madd_epi16(pair_products(type, w, _mm256_loadu_si256((const __m256i *)(x + 32 * b))), ones);
-        }
-        __m256 x_scales;
-        __m256i x_sums = _mm256_setzero_si256();
-        if (u->blocks == SUB) {
-            x_scales = _mm256_loadu_ps(a->d + at);
-            if (has_mins(type)) x_sums = _mm256_loadu_si256((const __m256i *)(a->sum + at));
-        } else { /* a short chunk: the missing blocks' terms are 0 * 0 */
-            float scales[SUB] = {0};
-            memcpy(scales, a->d + at, sizeof(float) * (size_t)u->blocks);
-            x_scales = _mm256_loadu_ps(scales);
-        }
-        acc[r] = acc[r] + chunk_sum8(block_terms(type, block_products(type, u, sums), x_scales, d,
-                                                 _mm256_mul_ps(block_mins, _mm256_cvtepi32_ps(x_sums)), neg_dmin));
-    }
+/* Block b's products in pairs summed to 8 int32 lanes (lanes 0-3 the low half-block's). */
+HS_AVX2 INLINE __m256i block_sums_avx2(const int type, const __m256i w, const __m256i x) {
+    return _mm256_madd_epi16(pair_products(type, w, x), _mm256_set1_epi16(1));
 }
+
+/* Rows one by one: chunk c of one weight row times m row-major rows (rows first_row.., of
+ * `cols` values); acc[r] is row r's sum. Lanes hold the chunk's blocks. Defined per kernel
+ * level, on that level's block_sums. */
+#define ROWS_MAJOR(ATTR, SUFFIX)                                                             \
+    ATTR INLINE void rows_major_##SUFFIX(const unpacked *u, const int type, const int c,    \
+                                         const int blocks, const activations *a,           \
+                                         const int first_row, const int cols, const int m, \
+                                         float *acc) {                                      \
+        const __m256 d = _mm256_load_ps(u->d), neg_dmin = _mm256_load_ps(u->neg_dmin);      \
+        const __m256 block_mins = _mm256_cvtepi32_ps(_mm256_load_si256((const __m256i *)u->min)); \
+        for (int r = 0; r < m; r++) {                                                        \
+            const size_t row = (size_t)(first_row + r);                                      \
+            const int8_t *x = a->q + row * cols + (size_t)c * HS_SUPER;                      \
+            const size_t at = row * blocks + (size_t)c * SUB;                                \
+            __m256i sums[SUB];                                                               \
+            for (int b = 0; b < SUB; b++)                                                    \
+                sums[b] = b < u->blocks                                                      \
+                              ? block_sums_##SUFFIX(type, _mm256_load_si256((const __m256i *)(u->q + 32 * b)), \
+                                                    _mm256_loadu_si256((const __m256i *)(x + 32 * b))) \
+                              : _mm256_setzero_si256();                                      \
+            __m256 x_scales;                                                                 \
+            __m256i x_sums = _mm256_setzero_si256();                                         \
+            if (u->blocks == SUB) {                                                          \
+                x_scales = _mm256_loadu_ps(a->d + at);                                       \
+                if (has_mins(type)) x_sums = _mm256_loadu_si256((const __m256i *)(a->sum + at)); \
+            } else { /* a short chunk: the missing blocks' terms are 0 * 0 */                \
+                float scales[SUB] = {0};                                                     \
+                memcpy(scales, a->d + at, sizeof(float) * (size_t)u->blocks);                \
+                x_scales = _mm256_loadu_ps(scales);                                          \
+            }                                                                                \
+            const __m256 mins = _mm256_mul_ps(block_mins, _mm256_cvtepi32_ps(x_sums));       \
+            acc[r] = acc[r] + chunk_sum8(block_terms(type, block_products(type, u, sums),   \
+                                                     x_scales, d, mins, neg_dmin));          \
+        }                                                                                    \
+    }
+ROWS_MAJOR(HS_AVX2, avx2)
 
 /* All n rows against output features [first, end): passes of up to two whole groups rows in
  * lanes, the last pass also taking the rows outside whole groups (fewer than PAD_FROM) one
- * by one; each chunk is unpacked once a pass. */
-HS_AVX2 INLINE void features_avx2_typed(const hs_matrix *w, const int type, const activations *a,
-                                        const int n, const int first, const int end, float *out) {
-    const int blocks = w->cols / HS_BLOCK, chunks = (blocks + SUB - 1) / SUB;
-    const int groups = grouped_rows(n) / GROUP, grouped = groups * GROUP < n ? groups * GROUP : n;
-    const int passes = groups > 2 ? (groups + 1) / 2 : 1;
-    const size_t stride = hs_unpacked_row_bytes(type, w->cols);
-    const size_t chunk_bytes = (size_t)(chunk_at(NULL, type, 1) - (const char *)NULL);
-    unpacked u;
-    for (int p = 0; p < passes; p++) {
-        const int g = 2 * p, count = groups - g < 2 ? groups - g : 2;
-        const int rest = p == passes - 1 ? n - grouped : 0;
-        for (int j = first; j < end; j++) {
-            const char *wrow = (const char *)w->data + stride * j;
-            __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-            float alone[PAD_FROM] = {0};
-            for (int c = 0; c < chunks; c++) {
-                const char *chunk = chunk_at(wrow, type, c);
-                /* the stream ahead: unpacking costs more than streaming the bytes, and without
-                 * this the hardware's prefetchers stay too close to overlap the two */
-                for (size_t line = 0; line < chunk_bytes; line += 64) _mm_prefetch(chunk + PREFETCH_AHEAD + line, _MM_HINT_T0);
-                unpack_avx2(chunk, type, blocks - c * SUB < SUB ? blocks - c * SUB : SUB, &u);
-                if (count == 2) rows_in_lanes(&u, type, c, blocks, a, g, 2, acc);
-                else if (count == 1) rows_in_lanes(&u, type, c, blocks, a, g, 1, acc);
-                if (rest > 0) rows_major(&u, type, c, blocks, a, grouped, w->cols, rest, alone);
-            }
-            for (int k = 0; k < count; k++) {
-                float lanes[GROUP];
-                _mm256_storeu_ps(lanes, acc[k]);
-                for (int r = 0; r < GROUP && (g + k) * GROUP + r < n; r++)
-                    out[(size_t)((g + k) * GROUP + r) * w->rows + j] = lanes[r];
-            }
-            for (int r = 0; r < rest; r++) out[(size_t)(grouped + r) * w->rows + j] = alone[r];
+ * by one; each chunk is unpacked once a pass. Defined per kernel level; literal types: each
+ * call is compiled for its own. */
+#define FEATURES(ATTR, SUFFIX)                                                               \
+    ATTR INLINE void features_typed_##SUFFIX(const hs_matrix *w, const int type,            \
+                                             const activations *a, const int n,             \
+                                             const int first, const int end, float *out) {  \
+        const int blocks = w->cols / HS_BLOCK, chunks = (blocks + SUB - 1) / SUB;            \
+        const int groups = grouped_rows(n) / GROUP;                                          \
+        const int grouped = groups * GROUP < n ? groups * GROUP : n;                         \
+        const int passes = groups > 2 ? (groups + 1) / 2 : 1;                                \
+        const size_t stride = hs_unpacked_row_bytes(type, w->cols);                          \
+        const size_t chunk_bytes = (size_t)(chunk_at(NULL, type, 1) - (const char *)NULL);   \
+        unpacked u;                                                                          \
+        for (int p = 0; p < passes; p++) {                                                   \
+            const int g = 2 * p, count = groups - g < 2 ? groups - g : 2;                    \
+            const int rest = p == passes - 1 ? n - grouped : 0;                              \
+            for (int j = first; j < end; j++) {                                              \
+                const char *wrow = (const char *)w->data + stride * j;                       \
+                __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                  \
+                float alone[PAD_FROM] = {0};                                                 \
+                for (int c = 0; c < chunks; c++) {                                           \
+                    const char *chunk = chunk_at(wrow, type, c);                             \
+                    /* the stream ahead: unpacking costs more than streaming the bytes, and  \
+                     * without this the prefetchers stay too close to overlap the two */     \
+                    for (size_t line = 0; line < chunk_bytes; line += 64)                    \
+                        _mm_prefetch(chunk + PREFETCH_AHEAD + line, _MM_HINT_T0);            \
+                    unpack_avx2(chunk, type, blocks - c * SUB < SUB ? blocks - c * SUB : SUB, &u); \
+                    if (count == 2) rows_in_lanes_##SUFFIX(&u, type, c, blocks, a, g, 2, acc);    \
+                    else if (count == 1) rows_in_lanes_##SUFFIX(&u, type, c, blocks, a, g, 1, acc); \
+                    if (rest > 0) rows_major_##SUFFIX(&u, type, c, blocks, a, grouped, w->cols, rest, alone); \
+                }                                                                            \
+                for (int k = 0; k < count; k++) {                                            \
+                    float lanes[GROUP];                                                      \
+                    _mm256_storeu_ps(lanes, acc[k]);                                         \
+                    for (int r = 0; r < GROUP && (g + k) * GROUP + r < n; r++)               \
+                        out[(size_t)((g + k) * GROUP + r) * w->rows + j] = lanes[r];         \
+                }                                                                            \
+                for (int r = 0; r < rest; r++) out[(size_t)(grouped + r) * w->rows + j] = alone[r]; \
+            }                                                                                \
+        }                                                                                    \
+    }                                                                                        \
+    ATTR static void features_##SUFFIX(const hs_matrix *w, const activations *a, int n,     \
+                                       int first, int end, float *out) {                    \
+        switch (w->type) {                                                                   \
+        case HS_Q4_K: features_typed_##SUFFIX(w, HS_Q4_K, a, n, first, end, out); break;     \
+        case HS_Q5_K: features_typed_##SUFFIX(w, HS_Q5_K, a, n, first, end, out); break;     \
+        case HS_Q6_K: features_typed_##SUFFIX(w, HS_Q6_K, a, n, first, end, out); break;     \
+        default: features_typed_##SUFFIX(w, HS_Q5_0, a, n, first, end, out); break;          \
+        }                                                                                    \
+    }
+FEATURES(HS_AVX2, avx2)
+
+/* ------------------------------------------------------------------ AVX-512 VNNI
+ * vpdpbusd multiplies unsigned by signed bytes and adds each lane's four products to it: Q4_K's
+ * and Q5_K's values are the unsigned side as they are; Q6_K's and Q5_0's signed ones go as |w|
+ * times x with w's sign. A half-block's sum, times its scale, is an exact integer below 2^24,
+ * so its float is the AVX2 kernels' (float)A: the same bits. */
+
+/* Rows in lanes, block b: as block_in_lanes_avx2, with the integers in 32-bit lanes. */
+HS_VNNI INLINE void block_in_lanes_vnni(const unpacked *u, const int type, const int c, const int b,
+                                        const int blocks, const activations *a, const int group,
+                                        const int count, __m256 v[2]) {
+    v[0] = v[1] = _mm256_setzero_ps();
+    if (b >= u->blocks) return; /* a short chunk's missing block: 0 */
+    const size_t blk = (size_t)c * SUB + b;
+    __m256i sums[2][2] = {{_mm256_setzero_si256(), _mm256_setzero_si256()},
+                          {_mm256_setzero_si256(), _mm256_setzero_si256()}};
+    for (int k = 0; k < GROUP; k++) {
+        const int h = has_mins(type) ? 0 : k / 4; /* one scale a block: one sum */
+        const __m256i w = broadcast4(u->q + 32 * b + 4 * k), w_abs = _mm256_sign_epi8(w, w);
+        for (int g = 0; g < count; g++) {
+            const __m256i x = _mm256_loadu_si256(
+                (const __m256i *)(a->grouped + (((size_t)(group + g) * blocks + blk) * GROUP + k) * 4 * GROUP));
+            sums[g][h] = has_mins(type) ? _mm256_dpbusd_epi32(sums[g][h], w, x)
+                                        : _mm256_dpbusd_epi32(sums[g][h], w_abs, _mm256_sign_epi8(x, w));
+        }
+    }
+    for (int g = 0; g < count; g++) {
+        __m256 products = _mm256_mul_ps(_mm256_cvtepi32_ps(sums[g][0]), _mm256_set1_ps((float)u->scale[2 * b]));
+        if (!has_mins(type))
+            products = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[g][1]), _mm256_set1_ps((float)u->scale[2 * b + 1]), products);
+        const size_t at = ((size_t)(group + g) * blocks + blk) * GROUP;
+        const __m256 x_scales = _mm256_loadu_ps(a->grouped_d + at);
+        v[g] = _mm256_mul_ps(products, _mm256_mul_ps(x_scales, _mm256_set1_ps(u->d[b])));
+        if (has_mins(type)) {
+            const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(a->grouped_sum + at))),
+                                              _mm256_set1_ps((float)u->min[b]));
+            v[g] = _mm256_fmadd_ps(mins, _mm256_mul_ps(x_scales, _mm256_set1_ps(u->neg_dmin[b])), v[g]);
         }
     }
 }
+ROWS_IN_LANES(HS_VNNI, vnni)
 
-HS_AVX2 static void features_avx2(const hs_matrix *w, const activations *a, int n, int first,
-                                  int end, float *out) {
-    /* literal types: each call is compiled for its own */
-    switch (w->type) {
-    case HS_Q4_K: features_avx2_typed(w, HS_Q4_K, a, n, first, end, out); break;
-    case HS_Q5_K: features_avx2_typed(w, HS_Q5_K, a, n, first, end, out); break;
-    case HS_Q6_K: features_avx2_typed(w, HS_Q6_K, a, n, first, end, out); break;
-    default: features_avx2_typed(w, HS_Q5_0, a, n, first, end, out); break;
-    }
+HS_VNNI INLINE __m256i block_sums_vnni(const int type, const __m256i w, const __m256i x) {
+    if (has_mins(type)) return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
 }
+ROWS_MAJOR(HS_VNNI, vnni)
+FEATURES(HS_VNNI, vnni)
 #endif
 
 void hs_unpacked_features(const hs_matrix *w, const activations *a, int n, int first, int end,
                           float *out, int simd) {
 #if HS_X86
+    if (simd >= HS_SIMD_VNNI) {
+        features_vnni(w, a, n, first, end, out);
+        return;
+    }
     if (simd >= HS_SIMD_AVX2) {
         features_avx2(w, a, n, first, end, out);
         return;
