@@ -4,18 +4,21 @@
  *
  * A row is read in chunks of 8 activation blocks (256 values: a K-quant super-block, or 8
  * Q5_0 blocks; a Q5_0 row's last chunk may hold fewer). Each chunk is unpacked once, for all
- * the rows a call multiplies: its values as bytes, an integer scale per half-block of 16 (Q4_K
- * and Q5_K share one across a block's halves; Q5_0's are 1), an integer min per block and
- * float factors d and -dmin per block (the weight is d * scale * q - dmin * min; Q6_K and
- * Q5_0: q signed, no min). The weights are read once, in place.
+ * the rows a call multiplies: its values q as bytes, and per block of 32 a float factor d_b
+ * and (Q4_K, Q5_K) a float offset m_b, so that weight k of block b is d_b * q_k + m_b. Q4_K,
+ * Q5_K and Q5_0 have one integer scale a block, folded into d_b (d * scale, exact in a
+ * float: 11 by 6 significant bits), and m_b = -(dmin * min), exact too. Q6_K has a scale per
+ * half-block of 16, so its d_b is d and its scales stay integers. The weights are read once,
+ * in place.
  *
  * The recipe every kernel here follows for one (row, output feature) and one chunk, with
  * activation block b's int8 values x, float scale x_scale_b and integer sum of x:
- *     A_b = scale_lo * sum(q x over the low 16) + scale_hi * sum(q x over the high 16)
- *     v_b = (float)A_b * (x_scale_b * d_b)
- *     v_b = fma((float)(min_b * sum_b(x)), x_scale_b * -dmin_b, v_b)      (Q4_K, Q5_K)
+ *     P_b = sum(q x)                                      (Q4_K, Q5_K, Q5_0)
+ *     P_b = scale_lo * sum(q x, low 16) + scale_hi * sum(q x, high 16)          (Q6_K)
+ *     v_b = (float)P_b * (x_scale_b * d_b)
+ *     v_b = fma((float)sum_b(x), x_scale_b * m_b, v_b)                          (Q4_K, Q5_K)
  *     acc = acc + (((v_0 + v_1) + (v_2 + v_3)) + ((v_4 + v_5) + (v_6 + v_7)))
- * with v_b = 0 for the blocks a short chunk lacks. A_b is exact (|A_b| < 2^24), and a chunk's
+ * with v_b = 0 for the blocks a short chunk lacks. P_b is exact (|P_b| < 2^24), and a chunk's
  * blocks add up as a tree, so one row's chunk is a few vector steps (no chain of dependent
  * multiply-adds); every kernel level gives the same bits, for a row alone or among others. */
 #include "internal.h"
@@ -57,13 +60,12 @@ _Static_assert(sizeof(block_q5_0) == 22, "GGUF Q5_0 blocks are 22 bytes");
 typedef struct {
     int8_t q[HS_SUPER] __attribute__((aligned(32))); /* Q4_K 0..15, Q5_K 0..31, Q6_K -32..31,
                                                       * Q5_0 -16..15 */
-    int16_t scale[2 * SUB] __attribute__((aligned(32))); /* per half-block of 16 */
-    /* the same scales in the order rows_major's sums come in: the low halves of blocks 0-3,
-     * their high halves, then blocks 4-7's (AVX2 kernels only) */
+    float d[SUB] __attribute__((aligned(32)));      /* d_b; a short chunk's missing blocks: 0 */
+    float offset[SUB] __attribute__((aligned(32))); /* m_b (Q4_K, Q5_K; else 0) */
+    int16_t scale[2 * SUB] __attribute__((aligned(32))); /* Q6_K: per half-block of 16 */
+    /* Q6_K's scales again, in the order rows_major's sums come in: the low halves of blocks
+     * 0-3, their high halves, then blocks 4-7's (AVX2 kernels only) */
     int32_t halves[2 * SUB] __attribute__((aligned(32)));
-    int32_t min[SUB] __attribute__((aligned(32))); /* per block (Q6_K, Q5_0: unused) */
-    float d[SUB] __attribute__((aligned(32)));
-    float neg_dmin[SUB] __attribute__((aligned(32)));
     int blocks; /* activation blocks in this chunk: SUB, or fewer at a Q5_0 row's end */
 } unpacked;
 
@@ -111,26 +113,21 @@ INLINE void scale_min(const uint8_t *s, int j, int *scale, int *min) {
 
 /* Everything but the values. */
 static void unpack_factors_portable(const char *chunk, int type, unpacked *u) {
+    for (int b = 0; b < SUB; b++) u->d[b] = u->offset[b] = 0.0f;
     if (type == HS_Q6_K) {
         const block_q6_k *blk = (const block_q6_k *)chunk;
-        const float d = half_to_float(blk->d);
         for (int h = 0; h < 2 * SUB; h++) u->scale[h] = blk->scales[h];
-        for (int b = 0; b < SUB; b++) u->d[b] = d, u->neg_dmin[b] = 0.0f, u->min[b] = 0;
+        for (int b = 0; b < SUB; b++) u->d[b] = half_to_float(blk->d);
     } else if (type == HS_Q5_0) {
-        for (int b = 0; b < SUB; b++) { /* a short chunk's missing blocks: all zero */
-            const int here = b < u->blocks;
-            u->d[b] = here ? half_to_float(((const block_q5_0 *)chunk)[b].d) : 0.0f;
-            u->scale[2 * b] = u->scale[2 * b + 1] = (int16_t)here;
-            u->neg_dmin[b] = 0.0f, u->min[b] = 0;
-        }
+        for (int b = 0; b < u->blocks; b++) u->d[b] = half_to_float(((const block_q5_0 *)chunk)[b].d);
     } else { /* Q5_K begins as Q4_K does */
         const block_q4_k *blk = (const block_q4_k *)chunk;
-        const float d = half_to_float(blk->d), neg_dmin = -half_to_float(blk->dmin);
+        const float d = half_to_float(blk->d), dmin = half_to_float(blk->dmin);
         for (int b = 0; b < SUB; b++) {
             int scale, min;
             scale_min(blk->scales, b, &scale, &min);
-            u->scale[2 * b] = u->scale[2 * b + 1] = (int16_t)scale;
-            u->min[b] = min, u->d[b] = d, u->neg_dmin[b] = neg_dmin;
+            u->d[b] = d * (float)scale;
+            u->offset[b] = -(dmin * (float)min);
         }
     }
 }
@@ -180,9 +177,8 @@ void hs_unpacked_dequantize_row(int type, const void *row, int cols, float *out)
         unpack_portable(chunk_at(row, type, c), type, blocks, &u);
         for (int k = 0; k < blocks * HS_BLOCK; k++) { /* as ggml: (d * scale) * q - dmin * min */
             const int b = k / HS_BLOCK;
-            const float value = type == HS_Q5_0 ? u.d[b] * (float)u.q[k]
-                                                : (u.d[b] * (float)u.scale[k / 16]) * (float)u.q[k];
-            out[c * HS_SUPER + k] = has_mins(type) ? value + u.neg_dmin[b] * (float)u.min[b] : value;
+            const float d = type == HS_Q6_K ? u.d[b] * (float)u.scale[k / 16] : u.d[b];
+            out[c * HS_SUPER + k] = d * (float)u.q[k] + u.offset[b];
         }
     }
 }
@@ -219,9 +215,9 @@ static void features_portable(const hs_matrix *w, const activations *a, int n, i
                             hi += u.q[32 * b + 16 + k] * x[32 * b + 16 + k];
                         }
                         const size_t at = row * blocks + (size_t)c * SUB + b;
-                        v[b] = (float)(u.scale[2 * b] * lo + u.scale[2 * b + 1] * hi) * (a->d[at] * u.d[b]);
-                        if (has_mins(w->type))
-                            v[b] = fmaf((float)(u.min[b] * a->sum[at]), a->d[at] * u.neg_dmin[b], v[b]);
+                        const int32_t products = w->type == HS_Q6_K ? u.scale[2 * b] * lo + u.scale[2 * b + 1] * hi : lo + hi;
+                        v[b] = (float)products * (a->d[at] * u.d[b]);
+                        if (has_mins(w->type)) v[b] = fmaf((float)a->sum[at], a->d[at] * u.offset[b], v[b]);
                     }
                     acc[r] = acc[r] + chunk_sum(v);
                 }
@@ -233,12 +229,11 @@ static void features_portable(const hs_matrix *w, const activations *a, int n, i
 
 #if HS_X86
 /* A chunk's values as bytes, and its factors. */
-/* unpack_factors_portable's factors, and the scales again as `halves`. Q4_K's and Q5_K's
+/* unpack_factors_portable's factors (Q6_K's scales again as `halves`). Q4_K's and Q5_K's
  * packed scales and mins as four 32-bit words: scales 0-3 and mins 0-3 are the low 6 bits of
  * bytes 0-3 and 4-7; scales 4-7 take bytes 8-11's low nibbles and bytes 0-3's top 2 bits,
  * mins 4-7 bytes 8-11's high nibbles and bytes 4-7's top bits. */
 HS_AVX2 INLINE void unpack_factors_avx2(const char *chunk, const int type, unpacked *u) {
-    __m256i by_block; /* the scales, one per block, or per half-block (Q6_K) */
     if (type == HS_Q6_K) {
         const block_q6_k *blk = (const block_q6_k *)chunk;
         const __m128i bytes = _mm_loadu_si128((const __m128i *)blk->scales);
@@ -248,19 +243,15 @@ HS_AVX2 INLINE void unpack_factors_avx2(const char *chunk, const int type, unpac
         _mm256_store_si256((__m256i *)(u->halves + SUB),
                            _mm256_permutevar8x32_epi32(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)), order));
         _mm256_store_ps(u->d, _mm256_set1_ps(_cvtsh_ss(blk->d)));
-        _mm256_store_ps(u->neg_dmin, _mm256_setzero_ps());
-        _mm256_store_si256((__m256i *)u->min, _mm256_setzero_si256());
+        _mm256_store_ps(u->offset, _mm256_setzero_ps());
         return;
     }
     if (type == HS_Q5_0) {
-        uint16_t d[SUB] = {0}; /* a short chunk's missing blocks: all zero */
-        int16_t here[2 * SUB] = {0};
-        for (int b = 0; b < u->blocks; b++) d[b] = ((const block_q5_0 *)chunk)[b].d, here[2 * b] = here[2 * b + 1] = 1;
+        uint16_t d[SUB] = {0}; /* a short chunk's missing blocks: 0 */
+        for (int b = 0; b < u->blocks; b++) d[b] = ((const block_q5_0 *)chunk)[b].d;
         _mm256_store_ps(u->d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d)));
-        _mm256_store_si256((__m256i *)u->scale, _mm256_loadu_si256((const __m256i *)here));
-        _mm256_store_ps(u->neg_dmin, _mm256_setzero_ps());
-        _mm256_store_si256((__m256i *)u->min, _mm256_setzero_si256());
-        return; /* halves: unused (Q5_0's scales are 1) */
+        _mm256_store_ps(u->offset, _mm256_setzero_ps());
+        return;
     }
     const block_q4_k *blk = (const block_q4_k *)chunk;
     uint32_t words[3];
@@ -268,15 +259,10 @@ HS_AVX2 INLINE void unpack_factors_avx2(const char *chunk, const int type, unpac
     const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, low2 = 0x03030303u;
     const uint32_t scales_hi = (words[2] & low4) | ((words[0] >> 6) & low2) << 4;
     const uint32_t mins_hi = ((words[2] >> 4) & low4) | ((words[1] >> 6) & low2) << 4;
-    const __m128i scales = _mm_setr_epi32((int)(words[0] & low6), (int)scales_hi, 0, 0);
-    const __m128i mins = _mm_setr_epi32((int)(words[1] & low6), (int)mins_hi, 0, 0);
-    _mm256_store_si256((__m256i *)u->scale, _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(scales, scales)));
-    _mm256_store_si256((__m256i *)u->min, _mm256_cvtepu8_epi32(mins));
-    by_block = _mm256_cvtepu8_epi32(scales);
-    _mm256_store_si256((__m256i *)u->halves, _mm256_permutevar8x32_epi32(by_block, _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3)));
-    _mm256_store_si256((__m256i *)(u->halves + SUB), _mm256_permutevar8x32_epi32(by_block, _mm256_setr_epi32(4, 5, 6, 7, 4, 5, 6, 7)));
-    _mm256_store_ps(u->d, _mm256_set1_ps(_cvtsh_ss(blk->d)));
-    _mm256_store_ps(u->neg_dmin, _mm256_set1_ps(-_cvtsh_ss(blk->dmin)));
+    const __m256 scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)(words[0] & low6), (int)scales_hi, 0, 0)));
+    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)(words[1] & low6), (int)mins_hi, 0, 0)));
+    _mm256_store_ps(u->d, _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(blk->d)), scales));
+    _mm256_store_ps(u->offset, _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(blk->dmin)), mins)));
 }
 
 HS_AVX2 INLINE void unpack_avx2(const char *chunk, const int type, const int blocks, unpacked *u) {
@@ -358,46 +344,44 @@ HS_AVX2 INLINE __m256i pair_products(const int type, const __m256i w, const __m2
     return _mm256_maddubs_epi16(w, x);
 }
 
-/* v_b of the recipe in 8 lanes (of blocks): integer A, activation scales, block factors, and
- * min * sum(x) (an exact product of exact integers, in floats) where the type has mins. */
-HS_AVX2 INLINE __m256 block_terms(const int type, const __m256i a, const __m256 x_scales,
-                                  const __m256 d, const __m256 mins, const __m256 neg_dmin) {
-    const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(x_scales, d));
+/* v_b of the recipe in 8 lanes: the products P (as floats: exact), the activations' scales
+ * and sums, and the weights' factors (as vectors: lanes of rows, or of blocks). */
+HS_AVX2 INLINE __m256 block_terms(const int type, const __m256 products, const __m256 x_scales,
+                                  const __m256i x_sums, const __m256 d, const __m256 offset) {
+    const __m256 v = _mm256_mul_ps(products, _mm256_mul_ps(x_scales, d));
     if (!has_mins(type)) return v;
-    return _mm256_fmadd_ps(mins, _mm256_mul_ps(x_scales, neg_dmin), v);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(x_sums), _mm256_mul_ps(x_scales, offset), v);
 }
 
 /* Rows in lanes, block b of chunk c (unpacked in u) for the rows of `count` (1 or 2) whole
- * groups from `group` on: v_b of each group's 8 rows, into v. A half-block's four runs of pair
- * sums stay below 2^15 (4 * 2 * 32 * 127) before one madd by its scale widens them. */
+ * groups from `group` on: v_b of each group's 8 rows, into v. Pair sums stay in 16 bits over
+ * runs while they fit: all eight for Q4_K (8 * 2 * 15 * 127 < 2^15) and Q5_0 (|q| <= 16),
+ * a half-block's four for Q5_K and Q6_K (Q6_K's halves then take their own scales). */
 HS_AVX2 INLINE void block_in_lanes_avx2(const unpacked *u, const int type, const int c, const int b,
                                         const int blocks, const activations *a, const int group,
                                         const int count, __m256 v[2]) {
     v[0] = v[1] = _mm256_setzero_ps();
     if (b >= u->blocks) return; /* a short chunk's missing block: 0 */
     const size_t blk = (size_t)c * SUB + b;
+    const int spans = type == HS_Q4_K || type == HS_Q5_0 ? 1 : 2; /* 16-bit sums a block */
     __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-    for (int h = 0; h < 2; h++) {
+    for (int h = 0; h < spans; h++) {
         __m256i pairs[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-        for (int k = 4 * h; k < 4 * h + 4; k++) {
+        for (int k = GROUP / spans * h; k < GROUP / spans * (h + 1); k++) {
             const __m256i w = broadcast4(u->q + 32 * b + 4 * k);
             for (int g = 0; g < count; g++) {
                 const int8_t *x = a->grouped + (((size_t)(group + g) * blocks + blk) * GROUP + k) * 4 * GROUP;
                 pairs[g] = _mm256_add_epi16(pairs[g], pair_products(type, w, _mm256_loadu_si256((const __m256i *)x)));
             }
         }
-        const __m256i scale = _mm256_set1_epi16(u->scale[2 * b + h]);
+        const __m256i scale = _mm256_set1_epi16(type == HS_Q6_K ? u->scale[2 * b + h] : 1);
         for (int g = 0; g < count; g++) sums[g] = _mm256_add_epi32(sums[g], _mm256_madd_epi16(pairs[g], scale));
     }
     for (int g = 0; g < count; g++) {
         const size_t at = ((size_t)(group + g) * blocks + blk) * GROUP;
-        const __m256 x_scales = _mm256_loadu_ps(a->grouped_d + at);
-        v[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(sums[g]), _mm256_mul_ps(x_scales, _mm256_set1_ps(u->d[b])));
-        if (has_mins(type)) { /* min * sum: an exact product of exact integers, in floats */
-            const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(a->grouped_sum + at))),
-                                              _mm256_set1_ps((float)u->min[b]));
-            v[g] = _mm256_fmadd_ps(mins, _mm256_mul_ps(x_scales, _mm256_set1_ps(u->neg_dmin[b])), v[g]);
-        }
+        v[g] = block_terms(type, _mm256_cvtepi32_ps(sums[g]), _mm256_loadu_ps(a->grouped_d + at),
+                           has_mins(type) ? _mm256_loadu_si256((const __m256i *)(a->grouped_sum + at)) : _mm256_setzero_si256(),
+                           _mm256_set1_ps(u->d[b]), _mm256_set1_ps(u->offset[b]));
     }
 }
 
@@ -427,13 +411,13 @@ HS_AVX2 INLINE void block_in_lanes_avx2(const unpacked *u, const int type, const
     }
 ROWS_IN_LANES(HS_AVX2, avx2)
 
-/* A_b in lane b, from block b's products summed in pairs (lanes 0-3 the low half-block's,
- * 4-7 the high's): each half's sum, times its scale, and the halves added (exact integers). */
+/* P_b in lane b, from block b's products summed in pairs (lanes 0-3 the low half-block's,
+ * 4-7 the high's): the halves' sums (Q6_K: each times its scale) added (exact integers). */
 HS_AVX2 INLINE __m256i block_products(const int type, const unpacked *u, const __m256i sums[SUB]) {
     /* lanes: the low halves of blocks 0-3, then their high halves (blocks 4-7 likewise) */
     __m256i first = _mm256_hadd_epi32(_mm256_hadd_epi32(sums[0], sums[1]), _mm256_hadd_epi32(sums[2], sums[3]));
     __m256i second = _mm256_hadd_epi32(_mm256_hadd_epi32(sums[4], sums[5]), _mm256_hadd_epi32(sums[6], sums[7]));
-    if (type != HS_Q5_0) { /* Q5_0's scales are 1 */
+    if (type == HS_Q6_K) {
         first = _mm256_mullo_epi32(first, _mm256_load_si256((const __m256i *)u->halves));
         second = _mm256_mullo_epi32(second, _mm256_load_si256((const __m256i *)(u->halves + SUB)));
     }
@@ -461,8 +445,7 @@ HS_AVX2 INLINE __m256i block_sums_avx2(const int type, const __m256i w, const __
                                          const int blocks, const activations *a,           \
                                          const int first_row, const int cols, const int m, \
                                          float *acc) {                                      \
-        const __m256 d = _mm256_load_ps(u->d), neg_dmin = _mm256_load_ps(u->neg_dmin);      \
-        const __m256 block_mins = _mm256_cvtepi32_ps(_mm256_load_si256((const __m256i *)u->min)); \
+        const __m256 d = _mm256_load_ps(u->d), offset = _mm256_load_ps(u->offset);          \
         for (int r = 0; r < m; r++) {                                                        \
             const size_t row = (size_t)(first_row + r);                                      \
             const int8_t *x = a->q + row * cols + (size_t)c * HS_SUPER;                      \
@@ -483,9 +466,8 @@ HS_AVX2 INLINE __m256i block_sums_avx2(const int type, const __m256i w, const __
                 memcpy(scales, a->d + at, sizeof(float) * (size_t)u->blocks);                \
                 x_scales = _mm256_loadu_ps(scales);                                          \
             }                                                                                \
-            const __m256 mins = _mm256_mul_ps(block_mins, _mm256_cvtepi32_ps(x_sums));       \
-            acc[r] = acc[r] + chunk_sum8(block_terms(type, block_products(type, u, sums),   \
-                                                     x_scales, d, mins, neg_dmin));          \
+            const __m256 products = _mm256_cvtepi32_ps(block_products(type, u, sums));       \
+            acc[r] = acc[r] + chunk_sum8(block_terms(type, products, x_scales, x_sums, d, offset)); \
         }                                                                                    \
     }
 ROWS_MAJOR(HS_AVX2, avx2)
@@ -560,7 +542,7 @@ HS_VNNI INLINE void block_in_lanes_vnni(const unpacked *u, const int type, const
     __m256i sums[2][2] = {{_mm256_setzero_si256(), _mm256_setzero_si256()},
                           {_mm256_setzero_si256(), _mm256_setzero_si256()}};
     for (int k = 0; k < GROUP; k++) {
-        const int h = has_mins(type) ? 0 : k / 4; /* one scale a block: one sum */
+        const int h = type == HS_Q6_K ? k / 4 : 0; /* Q6_K: a sum per half-block's scale */
         const __m256i w = broadcast4(u->q + 32 * b + 4 * k), w_abs = _mm256_sign_epi8(w, w);
         for (int g = 0; g < count; g++) {
             const __m256i x = _mm256_loadu_si256(
@@ -570,17 +552,14 @@ HS_VNNI INLINE void block_in_lanes_vnni(const unpacked *u, const int type, const
         }
     }
     for (int g = 0; g < count; g++) {
-        __m256 products = _mm256_mul_ps(_mm256_cvtepi32_ps(sums[g][0]), _mm256_set1_ps((float)u->scale[2 * b]));
-        if (!has_mins(type))
-            products = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[g][1]), _mm256_set1_ps((float)u->scale[2 * b + 1]), products);
+        __m256 products = _mm256_cvtepi32_ps(sums[g][0]);
+        if (type == HS_Q6_K) /* each half times its scale: exact, as is their sum */
+            products = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[g][1]), _mm256_set1_ps((float)u->scale[2 * b + 1]),
+                                       _mm256_mul_ps(products, _mm256_set1_ps((float)u->scale[2 * b])));
         const size_t at = ((size_t)(group + g) * blocks + blk) * GROUP;
-        const __m256 x_scales = _mm256_loadu_ps(a->grouped_d + at);
-        v[g] = _mm256_mul_ps(products, _mm256_mul_ps(x_scales, _mm256_set1_ps(u->d[b])));
-        if (has_mins(type)) {
-            const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(a->grouped_sum + at))),
-                                              _mm256_set1_ps((float)u->min[b]));
-            v[g] = _mm256_fmadd_ps(mins, _mm256_mul_ps(x_scales, _mm256_set1_ps(u->neg_dmin[b])), v[g]);
-        }
+        v[g] = block_terms(type, products, _mm256_loadu_ps(a->grouped_d + at),
+                           has_mins(type) ? _mm256_loadu_si256((const __m256i *)(a->grouped_sum + at)) : _mm256_setzero_si256(),
+                           _mm256_set1_ps(u->d[b]), _mm256_set1_ps(u->offset[b]));
     }
 }
 ROWS_IN_LANES(HS_VNNI, vnni)
