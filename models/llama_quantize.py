@@ -44,13 +44,17 @@ def quantize_gguf(source: Path, out: Path, quant_type: str, threads: int | None 
     def keep(_level: int, text: bytes, _user_data: int) -> None:
         log.append(text.decode("utf-8", "replace"))
 
-    callback = llama_cpp.llama_log_callback(keep)  # alive until the log is reset below
+    # llama.cpp's log hook is one per process: whatever was installed (e.g. a llama.cpp
+    # worker's LlamaLog) gets it back afterwards
+    previous, previous_data = llama_cpp.llama_log_callback(), ctypes.c_void_p()
+    llama_cpp.llama_log_get(ctypes.byref(previous), ctypes.byref(previous_data))
+    callback = llama_cpp.llama_log_callback(keep)  # alive until the hook is restored below
     llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
     try:
         status = llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(),
                                                 ctypes.byref(params))  # fmt: skip
     finally:
-        llama_cpp.llama_log_set(ctypes.cast(None, llama_cpp.llama_log_callback), ctypes.c_void_p(0))
+        llama_cpp.llama_log_set(previous, previous_data)
     if status != 0 or not Path(out).is_file():
         last = " ".join("".join(log).split())[-300:]
         raise QuantizeError(f"llama.cpp could not quantize {source} to {quant_type} "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import llama_cpp
 import numpy as np
@@ -337,6 +338,21 @@ def test_loading_problems_are_clear_errors(tmp_path, gguf) -> None:
         LlamaCppRuntime(gguf, threads=owned + 1)
     with pytest.raises(LlamaCppError, match="v_type must be one of f32, f16, q8_0, not 'f8'"):
         LlamaCppRuntime(gguf, v_type="f8")
+
+
+def test_quantizing_in_the_same_process_leaves_the_log_hook_to_the_runtime(tmp_path, gguf) -> None:
+    """llama.cpp's log hook is one per process: making a K-quant file (llama.cpp's quantizer,
+    with a hook of its own while it runs) must hand it back, or a later load failure loses
+    llama.cpp's reason."""
+    from hetspec.models.llama_quantize import quantize_gguf  # noqa: PLC0415
+
+    LlamaCppRuntime(gguf)  # installs the runtime's hook
+    bundled = Path(__file__).resolve().parents[1] / "models" / "target" / "target-f16.gguf"
+    quantize_gguf(bundled, tmp_path / "target-q4_k_m.gguf", "q4_k_m", threads=1)
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(gguf.read_bytes()[: gguf.stat().st_size // 2])
+    with pytest.raises(LlamaCppError, match=r"could not load this model; llama\.cpp said: "):
+        LlamaCppRuntime(truncated)
 
 
 def test_draft_and_target_vocabularies_are_compared(tmp_path, gguf, runtime) -> None:
