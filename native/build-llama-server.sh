@@ -32,15 +32,6 @@ unset SOURCE_DATE_EPOCH
 flags="-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF"
 flags+=" -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF"
 flags+=" -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON -DGGML_RPC=ON"
-# llama.cpp's AMX matrix kernels (this version) crash llama-server on its first batch on a
-# Xeon with AMX (SIGSEGV in ggml_backend_amx_mul_mat, heavy-300m Q8_0 and Q4_K_M, 2026-11-27,
-# with the kernel granting AMX state), so where -march=native would enable AMX it is turned
-# off; llama.cpp's other CPU paths (its AVX-512 kernels and weight repacking) stay on.
-compiler_flags=()
-if echo | cc -march=native -dM -E - 2>/dev/null | grep -q __AMX_INT8__; then
-  no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-  compiler_flags=("-DCMAKE_C_FLAGS=$no_amx" "-DCMAKE_CXX_FLAGS=$no_amx")
-fi
 case "$backend" in
   cpu)  ;;
   cuda) command -v nvcc >/dev/null || fail "backend cuda needs the CUDA toolkit: no nvcc on PATH"
@@ -111,6 +102,15 @@ if ! tar -xzf "$sdist" -C "$work/src" --strip-components=3 --wildcards '*/vendor
   fail "unpacking vendor/llama.cpp from $sdist failed; removed it, run again (log: $dest/build.log)"
 fi
 
+# llama.cpp's AMX matrix kernels (this version) crash llama-server on its first batch on a
+# Xeon with AMX (SIGSEGV in ggml_backend_amx_mul_mat, heavy-300m Q8_0 and Q4_K_M, 2026-11-27,
+# with the kernel granting AMX state), so where -march=native would enable AMX it is turned
+# off; llama.cpp's other CPU paths (its AVX-512 kernels and weight repacking) stay on.
+compiler_flags=()
+if echo | cc -march=native -dM -E - 2>/dev/null | grep -q __AMX_INT8__; then
+  no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  compiler_flags=("-DCMAKE_C_FLAGS=$no_amx" "-DCMAKE_CXX_FLAGS=$no_amx")
+fi
 echo "Configuring llama-server $version for '$backend' ($flags ${compiler_flags[*]:-})."
 if ! cmake -S "$work/src" -B "$work/build" $flags ${compiler_flags[@]+"${compiler_flags[@]}"} >>"$log" 2>&1; then
   keep_log
