@@ -215,7 +215,8 @@ static void features_portable(const hs_matrix *w, const activations *a, int n, i
                             hi += u.q[32 * b + 16 + k] * x[32 * b + 16 + k];
                         }
                         const size_t at = row * blocks + (size_t)c * SUB + b;
-                        const int32_t products = w->type == HS_Q6_K ? u.scale[2 * b] * lo + u.scale[2 * b + 1] * hi : lo + hi;
+                        const int32_t products =
+                            w->type == HS_Q6_K ? u.scale[2 * b] * lo + u.scale[2 * b + 1] * hi : lo + hi;
                         v[b] = (float)products * (a->d[at] * u.d[b]);
                         if (has_mins(w->type)) v[b] = fmaf((float)a->sum[at], a->d[at] * u.offset[b], v[b]);
                     }
@@ -259,10 +260,13 @@ HS_AVX2 INLINE void unpack_factors_avx2(const char *chunk, const int type, unpac
     const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, low2 = 0x03030303u;
     const uint32_t scales_hi = (words[2] & low4) | ((words[0] >> 6) & low2) << 4;
     const uint32_t mins_hi = ((words[2] >> 4) & low4) | ((words[1] >> 6) & low2) << 4;
-    const __m256 scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)(words[0] & low6), (int)scales_hi, 0, 0)));
-    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)(words[1] & low6), (int)mins_hi, 0, 0)));
+    const __m128i scale_bytes = _mm_setr_epi32((int)(words[0] & low6), (int)scales_hi, 0, 0);
+    const __m128i min_bytes = _mm_setr_epi32((int)(words[1] & low6), (int)mins_hi, 0, 0);
+    const __m256 scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scale_bytes));
+    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(min_bytes));
     _mm256_store_ps(u->d, _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(blk->d)), scales));
-    _mm256_store_ps(u->offset, _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(blk->dmin)), mins)));
+    const __m256 dmin_mins = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(blk->dmin)), mins);
+    _mm256_store_ps(u->offset, _mm256_xor_ps(dmin_mins, _mm256_set1_ps(-0.0f))); /* -(dmin * min) */
 }
 
 HS_AVX2 INLINE void unpack_avx2(const char *chunk, const int type, const int blocks, unpacked *u) {
@@ -324,8 +328,10 @@ HS_AVX2 INLINE void unpack_avx2(const char *chunk, const int type, const int blo
             const __m256i bit_lo = _mm256_set1_epi8((char)(1 << (2 * c)));
             const __m256i bit_hi = _mm256_set1_epi8((char)(2 << (2 * c)));
             const __m256i sixteen = _mm256_set1_epi8(16);
-            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit_lo), bit_lo), sixteen));
-            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit_hi), bit_hi), sixteen));
+            const __m256i set_lo = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit_lo), bit_lo);
+            const __m256i set_hi = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit_hi), bit_hi);
+            lo = _mm256_or_si256(lo, _mm256_and_si256(set_lo, sixteen));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(set_hi, sixteen));
         }
         _mm256_store_si256((__m256i *)(u->q + 64 * c), lo);
         _mm256_store_si256((__m256i *)(u->q + 64 * c + 32), hi);
@@ -335,6 +341,17 @@ HS_AVX2 INLINE void unpack_avx2(const char *chunk, const int type, const int blo
 /* Four bytes at p in every int32 lane. */
 HS_AVX2 INLINE __m256i broadcast4(const void *p) {
     return _mm256_castps_si256(_mm256_broadcast_ss((const float *)p));
+}
+
+/* Run k (values 4k..4k+3 of the group's 8 rows) of activation block blk of group g. */
+HS_AVX2 INLINE __m256i grouped_run(const activations *a, const int g, const int blocks, const size_t blk,
+                                   const int k) {
+    return _mm256_loadu_si256((const __m256i *)(a->grouped + (((size_t)g * blocks + blk) * GROUP + k) * 4 * GROUP));
+}
+
+/* The 8 rows' sums of x at `at` in the grouped layout, where the type has mins (else zeros). */
+HS_AVX2 INLINE __m256i grouped_sums(const activations *a, const int type, const size_t at) {
+    return has_mins(type) ? _mm256_loadu_si256((const __m256i *)(a->grouped_sum + at)) : _mm256_setzero_si256();
 }
 
 /* Pair sums of w times x: unsigned values (Q4_K, Q5_K) are maddubs's unsigned side; signed
@@ -369,19 +386,17 @@ HS_AVX2 INLINE void block_in_lanes_avx2(const unpacked *u, const int type, const
         __m256i pairs[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
         for (int k = GROUP / spans * h; k < GROUP / spans * (h + 1); k++) {
             const __m256i w = broadcast4(u->q + 32 * b + 4 * k);
-            for (int g = 0; g < count; g++) {
-                const int8_t *x = a->grouped + (((size_t)(group + g) * blocks + blk) * GROUP + k) * 4 * GROUP;
-                pairs[g] = _mm256_add_epi16(pairs[g], pair_products(type, w, _mm256_loadu_si256((const __m256i *)x)));
-            }
+            for (int g = 0; g < count; g++)
+                pairs[g] = _mm256_add_epi16(pairs[g], pair_products(type, w, grouped_run(a, group + g, blocks, blk, k)));
         }
         const __m256i scale = _mm256_set1_epi16(type == HS_Q6_K ? u->scale[2 * b + h] : 1);
-        for (int g = 0; g < count; g++) sums[g] = _mm256_add_epi32(sums[g], _mm256_madd_epi16(pairs[g], scale));
+        for (int g = 0; g < count; g++)
+            sums[g] = _mm256_add_epi32(sums[g], _mm256_madd_epi16(pairs[g], scale));
     }
     for (int g = 0; g < count; g++) {
         const size_t at = ((size_t)(group + g) * blocks + blk) * GROUP;
         v[g] = block_terms(type, _mm256_cvtepi32_ps(sums[g]), _mm256_loadu_ps(a->grouped_d + at),
-                           has_mins(type) ? _mm256_loadu_si256((const __m256i *)(a->grouped_sum + at)) : _mm256_setzero_si256(),
-                           _mm256_set1_ps(u->d[b]), _mm256_set1_ps(u->offset[b]));
+                           grouped_sums(a, type, at), _mm256_set1_ps(u->d[b]), _mm256_set1_ps(u->offset[b]));
     }
 }
 
@@ -545,8 +560,7 @@ HS_VNNI INLINE void block_in_lanes_vnni(const unpacked *u, const int type, const
         const int h = type == HS_Q6_K ? k / 4 : 0; /* Q6_K: a sum per half-block's scale */
         const __m256i w = broadcast4(u->q + 32 * b + 4 * k), w_abs = _mm256_sign_epi8(w, w);
         for (int g = 0; g < count; g++) {
-            const __m256i x = _mm256_loadu_si256(
-                (const __m256i *)(a->grouped + (((size_t)(group + g) * blocks + blk) * GROUP + k) * 4 * GROUP));
+            const __m256i x = grouped_run(a, group + g, blocks, blk, k);
             sums[g][h] = has_mins(type) ? _mm256_dpbusd_epi32(sums[g][h], w, x)
                                         : _mm256_dpbusd_epi32(sums[g][h], w_abs, _mm256_sign_epi8(x, w));
         }
@@ -557,8 +571,7 @@ HS_VNNI INLINE void block_in_lanes_vnni(const unpacked *u, const int type, const
             products = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[g][1]), _mm256_set1_ps((float)u->scale[2 * b + 1]),
                                        _mm256_mul_ps(products, _mm256_set1_ps((float)u->scale[2 * b])));
         const size_t at = ((size_t)(group + g) * blocks + blk) * GROUP;
-        v[g] = block_terms(type, products, _mm256_loadu_ps(a->grouped_d + at),
-                           has_mins(type) ? _mm256_loadu_si256((const __m256i *)(a->grouped_sum + at)) : _mm256_setzero_si256(),
+        v[g] = block_terms(type, products, _mm256_loadu_ps(a->grouped_d + at), grouped_sums(a, type, at),
                            _mm256_set1_ps(u->d[b]), _mm256_set1_ps(u->offset[b]));
     }
 }
