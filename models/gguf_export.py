@@ -5,6 +5,9 @@ write); other models come as GGUF from their publishers or llama.cpp's own conve
 numpy, safetensors and gguf, so it runs without torch.
 
     python -m hetspec.models.gguf_export MODEL_DIR OUT.gguf --type q8_0
+
+The K-quants (``--type q4_k_m``, ``q5_k_m``, ``q6_k``) go through llama.cpp's own quantizer
+(``hetspec.models.llama_quantize``), from an F16 export.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 from safetensors import SafetensorError, safe_open
+
+from hetspec.models.llama_quantize import QUANT_TYPES, QuantizeError, quantize_gguf
 
 OUT_TYPES = {
     "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
@@ -202,11 +207,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hetspec.models.gguf_export")
     parser.add_argument("model_dir", type=Path, help="Hugging Face Llama model folder")
     parser.add_argument("out", type=Path, help="GGUF file to write")
-    parser.add_argument("--type", choices=sorted(OUT_TYPES), default="f16")
+    parser.add_argument("--type", choices=[*sorted(OUT_TYPES), *QUANT_TYPES], default="f16",
+                        help="K-quants: an F16 export quantized by llama.cpp")  # fmt: skip
     args = parser.parse_args(argv)
     try:
-        export_gguf(args.model_dir, args.out, args.type)
-    except ExportError as error:
+        if args.type in QUANT_TYPES:
+            f16 = args.out.with_name(f".{args.out.name}.f16.tmp")
+            try:
+                quantize_gguf(export_gguf(args.model_dir, f16, "f16"), args.out, args.type)
+            finally:
+                f16.unlink(missing_ok=True)
+        else:
+            export_gguf(args.model_dir, args.out, args.type)
+    except (ExportError, QuantizeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB, {args.type})")

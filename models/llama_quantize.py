@@ -5,15 +5,13 @@ builds itself (a heavy target) gets them the way their publishers make them: lla
 ``llama_model_quantize`` from an F16 export, with its per-tensor choices (Q4_K_M keeps
 ``attn_v``, half of ``ffn_down`` and the output head at Q6_K). Needs llama-cpp-python.
 
-    python -m hetspec.models.llama_quantize IN-F16.gguf OUT.gguf --type q4_k_m
+From a model folder: ``python -m hetspec.models.gguf_export MODEL_DIR OUT.gguf --type q4_k_m``.
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import os
-import sys
 from pathlib import Path
 
 # our type name -> llama.cpp's file type (llama_ftype): the same numbers as gguf's LlamaFileType
@@ -60,23 +58,3 @@ def quantize_gguf(source: Path, out: Path, quant_type: str, threads: int | None 
         raise QuantizeError(f"llama.cpp could not quantize {source} to {quant_type} "
                             f"(status {status}): {last}")  # fmt: skip
     return Path(out)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Exit 0 on success, 1 when quantizing fails."""
-    parser = argparse.ArgumentParser(prog="python -m hetspec.models.llama_quantize",
-                                     description=__doc__.splitlines()[0])  # fmt: skip
-    parser.add_argument("source", type=Path, help="an F16 or F32 GGUF file")
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--type", default="q4_k_m", choices=list(QUANT_TYPES))
-    args = parser.parse_args(argv)
-    try:
-        quantize_gguf(args.source, args.out, args.type)
-    except QuantizeError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -168,6 +168,18 @@ def test_k_quants_come_from_llama_cpps_quantizer_without_keeping_an_f16(tmp_path
         parse_types("q4_k_s")
 
 
+def test_gguf_export_makes_a_k_quant_file_from_a_folder(tmp_path) -> None:
+    import gguf  # noqa: PLC0415
+
+    from hetspec.models.gguf_export import main as export_main  # noqa: PLC0415
+
+    out = tmp_path / "target-q4_k_m.gguf"
+    assert export_main([str(MODELS / "target"), str(out), "--type", "q4_k_m"]) == 0
+    kinds = {tensor.tensor_type.name for tensor in gguf.GGUFReader(out).tensors}
+    assert {"Q4_K", "Q6_K"} <= kinds
+    assert [path.name for path in tmp_path.iterdir()] == [out.name]  # its F16 step is gone
+
+
 @pytest.mark.parametrize("text", ["7q", "", "100", "m", "1.5.0b"])
 def test_a_size_that_does_not_parse_is_refused(text) -> None:
     with pytest.raises(HeavyModelError, match="cannot read size"):
