@@ -241,10 +241,6 @@ HS_AVX2 static void quantize_row_avx2(const float *x, int cols, int8_t *q, float
     }
 }
 
-/* Four bytes at p in every int32 lane, by a broadcast load (no shuffle). */
-HS_AVX2 INLINE __m256i broadcast4(const void *p) {
-    return _mm256_castps_si256(_mm256_broadcast_ss((const float *)p));
-}
 
 /* sum + the exact dot products of four int8 pairs per int32 lane (w times x); w_abs = |w|. */
 HS_AVX2 INLINE __m256i dot4_add(__m256i sum, __m256i w_abs, __m256i w, __m256i x) {
@@ -1104,7 +1100,7 @@ static void quantize_activation(const activations *a, const float *x, int i, int
     float *d = a->d + (size_t)i * blocks;
     quantize_row_simd(x, cols, q, d, simd);
     int32_t *sum = a->sum + (size_t)i * blocks;
-    for (int b = 0; b < blocks; b++) {
+    for (int b = 0; a->with_sums && b < blocks; b++) {
         int32_t total = 0;
         for (int k = 0; k < HS_BLOCK; k++) total += q[b * HS_BLOCK + k];
         sum[b] = total;
@@ -1117,7 +1113,7 @@ static void quantize_activation(const activations *a, const float *x, int i, int
         for (int k = 0; k < HS_BLOCK / 4; k++)
             memcpy(runs + k * HS_BLOCK + 4 * lane, q + b * HS_BLOCK + 4 * k, 4);
         a->grouped_d[(first + b) * GROUP + lane] = d[b];
-        a->grouped_sum[(first + b) * GROUP + lane] = sum[b];
+        if (a->with_sums) a->grouped_sum[(first + b) * GROUP + lane] = sum[b];
     }
     if (i != n - 1) return;
     for (int pad = lane + 1; pad < GROUP && i / GROUP * GROUP + pad < grouped_rows(n); pad++)
@@ -1125,7 +1121,7 @@ static void quantize_activation(const activations *a, const float *x, int i, int
             int8_t *runs = a->grouped + (first + b) * GROUP * HS_BLOCK;
             for (int k = 0; k < HS_BLOCK / 4; k++) memset(runs + k * HS_BLOCK + 4 * pad, 0, 4);
             a->grouped_d[(first + b) * GROUP + pad] = 0.0f;
-            a->grouped_sum[(first + b) * GROUP + pad] = 0;
+            if (a->with_sums) a->grouped_sum[(first + b) * GROUP + pad] = 0;
         }
 }
 /* ------------------------------------------------------------------ parallel steps
@@ -1202,7 +1198,7 @@ int hs_matmul(const hs_matrix *w, const float *x, int n, float *out, int threads
         return -1;
     const int simd = simd_for(simd_cap);
     const size_t padded = (size_t)(n + GROUP), blocks = padded * (w->cols / HS_BLOCK);
-    activations a = {0};
+    activations a = {.with_sums = simd >= HS_SIMD_VNNI || hs_unpacked_has_mins(w->type)};
     void *base = NULL;
     if (is_quantized(w->type)) { /* room for a padded group (see grouped_rows) */
         base = malloc(2 * padded * w->cols + 2 * blocks * (sizeof(float) + sizeof(int32_t)));
@@ -1444,6 +1440,17 @@ static void forward_rows(const hs_model *m, const scratch *s, int n, const int32
     }
 }
 
+/* Whether a matrix of the model has Q4_K's or Q5_K's mins (its kernels need block sums). */
+static int has_mins_anywhere(const hs_model *m) {
+    int found = hs_unpacked_has_mins(m->output.type);
+    for (int l = 0; l < m->n_layers; l++) {
+        const hs_layer *y = &m->layers[l];
+        const hs_matrix *matrices[] = {&y->q, &y->k, &y->v, &y->o, &y->gate, &y->up, &y->down};
+        for (int i = 0; i < 7; i++) found |= hs_unpacked_has_mins(matrices[i]->type);
+    }
+    return found;
+}
+
 int hs_forward(const hs_model *m, int n, const int32_t *tokens, const int32_t *positions,
                int start, int n_prefix, const int32_t *offsets, const int32_t *visible,
                int first_logit, float *logits, int threads) {
@@ -1453,6 +1460,7 @@ int hs_forward(const hs_model *m, int n, const int32_t *tokens, const int32_t *p
     scratch s;
     if (scratch_alloc(&s, m, n, threads)) return -1;
     const int simd = simd_for(m->simd);
+    s.acts.with_sums = simd >= HS_SIMD_VNNI || has_mins_anywhere(m);
     if (threads == 1) { /* no team: its worksharing loops are orphaned and skip their barriers,
         where a team of one still makes a futex call at each (about 26 a forward) */
         forward_rows(m, &s, n, tokens, positions, start, n_prefix, offsets, visible, first_logit,

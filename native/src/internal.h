@@ -78,16 +78,27 @@ typedef struct {
     int8_t *grouped;  /* per group, per block: 8 runs of 32 bytes; run k holds values
                        * 4k..4k+3 of the block for rows 0..7 of the group */
     float *grouped_d; /* per group, per block: the group's 8 block scales */
-    /* block sums of the int8 values (the VNNI kernels, and unpacked.c's): */
+    /* block sums of the int8 values, where with_sums (the VNNI kernels and Q4_K's and Q5_K's
+     * mins need them): */
     int32_t *sum;         /* (n, cols / 32) */
     int32_t *grouped_sum; /* per group, per block: the group's 8 sums */
+    int with_sums;
 } activations;
+
+#if HS_X86
+/* Four bytes at p in every int32 lane, by a broadcast load (no shuffle). */
+HS_AVX2 INLINE __m256i broadcast4(const void *p) {
+    return _mm256_castps_si256(_mm256_broadcast_ss((const float *)p));
+}
+#endif
 
 /* Weights unpacked to bytes before their products (unpacked.c): Q4_K, Q5_K, Q6_K, Q5_0. */
 int hs_unpacked_is(int type);
+/* Q4_K and Q5_K: a min per block, whose term needs the activations' block sums. */
+static inline int hs_unpacked_has_mins(int type) { return type == HS_Q4_K || type == HS_Q5_K; }
 size_t hs_unpacked_row_bytes(int type, int cols); /* 0: another type, or not whole blocks */
 void hs_unpacked_dequantize_row(int type, const void *row, int cols, float *out);
-/* Output features [first, end) of all n rows (quantized, block sums included) into
+/* Output features [first, end) of all n rows (quantized, block sums where needed) into
  * out (n, w->rows), with kernels of level simd at most. */
 void hs_unpacked_features(const hs_matrix *w, const activations *a, int n, int first, int end,
                     float *out, int simd);

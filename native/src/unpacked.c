@@ -74,7 +74,7 @@ int hs_unpacked_is(int type) {
 }
 
 /* Q4_K and Q5_K: values unsigned, with mins; Q6_K and Q5_0: values signed, no mins. */
-INLINE int has_mins(int type) { return type == HS_Q4_K || type == HS_Q5_K; }
+INLINE int has_mins(int type) { return hs_unpacked_has_mins(type); }
 
 /* Values a storage block holds, and its bytes. */
 static int block_values(int type) { return type == HS_Q5_0 ? HS_BLOCK : HS_SUPER; }
@@ -94,10 +94,14 @@ size_t hs_unpacked_row_bytes(int type, int cols) {
     return cols > 0 && cols % values == 0 ? (size_t)(cols / values) * block_bytes(type) : 0;
 }
 
+/* Bytes a chunk of a row takes (a short last chunk: fewer). */
+INLINE size_t chunk_bytes(int type) { return type == HS_Q5_0 ? SUB * sizeof(block_q5_0) : block_bytes(type); }
+
 /* Chunk c of a row: its first byte. */
-INLINE const char *chunk_at(const char *wrow, int type, int c) {
-    return wrow + (size_t)c * (type == HS_Q5_0 ? SUB * sizeof(block_q5_0) : block_bytes(type));
-}
+INLINE const char *chunk_at(const char *wrow, int type, int c) { return wrow + (size_t)c * chunk_bytes(type); }
+
+/* Activation blocks in chunk c of a row of `blocks`: SUB, or fewer in a Q5_0 row's last. */
+INLINE int chunk_blocks(int blocks, int c) { return blocks - c * SUB < SUB ? blocks - c * SUB : SUB; }
 
 /* Scale and min j (0..7) of Q4_K's and Q5_K's 12 packed bytes: 6 bits each, the first four
  * in the low bits of bytes 0..7, the last four split across bytes 8..11 and the top bits. */
@@ -173,7 +177,7 @@ static void unpack_portable(const char *chunk, int type, int blocks, unpacked *u
 void hs_unpacked_dequantize_row(int type, const void *row, int cols, float *out) {
     unpacked u;
     for (int c = 0; c * HS_SUPER < cols; c++) {
-        const int blocks = (cols - c * HS_SUPER) / HS_BLOCK < SUB ? (cols - c * HS_SUPER) / HS_BLOCK : SUB;
+        const int blocks = chunk_blocks(cols / HS_BLOCK, c);
         unpack_portable(chunk_at(row, type, c), type, blocks, &u);
         for (int k = 0; k < blocks * HS_BLOCK; k++) { /* as ggml: (d * scale) * q - dmin * min */
             const int b = k / HS_BLOCK;
@@ -202,8 +206,7 @@ static void features_portable(const hs_matrix *w, const activations *a, int n, i
             const int m = n - r0 < ROW_CHUNK ? n - r0 : ROW_CHUNK;
             float acc[ROW_CHUNK] = {0};
             for (int c = 0; c < chunks; c++) {
-                unpack_portable(chunk_at(wrow, w->type, c), w->type,
-                                blocks - c * SUB < SUB ? blocks - c * SUB : SUB, &u);
+                unpack_portable(chunk_at(wrow, w->type, c), w->type, chunk_blocks(blocks, c), &u);
                 for (int r = 0; r < m; r++) {
                     const size_t row = (size_t)(r0 + r);
                     const int8_t *x = a->q + row * w->cols + (size_t)c * HS_SUPER;
@@ -229,7 +232,6 @@ static void features_portable(const hs_matrix *w, const activations *a, int n, i
 }
 
 #if HS_X86
-/* A chunk's values as bytes, and its factors. */
 /* unpack_factors_portable's factors (Q6_K's scales again as `halves`). Q4_K's and Q5_K's
  * packed scales and mins as four 32-bit words: scales 0-3 and mins 0-3 are the low 6 bits of
  * bytes 0-3 and 4-7; scales 4-7 take bytes 8-11's low nibbles and bytes 0-3's top 2 bits,
@@ -269,6 +271,7 @@ HS_AVX2 INLINE void unpack_factors_avx2(const char *chunk, const int type, unpac
     _mm256_store_ps(u->offset, _mm256_xor_ps(dmin_mins, _mm256_set1_ps(-0.0f))); /* -(dmin * min) */
 }
 
+/* A chunk's values as bytes, and its factors. */
 HS_AVX2 INLINE void unpack_avx2(const char *chunk, const int type, const int blocks, unpacked *u) {
     u->blocks = blocks;
     unpack_factors_avx2(chunk, type, u);
@@ -336,11 +339,6 @@ HS_AVX2 INLINE void unpack_avx2(const char *chunk, const int type, const int blo
         _mm256_store_si256((__m256i *)(u->q + 64 * c), lo);
         _mm256_store_si256((__m256i *)(u->q + 64 * c + 32), hi);
     }
-}
-
-/* Four bytes at p in every int32 lane. */
-HS_AVX2 INLINE __m256i broadcast4(const void *p) {
-    return _mm256_castps_si256(_mm256_broadcast_ss((const float *)p));
 }
 
 /* Run k (values 4k..4k+3 of the group's 8 rows) of activation block blk of group g. */
@@ -500,7 +498,6 @@ ROWS_MAJOR(HS_AVX2, avx2)
         const int grouped = groups * GROUP < n ? groups * GROUP : n;                         \
         const int passes = groups > 2 ? (groups + 1) / 2 : 1;                                \
         const size_t stride = hs_unpacked_row_bytes(type, w->cols);                          \
-        const size_t chunk_bytes = (size_t)(chunk_at(NULL, type, 1) - (const char *)NULL);   \
         unpacked u;                                                                          \
         for (int p = 0; p < passes; p++) {                                                   \
             const int g = 2 * p, count = groups - g < 2 ? groups - g : 2;                    \
@@ -513,9 +510,9 @@ ROWS_MAJOR(HS_AVX2, avx2)
                     const char *chunk = chunk_at(wrow, type, c);                             \
                     /* the stream ahead: unpacking costs more than streaming the bytes, and  \
                      * without this the prefetchers stay too close to overlap the two */     \
-                    for (size_t line = 0; line < chunk_bytes; line += 64)                    \
+                    for (size_t line = 0; line < chunk_bytes(type); line += 64)             \
                         _mm_prefetch(chunk + PREFETCH_AHEAD + line, _MM_HINT_T0);            \
-                    unpack_avx2(chunk, type, blocks - c * SUB < SUB ? blocks - c * SUB : SUB, &u); \
+                    unpack_avx2(chunk, type, chunk_blocks(blocks, c), &u);                   \
                     if (count == 2) rows_in_lanes_##SUFFIX(&u, type, c, blocks, a, g, 2, acc);    \
                     else if (count == 1) rows_in_lanes_##SUFFIX(&u, type, c, blocks, a, g, 1, acc); \
                     if (rest > 0) rows_major_##SUFFIX(&u, type, c, blocks, a, grouped, w->cols, rest, alone); \
