@@ -203,6 +203,23 @@ def _write(handle: safe_open, config: dict, model_dir: Path, out_path: Path, out
         writer.close()
 
 
+def export_any(model_dir: Path, out_path: Path, out_type: str, f16: Path | None = None) -> Path:
+    """``export_gguf`` for its types; a K-quant (``QUANT_TYPES``) is llama.cpp's quantization of
+    ``f16`` (an F16 export of the folder), or of a temporary one beside ``out_path``. Raises
+    ExportError or QuantizeError."""
+    if out_type not in QUANT_TYPES:
+        return export_gguf(model_dir, out_path, out_type)
+    temporary = f16 is None
+    f16 = out_path.with_name(f".{out_path.name}.f16.tmp") if temporary else f16
+    try:
+        if temporary:
+            export_gguf(model_dir, f16, "f16")
+        return quantize_gguf(f16, out_path, out_type)
+    finally:
+        if temporary:
+            f16.unlink(missing_ok=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hetspec.models.gguf_export")
     parser.add_argument("model_dir", type=Path, help="Hugging Face Llama model folder")
@@ -211,14 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="K-quants: an F16 export quantized by llama.cpp")  # fmt: skip
     args = parser.parse_args(argv)
     try:
-        if args.type in QUANT_TYPES:
-            f16 = args.out.with_name(f".{args.out.name}.f16.tmp")
-            try:
-                quantize_gguf(export_gguf(args.model_dir, f16, "f16"), args.out, args.type)
-            finally:
-                f16.unlink(missing_ok=True)
-        else:
-            export_gguf(args.model_dir, args.out, args.type)
+        export_any(args.model_dir, args.out, args.type)
     except (ExportError, QuantizeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

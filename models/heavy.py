@@ -62,8 +62,8 @@ from types import MappingProxyType
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from hetspec.models.gguf_export import OUT_TYPES, ExportError, export_gguf
-from hetspec.models.llama_quantize import QUANT_TYPES, QuantizeError, quantize_gguf
+from hetspec.models.gguf_export import OUT_TYPES, ExportError, export_any
+from hetspec.models.llama_quantize import QUANT_TYPES, QuantizeError
 
 SOURCE = Path(__file__).resolve().parent / "target"
 SOURCE_FILES = (
@@ -510,15 +510,9 @@ def _export(folder: Path, size: str, gguf_type: str, say: Callable[[str], None])
     temp = _temp_name(final)
     started = time.monotonic()
     say(f"heavy-{size}: exporting {final.name}")
-    f16 = folder / f"heavy-{size}-f16.gguf"
-    source = f16 if f16.is_file() else _temp_name(f16)  # K-quants: llama.cpp quantizes F16
+    f16 = folder / f"heavy-{size}-f16.gguf"  # a K-quant's source where it exists
     try:
-        if gguf_type in QUANT_TYPES:
-            if source != f16:
-                export_gguf(folder, source, "f16")
-            quantize_gguf(source, temp, gguf_type)
-        else:
-            export_gguf(folder, temp, gguf_type)
+        export_any(folder, temp, gguf_type, f16 if f16.is_file() else None)
         _fsync(temp)
         temp.replace(final)
         _fsync(folder)
@@ -526,8 +520,6 @@ def _export(folder: Path, size: str, gguf_type: str, say: Callable[[str], None])
         raise HeavyModelError(f"heavy-{size}: {gguf_type} export failed: {error}") from None
     finally:
         temp.unlink(missing_ok=True)
-        if source != f16:
-            source.unlink(missing_ok=True)
     size_mb = final.stat().st_size / 1e6
     say(f"heavy-{size}: wrote {final.name} ({size_mb:.0f} MB, {time.monotonic() - started:.1f} s)")
     return final
