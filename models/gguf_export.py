@@ -1,8 +1,10 @@
-"""Export a Hugging Face Llama folder with a byte-level BPE tokenizer to a GGUF file.
+"""Export a Hugging Face Llama, Qwen2 or Qwen3 folder with a byte-level BPE tokenizer to GGUF.
 
-This covers the models hetspec builds itself (the bundled demo pair and the tiny models the tests
-write); other models come as GGUF from their publishers or llama.cpp's own converter. Needs only
-numpy, safetensors and gguf, so it runs without torch.
+This covers the models hetspec builds itself (the bundled demo pair, the heavy targets and the
+tiny models the tests write), laid out as llama.cpp's own converter lays out these
+architectures (its ``llama``, ``qwen2`` and ``qwen3``: biases, per-head q/k norms, Llama 3's
+rotary frequency factors); other models come as GGUF from their publishers or llama.cpp's
+converter. Needs only numpy, safetensors and gguf, so it runs without torch.
 
     python -m hetspec.models.gguf_export MODEL_DIR OUT.gguf --type q8_0
 
@@ -16,6 +18,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -31,7 +34,13 @@ OUT_TYPES = {
     "q4_0": (gguf.GGMLQuantizationType.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
 }
 
+# model_type -> the GGUF architecture (Llama's q/k rows are reordered for llama.cpp's rotation of
+# adjacent pairs; Qwen's rotate halves, as in Hugging Face's layout)
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
 _LAYER_TENSORS = {
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
@@ -58,31 +67,48 @@ def gguf_tensor_name(hf_name: str) -> str:
     if hf_name in fixed:
         return fixed[hf_name]
     parts = hf_name.split(".")
-    if parts[:2] == ["model", "layers"] and parts[-1] == "weight":
+    if parts[:2] == ["model", "layers"] and parts[-1] in ("weight", "bias"):
         name = _LAYER_TENSORS.get(".".join(parts[3:-1]))
         if name:
-            return f"blk.{parts[2]}.{name}.weight"
-    raise ExportError(f"unexpected tensor {hf_name!r} for a Llama model")
+            return f"blk.{parts[2]}.{name}.{parts[-1]}"
+    raise ExportError(f"unexpected tensor {hf_name!r} for a Llama-family model")
 
 
 def rotary_rows_to_interleaved(weight: np.ndarray, n_heads: int) -> np.ndarray:
-    """Reorder q/k projection rows from HF's rotary layout to llama.cpp's.
+    """Reorder q/k projection rows (or bias entries) from HF's rotary layout to llama.cpp's.
 
-    HF rotates the two halves of each head ([x0..x(d/2-1)] with [x(d/2)..]); llama.cpp rotates
-    adjacent pairs (x0 with x1, ...). Per head, row i of the first half goes to 2i and row i of
-    the second half to 2i+1.
+    HF rotates the two halves of each head ([x0..x(d/2-1)] with [x(d/2)..]); llama.cpp's llama
+    architecture rotates adjacent pairs (x0 with x1, ...). Per head, row i of the first half
+    goes to 2i and row i of the second half to 2i+1.
     """
-    rows, cols = weight.shape
-    head_dim = rows // n_heads
-    halves = weight.reshape(n_heads, 2, head_dim // 2, cols)
-    return halves.swapaxes(1, 2).reshape(rows, cols)
+    head_dim = weight.shape[0] // n_heads
+    halves = weight.reshape(n_heads, 2, head_dim // 2, -1)
+    return halves.swapaxes(1, 2).reshape(weight.shape)
 
 
-def _rope_theta(config: dict) -> float:
-    rope = config.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ExportError(f"rope type {rope['rope_type']!r} is not supported by this exporter")
-    return float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+def _rope(config: dict) -> tuple[str, dict]:
+    """The rotary type ("default", "linear", "llama3") and its parameters, from either
+    transformers' ``rope_parameters`` or the older ``rope_scaling`` and ``rope_theta``."""
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind not in ("default", "linear", "llama3"):
+        raise ExportError(f"rope type {kind!r} is not supported by this exporter")
+    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    return kind, rope
+
+
+def llama3_frequency_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """Llama 3's rotary scaling as per-pair factors dividing each pair's frequency (llama.cpp's
+    ``rope_freqs.weight``): long wavelengths slowed by ``factor``, short ones kept, a smooth
+    blend between."""
+    factor = float(rope["factor"])
+    low, high = float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+    original = float(rope["original_max_position_embeddings"])
+    frequencies = float(rope["rope_theta"]) ** (-np.arange(0, head_dim, 2) / head_dim)
+    wavelengths = 2 * math.pi / frequencies
+    smooth = np.clip((original / wavelengths - low) / (high - low), 0.0, 1.0)
+    # smooth 0 (wavelength past original / low): factor; 1 (below original / high): 1
+    return (1.0 / ((1 - smooth) / factor + smooth)).astype(np.float32)
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, n_vocab: int) -> None:
@@ -133,7 +159,7 @@ def _tensor_type(
 
 
 def export_gguf(model_dir: Path, out_path: Path, out_type: str = "f16") -> Path:
-    """Write ``out_path`` from the HF Llama folder ``model_dir``; returns ``out_path``.
+    """Write ``out_path`` from the HF folder ``model_dir`` (``ARCHITECTURES``); returns it.
 
     Tensors stream one at a time, so memory stays near the largest tensor (in f32), not the
     model: a 1B model exports on a small machine.
@@ -146,11 +172,33 @@ def export_gguf(model_dir: Path, out_path: Path, out_type: str = "f16") -> Path:
     except (OSError, json.JSONDecodeError, SafetensorError) as error:
         raise ExportError(f"{model_dir}: cannot read the model: {error}") from error
     with handle:
-        if config.get("model_type") != "llama":
-            model_type = config.get("model_type")
-            raise ExportError(f"{model_dir}: model_type {model_type!r} is not 'llama'")
+        if config.get("model_type") not in ARCHITECTURES:
+            raise ExportError(f"{model_dir}: model_type {config.get('model_type')!r} is not "
+                              f"one of {', '.join(ARCHITECTURES)}")  # fmt: skip
         _write(handle, config, model_dir, out_path, out_type)
     return out_path
+
+
+def _add_shape(writer: gguf.GGUFWriter, config: dict, head_dim: int, rope_kind: str,
+               rope: dict) -> None:  # fmt: skip
+    """The architecture's hyperparameters, as llama.cpp reads them."""
+    n_heads = config["num_attention_heads"]
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(n_heads)
+    writer.add_head_count_kv(config.get("num_key_value_heads", n_heads))
+    if head_dim != config["hidden_size"] // n_heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    if rope_kind == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
 
 
 def _write(handle: safe_open, config: dict, model_dir: Path, out_path: Path, out_type: str) -> None:
@@ -158,47 +206,50 @@ def _write(handle: safe_open, config: dict, model_dir: Path, out_path: Path, out
     n_heads = config["num_attention_heads"]
     n_kv_heads = config.get("num_key_value_heads", n_heads)
     head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
+    architecture = ARCHITECTURES[config["model_type"]]
+    rope_kind, rope = _rope(config)
     qtype, file_type = OUT_TYPES[out_type]
     hf_names = list(handle.keys())
     # a tied model's embedding doubles as the output head
     head = "output.weight" if "lm_head.weight" in hf_names else "token_embd.weight"
 
-    writer = gguf.GGUFWriter(out_path, "llama")
+    writer = gguf.GGUFWriter(out_path, architecture)
     writer.add_name(config.get("_name_or_path") or model_dir.name)
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(n_heads)
-    writer.add_head_count_kv(n_kv_heads)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(_rope_theta(config))
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_vocab_size(config["vocab_size"])
+    _add_shape(writer, config, head_dim, rope_kind, rope)
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _add_tokenizer(writer, model_dir, config["vocab_size"])
 
+    def read(hf_name: str) -> Callable[[], np.ndarray]:
+        def load() -> np.ndarray:
+            data = handle.get_tensor(hf_name).astype(np.float32)
+            if architecture == "llama" and ".q_proj." in hf_name:
+                return rotary_rows_to_interleaved(data, n_heads)
+            if architecture == "llama" and ".k_proj." in hf_name:
+                return rotary_rows_to_interleaved(data, n_kv_heads)
+            return data
+
+        return load
+
+    # (GGUF name, shape, the data as float32 when its turn comes): one tensor in memory at once
+    tensors = [(gguf_tensor_name(name), tuple(handle.get_slice(name).get_shape()), read(name))
+               for name in hf_names]  # fmt: skip
+    if rope_kind == "llama3":
+        factors = llama3_frequency_factors(rope, head_dim)
+        tensors.append(("rope_freqs.weight", factors.shape, lambda: factors))
     plan = []
-    for hf_name in hf_names:
-        gguf_name = gguf_tensor_name(hf_name)
-        shape = tuple(handle.get_slice(hf_name).get_shape())
+    for gguf_name, shape, load in tensors:
         tensor_type = _tensor_type(gguf_name, shape, qtype, head)
         block_size, type_size = gguf.GGML_QUANT_SIZES[tensor_type]
         nbytes = math.prod(shape[:-1]) * shape[-1] // block_size * type_size
         writer.add_tensor_info(gguf_name, shape, np.dtype(np.float32), nbytes, tensor_type)
-        plan.append((hf_name, tensor_type))
+        plan.append((load, tensor_type))
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for hf_name, tensor_type in plan:
-            data = handle.get_tensor(hf_name).astype(np.float32)
-            if hf_name.endswith("q_proj.weight"):
-                data = rotary_rows_to_interleaved(data, n_heads)
-            elif hf_name.endswith("k_proj.weight"):
-                data = rotary_rows_to_interleaved(data, n_kv_heads)
-            writer.write_tensor_data(gguf.quants.quantize(data, tensor_type))
+        for load, tensor_type in plan:
+            writer.write_tensor_data(gguf.quants.quantize(load(), tensor_type))
     finally:
         writer.close()
 

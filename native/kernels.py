@@ -43,11 +43,17 @@ class Matrix(ctypes.Structure):
     ]
 
 
+MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # a layer's, in hs_layer's order
+
+
 class Layer(ctypes.Structure):
     _fields_ = [
         ("attn_norm", ctypes.c_void_p),
         ("ffn_norm", ctypes.c_void_p),
-        *((name, Matrix) for name in ("q", "k", "v", "o", "gate", "up", "down")),
+        *((name, Matrix) for name in MATRICES),
+        *((f"{name}_bias", ctypes.c_void_p) for name in MATRICES),  # optional: None
+        ("q_norm", ctypes.c_void_p),  # optional: None
+        ("k_norm", ctypes.c_void_p),
     ]
 
 
@@ -65,6 +71,8 @@ class Model(ctypes.Structure):
         ("rope_sin", ctypes.c_void_p),
         ("k_cache", ctypes.c_void_p),
         ("v_cache", ctypes.c_void_p),
+        ("rope_halves", ctypes.c_int32),  # 1: values (i, i + head_dim/2) rotate together
+        ("reserved", ctypes.c_int32),
     ]  # fmt: skip
 
 

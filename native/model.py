@@ -1,9 +1,12 @@
-"""A Llama GGUF file laid out for the native kernels: weights mapped in place, a KV cache.
+"""A Llama-family GGUF file laid out for the native kernels: weights mapped in place, a KV cache.
 
 The weights stay in the file's pages (``gguf.GGUFReader`` maps it read-only), so the native
 runtime shares them with the page cache instead of holding a second copy. What it supports is
-what llama.cpp's ``llama`` architecture writes for plain Llama models: grouped-query attention,
-RoPE over whole heads (default or linear scaling), SwiGLU, RMSNorm, untied or tied output.
+what llama.cpp writes for its ``llama``, ``qwen2`` and ``qwen3`` architectures: grouped-query
+attention, RoPE over whole heads (default or linear scaling, per-frequency factors as Llama 3
+files carry them), SwiGLU, RMSNorm, optional biases on every projection (Qwen2's q, k, v),
+optional per-head query/key norms (Qwen3), untied or tied output. A file with any tensor this
+does not account for is refused: computing without it would be a different model.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import numpy as np
 from hetspec.native.kernels import (
     BEST,
     BLOCK,
+    MATRICES,
     TYPE_NAMES,
     Kernels,
     Layer,
@@ -29,6 +33,10 @@ LAYER_TENSORS = {
     "q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
     "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down",
 }  # fmt: skip
+assert tuple(LAYER_TENSORS) == MATRICES
+# architecture -> whether a head's halves rotate together (llama.cpp's NEOX rotation) rather
+# than adjacent pairs; llama.cpp's converter reorders Llama's q/k rows for the pairs
+FAMILIES = {"llama": False, "qwen2": True, "qwen3": True}
 DEFAULT_MAX_CONTEXT = 8192
 
 
@@ -48,22 +56,25 @@ class NativeModel:
             raise ModelFormatError(f"{self.path}: not a readable GGUF file ({error})") from None
         self._tensors = {tensor.name: tensor for tensor in self._reader.tensors}
         self._keep: list[object] = []  # arrays and structs C holds pointers into
-        architecture = self._field("general.architecture")
-        if architecture != "llama":
-            raise ModelFormatError(f"{self.path}: architecture {architecture!r}; the native "
-                                   "runtime runs llama only")  # fmt: skip
-        self.d_model = int(self._field("llama.embedding_length"))
-        self.n_layers = int(self._field("llama.block_count"))
-        self.n_heads = int(self._field("llama.attention.head_count"))
-        self.n_kv_heads = int(self._field("llama.attention.head_count_kv", self.n_heads))
-        self.head_dim = int(self._field("llama.attention.key_length", self.d_model // self.n_heads))
-        self.n_ff = int(self._field("llama.feed_forward_length"))
-        self.eps = float(self._field("llama.attention.layer_norm_rms_epsilon"))
-        trained = int(self._field("llama.context_length"))
+        self.architecture = str(self._field("general.architecture"))
+        if self.architecture not in FAMILIES:
+            raise ModelFormatError(f"{self.path}: architecture {self.architecture!r}; the native "
+                                   f"runtime runs {', '.join(FAMILIES)}")  # fmt: skip
+        self.d_model = int(self._hparam("embedding_length"))
+        self.n_layers = int(self._hparam("block_count"))
+        self.n_heads = int(self._hparam("attention.head_count"))
+        self.n_kv_heads = int(self._hparam("attention.head_count_kv", self.n_heads))
+        self.head_dim = int(self._hparam("attention.key_length", self.d_model // self.n_heads))
+        if int(self._hparam("attention.value_length", self.head_dim)) != self.head_dim:
+            raise ModelFormatError(f"{self.path}: values and keys of different widths")
+        self.n_ff = int(self._hparam("feed_forward_length"))
+        self.eps = float(self._hparam("attention.layer_norm_rms_epsilon"))
+        trained = int(self._hparam("context_length"))
         self.capacity = capacity or min(trained, DEFAULT_MAX_CONTEXT)
         if not 0 < self.capacity <= trained:
             raise ModelFormatError(f"{self.path}: context {self.capacity} is outside what the "
                                    f"model allows (1..{trained})")  # fmt: skip
+        self._used: set[str] = set()  # the tensors read: any other one is refused
         self._check_rope()
 
         embed = self._matrix("token_embd.weight")
@@ -71,12 +82,11 @@ class NativeModel:
         output = self._matrix("output.weight") if "output.weight" in self._tensors else embed
         layers = (Layer * self.n_layers)()
         for index in range(self.n_layers):
-            layer = layers[index]
-            layer.attn_norm = self._vector(f"blk.{index}.attn_norm.weight")
-            layer.ffn_norm = self._vector(f"blk.{index}.ffn_norm.weight")
-            for field, name in LAYER_TENSORS.items():
-                setattr(layer, field, self._matrix(f"blk.{index}.{name}.weight"))
-        cos, sin = rope_tables(self.capacity, self.head_dim, self._rope_theta, self._rope_factor)
+            self._read_layer(layers[index], index)
+        output_norm = self._vector("output_norm.weight")
+        self._check_all_used()
+        cos, sin = rope_tables(self.capacity, self.head_dim, self._rope_theta, self._rope_factor,
+                               self._rope_frequency_factors)  # fmt: skip
         shape = (self.n_layers, self.n_kv_heads, self.capacity, self.head_dim)
         self.keys = np.zeros(shape, np.float16)  # as the kernels store them
         self.values = np.zeros(shape, np.float16)
@@ -84,8 +94,8 @@ class NativeModel:
         self.struct = Model(
             self.n_layers, self.d_model, self.n_ff, self.n_heads, self.n_kv_heads,
             self.head_dim, self.vocab, self.capacity, self.eps, simd, layers,
-            self._vector("output_norm.weight"), embed, output, cos.ctypes.data, sin.ctypes.data,
-            self.keys.ctypes.data, self.values.ctypes.data,
+            output_norm, embed, output, cos.ctypes.data, sin.ctypes.data,
+            self.keys.ctypes.data, self.values.ctypes.data, FAMILIES[self.architecture],
         )  # fmt: skip
         self.kernels = Kernels.load()
 
@@ -99,11 +109,41 @@ class NativeModel:
             return default
         return field.contents()
 
+    def _hparam(self, key: str, default: object = None) -> object:
+        return self._field(f"{self.architecture}.{key}", default)
+
     def _tensor(self, name: str) -> gguf.ReaderTensor:
         tensor = self._tensors.get(name)
         if tensor is None:
             raise ModelFormatError(f"{self.path}: lacks tensor {name!r}")
+        self._used.add(name)
         return tensor
+
+    def _read_layer(self, layer: Layer, index: int) -> None:
+        prefix = f"blk.{index}."
+        layer.attn_norm = self._vector(f"{prefix}attn_norm.weight", self.d_model)
+        layer.ffn_norm = self._vector(f"{prefix}ffn_norm.weight", self.d_model)
+        for field, name in LAYER_TENSORS.items():
+            weights = self._matrix(f"{prefix}{name}.weight")
+            setattr(layer, field, weights)
+            if f"{prefix}{name}.bias" in self._tensors:
+                setattr(layer, f"{field}_bias", self._vector(f"{prefix}{name}.bias", weights.rows))
+        for field in ("q_norm", "k_norm"):
+            name = f"{prefix}attn_{field}.weight"
+            if name in self._tensors:
+                setattr(layer, field, self._vector(name, self.head_dim))
+        if self.architecture == "qwen3" and not (layer.q_norm and layer.k_norm):
+            raise ModelFormatError(f"{self.path}: a qwen3 file needs attn_q_norm and "
+                                   f"attn_k_norm in layer {index}")  # fmt: skip
+
+    def _check_all_used(self) -> None:
+        unused = sorted(set(self._tensors) - self._used)
+        if unused:
+            more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
+            raise ModelFormatError(
+                f"{self.path}: tensor(s) {', '.join(unused[:3])}{more} mean a computation the "
+                f"native kernels do not do (a {self.architecture} model with extra parts)"
+            )
 
     def _matrix(self, name: str) -> Matrix:
         tensor = self._tensor(name)
@@ -121,23 +161,34 @@ class NativeModel:
         except NativeUnavailable as error:
             raise ModelFormatError(f"{self.path}: {name}: {error}") from None
 
-    def _vector(self, name: str) -> int:
+    def _vector(self, name: str, length: int | None = None) -> int:
+        """The address of F32 vector ``name`` of ``length`` (default d_model) values."""
+        length = length or self.d_model
         tensor = self._tensor(name)
-        if tensor.tensor_type != gguf.GGMLQuantizationType.F32 or tensor.shape[0] != self.d_model:
-            raise ModelFormatError(f"{self.path}: {name} must be F32 ({self.d_model},)")
+        if (tensor.tensor_type != gguf.GGMLQuantizationType.F32 or len(tensor.shape) != 1
+                or tensor.shape[0] != length):  # fmt: skip
+            raise ModelFormatError(f"{self.path}: {name} must be F32 ({length},)")
         return tensor.data.ctypes.data
 
     def _check_rope(self) -> None:
-        rotated = int(self._field("llama.rope.dimension_count", self.head_dim))
+        rotated = int(self._hparam("rope.dimension_count", self.head_dim))
         if rotated != self.head_dim:
             raise ModelFormatError(f"{self.path}: RoPE over {rotated} of {self.head_dim} "
                                    "dimensions is not supported")  # fmt: skip
-        scaling = str(self._field("llama.rope.scaling.type", "none"))
+        scaling = str(self._hparam("rope.scaling.type", "none"))
         if scaling not in ("none", "linear"):
             raise ModelFormatError(f"{self.path}: RoPE scaling {scaling!r} is not supported")
-        self._rope_theta = float(self._field("llama.rope.freq_base", 10000.0))
-        factor = float(self._field("llama.rope.scaling.factor", 1.0))
+        self._rope_theta = float(self._hparam("rope.freq_base", 10000.0))
+        factor = float(self._hparam("rope.scaling.factor", 1.0))
         self._rope_factor = factor if scaling == "linear" else 1.0
+        self._rope_frequency_factors = None  # Llama 3's: one per rotated pair, dividing it
+        if "rope_freqs.weight" in self._tensors:
+            tensor = self._tensor("rope_freqs.weight")
+            if (tensor.tensor_type != gguf.GGMLQuantizationType.F32
+                    or tuple(tensor.shape) != (self.head_dim // 2,)):  # fmt: skip
+                raise ModelFormatError(f"{self.path}: rope_freqs.weight must be F32 "
+                                       f"({self.head_dim // 2},)")  # fmt: skip
+            self._rope_frequency_factors = np.array(tensor.data, np.float64)
         if self.d_model % BLOCK or self.n_ff % BLOCK or (self.n_heads * self.head_dim) % BLOCK:
             raise ModelFormatError(f"{self.path}: widths must be multiples of {BLOCK}")
 
@@ -194,10 +245,17 @@ class NativeModel:
         self.values[:, :, targets] = self.values[:, :, sources]
 
 
-def rope_tables(length: int, head_dim: int, theta: float,
-                factor: float = 1.0) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+def rope_tables(
+    length: int,
+    head_dim: int,
+    theta: float,
+    factor: float = 1.0,
+    frequency_factors: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin (length, head_dim / 2) float32: the angle of pair i at position p is
-    p / factor * theta ** (-2 i / head_dim), computed in float64."""
+    p / factor * theta ** (-2 i / head_dim) / frequency_factors[i], computed in float64."""
     inverse = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim) / factor
+    if frequency_factors is not None:
+        inverse = inverse / frequency_factors
     angles = np.outer(np.arange(length, dtype=np.float64), inverse)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)

@@ -99,6 +99,24 @@ def write_tiny_gguf_llama(
 
     Returns the GGUF path; the folder beside it loads in transformers and the torch runtime.
     """
+    return write_tiny_gguf(folder, "llama", seed=seed, layers=layers, vocab_size=vocab_size,
+                           gguf_type=gguf_type, context=context)  # fmt: skip
+
+
+def write_tiny_gguf(
+    folder: Path,
+    name: str,
+    *,
+    seed: int = 0,
+    layers: int = 2,
+    vocab_size: int = TINY_VOCAB,
+    gguf_type: str = "f32",
+    context: int | None = None,
+    **overrides: object,
+) -> Path:
+    """write_tiny_gguf_llama for a plain Llama ("llama") or any ``TINY_CONFIGS`` name the
+    exporter handles, with config ``overrides`` (e.g. an ``intermediate_size`` in whole
+    32-blocks, as the native kernels need)."""
     import transformers  # noqa: PLC0415
 
     from hetspec.models.gguf_export import export_gguf  # noqa: PLC0415
@@ -111,23 +129,27 @@ def write_tiny_gguf_llama(
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(tokenizer_texts(), vocab_size)
     bos = tokenizer.token_to_id(BOS)
-    config = transformers.LlamaConfig(
+    model_type, extra = TINY_CONFIGS.get(name, ("llama", {}))
+    config = transformers.AutoConfig.for_model(
+        model_type,
         **{
             **COMMON,
+            **extra,
             "vocab_size": tokenizer.get_vocab_size(),
             "num_hidden_layers": layers,
             "max_position_embeddings": context or COMMON["max_position_embeddings"],
+            **overrides,
         },
         bos_token_id=bos,
         eos_token_id=bos,
     )
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            scale = 0.2 if name.endswith("norm.weight") else 0.15
+        for param_name, param in model.named_parameters():
+            scale = 0.2 if param_name.endswith("norm.weight") else 0.15
             param.copy_(
-                (1 if name.endswith("norm.weight") else 0) + scale * torch.randn_like(param)
+                (1 if param_name.endswith("norm.weight") else 0) + scale * torch.randn_like(param)
             )
     model.save_pretrained(folder, safe_serialization=True)
     write_tokenizer_files(tokenizer, folder, config.max_position_embeddings)

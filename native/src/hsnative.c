@@ -160,16 +160,33 @@ int hs_dequantize_rows(const hs_matrix *w, int first, int count, float *out) {
     return 0;
 }
 
-/* Rotate pairs (2i, 2i+1) of each head by the angles of one position. */
-static void rope_row(float *x, int heads, int head_dim, const float *cos, const float *sin) {
+/* Rotate pair i of each head by the angles of one position: values (2i, 2i+1), or with
+ * `halves` (i, i + head_dim/2). */
+static void rope_row(float *x, int heads, int head_dim, int halves, const float *cos,
+                     const float *sin) {
+    const int stride = halves ? 1 : 2, partner = halves ? head_dim / 2 : 1;
     for (int h = 0; h < heads; h++) {
         float *v = x + (size_t)h * head_dim;
         for (int i = 0; i < head_dim / 2; i++) {
-            const float a = v[2 * i], b = v[2 * i + 1];
-            v[2 * i] = a * cos[i] - b * sin[i];
-            v[2 * i + 1] = a * sin[i] + b * cos[i];
+            float *first = v + i * stride, *second = first + partner;
+            const float a = *first, b = *second;
+            *first = a * cos[i] - b * sin[i];
+            *second = a * sin[i] + b * cos[i];
         }
     }
+}
+
+/* x (n) += bias (n), unless there is no bias. */
+static void add_bias(float *x, const float *bias, int n) {
+    if (bias)
+        for (int k = 0; k < n; k++) x[k] += bias[k];
+}
+
+/* RMSNorm of each head of x in place, unless there is no norm. */
+static void norm_heads(float *x, const float *weight, int heads, int head_dim, float eps) {
+    if (weight)
+        for (int h = 0; h < heads; h++)
+            rms_norm(x + (size_t)h * head_dim, weight, head_dim, eps, x + (size_t)h * head_dim);
 }
 
 static float silu(float x) { return x / (1.0f + expf(-x)); }
@@ -1361,8 +1378,14 @@ static void forward_rows(const hs_model *m, const scratch *s, int n, const int32
         for (int i = 0; i < n; i++) {
             const float *cos = m->rope_cos + (size_t)positions[i] * half;
             const float *sin = m->rope_sin + (size_t)positions[i] * half;
-            rope_row(s->q + (size_t)i * qd, heads, hd, cos, sin);
-            rope_row(s->k + (size_t)i * kvd, kv_heads, hd, cos, sin);
+            float *q = s->q + (size_t)i * qd, *k = s->k + (size_t)i * kvd;
+            add_bias(q, y->q_bias, qd);
+            add_bias(k, y->k_bias, kvd);
+            add_bias(s->v + (size_t)i * kvd, y->v_bias, kvd);
+            norm_heads(q, y->q_norm, heads, hd, m->eps);
+            norm_heads(k, y->k_norm, kv_heads, hd, m->eps);
+            rope_row(q, heads, hd, m->rope_halves, cos, sin);
+            rope_row(k, kv_heads, hd, m->rope_halves, cos, sin);
             for (int h = 0; h < kv_heads; h++) {
                 const size_t slot =
                     (((size_t)l * kv_heads + h) * m->capacity + (size_t)(start + i)) * hd;
@@ -1403,6 +1426,7 @@ static void forward_rows(const hs_model *m, const scratch *s, int n, const int32
 #pragma omp for schedule(static)
         for (int i = 0; i < n; i++) {
             float *x = s->x + (size_t)i * d;
+            add_bias(s->projected + (size_t)i * d, y->o_bias, d);
             for (int k = 0; k < d; k++) x[k] += s->projected[(size_t)i * d + k];
             rms_norm(x, y->ffn_norm, d, m->eps, s->normed + (size_t)i * d);
             quantize_activation(&s->acts, s->normed + (size_t)i * d, i, n, d, simd);
@@ -1411,8 +1435,9 @@ static void forward_rows(const hs_model *m, const scratch *s, int n, const int32
         matmul_items(&y->up, &s->acts, s->normed, n, s->up, simd, 1);
 #pragma omp for schedule(static)
         for (int i = 0; i < n; i++) {
-            float *g = s->gate + (size_t)i * f;
-            const float *u = s->up + (size_t)i * f;
+            float *g = s->gate + (size_t)i * f, *u = s->up + (size_t)i * f;
+            add_bias(g, y->gate_bias, f);
+            add_bias(u, y->up_bias, f);
             #if HS_X86
             if (simd)
                 silu_mul_avx2(g, u, f);
@@ -1425,6 +1450,7 @@ static void forward_rows(const hs_model *m, const scratch *s, int n, const int32
 #pragma omp for schedule(static)
         for (int i = 0; i < n; i++) {
             float *x = s->x + (size_t)i * d;
+            add_bias(s->projected + (size_t)i * d, y->down_bias, d);
             for (int k = 0; k < d; k++) x[k] += s->projected[(size_t)i * d + k];
         }
     }

@@ -30,6 +30,11 @@ typedef struct {
 typedef struct {
     const float *attn_norm, *ffn_norm; /* (d_model,) */
     hs_matrix q, k, v, o, gate, up, down;
+    /* optional (NULL: none): each matrix's bias (rows,), added to its output (Qwen2's q, k, v) */
+    const float *q_bias, *k_bias, *v_bias, *o_bias, *gate_bias, *up_bias, *down_bias;
+    /* optional (NULL: none): RMSNorms (head_dim,) of each query and key head before the
+     * rotation (Qwen3) */
+    const float *q_norm, *k_norm;
 } hs_layer;
 
 typedef struct {
@@ -39,11 +44,15 @@ typedef struct {
     const hs_layer *layers;
     const float *output_norm; /* (d_model,) */
     hs_matrix embed, output;
-    /* rotary tables (capacity, head_dim / 2): pairs (2i, 2i+1) rotate together (GGUF layout) */
+    /* rotary tables (capacity, head_dim / 2): pair i rotates by column i (see rope_halves) */
     const float *rope_cos, *rope_sin;
     /* (n_layers, n_kv_heads, capacity, head_dim) IEEE half floats (as llama.cpp's default
      * cache: half the memory traffic of attention), written by hs_forward at the new rows' slots */
     uint16_t *k_cache, *v_cache;
+    /* which values of a head rotate together: 0, pairs (2i, 2i+1) (llama.cpp's llama layout);
+     * 1, (i, i + head_dim/2) (its "NEOX" layout: Qwen2, Qwen3) */
+    int32_t rope_halves;
+    int32_t reserved;
 } hs_model;
 
 /* Kernel levels. Every level computes the same exact integer block products. On x86-64, AVX2

@@ -1,0 +1,145 @@
+"""The native kernels on each architecture they run: Llama (with Llama 3's rotary frequency
+factors, linear scaling, biases), Qwen2 (q/k/v biases, halves rotated together) and Qwen3
+(per-head q/k norms), against transformers and llama.cpp on the same tiny random models.
+
+Each file is written by hetspec's exporter in llama.cpp's layout for its architecture; llama.cpp
+agreeing with transformers on it checks the export, and the native kernels agreeing with both
+check the kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import textwrap
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from tiny_models import write_tiny_gguf
+
+from hetspec.native.kernels import NativeUnavailable
+from hetspec.speculative.tree import chain_parents
+from hetspec.workers.native_runtime import NativeRuntime
+
+FAMILIES = ["llama3-rope", "llama-linear-bias-tied", "qwen2", "qwen3"]
+TEXT = Path(textwrap.__file__).read_text()[:3000]
+CONTEXT = 256
+FFN = 128  # whole 32-blocks, as the native kernels need (the tiny default, 112, is not)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(name, gguf type) -> path: each family's tiny model, exported once."""
+
+    @functools.cache
+    def export(name: str, gguf_type: str = "f32") -> Path:
+        folder = tmp_path_factory.mktemp(name)
+        return write_tiny_gguf(folder, name, gguf_type=gguf_type, context=CONTEXT,
+                               intermediate_size=FFN)  # fmt: skip
+
+    return export
+
+
+def logits_of(runtime, tokens: list[int]) -> np.ndarray:
+    """(len(tokens), vocab): each position's next-token logits, the first from a prefill."""
+    runtime.prefill(tokens[:1])
+    first = runtime.last_logits()[None]
+    rest = runtime.evaluate_tree(tokens[1:], chain_parents(len(tokens) - 1))
+    return np.concatenate([first, rest])
+
+
+def transformers_logits(folder: Path, tokens: list[int]) -> np.ndarray:
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].numpy()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_each_family_computes_what_transformers_and_llama_cpp_compute(tiny, name) -> None:
+    from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
+
+    path = tiny(name)
+    native = NativeRuntime(path, n_ctx=CONTEXT)
+    tokens = native.tokenize(TEXT)[:200]  # past the llama3 config's 32 original positions
+    reference = transformers_logits(path.parent, tokens)
+    llama = LlamaCppRuntime(path, n_ctx=CONTEXT, flash_attention="off", kv_type="f16",
+                            v_type="f32")  # fmt: skip
+    scale = np.abs(reference).max()
+    for label, logits in (("native", logits_of(native, tokens)),
+                          ("llama.cpp", logits_of(llama, tokens))):  # fmt: skip
+        # F32 weights: only the half-float KV cache and summation order differ
+        assert np.abs(logits - reference).max() <= 3e-3 * scale, label
+        assert (logits.argmax(-1) == reference.argmax(-1)).mean() >= 0.98, label
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_quantized_qwen_files_predict_as_llama_cpp_does(tiny, name) -> None:
+    from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
+
+    path = tiny(name, "q8_0")
+    native = NativeRuntime(path, n_ctx=CONTEXT)
+    llama = LlamaCppRuntime(path, n_ctx=CONTEXT, flash_attention="off", kv_type="f16",
+                            v_type="f32")  # fmt: skip
+    tokens = native.tokenize(TEXT)[:200]
+    ours, theirs = logits_of(native, tokens), logits_of(llama, tokens)
+    # both quantize activations to 8 bits, in different blocks and scales: close, not equal
+    assert np.abs(ours - theirs).max() <= 0.05 * np.abs(theirs).max()
+    assert (ours.argmax(-1) == theirs.argmax(-1)).mean() >= 0.95
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_a_tokens_logits_are_the_same_bits_alone_and_inside_a_tree(tiny, name) -> None:
+    """Biases and per-head norms are per-row steps: width invariance holds for them too."""
+    native = NativeRuntime(tiny(name, "q8_0"), n_ctx=CONTEXT)
+    tokens = native.tokenize(TEXT)[:40]
+    native.prefill(tokens[:20])
+    chain = tokens[20:36]
+    together = native.evaluate_tree(chain, chain_parents(16)).copy()
+    native.discard_pending()
+    for index, token in enumerate(chain):
+        np.testing.assert_array_equal(native.evaluate_tree([token], [-1])[0], together[index])
+        native.commit([0])
+
+
+def copy_gguf(source: Path, target: Path, *, drop: str = "", extra: str = "") -> Path:
+    """``source`` (an F32 file) rewritten without tensor ``drop`` and with a zero vector
+    ``extra``: a file from another converter, or a variant of the architecture."""
+    reader = gguf.GGUFReader(source)
+    architecture = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(target, architecture)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(field.name, field.contents(), kind, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(field.name, field.contents(), kind)
+    for tensor in reader.tensors:
+        if tensor.name != drop:
+            writer.add_tensor(tensor.name, np.array(tensor.data))
+    if extra:
+        writer.add_tensor(extra, np.zeros(64, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+def test_a_file_with_parts_it_would_ignore_is_refused(tiny, tmp_path) -> None:
+    qwen2 = tiny("qwen2")
+    NativeRuntime(copy_gguf(qwen2, tmp_path / "same.gguf"), n_ctx=CONTEXT)  # the copy loads
+    with pytest.raises(NativeUnavailable, match=r"blk\.0\.attn_output\.bias_extra.*do not do"):
+        NativeRuntime(copy_gguf(qwen2, tmp_path / "extra.gguf",
+                                extra="blk.0.attn_output.bias_extra"))  # fmt: skip
+    qwen3 = tiny("qwen3")
+    with pytest.raises(NativeUnavailable, match="attn_q_norm and attn_k_norm in layer 1"):
+        NativeRuntime(copy_gguf(qwen3, tmp_path / "no-norm.gguf",
+                                drop="blk.1.attn_k_norm.weight"))  # fmt: skip
