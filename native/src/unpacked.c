@@ -399,30 +399,26 @@ HS_AVX2 INLINE void block_in_lanes_avx2(const unpacked *u, const int type, const
 }
 
 /* Rows in lanes: chunk c times the rows of `count` whole groups; acc[g] holds group g's 8
- * rows. The chunk's terms add up by chunk_sum's tree as they come (few live registers).
- * Defined per kernel level (SUFFIX), on that level's block_in_lanes. */
-#define ROWS_IN_LANES(ATTR, SUFFIX)                                                          \
-    ATTR INLINE void rows_in_lanes_##SUFFIX(const unpacked *u, const int type, const int c, \
-                                            const int blocks, const activations *a,        \
-                                            const int group, const int count, __m256 acc[2]) { \
-        __m256 even[2], odd[2], first[2], second[2];                                         \
-        block_in_lanes_##SUFFIX(u, type, c, 0, blocks, a, group, count, even);              \
-        block_in_lanes_##SUFFIX(u, type, c, 1, blocks, a, group, count, odd);               \
-        for (int g = 0; g < count; g++) first[g] = _mm256_add_ps(even[g], odd[g]);          \
-        block_in_lanes_##SUFFIX(u, type, c, 2, blocks, a, group, count, even);              \
-        block_in_lanes_##SUFFIX(u, type, c, 3, blocks, a, group, count, odd);               \
-        for (int g = 0; g < count; g++)                                                      \
-            first[g] = _mm256_add_ps(first[g], _mm256_add_ps(even[g], odd[g]));              \
-        block_in_lanes_##SUFFIX(u, type, c, 4, blocks, a, group, count, even);              \
-        block_in_lanes_##SUFFIX(u, type, c, 5, blocks, a, group, count, odd);               \
-        for (int g = 0; g < count; g++) second[g] = _mm256_add_ps(even[g], odd[g]);         \
-        block_in_lanes_##SUFFIX(u, type, c, 6, blocks, a, group, count, even);              \
-        block_in_lanes_##SUFFIX(u, type, c, 7, blocks, a, group, count, odd);               \
-        for (int g = 0; g < count; g++)                                                      \
-            acc[g] = _mm256_add_ps(acc[g], _mm256_add_ps(first[g], _mm256_add_ps(           \
-                                               second[g], _mm256_add_ps(even[g], odd[g])))); \
-    }
-ROWS_IN_LANES(HS_AVX2, avx2)
+ * rows. The chunk's terms add up by chunk_sum's tree as they come (few live registers). */
+HS_AVX2 INLINE void rows_in_lanes_avx2(const unpacked *u, const int type, const int c, const int blocks,
+                                       const activations *a, const int group, const int count, __m256 acc[2]) {
+    __m256 even[2], odd[2], first[2], second[2];
+    block_in_lanes_avx2(u, type, c, 0, blocks, a, group, count, even);
+    block_in_lanes_avx2(u, type, c, 1, blocks, a, group, count, odd);
+    for (int g = 0; g < count; g++) first[g] = _mm256_add_ps(even[g], odd[g]);
+    block_in_lanes_avx2(u, type, c, 2, blocks, a, group, count, even);
+    block_in_lanes_avx2(u, type, c, 3, blocks, a, group, count, odd);
+    for (int g = 0; g < count; g++)
+        first[g] = _mm256_add_ps(first[g], _mm256_add_ps(even[g], odd[g]));
+    block_in_lanes_avx2(u, type, c, 4, blocks, a, group, count, even);
+    block_in_lanes_avx2(u, type, c, 5, blocks, a, group, count, odd);
+    for (int g = 0; g < count; g++) second[g] = _mm256_add_ps(even[g], odd[g]);
+    block_in_lanes_avx2(u, type, c, 6, blocks, a, group, count, even);
+    block_in_lanes_avx2(u, type, c, 7, blocks, a, group, count, odd);
+    for (int g = 0; g < count; g++)
+        acc[g] = _mm256_add_ps(acc[g], _mm256_add_ps(first[g], _mm256_add_ps(
+                                           second[g], _mm256_add_ps(even[g], odd[g]))));
+}
 
 /* P_b in lane b, from block b's products summed in pairs (lanes 0-3 the low half-block's,
  * 4-7 the high's): the halves' sums (Q6_K: each times its scale) added (exact integers). */
@@ -487,99 +483,257 @@ ROWS_MAJOR(HS_AVX2, avx2)
 
 /* All n rows against output features [first, end): passes of up to two whole groups rows in
  * lanes, the last pass also taking the rows outside whole groups (fewer than PAD_FROM) one
- * by one; each chunk is unpacked once a pass. Defined per kernel level; literal types: each
- * call is compiled for its own. */
-#define FEATURES(ATTR, SUFFIX)                                                               \
-    ATTR INLINE void features_typed_##SUFFIX(const hs_matrix *w, const int type,            \
-                                             const activations *a, const int n,             \
-                                             const int first, const int end, float *out) {  \
-        const int blocks = w->cols / HS_BLOCK, chunks = (blocks + SUB - 1) / SUB;            \
-        const int groups = grouped_rows(n) / GROUP;                                          \
-        const int grouped = groups * GROUP < n ? groups * GROUP : n;                         \
-        const int passes = groups > 2 ? (groups + 1) / 2 : 1;                                \
-        const size_t stride = hs_unpacked_row_bytes(type, w->cols);                          \
-        unpacked u;                                                                          \
-        for (int p = 0; p < passes; p++) {                                                   \
-            const int g = 2 * p, count = groups - g < 2 ? groups - g : 2;                    \
-            const int rest = p == passes - 1 ? n - grouped : 0;                              \
-            for (int j = first; j < end; j++) {                                              \
-                const char *wrow = (const char *)w->data + stride * j;                       \
-                __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                  \
-                float alone[PAD_FROM] = {0};                                                 \
-                for (int c = 0; c < chunks; c++) {                                           \
-                    const char *chunk = chunk_at(wrow, type, c);                             \
-                    /* the stream ahead: unpacking costs more than streaming the bytes, and  \
-                     * without this the prefetchers stay too close to overlap the two */     \
-                    for (size_t line = 0; line < chunk_bytes(type); line += 64)             \
-                        _mm_prefetch(chunk + PREFETCH_AHEAD + line, _MM_HINT_T0);            \
-                    unpack_avx2(chunk, type, chunk_blocks(blocks, c), &u);                   \
-                    if (count == 2) rows_in_lanes_##SUFFIX(&u, type, c, blocks, a, g, 2, acc);    \
-                    else if (count == 1) rows_in_lanes_##SUFFIX(&u, type, c, blocks, a, g, 1, acc); \
-                    if (rest > 0) rows_major_##SUFFIX(&u, type, c, blocks, a, grouped, w->cols, rest, alone); \
-                }                                                                            \
-                for (int k = 0; k < count; k++) {                                            \
-                    float lanes[GROUP];                                                      \
-                    _mm256_storeu_ps(lanes, acc[k]);                                         \
-                    for (int r = 0; r < GROUP && (g + k) * GROUP + r < n; r++)               \
-                        out[(size_t)((g + k) * GROUP + r) * w->rows + j] = lanes[r];         \
-                }                                                                            \
-                for (int r = 0; r < rest; r++) out[(size_t)(grouped + r) * w->rows + j] = alone[r]; \
-            }                                                                                \
-        }                                                                                    \
-    }                                                                                        \
-    ATTR static void features_##SUFFIX(const hs_matrix *w, const activations *a, int n,     \
-                                       int first, int end, float *out) {                    \
-        switch (w->type) {                                                                   \
-        case HS_Q4_K: features_typed_##SUFFIX(w, HS_Q4_K, a, n, first, end, out); break;     \
-        case HS_Q5_K: features_typed_##SUFFIX(w, HS_Q5_K, a, n, first, end, out); break;     \
-        case HS_Q6_K: features_typed_##SUFFIX(w, HS_Q6_K, a, n, first, end, out); break;     \
-        default: features_typed_##SUFFIX(w, HS_Q5_0, a, n, first, end, out); break;          \
-        }                                                                                    \
+ * by one; each chunk is unpacked once a pass. Literal types: each call is compiled for its
+ * own. */
+HS_AVX2 INLINE void features_typed_avx2(const hs_matrix *w, const int type, const activations *a,
+                                        const int n, const int first, const int end, float *out) {
+    const int blocks = w->cols / HS_BLOCK, chunks = (blocks + SUB - 1) / SUB;
+    const int groups = grouped_rows(n) / GROUP;
+    const int grouped = groups * GROUP < n ? groups * GROUP : n;
+    const int passes = groups > 2 ? (groups + 1) / 2 : 1;
+    const size_t stride = hs_unpacked_row_bytes(type, w->cols);
+    unpacked u;
+    for (int p = 0; p < passes; p++) {
+        const int g = 2 * p, count = groups - g < 2 ? groups - g : 2;
+        const int rest = p == passes - 1 ? n - grouped : 0;
+        for (int j = first; j < end; j++) {
+            const char *wrow = (const char *)w->data + stride * j;
+            __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+            float alone[PAD_FROM] = {0};
+            for (int c = 0; c < chunks; c++) {
+                const char *chunk = chunk_at(wrow, type, c);
+                /* the stream ahead: unpacking costs more than streaming the bytes, and
+                 * without this the prefetchers stay too close to overlap the two */
+                for (size_t line = 0; line < chunk_bytes(type); line += 64)
+                    _mm_prefetch(chunk + PREFETCH_AHEAD + line, _MM_HINT_T0);
+                unpack_avx2(chunk, type, chunk_blocks(blocks, c), &u);
+                if (count == 2) rows_in_lanes_avx2(&u, type, c, blocks, a, g, 2, acc);
+                else if (count == 1) rows_in_lanes_avx2(&u, type, c, blocks, a, g, 1, acc);
+                if (rest > 0) rows_major_avx2(&u, type, c, blocks, a, grouped, w->cols, rest, alone);
+            }
+            for (int k = 0; k < count; k++) {
+                float lanes[GROUP];
+                _mm256_storeu_ps(lanes, acc[k]);
+                for (int r = 0; r < GROUP && (g + k) * GROUP + r < n; r++)
+                    out[(size_t)((g + k) * GROUP + r) * w->rows + j] = lanes[r];
+            }
+            for (int r = 0; r < rest; r++) out[(size_t)(grouped + r) * w->rows + j] = alone[r];
+        }
     }
-FEATURES(HS_AVX2, avx2)
+}
+
+HS_AVX2 static void features_avx2(const hs_matrix *w, const activations *a, int n, int first, int end,
+                                  float *out) {
+    switch (w->type) {
+    case HS_Q4_K: features_typed_avx2(w, HS_Q4_K, a, n, first, end, out); break;
+    case HS_Q5_K: features_typed_avx2(w, HS_Q5_K, a, n, first, end, out); break;
+    case HS_Q6_K: features_typed_avx2(w, HS_Q6_K, a, n, first, end, out); break;
+    default: features_typed_avx2(w, HS_Q5_0, a, n, first, end, out); break;
+    }
+}
 
 /* ------------------------------------------------------------------ AVX-512 VNNI
  * vpdpbusd multiplies unsigned by signed bytes and adds each lane's four products to it: Q4_K's
  * and Q5_K's values are the unsigned side as they are; Q6_K's and Q5_0's signed ones go as |w|
- * times x with w's sign. A half-block's sum, times its scale, is an exact integer below 2^24,
- * so its float is the AVX2 kernels' (float)A: the same bits. */
-
-/* Rows in lanes, block b: as block_in_lanes_avx2, with the integers in 32-bit lanes. */
-HS_VNNI INLINE void block_in_lanes_vnni(const unpacked *u, const int type, const int c, const int b,
-                                        const int blocks, const activations *a, const int group,
-                                        const int count, __m256 v[2]) {
-    v[0] = v[1] = _mm256_setzero_ps();
-    if (b >= u->blocks) return; /* a short chunk's missing block: 0 */
-    const size_t blk = (size_t)c * SUB + b;
-    __m256i sums[2][2] = {{_mm256_setzero_si256(), _mm256_setzero_si256()},
-                          {_mm256_setzero_si256(), _mm256_setzero_si256()}};
-    for (int k = 0; k < GROUP; k++) {
-        const int h = type == HS_Q6_K ? k / 4 : 0; /* Q6_K: a sum per half-block's scale */
-        const __m256i w = broadcast4(u->q + 32 * b + 4 * k), w_abs = _mm256_sign_epi8(w, w);
-        for (int g = 0; g < count; g++) {
-            const __m256i x = grouped_run(a, group + g, blocks, blk, k);
-            sums[g][h] = has_mins(type) ? _mm256_dpbusd_epi32(sums[g][h], w, x)
-                                        : _mm256_dpbusd_epi32(sums[g][h], w_abs, _mm256_sign_epi8(x, w));
-        }
-    }
-    for (int g = 0; g < count; g++) {
-        __m256 products = _mm256_cvtepi32_ps(sums[g][0]);
-        if (type == HS_Q6_K) /* each half times its scale: exact, as is their sum */
-            products = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[g][1]), _mm256_set1_ps((float)u->scale[2 * b + 1]),
-                                       _mm256_mul_ps(products, _mm256_set1_ps((float)u->scale[2 * b])));
-        const size_t at = ((size_t)(group + g) * blocks + blk) * GROUP;
-        v[g] = block_terms(type, products, _mm256_loadu_ps(a->grouped_d + at), grouped_sums(a, type, at),
-                           _mm256_set1_ps(u->d[b]), _mm256_set1_ps(u->offset[b]));
-    }
-}
-ROWS_IN_LANES(HS_VNNI, vnni)
+ * times x with w's sign (rows one by one), or biased to unsigned (tiles). A half-block's sum,
+ * times its scale, is an exact integer below 2^24, so its float is the AVX2 kernels'
+ * (float)A: the same bits.
+ *
+ * Whole groups of rows go in tiles of TILE weight rows: each chunk of the tile's rows is
+ * unpacked once for every group, and a pair of weight rows shares 512-bit vectors (lanes 0-7
+ * the group's 8 rows against the first, 8-15 against the second), so one vpdpbusd and one
+ * permute of the pair's four weights do the work of two 256-bit passes, and a block's
+ * activations, loaded once, serve both pairs (docs/bench/native/kquants.md). */
 
 HS_VNNI INLINE __m256i block_sums_vnni(const int type, const __m256i w, const __m256i x) {
     if (has_mins(type)) return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
 }
 ROWS_MAJOR(HS_VNNI, vnni)
-FEATURES(HS_VNNI, vnni)
+
+#define TILE 4 /* weight rows the VNNI kernel unpacks and takes at once: two pairs */
+
+/* A pair of weight rows' per-block factors for one chunk, 16 lanes each: lanes 0-7 the first
+ * row's blocks 0-7, lanes 8-15 the second's; place[b] picks block b's into each half. */
+typedef struct {
+    __m512 d, offset, scale_lo, scale_hi; /* scale_*: Q6_K's half-block scales */
+} pair_factors;
+
+HS_VNNI INLINE __m512 join_ps(const float *lo, const float *hi) {
+    return _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_load_si256((const __m256i *)lo)),
+                                                  _mm256_load_si256((const __m256i *)hi), 1));
+}
+
+HS_VNNI INLINE pair_factors factors_of_pair(const unpacked *u0, const unpacked *u1, const int type) {
+    pair_factors f = {join_ps(u0->d, u1->d), join_ps(u0->offset, u1->offset), _mm512_setzero_ps(),
+                      _mm512_setzero_ps()};
+    if (type == HS_Q6_K) {
+        float lo[2 * SUB] __attribute__((aligned(32))), hi[2 * SUB] __attribute__((aligned(32)));
+        for (int b = 0; b < SUB; b++) {
+            lo[b] = u0->scale[2 * b], hi[b] = u0->scale[2 * b + 1];
+            lo[SUB + b] = u1->scale[2 * b], hi[SUB + b] = u1->scale[2 * b + 1];
+        }
+        f.scale_lo = _mm512_load_ps(lo);
+        f.scale_hi = _mm512_load_ps(hi);
+    }
+    return f;
+}
+
+/* Block b of chunk c, for one group of 8 rows against a pair of weight rows (unpacked in
+ * u0, u1; factors f) in 512-bit vectors: lanes 0-7 the rows against u0, lanes 8-15 against
+ * u1, each lane's v_b. `x` holds the block's 8 runs in both halves, `x_scales` and `x_sums`
+ * its scales and sums, `half_sums` (Q6_K) the sums of its first 16 values. The weights go as
+ * vpdpbusd's unsigned side: signed ones (Q6_K, Q5_0) biased by 32 or 16, the bias times the
+ * activations' sum subtracted at the start, so each integer is the AVX2 kernels' exact P_b
+ * (Q6_K: each half's), and the float steps are theirs: the same bits. */
+HS_VNNI INLINE __m512 block_pair_vnni(const unpacked *u0, const unpacked *u1, const pair_factors *f,
+                                      const int type, const int b, const __m512i x[GROUP], const __m512 x_scales,
+                                      const __m512i x_sums, const __m512i half_sums, const __m512i place[GROUP]) {
+    if (b >= u0->blocks) return _mm512_setzero_ps(); /* a short chunk's missing block: 0 */
+    __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_load_si256((const __m256i *)(u0->q + 32 * b))),
+                                      _mm256_load_si256((const __m256i *)(u1->q + 32 * b)), 1);
+    __m512i chains[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+    if (type == HS_Q6_K) { /* a chain per half-block: each takes its own scale */
+        both = _mm512_add_epi8(both, _mm512_set1_epi8(32));
+        chains[0] = _mm512_sub_epi32(chains[0], _mm512_slli_epi32(half_sums, 5));
+        chains[1] = _mm512_sub_epi32(chains[1], _mm512_slli_epi32(_mm512_sub_epi32(x_sums, half_sums), 5));
+    } else if (type == HS_Q5_0) {
+        both = _mm512_add_epi8(both, _mm512_set1_epi8(16));
+        chains[0] = _mm512_sub_epi32(chains[0], _mm512_slli_epi32(x_sums, 4));
+    }
+    for (int k = 0; k < GROUP; k++) {
+        const int chain = type == HS_Q6_K ? k / 4 : k & 1; /* else two chains: vpdpbusd waits for its sum */
+        chains[chain] = _mm512_dpbusd_epi32(chains[chain], _mm512_permutexvar_epi32(place[k], both), x[k]);
+    }
+    __m512 products;
+    if (type == HS_Q6_K)
+        products = _mm512_fmadd_ps(_mm512_cvtepi32_ps(chains[1]), _mm512_permutexvar_ps(place[b], f->scale_hi),
+                                   _mm512_mul_ps(_mm512_cvtepi32_ps(chains[0]),
+                                                 _mm512_permutexvar_ps(place[b], f->scale_lo)));
+    else
+        products = _mm512_cvtepi32_ps(_mm512_add_epi32(chains[0], chains[1]));
+    const __m512 v = _mm512_mul_ps(products, _mm512_mul_ps(x_scales, _mm512_permutexvar_ps(place[b], f->d)));
+    if (!has_mins(type)) return v;
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(x_sums),
+                           _mm512_mul_ps(x_scales, _mm512_permutexvar_ps(place[b], f->offset)), v);
+}
+
+/* One group of 8 rows times chunk c of `pairs` (1 or 2) pairs of weight rows: acc[p] += the
+ * chunk's tree (chunk_sum's) of each lane's v_b. A block's activations are loaded once for
+ * every pair (the VNNI level always has the block sums). */
+HS_VNNI INLINE void group_pairs_vnni(const unpacked *const u[TILE], const pair_factors f[2], const int type,
+                                     const int c, const int blocks, const activations *a, const int group,
+                                     const int pairs, const __m512i place[GROUP], __m512 acc[2]) {
+    __m512 even[2] = {0}, first[2] = {0}, second[2] = {0}; /* chunk_sum's tree, as the terms come */
+    for (int b = 0; b < SUB; b++) {
+        const size_t at = ((size_t)group * blocks + (size_t)c * SUB + b) * GROUP;
+        __m512i x[GROUP];
+        for (int k = 0; k < GROUP; k++)
+            x[k] = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(a->grouped + (at + k) * 4 * GROUP)));
+        const __m512 x_scales = _mm512_castsi512_ps(
+            _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(a->grouped_d + at))));
+        const __m512i x_sums = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(a->grouped_sum + at)));
+        __m512i half_sums = _mm512_setzero_si512();
+        if (type == HS_Q6_K)
+            for (int k = 0; k < GROUP / 2; k++) half_sums = _mm512_dpbusd_epi32(half_sums, _mm512_set1_epi8(1), x[k]);
+        for (int p = 0; p < pairs; p++) {
+            const __m512 v = block_pair_vnni(u[2 * p], u[2 * p + 1], &f[p], type, b, x, x_scales, x_sums,
+                                             half_sums, place);
+            if (b % 2 == 0) even[p] = v;
+            else if (b == 1) first[p] = _mm512_add_ps(even[p], v);
+            else if (b == 3) first[p] = _mm512_add_ps(first[p], _mm512_add_ps(even[p], v));
+            else if (b == 5) second[p] = _mm512_add_ps(even[p], v);
+            else acc[p] = _mm512_add_ps(acc[p], _mm512_add_ps(first[p], _mm512_add_ps(second[p], _mm512_add_ps(even[p], v))));
+        }
+    }
+}
+
+/* All n rows against output features [first, end), TILE weight rows at a time: each chunk of
+ * the tile's rows is unpacked once for every row of the call; whole groups go in pairs of
+ * weight rows (a lone last row is its own pair's second), the rows outside whole groups one
+ * by one (rows_major_vnni). Literal types: each call is compiled for its own. */
+HS_VNNI INLINE void features_typed_vnni(const hs_matrix *w, const int type, const activations *a, const int n,
+                                        const int first, const int end, float *out) {
+    const int blocks = w->cols / HS_BLOCK, chunks = (blocks + SUB - 1) / SUB;
+    const int groups = grouped_rows(n) / GROUP, grouped = groups * GROUP < n ? groups * GROUP : n;
+    const int rest = n - grouped;
+    const size_t stride = hs_unpacked_row_bytes(type, w->cols);
+    __m512i place[GROUP]; /* lanes 0-7: dword k of the low half, 8-15: of the high */
+    for (int k = 0; k < GROUP; k++)
+        place[k] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(k)), _mm256_set1_epi32(8 + k), 1);
+    unpacked tile_u[TILE];
+    __m512 *acc = aligned_alloc(64, sizeof(__m512) * 2 * (size_t)groups);
+    if (!acc) abort(); /* a few KB */
+    for (int j = first; j < end; j += TILE) {
+        const int rows = end - j < TILE ? end - j : TILE, pairs = (rows + 1) / 2;
+        const unpacked *u[TILE];
+        for (int t = 0; t < TILE; t++) u[t] = &tile_u[t < rows || rows < 1 ? t : rows - 1]; /* a lone row: its own second */
+        for (int i = 0; i < 2 * groups; i++) acc[i] = _mm512_setzero_ps();
+        float alone[TILE][PAD_FROM] = {{0}};
+        for (int c = 0; c < chunks; c++) {
+            for (int t = 0; t < rows; t++) {
+                const char *chunk = chunk_at((const char *)w->data + stride * (size_t)(j + t), type, c);
+                /* the next tile's same chunk (see features_typed_avx2): the tile reads four
+                 * rows side by side, so the stream ahead is a tile away */
+                for (size_t line = 0; line < chunk_bytes(type); line += 64)
+                    _mm_prefetch(chunk + stride * TILE + line, _MM_HINT_T0);
+                unpack_avx2(chunk, type, chunk_blocks(blocks, c), &tile_u[t]);
+                if (rest > 0) rows_major_vnni(&tile_u[t], type, c, blocks, a, grouped, w->cols, rest, alone[t]);
+            }
+            const pair_factors f[2] = {factors_of_pair(u[0], u[1], type), factors_of_pair(u[2], u[3], type)};
+            for (int g = 0; g < groups; g++) {
+                if (pairs == 2) group_pairs_vnni(u, f, type, c, blocks, a, g, 2, place, acc + 2 * g);
+                else group_pairs_vnni(u, f, type, c, blocks, a, g, 1, place, acc + 2 * g);
+            }
+        }
+        for (int g = 0; g < groups; g++)
+            for (int p = 0; p < pairs; p++) {
+                float lanes[2 * GROUP];
+                _mm512_storeu_ps(lanes, acc[2 * g + p]);
+                for (int r = 0; r < GROUP && g * GROUP + r < n; r++)
+                    for (int h = 0; h < 2 && 2 * p + h < rows; h++)
+                        out[(size_t)(g * GROUP + r) * w->rows + j + 2 * p + h] = lanes[h * GROUP + r];
+            }
+        for (int t = 0; t < rows; t++)
+            for (int r = 0; r < rest; r++) out[(size_t)(grouped + r) * w->rows + j + t] = alone[t][r];
+    }
+    free(acc);
+}
+
+/* Fewer rows than a group: each weight row's chunks unpacked and met by every row in turn
+ * (one weight stream at a time: the one the prefetchers follow best). */
+HS_VNNI INLINE void rows_alone_typed_vnni(const hs_matrix *w, const int type, const activations *a, const int n,
+                                          const int first, const int end, float *out) {
+    const int blocks = w->cols / HS_BLOCK, chunks = (blocks + SUB - 1) / SUB;
+    const size_t stride = hs_unpacked_row_bytes(type, w->cols);
+    unpacked u;
+    for (int j = first; j < end; j++) {
+        const char *wrow = (const char *)w->data + stride * j;
+        float acc[PAD_FROM] = {0};
+        for (int c = 0; c < chunks; c++) {
+            const char *chunk = chunk_at(wrow, type, c);
+            for (size_t line = 0; line < chunk_bytes(type); line += 64) /* see features_typed_avx2 */
+                _mm_prefetch(chunk + PREFETCH_AHEAD + line, _MM_HINT_T0);
+            unpack_avx2(chunk, type, chunk_blocks(blocks, c), &u);
+            rows_major_vnni(&u, type, c, blocks, a, 0, w->cols, n, acc);
+        }
+        for (int r = 0; r < n; r++) out[(size_t)r * w->rows + j] = acc[r];
+    }
+}
+
+HS_VNNI static void features_vnni(const hs_matrix *w, const activations *a, int n, int first, int end,
+                                  float *out) {
+#define TYPED(type)                                                                          \
+    if (grouped_rows(n) >= GROUP) features_typed_vnni(w, type, a, n, first, end, out);       \
+    else rows_alone_typed_vnni(w, type, a, n, first, end, out);
+    switch (w->type) {
+    case HS_Q4_K: TYPED(HS_Q4_K) break;
+    case HS_Q5_K: TYPED(HS_Q5_K) break;
+    case HS_Q6_K: TYPED(HS_Q6_K) break;
+    default: TYPED(HS_Q5_0) break;
+    }
+#undef TYPED
+}
 #endif
 
 void hs_unpacked_features(const hs_matrix *w, const activations *a, int n, int first, int end,
