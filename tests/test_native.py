@@ -19,8 +19,10 @@ from hetspec.native.kernels import (
     F16,
     F32,
     Q4_0,
+    Q4_1,
     Q4_K,
     Q5_0,
+    Q5_1,
     Q5_K,
     Q6_K,
     Q8_0,
@@ -157,15 +159,16 @@ def test_bad_weights_are_refused_with_a_reason() -> None:
         matrix(Q8_0, np.zeros((2, 34), np.uint8), 2, 40)
     with pytest.raises(NativeUnavailable, match="contiguous bytes"):
         matrix(Q8_0, np.zeros((2, 30), np.uint8), 2, 32)
-    with pytest.raises(NativeUnavailable, match="type 3"):  # Q4_1
-        matrix(3, np.zeros((2, 20), np.uint8), 2, 32)
+    with pytest.raises(NativeUnavailable, match="type 20"):  # IQ4_NL
+        matrix(20, np.zeros((2, 18), np.uint8), 2, 32)
     with pytest.raises(NativeUnavailable, match="not whole blocks of 256"):
         matrix(Q4_K, np.zeros((2, 144), np.uint8), 2, 128)
 
 
 # ---------------------------------------------------------------- types read by unpacking
 
-UNPACKED = {Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", Q5_0: "Q5_0"}
+UNPACKED = {Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", Q5_0: "Q5_0", Q4_1: "Q4_1", Q5_1: "Q5_1"}
+SMALL_BLOCKS = (Q5_0, Q4_1, Q5_1)  # 32 values a block
 
 
 def random_blocks(kind: int, rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
@@ -177,7 +180,7 @@ def random_blocks(kind: int, rng: np.random.Generator, rows: int, cols: int) -> 
         data[..., -2:] = scales[..., :2]
     elif kind == Q5_0:  # d first
         data[..., :2] = scales[..., :2]
-    else:  # d, dmin first
+    else:  # d, dmin (Q4_1, Q5_1: d, m) first
         data[..., :4] = scales
     return data.reshape(rows, -1)
 
@@ -201,9 +204,9 @@ def test_unpacked_types_dequantize_as_gguf_reads_them(kernels, kind) -> None:
 @pytest.mark.parametrize("kind", UNPACKED, ids=UNPACKED.values())
 def test_unpacked_types_give_every_row_the_same_bits_at_every_level(kernels, kind) -> None:
     """One recipe for every kernel level (the portable C included), alone or among others;
-    Q5_0's rows of 11 blocks end in a short chunk."""
+    rows of 11 blocks of 32 (Q5_0, Q4_1, Q5_1) end in a short chunk."""
     rng = np.random.default_rng(100 + kind)
-    rows, cols = 37, 11 * BLOCK if kind == Q5_0 else 3 * 256
+    rows, cols = 37, 11 * BLOCK if kind in SMALL_BLOCKS else 3 * 256
     weights = matrix(kind, random_blocks(kind, rng, rows, cols), rows, cols)
     x = rng.standard_normal((23, cols)).astype(np.float32)
     alone = np.concatenate([kernels.matmul(weights, x[row : row + 1].copy(), threads=1, simd=0)
@@ -277,23 +280,32 @@ def k_quant_heavy(heavy):
 
 
 @pytest.fixture(scope="module")
-def k_quant_bundled(tmp_path_factory) -> Path:
-    """The bundled target in Q4_K_M: its FFN rows (704 values) are not whole super-blocks,
-    so llama.cpp's mix holds Q5_0 and Q8_0 tensors too."""
+def k_quant_bundled(tmp_path_factory):
+    """The bundled target in a K-quant mix: its FFN rows (704 values) are not whole
+    super-blocks, so llama.cpp's Q4_K_M holds Q5_0 and Q8_0 tensors too, its Q5_K_M Q5_1."""
     from hetspec.models.llama_quantize import quantize_gguf  # noqa: PLC0415
 
-    out = tmp_path_factory.mktemp("kquant") / "target-q4_k_m.gguf"
-    return quantize_gguf(MODELS / "target" / "target-f16.gguf", out, "q4_k_m", threads=1)
+    folder = tmp_path_factory.mktemp("kquant")
+
+    def made(quant_type: str) -> Path:
+        out = folder / f"target-{quant_type}.gguf"
+        if not out.exists():
+            quantize_gguf(MODELS / "target" / "target-f16.gguf", out, quant_type, threads=1)
+        return out
+
+    return made
 
 
-@pytest.mark.parametrize("gguf_type", ["q8_0", "q4_0", "q4_k_m", "bundled q4_k_m"])
+@pytest.mark.parametrize(
+    "gguf_type", ["q8_0", "q4_0", "q4_k_m", "bundled q4_k_m", "bundled q5_k_m"]
+)
 def test_it_predicts_as_llama_cpp_does_on_the_same_file(request, heavy, gguf_type) -> None:
     from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
 
     if gguf_type == "q4_k_m":
         path = request.getfixturevalue("k_quant_heavy")
-    elif gguf_type == "bundled q4_k_m":
-        path = request.getfixturevalue("k_quant_bundled")
+    elif gguf_type.startswith("bundled "):
+        path = request.getfixturevalue("k_quant_bundled")(gguf_type.split()[1])
     else:
         path = heavy.gguf(gguf_type)
     native = NativeRuntime(path, n_ctx=512)

@@ -92,10 +92,13 @@ HS_AVX2 INLINE __m256i broadcast4(const void *p) {
 }
 #endif
 
-/* Weights unpacked to bytes before their products (unpacked.c): Q4_K, Q5_K, Q6_K, Q5_0. */
+/* Weights unpacked to bytes before their products (unpacked.c): Q4_K, Q5_K, Q6_K, Q5_0, Q4_1,
+ * Q5_1. */
 int hs_unpacked_is(int type);
-/* Q4_K and Q5_K: a min per block, whose term needs the activations' block sums. */
-static inline int hs_unpacked_has_mins(int type) { return type == HS_Q4_K || type == HS_Q5_K; }
+/* Q4_K, Q5_K, Q4_1 and Q5_1: a min per block, whose term needs the activations' block sums. */
+static inline int hs_unpacked_has_mins(int type) {
+    return type == HS_Q4_K || type == HS_Q5_K || type == HS_Q4_1 || type == HS_Q5_1;
+}
 size_t hs_unpacked_row_bytes(int type, int cols); /* 0: another type, or not whole blocks */
 void hs_unpacked_dequantize_row(int type, const void *row, int cols, float *out);
 /* Output features [first, end) of all n rows (quantized, block sums where needed) into

@@ -1,22 +1,24 @@
 /* Weights read by unpacking them to bytes first: ggml's K-quants (Q4_K, Q5_K, Q6_K: what most
- * users' GGUF files hold, e.g. Q4_K_M's mix of Q4_K and Q6_K) and Q5_0 (the type llama.cpp's
- * K-quant mixes fall back to for rows that are not whole super-blocks).
+ * users' GGUF files hold, e.g. Q4_K_M's mix of Q4_K and Q6_K), Q5_0 and Q5_1 (the types
+ * llama.cpp's Q4_K_M and Q5_K_M mixes fall back to for rows that are not whole super-blocks)
+ * and Q4_1.
  *
  * A row is read in chunks of 8 activation blocks (256 values: a K-quant super-block, or 8
- * Q5_0 blocks; a Q5_0 row's last chunk may hold fewer). Each chunk is unpacked once, for all
- * the rows a call multiplies: its values q as bytes, and per block of 32 a float factor d_b
- * and (Q4_K, Q5_K) a float offset m_b, so that weight k of block b is d_b * q_k + m_b. Q4_K,
- * Q5_K and Q5_0 have one integer scale a block, folded into d_b (d * scale, exact in a
- * float: 11 by 6 significant bits), and m_b = -(dmin * min), exact too. Q6_K has a scale per
+ * blocks of the 32-value types; such a row's last chunk may hold fewer). Each chunk is
+ * unpacked once, for all the rows a call multiplies: its values q as bytes, and per block of
+ * 32 a float factor d_b and (Q4_K, Q5_K, Q4_1, Q5_1) a float offset m_b, so that weight k of
+ * block b is d_b * q_k + m_b. Q4_K and Q5_K have one integer scale a block, folded into d_b
+ * (d * scale, exact in a float: 11 by 6 significant bits), and m_b = -(dmin * min), exact
+ * too; Q4_1's and Q5_1's d_b and m_b are their blocks' d and m. Q6_K has a scale per
  * half-block of 16, so its d_b is d and its scales stay integers. The weights are read once,
  * in place.
  *
  * The recipe every kernel here follows for one (row, output feature) and one chunk, with
  * activation block b's int8 values x, float scale x_scale_b and integer sum of x:
- *     P_b = sum(q x)                                      (Q4_K, Q5_K, Q5_0)
+ *     P_b = sum(q x)                          (Q4_K, Q5_K, Q5_0, Q4_1, Q5_1)
  *     P_b = scale_lo * sum(q x, low 16) + scale_hi * sum(q x, high 16)          (Q6_K)
  *     v_b = (float)P_b * (x_scale_b * d_b)
- *     v_b = fma((float)sum_b(x), x_scale_b * m_b, v_b)                          (Q4_K, Q5_K)
+ *     v_b = fma((float)sum_b(x), x_scale_b * m_b, v_b)              (Q4_K, Q5_K, Q4_1, Q5_1)
  *     acc = acc + (((v_0 + v_1) + (v_2 + v_3)) + ((v_4 + v_5) + (v_6 + v_7)))
  * with v_b = 0 for the blocks a short chunk lacks. P_b is exact (|P_b| < 2^24), and a chunk's
  * blocks add up as a tree, so one row's chunk is a few vector steps (no chain of dependent
@@ -51,33 +53,49 @@ typedef struct {
     uint8_t qs[HS_BLOCK / 2]; /* value i in the low nibble of qs[i], i + 16 in the high */
 } block_q5_0;
 
+typedef struct {
+    uint16_t d, m;
+    uint8_t qs[HS_BLOCK / 2]; /* value i in the low nibble of qs[i], i + 16 in the high */
+} block_q4_1;
+
+typedef struct {
+    uint16_t d, m;
+    uint8_t qh[4]; /* bit i: value i's fifth bit */
+    uint8_t qs[HS_BLOCK / 2];
+} block_q5_1;
+
 _Static_assert(sizeof(block_q4_k) == 144, "GGUF Q4_K super-blocks are 144 bytes");
 _Static_assert(sizeof(block_q5_k) == 176, "GGUF Q5_K super-blocks are 176 bytes");
 _Static_assert(sizeof(block_q6_k) == 210, "GGUF Q6_K super-blocks are 210 bytes");
 _Static_assert(sizeof(block_q5_0) == 22, "GGUF Q5_0 blocks are 22 bytes");
+_Static_assert(sizeof(block_q4_1) == 20, "GGUF Q4_1 blocks are 20 bytes");
+_Static_assert(sizeof(block_q5_1) == 24, "GGUF Q5_1 blocks are 24 bytes");
 
 /* One chunk, unpacked. */
 typedef struct {
-    int8_t q[HS_SUPER] __attribute__((aligned(32))); /* Q4_K 0..15, Q5_K 0..31, Q6_K -32..31,
-                                                      * Q5_0 -16..15 */
+    int8_t q[HS_SUPER] __attribute__((aligned(32))); /* Q4_K, Q4_1 0..15, Q5_K, Q5_1 0..31,
+                                                      * Q6_K -32..31, Q5_0 -16..15 */
     float d[SUB] __attribute__((aligned(32)));      /* d_b; a short chunk's missing blocks: 0 */
-    float offset[SUB] __attribute__((aligned(32))); /* m_b (Q4_K, Q5_K; else 0) */
+    float offset[SUB] __attribute__((aligned(32))); /* m_b (with mins; else 0) */
     int16_t scale[2 * SUB] __attribute__((aligned(32))); /* Q6_K: per half-block of 16 */
     /* Q6_K's scales again, in the order rows_major's sums come in: the low halves of blocks
      * 0-3, their high halves, then blocks 4-7's (AVX2 kernels only) */
     int32_t halves[2 * SUB] __attribute__((aligned(32)));
-    int blocks; /* activation blocks in this chunk: SUB, or fewer at a Q5_0 row's end */
+    int blocks; /* activation blocks in this chunk: SUB, or fewer at a 32-value type's row end */
 } unpacked;
 
+/* Q5_0, Q4_1, Q5_1: blocks of 32 values (the K-quants': 256). */
+INLINE int small_blocks(int type) { return type == HS_Q5_0 || type == HS_Q4_1 || type == HS_Q5_1; }
+
 int hs_unpacked_is(int type) {
-    return type == HS_Q4_K || type == HS_Q5_K || type == HS_Q6_K || type == HS_Q5_0;
+    return type == HS_Q4_K || type == HS_Q5_K || type == HS_Q6_K || small_blocks(type);
 }
 
-/* Q4_K and Q5_K: values unsigned, with mins; Q6_K and Q5_0: values signed, no mins. */
+/* Q4_K, Q5_K, Q4_1, Q5_1: values unsigned, with mins; Q6_K and Q5_0: values signed, no mins. */
 INLINE int has_mins(int type) { return hs_unpacked_has_mins(type); }
 
 /* Values a storage block holds, and its bytes. */
-static int block_values(int type) { return type == HS_Q5_0 ? HS_BLOCK : HS_SUPER; }
+static int block_values(int type) { return small_blocks(type) ? HS_BLOCK : HS_SUPER; }
 
 static size_t block_bytes(int type) {
     switch (type) {
@@ -85,6 +103,8 @@ static size_t block_bytes(int type) {
     case HS_Q5_K: return sizeof(block_q5_k);
     case HS_Q6_K: return sizeof(block_q6_k);
     case HS_Q5_0: return sizeof(block_q5_0);
+    case HS_Q4_1: return sizeof(block_q4_1);
+    case HS_Q5_1: return sizeof(block_q5_1);
     default: return 0;
     }
 }
@@ -95,12 +115,12 @@ size_t hs_unpacked_row_bytes(int type, int cols) {
 }
 
 /* Bytes a chunk of a row takes (a short last chunk: fewer). */
-INLINE size_t chunk_bytes(int type) { return type == HS_Q5_0 ? SUB * sizeof(block_q5_0) : block_bytes(type); }
+INLINE size_t chunk_bytes(int type) { return small_blocks(type) ? SUB * block_bytes(type) : block_bytes(type); }
 
 /* Chunk c of a row: its first byte. */
 INLINE const char *chunk_at(const char *wrow, int type, int c) { return wrow + (size_t)c * chunk_bytes(type); }
 
-/* Activation blocks in chunk c of a row of `blocks`: SUB, or fewer in a Q5_0 row's last. */
+/* Activation blocks in chunk c of a row of `blocks`: SUB, or fewer in a 32-value type's last. */
 INLINE int chunk_blocks(int blocks, int c) { return blocks - c * SUB < SUB ? blocks - c * SUB : SUB; }
 
 /* Scale and min j (0..7) of Q4_K's and Q5_K's 12 packed bytes: 6 bits each, the first four
@@ -124,6 +144,12 @@ static void unpack_factors_portable(const char *chunk, int type, unpacked *u) {
         for (int b = 0; b < SUB; b++) u->d[b] = half_to_float(blk->d);
     } else if (type == HS_Q5_0) {
         for (int b = 0; b < u->blocks; b++) u->d[b] = half_to_float(((const block_q5_0 *)chunk)[b].d);
+    } else if (small_blocks(type)) { /* Q5_1 begins as Q4_1 does */
+        for (int b = 0; b < u->blocks; b++) {
+            const block_q4_1 *blk = (const block_q4_1 *)(chunk + (size_t)b * block_bytes(type));
+            u->d[b] = half_to_float(blk->d);
+            u->offset[b] = half_to_float(blk->m);
+        }
     } else { /* Q5_K begins as Q4_K does */
         const block_q4_k *blk = (const block_q4_k *)chunk;
         const float d = half_to_float(blk->d), dmin = half_to_float(blk->dmin);
@@ -151,14 +177,20 @@ static void unpack_portable(const char *chunk, int type, int blocks, unpacked *u
                 q[l + 96] = (int8_t)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
             }
         }
-    } else if (type == HS_Q5_0) {
+    } else if (small_blocks(type)) {
+        const int offset = type == HS_Q5_0 ? 16 : 0; /* Q5_0's values are signed */
         for (int b = 0; b < blocks; b++) {
-            const block_q5_0 *blk = (const block_q5_0 *)chunk + b;
-            const uint32_t qh = (uint32_t)blk->qh[0] | (uint32_t)blk->qh[1] << 8 |
-                                (uint32_t)blk->qh[2] << 16 | (uint32_t)blk->qh[3] << 24;
+            const char *blk = chunk + (size_t)b * block_bytes(type);
+            const uint8_t *qs = type == HS_Q5_0 ? ((const block_q5_0 *)blk)->qs
+                                : type == HS_Q5_1 ? ((const block_q5_1 *)blk)->qs : ((const block_q4_1 *)blk)->qs;
+            const uint8_t *bits = type == HS_Q5_0 ? ((const block_q5_0 *)blk)->qh
+                                  : type == HS_Q5_1 ? ((const block_q5_1 *)blk)->qh : NULL;
+            const uint32_t qh = bits ? (uint32_t)bits[0] | (uint32_t)bits[1] << 8 | (uint32_t)bits[2] << 16 |
+                                           (uint32_t)bits[3] << 24
+                                     : 0;
             for (int j = 0; j < HS_BLOCK / 2; j++) {
-                u->q[32 * b + j] = (int8_t)(((blk->qs[j] & 0x0f) | ((qh >> j) & 1) << 4) - 16);
-                u->q[32 * b + j + 16] = (int8_t)(((blk->qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - 16);
+                u->q[32 * b + j] = (int8_t)(((qs[j] & 0x0f) | ((qh >> j) & 1) << 4) - offset);
+                u->q[32 * b + j + 16] = (int8_t)(((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - offset);
             }
         }
     } else { /* Q4_K, Q5_K: each 32 bytes of qs hold 64 values, the first 32 in the low nibbles */
@@ -249,11 +281,15 @@ HS_AVX2 INLINE void unpack_factors_avx2(const char *chunk, const int type, unpac
         _mm256_store_ps(u->offset, _mm256_setzero_ps());
         return;
     }
-    if (type == HS_Q5_0) {
-        uint16_t d[SUB] = {0}; /* a short chunk's missing blocks: 0 */
-        for (int b = 0; b < u->blocks; b++) d[b] = ((const block_q5_0 *)chunk)[b].d;
+    if (small_blocks(type)) { /* d first in each block; Q4_1's and Q5_1's m next */
+        uint16_t d[SUB] = {0}, m[SUB] = {0}; /* a short chunk's missing blocks: 0 */
+        for (int b = 0; b < u->blocks; b++) {
+            const uint16_t *halves = (const uint16_t *)(chunk + (size_t)b * block_bytes(type));
+            d[b] = halves[0];
+            if (type != HS_Q5_0) m[b] = halves[1];
+        }
         _mm256_store_ps(u->d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d)));
-        _mm256_store_ps(u->offset, _mm256_setzero_ps());
+        _mm256_store_ps(u->offset, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)m)));
         return;
     }
     const block_q4_k *blk = (const block_q4_k *)chunk;
@@ -300,23 +336,29 @@ HS_AVX2 INLINE void unpack_avx2(const char *chunk, const int type, const int blo
         }
         return;
     }
-    if (type == HS_Q5_0) {
+    if (small_blocks(type)) {
         /* byte i of a block takes qh's byte i / 8, then keeps bit i % 8 */
         const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                                 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
         const __m256i bits = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
         const __m256i sixteen = _mm256_set1_epi8(16);
         for (int b = 0; b < blocks; b++) {
-            const block_q5_0 *blk = (const block_q5_0 *)chunk + b;
-            const __m128i raw = _mm_loadu_si128((const __m128i *)blk->qs);
+            const char *blk = chunk + (size_t)b * block_bytes(type);
+            const uint8_t *qs = type == HS_Q5_0 ? ((const block_q5_0 *)blk)->qs
+                                : type == HS_Q5_1 ? ((const block_q5_1 *)blk)->qs : ((const block_q4_1 *)blk)->qs;
+            const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
             const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0f));
             const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0f));
-            int32_t qh;
-            memcpy(&qh, blk->qh, 4);
-            const __m256i high = _mm256_cmpeq_epi8(
-                _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(qh), spread), bits), bits);
-            const __m256i values = _mm256_or_si256(_mm256_set_m128i(hi, lo), _mm256_and_si256(high, sixteen));
-            _mm256_store_si256((__m256i *)(u->q + 32 * b), _mm256_sub_epi8(values, sixteen));
+            __m256i values = _mm256_set_m128i(hi, lo);
+            if (type != HS_Q4_1) {
+                int32_t qh;
+                memcpy(&qh, type == HS_Q5_0 ? ((const block_q5_0 *)blk)->qh : ((const block_q5_1 *)blk)->qh, 4);
+                const __m256i high = _mm256_cmpeq_epi8(
+                    _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(qh), spread), bits), bits);
+                values = _mm256_or_si256(values, _mm256_and_si256(high, sixteen));
+            }
+            if (type == HS_Q5_0) values = _mm256_sub_epi8(values, sixteen); /* signed */
+            _mm256_store_si256((__m256i *)(u->q + 32 * b), values);
         }
         return;
     }
@@ -370,15 +412,16 @@ HS_AVX2 INLINE __m256 block_terms(const int type, const __m256 products, const _
 
 /* Rows in lanes, block b of chunk c (unpacked in u) for the rows of `count` (1 or 2) whole
  * groups from `group` on: v_b of each group's 8 rows, into v. Pair sums stay in 16 bits over
- * runs while they fit: all eight for Q4_K (8 * 2 * 15 * 127 < 2^15) and Q5_0 (|q| <= 16),
- * a half-block's four for Q5_K and Q6_K (Q6_K's halves then take their own scales). */
+ * runs while they fit: all eight for Q4_K and Q4_1 (8 * 2 * 15 * 127 < 2^15) and Q5_0
+ * (|q| <= 16), a half-block's four for Q5_K, Q5_1 and Q6_K (Q6_K's halves then take their
+ * own scales). */
 HS_AVX2 INLINE void block_in_lanes_avx2(const unpacked *u, const int type, const int c, const int b,
                                         const int blocks, const activations *a, const int group,
                                         const int count, __m256 v[2]) {
     v[0] = v[1] = _mm256_setzero_ps();
     if (b >= u->blocks) return; /* a short chunk's missing block: 0 */
     const size_t blk = (size_t)c * SUB + b;
-    const int spans = type == HS_Q4_K || type == HS_Q5_0 ? 1 : 2; /* 16-bit sums a block */
+    const int spans = type == HS_Q4_K || type == HS_Q5_0 || type == HS_Q4_1 ? 1 : 2; /* 16-bit sums a block */
     __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
     for (int h = 0; h < spans; h++) {
         __m256i pairs[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
@@ -472,8 +515,13 @@ HS_AVX2 INLINE __m256i block_sums_avx2(const int type, const __m256i w, const __
                 if (has_mins(type)) x_sums = _mm256_loadu_si256((const __m256i *)(a->sum + at)); \
             } else { /* a short chunk: the missing blocks' terms are 0 * 0 */                \
                 float scales[SUB] = {0};                                                     \
+                int32_t sums_x[SUB] = {0};                                                   \
                 memcpy(scales, a->d + at, sizeof(float) * (size_t)u->blocks);                \
                 x_scales = _mm256_loadu_ps(scales);                                          \
+                if (has_mins(type)) {                                                        \
+                    memcpy(sums_x, a->sum + at, sizeof(int32_t) * (size_t)u->blocks);        \
+                    x_sums = _mm256_loadu_si256((const __m256i *)sums_x);                    \
+                }                                                                            \
             }                                                                                \
             const __m256 products = _mm256_cvtepi32_ps(block_products(type, u, sums));       \
             acc[r] = acc[r] + chunk_sum8(block_terms(type, products, x_scales, x_sums, d, offset)); \
@@ -528,13 +576,15 @@ HS_AVX2 static void features_avx2(const hs_matrix *w, const activations *a, int 
     case HS_Q4_K: features_typed_avx2(w, HS_Q4_K, a, n, first, end, out); break;
     case HS_Q5_K: features_typed_avx2(w, HS_Q5_K, a, n, first, end, out); break;
     case HS_Q6_K: features_typed_avx2(w, HS_Q6_K, a, n, first, end, out); break;
+    case HS_Q4_1: features_typed_avx2(w, HS_Q4_1, a, n, first, end, out); break;
+    case HS_Q5_1: features_typed_avx2(w, HS_Q5_1, a, n, first, end, out); break;
     default: features_typed_avx2(w, HS_Q5_0, a, n, first, end, out); break;
     }
 }
 
 /* ------------------------------------------------------------------ AVX-512 VNNI
- * vpdpbusd multiplies unsigned by signed bytes and adds each lane's four products to it: Q4_K's
- * and Q5_K's values are the unsigned side as they are; Q6_K's and Q5_0's signed ones go as |w|
+ * vpdpbusd multiplies unsigned by signed bytes and adds each lane's four products to it: the
+ * unsigned values (Q4_K, Q5_K, Q4_1, Q5_1) are the unsigned side as they are; Q6_K's and Q5_0's signed ones go as |w|
  * times x with w's sign (rows one by one), or biased to unsigned (tiles). A half-block's sum,
  * times its scale, is an exact integer below 2^24, so its float is the AVX2 kernels'
  * (float)A: the same bits.
@@ -730,6 +780,8 @@ HS_VNNI static void features_vnni(const hs_matrix *w, const activations *a, int 
     case HS_Q4_K: TYPED(HS_Q4_K) break;
     case HS_Q5_K: TYPED(HS_Q5_K) break;
     case HS_Q6_K: TYPED(HS_Q6_K) break;
+    case HS_Q4_1: TYPED(HS_Q4_1) break;
+    case HS_Q5_1: TYPED(HS_Q5_1) break;
     default: TYPED(HS_Q5_0) break;
     }
 #undef TYPED
