@@ -143,3 +143,58 @@ def test_a_file_with_parts_it_would_ignore_is_refused(tiny, tmp_path) -> None:
     with pytest.raises(NativeUnavailable, match="attn_q_norm and attn_k_norm in layer 1"):
         NativeRuntime(copy_gguf(qwen3, tmp_path / "no-norm.gguf",
                                 drop="blk.1.attn_k_norm.weight"))  # fmt: skip
+
+
+def qwen2_layout(folder: Path, out: Path) -> Path:
+    """The Llama model in ``folder`` written as llama.cpp's qwen2 architecture (halves rotated
+    together, no q/k reordering, no biases): the same function under another file layout."""
+    import json  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+
+    from hetspec.models.gguf_export import export_gguf  # noqa: PLC0415
+
+    out.mkdir(parents=True)
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(folder / name, out / name)
+    config = json.loads((folder / "config.json").read_text()) | {"model_type": "qwen2"}
+    (out / "config.json").write_text(json.dumps(config))
+    return export_gguf(out, out / "target-q8_0.gguf", "q8_0")
+
+
+def test_the_daemon_serves_a_qwen2_target_on_the_native_kernels_losslessly(tmp_path) -> None:
+    """The bundled target as a qwen2 file, the bundled draft as it is: every mode returns the
+    target alone's greedy tokens, and the target alone is the native runtime's own decode."""
+    import json  # noqa: PLC0415
+
+    from test_daemon import native, request  # noqa: PLC0415
+    from test_lossless import BundledDaemon  # noqa: PLC0415
+
+    from hetspec.client.bench import prompt_set  # noqa: PLC0415
+    from hetspec.daemon.config import BUNDLED_MODELS  # noqa: PLC0415
+    from hetspec.speculative.samplers import DrawnSampler  # noqa: PLC0415
+    from hetspec.speculative.sampling import SamplingParams  # noqa: PLC0415
+
+    target = qwen2_layout(BUNDLED_MODELS / "target", tmp_path / "qwen2")
+    daemon = BundledDaemon(tmp_path, "draft-cpu", "--set", 'gpu_runtime="native"',
+                           "--set", f"target.gguf={json.dumps(str(target))}",
+                           "--set", f"target.folder={json.dumps(str(target.parent))}")  # fmt: skip
+    try:
+        runtime = NativeRuntime(target, n_ctx=1024)
+        options = {"max_tokens": 24, "ignore_eos": True}
+        for prompt in prompt_set(2)[:3]:
+            status, body = request(daemon.socket, "POST", "/api/generate",
+                                   native(prompt, mode="autoregressive", **options))  # fmt: skip
+            assert status == 200, body
+            alone = body["tokens"]
+            runtime.prefill(runtime.tokenize(prompt))
+            decoded = runtime.draft(25, SamplingParams(), DrawnSampler(0)).tokens[0, :24].tolist()
+            assert alone == decoded
+            for mode in ({"mode": "sequential"}, {"mode": "adaptive"},
+                         {"mode": "sequential", "gamma": 4, "branches": 3}):  # fmt: skip
+                status, body = request(daemon.socket, "POST", "/api/generate",
+                                       native(prompt, **options, **mode))  # fmt: skip
+                assert status == 200, body
+                assert body["tokens"] == alone, mode
+                assert body["timings"]["draft_n"] > 0
+    finally:
+        daemon.stop()
