@@ -96,3 +96,14 @@ def test_bad_arguments_get_one_line_each(tmp_path) -> None:
     (tmp_path / "notes.txt").write_text("x")
     assert check(tmp_path / "notes.txt", BUNDLED_MODELS / "draft").returncode == 2
     assert "Traceback" not in missing.stderr + several.stderr
+
+
+def test_the_checks_idea_of_the_native_kernels_is_theirs() -> None:
+    """The daemon may not import the native package (it checks files before any worker
+    runs), so it keeps its own list of what the kernels read: the same list."""
+    from hetspec.daemon.model_check import NATIVE_FAMILIES, NATIVE_TENSOR_TYPES  # noqa: PLC0415
+    from hetspec.native.kernels import TYPE_NAMES  # noqa: PLC0415
+    from hetspec.native.model import FAMILIES  # noqa: PLC0415
+
+    assert set(NATIVE_TENSOR_TYPES) == set(TYPE_NAMES.values())
+    assert set(NATIVE_FAMILIES) == set(FAMILIES)
