@@ -86,26 +86,9 @@ TINY_VOCAB = 320  # write_tiny_gguf_llama's default vocabulary
 DAEMON_CONTEXT = 4096  # the context the daemon tests give the tiny pair
 
 
-def write_tiny_gguf_llama(
-    folder: Path,
-    *,
-    seed: int = 0,
-    layers: int = 2,
-    vocab_size: int = TINY_VOCAB,
-    gguf_type: str = "f32",
-    context: int | None = None,
-) -> Path:
-    """A random tiny Llama with a trained byte-level BPE tokenizer: HF folder + GGUF file.
-
-    Returns the GGUF path; the folder beside it loads in transformers and the torch runtime.
-    """
-    return write_tiny_gguf(folder, "llama", seed=seed, layers=layers, vocab_size=vocab_size,
-                           gguf_type=gguf_type, context=context)  # fmt: skip
-
-
 def write_tiny_gguf(
     folder: Path,
-    name: str,
+    name: str = "llama",
     *,
     seed: int = 0,
     layers: int = 2,
@@ -114,9 +97,12 @@ def write_tiny_gguf(
     context: int | None = None,
     **overrides: object,
 ) -> Path:
-    """write_tiny_gguf_llama for a plain Llama ("llama") or any ``TINY_CONFIGS`` name the
-    exporter handles, with config ``overrides`` (e.g. an ``intermediate_size`` in whole
-    32-blocks, as the native kernels need)."""
+    """A random tiny model with a trained byte-level BPE tokenizer: HF folder + GGUF file; a
+    plain Llama, or any ``TINY_CONFIGS`` name the exporter handles, with config ``overrides``
+    (e.g. an ``intermediate_size`` in whole 32-blocks, as the native kernels need).
+
+    Returns the GGUF path; the folder beside it loads in transformers and the torch runtime.
+    """
     import transformers  # noqa: PLC0415
 
     from hetspec.models.gguf_export import export_gguf  # noqa: PLC0415
@@ -154,6 +140,9 @@ def write_tiny_gguf(
     model.save_pretrained(folder, safe_serialization=True)
     write_tokenizer_files(tokenizer, folder, config.max_position_embeddings)
     return export_gguf(folder, folder / f"model-{gguf_type}.gguf", gguf_type)
+
+
+write_tiny_gguf_llama = write_tiny_gguf  # the name most tests know it by
 
 
 def write_tiny_pair(root: Path, context: int) -> dict[str, Path]:
