@@ -101,6 +101,9 @@ def llama3_frequency_factors(rope: dict, head_dim: int) -> np.ndarray:
     """Llama 3's rotary scaling as per-pair factors dividing each pair's frequency (llama.cpp's
     ``rope_freqs.weight``): long wavelengths slowed by ``factor``, short ones kept, a smooth
     blend between."""
+    needed = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    if missing := [key for key in needed if key not in rope]:
+        raise ExportError(f"llama3 rotary scaling without {', '.join(missing)}")
     factor = float(rope["factor"])
     low, high = float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
     original = float(rope["original_max_position_embeddings"])
