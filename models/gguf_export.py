@@ -8,8 +8,8 @@ converter. Needs only numpy, safetensors and gguf, so it runs without torch.
 
     python -m hetspec.models.gguf_export MODEL_DIR OUT.gguf --type q8_0
 
-The K-quants (``--type q4_k_m``, ``q5_k_m``, ``q6_k``) go through llama.cpp's own quantizer
-(``hetspec.models.llama_quantize``), from an F16 export.
+The K-quants and IQ4 (``--type q4_k_m``, ``q5_k_m``, ``q6_k``, ``iq4_xs``, ``iq4_nl``) go
+through llama.cpp's own quantizer (``hetspec.models.llama_quantize``), from an F16 export.
 """
 
 from __future__ import annotations
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model_dir", type=Path, help="Hugging Face Llama model folder")
     parser.add_argument("out", type=Path, help="GGUF file to write")
     parser.add_argument("--type", choices=[*sorted(OUT_TYPES), *QUANT_TYPES], default="f16",
-                        help="K-quants: an F16 export quantized by llama.cpp")  # fmt: skip
+                        help="K-quants, IQ4: an F16 export quantized by llama.cpp")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         export_any(args.model_dir, args.out, args.type)

@@ -29,8 +29,9 @@ and Q4_0 quantize the trained weights exactly as they do in the bundled target's
 
     python -m hetspec.models.heavy --params 100m [--cache-dir DIR] [--types f16,q8_0,q4_0]
 
-Types f32, f16, q8_0 and q4_0 are exported directly; q4_k_m, q5_k_m and q6_k (most users'
-files) by llama.cpp's quantizer from the F16 export (``llama_quantize``; needs llama-cpp-python).
+Types f32, f16, q8_0 and q4_0 are exported directly; q4_k_m, q5_k_m, q6_k, iq4_xs and iq4_nl
+(most users' files) by llama.cpp's quantizer from the F16 export (``llama_quantize``; needs
+llama-cpp-python).
 
 Models are built on demand into a cache outside the repository (``default_cache_dir``) and
 reused; ``ensure_heavy`` is the library entry point. Needs only numpy, safetensors and gguf.

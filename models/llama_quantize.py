@@ -1,4 +1,5 @@
-"""K-quant GGUF files (Q4_K_M, Q5_K_M, Q6_K), made by llama.cpp's own quantizer.
+"""K-quant and IQ4 GGUF files (Q4_K_M, Q5_K_M, Q6_K, IQ4_XS, IQ4_NL), made by llama.cpp's own
+quantizer.
 
 Most GGUF files users download are K-quants; gguf-py cannot write them, so a model hetspec
 builds itself (a heavy target) gets them the way their publishers make them: llama.cpp's
@@ -15,7 +16,7 @@ import os
 from pathlib import Path
 
 # our type name -> llama.cpp's file type (llama_ftype): the same numbers as gguf's LlamaFileType
-QUANT_TYPES = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}
+QUANT_TYPES = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18, "iq4_xs": 30, "iq4_nl": 25}
 
 
 class QuantizeError(ValueError):

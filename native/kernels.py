@@ -15,13 +15,15 @@ from dataclasses import dataclass
 import numpy as np
 
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8  # ggml's type ids
-Q4_K, Q5_K, Q6_K = 12, 13, 14
+Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 12, 13, 14, 20, 23
 BLOCK = 32  # the activations' blocks
 TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1",
-              Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}  # fmt: skip
-# The quantized types' blocks: (values, bytes). K-quants' super-blocks hold 256 values.
+              Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_NL: "IQ4_NL",
+              IQ4_XS: "IQ4_XS"}  # fmt: skip
+# The quantized types' blocks: (values, bytes). K-quants' and IQ4_XS's super-blocks hold 256.
 BLOCK_BYTES = {Q8_0: (32, 34), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24),
-               Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}  # fmt: skip
+               Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210), IQ4_NL: (32, 18),
+               IQ4_XS: (256, 136)}  # fmt: skip
 # Kernel levels (hsnative.h's HS_SIMD_*), by this machine's architecture. x86-64: AVX2 and VNNI
 # give the same bits, VNNI faster, and the portable C rounds its other float steps its own way;
 # aarch64: the dot-product kernels give the portable bits.

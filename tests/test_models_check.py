@@ -59,10 +59,11 @@ def test_k_quant_files_run_on_the_native_kernels_and_other_types_are_named(tmp_p
     assert done.stdout.count("can serve") == 4  # not torch: this GGUF has no folder beside it
     model = find_exports("target", target)
     assert model.gguf_facts.tensor_types == {"Q4_K", "Q6_K", "Q5_0", "Q8_0", "F32"}
-    other = replace(model.gguf_facts, tensor_types=model.gguf_facts.tensor_types | {"IQ4_NL"})
+    other = replace(model.gguf_facts, tensor_types=model.gguf_facts.tensor_types | {"IQ3_S"})
     side = Side("verifies", "CPU worker", "native", replace(model, gguf_facts=other))
-    assert side.unusable() == ("the native kernels read F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, "
-                               "Q5_K, Q6_K, Q8_0 tensors; this Q4_K_M file has IQ4_NL")  # fmt: skip
+    assert side.unusable() == ("the native kernels read F16, F32, IQ4_NL, IQ4_XS, Q4_0, Q4_1, "
+                               "Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 tensors; this Q4_K_M file has "
+                               "IQ3_S")  # fmt: skip
 
 
 def test_a_draft_with_another_tokenizer_is_refused_as_the_daemon_would(models) -> None:

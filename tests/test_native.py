@@ -18,6 +18,8 @@ from hetspec.native.kernels import (
     BLOCK_BYTES,
     F16,
     F32,
+    IQ4_NL,
+    IQ4_XS,
     Q4_0,
     Q4_1,
     Q4_K,
@@ -159,16 +161,17 @@ def test_bad_weights_are_refused_with_a_reason() -> None:
         matrix(Q8_0, np.zeros((2, 34), np.uint8), 2, 40)
     with pytest.raises(NativeUnavailable, match="contiguous bytes"):
         matrix(Q8_0, np.zeros((2, 30), np.uint8), 2, 32)
-    with pytest.raises(NativeUnavailable, match="type 20"):  # IQ4_NL
-        matrix(20, np.zeros((2, 18), np.uint8), 2, 32)
+    with pytest.raises(NativeUnavailable, match="type 21"):  # IQ3_S
+        matrix(21, np.zeros((2, 110), np.uint8), 2, 256)
     with pytest.raises(NativeUnavailable, match="not whole blocks of 256"):
         matrix(Q4_K, np.zeros((2, 144), np.uint8), 2, 128)
 
 
 # ---------------------------------------------------------------- types read by unpacking
 
-UNPACKED = {Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", Q5_0: "Q5_0", Q4_1: "Q4_1", Q5_1: "Q5_1"}
-SMALL_BLOCKS = (Q5_0, Q4_1, Q5_1)  # 32 values a block
+UNPACKED = {Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", Q5_0: "Q5_0", Q4_1: "Q4_1", Q5_1: "Q5_1",
+            IQ4_NL: "IQ4_NL", IQ4_XS: "IQ4_XS"}  # fmt: skip
+SMALL_BLOCKS = (Q5_0, Q4_1, Q5_1, IQ4_NL)  # 32 values a block
 
 
 def random_blocks(kind: int, rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
@@ -178,9 +181,9 @@ def random_blocks(kind: int, rng: np.random.Generator, rows: int, cols: int) -> 
     scales = rng.uniform(1e-3, 1e-2, (rows, cols // values, 2)).astype("<f2").view(np.uint8)
     if kind == Q6_K:  # d last
         data[..., -2:] = scales[..., :2]
-    elif kind == Q5_0:  # d first
+    elif kind in (Q5_0, IQ4_NL):  # d first
         data[..., :2] = scales[..., :2]
-    else:  # d, dmin (Q4_1, Q5_1: d, m) first
+    else:  # d, dmin (Q4_1, Q5_1: d, m; IQ4_XS: d, then any scale bits) first
         data[..., :4] = scales
     return data.reshape(rows, -1)
 
@@ -281,8 +284,9 @@ def k_quant_heavy(heavy):
 
 @pytest.fixture(scope="module")
 def k_quant_bundled(tmp_path_factory):
-    """The bundled target in a K-quant mix: its FFN rows (704 values) are not whole
-    super-blocks, so llama.cpp's Q4_K_M holds Q5_0 and Q8_0 tensors too, its Q5_K_M Q5_1."""
+    """The bundled target in a K-quant or IQ4 mix: its FFN rows (704 values) are not whole
+    super-blocks, so llama.cpp's Q4_K_M holds Q5_0 and Q8_0 tensors too, its Q5_K_M Q5_1, its
+    IQ4_XS IQ4_NL."""
     from hetspec.models.llama_quantize import quantize_gguf  # noqa: PLC0415
 
     folder = tmp_path_factory.mktemp("kquant")
@@ -297,7 +301,8 @@ def k_quant_bundled(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "gguf_type", ["q8_0", "q4_0", "q4_k_m", "bundled q4_k_m", "bundled q5_k_m"]
+    "gguf_type",
+    ["q8_0", "q4_0", "q4_k_m", "bundled q4_k_m", "bundled q5_k_m", "bundled iq4_xs"],
 )
 def test_it_predicts_as_llama_cpp_does_on_the_same_file(request, heavy, gguf_type) -> None:
     from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415

@@ -29,9 +29,9 @@ class NativeRuntime(TreeRuntime[np.ndarray]):
     def __init__(self, model_path: str | Path, *, n_ctx: int | None = None,
                  threads: int | None = None, simd: str | None = None) -> None:  # fmt: skip
         """Load a Llama, Qwen2 or Qwen3 GGUF file (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
-        Q6_K, F16 or F32 weights); ``threads`` defaults to the cores this process may run on;
-        ``simd`` caps the kernels' level (``SIMD_LEVELS``; None: the best here). Raises
-        ``NativeUnavailable`` with the reason."""
+        Q6_K, IQ4_NL, IQ4_XS, F16 or F32 weights); ``threads`` defaults to the cores this
+        process may run on; ``simd`` caps the kernels' level (``SIMD_LEVELS``; None: the best
+        here). Raises ``NativeUnavailable`` with the reason."""
         path = Path(model_path)
         if not path.is_file():
             raise NativeUnavailable(f"{path}: no such file")

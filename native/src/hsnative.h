@@ -15,14 +15,14 @@
 
 /* ggml's type ids, as GGUF stores them */
 enum { HS_F32 = 0, HS_F16 = 1, HS_Q4_0 = 2, HS_Q4_1 = 3, HS_Q5_0 = 6, HS_Q5_1 = 7, HS_Q8_0 = 8,
-       HS_Q4_K = 12, HS_Q5_K = 13, HS_Q6_K = 14 };
-#define HS_BLOCK 32  /* Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 blocks; the activations' blocks for every quantized type */
-#define HS_SUPER 256 /* the K-quants' (Q4_K, Q5_K, Q6_K) super-blocks: 8 activation blocks */
+       HS_Q4_K = 12, HS_Q5_K = 13, HS_Q6_K = 14, HS_IQ4_NL = 20, HS_IQ4_XS = 23 };
+#define HS_BLOCK 32  /* Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL blocks; the activations' blocks for every quantized type */
+#define HS_SUPER 256 /* the K-quants' (Q4_K, Q5_K, Q6_K) and IQ4_XS's super-blocks: 8 activation blocks */
 
 typedef struct {
     int32_t type;
     int32_t rows; /* output features */
-    int32_t cols; /* input features (a multiple of 32 for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; of 256 for K-quants) */
+    int32_t cols; /* input features (a multiple of 32 for the 32-value blocks; of 256 for K-quants, IQ4_XS) */
     int32_t reserved;
     const void *data; /* rows x cols in the type's row layout */
 } hs_matrix;

@@ -93,7 +93,7 @@ HS_AVX2 INLINE __m256i broadcast4(const void *p) {
 #endif
 
 /* Weights unpacked to bytes before their products (unpacked.c): Q4_K, Q5_K, Q6_K, Q5_0, Q4_1,
- * Q5_1. */
+ * Q5_1, IQ4_NL, IQ4_XS. */
 int hs_unpacked_is(int type);
 /* Q4_K, Q5_K, Q4_1 and Q5_1: a min per block, whose term needs the activations' block sums. */
 static inline int hs_unpacked_has_mins(int type) {

@@ -6,7 +6,7 @@
  *                  scales 1), and that with real scales each level gives the same bits for a
  *                  row alone and among others, on 1 and 2 threads, and the same bits as the
  *                  portable level where the level promises that (hsnative.h); and for
- *                  Q4_K, Q5_K, Q6_K, Q5_0, Q4_1 and Q5_1 weights, the dequantized rows' products within int8
+ *                  Q4_K, Q5_K, Q6_K, Q5_0, Q4_1, Q5_1, IQ4_NL and IQ4_XS weights, the dequantized rows' products within int8
  *                  activations' error, the portable bits at every level, and the same bits
  *                  for a row alone and among others.
  *
@@ -100,15 +100,16 @@ static int check(int type, int unit, int best) {
     return failures;
 }
 
-/* K-quant, Q5_0, Q4_1 and Q5_1 weights: random blocks (their float scales set to small powers of two),
+/* K-quant, Q5_0, Q4_1, Q5_1, IQ4_NL and IQ4_XS weights: random blocks (their float scales set to small powers of two),
  * against a float reference from their dequantized rows; the same bits at every level (one
  * recipe), and for a row alone and among others, on 1 and 2 threads. */
 static int check_unpacked(int type, int best) {
-    const int small = type == HS_Q5_0 || type == HS_Q4_1 || type == HS_Q5_1; /* 32-value blocks */
+    const int small = type == HS_Q5_0 || type == HS_Q4_1 || type == HS_Q5_1 || type == HS_IQ4_NL;
     const int values = small ? HS_BLOCK : HS_SUPER;
     const int KCOLS = small ? 11 * HS_BLOCK : 2 * HS_SUPER; /* 32-value blocks: a short chunk */
     const size_t bytes = type == HS_Q4_K ? 144 : type == HS_Q5_K ? 176 : type == HS_Q6_K ? 210
-                       : type == HS_Q5_0 ? 22 : type == HS_Q4_1 ? 20 : 24;
+                       : type == HS_Q5_0 ? 22 : type == HS_Q4_1 ? 20 : type == HS_Q5_1 ? 24
+                       : type == HS_IQ4_NL ? 18 : 136;
     const size_t row = bytes * (size_t)(KCOLS / values);
     unsigned char *data = malloc(ROWS * row);
     for (size_t i = 0; i < ROWS * row; i++) data[i] = (unsigned char)next_int(0, 255);
@@ -116,7 +117,7 @@ static int check_unpacked(int type, int best) {
         unsigned char *block = data + bytes * (size_t)s;
         const uint16_t d = next_int(0, 1) ? 0x2000 : 0x1c00, dmin = next_int(0, 1) ? 0x2000 : 0x1c00;
         if (type == HS_Q6_K) memcpy(block + 208, &d, 2);
-        else if (type == HS_Q5_0) memcpy(block, &d, 2);
+        else if (type == HS_Q5_0 || type == HS_IQ4_NL) memcpy(block, &d, 2);
         else memcpy(block, &d, 2), memcpy(block + 2, &dmin, 2); /* K-quants' dmin; Q4_1's, Q5_1's m */
     }
     hs_matrix w = {type, ROWS, KCOLS, 0, data};
@@ -172,6 +173,8 @@ int main(void) {
     failures += check_unpacked(HS_Q5_0, best);
     failures += check_unpacked(HS_Q4_1, best);
     failures += check_unpacked(HS_Q5_1, best);
+    failures += check_unpacked(HS_IQ4_NL, best);
+    failures += check_unpacked(HS_IQ4_XS, best);
     puts(failures ? "FAILED" : "ok");
     return failures != 0;
 }

@@ -1,7 +1,7 @@
 /* Weights read by unpacking them to bytes first: ggml's K-quants (Q4_K, Q5_K, Q6_K: what most
  * users' GGUF files hold, e.g. Q4_K_M's mix of Q4_K and Q6_K), Q5_0 and Q5_1 (the types
- * llama.cpp's Q4_K_M and Q5_K_M mixes fall back to for rows that are not whole super-blocks)
- * and Q4_1.
+ * llama.cpp's Q4_K_M and Q5_K_M mixes fall back to for rows that are not whole super-blocks),
+ * Q4_1, and the non-linear IQ4_XS and IQ4_NL (4-bit indices into a table of 16 int8 values).
  *
  * A row is read in chunks of 8 activation blocks (256 values: a K-quant super-block, or 8
  * blocks of the 32-value types; such a row's last chunk may hold fewer). Each chunk is
@@ -9,13 +9,14 @@
  * 32 a float factor d_b and (Q4_K, Q5_K, Q4_1, Q5_1) a float offset m_b, so that weight k of
  * block b is d_b * q_k + m_b. Q4_K and Q5_K have one integer scale a block, folded into d_b
  * (d * scale, exact in a float: 11 by 6 significant bits), and m_b = -(dmin * min), exact
- * too; Q4_1's and Q5_1's d_b and m_b are their blocks' d and m. Q6_K has a scale per
+ * too; Q4_1's and Q5_1's d_b and m_b are their blocks' d and m, IQ4_NL's d_b its d, IQ4_XS's
+ * d * (scale - 32) (exact, as the K-quants'). Q6_K has a scale per
  * half-block of 16, so its d_b is d and its scales stay integers. The weights are read once,
  * in place.
  *
  * The recipe every kernel here follows for one (row, output feature) and one chunk, with
  * activation block b's int8 values x, float scale x_scale_b and integer sum of x:
- *     P_b = sum(q x)                          (Q4_K, Q5_K, Q5_0, Q4_1, Q5_1)
+ *     P_b = sum(q x)            (Q4_K, Q5_K, Q5_0, Q4_1, Q5_1, IQ4_NL, IQ4_XS)
  *     P_b = scale_lo * sum(q x, low 16) + scale_hi * sum(q x, high 16)          (Q6_K)
  *     v_b = (float)P_b * (x_scale_b * d_b)
  *     v_b = fma((float)sum_b(x), x_scale_b * m_b, v_b)              (Q4_K, Q5_K, Q4_1, Q5_1)
@@ -64,17 +65,34 @@ typedef struct {
     uint8_t qs[HS_BLOCK / 2];
 } block_q5_1;
 
+typedef struct {
+    uint16_t d;
+    uint8_t qs[HS_BLOCK / 2]; /* table indices: value i in the low nibble of qs[i], i + 16 high */
+} block_iq4_nl;
+
+typedef struct {
+    uint16_t d;
+    uint16_t scales_h;       /* block b's scale: 2 high bits at 2b */
+    uint8_t scales_l[4];     /* 4 low bits: block b's in byte b / 2, at 4 (b % 2) */
+    uint8_t qs[HS_SUPER / 2]; /* 16 bytes a block of 32, as IQ4_NL's */
+} block_iq4_xs;
+
+/* IQ4_NL's and IQ4_XS's 16 values (ggml's kvalues_iq4nl) */
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
 _Static_assert(sizeof(block_q4_k) == 144, "GGUF Q4_K super-blocks are 144 bytes");
 _Static_assert(sizeof(block_q5_k) == 176, "GGUF Q5_K super-blocks are 176 bytes");
 _Static_assert(sizeof(block_q6_k) == 210, "GGUF Q6_K super-blocks are 210 bytes");
 _Static_assert(sizeof(block_q5_0) == 22, "GGUF Q5_0 blocks are 22 bytes");
 _Static_assert(sizeof(block_q4_1) == 20, "GGUF Q4_1 blocks are 20 bytes");
 _Static_assert(sizeof(block_q5_1) == 24, "GGUF Q5_1 blocks are 24 bytes");
+_Static_assert(sizeof(block_iq4_nl) == 18, "GGUF IQ4_NL blocks are 18 bytes");
+_Static_assert(sizeof(block_iq4_xs) == 136, "GGUF IQ4_XS super-blocks are 136 bytes");
 
 /* One chunk, unpacked. */
 typedef struct {
     int8_t q[HS_SUPER] __attribute__((aligned(32))); /* Q4_K, Q4_1 0..15, Q5_K, Q5_1 0..31,
-                                                      * Q6_K -32..31, Q5_0 -16..15 */
+                                                      * Q6_K -32..31, Q5_0 -16..15, IQ4 -127..113 */
     float d[SUB] __attribute__((aligned(32)));      /* d_b; a short chunk's missing blocks: 0 */
     float offset[SUB] __attribute__((aligned(32))); /* m_b (with mins; else 0) */
     int16_t scale[2 * SUB] __attribute__((aligned(32))); /* Q6_K: per half-block of 16 */
@@ -84,14 +102,20 @@ typedef struct {
     int blocks; /* activation blocks in this chunk: SUB, or fewer at a 32-value type's row end */
 } unpacked;
 
-/* Q5_0, Q4_1, Q5_1: blocks of 32 values (the K-quants': 256). */
-INLINE int small_blocks(int type) { return type == HS_Q5_0 || type == HS_Q4_1 || type == HS_Q5_1; }
-
-int hs_unpacked_is(int type) {
-    return type == HS_Q4_K || type == HS_Q5_K || type == HS_Q6_K || small_blocks(type);
+/* Q5_0, Q4_1, Q5_1, IQ4_NL: blocks of 32 values (the K-quants' and IQ4_XS's: 256). */
+INLINE int small_blocks(int type) {
+    return type == HS_Q5_0 || type == HS_Q4_1 || type == HS_Q5_1 || type == HS_IQ4_NL;
 }
 
-/* Q4_K, Q5_K, Q4_1, Q5_1: values unsigned, with mins; Q6_K and Q5_0: values signed, no mins. */
+/* IQ4_NL, IQ4_XS: table values (signed, up to 127 in size) */
+INLINE int iq4(int type) { return type == HS_IQ4_NL || type == HS_IQ4_XS; }
+
+int hs_unpacked_is(int type) {
+    return type == HS_Q4_K || type == HS_Q5_K || type == HS_Q6_K || type == HS_IQ4_XS || small_blocks(type);
+}
+
+/* Q4_K, Q5_K, Q4_1, Q5_1: values unsigned, with mins; Q6_K, Q5_0, IQ4_*: values signed, no
+ * mins. */
 INLINE int has_mins(int type) { return hs_unpacked_has_mins(type); }
 
 /* Values a storage block holds, and its bytes. */
@@ -105,6 +129,8 @@ static size_t block_bytes(int type) {
     case HS_Q5_0: return sizeof(block_q5_0);
     case HS_Q4_1: return sizeof(block_q4_1);
     case HS_Q5_1: return sizeof(block_q5_1);
+    case HS_IQ4_NL: return sizeof(block_iq4_nl);
+    case HS_IQ4_XS: return sizeof(block_iq4_xs);
     default: return 0;
     }
 }
@@ -135,6 +161,11 @@ INLINE void scale_min(const uint8_t *s, int j, int *scale, int *min) {
     }
 }
 
+/* IQ4_XS's 6-bit scale of block b (0..63; the factor is scale - 32). */
+INLINE int iq4_xs_scale(const block_iq4_xs *blk, int b) {
+    return ((blk->scales_l[b / 2] >> (4 * (b % 2))) & 0x0f) | ((blk->scales_h >> (2 * b)) & 3) << 4;
+}
+
 /* Everything but the values. */
 static void unpack_factors_portable(const char *chunk, int type, unpacked *u) {
     for (int b = 0; b < SUB; b++) u->d[b] = u->offset[b] = 0.0f;
@@ -142,8 +173,12 @@ static void unpack_factors_portable(const char *chunk, int type, unpacked *u) {
         const block_q6_k *blk = (const block_q6_k *)chunk;
         for (int h = 0; h < 2 * SUB; h++) u->scale[h] = blk->scales[h];
         for (int b = 0; b < SUB; b++) u->d[b] = half_to_float(blk->d);
-    } else if (type == HS_Q5_0) {
-        for (int b = 0; b < u->blocks; b++) u->d[b] = half_to_float(((const block_q5_0 *)chunk)[b].d);
+    } else if (type == HS_Q5_0 || type == HS_IQ4_NL) { /* d first in each block */
+        for (int b = 0; b < u->blocks; b++)
+            u->d[b] = half_to_float(*(const uint16_t *)(chunk + (size_t)b * block_bytes(type)));
+    } else if (type == HS_IQ4_XS) {
+        const block_iq4_xs *blk = (const block_iq4_xs *)chunk;
+        for (int b = 0; b < SUB; b++) u->d[b] = half_to_float(blk->d) * (float)(iq4_xs_scale(blk, b) - 32);
     } else if (small_blocks(type)) { /* Q5_1 begins as Q4_1 does */
         for (int b = 0; b < u->blocks; b++) {
             const block_q4_1 *blk = (const block_q4_1 *)(chunk + (size_t)b * block_bytes(type));
@@ -175,6 +210,15 @@ static void unpack_portable(const char *chunk, int type, int blocks, unpacked *u
                 q[l + 32] = (int8_t)(((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) - 32);
                 q[l + 64] = (int8_t)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
                 q[l + 96] = (int8_t)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+            }
+        }
+    } else if (iq4(type)) { /* 16 bytes a block of 32: value j low nibble, j + 16 high */
+        for (int b = 0; b < blocks; b++) {
+            const uint8_t *qs = type == HS_IQ4_XS ? ((const block_iq4_xs *)chunk)->qs + 16 * b
+                                                  : ((const block_iq4_nl *)chunk)[b].qs;
+            for (int j = 0; j < HS_BLOCK / 2; j++) {
+                u->q[32 * b + j] = IQ4_VALUES[qs[j] & 0x0f];
+                u->q[32 * b + j + 16] = IQ4_VALUES[qs[j] >> 4];
             }
         }
     } else if (small_blocks(type)) {
@@ -281,12 +325,20 @@ HS_AVX2 INLINE void unpack_factors_avx2(const char *chunk, const int type, unpac
         _mm256_store_ps(u->offset, _mm256_setzero_ps());
         return;
     }
+    if (type == HS_IQ4_XS) {
+        const block_iq4_xs *blk = (const block_iq4_xs *)chunk;
+        float scales[SUB];
+        for (int b = 0; b < SUB; b++) scales[b] = (float)(iq4_xs_scale(blk, b) - 32);
+        _mm256_store_ps(u->d, _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(blk->d)), _mm256_loadu_ps(scales)));
+        _mm256_store_ps(u->offset, _mm256_setzero_ps());
+        return;
+    }
     if (small_blocks(type)) { /* d first in each block; Q4_1's and Q5_1's m next */
         uint16_t d[SUB] = {0}, m[SUB] = {0}; /* a short chunk's missing blocks: 0 */
         for (int b = 0; b < u->blocks; b++) {
             const uint16_t *halves = (const uint16_t *)(chunk + (size_t)b * block_bytes(type));
             d[b] = halves[0];
-            if (type != HS_Q5_0) m[b] = halves[1];
+            if (has_mins(type)) m[b] = halves[1];
         }
         _mm256_store_ps(u->d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d)));
         _mm256_store_ps(u->offset, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)m)));
@@ -333,6 +385,18 @@ HS_AVX2 INLINE void unpack_avx2(const char *chunk, const int type, const int blo
             _mm256_store_si256((__m256i *)(q + 32), _mm256_sub_epi8(v1, offset));
             _mm256_store_si256((__m256i *)(q + 64), _mm256_sub_epi8(v2, offset));
             _mm256_store_si256((__m256i *)(q + 96), _mm256_sub_epi8(v3, offset));
+        }
+        return;
+    }
+    if (iq4(type)) { /* indices looked up in the table, 16 bytes (a block of 32) at a time */
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_VALUES));
+        for (int b = 0; b < blocks; b++) {
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(type == HS_IQ4_XS
+                                                    ? ((const block_iq4_xs *)chunk)->qs + 16 * b
+                                                    : ((const block_iq4_nl *)chunk)[b].qs));
+            const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0f));
+            const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0f));
+            _mm256_store_si256((__m256i *)(u->q + 32 * b), _mm256_shuffle_epi8(table, _mm256_set_m128i(hi, lo)));
         }
         return;
     }
@@ -414,14 +478,15 @@ HS_AVX2 INLINE __m256 block_terms(const int type, const __m256 products, const _
  * groups from `group` on: v_b of each group's 8 rows, into v. Pair sums stay in 16 bits over
  * runs while they fit: all eight for Q4_K and Q4_1 (8 * 2 * 15 * 127 < 2^15) and Q5_0
  * (|q| <= 16), a half-block's four for Q5_K, Q5_1 and Q6_K (Q6_K's halves then take their
- * own scales). */
+ * own scales), one for IQ4_NL and IQ4_XS (2 * 127 * 127 < 2^15). */
 HS_AVX2 INLINE void block_in_lanes_avx2(const unpacked *u, const int type, const int c, const int b,
                                         const int blocks, const activations *a, const int group,
                                         const int count, __m256 v[2]) {
     v[0] = v[1] = _mm256_setzero_ps();
     if (b >= u->blocks) return; /* a short chunk's missing block: 0 */
     const size_t blk = (size_t)c * SUB + b;
-    const int spans = type == HS_Q4_K || type == HS_Q5_0 || type == HS_Q4_1 ? 1 : 2; /* 16-bit sums a block */
+    /* 16-bit sums a block: IQ4's values (up to 127) fit one run's pairs only */
+    const int spans = type == HS_Q4_K || type == HS_Q5_0 || type == HS_Q4_1 ? 1 : iq4(type) ? GROUP : 2;
     __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
     for (int h = 0; h < spans; h++) {
         __m256i pairs[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
@@ -578,6 +643,8 @@ HS_AVX2 static void features_avx2(const hs_matrix *w, const activations *a, int 
     case HS_Q6_K: features_typed_avx2(w, HS_Q6_K, a, n, first, end, out); break;
     case HS_Q4_1: features_typed_avx2(w, HS_Q4_1, a, n, first, end, out); break;
     case HS_Q5_1: features_typed_avx2(w, HS_Q5_1, a, n, first, end, out); break;
+    case HS_IQ4_NL: features_typed_avx2(w, HS_IQ4_NL, a, n, first, end, out); break;
+    case HS_IQ4_XS: features_typed_avx2(w, HS_IQ4_XS, a, n, first, end, out); break;
     default: features_typed_avx2(w, HS_Q5_0, a, n, first, end, out); break;
     }
 }
@@ -633,7 +700,7 @@ HS_VNNI INLINE pair_factors factors_of_pair(const unpacked *u0, const unpacked *
  * u0, u1; factors f) in 512-bit vectors: lanes 0-7 the rows against u0, lanes 8-15 against
  * u1, each lane's v_b. `x` holds the block's 8 runs in both halves, `x_scales` and `x_sums`
  * its scales and sums, `half_sums` (Q6_K) the sums of its first 16 values. The weights go as
- * vpdpbusd's unsigned side: signed ones (Q6_K, Q5_0) biased by 32 or 16, the bias times the
+ * vpdpbusd's unsigned side: signed ones (Q6_K, Q5_0, IQ4_*) biased by 32, 16 or 128, the bias times the
  * activations' sum subtracted at the start, so each integer is the AVX2 kernels' exact P_b
  * (Q6_K: each half's), and the float steps are theirs: the same bits. */
 HS_VNNI INLINE __m512 block_pair_vnni(const unpacked *u0, const unpacked *u1, const pair_factors *f,
@@ -647,9 +714,10 @@ HS_VNNI INLINE __m512 block_pair_vnni(const unpacked *u0, const unpacked *u1, co
         both = _mm512_add_epi8(both, _mm512_set1_epi8(32));
         chains[0] = _mm512_sub_epi32(chains[0], _mm512_slli_epi32(half_sums, 5));
         chains[1] = _mm512_sub_epi32(chains[1], _mm512_slli_epi32(_mm512_sub_epi32(x_sums, half_sums), 5));
-    } else if (type == HS_Q5_0) {
-        both = _mm512_add_epi8(both, _mm512_set1_epi8(16));
-        chains[0] = _mm512_sub_epi32(chains[0], _mm512_slli_epi32(x_sums, 4));
+    } else if (type == HS_Q5_0 || iq4(type)) { /* -16..15 + 16; -127..113 + 128 */
+        const int shift = type == HS_Q5_0 ? 4 : 7;
+        both = _mm512_add_epi8(both, _mm512_set1_epi8((char)(1 << shift)));
+        chains[0] = _mm512_sub_epi32(chains[0], _mm512_slli_epi32(x_sums, shift));
     }
     for (int k = 0; k < GROUP; k++) {
         const int chain = type == HS_Q6_K ? k / 4 : k & 1; /* else two chains: vpdpbusd waits for its sum */
@@ -782,6 +850,8 @@ HS_VNNI static void features_vnni(const hs_matrix *w, const activations *a, int 
     case HS_Q6_K: TYPED(HS_Q6_K) break;
     case HS_Q4_1: TYPED(HS_Q4_1) break;
     case HS_Q5_1: TYPED(HS_Q5_1) break;
+    case HS_IQ4_NL: TYPED(HS_IQ4_NL) break;
+    case HS_IQ4_XS: TYPED(HS_IQ4_XS) break;
     default: TYPED(HS_Q5_0) break;
     }
 #undef TYPED
