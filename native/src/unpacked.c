@@ -858,6 +858,109 @@ HS_VNNI static void features_vnni(const hs_matrix *w, const activations *a, int 
 }
 #endif
 
+#if HS_ARM
+/* ------------------------------------------------------------------ NEON with the dot product
+ * sdot multiplies signed bytes by signed bytes, so every unpacked type's values go as they are
+ * (Q4_K's 0..15 and IQ4's -127..113 alike). A block's P_b is the exact integer and the float
+ * steps are the portable kernel's, in its order (vfmaq_f32 rounds once, as fmaf): the
+ * portable bits. The chunks are unpacked by the portable C. */
+
+/* Block b of a chunk times one row's 32 values x: P_b (Q6_K: each half times its scale). */
+HS_DOTPROD INLINE int32_t block_product_neon(const unpacked *u, const int type, const int b, const int8_t *x) {
+    const int32_t lo = vaddvq_s32(vdotq_s32(vdupq_n_s32(0), vld1q_s8(u->q + 32 * b), vld1q_s8(x)));
+    const int32_t hi = vaddvq_s32(vdotq_s32(vdupq_n_s32(0), vld1q_s8(u->q + 32 * b + 16), vld1q_s8(x + 16)));
+    return type == HS_Q6_K ? u->scale[2 * b] * lo + u->scale[2 * b + 1] * hi : lo + hi;
+}
+
+/* Rows one by one: chunk c (unpacked in u) times rows first_row.. of the row-major
+ * activations; acc[r] is row first_row + r's sum. */
+HS_DOTPROD INLINE void rows_major_neon(const unpacked *u, const int type, const int c, const int blocks,
+                                       const activations *a, const int first_row, const int cols, const int m,
+                                       float *acc) {
+    for (int r = 0; r < m; r++) {
+        const size_t row = (size_t)(first_row + r);
+        const int8_t *x = a->q + row * cols + (size_t)c * HS_SUPER;
+        float v[SUB] = {0};
+        for (int b = 0; b < u->blocks; b++) {
+            const size_t at = row * blocks + (size_t)c * SUB + b;
+            v[b] = (float)block_product_neon(u, type, b, x + 32 * b) * (a->d[at] * u->d[b]);
+            if (has_mins(type)) v[b] = fmaf((float)a->sum[at], a->d[at] * u->offset[b], v[b]);
+        }
+        acc[r] = acc[r] + chunk_sum(v);
+    }
+}
+
+/* Rows in lanes: chunk c times the 8 rows of group `group` (run k of the interleaved
+ * activations: values 4k..4k+3 of rows 0..3, then of rows 4..7), each run's four values of
+ * the weight row taken by lane; acc (8) += the chunk's tree of each row's v_b. */
+HS_DOTPROD INLINE void rows_in_lanes_neon(const unpacked *u, const int type, const int c, const int blocks,
+                                          const activations *a, const int group, float *acc) {
+    float32x4_t v_lo[SUB], v_hi[SUB];
+    for (int b = 0; b < SUB; b++) {
+        v_lo[b] = v_hi[b] = vdupq_n_f32(0.0f);
+        if (b >= u->blocks) continue; /* a short chunk's missing block: 0 */
+        const size_t blk = (size_t)group * blocks + (size_t)c * SUB + b;
+        const int8_t *x = a->grouped + blk * GROUP * HS_BLOCK;
+        const int8x16_t w_lo = vld1q_s8(u->q + 32 * b), w_hi = vld1q_s8(u->q + 32 * b + 16);
+        int32x4_t lo[2] = {vdupq_n_s32(0), vdupq_n_s32(0)}, hi[2] = {vdupq_n_s32(0), vdupq_n_s32(0)};
+#define RUN(k, w, lane, h)                                                                   \
+    lo[h] = vdotq_laneq_s32(lo[h], vld1q_s8(x + (k) * 4 * GROUP), w, lane);                   \
+    hi[h] = vdotq_laneq_s32(hi[h], vld1q_s8(x + (k) * 4 * GROUP + 16), w, lane);
+        RUN(0, w_lo, 0, 0) RUN(1, w_lo, 1, 0) RUN(2, w_lo, 2, 0) RUN(3, w_lo, 3, 0)
+        RUN(4, w_hi, 0, 1) RUN(5, w_hi, 1, 1) RUN(6, w_hi, 2, 1) RUN(7, w_hi, 3, 1)
+#undef RUN
+        int32x4_t p_lo, p_hi; /* P_b of rows 0..3 and 4..7 (exact) */
+        if (type == HS_Q6_K) {
+            p_lo = vmlaq_n_s32(vmulq_n_s32(lo[0], u->scale[2 * b]), lo[1], u->scale[2 * b + 1]);
+            p_hi = vmlaq_n_s32(vmulq_n_s32(hi[0], u->scale[2 * b]), hi[1], u->scale[2 * b + 1]);
+        } else {
+            p_lo = vaddq_s32(lo[0], lo[1]);
+            p_hi = vaddq_s32(hi[0], hi[1]);
+        }
+        const float *xd = a->grouped_d + blk * GROUP;
+        const float32x4_t d = vdupq_n_f32(u->d[b]);
+        v_lo[b] = vmulq_f32(vcvtq_f32_s32(p_lo), vmulq_f32(vld1q_f32(xd), d));
+        v_hi[b] = vmulq_f32(vcvtq_f32_s32(p_hi), vmulq_f32(vld1q_f32(xd + 4), d));
+        if (has_mins(type)) {
+            const int32_t *sums = a->grouped_sum + blk * GROUP;
+            const float32x4_t m = vdupq_n_f32(u->offset[b]);
+            v_lo[b] = vfmaq_f32(v_lo[b], vcvtq_f32_s32(vld1q_s32(sums)), vmulq_f32(vld1q_f32(xd), m));
+            v_hi[b] = vfmaq_f32(v_hi[b], vcvtq_f32_s32(vld1q_s32(sums + 4)), vmulq_f32(vld1q_f32(xd + 4), m));
+        }
+    }
+#define TREE(v) vaddq_f32(vaddq_f32(vaddq_f32(v[0], v[1]), vaddq_f32(v[2], v[3])), \
+                          vaddq_f32(vaddq_f32(v[4], v[5]), vaddq_f32(v[6], v[7])))
+    vst1q_f32(acc, vaddq_f32(vld1q_f32(acc), TREE(v_lo)));
+    vst1q_f32(acc + 4, vaddq_f32(vld1q_f32(acc + 4), TREE(v_hi)));
+#undef TREE
+}
+
+/* All n rows against output features [first, end): each weight row's chunk unpacked once for
+ * every row, whole groups rows in lanes, the rest one by one. */
+HS_DOTPROD static void features_neon(const hs_matrix *w, const activations *a, int n, int first, int end,
+                                     float *out) {
+    const int blocks = w->cols / HS_BLOCK, chunks = (blocks + SUB - 1) / SUB;
+    const int groups = grouped_rows(n) / GROUP, grouped = groups * GROUP < n ? groups * GROUP : n;
+    const size_t stride = hs_unpacked_row_bytes(w->type, w->cols);
+    float *acc = malloc(sizeof(float) * (size_t)(groups * GROUP + n));
+    if (!acc) abort(); /* a few KB */
+    unpacked u;
+    for (int j = first; j < end; j++) {
+        const char *wrow = (const char *)w->data + stride * j;
+        for (int i = 0; i < groups * GROUP + n; i++) acc[i] = 0.0f;
+        for (int c = 0; c < chunks; c++) {
+            unpack_portable(chunk_at(wrow, w->type, c), w->type, chunk_blocks(blocks, c), &u);
+            for (int g = 0; g < groups; g++) rows_in_lanes_neon(&u, w->type, c, blocks, a, g, acc + g * GROUP);
+            if (n > grouped)
+                rows_major_neon(&u, w->type, c, blocks, a, grouped, w->cols, n - grouped, acc + groups * GROUP);
+        }
+        for (int r = 0; r < grouped; r++) out[(size_t)r * w->rows + j] = acc[r];
+        for (int r = grouped; r < n; r++) out[(size_t)r * w->rows + j] = acc[groups * GROUP + r - grouped];
+    }
+    free(acc);
+}
+#endif
+
 void hs_unpacked_features(const hs_matrix *w, const activations *a, int n, int first, int end,
                           float *out, int simd) {
 #if HS_X86
@@ -867,6 +970,12 @@ void hs_unpacked_features(const hs_matrix *w, const activations *a, int n, int f
     }
     if (simd >= HS_SIMD_AVX2) {
         features_avx2(w, a, n, first, end, out);
+        return;
+    }
+#endif
+#if HS_ARM
+    if (simd >= HS_SIMD_DOTPROD) {
+        features_neon(w, a, n, first, end, out);
         return;
     }
 #endif
