@@ -3,9 +3,10 @@ qemu-user, where the NEON dot-product kernels cannot run otherwise here.
 
 Each run checks, for Q8_0 and Q4_0 weights and 1..33 rows on 1 and 2 threads, exact integer
 products at every kernel level the (emulated) CPU offers, the same bits for a row alone and
-among others, and on aarch64 the same bits as the portable kernels; for Q4_K, Q5_K, Q6_K and
-Q5_0 weights, products within int8 activations' error of the dequantized rows and the same bits
-at every level and width.
+among others, and on aarch64 the same bits as the portable kernels; for the unpacked types
+(Q4_K, Q5_K, Q6_K, Q5_0, Q4_1, Q5_1, IQ4_NL, IQ4_XS), products within int8 activations' error
+of the dequantized rows and the same bits at every level and width (on aarch64 their sdot
+path against the portable one).
 """
 
 from __future__ import annotations
