@@ -863,7 +863,82 @@ HS_VNNI static void features_vnni(const hs_matrix *w, const activations *a, int 
  * sdot multiplies signed bytes by signed bytes, so every unpacked type's values go as they are
  * (Q4_K's 0..15 and IQ4's -127..113 alike). A block's P_b is the exact integer and the float
  * steps are the portable kernel's, in its order (vfmaq_f32 rounds once, as fmaf): the
- * portable bits. The chunks are unpacked by the portable C. */
+ * portable bits. The chunks unpack to the portable C's bytes (unpack_neon). */
+
+/* unpack_portable's values with NEON (its factors as they are): the same bytes, 16 at a time. */
+HS_DOTPROD INLINE void unpack_neon(const char *chunk, const int type, const int blocks, unpacked *u) {
+    u->blocks = blocks;
+    unpack_factors_portable(chunk, type, u);
+    const uint8x16_t low4 = vdupq_n_u8(0x0f), sixteen = vdupq_n_u8(16);
+    if (type == HS_Q6_K) {
+        const block_q6_k *blk = (const block_q6_k *)chunk;
+        const uint8x16_t low2 = vdupq_n_u8(3);
+        const int8x16_t offset = vdupq_n_s8(32);
+        for (int half = 0; half < 2; half++)
+            for (int l = 0; l < 32; l += 16) {
+                const uint8x16_t a = vld1q_u8(blk->ql + 64 * half + l), b = vld1q_u8(blk->ql + 64 * half + 32 + l);
+                const uint8x16_t h = vld1q_u8(blk->qh + 32 * half + l);
+                int8_t *q = u->q + 128 * half + l;
+#define SIX(low, shift) vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(low, vshlq_n_u8(vandq_u8(vshrq_n_u8(h, shift), low2), 4))), offset)
+                vst1q_s8(q, SIX(vandq_u8(a, low4), 0));
+                vst1q_s8(q + 32, SIX(vandq_u8(b, low4), 2));
+                vst1q_s8(q + 64, SIX(vshrq_n_u8(a, 4), 4));
+                vst1q_s8(q + 96, SIX(vshrq_n_u8(b, 4), 6));
+#undef SIX
+            }
+        return;
+    }
+    if (type == HS_Q4_K || type == HS_Q5_K) { /* each 32 bytes of qs: 64 values, the first 32 low */
+        const uint8_t *qs = type == HS_Q4_K ? ((const block_q4_k *)chunk)->qs : ((const block_q5_k *)chunk)->qs;
+        for (int c = 0; c < 4; c++)
+            for (int l = 0; l < 32; l += 16) {
+                const uint8x16_t bytes = vld1q_u8(qs + 32 * c + l);
+                uint8x16_t lo = vandq_u8(bytes, low4), hi = vshrq_n_u8(bytes, 4);
+                if (type == HS_Q5_K) { /* bit 2c of qh[l]: value l's fifth bit; 2c + 1: 32 + l's */
+                    const uint8x16_t qh = vld1q_u8(((const block_q5_k *)chunk)->qh + l);
+                    lo = vorrq_u8(lo, vandq_u8(vtstq_u8(qh, vdupq_n_u8((uint8_t)(1 << (2 * c)))), sixteen));
+                    hi = vorrq_u8(hi, vandq_u8(vtstq_u8(qh, vdupq_n_u8((uint8_t)(2 << (2 * c)))), sixteen));
+                }
+                vst1q_s8(u->q + 64 * c + l, vreinterpretq_s8_u8(lo));
+                vst1q_s8(u->q + 64 * c + 32 + l, vreinterpretq_s8_u8(hi));
+            }
+        return;
+    }
+    /* 16 bytes a block of 32: value j in the low nibble of byte j, j + 16 in the high */
+    const int8x16_t table = vld1q_s8(IQ4_VALUES);
+    const uint8x16_t spread_lo = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1}; /* qh's byte j / 8 */
+    const uint8x16_t bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    for (int b = 0; b < blocks; b++) {
+        const char *blk = type == HS_IQ4_XS ? chunk : chunk + (size_t)b * block_bytes(type);
+        const uint8_t *qs = type == HS_IQ4_XS ? ((const block_iq4_xs *)chunk)->qs + 16 * b
+                            : type == HS_IQ4_NL ? ((const block_iq4_nl *)blk)->qs
+                            : type == HS_Q5_0 ? ((const block_q5_0 *)blk)->qs
+                            : type == HS_Q5_1 ? ((const block_q5_1 *)blk)->qs : ((const block_q4_1 *)blk)->qs;
+        const uint8x16_t raw = vld1q_u8(qs);
+        uint8x16_t lo = vandq_u8(raw, low4), hi = vshrq_n_u8(raw, 4);
+        int8x16_t lo_s, hi_s;
+        if (iq4(type)) {
+            lo_s = vqtbl1q_s8(table, lo);
+            hi_s = vqtbl1q_s8(table, hi);
+        } else {
+            if (type == HS_Q5_0 || type == HS_Q5_1) {
+                const uint8x16_t qh = vreinterpretq_u8_u32(vdupq_n_u32(
+                    *(const uint32_t *)(type == HS_Q5_0 ? ((const block_q5_0 *)blk)->qh : ((const block_q5_1 *)blk)->qh)));
+                const uint8x16_t spread_hi = vaddq_u8(spread_lo, vdupq_n_u8(2));
+                lo = vorrq_u8(lo, vandq_u8(vtstq_u8(vqtbl1q_u8(qh, spread_lo), bit), sixteen));
+                hi = vorrq_u8(hi, vandq_u8(vtstq_u8(vqtbl1q_u8(qh, spread_hi), bit), sixteen));
+            }
+            lo_s = vreinterpretq_s8_u8(lo);
+            hi_s = vreinterpretq_s8_u8(hi);
+            if (type == HS_Q5_0) { /* signed */
+                lo_s = vsubq_s8(lo_s, vdupq_n_s8(16));
+                hi_s = vsubq_s8(hi_s, vdupq_n_s8(16));
+            }
+        }
+        vst1q_s8(u->q + 32 * b, lo_s);
+        vst1q_s8(u->q + 32 * b + 16, hi_s);
+    }
+}
 
 /* Block b of a chunk times one row's 32 values x: P_b (Q6_K: each half times its scale). */
 HS_DOTPROD INLINE int32_t block_product_neon(const unpacked *u, const int type, const int b, const int8_t *x) {
@@ -949,7 +1024,7 @@ HS_DOTPROD static void features_neon(const hs_matrix *w, const activations *a, i
         const char *wrow = (const char *)w->data + stride * j;
         for (int i = 0; i < groups * GROUP + n; i++) acc[i] = 0.0f;
         for (int c = 0; c < chunks; c++) {
-            unpack_portable(chunk_at(wrow, w->type, c), w->type, chunk_blocks(blocks, c), &u);
+            unpack_neon(chunk_at(wrow, w->type, c), w->type, chunk_blocks(blocks, c), &u);
             for (int g = 0; g < groups; g++) rows_in_lanes_neon(&u, w->type, c, blocks, a, g, acc + g * GROUP);
             if (n > grouped)
                 rows_major_neon(&u, w->type, c, blocks, a, grouped, w->cols, n - grouped, acc + groups * GROUP);
