@@ -135,6 +135,25 @@ static size_t block_bytes(int type) {
     }
 }
 
+/* Block b's 16 bytes of 4-bit values (value j in the low nibble of byte j, j + 16 in the high),
+ * in a chunk of a 32-value type or of IQ4_XS. */
+INLINE const uint8_t *nibbles(const char *chunk, int type, int b) {
+    switch (type) {
+    case HS_IQ4_XS: return ((const block_iq4_xs *)chunk)->qs + 16 * b;
+    case HS_IQ4_NL: return ((const block_iq4_nl *)chunk)[b].qs;
+    case HS_Q5_0: return ((const block_q5_0 *)chunk)[b].qs;
+    case HS_Q5_1: return ((const block_q5_1 *)chunk)[b].qs;
+    default: return ((const block_q4_1 *)chunk)[b].qs;
+    }
+}
+
+/* Block b's fifth bits (bit j: value j's) in a Q5_0 or Q5_1 chunk; 0 for the 4-bit types. */
+INLINE uint32_t fifth_bits(const char *chunk, int type, int b) {
+    const uint8_t *qh = type == HS_Q5_0 ? ((const block_q5_0 *)chunk)[b].qh
+                        : type == HS_Q5_1 ? ((const block_q5_1 *)chunk)[b].qh : NULL;
+    return qh ? (uint32_t)qh[0] | (uint32_t)qh[1] << 8 | (uint32_t)qh[2] << 16 | (uint32_t)qh[3] << 24 : 0;
+}
+
 size_t hs_unpacked_row_bytes(int type, int cols) {
     const int values = block_values(type);
     return cols > 0 && cols % values == 0 ? (size_t)(cols / values) * block_bytes(type) : 0;
@@ -212,29 +231,15 @@ static void unpack_portable(const char *chunk, int type, int blocks, unpacked *u
                 q[l + 96] = (int8_t)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
             }
         }
-    } else if (iq4(type)) { /* 16 bytes a block of 32: value j low nibble, j + 16 high */
-        for (int b = 0; b < blocks; b++) {
-            const uint8_t *qs = type == HS_IQ4_XS ? ((const block_iq4_xs *)chunk)->qs + 16 * b
-                                                  : ((const block_iq4_nl *)chunk)[b].qs;
-            for (int j = 0; j < HS_BLOCK / 2; j++) {
-                u->q[32 * b + j] = IQ4_VALUES[qs[j] & 0x0f];
-                u->q[32 * b + j + 16] = IQ4_VALUES[qs[j] >> 4];
-            }
-        }
-    } else if (small_blocks(type)) {
+    } else if (small_blocks(type) || type == HS_IQ4_XS) {
         const int offset = type == HS_Q5_0 ? 16 : 0; /* Q5_0's values are signed */
         for (int b = 0; b < blocks; b++) {
-            const char *blk = chunk + (size_t)b * block_bytes(type);
-            const uint8_t *qs = type == HS_Q5_0 ? ((const block_q5_0 *)blk)->qs
-                                : type == HS_Q5_1 ? ((const block_q5_1 *)blk)->qs : ((const block_q4_1 *)blk)->qs;
-            const uint8_t *bits = type == HS_Q5_0 ? ((const block_q5_0 *)blk)->qh
-                                  : type == HS_Q5_1 ? ((const block_q5_1 *)blk)->qh : NULL;
-            const uint32_t qh = bits ? (uint32_t)bits[0] | (uint32_t)bits[1] << 8 | (uint32_t)bits[2] << 16 |
-                                           (uint32_t)bits[3] << 24
-                                     : 0;
+            const uint8_t *qs = nibbles(chunk, type, b);
+            const uint32_t qh = fifth_bits(chunk, type, b);
             for (int j = 0; j < HS_BLOCK / 2; j++) {
-                u->q[32 * b + j] = (int8_t)(((qs[j] & 0x0f) | ((qh >> j) & 1) << 4) - offset);
-                u->q[32 * b + j + 16] = (int8_t)(((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - offset);
+                const int lo = (qs[j] & 0x0f) | ((qh >> j) & 1) << 4, hi = (qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4;
+                u->q[32 * b + j] = iq4(type) ? IQ4_VALUES[lo] : (int8_t)(lo - offset);
+                u->q[32 * b + j + 16] = iq4(type) ? IQ4_VALUES[hi] : (int8_t)(hi - offset);
             }
         }
     } else { /* Q4_K, Q5_K: each 32 bytes of qs hold 64 values, the first 32 in the low nibbles */
@@ -391,9 +396,7 @@ HS_AVX2 INLINE void unpack_avx2(const char *chunk, const int type, const int blo
     if (iq4(type)) { /* indices looked up in the table, 16 bytes (a block of 32) at a time */
         const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_VALUES));
         for (int b = 0; b < blocks; b++) {
-            const __m128i raw = _mm_loadu_si128((const __m128i *)(type == HS_IQ4_XS
-                                                    ? ((const block_iq4_xs *)chunk)->qs + 16 * b
-                                                    : ((const block_iq4_nl *)chunk)[b].qs));
+            const __m128i raw = _mm_loadu_si128((const __m128i *)nibbles(chunk, type, b));
             const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0f));
             const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0f));
             _mm256_store_si256((__m256i *)(u->q + 32 * b), _mm256_shuffle_epi8(table, _mm256_set_m128i(hi, lo)));
@@ -407,16 +410,12 @@ HS_AVX2 INLINE void unpack_avx2(const char *chunk, const int type, const int blo
         const __m256i bits = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
         const __m256i sixteen = _mm256_set1_epi8(16);
         for (int b = 0; b < blocks; b++) {
-            const char *blk = chunk + (size_t)b * block_bytes(type);
-            const uint8_t *qs = type == HS_Q5_0 ? ((const block_q5_0 *)blk)->qs
-                                : type == HS_Q5_1 ? ((const block_q5_1 *)blk)->qs : ((const block_q4_1 *)blk)->qs;
-            const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+            const __m128i raw = _mm_loadu_si128((const __m128i *)nibbles(chunk, type, b));
             const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0f));
             const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0f));
             __m256i values = _mm256_set_m128i(hi, lo);
             if (type != HS_Q4_1) {
-                int32_t qh;
-                memcpy(&qh, type == HS_Q5_0 ? ((const block_q5_0 *)blk)->qh : ((const block_q5_1 *)blk)->qh, 4);
+                const int qh = (int)fifth_bits(chunk, type, b);
                 const __m256i high = _mm256_cmpeq_epi8(
                     _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(qh), spread), bits), bits);
                 values = _mm256_or_si256(values, _mm256_and_si256(high, sixteen));
@@ -651,8 +650,9 @@ HS_AVX2 static void features_avx2(const hs_matrix *w, const activations *a, int 
 
 /* ------------------------------------------------------------------ AVX-512 VNNI
  * vpdpbusd multiplies unsigned by signed bytes and adds each lane's four products to it: the
- * unsigned values (Q4_K, Q5_K, Q4_1, Q5_1) are the unsigned side as they are; Q6_K's and Q5_0's signed ones go as |w|
- * times x with w's sign (rows one by one), or biased to unsigned (tiles). A half-block's sum,
+ * unsigned values (Q4_K, Q5_K, Q4_1, Q5_1) are the unsigned side as they are; the signed ones
+ * (Q6_K, Q5_0, IQ4) go as |w| times x with w's sign (rows one by one), or biased to unsigned
+ * (tiles). A half-block's sum,
  * times its scale, is an exact integer below 2^24, so its float is the AVX2 kernels'
  * (float)A: the same bits.
  *
@@ -909,12 +909,7 @@ HS_DOTPROD INLINE void unpack_neon(const char *chunk, const int type, const int 
     const uint8x16_t spread_lo = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1}; /* qh's byte j / 8 */
     const uint8x16_t bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
     for (int b = 0; b < blocks; b++) {
-        const char *blk = type == HS_IQ4_XS ? chunk : chunk + (size_t)b * block_bytes(type);
-        const uint8_t *qs = type == HS_IQ4_XS ? ((const block_iq4_xs *)chunk)->qs + 16 * b
-                            : type == HS_IQ4_NL ? ((const block_iq4_nl *)blk)->qs
-                            : type == HS_Q5_0 ? ((const block_q5_0 *)blk)->qs
-                            : type == HS_Q5_1 ? ((const block_q5_1 *)blk)->qs : ((const block_q4_1 *)blk)->qs;
-        const uint8x16_t raw = vld1q_u8(qs);
+        const uint8x16_t raw = vld1q_u8(nibbles(chunk, type, b));
         uint8x16_t lo = vandq_u8(raw, low4), hi = vshrq_n_u8(raw, 4);
         int8x16_t lo_s, hi_s;
         if (iq4(type)) {
@@ -922,8 +917,7 @@ HS_DOTPROD INLINE void unpack_neon(const char *chunk, const int type, const int 
             hi_s = vqtbl1q_s8(table, hi);
         } else {
             if (type == HS_Q5_0 || type == HS_Q5_1) {
-                const uint8x16_t qh = vreinterpretq_u8_u32(vdupq_n_u32(
-                    *(const uint32_t *)(type == HS_Q5_0 ? ((const block_q5_0 *)blk)->qh : ((const block_q5_1 *)blk)->qh)));
+                const uint8x16_t qh = vreinterpretq_u8_u32(vdupq_n_u32(fifth_bits(chunk, type, b)));
                 const uint8x16_t spread_hi = vaddq_u8(spread_lo, vdupq_n_u8(2));
                 lo = vorrq_u8(lo, vandq_u8(vtstq_u8(vqtbl1q_u8(qh, spread_lo), bit), sixteen));
                 hi = vorrq_u8(hi, vandq_u8(vtstq_u8(vqtbl1q_u8(qh, spread_hi), bit), sixteen));
