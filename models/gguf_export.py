@@ -34,9 +34,9 @@ OUT_TYPES = {
     "q4_0": (gguf.GGMLQuantizationType.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
 }
 
-# model_type -> the GGUF architecture (Llama's q/k rows are reordered for llama.cpp's rotation of
-# adjacent pairs; Qwen's rotate halves, as in Hugging Face's layout)
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# the model_types exported, each as the GGUF architecture of its name (Llama's q/k rows are
+# reordered for llama.cpp's rotation of adjacent pairs; Qwen's rotate halves, as in HF's layout)
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 _LAYER_TENSORS = {
     "self_attn.q_norm": "attn_q_norm",
@@ -209,7 +209,7 @@ def _write(handle: safe_open, config: dict, model_dir: Path, out_path: Path, out
     n_heads = config["num_attention_heads"]
     n_kv_heads = config.get("num_key_value_heads", n_heads)
     head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
-    architecture = ARCHITECTURES[config["model_type"]]
+    architecture = config["model_type"]
     rope_kind, rope = _rope(config)
     qtype, file_type = OUT_TYPES[out_type]
     hf_names = list(handle.keys())
