@@ -78,8 +78,8 @@ typedef struct {
     int8_t *grouped;  /* per group, per block: 8 runs of 32 bytes; run k holds values
                        * 4k..4k+3 of the block for rows 0..7 of the group */
     float *grouped_d; /* per group, per block: the group's 8 block scales */
-    /* block sums of the int8 values, where with_sums (the VNNI kernels and Q4_K's and Q5_K's
-     * mins need them): */
+    /* block sums of the int8 values, where with_sums (the VNNI kernels and the types with mins
+     * need them): */
     int32_t *sum;         /* (n, cols / 32) */
     int32_t *grouped_sum; /* per group, per block: the group's 8 sums */
     int with_sums;

@@ -6,9 +6,9 @@
  *                  scales 1), and that with real scales each level gives the same bits for a
  *                  row alone and among others, on 1 and 2 threads, and the same bits as the
  *                  portable level where the level promises that (hsnative.h); and for
- *                  Q4_K, Q5_K, Q6_K, Q5_0, Q4_1, Q5_1, IQ4_NL and IQ4_XS weights, the dequantized rows' products within int8
- *                  activations' error, the portable bits at every level, and the same bits
- *                  for a row alone and among others.
+ *                  Q4_K, Q5_K, Q6_K, Q5_0, Q4_1, Q5_1, IQ4_NL and IQ4_XS weights, the
+ *                  dequantized rows' products within int8 activations' error, the portable
+ *                  bits at every level, and the same bits for a row alone and among others.
  *
  * Prints the best level and "ok", or the first mismatch. */
 #include "hsnative.h"
@@ -100,8 +100,8 @@ static int check(int type, int unit, int best) {
     return failures;
 }
 
-/* K-quant, Q5_0, Q4_1, Q5_1, IQ4_NL and IQ4_XS weights: random blocks (their float scales set to small powers of two),
- * against a float reference from their dequantized rows; the same bits at every level (one
+/* K-quant, Q5_0, Q4_1, Q5_1, IQ4_NL and IQ4_XS weights: random blocks (their float scales set
+ * to small powers of two), against a float reference from their dequantized rows; the same bits at every level (one
  * recipe), and for a row alone and among others, on 1 and 2 threads. */
 static int check_unpacked(int type, int best) {
     const int small = type == HS_Q5_0 || type == HS_Q4_1 || type == HS_Q5_1 || type == HS_IQ4_NL;
