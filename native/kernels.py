@@ -24,11 +24,13 @@ TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", 
 BLOCK_BYTES = {Q8_0: (32, 34), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24),
                Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210), IQ4_NL: (32, 18),
                IQ4_XS: (256, 136)}  # fmt: skip
-# Kernel levels (hsnative.h's HS_SIMD_*), by this machine's architecture. x86-64: AVX2 and VNNI
-# give the same bits, VNNI faster, and the portable C rounds its other float steps its own way;
-# aarch64: the dot-product kernels give the portable bits.
+# Kernel levels (hsnative.h's HS_SIMD_*), by this machine's architecture. x86-64: AVX2, AVX-VNNI
+# (vpdpbusd on 256-bit vectors) and VNNI (AVX-512 VNNI) give the same bits, each faster than the
+# last, and the portable C rounds its other float steps its own way; aarch64: the dot-product
+# kernels give the portable bits. A CPU may lack a level below its best (AVX-512 VNNI without
+# AVX-VNNI): a cap runs the best level it has at or below the cap.
 SIMD_LEVELS = ({"portable": 0, "dotprod": 1} if platform.machine().lower() in ("aarch64", "arm64")
-               else {"portable": 0, "avx2": 1, "vnni": 2})  # fmt: skip
+               else {"portable": 0, "avx2": 1, "avx_vnni": 2, "vnni": 3})  # fmt: skip
 BEST = -1  # as a cap: the best level this CPU runs
 
 
@@ -137,6 +139,7 @@ class Kernels:
         except OSError as error:
             raise NativeUnavailable(f"cannot load the native kernels: {error}") from None
         library.hs_simd_level.restype = ctypes.c_int
+        library.hs_simd_supported.restype = ctypes.c_int
         library.hs_quantize_rows.restype = None
         library.hs_matmul.restype = ctypes.c_int
         library.hs_dequantize_rows.restype = ctypes.c_int
@@ -145,9 +148,17 @@ class Kernels:
         return cls(library)
 
     def simd_level(self) -> int:
-        """The best kernel level this CPU runs (``SIMD_LEVELS``: 0 portable, 1 AVX2, 2 AVX-512
-        VNNI)."""
+        """The best kernel level this CPU runs (a value of ``SIMD_LEVELS``)."""
         return self.library.hs_simd_level()
+
+    def simd_levels(self) -> list[int]:
+        """Every kernel level this CPU runs, increasing (values of ``SIMD_LEVELS``)."""
+        return [level for level in sorted(SIMD_LEVELS.values())
+                if self.library.hs_simd_supported(level)]  # fmt: skip
+
+    def level_for(self, cap: int) -> int:
+        """The level a call capped at ``cap`` runs (``BEST``: no cap)."""
+        return max(level for level in self.simd_levels() if cap == BEST or level <= cap)
 
     def quantize_rows(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """int8 (n, cols) values and float32 (n, cols / 32) block scales of float32 rows."""

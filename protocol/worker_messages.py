@@ -106,9 +106,10 @@ class TorchSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag
 class NativeSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="native"):
     n_ctx: int | None = None  # None: min(the model's training context, 8192)
     threads: int | None = None  # None: the cores the worker owns
-    # the most capable kernels to use: None the best this CPU runs, else "vnni", "avx2",
-    # "dotprod" (aarch64) or "portable" (a cap, for comparing them; see hetspec.native.kernels)
-    simd: Literal["vnni", "avx2", "dotprod", "portable"] | None = None
+    # the most capable kernels to use: None the best this CPU runs, else "vnni" (AVX-512 VNNI),
+    # "avx_vnni", "avx2", "dotprod" (aarch64) or "portable" (a cap, for comparing them; see
+    # hetspec.native.kernels)
+    simd: Literal["vnni", "avx_vnni", "avx2", "dotprod", "portable"] | None = None
 
 
 class HeadSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="head"):

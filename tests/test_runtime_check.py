@@ -37,10 +37,12 @@ def test_compiled_features_are_those_set_to_one() -> None:
 
 
 def test_host_features_come_from_cpuinfo_flags() -> None:
-    x86 = "processor\t: 0\nflags\t\t: fpu pni ssse3 fma avx f16c avx2 avx512f bmi2\n"
+    x86 = "processor\t: 0\nflags\t\t: fpu pni ssse3 fma avx f16c avx2 avx512f bmi2 avx512_vnni\n"
     assert host_cpu_features(x86, "x86_64") == {
-        "SSE3", "SSSE3", "FMA", "AVX", "F16C", "AVX2", "AVX512",
+        "SSE3", "SSSE3", "FMA", "AVX", "F16C", "AVX2", "AVX512", "AVX512_VNNI",
     }  # fmt: skip
+    client = "flags\t\t: fma avx f16c avx2 avx_vnni\n"  # Alder Lake: AVX-VNNI without AVX-512
+    assert host_cpu_features(client, "x86_64") == {"FMA", "AVX", "F16C", "AVX2", "AVX_VNNI"}
     arm = "Features\t: fp asimd evtstrm aes\n"
     assert host_cpu_features(arm, "aarch64") == {"NEON"}
     assert host_cpu_features("", "x86_64") == set()

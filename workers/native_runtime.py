@@ -45,8 +45,7 @@ class NativeRuntime(TreeRuntime[np.ndarray]):
             raise NativeUnavailable(f"no {simd} kernels on this architecture: it has "
                                     f"{', '.join(SIMD_LEVELS)}")  # fmt: skip
         self.model = NativeModel(path, n_ctx, BEST if simd is None else SIMD_LEVELS[simd])
-        best = self.model.kernels.simd_level()
-        level = best if simd is None else min(best, SIMD_LEVELS[simd])
+        level = self.model.kernels.level_for(BEST if simd is None else SIMD_LEVELS[simd])
         self.kernels = next(name for name, value in SIMD_LEVELS.items() if value == level)
         vocabulary = VocabularyFile.open(path)
         if vocabulary is None:

@@ -30,6 +30,9 @@ _X86_FEATURES = {
     "F16C": "f16c",
     "FMA": "fma",
     "AVX512": "avx512f",
+    # int8 dot products (vpdpbusd): what quantized matmuls gain most from
+    "AVX_VNNI": "avx_vnni",
+    "AVX512_VNNI": "avx512_vnni",
 }
 _ARM_FEATURES = {"NEON": "asimd"}
 

@@ -9,6 +9,9 @@ time per build and width.
     cp native/_hsnative*.so /tmp/before.so     # then change the C and `make setup`
     python native/bench/compare_builds.py --model ~/.cache/hetspec/heavy-300m/heavy-300m-q8_0.gguf \
         before=/tmp/before.so after=installed
+
+A build may name a kernel level after an @ (``avx2=installed@avx2 vnni=installed@vnni``): that
+build's forwards run at most that level (``SIMD_LEVELS``), so levels compare in one run too.
 """
 
 from __future__ import annotations
@@ -42,18 +45,23 @@ def main() -> None:
     args = parser.parse_args()
     widths = [int(w) for w in args.widths.split(",")]
     simd = BEST if args.simd == "best" else SIMD_LEVELS[args.simd]
-    builds = {}
+    builds, caps = {}, {}
     for item in args.builds:
         label, _, path = item.partition("=")
-        path = path or label
+        path, _, level = (path or label).partition("@")
+        if level and level not in SIMD_LEVELS:
+            levels = ", ".join(SIMD_LEVELS)
+            raise SystemExit(f"{item}: no kernel level {level!r} (levels: {levels})")
         builds[label] = Kernels.load(None if path == "installed" else path)
+        caps[label] = SIMD_LEVELS[level] if level else simd
     model = NativeModel(args.model, capacity=args.context + max(widths) + 8, simd=simd)
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, model.vocab, args.context)
 
-    def chain(kernels: Kernels, tokens: np.ndarray, start: int, first_logit: int) -> np.ndarray:
+    def chain(label: str, tokens: np.ndarray, start: int, first_logit: int) -> np.ndarray:
         """A chain of tokens at slots start.. below the cached prefix 0..start-1."""
-        model.kernels = kernels
+        model.kernels = builds[label]
+        model.struct.simd = caps[label]
         n = len(tokens)
         visible = np.concatenate([np.arange(start, start + i + 1) for i in range(n)])
         offsets = np.concatenate([[0], np.cumsum(np.arange(1, n + 1))])
@@ -61,11 +69,11 @@ def main() -> None:
                              offsets=offsets, visible=visible, first_logit=first_logit,
                              threads=args.threads)  # fmt: skip
 
-    def forward(kernels: Kernels, tokens: np.ndarray) -> np.ndarray:
-        return chain(kernels, tokens, args.context, 0)
+    def forward(label: str, tokens: np.ndarray) -> np.ndarray:
+        return chain(label, tokens, args.context, 0)
 
     # the prefix once, by the first build (every build then reads the same cache)
-    chain(next(iter(builds.values())), prompt, 0, args.context - 1)
+    chain(next(iter(builds)), prompt, 0, args.context - 1)
     times: dict[tuple[str, int], list[float]] = {(b, w): [] for b in builds for w in widths}
     differ: dict[str, float] = {}
     chains = {w: rng.integers(0, model.vocab, w) for w in widths}
@@ -74,9 +82,9 @@ def main() -> None:
     # taken within a repeat: this VM's speed drifts over seconds, less within one
     for _ in range(args.repeats):
         for w in widths:
-            for label, kernels in builds.items():
+            for label in builds:
                 began = time.perf_counter()
-                logits = forward(kernels, chains[w])
+                logits = forward(label, chains[w])
                 times[label, w].append((time.perf_counter() - began) * 1000)
                 if w not in references:
                     references[w] = logits

@@ -65,28 +65,52 @@ static void store_half(uint16_t *out, const float *x, int n, int simd) {
     for (int k = 0; k < n; k++) out[k] = float_to_half(x[k]);
 }
 
-int hs_simd_level(void) {
+#if HS_X86
+/* CPUID leaf 7, sub-leaf 1, EAX bit 4 (compilers' CPU-feature builtins name it unevenly) */
+static int cpu_has_avx_vnni(void) {
+    unsigned eax, ebx, ecx, edx;
+    return __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax >> 4 & 1);
+}
+#endif
+
+int hs_simd_supported(int level) {
 #if HS_X86
     __builtin_cpu_init();
-    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-          __builtin_cpu_supports("f16c")))
-        return HS_SIMD_PORTABLE;
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni"))
-        return HS_SIMD_VNNI;
-    return HS_SIMD_AVX2;
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                     __builtin_cpu_supports("f16c");
+    const int avx512_vnni = avx2 && __builtin_cpu_supports("avx512f") &&
+                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
+                            __builtin_cpu_supports("avx512vnni");
+    switch (level) {
+    case HS_SIMD_PORTABLE: return 1;
+    case HS_SIMD_AVX2: return avx2;
+    case HS_SIMD_AVX_VNNI: return avx2 && cpu_has_avx_vnni(); /* its kernels use the VEX form */
+    case HS_SIMD_VNNI: return avx512_vnni;
+    default: return 0;
+    }
 #elif HS_ARM
-    return getauxval(AT_HWCAP) & HWCAP_ASIMDDP ? HS_SIMD_DOTPROD : HS_SIMD_PORTABLE;
+    if (level == HS_SIMD_DOTPROD) return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+    return level == HS_SIMD_PORTABLE;
 #else
-    return HS_SIMD_PORTABLE;
+    return level == HS_SIMD_PORTABLE;
 #endif
 }
 
 /* The kernels a call runs: the best this CPU has, at most `cap` where cap >= 0. */
 static int simd_for(int cap) {
-    const int best = hs_simd_level();
-    return cap >= 0 && cap < best ? cap : best;
+#if HS_X86
+    const int top = HS_SIMD_VNNI;
+#elif HS_ARM
+    const int top = HS_SIMD_DOTPROD;
+#else
+    const int top = HS_SIMD_PORTABLE;
+#endif
+    int level = cap >= 0 && cap < top ? cap : top;
+    while (level > 0 && !hs_simd_supported(level)) level--;
+    return level;
 }
+
+int hs_simd_level(void) { return simd_for(-1); }
 
 static int is_quantized(int type) { return type == HS_Q8_0 || type == HS_Q4_0 || hs_unpacked_is(type); }
 
@@ -492,11 +516,11 @@ HS_AVX2 static void quantized_features_avx2(const hs_matrix *w, const activation
 #define Q4_BIAS_SHIFT 3 /* w + 8 */
 
 /* -(sum << shift) in every lane of v's shape: the accumulator's start. */
-HS_VNNI INLINE __m256i vnni_start(const __m256i sums, const int shift) {
+HS_AVX2 INLINE __m256i vnni_start(const __m256i sums, const int shift) {
     return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sums, shift));
 }
 
-HS_VNNI INLINE __m256i load_unsigned_weights(const void *wrow, const int type, int b) {
+HS_AVX2 INLINE __m256i load_unsigned_weights(const void *wrow, const int type, int b) {
     if (type == HS_Q8_0)
         return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)((const block_q8_0 *)wrow)[b].qs),
                                 _mm256_set1_epi8((char)0x80));
@@ -600,78 +624,23 @@ HS_VNNI INLINE void rows8_in_lanes_vnni(const char *wrows, const size_t stride, 
     for (int p = 0; p < pairs; p++) _mm512_storeu_ps(result + p * 2 * GROUP, acc[p]);
 }
 
-/* One row times 8 weight rows `stride` bytes apart, without the transpose: each weight row's
- * block meets the row's 32 activations in one vpdpbusd, and a tree of horizontal adds (exact
- * integers) puts the 8 block sums in lanes, where features_in_lanes_vnni's float steps follow:
- * the same bits, in about half the instructions (a drafter's and a target-alone token). */
-HS_VNNI INLINE void one_row_in_lanes_vnni(const char *wrows, const size_t stride, const int type,
-                                          const int blocks, const int8_t *xq, const float *xd,
-                                          const int32_t *xs, float *result) {
-    const int shift = type == HS_Q8_0 ? Q8_BIAS_SHIFT : Q4_BIAS_SHIFT;
-    const size_t block_bytes = stride / blocks;
-    __m256 acc = _mm256_setzero_ps();
-    for (int b = 0; b < blocks; b++) {
-        if (!(b & 1)) /* the next 8 rows, as transposed_block does */
-            for (int f = 0; f < 8; f++) _mm_prefetch(wrows + stride * (8 + f) + block_bytes * b, _MM_HINT_T0);
-        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + (size_t)b * HS_BLOCK));
-        __m256i d[8];
-        uint16_t scales[8];
-        for (int f = 0; f < 8; f++) {
-            d[f] = _mm256_dpbusd_epi32(_mm256_setzero_si256(),
-                                       load_unsigned_weights(wrows + stride * f, type, b), x);
-            scales[f] = weight_scale_of(wrows + stride * f, type, b);
-        }
-        /* lanes [f0..f3 | f0..f3] of the low and high 128-bit halves, then joined */
-        const __m256i low = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
-        const __m256i high = _mm256_hadd_epi32(_mm256_hadd_epi32(d[4], d[5]), _mm256_hadd_epi32(d[6], d[7]));
-        const __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20),
-                                              _mm256_permute2x128_si256(low, high, 0x31));
-        const __m256i total = _mm256_add_epi32(sums, vnni_start(_mm256_set1_epi32(xs[b]), shift));
-        const __m256 w_scales = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scales));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(_mm256_set1_ps(xd[b]), w_scales), acc);
-    }
-    _mm256_storeu_ps(result, acc);
-}
+/* The 256-bit kernels, in vpdpbusd's EVEX form (AVX-512 VNNI with VL) */
+#define V256_ATTR HS_VNNI
+#define V256_DPBUSD _mm256_dpbusd_epi32
+#define V256(name) name##_vnni
+#include "vnni256.h"
+#undef V256_ATTR
+#undef V256_DPBUSD
+#undef V256
 
-/* Features in lanes: m (<= 4) row-major rows times 8 weight rows `stride` bytes apart, as
- * features_in_lanes_avx2 lays them out. */
-HS_VNNI INLINE void features_in_lanes_vnni(const char *wrows, const size_t stride, const int type,
-                                           const int blocks, const int8_t *xq, const float *xd,
-                                           const int32_t *xs, const int cols, const int m,
-                                           float *result) {
-    if (m == 1) {
-        one_row_in_lanes_vnni(wrows, stride, type, blocks, xq, xd, xs, result);
-        return;
-    }
-    const int shift = type == HS_Q8_0 ? Q8_BIAS_SHIFT : Q4_BIAS_SHIFT;
-    __m256 acc[4];
-    for (int r = 0; r < m; r++) acc[r] = _mm256_setzero_ps();
-    const size_t block_bytes = stride / blocks;
-    for (int b = 0; b < blocks; b++) {
-        __m256i w[8];
-        __m256 w_scales;
-        transposed_block(wrows, stride, type, b, block_bytes, w, &w_scales);
-        for (int k = 0; k < HS_BLOCK / 4; k++) /* biased to unsigned, as load_unsigned_weights */
-            w[k] = type == HS_Q8_0 ? _mm256_xor_si256(w[k], _mm256_set1_epi8((char)0x80))
-                                   : _mm256_add_epi8(w[k], _mm256_set1_epi8(8));
-        __m256i sums[4][2]; /* two chains a row (see rows8_in_lanes_vnni) */
-        for (int r = 0; r < m; r++) {
-            sums[r][0] = vnni_start(_mm256_set1_epi32(xs[(size_t)r * blocks + b]), shift);
-            sums[r][1] = _mm256_setzero_si256();
-        }
-        for (int k = 0; k < HS_BLOCK / 4; k++)
-            for (int r = 0; r < m; r++) {
-                const int8_t *x = xq + (size_t)r * cols + (size_t)b * HS_BLOCK + 4 * k;
-                sums[r][k & 1] = _mm256_dpbusd_epi32(sums[r][k & 1], w[k], broadcast4(x));
-            }
-        for (int r = 0; r < m; r++) {
-            const __m256 x_scale = _mm256_set1_ps(xd[(size_t)r * blocks + b]);
-            const __m256i total = _mm256_add_epi32(sums[r][0], sums[r][1]);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(x_scale, w_scales), acc[r]);
-        }
-    }
-    for (int r = 0; r < m; r++) _mm256_storeu_ps(result + 8 * r, acc[r]);
-}
+/* ... and in its VEX form (AVX-VNNI), the AVX-VNNI level's kernels */
+#define V256_ATTR HS_AVX_VNNI
+#define V256_DPBUSD _mm256_dpbusd_avx_epi32
+#define V256(name) name##_avx_vnni
+#include "vnni256.h"
+#undef V256_ATTR
+#undef V256_DPBUSD
+#undef V256
 
 /* quantized_features_avx2's tiling with the VNNI kernels; leftover features go through the
  * AVX2 one-by-one product (the same exact dot_b, so the same bits). */
@@ -1158,6 +1127,10 @@ static void matmul_features(const hs_matrix *w, const activations *a, const floa
         quantized_features_vnni(w, a, n, first, end, out);
         return;
     }
+    if (simd == HS_SIMD_AVX_VNNI && is_quantized(w->type)) {
+        quantized_features_256_avx_vnni(w, a, n, first, end, out);
+        return;
+    }
     if (simd && is_quantized(w->type)) {
         quantized_features_avx2(w, a, n, first, end, out);
         return;
@@ -1215,7 +1188,7 @@ int hs_matmul(const hs_matrix *w, const float *x, int n, float *out, int threads
         return -1;
     const int simd = simd_for(simd_cap);
     const size_t padded = (size_t)(n + GROUP), blocks = padded * (w->cols / HS_BLOCK);
-    activations a = {.with_sums = simd >= HS_SIMD_VNNI || hs_unpacked_has_mins(w->type)};
+    activations a = {.with_sums = simd >= HS_SIMD_AVX_VNNI || hs_unpacked_has_mins(w->type)};
     void *base = NULL;
     if (is_quantized(w->type)) { /* room for a padded group (see grouped_rows) */
         base = malloc(2 * padded * w->cols + 2 * blocks * (sizeof(float) + sizeof(int32_t)));
@@ -1486,7 +1459,7 @@ int hs_forward(const hs_model *m, int n, const int32_t *tokens, const int32_t *p
     scratch s;
     if (scratch_alloc(&s, m, n, threads)) return -1;
     const int simd = simd_for(m->simd);
-    s.acts.with_sums = simd >= HS_SIMD_VNNI || has_mins_anywhere(m);
+    s.acts.with_sums = simd >= HS_SIMD_AVX_VNNI || has_mins_anywhere(m);
     if (threads == 1) { /* no team: its worksharing loops are orphaned and skip their barriers,
         where a team of one still makes a futex call at each (about 26 a forward) */
         forward_rows(m, &s, n, tokens, positions, start, n_prefix, offsets, visible, first_logit,

@@ -56,17 +56,24 @@ typedef struct {
 } hs_model;
 
 /* Kernel levels. Every level computes the same exact integer block products. On x86-64, AVX2
- * and VNNI give the same bits, and the portable C rounds its other float steps its own way
- * (libm's expf, unfused norms); on aarch64 the dot-product kernels give the portable bits. */
+ * and both VNNI levels give the same bits, and the portable C rounds its other float steps its
+ * own way (libm's expf, unfused norms); on aarch64 the dot-product kernels give the portable
+ * bits. A CPU need not run every level below its best (AVX-512 VNNI without AVX-VNNI: Ice
+ * Lake, Zen 4); a cap runs the best level it has at or below the cap. */
 enum {
     HS_SIMD_PORTABLE = 0,
-    HS_SIMD_AVX2 = 1,    /* x86-64 */
-    HS_SIMD_VNNI = 2,    /* x86-64: AVX-512 VNNI with VL */
-    HS_SIMD_DOTPROD = 1, /* aarch64: NEON with the dot product (the portable bits, faster) */
+    HS_SIMD_AVX2 = 1,     /* x86-64 */
+    HS_SIMD_AVX_VNNI = 2, /* x86-64: vpdpbusd on 256-bit vectors, AVX-VNNI's VEX form: Intel's
+                           * client cores since Alder Lake, which lack AVX-512 */
+    HS_SIMD_VNNI = 3,     /* x86-64: AVX-512 VNNI with VL, on 512-bit vectors where it pays */
+    HS_SIMD_DOTPROD = 1,  /* aarch64: NEON with the dot product (the portable bits, faster) */
 };
 
 /* The most capable level this build runs on this CPU */
 int hs_simd_level(void);
+
+/* 1 if this build runs kernel level `level` on this CPU, else 0. */
+int hs_simd_supported(int level);
 
 /* Quantize rows of x (n, cols) to int8 blocks of 32 with one float scale per block. */
 void hs_quantize_rows(const float *x, int n, int cols, int8_t *q, float *scale);

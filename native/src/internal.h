@@ -10,11 +10,14 @@
 #include <string.h>
 
 #if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define HS_X86 1
 #define HS_AVX2 __attribute__((target("avx2,fma,f16c")))
 /* vpdpbusd on 256-bit vectors (AVX-512 VNNI with VL): the AVX2 kernels plus one instruction */
 #define HS_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
+/* vpdpbusd's VEX form on 256-bit vectors, without AVX-512 (AVX-VNNI) */
+#define HS_AVX_VNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
 #else
 #define HS_X86 0
 #endif

@@ -76,6 +76,7 @@ static int check(int type, int unit, int best) {
     int failures = 0;
     for (int r = 0; r < 33; r++) hs_matmul(&w, x + r * COLS, 1, portable + r * ROWS, 1, 0);
     for (int level = 0; level <= best; level++) {
+        if (!hs_simd_supported(level)) continue;
         for (int r = 0; r < 33; r++) hs_matmul(&w, x + r * COLS, 1, alone + r * ROWS, 1, level);
         for (int i = 0; SAME_AS_PORTABLE && i < 33 * ROWS; i++)
             if (alone[i] != portable[i] && failures++ < 5)
@@ -129,6 +130,7 @@ static int check_unpacked(int type, int best) {
     int failures = 0;
     for (int r = 0; r < 33; r++) hs_matmul(&w, x + r * KCOLS, 1, portable + r * ROWS, 1, 0);
     for (int level = 0; level <= best; level++) {
+        if (!hs_simd_supported(level)) continue;
         for (int r = 0; r < 33; r++) hs_matmul(&w, x + r * KCOLS, 1, alone + r * ROWS, 1, level);
         for (int i = 0; i < 33 * ROWS; i++) /* one recipe at every level */
             if (alone[i] != portable[i] && failures++ < 5)

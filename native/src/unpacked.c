@@ -856,6 +856,159 @@ HS_VNNI static void features_vnni(const hs_matrix *w, const activations *a, int 
     }
 #undef TYPED
 }
+
+/* ------------------------------------------------------------------ AVX-VNNI
+ * vpdpbusd's VEX form, on 256-bit vectors (CPUs without AVX-512: Intel's client cores since
+ * Alder Lake). Whole groups of rows go in tiles of TILE weight rows as at the VNNI level, one
+ * weight row a vector: lane r is the group's row r against it, the row's four weights
+ * broadcast from memory (a load, no shuffle), the signed types biased to the unsigned side
+ * as in block_pair_vnni: the same integers, the same float steps, the same bits. */
+
+HS_AVX_VNNI INLINE __m256i block_sums_avx_vnni(const int type, const __m256i w, const __m256i x) {
+    if (has_mins(type)) return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+ROWS_MAJOR(HS_AVX_VNNI, avx_vnni)
+
+/* Block b of one weight row (unpacked in u) for one group of 8 rows: each lane's v_b. `x`
+ * holds the block's 8 runs, `x_scales` and `x_sums` its scales and sums, `half_sums` (Q6_K)
+ * the sums of its first 16 values. */
+HS_AVX_VNNI INLINE __m256 block_row_avx_vnni(const unpacked *u, const int type, const int b,
+                                             const __m256i x[GROUP], const __m256 x_scales,
+                                             const __m256i x_sums, const __m256i half_sums) {
+    if (b >= u->blocks) return _mm256_setzero_ps(); /* a short chunk's missing block: 0 */
+    __m256i w = _mm256_load_si256((const __m256i *)(u->q + 32 * b));
+    __m256i chains[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    if (type == HS_Q6_K) { /* a chain per half-block: each takes its own scale */
+        w = _mm256_add_epi8(w, _mm256_set1_epi8(32));
+        chains[0] = _mm256_sub_epi32(chains[0], _mm256_slli_epi32(half_sums, 5));
+        chains[1] = _mm256_sub_epi32(chains[1], _mm256_slli_epi32(_mm256_sub_epi32(x_sums, half_sums), 5));
+    } else if (type == HS_Q5_0 || iq4(type)) { /* -16..15 + 16; -127..113 + 128 */
+        const int shift = type == HS_Q5_0 ? 4 : 7;
+        w = _mm256_add_epi8(w, _mm256_set1_epi8((char)(1 << shift)));
+        chains[0] = _mm256_sub_epi32(chains[0], _mm256_slli_epi32(x_sums, shift));
+    }
+    int32_t weights[GROUP] __attribute__((aligned(32)));
+    _mm256_store_si256((__m256i *)weights, w);
+    for (int k = 0; k < GROUP; k++) {
+        const int chain = type == HS_Q6_K ? k / 4 : k & 1; /* else two chains: vpdpbusd waits for its sum */
+        chains[chain] = _mm256_dpbusd_avx_epi32(chains[chain], _mm256_set1_epi32(weights[k]), x[k]);
+    }
+    __m256 products;
+    if (type == HS_Q6_K)
+        products = _mm256_fmadd_ps(_mm256_cvtepi32_ps(chains[1]), _mm256_set1_ps((float)u->scale[2 * b + 1]),
+                                   _mm256_mul_ps(_mm256_cvtepi32_ps(chains[0]),
+                                                 _mm256_set1_ps((float)u->scale[2 * b])));
+    else
+        products = _mm256_cvtepi32_ps(_mm256_add_epi32(chains[0], chains[1]));
+    return block_terms(type, products, x_scales, x_sums, _mm256_set1_ps(u->d[b]), _mm256_set1_ps(u->offset[b]));
+}
+
+/* One group of 8 rows times chunk c of `rows` (1..TILE) weight rows: acc[t] += the chunk's
+ * tree (chunk_sum's) of each lane's v_b. A block's activations are loaded once for the tile. */
+HS_AVX_VNNI INLINE void group_rows_avx_vnni(const unpacked *u, const int type, const int c, const int blocks,
+                                            const activations *a, const int group, const int rows,
+                                            __m256 acc[TILE]) {
+    __m256 even[TILE] = {0}, first[TILE] = {0}, second[TILE] = {0}; /* chunk_sum's tree, as the terms come */
+    for (int b = 0; b < SUB; b++) {
+        const size_t at = ((size_t)group * blocks + (size_t)c * SUB + b) * GROUP;
+        __m256i x[GROUP];
+        for (int k = 0; k < GROUP; k++)
+            x[k] = _mm256_loadu_si256((const __m256i *)(a->grouped + (at + k) * 4 * GROUP));
+        const __m256 x_scales = _mm256_loadu_ps(a->grouped_d + at);
+        const __m256i x_sums = _mm256_loadu_si256((const __m256i *)(a->grouped_sum + at));
+        __m256i half_sums = _mm256_setzero_si256();
+        if (type == HS_Q6_K)
+            for (int k = 0; k < GROUP / 2; k++)
+                half_sums = _mm256_dpbusd_avx_epi32(half_sums, _mm256_set1_epi8(1), x[k]);
+        for (int t = 0; t < rows; t++) {
+            const __m256 v = block_row_avx_vnni(&u[t], type, b, x, x_scales, x_sums, half_sums);
+            if (b % 2 == 0) even[t] = v;
+            else if (b == 1) first[t] = _mm256_add_ps(even[t], v);
+            else if (b == 3) first[t] = _mm256_add_ps(first[t], _mm256_add_ps(even[t], v));
+            else if (b == 5) second[t] = _mm256_add_ps(even[t], v);
+            else acc[t] = _mm256_add_ps(acc[t], _mm256_add_ps(first[t], _mm256_add_ps(second[t], _mm256_add_ps(even[t], v))));
+        }
+    }
+}
+
+/* features_typed_vnni's passes with group_rows_avx_vnni. */
+HS_AVX_VNNI INLINE void features_typed_avx_vnni(const hs_matrix *w, const int type, const activations *a,
+                                                const int n, const int first, const int end, float *out) {
+    const int blocks = w->cols / HS_BLOCK, chunks = (blocks + SUB - 1) / SUB;
+    const int groups = grouped_rows(n) / GROUP, grouped = groups * GROUP < n ? groups * GROUP : n;
+    const int rest = n - grouped;
+    const size_t stride = hs_unpacked_row_bytes(type, w->cols);
+    unpacked u[TILE];
+    __m256 *acc = aligned_alloc(32, sizeof(__m256) * TILE * (size_t)groups);
+    if (!acc) abort(); /* a few KB */
+    for (int j = first; j < end; j += TILE) {
+        const int rows = end - j < TILE ? end - j : TILE;
+        for (int i = 0; i < TILE * groups; i++) acc[i] = _mm256_setzero_ps();
+        float alone[TILE][PAD_FROM] = {{0}};
+        for (int c = 0; c < chunks; c++) {
+            for (int t = 0; t < rows; t++) {
+                const char *chunk = chunk_at((const char *)w->data + stride * (size_t)(j + t), type, c);
+                for (size_t line = 0; line < chunk_bytes(type); line += 64) /* see features_typed_vnni */
+                    _mm_prefetch(chunk + stride * TILE + line, _MM_HINT_T0);
+                unpack_avx2(chunk, type, chunk_blocks(blocks, c), &u[t]);
+                if (rest > 0) rows_major_avx_vnni(&u[t], type, c, blocks, a, grouped, w->cols, rest, alone[t]);
+            }
+            for (int g = 0; g < groups; g++) { /* literal tiles: each call is compiled for its own */
+                if (rows == TILE) group_rows_avx_vnni(u, type, c, blocks, a, g, TILE, acc + TILE * g);
+                else group_rows_avx_vnni(u, type, c, blocks, a, g, rows, acc + TILE * g);
+            }
+        }
+        for (int g = 0; g < groups; g++)
+            for (int t = 0; t < rows; t++) {
+                float lanes[GROUP];
+                _mm256_storeu_ps(lanes, acc[TILE * g + t]);
+                for (int r = 0; r < GROUP && g * GROUP + r < n; r++)
+                    out[(size_t)(g * GROUP + r) * w->rows + j + t] = lanes[r];
+            }
+        for (int t = 0; t < rows; t++)
+            for (int r = 0; r < rest; r++) out[(size_t)(grouped + r) * w->rows + j + t] = alone[t][r];
+    }
+    free(acc);
+}
+
+/* rows_alone_typed_vnni with rows_major_avx_vnni. */
+HS_AVX_VNNI INLINE void rows_alone_typed_avx_vnni(const hs_matrix *w, const int type, const activations *a,
+                                                  const int n, const int first, const int end, float *out) {
+    const int blocks = w->cols / HS_BLOCK, chunks = (blocks + SUB - 1) / SUB;
+    const size_t stride = hs_unpacked_row_bytes(type, w->cols);
+    unpacked u;
+    for (int j = first; j < end; j++) {
+        const char *wrow = (const char *)w->data + stride * j;
+        float acc[PAD_FROM] = {0};
+        for (int c = 0; c < chunks; c++) {
+            const char *chunk = chunk_at(wrow, type, c);
+            for (size_t line = 0; line < chunk_bytes(type); line += 64) /* see features_typed_avx2 */
+                _mm_prefetch(chunk + PREFETCH_AHEAD + line, _MM_HINT_T0);
+            unpack_avx2(chunk, type, chunk_blocks(blocks, c), &u);
+            rows_major_avx_vnni(&u, type, c, blocks, a, 0, w->cols, n, acc);
+        }
+        for (int r = 0; r < n; r++) out[(size_t)r * w->rows + j] = acc[r];
+    }
+}
+
+HS_AVX_VNNI static void features_avx_vnni(const hs_matrix *w, const activations *a, int n, int first,
+                                          int end, float *out) {
+#define TYPED(type)                                                                          \
+    if (grouped_rows(n) >= GROUP) features_typed_avx_vnni(w, type, a, n, first, end, out);   \
+    else rows_alone_typed_avx_vnni(w, type, a, n, first, end, out);
+    switch (w->type) {
+    case HS_Q4_K: TYPED(HS_Q4_K) break;
+    case HS_Q5_K: TYPED(HS_Q5_K) break;
+    case HS_Q6_K: TYPED(HS_Q6_K) break;
+    case HS_Q4_1: TYPED(HS_Q4_1) break;
+    case HS_Q5_1: TYPED(HS_Q5_1) break;
+    case HS_IQ4_NL: TYPED(HS_IQ4_NL) break;
+    case HS_IQ4_XS: TYPED(HS_IQ4_XS) break;
+    default: TYPED(HS_Q5_0) break;
+    }
+#undef TYPED
+}
 #endif
 
 #if HS_ARM
@@ -1035,6 +1188,10 @@ void hs_unpacked_features(const hs_matrix *w, const activations *a, int n, int f
 #if HS_X86
     if (simd >= HS_SIMD_VNNI) {
         features_vnni(w, a, n, first, end, out);
+        return;
+    }
+    if (simd == HS_SIMD_AVX_VNNI) {
+        features_avx_vnni(w, a, n, first, end, out);
         return;
     }
     if (simd >= HS_SIMD_AVX2) {

@@ -1,0 +1,152 @@
+/* The 256-bit vpdpbusd kernels for Q8_0 and Q4_0, written once for both of the instruction's
+ * encodings. hsnative.c includes this file once per level, with
+ *   V256_ATTR    the functions' target attribute (HS_VNNI, HS_AVX_VNNI),
+ *   V256_DPBUSD  the intrinsic (_mm256_dpbusd_epi32, _mm256_dpbusd_avx_epi32),
+ *   V256(name)   a function's name at that level,
+ * and vnni_start, load_unsigned_weights, weight_scale_of, transposed_block and UNGROUPED_ROWS
+ * in scope. No include guard: one copy per level, on purpose. */
+
+#define V256_TILE 4 /* weight rows rows_in_lanes takes at once (2 measured the same) */
+
+/* Rows in lanes for one group (8 rows) against `tile` (1, 2 or 4) weight rows `stride`
+ * bytes apart, into result[t * GROUP ..]: each weight row's four weights broadcast to the 8
+ * rows' lanes, one vpdpbusd per four products and row, a block's activations loaded once for
+ * the tile. Each lane's dot_b is the AVX2 kernels' exact integer and the float steps are
+ * theirs: the same bits. */
+V256_ATTR INLINE void V256(rows_in_lanes)(const char *wrows, const size_t stride, const int type,
+                                          const int blocks, const activations *a, const int group,
+                                          const int tile, float *result) {
+    const int shift = type == HS_Q8_0 ? Q8_BIAS_SHIFT : Q4_BIAS_SHIFT;
+    const size_t block_bytes = stride / blocks;
+    __m256 acc[4];
+    for (int t = 0; t < tile; t++) acc[t] = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const size_t at = ((size_t)group * blocks + b) * GROUP;
+        __m256i x[HS_BLOCK / 4];
+        for (int k = 0; k < HS_BLOCK / 4; k++)
+            x[k] = _mm256_loadu_si256((const __m256i *)(a->grouped + (at + k) * 4 * GROUP));
+        const __m256i start = vnni_start(_mm256_loadu_si256((const __m256i *)(a->grouped_sum + at)), shift);
+        const __m256 x_scales = _mm256_loadu_ps(a->grouped_d + at);
+        for (int t = 0; t < tile; t++) {
+            const char *wrow = wrows + stride * t;
+            if (!(b & 1)) /* the next tile's rows (see features_in_lanes_avx2) */
+                _mm_prefetch(wrow + stride * tile + block_bytes * b, _MM_HINT_T0);
+            int32_t weights[HS_BLOCK / 4] __attribute__((aligned(32)));
+            _mm256_store_si256((__m256i *)weights, load_unsigned_weights(wrow, type, b));
+            /* two chains: vpdpbusd waits several cycles for its accumulator */
+            __m256i chains[2] = {start, _mm256_setzero_si256()};
+            for (int k = 0; k < HS_BLOCK / 4; k++)
+                chains[k & 1] = V256_DPBUSD(chains[k & 1], _mm256_set1_epi32(weights[k]), x[k]);
+            const __m256 w_scale = _mm256_set1_ps(_cvtsh_ss(weight_scale_of(wrow, type, b)));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(chains[0], chains[1])),
+                                     _mm256_mul_ps(x_scales, w_scale), acc[t]);
+        }
+    }
+    for (int t = 0; t < tile; t++) _mm256_storeu_ps(result + t * GROUP, acc[t]);
+}
+
+/* One row times 8 weight rows `stride` bytes apart, without the transpose: each weight row's
+ * block meets the row's 32 activations in one vpdpbusd, and a tree of horizontal adds (exact
+ * integers) puts the 8 block sums in lanes, where features_in_lanes' float steps follow:
+ * the same bits, in about half the instructions (a drafter's and a target-alone token). */
+V256_ATTR INLINE void V256(one_row_in_lanes)(const char *wrows, const size_t stride, const int type,
+                                             const int blocks, const int8_t *xq, const float *xd,
+                                             const int32_t *xs, float *result) {
+    const int shift = type == HS_Q8_0 ? Q8_BIAS_SHIFT : Q4_BIAS_SHIFT;
+    const size_t block_bytes = stride / blocks;
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        if (!(b & 1)) /* the next 8 rows, as transposed_block does */
+            for (int f = 0; f < 8; f++) _mm_prefetch(wrows + stride * (8 + f) + block_bytes * b, _MM_HINT_T0);
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + (size_t)b * HS_BLOCK));
+        __m256i d[8];
+        uint16_t scales[8];
+        for (int f = 0; f < 8; f++) {
+            d[f] = V256_DPBUSD(_mm256_setzero_si256(),
+                               load_unsigned_weights(wrows + stride * f, type, b), x);
+            scales[f] = weight_scale_of(wrows + stride * f, type, b);
+        }
+        /* lanes [f0..f3 | f0..f3] of the low and high 128-bit halves, then joined */
+        const __m256i low = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+        const __m256i high = _mm256_hadd_epi32(_mm256_hadd_epi32(d[4], d[5]), _mm256_hadd_epi32(d[6], d[7]));
+        const __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20),
+                                              _mm256_permute2x128_si256(low, high, 0x31));
+        const __m256i total = _mm256_add_epi32(sums, vnni_start(_mm256_set1_epi32(xs[b]), shift));
+        const __m256 w_scales = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scales));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(_mm256_set1_ps(xd[b]), w_scales), acc);
+    }
+    _mm256_storeu_ps(result, acc);
+}
+
+/* Features in lanes: m (<= 4) row-major rows times 8 weight rows `stride` bytes apart, as
+ * features_in_lanes_avx2 lays them out. */
+V256_ATTR INLINE void V256(features_in_lanes)(const char *wrows, const size_t stride, const int type,
+                                              const int blocks, const int8_t *xq, const float *xd,
+                                              const int32_t *xs, const int cols, const int m,
+                                              float *result) {
+    if (m == 1) {
+        V256(one_row_in_lanes)(wrows, stride, type, blocks, xq, xd, xs, result);
+        return;
+    }
+    const int shift = type == HS_Q8_0 ? Q8_BIAS_SHIFT : Q4_BIAS_SHIFT;
+    __m256 acc[4];
+    for (int r = 0; r < m; r++) acc[r] = _mm256_setzero_ps();
+    const size_t block_bytes = stride / blocks;
+    for (int b = 0; b < blocks; b++) {
+        __m256i w[8];
+        __m256 w_scales;
+        transposed_block(wrows, stride, type, b, block_bytes, w, &w_scales);
+        for (int k = 0; k < HS_BLOCK / 4; k++) /* biased to unsigned, as load_unsigned_weights */
+            w[k] = type == HS_Q8_0 ? _mm256_xor_si256(w[k], _mm256_set1_epi8((char)0x80))
+                                   : _mm256_add_epi8(w[k], _mm256_set1_epi8(8));
+        __m256i sums[4][2]; /* two chains a row (see rows_in_lanes) */
+        for (int r = 0; r < m; r++) {
+            sums[r][0] = vnni_start(_mm256_set1_epi32(xs[(size_t)r * blocks + b]), shift);
+            sums[r][1] = _mm256_setzero_si256();
+        }
+        for (int k = 0; k < HS_BLOCK / 4; k++)
+            for (int r = 0; r < m; r++) {
+                const int8_t *x = xq + (size_t)r * cols + (size_t)b * HS_BLOCK + 4 * k;
+                sums[r][k & 1] = V256_DPBUSD(sums[r][k & 1], w[k], broadcast4(x));
+            }
+        for (int r = 0; r < m; r++) {
+            const __m256 x_scale = _mm256_set1_ps(xd[(size_t)r * blocks + b]);
+            const __m256i total = _mm256_add_epi32(sums[r][0], sums[r][1]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(x_scale, w_scales), acc[r]);
+        }
+    }
+    for (int r = 0; r < m; r++) _mm256_storeu_ps(result + 8 * r, acc[r]);
+}
+
+/* Output features [first, end) of all n rows, into out (n, w->rows): whole groups of 8 rows
+ * rows in lanes, a tile of weight rows at a time, every group against the tile while its
+ * rows are in L1; the other rows features in lanes. */
+V256_ATTR static inline void V256(quantized_features_256)(const hs_matrix *w, const activations *a,
+                                                          int n, int first, int end, float *out) {
+    const int blocks = w->cols / HS_BLOCK, groups = grouped_rows(n) / GROUP;
+    const int grouped = groups * GROUP < n ? groups * GROUP : n;
+    const size_t stride = row_bytes(w);
+    const char *data = w->data;
+    float result[4 * GROUP];
+    for (int j = first; j < end && groups > 0;) {
+        const int tile = end - j >= V256_TILE ? V256_TILE : 1;
+        const char *wrows = data + stride * j;
+        for (int g = 0; g < groups; g++) {
+            /* literal types and tiles: each call is compiled for its own */
+            if (w->type == HS_Q8_0) {
+                if (tile == V256_TILE) V256(rows_in_lanes)(wrows, stride, HS_Q8_0, blocks, a, g, V256_TILE, result);
+                else V256(rows_in_lanes)(wrows, stride, HS_Q8_0, blocks, a, g, 1, result);
+            } else if (tile == V256_TILE) {
+                V256(rows_in_lanes)(wrows, stride, HS_Q4_0, blocks, a, g, V256_TILE, result);
+            } else {
+                V256(rows_in_lanes)(wrows, stride, HS_Q4_0, blocks, a, g, 1, result);
+            }
+            for (int t = 0; t < tile; t++)
+                for (int r = 0; r < GROUP && g * GROUP + r < n; r++)
+                    out[(size_t)(g * GROUP + r) * w->rows + j + t] = result[t * GROUP + r];
+        }
+        j += tile;
+    }
+    int j = first;
+    UNGROUPED_ROWS(V256(features_in_lanes))
+}
