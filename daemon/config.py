@@ -179,6 +179,11 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # cores too whenever the drafter has nothing to do: the target decoding alone, a plain
     # round's verification (see workers/spare_cores.py). False keeps each on its own cores.
     lend_cores: bool = True
+    # The native kernels' most capable instruction level (either worker): "best", the best
+    # this CPU runs, or a cap: "vnni" (AVX-512 VNNI), "avx_vnni", "avx2", "portable"; on
+    # aarch64 "dotprod" or "portable". Every x86 SIMD level gives the same bits; a cap is for
+    # measuring what a level is worth, or for a box whose CPU reports an extension it mishandles.
+    native_kernels: Literal["best", "vnni", "avx_vnni", "avx2", "dotprod", "portable"] = "best"
     # Measured runtime profiles (gpu_runtime "auto") are kept here; None: $XDG_CACHE_HOME/hetspec,
     # else ~/.cache/hetspec (the systemd unit points XDG_CACHE_HOME at its CacheDirectory).
     cache_dir: str | None = None

@@ -101,8 +101,10 @@ def worker_specs(config: DaemonConfig, log_format: str, gpu_runtime: str | None 
             threads_batch=cpu_cfg.threads_batch or len(set(cpu_cores)),
         )  # fmt: skip
     cpu_runtime = drafter_runtime if drafting_on_cpu else "llama.cpp"
+    native_kernels = None if config.native_kernels == "best" else config.native_kernels
     if cpu_runtime == "native":  # one thread count for every call: the one-token steps'
-        cpu_settings = m.NativeSettings(n_ctx=cpu_cfg.n_ctx, threads=cpu_settings.threads)
+        cpu_settings = m.NativeSettings(n_ctx=cpu_cfg.n_ctx, threads=cpu_settings.threads,
+                                        simd=native_kernels)  # fmt: skip
     if gpu_runtime == "llama.cpp":  # the GPU worker's model in llama.cpp too
         gpu_model = config.target.gguf if drafting_on_cpu else config.draft.gguf
         gpu_settings = _llama_settings(cpu_cfg, verifies=drafting_on_cpu, threads=None,
@@ -111,7 +113,8 @@ def worker_specs(config: DaemonConfig, log_format: str, gpu_runtime: str | None 
                                                                 else {})))  # fmt: skip
     elif gpu_runtime == "native":  # the same GGUF file, on hetspec's own CPU kernels
         gpu_model = config.target.gguf if drafting_on_cpu else config.draft.gguf
-        gpu_settings = m.NativeSettings(n_ctx=cpu_cfg.n_ctx, threads=gpu_cfg.threads)
+        gpu_settings = m.NativeSettings(n_ctx=cpu_cfg.n_ctx, threads=gpu_cfg.threads,
+                                        simd=native_kernels)  # fmt: skip
     elif gpu_runtime == "head":  # Dovetail's draft head over the target's features
         head = draft_head_for(config)
         if head is None or drafting_on_cpu:

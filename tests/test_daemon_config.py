@@ -177,3 +177,16 @@ def test_a_matmul_tiling_reaches_the_gpu_workers_settings() -> None:
     assert settings.matmul_tiling == MatmulTiling(block_n=32, warps=8)
     with pytest.raises(ConfigError, match=r"gpu_worker\.matmul_tiling\.block_m: unknown setting"):
         load_config(environ={}, overrides={"gpu_worker.matmul_tiling": {"block_m": 32}})
+
+
+def test_a_native_kernel_level_cap_reaches_both_native_workers() -> None:
+    """``--set native_kernels="avx2"`` caps the native kernels of the drafter and the verifier
+    alike ("best": no cap); a level no CPU family has is refused by name."""
+    config = load_config(environ={}, overrides={"native_kernels": "avx2"})
+    specs = worker_specs(config, "json", gpu_runtime="native", drafter_runtime="native")
+    assert specs["gpu"].settings.simd == specs["cpu"].settings.simd == "avx2"
+    best = worker_specs(load_config(environ={}), "json", gpu_runtime="native",
+                        drafter_runtime="native")  # fmt: skip
+    assert best["gpu"].settings.simd is best["cpu"].settings.simd is None
+    with pytest.raises(ConfigError, match="native_kernels"):
+        load_config(environ={}, overrides={"native_kernels": "avx512"})
