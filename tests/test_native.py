@@ -7,6 +7,8 @@ a row's result must not depend on the rows beside it nor on the thread count.
 
 from __future__ import annotations
 
+import platform
+import re
 import textwrap
 from pathlib import Path
 
@@ -248,6 +250,25 @@ def test_a_tokens_logits_are_bit_identical_alone_and_inside_a_tree(native) -> No
     tree = native.evaluate_tree([*chain[:4], 5, 6, 7], [-1, 0, 1, 2, 0, 4, 1]).copy()
     native.append([chain[0], 5])
     np.testing.assert_array_equal(native.evaluate_tree([6], [-1])[0], tree[5])
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64's levels and cpuinfo flags")
+def test_the_kernel_levels_here_are_the_cpus_extensions(kernels) -> None:
+    """Each x86 level runs exactly where the CPU reports its extension (AVX-VNNI is read from
+    CPUID apart from the others), and a cap runs the best level present at or below it."""
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    flags = set(re.search(r"^flags\s*:(.*)$", cpuinfo, re.MULTILINE).group(1).split())
+    expected = {SIMD_LEVELS["portable"]}
+    if {"avx2", "fma", "f16c"} <= flags:
+        expected.add(SIMD_LEVELS["avx2"])
+        if "avx_vnni" in flags:
+            expected.add(SIMD_LEVELS["avx_vnni"])
+        if {"avx512f", "avx512vl", "avx512bw", "avx512_vnni"} <= flags:
+            expected.add(SIMD_LEVELS["vnni"])
+    assert kernels.simd_levels() == sorted(expected)
+    assert kernels.simd_level() == max(expected)
+    for cap in SIMD_LEVELS.values():
+        assert kernels.level_for(cap) == max(level for level in expected if level <= cap)
 
 
 def test_every_kernel_level_gives_the_same_logits(heavy, native) -> None:
