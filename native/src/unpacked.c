@@ -871,11 +871,12 @@ HS_AVX_VNNI INLINE __m256i block_sums_avx_vnni(const int type, const __m256i w, 
 ROWS_MAJOR(HS_AVX_VNNI, avx_vnni)
 
 /* Block b of one weight row (unpacked in u) for one group of 8 rows: each lane's v_b. `x`
- * holds the block's 8 runs, `x_scales` and `x_sums` its scales and sums, `half_sums` (Q6_K)
- * the sums of its first 16 values. */
-HS_AVX_VNNI INLINE __m256 block_row_avx_vnni(const unpacked *u, const int type, const int b,
-                                             const __m256i x[GROUP], const __m256 x_scales,
-                                             const __m256i x_sums, const __m256i half_sums) {
+ * points at the block's 8 runs (read as vpdpbusd's memory operand: 16 vector registers hold
+ * no more), `x_scales` and `x_sums` are its scales and sums, `half_sums` (Q6_K) the sums of
+ * its first 16 values. */
+HS_AVX_VNNI INLINE __m256 block_row_avx_vnni(const unpacked *u, const int type, const int b, const int8_t *x,
+                                             const __m256 x_scales, const __m256i x_sums,
+                                             const __m256i half_sums) {
     if (b >= u->blocks) return _mm256_setzero_ps(); /* a short chunk's missing block: 0 */
     __m256i w = _mm256_load_si256((const __m256i *)(u->q + 32 * b));
     __m256i chains[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
@@ -892,7 +893,8 @@ HS_AVX_VNNI INLINE __m256 block_row_avx_vnni(const unpacked *u, const int type, 
     _mm256_store_si256((__m256i *)weights, w);
     for (int k = 0; k < GROUP; k++) {
         const int chain = type == HS_Q6_K ? k / 4 : k & 1; /* else two chains: vpdpbusd waits for its sum */
-        chains[chain] = _mm256_dpbusd_avx_epi32(chains[chain], _mm256_set1_epi32(weights[k]), x[k]);
+        chains[chain] = _mm256_dpbusd_avx_epi32(chains[chain], _mm256_set1_epi32(weights[k]),
+                                                _mm256_loadu_si256((const __m256i *)(x + 4 * GROUP * k)));
     }
     __m256 products;
     if (type == HS_Q6_K)
@@ -905,29 +907,32 @@ HS_AVX_VNNI INLINE __m256 block_row_avx_vnni(const unpacked *u, const int type, 
 }
 
 /* One group of 8 rows times chunk c of `rows` (1..TILE) weight rows: acc[t] += the chunk's
- * tree (chunk_sum's) of each lane's v_b. A block's activations are loaded once for the tile. */
+ * tree (chunk_sum's) of each lane's v_b. One weight row at a time (its tree's partial sums
+ * stay in registers); the group's activations stay in L1 for the next. */
 HS_AVX_VNNI INLINE void group_rows_avx_vnni(const unpacked *u, const int type, const int c, const int blocks,
                                             const activations *a, const int group, const int rows,
                                             __m256 acc[TILE]) {
-    __m256 even[TILE] = {0}, first[TILE] = {0}, second[TILE] = {0}; /* chunk_sum's tree, as the terms come */
-    for (int b = 0; b < SUB; b++) {
-        const size_t at = ((size_t)group * blocks + (size_t)c * SUB + b) * GROUP;
-        __m256i x[GROUP];
-        for (int k = 0; k < GROUP; k++)
-            x[k] = _mm256_loadu_si256((const __m256i *)(a->grouped + (at + k) * 4 * GROUP));
-        const __m256 x_scales = _mm256_loadu_ps(a->grouped_d + at);
-        const __m256i x_sums = _mm256_loadu_si256((const __m256i *)(a->grouped_sum + at));
-        __m256i half_sums = _mm256_setzero_si256();
-        if (type == HS_Q6_K)
-            for (int k = 0; k < GROUP / 2; k++)
-                half_sums = _mm256_dpbusd_avx_epi32(half_sums, _mm256_set1_epi8(1), x[k]);
-        for (int t = 0; t < rows; t++) {
-            const __m256 v = block_row_avx_vnni(&u[t], type, b, x, x_scales, x_sums, half_sums);
-            if (b % 2 == 0) even[t] = v;
-            else if (b == 1) first[t] = _mm256_add_ps(even[t], v);
-            else if (b == 3) first[t] = _mm256_add_ps(first[t], _mm256_add_ps(even[t], v));
-            else if (b == 5) second[t] = _mm256_add_ps(even[t], v);
-            else acc[t] = _mm256_add_ps(acc[t], _mm256_add_ps(first[t], _mm256_add_ps(second[t], _mm256_add_ps(even[t], v))));
+    const size_t first_at = ((size_t)group * blocks + (size_t)c * SUB) * GROUP;
+    __m256i half_sums[SUB]; /* Q6_K: each block's sums of its first 16 values, once a chunk */
+    for (int b = 0; type == HS_Q6_K && b < SUB; b++) {
+        half_sums[b] = _mm256_setzero_si256();
+        for (int k = 0; k < GROUP / 2; k++)
+            half_sums[b] = _mm256_dpbusd_avx_epi32(half_sums[b], _mm256_set1_epi8(1), _mm256_loadu_si256(
+                (const __m256i *)(a->grouped + (first_at + (size_t)b * GROUP + k) * 4 * GROUP)));
+    }
+    for (int t = 0; t < rows; t++) {
+        __m256 even = _mm256_setzero_ps(), first = even, second = even; /* chunk_sum's tree */
+        for (int b = 0; b < SUB; b++) {
+            const size_t at = first_at + (size_t)b * GROUP;
+            const __m256 v = block_row_avx_vnni(&u[t], type, b, a->grouped + at * 4 * GROUP,
+                                                _mm256_loadu_ps(a->grouped_d + at),
+                                                _mm256_loadu_si256((const __m256i *)(a->grouped_sum + at)),
+                                                type == HS_Q6_K ? half_sums[b] : _mm256_setzero_si256());
+            if (b % 2 == 0) even = v;
+            else if (b == 1) first = _mm256_add_ps(even, v);
+            else if (b == 3) first = _mm256_add_ps(first, _mm256_add_ps(even, v));
+            else if (b == 5) second = _mm256_add_ps(even, v);
+            else acc[t] = _mm256_add_ps(acc[t], _mm256_add_ps(first, _mm256_add_ps(second, _mm256_add_ps(even, v))));
         }
     }
 }
