@@ -1099,7 +1099,12 @@ static void quantize_activation(const activations *a, const float *x, int i, int
         for (int k = 0; k < HS_BLOCK / 4; k++)
             memcpy(runs + k * HS_BLOCK + 4 * lane, q + b * HS_BLOCK + 4 * k, 4);
         a->grouped_d[(first + b) * GROUP + lane] = d[b];
-        if (a->with_sums) a->grouped_sum[(first + b) * GROUP + lane] = sum[b];
+        if (a->with_sums) {
+            int32_t half = 0;
+            for (int k = 0; k < HS_BLOCK / 2; k++) half += q[b * HS_BLOCK + k];
+            a->grouped_sum[(first + b) * GROUP + lane] = sum[b];
+            a->grouped_half_sum[(first + b) * GROUP + lane] = half;
+        }
     }
     if (i != n - 1) return;
     for (int pad = lane + 1; pad < GROUP && i / GROUP * GROUP + pad < grouped_rows(n); pad++)
@@ -1107,7 +1112,7 @@ static void quantize_activation(const activations *a, const float *x, int i, int
             int8_t *runs = a->grouped + (first + b) * GROUP * HS_BLOCK;
             for (int k = 0; k < HS_BLOCK / 4; k++) memset(runs + k * HS_BLOCK + 4 * pad, 0, 4);
             a->grouped_d[(first + b) * GROUP + pad] = 0.0f;
-            if (a->with_sums) a->grouped_sum[(first + b) * GROUP + pad] = 0;
+            if (a->with_sums) a->grouped_sum[(first + b) * GROUP + pad] = a->grouped_half_sum[(first + b) * GROUP + pad] = 0;
         }
 }
 /* ------------------------------------------------------------------ parallel steps
@@ -1191,13 +1196,14 @@ int hs_matmul(const hs_matrix *w, const float *x, int n, float *out, int threads
     activations a = {.with_sums = simd >= HS_SIMD_AVX_VNNI || hs_unpacked_has_mins(w->type)};
     void *base = NULL;
     if (is_quantized(w->type)) { /* room for a padded group (see grouped_rows) */
-        base = malloc(2 * padded * w->cols + 2 * blocks * (sizeof(float) + sizeof(int32_t)));
+        base = malloc(2 * padded * w->cols + 2 * blocks * sizeof(float) + 3 * blocks * sizeof(int32_t));
         if (!base) return -1;
         a.d = base;
         a.grouped_d = a.d + blocks;
         a.sum = (int32_t *)(a.grouped_d + blocks);
         a.grouped_sum = a.sum + blocks;
-        a.q = (int8_t *)(a.grouped_sum + blocks);
+        a.grouped_half_sum = a.grouped_sum + blocks;
+        a.q = (int8_t *)(a.grouped_half_sum + blocks);
         a.grouped = a.q + padded * w->cols;
     }
 #pragma omp parallel num_threads(threads)
@@ -1235,12 +1241,13 @@ static int scratch_alloc(scratch *s, const hs_model *m, int n, int threads) {
                              n * d,  n * f,      n * f,
                              (size_t)threads * attention_scratch(m),
                              n * (widest / HS_BLOCK), padded * (widest / HS_BLOCK),
-                             n * (widest / HS_BLOCK), padded * (widest / HS_BLOCK)};
+                             n * (widest / HS_BLOCK), padded * (widest / HS_BLOCK),
+                             padded * (widest / HS_BLOCK)};
     _Static_assert(sizeof(float) == sizeof(int32_t), "the block sums share the float slots");
     float **slots[] = {&s->x,      &s->normed,    &s->q,    &s->k,  &s->v,     &s->attended,
                        &s->projected, &s->gate, &s->up, &s->scores, &s->acts.d,
                        &s->acts.grouped_d, (float **)&s->acts.sum,
-                       (float **)&s->acts.grouped_sum};
+                       (float **)&s->acts.grouped_sum, (float **)&s->acts.grouped_half_sum};
     const size_t int8s = (padded * widest + 63) & ~(size_t)63; /* each of the two int8 layouts */
     size_t total = 2 * int8s;
     for (size_t i = 0; i < sizeof floats / sizeof *floats; i++) total += floats[i] * sizeof(float) + 64;

@@ -506,26 +506,30 @@ HS_AVX2 INLINE void block_in_lanes_avx2(const unpacked *u, const int type, const
 }
 
 /* Rows in lanes: chunk c times the rows of `count` whole groups; acc[g] holds group g's 8
- * rows. The chunk's terms add up by chunk_sum's tree as they come (few live registers). */
-HS_AVX2 INLINE void rows_in_lanes_avx2(const unpacked *u, const int type, const int c, const int blocks,
-                                       const activations *a, const int group, const int count, __m256 acc[2]) {
-    __m256 even[2], odd[2], first[2], second[2];
-    block_in_lanes_avx2(u, type, c, 0, blocks, a, group, count, even);
-    block_in_lanes_avx2(u, type, c, 1, blocks, a, group, count, odd);
-    for (int g = 0; g < count; g++) first[g] = _mm256_add_ps(even[g], odd[g]);
-    block_in_lanes_avx2(u, type, c, 2, blocks, a, group, count, even);
-    block_in_lanes_avx2(u, type, c, 3, blocks, a, group, count, odd);
-    for (int g = 0; g < count; g++)
-        first[g] = _mm256_add_ps(first[g], _mm256_add_ps(even[g], odd[g]));
-    block_in_lanes_avx2(u, type, c, 4, blocks, a, group, count, even);
-    block_in_lanes_avx2(u, type, c, 5, blocks, a, group, count, odd);
-    for (int g = 0; g < count; g++) second[g] = _mm256_add_ps(even[g], odd[g]);
-    block_in_lanes_avx2(u, type, c, 6, blocks, a, group, count, even);
-    block_in_lanes_avx2(u, type, c, 7, blocks, a, group, count, odd);
-    for (int g = 0; g < count; g++)
-        acc[g] = _mm256_add_ps(acc[g], _mm256_add_ps(first[g], _mm256_add_ps(
-                                           second[g], _mm256_add_ps(even[g], odd[g]))));
-}
+ * rows. The chunk's terms add up by chunk_sum's tree as they come (few live registers; the
+ * eight calls written out measured 7-14% faster than a loop). Defined per kernel level, on
+ * that level's block_in_lanes. */
+#define ROWS_IN_LANES(ATTR, SUFFIX)                                                                             \
+    ATTR INLINE void rows_in_lanes_##SUFFIX(const unpacked *u, const int type, const int c, const int blocks,   \
+                                           const activations *a, const int group, const int count, __m256 acc[2]) {\
+        __m256 even[2], odd[2], first[2], second[2];                                                            \
+        block_in_lanes_##SUFFIX(u, type, c, 0, blocks, a, group, count, even);                                  \
+        block_in_lanes_##SUFFIX(u, type, c, 1, blocks, a, group, count, odd);                                   \
+        for (int g = 0; g < count; g++) first[g] = _mm256_add_ps(even[g], odd[g]);                              \
+        block_in_lanes_##SUFFIX(u, type, c, 2, blocks, a, group, count, even);                                  \
+        block_in_lanes_##SUFFIX(u, type, c, 3, blocks, a, group, count, odd);                                   \
+        for (int g = 0; g < count; g++)                                                                         \
+            first[g] = _mm256_add_ps(first[g], _mm256_add_ps(even[g], odd[g]));                                 \
+        block_in_lanes_##SUFFIX(u, type, c, 4, blocks, a, group, count, even);                                  \
+        block_in_lanes_##SUFFIX(u, type, c, 5, blocks, a, group, count, odd);                                   \
+        for (int g = 0; g < count; g++) second[g] = _mm256_add_ps(even[g], odd[g]);                             \
+        block_in_lanes_##SUFFIX(u, type, c, 6, blocks, a, group, count, even);                                  \
+        block_in_lanes_##SUFFIX(u, type, c, 7, blocks, a, group, count, odd);                                   \
+        for (int g = 0; g < count; g++)                                                                         \
+            acc[g] = _mm256_add_ps(acc[g], _mm256_add_ps(first[g], _mm256_add_ps(                               \
+                                               second[g], _mm256_add_ps(even[g], odd[g]))));                    \
+    }
+ROWS_IN_LANES(HS_AVX2, avx2)
 
 /* P_b in lane b, from block b's products summed in pairs (lanes 0-3 the low half-block's,
  * 4-7 the high's): the halves' sums (Q6_K: each times its scale) added (exact integers). */
@@ -593,60 +597,95 @@ HS_AVX2 INLINE __m256i block_sums_avx2(const int type, const __m256i w, const __
     }
 ROWS_MAJOR(HS_AVX2, avx2)
 
+/* Fewer rows than a group: each weight row's chunks unpacked and met by every row in turn
+ * (one weight stream at a time: the one the prefetchers follow best; measured faster than a
+ * pass of features_typed's without groups). Defined per kernel level, on its rows_major. */
+#define ROWS_ALONE(ATTR, SUFFIX)                                                             \
+    ATTR INLINE void rows_alone_typed_##SUFFIX(const hs_matrix *w, const int type,          \
+                                               const activations *a, const int n,          \
+                                               const int first, const int end, float *out) { \
+        const int blocks = w->cols / HS_BLOCK, chunks = (blocks + SUB - 1) / SUB;            \
+        const size_t stride = hs_unpacked_row_bytes(type, w->cols);                          \
+        unpacked u;                                                                          \
+        for (int j = first; j < end; j++) {                                                  \
+            const char *wrow = (const char *)w->data + stride * j;                           \
+            float acc[PAD_FROM] = {0};                                                       \
+            for (int c = 0; c < chunks; c++) {                                               \
+                const char *chunk = chunk_at(wrow, type, c);                                 \
+                for (size_t line = 0; line < chunk_bytes(type); line += 64) /* see below */  \
+                    _mm_prefetch(chunk + PREFETCH_AHEAD + line, _MM_HINT_T0);                \
+                unpack_avx2(chunk, type, chunk_blocks(blocks, c), &u);                       \
+                rows_major_##SUFFIX(&u, type, c, blocks, a, 0, w->cols, n, acc);             \
+            }                                                                                \
+            for (int r = 0; r < n; r++) out[(size_t)r * w->rows + j] = acc[r];               \
+        }                                                                                    \
+    }
+
+/* features_typed's call for each type as a literal (each call is compiled for its own type):
+ * rows_alone_typed where there are fewer rows than a group. */
+#define TYPED_CALLS(SUFFIX)                                                                  \
+    switch (w->type) {                                                                       \
+    case HS_Q4_K: TYPED_CALL(SUFFIX, HS_Q4_K) break;                                         \
+    case HS_Q5_K: TYPED_CALL(SUFFIX, HS_Q5_K) break;                                         \
+    case HS_Q6_K: TYPED_CALL(SUFFIX, HS_Q6_K) break;                                         \
+    case HS_Q4_1: TYPED_CALL(SUFFIX, HS_Q4_1) break;                                         \
+    case HS_Q5_1: TYPED_CALL(SUFFIX, HS_Q5_1) break;                                         \
+    case HS_IQ4_NL: TYPED_CALL(SUFFIX, HS_IQ4_NL) break;                                     \
+    case HS_IQ4_XS: TYPED_CALL(SUFFIX, HS_IQ4_XS) break;                                     \
+    default: TYPED_CALL(SUFFIX, HS_Q5_0) break;                                              \
+    }
+#define TYPED_CALL(SUFFIX, type)                                                             \
+    if (grouped_rows(n) >= GROUP) features_typed_##SUFFIX(w, type, a, n, first, end, out);  \
+    else rows_alone_typed_##SUFFIX(w, type, a, n, first, end, out);
+
 /* All n rows against output features [first, end): passes of up to two whole groups rows in
  * lanes, the last pass also taking the rows outside whole groups (fewer than PAD_FROM) one
  * by one; each chunk is unpacked once a pass. Literal types: each call is compiled for its
- * own. */
-HS_AVX2 INLINE void features_typed_avx2(const hs_matrix *w, const int type, const activations *a,
-                                        const int n, const int first, const int end, float *out) {
-    const int blocks = w->cols / HS_BLOCK, chunks = (blocks + SUB - 1) / SUB;
-    const int groups = grouped_rows(n) / GROUP;
-    const int grouped = groups * GROUP < n ? groups * GROUP : n;
-    const int passes = groups > 2 ? (groups + 1) / 2 : 1;
-    const size_t stride = hs_unpacked_row_bytes(type, w->cols);
-    unpacked u;
-    for (int p = 0; p < passes; p++) {
-        const int g = 2 * p, count = groups - g < 2 ? groups - g : 2;
-        const int rest = p == passes - 1 ? n - grouped : 0;
-        for (int j = first; j < end; j++) {
-            const char *wrow = (const char *)w->data + stride * j;
-            __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-            float alone[PAD_FROM] = {0};
-            for (int c = 0; c < chunks; c++) {
-                const char *chunk = chunk_at(wrow, type, c);
-                /* the stream ahead: unpacking costs more than streaming the bytes, and
-                 * without this the prefetchers stay too close to overlap the two */
-                for (size_t line = 0; line < chunk_bytes(type); line += 64)
-                    _mm_prefetch(chunk + PREFETCH_AHEAD + line, _MM_HINT_T0);
-                unpack_avx2(chunk, type, chunk_blocks(blocks, c), &u);
-                if (count == 2) rows_in_lanes_avx2(&u, type, c, blocks, a, g, 2, acc);
-                else if (count == 1) rows_in_lanes_avx2(&u, type, c, blocks, a, g, 1, acc);
-                if (rest > 0) rows_major_avx2(&u, type, c, blocks, a, grouped, w->cols, rest, alone);
-            }
-            for (int k = 0; k < count; k++) {
-                float lanes[GROUP];
-                _mm256_storeu_ps(lanes, acc[k]);
-                for (int r = 0; r < GROUP && (g + k) * GROUP + r < n; r++)
-                    out[(size_t)((g + k) * GROUP + r) * w->rows + j] = lanes[r];
-            }
-            for (int r = 0; r < rest; r++) out[(size_t)(grouped + r) * w->rows + j] = alone[r];
-        }
+ * own. Defined per kernel level, on that level's rows_in_lanes and rows_major. */
+#define FEATURES_IN_PASSES(ATTR, SUFFIX)                                                                  \
+    ATTR INLINE void features_typed_##SUFFIX(const hs_matrix *w, const int type, const activations *a,    \
+                                            const int n, const int first, const int end, float *out) {    \
+        const int blocks = w->cols / HS_BLOCK, chunks = (blocks + SUB - 1) / SUB;                         \
+        const int groups = grouped_rows(n) / GROUP;                                                       \
+        const int grouped = groups * GROUP < n ? groups * GROUP : n;                                      \
+        const int passes = groups > 2 ? (groups + 1) / 2 : 1;                                             \
+        const size_t stride = hs_unpacked_row_bytes(type, w->cols);                                       \
+        unpacked u;                                                                                       \
+        for (int p = 0; p < passes; p++) {                                                                \
+            const int g = 2 * p, count = groups - g < 2 ? groups - g : 2;                                 \
+            const int rest = p == passes - 1 ? n - grouped : 0;                                           \
+            for (int j = first; j < end; j++) {                                                           \
+                const char *wrow = (const char *)w->data + stride * j;                                    \
+                __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                               \
+                float alone[PAD_FROM] = {0};                                                              \
+                for (int c = 0; c < chunks; c++) {                                                        \
+                    const char *chunk = chunk_at(wrow, type, c);                                          \
+                    /* the stream ahead: unpacking costs more than streaming the bytes, and               \
+                     * without this the prefetchers stay too close to overlap the two */                  \
+                    for (size_t line = 0; line < chunk_bytes(type); line += 64)                           \
+                        _mm_prefetch(chunk + PREFETCH_AHEAD + line, _MM_HINT_T0);                         \
+                    unpack_avx2(chunk, type, chunk_blocks(blocks, c), &u);                            \
+                    if (count == 2) rows_in_lanes_##SUFFIX(&u, type, c, blocks, a, g, 2, acc);            \
+                    else if (count == 1) rows_in_lanes_##SUFFIX(&u, type, c, blocks, a, g, 1, acc);       \
+                    if (rest > 0) rows_major_##SUFFIX(&u, type, c, blocks, a, grouped, w->cols, rest, alone);\
+                }                                                                                         \
+                for (int k = 0; k < count; k++) {                                                         \
+                    float lanes[GROUP];                                                                   \
+                    _mm256_storeu_ps(lanes, acc[k]);                                                      \
+                    for (int r = 0; r < GROUP && (g + k) * GROUP + r < n; r++)                            \
+                        out[(size_t)((g + k) * GROUP + r) * w->rows + j] = lanes[r];                      \
+                }                                                                                         \
+                for (int r = 0; r < rest; r++) out[(size_t)(grouped + r) * w->rows + j] = alone[r];       \
+            }                                                                                             \
+        }                                                                                                 \
+    }                                                                                                     \
+                                                                                                          \
+    ATTR static void features_##SUFFIX(const hs_matrix *w, const activations *a, int n, int first, int end,\
+                                      float *out) {                                                       \
+        TYPED_CALLS(SUFFIX)                                                                               \
     }
-}
-
-HS_AVX2 static void features_avx2(const hs_matrix *w, const activations *a, int n, int first, int end,
-                                  float *out) {
-    switch (w->type) {
-    case HS_Q4_K: features_typed_avx2(w, HS_Q4_K, a, n, first, end, out); break;
-    case HS_Q5_K: features_typed_avx2(w, HS_Q5_K, a, n, first, end, out); break;
-    case HS_Q6_K: features_typed_avx2(w, HS_Q6_K, a, n, first, end, out); break;
-    case HS_Q4_1: features_typed_avx2(w, HS_Q4_1, a, n, first, end, out); break;
-    case HS_Q5_1: features_typed_avx2(w, HS_Q5_1, a, n, first, end, out); break;
-    case HS_IQ4_NL: features_typed_avx2(w, HS_IQ4_NL, a, n, first, end, out); break;
-    case HS_IQ4_XS: features_typed_avx2(w, HS_IQ4_XS, a, n, first, end, out); break;
-    default: features_typed_avx2(w, HS_Q5_0, a, n, first, end, out); break;
-    }
-}
+ROWS_ALONE(HS_AVX2, avx2)
+FEATURES_IN_PASSES(HS_AVX2, avx2)
 
 /* ------------------------------------------------------------------ AVX-512 VNNI
  * vpdpbusd multiplies unsigned by signed bytes and adds each lane's four products to it: the
@@ -818,51 +857,20 @@ HS_VNNI INLINE void features_typed_vnni(const hs_matrix *w, const int type, cons
     free(acc);
 }
 
-/* Fewer rows than a group: each weight row's chunks unpacked and met by every row in turn
- * (one weight stream at a time: the one the prefetchers follow best). */
-HS_VNNI INLINE void rows_alone_typed_vnni(const hs_matrix *w, const int type, const activations *a, const int n,
-                                          const int first, const int end, float *out) {
-    const int blocks = w->cols / HS_BLOCK, chunks = (blocks + SUB - 1) / SUB;
-    const size_t stride = hs_unpacked_row_bytes(type, w->cols);
-    unpacked u;
-    for (int j = first; j < end; j++) {
-        const char *wrow = (const char *)w->data + stride * j;
-        float acc[PAD_FROM] = {0};
-        for (int c = 0; c < chunks; c++) {
-            const char *chunk = chunk_at(wrow, type, c);
-            for (size_t line = 0; line < chunk_bytes(type); line += 64) /* see features_typed_avx2 */
-                _mm_prefetch(chunk + PREFETCH_AHEAD + line, _MM_HINT_T0);
-            unpack_avx2(chunk, type, chunk_blocks(blocks, c), &u);
-            rows_major_vnni(&u, type, c, blocks, a, 0, w->cols, n, acc);
-        }
-        for (int r = 0; r < n; r++) out[(size_t)r * w->rows + j] = acc[r];
-    }
-}
+ROWS_ALONE(HS_VNNI, vnni)
 
 HS_VNNI static void features_vnni(const hs_matrix *w, const activations *a, int n, int first, int end,
                                   float *out) {
-#define TYPED(type)                                                                          \
-    if (grouped_rows(n) >= GROUP) features_typed_vnni(w, type, a, n, first, end, out);       \
-    else rows_alone_typed_vnni(w, type, a, n, first, end, out);
-    switch (w->type) {
-    case HS_Q4_K: TYPED(HS_Q4_K) break;
-    case HS_Q5_K: TYPED(HS_Q5_K) break;
-    case HS_Q6_K: TYPED(HS_Q6_K) break;
-    case HS_Q4_1: TYPED(HS_Q4_1) break;
-    case HS_Q5_1: TYPED(HS_Q5_1) break;
-    case HS_IQ4_NL: TYPED(HS_IQ4_NL) break;
-    case HS_IQ4_XS: TYPED(HS_IQ4_XS) break;
-    default: TYPED(HS_Q5_0) break;
-    }
-#undef TYPED
+    TYPED_CALLS(vnni)
 }
 
 /* ------------------------------------------------------------------ AVX-VNNI
  * vpdpbusd's VEX form, on 256-bit vectors (CPUs without AVX-512: Intel's client cores since
- * Alder Lake). Whole groups of rows go in tiles of TILE weight rows as at the VNNI level, one
- * weight row a vector: lane r is the group's row r against it, the row's four weights
- * broadcast from memory (a load, no shuffle), the signed types biased to the unsigned side
- * as in block_pair_vnni: the same integers, the same float steps, the same bits. */
+ * Alder Lake): the AVX2 kernels' passes and chunk tree, each four weights times the 8 rows
+ * of a group in one vpdpbusd where AVX2 needs a vpmaddubsw and a 16-bit add (and the signs).
+ * The signed values are biased to the unsigned side as in block_pair_vnni: the same integers,
+ * the same float steps, the same bits. (Tiles of four weight rows, as at the VNNI level but
+ * one row a vector, measured slower at 8 rows: docs/bench/native/avx-vnni.md.) */
 
 HS_AVX_VNNI INLINE __m256i block_sums_avx_vnni(const int type, const __m256i w, const __m256i x) {
     if (has_mins(type)) return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
@@ -870,150 +878,58 @@ HS_AVX_VNNI INLINE __m256i block_sums_avx_vnni(const int type, const __m256i w, 
 }
 ROWS_MAJOR(HS_AVX_VNNI, avx_vnni)
 
-/* Block b of one weight row (unpacked in u) for one group of 8 rows: each lane's v_b. `x`
- * points at the block's 8 runs (read as vpdpbusd's memory operand: 16 vector registers hold
- * no more), `x_scales` and `x_sums` are its scales and sums, `half_sums` (Q6_K) the sums of
- * its first 16 values. */
-HS_AVX_VNNI INLINE __m256 block_row_avx_vnni(const unpacked *u, const int type, const int b, const int8_t *x,
-                                             const __m256 x_scales, const __m256i x_sums,
-                                             const __m256i half_sums) {
-    if (b >= u->blocks) return _mm256_setzero_ps(); /* a short chunk's missing block: 0 */
-    __m256i w = _mm256_load_si256((const __m256i *)(u->q + 32 * b));
-    __m256i chains[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-    if (type == HS_Q6_K) { /* a chain per half-block: each takes its own scale */
-        w = _mm256_add_epi8(w, _mm256_set1_epi8(32));
-        chains[0] = _mm256_sub_epi32(chains[0], _mm256_slli_epi32(half_sums, 5));
-        chains[1] = _mm256_sub_epi32(chains[1], _mm256_slli_epi32(_mm256_sub_epi32(x_sums, half_sums), 5));
-    } else if (type == HS_Q5_0 || iq4(type)) { /* -16..15 + 16; -127..113 + 128 */
-        const int shift = type == HS_Q5_0 ? 4 : 7;
-        w = _mm256_add_epi8(w, _mm256_set1_epi8((char)(1 << shift)));
-        chains[0] = _mm256_sub_epi32(chains[0], _mm256_slli_epi32(x_sums, shift));
+/* block_in_lanes_avx2's v_b with vpdpbusd: two chains a group (Q6_K: one a half-block, each
+ * taking its own scale), started at -bias times the activations' sums. */
+HS_AVX_VNNI INLINE void block_in_lanes_avx_vnni(const unpacked *u, const int type, const int c, const int b,
+                                                const int blocks, const activations *a, const int group,
+                                                const int count, __m256 v[2]) {
+    v[0] = v[1] = _mm256_setzero_ps();
+    if (b >= u->blocks) return; /* a short chunk's missing block: 0 */
+    const size_t blk = (size_t)c * SUB + b;
+    /* the bias that makes the values unsigned: Q6_K -32..31, Q5_0 -16..15, IQ4 -127..113 */
+    const int shift = type == HS_Q6_K ? 5 : type == HS_Q5_0 ? 4 : iq4(type) ? 7 : 0;
+    int32_t biased[GROUP] __attribute__((aligned(32)));
+    const int8_t *weights = u->q + 32 * b;
+    if (shift) {
+        _mm256_store_si256((__m256i *)biased, _mm256_add_epi8(_mm256_load_si256((const __m256i *)weights),
+                                                              _mm256_set1_epi8((char)(1 << shift))));
+        weights = (const int8_t *)biased;
     }
-    int32_t weights[GROUP] __attribute__((aligned(32)));
-    _mm256_store_si256((__m256i *)weights, w);
+    __m256i chains[2][2];
+    for (int g = 0; g < count; g++) {
+        const size_t at = ((size_t)(group + g) * blocks + blk) * GROUP;
+        const __m256i sums = _mm256_loadu_si256((const __m256i *)(a->grouped_sum + at));
+        chains[g][0] = chains[g][1] = _mm256_setzero_si256();
+        if (type == HS_Q6_K) {
+            const __m256i half = _mm256_loadu_si256((const __m256i *)(a->grouped_half_sum + at));
+            chains[g][0] = _mm256_sub_epi32(chains[g][0], _mm256_slli_epi32(half, shift));
+            chains[g][1] = _mm256_sub_epi32(chains[g][1], _mm256_slli_epi32(_mm256_sub_epi32(sums, half), shift));
+        } else if (shift) {
+            chains[g][0] = _mm256_sub_epi32(chains[g][0], _mm256_slli_epi32(sums, shift));
+        }
+    }
     for (int k = 0; k < GROUP; k++) {
+        const __m256i w = broadcast4(weights + 4 * k);
         const int chain = type == HS_Q6_K ? k / 4 : k & 1; /* else two chains: vpdpbusd waits for its sum */
-        chains[chain] = _mm256_dpbusd_avx_epi32(chains[chain], _mm256_set1_epi32(weights[k]),
-                                                _mm256_loadu_si256((const __m256i *)(x + 4 * GROUP * k)));
+        for (int g = 0; g < count; g++)
+            chains[g][chain] = _mm256_dpbusd_avx_epi32(chains[g][chain], w, grouped_run(a, group + g, blocks, blk, k));
     }
-    __m256 products;
-    if (type == HS_Q6_K)
-        products = _mm256_fmadd_ps(_mm256_cvtepi32_ps(chains[1]), _mm256_set1_ps((float)u->scale[2 * b + 1]),
-                                   _mm256_mul_ps(_mm256_cvtepi32_ps(chains[0]),
-                                                 _mm256_set1_ps((float)u->scale[2 * b])));
-    else
-        products = _mm256_cvtepi32_ps(_mm256_add_epi32(chains[0], chains[1]));
-    return block_terms(type, products, x_scales, x_sums, _mm256_set1_ps(u->d[b]), _mm256_set1_ps(u->offset[b]));
-}
-
-/* One group of 8 rows times chunk c of `rows` (1..TILE) weight rows: acc[t] += the chunk's
- * tree (chunk_sum's) of each lane's v_b. One weight row at a time (its tree's partial sums
- * stay in registers); the group's activations stay in L1 for the next. */
-HS_AVX_VNNI INLINE void group_rows_avx_vnni(const unpacked *u, const int type, const int c, const int blocks,
-                                            const activations *a, const int group, const int rows,
-                                            __m256 acc[TILE]) {
-    const size_t first_at = ((size_t)group * blocks + (size_t)c * SUB) * GROUP;
-    __m256i half_sums[SUB]; /* Q6_K: each block's sums of its first 16 values, once a chunk */
-    for (int b = 0; type == HS_Q6_K && b < SUB; b++) {
-        half_sums[b] = _mm256_setzero_si256();
-        for (int k = 0; k < GROUP / 2; k++)
-            half_sums[b] = _mm256_dpbusd_avx_epi32(half_sums[b], _mm256_set1_epi8(1), _mm256_loadu_si256(
-                (const __m256i *)(a->grouped + (first_at + (size_t)b * GROUP + k) * 4 * GROUP)));
-    }
-    for (int t = 0; t < rows; t++) {
-        __m256 even = _mm256_setzero_ps(), first = even, second = even; /* chunk_sum's tree */
-        for (int b = 0; b < SUB; b++) {
-            const size_t at = first_at + (size_t)b * GROUP;
-            const __m256 v = block_row_avx_vnni(&u[t], type, b, a->grouped + at * 4 * GROUP,
-                                                _mm256_loadu_ps(a->grouped_d + at),
-                                                _mm256_loadu_si256((const __m256i *)(a->grouped_sum + at)),
-                                                type == HS_Q6_K ? half_sums[b] : _mm256_setzero_si256());
-            if (b % 2 == 0) even = v;
-            else if (b == 1) first = _mm256_add_ps(even, v);
-            else if (b == 3) first = _mm256_add_ps(first, _mm256_add_ps(even, v));
-            else if (b == 5) second = _mm256_add_ps(even, v);
-            else acc[t] = _mm256_add_ps(acc[t], _mm256_add_ps(first, _mm256_add_ps(second, _mm256_add_ps(even, v))));
-        }
+    for (int g = 0; g < count; g++) {
+        const size_t at = ((size_t)(group + g) * blocks + blk) * GROUP;
+        __m256 products;
+        if (type == HS_Q6_K) /* each half's integer times its scale, exact in floats: A of the recipe */
+            products = _mm256_fmadd_ps(_mm256_cvtepi32_ps(chains[g][1]), _mm256_set1_ps((float)u->scale[2 * b + 1]),
+                                       _mm256_mul_ps(_mm256_cvtepi32_ps(chains[g][0]),
+                                                     _mm256_set1_ps((float)u->scale[2 * b])));
+        else
+            products = _mm256_cvtepi32_ps(_mm256_add_epi32(chains[g][0], chains[g][1]));
+        v[g] = block_terms(type, products, _mm256_loadu_ps(a->grouped_d + at), grouped_sums(a, type, at),
+                           _mm256_set1_ps(u->d[b]), _mm256_set1_ps(u->offset[b]));
     }
 }
-
-/* features_typed_vnni's passes with group_rows_avx_vnni. */
-HS_AVX_VNNI INLINE void features_typed_avx_vnni(const hs_matrix *w, const int type, const activations *a,
-                                                const int n, const int first, const int end, float *out) {
-    const int blocks = w->cols / HS_BLOCK, chunks = (blocks + SUB - 1) / SUB;
-    const int groups = grouped_rows(n) / GROUP, grouped = groups * GROUP < n ? groups * GROUP : n;
-    const int rest = n - grouped;
-    const size_t stride = hs_unpacked_row_bytes(type, w->cols);
-    unpacked u[TILE];
-    __m256 *acc = aligned_alloc(32, sizeof(__m256) * TILE * (size_t)groups);
-    if (!acc) abort(); /* a few KB */
-    for (int j = first; j < end; j += TILE) {
-        const int rows = end - j < TILE ? end - j : TILE;
-        for (int i = 0; i < TILE * groups; i++) acc[i] = _mm256_setzero_ps();
-        float alone[TILE][PAD_FROM] = {{0}};
-        for (int c = 0; c < chunks; c++) {
-            for (int t = 0; t < rows; t++) {
-                const char *chunk = chunk_at((const char *)w->data + stride * (size_t)(j + t), type, c);
-                for (size_t line = 0; line < chunk_bytes(type); line += 64) /* see features_typed_vnni */
-                    _mm_prefetch(chunk + stride * TILE + line, _MM_HINT_T0);
-                unpack_avx2(chunk, type, chunk_blocks(blocks, c), &u[t]);
-                if (rest > 0) rows_major_avx_vnni(&u[t], type, c, blocks, a, grouped, w->cols, rest, alone[t]);
-            }
-            for (int g = 0; g < groups; g++) { /* literal tiles: each call is compiled for its own */
-                if (rows == TILE) group_rows_avx_vnni(u, type, c, blocks, a, g, TILE, acc + TILE * g);
-                else group_rows_avx_vnni(u, type, c, blocks, a, g, rows, acc + TILE * g);
-            }
-        }
-        for (int g = 0; g < groups; g++)
-            for (int t = 0; t < rows; t++) {
-                float lanes[GROUP];
-                _mm256_storeu_ps(lanes, acc[TILE * g + t]);
-                for (int r = 0; r < GROUP && g * GROUP + r < n; r++)
-                    out[(size_t)(g * GROUP + r) * w->rows + j + t] = lanes[r];
-            }
-        for (int t = 0; t < rows; t++)
-            for (int r = 0; r < rest; r++) out[(size_t)(grouped + r) * w->rows + j + t] = alone[t][r];
-    }
-    free(acc);
-}
-
-/* rows_alone_typed_vnni with rows_major_avx_vnni. */
-HS_AVX_VNNI INLINE void rows_alone_typed_avx_vnni(const hs_matrix *w, const int type, const activations *a,
-                                                  const int n, const int first, const int end, float *out) {
-    const int blocks = w->cols / HS_BLOCK, chunks = (blocks + SUB - 1) / SUB;
-    const size_t stride = hs_unpacked_row_bytes(type, w->cols);
-    unpacked u;
-    for (int j = first; j < end; j++) {
-        const char *wrow = (const char *)w->data + stride * j;
-        float acc[PAD_FROM] = {0};
-        for (int c = 0; c < chunks; c++) {
-            const char *chunk = chunk_at(wrow, type, c);
-            for (size_t line = 0; line < chunk_bytes(type); line += 64) /* see features_typed_avx2 */
-                _mm_prefetch(chunk + PREFETCH_AHEAD + line, _MM_HINT_T0);
-            unpack_avx2(chunk, type, chunk_blocks(blocks, c), &u);
-            rows_major_avx_vnni(&u, type, c, blocks, a, 0, w->cols, n, acc);
-        }
-        for (int r = 0; r < n; r++) out[(size_t)r * w->rows + j] = acc[r];
-    }
-}
-
-HS_AVX_VNNI static void features_avx_vnni(const hs_matrix *w, const activations *a, int n, int first,
-                                          int end, float *out) {
-#define TYPED(type)                                                                          \
-    if (grouped_rows(n) >= GROUP) features_typed_avx_vnni(w, type, a, n, first, end, out);   \
-    else rows_alone_typed_avx_vnni(w, type, a, n, first, end, out);
-    switch (w->type) {
-    case HS_Q4_K: TYPED(HS_Q4_K) break;
-    case HS_Q5_K: TYPED(HS_Q5_K) break;
-    case HS_Q6_K: TYPED(HS_Q6_K) break;
-    case HS_Q4_1: TYPED(HS_Q4_1) break;
-    case HS_Q5_1: TYPED(HS_Q5_1) break;
-    case HS_IQ4_NL: TYPED(HS_IQ4_NL) break;
-    case HS_IQ4_XS: TYPED(HS_IQ4_XS) break;
-    default: TYPED(HS_Q5_0) break;
-    }
-#undef TYPED
-}
+ROWS_IN_LANES(HS_AVX_VNNI, avx_vnni)
+ROWS_ALONE(HS_AVX_VNNI, avx_vnni)
+FEATURES_IN_PASSES(HS_AVX_VNNI, avx_vnni)
 #endif
 
 #if HS_ARM
