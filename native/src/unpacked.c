@@ -790,9 +790,9 @@ HS_VNNI INLINE void group_pairs_vnni(const unpacked *const u[TILE], const pair_f
         const __m512 x_scales = _mm512_castsi512_ps(
             _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(a->grouped_d + at))));
         const __m512i x_sums = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(a->grouped_sum + at)));
-        __m512i half_sums = _mm512_setzero_si512();
-        if (type == HS_Q6_K)
-            for (int k = 0; k < GROUP / 2; k++) half_sums = _mm512_dpbusd_epi32(half_sums, _mm512_set1_epi8(1), x[k]);
+        const __m512i half_sums = type == HS_Q6_K ? _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                                                        (const __m256i *)(a->grouped_half_sum + at)))
+                                                  : _mm512_setzero_si512();
         for (int p = 0; p < pairs; p++) {
             const __m512 v = block_pair_vnni(u[2 * p], u[2 * p + 1], &f[p], type, b, x, x_scales, x_sums,
                                              half_sums, place);
