@@ -32,7 +32,9 @@ SYSTEMS = {  # name -> (runtime, the heavy model's file, settings)
     "native Q8_0": ("native", "q8_0", '{"type":"native"}'),
     "native Q4_0": ("native", "q4_0", '{"type":"native"}'),
     "native Q4_K_M": ("native", "q4_k_m", '{"type":"native"}'),
-    # the same kernels without AVX-512 VNNI (where the CPU has it): what vpdpbusd is worth
+    # the same kernels capped at AVX-VNNI (256-bit vpdpbusd, Intel's client CPUs) and at AVX2
+    # (where the CPU has more): what vpdpbusd is worth
+    "native Q8_0 AVX-VNNI": ("native", "q8_0", '{"type":"native","simd":"avx_vnni"}'),
     "native Q8_0 AVX2": ("native", "q8_0", '{"type":"native","simd":"avx2"}'),
     "native Q4_0 AVX2": ("native", "q4_0", '{"type":"native","simd":"avx2"}'),
     "torch f32": ("torch", "folder", '{"type":"torch","device":"cpu","dtype":"float32"}'),
