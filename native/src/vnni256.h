@@ -45,6 +45,45 @@ V256_ATTR INLINE void V256(rows_in_lanes)(const char *wrows, const size_t stride
     for (int t = 0; t < tile; t++) _mm256_storeu_ps(result + t * GROUP, acc[t]);
 }
 
+/* Rows in lanes for two whole groups against `tile` (1 or 2) weight rows: each four weights
+ * broadcast once for both groups, the activations vpdpbusd's memory operand (16 vector
+ * registers hold no more). Each lane does exactly what rows_in_lanes' does: the same bits. */
+V256_ATTR INLINE void V256(two_groups_in_lanes)(const char *wrows, const size_t stride, const int type,
+                                            const int blocks, const activations *a, const int group,
+                                            const int tile, float *result) {
+    const int shift = type == HS_Q8_0 ? Q8_BIAS_SHIFT : Q4_BIAS_SHIFT;
+    const size_t block_bytes = stride / blocks;
+    __m256 acc[2][2];
+    for (int t = 0; t < tile; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const size_t at[2] = {((size_t)group * blocks + b) * GROUP, ((size_t)(group + 1) * blocks + b) * GROUP};
+        for (int t = 0; t < tile; t++) {
+            const char *wrow = wrows + stride * t;
+            if (!(b & 1)) /* the next tile's rows (see features_in_lanes_avx2) */
+                _mm_prefetch(wrow + stride * tile + block_bytes * b, _MM_HINT_T0);
+            int32_t weights[HS_BLOCK / 4] __attribute__((aligned(32)));
+            _mm256_store_si256((__m256i *)weights, load_unsigned_weights(wrow, type, b));
+            __m256i chains[2][2];
+            for (int g = 0; g < 2; g++) {
+                chains[g][0] = vnni_start(_mm256_loadu_si256((const __m256i *)(a->grouped_sum + at[g])), shift);
+                chains[g][1] = _mm256_setzero_si256();
+            }
+            for (int k = 0; k < HS_BLOCK / 4; k++) {
+                const __m256i w = _mm256_set1_epi32(weights[k]);
+                for (int g = 0; g < 2; g++)
+                    chains[g][k & 1] = V256_DPBUSD(chains[g][k & 1], w,
+                                                   _mm256_loadu_si256((const __m256i *)(a->grouped + (at[g] + k) * 4 * GROUP)));
+            }
+            const __m256 w_scale = _mm256_set1_ps(_cvtsh_ss(weight_scale_of(wrow, type, b)));
+            for (int g = 0; g < 2; g++)
+                acc[t][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(chains[g][0], chains[g][1])),
+                                            _mm256_mul_ps(_mm256_loadu_ps(a->grouped_d + at[g]), w_scale), acc[t][g]);
+        }
+    }
+    for (int t = 0; t < tile; t++)
+        for (int g = 0; g < 2; g++) _mm256_storeu_ps(result + (2 * t + g) * GROUP, acc[t][g]);
+}
+
 /* One row times 8 weight rows `stride` bytes apart, without the transpose: each weight row's
  * block meets the row's 32 activations in one vpdpbusd, and a tree of horizontal adds (exact
  * integers) puts the 8 block sums in lanes, where features_in_lanes' float steps follow:
@@ -131,8 +170,30 @@ V256_ATTR static inline void V256(quantized_features_256)(const hs_matrix *w, co
     for (int j = first; j < end && groups > 0;) {
         const int tile = end - j >= V256_TILE ? V256_TILE : 1;
         const char *wrows = data + stride * j;
-        for (int g = 0; g < groups; g++) {
+        for (int g = 0; g < groups;) {
             /* literal types and tiles: each call is compiled for its own */
+            const int pair = groups - g >= 2;
+            if (pair) { /* two weight rows a call (four rows' sums would spill) */
+                for (int t0 = 0; t0 < tile; t0 += 2) {
+                    const char *rows = wrows + stride * t0;
+                    if (w->type == HS_Q8_0) {
+                        if (tile == V256_TILE) V256(two_groups_in_lanes)(rows, stride, HS_Q8_0, blocks, a, g, 2, result);
+                        else V256(two_groups_in_lanes)(rows, stride, HS_Q8_0, blocks, a, g, 1, result);
+                    } else if (tile == V256_TILE) {
+                        V256(two_groups_in_lanes)(rows, stride, HS_Q4_0, blocks, a, g, 2, result);
+                    } else {
+                        V256(two_groups_in_lanes)(rows, stride, HS_Q4_0, blocks, a, g, 1, result);
+                    }
+                    /* result: (weight row, group) runs of GROUP */
+                    for (int t = 0; t < 2 && t0 + t < tile; t++)
+                        for (int h = 0; h < 2; h++)
+                            for (int r = 0; r < GROUP && (g + h) * GROUP + r < n; r++)
+                                out[(size_t)((g + h) * GROUP + r) * w->rows + j + t0 + t] =
+                                    result[(2 * t + h) * GROUP + r];
+                }
+                g += 2;
+                continue;
+            }
             if (w->type == HS_Q8_0) {
                 if (tile == V256_TILE) V256(rows_in_lanes)(wrows, stride, HS_Q8_0, blocks, a, g, V256_TILE, result);
                 else V256(rows_in_lanes)(wrows, stride, HS_Q8_0, blocks, a, g, 1, result);
@@ -144,6 +205,7 @@ V256_ATTR static inline void V256(quantized_features_256)(const hs_matrix *w, co
             for (int t = 0; t < tile; t++)
                 for (int r = 0; r < GROUP && g * GROUP + r < n; r++)
                     out[(size_t)(g * GROUP + r) * w->rows + j + t] = result[t * GROUP + r];
+            g += 1;
         }
         j += tile;
     }
