@@ -509,25 +509,25 @@ HS_AVX2 INLINE void block_in_lanes_avx2(const unpacked *u, const int type, const
  * rows. The chunk's terms add up by chunk_sum's tree as they come (few live registers; the
  * eight calls written out measured 7-14% faster than a loop). Defined per kernel level, on
  * that level's block_in_lanes. */
-#define ROWS_IN_LANES(ATTR, SUFFIX)                                                                             \
-    ATTR INLINE void rows_in_lanes_##SUFFIX(const unpacked *u, const int type, const int c, const int blocks,   \
-                                           const activations *a, const int group, const int count, __m256 acc[2]) {\
-        __m256 even[2], odd[2], first[2], second[2];                                                            \
-        block_in_lanes_##SUFFIX(u, type, c, 0, blocks, a, group, count, even);                                  \
-        block_in_lanes_##SUFFIX(u, type, c, 1, blocks, a, group, count, odd);                                   \
-        for (int g = 0; g < count; g++) first[g] = _mm256_add_ps(even[g], odd[g]);                              \
-        block_in_lanes_##SUFFIX(u, type, c, 2, blocks, a, group, count, even);                                  \
-        block_in_lanes_##SUFFIX(u, type, c, 3, blocks, a, group, count, odd);                                   \
-        for (int g = 0; g < count; g++)                                                                         \
-            first[g] = _mm256_add_ps(first[g], _mm256_add_ps(even[g], odd[g]));                                 \
-        block_in_lanes_##SUFFIX(u, type, c, 4, blocks, a, group, count, even);                                  \
-        block_in_lanes_##SUFFIX(u, type, c, 5, blocks, a, group, count, odd);                                   \
-        for (int g = 0; g < count; g++) second[g] = _mm256_add_ps(even[g], odd[g]);                             \
-        block_in_lanes_##SUFFIX(u, type, c, 6, blocks, a, group, count, even);                                  \
-        block_in_lanes_##SUFFIX(u, type, c, 7, blocks, a, group, count, odd);                                   \
-        for (int g = 0; g < count; g++)                                                                         \
-            acc[g] = _mm256_add_ps(acc[g], _mm256_add_ps(first[g], _mm256_add_ps(                               \
-                                               second[g], _mm256_add_ps(even[g], odd[g]))));                    \
+#define ROWS_IN_LANES(ATTR, SUFFIX)                                                                                 \
+    ATTR INLINE void rows_in_lanes_##SUFFIX(const unpacked *u, const int type, const int c, const int blocks,       \
+                                           const activations *a, const int group, const int count, __m256 acc[2]) { \
+        __m256 even[2], odd[2], first[2], second[2];                                                                \
+        block_in_lanes_##SUFFIX(u, type, c, 0, blocks, a, group, count, even);                                      \
+        block_in_lanes_##SUFFIX(u, type, c, 1, blocks, a, group, count, odd);                                       \
+        for (int g = 0; g < count; g++) first[g] = _mm256_add_ps(even[g], odd[g]);                                  \
+        block_in_lanes_##SUFFIX(u, type, c, 2, blocks, a, group, count, even);                                      \
+        block_in_lanes_##SUFFIX(u, type, c, 3, blocks, a, group, count, odd);                                       \
+        for (int g = 0; g < count; g++)                                                                             \
+            first[g] = _mm256_add_ps(first[g], _mm256_add_ps(even[g], odd[g]));                                     \
+        block_in_lanes_##SUFFIX(u, type, c, 4, blocks, a, group, count, even);                                      \
+        block_in_lanes_##SUFFIX(u, type, c, 5, blocks, a, group, count, odd);                                       \
+        for (int g = 0; g < count; g++) second[g] = _mm256_add_ps(even[g], odd[g]);                                 \
+        block_in_lanes_##SUFFIX(u, type, c, 6, blocks, a, group, count, even);                                      \
+        block_in_lanes_##SUFFIX(u, type, c, 7, blocks, a, group, count, odd);                                       \
+        for (int g = 0; g < count; g++)                                                                             \
+            acc[g] = _mm256_add_ps(acc[g], _mm256_add_ps(first[g], _mm256_add_ps(                                   \
+                                               second[g], _mm256_add_ps(even[g], odd[g]))));                        \
     }
 ROWS_IN_LANES(HS_AVX2, avx2)
 
@@ -560,40 +560,40 @@ HS_AVX2 INLINE __m256i block_sums_avx2(const int type, const __m256i w, const __
 /* Rows one by one: chunk c of one weight row times m row-major rows (rows first_row.., of
  * `cols` values); acc[r] is row r's sum. Lanes hold the chunk's blocks. Defined per kernel
  * level, on that level's block_sums. */
-#define ROWS_MAJOR(ATTR, SUFFIX)                                                             \
-    ATTR INLINE void rows_major_##SUFFIX(const unpacked *u, const int type, const int c,    \
-                                         const int blocks, const activations *a,           \
-                                         const int first_row, const int cols, const int m, \
-                                         float *acc) {                                      \
-        const __m256 d = _mm256_load_ps(u->d), offset = _mm256_load_ps(u->offset);          \
-        for (int r = 0; r < m; r++) {                                                        \
-            const size_t row = (size_t)(first_row + r);                                      \
-            const int8_t *x = a->q + row * cols + (size_t)c * HS_SUPER;                      \
-            const size_t at = row * blocks + (size_t)c * SUB;                                \
-            __m256i sums[SUB];                                                               \
-            for (int b = 0; b < SUB; b++)                                                    \
-                sums[b] = b < u->blocks                                                      \
+#define ROWS_MAJOR(ATTR, SUFFIX)                                                                               \
+    ATTR INLINE void rows_major_##SUFFIX(const unpacked *u, const int type, const int c,                       \
+                                         const int blocks, const activations *a,                               \
+                                         const int first_row, const int cols, const int m,                     \
+                                         float *acc) {                                                         \
+        const __m256 d = _mm256_load_ps(u->d), offset = _mm256_load_ps(u->offset);                             \
+        for (int r = 0; r < m; r++) {                                                                          \
+            const size_t row = (size_t)(first_row + r);                                                        \
+            const int8_t *x = a->q + row * cols + (size_t)c * HS_SUPER;                                        \
+            const size_t at = row * blocks + (size_t)c * SUB;                                                  \
+            __m256i sums[SUB];                                                                                 \
+            for (int b = 0; b < SUB; b++)                                                                      \
+                sums[b] = b < u->blocks                                                                        \
                               ? block_sums_##SUFFIX(type, _mm256_load_si256((const __m256i *)(u->q + 32 * b)), \
-                                                    _mm256_loadu_si256((const __m256i *)(x + 32 * b))) \
-                              : _mm256_setzero_si256();                                      \
-            __m256 x_scales;                                                                 \
-            __m256i x_sums = _mm256_setzero_si256();                                         \
-            if (u->blocks == SUB) {                                                          \
-                x_scales = _mm256_loadu_ps(a->d + at);                                       \
-                if (has_mins(type)) x_sums = _mm256_loadu_si256((const __m256i *)(a->sum + at)); \
-            } else { /* a short chunk: the missing blocks' terms are 0 * 0 */                \
-                float scales[SUB] = {0};                                                     \
-                int32_t sums_x[SUB] = {0};                                                   \
-                memcpy(scales, a->d + at, sizeof(float) * (size_t)u->blocks);                \
-                x_scales = _mm256_loadu_ps(scales);                                          \
-                if (has_mins(type)) {                                                        \
-                    memcpy(sums_x, a->sum + at, sizeof(int32_t) * (size_t)u->blocks);        \
-                    x_sums = _mm256_loadu_si256((const __m256i *)sums_x);                    \
-                }                                                                            \
-            }                                                                                \
-            const __m256 products = _mm256_cvtepi32_ps(block_products(type, u, sums));       \
-            acc[r] = acc[r] + chunk_sum8(block_terms(type, products, x_scales, x_sums, d, offset)); \
-        }                                                                                    \
+                                                    _mm256_loadu_si256((const __m256i *)(x + 32 * b)))         \
+                              : _mm256_setzero_si256();                                                        \
+            __m256 x_scales;                                                                                   \
+            __m256i x_sums = _mm256_setzero_si256();                                                           \
+            if (u->blocks == SUB) {                                                                            \
+                x_scales = _mm256_loadu_ps(a->d + at);                                                         \
+                if (has_mins(type)) x_sums = _mm256_loadu_si256((const __m256i *)(a->sum + at));               \
+            } else { /* a short chunk: the missing blocks' terms are 0 * 0 */                                  \
+                float scales[SUB] = {0};                                                                       \
+                int32_t sums_x[SUB] = {0};                                                                     \
+                memcpy(scales, a->d + at, sizeof(float) * (size_t)u->blocks);                                  \
+                x_scales = _mm256_loadu_ps(scales);                                                            \
+                if (has_mins(type)) {                                                                          \
+                    memcpy(sums_x, a->sum + at, sizeof(int32_t) * (size_t)u->blocks);                          \
+                    x_sums = _mm256_loadu_si256((const __m256i *)sums_x);                                      \
+                }                                                                                              \
+            }                                                                                                  \
+            const __m256 products = _mm256_cvtepi32_ps(block_products(type, u, sums));                         \
+            acc[r] = acc[r] + chunk_sum8(block_terms(type, products, x_scales, x_sums, d, offset));            \
+        }                                                                                                      \
     }
 ROWS_MAJOR(HS_AVX2, avx2)
 
@@ -601,8 +601,8 @@ ROWS_MAJOR(HS_AVX2, avx2)
  * (one weight stream at a time: the one the prefetchers follow best; measured faster than a
  * pass of features_typed's without groups). Defined per kernel level, on its rows_major. */
 #define ROWS_ALONE(ATTR, SUFFIX)                                                             \
-    ATTR INLINE void rows_alone_typed_##SUFFIX(const hs_matrix *w, const int type,          \
-                                               const activations *a, const int n,          \
+    ATTR INLINE void rows_alone_typed_##SUFFIX(const hs_matrix *w, const int type,           \
+                                               const activations *a, const int n,            \
                                                const int first, const int end, float *out) { \
         const int blocks = w->cols / HS_BLOCK, chunks = (blocks + SUB - 1) / SUB;            \
         const size_t stride = hs_unpacked_row_bytes(type, w->cols);                          \
@@ -622,7 +622,8 @@ ROWS_MAJOR(HS_AVX2, avx2)
     }
 
 /* features_typed's call for each type as a literal (each call is compiled for its own type):
- * rows_alone_typed where there are fewer rows than a group. */
+ * rows_alone_typed where there are fewer rows than a group (w, a, n, first, end and out in
+ * scope). */
 #define TYPED_CALLS(SUFFIX)                                                                  \
     switch (w->type) {                                                                       \
     case HS_Q4_K: TYPED_CALL(SUFFIX, HS_Q4_K) break;                                         \
@@ -635,54 +636,54 @@ ROWS_MAJOR(HS_AVX2, avx2)
     default: TYPED_CALL(SUFFIX, HS_Q5_0) break;                                              \
     }
 #define TYPED_CALL(SUFFIX, type)                                                             \
-    if (grouped_rows(n) >= GROUP) features_typed_##SUFFIX(w, type, a, n, first, end, out);  \
+    if (grouped_rows(n) >= GROUP) features_typed_##SUFFIX(w, type, a, n, first, end, out);   \
     else rows_alone_typed_##SUFFIX(w, type, a, n, first, end, out);
 
 /* All n rows against output features [first, end): passes of up to two whole groups rows in
  * lanes, the last pass also taking the rows outside whole groups (fewer than PAD_FROM) one
  * by one; each chunk is unpacked once a pass. Literal types: each call is compiled for its
  * own. Defined per kernel level, on that level's rows_in_lanes and rows_major. */
-#define FEATURES_IN_PASSES(ATTR, SUFFIX)                                                                  \
-    ATTR INLINE void features_typed_##SUFFIX(const hs_matrix *w, const int type, const activations *a,    \
-                                            const int n, const int first, const int end, float *out) {    \
-        const int blocks = w->cols / HS_BLOCK, chunks = (blocks + SUB - 1) / SUB;                         \
-        const int groups = grouped_rows(n) / GROUP;                                                       \
-        const int grouped = groups * GROUP < n ? groups * GROUP : n;                                      \
-        const int passes = groups > 2 ? (groups + 1) / 2 : 1;                                             \
-        const size_t stride = hs_unpacked_row_bytes(type, w->cols);                                       \
-        unpacked u;                                                                                       \
-        for (int p = 0; p < passes; p++) {                                                                \
-            const int g = 2 * p, count = groups - g < 2 ? groups - g : 2;                                 \
-            const int rest = p == passes - 1 ? n - grouped : 0;                                           \
-            for (int j = first; j < end; j++) {                                                           \
-                const char *wrow = (const char *)w->data + stride * j;                                    \
-                __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                               \
-                float alone[PAD_FROM] = {0};                                                              \
-                for (int c = 0; c < chunks; c++) {                                                        \
-                    const char *chunk = chunk_at(wrow, type, c);                                          \
-                    /* the stream ahead: unpacking costs more than streaming the bytes, and               \
-                     * without this the prefetchers stay too close to overlap the two */                  \
-                    for (size_t line = 0; line < chunk_bytes(type); line += 64)                           \
-                        _mm_prefetch(chunk + PREFETCH_AHEAD + line, _MM_HINT_T0);                         \
-                    unpack_avx2(chunk, type, chunk_blocks(blocks, c), &u);                            \
-                    if (count == 2) rows_in_lanes_##SUFFIX(&u, type, c, blocks, a, g, 2, acc);            \
-                    else if (count == 1) rows_in_lanes_##SUFFIX(&u, type, c, blocks, a, g, 1, acc);       \
-                    if (rest > 0) rows_major_##SUFFIX(&u, type, c, blocks, a, grouped, w->cols, rest, alone);\
-                }                                                                                         \
-                for (int k = 0; k < count; k++) {                                                         \
-                    float lanes[GROUP];                                                                   \
-                    _mm256_storeu_ps(lanes, acc[k]);                                                      \
-                    for (int r = 0; r < GROUP && (g + k) * GROUP + r < n; r++)                            \
-                        out[(size_t)((g + k) * GROUP + r) * w->rows + j] = lanes[r];                      \
-                }                                                                                         \
-                for (int r = 0; r < rest; r++) out[(size_t)(grouped + r) * w->rows + j] = alone[r];       \
-            }                                                                                             \
-        }                                                                                                 \
-    }                                                                                                     \
-                                                                                                          \
-    ATTR static void features_##SUFFIX(const hs_matrix *w, const activations *a, int n, int first, int end,\
-                                      float *out) {                                                       \
-        TYPED_CALLS(SUFFIX)                                                                               \
+#define FEATURES_IN_PASSES(ATTR, SUFFIX)                                                                      \
+    ATTR INLINE void features_typed_##SUFFIX(const hs_matrix *w, const int type, const activations *a,        \
+                                            const int n, const int first, const int end, float *out) {        \
+        const int blocks = w->cols / HS_BLOCK, chunks = (blocks + SUB - 1) / SUB;                             \
+        const int groups = grouped_rows(n) / GROUP;                                                           \
+        const int grouped = groups * GROUP < n ? groups * GROUP : n;                                          \
+        const int passes = groups > 2 ? (groups + 1) / 2 : 1;                                                 \
+        const size_t stride = hs_unpacked_row_bytes(type, w->cols);                                           \
+        unpacked u;                                                                                           \
+        for (int p = 0; p < passes; p++) {                                                                    \
+            const int g = 2 * p, count = groups - g < 2 ? groups - g : 2;                                     \
+            const int rest = p == passes - 1 ? n - grouped : 0;                                               \
+            for (int j = first; j < end; j++) {                                                               \
+                const char *wrow = (const char *)w->data + stride * j;                                        \
+                __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                                   \
+                float alone[PAD_FROM] = {0};                                                                  \
+                for (int c = 0; c < chunks; c++) {                                                            \
+                    const char *chunk = chunk_at(wrow, type, c);                                              \
+                    /* the stream ahead: unpacking costs more than streaming the bytes, and                   \
+                     * without this the prefetchers stay too close to overlap the two */                      \
+                    for (size_t line = 0; line < chunk_bytes(type); line += 64)                               \
+                        _mm_prefetch(chunk + PREFETCH_AHEAD + line, _MM_HINT_T0);                             \
+                    unpack_avx2(chunk, type, chunk_blocks(blocks, c), &u);                                    \
+                    if (count == 2) rows_in_lanes_##SUFFIX(&u, type, c, blocks, a, g, 2, acc);                \
+                    else if (count == 1) rows_in_lanes_##SUFFIX(&u, type, c, blocks, a, g, 1, acc);           \
+                    if (rest > 0) rows_major_##SUFFIX(&u, type, c, blocks, a, grouped, w->cols, rest, alone); \
+                }                                                                                             \
+                for (int k = 0; k < count; k++) {                                                             \
+                    float lanes[GROUP];                                                                       \
+                    _mm256_storeu_ps(lanes, acc[k]);                                                          \
+                    for (int r = 0; r < GROUP && (g + k) * GROUP + r < n; r++)                                \
+                        out[(size_t)((g + k) * GROUP + r) * w->rows + j] = lanes[r];                          \
+                }                                                                                             \
+                for (int r = 0; r < rest; r++) out[(size_t)(grouped + r) * w->rows + j] = alone[r];           \
+            }                                                                                                 \
+        }                                                                                                     \
+    }                                                                                                         \
+                                                                                                              \
+    ATTR static void features_##SUFFIX(const hs_matrix *w, const activations *a, int n, int first, int end,   \
+                                      float *out) {                                                           \
+        TYPED_CALLS(SUFFIX)                                                                                   \
     }
 ROWS_ALONE(HS_AVX2, avx2)
 FEATURES_IN_PASSES(HS_AVX2, avx2)
@@ -1047,7 +1048,7 @@ HS_DOTPROD INLINE void rows_in_lanes_neon(const unpacked *u, const int type, con
         const int8x16_t w_lo = vld1q_s8(u->q + 32 * b), w_hi = vld1q_s8(u->q + 32 * b + 16);
         int32x4_t lo[2] = {vdupq_n_s32(0), vdupq_n_s32(0)}, hi[2] = {vdupq_n_s32(0), vdupq_n_s32(0)};
 #define RUN(k, w, lane, h)                                                                   \
-    lo[h] = vdotq_laneq_s32(lo[h], vld1q_s8(x + (k) * 4 * GROUP), w, lane);                   \
+    lo[h] = vdotq_laneq_s32(lo[h], vld1q_s8(x + (k) * 4 * GROUP), w, lane);                  \
     hi[h] = vdotq_laneq_s32(hi[h], vld1q_s8(x + (k) * 4 * GROUP + 16), w, lane);
         RUN(0, w_lo, 0, 0) RUN(1, w_lo, 1, 0) RUN(2, w_lo, 2, 0) RUN(3, w_lo, 3, 0)
         RUN(4, w_hi, 0, 1) RUN(5, w_hi, 1, 1) RUN(6, w_hi, 2, 1) RUN(7, w_hi, 3, 1)
@@ -1071,7 +1072,7 @@ HS_DOTPROD INLINE void rows_in_lanes_neon(const unpacked *u, const int type, con
             v_hi[b] = vfmaq_f32(v_hi[b], vcvtq_f32_s32(vld1q_s32(sums + 4)), vmulq_f32(vld1q_f32(xd + 4), m));
         }
     }
-#define TREE(v) vaddq_f32(vaddq_f32(vaddq_f32(v[0], v[1]), vaddq_f32(v[2], v[3])), \
+#define TREE(v) vaddq_f32(vaddq_f32(vaddq_f32(v[0], v[1]), vaddq_f32(v[2], v[3])),           \
                           vaddq_f32(vaddq_f32(v[4], v[5]), vaddq_f32(v[6], v[7])))
     vst1q_f32(acc, vaddq_f32(vld1q_f32(acc), TREE(v_lo)));
     vst1q_f32(acc + 4, vaddq_f32(vld1q_f32(acc + 4), TREE(v_hi)));

@@ -4,7 +4,9 @@
  *   V256_DPBUSD  the intrinsic (_mm256_dpbusd_epi32, _mm256_dpbusd_avx_epi32),
  *   V256(name)   a function's name at that level,
  * and vnni_start, load_unsigned_weights, weight_scale_of, transposed_block and UNGROUPED_ROWS
- * in scope. No include guard: one copy per level, on purpose. */
+ * in scope. No include guard: one copy per level, on purpose. The AVX-VNNI level runs them
+ * all (quantized_features_256); the AVX-512 VNNI level takes the one-row and features-in-lanes
+ * kernels and puts whole groups in 512-bit vectors instead. */
 
 #define V256_TILE 4 /* weight rows rows_in_lanes takes at once (2 measured the same) */
 
@@ -49,8 +51,8 @@ V256_ATTR INLINE void V256(rows_in_lanes)(const char *wrows, const size_t stride
  * broadcast once for both groups, the activations vpdpbusd's memory operand (16 vector
  * registers hold no more). Each lane does exactly what rows_in_lanes' does: the same bits. */
 V256_ATTR INLINE void V256(two_groups_in_lanes)(const char *wrows, const size_t stride, const int type,
-                                            const int blocks, const activations *a, const int group,
-                                            const int tile, float *result) {
+                                                const int blocks, const activations *a, const int group,
+                                                const int tile, float *result) {
     const int shift = type == HS_Q8_0 ? Q8_BIAS_SHIFT : Q4_BIAS_SHIFT;
     const size_t block_bytes = stride / blocks;
     __m256 acc[2][2];
