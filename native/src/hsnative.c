@@ -529,6 +529,15 @@ HS_AVX2 INLINE __m256i load_unsigned_weights(const void *wrow, const int type, i
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
 }
 
+/* Weight row wrow's block b made unsigned, into weights (four values a lane, to broadcast),
+ * with the row `ahead` bytes on prefetched at even blocks (the next tile's: see
+ * features_in_lanes_avx2). */
+HS_AVX2 INLINE void unsigned_block(const char *wrow, const int type, const int b, const size_t ahead,
+                                   int32_t weights[HS_BLOCK / 4]) {
+    if (!(b & 1)) _mm_prefetch(wrow + ahead, _MM_HINT_T0);
+    _mm256_store_si256((__m256i *)weights, load_unsigned_weights(wrow, type, b));
+}
+
 /* Two 256-bit halves as one 512-bit vector (lo in lanes 0-7). */
 HS_VNNI INLINE __m512i join256(const void *lo, const void *hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)lo)),
@@ -558,10 +567,8 @@ HS_VNNI INLINE void rows16_in_lanes_vnni(const char *wrows, const size_t stride,
         const __m512 x_scales = _mm512_castsi512_ps(join256(a->grouped_d + at, a->grouped_d + next));
         for (int t = 0; t < tile; t++) {
             const char *wrow = wrows + stride * t;
-            if (!(b & 1)) /* the next tile's rows (see features_in_lanes_avx2) */
-                _mm_prefetch(wrow + stride * tile + block_bytes * b, _MM_HINT_T0);
             int32_t weights[HS_BLOCK / 4] __attribute__((aligned(32)));
-            _mm256_store_si256((__m256i *)weights, load_unsigned_weights(wrow, type, b));
+            unsigned_block(wrow, type, b, stride * tile + block_bytes * b, weights);
             __m512i chains[2] = {start, _mm512_setzero_si512()}; /* see rows8_in_lanes_vnni */
             for (int k = 0; k < HS_BLOCK / 4; k++)
                 chains[k & 1] = _mm512_dpbusd_epi32(chains[k & 1], _mm512_set1_epi32(weights[k]), x[k]);

@@ -31,10 +31,8 @@ V256_ATTR INLINE void V256(rows_in_lanes)(const char *wrows, const size_t stride
         const __m256 x_scales = _mm256_loadu_ps(a->grouped_d + at);
         for (int t = 0; t < tile; t++) {
             const char *wrow = wrows + stride * t;
-            if (!(b & 1)) /* the next tile's rows (see features_in_lanes_avx2) */
-                _mm_prefetch(wrow + stride * tile + block_bytes * b, _MM_HINT_T0);
             int32_t weights[HS_BLOCK / 4] __attribute__((aligned(32)));
-            _mm256_store_si256((__m256i *)weights, load_unsigned_weights(wrow, type, b));
+            unsigned_block(wrow, type, b, stride * tile + block_bytes * b, weights);
             /* two chains: vpdpbusd waits several cycles for its accumulator */
             __m256i chains[2] = {start, _mm256_setzero_si256()};
             for (int k = 0; k < HS_BLOCK / 4; k++)
@@ -61,10 +59,8 @@ V256_ATTR INLINE void V256(two_groups_in_lanes)(const char *wrows, const size_t 
         const size_t at[2] = {((size_t)group * blocks + b) * GROUP, ((size_t)(group + 1) * blocks + b) * GROUP};
         for (int t = 0; t < tile; t++) {
             const char *wrow = wrows + stride * t;
-            if (!(b & 1)) /* the next tile's rows (see features_in_lanes_avx2) */
-                _mm_prefetch(wrow + stride * tile + block_bytes * b, _MM_HINT_T0);
             int32_t weights[HS_BLOCK / 4] __attribute__((aligned(32)));
-            _mm256_store_si256((__m256i *)weights, load_unsigned_weights(wrow, type, b));
+            unsigned_block(wrow, type, b, stride * tile + block_bytes * b, weights);
             __m256i chains[2][2];
             for (int g = 0; g < 2; g++) {
                 chains[g][0] = vnni_start(_mm256_loadu_si256((const __m256i *)(a->grouped_sum + at[g])), shift);
