@@ -20,6 +20,7 @@ the committed prefix (the tree's root), row i + 1 the distribution after node i.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,19 +60,25 @@ def _check(tokens: np.ndarray, parents: np.ndarray, target: np.ndarray) -> None:
                          f"{target.shape[0]}")  # fmt: skip
 
 
-def verify_greedy(tokens, parents, target: np.ndarray) -> Verdict:
-    """The longest path agreeing with the target's argmax; ``target`` may be logits."""
+def _walk(tokens, parents, target: np.ndarray, choose: Callable[[int], int]) -> Verdict:
+    """The longest path whose every token is ``choose(row)`` of the row before it; rows are
+    chosen only where the walk reaches (a large vocabulary makes each one cost)."""
     tokens, parents = np.asarray(tokens), validate_parents(parents)
     _check(tokens, parents, target)
     children = _children(parents)
     node, path = ROOT, []
     while True:
-        wanted = int(np.argmax(target[node + 1]))
+        wanted = choose(node + 1)
         match = next((c for c in children.get(node, []) if tokens[c] == wanted), None)
         if match is None:
             return Verdict(path, wanted)
         path.append(match)
         node = match
+
+
+def verify_greedy(tokens, parents, target: np.ndarray) -> Verdict:
+    """The longest path agreeing with the target's argmax; ``target`` may be logits."""
+    return _walk(tokens, parents, target, lambda row: int(np.argmax(target[row])))
 
 
 def verify_keyed(
@@ -81,8 +88,12 @@ def verify_keyed(
     ``position``, row i + 1 (after node i) the token at position + depth(i) + 1. ``target``:
     probability rows after the request's warping."""
     parents = validate_parents(parents)
-    positions = np.concatenate([[position], position + depths(parents) + 1])
-    return verify_greedy(tokens, parents, sampler.scores(target, positions))
+    positions = np.concatenate([[position], position + depths(parents) + 1]).tolist()
+
+    def choose(row: int) -> int:
+        return int(np.argmax(sampler.scores(target[row], positions[row])))
+
+    return _walk(tokens, parents, target, choose)
 
 
 def _accepts(token: int, p: np.ndarray, q: np.ndarray, rng: np.random.Generator) -> bool:
