@@ -102,8 +102,8 @@ static int check(int type, int unit, int best) {
 }
 
 /* K-quant, Q5_0, Q4_1, Q5_1, IQ4_NL and IQ4_XS weights: random blocks (their float scales set
- * to small powers of two), against a float reference from their dequantized rows; the same bits at every level (one
- * recipe), and for a row alone and among others, on 1 and 2 threads. */
+ * to small powers of two), against a float reference from their dequantized rows; the same
+ * bits at every level (one recipe), and for a row alone and among others, on 1 and 2 threads. */
 static int check_unpacked(int type, int best) {
     const int small = type == HS_Q5_0 || type == HS_Q4_1 || type == HS_Q5_1 || type == HS_IQ4_NL;
     const int values = small ? HS_BLOCK : HS_SUPER;
