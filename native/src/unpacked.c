@@ -118,6 +118,11 @@ int hs_unpacked_is(int type) {
  * mins. */
 INLINE int has_mins(int type) { return hs_unpacked_has_mins(type); }
 
+/* The VNNI kernels' bias that makes a type's signed values vpdpbusd's unsigned side, as a
+ * shift (1 << shift): Q6_K -32..31 + 32, Q5_0 -16..15 + 16, IQ4 -127..113 + 128; 0: unsigned
+ * already. */
+INLINE int unsigned_shift(int type) { return type == HS_Q6_K ? 5 : type == HS_Q5_0 ? 4 : iq4(type) ? 7 : 0; }
+
 /* Values a storage block holds, and its bytes. */
 static int block_values(int type) { return small_blocks(type) ? HS_BLOCK : HS_SUPER; }
 
@@ -750,13 +755,12 @@ HS_VNNI INLINE __m512 block_pair_vnni(const unpacked *u0, const unpacked *u1, co
     __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_load_si256((const __m256i *)(u0->q + 32 * b))),
                                       _mm256_load_si256((const __m256i *)(u1->q + 32 * b)), 1);
     __m512i chains[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+    const int shift = unsigned_shift(type);
+    if (shift) both = _mm512_add_epi8(both, _mm512_set1_epi8((char)(1 << shift)));
     if (type == HS_Q6_K) { /* a chain per half-block: each takes its own scale */
-        both = _mm512_add_epi8(both, _mm512_set1_epi8(32));
-        chains[0] = _mm512_sub_epi32(chains[0], _mm512_slli_epi32(half_sums, 5));
-        chains[1] = _mm512_sub_epi32(chains[1], _mm512_slli_epi32(_mm512_sub_epi32(x_sums, half_sums), 5));
-    } else if (type == HS_Q5_0 || iq4(type)) { /* -16..15 + 16; -127..113 + 128 */
-        const int shift = type == HS_Q5_0 ? 4 : 7;
-        both = _mm512_add_epi8(both, _mm512_set1_epi8((char)(1 << shift)));
+        chains[0] = _mm512_sub_epi32(chains[0], _mm512_slli_epi32(half_sums, shift));
+        chains[1] = _mm512_sub_epi32(chains[1], _mm512_slli_epi32(_mm512_sub_epi32(x_sums, half_sums), shift));
+    } else if (shift) {
         chains[0] = _mm512_sub_epi32(chains[0], _mm512_slli_epi32(x_sums, shift));
     }
     for (int k = 0; k < GROUP; k++) {
@@ -887,8 +891,7 @@ HS_AVX_VNNI INLINE void block_in_lanes_avx_vnni(const unpacked *u, const int typ
     v[0] = v[1] = _mm256_setzero_ps();
     if (b >= u->blocks) return; /* a short chunk's missing block: 0 */
     const size_t blk = (size_t)c * SUB + b;
-    /* the bias that makes the values unsigned: Q6_K -32..31, Q5_0 -16..15, IQ4 -127..113 */
-    const int shift = type == HS_Q6_K ? 5 : type == HS_Q5_0 ? 4 : iq4(type) ? 7 : 0;
+    const int shift = unsigned_shift(type);
     int32_t biased[GROUP] __attribute__((aligned(32)));
     const int8_t *weights = u->q + 32 * b;
     if (shift) {
