@@ -165,22 +165,22 @@ V256_ATTR static inline void V256(quantized_features_256)(const hs_matrix *w, co
     const size_t stride = row_bytes(w);
     const char *data = w->data;
     float result[4 * GROUP];
+/* a kernel's call with the type and the weight-row count as literals: each is compiled for its
+ * own */
+#define TYPED(kernel, rows, count)                                                           \
+    if (w->type == HS_Q8_0) V256(kernel)(rows, stride, HS_Q8_0, blocks, a, g, count, result); \
+    else V256(kernel)(rows, stride, HS_Q4_0, blocks, a, g, count, result);
     for (int j = first; j < end && groups > 0;) {
         const int tile = end - j >= V256_TILE ? V256_TILE : 1;
         const char *wrows = data + stride * j;
         for (int g = 0; g < groups;) {
-            /* literal types and tiles: each call is compiled for its own */
-            const int pair = groups - g >= 2;
-            if (pair) { /* two weight rows a call (four rows' sums would spill) */
+            if (groups - g >= 2) { /* two weight rows a call (four rows' sums would spill) */
                 for (int t0 = 0; t0 < tile; t0 += 2) {
                     const char *rows = wrows + stride * t0;
-                    if (w->type == HS_Q8_0) {
-                        if (tile == V256_TILE) V256(two_groups_in_lanes)(rows, stride, HS_Q8_0, blocks, a, g, 2, result);
-                        else V256(two_groups_in_lanes)(rows, stride, HS_Q8_0, blocks, a, g, 1, result);
-                    } else if (tile == V256_TILE) {
-                        V256(two_groups_in_lanes)(rows, stride, HS_Q4_0, blocks, a, g, 2, result);
+                    if (tile == V256_TILE) {
+                        TYPED(two_groups_in_lanes, rows, 2)
                     } else {
-                        V256(two_groups_in_lanes)(rows, stride, HS_Q4_0, blocks, a, g, 1, result);
+                        TYPED(two_groups_in_lanes, rows, 1)
                     }
                     /* result: (weight row, group) runs of GROUP */
                     for (int t = 0; t < 2 && t0 + t < tile; t++)
@@ -192,13 +192,10 @@ V256_ATTR static inline void V256(quantized_features_256)(const hs_matrix *w, co
                 g += 2;
                 continue;
             }
-            if (w->type == HS_Q8_0) {
-                if (tile == V256_TILE) V256(rows_in_lanes)(wrows, stride, HS_Q8_0, blocks, a, g, V256_TILE, result);
-                else V256(rows_in_lanes)(wrows, stride, HS_Q8_0, blocks, a, g, 1, result);
-            } else if (tile == V256_TILE) {
-                V256(rows_in_lanes)(wrows, stride, HS_Q4_0, blocks, a, g, V256_TILE, result);
+            if (tile == V256_TILE) {
+                TYPED(rows_in_lanes, wrows, V256_TILE)
             } else {
-                V256(rows_in_lanes)(wrows, stride, HS_Q4_0, blocks, a, g, 1, result);
+                TYPED(rows_in_lanes, wrows, 1)
             }
             for (int t = 0; t < tile; t++)
                 for (int r = 0; r < GROUP && g * GROUP + r < n; r++)
@@ -207,6 +204,7 @@ V256_ATTR static inline void V256(quantized_features_256)(const hs_matrix *w, co
         }
         j += tile;
     }
+#undef TYPED
     int j = first;
     UNGROUPED_ROWS(V256(features_in_lanes))
 }
