@@ -135,15 +135,17 @@ static int matrix_ok(const hs_matrix *w, int rows, int cols) {
 
 /* ------------------------------------------------------------------ per-row float steps */
 
-static void quantize_row(const float *x, int cols, int8_t *q, float *scale) {
-    for (int b = 0; b < cols / HS_BLOCK; b++) {
-        const float *xb = x + (size_t)b * HS_BLOCK;
+/* x's int8 values and a scale per block of 32 (scale[b] * q ~ x), the blocks of each span of
+ * `span` values (32 or 256) sharing the span's scale, largest magnitude / 127; rounded half
+ * away from zero. */
+static void quantize_row(const float *x, int cols, int8_t *q, float *scale, int span) {
+    for (int first = 0; first < cols; first += span) {
         float amax = 0.0f;
-        for (int k = 0; k < HS_BLOCK; k++) amax = fmaxf(amax, fabsf(xb[k]));
+        for (int k = 0; k < span; k++) amax = fmaxf(amax, fabsf(x[first + k]));
         const float d = amax / 127.0f;
         const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
-        for (int k = 0; k < HS_BLOCK; k++) q[b * HS_BLOCK + k] = (int8_t)roundf(xb[k] * inverse);
-        scale[b] = d;
+        for (int k = 0; k < span; k++) q[first + k] = (int8_t)roundf(x[first + k] * inverse);
+        for (int b = 0; b < span / HS_BLOCK; b++) scale[first / HS_BLOCK + b] = d;
     }
 }
 
@@ -253,36 +255,33 @@ HS_AVX2 INLINE __m256i load_weights(const void *wrow, const int type, int b) {
 
 /* quantize_row's result, 8 lanes at a time: the same largest magnitude, scale and products,
  * and C's roundf (half away from zero) done exactly, as truncation plus a carry. */
-HS_AVX2 static void quantize_row_avx2(const float *x, int cols, int8_t *q, float *scale) {
+HS_AVX2 static void quantize_row_avx2(const float *x, int cols, int8_t *q, float *scale, int span) {
     const __m256 sign_bit = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f);
     const __m256 one = _mm256_set1_ps(1.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undo the packs' lanes */
-    for (int b = 0; b < cols / HS_BLOCK; b++) {
-        const float *xb = x + (size_t)b * HS_BLOCK;
-        __m256 v[4], amax = _mm256_setzero_ps();
-        for (int k = 0; k < 4; k++) {
-            v[k] = _mm256_loadu_ps(xb + 8 * k);
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[k]));
-        }
+    for (int first = 0; first < cols; first += span) {
+        __m256 amax = _mm256_setzero_ps();
+        for (int k = 0; k < span; k += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(x + first + k)));
         __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
         m = _mm_max_ps(m, _mm_movehl_ps(m, m));
         m = _mm_max_ss(m, _mm_movehdup_ps(m));
         const float d = _mm_cvtss_f32(m) / 127.0f;
         const __m256 inverse = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
-        __m256i ints[4];
-        for (int k = 0; k < 4; k++) {
-            const __m256 scaled = _mm256_mul_ps(v[k], inverse);
-            const __m256 whole = _mm256_round_ps(scaled, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-            const __m256 fraction = _mm256_andnot_ps(sign_bit, _mm256_sub_ps(scaled, whole));
-            const __m256 away = _mm256_or_ps(_mm256_and_ps(scaled, sign_bit), one);
-            const __m256 carry = _mm256_and_ps(_mm256_cmp_ps(fraction, half, _CMP_GE_OQ), away);
-            ints[k] = _mm256_cvttps_epi32(_mm256_add_ps(whole, carry));
+        for (int b = first / HS_BLOCK; b < (first + span) / HS_BLOCK; b++) {
+            __m256i ints[4];
+            for (int k = 0; k < 4; k++) {
+                const __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(x + (size_t)b * HS_BLOCK + 8 * k), inverse);
+                const __m256 whole = _mm256_round_ps(scaled, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+                const __m256 fraction = _mm256_andnot_ps(sign_bit, _mm256_sub_ps(scaled, whole));
+                const __m256 away = _mm256_or_ps(_mm256_and_ps(scaled, sign_bit), one);
+                const __m256 carry = _mm256_and_ps(_mm256_cmp_ps(fraction, half, _CMP_GE_OQ), away);
+                ints[k] = _mm256_cvttps_epi32(_mm256_add_ps(whole, carry));
+            }
+            const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(ints[0], ints[1]),
+                                                     _mm256_packs_epi32(ints[2], ints[3]));
+            _mm256_storeu_si256((__m256i *)(q + (size_t)b * HS_BLOCK), _mm256_permutevar8x32_epi32(bytes, order));
+            scale[b] = d;
         }
-        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(ints[0], ints[1]),
-                                                 _mm256_packs_epi32(ints[2], ints[3]));
-        _mm256_storeu_si256((__m256i *)(q + (size_t)b * HS_BLOCK),
-                            _mm256_permutevar8x32_epi32(bytes, order));
-        scale[b] = d;
     }
 }
 
@@ -1071,22 +1070,22 @@ static float dot_float_portable(const hs_matrix *w, const void *wrow, const floa
     return acc;
 }
 
-static void quantize_row_simd(const float *x, int cols, int8_t *q, float *scale, int simd) {
+static void quantize_row_simd(const float *x, int cols, int8_t *q, float *scale, int span, int simd) {
 #if HS_X86
     if (simd) {
-        quantize_row_avx2(x, cols, q, scale);
+        quantize_row_avx2(x, cols, q, scale, span);
         return;
     }
 #endif
     (void)simd;
-    quantize_row(x, cols, q, scale);
+    quantize_row(x, cols, q, scale, span);
 }
 
 void hs_quantize_rows(const float *x, int n, int cols, int8_t *q, float *scale) {
     const int simd = hs_simd_level();
     for (int i = 0; i < n; i++)
         quantize_row_simd(x + (size_t)i * cols, cols, q + (size_t)i * cols,
-                          scale + (size_t)i * (cols / HS_BLOCK), simd);
+                          scale + (size_t)i * (cols / HS_BLOCK), HS_BLOCK, simd);
 }
 
 /* Row i (of n rows of width cols) into both layouts. */
@@ -1095,7 +1094,7 @@ static void quantize_activation(const activations *a, const float *x, int i, int
     const int blocks = cols / HS_BLOCK;
     int8_t *q = a->q + (size_t)i * cols;
     float *d = a->d + (size_t)i * blocks;
-    quantize_row_simd(x, cols, q, d, simd);
+    quantize_row_simd(x, cols, q, d, a->span, simd);
     int32_t *sum = a->sum + (size_t)i * blocks;
     for (int b = 0; a->with_sums && b < blocks; b++) {
         int32_t total = 0;
@@ -1204,7 +1203,8 @@ int hs_matmul(const hs_matrix *w, const float *x, int n, float *out, int threads
         return -1;
     const int simd = simd_for(simd_cap);
     const size_t padded = (size_t)(n + GROUP), blocks = padded * (w->cols / HS_BLOCK);
-    activations a = {.with_sums = simd >= HS_SIMD_AVX_VNNI || hs_unpacked_has_mins(w->type)};
+    activations a = {.with_sums = simd >= HS_SIMD_AVX_VNNI || hs_unpacked_has_mins(w->type),
+                     .span = hs_unpacked_super(w->type) ? HS_SUPER : HS_BLOCK};
     void *base = NULL;
     if (is_quantized(w->type)) { /* room for a padded group (see grouped_rows) */
         base = malloc(2 * padded * w->cols + 2 * blocks * sizeof(float) + 3 * blocks * sizeof(int32_t));
@@ -1232,7 +1232,8 @@ int hs_matmul(const hs_matrix *w, const float *x, int n, float *out, int threads
 
 typedef struct { /* per-call scratch, one allocation */
     float *x, *normed, *q, *k, *v, *attended, *projected, *gate, *up, *scores;
-    activations acts;
+    activations acts;  /* span HS_BLOCK: every quantized type but the super-block ones */
+    activations super; /* span HS_SUPER: the super-block types' (hs_unpacked_super) */
     void *base;
 } scratch;
 
@@ -1253,26 +1254,55 @@ static int scratch_alloc(scratch *s, const hs_model *m, int n, int threads) {
                              (size_t)threads * attention_scratch(m),
                              n * (widest / HS_BLOCK), padded * (widest / HS_BLOCK),
                              n * (widest / HS_BLOCK), padded * (widest / HS_BLOCK),
+                             padded * (widest / HS_BLOCK),
+                             n * (widest / HS_BLOCK), padded * (widest / HS_BLOCK),
+                             n * (widest / HS_BLOCK), padded * (widest / HS_BLOCK),
                              padded * (widest / HS_BLOCK)};
     _Static_assert(sizeof(float) == sizeof(int32_t), "the block sums share the float slots");
     float **slots[] = {&s->x,      &s->normed,    &s->q,    &s->k,  &s->v,     &s->attended,
                        &s->projected, &s->gate, &s->up, &s->scores, &s->acts.d,
                        &s->acts.grouped_d, (float **)&s->acts.sum,
-                       (float **)&s->acts.grouped_sum, (float **)&s->acts.grouped_half_sum};
-    const size_t int8s = (padded * widest + 63) & ~(size_t)63; /* each of the two int8 layouts */
-    size_t total = 2 * int8s;
+                       (float **)&s->acts.grouped_sum, (float **)&s->acts.grouped_half_sum,
+                       &s->super.d, &s->super.grouped_d, (float **)&s->super.sum,
+                       (float **)&s->super.grouped_sum, (float **)&s->super.grouped_half_sum};
+    const size_t int8s = (padded * widest + 63) & ~(size_t)63; /* each of the four int8 layouts */
+    size_t total = 4 * int8s;
     for (size_t i = 0; i < sizeof floats / sizeof *floats; i++) total += floats[i] * sizeof(float) + 64;
     char *base = malloc(total + 64);
     if (!base) return -1;
     s->base = base;
     s->acts.q = (int8_t *)base;
     s->acts.grouped = (int8_t *)base + int8s;
-    char *cursor = base + 2 * int8s;
+    s->super.q = (int8_t *)base + 2 * int8s;
+    s->super.grouped = (int8_t *)base + 3 * int8s;
+    s->acts.span = HS_BLOCK;
+    s->super.span = HS_SUPER;
+    char *cursor = base + 4 * int8s;
     for (size_t i = 0; i < sizeof floats / sizeof *floats; i++) {
         *slots[i] = (float *)cursor;
         cursor += (floats[i] * sizeof(float) + 63) & ~(size_t)63;
     }
     return 0;
+}
+
+/* The activations a matrix reads. */
+static const activations *acts_for(const scratch *s, const hs_matrix *w) {
+    return hs_unpacked_super(w->type) ? &s->super : &s->acts;
+}
+
+/* Which spans the matrices reading one input need: bit 0 HS_BLOCK's, bit 1 HS_SUPER's. */
+static int spans_of(const hs_matrix *a, const hs_matrix *b, const hs_matrix *c) {
+    const hs_matrix *readers[] = {a, b, c};
+    int spans = 0;
+    for (int i = 0; i < 3; i++)
+        if (readers[i] && is_quantized(readers[i]->type)) spans |= hs_unpacked_super(readers[i]->type) ? 2 : 1;
+    return spans;
+}
+
+/* Row i of an input, quantized for each span its readers need. */
+static void quantize_input(const scratch *s, int spans, const float *x, int i, int n, int cols, int simd) {
+    if (spans & 1) quantize_activation(&s->acts, x, i, n, cols, simd);
+    if (spans & 2) quantize_activation(&s->super, x, i, n, cols, simd);
 }
 
 static int forward_ok(const hs_model *m, int n, const int32_t *tokens, const int32_t *positions,
@@ -1360,11 +1390,11 @@ static void forward_rows(const hs_model *m, const scratch *s, int n, const int32
 #pragma omp for schedule(static)
         for (int i = 0; i < n; i++) {
             rms_norm(s->x + (size_t)i * d, y->attn_norm, d, m->eps, s->normed + (size_t)i * d);
-            quantize_activation(&s->acts, s->normed + (size_t)i * d, i, n, d, simd);
+            quantize_input(s, spans_of(&y->q, &y->k, &y->v), s->normed + (size_t)i * d, i, n, d, simd);
         }
-        matmul_items(&y->q, &s->acts, s->normed, n, s->q, simd, 0);
-        matmul_items(&y->k, &s->acts, s->normed, n, s->k, simd, 0);
-        matmul_items(&y->v, &s->acts, s->normed, n, s->v, simd, 1);
+        matmul_items(&y->q, acts_for(s, &y->q), s->normed, n, s->q, simd, 0);
+        matmul_items(&y->k, acts_for(s, &y->k), s->normed, n, s->k, simd, 0);
+        matmul_items(&y->v, acts_for(s, &y->v), s->normed, n, s->v, simd, 1);
 #pragma omp for schedule(static)
         for (int i = 0; i < n; i++) {
             const float *cos = m->rope_cos + (size_t)positions[i] * half;
@@ -1412,18 +1442,18 @@ static void forward_rows(const hs_model *m, const scratch *s, int n, const int32
         }
 #pragma omp for schedule(static)
         for (int i = 0; i < n; i++)
-            quantize_activation(&s->acts, s->attended + (size_t)i * qd, i, n, qd, simd);
-        matmul_items(&y->o, &s->acts, s->attended, n, s->projected, simd, 1);
+            quantize_input(s, spans_of(&y->o, NULL, NULL), s->attended + (size_t)i * qd, i, n, qd, simd);
+        matmul_items(&y->o, acts_for(s, &y->o), s->attended, n, s->projected, simd, 1);
 #pragma omp for schedule(static)
         for (int i = 0; i < n; i++) {
             float *x = s->x + (size_t)i * d;
             add_bias(s->projected + (size_t)i * d, y->o_bias, d);
             for (int k = 0; k < d; k++) x[k] += s->projected[(size_t)i * d + k];
             rms_norm(x, y->ffn_norm, d, m->eps, s->normed + (size_t)i * d);
-            quantize_activation(&s->acts, s->normed + (size_t)i * d, i, n, d, simd);
+            quantize_input(s, spans_of(&y->gate, &y->up, NULL), s->normed + (size_t)i * d, i, n, d, simd);
         }
-        matmul_items(&y->gate, &s->acts, s->normed, n, s->gate, simd, 0);
-        matmul_items(&y->up, &s->acts, s->normed, n, s->up, simd, 1);
+        matmul_items(&y->gate, acts_for(s, &y->gate), s->normed, n, s->gate, simd, 0);
+        matmul_items(&y->up, acts_for(s, &y->up), s->normed, n, s->up, simd, 1);
 #pragma omp for schedule(static)
         for (int i = 0; i < n; i++) {
             float *g = s->gate + (size_t)i * f, *u = s->up + (size_t)i * f;
@@ -1435,9 +1465,9 @@ static void forward_rows(const hs_model *m, const scratch *s, int n, const int32
             else
 #endif
                 for (int k = 0; k < f; k++) g[k] = silu(g[k]) * u[k];
-            quantize_activation(&s->acts, g, i, n, f, simd);
+            quantize_input(s, spans_of(&y->down, NULL, NULL), g, i, n, f, simd);
         }
-        matmul_items(&y->down, &s->acts, s->gate, n, s->projected, simd, 1);
+        matmul_items(&y->down, acts_for(s, &y->down), s->gate, n, s->projected, simd, 1);
 #pragma omp for schedule(static)
         for (int i = 0; i < n; i++) {
             float *x = s->x + (size_t)i * d;
@@ -1451,9 +1481,9 @@ static void forward_rows(const hs_model *m, const scratch *s, int n, const int32
         for (int i = first_logit; i < n; i++) {
             const size_t r = (size_t)(i - first_logit);
             rms_norm(s->x + (size_t)i * d, m->output_norm, d, m->eps, s->normed + r * d);
-            quantize_activation(&s->acts, s->normed + r * d, (int)r, outputs, d, simd);
+            quantize_input(s, spans_of(&m->output, NULL, NULL), s->normed + r * d, (int)r, outputs, d, simd);
         }
-        matmul_items(&m->output, &s->acts, s->normed, outputs, logits, simd, 1);
+        matmul_items(&m->output, acts_for(s, &m->output), s->normed, outputs, logits, simd, 1);
     }
 }
 
@@ -1477,7 +1507,7 @@ int hs_forward(const hs_model *m, int n, const int32_t *tokens, const int32_t *p
     scratch s;
     if (scratch_alloc(&s, m, n, threads)) return -1;
     const int simd = simd_for(m->simd);
-    s.acts.with_sums = simd >= HS_SIMD_AVX_VNNI || has_mins_anywhere(m);
+    s.acts.with_sums = s.super.with_sums = simd >= HS_SIMD_AVX_VNNI || has_mins_anywhere(m);
     if (threads == 1) { /* no team: its worksharing loops are orphaned and skip their barriers,
         where a team of one still makes a futex call at each (about 26 a forward) */
         forward_rows(m, &s, n, tokens, positions, start, n_prefix, offsets, visible, first_logit,

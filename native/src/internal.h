@@ -73,7 +73,9 @@ static inline float half_to_float(uint16_t h) {
  * A matrix's input rows are quantized once, into two layouts: row-major, for the kernels
  * that put output features in vector lanes, and, for every whole group of GROUP rows,
  * interleaved so that one 32-byte load holds the same four input values of all GROUP rows
- * (the kernel that puts rows in lanes). */
+ * (the kernel that puts rows in lanes). Values share a scale over a span: a block of 32, or
+ * for the super-block weights (hs_unpacked_super) a super-block of 256, whose blocks then
+ * all hold its one scale (the layouts stay per block). */
 
 typedef struct {
     int8_t *q;        /* (n, cols) */
@@ -87,6 +89,7 @@ typedef struct {
     int32_t *grouped_sum;      /* per group, per block: the group's 8 sums */
     int32_t *grouped_half_sum; /* ... and the 8 sums of the block's first 16 values (Q6_K) */
     int with_sums;
+    int span; /* values sharing one scale: HS_BLOCK or HS_SUPER */
 } activations;
 
 #if HS_X86
@@ -102,6 +105,12 @@ int hs_unpacked_is(int type);
 /* Q4_K, Q5_K, Q4_1 and Q5_1: a min per block, whose term needs the activations' block sums. */
 static inline int hs_unpacked_has_mins(int type) {
     return type == HS_Q4_K || type == HS_Q5_K || type == HS_Q4_1 || type == HS_Q5_1;
+}
+/* Q4_K, Q5_K, Q6_K and IQ4_XS: integer scales within 256-value super-blocks, so their
+ * activations are quantized per super-block (span HS_SUPER) and a chunk's products add up as
+ * integers (unpacked.c's recipe). */
+static inline int hs_unpacked_super(int type) {
+    return type == HS_Q4_K || type == HS_Q5_K || type == HS_Q6_K || type == HS_IQ4_XS;
 }
 size_t hs_unpacked_row_bytes(int type, int cols); /* 0: another type, or not whole blocks */
 void hs_unpacked_dequantize_row(int type, const void *row, int cols, float *out);

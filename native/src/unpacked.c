@@ -5,25 +5,37 @@
  *
  * A row is read in chunks of 8 activation blocks (256 values: a K-quant super-block, or 8
  * blocks of the 32-value types; such a row's last chunk may hold fewer). Each chunk is
- * unpacked once, for all the rows a call multiplies: its values q as bytes, and per block of
- * 32 a float factor d_b and (Q4_K, Q5_K, Q4_1, Q5_1) a float offset m_b, so that weight k of
- * block b is d_b * q_k + m_b. Q4_K and Q5_K have one integer scale a block, folded into d_b
- * (d * scale, exact in a float: 11 by 6 significant bits), and m_b = -(dmin * min), exact
- * too; Q4_1's and Q5_1's d_b and m_b are their blocks' d and m, IQ4_NL's d_b its d, IQ4_XS's
- * d * (scale - 32) (exact, as the K-quants'). Q6_K has a scale per
- * half-block of 16, so its d_b is d and its scales stay integers. The weights are read once,
- * in place.
+ * unpacked once, for all the rows a call multiplies: its values q as bytes, and its factors:
+ * for the super-block types (Q4_K, Q5_K, Q6_K, IQ4_XS) the integer scales (Q6_K's a
+ * half-block of 16) and mins, d and -dmin; for the 32-value types per block a float factor d_b
+ * and (Q4_1, Q5_1) a float offset m_b, so that weight k of block b is d_b * q_k + m_b (their
+ * blocks' d and m; dequantization writes every type this way, as ggml does). The weights are
+ * read once, in place.
  *
- * The recipe every kernel here follows for one (row, output feature) and one chunk, with
- * activation block b's int8 values x, float scale x_scale_b and integer sum of x:
- *     P_b = sum(q x)            (Q4_K, Q5_K, Q5_0, Q4_1, Q5_1, IQ4_NL, IQ4_XS)
- *     P_b = scale_lo * sum(q x, low 16) + scale_hi * sum(q x, high 16)          (Q6_K)
+ * The recipes every kernel here follows for one (row, output feature) and one chunk, with
+ * activation block b's int8 values x and the integer sum of x, sum_b(x):
+ *
+ * Q4_K, Q5_K, Q6_K and IQ4_XS (hs_unpacked_super): integer scales within a super-block, whose
+ * activations share one float scale x_scale (quantized per 256), so the chunk's products add
+ * up as integers and one float step a chunk remains:
+ *     I = sum over b of scale_b * sum(q x)       (Q6_K: over half-blocks h, scale_h * sum(q x))
+ *     M = sum over b of min_b * sum_b(x)         (Q4_K, Q5_K)
+ *     v = (float)I * (x_scale * d)
+ *     v = fma((float)M, x_scale * -dmin, v)      (Q4_K, Q5_K)
+ *     acc = acc + v
+ * with scale_b Q4_K's and Q5_K's 6-bit scales, IQ4_XS's scale - 32, Q6_K's signed 8-bit
+ * half-block scales, and d, dmin the super-block's. I and M are exact integers (|I| < 2^28,
+ * M < 2^21) whatever order a kernel adds them in, so their floats are the same everywhere.
+ *
+ * Q5_0, Q4_1, Q5_1, IQ4_NL (blocks of 32, a float scale each; activations quantized per 32
+ * with block scale x_scale_b):
+ *     P_b = sum(q x)
  *     v_b = (float)P_b * (x_scale_b * d_b)
- *     v_b = fma((float)sum_b(x), x_scale_b * m_b, v_b)              (Q4_K, Q5_K, Q4_1, Q5_1)
+ *     v_b = fma((float)sum_b(x), x_scale_b * m_b, v_b)              (Q4_1, Q5_1)
  *     acc = acc + (((v_0 + v_1) + (v_2 + v_3)) + ((v_4 + v_5) + (v_6 + v_7)))
  * with v_b = 0 for the blocks a short chunk lacks. P_b is exact (|P_b| < 2^24), and a chunk's
  * blocks add up as a tree, so one row's chunk is a few vector steps (no chain of dependent
- * multiply-adds); every kernel level gives the same bits, for a row alone or among others. */
+ * multiply-adds). Every kernel level gives the same bits, for a row alone or among others. */
 #include "internal.h"
 
 #define SUB (HS_SUPER / HS_BLOCK) /* activation blocks in a chunk */
@@ -96,9 +108,11 @@ typedef struct {
     float d[SUB] __attribute__((aligned(32)));      /* d_b; a short chunk's missing blocks: 0 */
     float offset[SUB] __attribute__((aligned(32))); /* m_b (with mins; else 0) */
     int16_t scale[2 * SUB] __attribute__((aligned(32))); /* Q6_K: per half-block of 16 */
-    /* Q6_K's scales again, in the order rows_major's sums come in: the low halves of blocks
-     * 0-3, their high halves, then blocks 4-7's (AVX2 kernels only) */
-    int32_t halves[2 * SUB] __attribute__((aligned(32)));
+    /* the super-block types' integer scale a block (Q4_K, Q5_K 0..63; IQ4_XS -32..31) and
+     * min (Q4_K, Q5_K), and their float d and -dmin */
+    int32_t iscale[SUB] __attribute__((aligned(32)));
+    int32_t imin[SUB] __attribute__((aligned(32)));
+    float sd, smin;
     int blocks; /* activation blocks in this chunk: SUB, or fewer at a 32-value type's row end */
 } unpacked;
 
@@ -192,17 +206,23 @@ INLINE int iq4_xs_scale(const block_iq4_xs *blk, int b) {
 
 /* Everything but the values. */
 static void unpack_factors_portable(const char *chunk, int type, unpacked *u) {
-    for (int b = 0; b < SUB; b++) u->d[b] = u->offset[b] = 0.0f;
+    for (int b = 0; b < SUB; b++) u->d[b] = u->offset[b] = 0.0f, u->iscale[b] = u->imin[b] = 0;
+    u->sd = u->smin = 0.0f;
     if (type == HS_Q6_K) {
         const block_q6_k *blk = (const block_q6_k *)chunk;
         for (int h = 0; h < 2 * SUB; h++) u->scale[h] = blk->scales[h];
         for (int b = 0; b < SUB; b++) u->d[b] = half_to_float(blk->d);
+        u->sd = half_to_float(blk->d);
     } else if (type == HS_Q5_0 || type == HS_IQ4_NL) { /* d first in each block */
         for (int b = 0; b < u->blocks; b++)
             u->d[b] = half_to_float(*(const uint16_t *)(chunk + (size_t)b * block_bytes(type)));
     } else if (type == HS_IQ4_XS) {
         const block_iq4_xs *blk = (const block_iq4_xs *)chunk;
-        for (int b = 0; b < SUB; b++) u->d[b] = half_to_float(blk->d) * (float)(iq4_xs_scale(blk, b) - 32);
+        for (int b = 0; b < SUB; b++) {
+            u->iscale[b] = iq4_xs_scale(blk, b) - 32;
+            u->d[b] = half_to_float(blk->d) * (float)u->iscale[b];
+        }
+        u->sd = half_to_float(blk->d);
     } else if (small_blocks(type)) { /* Q5_1 begins as Q4_1 does */
         for (int b = 0; b < u->blocks; b++) {
             const block_q4_1 *blk = (const block_q4_1 *)(chunk + (size_t)b * block_bytes(type));
@@ -215,9 +235,13 @@ static void unpack_factors_portable(const char *chunk, int type, unpacked *u) {
         for (int b = 0; b < SUB; b++) {
             int scale, min;
             scale_min(blk->scales, b, &scale, &min);
+            u->iscale[b] = scale;
+            u->imin[b] = min;
             u->d[b] = d * (float)scale;
             u->offset[b] = -(dmin * (float)min);
         }
+        u->sd = d;
+        u->smin = -dmin;
     }
 }
 
@@ -278,6 +302,14 @@ INLINE float chunk_sum(const float v[SUB]) {
     return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
 
+/* The super-block recipe's float step: a chunk's integers I and M for one row whose
+ * activations have scale x_scale. */
+INLINE float super_term(const int type, const int32_t products, const int32_t mins, const float x_scale,
+                        const unpacked *u) {
+    const float v = (float)products * (x_scale * u->sd);
+    return has_mins(type) ? fmaf((float)mins, x_scale * u->smin, v) : v;
+}
+
 #define ROW_CHUNK 16         /* rows the portable kernel accumulates at a time */
 #define PREFETCH_AHEAD 2048 /* bytes of weights the AVX2 kernels ask for ahead of their use */
 
@@ -297,6 +329,7 @@ static void features_portable(const hs_matrix *w, const activations *a, int n, i
                     const size_t row = (size_t)(r0 + r);
                     const int8_t *x = a->q + row * w->cols + (size_t)c * HS_SUPER;
                     float v[SUB] = {0};
+                    int32_t products = 0, mins = 0; /* the super-block recipe's I and M */
                     for (int b = 0; b < u.blocks; b++) {
                         int32_t lo = 0, hi = 0;
                         for (int k = 0; k < 16; k++) {
@@ -304,12 +337,20 @@ static void features_portable(const hs_matrix *w, const activations *a, int n, i
                             hi += u.q[32 * b + 16 + k] * x[32 * b + 16 + k];
                         }
                         const size_t at = row * blocks + (size_t)c * SUB + b;
-                        const int32_t products =
-                            w->type == HS_Q6_K ? u.scale[2 * b] * lo + u.scale[2 * b + 1] * hi : lo + hi;
-                        v[b] = (float)products * (a->d[at] * u.d[b]);
-                        if (has_mins(w->type)) v[b] = fmaf((float)a->sum[at], a->d[at] * u.offset[b], v[b]);
+                        if (w->type == HS_Q6_K) {
+                            products += u.scale[2 * b] * lo + u.scale[2 * b + 1] * hi;
+                        } else if (hs_unpacked_super(w->type)) {
+                            products += u.iscale[b] * (lo + hi);
+                            if (has_mins(w->type)) mins += u.imin[b] * a->sum[at];
+                        } else {
+                            v[b] = (float)(lo + hi) * (a->d[at] * u.d[b]);
+                            if (has_mins(w->type)) v[b] = fmaf((float)a->sum[at], a->d[at] * u.offset[b], v[b]);
+                        }
                     }
-                    acc[r] = acc[r] + chunk_sum(v);
+                    if (hs_unpacked_super(w->type))
+                        acc[r] = acc[r] + super_term(w->type, products, mins, a->d[row * blocks + (size_t)c * SUB], &u);
+                    else
+                        acc[r] = acc[r] + chunk_sum(v);
                 }
             }
             for (int r = 0; r < m; r++) out[(size_t)(r0 + r) * w->rows + j] = acc[r];
@@ -318,7 +359,8 @@ static void features_portable(const hs_matrix *w, const activations *a, int n, i
 }
 
 #if HS_X86
-/* unpack_factors_portable's factors (Q6_K's scales again as `halves`). Q4_K's and Q5_K's
+/* unpack_factors_portable's factors that the kernels read (for the super-block types: not
+ * d_b and m_b). Q4_K's and Q5_K's
  * packed scales and mins as four 32-bit words: scales 0-3 and mins 0-3 are the low 6 bits of
  * bytes 0-3 and 4-7; scales 4-7 take bytes 8-11's low nibbles and bytes 0-3's top 2 bits,
  * mins 4-7 bytes 8-11's high nibbles and bytes 4-7's top bits. */
@@ -327,20 +369,13 @@ HS_AVX2 INLINE void unpack_factors_avx2(const char *chunk, const int type, unpac
         const block_q6_k *blk = (const block_q6_k *)chunk;
         const __m128i bytes = _mm_loadu_si128((const __m128i *)blk->scales);
         _mm256_store_si256((__m256i *)u->scale, _mm256_cvtepi8_epi16(bytes));
-        const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7); /* low halves, high */
-        _mm256_store_si256((__m256i *)u->halves, _mm256_permutevar8x32_epi32(_mm256_cvtepi8_epi32(bytes), order));
-        _mm256_store_si256((__m256i *)(u->halves + SUB),
-                           _mm256_permutevar8x32_epi32(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)), order));
-        _mm256_store_ps(u->d, _mm256_set1_ps(_cvtsh_ss(blk->d)));
-        _mm256_store_ps(u->offset, _mm256_setzero_ps());
+        u->sd = _cvtsh_ss(blk->d);
         return;
     }
     if (type == HS_IQ4_XS) {
         const block_iq4_xs *blk = (const block_iq4_xs *)chunk;
-        float scales[SUB];
-        for (int b = 0; b < SUB; b++) scales[b] = (float)(iq4_xs_scale(blk, b) - 32);
-        _mm256_store_ps(u->d, _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(blk->d)), _mm256_loadu_ps(scales)));
-        _mm256_store_ps(u->offset, _mm256_setzero_ps());
+        for (int b = 0; b < SUB; b++) u->iscale[b] = iq4_xs_scale(blk, b) - 32;
+        u->sd = _cvtsh_ss(blk->d);
         return;
     }
     if (small_blocks(type)) { /* d first in each block; Q4_1's and Q5_1's m next */
@@ -362,11 +397,10 @@ HS_AVX2 INLINE void unpack_factors_avx2(const char *chunk, const int type, unpac
     const uint32_t mins_hi = ((words[2] >> 4) & low4) | ((words[1] >> 6) & low2) << 4;
     const __m128i scale_bytes = _mm_setr_epi32((int)(words[0] & low6), (int)scales_hi, 0, 0);
     const __m128i min_bytes = _mm_setr_epi32((int)(words[1] & low6), (int)mins_hi, 0, 0);
-    const __m256 scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scale_bytes));
-    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(min_bytes));
-    _mm256_store_ps(u->d, _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(blk->d)), scales));
-    const __m256 dmin_mins = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(blk->dmin)), mins);
-    _mm256_store_ps(u->offset, _mm256_xor_ps(dmin_mins, _mm256_set1_ps(-0.0f))); /* -(dmin * min) */
+    _mm256_store_si256((__m256i *)u->iscale, _mm256_cvtepu8_epi32(scale_bytes));
+    _mm256_store_si256((__m256i *)u->imin, _mm256_cvtepu8_epi32(min_bytes));
+    u->sd = _cvtsh_ss(blk->d);
+    u->smin = -_cvtsh_ss(blk->dmin);
 }
 
 /* A chunk's values as bytes, and its factors. */
@@ -479,19 +513,19 @@ HS_AVX2 INLINE __m256 block_terms(const int type, const __m256 products, const _
 }
 
 /* Rows in lanes, block b of chunk c (unpacked in u) for the rows of `count` (1 or 2) whole
- * groups from `group` on: v_b of each group's 8 rows, into v. Pair sums stay in 16 bits over
- * runs while they fit: all eight for Q4_K and Q4_1 (8 * 2 * 15 * 127 < 2^15) and Q5_0
- * (|q| <= 16), a half-block's four for Q5_K, Q5_1 and Q6_K (Q6_K's halves then take their
- * own scales), one for IQ4_NL and IQ4_XS (2 * 127 * 127 < 2^15). */
-HS_AVX2 INLINE void block_in_lanes_avx2(const unpacked *u, const int type, const int c, const int b,
-                                        const int blocks, const activations *a, const int group,
-                                        const int count, __m256 v[2]) {
-    v[0] = v[1] = _mm256_setzero_ps();
-    if (b >= u->blocks) return; /* a short chunk's missing block: 0 */
+ * groups from `group` on: each group's 8 rows' block integers in lanes: P_b, or for the
+ * super-block types scale_b * P_b (Q6_K: its halves' sum of scale_h * P_h). Pair sums stay in
+ * 16 bits over runs while they fit: all eight for Q4_K and Q4_1 (8 * 2 * 15 * 127 < 2^15) and
+ * Q5_0 (|q| <= 16), a half-block's four for Q5_K, Q5_1 and Q6_K (Q6_K's halves then take their
+ * own scales), one for IQ4_NL and IQ4_XS (2 * 127 * 127 < 2^15); vpmaddwd then applies the
+ * scale (1 for the 32-value types). */
+HS_AVX2 INLINE void block_sums_in_lanes_avx2(const unpacked *u, const int type, const int c, const int b,
+                                             const int blocks, const activations *a, const int group,
+                                             const int count, __m256i sums[2]) {
     const size_t blk = (size_t)c * SUB + b;
     /* 16-bit sums a block: IQ4's values (up to 127) fit one run's pairs only */
     const int spans = type == HS_Q4_K || type == HS_Q5_0 || type == HS_Q4_1 ? 1 : iq4(type) ? GROUP : 2;
-    __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    sums[0] = sums[1] = _mm256_setzero_si256();
     for (int h = 0; h < spans; h++) {
         __m256i pairs[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
         for (int k = GROUP / spans * h; k < GROUP / spans * (h + 1); k++) {
@@ -499,16 +533,60 @@ HS_AVX2 INLINE void block_in_lanes_avx2(const unpacked *u, const int type, const
             for (int g = 0; g < count; g++)
                 pairs[g] = _mm256_add_epi16(pairs[g], pair_products(type, w, grouped_run(a, group + g, blocks, blk, k)));
         }
-        const __m256i scale = _mm256_set1_epi16(type == HS_Q6_K ? u->scale[2 * b + h] : 1);
+        const int scale = type == HS_Q6_K ? u->scale[2 * b + h] : hs_unpacked_super(type) ? u->iscale[b] : 1;
         for (int g = 0; g < count; g++)
-            sums[g] = _mm256_add_epi32(sums[g], _mm256_madd_epi16(pairs[g], scale));
-    }
-    for (int g = 0; g < count; g++) {
-        const size_t at = ((size_t)(group + g) * blocks + blk) * GROUP;
-        v[g] = block_terms(type, _mm256_cvtepi32_ps(sums[g]), _mm256_loadu_ps(a->grouped_d + at),
-                           grouped_sums(a, type, at), _mm256_set1_ps(u->d[b]), _mm256_set1_ps(u->offset[b]));
+            sums[g] = _mm256_add_epi32(sums[g], _mm256_madd_epi16(pairs[g], _mm256_set1_epi16((short)scale)));
     }
 }
+
+/* The 32-value types' v_b (block b of chunk c) of each group's 8 rows in lanes, into v (0 for a
+ * short chunk's missing block). Defined per kernel level, on its block_sums_in_lanes. */
+#define BLOCK_IN_LANES(ATTR, SUFFIX)                                                                          \
+    ATTR INLINE void block_in_lanes_##SUFFIX(const unpacked *u, const int type, const int c, const int b,     \
+                                             const int blocks, const activations *a, const int group,         \
+                                             const int count, __m256 v[2]) {                                  \
+        v[0] = v[1] = _mm256_setzero_ps();                                                                    \
+        if (b >= u->blocks) return;                                                                           \
+        __m256i sums[2];                                                                                      \
+        block_sums_in_lanes_##SUFFIX(u, type, c, b, blocks, a, group, count, sums);                           \
+        for (int g = 0; g < count; g++) {                                                                     \
+            const size_t at = ((size_t)(group + g) * blocks + (size_t)c * SUB + b) * GROUP;                   \
+            v[g] = block_terms(type, _mm256_cvtepi32_ps(sums[g]), _mm256_loadu_ps(a->grouped_d + at),         \
+                               grouped_sums(a, type, at), _mm256_set1_ps(u->d[b]), _mm256_set1_ps(u->offset[b])); \
+        }                                                                                                     \
+    }
+BLOCK_IN_LANES(HS_AVX2, avx2)
+
+/* Rows in lanes, the super-block recipe: chunk c times the rows of `count` whole groups;
+ * acc[g] += each of group g's 8 rows' v. Defined per kernel level, on its
+ * block_sums_in_lanes. */
+#define SUPER_IN_LANES(ATTR, SUFFIX)                                                                           \
+    ATTR INLINE void super_in_lanes_##SUFFIX(const unpacked *u, const int type, const int c, const int blocks, \
+                                            const activations *a, const int group, const int count,           \
+                                            __m256 acc[2]) {                                                   \
+        __m256i products[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};                               \
+        __m256i mins[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};                                   \
+        for (int b = 0; b < SUB; b++) {                                                                        \
+            __m256i sums[2];                                                                                   \
+            block_sums_in_lanes_##SUFFIX(u, type, c, b, blocks, a, group, count, sums);                        \
+            for (int g = 0; g < count; g++) {                                                                  \
+                products[g] = _mm256_add_epi32(products[g], sums[g]);                                          \
+                if (has_mins(type)) {                                                                          \
+                    const size_t at = ((size_t)(group + g) * blocks + (size_t)c * SUB + b) * GROUP;            \
+                    mins[g] = _mm256_add_epi32(mins[g], _mm256_mullo_epi32(_mm256_loadu_si256(               \
+                        (const __m256i *)(a->grouped_sum + at)), _mm256_set1_epi32(u->imin[b])));              \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int g = 0; g < count; g++) { /* super_term's steps */                                             \
+            const __m256 x_scale = _mm256_loadu_ps(a->grouped_d + ((size_t)(group + g) * blocks + (size_t)c * SUB) * GROUP); \
+            __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(products[g]), _mm256_mul_ps(x_scale, _mm256_set1_ps(u->sd))); \
+            if (has_mins(type))                                                                                \
+                v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins[g]), _mm256_mul_ps(x_scale, _mm256_set1_ps(u->smin)), v); \
+            acc[g] = _mm256_add_ps(acc[g], v);                                                                 \
+        }                                                                                                      \
+    }
+SUPER_IN_LANES(HS_AVX2, avx2)
 
 /* Rows in lanes: chunk c times the rows of `count` whole groups; acc[g] holds group g's 8
  * rows. The chunk's terms add up by chunk_sum's tree as they come (few live registers; the
@@ -517,6 +595,10 @@ HS_AVX2 INLINE void block_in_lanes_avx2(const unpacked *u, const int type, const
 #define ROWS_IN_LANES(ATTR, SUFFIX)                                                                                 \
     ATTR INLINE void rows_in_lanes_##SUFFIX(const unpacked *u, const int type, const int c, const int blocks,       \
                                            const activations *a, const int group, const int count, __m256 acc[2]) { \
+        if (hs_unpacked_super(type)) {                                                                              \
+            super_in_lanes_##SUFFIX(u, type, c, blocks, a, group, count, acc);                                      \
+            return;                                                                                                 \
+        }                                                                                                           \
         __m256 even[2], odd[2], first[2], second[2];                                                                \
         block_in_lanes_##SUFFIX(u, type, c, 0, blocks, a, group, count, even);                                      \
         block_in_lanes_##SUFFIX(u, type, c, 1, blocks, a, group, count, odd);                                       \
@@ -537,15 +619,11 @@ HS_AVX2 INLINE void block_in_lanes_avx2(const unpacked *u, const int type, const
 ROWS_IN_LANES(HS_AVX2, avx2)
 
 /* P_b in lane b, from block b's products summed in pairs (lanes 0-3 the low half-block's,
- * 4-7 the high's): the halves' sums (Q6_K: each times its scale) added (exact integers). */
-HS_AVX2 INLINE __m256i block_products(const int type, const unpacked *u, const __m256i sums[SUB]) {
+ * 4-7 the high's): the halves' sums added (exact integers). The 32-value types'. */
+HS_AVX2 INLINE __m256i block_products(const __m256i sums[SUB]) {
     /* lanes: the low halves of blocks 0-3, then their high halves (blocks 4-7 likewise) */
-    __m256i first = _mm256_hadd_epi32(_mm256_hadd_epi32(sums[0], sums[1]), _mm256_hadd_epi32(sums[2], sums[3]));
-    __m256i second = _mm256_hadd_epi32(_mm256_hadd_epi32(sums[4], sums[5]), _mm256_hadd_epi32(sums[6], sums[7]));
-    if (type == HS_Q6_K) {
-        first = _mm256_mullo_epi32(first, _mm256_load_si256((const __m256i *)u->halves));
-        second = _mm256_mullo_epi32(second, _mm256_load_si256((const __m256i *)(u->halves + SUB)));
-    }
+    const __m256i first = _mm256_hadd_epi32(_mm256_hadd_epi32(sums[0], sums[1]), _mm256_hadd_epi32(sums[2], sums[3]));
+    const __m256i second = _mm256_hadd_epi32(_mm256_hadd_epi32(sums[4], sums[5]), _mm256_hadd_epi32(sums[6], sums[7]));
     return _mm256_add_epi32(_mm256_permute2x128_si256(first, second, 0x20),
                             _mm256_permute2x128_si256(first, second, 0x31));
 }
@@ -557,30 +635,64 @@ HS_AVX2 INLINE float chunk_sum8(const __m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(quads), _mm256_extractf128_ps(quads, 1)));
 }
 
+/* The sum of 8 int32 lanes (exact: any order). */
+HS_AVX2 INLINE int32_t sum_lanes(const __m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+
+/* A super-block type's block b scale in the 16 int16 lanes of its pair sums (Q6_K: the low
+ * half-block's in lanes 0-7, the high's in 8-15). */
+HS_AVX2 INLINE __m256i block_scale16(const int type, const unpacked *u, const int b) {
+    if (type == HS_Q6_K) return _mm256_set_m128i(_mm_set1_epi16(u->scale[2 * b + 1]), _mm_set1_epi16(u->scale[2 * b]));
+    return _mm256_set1_epi16((short)u->iscale[b]);
+}
+
+/* acc + block b's products in pairs times its scale (scale16), in 8 int32 lanes. */
+HS_AVX2 INLINE __m256i scaled_sums_avx2(const __m256i acc, const int type, const __m256i w, const __m256i x,
+                                        const __m256i scale16) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pair_products(type, w, x), scale16));
+}
+
 /* Block b's products in pairs summed to 8 int32 lanes (lanes 0-3 the low half-block's). */
 HS_AVX2 INLINE __m256i block_sums_avx2(const int type, const __m256i w, const __m256i x) {
     return _mm256_madd_epi16(pair_products(type, w, x), _mm256_set1_epi16(1));
 }
 
 /* Rows one by one: chunk c of one weight row times m row-major rows (rows first_row.., of
- * `cols` values); acc[r] is row r's sum. Lanes hold the chunk's blocks. Defined per kernel
- * level, on that level's block_sums. */
+ * `cols` values); acc[r] is row r's sum. The super-block types' pair sums are scaled and
+ * added as they come (one horizontal sum a chunk); the 32-value types' lanes hold the chunk's
+ * blocks. Defined per kernel level, on that level's block_sums and scaled_sums. */
 #define ROWS_MAJOR(ATTR, SUFFIX)                                                                               \
     ATTR INLINE void rows_major_##SUFFIX(const unpacked *u, const int type, const int c,                       \
                                          const int blocks, const activations *a,                               \
                                          const int first_row, const int cols, const int m,                     \
                                          float *acc) {                                                         \
-        const __m256 d = _mm256_load_ps(u->d), offset = _mm256_load_ps(u->offset);                             \
         for (int r = 0; r < m; r++) {                                                                          \
             const size_t row = (size_t)(first_row + r);                                                        \
             const int8_t *x = a->q + row * cols + (size_t)c * HS_SUPER;                                        \
             const size_t at = row * blocks + (size_t)c * SUB;                                                  \
+            if (hs_unpacked_super(type)) { /* whole chunks: the block sums scaled as they come */              \
+                __m256i products = _mm256_setzero_si256();                                                     \
+                for (int b = 0; b < SUB; b++)                                                                  \
+                    products = scaled_sums_##SUFFIX(products, type,                                            \
+                                                    _mm256_load_si256((const __m256i *)(u->q + 32 * b)),       \
+                                                    _mm256_loadu_si256((const __m256i *)(x + 32 * b)),         \
+                                                    block_scale16(type, u, b));                                \
+                const int32_t mins = has_mins(type) ? sum_lanes(_mm256_mullo_epi32(                            \
+                    _mm256_loadu_si256((const __m256i *)(a->sum + at)),                                        \
+                    _mm256_load_si256((const __m256i *)u->imin))) : 0;                                         \
+                acc[r] = acc[r] + super_term(type, sum_lanes(products), mins, a->d[at], u);                    \
+                continue;                                                                                      \
+            }                                                                                                  \
             __m256i sums[SUB];                                                                                 \
             for (int b = 0; b < SUB; b++)                                                                      \
                 sums[b] = b < u->blocks                                                                        \
                               ? block_sums_##SUFFIX(type, _mm256_load_si256((const __m256i *)(u->q + 32 * b)), \
                                                     _mm256_loadu_si256((const __m256i *)(x + 32 * b)))         \
                               : _mm256_setzero_si256();                                                        \
+            const __m256i products = block_products(sums);                                                     \
             __m256 x_scales;                                                                                   \
             __m256i x_sums = _mm256_setzero_si256();                                                           \
             if (u->blocks == SUB) {                                                                            \
@@ -596,8 +708,8 @@ HS_AVX2 INLINE __m256i block_sums_avx2(const int type, const __m256i w, const __
                     x_sums = _mm256_loadu_si256((const __m256i *)sums_x);                                      \
                 }                                                                                              \
             }                                                                                                  \
-            const __m256 products = _mm256_cvtepi32_ps(block_products(type, u, sums));                         \
-            acc[r] = acc[r] + chunk_sum8(block_terms(type, products, x_scales, x_sums, d, offset));            \
+            acc[r] = acc[r] + chunk_sum8(block_terms(type, _mm256_cvtepi32_ps(products), x_scales, x_sums,     \
+                                                     _mm256_load_ps(u->d), _mm256_load_ps(u->offset)));        \
         }                                                                                                      \
     }
 ROWS_MAJOR(HS_AVX2, avx2)
@@ -711,49 +823,69 @@ HS_VNNI INLINE __m256i block_sums_vnni(const int type, const __m256i w, const __
     if (has_mins(type)) return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
 }
+HS_VNNI INLINE __m256i scaled_sums_vnni(const __m256i acc, const int type, const __m256i w, const __m256i x,
+                                        const __m256i scale16) {
+    return _mm256_dpwssd_epi32(acc, pair_products(type, w, x), scale16);
+}
 ROWS_MAJOR(HS_VNNI, vnni)
 
 #define TILE 4 /* weight rows the VNNI kernel unpacks and takes at once: two pairs */
 
 /* A pair of weight rows' per-block factors for one chunk, 16 lanes each: lanes 0-7 the first
- * row's blocks 0-7, lanes 8-15 the second's; place[b] picks block b's into each half. */
+ * row's blocks 0-7, lanes 8-15 the second's; place[b] picks block b's into each half. The
+ * 32-value types' d_b and m_b; the super-block types' integer scales (Q6_K: a half-block's)
+ * and mins, and d and -dmin (each half its row's, in every lane). */
 typedef struct {
-    __m512 d, offset, scale_lo, scale_hi; /* scale_*: Q6_K's half-block scales */
+    __m512 d, offset;
+    __m512i scale, scale_hi, min; /* scale_hi: Q6_K's high half-blocks' (scale: the low's) */
+    __m512 sd, smin;
 } pair_factors;
 
-HS_VNNI INLINE __m512 join_ps(const float *lo, const float *hi) {
-    return _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_load_si256((const __m256i *)lo)),
-                                                  _mm256_load_si256((const __m256i *)hi), 1));
+HS_VNNI INLINE __m512i join(const void *lo, const void *hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_load_si256((const __m256i *)lo)),
+                              _mm256_load_si256((const __m256i *)hi), 1);
 }
 
 HS_VNNI INLINE pair_factors factors_of_pair(const unpacked *u0, const unpacked *u1, const int type) {
-    pair_factors f = {join_ps(u0->d, u1->d), join_ps(u0->offset, u1->offset), _mm512_setzero_ps(),
-                      _mm512_setzero_ps()};
+    pair_factors f = {0};
+    if (!hs_unpacked_super(type)) {
+        f.d = _mm512_castsi512_ps(join(u0->d, u1->d));
+        f.offset = _mm512_castsi512_ps(join(u0->offset, u1->offset));
+        return f;
+    }
+    const float sd[2 * SUB] __attribute__((aligned(64))) = {u0->sd, u0->sd, u0->sd, u0->sd, u0->sd, u0->sd, u0->sd,
+        u0->sd, u1->sd, u1->sd, u1->sd, u1->sd, u1->sd, u1->sd, u1->sd, u1->sd};
+    const float smin[2 * SUB] __attribute__((aligned(64))) = {u0->smin, u0->smin, u0->smin, u0->smin, u0->smin,
+        u0->smin, u0->smin, u0->smin, u1->smin, u1->smin, u1->smin, u1->smin, u1->smin, u1->smin, u1->smin, u1->smin};
+    f.sd = _mm512_load_ps(sd);
+    f.smin = _mm512_load_ps(smin);
     if (type == HS_Q6_K) {
-        float lo[2 * SUB] __attribute__((aligned(32))), hi[2 * SUB] __attribute__((aligned(32)));
+        int32_t lo[2 * SUB] __attribute__((aligned(64))), hi[2 * SUB] __attribute__((aligned(64)));
         for (int b = 0; b < SUB; b++) {
             lo[b] = u0->scale[2 * b], hi[b] = u0->scale[2 * b + 1];
             lo[SUB + b] = u1->scale[2 * b], hi[SUB + b] = u1->scale[2 * b + 1];
         }
-        f.scale_lo = _mm512_load_ps(lo);
-        f.scale_hi = _mm512_load_ps(hi);
+        f.scale = _mm512_load_si512(lo);
+        f.scale_hi = _mm512_load_si512(hi);
+    } else {
+        f.scale = join(u0->iscale, u1->iscale);
+        f.min = join(u0->imin, u1->imin);
     }
     return f;
 }
 
 /* Block b of chunk c, for one group of 8 rows against a pair of weight rows (unpacked in
  * u0, u1; factors f) in 512-bit vectors: lanes 0-7 the rows against u0, lanes 8-15 against
- * u1, each lane's v_b. `x` holds the block's 8 runs in both halves, `x_scales` and `x_sums`
- * its scales and sums, `half_sums` (Q6_K) the sums of its first 16 values. The weights go as
- * vpdpbusd's unsigned side: signed ones (Q6_K, Q5_0, IQ4_*) biased by 32, 16 or 128, the bias times the
- * activations' sum subtracted at the start, so each integer is the AVX2 kernels' exact P_b
- * (Q6_K: each half's), and the float steps are theirs: the same bits. */
-HS_VNNI INLINE __m512 block_pair_vnni(const unpacked *u0, const unpacked *u1, const pair_factors *f,
-                                      const int type, const int b, const __m512i x[GROUP], const __m512 x_scales,
-                                      const __m512i x_sums, const __m512i half_sums, const __m512i place[GROUP]) {
-    if (b >= u0->blocks) return _mm512_setzero_ps(); /* a short chunk's missing block: 0 */
-    __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_load_si256((const __m256i *)(u0->q + 32 * b))),
-                                      _mm256_load_si256((const __m256i *)(u1->q + 32 * b)), 1);
+ * u1, each lane's block integer: P_b, or for the super-block types scale_b * P_b (Q6_K: its
+ * halves' scale_h * P_h). `x` holds the block's 8 runs in both halves, `x_sums` its sums,
+ * `half_sums` (Q6_K) the sums of its first 16 values. The weights go as vpdpbusd's unsigned
+ * side: signed ones (Q6_K, Q5_0, IQ4_*) biased by 32, 16 or 128, the bias times the
+ * activations' sum subtracted at the start, so each integer is the AVX2 kernels' exact one:
+ * the same bits. */
+HS_VNNI INLINE __m512i block_pair_vnni(const unpacked *u0, const unpacked *u1, const pair_factors *f,
+                                       const int type, const int b, const __m512i x[GROUP], const __m512i x_sums,
+                                       const __m512i half_sums, const __m512i place[GROUP]) {
+    __m512i both = join(u0->q + 32 * b, u1->q + 32 * b);
     __m512i chains[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
     const int shift = unsigned_shift(type);
     if (shift) both = _mm512_add_epi8(both, _mm512_set1_epi8((char)(1 << shift)));
@@ -767,45 +899,66 @@ HS_VNNI INLINE __m512 block_pair_vnni(const unpacked *u0, const unpacked *u1, co
         const int chain = type == HS_Q6_K ? k / 4 : k & 1; /* else two chains: vpdpbusd waits for its sum */
         chains[chain] = _mm512_dpbusd_epi32(chains[chain], _mm512_permutexvar_epi32(place[k], both), x[k]);
     }
-    __m512 products;
     if (type == HS_Q6_K)
-        products = _mm512_fmadd_ps(_mm512_cvtepi32_ps(chains[1]), _mm512_permutexvar_ps(place[b], f->scale_hi),
-                                   _mm512_mul_ps(_mm512_cvtepi32_ps(chains[0]),
-                                                 _mm512_permutexvar_ps(place[b], f->scale_lo)));
-    else
-        products = _mm512_cvtepi32_ps(_mm512_add_epi32(chains[0], chains[1]));
-    const __m512 v = _mm512_mul_ps(products, _mm512_mul_ps(x_scales, _mm512_permutexvar_ps(place[b], f->d)));
-    if (!has_mins(type)) return v;
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(x_sums),
-                           _mm512_mul_ps(x_scales, _mm512_permutexvar_ps(place[b], f->offset)), v);
+        return _mm512_add_epi32(_mm512_mullo_epi32(chains[0], _mm512_permutexvar_epi32(place[b], f->scale)),
+                                _mm512_mullo_epi32(chains[1], _mm512_permutexvar_epi32(place[b], f->scale_hi)));
+    const __m512i products = _mm512_add_epi32(chains[0], chains[1]);
+    if (hs_unpacked_super(type)) return _mm512_mullo_epi32(products, _mm512_permutexvar_epi32(place[b], f->scale));
+    return products;
 }
 
-/* One group of 8 rows times chunk c of `pairs` (1 or 2) pairs of weight rows: acc[p] += the
- * chunk's tree (chunk_sum's) of each lane's v_b. A block's activations are loaded once for
- * every pair (the VNNI level always has the block sums). */
+/* One group of 8 rows times chunk c of `pairs` (1 or 2) pairs of weight rows: acc[p] += each
+ * lane's chunk term (the super-block recipe's v, or chunk_sum's tree of the v_b). A block's
+ * activations are loaded once for every pair (the VNNI level always has the block sums). */
 HS_VNNI INLINE void group_pairs_vnni(const unpacked *const u[TILE], const pair_factors f[2], const int type,
                                      const int c, const int blocks, const activations *a, const int group,
                                      const int pairs, const __m512i place[GROUP], __m512 acc[2]) {
     __m512 even[2] = {0}, first[2] = {0}, second[2] = {0}; /* chunk_sum's tree, as the terms come */
+    __m512i products[2] = {0}, mins[2] = {0};            /* the super-block recipe's I and M */
+    const size_t at0 = ((size_t)group * blocks + (size_t)c * SUB) * GROUP;
     for (int b = 0; b < SUB; b++) {
-        const size_t at = ((size_t)group * blocks + (size_t)c * SUB + b) * GROUP;
-        __m512i x[GROUP];
+        const size_t at = at0 + (size_t)b * GROUP;
+        const int present = b < u[0]->blocks; /* a short chunk's missing blocks: 0 */
+        __m512i x[GROUP], x_sums = _mm512_setzero_si512(), half_sums = _mm512_setzero_si512();
         for (int k = 0; k < GROUP; k++)
-            x[k] = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(a->grouped + (at + k) * 4 * GROUP)));
-        const __m512 x_scales = _mm512_castsi512_ps(
-            _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(a->grouped_d + at))));
-        const __m512i x_sums = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(a->grouped_sum + at)));
-        const __m512i half_sums = type == HS_Q6_K ? _mm512_broadcast_i64x4(_mm256_loadu_si256(
-                                                        (const __m256i *)(a->grouped_half_sum + at)))
-                                                  : _mm512_setzero_si512();
+            x[k] = present ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(a->grouped + (at + k) * 4 * GROUP)))
+                           : _mm512_setzero_si512();
+        if (present) {
+            x_sums = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(a->grouped_sum + at)));
+            if (type == HS_Q6_K)
+                half_sums = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(a->grouped_half_sum + at)));
+        }
         for (int p = 0; p < pairs; p++) {
-            const __m512 v = block_pair_vnni(u[2 * p], u[2 * p + 1], &f[p], type, b, x, x_scales, x_sums,
-                                             half_sums, place);
+            if (hs_unpacked_super(type)) { /* whole chunks only */
+                products[p] = _mm512_add_epi32(
+                    products[p], block_pair_vnni(u[2 * p], u[2 * p + 1], &f[p], type, b, x, x_sums, half_sums, place));
+                if (has_mins(type))
+                    mins[p] = _mm512_add_epi32(mins[p], _mm512_mullo_epi32(x_sums, _mm512_permutexvar_epi32(place[b], f[p].min)));
+                continue;
+            }
+            __m512 v = _mm512_setzero_ps();
+            if (present) {
+                const __m512i ints = block_pair_vnni(u[2 * p], u[2 * p + 1], &f[p], type, b, x, x_sums, half_sums, place);
+                const __m512 x_scales = _mm512_castsi512_ps(
+                    _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(a->grouped_d + at))));
+                v = _mm512_mul_ps(_mm512_cvtepi32_ps(ints), _mm512_mul_ps(x_scales, _mm512_permutexvar_ps(place[b], f[p].d)));
+                if (has_mins(type))
+                    v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(x_sums),
+                                        _mm512_mul_ps(x_scales, _mm512_permutexvar_ps(place[b], f[p].offset)), v);
+            }
             if (b % 2 == 0) even[p] = v;
             else if (b == 1) first[p] = _mm512_add_ps(even[p], v);
             else if (b == 3) first[p] = _mm512_add_ps(first[p], _mm512_add_ps(even[p], v));
             else if (b == 5) second[p] = _mm512_add_ps(even[p], v);
             else acc[p] = _mm512_add_ps(acc[p], _mm512_add_ps(first[p], _mm512_add_ps(second[p], _mm512_add_ps(even[p], v))));
+        }
+    }
+    if (hs_unpacked_super(type)) { /* super_term's steps */
+        const __m512 x_scale = _mm512_castsi512_ps(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(a->grouped_d + at0))));
+        for (int p = 0; p < pairs; p++) {
+            __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(products[p]), _mm512_mul_ps(x_scale, f[p].sd));
+            if (has_mins(type)) v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins[p]), _mm512_mul_ps(x_scale, f[p].smin), v);
+            acc[p] = _mm512_add_ps(acc[p], v);
         }
     }
 }
@@ -881,15 +1034,17 @@ HS_AVX_VNNI INLINE __m256i block_sums_avx_vnni(const int type, const __m256i w, 
     if (has_mins(type)) return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
     return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
 }
+HS_AVX_VNNI INLINE __m256i scaled_sums_avx_vnni(const __m256i acc, const int type, const __m256i w, const __m256i x,
+                                                const __m256i scale16) {
+    return _mm256_dpwssd_avx_epi32(acc, pair_products(type, w, x), scale16);
+}
 ROWS_MAJOR(HS_AVX_VNNI, avx_vnni)
 
-/* block_in_lanes_avx2's v_b with vpdpbusd: two chains a group (Q6_K: one a half-block, each
- * taking its own scale), started at -bias times the activations' sums. */
-HS_AVX_VNNI INLINE void block_in_lanes_avx_vnni(const unpacked *u, const int type, const int c, const int b,
-                                                const int blocks, const activations *a, const int group,
-                                                const int count, __m256 v[2]) {
-    v[0] = v[1] = _mm256_setzero_ps();
-    if (b >= u->blocks) return; /* a short chunk's missing block: 0 */
+/* block_sums_in_lanes_avx2's integers with vpdpbusd: two chains a group (Q6_K: one a
+ * half-block, each taking its own scale), started at -bias times the activations' sums. */
+HS_AVX_VNNI INLINE void block_sums_in_lanes_avx_vnni(const unpacked *u, const int type, const int c, const int b,
+                                                     const int blocks, const activations *a, const int group,
+                                                     const int count, __m256i sums[2]) {
     const size_t blk = (size_t)c * SUB + b;
     const int shift = unsigned_shift(type);
     int32_t biased[GROUP] __attribute__((aligned(32)));
@@ -902,14 +1057,14 @@ HS_AVX_VNNI INLINE void block_in_lanes_avx_vnni(const unpacked *u, const int typ
     __m256i chains[2][2];
     for (int g = 0; g < count; g++) {
         const size_t at = ((size_t)(group + g) * blocks + blk) * GROUP;
-        const __m256i sums = _mm256_loadu_si256((const __m256i *)(a->grouped_sum + at));
+        const __m256i x_sums = _mm256_loadu_si256((const __m256i *)(a->grouped_sum + at));
         chains[g][0] = chains[g][1] = _mm256_setzero_si256();
         if (type == HS_Q6_K) {
             const __m256i half = _mm256_loadu_si256((const __m256i *)(a->grouped_half_sum + at));
             chains[g][0] = _mm256_sub_epi32(chains[g][0], _mm256_slli_epi32(half, shift));
-            chains[g][1] = _mm256_sub_epi32(chains[g][1], _mm256_slli_epi32(_mm256_sub_epi32(sums, half), shift));
+            chains[g][1] = _mm256_sub_epi32(chains[g][1], _mm256_slli_epi32(_mm256_sub_epi32(x_sums, half), shift));
         } else if (shift) {
-            chains[g][0] = _mm256_sub_epi32(chains[g][0], _mm256_slli_epi32(sums, shift));
+            chains[g][0] = _mm256_sub_epi32(chains[g][0], _mm256_slli_epi32(x_sums, shift));
         }
     }
     for (int k = 0; k < GROUP; k++) {
@@ -919,18 +1074,17 @@ HS_AVX_VNNI INLINE void block_in_lanes_avx_vnni(const unpacked *u, const int typ
             chains[g][chain] = _mm256_dpbusd_avx_epi32(chains[g][chain], w, grouped_run(a, group + g, blocks, blk, k));
     }
     for (int g = 0; g < count; g++) {
-        const size_t at = ((size_t)(group + g) * blocks + blk) * GROUP;
-        __m256 products;
-        if (type == HS_Q6_K) /* each half's integer times its scale, exact in floats: A of the recipe */
-            products = _mm256_fmadd_ps(_mm256_cvtepi32_ps(chains[g][1]), _mm256_set1_ps((float)u->scale[2 * b + 1]),
-                                       _mm256_mul_ps(_mm256_cvtepi32_ps(chains[g][0]),
-                                                     _mm256_set1_ps((float)u->scale[2 * b])));
+        if (type == HS_Q6_K)
+            sums[g] = _mm256_add_epi32(_mm256_mullo_epi32(chains[g][0], _mm256_set1_epi32(u->scale[2 * b])),
+                                       _mm256_mullo_epi32(chains[g][1], _mm256_set1_epi32(u->scale[2 * b + 1])));
+        else if (hs_unpacked_super(type))
+            sums[g] = _mm256_mullo_epi32(_mm256_add_epi32(chains[g][0], chains[g][1]), _mm256_set1_epi32(u->iscale[b]));
         else
-            products = _mm256_cvtepi32_ps(_mm256_add_epi32(chains[g][0], chains[g][1]));
-        v[g] = block_terms(type, products, _mm256_loadu_ps(a->grouped_d + at), grouped_sums(a, type, at),
-                           _mm256_set1_ps(u->d[b]), _mm256_set1_ps(u->offset[b]));
+            sums[g] = _mm256_add_epi32(chains[g][0], chains[g][1]);
     }
 }
+BLOCK_IN_LANES(HS_AVX_VNNI, avx_vnni)
+SUPER_IN_LANES(HS_AVX_VNNI, avx_vnni)
 ROWS_IN_LANES(HS_AVX_VNNI, avx_vnni)
 ROWS_ALONE(HS_AVX_VNNI, avx_vnni)
 FEATURES_IN_PASSES(HS_AVX_VNNI, avx_vnni)
@@ -1027,6 +1181,16 @@ HS_DOTPROD INLINE void rows_major_neon(const unpacked *u, const int type, const 
     for (int r = 0; r < m; r++) {
         const size_t row = (size_t)(first_row + r);
         const int8_t *x = a->q + row * cols + (size_t)c * HS_SUPER;
+        if (hs_unpacked_super(type)) {
+            int32_t products = 0, mins = 0;
+            for (int b = 0; b < SUB; b++) {
+                const int32_t p = block_product_neon(u, type, b, x + 32 * b);
+                products += type == HS_Q6_K ? p : u->iscale[b] * p;
+                if (has_mins(type)) mins += u->imin[b] * a->sum[row * blocks + (size_t)c * SUB + b];
+            }
+            acc[r] = acc[r] + super_term(type, products, mins, a->d[row * blocks + (size_t)c * SUB], u);
+            continue;
+        }
         float v[SUB] = {0};
         for (int b = 0; b < u->blocks; b++) {
             const size_t at = row * blocks + (size_t)c * SUB + b;
@@ -1043,6 +1207,8 @@ HS_DOTPROD INLINE void rows_major_neon(const unpacked *u, const int type, const 
 HS_DOTPROD INLINE void rows_in_lanes_neon(const unpacked *u, const int type, const int c, const int blocks,
                                           const activations *a, const int group, float *acc) {
     float32x4_t v_lo[SUB], v_hi[SUB];
+    int32x4_t products_lo = vdupq_n_s32(0), products_hi = products_lo; /* the super-block recipe's I */
+    int32x4_t mins_lo = products_lo, mins_hi = products_lo;             /* ... and M */
     for (int b = 0; b < SUB; b++) {
         v_lo[b] = v_hi[b] = vdupq_n_f32(0.0f);
         if (b >= u->blocks) continue; /* a short chunk's missing block: 0 */
@@ -1064,6 +1230,16 @@ HS_DOTPROD INLINE void rows_in_lanes_neon(const unpacked *u, const int type, con
             p_lo = vaddq_s32(lo[0], lo[1]);
             p_hi = vaddq_s32(hi[0], hi[1]);
         }
+        if (hs_unpacked_super(type)) {
+            products_lo = type == HS_Q6_K ? vaddq_s32(products_lo, p_lo) : vmlaq_n_s32(products_lo, p_lo, u->iscale[b]);
+            products_hi = type == HS_Q6_K ? vaddq_s32(products_hi, p_hi) : vmlaq_n_s32(products_hi, p_hi, u->iscale[b]);
+            if (has_mins(type)) {
+                const int32_t *sums = a->grouped_sum + blk * GROUP;
+                mins_lo = vmlaq_n_s32(mins_lo, vld1q_s32(sums), u->imin[b]);
+                mins_hi = vmlaq_n_s32(mins_hi, vld1q_s32(sums + 4), u->imin[b]);
+            }
+            continue;
+        }
         const float *xd = a->grouped_d + blk * GROUP;
         const float32x4_t d = vdupq_n_f32(u->d[b]);
         v_lo[b] = vmulq_f32(vcvtq_f32_s32(p_lo), vmulq_f32(vld1q_f32(xd), d));
@@ -1074,6 +1250,19 @@ HS_DOTPROD INLINE void rows_in_lanes_neon(const unpacked *u, const int type, con
             v_lo[b] = vfmaq_f32(v_lo[b], vcvtq_f32_s32(vld1q_s32(sums)), vmulq_f32(vld1q_f32(xd), m));
             v_hi[b] = vfmaq_f32(v_hi[b], vcvtq_f32_s32(vld1q_s32(sums + 4)), vmulq_f32(vld1q_f32(xd + 4), m));
         }
+    }
+    if (hs_unpacked_super(type)) { /* super_term's steps */
+        const float *xd = a->grouped_d + ((size_t)group * blocks + (size_t)c * SUB) * GROUP;
+        const float32x4_t sd = vdupq_n_f32(u->sd), smin = vdupq_n_f32(u->smin);
+        float32x4_t lo = vmulq_f32(vcvtq_f32_s32(products_lo), vmulq_f32(vld1q_f32(xd), sd));
+        float32x4_t hi = vmulq_f32(vcvtq_f32_s32(products_hi), vmulq_f32(vld1q_f32(xd + 4), sd));
+        if (has_mins(type)) {
+            lo = vfmaq_f32(lo, vcvtq_f32_s32(mins_lo), vmulq_f32(vld1q_f32(xd), smin));
+            hi = vfmaq_f32(hi, vcvtq_f32_s32(mins_hi), vmulq_f32(vld1q_f32(xd + 4), smin));
+        }
+        vst1q_f32(acc, vaddq_f32(vld1q_f32(acc), lo));
+        vst1q_f32(acc + 4, vaddq_f32(vld1q_f32(acc + 4), hi));
+        return;
     }
 #define TREE(v) vaddq_f32(vaddq_f32(vaddq_f32(v[0], v[1]), vaddq_f32(v[2], v[3])),           \
                           vaddq_f32(vaddq_f32(v[4], v[5]), vaddq_f32(v[6], v[7])))
