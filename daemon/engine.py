@@ -40,7 +40,7 @@ from hetspec.speculative.dynamic_tree import best_width, within_leaves
 from hetspec.speculative.logprobs import token_logprob
 from hetspec.speculative.rounds import DraftCall, Plan, RoundReport
 from hetspec.speculative.samplers import KeyedSampler, sampler_for
-from hetspec.speculative.sampling import distribution
+from hetspec.speculative.sampling import WarpedRows, distribution
 from hetspec.speculative.verify import (
     Verdict,
     accept_token,
@@ -376,7 +376,7 @@ class Decoder:
         """Row 0 of ``logits`` chooses the token at ``self.position``."""
         if self.params.greedy:
             return verify_greedy(tokens, parents, logits)
-        target_rows = distribution(logits, self.params)
+        target_rows = WarpedRows(logits, self.params)  # the rows the walk reaches
         if isinstance(self.sampler, KeyedSampler):
             return verify_keyed(tokens, parents, target_rows, self.sampler, self.position)
         return verify_sampling(tokens, parents, draft_rows(), target_rows, self.sampler.rng)

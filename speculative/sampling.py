@@ -12,8 +12,8 @@ import numpy as np
 
 from hetspec.protocol.sampling import SamplingError, SamplingParams
 
-__all__ = ["SamplingError", "SamplingParams", "distribution", "draw", "draw_rows", "softmax",
-           "top_tokens"]  # fmt: skip
+__all__ = ["SamplingError", "SamplingParams", "WarpedRows", "distribution", "draw", "draw_rows",
+           "keep_nucleus", "softmax", "top_tokens"]  # fmt: skip
 
 
 def softmax(logits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -41,15 +41,62 @@ def distribution(
         out[out < kth[..., None]] = -np.inf
     softmax(out, out)
     if params.top_p < 1:
-        order = np.argsort(-out, axis=-1, kind="stable")
-        sorted_probs = np.take_along_axis(out, order, axis=-1)
-        before = np.cumsum(sorted_probs, axis=-1) - sorted_probs
-        # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
-        drop = np.zeros_like(out, dtype=bool)
-        np.put_along_axis(drop, order, before >= params.top_p, axis=-1)
-        out[drop] = 0
-        out /= out.sum(axis=-1, keepdims=True)
+        for row in out.reshape(-1, vocab):
+            keep_nucleus(row, params.top_p)
     return out
+
+
+class WarpedRows:
+    """``distribution(logits, params)`` row by row, each row computed when first read (the
+    same values: rows are warped independently): a verification walk reads only the rows it
+    reaches, and a row of a 152K-token vocabulary costs 0.3-1 ms."""
+
+    def __init__(self, logits: np.ndarray, params: SamplingParams) -> None:
+        self.logits, self.params = logits, params
+        self.shape = logits.shape
+        self._rows: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, row: int) -> np.ndarray:
+        if row not in self._rows:
+            self._rows[row] = distribution(self.logits[row], self.params)
+        return self._rows[row]
+
+
+# Thresholds tried in turn for the candidates of a nucleus: entries >= t, at most 1/t of them
+# in a probability row, so a sort of the few candidates replaces one of the whole vocabulary
+# (a 152K-token row's stable argsort took 16 ms).
+NUCLEUS_THRESHOLDS = (1e-3, 1e-4, 1e-5, 0.0)
+
+
+def keep_nucleus(row: np.ndarray, top_p: float, thresholds=NUCLEUS_THRESHOLDS) -> None:
+    """Top-p of one probability row, in place: the smallest prefix of the entries in stable
+    descending order (ties: lower index first) whose mass reaches ``top_p`` stays, the rest
+    become 0, and the row is renormalized. Entry j stays iff the float64 running sum of the
+    entries before it in that order is below ``top_p``, so the top entry always stays.
+
+    A prefix of entries >= t is the order's prefix too, and every entry after it has at least
+    its mass before it: once that mass reaches ``top_p`` nothing beyond can stay, so only the
+    candidates are sorted; the last threshold (0: all positive entries) decides alone.
+    ``thresholds=(0.0,)`` sorts every positive entry (the same result, for comparison)."""
+    for threshold in thresholds:
+        candidates = np.flatnonzero(row > 0 if threshold == 0 else row >= threshold)
+        values = row[candidates]
+        if threshold > 0 and values.sum(dtype=np.float64) < top_p - 1e-9:
+            continue  # short by more than any summation order's rounding: no sort
+        # candidates ascend, so a stable sort of their negated values breaks ties by index
+        order = candidates[np.argsort(-values, kind="stable")]
+        mass = np.cumsum(row[order], dtype=np.float64)
+        if threshold == 0 or mass[-1] >= top_p:
+            break
+    before = np.concatenate(([0.0], mass[:-1]))
+    kept = order[before < top_p]
+    values = row[kept]
+    row[:] = 0
+    row[kept] = values
+    row /= row.sum()
 
 
 def top_tokens(row: np.ndarray, count: int) -> np.ndarray:

@@ -97,8 +97,16 @@ def verify_keyed(
 
 
 def _accepts(token: int, p: np.ndarray, q: np.ndarray, rng: np.random.Generator) -> bool:
-    """Keep ``token``, drawn from ``q``, with probability min(1, p/q): u * q < p."""
-    return bool(rng.random() * q[token] < p[token])
+    """Keep ``token``, drawn from ``q``, with probability min(1, p/q): u * q < p (in float64;
+    only the token's entries are read)."""
+    return bool(rng.random() * float(q[token]) < float(p[token]))
+
+
+def _residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """max(p - q, 0) in float64 (p and q float32 or float64): computed only after a rejection,
+    so an accepted token costs no pass over the vocabulary."""
+    residual = np.subtract(p, q, dtype=np.float64)
+    return np.maximum(residual, 0.0, out=residual)
 
 
 def accept_token(
@@ -107,18 +115,18 @@ def accept_token(
     """Speculative sampling of one drafted ``token`` drawn from ``draft``: kept with probability
     min(1, p/q), else replaced by a draw from the residual norm(max(p - q, 0)). Either way the
     returned token follows ``target``; returns (kept, token)."""
-    p, q = target.astype(np.float64), draft.astype(np.float64)
-    if _accepts(token, p, q, rng):
+    if _accepts(token, target, draft, rng):
         return True, int(token)
-    residual = np.maximum(p - q, 0.0)
-    return False, draw(residual if residual.sum() > 0 else p, rng)
+    residual = _residual(target, draft)
+    return False, draw(residual if residual.sum() > 0 else target, rng)
 
 
 def verify_sampling(
     tokens, parents, draft: np.ndarray, target: np.ndarray, rng: np.random.Generator
 ) -> Verdict:
     """Lossless recursive rejection over the tree; ``draft``/``target`` are probability rows
-    after the same temperature/top-k/top-p warping."""
+    after the same temperature/top-k/top-p warping (arrays, or ``WarpedRows``; only the rows
+    the walk reaches are read)."""
     tokens, parents = np.asarray(tokens), validate_parents(parents)
     _check(tokens, parents, target)
     if draft.shape[0] != len(tokens):
@@ -126,15 +134,15 @@ def verify_sampling(
     children = _children(parents)
     node, path = ROOT, []
     while True:
-        p = target[node + 1].astype(np.float64)
+        p = target[node + 1]  # float64 from the first rejection on
         accepted = None
         for child in children.get(node, []):
-            q = draft[child].astype(np.float64)
+            q = draft[child]
             token = tokens[child]
             if _accepts(token, p, q, rng):
                 accepted = child
                 break
-            residual = np.maximum(p - q, 0.0)
+            residual = _residual(p, q)
             total = residual.sum()
             if total <= 0:  # p <= q everywhere means p == q: rejection had probability 0
                 break

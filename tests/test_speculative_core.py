@@ -13,6 +13,8 @@ from hetspec.speculative.sampling import (
     SamplingError,
     SamplingParams,
     distribution,
+    keep_nucleus,
+    softmax,
     top_tokens,
 )
 from hetspec.speculative.tree import (
@@ -99,6 +101,31 @@ def test_warped_rows_are_distributions_respecting_top_k_and_top_p(
     order = np.argsort(-plain, kind="stable")
     mass_before = np.cumsum(plain[order]) - plain[order]
     assert kept[order[mass_before < top_p - 1e-6]].all()
+
+
+def nucleus_by_full_sort(row: np.ndarray, top_p: float) -> np.ndarray:
+    """keep_nucleus's contract, by a stable sort of the whole row."""
+    order = np.argsort(-row, kind="stable")
+    before = np.concatenate(([0.0], np.cumsum(row[order], dtype=np.float64)[:-1]))
+    out = np.zeros_like(row)
+    out[order[before < top_p]] = row[order[before < top_p]]
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("vocab", [50, 4096, 151_936])
+@pytest.mark.parametrize("spread", [0.3, 3.0, 12.0])
+def test_the_nucleus_from_few_candidates_is_the_full_sorts(vocab: int, spread: float) -> None:
+    """Peaked and flat rows (a nucleus of one token, or of most of the vocabulary), ties
+    included: the candidates' shortcut keeps exactly what a sort of the whole row keeps."""
+    rng = np.random.default_rng(vocab + int(spread))
+    logits = (rng.standard_normal((3, vocab)) * spread).astype(np.float32)
+    logits[:, ::7] = logits[:, :1]  # ties with each row's first entry
+    for top_p in (0.01, 0.5, 0.9, 0.95, 0.999, 1 - 1e-9):
+        rows = softmax(logits)
+        for row in rows:
+            expected = nucleus_by_full_sort(row.copy(), top_p)
+            keep_nucleus(row, top_p)
+            np.testing.assert_array_equal(row, expected)
 
 
 def test_greedy_gives_the_plain_softmax_and_the_argmax() -> None:
