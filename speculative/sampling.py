@@ -13,7 +13,7 @@ import numpy as np
 from hetspec.protocol.sampling import SamplingError, SamplingParams
 
 __all__ = ["SamplingError", "SamplingParams", "WarpedRows", "distribution", "draw", "draw_rows",
-           "keep_nucleus", "softmax", "top_tokens"]  # fmt: skip
+           "keep_nucleus", "keep_top_k", "kth_largest", "softmax", "top_tokens"]  # fmt: skip
 
 
 def softmax(logits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -35,15 +35,48 @@ def distribution(
     if params.greedy:
         return softmax(logits, out)
     out = np.divide(logits, params.temperature, out=out, dtype=np.float32)
-    vocab = out.shape[-1]
-    if 0 < params.top_k < vocab:
-        kth = np.partition(out, vocab - params.top_k, axis=-1)[..., vocab - params.top_k]
-        out[out < kth[..., None]] = -np.inf
-    softmax(out, out)
+    if 0 < params.top_k < out.shape[-1]:
+        for row in _rows(out):
+            keep_top_k(row, params.top_k)
+    else:
+        softmax(out, out)
     if params.top_p < 1:
-        for row in out.reshape(-1, vocab):
+        for row in _rows(out):
             keep_nucleus(row, params.top_p)
     return out
+
+
+def _rows(array: np.ndarray):
+    """Each row (last axis) of an array of any leading shape, as a view (a reshape of a strided
+    view, e.g. an arena slot's rows, could be a copy)."""
+    return (array[index] for index in np.ndindex(array.shape[:-1]))
+
+
+def keep_top_k(row: np.ndarray, k: int) -> None:
+    """Softmax over a row's k largest entries (all entries equal to the k-th too), in place;
+    the others become 0. Only those entries are exponentiated."""
+    keep = np.flatnonzero(row >= kth_largest(row, k))
+    kept = np.exp(row[keep] - row[keep].max())
+    row.fill(0)
+    row[keep] = kept / kept.sum()
+
+
+# Distances below a row's largest entry (logits over the temperature) within which the k-th
+# largest is looked for first: a partition of the few entries there replaces one of the whole
+# row.
+KTH_GAPS = (4.0, 16.0, 64.0)
+
+
+def kth_largest(row: np.ndarray, k: int) -> np.ndarray:
+    """The k-th largest entry of a row, ties counted (np.partition's value at size - k), found
+    among the entries within a gap of the largest where k of them are (the k-th largest of
+    every entry >= t is the row's when there are k of them); else in the whole row."""
+    top = row.max()
+    for gap in KTH_GAPS:
+        near = row[row >= top - gap]
+        if near.size >= k:
+            return np.partition(near, near.size - k)[near.size - k]
+    return np.partition(row, row.size - k)[row.size - k]
 
 
 class WarpedRows:

@@ -14,6 +14,7 @@ from hetspec.speculative.sampling import (
     SamplingParams,
     distribution,
     keep_nucleus,
+    kth_largest,
     softmax,
     top_tokens,
 )
@@ -126,6 +127,19 @@ def test_the_nucleus_from_few_candidates_is_the_full_sorts(vocab: int, spread: f
             expected = nucleus_by_full_sort(row.copy(), top_p)
             keep_nucleus(row, top_p)
             np.testing.assert_array_equal(row, expected)
+
+
+@pytest.mark.parametrize("vocab", [50, 151_936])
+@pytest.mark.parametrize("spread", [0.01, 1.0, 30.0])
+def test_the_kth_largest_from_the_top_entries_is_the_partitions(vocab: int, spread: float) -> None:
+    """Rows whose top k lie within every gap tried, or beyond them, with ties and -inf."""
+    rng = np.random.default_rng(vocab + int(spread * 100))
+    rows = (rng.standard_normal((4, vocab)) * spread).astype(np.float32)
+    rows[:, ::5] = rows[:, :1]  # ties
+    rows[1, ::3] = -np.inf
+    for row in rows:
+        for k in (1, 2, 40, vocab // 2, vocab - 1):
+            assert kth_largest(row, k) == np.partition(row, vocab - k)[vocab - k]
 
 
 def test_greedy_gives_the_plain_softmax_and_the_argmax() -> None:
