@@ -809,9 +809,9 @@ FEATURES_IN_PASSES(HS_AVX2, avx2)
  * vpdpbusd multiplies unsigned by signed bytes and adds each lane's four products to it: the
  * unsigned values (Q4_K, Q5_K, Q4_1, Q5_1) are the unsigned side as they are; the signed ones
  * (Q6_K, Q5_0, IQ4) go as |w| times x with w's sign (rows one by one), or biased to unsigned
- * (tiles). A half-block's sum,
- * times its scale, is an exact integer below 2^24, so its float is the AVX2 kernels'
- * (float)A: the same bits.
+ * (tiles). Each block's (or half-block's) integer is the AVX2 kernels' exact one, and the
+ * super-block types' scales multiply it as integers (vpmulld): the same bits. One row alone
+ * takes its pair sums times the scale by vpdpwssd.
  *
  * Whole groups of rows go in tiles of TILE weight rows: each chunk of the tile's rows is
  * unpacked once for every group, and a pair of weight rows shares 512-bit vectors (lanes 0-7
