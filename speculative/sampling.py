@@ -81,8 +81,8 @@ def kth_largest(row: np.ndarray, k: int) -> np.ndarray:
 
 class WarpedRows:
     """``distribution(logits, params)`` row by row, each row computed when first read (the
-    same values: rows are warped independently): a verification walk reads only the rows it
-    reaches, and a row of a 152K-token vocabulary costs 0.3-1 ms."""
+    same values: rows are warped independently), so a verification walk pays only for the
+    rows it reaches (docs/bench/sampling.md)."""
 
     def __init__(self, logits: np.ndarray, params: SamplingParams) -> None:
         self.logits, self.params = logits, params
@@ -100,11 +100,13 @@ class WarpedRows:
 
 # Thresholds tried in turn for the candidates of a nucleus: entries >= t, at most 1/t of them
 # in a probability row, so a sort of the few candidates replaces one of the whole vocabulary
-# (a 152K-token row's stable argsort took 16 ms).
+# (docs/bench/sampling.md).
 NUCLEUS_THRESHOLDS = (1e-3, 1e-4, 1e-5, 0.0)
 
 
-def keep_nucleus(row: np.ndarray, top_p: float, thresholds=NUCLEUS_THRESHOLDS) -> None:
+def keep_nucleus(
+    row: np.ndarray, top_p: float, thresholds: tuple[float, ...] = NUCLEUS_THRESHOLDS
+) -> None:
     """Top-p of one probability row, in place: the smallest prefix of the entries in stable
     descending order (ties: lower index first) whose mass reaches ``top_p`` stays, the rest
     become 0, and the row is renormalized. Entry j stays iff the float64 running sum of the
@@ -126,9 +128,9 @@ def keep_nucleus(row: np.ndarray, top_p: float, thresholds=NUCLEUS_THRESHOLDS) -
             break
     before = np.concatenate(([0.0], mass[:-1]))
     kept = order[before < top_p]
-    values = row[kept]
-    row[:] = 0
-    row[kept] = values
+    kept_values = row[kept]
+    row.fill(0)
+    row[kept] = kept_values
     row /= row.sum()
 
 
