@@ -206,7 +206,10 @@ INLINE int iq4_xs_scale(const block_iq4_xs *blk, int b) {
 
 /* Everything but the values. */
 static void unpack_factors_portable(const char *chunk, int type, unpacked *u) {
-    for (int b = 0; b < SUB; b++) u->d[b] = u->offset[b] = 0.0f, u->iscale[b] = u->imin[b] = 0;
+    for (int b = 0; b < SUB; b++) {
+        u->d[b] = u->offset[b] = 0.0f;
+        u->iscale[b] = u->imin[b] = 0;
+    }
     u->sd = u->smin = 0.0f;
     if (type == HS_Q6_K) {
         const block_q6_k *blk = (const block_q6_k *)chunk;
