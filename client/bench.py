@@ -46,7 +46,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from hetspec.client.arguments import non_negative, positive, positive_list, setting, temperature
+from hetspec.arguments import non_negative, positive, positive_list, setting, temperature
 from hetspec.client.bench_targets import BenchTarget, TargetError, forward_ms, resolve
 from hetspec.client.busy_box import busy_note
 from hetspec.client.clients import Client

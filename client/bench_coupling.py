@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hetspec.client.arguments import positive
+from hetspec.arguments import positive
 from hetspec.client.bench import daemon, prompt_set
 from hetspec.client.bench_targets import TargetError, resolve
 

@@ -24,7 +24,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from hetspec.client.arguments import positive
+from hetspec.arguments import positive
 from hetspec.client.bench import daemon, prompt_set
 from hetspec.client.bench_targets import TargetError, resolve
 from hetspec.client.types import HetspecError

@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hetspec.client.arguments import positive, positive_list
+from hetspec.arguments import positive, positive_list
 from hetspec.models.heavy import HeavyModelError, ensure_heavy
 
 SYSTEMS = {  # name -> (runtime, the heavy model's file, settings)

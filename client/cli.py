@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 from hetspec import __version__
+from hetspec.arguments import finite_float
 from hetspec.client import bench as bench_module
-from hetspec.client.arguments import finite_float
 from hetspec.client.clients import Client
 from hetspec.client.types import DEFAULT_SOCKET, Completion, HetspecError, QueueFull
 from hetspec.protocol.modes import MODES

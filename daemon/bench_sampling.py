@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 
+from hetspec.arguments import positive, positive_list
 from hetspec.speculative.sampling import SamplingParams, WarpedRows, distribution, keep_nucleus
 from hetspec.speculative.tree import chain_parents
 from hetspec.speculative.verify import verify_sampling
@@ -31,19 +32,6 @@ SETTINGS = {
     "top-p 0.95": SamplingParams(temperature=0.8, top_p=0.95),
     "top-k 40, top-p 0.9": SamplingParams(temperature=0.8, top_k=40, top_p=0.9),
 }
-
-
-def count(text: str) -> int:
-    """A whole number of at least 1 (an argparse type)."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: must be at least 1")
-    return value
-
-
-def counts(text: str) -> list[int]:
-    """Comma-separated whole numbers of at least 1 (an argparse type)."""
-    return [count(part) for part in text.split(",")]
 
 
 def lm_like_logits(rng: np.random.Generator, rows: int, vocab: int) -> np.ndarray:
@@ -91,9 +79,9 @@ def cells(target: np.ndarray, draft_logits: np.ndarray, params: SamplingParams,
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--vocabs", type=counts, default=[4096, 32000, 128256, 151936])
-    parser.add_argument("--nodes", type=count, default=8)
-    parser.add_argument("--repeats", type=count, default=15)
+    parser.add_argument("--vocabs", type=positive_list, default=[4096, 32000, 128256, 151936])
+    parser.add_argument("--nodes", type=positive, default=8)
+    parser.add_argument("--repeats", type=positive, default=15)
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     print(

@@ -1,4 +1,5 @@
-"""argparse types shared by the shell client and the benches: a bad value is one line."""
+"""argparse types shared by the shell client and the benches (the daemon's too): a bad value is
+one line."""
 
 from __future__ import annotations
 
