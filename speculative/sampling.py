@@ -56,7 +56,8 @@ def keep_top_k(row: np.ndarray, k: int) -> None:
     """Softmax over a row's k largest entries (all entries equal to the k-th too), in place;
     the others become 0. Only those entries are exponentiated."""
     keep = np.flatnonzero(row >= kth_largest(row, k))
-    kept = np.exp(row[keep] - row[keep].max())
+    kept = row[keep]
+    np.exp(kept - kept.max(), out=kept)
     row.fill(0)
     row[keep] = kept / kept.sum()
 

@@ -124,9 +124,7 @@ INLINE int small_blocks(int type) {
 /* IQ4_NL, IQ4_XS: table values (signed, up to 127 in size) */
 INLINE int iq4(int type) { return type == HS_IQ4_NL || type == HS_IQ4_XS; }
 
-int hs_unpacked_is(int type) {
-    return type == HS_Q4_K || type == HS_Q5_K || type == HS_Q6_K || type == HS_IQ4_XS || small_blocks(type);
-}
+int hs_unpacked_is(int type) { return hs_unpacked_super(type) || small_blocks(type); }
 
 /* Q4_K, Q5_K, Q4_1, Q5_1: values unsigned, with mins; Q6_K, Q5_0, IQ4_*: values signed, no
  * mins. */
@@ -849,6 +847,12 @@ HS_VNNI INLINE __m512i join(const void *lo, const void *hi) {
                               _mm256_load_si256((const __m256i *)hi), 1);
 }
 
+/* lo in lanes 0-7, hi in lanes 8-15 */
+HS_VNNI INLINE __m512 halves_ps(const float lo, const float hi) {
+    return _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_castps_si256(_mm256_set1_ps(lo))),
+                                                  _mm256_castps_si256(_mm256_set1_ps(hi)), 1));
+}
+
 HS_VNNI INLINE pair_factors factors_of_pair(const unpacked *u0, const unpacked *u1, const int type) {
     pair_factors f = {0};
     if (!hs_unpacked_super(type)) {
@@ -856,12 +860,8 @@ HS_VNNI INLINE pair_factors factors_of_pair(const unpacked *u0, const unpacked *
         f.offset = _mm512_castsi512_ps(join(u0->offset, u1->offset));
         return f;
     }
-    const float sd[2 * SUB] __attribute__((aligned(64))) = {u0->sd, u0->sd, u0->sd, u0->sd, u0->sd, u0->sd, u0->sd,
-        u0->sd, u1->sd, u1->sd, u1->sd, u1->sd, u1->sd, u1->sd, u1->sd, u1->sd};
-    const float smin[2 * SUB] __attribute__((aligned(64))) = {u0->smin, u0->smin, u0->smin, u0->smin, u0->smin,
-        u0->smin, u0->smin, u0->smin, u1->smin, u1->smin, u1->smin, u1->smin, u1->smin, u1->smin, u1->smin, u1->smin};
-    f.sd = _mm512_load_ps(sd);
-    f.smin = _mm512_load_ps(smin);
+    f.sd = halves_ps(u0->sd, u1->sd);
+    f.smin = halves_ps(u0->smin, u1->smin);
     if (type == HS_Q6_K) {
         int32_t lo[2 * SUB] __attribute__((aligned(64))), hi[2 * SUB] __attribute__((aligned(64)));
         for (int b = 0; b < SUB; b++) {
