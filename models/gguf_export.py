@@ -1,10 +1,12 @@
-"""Export a Hugging Face Llama, Qwen2 or Qwen3 folder with a byte-level BPE tokenizer to GGUF.
+"""Export a Hugging Face Llama, Qwen2, Qwen3 or Gemma 3 (text) folder with a byte-level BPE
+tokenizer to GGUF.
 
 This covers the models hetspec builds itself (the bundled demo pair, the heavy targets and the
 tiny models the tests write), laid out as llama.cpp's own converter lays out these
-architectures (its ``llama``, ``qwen2`` and ``qwen3``: biases, per-head q/k norms, Llama 3's
-rotary frequency factors); other models come as GGUF from their publishers or llama.cpp's
-converter. Needs only numpy, safetensors and gguf, so it runs without torch.
+architectures (its ``llama``, ``qwen2``, ``qwen3`` and ``gemma3``: biases, per-head q/k norms,
+Llama 3's rotary frequency factors, Gemma's shifted norms and sliding windows); other models
+come as GGUF from their publishers or llama.cpp's converter. Needs only numpy, safetensors and
+gguf, so it runs without torch.
 
     python -m hetspec.models.gguf_export MODEL_DIR OUT.gguf --type q8_0
 
@@ -34,9 +36,17 @@ OUT_TYPES = {
     "q4_0": (gguf.GGMLQuantizationType.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
 }
 
-# the model_types exported, each as the GGUF architecture of its name (Llama's q/k rows are
-# reordered for llama.cpp's rotation of adjacent pairs; Qwen's rotate halves, as in HF's layout)
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# model_type -> the GGUF architecture it is exported as (Llama's q/k rows are reordered for
+# llama.cpp's rotation of adjacent pairs; Qwen's and Gemma's rotate halves, as in HF's layout)
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+ARCHITECTURES = tuple(GGUF_ARCHITECTURES)
+# Gemma's layer norms: HF's names for its four (input, after attention, before and after the
+# feed-forward) -> llama.cpp's
+_GEMMA_NORMS = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 
 _LAYER_TENSORS = {
     "self_attn.q_norm": "attn_q_norm",
@@ -57,7 +67,7 @@ class ExportError(ValueError):
     """The folder is not a model this exporter handles; the message says what is wrong."""
 
 
-def gguf_tensor_name(hf_name: str) -> str:
+def gguf_tensor_name(hf_name: str, model_type: str = "llama") -> str:
     """`model.layers.3.mlp.up_proj.weight` -> `blk.3.ffn_up.weight`."""
     fixed = {
         "model.embed_tokens.weight": "token_embd.weight",
@@ -68,7 +78,9 @@ def gguf_tensor_name(hf_name: str) -> str:
         return fixed[hf_name]
     parts = hf_name.split(".")
     if parts[:2] == ["model", "layers"] and parts[-1] in ("weight", "bias"):
-        name = _LAYER_TENSORS.get(".".join(parts[3:-1]))
+        module = ".".join(parts[3:-1])
+        gemma = model_type == "gemma3_text" and _GEMMA_NORMS.get(module)
+        name = gemma or _LAYER_TENSORS.get(module)
         if name:
             return f"blk.{parts[2]}.{name}.{parts[-1]}"
     raise ExportError(f"unexpected tensor {hf_name!r} for a Llama-family model")
@@ -86,10 +98,15 @@ def rotary_rows_to_interleaved(weight: np.ndarray, n_heads: int) -> np.ndarray:
     return halves.swapaxes(1, 2).reshape(weight.shape)
 
 
-def _rope(config: dict) -> tuple[str, dict]:
+def _rope(config: dict, layer_type: str = "full_attention") -> tuple[str, dict]:
     """The rotary type ("default", "linear", "llama3") and its parameters, from either
-    transformers' ``rope_parameters`` or the older ``rope_scaling`` and ``rope_theta``."""
+    transformers' ``rope_parameters`` (per layer type where it has them: Gemma 3's) or the
+    older ``rope_scaling`` and ``rope_theta``."""
     rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    if layer_type in rope:
+        rope = dict(rope[layer_type])
+    elif layer_type == "sliding_attention":  # an older Gemma 3 config
+        return "default", {"rope_theta": config.get("rope_local_base_freq", 10000.0)}
     kind = rope.get("rope_type") or rope.get("type") or "default"
     if kind not in ("default", "linear", "llama3"):
         raise ExportError(f"rope type {kind!r} is not supported by this exporter")
@@ -202,6 +219,30 @@ def _add_shape(writer: gguf.GGUFWriter, config: dict, head_dim: int, rope_kind: 
         writer.add_rope_scaling_factor(float(rope["factor"]))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
+    if config["model_type"] == "gemma3_text":
+        _add_gemma3(writer, config)
+
+
+def _add_gemma3(writer: gguf.GGUFWriter, config: dict) -> None:
+    """Gemma 3's settings: its sliding window and which layers use it (one flag a layer), the
+    windowed layers' rotary base, a final logit softcap if it has one."""
+    heads = config["num_attention_heads"]
+    scalar = config.get("query_pre_attn_scalar")
+    expected = (config["hidden_size"] // heads if config["num_hidden_layers"] == 62
+                else config.get("head_dim") or config["hidden_size"] // heads)  # fmt: skip
+    if scalar is not None and scalar != expected:
+        # llama.cpp derives the query scale from the shape (as for Google's released sizes)
+        raise ExportError(f"query_pre_attn_scalar {scalar} is not the {expected} llama.cpp assumes")
+    if config.get("attn_logit_softcapping"):
+        raise ExportError("attention logit softcapping is not Gemma 3's (llama.cpp's lacks it)")
+    if config.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
+    kinds = config.get("layer_types") or []
+    if config.get("sliding_window") and "sliding_attention" in kinds:
+        writer.add_sliding_window(int(config["sliding_window"]))
+        writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in kinds])
+        _, local = _rope(config, "sliding_attention")
+        writer.add_rope_freq_base_swa(float(local["rope_theta"]))
 
 
 def _write(handle: safe_open, config: dict, model_dir: Path, out_path: Path, out_type: str) -> None:
@@ -210,13 +251,14 @@ def _write(handle: safe_open, config: dict, model_dir: Path, out_path: Path, out
     n_kv_heads = config.get("num_key_value_heads", n_heads)
     head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
     architecture = config["model_type"]
+    gemma = architecture == "gemma3_text"
     rope_kind, rope = _rope(config)
     qtype, file_type = OUT_TYPES[out_type]
     hf_names = list(handle.keys())
     # a tied model's embedding doubles as the output head
     head = "output.weight" if "lm_head.weight" in hf_names else "token_embd.weight"
 
-    writer = gguf.GGUFWriter(out_path, architecture)
+    writer = gguf.GGUFWriter(out_path, GGUF_ARCHITECTURES[architecture])
     writer.add_name(config.get("_name_or_path") or model_dir.name)
     _add_shape(writer, config, head_dim, rope_kind, rope)
     writer.add_file_type(file_type)
@@ -230,13 +272,15 @@ def _write(handle: safe_open, config: dict, model_dir: Path, out_path: Path, out
                 return rotary_rows_to_interleaved(data, n_heads)
             if architecture == "llama" and ".k_proj." in hf_name:
                 return rotary_rows_to_interleaved(data, n_kv_heads)
+            if gemma and hf_name.endswith("norm.weight"):
+                return data + 1  # Gemma's norms scale by 1 + weight; llama.cpp's by weight
             return data
 
         return load
 
     # (GGUF name, shape, the data as float32 when its turn comes): one tensor in memory at once
-    tensors = [(gguf_tensor_name(name), tuple(handle.get_slice(name).get_shape()), read(name))
-               for name in hf_names]  # fmt: skip
+    tensors = [(gguf_tensor_name(name, architecture), tuple(handle.get_slice(name).get_shape()),
+                read(name)) for name in hf_names]  # fmt: skip
     if rope_kind == "llama3":
         factors = llama3_frequency_factors(rope, head_dim)
         tensors.append(("rope_freqs.weight", factors.shape, lambda: factors))

@@ -59,6 +59,12 @@ class Layer(ctypes.Structure):
         *((f"{name}_bias", ctypes.c_void_p) for name in MATRICES),  # optional: None
         ("q_norm", ctypes.c_void_p),  # optional: None
         ("k_norm", ctypes.c_void_p),
+        ("post_attn_norm", ctypes.c_void_p),  # optional: None (Gemma's sandwich norms)
+        ("post_ffn_norm", ctypes.c_void_p),
+        ("rope_cos", ctypes.c_void_p),  # optional: None, the model's tables
+        ("rope_sin", ctypes.c_void_p),
+        ("window", ctypes.c_int32),  # > 0: a sliding window of that many positions
+        ("reserved", ctypes.c_int32),
     ]
 
 
@@ -77,8 +83,13 @@ class Model(ctypes.Structure):
         ("k_cache", ctypes.c_void_p),
         ("v_cache", ctypes.c_void_p),
         ("rope_halves", ctypes.c_int32),  # 1: values (i, i + head_dim/2) rotate together
-        ("reserved", ctypes.c_int32),
+        ("activation", ctypes.c_int32),  # SILU or GELU_TANH
+        ("embed_scale", ctypes.c_float),  # > 0: embeddings times it
+        ("attn_scale", ctypes.c_float),  # > 0: scores q.k times it, else 1 / sqrt(head_dim)
     ]  # fmt: skip
+
+
+SILU, GELU_TANH = 0, 1  # hs_model.activation
 
 
 def row_bytes(kind: int, cols: int) -> int:

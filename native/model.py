@@ -2,11 +2,14 @@
 
 The weights stay in the file's pages (``gguf.GGUFReader`` maps it read-only), so the native
 runtime shares them with the page cache instead of holding a second copy. What it supports is
-what llama.cpp writes for its ``llama``, ``qwen2`` and ``qwen3`` architectures: grouped-query
-attention, RoPE over whole heads (default or linear scaling, per-frequency factors as Llama 3
-files carry them), SwiGLU, RMSNorm, optional biases on every projection (Qwen2's q, k, v),
-optional per-head query/key norms (Qwen3), untied or tied output. A file with any tensor this
-does not account for is refused: computing without it would be a different model.
+what llama.cpp writes for its ``llama``, ``qwen2``, ``qwen3`` and ``gemma3`` architectures:
+grouped-query attention, RoPE over whole heads (default or linear scaling, per-frequency
+factors as Llama 3 files carry them), SwiGLU, RMSNorm, optional biases on every projection
+(Qwen2's q, k, v), optional per-head query/key norms (Qwen3), untied or tied output; and
+Gemma 3's parts: scaled embeddings, GeGLU, norms after attention and feed-forward, sliding
+windows on most layers with their own rotary base, read as llama.cpp reads them. A file with
+any tensor or setting this does not account for is refused: computing without it would be a
+different model.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import numpy as np
 from hetspec.native.kernels import (
     BEST,
     BLOCK,
+    GELU_TANH,
     MATRICES,
+    SILU,
     TYPE_NAMES,
     Kernels,
     Layer,
@@ -36,8 +41,12 @@ LAYER_TENSORS = {
 assert tuple(LAYER_TENSORS) == MATRICES
 # architecture -> whether a head's halves rotate together (llama.cpp's NEOX rotation) rather
 # than adjacent pairs; llama.cpp's converter reorders Llama's q/k rows for the pairs
-FAMILIES = {"llama": False, "qwen2": True, "qwen3": True}
+FAMILIES = {"llama": False, "qwen2": True, "qwen3": True, "gemma3": True}
 DEFAULT_MAX_CONTEXT = 8192
+# Gemma 3 as llama.cpp reads it when the file does not say: one global layer after five
+# windowed ones, whose rotary base is 10,000
+GEMMA3_WINDOW_PATTERN = 6
+GEMMA3_WINDOW_THETA = 10000.0
 
 
 class ModelFormatError(NativeUnavailable):
@@ -76,6 +85,8 @@ class NativeModel:
                                    f"model allows (1..{trained})")  # fmt: skip
         self._used: set[str] = set()  # the tensors read: any other one is refused
         self._check_rope()
+        self._gemma = self.architecture == "gemma3"
+        self.windows = self._read_windows()
 
         embed = self._matrix("token_embd.weight")
         self.vocab = embed.rows
@@ -87,6 +98,14 @@ class NativeModel:
         self._check_all_used()
         cos, sin = rope_tables(self.capacity, self.head_dim, self._rope_theta, self._rope_factor,
                                self._rope_frequency_factors)  # fmt: skip
+        if any(self.windows):  # windowed layers rotate with their own base, unscaled
+            theta = float(self._hparam("rope.freq_base_swa", GEMMA3_WINDOW_THETA))
+            local = rope_tables(self.capacity, self.head_dim, theta)
+            self._keep.append(local)
+            for layer, window in zip(layers, self.windows, strict=True):
+                if window:
+                    layer.window = window
+                    layer.rope_cos, layer.rope_sin = (table.ctypes.data for table in local)
         shape = (self.n_layers, self.n_kv_heads, self.capacity, self.head_dim)
         self.keys = np.zeros(shape, np.float16)  # as the kernels store them
         self.values = np.zeros(shape, np.float16)
@@ -96,6 +115,9 @@ class NativeModel:
             self.head_dim, self.vocab, self.capacity, self.eps, simd, layers,
             output_norm, embed, output, cos.ctypes.data, sin.ctypes.data,
             self.keys.ctypes.data, self.values.ctypes.data, FAMILIES[self.architecture],
+            GELU_TANH if self._gemma else SILU,
+            float(np.sqrt(np.float32(self.d_model))) if self._gemma else 0.0,
+            self._attention_scale(),
         )  # fmt: skip
         self.kernels = Kernels.load()
 
@@ -132,9 +154,41 @@ class NativeModel:
             name = f"{prefix}attn_{field}.weight"
             if name in self._tensors:
                 setattr(layer, field, self._vector(name, self.head_dim))
-        if self.architecture == "qwen3" and not (layer.q_norm and layer.k_norm):
-            raise ModelFormatError(f"{self.path}: a qwen3 file needs attn_q_norm and "
-                                   f"attn_k_norm in layer {index}")  # fmt: skip
+        if self.architecture in ("qwen3", "gemma3") and not (layer.q_norm and layer.k_norm):
+            raise ModelFormatError(f"{self.path}: a {self.architecture} file needs attn_q_norm "
+                                   f"and attn_k_norm in layer {index}")  # fmt: skip
+        if self._gemma:
+            layer.post_attn_norm = self._vector(f"{prefix}post_attention_norm.weight")
+            layer.post_ffn_norm = self._vector(f"{prefix}post_ffw_norm.weight")
+
+    def _read_windows(self) -> list[int]:
+        """Each layer's sliding window (0: none): Gemma 3's, as llama.cpp reads them."""
+        if not self._gemma:
+            return [0] * self.n_layers
+        softcap = float(self._hparam("final_logit_softcapping", 0.0))
+        if softcap:
+            raise ModelFormatError(f"{self.path}: final logit softcapping ({softcap}) is not "
+                                   "supported by the native kernels")  # fmt: skip
+        window = int(self._hparam("attention.sliding_window", 0))
+        if window <= 0:
+            return [0] * self.n_layers
+        pattern = self._hparam("attention.sliding_window_pattern", GEMMA3_WINDOW_PATTERN)
+        if isinstance(pattern, list):  # one flag per layer
+            if len(pattern) != self.n_layers:
+                raise ModelFormatError(f"{self.path}: sliding_window_pattern has {len(pattern)} "
+                                       f"entries for {self.n_layers} layers")  # fmt: skip
+            return [window if flag else 0 for flag in pattern]
+        every = int(pattern)  # the last layer of each run of `every` is global (0: none is)
+        return [window if every == 0 or i % every < every - 1 else 0
+                for i in range(self.n_layers)]  # fmt: skip
+
+    def _attention_scale(self) -> float:
+        """Gemma 3's query scale as llama.cpp sets it (its 62-layer 27B by the model width per
+        head, the others by head_dim); 0: the kernels' 1 / sqrt(head_dim)."""
+        if not self._gemma:
+            return 0.0
+        width = self.d_model // self.n_heads if self.n_layers == 62 else self.head_dim
+        return float(np.float32(1.0) / np.sqrt(np.float32(width)))
 
     def _check_all_used(self) -> None:
         unused = sorted(set(self._tensors) - self._used)

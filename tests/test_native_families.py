@@ -1,6 +1,7 @@
 """The native kernels on each architecture they run: Llama (with Llama 3's rotary frequency
-factors, linear scaling, biases), Qwen2 (q/k/v biases, halves rotated together) and Qwen3
-(per-head q/k norms), against transformers and llama.cpp on the same tiny random models.
+factors, linear scaling, biases), Qwen2 (q/k/v biases, halves rotated together), Qwen3
+(per-head q/k norms) and Gemma 3 (sliding windows, their own rotary base, GeGLU, sandwich
+norms, scaled embeddings), against transformers and llama.cpp on the same tiny random models.
 
 Each file is written by hetspec's exporter in llama.cpp's layout for its architecture; llama.cpp
 agreeing with transformers on it checks the export, and the native kernels agreeing with both
@@ -22,7 +23,7 @@ from hetspec.native.kernels import NativeUnavailable
 from hetspec.speculative.tree import chain_parents
 from hetspec.workers.native_runtime import NativeRuntime
 
-FAMILIES = ["llama3-rope", "llama-linear-bias-tied", "qwen2", "qwen3"]
+FAMILIES = ["llama3-rope", "llama-linear-bias-tied", "qwen2", "qwen3", "gemma3"]
 TEXT = Path(textwrap.__file__).read_text()[:3000]
 CONTEXT = 256
 FFN = 128  # whole 32-blocks, as the native kernels need (the tiny default, 112, is not)
@@ -73,13 +74,15 @@ def test_each_family_computes_what_transformers_and_llama_cpp_compute(tiny, name
     scale = np.abs(reference).max()
     for label, logits in (("native", logits_of(native, tokens)),
                           ("llama.cpp", logits_of(llama, tokens))):  # fmt: skip
-        # F32 weights: only the half-float KV cache and summation order differ
-        assert np.abs(logits - reference).max() <= 3e-3 * scale, label
+        # F32 weights: only the half-float KV cache and summation order differ (and for
+        # Gemma in llama.cpp its GELU, read from a table of half floats)
+        tolerance = 6e-3 if (name, label) == ("gemma3", "llama.cpp") else 3e-3
+        assert np.abs(logits - reference).max() <= tolerance * scale, label
         assert (logits.argmax(-1) == reference.argmax(-1)).mean() >= 0.98, label
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
-def test_quantized_qwen_files_predict_as_llama_cpp_does(tiny, name) -> None:
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma3"])
+def test_quantized_files_predict_as_llama_cpp_does(tiny, name) -> None:
     from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
 
     path = tiny(name, "q8_0")
@@ -88,14 +91,19 @@ def test_quantized_qwen_files_predict_as_llama_cpp_does(tiny, name) -> None:
                             v_type="f32")  # fmt: skip
     tokens = native.tokenize(TEXT)[:200]
     ours, theirs = logits_of(native, tokens), logits_of(llama, tokens)
-    # both quantize activations to 8 bits, in different blocks and scales: close, not equal
-    assert np.abs(ours - theirs).max() <= 0.05 * np.abs(theirs).max()
-    assert (ours.argmax(-1) == theirs.argmax(-1)).mean() >= 0.95
+    # both quantize activations to 8 bits, in different blocks and scales: close, not equal.
+    # Gemma's norms after attention and feed-forward rescale that noise with the signal: on
+    # this random tiny model both runtimes' Q8_0 logits are ~18% of the largest from the F32
+    # model's, ~6% from each other's (Qwen: ~4%, ~2%).
+    loose = name == "gemma3"
+    assert np.abs(ours - theirs).max() <= (0.08 if loose else 0.05) * np.abs(theirs).max()
+    assert (ours.argmax(-1) == theirs.argmax(-1)).mean() >= (0.93 if loose else 0.95)
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
-def test_a_tokens_logits_are_the_same_bits_alone_and_inside_a_tree(tiny, name) -> None:
-    """Biases and per-head norms are per-row steps: width invariance holds for them too."""
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma3"])
+def test_a_tokens_logits_are_the_same_bits_alone_and_inside_a_chain(tiny, name) -> None:
+    """Biases, per-head norms and windows are per-row steps: width invariance holds for them
+    too (gemma3's window of 6 starts inside the chain for most of its 16 rows)."""
     native = NativeRuntime(tiny(name, "q8_0"), n_ctx=CONTEXT)
     tokens = native.tokenize(TEXT)[:40]
     native.prefill(tokens[:20])
@@ -107,9 +115,32 @@ def test_a_tokens_logits_are_the_same_bits_alone_and_inside_a_tree(tiny, name) -
         native.commit([0])
 
 
-def copy_gguf(source: Path, target: Path, *, drop: str = "", extra: str = "") -> Path:
-    """``source`` (an F32 file) rewritten without tensor ``drop`` and with a zero vector
-    ``extra``: a file from another converter, or a variant of the architecture."""
+@pytest.mark.parametrize("simd", ["portable", None])
+def test_a_windowed_models_tree_node_is_the_same_bits_as_its_path_alone(tiny, simd) -> None:
+    """A tree's node sees its ancestors, not its siblings, through the window as its path alone
+    does, whether the window starts in the committed prefix or among the pending nodes."""
+    native = NativeRuntime(tiny("gemma3", "q8_0"), n_ctx=CONTEXT, simd=simd)
+    tokens = native.tokenize(TEXT)[:60]
+    native.prefill(tokens[:30])
+    # two branches of 9 from the root, the second forking again at depth 3
+    parents = [-1, 0, 1, 2, 3, 4, 5, 6, 7, -1, 9, 10, 11, 12, 13, 14, 15, 11, 17, 18]
+    tree = tokens[30:50]
+    together = native.evaluate_tree(tree, parents).copy()
+    native.discard_pending()
+    for node in range(len(tree)):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        alone = native.evaluate_tree([tree[i] for i in reversed(path)], chain_parents(len(path)))
+        np.testing.assert_array_equal(alone[-1], together[node], err_msg=f"node {node}")
+        native.discard_pending()
+
+
+def copy_gguf(source: Path, target: Path, *, drop: str = "", extra: str = "",
+              keys: dict[str, float] | None = None) -> Path:  # fmt: skip
+    """``source`` (an F32 file) rewritten without tensor ``drop``, with a zero vector ``extra``
+    and float ``keys`` added: a file from another converter, or a variant of the
+    architecture."""
     reader = gguf.GGUFReader(source)
     architecture = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(target, architecture)
@@ -121,6 +152,8 @@ def copy_gguf(source: Path, target: Path, *, drop: str = "", extra: str = "") ->
             writer.add_key_value(field.name, field.contents(), kind, sub_type=field.types[-1])
         else:
             writer.add_key_value(field.name, field.contents(), kind)
+    for key, value in (keys or {}).items():
+        writer.add_float32(key, value)
     for tensor in reader.tensors:
         if tensor.name != drop:
             writer.add_tensor(tensor.name, np.array(tensor.data))
@@ -143,6 +176,13 @@ def test_a_file_with_parts_it_would_ignore_is_refused(tiny, tmp_path) -> None:
     with pytest.raises(NativeUnavailable, match="attn_q_norm and attn_k_norm in layer 1"):
         NativeRuntime(copy_gguf(qwen3, tmp_path / "no-norm.gguf",
                                 drop="blk.1.attn_k_norm.weight"))  # fmt: skip
+    gemma3 = tiny("gemma3")
+    with pytest.raises(NativeUnavailable, match=r"lacks tensor 'blk\.2\.post_ffw_norm\.weight'"):
+        NativeRuntime(copy_gguf(gemma3, tmp_path / "no-post-norm.gguf",
+                                drop="blk.2.post_ffw_norm.weight"))  # fmt: skip
+    with pytest.raises(NativeUnavailable, match=r"softcapping \(30\.0\) is not supported"):
+        NativeRuntime(copy_gguf(gemma3, tmp_path / "softcap.gguf",
+                                keys={"gemma3.final_logit_softcapping": 30.0}))  # fmt: skip
 
 
 def qwen2_layout(folder: Path, out: Path) -> Path:
@@ -196,5 +236,36 @@ def test_the_daemon_serves_a_qwen2_target_on_the_native_kernels_losslessly(tmp_p
                 assert status == 200, body
                 assert body["tokens"] == alone, mode
                 assert body["timings"]["draft_n"] > 0
+    finally:
+        daemon.stop()
+
+
+def test_the_daemon_serves_a_gemma3_pair_on_the_native_kernels_losslessly(tmp_path) -> None:
+    """A tiny Gemma 3 target and draft (sliding windows of 6 positions, so every request runs
+    past them): every mode returns the target alone's greedy tokens."""
+    import json  # noqa: PLC0415
+
+    from test_lossless import BundledDaemon  # noqa: PLC0415
+
+    from hetspec.client.bench import prompt_set  # noqa: PLC0415
+
+    models = {role: write_tiny_gguf(tmp_path / role, "gemma3", seed=seed, gguf_type="q8_0",
+                                    context=1024, intermediate_size=FFN)
+              for role, seed in (("target", 0), ("draft", 1))}  # fmt: skip
+    settings = ["--set", 'gpu_runtime="native"']
+    for role, path in models.items():
+        settings += ["--set", f"{role}.gguf={json.dumps(str(path))}",
+                     "--set", f"{role}.folder={json.dumps(str(path.parent))}"]  # fmt: skip
+    daemon = BundledDaemon(tmp_path, "draft-cpu", *settings)
+    try:
+        for prompt in prompt_set(2)[:2]:
+            options = {"max_tokens": 24, "ignore_eos": True}
+            alone = daemon.generate(prompt, mode="autoregressive", **options)["tokens"]
+            for mode in ({"mode": "sequential", "gamma": 3}, {"mode": "adaptive"},
+                         {"mode": "sequential", "gamma": 4, "branches": 3}):  # fmt: skip
+                body = daemon.generate(prompt, **options, **mode)
+                assert body["tokens"] == alone, mode
+                # adaptive may rightly decode alone: this random draft is rarely accepted
+                assert body["timings"]["draft_n"] > 0 or mode["mode"] == "adaptive", mode
     finally:
         daemon.stop()

@@ -48,6 +48,23 @@ TINY_CONFIGS = {
     "mistral-window": ("mistral", {"sliding_window": 6, "num_key_value_heads": 1}),
     "qwen2": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3": ("qwen3", {"head_dim": 24, "tie_word_embeddings": False}),
+    # windows of 6 positions on layers 0 and 2, a global layer between (its own rotary base);
+    # query_pre_attn_scalar as llama.cpp assumes it (head_dim)
+    "gemma3": (
+        "gemma3_text",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": 6,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "num_hidden_layers": 3,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
+            },
+            "tie_word_embeddings": True,
+        },
+    ),
 }
 
 
@@ -91,7 +108,7 @@ def write_tiny_gguf(
     name: str = "llama",
     *,
     seed: int = 0,
-    layers: int = 2,
+    layers: int | None = None,
     vocab_size: int = TINY_VOCAB,
     gguf_type: str = "f32",
     context: int | None = None,
@@ -122,7 +139,7 @@ def write_tiny_gguf(
             **COMMON,
             **extra,
             "vocab_size": tokenizer.get_vocab_size(),
-            "num_hidden_layers": layers,
+            "num_hidden_layers": layers or extra.get("num_hidden_layers", 2),
             "max_position_embeddings": context or COMMON["max_position_embeddings"],
             **overrides,
         },

@@ -221,6 +221,13 @@ static void norm_heads(float *x, const float *weight, int heads, int head_dim, f
 
 static float silu(float x) { return x / (1.0f + expf(-x)); }
 
+/* GELU's tanh form, x (1 + tanh(u)) / 2 with u = sqrt(2/pi) (x + 0.044715 x^3), written as
+ * x sigmoid(2u) (the same sigmoid as silu's) */
+#define GELU_2U(x, cube) (1.5957691216057308f * ((x) + 0.044715f * (cube)))
+static float gelu_tanh(float x) { return x / (1.0f + expf(-GELU_2U(x, x * x * x))); }
+
+static float gated(float x, int activation) { return activation == HS_GELU_TANH ? gelu_tanh(x) : silu(x); }
+
 
 /* ------------------------------------------------------------------ dot products */
 
@@ -741,6 +748,25 @@ HS_AVX2 static void silu_mul_avx2(float *g, const float *u, int n) {
     for (; k < n; k++) g[k] = silu(g[k]) * u[k];
 }
 
+/* g = gelu_tanh(g) * u, 8 lanes at a time: x sigmoid(z), z = 2u, with sigmoid(z) =
+ * 1 / (1 + e^-z) for z >= 0 and e^z / (1 + e^z) below, so no exponent is positive. */
+HS_AVX2 static void gelu_mul_avx2(float *g, const float *u, int n) {
+    const __m256 sign_bit = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+    int k = 0;
+    for (; k + 8 <= n; k += 8) {
+        const __m256 x = _mm256_loadu_ps(g + k);
+        const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+        const __m256 z = _mm256_mul_ps(_mm256_set1_ps(1.5957691216057308f),
+                                       _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), cube, x));
+        const __m256 e = exp_nonpositive(_mm256_or_ps(z, sign_bit)); /* e^-|z| */
+        const __m256 numerator =
+            _mm256_blendv_ps(_mm256_mul_ps(x, e), x, _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_GE_OQ));
+        const __m256 y = _mm256_div_ps(numerator, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(g + k, _mm256_mul_ps(y, _mm256_loadu_ps(u + k)));
+    }
+    for (; k < n; k++) g[k] = gelu_tanh(g[k]) * u[k];
+}
+
 /* hsum8 of eight vectors at once, lane j = hsum8(v[j]) bit for bit: the same pairs are added
  * in the same order ((0+4)+(2+6)) + ((1+5)+(3+7)), by transposing adds instead of one
  * horizontal sum (a chain of dependent shuffles) per vector. */
@@ -858,22 +884,24 @@ HS_AVX2 INLINE void add_values(const float *weights, const kv_block *values, int
 
 /* The query heads of one GQA group (sharing one KV head) for `rows` rows of a forward, their
  * queries and outputs `stride` floats apart: each row sees the prefix (slots 0..n_prefix-1) and
- * its own slots visible[offsets[r]..offsets[r + 1]), in that order. Dense prefix once for all
- * rows, sparse rest per row (Ghidorah's split); where `widen`, each block of keys and values
- * is widened to floats once, in L1, for every row and head that reads it (a few queries read
- * the halves directly: for them the widening costs more than it saves). Each (row, head) gets
- * the same arithmetic in the same order whatever the rows beside it, so the bits do not depend
- * on the width. scores: rows * group * (n_prefix + the most visible + 1) floats. head_dim: a
- * multiple of 8, at most 256. */
+ * its own slots visible[offsets[r]..offsets[r + 1]), in that order, from its t-th key on where
+ * firsts[r] = t > 0 (a sliding window). Dense prefix once for all rows, sparse rest per row
+ * (Ghidorah's split); where `widen`, each block of keys and values is widened to floats once,
+ * in L1, for every row and head that reads it (a few queries read the halves directly: for
+ * them the widening costs more than it saves). Each (row, head) gets the same arithmetic in the
+ * same order whatever the rows beside it, and whatever part of its keys is prefix: the bits
+ * depend on neither the width nor the split. scores: rows * group * (n_prefix + the most
+ * visible + 1) floats. head_dim: a multiple of 8, at most 256. */
 HS_AVX2 INLINE void attend_rows_body(const uint16_t *keys, const uint16_t *values, int hd,
                                      const float *queries, size_t stride, int rows, int group,
                                      int n_prefix, const int32_t *visible,
-                                     const int32_t *offsets, float *scores, float *out,
-                                     const int chunks, const int widen) {
-    const float scale = 1.0f / sqrtf((float)hd);
-    int widest = 0;
-    for (int r = 0; r < rows; r++)
+                                     const int32_t *offsets, const int32_t *firsts, float scale,
+                                     float *scores, float *out, const int chunks, const int widen) {
+    int widest = 0, lowest = n_prefix;
+    for (int r = 0; r < rows; r++) {
         if (offsets[r + 1] - offsets[r] > widest) widest = offsets[r + 1] - offsets[r];
+        if (firsts[r] < lowest) lowest = firsts[r];
+    }
     const size_t width = (size_t)n_prefix + widest + 1; /* the +1: each query's weight sum */
     float wide[KEY_BLOCK * 256] __attribute__((aligned(32)));
 #define QUERY(r, g) (queries + (size_t)(r) * stride + (size_t)(g) * hd)
@@ -881,40 +909,66 @@ HS_AVX2 INLINE void attend_rows_body(const uint16_t *keys, const uint16_t *value
 #define ROW(r, g) (scores + ((size_t)(r) * group + (g)) * width)
 #define OWN(r) (visible + offsets[r])
 #define SEEN(r) (offsets[(r) + 1] - offsets[r])
-/* for each block of `total` slots (the prefix: slots NULL; a row's own: its list), as `block`,
- * widened first where `widen` */
-#define BLOCKS(cache, slot_list, total, body)                                                \
-    for (int t = 0; t < (total); t += KEY_BLOCK) {                                           \
+/* for each block of `total` slots from block `from` (the prefix: slots NULL; a row's own: its
+ * list), widened first where `widen` */
+#define BLOCKS(cache, slot_list, from, total, body)                                          \
+    for (int t = (from) / KEY_BLOCK * KEY_BLOCK; t < (total); t += KEY_BLOCK) {              \
         const int count = (total) - t < KEY_BLOCK ? (total) - t : KEY_BLOCK;                 \
-        const kv_block block = {cache, slot_list, t, wide};                                  \
         if (widen) widen_slots(cache, slot_list, t, count, hd, wide);                        \
         body                                                                                 \
     }
-    BLOCKS(keys, NULL, n_prefix, {
+/* row r's part of that block: its keys from its first on (`skip` of the block's are not), as
+ * `block` of `part` keys; `first` is where the block starts in the row's list of keys */
+#define PART(r, first, body)                                                                 \
+    {                                                                                        \
+        const int skip = firsts[r] > (first) + t ? firsts[r] - (first) - t : 0;              \
+        if (skip < count) {                                                                  \
+            const kv_block block = {block_cache, block_slots, t + skip, wide + (size_t)skip * hd}; \
+            const int part = count - skip, at = (first) + t + skip;                          \
+            body                                                                             \
+        }                                                                                    \
+    }
+    const uint16_t *block_cache = keys;
+    const int32_t *block_slots = NULL;
+    BLOCKS(keys, NULL, lowest, n_prefix, {
         for (int r = 0; r < rows; r++)
-            for (int g = 0; g < group; g++)
-                score_keys(QUERY(r, g), &block, count, hd, chunks, scale, ROW(r, g) + t, widen);
-    })
-    for (int r = 0; r < rows; r++)
-        BLOCKS(keys, OWN(r), SEEN(r), {
-            for (int g = 0; g < group; g++)
-                score_keys(QUERY(r, g), &block, count, hd, chunks, scale,
-                           ROW(r, g) + n_prefix + t, widen);
-        })
-    for (int r = 0; r < rows; r++)
-        for (int g = 0; g < group; g++) {
-            ROW(r, g)[width - 1] = softmax_weights(ROW(r, g), n_prefix + SEEN(r));
-            memset(OUT(r, g), 0, (size_t)hd * sizeof(float));
-        }
-    BLOCKS(values, NULL, n_prefix, {
-        for (int r = 0; r < rows; r++)
-            for (int g = 0; g < group; g++)
-                add_values(ROW(r, g) + t, &block, count, hd, chunks, OUT(r, g), widen);
+            PART(r, 0, {
+                for (int g = 0; g < group; g++)
+                    score_keys(QUERY(r, g), &block, part, hd, chunks, scale, ROW(r, g) + at, widen);
+            })
     })
     for (int r = 0; r < rows; r++) {
-        BLOCKS(values, OWN(r), SEEN(r), {
-            for (int g = 0; g < group; g++)
-                add_values(ROW(r, g) + n_prefix + t, &block, count, hd, chunks, OUT(r, g), widen);
+        block_slots = OWN(r);
+        const int from = firsts[r] > n_prefix ? firsts[r] - n_prefix : 0;
+        BLOCKS(keys, OWN(r), from, SEEN(r), {
+            PART(r, n_prefix, {
+                for (int g = 0; g < group; g++)
+                    score_keys(QUERY(r, g), &block, part, hd, chunks, scale, ROW(r, g) + at, widen);
+            })
+        })
+    }
+    for (int r = 0; r < rows; r++)
+        for (int g = 0; g < group; g++) {
+            ROW(r, g)[width - 1] = softmax_weights(ROW(r, g) + firsts[r], n_prefix + SEEN(r) - firsts[r]);
+            memset(OUT(r, g), 0, (size_t)hd * sizeof(float));
+        }
+    block_cache = values;
+    block_slots = NULL;
+    BLOCKS(values, NULL, lowest, n_prefix, {
+        for (int r = 0; r < rows; r++)
+            PART(r, 0, {
+                for (int g = 0; g < group; g++)
+                    add_values(ROW(r, g) + at, &block, part, hd, chunks, OUT(r, g), widen);
+            })
+    })
+    for (int r = 0; r < rows; r++) {
+        block_slots = OWN(r);
+        const int from = firsts[r] > n_prefix ? firsts[r] - n_prefix : 0;
+        BLOCKS(values, OWN(r), from, SEEN(r), {
+            PART(r, n_prefix, {
+                for (int g = 0; g < group; g++)
+                    add_values(ROW(r, g) + at, &block, part, hd, chunks, OUT(r, g), widen);
+            })
         })
         for (int g = 0; g < group; g++) {
             const __m256 factor = _mm256_set1_ps(1.0f / ROW(r, g)[width - 1]);
@@ -922,6 +976,7 @@ HS_AVX2 INLINE void attend_rows_body(const uint16_t *keys, const uint16_t *value
                 _mm256_storeu_ps(OUT(r, g) + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(OUT(r, g) + 8 * c), factor));
         }
     }
+#undef PART
 #undef BLOCKS
 #undef QUERY
 #undef OUT
@@ -936,15 +991,16 @@ HS_AVX2 INLINE void attend_rows_body(const uint16_t *keys, const uint16_t *value
 HS_AVX2 static void attend_rows_avx2(const uint16_t *keys, const uint16_t *values, int hd,
                                      const float *queries, size_t stride, int rows, int group,
                                      int n_prefix, const int32_t *visible,
-                                     const int32_t *offsets, float *scores, float *out) {
+                                     const int32_t *offsets, const int32_t *firsts,
+                                     float scale, float *scores, float *out) {
     const int widen = rows * group >= WIDEN_QUERIES;
 #define BODY(chunks)                                                                          \
     if (widen)                                                                                \
         attend_rows_body(keys, values, hd, queries, stride, rows, group, n_prefix, visible,   \
-                         offsets, scores, out, chunks, 1);                                    \
+                         offsets, firsts, scale, scores, out, chunks, 1);                     \
     else                                                                                      \
         attend_rows_body(keys, values, hd, queries, stride, rows, group, n_prefix, visible,   \
-                         offsets, scores, out, chunks, 0);
+                         offsets, firsts, scale, scores, out, chunks, 0);
     switch (hd / 8) {
     case 4: BODY(4); break;
     case 8: BODY(8); break;
@@ -1323,8 +1379,11 @@ static int forward_ok(const hs_model *m, int n, const int32_t *tokens, const int
             !matrix_ok(&y->down, m->d_model, m->n_ff))
             return 0;
     }
-    if (offsets[0] != 0) return 0;
+    if (offsets[0] != 0 || (m->activation != HS_SILU && m->activation != HS_GELU_TANH)) return 0;
+    int windows = 0;
+    for (int l = 0; l < m->n_layers; l++) windows |= m->layers[l].window > 0;
     for (int i = 0; i < n; i++) {
+        if (windows && positions[i] != n_prefix + offsets[i + 1] - offsets[i] - 1) return 0;
         if (tokens[i] < 0 || tokens[i] >= m->vocab || positions[i] < 0 ||
             positions[i] >= m->capacity || offsets[i + 1] < offsets[i] ||
             offsets[i + 1] - offsets[i] > m->capacity - n_prefix)
@@ -1335,17 +1394,28 @@ static int forward_ok(const hs_model *m, int n, const int32_t *tokens, const int
     return 1;
 }
 
-/* One (row, head) of attention over the slots the row may see, in slot order. */
+static float attention_scale(const hs_model *m) {
+    return m->attn_scale > 0.0f ? m->attn_scale : 1.0f / sqrtf((float)m->head_dim);
+}
+
+/* The first key (by position) a row at `position` sees in a layer of `window` (0: all). */
+static int first_key(int window, int position) {
+    return window > 0 && position >= window ? position - window + 1 : 0;
+}
+
+/* One (row, head) of attention over the slots the row may see, in slot order, from its
+ * `first` (first_key). */
 static void attend(const hs_model *m, int layer, const float *query, int kv_head, int n_prefix,
-                   const int32_t *visible, int n_visible, float *scores, float *out, int simd) {
+                   const int32_t *visible, int n_visible, int first, float *scores, float *out,
+                   int simd) {
     const int hd = m->head_dim;
     const size_t base = ((size_t)layer * m->n_kv_heads + kv_head) * m->capacity;
     (void)simd; /* the keys come as halves: no f32 kernel applies */
     const uint16_t *keys = m->k_cache + base * hd, *values = m->v_cache + base * hd;
-    const float scale = 1.0f / sqrtf((float)hd);
+    const float scale = attention_scale(m);
     const int total = n_prefix + n_visible;
     float highest = -INFINITY;
-    for (int t = 0; t < total; t++) {
+    for (int t = first; t < total; t++) {
         const int slot = t < n_prefix ? t : visible[t - n_prefix];
         const uint16_t *key = keys + (size_t)slot * hd;
         float dot = 0.0f;
@@ -1354,12 +1424,12 @@ static void attend(const hs_model *m, int layer, const float *query, int kv_head
         highest = fmaxf(highest, scores[t]);
     }
     float sum = 0.0f;
-    for (int t = 0; t < total; t++) {
+    for (int t = first; t < total; t++) {
         scores[t] = expf(scores[t] - highest);
         sum += scores[t];
     }
     for (int k = 0; k < hd; k++) out[k] = 0.0f;
-    for (int t = 0; t < total; t++) {
+    for (int t = first; t < total; t++) {
         const int slot = t < n_prefix ? t : visible[t - n_prefix];
         const uint16_t *v = values + (size_t)slot * hd;
         const float p = scores[t];
@@ -1383,7 +1453,12 @@ static void forward_rows(const hs_model *m, const scratch *s, int n, const int32
     float *scores = s->scores;
 #endif
 #pragma omp for schedule(static)
-    for (int i = 0; i < n; i++) embed_row(&m->embed, tokens[i], s->x + (size_t)i * d);
+    for (int i = 0; i < n; i++) {
+        float *x = s->x + (size_t)i * d;
+        embed_row(&m->embed, tokens[i], x);
+        if (m->embed_scale > 0.0f)
+            for (int k = 0; k < d; k++) x[k] *= m->embed_scale;
+    }
 
     for (int l = 0; l < m->n_layers; l++) {
         const hs_layer *y = &m->layers[l];
@@ -1397,8 +1472,8 @@ static void forward_rows(const hs_model *m, const scratch *s, int n, const int32
         matmul_items(&y->v, acts_for(s, &y->v), s->normed, n, s->v, simd, 1);
 #pragma omp for schedule(static)
         for (int i = 0; i < n; i++) {
-            const float *cos = m->rope_cos + (size_t)positions[i] * half;
-            const float *sin = m->rope_sin + (size_t)positions[i] * half;
+            const float *cos = (y->rope_cos ? y->rope_cos : m->rope_cos) + (size_t)positions[i] * half;
+            const float *sin = (y->rope_sin ? y->rope_sin : m->rope_sin) + (size_t)positions[i] * half;
             float *q = s->q + (size_t)i * qd, *k = s->k + (size_t)i * kvd;
             add_bias(q, y->q_bias, qd);
             add_bias(k, y->k_bias, kvd);
@@ -1425,9 +1500,11 @@ static void forward_rows(const hs_model *m, const scratch *s, int n, const int32
                 const int rows = n - i < ATTEND_ROWS ? n - i : ATTEND_ROWS;
                 const size_t head = layer_base + (size_t)h * m->capacity * hd;
                 const size_t first = (size_t)i * qd + (size_t)h * group * hd;
+                int32_t firsts[ATTEND_ROWS];
+                for (int r = 0; r < rows; r++) firsts[r] = first_key(y->window, positions[i + r]);
                 attend_rows_avx2(m->k_cache + head, m->v_cache + head, hd, s->q + first, qd,
-                                 rows, group, n_prefix, visible, offsets + i, scores,
-                                 s->attended + first);
+                                 rows, group, n_prefix, visible, offsets + i, firsts,
+                                 attention_scale(m), scores, s->attended + first);
             }
         } else
 #endif
@@ -1436,7 +1513,8 @@ static void forward_rows(const hs_model *m, const scratch *s, int n, const int32
             for (int item = 0; item < n * heads; item++) {
                 const int i = item / heads, h = item % heads;
                 attend(m, l, s->q + (size_t)i * qd + (size_t)h * hd, h / group, n_prefix,
-                       visible + offsets[i], offsets[i + 1] - offsets[i], scores,
+                       visible + offsets[i], offsets[i + 1] - offsets[i],
+                       first_key(y->window, positions[i]), scores,
                        s->attended + (size_t)i * qd + (size_t)h * hd, simd);
             }
         }
@@ -1446,9 +1524,10 @@ static void forward_rows(const hs_model *m, const scratch *s, int n, const int32
         matmul_items(&y->o, acts_for(s, &y->o), s->attended, n, s->projected, simd, 1);
 #pragma omp for schedule(static)
         for (int i = 0; i < n; i++) {
-            float *x = s->x + (size_t)i * d;
-            add_bias(s->projected + (size_t)i * d, y->o_bias, d);
-            for (int k = 0; k < d; k++) x[k] += s->projected[(size_t)i * d + k];
+            float *x = s->x + (size_t)i * d, *projected = s->projected + (size_t)i * d;
+            add_bias(projected, y->o_bias, d);
+            if (y->post_attn_norm) rms_norm(projected, y->post_attn_norm, d, m->eps, projected);
+            for (int k = 0; k < d; k++) x[k] += projected[k];
             rms_norm(x, y->ffn_norm, d, m->eps, s->normed + (size_t)i * d);
             quantize_input(s, spans_of(&y->gate, &y->up, NULL), s->normed + (size_t)i * d, i, n, d, simd);
         }
@@ -1459,20 +1538,23 @@ static void forward_rows(const hs_model *m, const scratch *s, int n, const int32
             float *g = s->gate + (size_t)i * f, *u = s->up + (size_t)i * f;
             add_bias(g, y->gate_bias, f);
             add_bias(u, y->up_bias, f);
-            #if HS_X86
-            if (simd)
+#if HS_X86
+            if (simd && m->activation == HS_GELU_TANH)
+                gelu_mul_avx2(g, u, f);
+            else if (simd)
                 silu_mul_avx2(g, u, f);
             else
 #endif
-                for (int k = 0; k < f; k++) g[k] = silu(g[k]) * u[k];
+                for (int k = 0; k < f; k++) g[k] = gated(g[k], m->activation) * u[k];
             quantize_input(s, spans_of(&y->down, NULL, NULL), g, i, n, f, simd);
         }
         matmul_items(&y->down, acts_for(s, &y->down), s->gate, n, s->projected, simd, 1);
 #pragma omp for schedule(static)
         for (int i = 0; i < n; i++) {
-            float *x = s->x + (size_t)i * d;
-            add_bias(s->projected + (size_t)i * d, y->down_bias, d);
-            for (int k = 0; k < d; k++) x[k] += s->projected[(size_t)i * d + k];
+            float *x = s->x + (size_t)i * d, *projected = s->projected + (size_t)i * d;
+            add_bias(projected, y->down_bias, d);
+            if (y->post_ffn_norm) rms_norm(projected, y->post_ffn_norm, d, m->eps, projected);
+            for (int k = 0; k < d; k++) x[k] += projected[k];
         }
     }
     const int outputs = n - first_logit;

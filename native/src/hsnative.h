@@ -1,5 +1,5 @@
-/* hetspec's native CPU verifier: a Llama forward over GGUF-quantized weights, built for the
- * verification shape (a few rows at once).
+/* hetspec's native CPU verifier: a Llama-family (Llama, Qwen2/3, Gemma 3) forward over
+ * GGUF-quantized weights, built for the verification shape (a few rows at once).
  *
  * Contracts every entry point keeps:
  * - Width invariance: a row's results depend only on that row's inputs and the cache contents
@@ -35,6 +35,16 @@ typedef struct {
     /* optional (NULL: none): RMSNorms (head_dim,) of each query and key head before the
      * rotation (Qwen3) */
     const float *q_norm, *k_norm;
+    /* optional (NULL: none): RMSNorms (d_model,) of the attention's and the feed-forward's
+     * outputs before each joins the residual stream (Gemma's sandwich norms) */
+    const float *post_attn_norm, *post_ffn_norm;
+    /* optional (NULL: the model's): this layer's rotary tables, as hs_model's (Gemma 3's
+     * local layers rotate with another base than its global ones) */
+    const float *rope_cos, *rope_sin;
+    /* > 0: a row at position p attends only to keys at positions p - window + 1 .. p (a
+     * sliding window; keys are then assumed at the positions of their order, see hs_forward) */
+    int32_t window;
+    int32_t reserved;
 } hs_layer;
 
 typedef struct {
@@ -52,8 +62,13 @@ typedef struct {
     /* which values of a head rotate together: 0, pairs (2i, 2i+1) (llama.cpp's llama layout);
      * 1, (i, i + head_dim/2) (its "NEOX" layout: Qwen2, Qwen3) */
     int32_t rope_halves;
-    int32_t reserved;
+    /* the gated feed-forward's activation: HS_SILU (SwiGLU) or HS_GELU_TANH (GeGLU, Gemma) */
+    int32_t activation;
+    float embed_scale; /* > 0: embeddings are multiplied by it (Gemma: sqrt(d_model)) */
+    float attn_scale;  /* > 0: scores are q.k times it; else 1 / sqrt(head_dim) */
 } hs_model;
+
+enum { HS_SILU = 0, HS_GELU_TANH = 1 };
 
 /* Kernel levels. Every level computes the same exact integer block products. On x86-64, AVX2
  * and both VNNI levels give the same bits, and the portable C rounds its other float steps its
@@ -89,7 +104,9 @@ int hs_dequantize_rows(const hs_matrix *w, int first, int count, float *out);
 
 /* Evaluate n new tokens and write their keys/values to slots start..start+n-1.
  * Row i sees cached slots 0..n_prefix-1, then the slots visible[offsets[i]..offsets[i+1]) in
- * increasing order (its pending ancestors, ending with its own slot). Logits of rows
+ * increasing order (its pending ancestors, ending with its own slot). Where a layer has a
+ * window, the t-th key a row sees must be at position t (positions[i] = n_prefix + the
+ * row's visible count - 1), as the committed prefix and a path's ancestors are. Logits of rows
  * first_logit..n-1 go to logits ((n - first_logit), vocab). Returns 0, or -1 for bad input. */
 int hs_forward(const hs_model *m, int n, const int32_t *tokens, const int32_t *positions,
                int start, int n_prefix, const int32_t *offsets, const int32_t *visible,
