@@ -16,6 +16,8 @@ import jinja2
 import msgspec
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from hetspec.protocol.gguf_header import read_gguf_header
+
 # end-of-turn markers of common template families (ChatML, Llama 3, Phi, Gemma, Llama 2)
 TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "</s>")
 
@@ -112,12 +114,8 @@ def load_chat_template(folder: str | Path, gguf: str | Path | None = None) -> Ch
 
 
 def _gguf_chat_template(path: Path) -> str | None:
-    from gguf import GGUFReader  # noqa: PLC0415 - only when the folder has no template
-
     try:
-        field = GGUFReader(path).fields.get("tokenizer.chat_template")
+        template = read_gguf_header(path).fields.get("tokenizer.chat_template")
     except (OSError, ValueError):
         return None
-    if field is None:
-        return None
-    return bytes(field.parts[field.data[0]]).decode()
+    return template if isinstance(template, str) else None

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+from hetspec.protocol.gguf_header import SkippedStrings, read_gguf_header
+
 # config.json's names for the numbers a GGUF stores as "{architecture}.{key}"
 _CONFIG_KEYS = {
     "context_length": "max_position_embeddings",
@@ -74,31 +76,37 @@ def _modified(*files: Path) -> datetime:
 
 
 def _gguf_facts(path: Path) -> ModelFacts:
-    from gguf import GGUFReader, GGUFValueType, LlamaFileType  # noqa: PLC0415 - a heavy import
+    from gguf import GGMLQuantizationType, LlamaFileType  # noqa: PLC0415 - a heavy import
 
     try:
-        reader = GGUFReader(path)
+        header = read_gguf_header(path)
     except (ValueError, OSError) as error:
         raise ValueError(f"{path}: not a readable GGUF file ({error})") from None
-    info = {}
-    for key, entry in reader.fields.items():
-        # scalars and strings only: the vocabulary's arrays and the chat template are long
-        if key.startswith(("GGUF.", "tokenizer.")) or len(entry.types) != 1:
-            continue
-        if entry.types[0] == GGUFValueType.ARRAY:
-            continue
-        info[key] = entry.contents()
+    # scalars and strings only: the vocabulary's arrays and the chat template are long
+    info = {
+        key: value
+        for key, value in header.fields.items()
+        if not key.startswith("tokenizer.") and not isinstance(value, list | SkippedStrings)
+    }
     family = str(info.get("general.architecture", "unknown"))
-    parameters = sum(int(tensor.n_elements) for tensor in reader.tensors)
+    parameters = sum(tensor.n_elements for tensor in header.tensors.values())
     info["general.parameter_count"] = parameters
     file_type = info.get("general.file_type")
     try:
         quantization = LlamaFileType(file_type).name.removeprefix("MOSTLY_")
     except ValueError:
         quantization = f"type {file_type}"
-    tensor_types = frozenset(tensor.tensor_type.name for tensor in reader.tensors)
+    tensor_types = frozenset(_type_name(tensor.type, GGMLQuantizationType)
+                             for tensor in header.tensors.values())  # fmt: skip
     return ModelFacts(str(path), "gguf", family, parameters, quantization,
                       path.stat().st_size, _modified(path), info, tensor_types)  # fmt: skip
+
+
+def _type_name(kind: int, names: type) -> str:
+    try:
+        return names(kind).name
+    except ValueError:
+        return f"type {kind}"
 
 
 def _folder_facts(folder: Path) -> ModelFacts:

@@ -1,6 +1,6 @@
 """A Llama-family GGUF file laid out for the native kernels: weights mapped in place, a KV cache.
 
-The weights stay in the file's pages (``gguf.GGUFReader`` maps it read-only), so the native
+The weights stay in the file's pages (``protocol.gguf_header`` maps it read-only), so the native
 runtime shares them with the page cache instead of holding a second copy. What it supports is
 what llama.cpp writes for its ``llama``, ``qwen2``, ``qwen3`` and ``gemma3`` architectures:
 grouped-query attention, RoPE over whole heads (default or linear scaling, per-frequency
@@ -33,6 +33,7 @@ from hetspec.native.kernels import (
     NativeUnavailable,
     matrix,
 )
+from hetspec.protocol.gguf_header import TensorInfo, read_gguf_header
 
 LAYER_TENSORS = {
     "q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
@@ -49,6 +50,13 @@ GEMMA3_WINDOW_PATTERN = 6
 GEMMA3_WINDOW_THETA = 10000.0
 
 
+def type_name(kind: int) -> str:
+    try:
+        return gguf.GGMLQuantizationType(kind).name
+    except ValueError:
+        return f"type {kind}"
+
+
 class ModelFormatError(NativeUnavailable):
     """A GGUF file the native kernels cannot run; the message names the file and why."""
 
@@ -60,10 +68,10 @@ class NativeModel:
         """``simd``: the most capable kernel level to use (``kernels.SIMD_LEVELS``)."""
         self.path = Path(path)
         try:
-            self._reader = gguf.GGUFReader(self.path, "r")
+            self._header = read_gguf_header(self.path)
         except (OSError, ValueError) as error:
             raise ModelFormatError(f"{self.path}: not a readable GGUF file ({error})") from None
-        self._tensors = {tensor.name: tensor for tensor in self._reader.tensors}
+        self._tensors = self._header.tensors
         self._keep: list[object] = []  # arrays and structs C holds pointers into
         self.architecture = str(self._field("general.architecture"))
         if self.architecture not in FAMILIES:
@@ -124,17 +132,17 @@ class NativeModel:
     # ------------------------------------------------------------ reading the file
 
     def _field(self, key: str, default: object = None) -> object:
-        field = self._reader.fields.get(key)
-        if field is None:
+        value = self._header.fields.get(key)
+        if value is None:
             if default is None:
                 raise ModelFormatError(f"{self.path}: lacks {key!r}")
             return default
-        return field.contents()
+        return value
 
     def _hparam(self, key: str, default: object = None) -> object:
         return self._field(f"{self.architecture}.{key}", default)
 
-    def _tensor(self, name: str) -> gguf.ReaderTensor:
+    def _tensor(self, name: str) -> TensorInfo:
         tensor = self._tensors.get(name)
         if tensor is None:
             raise ModelFormatError(f"{self.path}: lacks tensor {name!r}")
@@ -201,14 +209,16 @@ class NativeModel:
 
     def _matrix(self, name: str) -> Matrix:
         tensor = self._tensor(name)
-        kind = int(tensor.tensor_type)
+        kind = tensor.type
         if kind not in TYPE_NAMES:
             raise ModelFormatError(
-                f"{self.path}: {name} is {tensor.tensor_type.name}; the native kernels read "
+                f"{self.path}: {name} is {type_name(kind)}; the native kernels read "
                 f"{', '.join(TYPE_NAMES.values())}"
             )
-        cols, rows = (int(size) for size in tensor.shape)
-        data = np.ascontiguousarray(tensor.data)
+        if len(tensor.shape) != 2:
+            raise ModelFormatError(f"{self.path}: {name} has shape {tensor.shape}, not a matrix")
+        cols, rows = tensor.shape
+        data = np.ascontiguousarray(self._header.tensor_data(tensor))
         self._keep.append(data)
         try:
             return matrix(kind, data, rows, cols)
@@ -219,10 +229,11 @@ class NativeModel:
         """The address of F32 vector ``name`` of ``length`` (default d_model) values."""
         length = length or self.d_model
         tensor = self._tensor(name)
-        if (tensor.tensor_type != gguf.GGMLQuantizationType.F32 or len(tensor.shape) != 1
-                or tensor.shape[0] != length):  # fmt: skip
+        if tensor.type != gguf.GGMLQuantizationType.F32 or tensor.shape != (length,):
             raise ModelFormatError(f"{self.path}: {name} must be F32 ({length},)")
-        return tensor.data.ctypes.data
+        data = self._header.tensor_data(tensor)
+        self._keep.append(data)
+        return data.ctypes.data
 
     def _check_rope(self) -> None:
         rotated = int(self._hparam("rope.dimension_count", self.head_dim))
@@ -238,11 +249,11 @@ class NativeModel:
         self._rope_frequency_factors = None  # Llama 3's: one per rotated pair, dividing it
         if "rope_freqs.weight" in self._tensors:
             tensor = self._tensor("rope_freqs.weight")
-            if (tensor.tensor_type != gguf.GGMLQuantizationType.F32
-                    or tuple(tensor.shape) != (self.head_dim // 2,)):  # fmt: skip
+            if (tensor.type != gguf.GGMLQuantizationType.F32
+                    or tensor.shape != (self.head_dim // 2,)):  # fmt: skip
                 raise ModelFormatError(f"{self.path}: rope_freqs.weight must be F32 "
                                        f"({self.head_dim // 2},)")  # fmt: skip
-            self._rope_frequency_factors = np.array(tensor.data, np.float64)
+            self._rope_frequency_factors = np.array(self._header.tensor_data(tensor), np.float64)
         if self.d_model % BLOCK or self.n_ff % BLOCK or (self.n_heads * self.head_dim) % BLOCK:
             raise ModelFormatError(f"{self.path}: widths must be multiples of {BLOCK}")
 

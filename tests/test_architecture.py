@@ -20,8 +20,9 @@ ALLOWED = {
     "speculative": {"hetspec.protocol"},
     # training builds the runtime's own model classes (the draft head, the target's loader)
     "models": {"hetspec.workers"},
-    # the native kernels: C code and its bindings, for the workers alone
-    "native": set(),
+    # the native kernels: C code and its bindings, for the workers alone (GGUF headers are
+    # read by protocol's reader, which the daemon uses too)
+    "native": {"hetspec.protocol"},
     "workers": {"hetspec", "hetspec.protocol", "hetspec.speculative", "hetspec.native"},
     "daemon": {"hetspec", "hetspec.protocol", "hetspec.speculative"},
     # the benchmark takes its prompts from the demo models' held-out files (models/corpus.py)

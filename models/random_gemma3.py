@@ -1,7 +1,7 @@
 """A Gemma 3 of a released shape with random weights, as a model folder and a GGUF file, to
 time the native kernels against llama.cpp on Gemma's real widths (no Gemma weights ship here).
 
-    python native/bench/random_gemma3.py 270m /tmp/gemma3-270m --type q8_0
+    python -m hetspec.models.random_gemma3 270m /tmp/gemma3-270m --type q8_0
     python -m hetspec.workers.profile native /tmp/gemma3-270m/model-q8_0.gguf --widths 1,4,8,16
     python -m hetspec.workers.profile llama.cpp /tmp/gemma3-270m/model-q8_0.gguf --widths 1,4,8,16
 
