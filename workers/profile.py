@@ -103,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
                          prefix=args.prefix, repeats=args.repeats,
                          fbgemm_int8=args.fbgemm_int8, spare=SpareCores(own, spare))  # fmt: skip
     except (LoadError, msgspec.ValidationError, msgspec.DecodeError) as error:
-        result = ProbeFailure(runtime=args.runtime, message=f"{args.model}: {error}")
+        message = str(error)  # a runtime's own errors name the model
+        if not message.startswith(args.model):
+            message = f"{args.model}: {message}"
+        result = ProbeFailure(runtime=args.runtime, message=message)
     except Exception as error:  # any runtime failure is a report, never a traceback
         result = ProbeFailure(runtime=args.runtime,
                               message=f"{args.model}: {type(error).__name__}: {error}")  # fmt: skip
