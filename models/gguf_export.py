@@ -1,9 +1,9 @@
-"""Export a Hugging Face Llama, Qwen2, Qwen3 or Gemma 3 (text) folder with a byte-level BPE
-tokenizer to GGUF.
+"""Export a Hugging Face Llama, Qwen2, Qwen3, Gemma 2 or Gemma 3 (text) folder with a byte-level
+BPE tokenizer to GGUF.
 
 This covers the models hetspec builds itself (the bundled demo pair, the heavy targets and the
 tiny models the tests write), laid out as llama.cpp's own converter lays out these
-architectures (its ``llama``, ``qwen2``, ``qwen3`` and ``gemma3``: biases, per-head q/k norms,
+architectures (its ``llama``, ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3``: biases, q/k norms,
 Llama 3's rotary frequency factors, Gemma's shifted norms and sliding windows); other models
 come as GGUF from their publishers or llama.cpp's converter. Needs only numpy, safetensors and
 gguf, so it runs without torch.
@@ -38,7 +38,9 @@ OUT_TYPES = {
 
 # model_type -> the GGUF architecture it is exported as (Llama's q/k rows are reordered for
 # llama.cpp's rotation of adjacent pairs; Qwen's and Gemma's rotate halves, as in HF's layout)
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+                      "gemma3_text": "gemma3"}  # fmt: skip
+GEMMA_WIDE_QUERY_LAYERS = {"gemma2": 46, "gemma3_text": 62}  # the 27Bs (see _add_gemma)
 ARCHITECTURES = tuple(GGUF_ARCHITECTURES)
 # Gemma's layer norms: HF's names for its four (input, after attention, before and after the
 # feed-forward) -> llama.cpp's
@@ -79,7 +81,7 @@ def gguf_tensor_name(hf_name: str, model_type: str = "llama") -> str:
     parts = hf_name.split(".")
     if parts[:2] == ["model", "layers"] and parts[-1] in ("weight", "bias"):
         module = ".".join(parts[3:-1])
-        gemma = model_type == "gemma3_text" and _GEMMA_NORMS.get(module)
+        gemma = model_type in GEMMA_WIDE_QUERY_LAYERS and _GEMMA_NORMS.get(module)
         name = gemma or _LAYER_TENSORS.get(module)
         if name:
             return f"blk.{parts[2]}.{name}.{parts[-1]}"
@@ -219,30 +221,37 @@ def _add_shape(writer: gguf.GGUFWriter, config: dict, head_dim: int, rope_kind: 
         writer.add_rope_scaling_factor(float(rope["factor"]))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
-    if config["model_type"] == "gemma3_text":
-        _add_gemma3(writer, config)
+    if config["model_type"] in GEMMA_WIDE_QUERY_LAYERS:
+        _add_gemma(writer, config)
 
 
-def _add_gemma3(writer: gguf.GGUFWriter, config: dict) -> None:
-    """Gemma 3's settings: its sliding window and which layers use it (one flag a layer), the
-    windowed layers' rotary base, a final logit softcap if it has one."""
-    heads = config["num_attention_heads"]
+def _add_gemma(writer: gguf.GGUFWriter, config: dict) -> None:
+    """Gemma 2's and 3's settings: the sliding window and which layers use it (one flag a
+    layer), Gemma 3's windowed layers' rotary base, the soft caps (Gemma 2's attention and
+    logits; a Gemma 3 may cap its logits)."""
+    model_type, heads = config["model_type"], config["num_attention_heads"]
     scalar = config.get("query_pre_attn_scalar")
-    expected = (config["hidden_size"] // heads if config["num_hidden_layers"] == 62
+    wide = config["num_hidden_layers"] == GEMMA_WIDE_QUERY_LAYERS[model_type]
+    expected = (config["hidden_size"] // heads if wide
                 else config.get("head_dim") or config["hidden_size"] // heads)  # fmt: skip
     if scalar is not None and scalar != expected:
         # llama.cpp derives the query scale from the shape (as for Google's released sizes)
         raise ExportError(f"query_pre_attn_scalar {scalar} is not the {expected} llama.cpp assumes")
-    if config.get("attn_logit_softcapping"):
-        raise ExportError("attention logit softcapping is not Gemma 3's (llama.cpp's lacks it)")
-    if config.get("final_logit_softcapping"):
-        writer.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
+    if model_type == "gemma2":
+        writer.add_attn_logit_softcapping(float(config.get("attn_logit_softcapping") or 0.0))
+        writer.add_final_logit_softcapping(float(config.get("final_logit_softcapping") or 0.0))
+    else:
+        if config.get("attn_logit_softcapping"):
+            raise ExportError("attention logit softcapping is not Gemma 3's (llama.cpp's lacks it)")
+        if config.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
     kinds = config.get("layer_types") or []
     if config.get("sliding_window") and "sliding_attention" in kinds:
         writer.add_sliding_window(int(config["sliding_window"]))
         writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in kinds])
-        _, local = _rope(config, "sliding_attention")
-        writer.add_rope_freq_base_swa(float(local["rope_theta"]))
+        if model_type == "gemma3_text":
+            _, local = _rope(config, "sliding_attention")
+            writer.add_rope_freq_base_swa(float(local["rope_theta"]))
 
 
 def _write(handle: safe_open, config: dict, model_dir: Path, out_path: Path, out_type: str) -> None:
@@ -251,7 +260,7 @@ def _write(handle: safe_open, config: dict, model_dir: Path, out_path: Path, out
     n_kv_heads = config.get("num_key_value_heads", n_heads)
     head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
     architecture = config["model_type"]
-    gemma = architecture == "gemma3_text"
+    gemma = architecture in GEMMA_WIDE_QUERY_LAYERS
     rope_kind, rope = _rope(config)
     qtype, file_type = OUT_TYPES[out_type]
     hf_names = list(handle.keys())

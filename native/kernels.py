@@ -86,6 +86,8 @@ class Model(ctypes.Structure):
         ("activation", ctypes.c_int32),  # SILU or GELU_TANH
         ("embed_scale", ctypes.c_float),  # > 0: embeddings times it
         ("attn_scale", ctypes.c_float),  # > 0: scores q.k times it, else 1 / sqrt(head_dim)
+        ("attn_softcap", ctypes.c_float),  # > 0: scores, then logits, cap * tanh(x / cap)
+        ("final_softcap", ctypes.c_float),
     ]  # fmt: skip
 
 

@@ -2,14 +2,15 @@
 
 The weights stay in the file's pages (``protocol.gguf_header`` maps it read-only), so the native
 runtime shares them with the page cache instead of holding a second copy. What it supports is
-what llama.cpp writes for its ``llama``, ``qwen2``, ``qwen3`` and ``gemma3`` architectures:
-grouped-query attention, RoPE over whole heads (default or linear scaling, per-frequency
-factors as Llama 3 files carry them), SwiGLU, RMSNorm, optional biases on every projection
-(Qwen2's q, k, v), optional per-head query/key norms (Qwen3), untied or tied output; and
-Gemma 3's parts: scaled embeddings, GeGLU, norms after attention and feed-forward, sliding
-windows on most layers with their own rotary base, read as llama.cpp reads them. A file with
-any tensor or setting this does not account for is refused: computing without it would be a
-different model.
+what llama.cpp writes for its ``llama``, ``qwen2``, ``qwen3``, ``gemma2`` and ``gemma3``
+architectures: grouped-query attention, RoPE over whole heads (default or linear scaling,
+per-frequency factors as Llama 3 files carry them), SwiGLU, RMSNorm, optional biases on every
+projection (Qwen2's q, k, v), optional per-head query/key norms (Qwen3), untied or tied
+output; and Gemma's parts: scaled embeddings, GeGLU, norms after attention and feed-forward,
+sliding windows on some layers (Gemma 3's with their own rotary base), Gemma 2's soft caps of
+the attention scores and the logits, read as llama.cpp reads them. A file with any tensor or
+setting this does not account for is refused: computing without it would be a different
+model.
 """
 
 from __future__ import annotations
@@ -42,12 +43,17 @@ LAYER_TENSORS = {
 assert tuple(LAYER_TENSORS) == MATRICES
 # architecture -> whether a head's halves rotate together (llama.cpp's NEOX rotation) rather
 # than adjacent pairs; llama.cpp's converter reorders Llama's q/k rows for the pairs
-FAMILIES = {"llama": False, "qwen2": True, "qwen3": True, "gemma3": True}
+FAMILIES = {"llama": False, "qwen2": True, "qwen3": True, "gemma2": True, "gemma3": True}
 DEFAULT_MAX_CONTEXT = 8192
-# Gemma 3 as llama.cpp reads it when the file does not say: one global layer after five
-# windowed ones, whose rotary base is 10,000
-GEMMA3_WINDOW_PATTERN = 6
+# Gemma as llama.cpp reads it when the file does not say: the period of its window pattern
+# (Gemma 3: five windowed layers, then a global one; Gemma 2: every other layer windowed, from
+# the first), Gemma 2's window and soft caps, Gemma 3's windowed layers' rotary base
+GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
+GEMMA2_WINDOW = 4096
+GEMMA2_SOFTCAPS = (50.0, 30.0)  # attention scores, logits
 GEMMA3_WINDOW_THETA = 10000.0
+# layers of the model whose query scale llama.cpp takes from the width per head (27B)
+GEMMA_WIDE_QUERY_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 def type_name(kind: int) -> str:
@@ -93,8 +99,9 @@ class NativeModel:
                                    f"model allows (1..{trained})")  # fmt: skip
         self._used: set[str] = set()  # the tensors read: any other one is refused
         self._check_rope()
-        self._gemma = self.architecture == "gemma3"
+        self._gemma = self.architecture in ("gemma2", "gemma3")
         self.windows = self._read_windows()
+        self._softcaps = self._read_softcaps()
 
         embed = self._matrix("token_embd.weight")
         self.vocab = embed.rows
@@ -106,14 +113,11 @@ class NativeModel:
         self._check_all_used()
         cos, sin = rope_tables(self.capacity, self.head_dim, self._rope_theta, self._rope_factor,
                                self._rope_frequency_factors)  # fmt: skip
-        if any(self.windows):  # windowed layers rotate with their own base, unscaled
-            theta = float(self._hparam("rope.freq_base_swa", GEMMA3_WINDOW_THETA))
-            local = rope_tables(self.capacity, self.head_dim, theta)
-            self._keep.append(local)
-            for layer, window in zip(layers, self.windows, strict=True):
-                if window:
-                    layer.window = window
-                    layer.rope_cos, layer.rope_sin = (table.ctypes.data for table in local)
+        local = self._window_rope_tables()
+        for layer, window in zip(layers, self.windows, strict=True):
+            layer.window = window
+            if window and local is not None:
+                layer.rope_cos, layer.rope_sin = (table.ctypes.data for table in local)
         shape = (self.n_layers, self.n_kv_heads, self.capacity, self.head_dim)
         self.keys = np.zeros(shape, np.float16)  # as the kernels store them
         self.values = np.zeros(shape, np.float16)
@@ -125,7 +129,7 @@ class NativeModel:
             self.keys.ctypes.data, self.values.ctypes.data, FAMILIES[self.architecture],
             GELU_TANH if self._gemma else SILU,
             float(np.sqrt(np.float32(self.d_model))) if self._gemma else 0.0,
-            self._attention_scale(),
+            self._attention_scale(), *self._softcaps,
         )  # fmt: skip
         self.kernels = Kernels.load()
 
@@ -169,18 +173,28 @@ class NativeModel:
             layer.post_attn_norm = self._vector(f"{prefix}post_attention_norm.weight")
             layer.post_ffn_norm = self._vector(f"{prefix}post_ffw_norm.weight")
 
+    def _read_softcaps(self) -> tuple[float, float]:
+        """Gemma 2's soft caps of the attention scores and of the logits (0: none), as
+        llama.cpp reads them: a gemma3 file's final cap is taken, its attention cap ignored
+        (llama.cpp's gemma3 has none)."""
+        if self.architecture == "gemma2":
+            attention, final = GEMMA2_SOFTCAPS
+            return (float(self._hparam("attn_logit_softcapping", attention)),
+                    float(self._hparam("final_logit_softcapping", final)))  # fmt: skip
+        if self.architecture == "gemma3":
+            return 0.0, float(self._hparam("final_logit_softcapping", 0.0))
+        return 0.0, 0.0
+
     def _read_windows(self) -> list[int]:
-        """Each layer's sliding window (0: none): Gemma 3's, as llama.cpp reads them."""
+        """Each layer's sliding window (0: none): Gemma's, as llama.cpp reads them."""
         if not self._gemma:
             return [0] * self.n_layers
-        softcap = float(self._hparam("final_logit_softcapping", 0.0))
-        if softcap:
-            raise ModelFormatError(f"{self.path}: final logit softcapping ({softcap}) is not "
-                                   "supported by the native kernels")  # fmt: skip
-        window = int(self._hparam("attention.sliding_window", 0))
+        default = GEMMA2_WINDOW if self.architecture == "gemma2" else 0
+        window = int(self._hparam("attention.sliding_window", default))
         if window <= 0:
             return [0] * self.n_layers
-        pattern = self._hparam("attention.sliding_window_pattern", GEMMA3_WINDOW_PATTERN)
+        period = GEMMA_WINDOW_PATTERN[self.architecture]
+        pattern = self._hparam("attention.sliding_window_pattern", period)
         if isinstance(pattern, list):  # one flag per layer
             if len(pattern) != self.n_layers:
                 raise ModelFormatError(f"{self.path}: sliding_window_pattern has {len(pattern)} "
@@ -190,12 +204,28 @@ class NativeModel:
         return [window if every == 0 or i % every < every - 1 else 0
                 for i in range(self.n_layers)]  # fmt: skip
 
+    def _window_rope_tables(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The windowed layers' rotary tables where they differ from the others' (None):
+        Gemma 3's rotate with their own base (10,000 unless the file says), unscaled; Gemma
+        2's as the others unless the file gives them a base."""
+        if not any(self.windows):
+            return None
+        default = GEMMA3_WINDOW_THETA if self.architecture == "gemma3" else 0.0
+        theta = float(self._hparam("rope.freq_base_swa", default))
+        if not theta:
+            return None
+        factor = self._rope_factor if self.architecture == "gemma2" else 1.0
+        tables = rope_tables(self.capacity, self.head_dim, theta, factor)
+        self._keep.append(tables)
+        return tables
+
     def _attention_scale(self) -> float:
-        """Gemma 3's query scale as llama.cpp sets it (its 62-layer 27B by the model width per
+        """Gemma's query scale as llama.cpp sets it (the 27B models by the model width per
         head, the others by head_dim); 0: the kernels' 1 / sqrt(head_dim)."""
         if not self._gemma:
             return 0.0
-        width = self.d_model // self.n_heads if self.n_layers == 62 else self.head_dim
+        wide = self.n_layers == GEMMA_WIDE_QUERY_LAYERS[self.architecture]
+        width = self.d_model // self.n_heads if wide else self.head_dim
         return float(np.float32(1.0) / np.sqrt(np.float32(width)))
 
     def _check_all_used(self) -> None:

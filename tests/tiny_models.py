@@ -65,6 +65,20 @@ TINY_CONFIGS = {
             "tie_word_embeddings": True,
         },
     ),
+    # windows of 6 on the even layers, soft caps small enough to bite on these random weights
+    "gemma2": (
+        "gemma2",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": 6,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "num_hidden_layers": 3,
+            "attn_logit_softcapping": 3.0,
+            "final_logit_softcapping": 4.0,
+            "tie_word_embeddings": True,
+        },
+    ),
 }
 
 

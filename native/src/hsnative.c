@@ -226,6 +226,12 @@ static float silu(float x) { return x / (1.0f + expf(-x)); }
 #define GELU_2U(x, cube) (1.5957691216057308f * ((x) + 0.044715f * (cube)))
 static float gelu_tanh(float x) { return x / (1.0f + expf(-GELU_2U(x, x * x * x))); }
 
+/* cap * tanh(x / cap) over n values in place (cap <= 0: none) */
+static void soft_cap(float *x, int n, float cap) {
+    if (cap > 0.0f)
+        for (int k = 0; k < n; k++) x[k] = cap * tanhf(x[k] / cap);
+}
+
 static float gated(float x, int activation) { return activation == HS_GELU_TANH ? gelu_tanh(x) : silu(x); }
 
 
@@ -748,6 +754,28 @@ HS_AVX2 static void silu_mul_avx2(float *g, const float *u, int n) {
     for (; k < n; k++) g[k] = silu(g[k]) * u[k];
 }
 
+/* cap * tanh(x / cap) over n values in place, 8 lanes at a time (cap <= 0: none): tanh(a) =
+ * sign(a) (1 - e) / (1 + e) with e = e^-2|a|, whose exponent is never positive */
+HS_AVX2 static void soft_cap_avx2(float *x, int n, float cap) {
+    if (!(cap > 0.0f)) return;
+    const __m256 sign_bit = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f),
+                 caps = _mm256_set1_ps(cap), inverse = _mm256_set1_ps(1.0f / cap);
+    int k = 0;
+    for (; k + 8 <= n; k += 8) {
+        const __m256 a = _mm256_mul_ps(_mm256_loadu_ps(x + k), inverse);
+        const __m256 magnitude = _mm256_andnot_ps(sign_bit, a);
+        const __m256 e = exp_nonpositive(_mm256_mul_ps(magnitude, _mm256_set1_ps(-2.0f)));
+        const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+        _mm256_storeu_ps(x + k, _mm256_mul_ps(caps, _mm256_or_ps(t, _mm256_and_ps(sign_bit, a))));
+    }
+    float tail[8] = {0};
+    for (int i = 0; k + i < n; i++) tail[i] = x[k + i];
+    if (k < n) {
+        soft_cap_avx2(tail, 8, cap);
+        for (int i = 0; k + i < n; i++) x[k + i] = tail[i];
+    }
+}
+
 /* g = gelu_tanh(g) * u, 8 lanes at a time: x sigmoid(z), z = 2u, with sigmoid(z) =
  * 1 / (1 + e^-z) for z >= 0 and e^z / (1 + e^z) below, so no exponent is positive. */
 HS_AVX2 static void gelu_mul_avx2(float *g, const float *u, int n) {
@@ -896,7 +924,8 @@ HS_AVX2 INLINE void attend_rows_body(const uint16_t *keys, const uint16_t *value
                                      const float *queries, size_t stride, int rows, int group,
                                      int n_prefix, const int32_t *visible,
                                      const int32_t *offsets, const int32_t *firsts, float scale,
-                                     float *scores, float *out, const int chunks, const int widen) {
+                                     float softcap, float *scores, float *out, const int chunks,
+                                     const int widen) {
     int widest = 0, lowest = n_prefix;
     for (int r = 0; r < rows; r++) {
         if (offsets[r + 1] - offsets[r] > widest) widest = offsets[r + 1] - offsets[r];
@@ -949,6 +978,7 @@ HS_AVX2 INLINE void attend_rows_body(const uint16_t *keys, const uint16_t *value
     }
     for (int r = 0; r < rows; r++)
         for (int g = 0; g < group; g++) {
+            soft_cap_avx2(ROW(r, g) + firsts[r], n_prefix + SEEN(r) - firsts[r], softcap);
             ROW(r, g)[width - 1] = softmax_weights(ROW(r, g) + firsts[r], n_prefix + SEEN(r) - firsts[r]);
             memset(OUT(r, g), 0, (size_t)hd * sizeof(float));
         }
@@ -992,15 +1022,15 @@ HS_AVX2 static void attend_rows_avx2(const uint16_t *keys, const uint16_t *value
                                      const float *queries, size_t stride, int rows, int group,
                                      int n_prefix, const int32_t *visible,
                                      const int32_t *offsets, const int32_t *firsts,
-                                     float scale, float *scores, float *out) {
+                                     float scale, float softcap, float *scores, float *out) {
     const int widen = rows * group >= WIDEN_QUERIES;
 #define BODY(chunks)                                                                          \
     if (widen)                                                                                \
         attend_rows_body(keys, values, hd, queries, stride, rows, group, n_prefix, visible,   \
-                         offsets, firsts, scale, scores, out, chunks, 1);                     \
+                         offsets, firsts, scale, softcap, scores, out, chunks, 1);            \
     else                                                                                      \
         attend_rows_body(keys, values, hd, queries, stride, rows, group, n_prefix, visible,   \
-                         offsets, firsts, scale, scores, out, chunks, 0);
+                         offsets, firsts, scale, softcap, scores, out, chunks, 0);
     switch (hd / 8) {
     case 4: BODY(4); break;
     case 8: BODY(8); break;
@@ -1421,6 +1451,7 @@ static void attend(const hs_model *m, int layer, const float *query, int kv_head
         float dot = 0.0f;
         for (int k = 0; k < hd; k++) dot += query[k] * half_to_float(key[k]);
         scores[t] = dot * scale;
+        soft_cap(scores + t, 1, m->attn_softcap);
         highest = fmaxf(highest, scores[t]);
     }
     float sum = 0.0f;
@@ -1504,7 +1535,7 @@ static void forward_rows(const hs_model *m, const scratch *s, int n, const int32
                 for (int r = 0; r < rows; r++) firsts[r] = first_key(y->window, positions[i + r]);
                 attend_rows_avx2(m->k_cache + head, m->v_cache + head, hd, s->q + first, qd,
                                  rows, group, n_prefix, visible, offsets + i, firsts,
-                                 attention_scale(m), scores, s->attended + first);
+                                 attention_scale(m), m->attn_softcap, scores, s->attended + first);
             }
         } else
 #endif
@@ -1566,6 +1597,18 @@ static void forward_rows(const hs_model *m, const scratch *s, int n, const int32
             quantize_input(s, spans_of(&m->output, NULL, NULL), s->normed + r * d, (int)r, outputs, d, simd);
         }
         matmul_items(&m->output, acts_for(s, &m->output), s->normed, outputs, logits, simd, 1);
+        if (m->final_softcap > 0.0f) {
+#pragma omp for schedule(static)
+            for (int r = 0; r < outputs; r++) {
+                float *row = logits + (size_t)r * m->vocab;
+#if HS_X86
+                if (simd)
+                    soft_cap_avx2(row, m->vocab, m->final_softcap);
+                else
+#endif
+                    soft_cap(row, m->vocab, m->final_softcap);
+            }
+        }
     }
 }
 

@@ -1,4 +1,4 @@
-/* hetspec's native CPU verifier: a Llama-family (Llama, Qwen2/3, Gemma 3) forward over
+/* hetspec's native CPU verifier: a Llama-family (Llama, Qwen2/3, Gemma 2/3) forward over
  * GGUF-quantized weights, built for the verification shape (a few rows at once).
  *
  * Contracts every entry point keeps:
@@ -66,6 +66,8 @@ typedef struct {
     int32_t activation;
     float embed_scale; /* > 0: embeddings are multiplied by it (Gemma: sqrt(d_model)) */
     float attn_scale;  /* > 0: scores are q.k times it; else 1 / sqrt(head_dim) */
+    /* > 0: scores, then the logits, become cap * tanh(x / cap) (Gemma 2's soft caps) */
+    float attn_softcap, final_softcap;
 } hs_model;
 
 enum { HS_SILU = 0, HS_GELU_TANH = 1 };
