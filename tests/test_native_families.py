@@ -243,7 +243,9 @@ def test_the_daemon_serves_a_qwen2_target_on_the_native_kernels_losslessly(tmp_p
                                        native(prompt, **options, **mode))  # fmt: skip
                 assert status == 200, body
                 assert body["tokens"] == alone, mode
-                assert body["timings"]["draft_n"] > 0
+                # the controller may rightly decode alone where the bundled pair (c ~ 2.2)
+                # does not pay on a busy box; a fixed gamma always drafts
+                assert body["timings"]["draft_n"] > 0 or "gamma" not in mode, mode
     finally:
         daemon.stop()
 
