@@ -27,7 +27,7 @@ from hetspec.speculative.vocab import incompatibilities
 
 DEFAULT_CONTEXT_LIMIT = 8192  # what the workers load when no context is configured
 # what hetspec's native kernels compute (workers/native_runtime.py)
-NATIVE_FAMILIES = ("llama", "qwen2", "qwen3")
+NATIVE_FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
 NATIVE_TENSOR_TYPES = frozenset(
     {"F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
      "IQ4_XS"}

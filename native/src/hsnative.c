@@ -223,8 +223,9 @@ static float silu(float x) { return x / (1.0f + expf(-x)); }
 
 /* GELU's tanh form, x (1 + tanh(u)) / 2 with u = sqrt(2/pi) (x + 0.044715 x^3), written as
  * x sigmoid(2u) (the same sigmoid as silu's) */
-#define GELU_2U(x, cube) (1.5957691216057308f * ((x) + 0.044715f * (cube)))
-static float gelu_tanh(float x) { return x / (1.0f + expf(-GELU_2U(x, x * x * x))); }
+static float gelu_tanh(float x) {
+    return x / (1.0f + expf(-1.5957691216057308f * (x + 0.044715f * (x * x * x))));
+}
 
 /* cap * tanh(x / cap) over n values in place (cap <= 0: none) */
 static void soft_cap(float *x, int n, float cap) {
@@ -738,20 +739,30 @@ HS_AVX2 INLINE __m256 exp_nonpositive(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
 }
 
-/* g = silu(g) * u, 8 lanes at a time: silu(x) = x / (1 + e^-x) = x e^x / (1 + e^x), the
- * form whose exponent is not positive, so no lane overflows. */
-HS_AVX2 static void silu_mul_avx2(float *g, const float *u, int n) {
-    const __m256 sign_bit = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+/* x sigmoid(z), 8 lanes at a time: sigmoid(z) = 1 / (1 + e^-z) for z >= 0 and e^z / (1 + e^z)
+ * below, the forms whose exponent is not positive, so no lane overflows. */
+HS_AVX2 INLINE __m256 times_sigmoid(const __m256 x, const __m256 z) {
+    const __m256 e = exp_nonpositive(_mm256_or_ps(z, _mm256_set1_ps(-0.0f))); /* e^-|z| */
+    const __m256 numerator =
+        _mm256_blendv_ps(_mm256_mul_ps(x, e), x, _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_GE_OQ));
+    return _mm256_div_ps(numerator, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+/* g = act(g) * u, 8 lanes at a time: silu(x) = x sigmoid(x); GELU's tanh form x sigmoid(2u),
+ * u = sqrt(2/pi) (x + 0.044715 x^3). The tail as silu and gelu_tanh compute it. */
+HS_AVX2 static void gated_mul_avx2(float *g, const float *u, int n, int activation) {
     int k = 0;
     for (; k + 8 <= n; k += 8) {
         const __m256 x = _mm256_loadu_ps(g + k);
-        const __m256 e = exp_nonpositive(_mm256_or_ps(x, sign_bit)); /* e^-|x| */
-        const __m256 numerator =
-            _mm256_blendv_ps(_mm256_mul_ps(x, e), x, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
-        const __m256 y = _mm256_div_ps(numerator, _mm256_add_ps(one, e));
-        _mm256_storeu_ps(g + k, _mm256_mul_ps(y, _mm256_loadu_ps(u + k)));
+        __m256 z = x;
+        if (activation == HS_GELU_TANH) {
+            const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+            z = _mm256_mul_ps(_mm256_set1_ps(1.5957691216057308f),
+                              _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), cube, x));
+        }
+        _mm256_storeu_ps(g + k, _mm256_mul_ps(times_sigmoid(x, z), _mm256_loadu_ps(u + k)));
     }
-    for (; k < n; k++) g[k] = silu(g[k]) * u[k];
+    for (; k < n; k++) g[k] = gated(g[k], activation) * u[k];
 }
 
 /* cap * tanh(x / cap) over n values in place, 8 lanes at a time (cap <= 0: none): tanh(a) =
@@ -774,25 +785,6 @@ HS_AVX2 static void soft_cap_avx2(float *x, int n, float cap) {
         soft_cap_avx2(tail, 8, cap);
         for (int i = 0; k + i < n; i++) x[k + i] = tail[i];
     }
-}
-
-/* g = gelu_tanh(g) * u, 8 lanes at a time: x sigmoid(z), z = 2u, with sigmoid(z) =
- * 1 / (1 + e^-z) for z >= 0 and e^z / (1 + e^z) below, so no exponent is positive. */
-HS_AVX2 static void gelu_mul_avx2(float *g, const float *u, int n) {
-    const __m256 sign_bit = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
-    int k = 0;
-    for (; k + 8 <= n; k += 8) {
-        const __m256 x = _mm256_loadu_ps(g + k);
-        const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
-        const __m256 z = _mm256_mul_ps(_mm256_set1_ps(1.5957691216057308f),
-                                       _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), cube, x));
-        const __m256 e = exp_nonpositive(_mm256_or_ps(z, sign_bit)); /* e^-|z| */
-        const __m256 numerator =
-            _mm256_blendv_ps(_mm256_mul_ps(x, e), x, _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_GE_OQ));
-        const __m256 y = _mm256_div_ps(numerator, _mm256_add_ps(one, e));
-        _mm256_storeu_ps(g + k, _mm256_mul_ps(y, _mm256_loadu_ps(u + k)));
-    }
-    for (; k < n; k++) g[k] = gelu_tanh(g[k]) * u[k];
 }
 
 /* hsum8 of eight vectors at once, lane j = hsum8(v[j]) bit for bit: the same pairs are added
@@ -1570,10 +1562,8 @@ static void forward_rows(const hs_model *m, const scratch *s, int n, const int32
             add_bias(g, y->gate_bias, f);
             add_bias(u, y->up_bias, f);
 #if HS_X86
-            if (simd && m->activation == HS_GELU_TANH)
-                gelu_mul_avx2(g, u, f);
-            else if (simd)
-                silu_mul_avx2(g, u, f);
+            if (simd)
+                gated_mul_avx2(g, u, f, m->activation);
             else
 #endif
                 for (int k = 0; k < f; k++) g[k] = gated(g[k], m->activation) * u[k];
