@@ -10,6 +10,7 @@ and the drafting loop. A subclass supplies the hooks that touch its model and ca
 from __future__ import annotations
 
 import contextlib
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from hetspec.speculative.tree import (
 )
 
 Output = TypeVar("Output")
+WARM_UP_S = 3.0  # what warming the widths up at load may take (see TreeRuntime.warm_up)
 
 
 class RuntimeUsageError(ValueError):
@@ -173,17 +175,24 @@ class TreeRuntime(ABC, Generic[Output]):
             self._last_logits = None
 
     def warm_up(self, max_width: int) -> None:
-        """Evaluate one chain of every width up to ``max_width``, then forget them all.
+        """Evaluate one chain of each width from 1 up to ``max_width`` while WARM_UP_S lasts,
+        then forget them all.
 
         Torch on the CPU prepares its kernels per input shape, so the first forward of each
         tree width costs about three times the next ones (10 ms instead of 3 on the demo
-        target). Left cold, those first rounds tell the budget controller that wide trees are
-        dear, and it would never try them again."""
+        target; llama.cpp 1.3-1.5x). Left cold, those first rounds tell the budget controller
+        that wide trees are dear, and it would never try them again. A large model's wide
+        chains cost seconds each (every width took a 1B model 34 s in llama.cpp on two
+        cores): the narrow widths, which rounds use most, come first, and the rest stay cold
+        rather than delay the start by minutes."""
         self.rollback(0)
         width = min(max_width, self.capacity - 1)
         self.append([0])
+        deadline = time.perf_counter() + WARM_UP_S
         for nodes in range(1, width + 1):
             self.forward_tree([0] * nodes, list(range(-1, nodes - 1)))
+            if time.perf_counter() > deadline:
+                break
         self.rollback(0)
 
     def _checked_tokens(self, tokens: Sequence[int], extra_positions: int) -> np.ndarray:
