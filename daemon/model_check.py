@@ -28,6 +28,8 @@ from hetspec.speculative.vocab import incompatibilities
 DEFAULT_CONTEXT_LIMIT = 8192  # what the workers load when no context is configured
 # what hetspec's native kernels compute (workers/native_runtime.py)
 NATIVE_FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+# ... and of the model_types the torch runtime reads (workers/torch_runtime/config.py)
+TORCH_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 NATIVE_TENSOR_TYPES = frozenset(
     {"F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
      "IQ4_XS"}
@@ -149,6 +151,12 @@ class Side:
         if self.export is None:
             return "needs " + ("a model folder (config.json, safetensors)" if torch else
                                "a GGUF file")  # fmt: skip
+        if torch:
+            family = self.model.folder_facts.family
+            if family not in TORCH_MODEL_TYPES:
+                return (f"the torch runtime reads {'/'.join(TORCH_MODEL_TYPES)} folders, not "
+                        f"{family}")  # fmt: skip
+            return None
         facts = self.model.gguf_facts
         if self.runtime == "native":
             if facts.family not in NATIVE_FAMILIES:

@@ -108,3 +108,10 @@ def test_the_checks_idea_of_the_native_kernels_is_theirs() -> None:
 
     assert set(NATIVE_TENSOR_TYPES) == set(TYPE_NAMES.values())
     assert set(NATIVE_FAMILIES) == set(FAMILIES)
+
+
+def test_the_checks_idea_of_the_torch_runtime_is_its_own() -> None:
+    from hetspec.daemon.model_check import TORCH_MODEL_TYPES  # noqa: PLC0415
+    from hetspec.workers.torch_runtime.config import ARCHITECTURES  # noqa: PLC0415
+
+    assert set(TORCH_MODEL_TYPES) == set(ARCHITECTURES)
