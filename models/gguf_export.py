@@ -40,7 +40,10 @@ OUT_TYPES = {
 # llama.cpp's rotation of adjacent pairs; Qwen's and Gemma's rotate halves, as in HF's layout)
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
                       "gemma3_text": "gemma3"}  # fmt: skip
-GEMMA_WIDE_QUERY_LAYERS = {"gemma2": 46, "gemma3_text": 62}  # the 27Bs (see _add_gemma)
+# Gemma's model_types -> the layer count of its 27B, whose query scale llama.cpp takes from
+# the width per head (see _add_gemma)
+GEMMA_WIDE_QUERY_LAYERS = {"gemma2": 46, "gemma3_text": 62}
+GEMMA_TYPES = frozenset(GEMMA_WIDE_QUERY_LAYERS)
 ARCHITECTURES = tuple(GGUF_ARCHITECTURES)
 # Gemma's layer norms: HF's names for its four (input, after attention, before and after the
 # feed-forward) -> llama.cpp's
@@ -81,7 +84,7 @@ def gguf_tensor_name(hf_name: str, model_type: str = "llama") -> str:
     parts = hf_name.split(".")
     if parts[:2] == ["model", "layers"] and parts[-1] in ("weight", "bias"):
         module = ".".join(parts[3:-1])
-        gemma = model_type in GEMMA_WIDE_QUERY_LAYERS and _GEMMA_NORMS.get(module)
+        gemma = model_type in GEMMA_TYPES and _GEMMA_NORMS.get(module)
         name = gemma or _LAYER_TENSORS.get(module)
         if name:
             return f"blk.{parts[2]}.{name}.{parts[-1]}"
@@ -221,7 +224,7 @@ def _add_shape(writer: gguf.GGUFWriter, config: dict, head_dim: int, rope_kind: 
         writer.add_rope_scaling_factor(float(rope["factor"]))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
-    if config["model_type"] in GEMMA_WIDE_QUERY_LAYERS:
+    if config["model_type"] in GEMMA_TYPES:
         _add_gemma(writer, config)
 
 
@@ -260,7 +263,7 @@ def _write(handle: safe_open, config: dict, model_dir: Path, out_path: Path, out
     n_kv_heads = config.get("num_key_value_heads", n_heads)
     head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
     architecture = config["model_type"]
-    gemma = architecture in GEMMA_WIDE_QUERY_LAYERS
+    gemma = architecture in GEMMA_TYPES
     rope_kind, rope = _rope(config)
     qtype, file_type = OUT_TYPES[out_type]
     hf_names = list(handle.keys())
