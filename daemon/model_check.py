@@ -174,12 +174,21 @@ class Side:
             "folder" if torch else "GGUF")  # fmt: skip
         if (reason := self.unusable()) is not None:
             return f"    {what}: NO, {reason}"
-        return f"    {what}: {self.export.name}, {self.memory(context)}"
+        return f"    {what}: {self.export.name}, {self.memory(context)}{self._or_native()}"
+
+    def _or_native(self) -> str:
+        """The drafting CPU worker runs llama.cpp or the native kernels, whichever drafts a
+        token faster when the daemon starts (``cpu_runtime = "auto"``)."""
+        if (self.role, self.worker, self.runtime) != ("drafts", "CPU worker", "llama.cpp"):
+            return ""
+        if Side(self.role, self.worker, "native", self.model).unusable() is not None:
+            return ""
+        return ' (or the native kernels, where they draft faster: cpu_runtime "auto")'
 
 
 def placements(target: Model, draft: Model) -> dict[str, list[list[Side]]]:
     """For each placement, the alternatives of the GPU worker's runtime: each a pair of
-    sides (the CPU worker always runs llama.cpp)."""
+    sides (the CPU worker's llama.cpp, which may draft on the native kernels instead)."""
     return {
         "draft-cpu": [[Side("drafts", "CPU worker", "llama.cpp", draft),
                        Side("verifies", "GPU worker", runtime, target)]

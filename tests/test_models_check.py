@@ -33,6 +33,8 @@ def test_the_bundled_pair_can_be_served_everywhere() -> None:
     assert out.count("can serve") == 5  # draft-cpu: torch, llama.cpp, native; draft-gpu: two
     assert "cannot serve" not in out
     assert "GPU worker verifies with torch on the target's folder" in out
+    assert "drafts with llama.cpp on the draft's GGUF" in out
+    assert '(or the native kernels, where they draft faster: cpu_runtime "auto")' in out
     assert "KV cache" in out
     assert "shared memory for probability rows: 8.4 MB" in out
     config = config_of(out)
