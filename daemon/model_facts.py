@@ -76,7 +76,7 @@ def _modified(*files: Path) -> datetime:
 
 
 def _gguf_facts(path: Path) -> ModelFacts:
-    from gguf import GGMLQuantizationType, LlamaFileType  # noqa: PLC0415 - a heavy import
+    from gguf import LlamaFileType  # noqa: PLC0415 - a heavy import
 
     try:
         header = read_gguf_header(path)
@@ -96,17 +96,9 @@ def _gguf_facts(path: Path) -> ModelFacts:
         quantization = LlamaFileType(file_type).name.removeprefix("MOSTLY_")
     except ValueError:
         quantization = f"type {file_type}"
-    tensor_types = frozenset(_type_name(tensor.type, GGMLQuantizationType)
-                             for tensor in header.tensors.values())  # fmt: skip
+    tensor_types = frozenset(tensor.type_name for tensor in header.tensors.values())
     return ModelFacts(str(path), "gguf", family, parameters, quantization,
                       path.stat().st_size, _modified(path), info, tensor_types)  # fmt: skip
-
-
-def _type_name(kind: int, names: type) -> str:
-    try:
-        return names(kind).name
-    except ValueError:
-        return f"type {kind}"
 
 
 def _folder_facts(folder: Path) -> ModelFacts:

@@ -56,13 +56,6 @@ GEMMA3_WINDOW_THETA = 10000.0
 GEMMA_WIDE_QUERY_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
-def type_name(kind: int) -> str:
-    try:
-        return gguf.GGMLQuantizationType(kind).name
-    except ValueError:
-        return f"type {kind}"
-
-
 class ModelFormatError(NativeUnavailable):
     """A GGUF file the native kernels cannot run; the message names the file and why."""
 
@@ -242,7 +235,7 @@ class NativeModel:
         kind = tensor.type
         if kind not in TYPE_NAMES:
             raise ModelFormatError(
-                f"{self.path}: {name} is {type_name(kind)}; the native kernels read "
+                f"{self.path}: {name} is {tensor.type_name}; the native kernels read "
                 f"{', '.join(TYPE_NAMES.values())}"
             )
         if len(tensor.shape) != 2:

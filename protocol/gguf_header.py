@@ -53,6 +53,13 @@ class TensorInfo:
     def n_elements(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
 
+    @property
+    def type_name(self) -> str:
+        """ggml's name of the type ("Q8_0"); read_gguf_header admits only types gguf-py knows."""
+        from gguf.constants import GGMLQuantizationType  # noqa: PLC0415
+
+        return GGMLQuantizationType(self.type).name
+
 
 @dataclass(frozen=True)
 class GGUFHeader:
