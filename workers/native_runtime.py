@@ -13,7 +13,7 @@ runtime tokenizes exactly as the llama.cpp workers do.
 from __future__ import annotations
 
 import os
-import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -24,8 +24,6 @@ from hetspec.speculative.samplers import ChainDraws
 from hetspec.speculative.vocab import VocabInfo
 from hetspec.workers.llama_cpp_runtime.vocabulary import VocabularyFile
 from hetspec.workers.tree_runtime import TreeRuntime
-
-WARM_UP_S = 1.0  # what warming a model's widths up may take (after the widest)
 
 
 class NativeRuntime(TreeRuntime[np.ndarray]):
@@ -79,23 +77,14 @@ class NativeRuntime(TreeRuntime[np.ndarray]):
     def special_tokens(self) -> list[int]:
         return self._vocabulary.special_tokens()
 
-    def warm_up(self, max_width: int) -> None:
-        """The widest chain, then chains of 1, 2, ... tokens while WARM_UP_S lasts. The
-        kernels keep no state per width (torch's reason to run every width), but a width's
-        first call costs up to ~0.7 ms more than the next ones (the bundled target: 1.1 ms
-        against 0.8 at 13 tokens): all of a small model's first calls, whose early rounds
-        would otherwise look dear to the controller, and nothing on a large one, where every
-        width took a 1B model 38 s on two cores."""
-        self.rollback(0)
-        width = min(max_width, self.capacity - 1)
-        self.append([0])
-        deadline = time.perf_counter() + WARM_UP_S
-        for nodes in (width, *range(1, width)):
-            self.forward_tree([0] * nodes, list(range(-1, nodes - 1)))
-            self.discard_pending()
-            if time.perf_counter() > deadline:
-                break
-        self.rollback(0)
+    # The widest chain first, then 1, 2, ... for a second. The kernels keep no state per width
+    # (torch's reason to run every width), but a width's first call costs up to ~0.7 ms more
+    # than the next ones (the bundled target: 1.1 ms against 0.8 at 13 tokens): all of a small
+    # model's first calls, nothing on a large one, where every width took a 1B model 38 s.
+    warm_up_s = 1.0
+
+    def warm_up_widths(self, width: int) -> Iterable[int]:
+        return (width, *range(1, width))
 
     # ------------------------------------------------------------ TreeRuntime hooks
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -174,9 +174,15 @@ class TreeRuntime(ABC, Generic[Output]):
             del self.tokens[length:]
             self._last_logits = None
 
+    # the order in which warm_up runs the chain widths up to `width`, and its time budget
+    warm_up_s = WARM_UP_S
+
+    def warm_up_widths(self, width: int) -> Iterable[int]:
+        return range(1, width + 1)
+
     def warm_up(self, max_width: int) -> None:
-        """Evaluate one chain of each width from 1 up to ``max_width`` while WARM_UP_S lasts,
-        then forget them all.
+        """Evaluate one chain of each width (in ``warm_up_widths`` order, from 1 up to
+        ``max_width``) while ``warm_up_s`` lasts, then forget them all.
 
         Torch on the CPU prepares its kernels per input shape, so the first forward of each
         tree width costs about three times the next ones (10 ms instead of 3 on the demo
@@ -188,9 +194,10 @@ class TreeRuntime(ABC, Generic[Output]):
         self.rollback(0)
         width = min(max_width, self.capacity - 1)
         self.append([0])
-        deadline = time.perf_counter() + WARM_UP_S
-        for nodes in range(1, width + 1):
+        deadline = time.perf_counter() + self.warm_up_s
+        for nodes in self.warm_up_widths(width):
             self.forward_tree([0] * nodes, list(range(-1, nodes - 1)))
+            self.discard_pending()
             if time.perf_counter() > deadline:
                 break
         self.rollback(0)
