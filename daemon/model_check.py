@@ -29,7 +29,7 @@ DEFAULT_CONTEXT_LIMIT = 8192  # what the workers load when no context is configu
 # what hetspec's native kernels compute (workers/native_runtime.py)
 NATIVE_FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
 # ... and of the model_types the torch runtime reads (workers/torch_runtime/config.py)
-TORCH_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+TORCH_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
 NATIVE_TENSOR_TYPES = frozenset(
     {"F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
      "IQ4_XS"}

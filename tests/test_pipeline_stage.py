@@ -8,12 +8,14 @@ import random
 
 import numpy as np
 import pytest
+from tiny_models import build_reference, save_reference
 
 from hetspec.daemon.config import BUNDLED_MODELS
 from hetspec.speculative.flow_stage import StageBook
 from hetspec.speculative.flow_tree import FlowTree
 from hetspec.speculative.samplers import DrawnSampler
 from hetspec.speculative.sampling import SamplingParams
+from hetspec.speculative.tree import chain_parents
 from hetspec.workers.torch_runtime import TorchRuntime
 from hetspec.workers.torch_runtime.config import ModelLoadError
 from hetspec.workers.torch_runtime.stage import StageRuntime
@@ -130,3 +132,20 @@ def test_pipelined_tree_verification_returns_the_targets_greedy_text(whole, stag
                 pipeline.commit(advance.accepted, advance.root)
                 final += advance.final_tokens
     assert final[: len(greedy)] == greedy
+
+
+def test_gemma_stages_split_the_sandwich_norms_with_their_halves(tmp_path) -> None:
+    """A Gemma layer's post_attention_layernorm closes its attention half (a Llama layer's
+    opens its MLP half); split on half layers, the stages still compute the whole model."""
+    folder = save_reference(build_reference("gemma3"), tmp_path / "gemma3")
+    prompt = np.asarray([1, 17, 42, 5, 88, 23, 9, 61, 2, 70, 33, 14], np.int64)
+    whole = TorchRuntime(folder, device="cpu", dtype="float32", max_context=64)
+    expected = whole.forward_tree(prompt.tolist(), chain_parents(len(prompt))).logits.numpy()
+    stages = [StageRuntime(folder, a, b, max_context=64) for a, b in [(0, 1.5), (1.5, 3)]]
+    first = {".".join(n.split(".")[2:4]) for n, p in stages[0].model.named_parameters()
+             if not p.is_meta and n.startswith("model.layers.1.")}  # fmt: skip
+    assert first == {"1.input_layernorm", "1.self_attn", "1.post_attention_layernorm"}
+    data = prompt
+    for stage in stages:
+        data = stage.prefill(data)
+    np.testing.assert_allclose(data, expected, atol=1e-4)

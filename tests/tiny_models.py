@@ -48,12 +48,6 @@ TINY_CONFIGS = {
     "mistral-window": ("mistral", {"sliding_window": 6, "num_key_value_heads": 1}),
     "qwen2": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3": ("qwen3", {"head_dim": 24, "tie_word_embeddings": False}),
-}
-
-
-# Architectures only the GGUF runtimes (llama.cpp, the native kernels) run: write_tiny_gguf
-# exports them; the torch runtime does not read them.
-GGUF_ONLY_CONFIGS = {
     # windows of 6 positions on layers 0 and 2, a global layer between (its own rotary base);
     # query_pre_attn_scalar as llama.cpp assumes it (head_dim)
     "gemma3": (
@@ -135,7 +129,7 @@ def write_tiny_gguf(
     **overrides: object,
 ) -> Path:
     """A random tiny model with a trained byte-level BPE tokenizer: HF folder + GGUF file; a
-    plain Llama, or any ``TINY_CONFIGS`` or ``GGUF_ONLY_CONFIGS`` name, with config ``overrides``
+    plain Llama, or any ``TINY_CONFIGS`` name, with config ``overrides``
     (e.g. an ``intermediate_size`` in whole 32-blocks, as the native kernels need).
 
     Returns the GGUF path; the folder beside it loads in transformers and the torch runtime.
@@ -152,7 +146,7 @@ def write_tiny_gguf(
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(tokenizer_texts(), vocab_size)
     bos = tokenizer.token_to_id(BOS)
-    model_type, extra = {**TINY_CONFIGS, **GGUF_ONLY_CONFIGS}.get(name, ("llama", {}))
+    model_type, extra = TINY_CONFIGS.get(name, ("llama", {}))
     config = transformers.AutoConfig.for_model(
         model_type,
         **{

@@ -184,6 +184,10 @@ class TargetPieces(nn.Module):
 def load_target_pieces(target: ModelConfig, folder: Path, dtype: torch.dtype,
                        device: torch.device) -> TargetPieces:  # fmt: skip
     """Read only the three tensors the head borrows from the target folder's safetensors."""
+    if target.gemma_norms or target.embed_scale is not None or target.final_softcap is not None:
+        # the pieces are Llama's: a Gemma target's norm, embedding scale and logit cap differ
+        raise ModelLoadError(f"{folder}: draft heads are built for Llama-family targets, not "
+                             f"{target.model_type}")  # fmt: skip
     names = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
              "lm_head.weight": "lm_head.weight"}  # fmt: skip
     if target.tie_word_embeddings:

@@ -135,8 +135,9 @@ class HeadRuntime(TorchRuntime):
         """Predicted features of new nodes, keys/values to slots start.."""
         at = torch.from_numpy(positions).to(self.device)
         embeddings = self.pieces.embed(torch.from_numpy(tokens).to(self.device))
-        out = self.model(inputs, embeddings, self._cos[at].to(self.dtype),
-                         self._sin[at].to(self.dtype), cache_keys=self._keys,
+        # the head's blocks have one rotary kind (layer_rope_tables' first)
+        out = self.model(inputs, embeddings, self._cos[0, at].to(self.dtype),
+                         self._sin[0, at].to(self.dtype), cache_keys=self._keys,
                          cache_values=self._values, start=start, mask=mask)  # fmt: skip
         return self.pieces.feature(out)
 

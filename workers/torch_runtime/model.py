@@ -1,4 +1,4 @@
-"""A Llama-family decoder written for inference over an external, preallocated KV cache.
+"""A Llama-family decoder (Gemma 2 and 3 too) for inference over an external, preallocated KV cache.
 
 Parameter names match the Hugging Face checkpoints (``model.layers.0.self_attn.q_proj.weight``),
 so a safetensors file loads into it with no renaming. The model is stateless: the caller passes
@@ -17,16 +17,27 @@ from hetspec.workers.torch_runtime.config import ModelConfig, RopeScaling
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """``gemma``: the weight is stored as (scale - 1) and applied before the cast back from
+    float32, as Gemma's reference does (Llama's casts first)."""
+
+    def __init__(self, size: int, eps: float, *, gemma: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.gemma = gemma
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 as the reference does; fp16 squares overflow on real activations.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * x32.to(x.dtype)
+
+
+def norm(config: ModelConfig, size: int | None = None) -> RMSNorm:
+    """An RMSNorm of ``size`` (default: the hidden size) in the model's convention."""
+    return RMSNorm(size or config.hidden_size, config.rms_norm_eps, gemma=config.gemma_norms)
 
 
 def rope_inverse_frequencies(rope: RopeScaling, head_dim: int) -> torch.Tensor:
@@ -50,13 +61,23 @@ def rope_inverse_frequencies(rope: RopeScaling, head_dim: int) -> torch.Tensor:
 
 
 def rope_tables(
-    config: ModelConfig, length: int, device: torch.device
+    config: ModelConfig, length: int, device: torch.device, rope: RopeScaling | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for positions 0..length-1, shape (length, head_dim), in fp32."""
-    inv_freq = rope_inverse_frequencies(config.rope, config.head_dim)
+    """cos and sin for positions 0..length-1, shape (length, head_dim), in fp32, for
+    ``rope`` (default: the model's)."""
+    inv_freq = rope_inverse_frequencies(rope or config.rope, config.head_dim)
     angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(device), angles.sin().to(device)
+
+
+def layer_rope_tables(
+    config: ModelConfig, length: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of each of ``config.rope_kinds``: (kinds, length, head_dim), what
+    ``CausalLM.forward`` takes (indexed by position on dimension 1)."""
+    tables = [rope_tables(config, length, device, rope) for rope in config.rope_kinds]
+    return torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables])
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -76,9 +97,11 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(heads * head_dim, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+            self.q_norm = norm(config, head_dim)
+            self.k_norm = norm(config, head_dim)
         self.qk_norm = config.qk_norm
+        self.scale = config.query_scale
+        self.softcap = config.attn_softcap
 
     def forward(
         self,
@@ -123,23 +146,42 @@ class Attention(nn.Module):
         if paths is not None:
             gather, row_paths = paths
             count = gather.shape[0]
-            out = F.scaled_dot_product_attention(
+            out = self._attend(
                 q.unsqueeze(0).expand(count, -1, -1, -1),
                 keys[:, gather].transpose(0, 1),
                 values[:, gather].transpose(0, 1),
-                attn_mask=mask.unsqueeze(1),
-                enable_gqa=self.heads != self.kv_heads,
+                mask.unsqueeze(1),
             )  # (paths, heads, n, head_dim): each token's row from its own path
             out = out[row_paths, :, torch.arange(n, device=x.device)]
             return self.o_proj(out.reshape(n, self.heads * self.head_dim))
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(0),
-            keys[:, :span].unsqueeze(0),
-            values[:, :span].unsqueeze(0),
-            attn_mask=mask,
-            enable_gqa=self.heads != self.kv_heads,
+        out = self._attend(
+            q.unsqueeze(0), keys[:, :span].unsqueeze(0), values[:, :span].unsqueeze(0), mask
         )
         return self.o_proj(out[0].transpose(0, 1).reshape(n, self.heads * self.head_dim))
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Attention of q (b, heads, n, d) over k, v (b, kv_heads, keys, d) where the boolean
+        ``mask`` allows (None: everywhere)."""
+        grouped = self.heads != self.kv_heads
+        if self.softcap is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=grouped
+            )
+        # Soft-capped scores (Gemma 2) are not something fused attention kernels compute.
+        if grouped:
+            repeat = self.heads // self.kv_heads
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * (self.scale or self.head_dim**-0.5)
+        scores = self.softcap * torch.tanh(scores / self.softcap)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(scores.softmax(-1).to(v.dtype), v)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
 
 
 class MLP(nn.Module):
@@ -149,18 +191,48 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inner, bias=bias)
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.gate = gelu_tanh if config.activation == "gelu_tanh" else F.silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.gate(self.gate_proj(x)) * self.up_proj(x))
+
+
+# A layer's parameters by half (attention, MLP), as checkpoints name them: in a Gemma layer
+# post_attention_layernorm normalises the attention's output, in a Llama one the MLP's input.
+LLAMA_MLP_PARTS = frozenset({"post_attention_layernorm", "mlp"})
+SANDWICH_MLP_PARTS = frozenset({"pre_feedforward_layernorm", "post_feedforward_layernorm", "mlp"})
+
+
+def mlp_parts(config: ModelConfig) -> frozenset[str]:
+    """The names (``model.layers.N.<name>...``) of a layer's MLP half's parameters."""
+    return SANDWICH_MLP_PARTS if config.sandwich_norms else LLAMA_MLP_PARTS
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, index: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = norm(config)
         self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = norm(config)
         self.mlp = MLP(config)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm(config)
+            self.post_feedforward_layernorm = norm(config)
+        self.rope_kind = config.layer_ropes[index] if config.num_layers else 0
+
+    def attention_half(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       **attend) -> torch.Tensor:  # fmt: skip
+        """x plus this layer's attention (``Attention.forward``'s keywords); cos/sin
+        (kinds, n, head_dim) as ``layer_rope_tables`` indexed by position."""
+        out = self.self_attn(self.input_layernorm(x), cos[self.rope_kind], sin[self.rope_kind],
+                             **attend)  # fmt: skip
+        return x + (self.post_attention_layernorm(out) if self.sandwich else out)
+
+    def mlp_half(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sandwich:
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 def unfilled_embedding(vocab: int, width: int) -> nn.Embedding:
@@ -173,8 +245,16 @@ class Backbone(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = unfilled_embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = norm(config)
+        self.embed_scale = config.embed_scale
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(tokens)
+        if self.embed_scale is None:
+            return x
+        # the scale rounded to the weights' type first, as Gemma's reference does
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype)
 
 
 class CausalLM(nn.Module):
@@ -208,11 +288,12 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Run ``tokens`` (n,) through every layer; returns the last layer's output (n, hidden).
 
+        ``cos``/``sin``: (kinds, n, head_dim), ``layer_rope_tables`` at the tokens' positions;
         ``cache_keys``/``cache_values``: (layers, kv_heads, capacity, head_dim); ``masks``: one
         attention mask per layer (layers with the same window share one tensor); ``slots``,
         ``paths``: see ``Attention.forward``.
         """
-        x = self.model.embed_tokens(tokens)
+        x = self.model.embed(tokens)
         return self.run_halves(x, range(2 * len(self.model.layers)), cos, sin,
                                cache_keys=cache_keys, cache_values=cache_values, start=start,
                                masks=masks, slots=slots, paths=paths)  # fmt: skip
@@ -238,8 +319,8 @@ class CausalLM(nn.Module):
         for half in halves:
             layer = self.model.layers[half // 2]
             if half % 2 == 0:
-                x = x + layer.self_attn(
-                    layer.input_layernorm(x),
+                x = layer.attention_half(
+                    x,
                     cos,
                     sin,
                     keys=cache_keys[attention],
@@ -251,9 +332,11 @@ class CausalLM(nn.Module):
                 )
                 attention += 1
             else:
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
+                x = layer.mlp_half(x)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for final hidden states (n, hidden) -> (n, vocab)."""
-        return self.head_linear(self.model.norm(hidden), self.head_weight()).float()
+        logits = self.head_linear(self.model.norm(hidden), self.head_weight()).float()
+        cap = self.config.final_softcap
+        return logits if cap is None else cap * torch.tanh(logits / cap)

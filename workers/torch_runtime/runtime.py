@@ -18,7 +18,7 @@ import torch
 from hetspec.protocol.vocab import VocabInfo
 from hetspec.workers.torch_runtime import skinny_matmul
 from hetspec.workers.torch_runtime.config import ModelConfig, ModelLoadError
-from hetspec.workers.torch_runtime.model import rope_tables
+from hetspec.workers.torch_runtime.model import layer_rope_tables
 from hetspec.workers.torch_runtime.static_forward import (
     INVARIANT_PATHS,
     Batch,
@@ -133,7 +133,7 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         shape = (c.num_layers, c.num_kv_heads, capacity + scratch, c.head_dim)
         self._keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self._values = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self._cos, self._sin = rope_tables(c, capacity, self.device)
+        self._cos, self._sin = layer_rope_tables(c, capacity, self.device)
         self.folder = folder
         super().__init__(c.vocab_size, capacity)
         self.feature_size = c.hidden_size
@@ -415,8 +415,8 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         device_positions = torch.from_numpy(positions).to(self.device)
         return self._run_model(
             torch.from_numpy(tokens).to(self.device),
-            self._cos[device_positions].to(self.dtype),
-            self._sin[device_positions].to(self.dtype),
+            self._cos[:, device_positions].to(self.dtype),
+            self._sin[:, device_positions].to(self.dtype),
             cache_keys=self._keys,
             cache_values=self._values,
             start=self.committed + existing,

@@ -18,7 +18,7 @@ import torch
 from hetspec.speculative.flow_stage import Admission, Compaction
 from hetspec.speculative.layer_split import SplitError, parse_range
 from hetspec.workers.torch_runtime.config import ModelConfig, ModelLoadError
-from hetspec.workers.torch_runtime.model import rope_tables
+from hetspec.workers.torch_runtime.model import layer_rope_tables, mlp_parts
 from hetspec.workers.torch_runtime.runtime import DEFAULT_MAX_CONTEXT, pick_device, pick_dtype
 from hetspec.workers.torch_runtime.weights import load_model
 
@@ -59,7 +59,7 @@ class StageRuntime:
         shape = (len(self._attention_layers), config.num_kv_heads, capacity, config.head_dim)
         self._keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self._values = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self._cos, self._sin = rope_tables(config, capacity, self.device)
+        self._cos, self._sin = layer_rope_tables(config, capacity, self.device)
         self._windows = [config.sliding_windows[i] for i in self._attention_layers]
         self.filled = 0  # cache slots in use: committed context, then pending nodes
         self._slot_positions = np.zeros(capacity, np.int64)  # for sliding windows
@@ -67,7 +67,7 @@ class StageRuntime:
     def _owns(self, name: str) -> bool:
         if name.startswith("model.layers."):
             _, _, layer, part = name.split(".")[:4]
-            mlp = part in ("post_attention_layernorm", "mlp")
+            mlp = part in mlp_parts(self.config)
             return 2 * int(layer) + mlp in self.halves
         if name.startswith("model.embed_tokens."):
             tied = self.config.tie_word_embeddings
@@ -87,12 +87,12 @@ class StageRuntime:
             raise ValueError(f"the stage's cache holds {self.capacity} slots; {self.filled} "
                              f"used, {n} more asked")  # fmt: skip
         if self.first:
-            x = self.model.model.embed_tokens(torch.from_numpy(inputs).to(self.device))
+            x = self.model.model.embed(torch.from_numpy(inputs).to(self.device))
         else:
             x = torch.from_numpy(inputs).to(self.device, self.dtype)
         at = torch.from_numpy(positions).to(self.device)
         hidden = self.model.run_halves(
-            x, self.halves, self._cos[at].to(self.dtype), self._sin[at].to(self.dtype),
+            x, self.halves, self._cos[:, at].to(self.dtype), self._sin[:, at].to(self.dtype),
             cache_keys=self._keys, cache_values=self._values, start=self.filled,
             masks=self._masks(positions, visible, committed),
         )  # fmt: skip

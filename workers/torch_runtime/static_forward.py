@@ -205,8 +205,8 @@ class StaticForward:
         paths = (self._gather[span][0], row_paths) if self.shapes.paths else None
         hidden = self.model(
             tokens,
-            self.cos[positions].to(self.dtype),
-            self.sin[positions].to(self.dtype),
+            self.cos[:, positions].to(self.dtype),
+            self.sin[:, positions].to(self.dtype),
             cache_keys=self.keys,
             cache_values=self.values,
             start=0,
