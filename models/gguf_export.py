@@ -1,5 +1,5 @@
 """Export a Hugging Face Llama, Qwen2, Qwen3, Gemma 2 or Gemma 3 (text) folder with a byte-level
-BPE tokenizer to GGUF.
+BPE tokenizer, or SentencePiece's BPE with byte fallback (Llama 2's, Gemma's), to GGUF.
 
 This covers the models hetspec builds itself (the bundled demo pair, the heavy targets and the
 tiny models the tests write), laid out as llama.cpp's own converter lays out these
@@ -137,11 +137,16 @@ def llama3_frequency_factors(rope: dict, head_dim: int) -> np.ndarray:
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, n_vocab: int) -> None:
+    """Byte-level BPE (GPT-2's, Llama 3's, Qwen's) as llama.cpp's ``gpt2`` tokenizer, or
+    SentencePiece's BPE with byte fallback (Llama 2's, Gemma's) as its ``llama`` one."""
     tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
     settings = json.loads((model_dir / "tokenizer_config.json").read_text())
     bpe = tokenizer["model"]
-    if bpe.get("type") != "BPE" or tokenizer.get("pre_tokenizer", {}).get("type") != "ByteLevel":
-        raise ExportError(f"{model_dir}: only byte-level BPE tokenizers are supported")
+    byte_level = (tokenizer.get("pre_tokenizer") or {}).get("type") == "ByteLevel"
+    sentencepiece = not byte_level and bool(bpe.get("byte_fallback"))
+    if bpe.get("type") != "BPE" or not (byte_level or sentencepiece):
+        raise ExportError(f"{model_dir}: only byte-level BPE tokenizers and SentencePiece's "
+                          "BPE with byte fallback are supported")  # fmt: skip
     vocab: dict[str, int] = dict(bpe["vocab"])
     specials = {t["content"]: t["id"] for t in tokenizer.get("added_tokens", []) if t["special"]}
     vocab.update(specials)
@@ -154,17 +159,47 @@ def _add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, n_vocab: int) -> No
         types[token_id] = gguf.TokenType.CONTROL if text in specials else gguf.TokenType.NORMAL
     merges = [m if isinstance(m, str) else " ".join(m) for m in bpe["merges"]]
 
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
+    if sentencepiece:
+        _add_sentencepiece_vocab(writer, tokenizer, tokens, types, merges)
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("gpt-2")
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges(merges)
     writer.add_bos_token_id(vocab[settings["bos_token"]])
     writer.add_eos_token_id(vocab[settings["eos_token"]])
     writer.add_add_bos_token(bool(settings.get("add_bos_token", False)))
     writer.add_add_eos_token(False)
     if settings.get("chat_template"):
         writer.add_chat_template(settings["chat_template"])
+
+
+def _add_sentencepiece_vocab(writer: gguf.GGUFWriter, tokenizer: dict, tokens: list[str],
+                             types: list, merges: list[str]) -> None:  # fmt: skip
+    """llama.cpp's SentencePiece tokenizer merges the adjacent pair whose joined piece scores
+    highest: a piece's score is minus the rank of the merge that makes it, so it merges in
+    the BPE's order. ``<0xNN>`` pieces are bytes, the unknown piece is UNKNOWN."""
+    scores = [0.0] * len(tokens)
+    index = {text: token_id for token_id, text in enumerate(tokens)}
+    for rank, merge in enumerate(merges):
+        token_id = index.get(merge.replace(" ", ""))
+        if token_id is not None and scores[token_id] == 0.0:  # its first (best) merge
+            scores[token_id] = -float(rank + 1)
+    unknown = tokenizer["model"].get("unk_token")
+    for token_id, text in enumerate(tokens):
+        if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+            types[token_id] = gguf.TokenType.BYTE
+        elif text == unknown:
+            types[token_id] = gguf.TokenType.UNKNOWN
+    normalizer = json.dumps(tokenizer.get("normalizer") or {})
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    # Llama 2's normalizer prepends a space to the text, Gemma's does not
+    writer.add_add_space_prefix('"Prepend"' in normalizer)
 
 
 def _tensor_type(

@@ -114,6 +114,39 @@ def tokenizer_texts() -> list[str]:
 
 
 TINY_VOCAB = 320  # write_tiny_gguf_llama's default vocabulary
+SPM_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]  # Gemma's first ids
+
+
+def write_sentencepiece_tokenizer(folder: Path, vocab_size: int) -> int:
+    """A BPE with byte fallback laid out as transformers converts SentencePiece models
+    (Llama 2's, Gemma's): spaces as U+2581, ``<0xNN>`` pieces for bytes outside the vocabulary,
+    no pre-tokenizer. Writes tokenizer.json and tokenizer_config.json; returns the BOS id."""
+    import json  # noqa: PLC0415
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers  # noqa: PLC0415
+
+    tokenizer = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    pieces = [f"<0x{byte:02X}>" for byte in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
+                                  special_tokens=SPM_SPECIALS + pieces)  # fmt: skip
+    tokenizer.train_from_iterator(tokenizer_texts(), trainer=trainer)
+    bos = tokenizer.token_to_id("<bos>")
+    template = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", bos)])
+    tokenizer.post_processor = template
+    spec = json.loads(tokenizer.to_str())
+    # the byte pieces are vocabulary, as in a converted SentencePiece model, not added tokens
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] in SPM_SPECIALS]
+    (folder / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
+    settings = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+                "unk_token": "<unk>", "add_bos_token": True}  # fmt: skip
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
+    return bos
+
+
 DAEMON_CONTEXT = 4096  # the context the daemon tests give the tiny pair
 
 
@@ -126,11 +159,13 @@ def write_tiny_gguf(
     vocab_size: int = TINY_VOCAB,
     gguf_type: str = "f32",
     context: int | None = None,
+    sentencepiece: bool = False,
     **overrides: object,
 ) -> Path:
     """A random tiny model with a trained byte-level BPE tokenizer: HF folder + GGUF file; a
     plain Llama, or any ``TINY_CONFIGS`` name, with config ``overrides``
-    (e.g. an ``intermediate_size`` in whole 32-blocks, as the native kernels need).
+    (e.g. an ``intermediate_size`` in whole 32-blocks, as the native kernels need); with
+    ``sentencepiece`` its tokenizer is laid out as Gemma's (``write_sentencepiece_tokenizer``).
 
     Returns the GGUF path; the folder beside it loads in transformers and the torch runtime.
     """
@@ -144,15 +179,18 @@ def write_tiny_gguf(
     )
 
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(tokenizer_texts(), vocab_size)
-    bos = tokenizer.token_to_id(BOS)
+    if sentencepiece:
+        bos, tokens = write_sentencepiece_tokenizer(folder, vocab_size + 256), vocab_size + 256
+    else:
+        tokenizer = train_tokenizer(tokenizer_texts(), vocab_size)
+        bos, tokens = tokenizer.token_to_id(BOS), tokenizer.get_vocab_size()
     model_type, extra = TINY_CONFIGS.get(name, ("llama", {}))
     config = transformers.AutoConfig.for_model(
         model_type,
         **{
             **COMMON,
             **extra,
-            "vocab_size": tokenizer.get_vocab_size(),
+            "vocab_size": tokens,
             "num_hidden_layers": layers or extra.get("num_hidden_layers", 2),
             "max_position_embeddings": context or COMMON["max_position_embeddings"],
             **overrides,
@@ -169,7 +207,8 @@ def write_tiny_gguf(
                 (1 if param_name.endswith("norm.weight") else 0) + scale * torch.randn_like(param)
             )
     model.save_pretrained(folder, safe_serialization=True)
-    write_tokenizer_files(tokenizer, folder, config.max_position_embeddings)
+    if not sentencepiece:
+        write_tokenizer_files(tokenizer, folder, config.max_position_embeddings)
     return export_gguf(folder, folder / f"model-{gguf_type}.gguf", gguf_type)
 
 
