@@ -17,6 +17,7 @@ import msgspec
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from hetspec.protocol.gguf_header import read_gguf_header
+from hetspec.protocol.tokenizer_files import adds_bos, special_token_text
 
 # end-of-turn markers of common template families (ChatML, Llama 3, Phi, Gemma, Llama 2)
 TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "</s>")
@@ -62,7 +63,10 @@ def _raise(message: str) -> None:
 
 
 class ChatTemplate:
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", *,
+                 adds_bos: bool = False) -> None:  # fmt: skip
+        """``adds_bos``: the target's tokenizer puts BOS before every prompt itself, so a
+        rendered prompt's leading BOS text is dropped (one BOS, not two: llama.cpp's rule)."""
         environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         environment.globals["raise_exception"] = _raise
         try:
@@ -71,13 +75,14 @@ class ChatTemplate:
             raise ChatTemplateError(f"the model's chat template does not parse: {error}") from None
         self.source = source
         self.bos_token, self.eos_token = bos_token, eos_token
+        self.adds_bos = adds_bos
         self.stops = [marker for marker in TURN_ENDS if marker in source and marker != eos_token]
 
     def render(self, messages: list[ChatMessage]) -> str:
         """The prompt for these messages, ending where the assistant's answer begins."""
         plain = [{"role": m.role, "content": m.text} for m in messages]
         try:
-            return self._template.render(
+            prompt = self._template.render(
                 messages=plain,
                 add_generation_prompt=True,
                 bos_token=self.bos_token,
@@ -89,15 +94,14 @@ class ChatTemplate:
             raise ChatTemplateError(
                 f"the chat template failed on these messages: {error}"
             ) from None
+        if self.adds_bos and self.bos_token and prompt.startswith(self.bos_token):
+            return prompt[len(self.bos_token) :]
+        return prompt
 
 
 def load_chat_template(folder: str | Path, gguf: str | Path | None = None) -> ChatTemplate | None:
     """The target model's template, or None when neither export carries one."""
-    config_path = Path(folder) / "tokenizer_config.json"
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, ValueError):
-        config = {}
+    config = _folder_json(Path(folder) / "tokenizer_config.json")
     source = config.get("chat_template")
     if isinstance(source, list):  # several named templates: the default one
         source = next((t.get("template") for t in source if t.get("name") == "default"), None)
@@ -106,11 +110,18 @@ def load_chat_template(folder: str | Path, gguf: str | Path | None = None) -> Ch
     if not source:
         return None
 
-    def token(name: str) -> str:
-        value = config.get(name)
-        return value.get("content", "") if isinstance(value, dict) else (value or "")
+    # without the folder's settings (the GGUF's template) bos_token renders empty
+    bos = bool(config) and adds_bos(config, _folder_json(Path(folder) / "tokenizer.json"))
+    return ChatTemplate(source, special_token_text(config, "bos_token"),
+                        special_token_text(config, "eos_token"), adds_bos=bos)  # fmt: skip
 
-    return ChatTemplate(source, token("bos_token"), token("eos_token"))
+
+def _folder_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _gguf_chat_template(path: Path) -> str | None:

@@ -28,6 +28,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from hetspec.models.llama_quantize import QUANT_TYPES, QuantizeError, quantize_gguf
+from hetspec.protocol.tokenizer_files import adds_bos
 
 OUT_TYPES = {
     "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
@@ -169,7 +170,7 @@ def _add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, n_vocab: int) -> No
         writer.add_token_merges(merges)
     writer.add_bos_token_id(vocab[settings["bos_token"]])
     writer.add_eos_token_id(vocab[settings["eos_token"]])
-    writer.add_add_bos_token(bool(settings.get("add_bos_token", False)))
+    writer.add_add_bos_token(adds_bos(settings, tokenizer))
     writer.add_add_eos_token(False)
     if settings.get("chat_template"):
         writer.add_chat_template(settings["chat_template"])

@@ -19,7 +19,7 @@ ALLOWED = {
     "protocol": set(),
     "speculative": {"hetspec.protocol"},
     # training builds the runtime's own model classes (the draft head, the target's loader)
-    "models": {"hetspec.workers"},
+    "models": {"hetspec.workers", "hetspec.protocol"},
     # the native kernels: C code and its bindings, for the workers alone (GGUF headers are
     # read by protocol's reader, which the daemon uses too)
     "native": {"hetspec.protocol"},

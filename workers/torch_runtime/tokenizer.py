@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from hetspec.protocol.tokenizer_files import adds_bos
 from hetspec.protocol.vocab import VocabInfo
 from hetspec.speculative.vocab import vocab_info
 from hetspec.workers.torch_runtime.config import ModelLoadError
@@ -61,7 +62,7 @@ class FolderTokenizer:
         self.specials = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
         self.bos = self._special_id(settings.get("bos_token"))
         self.eos = self._special_id(settings.get("eos_token"))
-        self.add_bos = bool(settings.get("add_bos_token", False))
+        self.add_bos = adds_bos(settings, spec) and self.bos >= 0
 
     def _special_id(self, token: str | dict | None) -> int:
         if isinstance(token, dict):
@@ -93,4 +94,7 @@ class FolderTokenizer:
         return bytes(decoder[char] for char in text if char in decoder)
 
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=add_special).ids
+        """``text``'s ids (special tokens' text parsed), with BOS first when ``add_special``
+        and the model adds one (``add_bos``), as llama.cpp tokenizes the model's GGUF."""
+        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        return [self.bos, *ids] if add_special and self.add_bos else ids

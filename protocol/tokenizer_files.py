@@ -1,0 +1,43 @@
+"""What a Hugging Face folder's tokenizer files say about BOS, read one way by every side.
+
+The daemon (chat templates), the torch worker (tokenizing) and the GGUF exporter must agree
+on whether the model's tokenizer puts BOS before a prompt: llama.cpp's ``add_bos_token`` of
+the same model says so explicitly, a folder either in ``tokenizer_config.json`` or, as
+Llama 3's does, only through ``tokenizer.json``'s post-processor template.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def special_token_text(settings: dict[str, Any], name: str) -> str:
+    """A special token's text from tokenizer_config.json (a string, or an AddedToken dict)."""
+    value = settings.get(name)
+    if isinstance(value, dict):
+        return str(value.get("content", ""))
+    return str(value or "")
+
+
+def adds_bos(settings: dict[str, Any], spec: dict[str, Any] | None) -> bool:
+    """Whether tokenizing a prompt (with special tokens) starts it with BOS: tokenizer_config's
+    ``add_bos_token`` where given, else whether tokenizer.json's post-processor template
+    begins with the BOS token."""
+    if "add_bos_token" in settings:
+        return bool(settings["add_bos_token"])
+    bos = special_token_text(settings, "bos_token")
+    if not bos or not spec:
+        return False
+    return _template_starts_with(spec.get("post_processor"), bos)
+
+
+def _template_starts_with(processor: Any, token: str) -> bool:
+    if not isinstance(processor, dict):
+        return False
+    if processor.get("type") == "Sequence":
+        return any(_template_starts_with(p, token) for p in processor.get("processors", []))
+    if processor.get("type") != "TemplateProcessing":
+        return False
+    single = processor.get("single") or []
+    first = single[0] if single else {}
+    return isinstance(first, dict) and (first.get("SpecialToken") or {}).get("id") == token
