@@ -74,7 +74,22 @@ def test_buckets_track_float32_in_bfloat16(folder) -> None:
                                             ("bfloat16", True)],
                          ids=["bf16", "f32", "bf16-compiled"])  # fmt: skip
 def test_a_verifier_gives_the_same_bits_alone_and_in_any_tree(folder, dtype, compile) -> None:
-    runtime = TorchRuntime(folder, device="cuda", dtype=dtype, verifies=True, compile=compile)
+    check_the_same_bits(TorchRuntime(folder, device="cuda", dtype=dtype, verifies=True,
+                                     compile=compile))  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma2"])
+def test_a_gemma_verifier_gives_the_same_bits_alone_and_in_any_tree(tmp_path, name) -> None:
+    """Gemma's windowed layers (6 positions here: the chain runs far past them), its second
+    rotary table and Gemma 2's soft-capped attention (unfused) in bf16 graphs."""
+    folder = save_reference(build_reference(name), tmp_path / name)
+    check_the_same_bits(TorchRuntime(folder, device="cuda", dtype="bfloat16", verifies=True))
+
+
+def check_the_same_bits(runtime: TorchRuntime) -> None:
+    """Greedy tokens one forward each, then as chains of several widths with a wrong sibling
+    beside every token, and in a tree of more paths than a forward gathers: every token's
+    logits bit-identical to its own forward's."""
     assert runtime.fixed_width == 16
     runtime.prefill(LONG_PROMPT)
     chain, alone = greedy_alone(runtime, 40)
