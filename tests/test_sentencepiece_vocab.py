@@ -32,8 +32,17 @@ def gemma(tmp_path_factory):
     return folder, path
 
 
-def test_the_folder_and_llama_cpp_describe_one_vocabulary(gemma) -> None:
-    folder, path = gemma
+@pytest.fixture(scope="module")
+def llama2(tmp_path_factory):
+    """Llama 2's layout: a space put before the text (llama.cpp's add_space_prefix)."""
+    folder = tmp_path_factory.mktemp("llama2-spm")
+    path = write_tiny_gguf(folder, sentencepiece="prefix-space")
+    return folder, path
+
+
+@pytest.mark.parametrize("model", ["gemma", "llama2"])
+def test_the_folder_and_llama_cpp_describe_one_vocabulary(request, model) -> None:
+    folder, path = request.getfixturevalue(model)
     theirs = VocabularyFile.open(path)
     ours = FolderTokenizer(folder, theirs.size)
     assert ours.kind == theirs.info().kind == "spm"
@@ -43,10 +52,12 @@ def test_the_folder_and_llama_cpp_describe_one_vocabulary(gemma) -> None:
     ]
     byte_piece = ours.tokenize("<0x0A>", add_special=False)  # the text, not the piece
     assert ours.token_bytes(ours._tokenizer.token_to_id("<0x0A>")) == b"\n"
-    assert b"".join(ours.token_bytes(i) for i in byte_piece) == b"<0x0A>"
+    prefix = b" " if model == "llama2" else b""
+    assert b"".join(ours.token_bytes(i) for i in byte_piece) == prefix + b"<0x0A>"
     for text in TEXTS:
         assert ours.tokenize(text) == theirs.tokenize(text), text
-        assert b"".join(ours.token_bytes(i) for i in ours.tokenize(text)[1:]) == text.encode()
+        pieces = b"".join(ours.token_bytes(i) for i in ours.tokenize(text)[1:])
+        assert pieces == prefix + text.encode()
 
 
 def test_the_daemon_pairs_a_torch_gemma_target_with_a_gguf_draft(tmp_path, gemma) -> None:

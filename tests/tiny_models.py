@@ -117,16 +117,22 @@ TINY_VOCAB = 320  # write_tiny_gguf_llama's default vocabulary
 SPM_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]  # Gemma's first ids
 
 
-def write_sentencepiece_tokenizer(folder: Path, vocab_size: int) -> int:
+def write_sentencepiece_tokenizer(
+    folder: Path, vocab_size: int, *, prefix_space: bool = False
+) -> int:
     """A BPE with byte fallback laid out as transformers converts SentencePiece models
     (Llama 2's, Gemma's): spaces as U+2581, ``<0xNN>`` pieces for bytes outside the vocabulary,
-    no pre-tokenizer. Writes tokenizer.json and tokenizer_config.json; returns the BOS id."""
+    no pre-tokenizer; with ``prefix_space`` a space before the text, as Llama 2's (Gemma's
+    has none). Writes tokenizer.json and tokenizer_config.json; returns the BOS id."""
     import json  # noqa: PLC0415
 
     from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers  # noqa: PLC0415
 
     tokenizer = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
-    tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
+    spaces = normalizers.Replace(" ", "\u2581")
+    tokenizer.normalizer = (
+        normalizers.Sequence([normalizers.Prepend("\u2581"), spaces]) if prefix_space else spaces
+    )
     tokenizer.decoder = decoders.Sequence(
         [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     )
@@ -159,13 +165,14 @@ def write_tiny_gguf(
     vocab_size: int = TINY_VOCAB,
     gguf_type: str = "f32",
     context: int | None = None,
-    sentencepiece: bool = False,
+    sentencepiece: bool | str = False,
     **overrides: object,
 ) -> Path:
     """A random tiny model with a trained byte-level BPE tokenizer: HF folder + GGUF file; a
     plain Llama, or any ``TINY_CONFIGS`` name, with config ``overrides``
     (e.g. an ``intermediate_size`` in whole 32-blocks, as the native kernels need); with
-    ``sentencepiece`` its tokenizer is laid out as Gemma's (``write_sentencepiece_tokenizer``).
+    ``sentencepiece`` its tokenizer is laid out as Gemma's (``write_sentencepiece_tokenizer``;
+    ``"prefix-space"``: as Llama 2's).
 
     Returns the GGUF path; the folder beside it loads in transformers and the torch runtime.
     """
@@ -180,7 +187,9 @@ def write_tiny_gguf(
 
     folder.mkdir(parents=True, exist_ok=True)
     if sentencepiece:
-        bos, tokens = write_sentencepiece_tokenizer(folder, vocab_size + 256), vocab_size + 256
+        tokens = vocab_size + 256
+        prefix_space = sentencepiece == "prefix-space"
+        bos = write_sentencepiece_tokenizer(folder, tokens, prefix_space=prefix_space)
     else:
         tokenizer = train_tokenizer(tokenizer_texts(), vocab_size)
         bos, tokens = tokenizer.token_to_id(BOS), tokenizer.get_vocab_size()
