@@ -8,7 +8,12 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 
-from hetspec.daemon.requests import GenerateRequest, GenerationResult, token_budget
+from hetspec.daemon.requests import (
+    GenerateRequest,
+    GenerationResult,
+    end_ids,
+    token_budget,
+)
 from hetspec.daemon.text_output import TextOutput
 from hetspec.daemon.worker_client import WorkerClient
 from hetspec.protocol import Arena
@@ -83,13 +88,13 @@ async def generate(
     result.prompt_ms = (time.perf_counter() - started) * 1000
     decode_start = time.perf_counter()
     output = TextOutput(ready.token_bytes, request.stops, ready.special_tokens)
-    eos = -1 if request.ignore_eos else ready.vocab.eos
+    ends = end_ids(request, ready.vocab)
     token_s = cores.cost_s()  # the worker's seconds per token, from the last call
     try:
         while True:
             pieces = []  # one write per call, not per token
             for index, token in enumerate(tokens):
-                if token == eos:
+                if token in ends:
                     result.done_reason = "stop"
                     break
                 result.add(token, logprobs[index] if logprobs else None)

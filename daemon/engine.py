@@ -28,7 +28,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetspec.daemon.autoregressive import alone_tokens, first_token
-from hetspec.daemon.requests import GenerateRequest, GenerationResult, token_budget
+from hetspec.daemon.requests import (
+    GenerateRequest,
+    GenerationResult,
+    cut_at_end,
+    end_ids,
+    token_budget,
+)
 from hetspec.daemon.round_sides import DrafterSide, Unverified, VerifierSide, WorkerPair
 from hetspec.daemon.round_stats import SpeculativeStats
 from hetspec.daemon.text_output import TextOutput
@@ -89,7 +95,7 @@ class Decoder:
         # sampling, from a stream of the daemon's own (the drafter's draws are independent).
         self.sampler = sampler_for(request.seed)
         self.position = 0  # the next token's index in the sequence (keyed noise's key)
-        self.eos = -1 if request.ignore_eos else pair.verifier.ready.vocab.eos
+        self.ends = end_ids(request, pair.verifier.ready.vocab)
         self.verifier = VerifierSide(pair)
         self.drafter: DrafterSide | None = None  # once the prompt is tokenized
         self.alone_streak = 0  # rounds in a row without a draft, up to this one
@@ -112,7 +118,7 @@ class Decoder:
         ready = self.pair.verifier.ready
         output = TextOutput(ready.token_bytes, self.request.stops, ready.special_tokens)
         self.verifier.bonus, self.drafter.unseen = first, [first]
-        outcome = RoundOutcome([], True) if first == self.eos else RoundOutcome(
+        outcome = RoundOutcome([], True) if first in self.ends else RoundOutcome(
             [first], False, self.first_logprob)  # fmt: skip
         try:
             while True:
@@ -344,8 +350,8 @@ class Decoder:
             self.drafter.features.add(decoded.features_start, features)
         self.verifier.decoded(tokens)
         self.position += len(tokens)
-        stopped = self.eos in tokens
-        emitted = tokens[: tokens.index(self.eos)] if stopped else tokens[:remaining]
+        emitted, stopped = cut_at_end(tokens, self.ends)
+        emitted = emitted[:remaining]
         self.drafter.unseen += emitted
         compute_s = decoded.elapsed_ms / 1000 / len(tokens)
         if idle:
@@ -390,8 +396,7 @@ class Decoder:
         emitted = verdict.tokens(np.asarray(tokens))
         bonus_position = self.position - 1
         self.position += len(emitted)
-        stopped = self.eos in emitted
-        emitted = emitted[: emitted.index(self.eos)] if stopped else emitted
+        emitted, stopped = cut_at_end(emitted, self.ends)
         emitted = emitted[:remaining]
         self.verifier.accepted(verdict)
         if self.drafter.features is not None:

@@ -32,7 +32,12 @@ from hetspec.daemon.pipeline import (
     pipeline_tokens,
 )
 from hetspec.daemon.pipeline_drafter import PipelineDrafter, TreeShape
-from hetspec.daemon.requests import GenerateRequest, GenerationResult, token_budget
+from hetspec.daemon.requests import (
+    GenerateRequest,
+    GenerationResult,
+    end_ids,
+    token_budget,
+)
 from hetspec.daemon.supervisor import StartupError, config_number_of
 from hetspec.daemon.text_output import TextOutput
 from hetspec.daemon.worker_client import WorkerClient
@@ -229,7 +234,7 @@ class PipelineBackend:
                 schedule = {"drafter": no_draft, "segment_size": 1, "in_flight": 1}
             asked = list(self.local.processes) if self.local is not None else []
             output = TextOutput(ready.token_bytes, request.stops, ready.special_tokens)
-            eos = -1 if request.ignore_eos else ready.vocab.eos
+            ends = end_ids(request, ready.vocab)
             result.prompt_tokens = len(prompt)
             stream = pipeline_tokens(self.client, prompt, params=request.sampling,
                                      sampler=sampler_for(request.seed), **schedule)  # fmt: skip
@@ -239,7 +244,7 @@ class PipelineBackend:
                     if decode_start is None:
                         result.prompt_ms = (time.perf_counter() - started) * 1000
                         decode_start = time.perf_counter()
-                    pieces = _take(tokens, result, output, eos, max_tokens)
+                    pieces = _take(tokens, result, output, ends, max_tokens)
                     if any(pieces):
                         yield "".join(pieces)
                     if result.done_reason == "stop" or len(result.tokens) >= max_tokens:
@@ -255,13 +260,13 @@ class PipelineBackend:
                     result.decode_ms = (time.perf_counter() - decode_start) * 1000
 
 
-def _take(tokens: list[int], result: GenerationResult, output: TextOutput, eos: int,
-          max_tokens: int) -> list[str]:  # fmt: skip
+def _take(tokens: list[int], result: GenerationResult, output: TextOutput,
+          ends: frozenset[int], max_tokens: int) -> list[str]:  # fmt: skip
     """Add final ``tokens`` to ``result`` until the end of sequence, a stop string or the
     budget (``result.done_reason`` says which); their text pieces."""
     pieces = []
     for token in tokens:
-        if token == eos:
+        if token in ends:
             result.done_reason = "stop"
             break
         result.add(token)

@@ -9,6 +9,7 @@ import msgspec
 
 from hetspec.protocol.modes import MODES
 from hetspec.protocol.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
+from hetspec.protocol.vocab import VocabInfo
 
 MAX_GAMMA = 32
 MAX_BRANCHES = 8
@@ -88,6 +89,22 @@ def check_unicode(text: str) -> None:
         text.encode()
     except UnicodeEncodeError:
         raise ValueError(f"text contains a lone surrogate: {text[:40]!r}") from None
+
+
+def end_ids(request: GenerateRequest, vocab: VocabInfo) -> frozenset[int]:
+    """The ids that end this request's generation: the target's EOS and end-of-turn tokens,
+    none with ``ignore_eos``."""
+    if request.ignore_eos:
+        return frozenset()
+    return frozenset({vocab.eos, *vocab.ends} - {-1})
+
+
+def cut_at_end(tokens: list[int], ends: frozenset[int]) -> tuple[list[int], bool]:
+    """``tokens`` up to the first that ends generation (not included), and whether one did."""
+    for index, token in enumerate(tokens):
+        if token in ends:
+            return tokens[:index], True
+    return tokens, False
 
 
 def token_budget(request: GenerateRequest, prompt_tokens: int, context: int, room: int = 0) -> int:

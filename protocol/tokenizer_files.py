@@ -10,6 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+# Token texts that end a turn, and with it generation, wherever a vocabulary has them
+# (llama.cpp counts the same ones in its end-of-generation set)
+END_OF_TURN_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                     "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>")  # fmt: skip
+
 
 def special_token_text(settings: dict[str, Any], name: str) -> str:
     """A special token's text from tokenizer_config.json (a string, or an AddedToken dict)."""
@@ -29,6 +34,14 @@ def adds_bos(settings: dict[str, Any], spec: dict[str, Any] | None) -> bool:
     if not bos or not spec:
         return False
     return _template_starts_with(spec.get("post_processor"), bos)
+
+
+def generation_end_ids(generation: dict[str, Any]) -> list[int]:
+    """generation_config.json's ``eos_token_id``: one id or a list (Gemma's instruction
+    models list <eos> and <end_of_turn>)."""
+    value = generation.get("eos_token_id")
+    values = value if isinstance(value, list) else [value]
+    return [int(v) for v in values if isinstance(v, int) and not isinstance(v, bool)]
 
 
 def _template_starts_with(processor: Any, token: str) -> bool:

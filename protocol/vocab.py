@@ -13,6 +13,8 @@ class VocabInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     eos: int
     add_bos: bool
     fingerprint: str  # sha256 of the texts of ids 5 .. real_size - 1 (hetspec.speculative.vocab)
+    # every id that ends generation: eos and the end-of-turn tokens (llama.cpp's "EOG" set)
+    ends: tuple[int, ...] = ()
 
 
 class VocabReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -25,7 +25,9 @@ def is_padding(text: bytes, token_id: int) -> bool:
     return text == f"[PAD{token_id}]".encode()
 
 
-def vocab_info(kind: str, texts: Sequence[bytes], bos: int, eos: int, add_bos: bool) -> VocabInfo:
+def vocab_info(kind: str, texts: Sequence[bytes], bos: int, eos: int, add_bos: bool,
+               *, ends: Sequence[int] = ()) -> VocabInfo:  # fmt: skip
+    """``ends``: ids besides ``eos`` that end generation."""
     real_size = len(texts)
     while real_size > 0 and is_padding(texts[real_size - 1], real_size - 1):
         real_size -= 1
@@ -33,7 +35,8 @@ def vocab_info(kind: str, texts: Sequence[bytes], bos: int, eos: int, add_bos: b
     for text in texts[FIRST_COMPARED_ID:real_size]:
         digest.update(len(text).to_bytes(4, "little"))
         digest.update(text)
-    return VocabInfo(kind, len(texts), real_size, bos, eos, add_bos, digest.hexdigest())
+    every_end = tuple(sorted({eos, *ends} - {-1}))
+    return VocabInfo(kind, len(texts), real_size, bos, eos, add_bos, digest.hexdigest(), every_end)
 
 
 def incompatibilities(draft: VocabInfo, target: VocabInfo) -> list[str]:

@@ -145,16 +145,19 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
         # where the layers run: offloading needs a GPU build of llama.cpp and a GPU, or
         # rpc-servers
         self._on_local_gpu = gpu_layers != 0 and local_gpu_present()
+        devices = []
         if rpc_servers:
             try:
                 devices = add_rpc_servers(rpc_servers)
             except RpcError as error:
                 raise LlamaCppError(f"{path}: {error}") from None
-            # exactly these servers (then this box's GPUs), as llama.cpp orders them: the
-            # NULL-terminated list must live until the load returns
-            devices += local_gpus() if self._on_local_gpu else []
-            self._devices = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
-            params.devices = ctypes.cast(self._devices, ctypes.c_void_p)
+        # exactly these servers, then this box's GPUs, as llama.cpp orders them; never all
+        # registered devices (its default), which would take in an rpc-server another load in
+        # this process registered (one that has gone aborts the process). The NULL-terminated
+        # list must live until the load returns.
+        devices += local_gpus() if self._on_local_gpu else []
+        self._devices = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
+        params.devices = ctypes.cast(self._devices, ctypes.c_void_p)
         self.offloaded = self._on_local_gpu or (gpu_layers != 0 and bool(rpc_servers))
         params.load_mode = L.LLAMA_LOAD_MODE_MMAP if mmap else L.LLAMA_LOAD_MODE_NONE
         # llama.cpp's extra buffer types repack weights for the CPU's SIMD; on CPUs with AMX

@@ -29,6 +29,7 @@ class Vocabulary:
             L.llama_vocab_bos(self._vocab),
             L.llama_vocab_eos(self._vocab),
             bool(L.llama_vocab_get_add_bos(self._vocab)),
+            ends=[i for i in range(self.size) if L.llama_vocab_is_eog(self._vocab, i)],
         )
 
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
@@ -72,6 +73,10 @@ class VocabularyFile(Vocabulary):
         L.llama_backend_init()
         params = L.llama_model_default_params()
         params.vocab_only = True
+        # no devices: by default llama.cpp asks every registered one for its memory, and an
+        # rpc-server registered earlier in this process that has gone aborts the process
+        no_devices = (ctypes.c_void_p * 1)(None)
+        params.devices = ctypes.cast(no_devices, ctypes.c_void_p)
         model = L.llama_model_load_from_file(str(path).encode(), params)
         return cls(model, log) if model else None
 

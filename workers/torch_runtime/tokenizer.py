@@ -16,7 +16,11 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from hetspec.protocol.tokenizer_files import adds_bos
+from hetspec.protocol.tokenizer_files import (
+    END_OF_TURN_TEXTS,
+    adds_bos,
+    generation_end_ids,
+)
 from hetspec.protocol.vocab import VocabInfo
 from hetspec.speculative.vocab import vocab_info
 from hetspec.workers.torch_runtime.config import ModelLoadError
@@ -47,8 +51,11 @@ class FolderTokenizer:
             spec = json.loads((folder / "tokenizer.json").read_text())
             settings_path = folder / "tokenizer_config.json"
             settings = json.loads(settings_path.read_text()) if settings_path.exists() else {}
+            generation_path = folder / "generation_config.json"
+            generation = (json.loads(generation_path.read_text())
+                          if generation_path.exists() else {})  # fmt: skip
         except (OSError, ValueError, Exception) as error:  # tokenizers raises plain Exception
-            raise ModelLoadError(f"{folder}: cannot read tokenizer.json ({error})") from None
+            raise ModelLoadError(f"{folder}: cannot read its tokenizer files ({error})") from None
         model_type = spec.get("model", {}).get("type", "")
         self.byte_level = (spec.get("pre_tokenizer") or {}).get("type") == "ByteLevel"
         # transformers' conversion of a SentencePiece model (Llama 2's, Gemma's): a BPE whose
@@ -63,6 +70,9 @@ class FolderTokenizer:
         self.bos = self._special_id(settings.get("bos_token"))
         self.eos = self._special_id(settings.get("eos_token"))
         self.add_bos = adds_bos(settings, spec) and self.bos >= 0
+        marked = (self._tokenizer.token_to_id(text) for text in END_OF_TURN_TEXTS)
+        listed = {*generation_end_ids(generation), *(i for i in marked if i is not None)}
+        self.ends = sorted(i for i in listed if 0 <= i < vocab_size)
 
     def _special_id(self, token: str | dict | None) -> int:
         if isinstance(token, dict):
@@ -79,7 +89,7 @@ class FolderTokenizer:
         return texts
 
     def vocab_info(self) -> VocabInfo:
-        return vocab_info(self.kind, self.texts(), self.bos, self.eos, self.add_bos)
+        return vocab_info(self.kind, self.texts(), self.bos, self.eos, self.add_bos, ends=self.ends)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token stands for (a special renders as its text)."""
