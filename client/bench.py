@@ -157,6 +157,7 @@ class Record:
     gammas: list[int] = field(default_factory=list)
     by_depth: list[int] = field(default_factory=list)  # rounds accepting >= depth 1, 2, ...
     output: str = ""  # a digest of the token ids generated ("": a peer's, not compared)
+    t_prefill_wait_ms: float | None = None  # waiting for the drafter's late prefill
 
     @classmethod
     def of(cls, system: str, prompt: int, repeat: int, loaded: bool, done: Completion) -> Record:
@@ -169,6 +170,7 @@ class Record:
             spec.get("t_verify_ms"), spec.get("run_ahead", 0), spec.get("t_overhead_ms"),
             spec.get("t_draft_link_ms"), spec.get("t_verify_link_ms"), gammas,
             spec.get("acceptance_by_depth", []), token_digest(done.tokens),
+            t_prefill_wait_ms=spec.get("t_prefill_wait_ms"),
         )  # fmt: skip
 
     @property
@@ -442,17 +444,21 @@ def rounds_table(records: list[Record]) -> str:
         round_ms = sum(r.decode_ms for r in drafted) / sum(r.rounds for r in drafted)
         lines.append(f"| {name} | {round_ms:.3f} | {mean('gamma_mean')} | "
                      f"{mean('t_draft_ms')} | {mean('t_draft_link_ms')} | {mean('t_verify_ms')} | "
-                     f"{mean('t_verify_link_ms')} | {mean('t_overhead_ms')} |")  # fmt: skip
+                     f"{mean('t_verify_link_ms')} | {mean('t_overhead_ms')} | "
+                     f"{mean('t_prefill_wait_ms')} |")  # fmt: skip
     if not lines:
         return ""
     return "\n".join([
         "| system | round ms | gamma | draft ms a token | draft call's link ms | "
-        "verify ms (daemon-seen) | of which link ms | daemon's own ms a round |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|", *lines,
+        "verify ms (daemon-seen) | of which link ms | daemon's own ms a round | "
+        "drafter's prefill wait ms a round |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|", *lines,
         "\nA link: a call's time as the daemon sees it beyond the worker's own (messages, "
         "wake-ups, the worker's Python around its compute). The daemon's own: a round's time "
-        "outside its draft and verify calls (verdict, bookkeeping, the controller). Round ms "
-        "and the daemon's own: over every round, rounds of the target alone included.",
+        "outside its draft and verify calls (verdict, bookkeeping, the controller). The "
+        "drafter's prefill wait: a first draft's wait for the drafter's prompt prefill, which "
+        "starts with that draft where the request began decoding alone. Round ms, the daemon's "
+        "own and the wait: over every round, rounds of the target alone included.",
     ])  # fmt: skip
 
 

@@ -31,6 +31,7 @@ class SpeculativeStats:
     draft_calls: int = 0
     verify_link_ms: float = 0.0
     verifications: int = 0
+    prefill_wait_ms: float = 0.0  # waiting for the drafter's late prefill (DraftCall's)
 
     def count(self, report: RoundReport) -> None:
         self.rounds += 1
@@ -49,6 +50,7 @@ class SpeculativeStats:
                 self.draft_calls += 1
                 self.draft_link_ms += call.latency_s * 1000
             self.draft_steps += call.steps
+            self.prefill_wait_ms += call.prefill_wait_s * 1000
             self.draft_compute_ms += call.compute_s * 1000 if call.steps else 0.0
         self.verify_ms += (report.verify_s if report.gamma else report.alone_compute_s or 0) * 1000
         depths = self.accepted_by_depth
@@ -69,6 +71,7 @@ class SpeculativeStats:
             "run_ahead": self.run_ahead, "run_ahead_held": self.run_ahead_held,
             "rule_rounds": self.rule_rounds, "verified_nodes": self.verified_nodes,
             "t_overhead_ms": round(self.overhead_ms / per, 3) if per else None,
+            "t_prefill_wait_ms": round(self.prefill_wait_ms / per, 3) if per else None,
             "t_draft_link_ms": _mean(self.draft_link_ms, self.draft_calls),
             "t_verify_link_ms": _mean(self.verify_link_ms, self.verifications),
             "controller": controller.summary(),

@@ -33,13 +33,16 @@ class Plan:
 class DraftCall:
     """One draft call's cost: ``steps`` forwards of ``branches`` branches took ``compute_s``
     of the drafter's own time (steps 0: not a measure of a step, e.g. a long catch-up), and
-    the call took ``latency_s`` more (messages, wake-ups)."""
+    the call took ``latency_s`` more (messages, wake-ups). ``prefill_wait_s``: before the
+    call, waiting for the drafter's prompt prefill (started late, after rounds without a
+    draft): neither a draft's cost nor the daemon's."""
 
     steps: int
     branches: int
     compute_s: float
     latency_s: float
     overlapped: bool = False  # drafted while the verifier computed
+    prefill_wait_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -147,6 +147,7 @@ class InProcessWorker:
     arena: Arena
     fail_on: type | None = None  # a command type answered with Failed ...
     fail_after: int = 0  # ... after this many of that type succeeded
+    delays: dict = field(default_factory=dict)  # command type -> seconds its reply takes
     ran: list[str] = field(default_factory=list)
     commands: list = field(default_factory=list)
 
@@ -169,8 +170,9 @@ class InProcessWorker:
         return next(self._ids)
 
     async def call(self, command, arrays=()):
-        await asyncio.sleep(0)  # a reply never comes in the same step as its command
         kind = type(command)
+        # a reply never comes in the same step as its command
+        await asyncio.sleep(self.delays.get(kind, 0))
         if kind is self.fail_on:
             if self.fail_after <= 0:
                 raise WorkerError(self.name, "internal", f"{kind.__name__} failed on purpose")

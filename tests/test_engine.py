@@ -112,6 +112,25 @@ def test_a_requests_stats_say_where_its_rounds_went(arena, kind) -> None:
         assert stats.draft_calls == stats.rounds
 
 
+class StartsAlone(ScriptedController):
+    def decodes_alone(self) -> bool:
+        return True
+
+
+def test_a_late_drafter_prefill_is_its_own_wait_not_the_daemons_time(arena) -> None:
+    """A request that starts decoding alone prefills the drafter with its first draft: that
+    round waits for the prefill (50 ms here), reported apart from the daemon's own time."""
+    pair, reference = workers(arena, noise=1.0)
+    pair.drafter.delays[m.Prefill] = 0.05
+    controller = StartsAlone([Plan(0), *[Plan(3)] * 200])
+    result, stats, _ = decode(pair, controller, max_tokens=200)
+    assert result.tokens == reference.greedy(PROMPT, 200)
+    assert stats.drafted > 0
+    summary = stats.summary(controller)
+    assert summary["t_prefill_wait_ms"] * stats.rounds >= 45
+    assert summary["t_overhead_ms"] * stats.rounds < 45
+
+
 def test_a_run_ahead_is_kept_when_the_draft_holds_and_dropped_when_it_misses(arena) -> None:
     pair, _ = workers(arena, noise=0.0)  # the drafter predicts the target exactly
     _, held, _ = decode(pair, BudgetController(), plan=Plan(3, overlap=True))
