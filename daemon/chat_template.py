@@ -17,10 +17,10 @@ import msgspec
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from hetspec.protocol.gguf_header import read_gguf_header
-from hetspec.protocol.tokenizer_files import adds_bos, special_token_text
+from hetspec.protocol.tokenizer_files import END_OF_TURN_TEXTS, adds_bos, special_token_text
 
-# end-of-turn markers of common template families (ChatML, Llama 3, Phi, Gemma, Llama 2)
-TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "</s>")
+# end-of-turn markers of common template families (ChatML, Llama 3, Phi, Gemma; Llama 2's </s>)
+TURN_ENDS = (*END_OF_TURN_TEXTS, "</s>")
 
 
 class ChatTemplateError(ValueError):

@@ -28,7 +28,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from hetspec.models.llama_quantize import QUANT_TYPES, QuantizeError, quantize_gguf
-from hetspec.protocol.tokenizer_files import adds_bos
+from hetspec.protocol.tokenizer_files import adds_bos, byte_piece, is_sentencepiece_bpe
 
 OUT_TYPES = {
     "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
@@ -144,7 +144,7 @@ def _add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, n_vocab: int) -> No
     settings = json.loads((model_dir / "tokenizer_config.json").read_text())
     bpe = tokenizer["model"]
     byte_level = (tokenizer.get("pre_tokenizer") or {}).get("type") == "ByteLevel"
-    sentencepiece = not byte_level and bool(bpe.get("byte_fallback"))
+    sentencepiece = is_sentencepiece_bpe(tokenizer)
     if bpe.get("type") != "BPE" or not (byte_level or sentencepiece):
         raise ExportError(f"{model_dir}: only byte-level BPE tokenizers and SentencePiece's "
                           "BPE with byte fallback are supported")  # fmt: skip
@@ -189,7 +189,7 @@ def _add_sentencepiece_vocab(writer: gguf.GGUFWriter, tokenizer: dict, tokens: l
             scores[token_id] = -float(rank + 1)
     unknown = tokenizer["model"].get("unk_token")
     for token_id, text in enumerate(tokens):
-        if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+        if byte_piece(text) is not None:
             types[token_id] = gguf.TokenType.BYTE
         elif text == unknown:
             types[token_id] = gguf.TokenType.UNKNOWN

@@ -1,4 +1,4 @@
-"""What a Hugging Face folder's tokenizer files say about BOS, read one way by every side.
+"""What a Hugging Face folder's tokenizer files say, read one way by every side.
 
 The daemon (chat templates), the torch worker (tokenizing) and the GGUF exporter must agree
 on whether the model's tokenizer puts BOS before a prompt: llama.cpp's ``add_bos_token`` of
@@ -8,12 +8,31 @@ Llama 3's does, only through ``tokenizer.json``'s post-processor template.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 # Token texts that end a turn, and with it generation, wherever a vocabulary has them
 # (llama.cpp counts the same ones in its end-of-generation set)
 END_OF_TURN_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
                      "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>")  # fmt: skip
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def is_sentencepiece_bpe(spec: dict[str, Any]) -> bool:
+    """Whether tokenizer.json is transformers' conversion of a SentencePiece model (Llama 2's,
+    Gemma's): a BPE whose missing characters fall back to ``<0xNN>`` byte pieces, with no
+    byte-level pre-tokenizer; llama.cpp calls such a vocabulary "spm"."""
+    model = spec.get("model") or {}
+    byte_level = (spec.get("pre_tokenizer") or {}).get("type") == "ByteLevel"
+    return model.get("type") == "BPE" and bool(model.get("byte_fallback")) and not byte_level
+
+
+def byte_piece(text: str) -> int | None:
+    """The byte a ``<0xNN>`` piece stands for, or None for any other piece."""
+    match = _BYTE_PIECE.fullmatch(text)
+    return None if match is None else int(match.group(1), 16)
 
 
 def special_token_text(settings: dict[str, Any], name: str) -> str:

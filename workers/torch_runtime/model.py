@@ -219,7 +219,7 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = norm(config)
             self.post_feedforward_layernorm = norm(config)
-        self.rope_kind = config.layer_ropes[index] if config.num_layers else 0
+        self.rope_kind = config.layer_ropes[index]
 
     def attention_half(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        **attend) -> torch.Tensor:  # fmt: skip

@@ -10,7 +10,6 @@ add-BOS from ``tokenizer_config.json``.
 from __future__ import annotations
 
 import json
-import re
 from functools import cache
 from pathlib import Path
 
@@ -19,14 +18,15 @@ from tokenizers import Tokenizer
 from hetspec.protocol.tokenizer_files import (
     END_OF_TURN_TEXTS,
     adds_bos,
+    byte_piece,
     generation_end_ids,
+    is_sentencepiece_bpe,
 )
 from hetspec.protocol.vocab import VocabInfo
 from hetspec.speculative.vocab import vocab_info
 from hetspec.workers.torch_runtime.config import ModelLoadError
 
 KINDS = {"BPE": "bpe", "Unigram": "ugm", "WordPiece": "wpm"}
-BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 @cache
@@ -58,12 +58,9 @@ class FolderTokenizer:
             raise ModelLoadError(f"{folder}: cannot read its tokenizer files ({error})") from None
         model_type = spec.get("model", {}).get("type", "")
         self.byte_level = (spec.get("pre_tokenizer") or {}).get("type") == "ByteLevel"
-        # transformers' conversion of a SentencePiece model (Llama 2's, Gemma's): a BPE whose
-        # missing characters fall back to <0xNN> byte pieces; llama.cpp calls it "spm"
-        self.byte_fallback = bool(spec.get("model", {}).get("byte_fallback"))
-        sentencepiece = model_type == "BPE" and self.byte_fallback and not self.byte_level
+        self.sentencepiece = is_sentencepiece_bpe(spec)
         self.kind = (
-            "spm" if sentencepiece else KINDS.get(model_type, model_type.lower() or "unknown")
+            "spm" if self.sentencepiece else KINDS.get(model_type, model_type.lower() or "unknown")
         )
         self.vocab_size = vocab_size
         self.specials = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
@@ -97,8 +94,10 @@ class FolderTokenizer:
         if text is None:
             return b""
         if token_id in self.specials or not self.byte_level:
-            if self.byte_fallback and token_id not in self.specials and BYTE_PIECE.fullmatch(text):
-                return bytes([int(text[3:5], 16)])
+            if self.sentencepiece and token_id not in self.specials:
+                byte = byte_piece(text)
+                if byte is not None:
+                    return bytes([byte])
             return text.replace("\u2581", " ").encode()  # SentencePiece's visible space
         decoder = _byte_decoder()
         return bytes(decoder[char] for char in text if char in decoder)
