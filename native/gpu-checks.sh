@@ -87,10 +87,11 @@ fi
 pin=(taskset -c 0,1)  # the measurements' own cores: the build must not slow the launches
 heavy() { "$python" -c "from hetspec.models.heavy import ensure_heavy as e; \
 print(e('$1', ('f16', 'q8_0'), quiet=True).folder)"; }
-verify() {  # verify NAME MODEL ARGS...: T_verify(w) at 512 tokens of context
+verify() {  # verify NAME MODEL ARGS...: T_verify(w) at 512 tokens of context, and a token
+  # decoded alone (64 a call) with the forwards queued on the GPU against the host's loop
   local name=$1 model=$2; shift 2
   step "${VERIFY_S:-90}" "T_verify $name" "${pin[@]}" "$python" -m hetspec.workers.torch_runtime.bench_verify \
-      --model "$model" --contexts 512 --widths 1,2,4,8,16,32,64 --repeats 30 \
+      --model "$model" --contexts 512 --widths 1,2,4,8,16,32,64 --repeats 30 --decode 65 \
       --json "$OUT/verify-$name.json" "$@"
 }
 

@@ -12,6 +12,7 @@ from hetspec.speculative.samplers import DrawnSampler
 from hetspec.speculative.sampling import SamplingParams
 from hetspec.speculative.tree import chain_parents
 from hetspec.workers.torch_runtime import TorchRuntime, static_forward
+from hetspec.workers.tree_runtime import TreeRuntime
 
 pytestmark = pytest.mark.gpu
 PROMPT = [1, 17, 42, 5, 88, 23, 9, 61, 2, 70, 33, 14]
@@ -149,3 +150,38 @@ def test_logits_go_straight_into_registered_host_memory(folder) -> None:
         torch.from_numpy(out), runtime.forward_tree([3, 4, 5], [-1, 0, 0]).logits.cpu()
     )
     runtime.close()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_greedy_decoding_queues_its_forwards_with_the_same_bits(folder, dtype) -> None:
+    """A verifier decoding alone chooses each token on the GPU: the host loop's tokens and
+    bits, across span buckets."""
+    runtime = TorchRuntime(folder, device="cuda", dtype=dtype, verifies=True)
+    results = []
+    for decode in (TorchRuntime.decode, TreeRuntime.decode):
+        runtime.rollback(0)
+        runtime.prefill(LONG_PROMPT)
+        logprobs: list = []
+        tokens = decode(runtime, 40, SamplingParams(), DrawnSampler(0), logprobs=logprobs)
+        results.append((tokens, logprobs, runtime.last_logits().copy()))
+    (tokens, logprobs, after), (host_tokens, host_logprobs, host_after) = results
+    assert tokens == host_tokens
+    assert logprobs == host_logprobs
+    assert np.array_equal(after, host_after)
+
+
+def test_a_drafter_drafts_chains_on_the_gpu_as_step_by_step(folder) -> None:
+    """Width buckets (a drafter's shapes): each chained forward is the shape the step-by-step
+    loop runs, greedy and sampled."""
+    chained = TorchRuntime(folder, device="cuda", dtype="float32")
+    stepwise = TorchRuntime(folder, device="cuda", dtype="float32")
+    stepwise._run_chain = None
+    for params in (SamplingParams(), SamplingParams(temperature=0.8)):
+        drafts = []
+        for runtime in (chained, stepwise):
+            runtime.rollback(0)
+            runtime.prefill(LONG_PROMPT)
+            draft = runtime.draft(12, params, DrawnSampler(3))
+            drafts.append((draft.tokens.copy(), draft.probs.copy()))
+        assert drafts[0][0].tolist() == drafts[1][0].tolist()
+        np.testing.assert_allclose(drafts[0][1], drafts[1][1], rtol=0, atol=2e-6)

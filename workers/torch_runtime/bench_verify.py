@@ -19,10 +19,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hetspec.speculative.samplers import DrawnSampler
+from hetspec.speculative.sampling import SamplingParams
 from hetspec.speculative.tree import chain_parents
 from hetspec.workers.benchmarking import positive_int_list, timed_ms
 from hetspec.workers.torch_runtime import ModelLoadError, TorchRuntime
 from hetspec.workers.torch_runtime.static_forward import INVARIANT_PATHS, MIN_SPAN
+from hetspec.workers.tree_runtime import TreeRuntime
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1].parent / "models" / "target"
 
@@ -80,6 +83,31 @@ def profile_forward(
     return {"width": len(tokens), "wall_ms": round(wall, 3), "busy_ms": round(busy, 3),
             "top": [{"name": n, "ms": round(ms, 4), "per_forward": c / repeats}
                     for n, (ms, c) in ranked]}  # fmt: skip
+
+
+def time_decode(runtime: TorchRuntime, steps: int, repeats: int) -> dict:
+    """ms a token decoding alone greedily, ``steps`` tokens a call (``steps`` - 1 forwards):
+    the runtime's own decode (in fixed shapes its forwards queued on the device, each next
+    token chosen there) against ``TreeRuntime``'s host loop (a wait for the device a token).
+    """
+    synchronize = torch.cuda.synchronize if runtime.device.type == "cuda" else (lambda: None)
+    start, row = len(runtime.tokens), {"steps": steps}
+    for name, decode in (("queued", TorchRuntime.decode), ("host_loop", TreeRuntime.decode)):
+        times = []
+        for _ in range(repeats + 2):  # two warm-ups
+            runtime.rollback(start)
+            runtime.last_logits()
+            synchronize()
+            began = time.perf_counter()
+            decode(runtime, steps, SamplingParams(), DrawnSampler(0))
+            times.append((time.perf_counter() - began) * 1000 / (steps - 1))
+        row[f"{name}_ms_a_token"] = round(float(np.median(times[2:])), 4)
+    runtime.rollback(start)
+    queued, host = row["queued_ms_a_token"], row["host_loop_ms_a_token"]
+    print(f"decoding alone, {steps} tokens a call, median of {repeats}: {queued:.3f} ms a token "
+          f"with its forwards queued on the device, {host:.3f} ms in the host's loop "
+          f"({host / queued:.2f}x)", flush=True)  # fmt: skip
+    return row
 
 
 def invariance_rows(runtime: TorchRuntime, widths: list[int], rng) -> list[dict]:
@@ -219,6 +247,14 @@ def arguments() -> argparse.ArgumentParser:
         metavar="W",
         help="also profile forwards of W tokens at the last context: where the time goes",
     )
+    parser.add_argument(
+        "--decode",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time greedy decoding alone at the last context, N tokens a call, forwards "
+        "queued on the device against the host's loop",
+    )
     parser.add_argument("--contexts", type=positive_int_list, default=[128, 512, 1536])
     parser.add_argument("--widths", type=positive_int_list, default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--shape", choices=["chain", "star"], default="chain")
@@ -231,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     args = arguments().parse_args(argv)
 
     try:
-        capacity = max(args.contexts) + max(args.widths)
+        capacity = max(args.contexts) + max(*args.widths, args.decode)
         if args.invariance:  # its chain crosses the first span bucket's end
             capacity = max(capacity, MIN_SPAN + max(args.widths))
         runtime = TorchRuntime(
@@ -276,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
             parents = chain_parents(width) if args.shape == "chain" else np.full(width, -1)
             profiled = profile_forward(runtime, rng.integers(0, vocab, size=width), parents,
                                        args.repeats)  # fmt: skip
+        if args.decode > 1 and context == args.contexts[-1]:
+            decoding = time_decode(runtime, args.decode, args.repeats)
     invariance = invariance_rows(runtime, args.widths, rng) if args.invariance else []
     if args.json:
         meta = {"model": str(args.model), "device": str(runtime.device), "shape": args.shape,
@@ -285,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         document = {**meta, "rows": rows, "invariance": invariance}
         if args.profile_width > 0:
             document["profile"] = profiled
+        if args.decode > 1:
+            document["decode"] = decoding
         args.json.write_text(json.dumps(document, indent=2) + "\n")
     return 0
 

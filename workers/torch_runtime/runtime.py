@@ -8,6 +8,7 @@ The tree bookkeeping, appending and drafting come from ``TreeRuntime``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from functools import cached_property, partial
 from pathlib import Path
@@ -15,9 +16,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hetspec.protocol.sampling import TokenLogprob
 from hetspec.protocol.vocab import VocabInfo
+from hetspec.speculative.logprobs import token_logprob
+from hetspec.speculative.samplers import ChainDraws, Sampler
+from hetspec.speculative.sampling import SamplingParams
+from hetspec.speculative.tree import ROOT
 from hetspec.workers.torch_runtime import skinny_matmul
 from hetspec.workers.torch_runtime.config import ModelConfig, ModelLoadError
+from hetspec.workers.torch_runtime.device_choice import DeviceChoice
 from hetspec.workers.torch_runtime.model import layer_rope_tables
 from hetspec.workers.torch_runtime.static_forward import (
     INVARIANT_PATHS,
@@ -152,6 +159,8 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
                     sin=self._sin, capacity=capacity, shapes=replace(shapes, paths=1),
                     graphs=cuda_graphs, compiled=compile,
                 )  # fmt: skip
+        if not static:
+            self._run_chain = None  # eager forwards: each step's is the host's anyway
 
     static_shapes = True  # a subclass with another model call turns fixed shapes off
 
@@ -277,6 +286,87 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         self._capture_hidden(hidden)
         return logits[-1].cpu().numpy()
 
+    # ------------------------------------------------------------ chains on the device
+
+    @torch.inference_mode()
+    def _run_chain(self, first: int, positions: np.ndarray, rows: np.ndarray,
+                   draws: ChainDraws | None, temperature: float):  # fmt: skip
+        """``TreeRuntime``'s hook: a draft chain's forwards back to back on the device, each
+        next token chosen there (``DeviceChoice``), one wait for the device at the end."""
+        existing = self.pending
+        ancestors = np.flatnonzero(rows[0, :existing])  # pending nodes precede descendants
+        root = int(ancestors[-1]) if len(ancestors) else ROOT
+        count = len(positions)
+        parents = np.array([root, *range(existing, existing + count - 1)], np.int64)
+        choice = DeviceChoice(draws, temperature, count, self.vocab_size, self.device)
+        tokens, logits, hidden = self._chained_forwards(first, positions, parents, rows, choice)
+        self._capture_hidden(hidden)
+        probs = None if choice.probs is None else choice.probs.cpu().numpy()
+        return tokens.cpu().numpy(), TreeOutput(logits, hidden), probs
+
+    def decode(self, steps: int, params: SamplingParams, sampler: Sampler, *,
+               logprobs: list[TokenLogprob] | None = None, top: int = 0) -> list[int]:  # fmt: skip
+        """``TreeRuntime.decode``; greedy decoding in fixed shapes runs its forwards back to
+        back on the device, each next token its argmax there (the same bits: each forward is
+        the one ``TreeRuntime.decode`` would run), and waits for the device once."""
+        if not params.greedy or steps < 2 or self._static is None:
+            return super().decode(steps, params, sampler, logprobs=logprobs, top=top)
+        self.discard_pending()
+        before = self.last_logits()
+        first, count = int(before.argmax()), steps - 1
+        self._checked_tokens([first], count)
+        positions = self.committed + np.arange(count)
+        parents = np.arange(-1, count - 1)
+        rows = np.tril(np.ones((count, count), bool))
+        with torch.inference_mode():
+            tokens, logits, hidden = self._chained_forwards(
+                first, positions, parents, rows, DeviceChoice(None, 1.0, count, 0, self.device)
+            )  # fmt: skip
+            drawn = tokens.tolist()  # the one wait for the device
+            self._capture_hidden(hidden)
+            kept = logits if logprobs is not None else logits[-1:]
+            rows_after = kept.cpu().numpy()
+        if logprobs is not None:  # each drawn token's row is the one before it
+            for row, token in zip([before, *rows_after], drawn, strict=True):
+                logprobs.append(token_logprob(row, token, top))
+        self.tokens.extend(drawn[:count])
+        self._last_logits = rows_after[-1].copy()
+        return drawn
+
+    def _chained_forwards(self, first: int, positions: np.ndarray, parents: np.ndarray,
+                          rows: np.ndarray, choose: DeviceChoice):  # fmt: skip
+        """New nodes of one chain (``parents``, ``rows``: as ``_evaluate`` takes them) in one
+        forward each, the first holding ``first``, each next one ``choose``'s token from the
+        logits of the one before, so the host queues forwards without waiting for them. The
+        count + 1 tokens, (count, vocab) float32 logits and (count, hidden) states, on the
+        device."""
+        static, count = self._static, len(positions)
+        tokens = torch.empty(count + 1, dtype=torch.int64, device=self.device)
+        tokens[0] = first
+        logits = torch.empty((count, self.vocab_size), device=self.device)
+        hidden = torch.empty((count, self.config.hidden_size), dtype=self.dtype,
+                             device=self.device)  # fmt: skip
+        for step, batch in enumerate(self._single_rows(static, positions, parents, rows)):
+            row = replace(batch, tokens=np.zeros(1, np.int64))  # its token: tokens[step]
+            out_logits, out_hidden = self._forward_batch(static, row, tokens[step : step + 1])
+            logits[step].copy_(out_logits[0])
+            hidden[step].copy_(out_hidden[0])
+            tokens[step + 1 : step + 2].copy_(choose(step, logits[step]))
+        return tokens, logits, hidden
+
+    def _single_rows(self, static: StaticForward, positions: np.ndarray, parents: np.ndarray,
+                     rows: np.ndarray) -> Iterator[Batch]:  # fmt: skip
+        """The forwards ``_evaluate`` would run for these nodes one at a time."""
+        if static.shapes.paths:
+            for _, batch in self._invariant_batches(static, positions, parents, most_rows=1):
+                yield batch
+            return
+        ((_, batch),) = self._bucket_batches(static, positions, rows)
+        for i, slot in enumerate(batch.slots):
+            one, span = slice(i, i + 1), static.shapes.span_for(int(slot) + 1)
+            yield replace(batch, positions=batch.positions[one], slots=batch.slots[one],
+                          masks=[mask[one, :span] for mask in batch.masks], span=span)  # fmt: skip
+
     # ------------------------------------------------------------ the model call
 
     def _evaluate(
@@ -298,21 +388,19 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         return self.model.logits(hidden[-1:] if last_only else hidden), hidden
 
     def _run_batches(
-        self, static: StaticForward, batches: list[tuple[np.ndarray, Batch]], tokens: np.ndarray
+        self,
+        static: StaticForward,
+        batches: Iterable[tuple[np.ndarray, Batch]],
+        tokens: np.ndarray,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run (rows, batch without tokens) pairs; outputs in the nodes' order."""
         logits = torch.empty((len(tokens), self.vocab_size), device=self.device)
         hidden = torch.empty((len(tokens), self.config.hidden_size), dtype=self.dtype,
                              device=self.device)  # fmt: skip
         for chosen, rows in batches:
-            batch = replace(rows, tokens=tokens[chosen])
-            if self._chains is not None and batch.gather is not None and len(batch.gather) == 1:
-                # rows on one path: the one-path shape (each row's keys and their order are
-                # the same; only the paths beside it, which it never sees, are left out)
-                out_logits, out_hidden = self._chains.run(
-                    replace(batch, masks=[mask[:1] for mask in batch.masks]))  # fmt: skip
-            else:
-                out_logits, out_hidden = static.run(batch)
+            out_logits, out_hidden = self._forward_batch(
+                static, replace(rows, tokens=tokens[chosen])
+            )
             if np.array_equal(chosen, np.arange(len(tokens))):  # no index to send
                 logits.copy_(out_logits)
                 hidden.copy_(out_hidden)
@@ -324,6 +412,17 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
             logits.index_copy_(0, index, out_logits)
             hidden.index_copy_(0, index, out_hidden)
         return logits, hidden
+
+    def _forward_batch(
+        self, static: StaticForward, batch: Batch, first_token: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``static.run``, or where the rows lie on one path the one-path shape (each row's
+        keys and their order are the same; only the paths beside it, which it never sees, are
+        left out)."""
+        if self._chains is not None and batch.gather is not None and len(batch.gather) == 1:
+            one_path = replace(batch, masks=[mask[:1] for mask in batch.masks])
+            return self._chains.run(one_path, first_token)
+        return static.run(batch, first_token)
 
     def _bucket_batches(
         self, static: StaticForward, positions: np.ndarray, rows: np.ndarray
@@ -339,21 +438,23 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         return [(np.arange(count), batch)]
 
     def _invariant_batches(
-        self, static: StaticForward, positions: np.ndarray, parents: np.ndarray
-    ) -> list[tuple[np.ndarray, Batch]]:
+        self, static: StaticForward, positions: np.ndarray, parents: np.ndarray,
+        most_rows: int | None = None,
+    ) -> Iterator[tuple[np.ndarray, Batch]]:  # fmt: skip
         """Width-invariant forwards (static_forward.py): rows in order, a forward holding at
-        most ``widest`` rows of one span bucket (their own positions') on at most
-        ``shapes.paths`` root-to-node paths, each row attending to its path in position order.
-        """
+        most ``widest`` (or ``most_rows``) rows of one span bucket (their own positions') on
+        at most ``shapes.paths`` root-to-node paths, each row attending to its path in
+        position order. Each forward is made as it is asked for, so a caller may run one
+        while the next is made."""
         shapes, committed, existing = static.shapes, self.committed, self.pending
         tree = np.concatenate([self._pending_parents[:existing], parents])  # pending + new
         windows = static.windows
-        batches = []
+        most_rows = most_rows or shapes.widest
         chosen: list[int] = []
         leaves: list[int] = []  # each path's deepest node so far (index into ``tree``)
         row_paths: list[int] = []
 
-        def flush() -> None:
+        def flush() -> tuple[np.ndarray, Batch]:
             span = shapes.span_for(int(positions[chosen[0]]) + 1)
             gather = np.zeros((len(leaves), span), np.int64)
             gather[:, :committed] = np.arange(committed)
@@ -377,20 +478,20 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
                     mask[path, row] = seen
                 masks.append(mask)
             rows = np.array(chosen)
-            batches.append((rows, Batch(tokens=np.empty(0, np.int64), positions=picked,
-                                        slots=committed + existing + rows, masks=masks,
-                                        span=span, gather=gather,
-                                        row_paths=np.array(row_paths))))  # fmt: skip
+            batch = Batch(tokens=np.empty(0, np.int64), positions=picked,
+                          slots=committed + existing + rows, masks=masks, span=span,
+                          gather=gather, row_paths=np.array(row_paths))  # fmt: skip
             chosen.clear(), leaves.clear(), row_paths.clear()
+            return rows, batch
 
         for row, position in enumerate(positions):
             node, span = existing + row, shapes.span_for(int(position) + 1)
             parent = int(tree[node])
             same_span = chosen and shapes.span_for(int(positions[chosen[0]]) + 1) == span
             extends = parent in leaves
-            if chosen and (not same_span or len(chosen) == shapes.widest
+            if chosen and (not same_span or len(chosen) == most_rows
                            or (not extends and len(leaves) == shapes.paths)):  # fmt: skip
-                flush()
+                yield flush()
                 extends = False
             if extends:
                 path = leaves.index(parent)
@@ -400,8 +501,7 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
                 leaves.append(node)
             chosen.append(row)
             row_paths.append(path)
-        flush()
-        return batches
+        yield flush()
 
     def _node_position(self, node: int, positions: np.ndarray, existing: int) -> int:
         """The position of pending node ``node`` (existing ones first, then the new ones)."""

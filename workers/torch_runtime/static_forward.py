@@ -151,10 +151,13 @@ class StaticForward:
 
     # ------------------------------------------------------------ calls
 
-    def run(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, batch: Batch, first_token: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Evaluate ``batch`` (n <= widest rows; its keys/values go to ``batch.slots``).
         Returns (logits float32 (n, vocab), last hidden states (n, hidden)): views valid
-        until the next call."""
+        until the next call. ``first_token``: a (1,) int64 tensor on the device that replaces
+        the first row's token, so a chain's next token need not visit the host; nothing here
+        waits for the device but the staging of the call before."""
         n, span = len(batch.tokens), batch.span
         width = self.shapes.width_for(n)
         if self._staged is not None:
@@ -171,6 +174,8 @@ class StaticForward:
             staged[index, ..., :n, : mask.shape[-1]] = mask
         staged[..., n:width, 0] = True  # padding rows see slot 0: never a row of no keys
         inputs.copy_(host_inputs, non_blocking=True)
+        if first_token is not None:
+            inputs[0, :1].copy_(first_token)
         masks.copy_(host_masks, non_blocking=True)
         if batch.gather is not None:
             gather, host_gather = self._gather[span]

@@ -1,0 +1,123 @@
+"""Chains whose forwards run back to back on the device (greedy decoding alone, drafting):
+the same tokens and bits as the host's one-forward-a-step loops, here in the CPU's fixed
+shapes (the CUDA graphs' shapes; tests/test_cuda_graphs.py runs them on a GPU)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from tiny_models import build_reference, save_reference
+
+from hetspec.speculative.samplers import DrawnSampler, KeyedSampler
+from hetspec.speculative.sampling import SamplingParams
+from hetspec.workers.torch_runtime import TorchRuntime, static_forward
+from hetspec.workers.tree_runtime import TreeRuntime
+
+PROMPT = [1, 17, 42, 5, 88, 23, 9, 61, 2, 70, 33, 14]
+
+
+@pytest.fixture(autouse=True)
+def small_spans(monkeypatch):  # span buckets 16, 32 ..: 30 tokens cross two of them
+    monkeypatch.setattr(static_forward, "MIN_SPAN", 16)
+
+
+def runtime_for(tmp_path, name: str, fixed_width: int = 4) -> TorchRuntime:
+    folder = tmp_path / name
+    if not folder.exists():
+        save_reference(build_reference(name), folder)
+    return TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=fixed_width)
+
+
+def decoded(runtime: TorchRuntime, decode, steps: int, host_forwards: int = 0):
+    """(tokens, logprobs, the logits after, features) of one decode call after the prompt,
+    which makes ``host_forwards`` forwards of the host's loop."""
+    runtime.rollback(0)
+    runtime.prefill(PROMPT)
+    logprobs: list = []
+    extend = runtime._extend_committed
+    calls = []
+    runtime._extend_committed = lambda tokens: calls.append(tokens) or extend(tokens)
+    try:
+        with runtime.features_captured() as features:
+            tokens = decode(runtime, steps, SamplingParams(), DrawnSampler(0),
+                            logprobs=logprobs, top=3)  # fmt: skip
+    finally:
+        del runtime._extend_committed
+    assert len(calls) == host_forwards
+    return tokens, logprobs, runtime.last_logits().copy(), np.concatenate(features)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "gemma2"])
+def test_greedy_decoding_on_the_device_gives_the_host_loops_bits(tmp_path, name) -> None:
+    runtime = runtime_for(tmp_path, name)
+    steps = 30
+    chained = decoded(runtime, TorchRuntime.decode, steps)
+    assert runtime.tokens[len(PROMPT) :] == chained[0][:-1]  # the last is drawn, not evaluated
+    host = decoded(runtime, TreeRuntime.decode, steps, host_forwards=steps - 1)
+    assert chained[0] == host[0]
+    assert len(set(chained[0])) > 3  # a real continuation, not one token over and over
+    assert chained[1] == host[1]  # log-probabilities and alternatives, exactly
+    assert np.array_equal(chained[2], host[2])
+    assert chained[3].shape == (steps - 1, runtime.feature_size)
+    assert np.array_equal(chained[3], host[3])
+    # its cache holds what the host's loop would: the next call goes on alike
+    decoded(runtime, TorchRuntime.decode, steps)
+    runtime.append(chained[0][-1:])
+    more = runtime.decode(5, SamplingParams(), DrawnSampler(0))
+    runtime.rollback(0)
+    runtime.prefill([*PROMPT, *chained[0]])
+    assert more == TreeRuntime.decode(runtime, 5, SamplingParams(), DrawnSampler(0))
+
+
+def test_decoding_past_the_context_is_refused_before_any_forward(tmp_path) -> None:
+    runtime = runtime_for(tmp_path, "qwen3")
+    runtime.prefill(PROMPT * 20)  # 240 of the tiny model's 256 positions
+    with pytest.raises(ValueError, match="context full"):
+        runtime.decode(40, SamplingParams(), DrawnSampler(0))
+    assert len(runtime.tokens) == 240
+
+
+@pytest.mark.parametrize(
+    ("params", "sampler"),
+    [(SamplingParams(), lambda: DrawnSampler(0)),
+     (SamplingParams(temperature=0.8), lambda: KeyedSampler(11)),
+     (SamplingParams(temperature=0.8), lambda: DrawnSampler(5))],
+    ids=["greedy", "keyed", "drawn"],
+)  # fmt: skip
+def test_a_chained_draft_is_the_step_by_step_draft(tmp_path, params, sampler) -> None:
+    chained, stepwise = runtime_for(tmp_path, "gemma3"), runtime_for(tmp_path, "gemma3")
+    stepwise._run_chain = None  # TreeRuntime's loop: one forward and one choice a step
+    results = []
+    for runtime in (chained, stepwise):
+        runtime.prefill(PROMPT)
+        own = sampler()
+        first = runtime.draft(8, params, own)
+        first = (first.tokens.copy(), first.probs.copy())
+        # a run-ahead draft from the last drafted token (drawn, not evaluated yet)
+        ahead = runtime.draft(6, params, own, after=(6, int(first[0][0, -1])))
+        results.append((first, (ahead.tokens.copy(), ahead.probs.copy()), runtime.pending))
+    (first, ahead, pending), (first_host, ahead_host, pending_host) = results
+    assert pending == pending_host == 7 + 1 + 5
+    for ours, host in ((first, first_host), (ahead, ahead_host)):
+        assert ours[0].tolist() == host[0].tolist()
+        np.testing.assert_allclose(ours[1], host[1], rtol=0, atol=2e-6)
+    # the drafted nodes are the same pending tree: the same logits after a shared path
+    assert np.array_equal(chained.forward_tree([3], [12], extend=True).logits.numpy(),
+                          stepwise.forward_tree([3], [12], extend=True).logits.numpy())  # fmt: skip
+
+
+def test_bench_verify_times_decoding_both_ways(tmp_path) -> None:
+    from hetspec.workers.torch_runtime import bench_verify  # noqa: PLC0415
+
+    folder = save_reference(build_reference("qwen3"), tmp_path / "m")
+    out = tmp_path / "verify.json"
+    arguments = ["--model", str(folder), "--device", "cpu", "--dtype", "float32",
+                 "--fixed-width", "4", "--contexts", "20", "--widths", "1,4", "--repeats", "2",
+                 "--decode", "9", "--json", str(out)]  # fmt: skip
+    assert bench_verify.main(arguments) == 0
+    decode = json.loads(out.read_text())["decode"]
+    assert decode["steps"] == 9
+    assert decode["queued_ms_a_token"] > 0
+    assert decode["host_loop_ms_a_token"] > 0
