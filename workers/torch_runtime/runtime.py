@@ -447,49 +447,48 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         position order. Each forward is made as it is asked for, so a caller may run one
         while the next is made."""
         shapes, committed, existing = static.shapes, self.committed, self.pending
-        tree = np.concatenate([self._pending_parents[:existing], parents])  # pending + new
-        windows = static.windows
+        tree = np.concatenate([self._pending_parents[:existing], parents]).tolist()  # pending + new
+        node_positions = np.concatenate(  # of every pending node, existing ones first
+            [committed + self._pending_depths[:existing], positions]
+        ).tolist()
+        spans = np.asarray(shapes.spans)
+        row_spans = spans[np.searchsorted(spans, np.asarray(positions) + 1)].tolist()
         most_rows = most_rows or shapes.widest
         chosen: list[int] = []
         leaves: list[int] = []  # each path's deepest node so far (index into ``tree``)
         row_paths: list[int] = []
 
         def flush() -> tuple[np.ndarray, Batch]:
-            span = shapes.span_for(int(positions[chosen[0]]) + 1)
+            span, count = row_spans[chosen[0]], len(chosen)
             gather = np.zeros((len(leaves), span), np.int64)
             gather[:, :committed] = np.arange(committed)
             for path, leaf in enumerate(leaves):
                 node = leaf
                 while node >= 0:  # slot of each ancestor at its position
-                    gather[path, int(self._node_position(node, positions, existing))] = (
-                        committed + node
-                    )
-                    node = int(tree[node])
-            picked = positions[chosen]
-            masks = []
-            for window in windows:
-                mask = np.zeros((shapes.paths, len(chosen), span), bool)
-                mask[:, :, 0] = True  # a row sees slot 0 only through paths not its own
-                keys = np.arange(span)
-                for row, (path, position) in enumerate(zip(row_paths, picked, strict=True)):
-                    seen = keys <= position
-                    if window is not None:
-                        seen &= keys > position - window
-                    mask[path, row] = seen
-                masks.append(mask)
+                    gather[path, node_positions[node]] = committed + node
+                    node = tree[node]
             rows = np.array(chosen)
+            picked = positions[rows]
+            keys = np.arange(span)
+            seen = keys <= picked[:, None]
+            on_path = (np.array(row_paths), np.arange(count))
+            masks = []
+            for window in static.windows:
+                mask = np.zeros((shapes.paths, count, span), bool)
+                mask[:, :, 0] = True  # a row sees slot 0 only through paths not its own
+                mask[on_path] = seen if window is None else seen & (keys > picked[:, None] - window)
+                masks.append(mask)
             batch = Batch(tokens=np.empty(0, np.int64), positions=picked,
                           slots=committed + existing + rows, masks=masks, span=span,
-                          gather=gather, row_paths=np.array(row_paths))  # fmt: skip
+                          gather=gather, row_paths=on_path[0])  # fmt: skip
             chosen.clear(), leaves.clear(), row_paths.clear()
             return rows, batch
 
-        for row, position in enumerate(positions):
-            node, span = existing + row, shapes.span_for(int(position) + 1)
-            parent = int(tree[node])
-            same_span = chosen and shapes.span_for(int(positions[chosen[0]]) + 1) == span
+        for row, span in enumerate(row_spans):
+            node = existing + row
+            parent = tree[node]
             extends = parent in leaves
-            if chosen and (not same_span or len(chosen) == most_rows
+            if chosen and (row_spans[chosen[0]] != span or len(chosen) == most_rows
                            or (not extends and len(leaves) == shapes.paths)):  # fmt: skip
                 yield flush()
                 extends = False
@@ -502,12 +501,6 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
             chosen.append(row)
             row_paths.append(path)
         yield flush()
-
-    def _node_position(self, node: int, positions: np.ndarray, existing: int) -> int:
-        """The position of pending node ``node`` (existing ones first, then the new ones)."""
-        if node < existing:
-            return self.committed + int(self._pending_depths[node])
-        return int(positions[node - existing])
 
     def _hidden(self, tokens: np.ndarray, positions: np.ndarray, rows: np.ndarray) -> torch.Tensor:
         """Run new nodes whose keys/values go to the slots after the pending ones."""
