@@ -218,7 +218,7 @@ class Decoder:
         probs = self.pair.arena.view(drafted.probs)
         verified, verify_s, trial = await self._verify_while_drafter_idles(tokens, parents)
         width = len(tokens) + 1
-        logits = self.pair.arena.view(verified.logits)
+        logits = self._target_rows(verified)
         draft_rows = lambda: np.stack([probs[b, s] for b, s in origin])  # noqa: E731
         verdict = self._verdict(tokens, parents, logits, draft_rows)
         emitted, stopped, logprobs = self._emitted(verdict, tokens, remaining, logits, verified)
@@ -239,7 +239,8 @@ class Decoder:
         cores = self.pair.verify_cores if self.pair.verifier.spec.spare_cores else None
         spare_cores = cores is not None and cores.choose()
         start = time.perf_counter()
-        verified, _ = await self.verifier.verify(tokens, parents, spare_cores=spare_cores)
+        verified, _ = await self.verifier.verify(tokens, parents, spare_cores=spare_cores,
+                                                 argmax_only=self._argmax_only)  # fmt: skip
         verify_s = time.perf_counter() - start
         if cores is None:
             return verified, verify_s, False
@@ -275,7 +276,7 @@ class Decoder:
         width = best_width(acceptance, calibration.factor, self.controller.estimates.verify_s)
         tokens, parents = drafted.tokens[0][:width], drafted.parents[:width]
         verified, verify_s, trial = await self._verify_while_drafter_idles(tokens, parents)
-        logits = self.pair.arena.view(verified.logits)
+        logits = self._target_rows(verified)
         verdict = self._verdict(tokens, parents, logits, _no_draft_rows)
         calibration.observe(float(sum(acceptance[:width])), len(verdict.path))
         first_choice.observe(parents, verdict.path)
@@ -297,7 +298,9 @@ class Decoder:
         draft, self.drafter.run_ahead = self.drafter.run_ahead, None
         tokens, parents = draft.tokens, list(range(-1, len(draft.tokens) - 1))
         verify_start = time.perf_counter()
-        verify = asyncio.ensure_future(self.verifier.verify(tokens, parents))
+        verify = asyncio.ensure_future(
+            self.verifier.verify(tokens, parents, argmax_only=self._argmax_only)
+        )
         ahead_gamma = max(1, min(plan.gamma, remaining - len(tokens)))
         ahead = self.drafter.start_run_ahead(draft, ahead_gamma, self.params)
         try:
@@ -307,7 +310,7 @@ class Decoder:
                 ahead.cancel()
             raise
         verify_s = time.perf_counter() - verify_start
-        logits = self.pair.arena.view(verified.logits)
+        logits = self._target_rows(verified)
         verdict = self._verdict(tokens, parents, logits, lambda: draft.probs)
         ahead_s, held = 0.0, None
         if ahead is not None:
@@ -377,6 +380,17 @@ class Decoder:
         except BaseException:
             task.cancel()
             raise
+
+    @property
+    def _argmax_only(self) -> bool:
+        """Greedy verification without log-probabilities needs each row's argmax alone."""
+        return self.params.greedy and self.top is None
+
+    def _target_rows(self, verified: m.Verified) -> np.ndarray:
+        """The verifier's logits rows, or with ``_argmax_only`` their argmax (1-d)."""
+        if verified.logits is None:
+            return np.asarray(verified.argmax, np.int64)
+        return self.pair.arena.view(verified.logits)
 
     def _verdict(self, tokens, parents, logits, draft_rows) -> Verdict:
         """Row 0 of ``logits`` chooses the token at ``self.position``."""

@@ -13,6 +13,7 @@
 # the default, or one that adds worker_spin_us=2000 where the quick call's round trips showed
 # a wake-up costing much more than polling through the gap). BENCH_ARGS adds arguments to that
 # bench (e.g. BENCH_ARGS='--temperature 0.8': every system sampled, seeded per prompt).
+# GEMMA=1 before a quick call adds T_verify of a random Gemma-3-1B-shaped folder at its end.
 #
 # Every call installs the bundle (wheels, the CPU llama-cpp-python package, hetspec editable)
 # and starts, once per machine and in sessions of their own (setsid) that outlive the call,
@@ -142,6 +143,13 @@ if [[ -n "${QUICK:-}" ]]; then
       --compile --profile-width 1
   pick
   verify 1b-buckets "$h1b" --dtype bfloat16 --invariance
+  if [[ -n "${GEMMA:-}" ]]; then  # GEMMA=1: a Gemma-3-1B-shaped target (random weights, a
+    # 262,144-token tied head, windowed layers): the torch runtime's Gemma path on the GPU
+    gemma="$HETSPEC_CACHE_DIR/gemma3-1b"
+    [[ -e "$gemma/model-q8_0.gguf" ]] || step 150 "random Gemma-3-1B folder" "${pin[@]}" \
+        "$python" -m hetspec.models.random_gemma3 1b "$gemma"
+    verify gemma3-1b-fixed16 "$gemma" --dtype bfloat16 --fixed-width 16 --invariance
+  fi
   stamp "done (quick): the llama-server build so far"
   tail -c 300 "$build_log"; echo
   exit 0

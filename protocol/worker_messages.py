@@ -22,7 +22,7 @@ from hetspec.protocol.arena import ArenaLayout, ArrayRef
 from hetspec.protocol.sampling import SamplingParams, TokenLogprob
 from hetspec.protocol.vocab import VocabInfo
 
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 
 
 class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"):
@@ -201,7 +201,10 @@ class Decode(_Message, tag="decode"):
 class VerifyTree(_Message, tag="verify"):
     """Evaluate a token tree (``parents[i]`` = -1 for the committed prefix); the float32
     logits of every node go to arena slot ``out``, after the logits that follow the committed
-    prefix itself when ``root_row`` (then row i + 1 belongs to node i)."""
+    prefix itself when ``root_row`` (then row i + 1 belongs to node i). With ``argmax_only``
+    (all greedy verification needs) each of those rows' argmax comes back instead, in
+    ``Verified.argmax``, and nothing goes to the arena: a large vocabulary's rows are
+    megabytes a round to copy from a GPU and scan."""
 
     request: int
     tokens: list[int]
@@ -212,6 +215,7 @@ class VerifyTree(_Message, tag="verify"):
     commit: list[int] = []  # pending nodes (a path) to keep before the tree is evaluated
     spare_cores: bool = False
     features_out: int = -1  # >= 0: every node's feature (nodes, feature size) to this slot
+    argmax_only: bool = False
 
 
 class Commit(_Message, tag="commit"):
@@ -325,9 +329,10 @@ class Decoded(_Message, tag="decoded"):
 
 class Verified(_Message, tag="verified"):
     request: int
-    logits: ArrayRef
+    logits: ArrayRef | None  # None with argmax_only
     elapsed_ms: float
     features: ArrayRef | None = None  # with features_out: one row per tree node, in order
+    argmax: list[int] = []  # with argmax_only: each row's argmax (the first of equal ones)
 
 
 class Committed(_Message, tag="committed"):

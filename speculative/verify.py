@@ -77,7 +77,10 @@ def _walk(tokens, parents, target: np.ndarray, choose: Callable[[int], int]) -> 
 
 
 def verify_greedy(tokens, parents, target: np.ndarray) -> Verdict:
-    """The longest path agreeing with the target's argmax; ``target`` may be logits."""
+    """The longest path agreeing with the target's argmax; ``target`` may be logits, or the
+    argmax of each row already (a 1-d array)."""
+    if target.ndim == 1:
+        return _walk(tokens, parents, target, lambda row: int(target[row]))
     return _walk(tokens, parents, target, lambda row: int(np.argmax(target[row])))
 
 

@@ -92,6 +92,29 @@ def test_the_controllers_own_plans_keep_greedy_output_exact(arena, overlap) -> N
         msgspec.json.encode(stats.summary(controller))  # plain numbers: the API sends them
 
 
+@pytest.mark.parametrize("kind", ["plain", "branches", "overlapped"])
+def test_greedy_rounds_take_the_verifiers_argmax_alone_unless_logprobs_are_asked(arena, kind):
+    """Greedy verification needs each row's argmax, not the rows (a large vocabulary's are
+    megabytes a round); a request for log-probabilities still gets the rows."""
+    asked, tokens = [], []
+    for logprobs in (None, 2):
+        pair, reference = workers(arena, noise=1.0)
+        result, _, _ = decode(pair, BudgetController(), plan=FIXED[kind], logprobs=logprobs)
+        calls = [c for c in pair.verifier.commands if isinstance(c, m.VerifyTree)]
+        asked.append({c.argmax_only for c in calls})
+        tokens.append(result.tokens)
+    assert asked == [{True}, {False}]
+    assert tokens[0] == tokens[1] == reference.greedy(PROMPT, 40)
+
+
+def test_sampled_rounds_take_the_verifiers_rows(arena) -> None:
+    pair, _ = workers(arena, noise=1.0)
+    decode(pair, BudgetController(), plan=FIXED["plain"], temperature=0.8, seed=3)
+    calls = [c for c in pair.verifier.commands if isinstance(c, m.VerifyTree)]
+    assert calls
+    assert not any(c.argmax_only for c in calls)
+
+
 @pytest.mark.parametrize("kind", ["plain", "overlapped", "alone"])
 def test_a_requests_stats_say_where_its_rounds_went(arena, kind) -> None:
     """The daemon's own time a round and the calls' links (their time beyond the workers'

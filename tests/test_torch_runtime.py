@@ -355,3 +355,13 @@ def test_shape_buckets() -> None:
     fixed = Shapes.for_context(256, fixed_width=16, span_buckets=False)
     assert (fixed.widths, fixed.spans, fixed.width_for(1)) == ((16,), (256,), 16)
     assert fixed.paths == static_forward.INVARIANT_PATHS
+
+
+def test_argmax_alone_is_the_logits_argmax(pair) -> None:
+    """Greedy verification's call: each node's argmax, as numpy takes it from the logits."""
+    _, runtime = pair
+    runtime.prefill(PROMPT)
+    tree = ([3, 4, 5, 6, 70], [-1, 0, 0, 2, -1])
+    logits = runtime.evaluate_tree(*tree)
+    assert runtime.evaluate_argmax(*tree) == logits.argmax(-1).tolist()
+    assert runtime.pending == len(tree[0])  # the nodes stay pending as evaluate_tree's do

@@ -38,6 +38,8 @@ def test_greedy_takes_exactly_the_targets_argmax_path(case) -> None:
     assert verdict.bonus == logits[row].argmax()
     end = verdict.path[-1] if verdict.path else -1
     assert not any(tokens[c] == verdict.bonus for c in np.flatnonzero(parents == end))
+    # a verifier that sends each row's argmax alone gets the same verdict
+    assert verify_greedy(tokens, parents, logits.argmax(-1)) == verdict
 
 
 @settings(max_examples=200, deadline=None)

@@ -86,9 +86,17 @@ async def test_both_engines_hand_shake_draft_and_verify_through_the_arena(
         chain = draft.tokens[0]
         verified, _ = await gpu.call(m.VerifyTree(request=gpu.next_request(), tokens=chain,
                                                   parents=[-1, 0, 1, 2], out=1))  # fmt: skip
-        logits = arena.view(verified.logits)
+        logits = arena.view(verified.logits).copy()
         # the same model on both sides: the target agrees with every greedy draft token
         assert logits[:3].argmax(-1).tolist() == chain[1:]
+        # greedy verification's call: each row's argmax, and nothing written to the arena
+        arena.view(verified.logits)[:] = np.nan
+        command = m.VerifyTree(request=gpu.next_request(), tokens=chain,
+                               parents=[-1, 0, 1, 2], out=1, argmax_only=True)  # fmt: skip
+        argmax, _ = await gpu.call(command)
+        assert argmax.logits is None
+        assert argmax.argmax == logits.argmax(-1).tolist()
+        assert np.isnan(arena.view(verified.logits)).all()
         committed, _ = await gpu.call(
             m.Commit(request=gpu.next_request(), nodes=[0, 1], tokens=[7])
         )

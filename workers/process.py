@@ -451,18 +451,27 @@ class Worker:
         start = time.perf_counter()
         engine = self._engine(command.spare_cores)
         first = 1 if command.root_row else 0
-        out = self._slot(command.out, (first + len(command.tokens), engine.vocab_size))
+        out, logits, argmax = None, None, []
+        if not command.argmax_only:
+            out = self._slot(command.out, (first + len(command.tokens), engine.vocab_size))
         if command.commit:
             engine.commit(command.commit)
         if command.root_row:
-            out[0] = engine.last_logits()
+            root = engine.last_logits()
+            if out is None:
+                argmax.append(int(np.argmax(root)))
+            else:
+                out[0] = root
         with self._reporting(engine, command.features_out >= 0) as sink:
-            engine.evaluate_tree(
-                command.tokens, command.parents, extend=command.extend, out=out[first:]
-            )
+            tree = (command.tokens, command.parents)
+            if out is None:
+                argmax.extend(engine.evaluate_argmax(*tree, extend=command.extend))
+            else:
+                engine.evaluate_tree(*tree, extend=command.extend, out=out[first:])
         if command.spare_cores:  # give the drafter its cores back before it drafts
             self._engine(False)
-        logits = m.ArrayRef(out.dtype.str, out.shape, slot=command.out)
+        if out is not None:
+            logits = m.ArrayRef(out.dtype.str, out.shape, slot=command.out)
         features = None
         if sink is not None:
             rows = self._stacked(engine, sink)
@@ -470,7 +479,7 @@ class Worker:
             np.copyto(target, rows)
             features = m.ArrayRef(rows.dtype.str, rows.shape, slot=command.features_out)
         elapsed = (time.perf_counter() - start) * 1000
-        return m.Verified(command.request, logits, elapsed, features), ()
+        return m.Verified(command.request, logits, elapsed, features, argmax), ()
 
     def commit(self, command: m.Commit, frames) -> tuple:
         start = time.perf_counter()

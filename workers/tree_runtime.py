@@ -317,6 +317,17 @@ class TreeRuntime(ABC, Generic[Output]):
         self._write_step_logits(output, out)
         return out
 
+    def evaluate_argmax(
+        self, tokens: Sequence[int], parents: Sequence[int], *, extend: bool = False
+    ) -> list[int]:
+        """``forward_tree``, returning each node's argmax (the first of equal logits), as
+        greedy verification takes it, without the logits."""
+        return self._step_argmax(self.forward_tree(tokens, parents, extend=extend)).tolist()
+
+    def _step_argmax(self, output: Output) -> np.ndarray:
+        """The argmax of each row of ``_step_logits(output)`` (a runtime may skip copying)."""
+        return self._step_logits(output).argmax(axis=-1)
+
     def _write_step_logits(self, output: Output, out: np.ndarray) -> None:
         """Write ``_step_logits(output)`` into ``out`` (a runtime may skip the copy between)."""
         np.copyto(out, self._step_logits(output))

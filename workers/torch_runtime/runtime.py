@@ -242,6 +242,9 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
     def _step_logits(self, output: TreeOutput) -> np.ndarray:
         return output.logits.cpu().numpy()
 
+    def _step_argmax(self, output: TreeOutput) -> np.ndarray:
+        return output.logits.argmax(dim=-1).cpu().numpy()  # a few bytes leave the device
+
     def _write_step_logits(self, output: TreeOutput, out: np.ndarray) -> None:
         torch.from_numpy(out).copy_(output.logits)  # one copy: device to ``out`` itself
 
