@@ -365,3 +365,20 @@ def test_argmax_alone_is_the_logits_argmax(pair) -> None:
     logits = runtime.evaluate_tree(*tree)
     assert runtime.evaluate_argmax(*tree) == logits.argmax(-1).tolist()
     assert runtime.pending == len(tree[0])  # the nodes stay pending as evaluate_tree's do
+
+
+def test_a_committed_rows_logits_leave_the_device_only_when_asked(pair, monkeypatch) -> None:
+    _, runtime = pair
+    runtime.prefill(PROMPT)
+    logits = runtime.forward_tree([3, 4, 5], [-1, 0, 0]).logits.clone()
+    fetched = []
+    node_logits = runtime._node_logits
+    monkeypatch.setattr(runtime, "_node_logits", lambda *a: fetched.append(a) or node_logits(*a))
+    runtime.commit([0, 2])
+    assert fetched == []  # a greedy round goes on to its next tree without them
+    runtime.forward_tree([9], [-1])  # later forwards leave the committed row's logits alone
+    runtime.discard_pending()
+    assert np.array_equal(runtime.last_logits(), logits[2].numpy())
+    assert len(fetched) == 1
+    runtime.last_logits()
+    assert len(fetched) == 1

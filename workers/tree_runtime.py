@@ -70,6 +70,10 @@ class TreeRuntime(ABC, Generic[Output]):
     """
 
     default_chunk: int = 512
+    # True where a ``_run`` output owns its logits (no later forward overwrites them): a
+    # committed node's row is then fetched only if the next-token logits are asked for (from
+    # a GPU, a copy and a wait that greedy rounds never need)
+    outputs_kept: bool = False
     feature_size: int | None = None  # set by runtimes that can report features
     max_leaves: int | None = None  # the most leaves the pending tree may have (None: any)
 
@@ -79,8 +83,21 @@ class TreeRuntime(ABC, Generic[Output]):
         # while features are captured, every forward appends its positions' features here
         self.features_sink: list[np.ndarray] | None = None
         self.tokens: list[int] = []  # the committed sequence
-        self._last_logits: np.ndarray | None = None  # next-token logits after tokens[-1]
+        self._last_logits = None
         self._reset_pending()
+
+    @property
+    def _last_logits(self) -> np.ndarray | None:
+        """The next-token logits after tokens[-1] (None: not known yet)."""
+        if self._last_cached is None and self._last_node is not None:
+            output, index = self._last_node
+            self._last_cached, self._last_node = self._node_logits(output, index), None
+        return self._last_cached
+
+    @_last_logits.setter
+    def _last_logits(self, logits: np.ndarray | None) -> None:
+        self._last_cached: np.ndarray | None = logits
+        self._last_node: tuple[Output, int] | None = None  # a committed row not fetched yet
 
     # ------------------------------------------------------------ hooks
 
@@ -348,7 +365,10 @@ class TreeRuntime(ABC, Generic[Output]):
             self.discard_pending()
             return
         first, output = next((f, o) for f, o in reversed(self._pending_outputs) if f <= path[-1])
-        self._last_logits = self._node_logits(output, path[-1] - first)
+        if self.outputs_kept:
+            self._last_logits, self._last_node = None, (output, path[-1] - first)
+        else:
+            self._last_logits = self._node_logits(output, path[-1] - first)
         self._keep_path(path)
         self.tokens.extend(int(t) for t in self._pending_tokens[path])
         self._reset_pending()

@@ -163,6 +163,7 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
             self._run_chain = None  # eager forwards: each step's is the host's anyway
 
     static_shapes = True  # a subclass with another model call turns fixed shapes off
+    outputs_kept = True  # a forward's logits are its own tensor (static outputs are copied)
 
     def _use_matmul(self, matmul: str, tiling: dict[str, int] | None, compile: bool) -> None:
         if matmul == "torch":
