@@ -134,11 +134,19 @@ class Side:
     def memory(self, context: int) -> str:
         if self.export is None:
             return ""
-        if self.runtime == "torch":  # f32 on a CPU (bf16 on CUDA halves both)
-            weights, element = self.model.folder_facts.parameters * 4, 4.0
-        else:  # llama.cpp's cache types by role (a verifier: f16 K, f32 V)
-            weights = self.model.gguf_facts.size_bytes
-            element = 3.0 if self.role == "verifies" else 2.0
+        if self.runtime == "torch":  # the worker's default dtype: f32 on a CPU, bf16 on CUDA
+            parameters = self.model.folder_facts.parameters
+            on_cpu = self._sized(parameters * 4, 4.0, context)
+            return (
+                f"{on_cpu} in float32 on a CPU, {self._sized(parameters * 2, 2.0, context)} "
+                "in bfloat16 on CUDA"
+            )
+        # llama.cpp's cache types by role (a verifier: f16 K, f32 V)
+        element = 3.0 if self.role == "verifies" else 2.0
+        return self._sized(self.model.gguf_facts.size_bytes, element, context)
+
+    def _sized(self, weights: int, element: float, context: int) -> str:
+        """Weights plus a ``context``-token KV cache of ``element`` bytes a K and V element."""
         per_token = kv_bytes_per_token(self.model.facts, element)
         kv = per_token * context if per_token is not None else None
         total = weights + (kv or 0)

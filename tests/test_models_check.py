@@ -36,6 +36,9 @@ def test_the_bundled_pair_can_be_served_everywhere() -> None:
     assert "drafts with llama.cpp on the draft's GGUF" in out
     assert '(or the native kernels, where they draft faster: cpu_runtime "auto")' in out
     assert "KV cache" in out
+    torch_line = next(line for line in out.splitlines() if "verifies with torch" in line)
+    assert "in float32 on a CPU" in torch_line  # the torch worker's own dtype on each device
+    assert "in bfloat16 on CUDA" in torch_line
     assert "shared memory for probability rows: 8.4 MB" in out
     config = config_of(out)
     assert Path(config["target"]["gguf"]) == target.resolve()
