@@ -21,14 +21,20 @@ def positive_int_list(text: str) -> list[int]:
 
 
 def timed_ms(
-    work: Callable[[], object], repeats: int, warmup: int = 2
-) -> tuple[float, float, float]:
+    work: Callable[[], object], repeats: int, warmup: int = 2,
+    setup: Callable[[], object] | None = None,
+) -> tuple[float, float, float]:  # fmt: skip
     """Median, p25 and p75 of ``work()`` in milliseconds, after ``warmup`` untimed calls (the
-    median, because a shared machine preempts the odd run)."""
+    median, because a shared machine preempts the odd run); ``setup()``, untimed, before
+    each call."""
     for _ in range(warmup):
+        if setup is not None:
+            setup()
         work()
     samples = []
     for _ in range(repeats):
+        if setup is not None:
+            setup()
         start = time.perf_counter()
         work()
         samples.append((time.perf_counter() - start) * 1000)

@@ -366,7 +366,8 @@ class TreeRuntime(ABC, Generic[Output]):
             return
         first, output = next((f, o) for f, o in reversed(self._pending_outputs) if f <= path[-1])
         if self.outputs_kept:
-            self._last_logits, self._last_node = None, (output, path[-1] - first)
+            self._last_logits = None  # (which also forgets any row not fetched yet)
+            self._last_node = (output, path[-1] - first)
         else:
             self._last_logits = self._node_logits(output, path[-1] - first)
         self._keep_path(path)

@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -92,16 +93,16 @@ def time_decode(runtime: TorchRuntime, steps: int, repeats: int) -> dict:
     """
     synchronize = torch.cuda.synchronize if runtime.device.type == "cuda" else (lambda: None)
     start, row = len(runtime.tokens), {"steps": steps}
+
+    def rewind() -> None:  # back to the context, its last token's logits known again
+        runtime.rollback(start)
+        runtime.last_logits()
+        synchronize()
+
     for name, decode in (("queued", TorchRuntime.decode), ("host_loop", TreeRuntime.decode)):
-        times = []
-        for _ in range(repeats + 2):  # two warm-ups
-            runtime.rollback(start)
-            runtime.last_logits()
-            synchronize()
-            began = time.perf_counter()
-            decode(runtime, steps, SamplingParams(), DrawnSampler(0))
-            times.append((time.perf_counter() - began) * 1000 / (steps - 1))
-        row[f"{name}_ms_a_token"] = round(float(np.median(times[2:])), 4)
+        call = partial(decode, runtime, steps, SamplingParams(), DrawnSampler(0))
+        median, _, _ = timed_ms(call, repeats, setup=rewind)
+        row[f"{name}_ms_a_token"] = round(median / (steps - 1), 4)
     runtime.rollback(start)
     queued, host = row["queued_ms_a_token"], row["host_loop_ms_a_token"]
     print(f"decoding alone, {steps} tokens a call, median of {repeats}: {queued:.3f} ms a token "

@@ -16,10 +16,13 @@ class DeviceChoice:
     """The token after each of a chain's ``count`` logits rows, on ``device``: the argmax
     (``draws`` None), or from p = softmax(logits / ``temperature``) as ``ChainDraws`` defines
     (argmax(p / noise), or the first token whose cumulative p exceeds u times the total).
-    ``probs`` keeps the rows sampled tokens came from (None when greedy)."""
+    ``probs`` keeps the rows sampled tokens came from, ``count`` x ``vocab`` (None when
+    greedy)."""
 
-    def __init__(self, draws: ChainDraws | None, temperature: float, count: int, vocab: int,
-                 device: torch.device) -> None:  # fmt: skip
+    def __init__(
+        self, draws: ChainDraws | None = None, temperature: float = 1.0, *, count: int = 0,
+        vocab: int = 0, device: torch.device | None = None,
+    ) -> None:  # fmt: skip
         self.temperature = temperature
         self.probs: torch.Tensor | None = None
         self._noise = self._uniforms = None

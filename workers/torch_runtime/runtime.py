@@ -302,7 +302,8 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         root = int(ancestors[-1]) if len(ancestors) else ROOT
         count = len(positions)
         parents = np.array([root, *range(existing, existing + count - 1)], np.int64)
-        choice = DeviceChoice(draws, temperature, count, self.vocab_size, self.device)
+        choice = DeviceChoice(draws, temperature, count=count, vocab=self.vocab_size,
+                              device=self.device)  # fmt: skip
         tokens, logits, hidden = self._chained_forwards(first, positions, parents, rows, choice)
         self._capture_hidden(hidden)
         probs = None if choice.probs is None else choice.probs.cpu().numpy()
@@ -323,9 +324,8 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         parents = np.arange(-1, count - 1)
         rows = np.tril(np.ones((count, count), bool))
         with torch.inference_mode():
-            tokens, logits, hidden = self._chained_forwards(
-                first, positions, parents, rows, DeviceChoice(None, 1.0, count, 0, self.device)
-            )  # fmt: skip
+            tokens, logits, hidden = self._chained_forwards(first, positions, parents, rows,
+                                                            DeviceChoice())  # fmt: skip
             drawn = tokens.tolist()  # the one wait for the device
             self._capture_hidden(hidden)
             kept = logits if logprobs is not None else logits[-1:]
