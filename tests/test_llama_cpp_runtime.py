@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
-import llama_cpp
 import numpy as np
 import pytest
 import torch
@@ -57,15 +60,36 @@ def logits_after(runtime: LlamaCppRuntime, tokens: list[int]) -> np.ndarray:
     return runtime.last_logits().copy()
 
 
+# llama-cpp-python's high-level Llama loads on every device registered with ggml in its
+# process, and test_rpc registers rpc-servers that are gone once it ends: the reference runs
+# in an interpreter of its own, so it holds whatever order the tests run in.
+_GREEDY_REFERENCE = """
+import json, sys
+import llama_cpp
+path, prompt, count = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+plain = llama_cpp.Llama(path, n_ctx=256, n_threads=1, verbose=False)
+generated = []
+for token in plain.generate(prompt, temp=0.0, reset=True):
+    generated.append(token)
+    if len(generated) == count:
+        break
+print(json.dumps(generated))
+"""
+
+
+@functools.cache
+def _llama_cpp_greedy(path: str, prompt: tuple[int, ...], count: int) -> tuple[int, ...]:
+    done = subprocess.run(
+        [sys.executable, "-c", _GREEDY_REFERENCE, path, json.dumps(prompt), str(count)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return tuple(json.loads(done.stdout.splitlines()[-1]))
+
+
 def llama_cpp_greedy(gguf, prompt: list[int], count: int) -> list[int]:
     """``count`` greedy tokens after ``prompt`` from llama-cpp-python's own generation loop."""
-    plain = llama_cpp.Llama(str(gguf), n_ctx=256, n_threads=1, verbose=False)
-    generated = []
-    for token in plain.generate(prompt, temp=0.0, reset=True):
-        generated.append(token)
-        if len(generated) == count:
-            return generated
-    return generated
+    return list(_llama_cpp_greedy(str(gguf), tuple(prompt), count))
 
 
 def assert_close(ours: np.ndarray, theirs: np.ndarray, tolerance: float = TOLERANCE) -> None:
