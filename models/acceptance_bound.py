@@ -36,10 +36,10 @@ MODELS = Path(__file__).parent
 CPU = torch.device("cpu")
 
 
-def greedy_continuation(target: Teacher, prompt: list[int], count: int, rope) -> torch.Tensor:
+def greedy_continuation(target: Teacher, prompt: list[int], count: int) -> torch.Tensor:
     tokens = torch.tensor(prompt)
     for _ in range(count):
-        _, log_p = target(tokens.view(1, -1), *rope)
+        _, log_p = target(tokens.view(1, -1))
         tokens = torch.cat([tokens, log_p[0, -1].argmax().view(1)])
     return tokens
 
@@ -102,9 +102,7 @@ class Drafters:
     def __init__(self, head: Path) -> None:
         # Teacher runs any model folder whole-sequence: the draft model's choices too
         self.target, self.draft = Teacher(MODELS / "target"), Teacher(MODELS / "draft")
-        self.draft_rope = rope_tables(self.draft.config, self.draft.config.max_context, CPU)
         limit = self.target.config.max_context
-        self.rope = rope_tables(self.target.config, limit, CPU)
         self.pieces = load_target_pieces(self.target.config, MODELS / "target", torch.float32,
                                          CPU)  # fmt: skip
         self.head = load_head(head, self.target.config, torch.float32, CPU)
@@ -117,13 +115,13 @@ class Drafters:
         agrees when the drafter's first choice there is the target's."""
         ids = self.tokenizer.encode(prompt).ids
         if gguf is None:
-            tokens = greedy_continuation(self.target, ids, tokens_out, self.rope)
-            features, log_p = self.target(tokens.view(1, -1), *self.rope)
+            tokens = greedy_continuation(self.target, ids, tokens_out)
+            features, log_p = self.target(tokens.view(1, -1))
             choice = log_p[0].argmax(-1)  # the target's next token at each position
         else:  # greedy: the next token is the choice (the last position's is never read)
             tokens, features = gguf_continuation(gguf, ids, tokens_out)
             choice = torch.cat([tokens[1:], tokens[-1:]])
-        _, draft_log_p = self.draft(tokens.view(1, -1), *self.draft_rope)
+        _, draft_log_p = self.draft(tokens.view(1, -1))
         draft = (draft_log_p[0].argmax(-1) == choice).numpy()
         head, inputs, n = [], shifted(features), len(tokens)
         embeddings = self.pieces.embed(tokens.view(1, -1))

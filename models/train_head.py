@@ -38,42 +38,53 @@ from hetspec.workers.torch_runtime.draft_head import (
     HeadConfig,
     load_target_pieces,
 )
-from hetspec.workers.torch_runtime.model import rope_tables
+from hetspec.workers.torch_runtime.model import layer_rope_tables, rope_tables
 from hetspec.workers.torch_runtime.tokenizer import FolderTokenizer
 from hetspec.workers.torch_runtime.weights import load_model
 
 MODELS = Path(__file__).parent
+CPU = torch.device("cpu")
 FEATURE_NOISE = 0.05  # uniform noise on the target's features: drafting reads imperfect ones
 CLASSIFICATION_WEIGHT = 0.5  # the soft cross-entropy, against the feature regression's 1
 
 
 class Teacher:
-    """The frozen target: features and next-token log-probabilities of whole windows."""
+    """A frozen model folder run over whole windows: each position's features (the final
+    norm's output) and next-token log-probabilities, as the torch runtime computes them."""
 
     def __init__(self, folder: Path) -> None:
         self.config = ModelConfig.from_folder(folder)
         self.model = load_model(folder, self.config, torch.float32, torch.device("cpu"))
+        # the model's own rotary tables (one per kind: Gemma 3's windowed layers have theirs),
+        # never a draft head's, which rotate as one Llama-style kind
+        self._cos, self._sin = layer_rope_tables(self.config, self.config.max_context, CPU)
+
+    def masks(self, n: int) -> list[torch.Tensor]:
+        """Each layer's causal mask over a window of n tokens (a sliding window's keys reach
+        no more than window - 1 positions back, as the runtime's)."""
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        offsets = torch.arange(n)[:, None] - torch.arange(n)[None, :]
+        by_window = {w: causal if w is None else causal & (offsets < w)
+                     for w in set(self.config.sliding_windows)}  # fmt: skip
+        return [by_window[w] for w in self.config.sliding_windows]
 
     @torch.no_grad()
-    def __call__(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def __call__(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens (batch, n) -> features (batch, n, hidden), log-probabilities (batch, n, vocab)."""
         model, c = self.model, self.config
-        features = []
+        n = tokens.shape[1]
+        if n > c.max_context:
+            raise ValueError(f"{n} tokens exceed the model's {c.max_context}-token context")
+        masks = self.masks(n)
+        features, log_p = [], []
         for row in tokens:  # the runtime's model takes one sequence at a time
-            n = len(row)
             shape = (c.num_layers, c.num_kv_heads, n, c.head_dim)
             keys, values = torch.zeros(shape), torch.zeros(shape)
-            hidden = model(
-                row,
-                cos[:n],
-                sin[:n],
-                cache_keys=keys,
-                cache_values=values,
-                start=0,
-                masks=[torch.ones(n, n, dtype=torch.bool).tril()] * c.num_layers,
-            )
+            hidden = model(row, self._cos[:, :n], self._sin[:, :n], cache_keys=keys,
+                           cache_values=values, start=0, masks=masks)  # fmt: skip
             features.append(model.model.norm(hidden))
-        features = torch.stack(features)
-        return features, F.linear(features, model.head_weight()).log_softmax(-1)
+            log_p.append(model.logits(hidden).log_softmax(-1))
+        return torch.stack(features), torch.stack(log_p)
 
 
 @dataclass(frozen=True)
@@ -86,8 +97,8 @@ class Batch:
     embeddings: torch.Tensor
 
     @classmethod
-    def of(cls, tokens: torch.Tensor, teacher: Teacher, pieces, rope) -> Batch:
-        features, log_p = teacher(tokens, *rope)
+    def of(cls, tokens: torch.Tensor, teacher: Teacher, pieces) -> Batch:
+        features, log_p = teacher(tokens)
         return cls(features, log_p, pieces.embed(tokens))
 
 
@@ -116,7 +127,7 @@ def held_out(head, pieces, teacher, stream, *, length: int, rope) -> dict:
     count = 0
     for _ in range(8):
         tokens = windows(stream, 8, length, rng)[:, :length]
-        batch = Batch.of(tokens, teacher, pieces, rope)
+        batch = Batch.of(tokens, teacher, pieces)
         inputs = shifted(batch.features)
         for step in range(2):
             predicted, _, _, log_q = head_losses(head, pieces, inputs, batch, rope)
@@ -144,7 +155,7 @@ def train(head, pieces, teacher, stream, *, args, rope) -> tuple[int, list[tuple
         for group in optimizer.param_groups:
             group["lr"] = lr
         tokens = windows(stream, args.batch, args.seq_len, rng)[:, : args.seq_len]
-        batch = Batch.of(tokens, teacher, pieces, rope)
+        batch = Batch.of(tokens, teacher, pieces)
         inputs = shifted(batch.features)
         inputs = inputs + torch.empty_like(inputs).uniform_(-FEATURE_NOISE, FEATURE_NOISE)
         predicted, reg1, ce1, _ = head_losses(head, pieces, inputs, batch, rope)
