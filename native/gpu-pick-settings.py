@@ -54,6 +54,9 @@ def fastest_tiling(document: dict, rows: int = 16) -> str:
 
 
 def main() -> int:
+    if len(sys.argv) not in (2, 3) or sys.argv[1] in ("-h", "--help"):
+        print(__doc__, file=sys.stderr)
+        return 0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2
     if sys.argv[1] == "--tiling":
         try:
             document = json.loads((Path(sys.argv[2]) / "matmul.json").read_text())

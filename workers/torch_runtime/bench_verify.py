@@ -140,7 +140,10 @@ def invariance_rows(runtime: TorchRuntime, widths: list[int], rng) -> list[dict]
         rows.append({"width": width, "max_abs_diff": worst, "rows_differ": differ,
                      "argmax_flips": flips, "rows": length})  # fmt: skip
         print(f"{width:>6} {worst:>11.3g} {f'{differ}/{length}':>12} {flips:>13}", flush=True)
-    rows.append(tree_row(runtime, prompt, chain))
+    if length >= 16:
+        rows.append(tree_row(runtime, prompt, chain))
+    else:
+        print("  tree: not compared (a 4 x 4 tree needs widths up to 16)", flush=True)
     runtime.rollback(0)
     return rows
 

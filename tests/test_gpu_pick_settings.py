@@ -1,0 +1,86 @@
+"""native/gpu-pick-settings.py reads what bench_verify writes and says what the daemon's
+--set takes: the GPU session's quick call hands its choice to the full call this way, with
+no one there to fix a mismatch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tiny_models import build_reference, save_reference
+
+from hetspec.daemon.cli import overrides_from
+from hetspec.daemon.config import load_config
+from hetspec.workers.torch_runtime import bench_verify, static_forward
+
+PICKER = Path(__file__).resolve().parents[1] / "native" / "gpu-pick-settings.py"
+
+
+def picked(folder: Path, *flags: str) -> tuple[str, str]:
+    done = subprocess.run([sys.executable, str(PICKER), *flags, str(folder)],
+                          capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    return done.stdout.strip(), done.stderr
+
+
+def daemon_config(settings: str):
+    """The settings as gpu-checks.sh passes them: split at spaces, one --set each."""
+    args = type("Args", (), {"set": settings.split(), "socket": None, "runtime_dir": None,
+                             "placement": None, "log_level": None, "log_format": None})  # fmt: skip
+    return load_config(overrides=overrides_from(args), environ={})
+
+
+def test_the_fastest_invariant_table_becomes_daemon_settings(tmp_path, monkeypatch) -> None:
+    for module in (static_forward, bench_verify):  # the invariance chain crosses span 16's end
+        monkeypatch.setattr(module, "MIN_SPAN", 16)
+    model = save_reference(build_reference("qwen3"), tmp_path / "m")
+    out = tmp_path / "out"
+    out.mkdir()
+    cublas = out / "verify-1b-fixed16.json"
+    arguments = ["--model", str(model), "--device", "cpu", "--dtype", "float32",
+                 "--fixed-width", "4", "--contexts", "20", "--widths", "1,4,16",
+                 "--repeats", "2", "--invariance", "--json", str(cublas)]  # fmt: skip
+    assert bench_verify.main(arguments) == 0
+    table = json.loads(cublas.read_text())
+    assert len(table["invariance"]) == 4  # widths 1, 4, 16 and the 4 x 4 tree
+    assert not sum(row["rows_differ"] for row in table["invariance"])
+
+    # only the default's table: nothing to set
+    assert picked(out)[0] == ""
+
+    # a faster Triton table with a tiling of its own wins, and the daemon reads its settings
+    triton = {**table, "matmul": "triton", "matmul_tiling": {"block_n": 32, "warps": 8}}
+    triton["rows"] = [{**row, "median_ms": row["median_ms"] / 2} for row in table["rows"]]
+    (out / "verify-1b-fixed16-triton.json").write_text(json.dumps(triton))
+    settings, reasons = picked(out)
+    assert settings == 'gpu_worker.matmul="triton" gpu_worker.matmul_tiling={block_n=32,warps=8}'
+    assert "chosen" in reasons
+    gpu_worker = daemon_config(settings).gpu_worker
+    assert gpu_worker.matmul == "triton"
+    assert (gpu_worker.matmul_tiling.block_n, gpu_worker.matmul_tiling.warps) == (32, 8)
+
+    # a faster compiled table whose rows changed bits is passed over
+    compiled = {**triton, "matmul": "torch", "matmul_tiling": {}}
+    compiled["rows"] = [{**row, "median_ms": row["median_ms"] / 4} for row in table["rows"]]
+    compiled["invariance"] = [{**row, "rows_differ": 1} for row in table["invariance"]]
+    (out / "verify-1b-fixed16-compiled.json").write_text(json.dumps(compiled))
+    assert picked(out)[0].startswith('gpu_worker.matmul="triton"')
+    compiled["invariance"] = table["invariance"]
+    (out / "verify-1b-fixed16-compiled.json").write_text(json.dumps(compiled))
+    settings, _ = picked(out)
+    assert settings == "gpu_worker.compile=true"
+    assert daemon_config(settings).gpu_worker.compile is True
+
+
+def test_the_tiling_comes_from_bench_matmuls_table(tmp_path) -> None:
+    document = {
+        "rows": [{"shape": "q", "a invariant": True, "b invariant": False}],
+        "forward_us": {"a rows 16": 900.0, "b rows 16": 500.0, "default rows 16": 1000.0},
+        "tilings": {"a": {"block_n": 32, "warps": 8}, "b": {"block_k": 64}, "default": {}},
+    }
+    (tmp_path / "matmul.json").write_text(json.dumps(document))
+    tiling, reasons = picked(tmp_path, "--tiling")
+    assert tiling == "block_n=32,warps=8"  # b is faster but changed a row's bits
+    assert "rows changed" in reasons
+    assert picked(tmp_path / "absent", "--tiling")[0] == ""  # the default, said on stderr
