@@ -2,7 +2,8 @@
 
     python -m hetspec.models.acceptance_bound [--prompts 8] [--tokens 96] [--gammas 4,8,16]
                                               [--head models/head] [--target-gguf GGUF]
-                                              [--out FILE.md]
+                                              [--verify-ms 2.6,1.8,1.0 [--draft-ms 0.15]
+                                               [--other-ms 0.3]] [--out FILE.md]
 
 Offline, in torch float32, on the benchmarks' prompts (``corpus.prompt_set``): the target's
 own greedy continuation of each prompt, then, at every generated position, whether each
@@ -12,9 +13,12 @@ continuation in rounds of gamma gives the mean drafted tokens a greedy chain kee
 what the daemon's rounds would keep with a verifier that computes as this one does. The
 ceiling for a drafter that agrees with the target with probability a at every step is
 a (1 - a^gamma) / (1 - a) tokens; the last table gives the agreement a head would need for a
-given multiple of the draft model's chain. With ``--target-gguf`` the target's continuation
-and the features the head reads come from llama.cpp over that file instead (as the daemon's
-draft-gpu verifier computes them, e.g. the bundled Q8_0 export).
+given multiple of the draft model's chain. With ``--verify-ms`` it also says what plain
+(not overlapped) rounds of the draft model's chains allow for those verification costs as the
+daemon sees them, with a draft token's and the rest of a round's: the best gamma and its
+tokens a second (e.g. the GPU box's costs, docs/bench/gpu). With ``--target-gguf`` the
+target's continuation and the features the head reads come from llama.cpp over that file
+instead (as the daemon's draft-gpu verifier computes them, e.g. the bundled Q8_0 export).
 """
 
 from __future__ import annotations
@@ -79,6 +83,17 @@ def chain_kept(agrees: list[np.ndarray], first: int, end: int, gamma: int) -> tu
             accepted += 1
         kept, rounds, position = kept + accepted, rounds + 1, position + accepted + 1
     return kept, rounds
+
+
+def best_plain_round(
+    kept: dict[int, float], verify_ms: float, draft_ms: float, other_ms: float
+) -> tuple[int, float]:
+    """(gamma, tokens a second) of the fastest plain round: ``kept[g]``, the drafted tokens a
+    chain of g keeps a round; a round costs g drafts, one verification and the rest, and
+    yields what it keeps plus the target's own token."""
+    rates = {g: 1000 * (k + 1) / (g * draft_ms + verify_ms + other_ms) for g, k in kept.items()}
+    gamma = max(rates, key=rates.__getitem__)
+    return gamma, rates[gamma]
 
 
 def ceiling(agreement: float, gamma: int) -> float:
@@ -155,6 +170,18 @@ def report(rate: dict, kept: dict, gammas: list[int], source: str, args) -> str:
     return "\n".join(lines)
 
 
+def round_costs_report(kept: dict[int, float], costs: list[float], draft_ms: float,
+                       other_ms: float) -> str:  # fmt: skip
+    lines = [f"Plain rounds of the draft model's chains (gamma 1..{max(kept)}), a draft token "
+             f"{draft_ms} ms, the rest of a round {other_ms} ms:", "",
+             "| verification ms | best gamma | kept a round | tokens/s |",
+             "|---|---|---|---|"]  # fmt: skip
+    for verify_ms in costs:
+        gamma, rate = best_plain_round(kept, verify_ms, draft_ms, other_ms)
+        lines.append(f"| {verify_ms} | {gamma} | {kept[gamma]:.2f} | {rate:.0f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hetspec.models.acceptance_bound")
     parser.add_argument("--prompts", type=int, default=8, help="code prompts (as bench_head)")
@@ -167,10 +194,18 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the target's text and features from llama.cpp over this file",
     )
+    parser.add_argument("--verify-ms", default=None,
+                        help="comma-separated verification costs (ms, as the daemon sees "
+                        "them): what plain rounds of the draft model allow at each")  # fmt: skip
+    parser.add_argument("--draft-ms", type=float, default=0.15, help="a draft token's ms")
+    parser.add_argument("--other-ms", type=float, default=0.3,
+                        help="the rest of a round's ms (links, the daemon's own)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="also write the tables here")
     args = parser.parse_args(argv)
     gammas = [int(g) for g in args.gammas.split(",")]
     depth = max(gammas)
+    costs = [float(ms) for ms in args.verify_ms.split(",")] if args.verify_ms else []
+    plain = {g: [0, 0] for g in range(1, depth + 1)} if costs else {}
     drafters = Drafters(args.head)
     kept = {(name, g): [0, 0] for name in ("draft model", "head") for g in gammas}
     agreement = {"draft model": [0, 0], **{f"head, step {k + 1}": [0, 0] for k in range(depth)}}
@@ -181,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
             for g in gammas:
                 got = chain_kept(agrees, first, end, g)
                 kept[name, g] = [kept[name, g][0] + got[0], kept[name, g][1] + got[1]]
+        for g in plain:
+            got = chain_kept([draft], first, end, g)
+            plain[g] = [plain[g][0] + got[0], plain[g][1] + got[1]]
         steps = [(f"head, step {k + 1}", a) for k, a in enumerate(head)]
         for key, agrees in [("draft model", draft), *steps]:
             agreement[key][0] += int(agrees[first:end].sum())
@@ -188,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     rate = {key: hit / total for key, (hit, total) in agreement.items()}
     source = "torch f32" if args.target_gguf is None else f"llama.cpp, {args.target_gguf.name}"
     text = report(rate, kept, gammas, source, args)
+    if costs:
+        per_round = {g: hit / rounds for g, (hit, rounds) in plain.items()}
+        text += "\n\n" + round_costs_report(per_round, costs, args.draft_ms, args.other_ms)
     print(text)
     if args.out is not None:
         args.out.write_text(text + "\n")

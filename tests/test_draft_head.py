@@ -279,3 +279,14 @@ def test_the_acceptance_bound_walks_continuations_in_chain_rounds() -> None:
     assert chain_kept(own_features, 0, 10, 4) == (6, 3)  # rounds at 0, 3 and 6 keep 2 each
     assert needed_agreement(ceiling(0.9, 8), 8) == pytest.approx(0.9)
     assert needed_agreement(4.2, 4) is None
+
+
+def test_the_best_plain_round_weighs_what_a_chain_keeps_against_its_drafting() -> None:
+    from hetspec.models.acceptance_bound import best_plain_round  # noqa: PLC0415
+
+    kept = {1: 0.9, 2: 1.7, 4: 3.0, 8: 4.0}
+    # a costly verification pays for long chains; a cheap one for short ones
+    assert best_plain_round(kept, verify_ms=10.0, draft_ms=0.1, other_ms=0.0)[0] == 8
+    gamma, rate = best_plain_round(kept, verify_ms=0.2, draft_ms=0.5, other_ms=0.1)
+    assert gamma == 1
+    assert rate == pytest.approx(1000 * 1.9 / 0.8)
