@@ -310,7 +310,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-rpc", dest="rpc", action="store_false",
                         help="skip the llama.cpp RPC row")  # fmt: skip
     args = parser.parse_args(argv)
-    args.link_ms = [float(x) for x in args.link_ms.split(",")]
+    if not (Path(args.target) / "config.json").is_file():
+        parser.error(f"--target {args.target}: not a model folder (its config.json is missing); "
+                     "the stages load a Hugging Face folder, not a GGUF file")  # fmt: skip
+    try:
+        args.link_ms = [float(x) for x in args.link_ms.split(",")]
+    except ValueError:
+        parser.error(f"--link-ms {args.link_ms!r}: expected comma-separated milliseconds")
     return uvloop.run(run(args))
 
 
