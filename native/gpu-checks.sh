@@ -110,10 +110,11 @@ if [[ -n "${QUICK:-}" ]]; then
   stamp "waiting for the heavy targets"
   while [[ ! -e "$HETSPEC_CACHE_DIR/heavy.done" ]]; do sleep 2; done
   h1b=$(heavy 1b)
-  # the width-invariant verifier (chains in one-path forwards): the invariance table's "tree"
-  # row compares a 4x4 tree with its branches as chains, i.e. the two shapes (any row that
-  # differs means chain_forwards must be off on this GPU); the profile says where a target-
-  # alone token's time goes (the GPU's kernels against the wall time)
+  # the width-invariant verifier (chains in one-path forwards, in the cache's order in place
+  # where the load's check found the same bits: its header says "chains in place"): the
+  # invariance table's "tree" row compares a 4x4 tree with its branches as chains, i.e. the
+  # shapes (any row that differs means chain_forwards must be off on this GPU); the profile
+  # says where a target-alone token's time goes (the GPU's kernels against the wall time)
   verify 1b-fixed16 "$h1b" --dtype bfloat16 --fixed-width 16 --invariance --profile-width 1
   # the same with every linear layer in hetspec's Triton kernel (the weight read once for all
   # 16 rows, split-K fixed by the weight's shape): cuBLAS's 16-row kernels read heavy-1b's
@@ -143,6 +144,10 @@ if [[ -n "${QUICK:-}" ]]; then
       --compile --profile-width 1
   pick
   verify 1b-buckets "$h1b" --dtype bfloat16 --invariance
+  # what attending in place saves: the same verifier with every chain gathering its path
+  # (the third session's fixed-width rows: 1.806 ms at w = 1)
+  VERIFY_S=60 verify 1b-fixed16-gathered "$h1b" --dtype bfloat16 --fixed-width 16 \
+      --no-chain-in-place
   if [[ -n "${GEMMA:-}" ]]; then  # GEMMA=1: a Gemma-3-1B-shaped target (random weights, a
     # 262,144-token tied head, windowed layers): the torch runtime's Gemma path on the GPU
     gemma="$HETSPEC_CACHE_DIR/gemma3-1b"

@@ -22,7 +22,7 @@ from hetspec.protocol.arena import ArenaLayout, ArrayRef
 from hetspec.protocol.sampling import SamplingParams, TokenLogprob
 from hetspec.protocol.vocab import VocabInfo
 
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 
 
 class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"):
@@ -93,6 +93,10 @@ class TorchSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag
     # In fixed width: a chain (the target alone, a chain's verification) in a forward that
     # gathers one path, not the several a tree needs (cheaper; see static_forward.py)
     chain_forwards: bool = True
+    # ... and where that path is the cache's own order (the target alone, a chain verified
+    # after the committed tokens) attend to the cache in place, with no gather, if a check at
+    # load finds the same bits as through the gather
+    chain_in_place: bool = True
     # "triton": linear layers of at most 16 rows (every fixed-width forward) in hetspec's
     # Triton kernel, which reads each weight once for all rows in an order that does not
     # depend on the rows (workers/torch_runtime/skinny_matmul.py); "torch": cuBLAS

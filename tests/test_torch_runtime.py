@@ -320,12 +320,17 @@ def test_fixed_width_logits_do_not_depend_on_the_tree(tmp_path, monkeypatch, nam
     folder = save_reference(build_reference(name), tmp_path / "m")
     runtime = TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=4)
     assert runtime._static.shapes.spans == (16, 32, 64, 128, 256)
+    assert runtime.chains_in_place  # the tokens alone attend to the cache in place
+    in_place = []
+    run = runtime._in_place.run
+    monkeypatch.setattr(runtime._in_place, "run", lambda *a: in_place.append(1) or run(*a))
     runtime.prefill(PROMPT)
     chain, alone = [], []
     for _ in range(30):  # greedy, one token a forward, each committed
         chain.append(int(runtime.last_logits().argmax()))
         alone.append(runtime.forward_tree([chain[-1]], [-1]).logits[0].clone())
         runtime.commit([0])
+    assert len(in_place) >= 30
     for width in (1, 3, 5, 11):
         runtime.rollback(len(PROMPT))
         for begin in range(0, len(chain), width):
@@ -342,6 +347,52 @@ def test_fixed_width_logits_do_not_depend_on_the_tree(tmp_path, monkeypatch, nam
     output = runtime.forward_tree(tokens, [-1, -1, -1, -1, -1, -1, 5, 6])
     for i in range(3):
         assert torch.equal(output.logits[5 + i], alone[i])
+
+
+def test_chains_in_the_caches_order_attend_in_place_only_with_the_same_bits(tmp_path) -> None:
+    """A one-path forward whose path is the cache's order attends to the cache in place; the
+    check at load compares that with the gathered path on random tokens and refuses a
+    forward whose bits differ (here one over other weights)."""
+    folder = save_reference(build_reference("qwen3"), tmp_path / "m")
+    runtime = TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=4, max_context=64)
+    gathered = TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=4, max_context=64,
+                            chain_in_place=False)  # fmt: skip
+    assert runtime.chains_in_place
+    assert not gathered.chains_in_place
+    for each in (runtime, gathered):
+        each.prefill(PROMPT)
+    tokens = [5, 6, 7, 8, 9]
+    assert torch.equal(runtime.forward_tree(tokens, chain_parents(5)).logits,
+                       gathered.forward_tree(tokens, chain_parents(5)).logits)  # fmt: skip
+
+    chains = runtime._chains
+    assert static_forward.same_bits_in_place(chains, runtime._in_place, (None,))
+    other = save_reference(build_reference("qwen3", seed=1), tmp_path / "other")
+    elsewhere = TorchRuntime(other, device="cpu", dtype="float32", fixed_width=4, max_context=64)
+    assert not static_forward.same_bits_in_place(chains, elsewhere._in_place, (None,))
+
+
+def test_which_one_path_batches_are_in_the_caches_order(tmp_path, monkeypatch) -> None:
+    folder = save_reference(build_reference("qwen3"), tmp_path / "m")
+    runtime = TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=4, max_context=64)
+    batches = []
+    forward = runtime._forward_batch
+
+    def kept(static, batch, *rest):
+        batches.append(batch)
+        return forward(static, batch, *rest)
+
+    monkeypatch.setattr(runtime, "_forward_batch", kept)
+    runtime.prefill(PROMPT)
+    batches.clear()
+    runtime.forward_tree([5, 6, 7], chain_parents(3))  # a chain after the committed tokens
+    assert [static_forward.in_cache_order(b) for b in batches] == [True]
+    runtime.discard_pending()
+    runtime.forward_tree([5, 6], [-1, -1])  # two siblings: two paths, not one
+    batches.clear()
+    runtime.forward_tree([7], [1], extend=True)  # below the second: its parent sits past a slot
+    assert len(batches[0].gather) == 1
+    assert not static_forward.in_cache_order(batches[0])
 
 
 def test_shape_buckets() -> None:

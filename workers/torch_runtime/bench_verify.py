@@ -234,6 +234,13 @@ def arguments() -> argparse.ArgumentParser:
         help="fixed width: chains in the shape trees use too (all paths), not one-path forwards",
     )
     parser.add_argument(
+        "--no-chain-in-place",
+        dest="chain_in_place",
+        action="store_false",
+        help="fixed width: chains in the cache's order gather their path like other chains, "
+        "not attend to the cache in place",
+    )
+    parser.add_argument(
         "--no-span-buckets",
         dest="span_buckets",
         action="store_false",
@@ -279,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             max_context=capacity, compile=args.compile, cuda_graphs=args.graphs,
             fixed_width=args.fixed_width, span_buckets=args.span_buckets,
             invariant_paths=args.paths, chain_forwards=args.chain_forwards,
+            chain_in_place=args.chain_in_place,
             matmul=args.matmul, matmul_tiling=args.matmul_tiling,
         )  # fmt: skip
     except ModelLoadError as error:
@@ -290,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         f"model {args.model} ({sum(p.numel() for p in runtime.model.parameters()) / 1e6:.1f}M "
         f"parameters) on {runtime.device} {str(runtime.dtype).removeprefix('torch.')}, "
         f"{torch.get_num_threads()} threads, {args.shape} trees, median of {args.repeats}; "
-        f"{runtime.graphs} CUDA graphs, fixed width {runtime.fixed_width or 'none'}, "
+        f"{runtime.graphs} CUDA graphs, fixed width {runtime.fixed_width or 'none'}"
+        f"{', chains in place' if runtime.chains_in_place else ''}, "
         f"matmul {args.matmul}"
         + "".join(f" {field}={value}" for field, value in args.matmul_tiling.items())
     )
@@ -323,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = {"model": str(args.model), "device": str(runtime.device), "shape": args.shape,
                 "dtype": str(runtime.dtype), "threads": torch.get_num_threads(),
                 "graphs": runtime.graphs, "fixed_width": runtime.fixed_width,
+                "chains_in_place": runtime.chains_in_place,
                 "matmul": args.matmul, "matmul_tiling": args.matmul_tiling}  # fmt: skip
         document = {**meta, "rows": rows, "invariance": invariance}
         if args.profile_width > 0:

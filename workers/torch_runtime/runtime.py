@@ -31,6 +31,8 @@ from hetspec.workers.torch_runtime.static_forward import (
     Batch,
     Shapes,
     StaticForward,
+    in_cache_order,
+    same_bits_in_place,
 )
 from hetspec.workers.torch_runtime.tokenizer import FolderTokenizer
 from hetspec.workers.torch_runtime.weights import load_model
@@ -84,6 +86,7 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         verifies: bool = False,
         invariant_paths: int = INVARIANT_PATHS,
         chain_forwards: bool = True,
+        chain_in_place: bool = True,
         matmul: str = "torch",
         matmul_tiling: dict[str, int] | None = None,
     ) -> None:
@@ -98,7 +101,10 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         every forward instead of the narrowest power of two that holds it. A fixed-width
         forward gathers ``invariant_paths`` tree paths (a tree of more takes several);
         with ``chain_forwards`` a forward whose rows lie on one path runs in a shape of its
-        own that gathers one (a chain attends over a quarter of the keys).
+        own that gathers one (a chain attends over a quarter of the keys), and with
+        ``chain_in_place`` one whose path is the cache's own order (the target alone, a
+        chain's verification) attends to the cache in place, with no gather, where a check
+        at load finds its bits the one-path shape's (``chains_in_place``).
         ``compile`` runs the model through torch.compile: each fixed shape's forward (compiled
         at load with the graphs on CUDA), or where shapes vary each new shape's first forward.
         ``matmul`` "triton": linear layers of at most 16 rows in ``skinny_matmul`` (a GPU, or
@@ -147,6 +153,7 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         self._pinned: np.ndarray | None = None  # host memory registered with CUDA
         self._static: StaticForward | None = None
         self._chains: StaticForward | None = None  # one-path forwards, beside _static
+        self._in_place: StaticForward | None = None  # one path in cache order, no gather
         if static:
             self._static = StaticForward(
                 self.model, c, keys=self._keys, values=self._values, cos=self._cos,
@@ -159,6 +166,14 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
                     sin=self._sin, capacity=capacity, shapes=replace(shapes, paths=1),
                     graphs=cuda_graphs, compiled=compile,
                 )  # fmt: skip
+                if chain_in_place:
+                    in_place = StaticForward(
+                        self.model, c, keys=self._keys, values=self._values, cos=self._cos,
+                        sin=self._sin, capacity=capacity, shapes=replace(shapes, paths=0),
+                        graphs=cuda_graphs, compiled=compile,
+                    )  # fmt: skip
+                    if same_bits_in_place(self._chains, in_place, c.sliding_windows):
+                        self._in_place = in_place
         if not static:
             self._run_chain = None  # eager forwards: each step's is the host's anyway
 
@@ -189,7 +204,14 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
     @property
     def graphs(self) -> int:
         """How many CUDA graphs forwards replay (0: none)."""
-        return sum(len(s.graphs) for s in (self._static, self._chains) if s is not None)
+        forwards = (self._static, self._chains, self._in_place)
+        return sum(len(s.graphs) for s in forwards if s is not None)
+
+    @property
+    def chains_in_place(self) -> bool:
+        """Whether chains in the cache's order attend to it in place (``chain_in_place``, and
+        the check at load found the same bits as through the one-path gather)."""
+        return self._in_place is not None
 
     def _read_config(self, folder: Path) -> ModelConfig:
         """The shape the KV cache and RoPE tables are built for."""
@@ -424,6 +446,10 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         keys and their order are the same; only the paths beside it, which it never sees, are
         left out)."""
         if self._chains is not None and batch.gather is not None and len(batch.gather) == 1:
+            if self._in_place is not None and in_cache_order(batch):
+                flat = replace(batch, masks=[mask[0] for mask in batch.masks], gather=None,
+                               row_paths=None)  # fmt: skip
+                return self._in_place.run(flat, first_token)
             one_path = replace(batch, masks=[mask[:1] for mask in batch.masks])
             return self._chains.run(one_path, first_token)
         return static.run(batch, first_token)

@@ -248,3 +248,51 @@ class StaticForward:
                     self._forward(width, span)
                 self.graphs[(width, span)] = graph
         torch.cuda.synchronize(self.device)
+
+
+# ------------------------------------------------------------ chains in the cache's order
+
+
+def in_cache_order(batch: Batch) -> bool:
+    """Whether a batch's one path is the cache's own order up to its last row (each
+    position's key sits in the slot of that number: the target alone, a chain verified after
+    the committed tokens), so its rows may attend to the cache in place, with no gather."""
+    if batch.gather is None or len(batch.gather) != 1:
+        return False
+    top = int(batch.positions.max()) + 1
+    return bool(np.array_equal(batch.gather[0, :top], np.arange(top)))
+
+
+def same_bits_in_place(one_path: StaticForward, in_place: StaticForward,
+                       windows: tuple[int | None, ...], seed: int = 0) -> bool:  # fmt: skip
+    """Whether ``in_place`` (no paths: masks over cache slots) computes the bits of
+    ``one_path`` (one gathered path) for chains in the cache's order: the same keys in the same
+    order, but the attention kernels see a view of the cache instead of a gathered copy, and
+    which kernel runs (so the order it sums in) may depend on that. Checked with random tokens
+    at the end of every span bucket, each forward's graph as it will run; the slots it writes
+    lie past an empty cache's committed end, so nothing reads them later."""
+    shapes = one_path.shapes
+    vocab, width = one_path.config.vocab_size, shapes.widest
+    rng = np.random.default_rng(seed)
+    distinct = sorted(set(windows), key=lambda w: (w is None, w or 0))
+    for span in shapes.spans:
+        positions = np.arange(max(0, span - width), span)
+        keys = np.arange(span)
+        masks = []
+        for window in distinct:
+            seen = keys <= positions[:, None]
+            if window is not None:
+                seen &= keys > positions[:, None] - window
+            masks.append(seen)
+        tokens = rng.integers(0, vocab, size=len(positions))
+        batch = Batch(tokens=tokens, positions=positions, slots=positions, masks=masks,
+                      span=span)  # fmt: skip
+        gathered = Batch(tokens=tokens, positions=positions, slots=positions,
+                         masks=[mask[None] for mask in masks], span=span,
+                         gather=keys[None].astype(np.int64),
+                         row_paths=np.zeros(len(positions), np.int64))  # fmt: skip
+        logits, hidden = (out.clone() for out in one_path.run(gathered))
+        flat_logits, flat_hidden = in_place.run(batch)
+        if not (torch.equal(logits, flat_logits) and torch.equal(hidden, flat_hidden)):
+            return False
+    return True
