@@ -91,7 +91,7 @@ def load_runtime(kind: str, model: str, settings: m.RuntimeSettings):
             return runtime, f"cpu (native, {runtime.kernels})"
         except NativeUnavailable as error:
             raise LoadError(str(error)) from None
-    from hetspec.workers.torch_runtime import ModelLoadError, TorchRuntime  # noqa: PLC0415
+    from hetspec.workers.torch_runtime import ModelLoadError  # noqa: PLC0415
 
     if kind == "head":
         from hetspec.workers.torch_runtime.head_runtime import HeadRuntime  # noqa: PLC0415
@@ -105,6 +105,12 @@ def load_runtime(kind: str, model: str, settings: m.RuntimeSettings):
         return runtime, f"{runtime.device} (draft head)"
     if not isinstance(settings, m.TorchSettings):
         raise LoadError("the torch worker takes torch settings")
+    return load_torch(model, settings, options)
+
+
+def load_torch(model: str, settings: m.TorchSettings, options: dict):
+    from hetspec.workers.torch_runtime import ModelLoadError, TorchRuntime  # noqa: PLC0415
+
     if settings.matmul_tiling is not None:  # the fields it changes, as plain values
         tiling = msgspec.structs.asdict(settings.matmul_tiling)
         options["matmul_tiling"] = {k: v for k, v in tiling.items() if v is not None}
@@ -113,6 +119,9 @@ def load_runtime(kind: str, model: str, settings: m.RuntimeSettings):
         runtime.vocab_info()  # a folder without a usable tokenizer fails here, at load
     except ModelLoadError as error:
         raise LoadError(str(error)) from None
+    tried_in_place = settings.chain_forwards and settings.chain_in_place and runtime.fixed_width
+    if tried_in_place and not runtime.chains_in_place:  # slower, never wrong: say so
+        return runtime, f"{runtime.device} (chains gather their paths: in place differed)"
     return runtime, str(runtime.device)
 
 
