@@ -310,15 +310,17 @@ def test_cuda_half_precision_tracks_fp32(tmp_path, dtype) -> None:
     assert (output.logits.cpu() - expected).abs().max().item() < 0.2
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["qwen3", "gemma3", "gemma2"])
-def test_fixed_width_logits_do_not_depend_on_the_tree(tmp_path, monkeypatch, name) -> None:
+def test_fixed_width_logits_do_not_depend_on_the_tree(tmp_path, monkeypatch, name, dtype) -> None:
     """With a fixed width a token's logits are bit-identical alone and inside any tree: the
     chain below with a wrong sibling beside every token (siblings between its ancestors in
     the cache), as several forwards, as a tree of more paths than a forward gathers, across
-    attention span buckets (16, 32, 64 .. here); Gemma's windows of 6 positions too."""
+    attention span buckets (16, 32, 64 .. here); Gemma's windows of 6 positions too; in
+    float32 and in the GPU's bfloat16."""
     monkeypatch.setattr(static_forward, "MIN_SPAN", 16)
     folder = save_reference(build_reference(name), tmp_path / "m")
-    runtime = TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=4)
+    runtime = TorchRuntime(folder, device="cpu", dtype=dtype, fixed_width=4)
     assert runtime._static.shapes.spans == (16, 32, 64, 128, 256)
     assert runtime.chains_in_place  # the tokens alone attend to the cache in place
     in_place = []
