@@ -368,10 +368,10 @@ def test_chains_in_the_caches_order_attend_in_place_only_with_the_same_bits(tmp_
                        gathered.forward_tree(tokens, chain_parents(5)).logits)  # fmt: skip
 
     chains = runtime._chains
-    assert static_forward.same_bits_in_place(chains, runtime._in_place, (None,))
+    assert static_forward.same_bits_in_place(chains, runtime._in_place)
     other = save_reference(build_reference("qwen3", seed=1), tmp_path / "other")
     elsewhere = TorchRuntime(other, device="cpu", dtype="float32", fixed_width=4, max_context=64)
-    assert not static_forward.same_bits_in_place(chains, elsewhere._in_place, (None,))
+    assert not static_forward.same_bits_in_place(chains, elsewhere._in_place)
 
 
 def test_which_one_path_batches_are_in_the_caches_order(tmp_path, monkeypatch) -> None:

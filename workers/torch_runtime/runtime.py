@@ -172,7 +172,7 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
                         sin=self._sin, capacity=capacity, shapes=replace(shapes, paths=0),
                         graphs=cuda_graphs, compiled=compile,
                     )  # fmt: skip
-                    if same_bits_in_place(self._chains, in_place, c.sliding_windows):
+                    if same_bits_in_place(self._chains, in_place):
                         self._in_place = in_place
         if not static:
             self._run_chain = None  # eager forwards: each step's is the host's anyway

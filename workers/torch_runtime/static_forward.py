@@ -263,8 +263,7 @@ def in_cache_order(batch: Batch) -> bool:
     return bool(np.array_equal(batch.gather[0, :top], np.arange(top)))
 
 
-def same_bits_in_place(one_path: StaticForward, in_place: StaticForward,
-                       windows: tuple[int | None, ...], seed: int = 0) -> bool:  # fmt: skip
+def same_bits_in_place(one_path: StaticForward, in_place: StaticForward, seed: int = 0) -> bool:
     """Whether ``in_place`` (no paths: masks over cache slots) computes the bits of
     ``one_path`` (one gathered path) for chains in the cache's order: the same keys in the same
     order, but the attention kernels see a view of the cache instead of a gathered copy, and
@@ -274,12 +273,11 @@ def same_bits_in_place(one_path: StaticForward, in_place: StaticForward,
     shapes = one_path.shapes
     vocab, width = one_path.config.vocab_size, shapes.widest
     rng = np.random.default_rng(seed)
-    distinct = sorted(set(windows), key=lambda w: (w is None, w or 0))
     for span in shapes.spans:
         positions = np.arange(max(0, span - width), span)
         keys = np.arange(span)
         masks = []
-        for window in distinct:
+        for window in one_path.windows:  # each distinct sliding window, in its masks' order
             seen = keys <= positions[:, None]
             if window is not None:
                 seen &= keys > positions[:, None] - window
