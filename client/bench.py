@@ -158,6 +158,7 @@ class Record:
     by_depth: list[int] = field(default_factory=list)  # rounds accepting >= depth 1, 2, ...
     output: str = ""  # a digest of the token ids generated ("": a peer's, not compared)
     t_prefill_wait_ms: float | None = None  # waiting for the drafter's late prefill
+    branches: list[int] = field(default_factory=list)  # each round's, as gammas (last 64)
 
     @classmethod
     def of(cls, system: str, prompt: int, repeat: int, loaded: bool, done: Completion) -> Record:
@@ -171,7 +172,14 @@ class Record:
             spec.get("t_draft_link_ms"), spec.get("t_verify_link_ms"), gammas,
             spec.get("acceptance_by_depth", []), token_digest(done.tokens),
             t_prefill_wait_ms=spec.get("t_prefill_wait_ms"),
+            branches=spec.get("branch_history", []),
         )  # fmt: skip
+
+    @property
+    def branched_rounds(self) -> tuple[int, int]:
+        """(drafted rounds of more than one branch, drafted rounds) in the histories."""
+        drafted = [b for g, b in zip(self.gammas, self.branches, strict=False) if g > 0]
+        return sum(b > 1 for b in drafted), len(drafted)
 
     @property
     def decoded(self) -> int:
@@ -442,18 +450,23 @@ def rounds_table(records: list[Record]) -> str:
             return _fmt(sum(v * n for v, n in known) / weight if weight else None, ".3f")
 
         round_ms = sum(r.decode_ms for r in drafted) / sum(r.rounds for r in drafted)
-        lines.append(f"| {name} | {round_ms:.3f} | {mean('gamma_mean')} | "
+        many, rounds = (sum(pair) for pair in zip(*(r.branched_rounds for r in drafted),
+                                                  strict=True))  # fmt: skip
+        branched = _fmt(many / rounds if rounds else None, ".0%")
+        lines.append(f"| {name} | {round_ms:.3f} | {mean('gamma_mean')} | {branched} | "
                      f"{mean('t_draft_ms')} | {mean('t_draft_link_ms')} | {mean('t_verify_ms')} | "
                      f"{mean('t_verify_link_ms')} | {mean('t_overhead_ms')} | "
                      f"{mean('t_prefill_wait_ms')} |")  # fmt: skip
     if not lines:
         return ""
     return "\n".join([
-        "| system | round ms | gamma | draft ms a token | draft call's link ms | "
-        "verify ms (daemon-seen) | of which link ms | daemon's own ms a round | "
-        "drafter's prefill wait ms a round |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|", *lines,
-        "\nA link: a call's time as the daemon sees it beyond the worker's own (messages, "
+        "| system | round ms | gamma | branched rounds | draft ms a token | "
+        "draft call's link ms | verify ms (daemon-seen) | of which link ms | "
+        "daemon's own ms a round | drafter's prefill wait ms a round |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *lines,
+        "\nBranched rounds: of the drafted rounds, those of more than one branch (a GPU "
+        "verifier's fixed-width forward gathers a path for each, where a chain attends in "
+        "place). A link: a call's time as the daemon sees it beyond the worker's own (messages, "
         "wake-ups, the worker's Python around its compute). The daemon's own: a round's time "
         "outside its draft and verify calls (verdict, bookkeeping, the controller). The "
         "drafter's prefill wait: a first draft's wait for the drafter's prompt prefill, which "

@@ -27,7 +27,10 @@ def test_bench_runs_every_system_and_writes_its_reports(tmp_path: Path) -> None:
     for system in systems:
         assert f"| {system} |" in table, (system, table, done.stderr)
     assert "a busy process on the drafter's core" in table
-    assert "| parallel gamma=2 |" in table.split("where a round goes")[1]  # it drafts every round
+    rounds = table.split("where a round goes")[1]
+    assert "| parallel gamma=2 |" in rounds  # it drafts every round
+    parallel = next(line for line in rounds.splitlines() if line.startswith("| parallel"))
+    assert parallel.split("|")[4].strip() == "0%"  # of one branch: no round is branched
     document = json.loads((out / "bench.json").read_text())
     records = document["bundled draft-cpu"]["records"]
     assert {r["system"] for r in records} >= {"adaptive", "transformers assisted"}
