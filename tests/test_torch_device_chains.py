@@ -53,7 +53,10 @@ def decoded(runtime: TorchRuntime, decode, steps: int, host_forwards: int = 0):
 def test_greedy_decoding_on_the_device_gives_the_host_loops_bits(tmp_path, name) -> None:
     runtime = runtime_for(tmp_path, name)
     steps = 30
+    in_place, run = [], runtime._in_place.run
+    runtime._in_place.run = lambda *a: in_place.append(1) or run(*a)
     chained = decoded(runtime, TorchRuntime.decode, steps)
+    assert len(in_place) >= steps - 1  # the prefill's and each token's forwards attend in place
     assert runtime.tokens[len(PROMPT) :] == chained[0][:-1]  # the last is drawn, not evaluated
     host = decoded(runtime, TreeRuntime.decode, steps, host_forwards=steps - 1)
     assert chained[0] == host[0]
