@@ -205,20 +205,17 @@ def main(argv: list[str] | None = None) -> int:
     gammas = [int(g) for g in args.gammas.split(",")]
     depth = max(gammas)
     costs = [float(ms) for ms in args.verify_ms.split(",")] if args.verify_ms else []
-    plain = {g: [0, 0] for g in range(1, depth + 1)} if costs else {}
+    walked = sorted(set(gammas) | (set(range(1, depth + 1)) if costs else set()))
     drafters = Drafters(args.head)
-    kept = {(name, g): [0, 0] for name in ("draft model", "head") for g in gammas}
+    kept = {(name, g): [0, 0] for name in ("draft model", "head") for g in walked}
     agreement = {"draft model": [0, 0], **{f"head, step {k + 1}": [0, 0] for k in range(depth)}}
     for prompt in prompt_set(args.prompts)[: args.prompts]:
         first, end, draft, head = drafters.agreements(prompt, args.tokens, depth,
                                                       args.target_gguf)  # fmt: skip
         for name, agrees in (("draft model", [draft]), ("head", head)):
-            for g in gammas:
+            for g in walked:
                 got = chain_kept(agrees, first, end, g)
                 kept[name, g] = [kept[name, g][0] + got[0], kept[name, g][1] + got[1]]
-        for g in plain:
-            got = chain_kept([draft], first, end, g)
-            plain[g] = [plain[g][0] + got[0], plain[g][1] + got[1]]
         steps = [(f"head, step {k + 1}", a) for k, a in enumerate(head)]
         for key, agrees in [("draft model", draft), *steps]:
             agreement[key][0] += int(agrees[first:end].sum())
@@ -227,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     source = "torch f32" if args.target_gguf is None else f"llama.cpp, {args.target_gguf.name}"
     text = report(rate, kept, gammas, source, args)
     if costs:
-        per_round = {g: hit / rounds for g, (hit, rounds) in plain.items()}
+        per_round = {g: hit / rounds for (name, g), (hit, rounds) in kept.items()
+                     if name == "draft model"}  # fmt: skip
         text += "\n\n" + round_costs_report(per_round, costs, args.draft_ms, args.other_ms)
     print(text)
     if args.out is not None:
