@@ -360,7 +360,9 @@ def test_chains_in_the_caches_order_attend_in_place_only_with_the_same_bits(tmp_
     gathered = TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=4, max_context=64,
                             chain_in_place=False)  # fmt: skip
     assert runtime.chains_in_place
+    assert not runtime.in_place_differed
     assert not gathered.chains_in_place
+    assert not gathered.in_place_differed  # not refused: never asked for
     for each in (runtime, gathered):
         each.prefill(PROMPT)
     tokens = [5, 6, 7, 8, 9]

@@ -119,8 +119,7 @@ def load_torch(model: str, settings: m.TorchSettings, options: dict):
         runtime.vocab_info()  # a folder without a usable tokenizer fails here, at load
     except ModelLoadError as error:
         raise LoadError(str(error)) from None
-    tried_in_place = settings.chain_forwards and settings.chain_in_place and runtime.fixed_width
-    if tried_in_place and not runtime.chains_in_place:  # slower, never wrong: say so
+    if runtime.in_place_differed:  # slower, never wrong: say so
         return runtime, f"{runtime.device} (chains gather their paths: in place differed)"
     return runtime, str(runtime.device)
 

@@ -154,31 +154,34 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         self._static: StaticForward | None = None
         self._chains: StaticForward | None = None  # one-path forwards, beside _static
         self._in_place: StaticForward | None = None  # one path in cache order, no gather
+        self.in_place_differed = False  # chain_in_place, refused: its bits were not the gather's
         if static:
-            self._static = StaticForward(
-                self.model, c, keys=self._keys, values=self._values, cos=self._cos,
-                sin=self._sin, capacity=capacity, shapes=shapes, graphs=cuda_graphs,
-                compiled=compile,
-            )  # fmt: skip
-            if chain_forwards and shapes.paths > 1:
-                self._chains = StaticForward(
-                    self.model, c, keys=self._keys, values=self._values, cos=self._cos,
-                    sin=self._sin, capacity=capacity, shapes=replace(shapes, paths=1),
-                    graphs=cuda_graphs, compiled=compile,
-                )  # fmt: skip
-                if chain_in_place:
-                    in_place = StaticForward(
-                        self.model, c, keys=self._keys, values=self._values, cos=self._cos,
-                        sin=self._sin, capacity=capacity, shapes=replace(shapes, paths=0),
-                        graphs=cuda_graphs, compiled=compile,
-                    )  # fmt: skip
-                    if same_bits_in_place(self._chains, in_place):
-                        self._in_place = in_place
-        if not static:
+            self._build_forwards(shapes, capacity, graphs=cuda_graphs, compiled=compile,
+                                 chains=chain_forwards, in_place=chain_in_place)  # fmt: skip
+        else:
             self._run_chain = None  # eager forwards: each step's is the host's anyway
 
     static_shapes = True  # a subclass with another model call turns fixed shapes off
     outputs_kept = True  # a forward's logits are its own tensor (static outputs are copied)
+
+    def _build_forwards(self, shapes: Shapes, capacity: int, *, graphs: bool, compiled: bool,
+                        chains: bool, in_place: bool) -> None:  # fmt: skip
+        """The fixed shapes' forwards, all over the one cache: ``shapes``; with ``chains`` the
+        one-path shapes beside them, and with ``in_place`` those that read the cache in place,
+        kept where ``same_bits_in_place`` finds their bits the one-path shapes'."""
+        forwards = partial(StaticForward, self.model, self.config, keys=self._keys,
+                           values=self._values, cos=self._cos, sin=self._sin,
+                           capacity=capacity, graphs=graphs, compiled=compiled)  # fmt: skip
+        self._static = forwards(shapes=shapes)
+        if not (chains and shapes.paths > 1):
+            return
+        self._chains = forwards(shapes=replace(shapes, paths=1))
+        if in_place:
+            flat = forwards(shapes=replace(shapes, paths=0))
+            if same_bits_in_place(self._chains, flat):
+                self._in_place = flat
+            else:
+                self.in_place_differed = True
 
     def _use_matmul(self, matmul: str, tiling: dict[str, int] | None, compile: bool) -> None:
         if matmul == "torch":
@@ -444,7 +447,7 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``static.run``, or where the rows lie on one path the one-path shape (each row's
         keys and their order are the same; only the paths beside it, which it never sees, are
-        left out)."""
+        left out), or where that path is the cache's order the cache in place."""
         if self._chains is not None and batch.gather is not None and len(batch.gather) == 1:
             if self._in_place is not None and in_cache_order(batch):
                 flat = replace(batch, masks=[mask[0] for mask in batch.masks], gather=None,
