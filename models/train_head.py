@@ -54,7 +54,7 @@ class Teacher:
 
     def __init__(self, folder: Path) -> None:
         self.config = ModelConfig.from_folder(folder)
-        self.model = load_model(folder, self.config, torch.float32, torch.device("cpu"))
+        self.model = load_model(folder, self.config, torch.float32, CPU)
         # the model's own rotary tables (one per kind: Gemma 3's windowed layers have theirs),
         # never a draft head's, which rotate as one Llama-style kind
         self._cos, self._sin = layer_rope_tables(self.config, self.config.max_context, CPU)
