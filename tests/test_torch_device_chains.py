@@ -21,13 +21,16 @@ PROMPT = [1, 17, 42, 5, 88, 23, 9, 61, 2, 70, 33, 14]
 @pytest.fixture(autouse=True)
 def small_spans(monkeypatch):  # span buckets 16, 32 ..: 30 tokens cross two of them
     monkeypatch.setattr(static_forward, "MIN_SPAN", 16)
+    monkeypatch.setattr(static_forward, "TAIL_BLOCK", 4)  # split attention's points 4 apart
 
 
-def runtime_for(tmp_path, name: str, fixed_width: int = 4) -> TorchRuntime:
+def runtime_for(tmp_path, name: str, fixed_width: int = 4, attention: str = "gathered"
+                ) -> TorchRuntime:  # fmt: skip
     folder = tmp_path / name
     if not folder.exists():
         save_reference(build_reference(name), folder)
-    return TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=fixed_width)
+    return TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=fixed_width,
+                        attention=attention)  # fmt: skip
 
 
 def decoded(runtime: TorchRuntime, decode, steps: int, host_forwards: int = 0):
@@ -49,14 +52,18 @@ def decoded(runtime: TorchRuntime, decode, steps: int, host_forwards: int = 0):
     return tokens, logprobs, runtime.last_logits().copy(), np.concatenate(features)
 
 
+@pytest.mark.parametrize("attention", ["gathered", "split"])
 @pytest.mark.parametrize("name", ["qwen3", "gemma3", "gemma2"])
-def test_greedy_decoding_on_the_device_gives_the_host_loops_bits(tmp_path, name) -> None:
-    runtime = runtime_for(tmp_path, name)
+def test_greedy_decoding_on_the_device_gives_the_host_loops_bits(tmp_path, name,
+                                                                 attention) -> None:  # fmt: skip
+    runtime = runtime_for(tmp_path, name, attention=attention)
     steps = 30
-    in_place, run = [], runtime._in_place.run
-    runtime._in_place.run = lambda *a: in_place.append(1) or run(*a)
+    watched = runtime._split if attention == "split" else runtime._in_place
+    in_place, run = [], watched.run
+    watched.run = lambda *a: in_place.append(1) or run(*a)
     chained = decoded(runtime, TorchRuntime.decode, steps)
     assert len(in_place) >= steps - 1  # the prefill's and each token's forwards attend in place
+    assert runtime.deep_rows == 0  # a chain in the cache's order is never too deep
     assert runtime.tokens[len(PROMPT) :] == chained[0][:-1]  # the last is drawn, not evaluated
     host = decoded(runtime, TreeRuntime.decode, steps, host_forwards=steps - 1)
     assert chained[0] == host[0]
@@ -89,8 +96,10 @@ def test_decoding_past_the_context_is_refused_before_any_forward(tmp_path) -> No
      (SamplingParams(temperature=0.8), lambda: DrawnSampler(5))],
     ids=["greedy", "keyed", "drawn"],
 )  # fmt: skip
-def test_a_chained_draft_is_the_step_by_step_draft(tmp_path, params, sampler) -> None:
-    chained, stepwise = runtime_for(tmp_path, "gemma3"), runtime_for(tmp_path, "gemma3")
+@pytest.mark.parametrize("attention", ["gathered", "split"])
+def test_a_chained_draft_is_the_step_by_step_draft(tmp_path, params, sampler, attention) -> None:
+    chained = runtime_for(tmp_path, "gemma3", attention=attention)
+    stepwise = runtime_for(tmp_path, "gemma3", attention=attention)
     stepwise._run_chain = None  # TreeRuntime's loop: one forward and one choice a step
     results = []
     for runtime in (chained, stepwise):

@@ -25,16 +25,24 @@ TOLERANCE = 1e-4  # max abs logit difference allowed against transformers in fp3
 PROMPT = [1, 17, 42, 5, 88, 23, 9, 61, 2, 70, 33, 14]
 
 
-# (config, fixed_width): 0 runs each call in its own shape (the CPU's default); 4 runs every
-# call as forwards of exactly 4 rows through static_forward.py, the shapes CUDA graphs replay
-@pytest.fixture(scope="module", params=[(c, w) for c in sorted(TINY_CONFIGS) for w in (0, 4)],
-                ids=lambda p: f"{p[0]}-w{p[1]}")  # fmt: skip
+# (config, fixed_width, attention): width 0 runs each call in its own shape (the CPU's
+# default); 4 runs every call as forwards of exactly 4 rows through static_forward.py, the
+# shapes CUDA graphs replay, with each row's path gathered or with split attention (its
+# split points 4 apart here, so the prompt's rows read keys both in place and gathered)
+@pytest.fixture(scope="module",
+                params=[(c, w, a) for c in sorted(TINY_CONFIGS)
+                        for w, a in ((0, "gathered"), (4, "gathered"), (4, "split"))],
+                ids=lambda p: f"{p[0]}-w{p[1]}" + "-split" * (p[2] == "split"))  # fmt: skip
 def pair(request, tmp_path_factory):
     """(transformers reference, our runtime over the same saved checkpoint)."""
-    name, fixed_width = request.param
+    name, fixed_width, attention = request.param
     reference = build_reference(name)
     folder = save_reference(reference, tmp_path_factory.mktemp(name))
-    runtime = TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=fixed_width)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(static_forward, "TAIL_BLOCK", 4)
+        runtime = TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=fixed_width,
+                               attention=attention)  # fmt: skip
+    assert runtime.attention == attention
     return reference, runtime
 
 
@@ -310,29 +318,36 @@ def test_cuda_half_precision_tracks_fp32(tmp_path, dtype) -> None:
     assert (output.logits.cpu() - expected).abs().max().item() < 0.2
 
 
+@pytest.mark.parametrize("attention", ["gathered", "split"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["qwen3", "gemma3", "gemma2"])
-def test_fixed_width_logits_do_not_depend_on_the_tree(tmp_path, monkeypatch, name, dtype) -> None:
+def test_fixed_width_logits_do_not_depend_on_the_tree(tmp_path, monkeypatch, name, dtype,
+                                                      attention) -> None:  # fmt: skip
     """With a fixed width a token's logits are bit-identical alone and inside any tree: the
     chain below with a wrong sibling beside every token (siblings between its ancestors in
     the cache), as several forwards, as a tree of more paths than a forward gathers, across
     attention span buckets (16, 32, 64 .. here); Gemma's windows of 6 positions too; in
-    float32 and in the GPU's bfloat16."""
+    float32 and in the GPU's bfloat16; through gathered paths (the tokens alone attending to
+    the cache in place) and through split attention (split points 8 apart here, so most
+    rows read keys both in place and from their gathered tails)."""
     monkeypatch.setattr(static_forward, "MIN_SPAN", 16)
+    monkeypatch.setattr(static_forward, "TAIL_BLOCK", 8)
     folder = save_reference(build_reference(name), tmp_path / "m")
-    runtime = TorchRuntime(folder, device="cpu", dtype=dtype, fixed_width=4)
+    runtime = TorchRuntime(folder, device="cpu", dtype=dtype, fixed_width=4, attention=attention)
     assert runtime._static.shapes.spans == (16, 32, 64, 128, 256)
-    assert runtime.chains_in_place  # the tokens alone attend to the cache in place
-    in_place = []
-    run = runtime._in_place.run
-    monkeypatch.setattr(runtime._in_place, "run", lambda *a: in_place.append(1) or run(*a))
+    watched = runtime._split if attention == "split" else runtime._in_place
+    assert runtime.attention == attention
+    assert attention == "split" or runtime.chains_in_place  # alone: the cache in place
+    ran = []
+    run = watched.run
+    monkeypatch.setattr(watched, "run", lambda *a: ran.append(1) or run(*a))
     runtime.prefill(PROMPT)
     chain, alone = [], []
     for _ in range(30):  # greedy, one token a forward, each committed
         chain.append(int(runtime.last_logits().argmax()))
         alone.append(runtime.forward_tree([chain[-1]], [-1]).logits[0].clone())
         runtime.commit([0])
-    assert len(in_place) >= 30
+    assert len(ran) >= 30
     for width in (1, 3, 5, 11):
         runtime.rollback(len(PROMPT))
         for begin in range(0, len(chain), width):
@@ -349,6 +364,7 @@ def test_fixed_width_logits_do_not_depend_on_the_tree(tmp_path, monkeypatch, nam
     output = runtime.forward_tree(tokens, [-1, -1, -1, -1, -1, -1, 5, 6])
     for i in range(3):
         assert torch.equal(output.logits[5 + i], alone[i])
+    assert runtime.deep_rows == 0
 
 
 def test_chains_in_the_caches_order_attend_in_place_only_with_the_same_bits(tmp_path) -> None:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetspec.workers.torch_runtime.config import ModelConfig, RopeScaling
+from hetspec.workers.torch_runtime.split_attention import split_attention
 
 
 class RMSNorm(nn.Module):
@@ -112,9 +113,10 @@ class Attention(nn.Module):
         keys: torch.Tensor,
         values: torch.Tensor,
         start: int,
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None,
         slots: torch.Tensor | None = None,
         paths: tuple[torch.Tensor, torch.Tensor] | None = None,
+        tail: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x: (n, hidden) new tokens; keys/values: (kv_heads, capacity, head_dim) cache views.
 
@@ -127,6 +129,10 @@ class Attention(nn.Module):
         keys its path's gather row lists, in position order (``mask``: (p, n, span), by
         position); so a token sees the same keys in the same places whether its tree's
         siblings sit between its ancestors in the cache or not.
+
+        ``tail`` (n, t) cache slots: attention split as split_attention.py does, in place over
+        the slots ``mask[0]`` (n, span) allows and over ``tail``'s where ``mask[1]`` (n, t)
+        does (with ``slots``).
         """
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.heads, self.head_dim)
@@ -142,7 +148,11 @@ class Attention(nn.Module):
         else:
             keys.index_copy_(1, slots, apply_rope(k.transpose(0, 1), cos, sin))
             values.index_copy_(1, slots, v.transpose(0, 1))
-            span = mask.shape[-1]
+            span = mask[0].shape[-1] if tail is not None else mask.shape[-1]
+        if tail is not None:
+            scale = self.scale or self.head_dim**-0.5
+            out = split_attention(q, keys, values, tail, mask, scale=scale, softcap=self.softcap)
+            return self.o_proj(out.transpose(0, 1).reshape(n, self.heads * self.head_dim))
         if paths is not None:
             gather, row_paths = paths
             count = gather.shape[0]
@@ -285,18 +295,19 @@ class CausalLM(nn.Module):
         masks: list[torch.Tensor | None],
         slots: torch.Tensor | None = None,
         paths: tuple[torch.Tensor, torch.Tensor] | None = None,
+        tail: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run ``tokens`` (n,) through every layer; returns the last layer's output (n, hidden).
 
         ``cos``/``sin``: (kinds, n, head_dim), ``layer_rope_tables`` at the tokens' positions;
         ``cache_keys``/``cache_values``: (layers, kv_heads, capacity, head_dim); ``masks``: one
         attention mask per layer (layers with the same window share one tensor); ``slots``,
-        ``paths``: see ``Attention.forward``.
+        ``paths``, ``tail``: see ``Attention.forward``.
         """
         x = self.model.embed(tokens)
         return self.run_halves(x, range(2 * len(self.model.layers)), cos, sin,
                                cache_keys=cache_keys, cache_values=cache_values, start=start,
-                               masks=masks, slots=slots, paths=paths)  # fmt: skip
+                               masks=masks, slots=slots, paths=paths, tail=tail)  # fmt: skip
 
     def run_halves(
         self,
@@ -311,6 +322,7 @@ class CausalLM(nn.Module):
         masks: list[torch.Tensor | None],
         slots: torch.Tensor | None = None,
         paths: tuple[torch.Tensor, torch.Tensor] | None = None,
+        tail: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run hidden states (n, hidden) through half-layers ``halves`` (a pipeline stage's
         share; half 2i is layer i's attention with its input norm, 2i + 1 its MLP with its
@@ -329,6 +341,7 @@ class CausalLM(nn.Module):
                     mask=masks[attention],
                     slots=slots,
                     paths=paths,
+                    tail=tail,
                 )
                 attention += 1
             else:

@@ -26,6 +26,7 @@ from hetspec.workers.torch_runtime import skinny_matmul
 from hetspec.workers.torch_runtime.config import ModelConfig, ModelLoadError
 from hetspec.workers.torch_runtime.device_choice import DeviceChoice
 from hetspec.workers.torch_runtime.model import layer_rope_tables
+from hetspec.workers.torch_runtime.split_attention import path_tails
 from hetspec.workers.torch_runtime.static_forward import (
     INVARIANT_PATHS,
     Batch,
@@ -87,6 +88,7 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         invariant_paths: int = INVARIANT_PATHS,
         chain_forwards: bool = True,
         chain_in_place: bool = True,
+        attention: str = "gathered",
         matmul: str = "torch",
         matmul_tiling: dict[str, int] | None = None,
     ) -> None:
@@ -105,6 +107,10 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         ``chain_in_place`` one whose path is the cache's own order (the target alone, a
         chain's verification) attends to the cache in place, with no gather, where a check
         at load finds its bits the one-path shape's (``chains_in_place``).
+        ``attention`` "split": fixed-width forwards attend as split_attention.py does instead
+        (any tree in one forward, its rows' bits their own alone by construction); a call
+        with a row too deep below where its path leaves the cache's order for that runs in
+        eager gathered forwards (``deep_rows`` counts them).
         ``compile`` runs the model through torch.compile: each fixed shape's forward (compiled
         at load with the graphs on CUDA), or where shapes vary each new shape's first forward.
         ``matmul`` "triton": linear layers of at most 16 rows in ``skinny_matmul`` (a GPU, or
@@ -134,6 +140,8 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
             raise ModelLoadError(f"fixed_width {fixed_width} is negative")
         self.fixed_width = fixed_width
         static = self.static_shapes and (self.device.type == "cuda" or fixed_width > 0)
+        if attention not in ("gathered", "split"):
+            raise ModelLoadError(f'attention must be "gathered" or "split", not {attention!r}')
         try:
             shapes = Shapes.for_context(
                 capacity, fixed_width=fixed_width, span_buckets=span_buckets,
@@ -141,6 +149,7 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
             )  # fmt: skip
         except ValueError as error:
             raise ModelLoadError(str(error)) from None
+        split = attention == "split" and static and shapes.paths > 0
         scratch = shapes.widest if static else 0  # slots for padding rows' keys/values
         c = self.config
         shape = (c.num_layers, c.num_kv_heads, capacity + scratch, c.head_dim)
@@ -155,9 +164,12 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         self._chains: StaticForward | None = None  # one-path forwards, beside _static
         self._in_place: StaticForward | None = None  # one path in cache order, no gather
         self.in_place_differed = False  # chain_in_place, refused: its bits were not the gather's
+        self._split: StaticForward | None = None  # split attention's forwards
+        self.deep_rows = 0  # rows split attention sent to the gathered forwards
         if static:
             self._build_forwards(shapes, capacity, graphs=cuda_graphs, compiled=compile,
-                                 chains=chain_forwards, in_place=chain_in_place)  # fmt: skip
+                                 chains=chain_forwards, in_place=chain_in_place,
+                                 split=split)  # fmt: skip
         else:
             self._run_chain = None  # eager forwards: each step's is the host's anyway
 
@@ -165,13 +177,19 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
     outputs_kept = True  # a forward's logits are its own tensor (static outputs are copied)
 
     def _build_forwards(self, shapes: Shapes, capacity: int, *, graphs: bool, compiled: bool,
-                        chains: bool, in_place: bool) -> None:  # fmt: skip
+                        chains: bool, in_place: bool, split: bool) -> None:  # fmt: skip
         """The fixed shapes' forwards, all over the one cache: ``shapes``; with ``chains`` the
         one-path shapes beside them, and with ``in_place`` those that read the cache in place,
-        kept where ``same_bits_in_place`` finds their bits the one-path shapes'."""
+        kept where ``same_bits_in_place`` finds their bits the one-path shapes'. With
+        ``split`` the split-attention shapes instead, ``shapes`` eager for rows too deep."""
         forwards = partial(StaticForward, self.model, self.config, keys=self._keys,
                            values=self._values, cos=self._cos, sin=self._sin,
-                           capacity=capacity, graphs=graphs, compiled=compiled)  # fmt: skip
+                           capacity=capacity)  # fmt: skip
+        if split:
+            self._split = forwards(shapes=shapes.split(), graphs=graphs, compiled=compiled)
+            self._static = forwards(shapes=shapes, graphs=False)
+            return
+        forwards = partial(forwards, graphs=graphs, compiled=compiled)
         self._static = forwards(shapes=shapes)
         if not (chains and shapes.paths > 1):
             return
@@ -207,8 +225,13 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
     @property
     def graphs(self) -> int:
         """How many CUDA graphs forwards replay (0: none)."""
-        forwards = (self._static, self._chains, self._in_place)
+        forwards = (self._static, self._chains, self._in_place, self._split)
         return sum(len(s.graphs) for s in forwards if s is not None)
+
+    @property
+    def attention(self) -> str:
+        """How fixed-width forwards attend: "split" (split_attention.py) or "gathered"."""
+        return "split" if self._split is not None else "gathered"
 
     @property
     def chains_in_place(self) -> bool:
@@ -369,19 +392,32 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         logits of the one before, so the host queues forwards without waiting for them. The
         count + 1 tokens, (count, vocab) float32 logits and (count, hidden) states, on the
         device."""
-        static, count = self._static, len(positions)
+        count = len(positions)
+        static, batches = self._one_row_forwards(positions, parents, rows)
         tokens = torch.empty(count + 1, dtype=torch.int64, device=self.device)
         tokens[0] = first
         logits = torch.empty((count, self.vocab_size), device=self.device)
         hidden = torch.empty((count, self.config.hidden_size), dtype=self.dtype,
                              device=self.device)  # fmt: skip
-        for step, batch in enumerate(self._single_rows(static, positions, parents, rows)):
+        for step, batch in enumerate(batches):
             row = replace(batch, tokens=np.zeros(1, np.int64))  # its token: tokens[step]
             out_logits, out_hidden = self._forward_batch(static, row, tokens[step : step + 1])
             logits[step].copy_(out_logits[0])
             hidden[step].copy_(out_hidden[0])
             tokens[step + 1 : step + 2].copy_(choose(step, logits[step]))
         return tokens, logits, hidden
+
+    def _one_row_forwards(self, positions: np.ndarray, parents: np.ndarray, rows: np.ndarray
+                          ) -> tuple[StaticForward, Iterator[Batch]]:  # fmt: skip
+        """The forwards ``_evaluate`` would run for these nodes one at a time, and what runs
+        them."""
+        if self._split is not None:
+            tails = self._split_tails(positions, parents)
+            if tails is not None:
+                split = self._split
+                batches = self._split_batches(split, positions, tails, most_rows=1)
+                return split, (batch for _, batch in batches)
+        return self._static, self._single_rows(self._static, positions, parents, rows)
 
     def _single_rows(self, static: StaticForward, positions: np.ndarray, parents: np.ndarray,
                      rows: np.ndarray) -> Iterator[Batch]:  # fmt: skip
@@ -405,6 +441,12 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         """(float32 logits, last hidden states) of new nodes whose keys/values go to the slots
         after the pending ones (``parents``: as ``forward_tree`` validated them); with
         ``last_only`` the logits of the last node may be all."""
+        if self._split is not None:
+            tails = self._split_tails(positions, parents)
+            if tails is not None:
+                split = self._split
+                return self._run_batches(split, self._split_batches(split, positions, tails),
+                                         tokens)  # fmt: skip
         static = self._static
         if static is not None and static.shapes.paths:
             return self._run_batches(
@@ -456,6 +498,41 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
             one_path = replace(batch, masks=[mask[:1] for mask in batch.masks])
             return self._chains.run(one_path, first_token)
         return static.run(batch, first_token)
+
+    def _split_tails(self, positions: np.ndarray, parents: np.ndarray) -> np.ndarray | None:
+        """``path_tails`` of new nodes after the pending ones (None, counted in
+        ``deep_rows``: a row too deep for split attention)."""
+        existing = self.pending
+        tails = path_tails(
+            self.committed,
+            np.concatenate([self._pending_parents[:existing], parents]),
+            np.concatenate([self._pending_depths[:existing], positions - self.committed]),
+            existing + np.arange(len(positions)),
+            self._split.shapes.tail_block,
+        )
+        if tails is None:
+            self.deep_rows += len(positions)
+        return tails
+
+    def _split_batches(
+        self, split: StaticForward, positions: np.ndarray, tails: np.ndarray,
+        most_rows: int | None = None,
+    ) -> Iterator[tuple[np.ndarray, Batch]]:  # fmt: skip
+        """Split attention's forwards: rows in order, at most ``widest`` (or ``most_rows``)
+        a forward, all of one span bucket (their own positions')."""
+        shapes, first = split.shapes, self.committed + self.pending
+        spans = np.asarray(shapes.spans)
+        row_spans = spans[np.searchsorted(spans, positions + 1)]
+        most_rows = most_rows or shapes.widest
+        begin = 0
+        while begin < len(positions):
+            end = min(begin + most_rows, len(positions))
+            end = begin + int(np.argmax(np.append(row_spans[begin:end], -1) != row_spans[begin]))
+            rows = np.arange(begin, end)
+            yield rows, Batch(tokens=np.empty(0, np.int64), positions=positions[rows],
+                              slots=first + rows, masks=[], span=int(row_spans[begin]),
+                              tail_slots=tails[rows])  # fmt: skip
+            begin = end
 
     def _bucket_batches(
         self, static: StaticForward, positions: np.ndarray, rows: np.ndarray

@@ -14,32 +14,38 @@ batch's shape (one width, always), the attention span (each token is evaluated i
 bucket of its own position, whatever else the call holds) and where its keys sit in the cache:
 a tree puts its siblings between a node's ancestors, and attention kernels sum over keys in
 cache order. So every token attends to its path's keys gathered in position order, ``paths``
-paths a forward (a chain is one path).
+paths a forward (a chain is one path), or with ``Shapes.tail_block`` to the cache in place
+up to a point its position fixes and to its path's last few keys gathered
+(split_attention.py): then a forward holds any number of paths.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from hetspec.workers.torch_runtime.config import ModelConfig
+from hetspec.workers.torch_runtime.split_attention import split_masks, tail_length
 
 MIN_SPAN = 256  # the narrowest attention span bucket (slots)
 COMPILED_SHAPES = 256  # recompilations allowed a compiled forward: one per shape
 MAX_BUCKET_WIDTH = 64  # the widest width bucket when widths vary
 INVARIANT_PATHS = 4  # tree paths one width-invariant forward gathers
+TAIL_BLOCK = 16  # split attention's block: a row's gathered tail is 33-48 keys
 
 
 @dataclass(frozen=True)
 class Shapes:
     """The width and span buckets forwards are padded to (both ascending), and the paths a
-    width-invariant forward gathers (0: tokens attend in cache order, widths vary)."""
+    width-invariant forward gathers (0: tokens attend in cache order, widths vary) or, where
+    ``tail_block`` > 0, the block of its split attention (one fixed width, no paths)."""
 
     widths: tuple[int, ...]
     spans: tuple[int, ...]
     paths: int = 0
+    tail_block: int = 0
 
     @classmethod
     def for_context(cls, capacity: int, *, fixed_width: int, span_buckets: bool,
@@ -65,6 +71,15 @@ class Shapes:
     def widest(self) -> int:
         return self.widths[-1]
 
+    def split(self) -> Shapes:
+        """These widths and spans in split attention's forwards (``TAIL_BLOCK``)."""
+        return replace(self, paths=0, tail_block=TAIL_BLOCK)
+
+    @property
+    def invariant(self) -> bool:
+        """Whether a row's bits do not depend on the rows beside it (one fixed width)."""
+        return bool(self.paths or self.tail_block)
+
     def width_for(self, rows: int) -> int:
         """The narrowest width bucket holding ``rows`` (<= ``widest``)."""
         return next(w for w in self.widths if w >= rows)
@@ -84,7 +99,9 @@ class Batch:
     """One forward's rows. ``masks``: per distinct sliding window (``StaticForward.windows``
     order), which keys each row sees: (n, k) over cache slots, or with ``gather`` (paths, k)
     (each path's cache slot of every position) (paths, n, k) over positions, a row seeing
-    keys only through its own path (``row_paths``)."""
+    keys only through its own path (``row_paths``). Split forwards (``Shapes.tail_block``)
+    take no masks (their forwards make them from the positions) but ``tail_slots`` (n, tail):
+    each row's path's cache slots from its split point on (any slot past the row itself)."""
 
     tokens: np.ndarray
     positions: np.ndarray
@@ -93,6 +110,7 @@ class Batch:
     span: int
     gather: np.ndarray | None = None
     row_paths: np.ndarray | None = None
+    tail_slots: np.ndarray | None = None
 
 
 class StaticForward:
@@ -140,8 +158,11 @@ class StaticForward:
         # tokens, positions, cache slots, row paths: a row each
         self._inputs = pair((4, widest), torch.int64)
         mask_rows = (paths, widest) if paths else (widest,)
-        self._masks = {s: pair((windows, *mask_rows, s), torch.bool) for s in shapes.spans}
+        block = shapes.tail_block
+        spans = () if block else shapes.spans  # split forwards make their masks
+        self._masks = {s: pair((windows, *mask_rows, s), torch.bool) for s in spans}
         self._gather = {s: pair((max(paths, 1), s), torch.int64) for s in shapes.spans}
+        self._tail = pair((widest, tail_length(block)), torch.int64) if block else None
         self.logits = torch.zeros((widest, config.vocab_size), dtype=torch.float32, device=device)
         self.hidden = torch.zeros((widest, config.hidden_size), dtype=self.dtype, device=device)
         self._staged = torch.cuda.Event() if pinned else None  # host staging free again
@@ -167,16 +188,23 @@ class StaticForward:
         host[0, :n], host[1, :n], host[2, :n] = batch.tokens, batch.positions, batch.slots
         host[3, :n] = 0 if batch.row_paths is None else batch.row_paths
         self._pad_inputs(host, n, width)
-        masks, host_masks = self._masks[span]
-        staged = host_masks.numpy()
-        staged[...] = False
-        for index, mask in enumerate(batch.masks):
-            staged[index, ..., :n, : mask.shape[-1]] = mask
-        staged[..., n:width, 0] = True  # padding rows see slot 0: never a row of no keys
+        if self._tail is not None:
+            tail, host_tail = self._tail
+            staged_tail = host_tail.numpy()
+            staged_tail[:n] = batch.tail_slots
+            staged_tail[n:width] = 0  # padding rows at position 0 see slot 0
+            tail.copy_(host_tail, non_blocking=True)
+        else:
+            masks, host_masks = self._masks[span]
+            staged = host_masks.numpy()
+            staged[...] = False
+            for index, mask in enumerate(batch.masks):
+                staged[index, ..., :n, : mask.shape[-1]] = mask
+            staged[..., n:width, 0] = True  # padding rows see slot 0: never a row of no keys
+            masks.copy_(host_masks, non_blocking=True)
         inputs.copy_(host_inputs, non_blocking=True)
         if first_token is not None:
             inputs[0, :1].copy_(first_token)
-        masks.copy_(host_masks, non_blocking=True)
         if batch.gather is not None:
             gather, host_gather = self._gather[span]
             staged_gather = host_gather.numpy()
@@ -206,7 +234,12 @@ class StaticForward:
 
     def _compute(self, width: int, span: int) -> None:
         tokens, positions, slots, row_paths = self._inputs[0][:, :width]
-        masks = self._masks[span][0][..., :width, :]
+        tail = None
+        if self._tail is not None:
+            block, tail = self.shapes.tail_block, self._tail[0][:width]
+            masks = [split_masks(positions, span, block, window) for window in self.windows]
+        else:
+            masks = self._masks[span][0][..., :width, :]
         paths = (self._gather[span][0], row_paths) if self.shapes.paths else None
         hidden = self.model(
             tokens,
@@ -218,6 +251,7 @@ class StaticForward:
             masks=[masks[i] for i in self._window_index],
             slots=slots,
             paths=paths,
+            tail=tail,
         )
         self.hidden[:width].copy_(hidden)
         self.logits[:width].copy_(self.model.logits(hidden))
@@ -233,6 +267,8 @@ class StaticForward:
         for masks, _ in self._masks.values():
             masks.zero_()
             masks[..., 0] = True
+        if self._tail is not None:
+            self._tail[0].zero_()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.inference_mode(), torch.cuda.stream(side):

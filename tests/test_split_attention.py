@@ -1,0 +1,104 @@
+"""Split attention (workers/torch_runtime/split_attention.py): the arithmetic against plain
+softmax attention, the tails a tree's rows gather, and the runtime's way out for rows too
+deep for it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import build_reference, save_reference
+
+from hetspec.workers.torch_runtime import TorchRuntime, static_forward
+from hetspec.workers.torch_runtime.split_attention import (
+    path_tails,
+    split_attention,
+    split_masks,
+    split_point,
+)
+
+
+def test_split_points_and_masks() -> None:
+    positions = np.array([0, 7, 8, 15, 16, 40])
+    assert split_point(positions, 4).tolist() == [0, 0, 0, 4, 8, 32]
+    prefix, tail = split_masks(torch.tensor([15, 2]), 16, 4, None)
+    assert prefix[0].tolist() == [True] * 4 + [False] * 12  # keys 0..3 in place
+    assert tail[0].tolist() == [True] * 12  # positions 4..15 gathered
+    assert not prefix[1].any()
+    assert tail[1].tolist() == [True] * 3 + [False] * 9  # positions 0..2
+    prefix, tail = split_masks(torch.tensor([15]), 16, 4, 6)  # keys 10..15 only
+    assert not prefix.any()
+    assert tail[0].tolist() == [False] * 6 + [True] * 6
+
+
+@pytest.mark.parametrize(("heads", "softcap", "window"), [(4, None, None), (8, 30.0, 5)])
+def test_the_two_parts_merge_into_one_softmax(heads, softcap, window) -> None:
+    """Every row's output is softmax attention over the keys of its path: here the cache in
+    position order (tail slots = positions), against SDPA (or soft-capped scores) over it."""
+    generator = torch.Generator().manual_seed(0)
+    kv_heads, d, span, block = 2, 8, 32, 4
+    keys = torch.randn(kv_heads, 40, d, generator=generator)
+    values = torch.randn(kv_heads, 40, d, generator=generator)
+    positions = torch.tensor([3, 9, 17, 30])
+    q = torch.randn(heads, len(positions), d, generator=generator)
+    start = split_point(positions, block)
+    tails = (start[:, None] + torch.arange(3 * block)).clamp(max=39)
+    masks = split_masks(positions, span, block, window)
+    ours = split_attention(q, keys, values, tails, masks, scale=d**-0.5, softcap=softcap)
+    seen = torch.arange(span)[None] <= positions[:, None]
+    if window is not None:
+        seen &= torch.arange(span)[None] > positions[:, None] - window
+    group = heads // kv_heads
+    k = keys[:, :span].repeat_interleave(group, 0)
+    v = values[:, :span].repeat_interleave(group, 0)
+    scores = q @ k.transpose(1, 2) * d**-0.5
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    expected = scores.masked_fill(~seen, float("-inf")).softmax(-1) @ v
+    if softcap is None:
+        assert torch.allclose(expected, F.scaled_dot_product_attention(q, k, v, attn_mask=seen),
+                              atol=1e-6)  # fmt: skip
+    assert torch.allclose(ours, expected, atol=2e-6)
+
+
+def test_tails_follow_each_rows_path() -> None:
+    committed, block = 20, 4
+    # a chain of 3 in the cache's order, then a sibling of its second node and its child
+    parents = np.array([-1, 0, 1, 0, 3])
+    depths = np.array([0, 1, 2, 1, 2])
+    tails = path_tails(committed, parents, depths, np.arange(5), block)
+    assert tails[2].tolist() == [*range(12, 23), 0]  # positions 12..22 in their own slots
+    assert tails[4].tolist() == [*range(12, 21), 23, 24, 0]  # its path: slots 20, 23, 24
+    # a chain below a second child of the first node, where its path leaves the cache's
+    # order (1 deep): a row at most 2 blocks deeper is always served; 14 + 10 is past it
+    committed = 14
+    for depth, served in ((9, True), (10, False)):
+        parents = np.array([-1, 0, 0, *range(2, depth + 1)])
+        depths = np.array([0, 1, 1, *range(2, depth + 1)])
+        tails = path_tails(committed, parents, depths, np.array([len(parents) - 1]), block)
+        assert (tails is not None) == served, depth
+        assert served == (split_point(committed + depth, block) <= committed + 1)
+
+
+def test_rows_too_deep_for_it_take_the_gathered_forwards(tmp_path, monkeypatch) -> None:
+    """A chain hanging below a second sibling, deeper than split attention serves, is
+    evaluated (counted) through the gathered forwards: logits of the same path alone."""
+    monkeypatch.setattr(static_forward, "MIN_SPAN", 16)
+    monkeypatch.setattr(static_forward, "TAIL_BLOCK", 2)  # 4 deep at most
+    folder = save_reference(build_reference("qwen3"), tmp_path / "m")
+    split = TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=4,
+                         attention="split")  # fmt: skip
+    gathered = TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=4)
+    prompt = [1, 17, 42, 5, 88, 23, 9, 61, 2, 70, 33, 14]
+    tokens = [5, 6, 7, 8, 9, 10, 11, 12]
+    parents = [-1, -1, 1, 2, 3, 4, 5, 6]  # the second root child's chain, 7 deep
+    outputs = []
+    for runtime in (split, gathered):
+        runtime.prefill(prompt)
+        outputs.append(runtime.forward_tree(tokens, parents).logits)
+    assert split.deep_rows == len(tokens)
+    assert torch.allclose(outputs[0], outputs[1], atol=1e-4)
+    split.discard_pending()
+    split.forward_tree(tokens[:5], [-1, -1, 1, 2, 3])  # 4 deep: served
+    assert split.deep_rows == len(tokens)

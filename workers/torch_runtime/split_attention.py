@@ -1,0 +1,118 @@
+"""Attention split at a point fixed by each row's position: the keys before it read in place
+from the cache, the last few gathered into position order, the two parts merged exactly.
+
+A width-invariant verifier needs every token to see the same keys in the same places whether
+it is evaluated alone, in a chain or in a tree (static_forward.py). Gathering each row's whole
+path into position order gives that but copies the span a path; reading the cache in place
+does not, but a tree's siblings sit between a node's ancestors there. The keys that a tree can
+have moved are only its last few positions, so each row splits at
+``split_point(p) = block * floor(p / block) - 2 * block``: the keys before it are committed
+(in their own slots) for any row at most ``2 * block`` deep below where its path leaves the
+cache's order, and are read in place through a mask that depends on ``p`` alone; the
+``3 * block`` positions from it on are gathered per row from its own path. Both parts'
+scores are float32; they share one maximum and their sums and weighted values add, which is
+one softmax over the union. The arithmetic a row runs depends on its position, its keys and
+the forward's fixed shape only, so a tree costs a chain plus a small gathered tail, and the
+bits are the same alone, in a chain or in a tree by construction.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def split_point(positions, block: int):
+    """First key of each row's gathered tail (numpy or torch integers, elementwise)."""
+    start = positions // block * block - 2 * block
+    if isinstance(start, torch.Tensor):
+        return start.clamp(min=0)
+    return np.maximum(start, 0)
+
+
+def tail_length(block: int) -> int:
+    """Keys in a row's gathered tail: it ends at the row itself, at most 3 blocks on."""
+    return 3 * block
+
+
+def split_masks(positions: torch.Tensor, span: int, block: int, window: int | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Which keys rows at ``positions`` (n,) see: (n, span) over cache slots before their
+    split point, (n, tail) over their tail's positions up to their own; ``window``: keys no
+    more than window - 1 positions back (None: all)."""
+    start = split_point(positions, block)[:, None]
+    keys = torch.arange(span, device=positions.device)[None]
+    tail = start + torch.arange(tail_length(block), device=positions.device)[None]
+    mine = positions[:, None]
+    prefix, recent = keys < start, tail <= mine
+    if window is not None:
+        prefix &= keys > mine - window
+        recent &= tail > mine - window
+    return prefix, recent
+
+
+def split_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    tail_slots: torch.Tensor,
+    masks: tuple[torch.Tensor, torch.Tensor],
+    *,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention of q (heads, n, d) over the cache ``keys``/``values`` (kv_heads, slots, d):
+    in place over the first ``span`` slots where ``masks[0]`` (n, span) allows, and over the
+    slots ``tail_slots`` (n, tail) lists where ``masks[1]`` (n, tail) allows. Every row sees
+    at least one key. Returns (heads, n, d) in q's dtype."""
+    prefix_mask, tail_mask = masks
+    kv_heads, span = keys.shape[0], prefix_mask.shape[-1]
+    heads, n, d = q.shape
+    group = heads // kv_heads  # query heads per KV head, h -> h // group
+    query = q.float().reshape(kv_heads, group, n, d)
+    tail_keys = keys[:, tail_slots].float()  # (kv_heads, n, tail, d)
+    tail_values = values[:, tail_slots].float()
+    before = torch.matmul(query.reshape(kv_heads, group * n, d),
+                          keys[:, :span].float().transpose(1, 2))  # fmt: skip
+    before = before.view(kv_heads, group, n, span) * scale
+    recent = torch.matmul(query.transpose(1, 2), tail_keys.transpose(2, 3)).transpose(1, 2)
+    recent = recent * scale  # (kv_heads, group, n, tail)
+    if softcap is not None:
+        before = softcap * torch.tanh(before / softcap)
+        recent = softcap * torch.tanh(recent / softcap)
+    before = before.masked_fill(~prefix_mask, float("-inf"))
+    recent = recent.masked_fill(~tail_mask, float("-inf"))
+    top = torch.maximum(before.amax(-1), recent.amax(-1)).unsqueeze(-1)  # finite
+    before, recent = torch.exp(before - top), torch.exp(recent - top)
+    total = before.sum(-1, keepdim=True) + recent.sum(-1, keepdim=True)
+    out = torch.matmul(before.view(kv_heads, group * n, span), values[:, :span].float())
+    out = out.view(kv_heads, group, n, d)
+    out = out + torch.matmul(recent.transpose(1, 2), tail_values).transpose(1, 2)
+    return (out / total).reshape(heads, n, d).to(q.dtype)
+
+
+def path_tails(committed: int, parents: np.ndarray, depths: np.ndarray, rows: np.ndarray,
+               block: int) -> np.ndarray | None:  # fmt: skip
+    """Each row's tail slots, (len(rows), tail), for nodes ``rows`` of a pending tree whose
+    node i sits in cache slot committed + i at position committed + depths[i] below node
+    parents[i] (-1: the committed end); slots past a row's own position are 0. None where a
+    row's split point lies past where its path leaves the cache's order (its keys before it
+    are not all in their own slots)."""
+    # ordered[i]: how many of node i's path's nodes, from the top, sit in their depth's slot
+    ordered = np.zeros(len(parents), np.int64)
+    for node, parent in enumerate(parents.tolist()):
+        above = 0 if parent < 0 else int(ordered[parent])
+        whole = parent < 0 or above == depths[parent] + 1
+        ordered[node] = above + 1 if whole and node == depths[node] else above
+    tails = np.zeros((len(rows), tail_length(block)), np.int64)
+    for row, node in enumerate(rows.tolist()):
+        depth, kept = int(depths[node]), int(ordered[node])
+        start = int(split_point(committed + depth, block))
+        if start - committed > kept:
+            return None
+        tails[row, : committed + depth - start + 1] = np.arange(start, committed + depth + 1)
+        walk = node
+        while walk >= 0 and depths[walk] >= kept:  # below where the path left the order
+            tails[row, committed + depths[walk] - start] = committed + walk
+            walk = parents[walk]
+    return tails
