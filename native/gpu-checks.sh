@@ -115,7 +115,15 @@ if [[ -n "${QUICK:-}" ]]; then
   # invariance table's "tree" row compares a 4x4 tree with its branches as chains, i.e. the
   # shapes (any row that differs means chain_forwards must be off on this GPU); the profile
   # says where a target-alone token's time goes (the GPU's kernels against the wall time)
-  verify 1b-fixed16 "$h1b" --dtype bfloat16 --fixed-width 16 --invariance --profile-width 1
+  # (chains and four-branch trees: the third session's 4x4 tree took 2.44-2.53 ms, a chain 1.81)
+  verify 1b-fixed16 "$h1b" --dtype bfloat16 --fixed-width 16 --invariance --profile-width 1 \
+      --shape chain,tree
+  # split attention (workers/torch_runtime/split_attention.py): each row reads the cache in
+  # place up to a point its position fixes and gathers only its path's last 33-48 keys, in
+  # explicit float32 arithmetic instead of SDPA; a tree should cost about a chain (the +12%
+  # trees keep over chains offline, docs/bench/gpu/README.md); its tables against the above
+  verify 1b-fixed16-split "$h1b" --dtype bfloat16 --fixed-width 16 --invariance \
+      --profile-width 1 --shape chain,tree --attention split
   # the same with every linear layer in hetspec's Triton kernel (the weight read once for all
   # 16 rows, split-K fixed by the weight's shape): cuBLAS's 16-row kernels read heavy-1b's
   # 1.95 GB at ~36% of the HBM's bandwidth; Triton compiles its kernels at load

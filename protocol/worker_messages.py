@@ -22,7 +22,7 @@ from hetspec.protocol.arena import ArenaLayout, ArrayRef
 from hetspec.protocol.sampling import SamplingParams, TokenLogprob
 from hetspec.protocol.vocab import VocabInfo
 
-PROTOCOL_VERSION = 14
+PROTOCOL_VERSION = 15
 
 
 class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"):
@@ -38,6 +38,7 @@ FlashAttention = Literal["auto", "on", "off"]
 CacheType = Literal["f32", "f16", "q8_0"]
 TorchDtype = Literal["auto", "float32", "bfloat16", "float16"]
 MatmulKernel = Literal["torch", "triton"]
+AttentionKind = Literal["gathered", "split"]
 
 
 class LlamaCppSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="llama.cpp"):
@@ -97,6 +98,11 @@ class TorchSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag
     # after the committed tokens) attend to the cache in place, with no gather, if a check at
     # load finds the same bits as through the gather
     chain_in_place: bool = True
+    # "split": fixed-width forwards read the cache in place up to a point each row's position
+    # fixes and gather only its path's last 33-48 keys (workers/torch_runtime/
+    # split_attention.py): any tree in one forward, bit-identical to its rows alone by
+    # construction, at about a chain's cost; "gathered": paths gathered as above
+    attention: AttentionKind = "gathered"
     # "triton": linear layers of at most 16 rows (every fixed-width forward) in hetspec's
     # Triton kernel, which reads each weight once for all rows in an order that does not
     # depend on the rows (workers/torch_runtime/skinny_matmul.py); "torch": cuBLAS

@@ -71,30 +71,39 @@ def test_buckets_track_float32_in_bfloat16(folder) -> None:
     assert (ours - expected).abs().max().item() < 0.2
 
 
-@pytest.mark.parametrize(("dtype", "compile"), [("bfloat16", False), ("float32", False),
-                                            ("bfloat16", True)],
-                         ids=["bf16", "f32", "bf16-compiled"])  # fmt: skip
-def test_a_verifier_gives_the_same_bits_alone_and_in_any_tree(folder, dtype, compile) -> None:
+@pytest.mark.parametrize(("dtype", "compile", "attention"),
+                         [("bfloat16", False, "gathered"), ("float32", False, "gathered"),
+                          ("bfloat16", True, "gathered"), ("bfloat16", False, "split"),
+                          ("float32", False, "split")],
+                         ids=["bf16", "f32", "bf16-compiled", "bf16-split",
+                              "f32-split"])  # fmt: skip
+def test_a_verifier_gives_the_same_bits_alone_and_in_any_tree(folder, dtype, compile,
+                                                              attention) -> None:  # fmt: skip
     check_the_same_bits(TorchRuntime(folder, device="cuda", dtype=dtype, verifies=True,
-                                     compile=compile))  # fmt: skip
+                                     compile=compile, attention=attention))  # fmt: skip
 
 
+@pytest.mark.parametrize("attention", ["gathered", "split"])
 @pytest.mark.parametrize("name", ["gemma3", "gemma2"])
-def test_a_gemma_verifier_gives_the_same_bits_alone_and_in_any_tree(tmp_path, name) -> None:
+def test_a_gemma_verifier_gives_the_same_bits_alone_and_in_any_tree(tmp_path, name,
+                                                                    attention) -> None:  # fmt: skip
     """Gemma's windowed layers (6 positions here: the chain runs far past them), its second
     rotary table and Gemma 2's soft-capped attention (unfused) in bf16 graphs."""
     folder = save_reference(build_reference(name), tmp_path / name)
-    check_the_same_bits(TorchRuntime(folder, device="cuda", dtype="bfloat16", verifies=True))
+    check_the_same_bits(TorchRuntime(folder, device="cuda", dtype="bfloat16", verifies=True,
+                                     attention=attention))  # fmt: skip
 
 
 def check_the_same_bits(runtime: TorchRuntime) -> None:
     """Greedy tokens one forward each, then as chains of several widths with a wrong sibling
     beside every token, and in a tree of more paths than a forward gathers: every token's
-    logits bit-identical to its own forward's."""
+    logits bit-identical to its own forward's. (Split attention serves rows at most 32 deep
+    below where their path leaves the cache's order: its chains stop at 23.)"""
     assert runtime.fixed_width == 16
     runtime.prefill(LONG_PROMPT)
     chain, alone = greedy_alone(runtime, 40)
-    for width in (1, 3, 9, 16, 23, 40):  # chains and siblings, one and several forwards
+    split = runtime.attention == "split"
+    for width in (1, 3, 9, 16, 23) if split else (1, 3, 9, 16, 23, 40):
         runtime.rollback(len(LONG_PROMPT))
         done = 0
         while done < len(chain):
@@ -113,6 +122,7 @@ def check_the_same_bits(runtime: TorchRuntime) -> None:
     output = runtime.forward_tree(tokens, [-1, -1, -1, -1, -1, -1, 5, 6])
     for i in range(3):
         assert torch.equal(output.logits[5 + i].cpu(), alone[i])
+    assert runtime.deep_rows == 0
 
 
 def test_a_compiled_verifier_tracks_the_eager_one(folder) -> None:
@@ -152,11 +162,12 @@ def test_logits_go_straight_into_registered_host_memory(folder) -> None:
     runtime.close()
 
 
+@pytest.mark.parametrize("attention", ["gathered", "split"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_greedy_decoding_queues_its_forwards_with_the_same_bits(folder, dtype) -> None:
+def test_greedy_decoding_queues_its_forwards_with_the_same_bits(folder, dtype, attention) -> None:
     """A verifier decoding alone chooses each token on the GPU: the host loop's tokens and
     bits, across span buckets."""
-    runtime = TorchRuntime(folder, device="cuda", dtype=dtype, verifies=True)
+    runtime = TorchRuntime(folder, device="cuda", dtype=dtype, verifies=True, attention=attention)
     results = []
     for decode in (TorchRuntime.decode, TreeRuntime.decode):
         runtime.rollback(0)

@@ -72,6 +72,25 @@ def test_the_fastest_invariant_table_becomes_daemon_settings(tmp_path, monkeypat
     assert settings == "gpu_worker.compile=true"
     assert daemon_config(settings).gpu_worker.compile is True
 
+    # split attention, timed on chains and trees: its slowest 16 rows count with its T(1)
+    split = out / "verify-1b-fixed16-split.json"
+    assert bench_verify.main([*arguments[:-1], str(split), "--attention", "split",
+                              "--shape", "chain,tree"]) == 0  # fmt: skip
+    table = json.loads(split.read_text())
+    assert table["attention"] == "split"
+    assert {row["shape"] for row in table["rows"]} == {"chain", "tree"}
+    assert not sum(row["rows_differ"] for row in table["invariance"])
+    fastest = min(row["median_ms"] for row in compiled["rows"])
+    table["rows"] = [{**row, "median_ms": fastest / 4} for row in table["rows"]]
+    split.write_text(json.dumps(table))
+    settings, reasons = picked(out)
+    assert settings == 'gpu_worker.attention="split"'
+    assert daemon_config(settings).gpu_worker.attention == "split"
+    tree = next(row for row in table["rows"] if row["shape"] == "tree" and row["width"] == 16)
+    tree["median_ms"] = 1000.0  # trees slow: back to the compiled forwards
+    split.write_text(json.dumps(table))
+    assert picked(out)[0] == "gpu_worker.compile=true"
+
 
 def test_the_tiling_comes_from_bench_matmuls_table(tmp_path) -> None:
     document = {

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import build_reference, save_reference
+from tiny_models import build_reference, save_reference, write_tiny_gguf_llama
 
-from hetspec.workers.torch_runtime import TorchRuntime, static_forward
+from hetspec.workers.torch_runtime import ModelLoadError, TorchRuntime, static_forward
 from hetspec.workers.torch_runtime.split_attention import (
     path_tails,
     split_attention,
@@ -102,3 +102,18 @@ def test_rows_too_deep_for_it_take_the_gathered_forwards(tmp_path, monkeypatch) 
     split.discard_pending()
     split.forward_tree(tokens[:5], [-1, -1, 1, 2, 3])  # 4 deep: served
     assert split.deep_rows == len(tokens)
+
+
+def test_the_worker_loads_it_from_its_settings_and_says_so(tmp_path) -> None:
+    from hetspec.protocol import worker_messages as m  # noqa: PLC0415
+    from hetspec.workers.process import load_runtime  # noqa: PLC0415
+
+    folder = str(write_tiny_gguf_llama(tmp_path / "m", seed=0, layers=1).parent)  # tokenizer too
+    settings = m.TorchSettings(device="cpu", dtype="float32", fixed_width=4, attention="split")
+    runtime, device = load_runtime("torch", folder, settings)
+    assert runtime.attention == "split"
+    assert device == "cpu (split attention)"
+    eager = m.TorchSettings(device="cpu", attention="split")  # no fixed width: nothing to split
+    assert load_runtime("torch", folder, eager)[0].attention == "gathered"
+    with pytest.raises(ModelLoadError, match='attention must be "gathered" or "split"'):
+        TorchRuntime(folder, device="cpu", attention="flash")

@@ -121,6 +121,8 @@ def load_torch(model: str, settings: m.TorchSettings, options: dict):
         raise LoadError(str(error)) from None
     if runtime.in_place_differed:  # slower, never wrong: say so
         return runtime, f"{runtime.device} (chains gather their paths: in place differed)"
+    if runtime.attention == "split":
+        return runtime, f"{runtime.device} (split attention)"
     return runtime, str(runtime.device)
 
 

@@ -3,8 +3,9 @@
     python -m hetspec.workers.torch_runtime.bench_verify --model DIR [--contexts 128,512,2048]
 
 For each committed context length it times a forward of a drafted tree of 1, 2, 4 ... 64 nodes
-(a chain by default; ``--shape star`` for independent one-token branches) and prints the
-median latency. This T_verify(width) curve is what the budget controller starts from: while
+(a chain by default; ``--shape star`` for independent one-token branches, ``tree`` for four
+equal branches from the root, a comma-separated list for several) and prints the median
+latency. This T_verify(width) curve is what the budget controller starts from: while
 verifying w tokens costs little more than verifying one, longer drafts and more branches pay.
 """
 
@@ -29,6 +30,28 @@ from hetspec.workers.torch_runtime.static_forward import INVARIANT_PATHS, MIN_SP
 from hetspec.workers.tree_runtime import TreeRuntime
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1].parent / "models" / "target"
+
+
+SHAPES = ("chain", "star", "tree")
+
+
+def tree_parents(shape: str, width: int) -> np.ndarray:
+    """A drafted tree's parents: a chain, ``width`` siblings (star), or four equal branches
+    (tree; fewer where ``width`` < 4, the last branch the longest)."""
+    if shape == "star":
+        return np.full(width, -1)
+    if shape == "tree":
+        branches = min(4, width)
+        starts = {b * (width // branches) for b in range(branches)}
+        return np.array([-1 if i in starts else i - 1 for i in range(width)])
+    return chain_parents(width)
+
+
+def shape_list(text: str) -> list[str]:
+    shapes = [item.strip() for item in text.split(",") if item.strip()]
+    if not shapes or any(shape not in SHAPES for shape in shapes):
+        raise argparse.ArgumentTypeError(f"shapes are {', '.join(SHAPES)}, not {text!r}")
+    return shapes
 
 
 def time_forward(runtime: TorchRuntime, tokens: np.ndarray, parents: np.ndarray, repeats: int):
@@ -241,6 +264,13 @@ def arguments() -> argparse.ArgumentParser:
         "not attend to the cache in place",
     )
     parser.add_argument(
+        "--attention",
+        choices=["gathered", "split"],
+        default="gathered",
+        help="fixed width: rows attend to their paths gathered, or split (the cache in place "
+        "up to a point their position fixes, their path's last keys gathered)",
+    )
+    parser.add_argument(
         "--no-span-buckets",
         dest="span_buckets",
         action="store_false",
@@ -268,7 +298,12 @@ def arguments() -> argparse.ArgumentParser:
     )
     parser.add_argument("--contexts", type=positive_int_list, default=[128, 512, 1536])
     parser.add_argument("--widths", type=positive_int_list, default=[1, 2, 4, 8, 16, 32, 64])
-    parser.add_argument("--shape", choices=["chain", "star"], default="chain")
+    parser.add_argument(
+        "--shape",
+        type=shape_list,
+        default=["chain"],
+        help="drafted trees: chain, star, tree (four branches), or a comma-separated list",
+    )
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--json", type=Path, help="also write the rows here")
     return parser
@@ -286,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             max_context=capacity, compile=args.compile, cuda_graphs=args.graphs,
             fixed_width=args.fixed_width, span_buckets=args.span_buckets,
             invariant_paths=args.paths, chain_forwards=args.chain_forwards,
-            chain_in_place=args.chain_in_place,
+            chain_in_place=args.chain_in_place, attention=args.attention,
             matmul=args.matmul, matmul_tiling=args.matmul_tiling,
         )  # fmt: skip
     except ModelLoadError as error:
@@ -297,32 +332,36 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"model {args.model} ({sum(p.numel() for p in runtime.model.parameters()) / 1e6:.1f}M "
         f"parameters) on {runtime.device} {str(runtime.dtype).removeprefix('torch.')}, "
-        f"{torch.get_num_threads()} threads, {args.shape} trees, median of {args.repeats}; "
+        f"{torch.get_num_threads()} threads, median of {args.repeats}; "
         f"{runtime.graphs} CUDA graphs, fixed width {runtime.fixed_width or 'none'}"
-        f"{', chains in place' if runtime.chains_in_place else ''}, "
+        f"{', chains in place' if runtime.chains_in_place else ''}"
+        f"{', split attention' if runtime.attention == 'split' else ''}, "
         f"matmul {args.matmul}"
         + "".join(f" {field}={value}" for field, value in args.matmul_tiling.items())
     )
-    print(f"{'context':>8} {'width':>6} {'ms':>9} {'p25-p75':>15} {'ms/token':>9} {'x w=1':>6}")
+    print(f"{'context':>8} {'shape':>6} {'width':>6} {'ms':>9} {'p25-p75':>15} {'ms/token':>9} "
+          f"{'x w=1':>6}")  # fmt: skip
     rows = []
     for context in args.contexts:
         runtime.prefill(rng.integers(0, vocab, size=context).tolist())
         base = None
-        for width in args.widths:
-            tokens = rng.integers(0, vocab, size=width)
-            parents = chain_parents(width) if args.shape == "chain" else np.full(width, -1)
-            median, p25, p75 = time_forward(runtime, tokens, parents, args.repeats)
-            base = base or median
-            rows.append({"context": context, "width": width, "median_ms": round(median, 3),
-                         "p25_ms": round(p25, 3), "p75_ms": round(p75, 3)})  # fmt: skip
-            print(
-                f"{context:>8} {width:>6} {median:>9.3f} {f'{p25:.2f}-{p75:.2f}':>15} "
-                f"{median / width:>9.3f} {median / base:>6.2f}",
-                flush=True,
-            )
+        for shape in args.shape:
+            for width in args.widths:
+                tokens = rng.integers(0, vocab, size=width)
+                parents = tree_parents(shape, width)
+                median, p25, p75 = time_forward(runtime, tokens, parents, args.repeats)
+                base = base or median
+                rows.append({"context": context, "shape": shape, "width": width,
+                             "median_ms": round(median, 3), "p25_ms": round(p25, 3),
+                             "p75_ms": round(p75, 3)})  # fmt: skip
+                print(
+                    f"{context:>8} {shape:>6} {width:>6} {median:>9.3f} "
+                    f"{f'{p25:.2f}-{p75:.2f}':>15} {median / width:>9.3f} {median / base:>6.2f}",
+                    flush=True,
+                )
         if args.profile_width > 0 and context == args.contexts[-1]:
             width = args.profile_width
-            parents = chain_parents(width) if args.shape == "chain" else np.full(width, -1)
+            parents = tree_parents(args.shape[0], width)
             profiled = profile_forward(runtime, rng.integers(0, vocab, size=width), parents,
                                        args.repeats)  # fmt: skip
         if args.decode > 1 and context == args.contexts[-1]:
@@ -332,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = {"model": str(args.model), "device": str(runtime.device), "shape": args.shape,
                 "dtype": str(runtime.dtype), "threads": torch.get_num_threads(),
                 "graphs": runtime.graphs, "fixed_width": runtime.fixed_width,
-                "chains_in_place": runtime.chains_in_place,
+                "chains_in_place": runtime.chains_in_place, "attention": runtime.attention,
                 "matmul": args.matmul, "matmul_tiling": args.matmul_tiling}  # fmt: skip
         document = {**meta, "rows": rows, "invariance": invariance}
         if args.profile_width > 0:
