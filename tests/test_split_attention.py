@@ -14,7 +14,8 @@ from hetspec.workers.torch_runtime import ModelLoadError, TorchRuntime, static_f
 from hetspec.workers.torch_runtime.split_attention import (
     path_tails,
     split_attention,
-    split_masks,
+    split_bias,
+    split_mask,
     split_point,
 )
 
@@ -22,14 +23,11 @@ from hetspec.workers.torch_runtime.split_attention import (
 def test_split_points_and_masks() -> None:
     positions = np.array([0, 7, 8, 15, 16, 40])
     assert split_point(positions, 4).tolist() == [0, 0, 0, 4, 8, 32]
-    prefix, tail = split_masks(torch.tensor([15, 2]), 16, 4, None)
-    assert prefix[0].tolist() == [True] * 4 + [False] * 12  # keys 0..3 in place
-    assert tail[0].tolist() == [True] * 12  # positions 4..15 gathered
-    assert not prefix[1].any()
-    assert tail[1].tolist() == [True] * 3 + [False] * 9  # positions 0..2
-    prefix, tail = split_masks(torch.tensor([15]), 16, 4, 6)  # keys 10..15 only
-    assert not prefix.any()
-    assert tail[0].tolist() == [False] * 6 + [True] * 6
+    mask = split_mask(torch.tensor([15, 2]), 16, 4, None)  # 16 slots, then a 12-key tail
+    assert mask[0].tolist() == [True] * 4 + [False] * 12 + [True] * 12  # 0..3, then 4..15
+    assert mask[1].tolist() == [False] * 16 + [True] * 3 + [False] * 9  # positions 0..2
+    mask = split_mask(torch.tensor([15]), 16, 4, 6)  # keys 10..15 only
+    assert mask[0].tolist() == [False] * 16 + [False] * 6 + [True] * 6
 
 
 @pytest.mark.parametrize(("heads", "softcap", "window"), [(4, None, None), (8, 30.0, 5)])
@@ -44,8 +42,9 @@ def test_the_two_parts_merge_into_one_softmax(heads, softcap, window) -> None:
     q = torch.randn(heads, len(positions), d, generator=generator)
     start = split_point(positions, block)
     tails = (start[:, None] + torch.arange(3 * block)).clamp(max=39)
-    masks = split_masks(positions, span, block, window)
-    ours = split_attention(q, keys, values, tails, masks, scale=d**-0.5, softcap=softcap)
+    bias = split_bias(positions, span, block, window)
+    assert torch.equal(bias == 0, split_mask(positions, span, block, window))
+    ours = split_attention(q, keys, values, tails, bias, scale=d**-0.5, softcap=softcap)
     seen = torch.arange(span)[None] <= positions[:, None]
     if window is not None:
         seen &= torch.arange(span)[None] > positions[:, None] - window

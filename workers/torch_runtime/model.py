@@ -113,7 +113,7 @@ class Attention(nn.Module):
         keys: torch.Tensor,
         values: torch.Tensor,
         start: int,
-        mask: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None,
+        mask: torch.Tensor | None,
         slots: torch.Tensor | None = None,
         paths: tuple[torch.Tensor, torch.Tensor] | None = None,
         tail: torch.Tensor | None = None,
@@ -130,9 +130,9 @@ class Attention(nn.Module):
         position); so a token sees the same keys in the same places whether its tree's
         siblings sit between its ancestors in the cache or not.
 
-        ``tail`` (n, t) cache slots: attention split as split_attention.py does, in place over
-        the slots ``mask[0]`` (n, span) allows and over ``tail``'s where ``mask[1]`` (n, t)
-        does (with ``slots``).
+        ``tail`` (n, t) cache slots: attention split as split_attention.py does, over the
+        first span slots in place and over ``tail``'s, ``mask`` then an additive float32
+        (n, span + t) (``split_bias``; with ``slots``).
         """
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.heads, self.head_dim)
@@ -148,7 +148,7 @@ class Attention(nn.Module):
         else:
             keys.index_copy_(1, slots, apply_rope(k.transpose(0, 1), cos, sin))
             values.index_copy_(1, slots, v.transpose(0, 1))
-            span = mask[0].shape[-1] if tail is not None else mask.shape[-1]
+            span = mask.shape[-1]
         if tail is not None:
             scale = self.scale or self.head_dim**-0.5
             out = split_attention(q, keys, values, tail, mask, scale=scale, softcap=self.softcap)

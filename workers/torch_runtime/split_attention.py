@@ -10,8 +10,8 @@ have moved are only its last few positions, so each row splits at
 (in their own slots) for any row at most ``2 * block`` deep below where its path leaves the
 cache's order, and are read in place through a mask that depends on ``p`` alone; the
 ``3 * block`` positions from it on are gathered per row from its own path. Both parts'
-scores are float32; they share one maximum and their sums and weighted values add, which is
-one softmax over the union. The arithmetic a row runs depends on its position, its keys and
+scores (float32) sit side by side in one softmax, and each part's weights multiply its own
+values. The arithmetic a row runs depends on its position, its keys and
 the forward's fixed shape only, so a tree costs a chain plus a small gathered tail, and the
 bits are the same alone, in a chain or in a tree by construction.
 """
@@ -35,20 +35,26 @@ def tail_length(block: int) -> int:
     return 3 * block
 
 
-def split_masks(positions: torch.Tensor, span: int, block: int, window: int | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Which keys rows at ``positions`` (n,) see: (n, span) over cache slots before their
-    split point, (n, tail) over their tail's positions up to their own; ``window``: keys no
-    more than window - 1 positions back (None: all)."""
+def split_mask(positions: torch.Tensor, span: int, block: int, window: int | None
+               ) -> torch.Tensor:  # fmt: skip
+    """Which keys rows at ``positions`` (n,) see, (n, span + tail): cache slots before their
+    split point, then their tail's positions up to their own; ``window``: keys no more than
+    window - 1 positions back (None: all)."""
     start = split_point(positions, block)[:, None]
-    keys = torch.arange(span, device=positions.device)[None]
+    slots = torch.arange(span, device=positions.device)[None].expand(len(positions), -1)
     tail = start + torch.arange(tail_length(block), device=positions.device)[None]
+    keys = torch.cat([slots, tail], dim=1)  # each key's position
     mine = positions[:, None]
-    prefix, recent = keys < start, tail <= mine
-    if window is not None:
-        prefix &= keys > mine - window
-        recent &= tail > mine - window
-    return prefix, recent
+    seen = torch.cat([slots < start, tail <= mine], dim=1)
+    return seen if window is None else seen & (keys > mine - window)
+
+
+def split_bias(positions: torch.Tensor, span: int, block: int, window: int | None
+               ) -> torch.Tensor:  # fmt: skip
+    """``split_mask`` as split_attention takes it: float32, 0 where a key is seen, -inf
+    where not (an addition: cheaper than masking the scores of every head)."""
+    seen = split_mask(positions, span, block, window)
+    return torch.zeros(seen.shape, device=seen.device).masked_fill_(~seen, float("-inf"))
 
 
 def split_attention(
@@ -56,39 +62,35 @@ def split_attention(
     keys: torch.Tensor,
     values: torch.Tensor,
     tail_slots: torch.Tensor,
-    masks: tuple[torch.Tensor, torch.Tensor],
+    bias: torch.Tensor,
     *,
     scale: float,
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of q (heads, n, d) over the cache ``keys``/``values`` (kv_heads, slots, d):
-    in place over the first ``span`` slots where ``masks[0]`` (n, span) allows, and over the
-    slots ``tail_slots`` (n, tail) lists where ``masks[1]`` (n, tail) allows. Every row sees
-    at least one key. Returns (heads, n, d) in q's dtype."""
-    prefix_mask, tail_mask = masks
-    kv_heads, span = keys.shape[0], prefix_mask.shape[-1]
-    heads, n, d = q.shape
+    in place over its first ``span`` slots and over the slots ``tail_slots`` (n, tail) lists,
+    where ``bias`` (n, span + tail, ``split_bias``) is 0 (every row sees at least one key).
+    One float32 softmax over both parts' scores side by side. Returns (heads, n, d) in q's
+    dtype."""
+    kv_heads, (n, tail) = keys.shape[0], tail_slots.shape
+    span = bias.shape[-1] - tail
+    heads, d = q.shape[0], q.shape[-1]
     group = heads // kv_heads  # query heads per KV head, h -> h // group
-    query = q.float().reshape(kv_heads, group, n, d)
-    tail_keys = keys[:, tail_slots].float()  # (kv_heads, n, tail, d)
-    tail_values = values[:, tail_slots].float()
-    before = torch.matmul(query.reshape(kv_heads, group * n, d),
+    query = (q.float() * scale).contiguous().view(kv_heads, group, n, d)
+    before = torch.matmul(query.view(kv_heads, group * n, d),
                           keys[:, :span].float().transpose(1, 2))  # fmt: skip
-    before = before.view(kv_heads, group, n, span) * scale
+    flat = tail_slots.reshape(-1)
+    tail_keys = keys.index_select(1, flat).view(kv_heads, n, tail, d).float()
     recent = torch.matmul(query.transpose(1, 2), tail_keys.transpose(2, 3)).transpose(1, 2)
-    recent = recent * scale  # (kv_heads, group, n, tail)
+    scores = torch.cat([before.view(kv_heads, group, n, span), recent], dim=-1)
     if softcap is not None:
-        before = softcap * torch.tanh(before / softcap)
-        recent = softcap * torch.tanh(recent / softcap)
-    before = before.masked_fill(~prefix_mask, float("-inf"))
-    recent = recent.masked_fill(~tail_mask, float("-inf"))
-    top = torch.maximum(before.amax(-1), recent.amax(-1)).unsqueeze(-1)  # finite
-    before, recent = torch.exp(before - top), torch.exp(recent - top)
-    total = before.sum(-1, keepdim=True) + recent.sum(-1, keepdim=True)
-    out = torch.matmul(before.view(kv_heads, group * n, span), values[:, :span].float())
-    out = out.view(kv_heads, group, n, d)
-    out = out + torch.matmul(recent.transpose(1, 2), tail_values).transpose(1, 2)
-    return (out / total).reshape(heads, n, d).to(q.dtype)
+        scores = softcap * torch.tanh(scores / softcap)
+    weights = (scores + bias).softmax(-1)
+    out = torch.matmul(weights[..., :span].reshape(kv_heads, group * n, span),
+                       values[:, :span].float()).view(kv_heads, group, n, d)  # fmt: skip
+    tail_values = values.index_select(1, flat).view(kv_heads, n, tail, d).float()
+    out = out + torch.matmul(weights[..., span:].transpose(1, 2), tail_values).transpose(1, 2)
+    return out.reshape(heads, n, d).to(q.dtype)
 
 
 def path_tails(committed: int, parents: np.ndarray, depths: np.ndarray, rows: np.ndarray,

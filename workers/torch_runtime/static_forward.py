@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from hetspec.workers.torch_runtime.config import ModelConfig
-from hetspec.workers.torch_runtime.split_attention import split_masks, tail_length
+from hetspec.workers.torch_runtime.split_attention import split_bias, tail_length
 
 MIN_SPAN = 256  # the narrowest attention span bucket (slots)
 COMPILED_SHAPES = 256  # recompilations allowed a compiled forward: one per shape
@@ -237,7 +237,7 @@ class StaticForward:
         tail = None
         if self._tail is not None:
             block, tail = self.shapes.tail_block, self._tail[0][:width]
-            masks = [split_masks(positions, span, block, window) for window in self.windows]
+            masks = [split_bias(positions, span, block, window) for window in self.windows]
         else:
             masks = self._masks[span][0][..., :width, :]
         paths = (self._gather[span][0], row_paths) if self.shapes.paths else None
