@@ -4,6 +4,11 @@ deep for it."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -111,8 +116,35 @@ def test_the_worker_loads_it_from_its_settings_and_says_so(tmp_path) -> None:
     settings = m.TorchSettings(device="cpu", dtype="float32", fixed_width=4, attention="split")
     runtime, device = load_runtime("torch", folder, settings)
     assert runtime.attention == "split"
-    assert device == "cpu (split attention)"
+    assert device == "cpu (split attention, torch)"  # the Triton kernel: a GPU's
     eager = m.TorchSettings(device="cpu", attention="split")  # no fixed width: nothing to split
     assert load_runtime("torch", folder, eager)[0].attention == "gathered"
     with pytest.raises(ModelLoadError, match='attention must be "gathered" or "split"'):
         TorchRuntime(folder, device="cpu", attention="flash")
+
+
+def in_the_interpreter(check: str) -> None:
+    """Run tests/split_kernel_checks.py's ``check`` with Triton's interpreter on from its
+    start: triton.language's own jitted helpers (tl.sum, tl.max) interpret only if it was
+    on when Triton was imported, which this process may have done already."""
+    pytest.importorskip("triton", reason="Triton is not installed (the test extra has it)")
+    script = Path(__file__).with_name("split_kernel_checks.py")
+    done = subprocess.run([sys.executable, str(script), check], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"},
+                          check=False)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"{check}: passed" in done.stdout
+
+
+def test_the_kernel_computes_it_alike_and_each_row_alone() -> None:
+    """The Triton kernel against the torch arithmetic (GQA groups of 2, 3 and 8 heads, a
+    head size that is no power of two, soft caps, windows shorter than a row's keys), and
+    every row's bits the same in a call of one row."""
+    in_the_interpreter("kernel")
+
+
+def test_a_verifier_through_the_kernel_gives_the_same_bits_alone_and_in_trees() -> None:
+    """A fixed-width runtime picks the kernel where Triton runs (here its interpreter): its
+    logits track the gathered verifier's, and a token's are bit-identical alone, in a chain
+    beside wrong siblings and in a tree of six branches (Gemma 2: windows, soft caps)."""
+    in_the_interpreter("runtime")

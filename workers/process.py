@@ -122,7 +122,8 @@ def load_torch(model: str, settings: m.TorchSettings, options: dict):
     if runtime.in_place_differed:  # slower, never wrong: say so
         return runtime, f"{runtime.device} (chains gather their paths: in place differed)"
     if runtime.attention == "split":
-        return runtime, f"{runtime.device} (split attention)"
+        how = "Triton kernel" if runtime.split_kernel else "torch"
+        return runtime, f"{runtime.device} (split attention, {how})"
     return runtime, str(runtime.device)
 
 

@@ -335,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{torch.get_num_threads()} threads, median of {args.repeats}; "
         f"{runtime.graphs} CUDA graphs, fixed width {runtime.fixed_width or 'none'}"
         f"{', chains in place' if runtime.chains_in_place else ''}"
-        f"{', split attention' if runtime.attention == 'split' else ''}, "
+        f"{', split attention' if runtime.attention == 'split' else ''}"
+        f"{' (Triton kernel)' if runtime.split_kernel else ''}, "
         f"matmul {args.matmul}"
         + "".join(f" {field}={value}" for field, value in args.matmul_tiling.items())
     )
@@ -372,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
                 "dtype": str(runtime.dtype), "threads": torch.get_num_threads(),
                 "graphs": runtime.graphs, "fixed_width": runtime.fixed_width,
                 "chains_in_place": runtime.chains_in_place, "attention": runtime.attention,
+                "split_kernel": runtime.split_kernel,
                 "matmul": args.matmul, "matmul_tiling": args.matmul_tiling}  # fmt: skip
         document = {**meta, "rows": rows, "invariance": invariance}
         if args.profile_width > 0:

@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetspec.workers.torch_runtime import split_kernel
 from hetspec.workers.torch_runtime.config import ModelConfig, RopeScaling
-from hetspec.workers.torch_runtime.split_attention import split_attention
+from hetspec.workers.torch_runtime.split_attention import SplitRows, split_attention
 
 
 class RMSNorm(nn.Module):
@@ -89,8 +90,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, window: int | None = None) -> None:
+        """``window``: the layer's sliding window (split attention's kernel applies it)."""
         super().__init__()
+        self.window = window
         heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.q_proj = nn.Linear(config.hidden_size, heads * head_dim, bias=config.qkv_bias)
@@ -116,7 +119,7 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,
         slots: torch.Tensor | None = None,
         paths: tuple[torch.Tensor, torch.Tensor] | None = None,
-        tail: torch.Tensor | None = None,
+        split: SplitRows | None = None,
     ) -> torch.Tensor:
         """x: (n, hidden) new tokens; keys/values: (kv_heads, capacity, head_dim) cache views.
 
@@ -130,9 +133,9 @@ class Attention(nn.Module):
         position); so a token sees the same keys in the same places whether its tree's
         siblings sit between its ancestors in the cache or not.
 
-        ``tail`` (n, t) cache slots: attention split as split_attention.py does, over the
-        first span slots in place and over ``tail``'s, ``mask`` then an additive float32
-        (n, span + t) (``split_bias``; with ``slots``).
+        ``split``: attention split as split_attention.py does, over the first slots in place
+        and over each row's tail's; ``mask`` then an additive float32 (n, span + tail)
+        (``split_bias``; None for the kernel; with ``slots``).
         """
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.heads, self.head_dim)
@@ -148,11 +151,9 @@ class Attention(nn.Module):
         else:
             keys.index_copy_(1, slots, apply_rope(k.transpose(0, 1), cos, sin))
             values.index_copy_(1, slots, v.transpose(0, 1))
-            span = mask.shape[-1]
-        if tail is not None:
-            scale = self.scale or self.head_dim**-0.5
-            out = split_attention(q, keys, values, tail, mask, scale=scale, softcap=self.softcap)
-            return self.o_proj(out.transpose(0, 1).reshape(n, self.heads * self.head_dim))
+            span = None if mask is None else mask.shape[-1]
+        if split is not None:
+            return self.o_proj(self._split(q, keys, values, split, mask))
         if paths is not None:
             gather, row_paths = paths
             count = gather.shape[0]
@@ -168,6 +169,20 @@ class Attention(nn.Module):
             q.unsqueeze(0), keys[:, :span].unsqueeze(0), values[:, :span].unsqueeze(0), mask
         )
         return self.o_proj(out[0].transpose(0, 1).reshape(n, self.heads * self.head_dim))
+
+    def _split(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               split: SplitRows, bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        """Split attention of q (heads, n, d): (n, heads * d)."""
+        n, scale = q.shape[1], self.scale or self.head_dim**-0.5
+        if split.kernel:
+            out = split_kernel.split_attention(
+                q, keys, values, split.tail_slots, split.positions, block=split.block,
+                scale=scale, softcap=self.softcap, window=self.window,
+            )  # fmt: skip
+            return out.view(n, self.heads * self.head_dim)
+        out = split_attention(q, keys, values, split.tail_slots, bias, scale=scale,
+                              softcap=self.softcap)  # fmt: skip
+        return out.transpose(0, 1).reshape(n, self.heads * self.head_dim)
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
@@ -222,7 +237,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = norm(config)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, config.sliding_windows[index])
         self.post_attention_layernorm = norm(config)
         self.mlp = MLP(config)
         self.sandwich = config.sandwich_norms
@@ -295,19 +310,19 @@ class CausalLM(nn.Module):
         masks: list[torch.Tensor | None],
         slots: torch.Tensor | None = None,
         paths: tuple[torch.Tensor, torch.Tensor] | None = None,
-        tail: torch.Tensor | None = None,
+        split: SplitRows | None = None,
     ) -> torch.Tensor:
         """Run ``tokens`` (n,) through every layer; returns the last layer's output (n, hidden).
 
         ``cos``/``sin``: (kinds, n, head_dim), ``layer_rope_tables`` at the tokens' positions;
         ``cache_keys``/``cache_values``: (layers, kv_heads, capacity, head_dim); ``masks``: one
         attention mask per layer (layers with the same window share one tensor); ``slots``,
-        ``paths``, ``tail``: see ``Attention.forward``.
+        ``paths``, ``split``: see ``Attention.forward``.
         """
         x = self.model.embed(tokens)
         return self.run_halves(x, range(2 * len(self.model.layers)), cos, sin,
                                cache_keys=cache_keys, cache_values=cache_values, start=start,
-                               masks=masks, slots=slots, paths=paths, tail=tail)  # fmt: skip
+                               masks=masks, slots=slots, paths=paths, split=split)  # fmt: skip
 
     def run_halves(
         self,
@@ -322,7 +337,7 @@ class CausalLM(nn.Module):
         masks: list[torch.Tensor | None],
         slots: torch.Tensor | None = None,
         paths: tuple[torch.Tensor, torch.Tensor] | None = None,
-        tail: torch.Tensor | None = None,
+        split: SplitRows | None = None,
     ) -> torch.Tensor:
         """Run hidden states (n, hidden) through half-layers ``halves`` (a pipeline stage's
         share; half 2i is layer i's attention with its input norm, 2i + 1 its MLP with its
@@ -341,7 +356,7 @@ class CausalLM(nn.Module):
                     mask=masks[attention],
                     slots=slots,
                     paths=paths,
-                    tail=tail,
+                    split=split,
                 )
                 attention += 1
             else:

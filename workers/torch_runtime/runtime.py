@@ -185,8 +185,10 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         forwards = partial(StaticForward, self.model, self.config, keys=self._keys,
                            values=self._values, cos=self._cos, sin=self._sin,
                            capacity=capacity)  # fmt: skip
-        if split:
-            self._split = forwards(shapes=shapes.split(), graphs=graphs, compiled=compiled)
+        if split:  # in the Triton kernel where it runs (compiled forwards: torch's arithmetic)
+            kernel = not compiled and skinny_matmul.unavailable_reason(self.device) is None
+            self._split = forwards(shapes=shapes.split(), graphs=graphs, compiled=compiled,
+                                   split_kernel=kernel)  # fmt: skip
             self._static = forwards(shapes=shapes, graphs=False)
             return
         forwards = partial(forwards, graphs=graphs, compiled=compiled)
@@ -232,6 +234,11 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
     def attention(self) -> str:
         """How fixed-width forwards attend: "split" (split_attention.py) or "gathered"."""
         return "split" if self._split is not None else "gathered"
+
+    @property
+    def split_kernel(self) -> bool:
+        """Whether split attention runs in split_kernel.py's Triton kernel."""
+        return self._split is not None and self._split.split_kernel
 
     @property
     def chains_in_place(self) -> bool:

@@ -18,8 +18,22 @@ bits are the same alone, in a chain or in a tree by construction.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
+
+
+@dataclass(frozen=True)
+class SplitRows:
+    """What split attention needs of a forward's rows beside each layer's bias: their tails'
+    cache slots (n, tail), their positions (n,), the block, and whether split_kernel.py's
+    Triton kernel computes it (it needs no bias) or the torch arithmetic here does."""
+
+    tail_slots: torch.Tensor
+    positions: torch.Tensor
+    block: int
+    kernel: bool = False
 
 
 def split_point(positions, block: int):

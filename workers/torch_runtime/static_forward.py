@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from hetspec.workers.torch_runtime.config import ModelConfig
-from hetspec.workers.torch_runtime.split_attention import split_bias, tail_length
+from hetspec.workers.torch_runtime.split_attention import SplitRows, split_bias, tail_length
 
 MIN_SPAN = 256  # the narrowest attention span bucket (slots)
 COMPILED_SHAPES = 256  # recompilations allowed a compiled forward: one per shape
@@ -134,11 +134,14 @@ class StaticForward:
         shapes: Shapes,
         graphs: bool,
         compiled: bool = False,
+        split_kernel: bool = False,
     ) -> None:
         """``compiled``: each shape's forward through torch.compile (inductor fuses the small
         kernels between the matmuls), compiled at its first call (at load where graphs are
-        captured) and, on CUDA, captured as that shape's graph."""
+        captured) and, on CUDA, captured as that shape's graph. ``split_kernel``: split
+        attention (``shapes.tail_block``) in split_kernel.py's Triton kernel."""
         self.model, self.config, self.shapes = model, config, shapes
+        self.split_kernel = split_kernel
         self._compiled = torch.compile(self._compute, dynamic=False) if compiled else None
         self.keys, self.values, self.cos, self.sin = keys, values, cos, sin
         self.capacity = capacity
@@ -234,10 +237,12 @@ class StaticForward:
 
     def _compute(self, width: int, span: int) -> None:
         tokens, positions, slots, row_paths = self._inputs[0][:, :width]
-        tail = None
+        split = None
         if self._tail is not None:
-            block, tail = self.shapes.tail_block, self._tail[0][:width]
-            masks = [split_bias(positions, span, block, window) for window in self.windows]
+            block = self.shapes.tail_block
+            split = SplitRows(self._tail[0][:width], positions, block, self.split_kernel)
+            masks = [None if self.split_kernel else split_bias(positions, span, block, window)
+                     for window in self.windows]  # fmt: skip
         else:
             masks = self._masks[span][0][..., :width, :]
         paths = (self._gather[span][0], row_paths) if self.shapes.paths else None
@@ -251,7 +256,7 @@ class StaticForward:
             masks=[masks[i] for i in self._window_index],
             slots=slots,
             paths=paths,
-            tail=tail,
+            split=split,
         )
         self.hidden[:width].copy_(hidden)
         self.logits[:width].copy_(self.model.logits(hidden))
