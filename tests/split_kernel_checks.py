@@ -19,9 +19,15 @@ from hetspec.workers.torch_runtime.split_attention import split_attention, split
 
 
 def kernel() -> None:
-    for heads, d, softcap, window in ((4, 8, None, None), (6, 12, 30.0, 7), (8, 16, None, 20)):
+    cases = (
+        (4, 2, 8, None, None),
+        (6, 2, 12, 30.0, 7),
+        (8, 2, 16, None, 20),
+        (8, 1, 200, None, None),
+    )  # the last: 16 keys a step (a group of 8 x 256 wide)
+    for heads, kv_heads, d, softcap, window in cases:
         generator = torch.Generator().manual_seed(1)
-        kv_heads, block, span = max(1, heads // 4), 4, 64
+        block, span = 4, 64
         keys = torch.randn(kv_heads, 80, d, generator=generator)
         values = torch.randn(kv_heads, 80, d, generator=generator)
         positions = torch.tensor([0, 3, 9, 17, 30, 47, 60])

@@ -21,6 +21,7 @@ import torch
 from hetspec.workers.torch_runtime.split_attention import tail_length
 
 NO_SCORE = -1.0e38  # the running maximum before any key: finite, below every real score
+TILE_ELEMENTS = 8192  # a step's products (heads of a group x keys x head size): registers
 
 
 def _power_of_two(n: int) -> int:
@@ -38,7 +39,8 @@ def _kernel():
                         scale, softcap, window, no_score,
                         GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr,
                         D_P: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr,
-                        SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr):  # fmt: skip
+                        STEP: tl.constexpr, SOFTCAP: tl.constexpr,
+                        WINDOWED: tl.constexpr):  # fmt: skip
         """out[row, heads of KV head h] = attention of those heads' queries over the row's
         keys before its split point (in place) and its tail (``tail``'s slots)."""
         row, head = tl.program_id(0), tl.program_id(1)
@@ -58,12 +60,13 @@ def _kernel():
         first = 0
         if WINDOWED:  # blocks wholly before the window: skipped
             first = tl.maximum(p - window + 1, 0) // BLOCK * BLOCK
-        offsets = tl.arange(0, BLOCK)
+        offsets = tl.arange(0, STEP)
         d_mask = (dims < D)[None, :]
-        # blocks before the split point in place, then the tail's: one order for a position
-        for begin in range(first, start + TAIL, BLOCK):
+        # STEP keys a step from the first, in place before the split point and gathered from
+        # it on: for a given position always the same steps over the same keys
+        for begin in range(first, start + TAIL, STEP):
             at = begin + offsets  # each key's position
-            valid = at <= p
+            valid = (at <= p) & (at < start + TAIL)
             if WINDOWED:
                 valid &= at > p - window
             gathered = tl.load(tail + row * tail_row + at - start, mask=valid & (at >= start),
@@ -114,12 +117,14 @@ def split_attention(
                          f"{tuple(tail_slots.shape)}")  # fmt: skip
     tail = tail_slots.contiguous()
     out = torch.empty((n, heads, d), dtype=q.dtype, device=q.device)
+    group_p, d_p = _power_of_two(group), _power_of_two(d)
+    step = max(16, min(64, _power_of_two(TILE_ELEMENTS // (group_p * d_p) + 1) // 2))
     kernel = _kernel()
     kernel[(n, kv_heads)](
         q, keys, values, tail, positions, out,
         q.stride(1), q.stride(0), keys.stride(0), keys.stride(1), tail.stride(0),
         out.stride(0), scale, softcap or 1.0, window or 0, NO_SCORE,
-        GROUP=group, GROUP_P=_power_of_two(group), D=d, D_P=_power_of_two(d), BLOCK=block,
-        TAIL=tail_length(block), SOFTCAP=softcap is not None, WINDOWED=window is not None,
+        GROUP=group, GROUP_P=group_p, D=d, D_P=d_p, BLOCK=block, TAIL=tail_length(block),
+        STEP=step, SOFTCAP=softcap is not None, WINDOWED=window is not None,
     )  # fmt: skip
     return out
