@@ -100,6 +100,7 @@ if [[ -n "${QUICK:-}" ]]; then
   # most telling first: a step the call's limit cuts off costs the least there
   step 120 "CUDA tests" "${pin[@]}" "$python" -m pytest -q -p no:cacheprovider \
       tests/test_cuda_graphs.py tests/test_torch_runtime.py tests/test_skinny_matmul.py \
+      tests/test_split_attention.py \
       -k "(cuda or graph or fixed or bucket) and not compiled"  # compiling: T_verify's below
   # heavy-1b's linear layers alone, cuBLAS against the Triton kernel's tilings (GB/s of
   # weight, and whether each keeps a row's bits among other rows), while the targets build

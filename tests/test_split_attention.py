@@ -148,3 +148,29 @@ def test_a_verifier_through_the_kernel_gives_the_same_bits_alone_and_in_trees() 
     logits track the gathered verifier's, and a token's are bit-identical alone, in a chain
     beside wrong siblings and in a tree of six branches (Gemma 2: windows, soft caps)."""
     in_the_interpreter("runtime")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_on_cuda_the_kernel_tracks_the_torch_arithmetic_row_by_row(dtype) -> None:
+    """heavy-1b's attention shape (128 heads of 32 over 64 KV heads) at 500 keys: the kernel
+    against the torch arithmetic, and each row's bits the same in a call of one row."""
+    from hetspec.workers.torch_runtime import split_kernel  # noqa: PLC0415
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    keys = torch.randn(64, 600, 32, device="cuda", generator=generator).to(dtype)
+    values = torch.randn(64, 600, 32, device="cuda", generator=generator).to(dtype)
+    positions = torch.arange(484, 500, device="cuda")
+    q = torch.randn(128, 16, 32, device="cuda", generator=generator).to(dtype)
+    tails = split_point(positions, 16)[:, None] + torch.arange(48, device="cuda")
+    bias = split_bias(positions, 512, 16, None)
+    expected = split_attention(q, keys, values, tails, bias, scale=32**-0.5)
+    ours = split_kernel.split_attention(q, keys, values, tails, positions, block=16,
+                                        scale=32**-0.5)  # fmt: skip
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert torch.allclose(ours.transpose(0, 1).float(), expected.float(), atol=tolerance)
+    for row in (0, 7, 15):
+        one = slice(row, row + 1)
+        alone = split_kernel.split_attention(q[:, one], keys, values, tails[one],
+                                             positions[one], block=16, scale=32**-0.5)  # fmt: skip
+        assert torch.equal(alone[0], ours[row])
