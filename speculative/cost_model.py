@@ -116,6 +116,9 @@ class CostModel:
     branch_cost: float  # each branch beyond the first adds this share of a step
     alone_s: float  # seconds per token of the target decoding alone
     rule: tuple[RuleShare, ...] = ()  # empty: the rule is not a candidate
+    # a verification of several branches against one chain of its width (a verifier whose
+    # trees gather each path's keys pays more for them: 1.35x on the third session's GPU)
+    branched_verify: float = 1.0
 
     @property
     def max_gamma(self) -> int:
@@ -136,7 +139,8 @@ class CostModel:
         g = np.where(drafted, gamma, 1)
         tokens = np.where(drafted, 1.0 + accepted[branches, g - 1], 1.0)
         fresh = self.draft_s(g, branches)
-        plain = fresh + self.verify[False].at(g * branches + 1)
+        premium = np.where(branches > 1, self.branched_verify, 1.0)
+        plain = fresh + self.verify[False].at(g * branches + 1) * premium
         ahead = self.draft_s(g + 1, 1, overlapped=True)
         held = self.reach[1, np.minimum(g + 1, self.reach.shape[1] - 1)]
         overlapped = np.maximum(ahead, self.verify[True].at(g + 1)) + (1 - held) * fresh
@@ -154,6 +158,7 @@ class CostModel:
             forwards = np.where(k == 1, budget, length + 1)
             accepted = np.cumsum(share.reach)  # [d]: 1 + sum of reach[1..d]
             tokens += share.share * accepted[length]
-            seconds += share.share * (self.draft_s(forwards, k)
-                                      + self.verify[False].at(k * length + 1))  # fmt: skip
+            verify = self.verify[False].at(k * length + 1)
+            verify = verify * np.where(k > 1, self.branched_verify, 1.0)
+            seconds += share.share * (self.draft_s(forwards, k) + verify)
         return tokens, seconds

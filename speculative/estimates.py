@@ -109,6 +109,7 @@ class Estimates:
         self._draft_level = {o: self._median() for o in (False, True)}
         self._draft_latency = {o: self._median() for o in (False, True)}
         self._verify: dict[bool, dict[int, WindowedMedian]] = {False: {}, True: {}}
+        self._branched: dict[int, WindowedMedian] = {}  # verifications of several branches
         self._overhead = self._median()
         # never forgotten: without it the target alone is priced as a one-node verification
         self._alone = WindowedMedian(c.window)
@@ -138,7 +139,8 @@ class Estimates:
                 self._alone_compute.add(report.alone_compute_s)
         else:
             if report.verify_width > 0 and report.verify_s > 0:
-                widths = self._verify[report.verify_overlapped]
+                branched = report.branches > 1 and not report.verify_overlapped
+                widths = self._branched if branched else self._verify[report.verify_overlapped]
                 widths.setdefault(report.verify_width, self._median()).add(report.verify_s)
             self._overhead.add(max(0.0, report.overhead_s))
         self._observe_acceptance(report)
@@ -206,8 +208,9 @@ class Estimates:
         them (``_fit_profile``); else a least-squares line (slope >= 0). Where one width only
         was measured, the line's slope comes from the other condition's line, scaled to this
         one's level: flat, it priced narrow trees like the one wide tree measured."""
-        points = [(w, *m.median_and_count()) for w, m in self._verify[overlapped].items()]
-        points = [point for point in points if point[2]]
+        points = self._points(self._verify[overlapped])
+        if not points and not overlapped:  # only trees verified so far: priced as chains
+            points = self._points(self._branched)
         if not points:
             return None
         widths, times, samples = np.array(points).T
@@ -220,6 +223,23 @@ class Estimates:
                 slope = other.slope * line.mean_t / float(other.at(round(line.mean_w)))
                 line = VerifyLine(line.mean_w, line.mean_t, slope, line.floor)
         return line
+
+    @staticmethod
+    def _points(medians: dict[int, WindowedMedian]) -> list[tuple[int, float, int]]:
+        """(width, median, samples) of the widths with fresh samples."""
+        points = [(w, *m.median_and_count()) for w, m in medians.items()]
+        return [point for point in points if point[2]]
+
+    def branched_verify(self) -> float:
+        """What a verification of several branches costs against one chain of its width (the
+        chains' line): the samples' weighted mean ratio, 1 until both were measured."""
+        chains = self._points(self._verify[False])
+        trees = self._points(self._branched)
+        line = self.verify_line(False)
+        if not chains or not trees or line is None:
+            return 1.0
+        ratios = [(median / float(line.at(width)), count) for width, median, count in trees]
+        return float(np.average([r for r, _ in ratios], weights=[c for _, c in ratios]))
 
     def _verify_or_stand_in(self, overlapped: bool) -> VerifyCost | None:
         """This condition's line; where never measured, the profile measured at load, then
@@ -312,7 +332,7 @@ class Estimates:
                        for k, share in self.rule_shares()) if rule else ()  # fmt: skip
         latency = {o: self.draft_latency_s(o) for o in (False, True)}
         return CostModel(step, latency, verify, reach, overhead, self.config.branch_cost,
-                         alone, shares)  # fmt: skip
+                         alone, shares, self.branched_verify())  # fmt: skip
 
     def summary(self) -> dict:
         """What is believed now, in milliseconds, for the request statistics."""
@@ -335,6 +355,7 @@ class Estimates:
             "verify_medians_ms": {kind: {w: [ms(m.value), len(m)]
                                          for w, m in sorted(self._verify[o].items()) if len(m)}
                                   for kind, o in (("alone", False), ("overlapped", True))},
+            "branched_verify": round(self.branched_verify(), 3),
             "overhead_ms": ms(self._overhead.value),
             "target_alone_round_ms": ms(self._alone.value),
             "acceptance_by_depth": [round(self.acceptance(d), 3) for d in range(1, 9)],

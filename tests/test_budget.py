@@ -35,8 +35,8 @@ class SimulatedBox:
                  acceptance: float, rng: np.random.Generator, *, contention: float = 1.0,
                  uncertain: float = 0.0, uncertain_acceptance: float = 0.3,
                  rule_branches: int = 3, call_latency_s: float = 0.0,
-                 alone_speedup: float = 1.0,
-                 verify_ms: dict[int, float] | None = None) -> None:  # fmt: skip
+                 alone_speedup: float = 1.0, verify_ms: dict[int, float] | None = None,
+                 branched_premium: float = 1.0) -> None:  # fmt: skip
         self.draft_step_s = draft_step_s
         self.verify_base_s, self.verify_per_node_s = verify_base_s, verify_per_node_s
         # where given, the verification's cost by width instead of base + per node x width
@@ -52,6 +52,9 @@ class SimulatedBox:
         # how much faster than a one-node verification the target decodes a token alone
         # (several tokens per call; the drafter's cores lent to it)
         self.alone_speedup = alone_speedup
+        # a verification of several branches against a chain of its width (a GPU verifier
+        # that gathers each path's keys)
+        self.branched_premium = branched_premium
         self.last_gamma = 0  # the previous round's (a request starts after the prefill)
 
     def step_s(self, branches: int) -> float:
@@ -90,7 +93,7 @@ class SimulatedBox:
             latency_s={False: self.call_latency_s, True: self.call_latency_s},
             verify={False: self.verify_cost(), True: self.verify_cost(slow)},
             reach=reach, overhead_s=0.0, branch_cost=BRANCH_COST, alone_s=self.alone_s(),
-            rule=(RuleShare(k, 1.0, reach[k]),),
+            rule=(RuleShare(k, 1.0, reach[k]),), branched_verify=self.branched_premium,
         )  # fmt: skip
 
     def _mixed(self, predict) -> float:
@@ -142,6 +145,8 @@ class SimulatedBox:
                                     latency))  # fmt: skip
         width = gamma * branches + 1
         verify_s = self.verify_s(width) * noise[1]
+        if branches > 1:
+            verify_s *= self.branched_premium
         if overlap:
             slow = self.contention
             drafts.append(DraftCall(gamma + 1, 1, (gamma + 1) * self.step_s(1) * slow * noise[0],
@@ -355,8 +360,9 @@ def test_the_rule_s_budgets_weighed_at_once_equal_one_by_one() -> None:
             length = branch_length(int(budget), k)
             forwards = budget if k == 1 else length + 1
             expected_tokens += share.share * (1 + share.reach[1 : length + 1].sum())
-            expected_s += share.share * (model.draft_s(forwards, k)
-                                         + model.verify[False].at(k * length + 1))  # fmt: skip
+            verify = model.verify[False].at(k * length + 1)
+            verify *= model.branched_verify if k > 1 else 1.0
+            expected_s += share.share * (model.draft_s(forwards, k) + verify)
         assert tokens[i] == pytest.approx(expected_tokens, rel=1e-12)
         assert seconds[i] == pytest.approx(expected_s + model.overhead_s, rel=1e-12)
 
@@ -460,6 +466,29 @@ def test_it_drafts_by_the_uncertainty_rule_where_that_pays() -> None:
     assert box.best_rate(False) > 1.02 * box.best_rate(False, rule=False)
     assert np.mean(shares) >= 0.93, shares
     assert np.mean(ruled) >= 0.25, ruled
+
+
+def test_branches_that_verify_dearer_than_a_chain_are_priced_so() -> None:
+    """The rule's box above, but a verification of several branches costs 1.6x a chain of
+    its width (the third session's GPU gathered each path's keys: 1.35x): the controller
+    learns the premium from the branched rounds it tries and settles near the best shape,
+    which is now a chain."""
+    shares, ruled, premiums = [], [], []
+    for seed in SEEDS:
+        box = SimulatedBox(0.001, 0.006, 0.0001, 0.9, np.random.default_rng(seed),
+                           uncertain=0.3, uncertain_acceptance=0.05,
+                           branched_premium=1.6)  # fmt: skip
+        controller = controller_of(overlap=False)
+        for _ in range(150):
+            box.run_round(controller)
+        late = controller.history[-50:]
+        shares.append(np.mean([box.decision_rate(d) for d in late]) / box.best_rate(False))
+        ruled.append(np.mean([d.rule or d.branches > 1 for d in late]))
+        premiums.append(controller.estimates.branched_verify())
+    assert box.best_rate(False) == pytest.approx(box.best_rate(False, rule=False))
+    assert np.mean(shares) >= 0.96, shares  # 0.98 here; 0.91 priced by width alone
+    assert np.mean(ruled) <= 0.1, ruled
+    assert all(p == 1.0 or 1.4 <= p <= 1.8 for p in premiums), premiums
 
 
 def test_a_target_alone_choice_is_kept_a_few_rounds_and_history_stays_bounded() -> None:
