@@ -129,9 +129,10 @@ if [[ -n "${QUICK:-}" ]]; then
   # 16 rows, split-K fixed by the weight's shape): cuBLAS's 16-row kernels read heavy-1b's
   # 1.95 GB at ~36% of the HBM's bandwidth; Triton compiles its kernels at load
   VERIFY_S=150 verify 1b-fixed16-triton "$h1b" --dtype bfloat16 --fixed-width 16 --invariance \
-      --matmul triton --matmul-tiling "$tiling" --profile-width 1
-  # the full call's verifier, unless BENCH_SET says otherwise there: the fastest T(1) of the
-  # fixed-width tables whose every row stayed bit-identical; picked now and again at the end,
+      --matmul triton --matmul-tiling "$tiling" --profile-width 1 --shape chain,tree
+  # the full call's verifier, unless BENCH_SET says otherwise there: the least T(1) plus the
+  # slowest 16-row forward (chain or tree) of the fixed-width tables whose every row stayed
+  # bit-identical; picked now and again at the end,
   # so a call cut short by its limit still leaves a choice for the full call
   pick() {
     stamp "the verifier the full call benches"
@@ -151,7 +152,7 @@ if [[ -n "${QUICK:-}" ]]; then
   # matmuls, which stay cuBLAS's), compiled at load (three forwards a span bucket: trees,
   # gathered chains, chains in place); then width buckets (not invariant)
   VERIFY_S=200 verify 1b-fixed16-compiled "$h1b" --dtype bfloat16 --fixed-width 16 --invariance \
-      --compile --profile-width 1
+      --compile --profile-width 1 --shape chain,tree
   pick
   verify 1b-buckets "$h1b" --dtype bfloat16 --invariance
   # what attending in place saves: the same verifier with every chain gathering its path

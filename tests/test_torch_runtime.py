@@ -291,10 +291,13 @@ def test_compiled_model_gives_the_eager_logits(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_compiled_fixed_shapes_track_eager_and_stay_width_invariant(tmp_path) -> None:
+@pytest.mark.parametrize("attention", ["gathered", "split"])
+def test_compiled_fixed_shapes_track_eager_and_stay_width_invariant(tmp_path, attention) -> None:
     folder = save_reference(build_reference("qwen3"), tmp_path / "m")
     eager = TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=4)
-    compiled = TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=4, compile=True)
+    compiled = TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=4, compile=True,
+                            attention=attention)  # fmt: skip
+    assert compiled.attention == attention
     for runtime in (eager, compiled):
         runtime.prefill(PROMPT)
     tree = ([3, 4, 5, 6], [-1, 0, 0, 2])
