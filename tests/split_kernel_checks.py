@@ -23,8 +23,9 @@ def kernel() -> None:
         (4, 2, 8, None, None),
         (6, 2, 12, 30.0, 7),
         (8, 2, 16, None, 20),
-        (8, 1, 200, None, None),
-    )  # the last: 16 keys a step (a group of 8 x 256 wide)
+        (8, 1, 200, None, None),  # 16 keys a step (a group of 8 x 256 wide)
+        (4, 4, 8, None, 9),  # no groups: a KV head per head
+    )
     for heads, kv_heads, d, softcap, window in cases:
         generator = torch.Generator().manual_seed(1)
         block, span = 4, 64

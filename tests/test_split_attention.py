@@ -174,3 +174,35 @@ def test_on_cuda_the_kernel_tracks_the_torch_arithmetic_row_by_row(dtype) -> Non
         alone = split_kernel.split_attention(q[:, one], keys, values, tails[one],
                                              positions[one], block=16, scale=32**-0.5)  # fmt: skip
         assert torch.equal(alone[0], ours[row])
+
+
+@pytest.mark.parametrize("broken", ["raises", "wrong"])
+def test_a_kernel_that_fails_or_strays_is_refused_for_the_torch_arithmetic(
+    tmp_path, monkeypatch, broken
+) -> None:
+    """Where Triton would run, the kernel is checked at load against the torch arithmetic:
+    one that fails (as a GPU that cannot build it would) or computes something else (here
+    a stand-in for a miscompiled kernel) is refused, and the worker's device line says so."""
+    from hetspec.protocol import worker_messages as m  # noqa: PLC0415
+    from hetspec.workers.process import load_runtime  # noqa: PLC0415
+    from hetspec.workers.torch_runtime import skinny_matmul, split_kernel  # noqa: PLC0415
+
+    def kernel(q, *args, **kwargs):
+        if broken == "raises":
+            raise RuntimeError("no kernel image is available for this device\nmore")
+        return torch.zeros(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype)
+
+    monkeypatch.setattr(skinny_matmul, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(split_kernel, "split_attention", kernel)
+    folder = str(write_tiny_gguf_llama(tmp_path / "m", seed=0, layers=1).parent)
+    settings = m.TorchSettings(device="cpu", dtype="float32", fixed_width=4, attention="split")
+    runtime, device = load_runtime("torch", folder, settings)
+    assert not runtime.split_kernel
+    reason = {"raises": "RuntimeError: no kernel image is available for this device",
+              "wrong": "its logits differ from the torch arithmetic's"}[broken]  # fmt: skip
+    assert runtime.split_kernel_refused.startswith(reason)
+    assert device.startswith(f"cpu (split attention, torch; its kernel refused: {reason}")
+    runtime.prefill([1, 5, 9])  # and it serves, in the torch arithmetic
+    plain = TorchRuntime(folder, device="cpu", dtype="float32")
+    plain.prefill([1, 5, 9])
+    assert np.allclose(runtime.last_logits(), plain.last_logits(), atol=1e-4)

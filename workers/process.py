@@ -123,6 +123,8 @@ def load_torch(model: str, settings: m.TorchSettings, options: dict):
         return runtime, f"{runtime.device} (chains gather their paths: in place differed)"
     if runtime.attention == "split":
         how = "Triton kernel" if runtime.split_kernel else "torch"
+        if runtime.split_kernel_refused:  # slower, never wrong: say so
+            how += f"; its kernel refused: {runtime.split_kernel_refused}"
         return runtime, f"{runtime.device} (split attention, {how})"
     return runtime, str(runtime.device)
 

@@ -329,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     rng = np.random.default_rng(0)
     vocab = runtime.config.vocab_size
+    refused = runtime.split_kernel_refused
     print(
         f"model {args.model} ({sum(p.numel() for p in runtime.model.parameters()) / 1e6:.1f}M "
         f"parameters) on {runtime.device} {str(runtime.dtype).removeprefix('torch.')}, "
@@ -336,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{runtime.graphs} CUDA graphs, fixed width {runtime.fixed_width or 'none'}"
         f"{', chains in place' if runtime.chains_in_place else ''}"
         f"{', split attention' if runtime.attention == 'split' else ''}"
-        f"{' (Triton kernel)' if runtime.split_kernel else ''}, "
+        f"{' (Triton kernel)' if runtime.split_kernel else ''}"
+        f"{f' (kernel refused: {refused})' if refused else ''}, "
         f"matmul {args.matmul}"
         + "".join(f" {field}={value}" for field, value in args.matmul_tiling.items())
     )
@@ -374,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
                 "graphs": runtime.graphs, "fixed_width": runtime.fixed_width,
                 "chains_in_place": runtime.chains_in_place, "attention": runtime.attention,
                 "split_kernel": runtime.split_kernel,
+                "split_kernel_refused": runtime.split_kernel_refused,
                 "matmul": args.matmul, "matmul_tiling": args.matmul_tiling}  # fmt: skip
         document = {**meta, "rows": rows, "invariance": invariance}
         if args.profile_width > 0:

@@ -32,7 +32,9 @@ from hetspec.workers.torch_runtime.static_forward import (
     Batch,
     Shapes,
     StaticForward,
+    failure,
     in_cache_order,
+    kernel_problem,
     same_bits_in_place,
 )
 from hetspec.workers.torch_runtime.tokenizer import FolderTokenizer
@@ -164,8 +166,9 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         self._chains: StaticForward | None = None  # one-path forwards, beside _static
         self._in_place: StaticForward | None = None  # one path in cache order, no gather
         self.in_place_differed = False  # chain_in_place, refused: its bits were not the gather's
-        self._split: StaticForward | None = None  # split attention's forwards
-        self.deep_rows = 0  # rows split attention sent to the gathered forwards
+        # split attention's forwards, the rows it sent to the gathered ones, and why its
+        # Triton kernel does not serve (None: it does, or was never tried)
+        self._split, self.deep_rows, self.split_kernel_refused = None, 0, None
         if static:
             self._build_forwards(shapes, capacity, graphs=cuda_graphs, compiled=compile,
                                  chains=chain_forwards, in_place=chain_in_place,
@@ -173,6 +176,8 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         else:
             self._run_chain = None  # eager forwards: each step's is the host's anyway
 
+    _split: StaticForward | None
+    split_kernel_refused: str | None
     static_shapes = True  # a subclass with another model call turns fixed shapes off
     outputs_kept = True  # a forward's logits are its own tensor (static outputs are copied)
 
@@ -185,10 +190,9 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         forwards = partial(StaticForward, self.model, self.config, keys=self._keys,
                            values=self._values, cos=self._cos, sin=self._sin,
                            capacity=capacity)  # fmt: skip
-        if split:  # in the Triton kernel where it runs (compiled forwards: torch's arithmetic)
-            kernel = not compiled and skinny_matmul.unavailable_reason(self.device) is None
-            self._split = forwards(shapes=shapes.split(), graphs=graphs, compiled=compiled,
-                                   split_kernel=kernel)  # fmt: skip
+        if split:
+            self._split = self._split_forwards(forwards, shapes.split(), graphs=graphs,
+                                               compiled=compiled)  # fmt: skip
             self._static = forwards(shapes=shapes, graphs=False)
             return
         forwards = partial(forwards, graphs=graphs, compiled=compiled)
@@ -202,6 +206,25 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
                 self._in_place = flat
             else:
                 self.in_place_differed = True
+
+    def _split_forwards(self, forwards, shapes: Shapes, *, graphs: bool,
+                        compiled: bool) -> StaticForward:  # fmt: skip
+        """Split attention's forwards: in the Triton kernel where it runs and
+        ``kernel_problem`` finds none (``split_kernel_refused`` says otherwise why not), else
+        (or compiled) in torch's arithmetic."""
+        arithmetic = partial(forwards, shapes=shapes, split_kernel=False)
+        if compiled or skinny_matmul.unavailable_reason(self.device) is not None:
+            return arithmetic(graphs=graphs, compiled=compiled)
+        try:
+            kernel = forwards(shapes=shapes, graphs=graphs, split_kernel=True)
+        except Exception as error:  # capturing its graphs ran it, and it failed
+            problem = failure(error)
+        else:
+            problem = kernel_problem(kernel, arithmetic(graphs=False))
+            if problem is None:
+                return kernel
+        self.split_kernel_refused = problem
+        return arithmetic(graphs=graphs)
 
     def _use_matmul(self, matmul: str, tiling: dict[str, int] | None, compile: bool) -> None:
         if matmul == "torch":

@@ -44,7 +44,7 @@ def _kernel():
         """out[row, heads of KV head h] = attention of those heads' queries over the row's
         keys before its split point (in place) and its tail (``tail``'s slots)."""
         row, head = tl.program_id(0), tl.program_id(1)
-        p = tl.load(positions + row)
+        p = tl.load(positions + row).to(tl.int32)  # one integer type for the loop's bounds
         start = tl.maximum(p // BLOCK * BLOCK - 2 * BLOCK, 0)
         g = tl.arange(0, GROUP_P)
         dims = tl.arange(0, D_P)

@@ -27,7 +27,12 @@ import numpy as np
 import torch
 
 from hetspec.workers.torch_runtime.config import ModelConfig
-from hetspec.workers.torch_runtime.split_attention import SplitRows, split_bias, tail_length
+from hetspec.workers.torch_runtime.split_attention import (
+    SplitRows,
+    split_bias,
+    split_point,
+    tail_length,
+)
 
 MIN_SPAN = 256  # the narrowest attention span bucket (slots)
 COMPILED_SHAPES = 256  # recompilations allowed a compiled forward: one per shape
@@ -335,3 +340,38 @@ def same_bits_in_place(one_path: StaticForward, in_place: StaticForward, seed: i
         if not (torch.equal(logits, flat_logits) and torch.equal(hidden, flat_hidden)):
             return False
     return True
+
+
+def kernel_problem(kernel: StaticForward, arithmetic: StaticForward, seed: int = 0) -> str | None:
+    """Why split attention's Triton kernel (``kernel``) cannot serve, checked against the
+    torch arithmetic (``arithmetic``, the same shapes) on random tokens at the end of the
+    first span bucket: it failed to build or run, or its logits are not finite or stray
+    further from the arithmetic's than rounding explains (the two differ in bits, never in
+    meaning). None: it serves. The slots written lie past an empty cache's committed end."""
+    shapes = kernel.shapes
+    span, width = shapes.spans[0], shapes.widest
+    positions = np.arange(max(0, span - width), span)
+    tokens = np.random.default_rng(seed).integers(0, kernel.config.vocab_size, len(positions))
+    tails = split_point(positions, shapes.tail_block)[:, None] + np.arange(
+        tail_length(shapes.tail_block)
+    )  # each row's split point on: its positions, in their own slots (past it: masked)
+    batch = Batch(tokens=tokens, positions=positions, slots=positions, masks=[], span=span,
+                  tail_slots=np.minimum(tails, span - 1))  # fmt: skip
+    expected = arithmetic.run(batch)[0].float().clone()
+    try:
+        logits = kernel.run(batch)[0].float()
+    except Exception as error:  # a kernel this GPU or Triton cannot build
+        return failure(error)
+    if not torch.isfinite(logits).all():
+        return "its logits are not all finite"
+    scale = float(expected.abs().max()) or 1.0
+    worst = float((logits - expected).abs().max())
+    if worst > 0.05 * scale:  # bf16 rounding moves logits by ~1%; a wrong kernel, by all
+        return f"its logits differ from the torch arithmetic's by {worst:.3g} (of {scale:.3g})"
+    return None
+
+
+def failure(error: Exception) -> str:
+    """An exception's kind and first line, for a device line."""
+    lines = str(error).splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
