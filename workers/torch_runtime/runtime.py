@@ -215,8 +215,9 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         arithmetic = partial(forwards, shapes=shapes, split_kernel=False)
         if compiled or skinny_matmul.unavailable_reason(self.device) is not None:
             return arithmetic(graphs=graphs, compiled=compiled)
+        whole = replace(shapes, spans=shapes.spans[-1:])  # the kernel reads no more than it needs
         try:
-            kernel = forwards(shapes=shapes, graphs=graphs, split_kernel=True)
+            kernel = forwards(shapes=whole, graphs=graphs, split_kernel=True)
         except Exception as error:  # capturing its graphs ran it, and it failed
             problem = failure(error)
         else:
@@ -441,12 +442,9 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
                           ) -> tuple[StaticForward, Iterator[Batch]]:  # fmt: skip
         """The forwards ``_evaluate`` would run for these nodes one at a time, and what runs
         them."""
-        if self._split is not None:
-            tails = self._split_tails(positions, parents)
-            if tails is not None:
-                split = self._split
-                batches = self._split_batches(split, positions, tails, most_rows=1)
-                return split, (batch for _, batch in batches)
+        batches = self._split_plan(positions, parents, most_rows=1)
+        if batches is not None:
+            return self._split, (batch for _, batch in batches)
         return self._static, self._single_rows(self._static, positions, parents, rows)
 
     def _single_rows(self, static: StaticForward, positions: np.ndarray, parents: np.ndarray,
@@ -471,12 +469,9 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         """(float32 logits, last hidden states) of new nodes whose keys/values go to the slots
         after the pending ones (``parents``: as ``forward_tree`` validated them); with
         ``last_only`` the logits of the last node may be all."""
-        if self._split is not None:
-            tails = self._split_tails(positions, parents)
-            if tails is not None:
-                split = self._split
-                return self._run_batches(split, self._split_batches(split, positions, tails),
-                                         tokens)  # fmt: skip
+        batches = self._split_plan(positions, parents)
+        if batches is not None:
+            return self._run_batches(self._split, batches, tokens)
         static = self._static
         if static is not None and static.shapes.paths:
             return self._run_batches(
@@ -528,6 +523,18 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
             one_path = replace(batch, masks=[mask[:1] for mask in batch.masks])
             return self._chains.run(one_path, first_token)
         return static.run(batch, first_token)
+
+    def _split_plan(
+        self, positions: np.ndarray, parents: np.ndarray, most_rows: int | None = None
+    ) -> Iterator[tuple[np.ndarray, Batch]] | None:
+        """Split attention's forwards of new nodes after the pending ones (``_split_batches``);
+        None without split attention or where a row is too deep for it."""
+        if self._split is None:
+            return None
+        tails = self._split_tails(positions, parents)
+        if tails is None:
+            return None
+        return self._split_batches(self._split, positions, tails, most_rows)
 
     def _split_tails(self, positions: np.ndarray, parents: np.ndarray) -> np.ndarray | None:
         """``path_tails`` of new nodes after the pending ones (None, counted in
