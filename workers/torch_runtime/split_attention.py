@@ -1,5 +1,5 @@
 """Attention split at a point fixed by each row's position: the keys before it read in place
-from the cache, the last few gathered into position order, the two parts merged exactly.
+from the cache, the last few gathered into position order, both in one softmax.
 
 A width-invariant verifier needs every token to see the same keys in the same places whether
 it is evaluated alone, in a chain or in a tree (static_forward.py). Gathering each row's whole
@@ -11,9 +11,9 @@ have moved are only its last few positions, so each row splits at
 cache's order, and are read in place through a mask that depends on ``p`` alone; the
 ``3 * block`` positions from it on are gathered per row from its own path. Both parts'
 scores (float32) sit side by side in one softmax, and each part's weights multiply its own
-values. The arithmetic a row runs depends on its position, its keys and
-the forward's fixed shape only, so a tree costs a chain plus a small gathered tail, and the
-bits are the same alone, in a chain or in a tree by construction.
+values. The arithmetic a row runs depends on its position, its keys and the forward's fixed
+shape only, so a tree costs a chain plus a small gathered tail, and the bits are the same
+alone, in a chain or in a tree by construction.
 """
 
 from __future__ import annotations
