@@ -36,12 +36,15 @@ from hetspec.speculative.sampling import SamplingParams, distribution
 # the two placements (draft-gpu drafting with the bundled draft head), DuoDecoding's with the
 # verifier in llama.cpp or on hetspec's native kernels (gpu_runtime) instead of torch, and
 # Dovetail's with the independent draft model instead of the head, the head drafting
-# EAGLE-2's dynamic trees, and the verifier's last layers on an rpc-server (llama.cpp's RPC)
+# EAGLE-2's dynamic trees, the verifier's last layers on an rpc-server (llama.cpp's RPC), and
+# the torch verifier in a GPU's fixed width with split attention (static_forward.py)
 PLACEMENTS = ("draft-cpu", "draft-gpu", "draft-cpu-llama", "draft-cpu-native", "draft-gpu-model",
-              "draft-gpu-tree", "draft-cpu-rpc")  # fmt: skip
-SETTINGS_BY_SUFFIX = {"-llama": 'gpu_runtime="llama.cpp"', "-native": 'gpu_runtime="native"',
-                      "-model": 'draft_head="none"', "-tree": "draft_tree=3",
-                      "-rpc": 'gpu_runtime="llama.cpp"'}  # fmt: skip
+              "draft-gpu-tree", "draft-cpu-rpc", "draft-cpu-split")  # fmt: skip
+SETTINGS_BY_SUFFIX = {"-llama": ('gpu_runtime="llama.cpp"',), "-native": ('gpu_runtime="native"',),
+                      "-model": ('draft_head="none"',), "-tree": ("draft_tree=3",),
+                      "-rpc": ('gpu_runtime="llama.cpp"',),
+                      "-split": ("gpu_worker.fixed_width=16",
+                                 'gpu_worker.attention="split"')}  # fmt: skip
 GREEDY_TOKENS = 24
 # chi-square critical values (no scipy here) at p = 0.001 and 0.0001: the table for few
 # degrees of freedom, the Wilson-Hilferty approximation (within 1% from 10 on) above it, with
@@ -95,7 +98,7 @@ class BundledDaemon:
 def daemon(request, tmp_path_factory):
     suffix = next((s for s in SETTINGS_BY_SUFFIX if request.param.endswith(s)), "")
     placement = request.param.removesuffix(suffix)
-    extra = ("--set", SETTINGS_BY_SUFFIX[suffix]) if suffix else ()
+    extra = tuple(a for item in SETTINGS_BY_SUFFIX.get(suffix, ()) for a in ("--set", item))
     rpc = RpcServer() if suffix == "-rpc" else None
     if rpc:  # the target's last two layers (of four) on the server
         extra += ("--set", f'rpc.servers=["{rpc.endpoint}"]', "--set", "rpc.layers=2")
@@ -227,6 +230,11 @@ def target_runtime(placement: str):
 
         # as the daemon's verifier: float32 on the CPU, bf16 in fixed-width forwards on CUDA
         return TorchRuntime(BUNDLED_MODELS / "target", max_context=1024, verifies=True)
+    if placement == "draft-cpu-split":  # the same in a GPU's fixed width, split attention
+        from hetspec.workers.torch_runtime import TorchRuntime  # noqa: PLC0415
+
+        return TorchRuntime(BUNDLED_MODELS / "target", max_context=1024, verifies=True,
+                            fixed_width=16, attention="split")  # fmt: skip
     if placement == "draft-cpu-native":
         from hetspec.workers.native_runtime import NativeRuntime  # noqa: PLC0415
 
