@@ -114,21 +114,25 @@ def path_tails(committed: int, parents: np.ndarray, depths: np.ndarray, rows: np
     parents[i] (-1: the committed end); slots past a row's own position are 0. None where a
     row's split point lies past where its path leaves the cache's order (its keys before it
     are not all in their own slots)."""
-    # ordered[i]: how many of node i's path's nodes, from the top, sit in their depth's slot
-    ordered = np.zeros(len(parents), np.int64)
-    for node, parent in enumerate(parents.tolist()):
-        above = 0 if parent < 0 else int(ordered[parent])
-        whole = parent < 0 or above == depths[parent] + 1
-        ordered[node] = above + 1 if whole and node == depths[node] else above
-    tails = np.zeros((len(rows), tail_length(block)), np.int64)
-    for row, node in enumerate(rows.tolist()):
-        depth, kept = int(depths[node]), int(ordered[node])
-        start = int(split_point(committed + depth, block))
-        if start - committed > kept:
-            return None
-        tails[row, : committed + depth - start + 1] = np.arange(start, committed + depth + 1)
-        walk = node
-        while walk >= 0 and depths[walk] >= kept:  # below where the path left the order
-            tails[row, committed + depths[walk] - start] = committed + walk
-            walk = parents[walk]
+    # ordered[i]: how many of node i's path's nodes, from the top, sit in their depth's slot.
+    # Nodes before the first whose parent is not the node before it form that chain.
+    count = len(parents)
+    breaks = np.flatnonzero(parents != np.arange(-1, count - 1))
+    chain = int(breaks[0]) if len(breaks) else count
+    ordered = np.arange(1, count + 1)
+    for node in range(chain, count):  # below the chain: what their branch point's path kept
+        parent = int(parents[node])
+        ordered[node] = ordered[parent] if parent >= chain else parent + 1
+    depth = depths[rows]
+    start = split_point(committed + depth, block)
+    kept = ordered[rows]
+    if (start - committed > kept).any():
+        return None
+    tails = start[:, None] + np.arange(tail_length(block))  # each tail key's position
+    tails[tails > (committed + depth)[:, None]] = 0  # past the row: slot 0, never seen
+    for row in np.flatnonzero(kept <= depth).tolist():  # paths that left the cache's order
+        walk, row_kept, first = int(rows[row]), int(kept[row]), int(start[row])
+        while walk >= 0 and depths[walk] >= row_kept:
+            tails[row, committed + depths[walk] - first] = committed + walk
+            walk = int(parents[walk])
     return tails
