@@ -18,6 +18,22 @@ from hetspec.workers.torch_runtime import TorchRuntime, split_kernel, static_for
 from hetspec.workers.torch_runtime.split_attention import split_attention, split_bias, split_point
 
 
+def exact(q, keys, values, positions, *, scale, softcap, window) -> torch.Tensor:
+    """Softmax attention of each row over positions 0..p (within ``window``) of the cache,
+    in float64: (heads, n, d)."""
+    group = q.shape[0] // keys.shape[0]
+    k = keys.double().repeat_interleave(group, 0)
+    v = values.double().repeat_interleave(group, 0)
+    scores = q.double() @ k.transpose(1, 2) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    at = torch.arange(keys.shape[1])[None]
+    seen = at <= positions[:, None]
+    if window is not None:
+        seen &= at > positions[:, None] - window
+    return scores.masked_fill(~seen, float("-inf")).softmax(-1) @ v
+
+
 def kernel() -> None:
     cases = (
         (4, 2, 8, None, None),
@@ -39,7 +55,11 @@ def kernel() -> None:
         ours = split_kernel.split_attention(q, keys, values, tails, positions, block=block,
                                             scale=0.3, softcap=softcap, window=window)  # fmt: skip
         assert ours.shape == (len(positions), heads, d)
-        assert torch.allclose(ours.transpose(0, 1), expected, atol=1e-5), (heads, d)
+        truth = exact(q, keys, values, positions, scale=0.3, softcap=softcap, window=window)
+        # both against float64: torch's CPU tanh took another path in some processes (its
+        # soft-capped outputs 4e-5 apart between them); the kernel's is within 3.4e-6
+        assert torch.allclose(ours.transpose(0, 1).double(), truth, atol=1e-5), (heads, d)
+        assert torch.allclose(expected.double(), truth, atol=1e-4), (heads, d)
         for row in range(len(positions)):
             one = slice(row, row + 1)
             alone = split_kernel.split_attention(q[:, one], keys, values, tails[one],

@@ -137,9 +137,10 @@ def in_the_interpreter(check: str) -> None:
 
 
 def test_the_kernel_computes_it_alike_and_each_row_alone() -> None:
-    """The Triton kernel against the torch arithmetic (GQA groups of 2, 3, 4 and 8 heads,
-    head sizes that are no power of two, soft caps, windows shorter than a row's keys, 16
-    and 64 keys a step), and every row's bits the same in a call of one row."""
+    """The Triton kernel and the torch arithmetic against float64 (GQA groups of 2, 3, 4
+    and 8 heads, head sizes that are no power of two, soft caps, windows shorter than a
+    row's keys, 16 and 64 keys a step), and every row's bits the same in a call of one
+    row."""
     in_the_interpreter("kernel")
 
 
