@@ -230,14 +230,15 @@ class Estimates:
         points = [(w, *m.median_and_count()) for w, m in medians.items()]
         return [point for point in points if point[2]]
 
-    def branched_verify(self) -> float:
+    def branched_verify(self, line: VerifyCost | None = None) -> float:
         """What a verification of several branches costs against one chain of its width (the
-        chains' line): the samples' weighted mean ratio, 1 until both were measured."""
+        chains' line, ``line`` where the caller has fitted it): the samples' weighted mean
+        ratio, 1 until both were measured."""
         chains = self._points(self._verify[False])
         trees = self._points(self._branched)
-        line = self.verify_line(False)
-        if not chains or not trees or line is None:
+        if not chains or not trees:
             return 1.0
+        line = line or self.verify_line(False)
         ratios = [(median / float(line.at(width)), count) for width, median, count in trees]
         return float(np.average([r for r, _ in ratios], weights=[c for _, c in ratios]))
 
@@ -332,7 +333,7 @@ class Estimates:
                        for k, share in self.rule_shares()) if rule else ()  # fmt: skip
         latency = {o: self.draft_latency_s(o) for o in (False, True)}
         return CostModel(step, latency, verify, reach, overhead, self.config.branch_cost,
-                         alone, shares, self.branched_verify())  # fmt: skip
+                         alone, shares, self.branched_verify(verify[False]))  # fmt: skip
 
     def summary(self) -> dict:
         """What is believed now, in milliseconds, for the request statistics."""

@@ -24,10 +24,6 @@ NO_SCORE = -1.0e38  # the running maximum before any key: finite, below every re
 TILE_ELEMENTS = 8192  # a step's products (heads of a group x keys x head size): registers
 
 
-def _power_of_two(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 @functools.cache
 def _kernel():
     import triton  # noqa: PLC0415 (imported where the kernel runs, never on the CPU path)
@@ -115,10 +111,12 @@ def split_attention(
     if tail_slots.shape != (n, tail_length(block)):
         raise ValueError(f"tail_slots must be ({n}, {tail_length(block)}), not "
                          f"{tuple(tail_slots.shape)}")  # fmt: skip
+    import triton  # noqa: PLC0415 (where the kernel runs, Triton is installed)
+
     tail = tail_slots.contiguous()
     out = torch.empty((n, heads, d), dtype=q.dtype, device=q.device)
-    group_p, d_p = _power_of_two(group), _power_of_two(d)
-    step = max(16, min(64, _power_of_two(TILE_ELEMENTS // (group_p * d_p) + 1) // 2))
+    group_p, d_p = triton.next_power_of_2(group), triton.next_power_of_2(d)
+    step = max(16, min(64, TILE_ELEMENTS // (group_p * d_p)))  # powers of two, all
     kernel = _kernel()
     kernel[(n, kv_heads)](
         q, keys, values, tail, positions, out,

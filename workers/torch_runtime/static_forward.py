@@ -80,11 +80,6 @@ class Shapes:
         """These widths and spans in split attention's forwards (``TAIL_BLOCK``)."""
         return replace(self, paths=0, tail_block=TAIL_BLOCK)
 
-    @property
-    def invariant(self) -> bool:
-        """Whether a row's bits do not depend on the rows beside it (one fixed width)."""
-        return bool(self.paths or self.tail_block)
-
     def width_for(self, rows: int) -> int:
         """The narrowest width bucket holding ``rows`` (<= ``widest``)."""
         return next(w for w in self.widths if w >= rows)
