@@ -26,11 +26,12 @@
 # worker round trip with and without a wake-up; the
 # full call waits for llama-server, runs the lossless suite's greedy test on draft-cpu (the
 # drafter's llama.cpp would fight the build for cores before) and `hetspec bench` on heavy-1b
-# with the GPU peers, busy-core run included, then draft-gpu on heavy-300m with Dovetail's
-# head and with the independent draft model in what time is left.
-# Everything goes to $OUT/log.txt as it happens, tables to $OUT/*.json and $OUT/bench*.md (the
-# device tool brings back 8 files). Each step has its own time limit; a failed step does not
-# stop the others. docs/bench/gpu/README.md has the last run's figures.
+# with the GPU peers, busy-core run included, then the same bench with int8 weights in the
+# verifier (no peers, no load) in what time is left (DRAFT_GPU=1 before bash: draft-gpu on
+# heavy-300m with Dovetail's head and with the independent draft model instead).
+# Everything goes to $OUT/log.txt as it happens, bench_verify's and bench_matmul's tables to
+# $OUT/tables.tgz (one file: the device tool brings back 8), the bench's to $OUT/bench*.
+# Each step has its own time limit; a failed step does not stop the others. docs/bench/gpu/README.md has the last run's figures.
 set -uo pipefail
 OUT=${OUT:?set OUT to the folder for the results}
 root=$(pwd)
@@ -40,6 +41,10 @@ export PYTHONUNBUFFERED=1
 log="$OUT/log.txt"
 exec > >(tee -a "$log") 2>&1
 began=$SECONDS
+tables=/tmp/gpu-tables  # the JSON tables, packed into $OUT/tables.tgz after each step
+mkdir -p "$tables"
+pack_tables() { tar czf "$OUT/tables.tgz" -C "$tables" . 2>/dev/null || true; }
+trap pack_tables EXIT
 stamp() { echo; echo "== [$((SECONDS - began)) s] $*"; }
 step() {  # step LIMIT_S DESCRIPTION COMMAND...: run with a time limit, report, go on
   local limit=$1 what=$2; shift 2
@@ -47,6 +52,7 @@ step() {  # step LIMIT_S DESCRIPTION COMMAND...: run with a time limit, report, 
   timeout --kill-after=10 "$limit" "$@"
   local status=$?
   [[ $status -eq 0 ]] || echo "!! $what: exit $status"
+  pack_tables
   return 0
 }
 
@@ -93,21 +99,21 @@ verify() {  # verify NAME MODEL ARGS...: T_verify(w) at 512 tokens of context, a
   local name=$1 model=$2; shift 2
   step "${VERIFY_S:-90}" "T_verify $name" "${pin[@]}" "$python" -m hetspec.workers.torch_runtime.bench_verify \
       --model "$model" --contexts 512 --widths 1,2,4,8,16,32,64 --repeats 30 --decode 65 \
-      --json "$OUT/verify-$name.json" "$@"
+      --json "$tables/verify-$name.json" "$@"
 }
 
 if [[ -n "${QUICK:-}" ]]; then
   # most telling first: a step the call's limit cuts off costs the least there
   step 120 "CUDA tests" "${pin[@]}" "$python" -m pytest -q -p no:cacheprovider \
       tests/test_cuda_graphs.py tests/test_torch_runtime.py tests/test_skinny_matmul.py \
-      tests/test_split_attention.py \
+      tests/test_split_attention.py tests/test_int8_weights.py \
       -k "(cuda or graph or fixed or bucket) and not compiled"  # compiling: T_verify's below
   # heavy-1b's linear layers alone, cuBLAS against the Triton kernel's tilings (GB/s of
   # weight, and whether each keeps a row's bits among other rows), while the targets build
   step 90 "linear layers" "${pin[@]}" "$python" -m hetspec.workers.torch_runtime.bench_matmul \
-      --json "$OUT/matmul.json"
+      --json "$tables/matmul.json"
   # the Triton verifier below runs the tiling fastest over a 16-row forward (none: the default)
-  tiling=$("$python" native/gpu-pick-settings.py --tiling "$OUT")
+  tiling=$("$python" native/gpu-pick-settings.py --tiling "$tables")
   stamp "waiting for the heavy targets"
   while [[ ! -e "$HETSPEC_CACHE_DIR/heavy.done" ]]; do sleep 2; done
   h1b=$(heavy 1b)
@@ -136,10 +142,20 @@ if [[ -n "${QUICK:-}" ]]; then
   # so a call cut short by its limit still leaves a choice for the full call
   pick() {
     stamp "the verifier the full call benches"
-    "$python" native/gpu-pick-settings.py "$OUT" > "$HETSPEC_CACHE_DIR/bench_set"
+    "$python" native/gpu-pick-settings.py "$tables" > "$HETSPEC_CACHE_DIR/bench_set"
     echo "BENCH_SET for the full call: '$(cat "$HETSPEC_CACHE_DIR/bench_set")'"
   }
   pick
+  # int8 weights (workers/torch_runtime/int8_weights.py): the same Triton kernel reading
+  # one byte a weight and a scale per row, half the 1.95 GB (llama-server's Q8_0 reads 1.06
+  # GB). The int8 model computes other logits, so it is no candidate for the bf16 pick: its
+  # T(1) and T(16) against the Triton table above, and its linear layers alone
+  step 60 "linear layers, int8 weights" "${pin[@]}" "$python" -m \
+      hetspec.workers.torch_runtime.bench_matmul --weights int8 --json "$tables/matmul-int8.json"
+  tiling_int8=$("$python" native/gpu-pick-settings.py --tiling "$tables" matmul-int8.json)
+  echo "$tiling_int8" > "$HETSPEC_CACHE_DIR/tiling_int8"
+  VERIFY_S=120 verify 1b-fixed16-int8 "$h1b" --dtype bfloat16 --fixed-width 16 --invariance \
+      --weights int8 --matmul-tiling "$tiling_int8" --profile-width 1 --shape chain,tree
   # a worker woken for every call (1 ms apart, as in a round: it sleeps after 100 us of
   # polling) against one that polls through the gap: the price of a wake-up on this box, per
   # link (the 2-vCPU dev VM, back to back: mailboxes 46-56 us, ZeroMQ alone 208-242)
@@ -202,9 +218,24 @@ step $(( left > 60 ? left - 40 : 20 )) "bench heavy-1b draft-cpu" "$python" -m h
     --target heavy-1b --placement draft-cpu --gammas 4 --prompts 3 --max-tokens 128 \
     --repeats 1 --warmup 1 --out "$bench_out" "${bench_set[@]}" "${bench_args[@]}"
 cp "$bench_out"/bench.md "$OUT/bench.md"; cp "$bench_out"/bench.json "$OUT/bench.json"
-# draft-gpu on heavy-300m (#22's goal): Dovetail's head, then the independent draft model,
-# each in half of what time is left
+# the same pair with int8 weights in the verifier (the int8 model's text, its own target alone
+# the reference; the peers above read Q8_0), in what time is left: no peers, no load
+int8_set=(--set 'gpu_worker.weights="int8"')
+tiling_int8=$(cat "$HETSPEC_CACHE_DIR/tiling_int8" 2>/dev/null || true)
+[[ -n "$tiling_int8" ]] && int8_set+=(--set "gpu_worker.matmul_tiling={$tiling_int8}")
+left=$(( ${TOTAL_S:-570} - (SECONDS - began) ))
+if [[ -z "${DRAFT_GPU:-}" ]] && (( left > 60 )); then
+  step $(( left - 10 )) "bench heavy-1b draft-cpu, int8 weights" "$python" -m \
+      hetspec.client.cli bench --target heavy-1b --placement draft-cpu --gammas 4 --prompts 3 \
+      --max-tokens 128 --repeats 1 --warmup 1 --no-load --no-peers "${int8_set[@]}" \
+      "${bench_args[@]}" --out "$bench_out-int8"
+  cp "$bench_out-int8"/bench.md "$OUT/bench-int8.md" 2>/dev/null
+  cp "$bench_out-int8"/bench.json "$OUT/bench-int8.json" 2>/dev/null
+fi
+# DRAFT_GPU=1 before bash, in place of the int8 bench: draft-gpu on heavy-300m (#22's goal),
+# Dovetail's head, then the independent draft model, each in half of what time is left
 for head in auto none; do
+  [[ -n "${DRAFT_GPU:-}" ]] || break
   left=$(( ${TOTAL_S:-570} - (SECONDS - began) ))
   [[ $head == auto ]] && left=$(( left / 2 ))
   step $(( left > 30 ? left - 10 : 5 )) "bench heavy-300m draft-gpu, draft_head $head" \

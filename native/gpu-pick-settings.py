@@ -1,7 +1,7 @@
 """Which verifier the full GPU call should bench, from the quick call's tables.
 
     python native/gpu-pick-settings.py OUT_DIR > SETTINGS
-    python native/gpu-pick-settings.py --tiling OUT_DIR > FIELDS
+    python native/gpu-pick-settings.py --tiling OUT_DIR [TABLE] > FIELDS
 
 Reads OUT_DIR/verify-1b-fixed16{,-triton,-compiled,-split}.json (bench_verify --json) and
 prints the daemon settings (space-separated, gpu-checks.sh's BENCH_SET) of the fastest
@@ -11,7 +11,8 @@ alone) plus the slowest 16-row forward among the table's shapes (a round's verif
 chain's or a tree's). Nothing (cuBLAS, eager, gathered paths: the default) when no
 alternative qualifies.
 
-With --tiling it reads OUT_DIR/matmul.json (bench_matmul --json) instead and prints the
+With --tiling it reads OUT_DIR/TABLE (default matmul.json; bench_matmul --json) instead and
+prints the
 Triton kernel's fastest tiling over a forward of 16 rows (a fixed-width verifier's) among
 those that kept every row's bits, as bench_verify's --matmul-tiling takes it
 (``block_n=32,warps=8``; nothing: the default). The reasoning goes to stderr.
@@ -64,14 +65,17 @@ def fastest_tiling(document: dict, rows: int = 16) -> str:
 
 
 def main() -> int:
-    if len(sys.argv) not in (2, 3) or sys.argv[1] in ("-h", "--help"):
+    tiling = sys.argv[1:2] == ["--tiling"]
+    low, high = (3, 4) if tiling else (2, 2)
+    if not low <= len(sys.argv) <= high or sys.argv[1] in ("-h", "--help"):
         print(__doc__, file=sys.stderr)
         return 0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2
-    if sys.argv[1] == "--tiling":
+    if tiling:
+        name = sys.argv[3] if len(sys.argv) == 4 else "matmul.json"
         try:
-            document = json.loads((Path(sys.argv[2]) / "matmul.json").read_text())
+            document = json.loads((Path(sys.argv[2]) / name).read_text())
         except (OSError, ValueError) as error:
-            print(f"matmul.json: not read ({error}): the default tiling", file=sys.stderr)
+            print(f"{name}: not read ({error}): the default tiling", file=sys.stderr)
             return 0
         print(fastest_tiling(document))
         return 0

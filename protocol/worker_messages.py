@@ -22,7 +22,7 @@ from hetspec.protocol.arena import ArenaLayout, ArrayRef
 from hetspec.protocol.sampling import SamplingParams, TokenLogprob
 from hetspec.protocol.vocab import VocabInfo
 
-PROTOCOL_VERSION = 15
+PROTOCOL_VERSION = 16
 
 
 class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"):
@@ -39,6 +39,7 @@ CacheType = Literal["f32", "f16", "q8_0"]
 TorchDtype = Literal["auto", "float32", "bfloat16", "float16"]
 MatmulKernel = Literal["torch", "triton"]
 AttentionKind = Literal["gathered", "split"]
+WeightFormat = Literal["dtype", "int8"]
 
 
 class LlamaCppSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="llama.cpp"):
@@ -108,6 +109,11 @@ class TorchSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag
     # depend on the rows (workers/torch_runtime/skinny_matmul.py); "torch": cuBLAS
     matmul: MatmulKernel = "torch"
     matmul_tiling: MatmulTiling | None = None  # with "triton"; bench_matmul times tilings
+    # "int8": every linear layer's weight (the output head's too) in int8 with a float32
+    # scale per output row, read by that Triton kernel (workers/torch_runtime/
+    # int8_weights.py): half bfloat16's bytes to stream, and the int8 model's text (its
+    # target alone is the reference); "dtype": the weights in the activations' dtype
+    weights: WeightFormat = "dtype"
     # Set by the daemon for the worker that verifies: dtype "auto" is then bfloat16 in fixed
     # shapes on CUDA (width-invariant), float32 on the CPU.
     verifies: bool = False

@@ -103,3 +103,11 @@ def test_the_tiling_comes_from_bench_matmuls_table(tmp_path) -> None:
     assert tiling == "block_n=32,warps=8"  # b is faster but changed a row's bits
     assert "rows changed" in reasons
     assert picked(tmp_path / "absent", "--tiling")[0] == ""  # the default, said on stderr
+    # another table (bench_matmul --weights int8's) named after the folder
+    int8 = {**document, "forward_us": {**document["forward_us"], "default rows 16": 400.0}}
+    (tmp_path / "matmul-int8.json").write_text(json.dumps(int8))
+    done = subprocess.run([sys.executable, str(PICKER), "--tiling", str(tmp_path),
+                           "matmul-int8.json"], capture_output=True, text=True, timeout=60,
+                          check=True)  # fmt: skip
+    assert done.stdout.strip() == ""  # the default is the fastest there
+    assert "chosen tiling: the default (400.0 us)" in done.stderr

@@ -161,7 +161,8 @@ def test_on_cuda_the_kernel_tracks_cublas_and_rows_stay_independent(dtype) -> No
 # GPU would (the same arguments, specialized the same way), through PTX to the GPU's binary.
 # Compute capability -> the most shared memory a program may take there, in bytes
 GPUS = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}  # A100, RTX 30/40, H100
-TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+                torch.int8: "i8"}  # fmt: skip
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 
 

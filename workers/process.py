@@ -119,14 +119,15 @@ def load_torch(model: str, settings: m.TorchSettings, options: dict):
         runtime.vocab_info()  # a folder without a usable tokenizer fails here, at load
     except ModelLoadError as error:
         raise LoadError(str(error)) from None
+    notes = ["int8 weights"] if runtime.weights == "int8" else []
     if runtime.in_place_differed:  # slower, never wrong: say so
-        return runtime, f"{runtime.device} (chains gather their paths: in place differed)"
+        notes.append("chains gather their paths: in place differed")
     if runtime.attention == "split":
         how = "Triton kernel" if runtime.split_kernel else "torch"
         if runtime.split_kernel_refused:  # slower, never wrong: say so
             how += f"; its kernel refused: {runtime.split_kernel_refused}"
-        return runtime, f"{runtime.device} (split attention, {how})"
-    return runtime, str(runtime.device)
+        notes.append(f"split attention, {how}")
+    return runtime, f"{runtime.device} ({', '.join(notes)})" if notes else str(runtime.device)
 
 
 def preload_runtime(kind: str) -> None:

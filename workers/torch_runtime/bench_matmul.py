@@ -3,9 +3,12 @@
 For each weight shape of a model (heavy-1b's by default) and each row count, one call's time
 in a CUDA graph of many calls (no launch gaps), the weight's bytes over that time (the HBM
 bandwidth the call reaches), and whether each tiling keeps a row's bits whatever rows come
-with it. The tiling with the best sum over a forward's shapes is the one to use:
+with it. The tiling with the best sum over a forward's shapes is the one to use. With
+``--weights int8`` the Triton cells read int8 weights with a scale per row (int8_weights.py:
+half the bytes), cuBLAS still the dtype's:
 
-    python -m hetspec.workers.torch_runtime.bench_matmul [--rows 1,16] [--json out.json]
+    python -m hetspec.workers.torch_runtime.bench_matmul [--rows 1,16] [--weights int8]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
+from hetspec.workers.torch_runtime.int8_weights import int8_linear, quantize_rows
 from hetspec.workers.torch_runtime.skinny_matmul import (
     DEFAULT_TILING,
     MAX_ROWS,
@@ -38,6 +42,7 @@ TILINGS = {
     "n 32": Tiling(block_n=32),
     "n 128, 8 warps": Tiling(block_n=128, warps=8),
     "k 256, 3 stages": Tiling(block_k=256, stages=3),
+    "k 256": Tiling(block_k=256),  # int8's tile of a bfloat16 one's bytes
 }
 CALLS = 50  # calls in one graph
 
@@ -75,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--rows", default="1,16", help="row counts, comma-separated")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    parser.add_argument("--weights", choices=["dtype", "int8"], default="dtype",
+                        help="the Triton kernel's weights: the dtype's, or int8 with a scale "
+                        "per row (cuBLAS reads the dtype's either way)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args(argv)
@@ -88,31 +96,41 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --rows must be in 1..{MAX_ROWS}", file=sys.stderr)
         return 1
     dtype = getattr(torch, args.dtype)
-    print(f"{torch.cuda.get_device_name()}, {args.dtype}; us a call (GB/s of weight), "
-          f"{CALLS} calls a graph x {args.repeats}")  # fmt: skip
+    int8 = args.weights == "int8"
+    print(f"{torch.cuda.get_device_name()}, {args.dtype}"
+          + (", the Triton cells' weights int8" if int8 else "")
+          + f"; us a call (GB/s of weight), {CALLS} calls a graph x {args.repeats}")  # fmt: skip
     results, totals = [], {}
     for name, n, k, count in HEAVY_1B:
         weight = torch.randn(n, k, device=device).to(dtype) / k**0.5
+        quantized, scale = quantize_rows(weight) if int8 else (weight, None)
+
+        def ours(x, tiling, quantized=quantized, scale=scale):
+            if scale is None:
+                return skinny_linear(x, quantized, tiling=tiling)
+            return int8_linear(x, quantized, scale, tiling=tiling)
+
         for rows in rows_list:
             x = torch.randn(rows, k, device=device).to(dtype)
             row = {"shape": name, "n": n, "k": k, "rows": rows}
             cells = [("cuBLAS", lambda x=x, w=weight: F.linear(x, w), None)]
-            cells += [(label, lambda x=x, w=weight, t=t: skinny_linear(x, w, tiling=t), t)
-                      for label, t in TILINGS.items()]  # fmt: skip
+            cells += [(label, lambda x=x, t=t: ours(x, t), t) for label, t in TILINGS.items()]
             line = [f"{name:>9} {n:>5}x{k:<5} rows {rows:>2}:"]
             for label, call, tiling in cells:
                 us = time_call(call, args.repeats)
                 row[label] = round(us, 2)
                 totals[(label, rows)] = totals.get((label, rows), 0.0) + us * count
-                line.append(f"{label} {us:.1f} ({n * k * weight.element_size() / us / 1e3:.0f})")
+                size = (weight if tiling is None else quantized).element_size()
+                line.append(f"{label} {us:.1f} ({n * k * size / us / 1e3:.0f})")
                 if tiling is not None and rows > 1:  # a row's bits alone and among others
-                    alone = skinny_linear(x[:1], weight, tiling=tiling)
-                    row[f"{label} invariant"] = bool(torch.equal(alone, call()[:1]))
+                    row[f"{label} invariant"] = bool(torch.equal(ours(x[:1], tiling),
+                                                                 call()[:1]))  # fmt: skip
             results.append(row)
             print(" | ".join(line), flush=True)
-    bytes_per_forward = sum(n * k * count for _, n, k, count in HEAVY_1B) * torch.tensor(
-        [], dtype=dtype).element_size()  # fmt: skip
-    print(f"a forward's linear layers ({bytes_per_forward / 1e9:.2f} GB of weight), us:")
+    size = 1 if int8 else torch.tensor([], dtype=dtype).element_size()
+    weights = sum(n * k * count for _, n, k, count in HEAVY_1B)
+    print(f"a forward's linear layers ({weights * size / 1e9:.2f} GB of weight for the Triton "
+          f"cells), us:")  # fmt: skip
     for rows in rows_list:
         cells = [f"{label} {totals[(label, rows)]:.0f}" for label in ["cuBLAS", *TILINGS]]
         print(f"  rows {rows:>2}: " + ", ".join(cells))
@@ -123,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         summary = {f"{label} rows {rows}": round(us, 1) for (label, rows), us in totals.items()}
         tilings = {label: changed_fields(tiling) for label, tiling in TILINGS.items()}
-        document = {"rows": results, "forward_us": summary, "tilings": tilings}
+        document = {"rows": results, "forward_us": summary, "tilings": tilings,
+                    "weights": args.weights}  # fmt: skip
         args.json.write_text(json.dumps(document, indent=2))
     return 0
 

@@ -231,6 +231,13 @@ def arguments() -> argparse.ArgumentParser:
         "skinny_matmul.Tiling; bench_matmul times tilings)",
     )
     parser.add_argument(
+        "--weights",
+        choices=["dtype", "int8"],
+        default="dtype",
+        help="int8: every linear layer's weight in int8 with a scale per row, read by the "
+        "Triton kernel (the int8 model: its logits are not the dtype's)",
+    )
+    parser.add_argument(
         "--no-graphs",
         dest="graphs",
         action="store_false",
@@ -321,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             fixed_width=args.fixed_width, span_buckets=args.span_buckets,
             invariant_paths=args.paths, chain_forwards=args.chain_forwards,
             chain_in_place=args.chain_in_place, attention=args.attention,
-            matmul=args.matmul, matmul_tiling=args.matmul_tiling,
+            matmul=args.matmul, matmul_tiling=args.matmul_tiling, weights=args.weights,
         )  # fmt: skip
     except ModelLoadError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -340,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{f' (kernel refused: {refused})' if refused else ''}, "
         f"matmul {args.matmul}"
         + "".join(f" {field}={value}" for field, value in args.matmul_tiling.items())
+        + (", int8 weights (Triton kernel)" if runtime.weights == "int8" else "")
     )
     print(f"{'context':>8} {'shape':>6} {'width':>6} {'ms':>9} {'p25-p75':>15} {'ms/token':>9} "
           f"{'x w=1':>6}")  # fmt: skip
@@ -376,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
                 "chains_in_place": runtime.chains_in_place, "attention": runtime.attention,
                 "split_kernel": runtime.split_kernel,
                 "split_kernel_refused": runtime.split_kernel_refused,
-                "matmul": args.matmul, "matmul_tiling": args.matmul_tiling}  # fmt: skip
+                "matmul": args.matmul, "matmul_tiling": args.matmul_tiling,
+                "weights": runtime.weights}  # fmt: skip
         document = {**meta, "rows": rows, "invariance": invariance}
         if args.profile_width > 0:
             document["profile"] = profiled

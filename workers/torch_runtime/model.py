@@ -290,6 +290,8 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = Backbone(config)
         self.head_linear = F.linear  # the output head's matmul (skinny_matmul may take it)
+        # an int8 copy of the head that replaces it (int8_weights.use_int8_weights)
+        self.quantized_head: nn.Module | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -365,6 +367,10 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for final hidden states (n, hidden) -> (n, vocab)."""
-        logits = self.head_linear(self.model.norm(hidden), self.head_weight()).float()
+        normed = self.model.norm(hidden)
+        if self.quantized_head is not None:
+            logits = self.quantized_head(normed).float()
+        else:
+            logits = self.head_linear(normed, self.head_weight()).float()
         cap = self.config.final_softcap
         return logits if cap is None else cap * torch.tanh(logits / cap)

@@ -25,6 +25,7 @@ from hetspec.speculative.tree import ROOT
 from hetspec.workers.torch_runtime import skinny_matmul
 from hetspec.workers.torch_runtime.config import ModelConfig, ModelLoadError
 from hetspec.workers.torch_runtime.device_choice import DeviceChoice
+from hetspec.workers.torch_runtime.int8_weights import use_int8_weights
 from hetspec.workers.torch_runtime.model import layer_rope_tables
 from hetspec.workers.torch_runtime.split_attention import path_tails
 from hetspec.workers.torch_runtime.static_forward import (
@@ -93,6 +94,7 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         attention: str = "gathered",
         matmul: str = "torch",
         matmul_tiling: dict[str, int] | None = None,
+        weights: str = "dtype",
     ) -> None:
         """Load ``model_dir``.
 
@@ -117,7 +119,10 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         at load with the graphs on CUDA), or where shapes vary each new shape's first forward.
         ``matmul`` "triton": linear layers of at most 16 rows in ``skinny_matmul`` (a GPU, or
         Triton's interpreter), cut as ``skinny_matmul.Tiling`` with ``matmul_tiling``'s
-        fields changed; not with ``compile``."""
+        fields changed; not with ``compile``. ``weights`` "int8": every linear layer's
+        weight (and the output head's) in int8 with a float32 scale per output row, read
+        by that kernel whatever ``matmul`` says (int8_weights.py: the int8 model's text,
+        not the original's)."""
         folder = Path(model_dir)
         if not folder.is_dir():
             raise ModelLoadError(f"{folder}: not a directory")
@@ -134,7 +139,7 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
                 f"{folder}: context {capacity} is outside what the model allows (1..{limit})"
             )
         self.model = self._load_model(folder)
-        self._use_matmul(matmul, matmul_tiling, compile)
+        self.weights = self._use_matmul(matmul, matmul_tiling, compile, weights)
         self._run_model = torch.compile(self.model, dynamic=True) if compile else self.model
         if fixed_width is None:
             fixed_width = DEFAULT_FIXED_WIDTH if verifies and self.device.type == "cuda" else 0
@@ -227,26 +232,37 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         self.split_kernel_refused = problem
         return arithmetic(graphs=graphs)
 
-    def _use_matmul(self, matmul: str, tiling: dict[str, int] | None, compile: bool) -> None:
-        if matmul == "torch":
+    def _use_matmul(self, matmul: str, tiling: dict[str, int] | None, compile: bool,
+                    weights: str) -> str:  # fmt: skip
+        """Put the Triton kernel under the linear layers where ``matmul`` or ``weights``
+        ask for it; returns the weights' format."""
+        if matmul not in ("torch", "triton"):
+            raise ModelLoadError(f'matmul must be "torch" or "triton", not {matmul!r}')
+        if weights not in ("dtype", "int8"):
+            raise ModelLoadError(f'weights must be "dtype" or "int8", not {weights!r}')
+        if matmul == "torch" and weights == "dtype":
             if tiling:
                 raise ModelLoadError('matmul_tiling cuts the Triton matmul: it needs matmul '
                                      '"triton"')  # fmt: skip
-            return
-        if matmul != "triton":
-            raise ModelLoadError(f'matmul must be "torch" or "triton", not {matmul!r}')
+            return weights
+        asked = ('weights "int8" (read by the Triton matmul)' if weights == "int8"
+                 else 'matmul "triton"')  # fmt: skip
         if compile:
-            raise ModelLoadError("matmul \"triton\" and compile are two ways to the same "
-                                 "kernels: choose one")  # fmt: skip
+            raise ModelLoadError(f"{asked} and compile are two ways to fused kernels: "
+                                 "choose one")  # fmt: skip
         reason = skinny_matmul.unavailable_reason(self.device)
         if reason is not None:
-            raise ModelLoadError(f'matmul "triton" cannot run here: {reason}')
+            raise ModelLoadError(f"{asked} cannot run here: {reason}")
         try:
             cut = replace(skinny_matmul.DEFAULT_TILING, **(tiling or {}))
         except (TypeError, ValueError) as error:
             raise ModelLoadError(f"matmul_tiling: {error}") from None
-        skinny_matmul.use_skinny_linears(self.model, cut)
-        self.model.head_linear = partial(skinny_matmul.linear, tiling=cut)
+        if weights == "int8":
+            use_int8_weights(self.model, cut)
+        else:
+            skinny_matmul.use_skinny_linears(self.model, cut)
+            self.model.head_linear = partial(skinny_matmul.linear, tiling=cut)
+        return weights
 
     @property
     def graphs(self) -> int:

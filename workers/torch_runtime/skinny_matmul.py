@@ -9,6 +9,10 @@ SM count, never from the row count) and the partial sums added in split order by
 kernel. A row's result therefore does not depend on the other rows or on how many there are:
 it is batch-invariant, as a width-invariant verifier needs.
 
+The weight may also be int8 with one float32 scale per output row (``int8_weights.py``):
+each tile is widened to the rows' type in registers (exactly: every int8 is a bfloat16) and
+the scale multiplies the finished sum, so the kernel streams half the bytes of bfloat16.
+
 Triton compiles for the GPU; with ``TRITON_INTERPRET=1`` the same kernels run on the CPU
 (slowly), which is how the tests check them where there is no GPU.
 """
@@ -52,13 +56,16 @@ class Tiling:
         if self.programs_per_sm < 0:
             raise ValueError(f"programs_per_sm is 0 or more, not {self.programs_per_sm}")
 
-    def stages_within(self, shared_bytes: int | None, element_size: int) -> int:
+    def stages_within(self, shared_bytes: int | None, element_size: int,
+                      weight_element_size: int | None = None) -> int:  # fmt: skip
         """The pipeline's depth: ``stages``, or fewer so that a buffer of the row tile and
-        the weight tile per stage fits ``shared_bytes`` (None: no limit). The depth only
-        schedules the loads: it never changes a sum."""
+        the weight tile per stage fits ``shared_bytes`` (None: no limit); the weight's
+        elements are ``element_size`` bytes too unless ``weight_element_size`` says. The
+        depth only schedules the loads: it never changes a sum."""
         if shared_bytes is None:
             return self.stages
-        per_stage = (MAX_ROWS + self.block_n) * self.block_k * element_size
+        weight_size = weight_element_size or element_size
+        per_stage = (MAX_ROWS * element_size + self.block_n * weight_size) * self.block_k
         return max(1, min(self.stages, shared_bytes // per_stage))
 
 
@@ -82,12 +89,14 @@ def _kernels():
     import triton.language as tl  # noqa: PLC0415
 
     @triton.jit(do_not_specialize=["rows"])
-    def partial_sums(x, w, partial, bias, y, rows, n, k, k_per_split,  # noqa: PLR0917
+    def partial_sums(x, w, partial, scale, bias, y, rows, n, k, k_per_split,  # noqa: PLR0917
                      x_stride, w_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr):  # fmt: skip
+                     WIDEN: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     DIRECT: tl.constexpr):  # fmt: skip
         """partial[split, m, n] = sum over the split's K range of x[m, k] * w[n, k]; DIRECT
-        (one split): y[m, n] = that sum (+ bias) in y's dtype instead."""
+        (one split): y[m, n] = that sum (x scale[n] if SCALED, + bias) in y's dtype instead.
+        WIDEN: w's tiles (int8) are converted to x's type first."""
         block, split = tl.program_id(0), tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
         rn = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -100,12 +109,16 @@ def _kernels():
             a = tl.load(x + rm[:, None] * x_stride + rk[None, :],
                         mask=(rm[:, None] < rows) & (rk[None, :] < k), other=0.0)  # fmt: skip
             b = tl.load(w + rn[:, None] * w_stride + rk[None, :],
-                        mask=(rn[:, None] < n) & (rk[None, :] < k), other=0.0)  # fmt: skip
+                        mask=(rn[:, None] < n) & (rk[None, :] < k), other=0)  # fmt: skip
             if UPCAST:
                 a, b = a.to(tl.float32), b.to(tl.float32)
+            elif WIDEN:
+                b = b.to(a.dtype)
             acc += tl.dot(a, tl.trans(b), input_precision=PRECISION)
         mask = (rm[:, None] < rows) & (rn[None, :] < n)
         if DIRECT:
+            if SCALED:
+                acc *= tl.load(scale + rn, mask=rn < n, other=0.0)[None, :]
             if HAS_BIAS:
                 acc += tl.load(bias + rn, mask=rn < n, other=0.0).to(tl.float32)[None, :]
             tl.store(y + rm[:, None] * n + rn[None, :], acc.to(y.dtype.element_ty), mask=mask)
@@ -114,9 +127,11 @@ def _kernels():
                      mask=mask)  # fmt: skip
 
     @triton.jit(do_not_specialize=["rows"])
-    def add_splits(partial, bias, y, rows, n, splits, HAS_BIAS: tl.constexpr,  # noqa: PLR0917
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-        """y[m, n] = the splits' partial sums added in split order (+ bias), in y's dtype."""
+    def add_splits(partial, scale, bias, y, rows, n, splits, SCALED: tl.constexpr,  # noqa: PLR0917
+                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):  # fmt: skip
+        """y[m, n] = the splits' partial sums added in split order (x scale[n] if SCALED,
+        + bias), in y's dtype."""
         block = tl.program_id(0)
         rm = tl.arange(0, BLOCK_M)
         rn = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -125,6 +140,8 @@ def _kernels():
         for split in range(0, splits):
             acc += tl.load(partial + split * BLOCK_M * n + rm[:, None] * n + rn[None, :],
                            mask=mask, other=0.0)  # fmt: skip
+        if SCALED:
+            acc *= tl.load(scale + rn, mask=rn < n, other=0.0)[None, :]
         if HAS_BIAS:
             acc += tl.load(bias + rn, mask=rn < n, other=0.0).to(tl.float32)[None, :]
         tl.store(y + rm[:, None] * n + rn[None, :], acc.to(y.dtype.element_ty), mask=mask)
@@ -179,11 +196,12 @@ class Launch:
 
 
 def launches(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-             tiling: Tiling = DEFAULT_TILING, shared: int | None = None,
-             ) -> tuple[torch.Tensor, list[Launch]]:  # fmt: skip
-    """The output buffer of ``x @ weight.T + bias`` (``x`` 2-D, at most ``MAX_ROWS`` rows,
-    contiguous) and the launches that fill it, in order; ``shared``: a program's shared
-    memory in bytes (None: what ``x``'s device allows)."""
+             tiling: Tiling = DEFAULT_TILING, shared: int | None = None, *,
+             scale: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Launch]]:  # fmt: skip
+    """The output buffer of ``x @ weight.T * scale + bias`` (``x`` 2-D, at most
+    ``MAX_ROWS`` rows, contiguous; ``scale``: None, or float32 (n,) for an int8 ``weight``)
+    and the launches that fill it, in order; ``shared``: a program's shared memory in bytes
+    (None: what ``x``'s device allows)."""
     rows, k = x.shape
     n = weight.shape[0]
     plan = SplitPlan.of(n, k, sm_count(x.device), tiling)
@@ -193,6 +211,8 @@ def launches(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     partial = y if direct else torch.empty((plan.splits, MAX_ROWS, n), dtype=torch.float32,
                                            device=x.device)  # fmt: skip
     bias_or_any = bias if bias is not None else y  # never read without HAS_BIAS
+    scale_or_any = scale if scale is not None else y  # never read without SCALED
+    scaled, widen = scale is not None, weight.dtype != x.dtype
     # float32 stays float32 (not TF32): the exact verifier's products are exact. Triton's
     # interpreter multiplies bfloat16 tiles wrongly (3.9), so there they go in as float32.
     # FP fusion on, as Triton has always defaulted (3.9 warns that the default will change):
@@ -201,27 +221,34 @@ def launches(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     upcast = x.device.type == "cpu" and x.dtype == torch.bfloat16
     has_bias = bias is not None
     options = {"num_warps": tiling.warps, "enable_fp_fusion": True}
-    stages = tiling.stages_within(shared or shared_bytes(x.device), x.element_size())
+    stages = tiling.stages_within(shared or shared_bytes(x.device), x.element_size(),
+                                  weight.element_size())  # fmt: skip
     calls = [Launch(
         partial_sums, (plan.n_blocks, plan.splits),
-        (x, weight, partial, bias_or_any, y, rows, n, k, plan.k_per_split, x.stride(0),
-         weight.stride(0)),
+        (x, weight, partial, scale_or_any, bias_or_any, y, rows, n, k, plan.k_per_split,
+         x.stride(0), weight.stride(0)),
         {"BLOCK_M": MAX_ROWS, "BLOCK_N": tiling.block_n, "BLOCK_K": tiling.block_k,
-         "PRECISION": "ieee" if exact else "tf32", "UPCAST": upcast, "HAS_BIAS": has_bias,
-         "DIRECT": direct, "num_stages": stages, **options},
+         "PRECISION": "ieee" if exact else "tf32", "UPCAST": upcast, "WIDEN": widen,
+         "SCALED": scaled, "HAS_BIAS": has_bias, "DIRECT": direct, "num_stages": stages,
+         **options},
     )]  # fmt: skip
     if not direct:
         calls.append(Launch(
-            add_splits, (plan.n_blocks,), (partial, bias_or_any, y, rows, n, plan.splits),
-            {"HAS_BIAS": has_bias, "BLOCK_M": MAX_ROWS, "BLOCK_N": tiling.block_n, **options},
+            add_splits, (plan.n_blocks,),
+            (partial, scale_or_any, bias_or_any, y, rows, n, plan.splits),
+            {"SCALED": scaled, "HAS_BIAS": has_bias, "BLOCK_M": MAX_ROWS,
+             "BLOCK_N": tiling.block_n, **options},
         ))  # fmt: skip
     return y, calls
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  tiling: Tiling = DEFAULT_TILING) -> torch.Tensor:  # fmt: skip
+                  tiling: Tiling = DEFAULT_TILING, *,
+                  scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """``x @ weight.T + bias`` for ``x`` of at most ``MAX_ROWS`` rows (any leading shape
-    flattened), accumulated in float32 and returned in ``x``'s dtype."""
+    flattened), accumulated in float32 and returned in ``x``'s dtype. An int8 ``weight``
+    comes with ``scale``, float32 (n,): ``x @ (weight * scale[:, None]).T + bias``, the
+    scale applied to each finished sum."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     rows, k = x.shape
@@ -229,9 +256,16 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, not {rows}")
     if weight.shape[1] != k:
         raise ValueError(f"x has {k} columns but the weight {weight.shape[1]}")
+    if (weight.dtype == torch.int8) != (scale is not None):
+        raise ValueError("an int8 weight comes with a scale per row, any other weight without")
+    if weight.dtype not in (x.dtype, torch.int8):
+        raise ValueError(f"a {weight.dtype} weight for {x.dtype} rows")
+    if scale is not None and (scale.dtype != torch.float32 or scale.shape != weight.shape[:1]):
+        raise ValueError(f"the scale is float32 of shape ({weight.shape[0]},), not "
+                         f"{scale.dtype} of {tuple(scale.shape)}")  # fmt: skip
     x = x.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
-    y, calls = launches(x, weight, bias, tiling)
+    y, calls = launches(x, weight, bias, tiling, scale=scale)
     for call in calls:
         call.kernel[call.grid](*call.args, **call.constants)
     return y.reshape(*shape[:-1], weight.shape[0])
