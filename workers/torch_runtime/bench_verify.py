@@ -345,9 +345,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{', split attention' if runtime.attention == 'split' else ''}"
         f"{' (Triton kernel)' if runtime.split_kernel else ''}"
         f"{f' (kernel refused: {refused})' if refused else ''}, "
-        f"matmul {args.matmul}"
+        f"matmul {'triton' if runtime.weights == 'int8' else args.matmul}"
         + "".join(f" {field}={value}" for field, value in args.matmul_tiling.items())
-        + (", int8 weights (Triton kernel)" if runtime.weights == "int8" else "")
+        + (", int8 weights" if runtime.weights == "int8" else "")
     )
     print(f"{'context':>8} {'shape':>6} {'width':>6} {'ms':>9} {'p25-p75':>15} {'ms/token':>9} "
           f"{'x w=1':>6}")  # fmt: skip
