@@ -92,6 +92,10 @@ def main() -> int:
         differing = sum(r["rows_differ"] for r in invariance)
         print(f"{name}: T(1) {t1_ms(table)} ms, T(1) + T(16) {price} ms, {differing} differing "
               f"rows in {len(invariance)} checks", file=sys.stderr)  # fmt: skip
+        if table.get("matmul_refused"):  # its rows are cuBLAS's: the Triton kernel refused
+            print(f"{name}: the Triton kernel refused ({table['matmul_refused']})",
+                  file=sys.stderr)  # fmt: skip
+            continue
         if price is None or not invariance or differing:
             continue
         chosen = setting

@@ -92,6 +92,23 @@ def test_the_fastest_invariant_table_becomes_daemon_settings(tmp_path, monkeypat
     assert picked(out)[0] == "gpu_worker.compile=true"
 
 
+def test_a_table_whose_triton_kernel_was_refused_is_passed_over(tmp_path) -> None:
+    """Its rows are cuBLAS's (the worker fell back at load), whatever they say."""
+    rows = [{"width": 1, "median_ms": 2.0}, {"width": 16, "median_ms": 2.1}]
+    invariance = [{"width": 16, "rows_differ": 0}]
+    default = {"rows": rows, "invariance": invariance}
+    (tmp_path / "verify-1b-fixed16.json").write_text(json.dumps(default))
+    faster = [{**row, "median_ms": row["median_ms"] / 2} for row in rows]
+    triton = {"rows": faster, "invariance": invariance, "matmul": "triton"}
+    (tmp_path / "verify-1b-fixed16-triton.json").write_text(json.dumps(triton))
+    assert picked(tmp_path)[0] == 'gpu_worker.matmul="triton"'
+    triton["matmul_refused"] = "its sums differ from torch's by 9 (of 1)"
+    (tmp_path / "verify-1b-fixed16-triton.json").write_text(json.dumps(triton))
+    settings, reasons = picked(tmp_path)
+    assert settings == ""
+    assert "the Triton kernel refused (its sums differ" in reasons
+
+
 def test_the_tiling_comes_from_bench_matmuls_table(tmp_path) -> None:
     document = {
         "rows": [{"shape": "q", "a invariant": True, "b invariant": False}],

@@ -203,3 +203,32 @@ def test_a_daemon_with_an_int8_verifier_returns_its_target_alones_greedy_text(tm
     finally:
         daemon.stop()
     assert "int8 weights" in daemon.log.read_text()
+
+
+def test_a_kernel_that_strays_is_refused_at_load(interpreted, tmp_path, monkeypatch) -> None:
+    """Checked at load on the first layer and the head before any layer changes: a kernel
+    that fails or strays makes matmul "triton" fall back to torch's matmul (the device line
+    says why) and int8 weights a load error (their fallback would be no faster)."""
+    folder = write_tiny_gguf_llama(tmp_path / "m", seed=0, layers=1).parent
+    weight = torch.randn(64, 96)
+    quantized, scale = quantize_rows(weight)
+    assert skinny_matmul.kernel_problem(weight, torch.float32) is None
+    assert skinny_matmul.kernel_problem(quantized, torch.bfloat16, scale=scale) is None
+    right = skinny_matmul.skinny_linear
+    monkeypatch.setattr(skinny_matmul, "skinny_linear",
+                        lambda *args, **kwargs: right(*args, **kwargs) * 1.5)  # fmt: skip
+    assert "differ from torch's by" in skinny_matmul.kernel_problem(weight, torch.float32)
+    settings = m.TorchSettings(device="cpu", matmul="triton")
+    runtime, described = load_runtime("torch", str(folder), settings)
+    assert runtime.matmul_refused.startswith("its sums differ from torch's by")
+    assert described.startswith("cpu (matmul torch: the Triton kernel refused: its sums differ")
+    assert not any(isinstance(mod, skinny_matmul.SkinnyLinear) for mod in runtime.model.modules())
+    refused = r'weights "int8" \(read by the Triton matmul\): the kernel cannot serve them here'
+    with pytest.raises(ModelLoadError, match=refused):
+        TorchRuntime(folder, device="cpu", weights="int8")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PTX not supported\nmore")
+
+    monkeypatch.setattr(skinny_matmul, "skinny_linear", broken)
+    assert skinny_matmul.kernel_problem(weight, torch.float32) == "RuntimeError: PTX not supported"

@@ -120,6 +120,8 @@ def load_torch(model: str, settings: m.TorchSettings, options: dict):
     except ModelLoadError as error:
         raise LoadError(str(error)) from None
     notes = ["int8 weights"] if runtime.weights == "int8" else []
+    if runtime.matmul_refused:  # slower, never wrong: say so
+        notes.append(f"matmul torch: the Triton kernel refused: {runtime.matmul_refused}")
     if runtime.in_place_differed:  # slower, never wrong: say so
         notes.append("chains gather their paths: in place differed")
     if runtime.attention == "split":

@@ -348,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         f"matmul {'triton' if runtime.weights == 'int8' else args.matmul}"
         + "".join(f" {field}={value}" for field, value in args.matmul_tiling.items())
         + (", int8 weights" if runtime.weights == "int8" else "")
+        + (f" (kernel refused: {runtime.matmul_refused}; cuBLAS)" if runtime.matmul_refused else "")
     )
     print(f"{'context':>8} {'shape':>6} {'width':>6} {'ms':>9} {'p25-p75':>15} {'ms/token':>9} "
           f"{'x w=1':>6}")  # fmt: skip
@@ -385,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
                 "split_kernel": runtime.split_kernel,
                 "split_kernel_refused": runtime.split_kernel_refused,
                 "matmul": args.matmul, "matmul_tiling": args.matmul_tiling,
-                "weights": runtime.weights}  # fmt: skip
+                "weights": runtime.weights,
+                "matmul_refused": runtime.matmul_refused}  # fmt: skip
         document = {**meta, "rows": rows, "invariance": invariance}
         if args.profile_width > 0:
             document["profile"] = profiled

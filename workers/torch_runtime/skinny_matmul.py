@@ -271,6 +271,30 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y.reshape(*shape[:-1], weight.shape[0])
 
 
+def kernel_problem(weight: torch.Tensor, dtype: torch.dtype, *, scale: torch.Tensor | None = None,
+                   tiling: Tiling = DEFAULT_TILING, seed: int = 0) -> str | None:  # fmt: skip
+    """Why the kernel cannot serve ``weight`` (with ``scale`` if int8) for rows of ``dtype``
+    here: it failed to build or run, or its sums on random rows are not finite or stray from
+    torch's float32 arithmetic further than rounding to ``dtype`` explains. None: it serves."""
+    generator = torch.Generator(device=weight.device).manual_seed(seed)
+    x = torch.randn(MAX_ROWS, weight.shape[1], generator=generator, device=weight.device)
+    x = x.to(dtype)
+    widened = weight.float() if scale is None else weight.float() * scale[:, None]
+    expected = x.float() @ widened.T
+    try:
+        y = skinny_linear(x, weight, None, tiling, scale=scale).float()
+    except Exception as error:  # a kernel this GPU or Triton cannot build
+        lines = str(error).splitlines()
+        return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    if not torch.isfinite(y).all():
+        return "its sums are not all finite"
+    magnitude = float(expected.abs().max()) or 1.0
+    worst = float((y - expected).abs().max())
+    if worst > 0.05 * magnitude:  # rounding to bfloat16 moves a sum by < 1%; a wrong kernel, by all
+        return f"its sums differ from torch's by {worst:.3g} (of {magnitude:.3g})"
+    return None
+
+
 class SkinnyLinear(nn.Linear):
     """``nn.Linear`` whose calls of at most ``MAX_ROWS`` rows take ``skinny_linear``, cut by
     its ``tiling``."""
