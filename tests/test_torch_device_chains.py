@@ -12,7 +12,7 @@ from tiny_models import build_reference, save_reference
 
 from hetspec.speculative.samplers import DrawnSampler, KeyedSampler
 from hetspec.speculative.sampling import SamplingParams
-from hetspec.workers.torch_runtime import TorchRuntime, static_forward
+from hetspec.workers.torch_runtime import TorchRuntime, device_choice, static_forward
 from hetspec.workers.tree_runtime import TreeRuntime
 
 PROMPT = [1, 17, 42, 5, 88, 23, 9, 61, 2, 70, 33, 14]
@@ -81,6 +81,57 @@ def test_greedy_decoding_on_the_device_gives_the_host_loops_bits(tmp_path, name,
     assert more == TreeRuntime.decode(runtime, 5, SamplingParams(), DrawnSampler(0))
 
 
+def sampled(runtime: TorchRuntime, decode, steps: int, sampler, temperature: float = 0.8):
+    """(tokens, logprobs, the logits after, features) of one sampled decode after the prompt."""
+    runtime.rollback(0)
+    runtime.prefill(PROMPT)
+    logprobs: list = []
+    with runtime.features_captured() as features:
+        tokens = decode(runtime, steps, SamplingParams(temperature=temperature), sampler,
+                        logprobs=logprobs, top=2)  # fmt: skip
+    return tokens, logprobs, runtime.last_logits().copy(), np.concatenate(features)
+
+
+@pytest.mark.parametrize(
+    ("sampler", "margin"),
+    [(lambda: KeyedSampler(11), device_choice.MARGIN), (lambda: KeyedSampler(11), 0.3),
+     (lambda: KeyedSampler(11), 1e9), (lambda: DrawnSampler(5), device_choice.MARGIN)],
+    ids=["keyed", "keyed-some-left-to-the-host", "keyed-all-left-to-the-host", "drawn"],
+)  # fmt: skip
+def test_sampled_decoding_on_the_device_gives_the_host_loops_tokens(
+    tmp_path, monkeypatch, sampler, margin
+) -> None:
+    """Each choice on the device, guarded: wherever the host might have chosen otherwise it
+    chooses, so the tokens, log-probabilities, features and the logits after are the host
+    loop's. (A drawn sampler's uniforms come from the same generator in the same order, so
+    while no choice is left to the host its tokens are the host loop's too.)"""
+    monkeypatch.setattr(device_choice, "MARGIN", margin)
+    runtime = runtime_for(tmp_path, "gemma3")
+    steps = 30
+    calls = []
+    queued = runtime.decode
+    runtime.decode = lambda *a, **k: calls.append(a[0]) or queued(*a, **k)
+    try:
+        ours = sampled(runtime, TorchRuntime.decode, steps, sampler())
+        restarts = len(calls)  # decode calls after the first: choices left to the host
+        calls.clear()
+        host = sampled(runtime, TreeRuntime.decode, steps, sampler())
+    finally:
+        del runtime.decode
+    assert len(ours[0]) == steps
+    assert ours[0] == host[0]
+    assert len(set(ours[0])) > 3
+    assert ours[1] == host[1]
+    assert np.array_equal(ours[2], host[2])
+    assert np.array_equal(ours[3], host[3])
+    if margin == 1e9:
+        assert restarts == steps - 1  # every choice the host's: a call for each token left
+    elif margin == 0.3:
+        assert 0 < restarts < steps - 1
+    else:
+        assert restarts == 0
+
+
 def test_decoding_past_the_context_is_refused_before_any_forward(tmp_path) -> None:
     runtime = runtime_for(tmp_path, "qwen3")
     runtime.prefill(PROMPT * 20)  # 240 of the tiny model's 256 positions
@@ -133,3 +184,5 @@ def test_bench_verify_times_decoding_both_ways(tmp_path) -> None:
     assert decode["steps"] == 9
     assert decode["queued_ms_a_token"] > 0
     assert decode["host_loop_ms_a_token"] > 0
+    assert decode["sampled_queued_ms_a_token"] > 0
+    assert decode["sampled_host_loop_ms_a_token"] > 0

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hetspec.speculative.samplers import DrawnSampler
+from hetspec.speculative.samplers import DrawnSampler, KeyedSampler
 from hetspec.speculative.sampling import SamplingParams
 from hetspec.speculative.tree import chain_parents
 from hetspec.workers.benchmarking import positive_int_list, timed_ms
@@ -110,10 +110,10 @@ def profile_forward(
 
 
 def time_decode(runtime: TorchRuntime, steps: int, repeats: int) -> dict:
-    """ms a token decoding alone greedily, ``steps`` tokens a call (``steps`` - 1 forwards):
-    the runtime's own decode (in fixed shapes its forwards queued on the device, each next
-    token chosen there) against ``TreeRuntime``'s host loop (a wait for the device a token).
-    """
+    """ms a token decoding alone, ``steps`` tokens a call (``steps`` - 1 forwards), greedily
+    and sampled (T = 0.8, keyed): the runtime's own decode (in fixed shapes its forwards
+    queued on the device, each next token chosen there) against ``TreeRuntime``'s host loop
+    (a wait for the device a token). The sampled keys start with ``sampled_``."""
     synchronize = torch.cuda.synchronize if runtime.device.type == "cuda" else (lambda: None)
     start, row = len(runtime.tokens), {"steps": steps}
 
@@ -122,15 +122,18 @@ def time_decode(runtime: TorchRuntime, steps: int, repeats: int) -> dict:
         runtime.last_logits()
         synchronize()
 
-    for name, decode in (("queued", TorchRuntime.decode), ("host_loop", TreeRuntime.decode)):
-        call = partial(decode, runtime, steps, SamplingParams(), DrawnSampler(0))
-        median, _, _ = timed_ms(call, repeats, setup=rewind)
-        row[f"{name}_ms_a_token"] = round(median / (steps - 1), 4)
-    runtime.rollback(start)
-    queued, host = row["queued_ms_a_token"], row["host_loop_ms_a_token"]
-    print(f"decoding alone, {steps} tokens a call, median of {repeats}: {queued:.3f} ms a token "
-          f"with its forwards queued on the device, {host:.3f} ms in the host's loop "
-          f"({host / queued:.2f}x)", flush=True)  # fmt: skip
+    modes = (("", "greedily", SamplingParams(), DrawnSampler(0)),
+             ("sampled_", "sampled", SamplingParams(temperature=0.8), KeyedSampler(1)))  # fmt: skip
+    for prefix, how, params, sampler in modes:
+        for name, decode in (("queued", TorchRuntime.decode), ("host_loop", TreeRuntime.decode)):
+            call = partial(decode, runtime, steps, params, sampler)
+            median, _, _ = timed_ms(call, repeats, setup=rewind)
+            row[f"{prefix}{name}_ms_a_token"] = round(median / (steps - 1), 4)
+        runtime.rollback(start)
+        queued, host = row[f"{prefix}queued_ms_a_token"], row[f"{prefix}host_loop_ms_a_token"]
+        print(f"decoding alone {how}, {steps} tokens a call, median of {repeats}: {queued:.3f} "
+              f"ms a token with its forwards queued on the device, {host:.3f} ms in the host's "
+              f"loop ({host / queued:.2f}x)", flush=True)  # fmt: skip
     return row
 
 

@@ -20,7 +20,7 @@ from hetspec.protocol.sampling import TokenLogprob
 from hetspec.protocol.vocab import VocabInfo
 from hetspec.speculative.logprobs import token_logprob
 from hetspec.speculative.samplers import ChainDraws, Sampler
-from hetspec.speculative.sampling import SamplingParams
+from hetspec.speculative.sampling import SamplingParams, distribution
 from hetspec.speculative.tree import ROOT
 from hetspec.workers.torch_runtime import skinny_matmul
 from hetspec.workers.torch_runtime.config import ModelConfig, ModelLoadError
@@ -426,31 +426,52 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
 
     def decode(self, steps: int, params: SamplingParams, sampler: Sampler, *,
                logprobs: list[TokenLogprob] | None = None, top: int = 0) -> list[int]:  # fmt: skip
-        """``TreeRuntime.decode``; greedy decoding in fixed shapes runs its forwards back to
-        back on the device, each next token its argmax there (the same bits: each forward is
-        the one ``TreeRuntime.decode`` would run), and waits for the device once."""
-        if not params.greedy or steps < 2 or self._static is None:
+        """``TreeRuntime.decode``; in fixed shapes the forwards run back to back on the
+        device, each next token chosen there (the same bits: each forward is the one
+        ``TreeRuntime.decode`` would run), and the host waits once. Greedy: the argmax.
+        Sampled at a temperature alone: as the sampler's ``ChainDraws`` say, each choice
+        guarded (``DeviceChoice.safe``): from the first one the host might have made
+        otherwise, the host chooses and decoding goes on from there, so the tokens are the
+        host loop's. Truncating samplers (top-k, top-p) decode in the host's loop."""
+        truncates = 0 < params.top_k < self.vocab_size or params.top_p < 1
+        if steps < 2 or self._static is None or (not params.greedy and truncates):
             return super().decode(steps, params, sampler, logprobs=logprobs, top=top)
         self.discard_pending()
         before = self.last_logits()
-        first, count = int(before.argmax()), steps - 1
+        if params.greedy:
+            first, choice = int(before.argmax()), DeviceChoice()
+        else:
+            position = self.committed
+            first = int(sampler.choose(distribution(before[None], params), position)[0])
+            draws = sampler.chain_draws(position + 1, steps - 1, self.vocab_size)
+            choice = DeviceChoice(draws, params.temperature, count=steps - 1,
+                                  vocab=self.vocab_size, device=self.device,
+                                  guarded=True)  # fmt: skip
+        count = steps - 1
         self._checked_tokens([first], count)
         positions = self.committed + np.arange(count)
         parents = np.arange(-1, count - 1)
         rows = np.tril(np.ones((count, count), bool))
         with torch.inference_mode():
             tokens, logits, hidden = self._chained_forwards(first, positions, parents, rows,
-                                                            DeviceChoice())  # fmt: skip
+                                                            choice)  # fmt: skip
             drawn = tokens.tolist()  # the one wait for the device
-            self._capture_hidden(hidden)
-            kept = logits if logprobs is not None else logits[-1:]
-            rows_after = kept.cpu().numpy()
+            # forwards evaluated drawn[:count]; from the first unsafe choice on, the host's
+            unsafe = [] if choice.safe is None else np.flatnonzero(~choice.safe.cpu().numpy())
+            done = len(unsafe) == 0
+            kept = count if done else int(unsafe[0]) + 1
+            self._capture_hidden(hidden[:kept])
+            rows_after = (logits[:kept] if logprobs is not None
+                          else logits[kept - 1 : kept]).cpu().numpy()  # fmt: skip
+        drawn = drawn[: kept + done]
         if logprobs is not None:  # each drawn token's row is the one before it
-            for row, token in zip([before, *rows_after], drawn, strict=True):
+            for row, token in zip([before, *rows_after], drawn, strict=False):
                 logprobs.append(token_logprob(row, token, top))
-        self.tokens.extend(drawn[:count])
+        self.tokens.extend(drawn[:kept])
         self._last_logits = rows_after[-1].copy()
-        return drawn
+        if done:
+            return drawn
+        return drawn + self.decode(steps - kept, params, sampler, logprobs=logprobs, top=top)
 
     def _chained_forwards(self, first: int, positions: np.ndarray, parents: np.ndarray,
                           rows: np.ndarray, choose: DeviceChoice):  # fmt: skip
