@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny_models import build_reference, save_reference
 
-from hetspec.speculative.samplers import DrawnSampler
+from hetspec.speculative.samplers import DrawnSampler, KeyedSampler
 from hetspec.speculative.sampling import SamplingParams
 from hetspec.speculative.tree import chain_parents
 from hetspec.workers.torch_runtime import TorchRuntime, static_forward
@@ -178,6 +178,23 @@ def test_greedy_decoding_queues_its_forwards_with_the_same_bits(folder, dtype, a
     (tokens, logprobs, after), (host_tokens, host_logprobs, host_after) = results
     assert tokens == host_tokens
     assert logprobs == host_logprobs
+    assert np.array_equal(after, host_after)
+
+
+@pytest.mark.parametrize("seed", [None, 11])  # drawn, keyed
+def test_sampled_decoding_queues_its_forwards_with_the_host_loops_tokens(folder, seed) -> None:
+    """Each choice on the GPU, guarded against the device's softmax rounding otherwise than
+    numpy's: the host loop's tokens and the logits after, in bf16 graphs."""
+    runtime = TorchRuntime(folder, device="cuda", dtype="bfloat16", verifies=True)
+    results = []
+    for decode in (TorchRuntime.decode, TreeRuntime.decode):
+        runtime.rollback(0)
+        runtime.prefill(LONG_PROMPT)
+        sampler = DrawnSampler(5) if seed is None else KeyedSampler(seed)
+        tokens = decode(runtime, 40, SamplingParams(temperature=0.8), sampler)
+        results.append((tokens, runtime.last_logits().copy()))
+    (tokens, after), (host_tokens, host_after) = results
+    assert tokens == host_tokens
     assert np.array_equal(after, host_after)
 
 
