@@ -232,3 +232,24 @@ def test_a_kernel_that_strays_is_refused_at_load(interpreted, tmp_path, monkeypa
 
     monkeypatch.setattr(skinny_matmul, "skinny_linear", broken)
     assert skinny_matmul.kernel_problem(weight, torch.float32) == "RuntimeError: PTX not supported"
+
+
+def test_a_model_too_big_for_the_gpu_is_a_load_error_that_says_what_helps(tmp_path,
+                                                                          monkeypatch):  # fmt: skip
+    """CUDA's out-of-memory error at load (no GPU here: raised where the model is built)
+    becomes a load error naming the folder and the settings that shrink what it needs."""
+    from hetspec.workers import process  # noqa: PLC0415
+
+    folder = write_tiny_gguf_llama(tmp_path / "m", seed=0, layers=1).parent
+
+    def too_big(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
+
+    monkeypatch.setattr("hetspec.workers.torch_runtime.TorchRuntime", too_big)
+    with pytest.raises(process.LoadError) as refused:
+        load_runtime("torch", str(folder), m.TorchSettings(device="cpu"))
+    assert str(refused.value) == (
+        f"{folder} does not fit in the GPU's free memory (CUDA out of memory. Tried to allocate "
+        "2.00 GiB): a smaller gpu_worker.max_context shrinks its KV cache, gpu_worker.weights = "
+        '"int8" halves its weights'
+    )

@@ -109,6 +109,8 @@ def load_runtime(kind: str, model: str, settings: m.RuntimeSettings):
 
 
 def load_torch(model: str, settings: m.TorchSettings, options: dict):
+    import torch  # noqa: PLC0415
+
     from hetspec.workers.torch_runtime import ModelLoadError, TorchRuntime  # noqa: PLC0415
 
     if settings.matmul_tiling is not None:  # the fields it changes, as plain values
@@ -119,6 +121,12 @@ def load_torch(model: str, settings: m.TorchSettings, options: dict):
         runtime.vocab_info()  # a folder without a usable tokenizer fails here, at load
     except ModelLoadError as error:
         raise LoadError(str(error)) from None
+    except torch.cuda.OutOfMemoryError as error:  # weights, KV cache and graphs: say what helps
+        why = (str(error).splitlines() or ["out of memory"])[0]
+        raise LoadError(
+            f"{model} does not fit in the GPU's free memory ({why}): a smaller gpu_worker."
+            'max_context shrinks its KV cache, gpu_worker.weights = "int8" halves its weights'
+        ) from None
     notes = ["int8 weights"] if runtime.weights == "int8" else []
     if runtime.matmul_refused:  # slower, never wrong: say so
         notes.append(f"matmul torch: the Triton kernel refused: {runtime.matmul_refused}")
