@@ -623,7 +623,11 @@ def _measure_target(spec: str, args, out: Path, *, report: list[str], results: d
         for placement in args.placement:
             key = f"{target.name} {placement}"
             with daemon(placement, args.socket, out, target, settings=args.settings) as client:
-                runtime = (client.props().get("gpu_runtime") or {}).get("runtime", "?")
+                props = client.props()
+                runtime = (props.get("gpu_runtime") or {}).get("runtime", "?")
+                device = (props.get("devices") or {}).get("target") or ""
+                if runtime == "torch" and "(" in device:  # its settings: int8 weights, ...
+                    runtime += f", {device}"
                 modes = measure_modes(client, key, args, peers)
                 table, summary, fastest = modes_table(modes)
                 report += [f"### {key}: modes (the GPU worker in {runtime})\n", table, ""]
