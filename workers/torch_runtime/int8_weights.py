@@ -70,10 +70,10 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return y.to(x.dtype)
 
 
-def use_int8_weights(model: CausalLM, tiling: Tiling = DEFAULT_TILING) -> int:
+def use_int8_weights(model: CausalLM, tiling: Tiling = DEFAULT_TILING) -> None:
     """Replace every linear layer of ``model`` by an ``Int8Linear`` cut by ``tiling``, in
     place, each original freed as it goes, and give the output head an int8 copy (a tied
-    head's embedding stays for its lookups); returns the bytes the weights now take."""
+    head's embedding stays for its lookups)."""
     # names only, so that each original is freed when it is replaced
     layers = [(parent, name) for parent in model.modules()
               for name, child in parent.named_children()
@@ -86,5 +86,3 @@ def use_int8_weights(model: CausalLM, tiling: Tiling = DEFAULT_TILING) -> int:
         model.quantized_head = Int8Linear(model.head_weight(), None, tiling)
     else:
         model.quantized_head = model.lm_head
-    tensors = [*model.parameters(), *model.buffers()]  # each once, however many names it has
-    return sum(t.numel() * t.element_size() for t in tensors)
