@@ -223,6 +223,12 @@ cp "$bench_out"/bench.md "$OUT/bench.md"; cp "$bench_out"/bench.json "$OUT/bench
 int8_set=(--set 'gpu_worker.weights="int8"')
 tiling_int8=$(cat "$HETSPEC_CACHE_DIR/tiling_int8" 2>/dev/null || true)
 [[ -n "$tiling_int8" ]] && int8_set+=(--set "gpu_worker.matmul_tiling={$tiling_int8}")
+for item in ${BENCH_SET:-}; do  # the bf16 bench's other choices (split attention, ...) too
+  case "$item" in
+    gpu_worker.matmul*|gpu_worker.compile*) ;;  # the int8 kernel and its own tiling instead
+    *) int8_set+=(--set "$item") ;;
+  esac
+done
 left=$(( ${TOTAL_S:-570} - (SECONDS - began) ))
 if [[ -z "${DRAFT_GPU:-}" ]] && (( left > 60 )); then
   step $(( left - 10 )) "bench heavy-1b draft-cpu, int8 weights" "$python" -m \
