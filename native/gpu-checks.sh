@@ -181,6 +181,9 @@ if [[ -n "${QUICK:-}" ]]; then
     [[ -e "$gemma/model-q8_0.gguf" ]] || step 150 "random Gemma-3-1B folder" "${pin[@]}" \
         "$python" -m hetspec.models.random_gemma3 1b "$gemma"
     verify gemma3-1b-fixed16 "$gemma" --dtype bfloat16 --fixed-width 16 --invariance
+    # its 262,144 x 1,152 head is a third of its weights: int8 halves that too
+    verify gemma3-1b-fixed16-int8 "$gemma" --dtype bfloat16 --fixed-width 16 --invariance \
+        --weights int8 --matmul-tiling "$tiling_int8"
   fi
   stamp "done (quick): the llama-server build so far"
   tail -c 300 "$build_log"; echo

@@ -5,6 +5,8 @@ Triton's interpreter; the compile-ahead checks build them for each GPU kind."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_skinny_matmul import GPUS, compile_for
@@ -253,3 +255,21 @@ def test_a_model_too_big_for_the_gpu_is_a_load_error_that_says_what_helps(tmp_pa
         "2.00 GiB): a smaller gpu_worker.max_context shrinks its KV cache, gpu_worker.weights = "
         '"int8" halves its weights'
     )
+
+
+def test_bench_verify_times_an_int8_verifier_and_says_so(interpreted, tmp_path, capsys,
+                                                         monkeypatch) -> None:  # fmt: skip
+    from hetspec.workers.torch_runtime import bench_verify, static_forward  # noqa: PLC0415
+
+    for module in (static_forward, bench_verify):  # the invariance chain crosses span 16's end
+        monkeypatch.setattr(module, "MIN_SPAN", 16)
+    folder = save_reference(build_reference("qwen3"), tmp_path / "m")
+    out = tmp_path / "verify.json"
+    arguments = ["--model", str(folder), "--device", "cpu", "--dtype", "bfloat16",
+                 "--fixed-width", "4", "--contexts", "20", "--widths", "1,4", "--repeats", "1",
+                 "--weights", "int8", "--invariance", "--json", str(out)]  # fmt: skip
+    assert bench_verify.main(arguments) == 0
+    assert "matmul triton, int8 weights" in capsys.readouterr().out
+    table = json.loads(out.read_text())
+    assert (table["weights"], table["matmul_refused"]) == ("int8", None)
+    assert not sum(row["rows_differ"] for row in table["invariance"])

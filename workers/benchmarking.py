@@ -8,6 +8,14 @@ import time
 from collections.abc import Callable
 
 
+def positive_int(text: str) -> int:
+    """argparse type for a count of at least 1, or a usage error saying what is wrong."""
+    values = positive_int_list(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"expected one positive integer, not {text!r}")
+    return values[0]
+
+
 def positive_int_list(text: str) -> list[int]:
     """argparse type for "1,2,4": positive integers, or a usage error saying what is wrong."""
     try:
@@ -38,5 +46,7 @@ def timed_ms(
         start = time.perf_counter()
         work()
         samples.append((time.perf_counter() - start) * 1000)
-    quartiles = statistics.quantiles(samples, n=4)
+    if not samples:
+        raise ValueError(f"timing needs at least one repeat, not {repeats}")
+    quartiles = statistics.quantiles(samples, n=4) if len(samples) > 1 else samples * 3
     return statistics.median(samples), quartiles[0], quartiles[2]

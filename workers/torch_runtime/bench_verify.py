@@ -24,7 +24,7 @@ import torch
 from hetspec.speculative.samplers import DrawnSampler, KeyedSampler
 from hetspec.speculative.sampling import SamplingParams
 from hetspec.speculative.tree import chain_parents
-from hetspec.workers.benchmarking import positive_int_list, timed_ms
+from hetspec.workers.benchmarking import positive_int, positive_int_list, timed_ms
 from hetspec.workers.torch_runtime import ModelLoadError, TorchRuntime
 from hetspec.workers.torch_runtime.static_forward import INVARIANT_PATHS, MIN_SPAN
 from hetspec.workers.tree_runtime import TreeRuntime
@@ -313,7 +313,7 @@ def arguments() -> argparse.ArgumentParser:
         default=["chain"],
         help="drafted trees: chain, star, tree (four branches), or a comma-separated list",
     )
-    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--repeats", type=positive_int, default=30)
     parser.add_argument("--json", type=Path, help="also write the rows here")
     return parser
 
