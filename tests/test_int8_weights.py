@@ -22,15 +22,6 @@ triton = pytest.importorskip("triton", reason="Triton is not installed (the test
 PROMPT = [1, 5, 9, 14, 2, 33, 7, 21, 40, 11]
 
 
-@pytest.fixture
-def interpreted(monkeypatch):
-    """Kernels made for Triton's interpreter, on the CPU; made afresh after the test."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    skinny_matmul._kernels.cache_clear()
-    yield torch.device("cpu")
-    skinny_matmul._kernels.cache_clear()
-
-
 def widened(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return weight.double() * scale.double()[:, None]
 

@@ -29,15 +29,6 @@ triton = pytest.importorskip("triton", reason="Triton is not installed (the test
 PROMPT = [1, 5, 9, 14, 2, 33, 7, 21, 40, 11]
 
 
-@pytest.fixture
-def interpreted(monkeypatch):
-    """Kernels made for Triton's interpreter, on the CPU; made afresh after the test."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    skinny_matmul._kernels.cache_clear()
-    yield torch.device("cpu")
-    skinny_matmul._kernels.cache_clear()
-
-
 def test_a_weight_is_cut_by_its_shape_and_the_gpu_alone() -> None:
     for n, k in ((4096, 4096), (11264, 4096), (4096, 11264), (96, 64), (32000, 4096)):
         plan = SplitPlan.of(n, k, sm_count=132)
