@@ -125,12 +125,6 @@ if [[ -n "${QUICK:-}" ]]; then
   # (chains and four-branch trees: the third session's 4x4 tree took 2.44-2.53 ms, a chain 1.81)
   verify 1b-fixed16 "$h1b" --dtype bfloat16 --fixed-width 16 --invariance --profile-width 1 \
       --shape chain,tree
-  # split attention (workers/torch_runtime/split_attention.py): each row reads the cache in
-  # place up to a point its position fixes and gathers only its path's last 33-48 keys, in
-  # explicit float32 arithmetic instead of SDPA; a tree should cost about a chain (the +12%
-  # trees keep over chains offline, docs/bench/gpu/README.md); its tables against the above
-  verify 1b-fixed16-split "$h1b" --dtype bfloat16 --fixed-width 16 --invariance \
-      --profile-width 1 --shape chain,tree --attention split
   # the same with every linear layer in hetspec's Triton kernel (the weight read once for all
   # 16 rows, split-K fixed by the weight's shape): cuBLAS's 16-row kernels read heavy-1b's
   # 1.95 GB at ~36% of the HBM's bandwidth; Triton compiles its kernels at load
@@ -138,8 +132,9 @@ if [[ -n "${QUICK:-}" ]]; then
       --matmul triton --matmul-tiling "$tiling" --profile-width 1 --shape chain,tree
   # the full call's verifier, unless BENCH_SET says otherwise there: the least T(1) plus the
   # slowest 16-row forward (chain or tree) of the fixed-width tables whose every row stayed
-  # bit-identical; picked now and again at the end,
-  # so a call cut short by its limit still leaves a choice for the full call
+  # bit-identical; picked now, again after split attention and at the end, so a call cut
+  # short by its limit still leaves a choice for the full call (int8 before split: the
+  # larger lever, and the call's limit cuts the last steps)
   pick() {
     stamp "the verifier the full call benches"
     "$python" native/gpu-pick-settings.py "$tables" > "$HETSPEC_CACHE_DIR/bench_set"
@@ -156,6 +151,13 @@ if [[ -n "${QUICK:-}" ]]; then
   echo "$tiling_int8" > "$HETSPEC_CACHE_DIR/tiling_int8"
   VERIFY_S=120 verify 1b-fixed16-int8 "$h1b" --dtype bfloat16 --fixed-width 16 --invariance \
       --weights int8 --matmul-tiling "$tiling_int8" --profile-width 1 --shape chain,tree
+  # split attention (workers/torch_runtime/split_attention.py): each row reads the cache in
+  # place up to a point its position fixes and gathers only its path's last 33-48 keys, in
+  # explicit float32 arithmetic instead of SDPA; a tree should cost about a chain (the +12%
+  # trees keep over chains offline, docs/bench/gpu/README.md); its tables against the above
+  verify 1b-fixed16-split "$h1b" --dtype bfloat16 --fixed-width 16 --invariance \
+      --profile-width 1 --shape chain,tree --attention split
+  pick
   # a worker woken for every call (1 ms apart, as in a round: it sleeps after 100 us of
   # polling) against one that polls through the gap: the price of a wake-up on this box, per
   # link (the 2-vCPU dev VM, back to back: mailboxes 46-56 us, ZeroMQ alone 208-242)
