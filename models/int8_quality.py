@@ -5,12 +5,14 @@
 
 Runs the model folder in float32 on the CPU over held-out text (the first ``--tokens`` tokens
 of ``--files`` standard-library files the bundled models never saw), once as it is and once
-with every linear layer's weight and the output head rounded as ``int8_weights.quantize_rows``
-rounds them (a tied embedding kept for its lookups), and says at how many positions the two
-choose the same next token, their mean KL divergence, and each one's perplexity on the text.
+with int8 weights as the worker makes them (``int8_weights.use_int8_weights``: every linear
+layer and the output head, a tied embedding kept for its lookups), and says at how many
+positions the two choose the same next token, their mean KL divergence, and each one's
+perplexity on the text.
 With ``--draft``, also how often that draft model's first choice is each version's: what a
-drafted token's acceptance becomes. Needs no GPU and no Triton: the rounding is emulated in
-float32 (the kernel's sums differ from it by float32 rounding alone).
+drafted token's acceptance becomes. Needs no GPU and no Triton: windows of more than 16 rows
+take the layers' torch path (the weight widened, in float32 here), whose sums differ from the
+kernel's by float32 rounding alone.
 """
 
 from __future__ import annotations
@@ -21,28 +23,20 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
-from torch import nn
 
 from hetspec.models.corpus import stdlib_sources
 from hetspec.models.train_head import Teacher
-from hetspec.workers.torch_runtime.int8_weights import quantize_rows
+from hetspec.workers.torch_runtime.int8_weights import use_int8_weights
+from hetspec.workers.torch_runtime.skinny_matmul import MAX_ROWS
 
 MODELS = Path(__file__).parent
 
 
 def rounded_as_int8(teacher: Teacher) -> Teacher:
-    """``teacher`` with its weights replaced by their int8 rounding, in float32, in place."""
-    model = teacher.model
-    with torch.no_grad():
-        head = model.head_weight().clone()  # a tied head's embedding keeps its own values
-        for module in model.modules():
-            if isinstance(module, nn.Linear):
-                quantized, scale = quantize_rows(module.weight)
-                module.weight.copy_(quantized.float() * scale[:, None])
-        quantized, scale = quantize_rows(head)
-        output = nn.Linear(head.shape[1], head.shape[0], bias=False)
-        output.weight.copy_(quantized.float() * scale[:, None])
-        model.quantized_head = output
+    """``teacher`` with int8 weights, in place, as the worker's ``use_int8_weights`` makes
+    them: a window's rows are more than the Triton kernel takes, so its layers widen their
+    weights for torch's matmul (float32 here), with no GPU and no Triton."""
+    use_int8_weights(teacher.model)
     return teacher
 
 
@@ -67,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--files", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=256)
     args = parser.parse_args(argv)
+    if args.tokens <= MAX_ROWS:  # a window of so few rows would take the Triton kernel
+        parser.error(f"--tokens must be more than {MAX_ROWS}, not {args.tokens}")
     try:
         tokenizer = Tokenizer.from_file(str(args.model / "tokenizer.json"))
         full, int8 = Teacher(args.model), rounded_as_int8(Teacher(args.model))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 
 from hetspec.models import int8_quality
@@ -18,11 +19,12 @@ def test_the_rounded_model_keeps_its_embedding_and_rounds_every_matmul() -> None
     embedding = full.model.model.embed_tokens.weight
     assert torch.equal(rounded.model.model.embed_tokens.weight, embedding)  # lookups unchanged
     quantized, scale = quantize_rows(full.model.head_weight())
-    assert torch.equal(rounded.model.quantized_head.weight, quantized.float() * scale[:, None])
-    up = rounded.model.model.layers[0].mlp.up_proj.weight
-    assert not torch.equal(up, full.model.model.layers[0].mlp.up_proj.weight)
-    steps = up / quantize_rows(full.model.model.layers[0].mlp.up_proj.weight)[1][:, None]
-    torch.testing.assert_close(steps, steps.round())  # every weight a whole number of steps
+    head = rounded.model.quantized_head
+    assert torch.equal(head.weight, quantized)
+    assert torch.equal(head.scale, scale)
+    up = rounded.model.model.layers[0].mlp.up_proj
+    assert up.weight.dtype == torch.int8  # every matmul's weight a whole number of steps
+    assert torch.equal(up.weight, quantize_rows(full.model.model.layers[0].mlp.up_proj.weight)[0])
 
 
 def test_the_report_says_how_close_int8_stays(capsys) -> None:
@@ -35,6 +37,12 @@ def test_the_report_says_how_close_int8_stays(capsys) -> None:
                                       report).groups())  # fmt: skip
     assert abs(int8 / full - 1) < 0.02
     assert "the draft's first choice is the target's: full" in report
+
+
+def test_windows_the_triton_kernel_would_take_are_refused(capsys) -> None:
+    with pytest.raises(SystemExit):
+        int8_quality.main(["--tokens", "16"])
+    assert "--tokens must be more than 16, not 16" in capsys.readouterr().err
 
 
 def test_a_folder_that_does_not_load_is_an_error_not_a_traceback(tmp_path, capsys) -> None:

@@ -15,11 +15,16 @@ from tiny_models import build_reference, save_reference, write_tiny_gguf_llama
 from hetspec.protocol import worker_messages as m
 from hetspec.workers.process import load_runtime
 from hetspec.workers.torch_runtime import ModelLoadError, TorchRuntime, skinny_matmul
-from hetspec.workers.torch_runtime.int8_weights import Int8Linear, int8_linear, quantize_rows
+from hetspec.workers.torch_runtime.int8_weights import Int8Linear, quantize_rows
 from hetspec.workers.torch_runtime.skinny_matmul import MAX_ROWS, launches
 
 triton = pytest.importorskip("triton", reason="Triton is not installed (the test extra has it)")
 PROMPT = [1, 5, 9, 14, 2, 33, 7, 21, 40, 11]
+
+
+def int8_linear(x, weight, scale, bias=None):
+    """A call of an int8 layer, as ``Int8Linear`` makes it."""
+    return skinny_matmul.linear(x, weight, bias, scale=scale)
 
 
 def widened(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -199,9 +204,10 @@ def test_a_daemon_with_an_int8_verifier_returns_its_target_alones_greedy_text(tm
 
 
 def test_a_kernel_that_strays_is_refused_at_load(interpreted, tmp_path, monkeypatch) -> None:
-    """Checked at load on the first layer and the head before any layer changes: a kernel
-    that fails or strays makes matmul "triton" fall back to torch's matmul (the device line
-    says why) and int8 weights a load error (their fallback would be no faster)."""
+    """Checked at load on the first layer and the head (for matmul "triton" before any layer
+    changes): a kernel that fails or strays makes matmul "triton" fall back to torch's matmul
+    (the device line says why) and int8 weights a load error (their fallback would be no
+    faster)."""
     folder = write_tiny_gguf_llama(tmp_path / "m", seed=0, layers=1).parent
     weight = torch.randn(64, 96)
     quantized, scale = quantize_rows(weight)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from hetspec.workers.torch_runtime.int8_weights import int8_linear, quantize_rows
+from hetspec.workers.torch_runtime.int8_weights import quantize_rows
 from hetspec.workers.torch_runtime.skinny_matmul import (
     DEFAULT_TILING,
     MAX_ROWS,
@@ -106,9 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         quantized, scale = quantize_rows(weight) if int8 else (weight, None)
 
         def ours(x, tiling, quantized=quantized, scale=scale):
-            if scale is None:
-                return skinny_linear(x, quantized, tiling=tiling)
-            return int8_linear(x, quantized, scale, tiling=tiling)
+            return skinny_linear(x, quantized, tiling=tiling, scale=scale)
 
         for rows in rows_list:
             x = torch.randn(rows, k, device=device).to(dtype)

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from hetspec.workers.torch_runtime import skinny_matmul
 from hetspec.workers.torch_runtime.model import CausalLM
-from hetspec.workers.torch_runtime.skinny_matmul import DEFAULT_TILING, MAX_ROWS, Tiling
+from hetspec.workers.torch_runtime.skinny_matmul import DEFAULT_TILING, Tiling
 
 LEVELS = 127  # symmetric: -127..127, so a row's scale maps its largest magnitude exactly
 
@@ -51,23 +50,10 @@ class Int8Linear(nn.Module):
         self.tiling = tiling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return int8_linear(x, self.weight, self.scale, self.bias, self.tiling)
+        return skinny_matmul.linear(x, self.weight, self.bias, self.tiling, scale=self.scale)
 
     def extra_repr(self) -> str:
         return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, int8"
-
-
-def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None = None,
-                tiling: Tiling = DEFAULT_TILING) -> torch.Tensor:  # fmt: skip
-    """``x @ (weight * scale[:, None]).T + bias`` in ``x``'s dtype: in the Triton kernel for
-    at most ``MAX_ROWS`` rows, else through a widened copy of the weight."""
-    if x.numel() <= MAX_ROWS * x.shape[-1]:
-        return skinny_matmul.skinny_linear(x, weight, bias, tiling, scale=scale)
-    y = F.linear(x, weight.to(x.dtype)).float() * scale
-    if bias is not None:
-        y += bias.float()
-    return y.to(x.dtype)
 
 
 def use_int8_weights(model: CausalLM, tiling: Tiling = DEFAULT_TILING) -> None:

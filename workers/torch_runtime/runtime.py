@@ -25,7 +25,7 @@ from hetspec.speculative.tree import ROOT
 from hetspec.workers.torch_runtime import skinny_matmul
 from hetspec.workers.torch_runtime.config import ModelConfig, ModelLoadError
 from hetspec.workers.torch_runtime.device_choice import DeviceChoice
-from hetspec.workers.torch_runtime.int8_weights import quantize_rows, use_int8_weights
+from hetspec.workers.torch_runtime.int8_weights import Int8Linear, use_int8_weights
 from hetspec.workers.torch_runtime.model import layer_rope_tables
 from hetspec.workers.torch_runtime.split_attention import path_tails
 from hetspec.workers.torch_runtime.static_forward import (
@@ -257,28 +257,31 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
             cut = replace(skinny_matmul.DEFAULT_TILING, **(tiling or {}))
         except (TypeError, ValueError) as error:
             raise ModelLoadError(f"matmul_tiling: {error}") from None
-        problem = self._matmul_problem(cut, int8=weights == "int8")
-        if weights == "int8":
+        if weights == "int8":  # no fallback would be faster: a kernel that cannot serve fails
+            use_int8_weights(self.model, cut)
+            head = self.model.quantized_head
+            first = next(m for m in self.model.modules() if isinstance(m, Int8Linear))
+            problem = self._matmul_problem(cut, (first.weight, first.scale),
+                                           (head.weight, head.scale))  # fmt: skip
             if problem is not None:
                 raise ModelLoadError(f"{asked}: the kernel cannot serve them here: {problem}")
-            use_int8_weights(self.model, cut)
-        elif problem is not None:  # slower, never wrong: cuBLAS, and the device line says why
+            return weights
+        first = next(m.weight for m in self.model.modules() if isinstance(m, torch.nn.Linear))
+        problem = self._matmul_problem(cut, (first, None), (self.model.head_weight(), None))
+        if problem is not None:  # slower, never wrong: cuBLAS, and the device line says why
             self.matmul_refused = problem
-        else:
-            skinny_matmul.use_skinny_linears(self.model, cut)
-            self.model.head_linear = partial(skinny_matmul.linear, tiling=cut)
+            return weights
+        skinny_matmul.use_skinny_linears(self.model, cut)
+        self.model.head_linear = partial(skinny_matmul.linear, tiling=cut)
         return weights
 
     matmul_refused: str | None = None  # why matmul "triton" fell back to torch's (None: it did not)
 
-    def _matmul_problem(self, tiling: skinny_matmul.Tiling, *, int8: bool) -> str | None:
-        """Why the Triton kernel cannot serve this model's linear layers here, checked on
-        the first layer's weight and the output head's (int8: as they would be rounded)
-        before any layer is changed; None: it serves."""
-        first = next(m.weight for m in self.model.modules() if isinstance(m, torch.nn.Linear))
-        for weight in (first, self.model.head_weight()):
-            quantized, scale = quantize_rows(weight) if int8 else (weight, None)
-            problem = skinny_matmul.kernel_problem(quantized, self.dtype, scale=scale,
+    def _matmul_problem(self, tiling: skinny_matmul.Tiling, *weights) -> str | None:
+        """Why the Triton kernel cannot serve the (weight, int8 scale or None) pairs given
+        (the first layer's and the output head's); None: it serves."""
+        for weight, scale in weights:
+            problem = skinny_matmul.kernel_problem(weight, self.dtype, scale=scale,
                                                    tiling=tiling)  # fmt: skip
             if problem is not None:
                 return problem

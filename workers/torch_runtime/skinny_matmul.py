@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from hetspec.workers.torch_runtime.static_forward import failure
+
 MAX_ROWS = 16  # tl.dot's smallest tile: fewer rows are masked, more take another kernel
 
 
@@ -284,8 +286,7 @@ def kernel_problem(weight: torch.Tensor, dtype: torch.dtype, *, scale: torch.Ten
     try:
         y = skinny_linear(x, weight, None, tiling, scale=scale).float()
     except Exception as error:  # a kernel this GPU or Triton cannot build
-        lines = str(error).splitlines()
-        return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+        return failure(error)
     if not torch.isfinite(y).all():
         return "its sums are not all finite"
     magnitude = float(expected.abs().max()) or 1.0
@@ -306,11 +307,19 @@ class SkinnyLinear(nn.Linear):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           tiling: Tiling = DEFAULT_TILING) -> torch.Tensor:  # fmt: skip
-    """``F.linear``, through ``skinny_linear`` for at most ``MAX_ROWS`` rows."""
+           tiling: Tiling = DEFAULT_TILING, *,
+           scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """``F.linear`` (an int8 ``weight`` with its ``scale``, as ``skinny_linear`` takes them),
+    through ``skinny_linear`` for at most ``MAX_ROWS`` rows; wider calls (a prompt's prefill)
+    in torch's matmul, an int8 weight widened to ``x``'s dtype for it."""
     if x.numel() <= MAX_ROWS * x.shape[-1]:
-        return skinny_linear(x, weight, bias, tiling)
-    return F.linear(x, weight, bias)
+        return skinny_linear(x, weight, bias, tiling, scale=scale)
+    if scale is None:
+        return F.linear(x, weight, bias)
+    y = F.linear(x, weight.to(x.dtype)).float() * scale
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype)
 
 
 def use_skinny_linears(model: nn.Module, tiling: Tiling = DEFAULT_TILING) -> int:
