@@ -353,16 +353,23 @@ def kernel_problem(kernel: StaticForward, arithmetic: StaticForward, seed: int =
     batch = Batch(tokens=tokens, positions=positions, slots=positions, masks=[], span=span,
                   tail_slots=np.minimum(tails, span - 1))  # fmt: skip
     expected = arithmetic.run(batch)[0].float().clone()
+    return strayed(lambda: kernel.run(batch)[0], expected, "logits", "the torch arithmetic's")
+
+
+def strayed(run, expected: torch.Tensor, what: str, reference: str) -> str | None:
+    """Why a kernel cannot serve, judged by its output ``run()`` against ``expected`` (the
+    same computed another way, ``reference``): it failed to build or run, or its ``what``
+    are not finite or stray further than rounding explains. None: it serves."""
     try:
-        logits = kernel.run(batch)[0].float()
+        out = run().float()
     except Exception as error:  # a kernel this GPU or Triton cannot build
         return failure(error)
-    if not torch.isfinite(logits).all():
-        return "its logits are not all finite"
-    scale = float(expected.abs().max()) or 1.0
-    worst = float((logits - expected).abs().max())
-    if worst > 0.05 * scale:  # bf16 rounding moves logits by ~1%; a wrong kernel, by all
-        return f"its logits differ from the torch arithmetic's by {worst:.3g} (of {scale:.3g})"
+    if not torch.isfinite(out).all():
+        return f"its {what} are not all finite"
+    magnitude = float(expected.abs().max()) or 1.0
+    worst = float((out - expected).abs().max())
+    if worst > 0.05 * magnitude:  # bf16 rounding moves a value by ~1%; a wrong kernel, by all
+        return f"its {what} differ from {reference} by {worst:.3g} (of {magnitude:.3g})"
     return None
 
 
