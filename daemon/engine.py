@@ -317,7 +317,7 @@ class Decoder:
             guessed, ahead_s = await ahead
             self.stats.run_ahead += 1
             compute_s = guessed.elapsed_ms / 1000
-            drafts.append(DraftCall(ahead_gamma + 1, 1, compute_s, ahead_s - compute_s,
+            drafts.append(DraftCall(guessed.forwards, 1, compute_s, ahead_s - compute_s,
                                     overlapped=True))  # fmt: skip
             if len(verdict.path) == len(tokens):  # all accepted: does the guessed bonus hold?
                 verdict, holds = self._second_opinion(verdict, guessed, logits[-1:])

@@ -124,15 +124,12 @@ class DrafterSide:
                     rule_scale: float | None = None, *,
                     length: int) -> tuple[m.Drafted, DraftCall, float]:  # fmt: skip
         """Draft after appending what it has not seen (the sequence being ``length`` tokens
-        long); the reply, its cost and the call's seconds. The append's forward yields the
-        first token's distribution, so gamma tokens cost gamma forwards."""
-        drafted, appended, seconds, waited = await self._call(
+        long); the reply, its cost and the call's seconds. The append's last forward yields
+        the first token's distribution, so gamma tokens cost gamma forwards."""
+        drafted, seconds, waited = await self._call(
             length, steps=gamma, sampling=params, branches=branches, dynamic=rule_scale
         )
-        branches, steps = len(drafted.tokens), len(drafted.tokens[0])
-        if rule_scale is not None and branches > 1:
-            steps += 1  # the rule's look at the top sequence's second token
-        cost = _cost(drafted, appended, steps, branches, seconds, waited=waited)
+        cost = _cost(drafted, len(drafted.tokens), seconds, waited=waited)
         return drafted, cost, seconds + waited
 
     async def draft_tree(self, depth: int, top_k: int, size: int, params: SamplingParams, *,
@@ -141,16 +138,16 @@ class DrafterSide:
         """EAGLE-2's dynamic tree after appending what it has not seen: ``size`` nodes ranked
         best first (see ``draft``). Its forwards: the append's, then one per layer below the
         first, each of ``top_k`` nodes."""
-        drafted, appended, seconds, waited = await self._call(
+        drafted, seconds, waited = await self._call(
             length, steps=size, sampling=params, tree=(depth, top_k),
             tree_first_accept=first_accept)  # fmt: skip
-        cost = _cost(drafted, appended, depth, top_k, seconds, waited=waited)
+        cost = _cost(drafted, top_k, seconds, waited=waited)
         return drafted, cost, seconds + waited
 
-    async def _call(self, length: int, **fields) -> tuple[m.Drafted, int, float, float]:
+    async def _call(self, length: int, **fields) -> tuple[m.Drafted, float, float]:
         """A ``Draft`` of ``fields`` that first appends the unseen tokens (with their features
-        for a head): the reply, how many tokens it appended, the call's seconds, and the
-        seconds waited first for the drafter's prefill."""
+        for a head): the reply, the call's seconds, and the seconds waited first for the
+        drafter's prefill."""
         waiting = time.perf_counter()
         await self.start_prefill()
         start = time.perf_counter()
@@ -158,8 +155,8 @@ class DrafterSide:
         drafted, _ = await self.client.call(m.Draft(
             request=self.client.next_request(), out=self.slot, append=self.unseen,
             features=features, **fields), arrays)  # fmt: skip
-        appended, self.unseen = len(self.unseen), []
-        return drafted, appended, time.perf_counter() - start, start - waiting
+        self.unseen = []
+        return drafted, time.perf_counter() - start, start - waiting
 
     def start_run_ahead(self, draft: Unverified, gamma: int,
                         params: SamplingParams) -> asyncio.Future | None:  # fmt: skip
@@ -181,15 +178,13 @@ class DrafterSide:
             prefill.exception()  # retrieved: raised where it mattered
 
 
-def _cost(drafted: m.Drafted, appended: int, steps: int, branches: int, seconds: float, *,
-          waited: float) -> DraftCall:  # fmt: skip
-    """A draft call's cost. A long catch-up (after rounds without a draft) is not a step:
-    its forward comes off, and the steps are timed from the others."""
-    compute_s = drafted.elapsed_ms / 1000
-    latency_s = seconds - compute_s
-    if appended > 2:
-        steps, compute_s = max(steps - 1, 0), compute_s - drafted.append_ms / 1000
-    return DraftCall(steps, branches, compute_s, latency_s, prefill_wait_s=waited)
+def _cost(drafted: m.Drafted, branches: int, seconds: float, *, waited: float) -> DraftCall:
+    """A draft call's cost: the forwards the drafter timed apart from its catch-up (the
+    unseen tokens it evaluated before the one the draft's first token is drawn after), and
+    the call's time beyond the drafter's own."""
+    compute_s = (drafted.elapsed_ms - drafted.append_ms) / 1000
+    latency_s = seconds - drafted.elapsed_ms / 1000
+    return DraftCall(drafted.forwards, branches, compute_s, latency_s, prefill_wait_s=waited)
 
 
 async def _timed(call):

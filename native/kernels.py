@@ -224,9 +224,9 @@ class Kernels:
                     prefix: int, base: np.ndarray, logits: np.ndarray, temperature: float = 1.0,
                     noise: np.ndarray | None = None, uniforms: np.ndarray | None = None,
                     probs: np.ndarray | None = None, threads: int) -> None:  # fmt: skip
-        """``hs_draft_chain``: ``len(tokens) - 1`` forwards, each next token the argmax, or
-        chosen by ``noise`` or ``uniforms`` from softmax(logits / ``temperature``), whose rows
-        go to ``probs``."""
+        """``hs_draft_chain``: ``len(tokens) - 1`` forwards, each next token the argmax (the
+        softmax rows to ``probs`` where given), or chosen by ``noise`` or ``uniforms`` from
+        softmax(logits / ``temperature``), whose rows go to ``probs``."""
         sampled = noise is not None or uniforms is not None
         inverse = ctypes.c_float(1 / temperature if sampled else 1)  # greedy: temperature 0
         status = self.library.hs_draft_chain(

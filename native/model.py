@@ -301,18 +301,25 @@ class NativeModel:
         self, first: int, count: int, *, position: int, start: int, prefix: int,
         base: np.ndarray, threads: int, temperature: float = 1.0,
         noise: np.ndarray | None = None, uniforms: np.ndarray | None = None,
+        probs: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:  # fmt: skip
         """A chain of ``count`` forwards from token ``first`` at slot ``start`` and
         ``position``, seeing slots 0..prefix-1, ``base`` and its own chain: the chain's
         count + 1 tokens (``first`` and each forward's choice: the argmax, or from
         softmax(logits / temperature) by (count, vocab) ``noise`` or (count,) ``uniforms``,
         see ``hs_draft_chain``), its (count, vocab) logits and the probability rows the tokens
-        came from (None when greedy)."""
+        came from (greedy: the softmax rows where ``probs`` is given, else None), written
+        into ``probs`` (C-contiguous float32 (count, vocab)) where given."""
         tokens = np.zeros(count + 1, np.int32)
         tokens[0] = first
         logits = np.empty((count, self.vocab), np.float32)
         sampled = noise is not None or uniforms is not None
-        probs = np.empty((count, self.vocab), np.float32) if sampled else None
+        shape = (count, self.vocab)
+        if probs is not None and (probs.shape != shape or probs.dtype != np.float32
+                                  or not probs.flags.c_contiguous):  # fmt: skip
+            raise ValueError(f"probs must be C-contiguous float32 {shape}, not {probs.shape}")
+        if probs is None and sampled:
+            probs = np.empty(shape, np.float32)
         if noise is not None and noise.shape != logits.shape:
             raise ValueError(f"noise must be {logits.shape}, not {noise.shape}")
         if uniforms is not None and uniforms.shape != (count,):

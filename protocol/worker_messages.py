@@ -22,7 +22,7 @@ from hetspec.protocol.arena import ArenaLayout, ArrayRef
 from hetspec.protocol.sampling import SamplingParams, TokenLogprob
 from hetspec.protocol.vocab import VocabInfo
 
-PROTOCOL_VERSION = 16
+PROTOCOL_VERSION = 17
 
 
 class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"):
@@ -324,7 +324,10 @@ class Drafted(_Message, tag="drafted"):
     nodes: list[list[int]]  # pending-tree node of each token, -1 where not evaluated
     probs: ArrayRef
     elapsed_ms: float
-    append_ms: float = 0.0  # of elapsed_ms, the time spent on the command's ``append``
+    # of elapsed_ms, the catch-up: the command's ``append`` but the forward of its last new
+    # token where the draft ran that one (the first draft token is drawn from its logits)
+    append_ms: float = 0.0
+    forwards: int = 0  # the forwards in elapsed_ms - append_ms (each one token of a branch)
     root: int = -1  # the pending node the branches hang from (-1: the committed end)
     # a tree draft: one row of ``tokens`` and ``nodes`` holds the nodes ranked best first
     # (parents before children); ``parents`` per node (-1: the committed end), and each

@@ -96,12 +96,15 @@ def match_path(node_tokens: np.ndarray, parents: np.ndarray, sequence: Sequence[
 
     Lets a runtime keep what it already evaluated of a draft branch that got accepted.
     """
+    first_child: dict[tuple[int, int], int] = {}  # (parent, token) -> its lowest node
+    for node, key in enumerate(zip(parents.tolist(), node_tokens.tolist(), strict=True)):
+        first_child.setdefault(key, node)
     path: list[int] = []
     parent = ROOT
     for token in sequence:
-        hits = np.flatnonzero((parents == parent) & (node_tokens == token))
-        if not len(hits):
+        node = first_child.get((parent, int(token)))
+        if node is None:
             break
-        parent = int(hits[0])
-        path.append(parent)
+        path.append(node)
+        parent = node
     return path

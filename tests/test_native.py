@@ -417,9 +417,9 @@ class CountingRuntime(NativeRuntime):
 
     chains = 0
 
-    def _run_chain(self, *args):
+    def _run_chain(self, *args, **kwargs):
         self.chains += 1
-        return super()._run_chain(*args)
+        return super()._run_chain(*args, **kwargs)
 
 
 @pytest.mark.parametrize("seeded", [True, False], ids=["keyed", "drawn"])
@@ -457,6 +457,71 @@ def test_a_sampled_chain_drafted_in_one_call_is_the_one_drafted_node_by_node(
     chained.discard_pending()
     chained.draft(4, SamplingParams(temperature=0.8, top_p=0.9), KeyedSampler(7))
     assert chained.chains == 2
+
+
+@pytest.mark.parametrize("seeded", [None, True], ids=["greedy", "keyed"])
+def test_a_draft_evaluating_its_appended_token_in_the_chain_call_is_append_then_draft(
+    heavy, seeded: bool | None
+) -> None:  # fmt: skip
+    """Rounds as the daemon runs them (the accepted path and the bonus appended, then a draft):
+    ``catch_up`` and ``draft(first=...)`` give the tokens, rows, pending tree, committed
+    sequence and next-token logits of ``append`` then ``draft`` node by node, in one kernel
+    call a draft (the appended token's forward the chain's first), and count each forward:
+    gamma tokens, gamma forwards, where the append's last new token is evaluated."""
+    path = heavy.gguf("q8_0")
+    params = SamplingParams(temperature=0.8) if seeded else SamplingParams()
+    sampler = (lambda: KeyedSampler(7)) if seeded else (lambda: DrawnSampler(0))
+    fused, stepwise, fallback = (CountingRuntime(path, n_ctx=256), StepwiseRuntime(path, n_ctx=256),
+                                 StepwiseRuntime(path, n_ctx=256))  # fmt: skip
+    prompt = fused.tokenize(TEXT)[:40]
+    # accepted tokens of each round's draft of 6, then the bonus: none, two, all six (whose
+    # last was drawn, not evaluated: two new tokens), one; a bonus other than the draft's
+    accepted = [0, 2, 6, 1]
+    rounds = {}
+    for name, runtime in (("fused", fused), ("stepwise", stepwise), ("fallback", fallback)):
+        runtime.prefill(prompt)
+        draft = runtime.draft(6, params, sampler())
+        seen = []
+        for count in accepted:
+            drafted = draft.tokens[0].tolist()
+            bonus = next(t for t in (5, 6) if count == 6 or t != drafted[count])
+            tokens = [*drafted[:count], bonus]
+            before = runtime.forwards
+            if name == "stepwise":
+                runtime.append(tokens)
+                draft = runtime.draft(6, params, sampler())
+            else:
+                first = runtime.catch_up(tokens)
+                assert first == tokens[-1]  # the bonus is never a pending node here
+                caught_up = runtime.forwards
+                draft = runtime.draft(6, params, sampler(), first=first)
+                assert runtime.forwards - caught_up == 6
+                assert caught_up - before == (count == 6)  # the drawn last token's forward
+            seen.append((draft, [a.copy() for a in pending_state(runtime)],
+                         list(runtime.tokens), runtime.last_logits().copy()))  # fmt: skip
+        rounds[name] = seen
+    assert fused.chains == 1 + len(accepted)
+    for name in ("fused", "fallback"):
+        for (ours, state, committed, logits), (theirs, their_state, their_committed,
+                                               their_logits) in zip(rounds[name],
+                                                                    rounds["stepwise"],
+                                                                    strict=True):  # fmt: skip
+            np.testing.assert_array_equal(ours.tokens, theirs.tokens)
+            np.testing.assert_array_equal(ours.nodes, theirs.nodes)
+            assert ours.root == theirs.root
+            np.testing.assert_allclose(ours.probs, theirs.probs, rtol=1e-5, atol=1e-8)
+            for a, b in zip(state, their_state, strict=True):
+                np.testing.assert_array_equal(a, b)
+            assert committed == their_committed
+            np.testing.assert_array_equal(logits, their_logits)
+    assert len(set(rounds["fused"][-1][0].tokens[0].tolist())) > 1
+    # a bonus that is a pending node: nothing left to evaluate, the draft starts from its row
+    runtime = fused
+    runtime.discard_pending()
+    runtime.forward_tree([11, 12], [-1, 0])
+    assert runtime.catch_up([11, 12]) is None
+    assert runtime.tokens[-2:] == [11, 12]
+    assert runtime.pending == 0
 
 
 def test_a_drawn_chain_token_follows_the_row_it_reports() -> None:

@@ -84,6 +84,7 @@ async def test_both_engines_hand_shake_draft_and_verify_through_the_arena(
         assert probs.shape == (2, 4, VOCAB)
         np.testing.assert_allclose(probs.sum(-1), 1, atol=1e-5)
         chain = draft.tokens[0]
+        assert draft.forwards == 3  # the first token drawn from the prefill's logits
         verified, _ = await gpu.call(m.VerifyTree(request=gpu.next_request(), tokens=chain,
                                                   parents=[-1, 0, 1, 2], out=1))  # fmt: skip
         logits = arena.view(verified.logits).copy()
@@ -101,6 +102,15 @@ async def test_both_engines_hand_shake_draft_and_verify_through_the_arena(
             m.Commit(request=gpu.next_request(), nodes=[0, 1], tokens=[7])
         )
         assert committed.committed == len(prompt) + 3
+
+        # a round's draft appends the accepted path (pending nodes: no forward) and the bonus,
+        # whose forward is the draft's first: gamma tokens, gamma forwards, the catch-up apart
+        bonus = 9 if chain[2] != 9 else 10
+        again, _ = await cpu.call(m.Draft(request=cpu.next_request(), steps=3, out=0,
+                                          sampling=m.SamplingParams(),
+                                          append=[*chain[:2], bonus]))  # fmt: skip
+        assert again.forwards == 3
+        assert 0 <= again.append_ms <= again.elapsed_ms
 
         with pytest.raises(WorkerError, match="cannot roll back to 99") as failure:
             await gpu.call(m.Rollback(request=gpu.next_request(), length=99))

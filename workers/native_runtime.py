@@ -102,14 +102,15 @@ class NativeRuntime(TreeRuntime[np.ndarray]):
         )  # fmt: skip
 
     def _run_chain(self, first: int, positions: np.ndarray, rows: np.ndarray,
-                   draws: ChainDraws | None, temperature: float):  # fmt: skip
+                   draws: ChainDraws | None, temperature: float, *,
+                   probs_out: np.ndarray | None = None):  # fmt: skip
         existing = self.pending  # the first node's pending ancestors, in slot order
         return self.model.draft_chain(
             first, len(rows), position=int(positions[0]), start=self.committed + existing,
             prefix=self.committed, base=self.committed + np.flatnonzero(rows[0, :existing]),
             threads=self.threads + self._extra_threads, temperature=temperature,
             noise=None if draws is None else draws.noise,
-            uniforms=None if draws is None else draws.uniforms,
+            uniforms=None if draws is None else draws.uniforms, probs=probs_out,
         )  # fmt: skip
 
     def _run(

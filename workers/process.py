@@ -421,6 +421,7 @@ class Worker:
         # a dynamic draft's shape is known only once drafted: it is copied to the slot then
         shape = (command.branches, command.steps, engine.vocab_size)
         out = None if dynamic else self._slot(command.out, shape)
+        first = None  # the append's last token to evaluate: the draft's first forward
         if command.features is not None:
             features = self._features_in(engine, command.features, frames)
             if len(features) != len(command.append):
@@ -428,16 +429,19 @@ class Worker:
                                         f"{len(features)} feature rows")  # fmt: skip
             engine.append_after_features(command.append, features)
         elif command.append:
-            engine.append(command.append)
+            first = engine.catch_up(command.append)
         append_ms = (time.perf_counter() - start) * 1000
+        forwards = engine.forwards
         if command.tree is not None:
+            if first is not None:
+                engine.append([first])
             depth, top_k = command.tree
             tree = engine.draft_tree(depth, top_k, command.steps, command.sampling, self.sampler,
                                      first_accept=command.tree_first_accept)  # fmt: skip
             probs = m.ArrayRef("<f4", (1, 0, engine.vocab_size), slot=command.out)
             reply = m.Drafted(command.request, [tree.tokens.tolist()], [tree.nodes.tolist()],
                               probs, (time.perf_counter() - start) * 1000, append_ms,
-                              parents=tree.parents.tolist(),
+                              engine.forwards - forwards, parents=tree.parents.tolist(),
                               acceptance=tree.acceptance.tolist())  # fmt: skip
             return reply, ()
         result = engine.draft(
@@ -448,6 +452,7 @@ class Worker:
             out=out,
             after=command.after,
             dynamic=command.dynamic,
+            first=first,
         )
         if out is None:
             out = self._slot(command.out, result.probs.shape)
@@ -455,7 +460,7 @@ class Worker:
         probs = m.ArrayRef(out.dtype.str, out.shape, slot=command.out)
         elapsed = (time.perf_counter() - start) * 1000
         reply = m.Drafted(command.request, result.tokens.tolist(), result.nodes.tolist(), probs,
-                          elapsed, append_ms, result.root)  # fmt: skip
+                          elapsed, append_ms, engine.forwards - forwards, result.root)  # fmt: skip
         return reply, ()
 
     def decode(self, command: m.Decode, frames) -> tuple:

@@ -84,6 +84,7 @@ class TreeRuntime(ABC, Generic[Output]):
         self.features_sink: list[np.ndarray] | None = None
         self.tokens: list[int] = []  # the committed sequence
         self._last_logits = None
+        self.forwards = 0  # forwards run so far (a chain's steps each count), for timing them
         self._reset_pending()
 
     @property
@@ -135,9 +136,10 @@ class TreeRuntime(ABC, Generic[Output]):
         it; returns the float32 logits after its last token."""
 
     # Optional hook, a method where a runtime drafts a chain in one call: (first token, the
-    # chain's positions, its ancestor mask as ``_run`` takes it, draws, temperature) -> (the
-    # chain's tokens and the choice after its last node, its nodes' ``_run`` output, the
-    # probability rows the tokens came from or None); each choice the argmax, or with
+    # chain's positions, its ancestor mask as ``_run`` takes it, draws, temperature, and a
+    # keyword ``probs_out``: where the probability rows may go) -> (the chain's tokens and the
+    # choice after its last node, its nodes' ``_run`` output, the probability rows the tokens
+    # came from, or a greedy chain's softmax rows, or None); each choice the argmax, or with
     # ``ChainDraws`` one from softmax(logits / temperature) as they say
     _run_chain = None
 
@@ -256,23 +258,27 @@ class TreeRuntime(ABC, Generic[Output]):
         node_depths = depths(parent_array, self._pending_depths)
         rows = ancestor_mask(parent_array, self._pending_mask)
         output = self._run(token_array, parent_array, self.committed + node_depths, rows)
+        self.forwards += 1
         self._record_pending(token_array, parent_array, node_depths, rows, output)
         return output
 
     def _chain(self, first: int, root: int, count: int, draws: ChainDraws | None = None,
-               temperature: float = 1.0):  # fmt: skip
+               temperature: float = 1.0, *,
+               probs_out: np.ndarray | None = None):  # fmt: skip
         """``count`` new pending nodes below pending node ``root`` (ROOT: the committed end),
         the first holding token ``first``, each next one chosen from the last one's logits
         (the argmax, or as ``draws`` say, see ``_run_chain``), in one call of ``_run_chain``:
-        the count + 1 tokens, the (count, vocab) float32 logits and the probability rows the
-        tokens came from (None without draws)."""
+        the count + 1 tokens, the (count, vocab) float32 logits and the probability rows as
+        ``_run_chain`` returns them (``probs_out``: where they may go)."""
         self._checked_tokens([first], count)
         existing = self.pending
         chain = validate_parents([root, *range(existing, existing + count - 1)], existing)
         node_depths = depths(chain, self._pending_depths)
         rows = ancestor_mask(chain, self._pending_mask)
-        tokens, output, probs = self._run_chain(first, self.committed + node_depths, rows,
-                                                draws, temperature)  # fmt: skip
+        tokens, output, probs = self._run_chain(
+            first, self.committed + node_depths, rows, draws, temperature, probs_out=probs_out
+        )
+        self.forwards += count
         tokens = np.asarray(tokens, np.int64)
         self._record_pending(tokens[:count], chain, node_depths, rows, output)
         return tokens, self._step_logits(output), probs
@@ -284,27 +290,75 @@ class TreeRuntime(ABC, Generic[Output]):
         temperature alone (top-k and top-p truncate the rows, which the call does not), each
         token chosen as the sampler's ``chain_draws`` say. False (nothing done) where the
         runtime has no such call or the request truncates."""
-        truncates = 0 < params.top_k < self.vocab_size or params.top_p < 1
-        if self._run_chain is None or (not params.greedy and truncates):
+        if not self._chain_call_drafts(params):
             return False
         steps = draft.tokens.shape[1]
         draws = None
         if not params.greedy:
             draws = sampler.chain_draws(position + 1, steps - 1, self.vocab_size)
         start = self.pending
+        rows = draft.probs[0, 1:]
         chained, logits, probs = self._chain(int(draft.tokens[0, 0]), draft.root, steps - 1,
-                                             draws, params.temperature)  # fmt: skip
+                                             draws, params.temperature, probs_out=rows)  # fmt: skip
         draft.tokens[0] = chained
         draft.nodes[0, :-1] = start + np.arange(steps - 1)
         if probs is None:
-            distribution(logits, params, out=draft.probs[0, 1:])
-        else:  # the rows the tokens were drawn from, as lossless verification needs
-            draft.probs[0, 1:] = probs
+            distribution(logits, params, out=rows)
+        elif probs is not rows:  # the rows the tokens were drawn from, as verification needs
+            rows[...] = probs
         return True
 
+    def _chain_call_drafts(self, params: SamplingParams) -> bool:
+        """Whether one ``_run_chain`` call can draft a chain with these parameters."""
+        truncates = 0 < params.top_k < self.vocab_size or params.top_p < 1
+        return (self._run_chain is not None and self.features_sink is None
+                and (params.greedy or not truncates))  # fmt: skip
+
+    def _draft_after(self, first: int, steps: int, params: SamplingParams, sampler: Sampler,
+                     out: np.ndarray | None) -> DraftResult:  # fmt: skip
+        """``draft``'s one-branch chain, ``first`` appended in the same ``_run_chain`` call:
+        its node, the chain's first, is committed, and the others stay pending below it."""
+        self.discard_pending()
+        self._checked_tokens([first], steps)
+        shape = (1, steps, self.vocab_size)
+        if out is None:
+            out = np.empty(shape, np.float32)
+        elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+            raise RuntimeUsageError(f"out must be C-contiguous float32 {shape}, not {out.shape}")
+        position = self.committed  # first's; the drafted tokens follow it
+        draws = None
+        if not params.greedy:
+            draws = sampler.chain_draws(position + 1, steps, self.vocab_size)
+        chain = np.tril(np.ones((steps, steps), bool))
+        rows = out[0]
+        tokens, output, probs = self._run_chain(
+            first, position + np.arange(steps), chain, draws, params.temperature, probs_out=rows
+        )
+        self.forwards += steps
+        tokens = np.asarray(tokens, np.int64)
+        self.tokens.append(first)
+        if self.outputs_kept:
+            self._last_logits = None
+            self._last_node = (output, 0)
+        else:
+            self._last_logits = self._node_logits(output, 0)
+        if steps > 1:  # the drafted nodes but the last, below first, from output's row 1 on
+            self._record_pending(tokens[1:steps], np.arange(-1, steps - 2), np.arange(steps - 1),
+                                 chain[1:, 1:], output, first=-1)  # fmt: skip
+        if probs is None:
+            distribution(self._step_logits(output), params, out=rows)
+        elif probs is not rows:
+            rows[...] = probs
+        nodes = np.full((1, steps), -1, np.int64)
+        nodes[0, :-1] = np.arange(steps - 1)
+        return DraftResult(tokens[None, 1:], out, nodes)
+
     def _record_pending(self, tokens: np.ndarray, parents: np.ndarray, node_depths: np.ndarray,
-                        rows: np.ndarray, output: Output) -> None:  # fmt: skip
-        """Add evaluated nodes to the pending tree (``rows``: their ancestor mask)."""
+                        rows: np.ndarray, output: Output, *,
+                        first: int | None = None) -> None:  # fmt: skip
+        """Add evaluated nodes to the pending tree (``rows``: their ancestor mask); ``first``:
+        the node of ``output``'s first row (default: the first new node; -1: a row before
+        them, as a committed token's)."""
         existing = self.pending
         mask = np.zeros((existing + len(rows),) * 2, bool)
         mask[:existing, :existing] = self._pending_mask
@@ -313,7 +367,7 @@ class TreeRuntime(ABC, Generic[Output]):
         self._pending_tokens = np.concatenate([self._pending_tokens, tokens])
         self._pending_parents = np.concatenate([self._pending_parents, parents])
         self._pending_depths = np.concatenate([self._pending_depths, node_depths])
-        self._pending_outputs.append((existing, output))
+        self._pending_outputs.append((existing if first is None else first, output))
 
     def evaluate_tree(
         self,
@@ -385,11 +439,29 @@ class TreeRuntime(ABC, Generic[Output]):
         sequence = [int(token) for token in tokens]
         matched = match_path(self._pending_tokens, self._pending_parents, sequence)
         self.commit(matched)
-        rest = self._checked_tokens(sequence[len(matched) :], len(sequence) - len(matched))
+        self._extend(sequence[len(matched) :], chunk_size)
+
+    def catch_up(self, tokens: Sequence[int]) -> int | None:
+        """``append`` all of ``tokens`` but the last one it would evaluate, which it returns
+        for ``draft(first=...)`` to evaluate in its first forward; None where every token
+        matched a pending node (all committed, nothing left to evaluate)."""
+        sequence = [int(token) for token in tokens]
+        matched = match_path(self._pending_tokens, self._pending_parents, sequence)
+        self.commit(matched)
+        rest = sequence[len(matched) :]
+        if not rest:
+            return None
+        self._extend(rest[:-1])
+        return rest[-1]
+
+    def _extend(self, tokens: Sequence[int], chunk_size: int | None = None) -> None:
+        """Evaluate ``tokens`` after the committed ones, with no pending tree, and keep them."""
+        rest = self._checked_tokens(tokens, len(tokens))
         size = chunk_size or self.default_chunk
         for begin in range(0, len(rest), size):
             chunk = rest[begin : begin + size]
             self._last_logits = self._extend_committed(chunk)
+            self.forwards += 1
             self.tokens.extend(chunk.tolist())
 
     def prefill(self, prompt: Sequence[int], chunk_size: int | None = None) -> int:
@@ -467,6 +539,7 @@ class TreeRuntime(ABC, Generic[Output]):
         out: np.ndarray | None = None,
         after: tuple[int, int] | None = None,
         dynamic: float | None = None,
+        first: int | None = None,
     ) -> DraftResult:
         """Draft ``branches`` continuations of ``steps`` tokens each, one forward per step.
 
@@ -483,9 +556,19 @@ class TreeRuntime(ABC, Generic[Output]):
         ``token`` (a drafted token not evaluated yet) is evaluated as a child of pending node
         ``parent`` (ROOT: the committed end), the pending tree is kept, and the branches grow
         below it. This is how a drafter runs ahead while its last draft is being verified.
+
+        ``first`` (the token ``catch_up`` left) is appended first, its forward the one whose
+        logits the first step draws from: inside the call that drafts a one-branch chain
+        where the runtime has one (``_run_chain``), else as ``append`` would.
         """
         if steps < 1 or not 1 <= branches <= self.vocab_size:
             raise RuntimeUsageError(f"cannot draft {branches} branches of {steps} steps")
+        if first is not None:
+            if after is not None:
+                raise RuntimeUsageError("a draft continues a pending one or appends, not both")
+            if dynamic is None and branches == 1 and self._chain_call_drafts(params):
+                return self._draft_after(first, steps, params, sampler, out)
+            self.append([first])
         if dynamic is not None and after is None:
             return self._draft_dynamic(steps, params, sampler, min(branches, steps), dynamic)
         shape = (branches, steps, self.vocab_size)

@@ -1707,7 +1707,7 @@ int hs_draft_chain(const hs_model *m, int count, int32_t *tokens, int position, 
                    float *probs, int threads) {
     if (count < 1 || n_base < 0 || start + count > m->capacity) return -1;
     const int sampled = noise || uniforms;
-    if ((noise && uniforms) || (sampled && (!probs || !(inv_temperature > 0.0f)))) return -1;
+    if ((noise && uniforms) || (sampled && !probs) || (probs && !(inv_temperature > 0.0f))) return -1;
     int32_t *visible = malloc(sizeof(int32_t) * (size_t)(n_base + count));
     if (!visible) return -1;
     memcpy(visible, base, sizeof(int32_t) * (size_t)n_base);
@@ -1720,14 +1720,11 @@ int hs_draft_chain(const hs_model *m, int count, int32_t *tokens, int position, 
         status = hs_forward(m, 1, tokens + i, &at, start + i, n_prefix, offsets, visible, 0, row,
                             threads);
         if (status) break;
-        if (!sampled) {
-            tokens[i + 1] = argmax_row(row, m->vocab);
-            continue;
-        }
-        float *p = probs + row_at;
-        softmax_row(row, m->vocab, inv_temperature, p, simd_for(m->simd));
-        tokens[i + 1] = noise ? race_row(p, noise + row_at, m->vocab)
-                              : inverse_cdf_row(p, uniforms[i], m->vocab);
+        float *p = probs ? probs + row_at : NULL;
+        if (p) softmax_row(row, m->vocab, inv_temperature, p, simd_for(m->simd));
+        if (!sampled) tokens[i + 1] = argmax_row(row, m->vocab);
+        else tokens[i + 1] = noise ? race_row(p, noise + row_at, m->vocab)
+                                   : inverse_cdf_row(p, uniforms[i], m->vocab);
     }
     free(visible);
     return status;

@@ -121,13 +121,14 @@ int hs_forward(const hs_model *m, int n, const int32_t *tokens, const int32_t *p
  * increasing), then the chain's slots start..start+i. Logits (count, vocab). Drafting in one
  * call spares a call per token of the caller's own work.
  *
- * The choice: with neither `noise` nor `uniforms` the argmax (ties: the lowest id). Else
- * p = softmax(logits * inv_temperature) goes to `probs` (count, vocab) and the token is, with
+ * The choice: with neither `noise` nor `uniforms` the argmax (ties: the lowest id), and
+ * p = softmax(logits * inv_temperature) goes to `probs` (count, vocab) where given (a greedy
+ * drafter's confidence, inv_temperature 1). Else p goes to `probs` and the token is, with
  * (count, vocab) `noise` rows > 0, the argmax of p / noise (ties: the lowest id; with
  * exponential noise keyed by position, a keyed Gumbel-max choice), or with one uniform in
  * [0, 1) a token in `uniforms`, the first token whose cumulative probability (summed in
  * double) exceeds u times the row's total: a draw from p, which `probs` reports. Returns 0,
- * or -1 for bad input (as hs_forward; both noise and uniforms; or either without probs or
+ * or -1 for bad input (as hs_forward; both noise and uniforms; either without probs; probs
  * with a temperature's inverse not > 0). */
 int hs_draft_chain(const hs_model *m, int count, int32_t *tokens, int position, int start,
                    int n_prefix, const int32_t *base, int n_base, float *logits,

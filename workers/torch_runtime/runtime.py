@@ -412,7 +412,8 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
 
     @torch.inference_mode()
     def _run_chain(self, first: int, positions: np.ndarray, rows: np.ndarray,
-                   draws: ChainDraws | None, temperature: float):  # fmt: skip
+                   draws: ChainDraws | None, temperature: float, *,
+                   probs_out: np.ndarray | None = None):  # fmt: skip
         """``TreeRuntime``'s hook: a draft chain's forwards back to back on the device, each
         next token chosen there (``DeviceChoice``), one wait for the device at the end."""
         existing = self.pending
