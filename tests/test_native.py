@@ -555,3 +555,20 @@ def test_a_greedy_chain_past_the_context_is_refused(heavy) -> None:
     with pytest.raises(RuntimeUsageError, match="context full"):
         runtime.draft(8, SamplingParams(), DrawnSampler(0))
     assert runtime.pending == 0
+
+
+def test_bench_draft_times_a_round_s_draft_call_against_a_forward_alone(capsys) -> None:
+    """The micro-benchmark behind docs/bench/native/draft-calls.md runs on the bundled draft
+    and says, per runtime and gamma, what a draft token costs in rounds and alone."""
+    from hetspec.workers import bench_draft  # noqa: PLC0415
+
+    draft = str(MODELS / "draft" / "draft-q8_0.gguf")
+    assert bench_draft.main([draft, "--runtimes", "native", "--gammas", "3",
+                             "--rounds", "5", "--prefix", "16"]) == 0  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    assert "16 tokens of context" in lines[0]
+    (line,) = lines[1:]
+    assert line.startswith("  cpu (native, ")
+    figures = [float(x) for x in re.findall(r"(\d+\.\d) ", line + " ")]
+    assert len(figures) == 3
+    assert all(figure > 0 for figure in figures)

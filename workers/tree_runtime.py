@@ -315,16 +315,11 @@ class TreeRuntime(ABC, Generic[Output]):
                 and (params.greedy or not truncates))  # fmt: skip
 
     def _draft_after(self, first: int, steps: int, params: SamplingParams, sampler: Sampler,
-                     out: np.ndarray | None) -> DraftResult:  # fmt: skip
+                     out: np.ndarray) -> DraftResult:  # fmt: skip
         """``draft``'s one-branch chain, ``first`` appended in the same ``_run_chain`` call:
         its node, the chain's first, is committed, and the others stay pending below it."""
         self.discard_pending()
         self._checked_tokens([first], steps)
-        shape = (1, steps, self.vocab_size)
-        if out is None:
-            out = np.empty(shape, np.float32)
-        elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
-            raise RuntimeUsageError(f"out must be C-contiguous float32 {shape}, not {out.shape}")
         position = self.committed  # first's; the drafted tokens follow it
         draws = None
         if not params.greedy:
@@ -352,6 +347,30 @@ class TreeRuntime(ABC, Generic[Output]):
         nodes = np.full((1, steps), -1, np.int64)
         nodes[0, :-1] = np.arange(steps - 1)
         return DraftResult(tokens[None, 1:], out, nodes)
+
+    def _draft_below(self, after: tuple[int, int], steps: int, params: SamplingParams,
+                     sampler: Sampler, out: np.ndarray) -> DraftResult:  # fmt: skip
+        """``draft``'s one-branch chain continuing a pending draft: ``after`` = (parent,
+        token), token's node below pending node parent the ``_run_chain`` call's first."""
+        parent, token = after
+        existing = self.pending
+        if not -1 <= parent < existing:
+            raise RuntimeUsageError(f"parent {parent} is not a pending node (or -1)")
+        depth = 0 if parent == ROOT else int(self._pending_depths[parent]) + 1
+        position = self.committed + depth + 1  # the first drafted token's
+        draws = None
+        if not params.greedy:
+            draws = sampler.chain_draws(position, steps, self.vocab_size)
+        rows = out[0]
+        tokens, logits, probs = self._chain(token, parent, steps, draws, params.temperature,
+                                            probs_out=rows)  # fmt: skip
+        if probs is None:
+            distribution(logits, params, out=rows)
+        elif probs is not rows:
+            rows[...] = probs
+        nodes = np.full((1, steps), -1, np.int64)
+        nodes[0, :-1] = existing + 1 + np.arange(steps - 1)
+        return DraftResult(tokens[None, 1:], out, nodes, existing)
 
     def _record_pending(self, tokens: np.ndarray, parents: np.ndarray, node_depths: np.ndarray,
                         rows: np.ndarray, output: Output, *,
@@ -563,12 +582,12 @@ class TreeRuntime(ABC, Generic[Output]):
         """
         if steps < 1 or not 1 <= branches <= self.vocab_size:
             raise RuntimeUsageError(f"cannot draft {branches} branches of {steps} steps")
-        if first is not None:
-            if after is not None:
-                raise RuntimeUsageError("a draft continues a pending one or appends, not both")
-            if dynamic is None and branches == 1 and self._chain_call_drafts(params):
-                return self._draft_after(first, steps, params, sampler, out)
+        if first is not None and after is not None:
+            raise RuntimeUsageError("a draft continues a pending one or appends, not both")
+        one_call = dynamic is None and branches == 1 and self._chain_call_drafts(params)
+        if first is not None and not one_call:
             self.append([first])
+            first = None
         if dynamic is not None and after is None:
             return self._draft_dynamic(steps, params, sampler, min(branches, steps), dynamic)
         shape = (branches, steps, self.vocab_size)
@@ -576,6 +595,10 @@ class TreeRuntime(ABC, Generic[Output]):
             out = np.empty(shape, np.float32)
         elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
             raise RuntimeUsageError(f"out must be C-contiguous float32 {shape}, not {out.shape}")
+        if first is not None:
+            return self._draft_after(first, steps, params, sampler, out)
+        if after is not None and one_call:
+            return self._draft_below(after, steps, params, sampler, out)
         if after is None:
             first = self.last_logits()
             self.discard_pending()
