@@ -17,6 +17,7 @@ import numpy as np
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8  # ggml's type ids
 Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 12, 13, 14, 20, 23
 BLOCK = 32  # the activations' blocks
+PACKED_BYTES = 8 * 4 + 8 * BLOCK  # hs_matrix.packed: one group of 8 rows, one block
 TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1",
               Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_NL: "IQ4_NL",
               IQ4_XS: "IQ4_XS"}  # fmt: skip
@@ -45,6 +46,7 @@ class Matrix(ctypes.Structure):
         ("cols", ctypes.c_int32),
         ("reserved", ctypes.c_int32),
         ("data", ctypes.c_void_p),
+        ("packed", ctypes.c_void_p),  # optional: None
     ]
 
 
@@ -158,6 +160,7 @@ class Kernels:
         library.hs_dequantize_rows.restype = ctypes.c_int
         library.hs_forward.restype = ctypes.c_int
         library.hs_draft_chain.restype = ctypes.c_int
+        library.hs_pack_q8_0.restype = ctypes.c_int
         return cls(library)
 
     def simd_level(self) -> int:
@@ -172,6 +175,15 @@ class Kernels:
     def level_for(self, cap: int) -> int:
         """The level a call capped at ``cap`` runs (``BEST``: no cap)."""
         return max(level for level in self.simd_levels() if cap == BEST or level <= cap)
+
+    def pack_q8_0(self, weights: Matrix) -> np.ndarray:
+        """``weights``' (Q8_0) whole groups of 8 rows in ``hs_matrix.packed``'s layout; set
+        its ``packed`` to the result's address (and keep the result alive) to use them."""
+        blocks = weights.cols // BLOCK
+        packed = np.empty(weights.rows // 8 * blocks * PACKED_BYTES, np.uint8)
+        if self.library.hs_pack_q8_0(ctypes.byref(weights), _pointer(packed, np.uint8)):
+            raise ValueError(f"only Q8_0 weights are packed, not {TYPE_NAMES[weights.type]}")
+        return packed
 
     def quantize_rows(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """int8 (n, cols) values and float32 (n, cols / 32) block scales of float32 rows."""

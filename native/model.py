@@ -25,7 +25,9 @@ from hetspec.native.kernels import (
     BLOCK,
     GELU_TANH,
     MATRICES,
+    Q8_0,
     SILU,
+    SIMD_LEVELS,
     TYPE_NAMES,
     Kernels,
     Layer,
@@ -45,6 +47,11 @@ assert tuple(LAYER_TENSORS) == MATRICES
 # than adjacent pairs; llama.cpp's converter reorders Llama's q/k rows for the pairs
 FAMILIES = {"llama": False, "qwen2": True, "qwen3": True, "gemma2": True, "gemma3": True}
 DEFAULT_MAX_CONTEXT = 8192
+# Q8_0 weights up to this size get a packed copy for calls of few rows (hs_matrix.packed):
+# such a model's weights stay in the caches, where transposing blocks in registers, not
+# memory, bounds a drafter's token; a larger model streams from memory at one row's pace
+# either way, and a copy would double its memory
+PACK_LIMIT_BYTES = 64 << 20
 # Gemma as llama.cpp reads it when the file does not say: the period of its window pattern
 # (Gemma 3: five windowed layers, then a global one; Gemma 2: every other layer windowed, from
 # the first), Gemma 2's window and soft caps, Gemma 3's windowed layers' rotary base
@@ -63,9 +70,13 @@ class ModelFormatError(NativeUnavailable):
 class NativeModel:
     """The weights of ``path``, a KV cache of ``capacity`` slots, and one forward call."""
 
-    def __init__(self, path: str | Path, capacity: int | None = None, simd: int = BEST) -> None:
-        """``simd``: the most capable kernel level to use (``kernels.SIMD_LEVELS``)."""
+    def __init__(self, path: str | Path, capacity: int | None = None, simd: int = BEST,
+                 pack: bool | None = None) -> None:  # fmt: skip
+        """``simd``: the most capable kernel level to use (``kernels.SIMD_LEVELS``);
+        ``pack``: whether Q8_0 matrices get a packed copy (None: where the kernel level reads
+        it and the model's Q8_0 weights are at most ``PACK_LIMIT_BYTES``)."""
         self.path = Path(path)
+        self.kernels = Kernels.load()
         try:
             self._header = read_gguf_header(self.path)
         except (OSError, ValueError) as error:
@@ -95,6 +106,7 @@ class NativeModel:
         self._gemma = self.architecture in ("gemma2", "gemma3")
         self.windows = self._read_windows()
         self._softcaps = self._read_softcaps()
+        self.packed = self._packs(simd) if pack is None else pack
 
         embed = self._matrix("token_embd.weight")
         self.vocab = embed.rows
@@ -124,7 +136,6 @@ class NativeModel:
             float(np.sqrt(np.float32(self.d_model))) if self._gemma else 0.0,
             self._attention_scale(), *self._softcaps,
         )  # fmt: skip
-        self.kernels = Kernels.load()
 
     # ------------------------------------------------------------ reading the file
 
@@ -244,9 +255,23 @@ class NativeModel:
         data = np.ascontiguousarray(self._header.tensor_data(tensor))
         self._keep.append(data)
         try:
-            return matrix(kind, data, rows, cols)
+            weights = matrix(kind, data, rows, cols)
         except NativeUnavailable as error:
             raise ModelFormatError(f"{self.path}: {name}: {error}") from None
+        if self.packed and kind == Q8_0 and rows >= 8:
+            packed = self.kernels.pack_q8_0(weights)
+            self._keep.append(packed)
+            weights.packed = packed.ctypes.data
+        return weights
+
+    def _packs(self, simd: int) -> bool:
+        """Whether the kernels read packed Q8_0 copies at this level (the VNNI ones) and
+        the model is small enough to keep them."""
+        vnni = SIMD_LEVELS.get("avx_vnni")
+        if vnni is None or self.kernels.level_for(simd) < vnni:
+            return False
+        q8 = sum(t.nbytes for t in self._tensors.values() if t.type == Q8_0 and len(t.shape) == 2)
+        return 0 < q8 <= PACK_LIMIT_BYTES
 
     def _vector(self, name: str, length: int | None = None) -> int:
         """The address of F32 vector ``name`` of ``length`` (default d_model) values."""

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from hetspec.native.kernels import (
+    BEST,
     BLOCK,
     BLOCK_BYTES,
     F16,
@@ -35,6 +36,7 @@ from hetspec.native.kernels import (
     NativeUnavailable,
     matrix,
 )
+from hetspec.native.model import NativeModel
 from hetspec.speculative.samplers import DrawnSampler, KeyedSampler
 from hetspec.speculative.sampling import SamplingParams
 from hetspec.speculative.tree import chain_parents
@@ -149,12 +151,17 @@ def test_a_rows_result_does_not_depend_on_its_neighbours_or_threads(kernels, kin
                             for row in range(len(x))])  # fmt: skip
     # every way rows are split between the kernels: whole groups of 8, groups padded from 5-7
     # rows, features-in-lanes tiles of 1-4 rows
-    for n in (23, 16, 15, 14, 13, 9, 7, 6, 5, 4, 3, 2):
+    packed = matrix(kind, data, rows, cols)  # the VNNI levels read a Q8_0 copy packed too
+    if kind == Q8_0:
+        packed.copy = kernels.pack_q8_0(packed)  # alive as long as the Matrix
+        packed.packed = packed.copy.ctypes.data
+    for n in (23, 16, 15, 14, 13, 9, 7, 6, 5, 4, 3, 2, 1):
         for level in levels_here(kernels, portable=False):  # every SIMD level: the same bits
-            together = kernels.matmul(weights, x[:n].copy(), threads=2, simd=level)
-            np.testing.assert_array_equal(
-                alone[:n], together, err_msg=f"{n} rows together, kernel level {level}"
-            )
+            for which in (weights, packed):
+                together = kernels.matmul(which, x[:n].copy(), threads=2, simd=level)
+                np.testing.assert_array_equal(
+                    alone[:n], together, err_msg=f"{n} rows together, kernel level {level}"
+                )
     exact = x.astype(np.float64) @ reference.astype(np.float64).T
     assert np.abs(alone - exact).max() <= 0.02 * np.abs(exact).max()  # int8 activations
 
@@ -284,6 +291,31 @@ def test_every_kernel_level_gives_the_same_logits(heavy, native) -> None:
         outputs.append(runtime.evaluate_tree(tokens[20:30], chain_parents(10)).copy())
     for level, logits in zip(levels[1:], outputs[1:], strict=True):
         np.testing.assert_array_equal(logits, outputs[0], err_msg=f"kernel level {level}")
+
+
+def test_a_small_models_packed_q8_0_copies_give_the_same_logits() -> None:
+    """The bundled models are small enough for packed copies of their Q8_0 matrices (where
+    the kernel level reads them): every width's logits, prefill's and a tree's, and a drafted
+    chain are bit for bit those of the weights read in place."""
+    for name in ("draft", "target"):
+        path = MODELS / name / f"{name}-q8_0.gguf"
+        kernels = Kernels.load()
+        packs = kernels.level_for(BEST) >= SIMD_LEVELS.get("avx_vnni", 99)
+        assert NativeModel(path, capacity=8).packed == packs  # on its own where it reads them
+        runs = []
+        for pack in (True, False):
+            runtime = NativeRuntime(path, n_ctx=256, threads=2, pack=pack)
+            assert runtime.model.packed == pack
+            runtime.prefill(runtime.tokenize(TEXT)[:100])
+            outputs = [runtime.last_logits().copy()]
+            for width in (1, 2, 3, 4, 5, 8, 9, 16):
+                outputs.append(runtime.evaluate_tree(list(range(3, 3 + width)),
+                                                     chain_parents(width)).copy())  # fmt: skip
+            draft = runtime.draft(7, SamplingParams(), DrawnSampler(0))
+            runs.append((outputs, draft.tokens.copy()))
+        for ours, theirs in zip(runs[0][0], runs[1][0], strict=True):
+            np.testing.assert_array_equal(ours, theirs)
+        np.testing.assert_array_equal(runs[0][1], runs[1][1])
 
 
 def test_prefill_in_chunks_gives_the_same_logits(native) -> None:

@@ -28,11 +28,13 @@ from hetspec.workers.tree_runtime import TreeRuntime
 
 class NativeRuntime(TreeRuntime[np.ndarray]):
     def __init__(self, model_path: str | Path, *, n_ctx: int | None = None,
-                 threads: int | None = None, simd: str | None = None) -> None:  # fmt: skip
+                 threads: int | None = None, simd: str | None = None,
+                 pack: bool | None = None) -> None:  # fmt: skip
         """Load a Llama, Qwen2 or Qwen3 GGUF file (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
         Q6_K, IQ4_NL, IQ4_XS, F16 or F32 weights); ``threads`` defaults to the cores this
         process may run on; ``simd`` caps the kernels' level (``SIMD_LEVELS``; None: the best
-        here). Raises ``NativeUnavailable`` with the reason."""
+        here); ``pack``: packed copies of Q8_0 matrices (None: ``NativeModel``'s choice).
+        Raises ``NativeUnavailable`` with the reason."""
         path = Path(model_path)
         if not path.is_file():
             raise NativeUnavailable(f"{path}: no such file")
@@ -45,7 +47,8 @@ class NativeRuntime(TreeRuntime[np.ndarray]):
         if simd is not None and simd not in SIMD_LEVELS:
             raise NativeUnavailable(f"no {simd} kernels on this architecture: it has "
                                     f"{', '.join(SIMD_LEVELS)}")  # fmt: skip
-        self.model = NativeModel(path, n_ctx, BEST if simd is None else SIMD_LEVELS[simd])
+        self.model = NativeModel(path, n_ctx, BEST if simd is None else SIMD_LEVELS[simd],
+                                 pack=pack)  # fmt: skip
         level = self.model.kernels.level_for(BEST if simd is None else SIMD_LEVELS[simd])
         self.kernels = next(name for name, value in SIMD_LEVELS.items() if value == level)
         vocabulary = VocabularyFile.open(path)

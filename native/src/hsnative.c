@@ -190,6 +190,25 @@ int hs_dequantize_rows(const hs_matrix *w, int first, int count, float *out) {
     return 0;
 }
 
+int hs_pack_q8_0(const hs_matrix *w, void *out) {
+    if (w->type != HS_Q8_0 || w->cols % HS_BLOCK) return -1;
+    const int blocks = w->cols / HS_BLOCK;
+    const block_q8_0 *rows = w->data;
+    char *packed = out;
+    for (int g = 0; g < w->rows / 8; g++)
+        for (int b = 0; b < blocks; b++, packed += HS_PACKED_BYTES) {
+            for (int f = 0; f < 8; f++) {
+                const block_q8_0 *block = rows + (size_t)(8 * g + f) * blocks + b;
+                const float scale = half_to_float(block->d);
+                memcpy(packed + 4 * f, &scale, sizeof scale);
+                for (int k = 0; k < HS_BLOCK / 4; k++)
+                    for (int i = 0; i < 4; i++) /* unsigned: w + 128, as load_unsigned_weights */
+                        packed[32 + 32 * k + 4 * f + i] = (char)((uint8_t)block->qs[4 * k + i] ^ 0x80u);
+            }
+        }
+    return 0;
+}
+
 /* Rotate pair i of each head by the angles of one position: values (2i, 2i+1), or with
  * `halves` (i, i + head_dim/2). */
 static void rope_row(float *x, int heads, int head_dim, int halves, const float *cos,
@@ -457,6 +476,28 @@ HS_AVX2 static float dot_quantized_avx2(const void *wrow, int type, int blocks, 
     return _mm_cvtss_f32(acc);
 }
 
+/* The rows outside whole groups from a packed Q8_0 matrix, in a VNNI level's quantized_features
+ * driver (as UNGROUPED_ROWS, whose leftovers follow): PACKED(tile) features in lanes. */
+#define PACKED_ROWS(PACKED)                                                                  \
+    if (w->packed && w->type == HS_Q8_0 && !(j % 8))                                         \
+        for (; j + 8 <= end && grouped < n; j += 8)                                          \
+            for (int r0 = grouped; r0 < n; r0 += 4) {                                        \
+                const int m = n - r0 < 4 ? n - r0 : 4;                                       \
+                const char *tile = (const char *)w->packed + (size_t)(j / 8) * blocks * HS_PACKED_BYTES; \
+                const int8_t *q = a->q + (size_t)r0 * w->cols;                               \
+                const float *d = a->d + (size_t)r0 * blocks;                                 \
+                const int32_t *sums = a->sum + (size_t)r0 * blocks;                          \
+                switch (m) {                                                                 \
+                case 4: PACKED(tile, blocks, q, d, sums, w->cols, 4, result); break;         \
+                case 3: PACKED(tile, blocks, q, d, sums, w->cols, 3, result); break;         \
+                case 2: PACKED(tile, blocks, q, d, sums, w->cols, 2, result); break;         \
+                default: PACKED(tile, blocks, q, d, sums, w->cols, 1, result); break;        \
+                }                                                                            \
+                for (int r = 0; r < m; r++)                                                  \
+                    for (int f = 0; f < 8; f++)                                              \
+                        out[(size_t)(r0 + r) * w->rows + j + f] = result[8 * r + f];         \
+            }
+
 /* The rows outside whole groups, in a quantized_features_* driver (w, a, n, end, grouped,
  * blocks, stride, data and result in scope; j the first feature not done): features in lanes,
  * up to 4 rows by 8 features a TILE call (literal types and row counts: each call is compiled
@@ -699,6 +740,7 @@ HS_VNNI static void quantized_features_vnni(const hs_matrix *w, const activation
         }
     }
     int j = first;
+    PACKED_ROWS(packed_features_vnni)
     UNGROUPED_ROWS(features_in_lanes_vnni)
 }
 

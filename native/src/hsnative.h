@@ -5,7 +5,9 @@
  * - Width invariance: a row's results depend only on that row's inputs and the cache contents
  *   it attends to, never on how many other rows share the call or which thread computes it.
  *   Integer dot products are exact; every float step runs per row in a fixed order.
- * - Weights are read in place (the caller maps the GGUF file); nothing here copies them.
+ * - Weights are read in place (the caller maps the GGUF file); nothing here copies them,
+ *   though a caller may hand a small model's Q8_0 matrices in a second, packed layout too
+ *   (hs_matrix.packed): the same values, the same bits out.
  * - Nothing here allocates state that outlives a call; the caller owns every buffer.
  */
 #ifndef HSNATIVE_H
@@ -25,7 +27,14 @@ typedef struct {
     int32_t cols; /* input features (a multiple of 32 for the 32-value blocks; of 256 for K-quants, IQ4_XS) */
     int32_t reserved;
     const void *data; /* rows x cols in the type's row layout */
+    /* optional (NULL: none): a Q8_0 matrix's whole groups of 8 rows again, packed for calls of
+     * few rows (HS_PACKED_BYTES a group and block: the 8 block scales as floats, then 8 runs of
+     * 32 bytes, run k holding values 4k..4k+3 of the 8 rows, plus 128), as hs_pack_q8_0 writes
+     * them; the VNNI levels read it where they would transpose blocks in registers */
+    const void *packed;
 } hs_matrix;
+
+#define HS_PACKED_BYTES (8 * 4 + 8 * HS_BLOCK) /* one group of 8 rows, one block, packed */
 
 typedef struct {
     const float *attn_norm, *ffn_norm; /* (d_model,) */
@@ -130,6 +139,10 @@ int hs_forward(const hs_model *m, int n, const int32_t *tokens, const int32_t *p
  * double) exceeds u times the row's total: a draw from p, which `probs` reports. Returns 0,
  * or -1 for bad input (as hs_forward; both noise and uniforms; either without probs; probs
  * with a temperature's inverse not > 0). */
+/* Write `w`'s (Q8_0) whole groups of 8 rows into `out` (rows / 8 * blocks * HS_PACKED_BYTES
+ * bytes) in hs_matrix.packed's layout. Returns 0, or -1 if `w` is not Q8_0. */
+int hs_pack_q8_0(const hs_matrix *w, void *out);
+
 int hs_draft_chain(const hs_model *m, int count, int32_t *tokens, int position, int start,
                    int n_prefix, const int32_t *base, int n_base, float *logits,
                    const float *noise, const double *uniforms, float inv_temperature,

@@ -155,6 +155,38 @@ V256_ATTR INLINE void V256(features_in_lanes)(const char *wrows, const size_t st
     for (int r = 0; r < m; r++) _mm256_storeu_ps(result + 8 * r, acc[r]);
 }
 
+/* Features in lanes from a packed Q8_0 tile (hs_matrix.packed: 8 weight rows, every block):
+ * features_in_lanes with the transpose and the bias done once at load, so a block is nine
+ * loads; the same products and float steps, so the same bits. */
+V256_ATTR INLINE void V256(packed_features)(const char *tile, const int blocks, const int8_t *xq,
+                                            const float *xd, const int32_t *xs, const int cols,
+                                            const int m, float *result) {
+    __m256 acc[4];
+    for (int r = 0; r < m; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const char *block = tile + (size_t)b * HS_PACKED_BYTES;
+        const __m256 w_scales = _mm256_loadu_ps((const float *)block);
+        __m256i sums[4][2]; /* two chains a row (see rows_in_lanes) */
+        for (int r = 0; r < m; r++) {
+            sums[r][0] = vnni_start(_mm256_set1_epi32(xs[(size_t)r * blocks + b]), Q8_BIAS_SHIFT);
+            sums[r][1] = _mm256_setzero_si256();
+        }
+        for (int k = 0; k < HS_BLOCK / 4; k++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(block + 32 + 32 * k));
+            for (int r = 0; r < m; r++) {
+                const int8_t *x = xq + (size_t)r * cols + (size_t)b * HS_BLOCK + 4 * k;
+                sums[r][k & 1] = V256_DPBUSD(sums[r][k & 1], w, broadcast4(x));
+            }
+        }
+        for (int r = 0; r < m; r++) {
+            const __m256 x_scale = _mm256_set1_ps(xd[(size_t)r * blocks + b]);
+            const __m256i total = _mm256_add_epi32(sums[r][0], sums[r][1]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(x_scale, w_scales), acc[r]);
+        }
+    }
+    for (int r = 0; r < m; r++) _mm256_storeu_ps(result + 8 * r, acc[r]);
+}
+
 /* Output features [first, end) of all n rows, into out (n, w->rows): whole groups of 8 rows
  * rows in lanes, a tile of weight rows at a time, every group against the tile while its
  * rows are in L1; the other rows features in lanes. */
@@ -206,5 +238,6 @@ V256_ATTR static inline void V256(quantized_features_256)(const hs_matrix *w, co
     }
 #undef TYPED
     int j = first;
+    PACKED_ROWS(V256(packed_features))
     UNGROUPED_ROWS(V256(features_in_lanes))
 }
