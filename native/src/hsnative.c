@@ -1679,11 +1679,53 @@ int hs_forward(const hs_model *m, int n, const int32_t *tokens, const int32_t *p
 }
 
 /* The index of the largest value, the lowest of equal ones. */
-static int argmax_row(const float *row, int n) {
+static int argmax_scalar(const float *row, int n) {
     int best = 0;
     for (int k = 1; k < n; k++)
         if (row[k] > row[best]) best = k;
     return best;
+}
+
+#if HS_X86
+/* The largest value 8 lanes at a time, then the first index holding it: the scalar loop's
+ * answer (the lowest of equal ones) without its chain of dependent compares; a row with a
+ * NaN, where the two could differ, goes the scalar way. */
+HS_AVX2 static int argmax_avx2(const float *row, int n) {
+    if (n < 16) return argmax_scalar(row, n);
+    __m256 top = _mm256_loadu_ps(row), unordered = _mm256_cmp_ps(top, top, _CMP_UNORD_Q);
+    int k = 8;
+    for (; k + 8 <= n; k += 8) {
+        const __m256 v = _mm256_loadu_ps(row + k);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        top = _mm256_max_ps(top, v);
+    }
+    float lanes[8], best = row[k < n ? k : 0];
+    _mm256_storeu_ps(lanes, top);
+    for (int i = 0; i < 8; i++) best = lanes[i] > best ? lanes[i] : best;
+    for (int i = k; i < n; i++) {
+        if (row[i] != row[i]) return argmax_scalar(row, n);
+        best = row[i] > best ? row[i] : best;
+    }
+    if (_mm256_movemask_ps(unordered)) return argmax_scalar(row, n);
+    const __m256 wanted = _mm256_set1_ps(best);
+    for (k = 0; k + 8 <= n; k += 8) {
+        const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + k), wanted, _CMP_EQ_OQ));
+        if (hits) return k + __builtin_ctz((unsigned)hits);
+    }
+    for (; k < n; k++)
+        if (row[k] == best) return k;
+    return argmax_scalar(row, n);
+}
+#endif
+
+/* The index of the largest logit, the lowest of equal ones. */
+static int argmax_row(const float *row, int n, int simd) {
+#if HS_X86
+    if (simd >= HS_SIMD_AVX2) return argmax_avx2(row, n);
+#else
+    (void)simd;
+#endif
+    return argmax_scalar(row, n);
 }
 
 #if HS_X86
@@ -1764,7 +1806,7 @@ int hs_draft_chain(const hs_model *m, int count, int32_t *tokens, int position, 
         if (status) break;
         float *p = probs ? probs + row_at : NULL;
         if (p) softmax_row(row, m->vocab, inv_temperature, p, simd_for(m->simd));
-        if (!sampled) tokens[i + 1] = argmax_row(row, m->vocab);
+        if (!sampled) tokens[i + 1] = argmax_row(row, m->vocab, simd_for(m->simd));
         else tokens[i + 1] = noise ? race_row(p, noise + row_at, m->vocab)
                                    : inverse_cdf_row(p, uniforms[i], m->vocab);
     }
