@@ -324,7 +324,7 @@ class TreeRuntime(ABC, Generic[Output]):
         draws = None
         if not params.greedy:
             draws = sampler.chain_draws(position + 1, steps, self.vocab_size)
-        chain = np.tril(np.ones((steps, steps), bool))
+        chain = np.tri(steps, dtype=bool)
         rows = out[0]
         tokens, output, probs = self._run_chain(
             first, position + np.arange(steps), chain, draws, params.temperature, probs_out=rows
@@ -475,6 +475,8 @@ class TreeRuntime(ABC, Generic[Output]):
 
     def _extend(self, tokens: Sequence[int], chunk_size: int | None = None) -> None:
         """Evaluate ``tokens`` after the committed ones, with no pending tree, and keep them."""
+        if not len(tokens):
+            return
         rest = self._checked_tokens(tokens, len(tokens))
         size = chunk_size or self.default_chunk
         for begin in range(0, len(rest), size):
