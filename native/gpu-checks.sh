@@ -24,7 +24,8 @@
 # through torch.compile, then width buckets) with each width's distance from one token at a
 # time, a tree's from its branches as chains, and a profile of one token's forward, then the
 # worker round trip with and without a wake-up; the
-# full call waits for llama-server, runs the lossless suite's greedy test on draft-cpu (the
+# full call waits for llama-server, times a draft token as the rounds pay for it (bench_draft,
+# 1 and 4 threads), runs the lossless suite's greedy test on draft-cpu (the
 # drafter's llama.cpp would fight the build for cores before) and `hetspec bench` on heavy-1b
 # with the GPU peers, busy-core run included, then the same bench with int8 weights in the
 # verifier (no peers, no load) in what time is left (DRAFT_GPU=1 before bash: draft-gpu on
@@ -199,6 +200,12 @@ while [[ ! -e "$HETSPEC_CACHE_DIR/llama-server.done" ]]; do
 done
 tail -3 "$build_log"
 while [[ ! -e "$HETSPEC_CACHE_DIR/heavy.done" ]]; do sleep 2; done
+# a draft token as the rounds pay for it on this box's cores, against a forward alone
+for threads in 1 4; do
+  step 30 "a draft token in rounds, $threads thread(s)" "$python" -m hetspec.workers.bench_draft \
+      models/draft/draft-q8_0.gguf --threads "$threads" --cores "$(seq -s, 2 $((1 + threads)))" \
+      --rounds 200
+done
 step 120 "lossless, draft-cpu, greedy" "$python" -m pytest -q -x -p no:cacheprovider \
     tests/test_lossless.py -k "test_every_mode_returns_the_targets_own_greedy_output and \
 draft-cpu and not llama and not native and not rpc"
