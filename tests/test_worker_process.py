@@ -24,6 +24,7 @@ from hetspec.daemon.worker_client import (
 )
 from hetspec.protocol import ArrayRef, frame_array
 from hetspec.protocol import worker_messages as m
+from hetspec.protocol.arena import Arena
 
 LOAD_TIMEOUT = 120
 VOCAB = TINY_VOCAB
@@ -103,14 +104,15 @@ async def test_both_engines_hand_shake_draft_and_verify_through_the_arena(
         )
         assert committed.committed == len(prompt) + 3
 
-        # a round's draft appends the accepted path (pending nodes: no forward) and the bonus,
-        # whose forward is the draft's first: gamma tokens, gamma forwards, the catch-up apart
+        # a round's draft appends the accepted path (pending nodes: no forward) and the bonus;
+        # llama.cpp drafts no chain in one call, so the bonus is evaluated with the append
+        # (timed apart), and the draft's forwards are the steps after its first token
         bonus = 9 if chain[2] != 9 else 10
         again, _ = await cpu.call(m.Draft(request=cpu.next_request(), steps=3, out=0,
                                           sampling=m.SamplingParams(),
                                           append=[*chain[:2], bonus]))  # fmt: skip
-        assert again.forwards == 3
-        assert 0 <= again.append_ms <= again.elapsed_ms
+        assert again.forwards == 2
+        assert 0 < again.append_ms <= again.elapsed_ms
 
         with pytest.raises(WorkerError, match="cannot roll back to 99") as failure:
             await gpu.call(m.Rollback(request=gpu.next_request(), length=99))
@@ -126,6 +128,34 @@ async def test_both_engines_hand_shake_draft_and_verify_through_the_arena(
     assert not pid_alive(cpu.pid)
     assert not pid_alive(gpu.pid)
     assert not list(tmp_path.glob("*.sock"))
+
+
+async def test_a_native_drafter_evaluates_the_bonus_in_its_chain_call(tmp_path) -> None:
+    """Where the drafter drafts a chain in one call (native), a round's draft appends the
+    accepted path and the bonus and drafts in one kernel call: gamma tokens, gamma forwards
+    timed apart from the catch-up."""
+    draft = Path(__file__).parents[1] / "models" / "draft" / "draft-q8_0.gguf"
+    native = spec(draft, "native", settings=m.NativeSettings(n_ctx=128, threads=1))
+    name = f"/dev/shm/hetspec-test-{os.getpid()}-{tmp_path.name}"
+    with Arena.create(name, 1, 8 * 4096 * 4) as arena:  # the bundled draft's 4096 tokens
+        cpu = await started(native, tmp_path, arena)
+        try:
+            reply, _ = await cpu.call(m.Tokenize(request=cpu.next_request(),
+                                                 text="def load(path):"))  # fmt: skip
+            await cpu.call(m.Prefill(request=cpu.next_request(), tokens=reply.tokens))
+            first, _ = await cpu.call(m.Draft(request=cpu.next_request(), steps=4, out=0,
+                                              sampling=m.SamplingParams()))  # fmt: skip
+            assert first.forwards == 3  # its first token drawn from the prefill's logits
+            chain = first.tokens[0]
+            bonus = 9 if chain[2] != 9 else 10
+            again, _ = await cpu.call(m.Draft(request=cpu.next_request(), steps=5, out=0,
+                                              sampling=m.SamplingParams(),
+                                              append=[*chain[:2], bonus]))  # fmt: skip
+            assert again.forwards == 5
+            assert 0 <= again.append_ms <= again.elapsed_ms
+            assert len(again.tokens[0]) == 5
+        finally:
+            await cpu.stop()
 
 
 async def test_arrays_travel_in_frames_and_in_slots(gguf, tmp_path, arena) -> None:

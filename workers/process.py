@@ -422,19 +422,22 @@ class Worker:
         shape = (command.branches, command.steps, engine.vocab_size)
         out = None if dynamic else self._slot(command.out, shape)
         first = None  # the append's last token to evaluate: the draft's first forward
+        one_chain = (command.tree is None and command.after is None
+                     and command.dynamic is None and command.branches == 1
+                     and engine.chains_in_one_call(command.sampling))  # fmt: skip
         if command.features is not None:
             features = self._features_in(engine, command.features, frames)
             if len(features) != len(command.append):
                 raise RuntimeUsageError(f"{len(command.append)} tokens to append but "
                                         f"{len(features)} feature rows")  # fmt: skip
             engine.append_after_features(command.append, features)
-        elif command.append:
+        elif command.append and one_chain:
             first = engine.catch_up(command.append)
+        elif command.append:
+            engine.append(command.append)  # what is new in one forward (llama.cpp: a batch)
         append_ms = (time.perf_counter() - start) * 1000
         forwards = engine.forwards
         if command.tree is not None:
-            if first is not None:
-                engine.append([first])
             depth, top_k = command.tree
             tree = engine.draft_tree(depth, top_k, command.steps, command.sampling, self.sampler,
                                      first_accept=command.tree_first_accept)  # fmt: skip

@@ -290,7 +290,7 @@ class TreeRuntime(ABC, Generic[Output]):
         temperature alone (top-k and top-p truncate the rows, which the call does not), each
         token chosen as the sampler's ``chain_draws`` say. False (nothing done) where the
         runtime has no such call or the request truncates."""
-        if not self._chain_call_drafts(params):
+        if not self.chains_in_one_call(params):
             return False
         steps = draft.tokens.shape[1]
         draws = None
@@ -308,8 +308,10 @@ class TreeRuntime(ABC, Generic[Output]):
             rows[...] = probs
         return True
 
-    def _chain_call_drafts(self, params: SamplingParams) -> bool:
-        """Whether one ``_run_chain`` call can draft a chain with these parameters."""
+    def chains_in_one_call(self, params: SamplingParams) -> bool:
+        """Whether one ``_run_chain`` call drafts a one-branch chain with these parameters
+        (where it does, ``catch_up`` and ``draft(first=...)`` save the appended token a forward
+        of its own; elsewhere ``append`` evaluates what is new in one forward)."""
         truncates = 0 < params.top_k < self.vocab_size or params.top_p < 1
         return (self._run_chain is not None and self.features_sink is None
                 and (params.greedy or not truncates))  # fmt: skip
@@ -586,7 +588,7 @@ class TreeRuntime(ABC, Generic[Output]):
             raise RuntimeUsageError(f"cannot draft {branches} branches of {steps} steps")
         if first is not None and after is not None:
             raise RuntimeUsageError("a draft continues a pending one or appends, not both")
-        one_call = dynamic is None and branches == 1 and self._chain_call_drafts(params)
+        one_call = dynamic is None and branches == 1 and self.chains_in_one_call(params)
         if first is not None and not one_call:
             self.append([first])
             first = None
