@@ -40,8 +40,12 @@ def round_calls_us(runtime, gamma: int, *, prefix: int, rounds: int, seed: int =
         drafted = draft.tokens[0].tolist()
         bonus = (drafted[accepted] + 1) % runtime.vocab_size if accepted < gamma else 0
         start = time.perf_counter()
-        first = runtime.catch_up([*drafted[:accepted], bonus])
-        draft = runtime.draft(gamma, params, sampler, out=out, first=first)
+        if runtime.chains_in_one_call(params):  # as the worker does (workers/process.py)
+            first = runtime.catch_up([*drafted[:accepted], bonus])
+            draft = runtime.draft(gamma, params, sampler, out=out, first=first)
+        else:
+            runtime.append([*drafted[:accepted], bonus])
+            draft = runtime.draft(gamma, params, sampler, out=out)
         spent += time.perf_counter() - start
         if runtime.committed > prefix + 4 * gamma:  # the same context throughout
             runtime.rollback(prefix)

@@ -604,17 +604,17 @@ class TreeRuntime(ABC, Generic[Output]):
         if after is not None and one_call:
             return self._draft_below(after, steps, params, sampler, out)
         if after is None:
-            first = self.last_logits()
+            first_logits = self.last_logits()
             self.discard_pending()
             root, position = ROOT, self.committed
         else:
             output = self.forward_tree([after[1]], [after[0]], extend=True)
-            first = self._step_logits(output)[0]
+            first_logits = self._step_logits(output)[0]
             root = self.pending - 1
             position = self.committed + int(self._pending_depths[root]) + 1
         tokens = np.empty((branches, steps), np.int64)
         nodes = np.full((branches, steps), -1, np.int64)
-        distribution(first, params, out=out[0, 0])
+        distribution(first_logits, params, out=out[0, 0])
         out[1:, 0] = out[0, 0]
         tokens[:, 0] = proposals(out[0, 0], params, sampler, position, branches)
         result = DraftResult(tokens, out, nodes, root)
