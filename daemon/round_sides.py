@@ -179,9 +179,9 @@ class DrafterSide:
 
 
 def _cost(drafted: m.Drafted, branches: int, seconds: float, *, waited: float) -> DraftCall:
-    """A draft call's cost: the forwards the drafter timed apart from its catch-up (the
-    unseen tokens it evaluated before the one the draft's first token is drawn after), and
-    the call's time beyond the drafter's own."""
+    """A draft call's cost: the forwards the drafter timed after its catch-up (the append:
+    all of it, or all but its last new token where that one is the draft's first forward;
+    see ``Drafted``), and the call's time beyond the drafter's own."""
     compute_s = (drafted.elapsed_ms - drafted.append_ms) / 1000
     latency_s = seconds - drafted.elapsed_ms / 1000
     return DraftCall(drafted.forwards, branches, compute_s, latency_s, prefill_wait_s=waited)
