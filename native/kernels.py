@@ -161,6 +161,7 @@ class Kernels:
         library.hs_forward.restype = ctypes.c_int
         library.hs_draft_chain.restype = ctypes.c_int
         library.hs_pack_q8_0.restype = ctypes.c_int
+        library.hs_argmax.restype = ctypes.c_int
         return cls(library)
 
     def simd_level(self) -> int:
@@ -175,6 +176,12 @@ class Kernels:
     def level_for(self, cap: int) -> int:
         """The level a call capped at ``cap`` runs (``BEST``: no cap)."""
         return max(level for level in self.simd_levels() if cap == BEST or level <= cap)
+
+    def argmax(self, row: np.ndarray, simd: int = BEST) -> int:
+        """``hs_argmax``: a greedy chain's choice from float32 ``row`` at level ``simd``."""
+        if not len(row):
+            raise ValueError("an empty row has no argmax")
+        return self.library.hs_argmax(_pointer(row, np.float32), len(row), simd)
 
     def pack_q8_0(self, weights: Matrix) -> np.ndarray:
         """``weights``' (Q8_0) whole groups of 8 rows in ``hs_matrix.packed``'s layout; set

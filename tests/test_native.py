@@ -293,6 +293,27 @@ def test_every_kernel_level_gives_the_same_logits(heavy, native) -> None:
         np.testing.assert_array_equal(logits, outputs[0], err_msg=f"kernel level {level}")
 
 
+def test_a_greedy_chains_argmax_is_the_first_of_the_largest_at_every_level(kernels) -> None:
+    """The vector argmax answers what the scalar loop does: the lowest index of the largest
+    value (ties, -0 beside +0, the maximum in the tail or the first lanes), and where a row
+    holds a NaN, whatever the portable level answers."""
+    rng = np.random.default_rng(3)
+    rows = [rng.standard_normal(n).astype(np.float32) for n in (1, 7, 8, 15, 16, 17, 4096, 4103)]
+    tied = rng.integers(0, 4, 4096).astype(np.float32)  # many equal maxima
+    zeros = np.zeros(40, np.float32)
+    zeros[[3, 17]] = -0.0
+    last = np.zeros(4103, np.float32)
+    last[-1] = 1.0  # in the tail after the 8-lane blocks
+    rows += [tied, zeros, last, np.full(64, -np.inf, np.float32)]
+    for row in rows:
+        for level in levels_here(kernels):
+            assert kernels.argmax(row, level) == int(np.argmax(row)), (len(row), level)
+    with_nan = rng.standard_normal(100).astype(np.float32)
+    with_nan[[0, 50]] = np.nan
+    answers = {kernels.argmax(with_nan, level) for level in levels_here(kernels)}
+    assert len(answers) == 1
+
+
 def test_a_small_models_packed_q8_0_copies_give_the_same_logits() -> None:
     """The bundled models are small enough for packed copies of their Q8_0 matrices (where
     the kernel level reads them): every width's logits, prefill's and a tree's, and a drafted

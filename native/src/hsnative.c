@@ -1699,9 +1699,10 @@ HS_AVX2 static int argmax_avx2(const float *row, int n) {
         unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
         top = _mm256_max_ps(top, v);
     }
-    float lanes[8], best = row[k < n ? k : 0];
+    float lanes[8];
     _mm256_storeu_ps(lanes, top);
-    for (int i = 0; i < 8; i++) best = lanes[i] > best ? lanes[i] : best;
+    float best = lanes[0];
+    for (int i = 1; i < 8; i++) best = lanes[i] > best ? lanes[i] : best;
     for (int i = k; i < n; i++) {
         if (row[i] != row[i]) return argmax_scalar(row, n);
         best = row[i] > best ? row[i] : best;
@@ -1726,6 +1727,10 @@ static int argmax_row(const float *row, int n, int simd) {
     (void)simd;
 #endif
     return argmax_scalar(row, n);
+}
+
+int hs_argmax(const float *row, int n, int simd_cap) {
+    return n < 1 ? -1 : argmax_row(row, n, simd_for(simd_cap));
 }
 
 #if HS_X86

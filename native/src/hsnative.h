@@ -139,6 +139,10 @@ int hs_forward(const hs_model *m, int n, const int32_t *tokens, const int32_t *p
  * double) exceeds u times the row's total: a draw from p, which `probs` reports. Returns 0,
  * or -1 for bad input (as hs_forward; both noise and uniforms; either without probs; probs
  * with a temperature's inverse not > 0). */
+/* The index of the largest of row[0..n) (the lowest of equal ones: a greedy chain's choice),
+ * at kernel level `simd_cap` (as hs_matmul's); -1 for n < 1. */
+int hs_argmax(const float *row, int n, int simd_cap);
+
 /* Write `w`'s (Q8_0) whole groups of 8 rows into `out` (rows / 8 * blocks * HS_PACKED_BYTES
  * bytes) in hs_matrix.packed's layout. Returns 0, or -1 if `w` is not Q8_0. */
 int hs_pack_q8_0(const hs_matrix *w, void *out);
