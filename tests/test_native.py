@@ -616,8 +616,8 @@ def test_bench_draft_times_a_round_s_draft_call_against_a_forward_alone(capsys) 
     from hetspec.workers import bench_draft  # noqa: PLC0415
 
     draft = str(MODELS / "draft" / "draft-q8_0.gguf")
-    assert bench_draft.main([draft, "--runtimes", "native", "--gammas", "3",
-                             "--rounds", "5", "--prefix", "16"]) == 0  # fmt: skip
+    assert bench_draft.main([draft, "--runtimes", "native", "--gammas", "3", "--rounds", "5",
+                             "--prefix", "16", "--cores", "0"]) == 0  # fmt: skip
     lines = capsys.readouterr().out.splitlines()
     assert "16 tokens of context" in lines[0]
     (line,) = lines[1:]

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.runtimes.split(","):
         if name not in SETTINGS:
             parser.error(f"unknown runtime {name!r} (native, llama.cpp)")
-        claim_cores(name, cores, [])
+        claim_cores(name, cores, set())
         try:
             runtime, device = load_runtime(name, args.model, SETTINGS[name](threads=args.threads))
         except LoadError as error:
