@@ -18,6 +18,7 @@ F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8  # ggml's type ids
 Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 12, 13, 14, 20, 23
 BLOCK = 32  # the activations' blocks
 PACKED_BYTES = 8 * 4 + 8 * BLOCK  # hs_matrix.packed: one group of 8 rows, one block
+PACKED_UNSIGNED, PACKED_SIGNED = 1, 2  # hs_matrix.packing: its values (the VNNI levels', AVX2's)
 TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1",
               Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_NL: "IQ4_NL",
               IQ4_XS: "IQ4_XS"}  # fmt: skip
@@ -44,7 +45,7 @@ class Matrix(ctypes.Structure):
         ("type", ctypes.c_int32),
         ("rows", ctypes.c_int32),
         ("cols", ctypes.c_int32),
-        ("reserved", ctypes.c_int32),
+        ("packing", ctypes.c_int32),  # packed's values (PACKED_*; 0: no packed copy)
         ("data", ctypes.c_void_p),
         ("packed", ctypes.c_void_p),  # optional: None
     ]
@@ -183,13 +184,16 @@ class Kernels:
             raise ValueError("an empty row has no argmax")
         return self.library.hs_argmax(_pointer(row, np.float32), len(row), simd)
 
-    def pack_q8_0(self, weights: Matrix) -> np.ndarray:
-        """``weights``' (Q8_0) whole groups of 8 rows in ``hs_matrix.packed``'s layout; set
-        its ``packed`` to the result's address (and keep the result alive) to use them."""
+    def pack_q8_0(self, weights: Matrix, packing: int) -> np.ndarray:
+        """``weights``' (Q8_0) whole groups of 8 rows in ``hs_matrix.packed``'s layout, values
+        of kind ``packing`` (``PACKED_UNSIGNED`` for the VNNI levels, ``PACKED_SIGNED`` for
+        AVX2); set its ``packed`` to the result's address and its ``packing`` (and keep the
+        result alive) to use them."""
         blocks = weights.cols // BLOCK
         packed = np.empty(weights.rows // 8 * blocks * PACKED_BYTES, np.uint8)
-        if self.library.hs_pack_q8_0(ctypes.byref(weights), _pointer(packed, np.uint8)):
-            raise ValueError(f"only Q8_0 weights are packed, not {TYPE_NAMES[weights.type]}")
+        if self.library.hs_pack_q8_0(ctypes.byref(weights), packing, _pointer(packed, np.uint8)):
+            raise ValueError(f"only Q8_0 weights are packed, with values of kind "
+                             f"{PACKED_UNSIGNED} or {PACKED_SIGNED}")  # fmt: skip
         return packed
 
     def quantize_rows(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -25,6 +25,8 @@ from hetspec.native.kernels import (
     BLOCK,
     GELU_TANH,
     MATRICES,
+    PACKED_SIGNED,
+    PACKED_UNSIGNED,
     Q8_0,
     SILU,
     SIMD_LEVELS,
@@ -73,8 +75,9 @@ class NativeModel:
     def __init__(self, path: str | Path, capacity: int | None = None, simd: int = BEST,
                  pack: bool | None = None) -> None:  # fmt: skip
         """``simd``: the most capable kernel level to use (``kernels.SIMD_LEVELS``);
-        ``pack``: whether Q8_0 matrices get a packed copy (None: where the kernel level reads
-        it and the model's Q8_0 weights are at most ``PACK_LIMIT_BYTES``)."""
+        ``pack``: whether Q8_0 matrices get a packed copy, with values of the kind the level
+        reads (None: where the level reads one and the model's Q8_0 weights are at most
+        ``PACK_LIMIT_BYTES``)."""
         self.path = Path(path)
         self.kernels = Kernels.load()
         try:
@@ -107,6 +110,8 @@ class NativeModel:
         self.windows = self._read_windows()
         self._softcaps = self._read_softcaps()
         self.packed = self._packs(simd) if pack is None else pack
+        vnni = self.kernels.level_for(simd) >= SIMD_LEVELS.get("avx_vnni", 99)
+        self._packing = PACKED_UNSIGNED if vnni else PACKED_SIGNED  # what the level reads
 
         embed = self._matrix("token_embd.weight")
         self.vocab = embed.rows
@@ -259,16 +264,16 @@ class NativeModel:
         except NativeUnavailable as error:
             raise ModelFormatError(f"{self.path}: {name}: {error}") from None
         if self.packed and kind == Q8_0 and rows >= 8:
-            packed = self.kernels.pack_q8_0(weights)
+            packed = self.kernels.pack_q8_0(weights, self._packing)
             self._keep.append(packed)
-            weights.packed = packed.ctypes.data
+            weights.packed, weights.packing = packed.ctypes.data, self._packing
         return weights
 
     def _packs(self, simd: int) -> bool:
-        """Whether the kernels read packed Q8_0 copies at this level (the VNNI ones) and
+        """Whether the kernels read packed Q8_0 copies at this level (x86's SIMD ones) and
         the model is small enough to keep them."""
-        vnni = SIMD_LEVELS.get("avx_vnni")
-        if vnni is None or self.kernels.level_for(simd) < vnni:
+        avx2 = SIMD_LEVELS.get("avx2")
+        if avx2 is None or self.kernels.level_for(simd) < avx2:
             return False
         q8 = sum(t.nbytes for t in self._tensors.values() if t.type == Q8_0 and len(t.shape) == 2)
         return 0 < q8 <= PACK_LIMIT_BYTES

@@ -7,6 +7,7 @@ a row's result must not depend on the rows beside it nor on the thread count.
 
 from __future__ import annotations
 
+import itertools
 import os
 import platform
 import re
@@ -24,6 +25,8 @@ from hetspec.native.kernels import (
     F32,
     IQ4_NL,
     IQ4_XS,
+    PACKED_SIGNED,
+    PACKED_UNSIGNED,
     Q4_0,
     Q4_1,
     Q4_K,
@@ -152,13 +155,15 @@ def test_a_rows_result_does_not_depend_on_its_neighbours_or_threads(kernels, kin
                             for row in range(len(x))])  # fmt: skip
     # every way rows are split between the kernels: whole groups of 8, groups padded from 5-7
     # rows, features-in-lanes tiles of 1-4 rows
-    packed = matrix(kind, data, rows, cols)  # the VNNI levels read a Q8_0 copy packed too
-    if kind == Q8_0:
-        packed.copy = kernels.pack_q8_0(packed)  # alive as long as the Matrix
-        packed.packed = packed.copy.ctypes.data
+    packed = []  # Q8_0 copies packed with each kind of values (the levels read their own)
+    for packing in (PACKED_UNSIGNED, PACKED_SIGNED) if kind == Q8_0 else ():
+        copy = matrix(kind, data, rows, cols)
+        copy.values = kernels.pack_q8_0(copy, packing)  # alive as long as the Matrix
+        copy.packed, copy.packing = copy.values.ctypes.data, packing
+        packed.append(copy)
     for n in (23, 16, 15, 14, 13, 9, 7, 6, 5, 4, 3, 2, 1):
         for level in levels_here(kernels, portable=False):  # every SIMD level: the same bits
-            for which in (weights, packed):
+            for which in (weights, *packed):
                 together = kernels.matmul(which, x[:n].copy(), threads=2, simd=level)
                 np.testing.assert_array_equal(
                     alone[:n], together, err_msg=f"{n} rows together, kernel level {level}"
@@ -319,14 +324,15 @@ def test_a_small_models_packed_q8_0_copies_give_the_same_logits() -> None:
     """The bundled models are small enough for packed copies of their Q8_0 matrices (where
     the kernel level reads them): every width's logits, prefill's and a tree's, and a drafted
     chain are bit for bit those of the weights read in place."""
-    for name in ("draft", "target"):
+    kernels = Kernels.load()
+    packs = kernels.level_for(BEST) >= SIMD_LEVELS.get("avx2", 99)
+    simd = [None, *(["avx2"] if "avx2" in SIMD_LEVELS and kernels.level_for(BEST) > 1 else [])]
+    for name, level in itertools.product(("draft", "target"), simd):
         path = MODELS / name / f"{name}-q8_0.gguf"
-        kernels = Kernels.load()
-        packs = kernels.level_for(BEST) >= SIMD_LEVELS.get("avx_vnni", 99)
         assert NativeModel(path, capacity=8).packed == packs  # on its own where it reads them
         runs = []
-        for pack in (True, False):
-            runtime = NativeRuntime(path, n_ctx=256, threads=2, pack=pack)
+        for pack in (True, False):  # at the best level, and AVX2's kind of packing below it
+            runtime = NativeRuntime(path, n_ctx=256, threads=2, simd=level, pack=pack)
             assert runtime.model.packed == pack
             runtime.prefill(runtime.tokenize(TEXT)[:100])
             outputs = [runtime.last_logits().copy()]

@@ -190,8 +190,10 @@ int hs_dequantize_rows(const hs_matrix *w, int first, int count, float *out) {
     return 0;
 }
 
-int hs_pack_q8_0(const hs_matrix *w, void *out) {
+int hs_pack_q8_0(const hs_matrix *w, int packing, void *out) {
     if (w->type != HS_Q8_0 || w->cols % HS_BLOCK) return -1;
+    if (packing != HS_PACKED_UNSIGNED && packing != HS_PACKED_SIGNED) return -1;
+    const uint8_t bias = packing == HS_PACKED_UNSIGNED ? 0x80u : 0; /* w + 128: flip the sign bit */
     const int blocks = w->cols / HS_BLOCK;
     const block_q8_0 *rows = w->data;
     char *packed = out;
@@ -202,8 +204,8 @@ int hs_pack_q8_0(const hs_matrix *w, void *out) {
                 const float scale = half_to_float(block->d);
                 memcpy(packed + 4 * f, &scale, sizeof scale);
                 for (int k = 0; k < HS_BLOCK / 4; k++)
-                    for (int i = 0; i < 4; i++) /* unsigned: w + 128, as load_unsigned_weights */
-                        packed[32 + 32 * k + 4 * f + i] = (char)((uint8_t)block->qs[4 * k + i] ^ 0x80u);
+                    for (int i = 0; i < 4; i++) /* unsigned as load_unsigned_weights makes them */
+                        packed[32 + 32 * k + 4 * f + i] = (char)((uint8_t)block->qs[4 * k + i] ^ bias);
             }
         }
     return 0;
@@ -459,6 +461,36 @@ HS_AVX2 INLINE void features_in_lanes_avx2(const char *wrows, const size_t strid
     for (int r = 0; r < m; r++) _mm256_storeu_ps(result + 8 * r, acc[r]);
 }
 
+/* Features in lanes from a packed tile of signed Q8_0 values (hs_matrix.packed): the blocks
+ * as transposed_block leaves them, read with nine loads; the same products and float steps as
+ * features_in_lanes_avx2, so the same bits. */
+HS_AVX2 INLINE void packed_features_avx2(const char *tile, const int blocks, const int8_t *xq,
+                                         const float *xd, const int32_t *xs, const int cols,
+                                         const int m, float *result) {
+    (void)xs;
+    __m256 acc[4];
+    for (int r = 0; r < m; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const char *block = tile + (size_t)b * HS_PACKED_BYTES;
+        const __m256 w_scales = _mm256_loadu_ps((const float *)block);
+        __m256i sums[4];
+        for (int r = 0; r < m; r++) sums[r] = _mm256_setzero_si256();
+        for (int k = 0; k < HS_BLOCK / 4; k++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(block + 32 + 32 * k));
+            const __m256i w_abs = _mm256_sign_epi8(w, w);
+            for (int r = 0; r < m; r++) {
+                const int8_t *x = xq + (size_t)r * cols + (size_t)b * HS_BLOCK + 4 * k;
+                sums[r] = dot4_add(sums[r], w_abs, w, broadcast4(x));
+            }
+        }
+        for (int r = 0; r < m; r++) {
+            const __m256 x_scale = _mm256_set1_ps(xd[(size_t)r * blocks + b]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(x_scale, w_scales), acc[r]);
+        }
+    }
+    for (int r = 0; r < m; r++) _mm256_storeu_ps(result + 8 * r, acc[r]);
+}
+
 /* One (row, feature) by the same recipe, for what the two tilings leave over. */
 HS_AVX2 static float dot_quantized_avx2(const void *wrow, int type, int blocks, const int8_t *x,
                                         const float *xd) {
@@ -476,10 +508,11 @@ HS_AVX2 static float dot_quantized_avx2(const void *wrow, int type, int blocks, 
     return _mm_cvtss_f32(acc);
 }
 
-/* The rows outside whole groups from a packed Q8_0 matrix, in a VNNI level's quantized_features
- * driver (as UNGROUPED_ROWS, whose leftovers follow): PACKED(tile) features in lanes. */
-#define PACKED_ROWS(PACKED)                                                                  \
-    if (w->packed && w->type == HS_Q8_0 && !(j % 8))                                         \
+/* The rows outside whole groups from a packed Q8_0 matrix whose values are of kind KIND, in a
+ * quantized_features driver (as UNGROUPED_ROWS, whose leftovers follow): PACKED(tile) features
+ * in lanes. */
+#define PACKED_ROWS(PACKED, KIND)                                                            \
+    if (w->packed && w->packing == (KIND) && w->type == HS_Q8_0 && !(j % 8))                 \
         for (; j + 8 <= end && grouped < n; j += 8)                                          \
             for (int r0 = grouped; r0 < n; r0 += 4) {                                        \
                 const int m = n - r0 < 4 ? n - r0 : 4;                                       \
@@ -558,6 +591,7 @@ HS_AVX2 static void quantized_features_avx2(const hs_matrix *w, const activation
         }
     }
     int j = first;
+    PACKED_ROWS(packed_features_avx2, HS_PACKED_SIGNED)
     UNGROUPED_ROWS(features_in_lanes_avx2)
 }
 
@@ -740,7 +774,7 @@ HS_VNNI static void quantized_features_vnni(const hs_matrix *w, const activation
         }
     }
     int j = first;
-    PACKED_ROWS(packed_features_vnni)
+    PACKED_ROWS(packed_features_vnni, HS_PACKED_UNSIGNED)
     UNGROUPED_ROWS(features_in_lanes_vnni)
 }
 

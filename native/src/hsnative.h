@@ -25,14 +25,17 @@ typedef struct {
     int32_t type;
     int32_t rows; /* output features */
     int32_t cols; /* input features (a multiple of 32 for the 32-value blocks; of 256 for K-quants, IQ4_XS) */
-    int32_t reserved;
+    int32_t packing; /* packed's values: HS_PACKED_UNSIGNED or HS_PACKED_SIGNED (0: no packed) */
     const void *data; /* rows x cols in the type's row layout */
     /* optional (NULL: none): a Q8_0 matrix's whole groups of 8 rows again, packed for calls of
      * few rows (HS_PACKED_BYTES a group and block: the 8 block scales as floats, then 8 runs of
-     * 32 bytes, run k holding values 4k..4k+3 of the 8 rows, plus 128), as hs_pack_q8_0 writes
-     * them; the VNNI levels read it where they would transpose blocks in registers */
+     * 32 bytes, run k holding values 4k..4k+3 of the 8 rows, as they are or plus 128), as
+     * hs_pack_q8_0 writes them; a level reads it where it would transpose blocks in registers
+     * and the values are its kind (the VNNI levels unsigned, AVX2 signed) */
     const void *packed;
 } hs_matrix;
+
+enum { HS_PACKED_UNSIGNED = 1, HS_PACKED_SIGNED = 2 };
 
 #define HS_PACKED_BYTES (8 * 4 + 8 * HS_BLOCK) /* one group of 8 rows, one block, packed */
 
@@ -144,8 +147,9 @@ int hs_forward(const hs_model *m, int n, const int32_t *tokens, const int32_t *p
 int hs_argmax(const float *row, int n, int simd_cap);
 
 /* Write `w`'s (Q8_0) whole groups of 8 rows into `out` (rows / 8 * blocks * HS_PACKED_BYTES
- * bytes) in hs_matrix.packed's layout. Returns 0, or -1 if `w` is not Q8_0. */
-int hs_pack_q8_0(const hs_matrix *w, void *out);
+ * bytes) in hs_matrix.packed's layout, values of kind `packing` (HS_PACKED_*). Returns 0, or
+ * -1 if `w` is not Q8_0 or the kind is not one. */
+int hs_pack_q8_0(const hs_matrix *w, int packing, void *out);
 
 int hs_draft_chain(const hs_model *m, int count, int32_t *tokens, int position, int start,
                    int n_prefix, const int32_t *base, int n_base, float *logits,

@@ -238,6 +238,6 @@ V256_ATTR static inline void V256(quantized_features_256)(const hs_matrix *w, co
     }
 #undef TYPED
     int j = first;
-    PACKED_ROWS(V256(packed_features))
+    PACKED_ROWS(V256(packed_features), HS_PACKED_UNSIGNED)
     UNGROUPED_ROWS(V256(features_in_lanes))
 }
