@@ -423,8 +423,8 @@ class Worker:
         out = None if dynamic else self._slot(command.out, shape)
         first = None  # the append's last token to evaluate: the draft's first forward
         one_chain = (command.tree is None and command.after is None
-                     and command.dynamic is None and command.branches == 1
-                     and engine.chains_in_one_call(command.sampling))  # fmt: skip
+                     and engine.chains_in_one_call(command.sampling, command.branches,
+                                                   command.dynamic))  # fmt: skip
         if command.features is not None:
             features = self._features_in(engine, command.features, frames)
             if len(features) != len(command.append):

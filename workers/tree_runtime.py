@@ -288,9 +288,10 @@ class TreeRuntime(ABC, Generic[Output]):
         """A one-branch draft's steps after its first token (in place: ``draft`` holds it) in
         one ``_chain`` call, filled in as ``draft``'s loop fills them: greedy, or sampled at a
         temperature alone (top-k and top-p truncate the rows, which the call does not), each
-        token chosen as the sampler's ``chain_draws`` say. False (nothing done) where the
-        runtime has no such call or the request truncates."""
-        if not self.chains_in_one_call(params):
+        token chosen as the sampler's ``chain_draws`` say. False (nothing done) where
+        ``chains_in_one_call`` says no (several branches, no such call, a truncating
+        sampler, features captured)."""
+        if not self.chains_in_one_call(params, branches=draft.tokens.shape[0]):
             return False
         steps = draft.tokens.shape[1]
         draws = None
@@ -302,18 +303,18 @@ class TreeRuntime(ABC, Generic[Output]):
                                              draws, params.temperature, probs_out=rows)  # fmt: skip
         draft.tokens[0] = chained
         draft.nodes[0, :-1] = start + np.arange(steps - 1)
-        if probs is None:
-            distribution(logits, params, out=rows)
-        elif probs is not rows:  # the rows the tokens were drawn from, as verification needs
-            rows[...] = probs
+        _chain_rows(rows, probs, logits, params)
         return True
 
-    def chains_in_one_call(self, params: SamplingParams) -> bool:
-        """Whether one ``_run_chain`` call drafts a one-branch chain with these parameters
-        (where it does, ``catch_up`` and ``draft(first=...)`` save the appended token a forward
-        of its own; elsewhere ``append`` evaluates what is new in one forward)."""
+    def chains_in_one_call(self, params: SamplingParams, branches: int = 1,
+                           dynamic: float | None = None) -> bool:  # fmt: skip
+        """Whether one ``_run_chain`` call drafts a ``draft`` of these arguments (one branch,
+        no rule, a sampler the call has): where it does, ``catch_up`` and ``draft(first=...)``
+        save the appended token a forward of its own; elsewhere ``append`` evaluates what is
+        new in one forward."""
         truncates = 0 < params.top_k < self.vocab_size or params.top_p < 1
         return (self._run_chain is not None and self.features_sink is None
+                and branches == 1 and dynamic is None
                 and (params.greedy or not truncates))  # fmt: skip
 
     def _draft_after(self, first: int, steps: int, params: SamplingParams, sampler: Sampler,
@@ -342,10 +343,7 @@ class TreeRuntime(ABC, Generic[Output]):
         if steps > 1:  # the drafted nodes but the last, below first, from output's row 1 on
             self._record_pending(tokens[1:steps], np.arange(-1, steps - 2), np.arange(steps - 1),
                                  chain[1:, 1:], output, first=-1)  # fmt: skip
-        if probs is None:
-            distribution(self._step_logits(output), params, out=rows)
-        elif probs is not rows:
-            rows[...] = probs
+        _chain_rows(rows, probs, self._step_logits(output), params)
         nodes = np.full((1, steps), -1, np.int64)
         nodes[0, :-1] = np.arange(steps - 1)
         return DraftResult(tokens[None, 1:], out, nodes)
@@ -366,10 +364,7 @@ class TreeRuntime(ABC, Generic[Output]):
         rows = out[0]
         tokens, logits, probs = self._chain(token, parent, steps, draws, params.temperature,
                                             probs_out=rows)  # fmt: skip
-        if probs is None:
-            distribution(logits, params, out=rows)
-        elif probs is not rows:
-            rows[...] = probs
+        _chain_rows(rows, probs, logits, params)
         nodes = np.full((1, steps), -1, np.int64)
         nodes[0, :-1] = existing + 1 + np.arange(steps - 1)
         return DraftResult(tokens[None, 1:], out, nodes, existing)
@@ -588,7 +583,7 @@ class TreeRuntime(ABC, Generic[Output]):
             raise RuntimeUsageError(f"cannot draft {branches} branches of {steps} steps")
         if first is not None and after is not None:
             raise RuntimeUsageError("a draft continues a pending one or appends, not both")
-        one_call = dynamic is None and branches == 1 and self.chains_in_one_call(params)
+        one_call = self.chains_in_one_call(params, branches, dynamic)
         if first is not None and not one_call:
             self.append([first])
             first = None
@@ -618,8 +613,7 @@ class TreeRuntime(ABC, Generic[Output]):
         out[1:, 0] = out[0, 0]
         tokens[:, 0] = proposals(out[0, 0], params, sampler, position, branches)
         result = DraftResult(tokens, out, nodes, root)
-        chainable = branches == 1 and steps > 1 and self.features_sink is None
-        if chainable and self._draft_chained(result, position, params, sampler):
+        if steps > 1 and self._draft_chained(result, position, params, sampler):
             return result
         for step in range(1, steps):
             parents = nodes[:, step - 2] if step > 1 else np.full(branches, root)
@@ -743,3 +737,13 @@ class TreeRuntime(ABC, Generic[Output]):
                 tokens[b, p + 1] = pick(out[b, p + 1], params, sampler, position + p + 1)[0]
             evaluated[grow] += 1
         return DraftResult(tokens, out, nodes, ROOT)
+
+
+def _chain_rows(rows: np.ndarray, probs: np.ndarray | None, logits: np.ndarray,
+                params: SamplingParams) -> None:  # fmt: skip
+    """A chain call's probability rows into ``rows``: those it returned (the rows its tokens
+    were drawn from, as verification needs), or the distribution of its ``logits``."""
+    if probs is None:
+        distribution(logits, params, out=rows)
+    elif probs is not rows:
+        rows[...] = probs
