@@ -179,13 +179,18 @@ class Service:
         self.runtime_decision = decision
         log.info("gpu worker runtime", runtime=decision.runtime, chosen_by=decision.chosen_by,
                  summary=decision.summary())  # fmt: skip
-        if (costs := decision.verifier_costs_s()) is not None:
-            for controller in self.controllers.values():
-                controller.assume_verifier(costs)
-        self.notifier.status("loading the models")
         specs = worker_specs(self.config, self.log_format, decision.runtime,
                              drafter.threads if drafter else None,
                              drafter.runtime if drafter else None)  # fmt: skip
+        if (costs := decision.verifier_costs_s()) is not None:
+            # the profile was timed on the drafter's cores too where the verifier may borrow
+            # them; an overlapped round verifies on its own cores (priced so until measured)
+            verifier = specs["gpu"]
+            own = len(set(verifier.cores)) or 1
+            overlapped = (own + len(verifier.spare_cores)) / own
+            for controller in self.controllers.values():
+                controller.assume_verifier(costs, overlapped_scale=overlapped)
+        self.notifier.status("loading the models")
         await self._start_workers(specs, features=decision.runtime == "head")
 
     async def _start_workers(self, specs: dict, *, features: bool = False) -> None:

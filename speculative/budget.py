@@ -87,10 +87,11 @@ class BudgetController:
     def observe(self, report: RoundReport) -> None:
         self.estimates.observe(report)
 
-    def assume_verifier(self, seconds_by_width: dict[int, float]) -> None:
+    def assume_verifier(self, seconds_by_width: dict[int, float],
+                        overlapped_scale: float = 1.0) -> None:  # fmt: skip
         """Start from the verifier's forward costs measured before serving (see
         ``Estimates.assume_verifier``)."""
-        self.estimates.assume_verifier(seconds_by_width)
+        self.estimates.assume_verifier(seconds_by_width, overlapped_scale)
 
     def decodes_alone(self) -> bool:
         """Whether the latest committed plan has the target decode alone (gamma 0)."""
@@ -108,6 +109,10 @@ class BudgetController:
         config, limits, rounds = self.config, self.config.limits, self.estimates.rounds
         last = self.history[-1] if self.history else None
         alone = last is not None and last.gamma == 0
+        if self._state.probe_left and last is not None and last.gamma:  # a probe from gamma 0
+            return Choice(
+                last, dataclasses.replace(self._state, probe_left=self._state.probe_left - 1)
+            )
         due = explore.probe_due(config.exploration, self._state, rounds, alone)
         if alone and explore.keeps_alone(config.exploration, self._state, due):
             return Choice(last, dataclasses.replace(self._state, kept=self._state.kept + 1))
@@ -118,14 +123,26 @@ class BudgetController:
         if rounds < config.warmup_rounds:  # no acceptance data yet: DuoDecoding's gamma = c
             ratio = self.estimates.cost_ratio()
             gamma = max(1, min(limits.max_gamma, round(ratio), limits.max_width - 1))
-            return Choice(plan_of(model, limits, gamma, overlap=limits.overlap), state)
+            # overlapped where the model expects it to pay: on a box whose verifier computes
+            # on the drafter's cores too, an overlapped round verifies without them
+            kinds = (False, True) if limits.overlap else (False,)
+            plans = [plan_of(model, limits, gamma, overlap=kind) for kind in kinds]
+            return Choice(max(plans, key=lambda plan: plan.tokens_per_s), state)
         entry = 1.0 if alone else 1 / (1 + config.alone_entry_margin)
         best = best_plan(model, limits, entry)
         state = explore.after_weighing(config.exploration, state, best, due)
         plan = best
         if due:
             every = config.exploration.probe_every
-            plan, state = explore.neighbour(best, model, limits, state, rounds=rounds, every=every)
+            plan, state = explore.neighbour(
+                best,
+                model,
+                limits,
+                state,
+                rounds=rounds,
+                every=every,
+                alone_rounds=config.exploration.alone_probe_rounds,
+            )
         elif best.gamma and explore.alone_unmeasured_round(
             config.exploration, rounds, self.estimates.alone_measured()
         ):

@@ -123,6 +123,7 @@ class Estimates:
         self._rule_first = DecayedRate(c.max_branches + 1)  # rounds the rule drafted, by k
         self._single_first = DecayedRate(c.max_branches + 1)  # one branch, by would-be k
         self._profile: ProfileCurve | None = None  # the verifier's, measured before serving
+        self._overlapped_scale = 1.0  # an overlapped verification against the profile
 
     def _median(self) -> WindowedMedian:
         return WindowedMedian(self.config.window, lambda: self.rounds, self.config.max_age)
@@ -174,15 +175,22 @@ class Estimates:
             if branches == 1:
                 self._single_first.add(rule_k, accepted >= 1)
 
-    def assume_verifier(self, seconds_by_width: dict[int, float]) -> None:
+    def assume_verifier(self, seconds_by_width: dict[int, float],
+                        overlapped_scale: float = 1.0) -> None:  # fmt: skip
         """Forward costs of the verifier measured before serving ({width: seconds}, width 1
         included): they price the target alone and verifications until rounds measure them,
         and then give the shape the measured verifications are fitted to. Without them the
         target alone, never measured, was priced as a verification timed while the drafter
-        drafted beside it, up to 10x dearer than a token alone on a 2-core box."""
+        drafted beside it, up to 10x dearer than a token alone on a 2-core box.
+        ``overlapped_scale``: what an overlapped verification costs against the profile
+        until one is measured (a profile timed on the drafter's cores too: the verifier
+        computes without them while the drafter drafts)."""
         if 1 not in seconds_by_width or min(seconds_by_width.values()) <= 0:
             raise ValueError(f"a verifier profile needs positive costs from width 1 on, not "
                              f"{seconds_by_width}")  # fmt: skip
+        if overlapped_scale < 1:
+            raise ValueError(f"overlapped_scale must be >= 1, not {overlapped_scale}")
+        self._overlapped_scale = overlapped_scale
         widths = np.array(sorted(seconds_by_width), float)
         times = np.array([seconds_by_width[int(w)] for w in widths])
         self._profile = ProfileCurve(tuple(widths.tolist()), tuple(times.tolist()))
@@ -245,7 +253,8 @@ class Estimates:
     def _verify_or_stand_in(self, overlapped: bool) -> VerifyCost | None:
         """This condition's line; where never measured, the profile measured at load, then
         the other condition's line."""
-        assumed = self._profile and ProfiledVerify(self._profile, 0.0, 1.0, 0.0)
+        scale = self._overlapped_scale if overlapped else 1.0
+        assumed = self._profile and ProfiledVerify(self._profile, 0.0, scale, 0.0)
         return self.verify_line(overlapped) or assumed or self.verify_line(not overlapped)
 
     def verify_s(self, width: int, overlapped: bool = False) -> float | None:

@@ -6,7 +6,8 @@
 - While the target decodes alone (gamma 0) a plan is kept for ``keep_alone_rounds`` rounds
   without weighing the candidates again (such a round is about a millisecond), and each probe
   that finds gamma 0 still best halves how often the next comes (down to one in
-  2**max_alone_backoff probe slots): a probe is a drafted round plus the drafter catching up.
+  2**max_alone_backoff probe slots): a probe is a drafted round of the shape the model
+  expects the most of, plus the drafter catching up.
 - The target alone, never measured, is priced as a one-node verification, dearer than it is
   where calls decode several tokens; one round measures it, half way between probes, after a
   few probe cycles (earlier it slowed the drafting shape's first settling).
@@ -20,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from hetspec.speculative.cost_model import CostModel
-from hetspec.speculative.planning import Limits, plan_of
+from hetspec.speculative.planning import Limits, best_drafted, plan_of
 from hetspec.speculative.rounds import Plan
 
 
@@ -29,6 +30,9 @@ class ExplorationConfig:
     probe_every: int = 16  # rounds between tries of a neighbouring plan (0: never)
     keep_alone_rounds: int = 4
     max_alone_backoff: int = 3
+    # rounds a probe from gamma 0 drafts: one round's acceptance is too noisy to overturn
+    # estimates that made the target alone best
+    alone_probe_rounds: int = 3
     alone_measured_after_probes: int = 4
 
 
@@ -37,6 +41,7 @@ class ExplorationState:
     kept: int = 0  # rounds the last gamma-0 plan was reused without weighing
     alone_backoff: int = 0  # probe slots skipped while alone: 2**this - 1 of every 2**this
     alone_probes: int = 0  # probes taken from gamma 0 (they alternate two kinds)
+    probe_left: int = 0  # rounds the running probe from gamma 0 still drafts its shape
 
 
 def probe_due(config: ExplorationConfig, state: ExplorationState, rounds: int,
@@ -72,10 +77,12 @@ def alone_unmeasured_round(config: ExplorationConfig, rounds: int, measured: boo
 
 
 def neighbour(best: Plan, model: CostModel, limits: Limits, state: ExplorationState, *,
-              rounds: int, every: int) -> tuple[Plan, ExplorationState]:  # fmt: skip
+              rounds: int, every: int,
+              alone_rounds: int = 1) -> tuple[Plan, ExplorationState]:  # fmt: skip
     """By turns: gamma - 1, gamma + 1, one branch less, one more, and another kind of round:
     alternately overlapped or not (where allowed) and drafted by the rule or with fixed
-    branches (where allowed). From gamma 0 only a draft is a neighbour."""
+    branches (where allowed). From gamma 0: the drafted shape the model expects the most of,
+    plain and overlapped by turns (where allowed), for ``alone_rounds`` rounds."""
     others = ["overlap"] * limits.overlap + ["rule"] * bool(model.rule)
     turns = ["shorter", "longer", "fewer", "more"] + ["other"] * bool(others)
     probe = rounds // every
@@ -83,8 +90,12 @@ def neighbour(best: Plan, model: CostModel, limits: Limits, state: ExplorationSt
     if turn == "other":  # the kinds of round take turns, keeping the cycle short
         turn = others[probe // len(turns) % len(others)]
     if best.gamma == 0:
-        state = replace(state, alone_probes=state.alone_probes + 1)
-        turn = ["longer", "overlap"][state.alone_probes % 2] if limits.overlap else "longer"
+        # not gamma 1: that round's width shows least what drafting is worth, and the costs
+        # it measured (a cost is fitted to every width measured) priced drafting as dear as
+        # the moment that made gamma 0 best, so the target stayed alone for good
+        probes = state.alone_probes + 1
+        state = replace(state, alone_probes=probes, probe_left=alone_rounds - 1)
+        return best_drafted(model, limits, overlap=probes % 2 == 0), state
     if turn == "rule":
         if best.rule:
             return plan_of(model, limits, best.gamma), state

@@ -63,6 +63,18 @@ def _grid(limits: Limits) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.array(gammas), np.array(branches), np.array(overlaps)
 
 
+def best_drafted(model: CostModel, limits: Limits, overlap: bool) -> Plan:
+    """The drafted shape of one kind, overlapped or plain, that ``model`` expects the most
+    committed tokens per second of (``limits.overlap`` off: plain whatever ``overlap``)."""
+    gammas, branches, overlaps = _grid(limits)
+    kind = overlaps == (overlap and limits.overlap)
+    gammas, branches, overlaps = gammas[kind], branches[kind], overlaps[kind]
+    tokens, seconds = model.predict(gammas, branches, overlaps)
+    best = int(np.argmax(tokens / seconds))
+    return Plan(int(gammas[best]), int(branches[best]), bool(overlaps[best]),
+                expected_tokens=float(tokens[best]), round_s=float(seconds[best]))  # fmt: skip
+
+
 def best_plan(model: CostModel, limits: Limits, alone_weight: float = 1.0) -> Plan:
     """The candidate with the highest expected tokens per second; the target alone's rate
     is weighed by ``alone_weight`` (below 1: drafting stops only for a clearly better rate)."""
