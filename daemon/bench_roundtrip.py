@@ -1,6 +1,7 @@
 """Micro-benchmark: one daemon -> worker -> daemon round trip carrying a probability row.
 
     python -m hetspec.daemon.bench_roundtrip [--model GGUF] [--floats 32768] [--count 5000]
+        [--gap-us 0] [--spin-us 100] [--json PATH]
 
 Starts a real llama.cpp worker process (with the bundled draft model unless told otherwise),
 then times ``Echo`` calls from the daemon's asyncio/uvloop side: the daemon writes a row into
@@ -13,6 +14,7 @@ speculative round pays this hop at least twice, so it must stay far below a draf
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -89,11 +91,17 @@ async def run(args: argparse.Namespace) -> int:
     merged: dict[tuple[str, str], list[float]] = {}
     for (link, kind, _), answers in samples.items():
         merged.setdefault((link, kind), []).extend(answers)
+    medians = {}
     for (link, kind), times in merged.items():
         q = statistics.quantiles(times, n=10)
         label = f"{LINKS[link]}, {kind}"
-        print(f"  {label:<42} median {statistics.median(times):7.1f} us   "
+        medians[label] = round(statistics.median(times), 1)
+        print(f"  {label:<42} median {medians[label]:7.1f} us   "
               f"p10 {q[0]:7.1f}   p90 {q[-1]:7.1f}")  # fmt: skip
+    if args.json is not None:
+        document = {"floats": args.floats, "gap_us": args.gap_us, "spin_us": args.spin_us,
+                    "median_us": medians}  # fmt: skip
+        args.json.write_text(json.dumps(document))
     return 0
 
 
@@ -137,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         help="time between an answer and the next call (longer than --spin-us: the worker "
         "sleeps, and the call pays its wake-up)",
     )  # fmt: skip
+    parser.add_argument("--json", type=Path, help="also write the medians here")
     args = parser.parse_args(argv)
     return uvloop.run(run(args))
 

@@ -10,8 +10,8 @@
 # The full call benches the verifier the quick call found fastest among those bit-identical at
 # every width (cuBLAS, the Triton matmul, torch.compile: native/gpu-pick-settings.py) unless
 # BENCH_SET is given before bash: daemon settings separated by spaces (e.g. BENCH_SET='' for
-# the default, or one that adds worker_spin_us=2000 where the quick call's round trips showed
-# a wake-up costing much more than polling through the gap). BENCH_ARGS adds arguments to that
+# the default; the pick adds worker_spin_us=2000 itself where the quick call's round trips
+# showed a wake-up costing more than polling through the gap). BENCH_ARGS adds arguments to that
 # bench (e.g. BENCH_ARGS='--temperature 0.8': every system sampled, seeded per prompt).
 # GEMMA=1 before a quick call adds T_verify of a random Gemma-3-1B-shaped folder at its end.
 #
@@ -162,11 +162,13 @@ if [[ -n "${QUICK:-}" ]]; then
   # a worker woken for every call (1 ms apart, as in a round: it sleeps after 100 us of
   # polling) against one that polls through the gap: the price of a wake-up on this box, per
   # link (the 2-vCPU dev VM, back to back: mailboxes 46-56 us, ZeroMQ alone 208-242)
+  # (the pick adds worker_spin_us=2000 to the full call's settings where polling pays)
   for spin in 100 2000; do
     step 40 "worker round trip, 1 ms apart, polling $spin us" "$python" -m \
         hetspec.daemon.bench_roundtrip --floats 16 --count 600 --turns 1 --gap-us 1000 \
-        --spin-us $spin
+        --spin-us $spin --json "$tables/roundtrip-spin$spin.json"
   done
+  pick
   # the least telling last: through torch.compile (inductor fuses the kernels between the
   # matmuls, which stay cuBLAS's), compiled at load (three forwards a span bucket: trees,
   # gathered chains, chains in place); then width buckets (not invariant)

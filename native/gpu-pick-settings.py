@@ -11,6 +11,10 @@ alone) plus the slowest 16-row forward among the table's shapes (a round's verif
 chain's or a tree's). Nothing (cuBLAS, eager, gathered paths: the default) when no
 alternative qualifies.
 
+Where OUT_DIR also holds roundtrip-spin100.json and roundtrip-spin2000.json (bench_roundtrip
+--json: a worker woken for every call, and one polling through the gap), it adds
+``worker_spin_us=2000`` when polling saves at least ``SPIN_PAYS_US`` a call.
+
 With --tiling it reads OUT_DIR/TABLE (default matmul.json; bench_matmul --json) instead and
 prints the
 Triton kernel's fastest tiling over a forward of 16 rows (a fixed-width verifier's) among
@@ -30,6 +34,29 @@ CANDIDATES = {  # table -> the daemon setting that runs it
     "verify-1b-fixed16-compiled.json": "gpu_worker.compile=true",
     "verify-1b-fixed16-split.json": 'gpu_worker.attention="split"',
 }
+
+
+# a round makes two calls: 2 x 25 us is ~1.5% of the third session's ~3.5 ms rounds
+SPIN_PAYS_US = 25.0
+SPINS = (100, 2000)  # the worker's poll before it sleeps: the default, and through a gap
+LINK = "mailboxes, message frames"  # a command's path: the daemon's default link, no arena row
+
+
+def spin_setting(folder: Path) -> str:
+    """``worker_spin_us=2000`` where the round-trip tables say polling through a call's gap
+    saves at least ``SPIN_PAYS_US`` a call; else nothing."""
+    medians = {}
+    for spin in SPINS:
+        try:
+            table = json.loads((folder / f"roundtrip-spin{spin}.json").read_text())
+            medians[spin] = float(table["median_us"][LINK])
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            print(f"roundtrip-spin{spin}.json: not read ({error!r})", file=sys.stderr)
+            return ""
+    saved = medians[SPINS[0]] - medians[SPINS[1]]
+    print(f"a call polling {SPINS[1]} us against {SPINS[0]}: {saved:.1f} us saved",
+          file=sys.stderr)  # fmt: skip
+    return f"worker_spin_us={SPINS[1]}" if saved >= SPIN_PAYS_US else ""
 
 
 def t1_ms(table: dict) -> float | None:
@@ -106,7 +133,8 @@ def main() -> int:
             best = (price, chosen)
     if best is not None:
         print(f"chosen: {best[1] or 'the default'} ({best[0]} ms)", file=sys.stderr)
-        print(best[1])
+    settings = [best[1] if best else "", spin_setting(folder)]
+    print(" ".join(setting for setting in settings if setting))
     return 0
 
 

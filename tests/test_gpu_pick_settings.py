@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tiny_models import build_reference, save_reference
 
+from hetspec.daemon import bench_roundtrip
 from hetspec.daemon.cli import overrides_from
 from hetspec.daemon.config import load_config
 from hetspec.workers.torch_runtime import bench_verify, static_forward
@@ -128,3 +129,39 @@ def test_the_tiling_comes_from_bench_matmuls_table(tmp_path) -> None:
                           check=True)  # fmt: skip
     assert done.stdout.strip() == ""  # the default is the fastest there
     assert "chosen tiling: the default (400.0 us)" in done.stderr
+
+
+def test_the_worker_polls_through_a_calls_gap_where_its_wake_up_costs_more(tmp_path) -> None:
+    """bench_roundtrip's own tables (a worker woken for every call, one polling 2000 us),
+    written by the quick call: the full call's daemon polls where that saves >= 25 us a call,
+    beside the verifier the tables chose."""
+    written = tmp_path / "written.json"
+    arguments = ["--floats", "16", "--count", "40", "--turns", "1", "--gap-us", "300",
+                 "--json", str(written)]  # fmt: skip
+    assert bench_roundtrip.main(arguments) == 0
+    table = json.loads(written.read_text())
+    assert table["spin_us"] == 100.0
+    assert table["median_us"]["mailboxes, message frames"] > 0
+
+    def tables(woken_us: float, polling_us: float) -> None:
+        for spin, us in ((100, woken_us), (2000, polling_us)):
+            document = {
+                **table,
+                "spin_us": float(spin),
+                "median_us": {**table["median_us"], "mailboxes, message frames": us},
+            }
+            (tmp_path / f"roundtrip-spin{spin}.json").write_text(json.dumps(document))
+
+    rows = [{"width": 1, "median_ms": 2.0}, {"width": 16, "median_ms": 2.1}]
+    triton = {"rows": rows, "invariance": [{"width": 16, "rows_differ": 0}], "matmul": "triton"}
+    (tmp_path / "verify-1b-fixed16-triton.json").write_text(json.dumps(triton))
+    tables(woken_us=180.0, polling_us=60.0)
+    settings, reasons = picked(tmp_path)
+    assert settings == 'gpu_worker.matmul="triton" worker_spin_us=2000'
+    assert "120.0 us saved" in reasons
+    assert daemon_config(settings).worker_spin_us == 2000
+    tables(woken_us=70.0, polling_us=60.0)  # a wake-up costs little here: no polling
+    assert picked(tmp_path)[0] == 'gpu_worker.matmul="triton"'
+    (tmp_path / "verify-1b-fixed16-triton.json").unlink()
+    tables(woken_us=180.0, polling_us=60.0)
+    assert picked(tmp_path)[0] == "worker_spin_us=2000"  # the default verifier, polling
