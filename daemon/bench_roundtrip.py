@@ -147,7 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write the medians here")
     args = parser.parse_args(argv)
-    return uvloop.run(run(args))
+    cores = os.sched_getaffinity(0)
+    try:
+        return uvloop.run(run(args))
+    finally:  # run leaves the worker's core to it; a caller in this process gets it back
+        os.sched_setaffinity(0, cores)
 
 
 if __name__ == "__main__":

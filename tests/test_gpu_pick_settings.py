@@ -5,6 +5,7 @@ no one there to fix a mismatch."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -138,7 +139,9 @@ def test_the_worker_polls_through_a_calls_gap_where_its_wake_up_costs_more(tmp_p
     written = tmp_path / "written.json"
     arguments = ["--floats", "16", "--count", "40", "--turns", "1", "--gap-us", "300",
                  "--json", str(written)]  # fmt: skip
+    cores = os.sched_getaffinity(0)
     assert bench_roundtrip.main(arguments) == 0
+    assert os.sched_getaffinity(0) == cores  # the later tests' cores
     table = json.loads(written.read_text())
     assert table["spin_us"] == 100.0
     assert table["median_us"]["mailboxes, message frames"] > 0
