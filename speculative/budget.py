@@ -133,16 +133,10 @@ class BudgetController:
         state = explore.after_weighing(config.exploration, state, best, due)
         plan = best
         if due:
-            every = config.exploration.probe_every
-            plan, state = explore.neighbour(
-                best,
-                model,
-                limits,
-                state,
-                rounds=rounds,
-                every=every,
-                alone_rounds=config.exploration.alone_probe_rounds,
-            )
+            exploring = config.exploration
+            plan, state = explore.neighbour(best, model, limits, state, rounds=rounds,
+                                            every=exploring.probe_every,
+                                            alone_rounds=exploring.alone_probe_rounds)  # fmt: skip
         elif best.gamma and explore.alone_unmeasured_round(
             config.exploration, rounds, self.estimates.alone_measured()
         ):
