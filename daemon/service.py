@@ -182,14 +182,16 @@ class Service:
         specs = worker_specs(self.config, self.log_format, decision.runtime,
                              drafter.threads if drafter else None,
                              drafter.runtime if drafter else None)  # fmt: skip
-        if (costs := decision.verifier_costs_s()) is not None:
-            # the profile was timed on the drafter's cores too where the verifier may borrow
-            # them; an overlapped round verifies on its own cores (priced so until measured)
-            verifier = specs["gpu"]
-            own = len(set(verifier.cores)) or 1
-            overlapped = (own + len(verifier.spare_cores)) / own
-            for controller in self.controllers.values():
-                controller.assume_verifier(costs, overlapped_scale=overlapped)
+        # A verifier that borrows the drafter's cores while it idles (as its profile was
+        # timed) verifies beside a drafting drafter on its own cores only.
+        costs = decision.verifier_costs_s()
+        verifier = specs[roles(self.config.placement).verifier]
+        own = len(set(verifier.cores)) or 1
+        overlap_factor = (own + len(set(verifier.spare_cores) - set(verifier.cores))) / own
+        for controller in self.controllers.values():
+            if costs is not None:
+                controller.assume_verifier(costs)
+            controller.assume_overlap_factor(overlap_factor)
         self.notifier.status("loading the models")
         await self._start_workers(specs, features=decision.runtime == "head")
 

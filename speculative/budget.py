@@ -87,11 +87,15 @@ class BudgetController:
     def observe(self, report: RoundReport) -> None:
         self.estimates.observe(report)
 
-    def assume_verifier(self, seconds_by_width: dict[int, float],
-                        overlapped_scale: float = 1.0) -> None:  # fmt: skip
+    def assume_verifier(self, seconds_by_width: dict[int, float]) -> None:
         """Start from the verifier's forward costs measured before serving (see
         ``Estimates.assume_verifier``)."""
-        self.estimates.assume_verifier(seconds_by_width, overlapped_scale)
+        self.estimates.assume_verifier(seconds_by_width)
+
+    def assume_overlap_factor(self, factor: float) -> None:
+        """What an overlapped verification costs against a plain one until both were
+        measured (see ``Estimates.assume_overlap_factor``)."""
+        self.estimates.assume_overlap_factor(factor)
 
     def decodes_alone(self) -> bool:
         """Whether the latest committed plan has the target decode alone (gamma 0)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -123,7 +123,7 @@ class Estimates:
         self._rule_first = DecayedRate(c.max_branches + 1)  # rounds the rule drafted, by k
         self._single_first = DecayedRate(c.max_branches + 1)  # one branch, by would-be k
         self._profile: ProfileCurve | None = None  # the verifier's, measured before serving
-        self._overlapped_scale = 1.0  # an overlapped verification against the profile
+        self._overlap_factor = 1.0  # an overlapped verification against a plain one, unmeasured
 
     def _median(self) -> WindowedMedian:
         return WindowedMedian(self.config.window, lambda: self.rounds, self.config.max_age)
@@ -175,22 +175,15 @@ class Estimates:
             if branches == 1:
                 self._single_first.add(rule_k, accepted >= 1)
 
-    def assume_verifier(self, seconds_by_width: dict[int, float],
-                        overlapped_scale: float = 1.0) -> None:  # fmt: skip
+    def assume_verifier(self, seconds_by_width: dict[int, float]) -> None:
         """Forward costs of the verifier measured before serving ({width: seconds}, width 1
         included): they price the target alone and verifications until rounds measure them,
         and then give the shape the measured verifications are fitted to. Without them the
         target alone, never measured, was priced as a verification timed while the drafter
-        drafted beside it, up to 10x dearer than a token alone on a 2-core box.
-        ``overlapped_scale``: what an overlapped verification costs against the profile
-        until one is measured (a profile timed on the drafter's cores too: the verifier
-        computes without them while the drafter drafts)."""
+        drafted beside it, up to 10x dearer than a token alone on a 2-core box."""
         if 1 not in seconds_by_width or min(seconds_by_width.values()) <= 0:
             raise ValueError(f"a verifier profile needs positive costs from width 1 on, not "
                              f"{seconds_by_width}")  # fmt: skip
-        if overlapped_scale < 1:
-            raise ValueError(f"overlapped_scale must be >= 1, not {overlapped_scale}")
-        self._overlapped_scale = overlapped_scale
         widths = np.array(sorted(seconds_by_width), float)
         times = np.array([seconds_by_width[int(w)] for w in widths])
         self._profile = ProfileCurve(tuple(widths.tolist()), tuple(times.tolist()))
@@ -250,12 +243,25 @@ class Estimates:
         ratios = [(median / float(line.at(width)), count) for width, median, count in trees]
         return float(np.average([r for r, _ in ratios], weights=[c for _, c in ratios]))
 
+    def assume_overlap_factor(self, factor: float) -> None:
+        """Until measured, an overlapped verification costs ``factor`` times a plain one (a
+        verifier that computes on the drafter's cores while it idles, as the load profile was
+        timed, does without them beside a drafting drafter: 2 on a 2-core box)."""
+        if factor < 1:
+            raise ValueError(f"an overlap factor must be >= 1, not {factor}")
+        self._overlap_factor = factor
+
     def _verify_or_stand_in(self, overlapped: bool) -> VerifyCost | None:
         """This condition's line; where never measured, the profile measured at load, then
-        the other condition's line."""
-        scale = self._overlapped_scale if overlapped else 1.0
-        assumed = self._profile and ProfiledVerify(self._profile, 0.0, scale, 0.0)
-        return self.verify_line(overlapped) or assumed or self.verify_line(not overlapped)
+        the other condition's line, each as ``assume_overlap_factor`` relates them."""
+        line = self.verify_line(overlapped)
+        if line is not None:
+            return line
+        factor = self._overlap_factor
+        if self._profile is not None:  # timed as plain rounds verify
+            return ProfiledVerify(self._profile, 0.0, factor if overlapped else 1.0, 0.0)
+        other = self.verify_line(not overlapped)
+        return None if other is None else _scaled(other, factor if overlapped else 1 / factor)
 
     def verify_s(self, width: int, overlapped: bool = False) -> float | None:
         line = self._verify_or_stand_in(overlapped)
@@ -396,6 +402,15 @@ def _fit_profile(profile: ProfileCurve, widths: np.ndarray, times: np.ndarray,
                 return ProfiledVerify(profile, mean_t - scale * mean_p, scale, floor)
     scale = float((weights * times).sum() / (weights * expected).sum())
     return ProfiledVerify(profile, 0.0, scale, floor)
+
+
+def _scaled(line: VerifyCost, factor: float) -> VerifyCost:
+    """``line``'s seconds times ``factor`` at every width."""
+    if isinstance(line, ProfiledVerify):
+        return replace(line, base=line.base * factor, scale=line.scale * factor,
+                       floor=line.floor * factor)  # fmt: skip
+    return replace(line, mean_t=line.mean_t * factor, slope=line.slope * factor,
+                   floor=line.floor * factor)  # fmt: skip
 
 
 def _fit(widths: np.ndarray, times: np.ndarray, weights: np.ndarray | None = None) -> VerifyLine:

@@ -486,20 +486,23 @@ def test_the_warm_up_overlaps_only_where_the_verifier_keeps_its_speed_beside_the
     it loses nothing beside the drafter, and the warm-up overlaps."""
     profile = {1: 0.00254, 2: 0.00316, 4: 0.00443, 8: 0.00719, 9: 0.00915, 16: 0.0163, 17: 0.017}
 
-    def warm_up(overlapped_scale: float) -> Plan:
+    def warm_up(overlap_factor: float, profiled: bool = True) -> Plan:
         controller = controller_of(overlap=True)
-        controller.assume_verifier(profile, overlapped_scale=overlapped_scale)
+        if profiled:
+            controller.assume_verifier(profile)
+        controller.assume_overlap_factor(overlap_factor)
         assert controller.commit(controller.choose()).gamma == 1  # measures both sides
         controller.observe(RoundReport(1, 1, 1, drafts=(DraftCall(1, 1, 0.00007, 0.0004),),
                                        verify_width=2, verify_s=0.0036))  # fmt: skip
         return controller.choose().plan
 
-    cpu, gpu = warm_up(2.0), warm_up(1.0)
-    assert cpu.gamma == gpu.gamma == 16  # c = 3.6 / 0.07 ms, at most max_gamma
-    assert not cpu.overlap
-    assert gpu.overlap
-    with pytest.raises(ValueError, match="overlapped_scale"):
-        controller_of().assume_verifier(profile, overlapped_scale=0.5)
+    for profiled in (True, False):  # the plain rounds' line stands in where none was timed
+        cpu, gpu = warm_up(2.0, profiled), warm_up(1.0, profiled)
+        assert cpu.gamma == gpu.gamma == 16  # c = 3.6 / 0.07 ms, at most max_gamma
+        assert not cpu.overlap
+        assert gpu.overlap
+    with pytest.raises(ValueError, match="overlap factor"):
+        controller_of().assume_overlap_factor(0.5)
 
 
 def test_it_drafts_by_the_uncertainty_rule_where_that_pays() -> None:
