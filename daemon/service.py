@@ -187,7 +187,7 @@ class Service:
         costs = decision.verifier_costs_s()
         verifier = specs[roles(self.config.placement).verifier]
         own = len(set(verifier.cores)) or 1
-        overlap_factor = (own + len(set(verifier.spare_cores) - set(verifier.cores))) / own
+        overlap_factor = (own + len(verifier.spare_cores)) / own  # spare: none of its own
         for controller in self.controllers.values():
             if costs is not None:
                 controller.assume_verifier(costs)
