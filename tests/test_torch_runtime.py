@@ -408,14 +408,59 @@ def test_which_one_path_batches_are_in_the_caches_order(tmp_path, monkeypatch) -
     monkeypatch.setattr(runtime, "_forward_batch", kept)
     runtime.prefill(PROMPT)
     batches.clear()
-    runtime.forward_tree([5, 6, 7], chain_parents(3))  # a chain after the committed tokens
-    assert [static_forward.in_cache_order(b) for b in batches] == [True]
+    runtime.forward_tree([5, 6, 7, 8, 9], [-1, 0, 1, 2, 2])  # a chain, then a fork (width 4)
+    assert [static_forward.in_cache_order(b) for b in batches] == [True, False]
     runtime.discard_pending()
     runtime.forward_tree([5, 6], [-1, -1])  # two siblings: two paths, not one
     batches.clear()
     runtime.forward_tree([7], [1], extend=True)  # below the second: its parent sits past a slot
     assert len(batches[0].gather) == 1
     assert not static_forward.in_cache_order(batches[0])
+
+
+def test_chains_in_the_caches_order_go_in_place_without_a_gather(tmp_path, monkeypatch) -> None:
+    """A chain that extends the committed tokens, or a pending chain from them, is run in
+    place as the batches the gathering path would have flattened it to (the same rows, slots,
+    span buckets and masks, a sliding window's too), without building their gathers; other
+    trees take the gathering path."""
+    monkeypatch.setattr(static_forward, "MIN_SPAN", 16)
+    folder = save_reference(build_reference("gemma3"), tmp_path / "m")
+    runtime = TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=4, max_context=64)
+    assert runtime.chains_in_place
+    assert len(runtime._in_place.windows) == 2
+    runtime.prefill(PROMPT)
+
+    def gathered(positions, parents):  # what _forward_batch ran in place before
+        batches = runtime._invariant_batches(runtime._static, positions, parents)
+        return [(rows, batch) for rows, batch in batches if static_forward.in_cache_order(batch)]
+
+    for existing, count in ((0, 9), (3, 6)):  # across the span bucket's end at 16
+        runtime.discard_pending()
+        if existing:
+            runtime.forward_tree(list(range(5, 5 + existing)), chain_parents(existing))
+        positions = len(PROMPT) + existing + np.arange(count)
+        parents = np.arange(existing - 1, existing + count - 1)
+        fast = list(runtime._in_place_batches(positions, parents))
+        slow = gathered(positions, parents)
+        assert len(fast) == len(slow) >= 2
+        for (rows, batch), (slow_rows, slow_batch) in zip(fast, slow, strict=True):
+            assert batch.gather is None
+            assert batch.row_paths is None
+            assert np.array_equal(rows, slow_rows)
+            for field in ("positions", "slots"):
+                assert np.array_equal(getattr(batch, field), getattr(slow_batch, field))
+            assert batch.span == slow_batch.span
+            for mask, slow_mask in zip(batch.masks, slow_batch.masks, strict=True):
+                assert np.array_equal(mask, slow_mask[0])
+    runtime.discard_pending()
+    runtime.forward_tree([5, 6], [-1, -1])
+    assert runtime._in_place_batches(len(PROMPT) + np.array([1]), np.array([0])) is None
+    ran = []
+    monkeypatch.setattr(runtime._static, "run", lambda *a: ran.append(1))
+    runtime.discard_pending()
+    assert runtime.evaluate_argmax([5, 6, 7], chain_parents(3))
+    assert runtime.decode(3, SamplingParams(), DrawnSampler())
+    assert ran == []  # neither ran a gathering forward
 
 
 def test_shape_buckets() -> None:

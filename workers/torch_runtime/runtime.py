@@ -74,6 +74,21 @@ def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
     return dtypes[requested]
 
 
+def span_runs(shapes: Shapes, positions: np.ndarray, most_rows: int | None = None
+              ) -> Iterator[tuple[np.ndarray, int]]:  # fmt: skip
+    """Rows at ``positions`` in order, in runs of at most ``most_rows`` (None: the widest
+    shape) that share a span bucket (their own positions'): (rows, span) each."""
+    spans = np.asarray(shapes.spans)
+    row_spans = spans[np.searchsorted(spans, positions + 1)]
+    most_rows = most_rows or shapes.widest
+    begin = 0
+    while begin < len(positions):
+        end = min(begin + most_rows, len(positions))
+        end = begin + int(np.argmax(np.append(row_spans[begin:end], -1) != row_spans[begin]))
+        yield np.arange(begin, end), int(row_spans[begin])
+        begin = end
+
+
 class TorchRuntime(TreeRuntime[TreeOutput]):
     def __init__(
         self,
@@ -506,6 +521,9 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         batches = self._split_plan(positions, parents, most_rows=1)
         if batches is not None:
             return self._split, (batch for _, batch in batches)
+        batches = self._in_place_batches(positions, parents, most_rows=1)
+        if batches is not None:
+            return self._in_place, (batch for _, batch in batches)
         return self._static, self._single_rows(self._static, positions, parents, rows)
 
     def _single_rows(self, static: StaticForward, positions: np.ndarray, parents: np.ndarray,
@@ -535,6 +553,9 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
             return self._run_batches(self._split, batches, tokens)
         static = self._static
         if static is not None and static.shapes.paths:
+            in_place = self._in_place_batches(positions, parents)
+            if in_place is not None:
+                return self._run_batches(self._in_place, in_place, tokens)
             return self._run_batches(
                 static, self._invariant_batches(static, positions, parents), tokens
             )
@@ -618,19 +639,40 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
     ) -> Iterator[tuple[np.ndarray, Batch]]:  # fmt: skip
         """Split attention's forwards: rows in order, at most ``widest`` (or ``most_rows``)
         a forward, all of one span bucket (their own positions')."""
-        shapes, first = split.shapes, self.committed + self.pending
-        spans = np.asarray(shapes.spans)
-        row_spans = spans[np.searchsorted(spans, positions + 1)]
-        most_rows = most_rows or shapes.widest
-        begin = 0
-        while begin < len(positions):
-            end = min(begin + most_rows, len(positions))
-            end = begin + int(np.argmax(np.append(row_spans[begin:end], -1) != row_spans[begin]))
-            rows = np.arange(begin, end)
+        first = self.committed + self.pending
+        for rows, span in span_runs(split.shapes, positions, most_rows):
             yield rows, Batch(tokens=np.empty(0, np.int64), positions=positions[rows],
-                              slots=first + rows, masks=[], span=int(row_spans[begin]),
+                              slots=first + rows, masks=[], span=span,
                               tail_slots=tails[rows])  # fmt: skip
-            begin = end
+
+    def _in_place_batches(
+        self, positions: np.ndarray, parents: np.ndarray, most_rows: int | None = None
+    ) -> Iterator[tuple[np.ndarray, Batch]] | None:
+        """The in-place forwards of new nodes that extend a chain in the cache's order (the
+        target alone, a chain verified after the committed tokens): the batches
+        ``_forward_batch`` makes of ``_invariant_batches``' one-path ones, without building
+        the gathers and path masks it would drop. None where chains do not attend in place
+        or the nodes and the pending ones are not one chain from the committed end."""
+        flat, existing, count = self._in_place, self.pending, len(positions)
+        if flat is None or not (
+            np.array_equal(parents, np.arange(existing - 1, existing + count - 1))
+            and np.array_equal(self._pending_parents[:existing], np.arange(-1, existing - 1))
+        ):
+            return None
+        return self._chain_batches(flat, positions, most_rows)
+
+    def _chain_batches(self, flat: StaticForward, positions: np.ndarray,
+                       most_rows: int | None) -> Iterator[tuple[np.ndarray, Batch]]:  # fmt: skip
+        """``_in_place_batches``' forwards (``span_runs``), each row seeing the slots up to
+        its own (within each sliding window)."""
+        first = self.committed + self.pending
+        for rows, span in span_runs(flat.shapes, positions, most_rows):
+            picked, keys = positions[rows, None], np.arange(span)
+            seen = keys <= picked
+            masks = [seen if window is None else seen & (keys > picked - window)
+                     for window in flat.windows]  # fmt: skip
+            yield rows, Batch(tokens=np.empty(0, np.int64), positions=positions[rows],
+                              slots=first + rows, masks=masks, span=span)  # fmt: skip
 
     def _bucket_batches(
         self, static: StaticForward, positions: np.ndarray, rows: np.ndarray
