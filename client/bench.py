@@ -620,6 +620,8 @@ def _measure_target(spec: str, args, out: Path, *, report: list[str], results: d
             stack.callback(peers.close)
             for system, why in peers.skipped.items():
                 report.append(f"Peer {system} skipped: {why}\n")
+            if line := llama_server_settings(peers.llama_server):
+                report.append(line)
         for placement in args.placement:
             key = f"{target.name} {placement}"
             with daemon(placement, args.socket, out, target, settings=args.settings) as client:
@@ -645,6 +647,24 @@ def _measure_target(spec: str, args, out: Path, *, report: list[str], results: d
                                "the middle of the prompt list\n", table, ""]  # fmt: skip
                     results[key] |= {"load": load, "load_records": loaded}
                     write_reports(out, report, results)
+
+
+def llama_server_settings(info: dict) -> str:
+    """What the peers' process chose for llama-server and why (its measured decode tokens/s),
+    one line of the report; empty without llama-server."""
+    parts = []
+    flash = info.get("flash_attention") or {}
+    if flash.get("chosen"):
+        speeds = ", ".join(f"{k} {v}" for k, v in flash.items() if k != "chosen")
+        parts.append(f"flash attention {flash['chosen']} (decode tokens/s of the target alone "
+                     f"after a long prompt: {speeds})")  # fmt: skip
+    for key, speeds in info.items():
+        if key.startswith("sweep") and isinstance(speeds, dict) and speeds:
+            suffix = key.removeprefix("sweep")  # "" or " (draft on GPU)", ...
+            listed = ", ".join(f"{n} {v}" for n, v in speeds.items())
+            best = info.get(f"best_n_max{suffix}")
+            parts.append(f"draft length {best}{suffix} (decode tokens/s by n-max: {listed})")
+    return f"llama-server's settings, measured: {'; '.join(parts)}.\n" if parts else ""
 
 
 def progress_line(summary: dict[str, dict], fastest: str) -> str:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from hetspec.client import bench
 from hetspec.client.bench import BusyCore
 from hetspec.client.busy_box import busy_note
 
@@ -142,3 +143,19 @@ def test_a_busy_core_is_named_with_the_process_that_keeps_it_busy() -> None:
     assert f"core {core} " in note
     assert f"(pid {pid})" in note
     assert busy_note(set(), sample_s=0.1) is None  # no core of its own to look at
+
+
+def test_the_report_says_what_llama_server_was_set_to_and_why() -> None:
+    """The peers' measured choices (flash attention, draft length by placement) in one line;
+    nothing without llama-server."""
+    info = {"flash_attention": {"chosen": "off", "on": 24.5, "off": 32.7},
+            "sweep": {"1": 40.0, "3": 48.9}, "best_n_max": 3,
+            "sweep (draft on CPU)": {"2": 51.0}, "best_n_max (draft on CPU)": 2}  # fmt: skip
+    line = bench.llama_server_settings(info)
+    assert line == (
+        "llama-server's settings, measured: flash attention off (decode tokens/s of the target "
+        "alone after a long prompt: on 24.5, off 32.7); draft length 3 (decode tokens/s by "
+        "n-max: 1 40.0, 3 48.9); draft length 2 (draft on CPU) (decode tokens/s by n-max: "
+        "2 51.0).\n"
+    )
+    assert bench.llama_server_settings({}) == ""

@@ -386,6 +386,9 @@ def test_peers_process_serves_llama_servers_systems(binary: Path) -> None:
     assert first["skipped"] == {}
     best = first["llama_server"]["best_n_max"]
     assert set(first["llama_server"]["sweep"]) == {"1", "2", "3", "4", "6", "8"}
+    flash = first["llama_server"]["flash_attention"]  # the faster one, with both speeds
+    assert flash["chosen"] == max(("on", "off"), key=flash.__getitem__)
+    assert min(flash["on"], flash["off"]) > 0
     assert first["systems"][2:] == [
         "llama-server target alone",
         "llama-server speculative (default n-max)",

@@ -69,6 +69,52 @@ SWEEP_PROMPTS = (
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
 )
 SWEEP_TOKENS = 64
+# llama-server's flash attention, "on" or "off", whichever decodes the target alone faster
+# after FLASH_PROMPT (code of its own, none of the bench's, long enough that attention weighs
+# in a token): on the 2-vCPU dev VM its CPU flash attention ("auto" turns it on) decoded
+# heavy-300m 25% slower than without after the bench's longer prompts (docs/bench/bench.md)
+FLASH_ATTENTION = ("on", "off")
+FLASH_REPEATS = 3
+FLASH_PROMPT = """import json
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Inventory:
+    \"\"\"Items by name, each with a count and a price; saved as JSON.\"\"\"
+
+    path: str
+    items: dict = field(default_factory=dict)
+
+    def load(self):
+        if not os.path.exists(self.path):
+            return self
+        with open(self.path) as source:
+            for name, entry in json.load(source).items():
+                self.items[name] = (int(entry["count"]), float(entry["price"]))
+        return self
+
+    def save(self):
+        with open(self.path, "w") as target:
+            json.dump({name: {"count": count, "price": price}
+                       for name, (count, price) in self.items.items()}, target, indent=2)
+
+    def add(self, name, count, price):
+        old_count, _ = self.items.get(name, (0, price))
+        self.items[name] = (old_count + count, price)
+
+    def remove(self, name, count):
+        old_count, price = self.items[name]
+        if count > old_count:
+            raise ValueError(f"only {old_count} of {name} left")
+        self.items[name] = (old_count - count, price)
+
+    def total(self):
+        return sum(count * price for count, price in self.items.values())
+
+    def cheapest(self, limit=3):
+"""
 SWEEP_REPEATS, SWEEP_MAX_REPEATS, SWEEP_MIN_MS = 2, 30, 1000.0
 WARMUP_PROMPT = "def main():\n"
 
@@ -270,6 +316,37 @@ def sweep_n_max(binary: Path, config: ServerConfig, limit: int,
     }
 
 
+def pick_flash_attention(
+    binary: Path, config: ServerConfig, temperature: float = 0.0
+) -> tuple[str | None, dict[str, float]]:
+    """Which of FLASH_ATTENTION decodes ``config`` faster after FLASH_PROMPT (decode
+    tokens/s over FLASH_REPEATS completions each, taking turns after a warm-up), and the
+    speeds of those that ran; None where none did."""
+    timings: dict[str, list[Timing]] = {setting: [] for setting in FLASH_ATTENTION}
+    failed: set[str] = set()
+    pool = ServerPool(binary, len(FLASH_ATTENTION))
+    try:
+        for turn in range(FLASH_REPEATS):
+            for setting in [s for s in FLASH_ATTENTION if s not in failed]:
+                try:
+                    server = pool.get(replace(config, flash_attention=setting))
+                    if turn == 0:
+                        server.complete(WARMUP_PROMPT, 8)
+                    timings[setting].append(server.complete(FLASH_PROMPT, SWEEP_TOKENS,
+                                                            temperature, seed=turn))  # fmt: skip
+                except LlamaServerError as error:
+                    print(f"peers: llama-server -fa {setting} failed: {error}", file=sys.stderr)
+                    failed.add(setting)
+    finally:
+        pool.close()
+    speeds = {
+        setting: sum(t.tokens - 1 for t in measured) / sum(t.decode_ms for t in measured) * 1000
+        for setting, measured in timings.items()
+        if measured and setting not in failed
+    }
+    return (max(speeds, key=speeds.__getitem__) if speeds else None), speeds
+
+
 ALL_LAYERS = 999  # -ngl: every layer on the GPU
 
 
@@ -277,19 +354,25 @@ def llama_server_peers(
     pool: ServerPool, threads: int, target: Path, draft: Path, *, skipped: dict, info: dict,
     gpu: bool = False, temperature: float = 0.0,
 ) -> list[Peer]:  # fmt: skip
-    """llama-server alone, at its default draft length and at the sweep's best (run now);
-    ``info`` gets the binary and the sweep's figures. With ``gpu`` (a CUDA build) the target
+    """llama-server alone, at its default draft length and at the sweep's best (run now),
+    every row with the faster flash-attention setting (``pick_flash_attention``, run first);
+    ``info`` gets the binary and both choices' figures. With ``gpu`` (a CUDA build) the target
     is on the GPU, and the speculative rows come twice: the draft on the GPU (llama.cpp's
     usual set-up) and on the CPU (DuoDecoding's placement), each at its own best length;
     a 16-bit GGUF beside ``target`` (``*-f16.gguf``) adds a target-alone row at hetspec's
     own precision. Every row samples at ``temperature`` (0: greedy), the sweep too."""
-    on_gpu = {"gpu_layers": ALL_LAYERS} if gpu else {}
-    alone = ServerConfig(target, threads=threads, **on_gpu)
+    shared: dict = {"gpu_layers": ALL_LAYERS} if gpu else {}
+    flash, speeds = pick_flash_attention(
+        pool.binary, ServerConfig(target, threads=threads, **shared), temperature
+    )
+    info["flash_attention"] = {"chosen": flash, **{k: round(v, 1) for k, v in speeds.items()}}
+    shared["flash_attention"] = flash
+    alone = ServerConfig(target, threads=threads, **shared)
     peers: list[Peer] = [LlamaServerPeer("llama-server target alone", alone, pool, temperature)]
     if gpu:
         half = sorted(target.parent.glob("*-f16.gguf"))
         if half and half[0] != target:
-            config = ServerConfig(half[0], threads=threads, **on_gpu)
+            config = ServerConfig(half[0], threads=threads, **shared)
             peers.append(LlamaServerPeer("llama-server target alone (F16)", config, pool,
                                          temperature))  # fmt: skip
     placements = {"": {}}
@@ -299,7 +382,7 @@ def llama_server_peers(
     info.update(binary=str(pool.binary), sweep_prompts=len(SWEEP_PROMPTS),
                 sweep_tokens=SWEEP_TOKENS, sweep_min_decode_ms=SWEEP_MIN_MS)  # fmt: skip
     for suffix, where in placements.items():
-        speculative = ServerConfig(target, draft, threads=threads, **on_gpu, **where)
+        speculative = ServerConfig(target, draft, threads=threads, **shared, **where)
         peers.append(LlamaServerPeer(f"llama-server speculative (default n-max){suffix}",
                                      speculative, pool, temperature))  # fmt: skip
         speeds = sweep_n_max(pool.binary, speculative, servers_that_fit([target, draft], 6),
