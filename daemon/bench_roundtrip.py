@@ -1,7 +1,7 @@
 """Micro-benchmark: one daemon -> worker -> daemon round trip carrying a probability row.
 
     python -m hetspec.daemon.bench_roundtrip [--model GGUF] [--floats 32768] [--count 5000]
-        [--gap-us 0] [--spin-us 100] [--json PATH]
+        [--gap-us 0] [--spin-us 100] [--hold-us 0] [--daemon-spin-us 0] [--json PATH]
 
 Starts a real llama.cpp worker process (with the bundled draft model unless told otherwise),
 then times ``Echo`` calls from the daemon's asyncio/uvloop side: the daemon writes a row into
@@ -9,6 +9,8 @@ an arena slot, the worker copies it into another slot, the daemon reads the answ
 For comparison it also sends the row as a message frame both ways. Each is timed over both
 links, in turn: the shared-memory mailboxes (where supported) and ZeroMQ alone. Every
 speculative round pays this hop at least twice, so it must stay far below a draft step.
+With ``--hold-us`` the worker computes that long before each answer (the daemon waits, as
+through a verification) and the times given are the round trips less it.
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ LINKS = {"mailbox": "mailboxes", "zmq": "ZeroMQ alone"}
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "draft" / "draft-q8_0.gguf"
 
 
-async def time_calls(call, count: int, check, gap_us: float = 0.0) -> list[float]:
+async def time_calls(call, count: int, check, gap_us: float = 0.0,
+                     hold_us: float = 0.0) -> list[float]:  # fmt: skip
     """Round-trip times (us) of ``count`` awaits of ``call()``, each ``gap_us`` after the last
     answer (the daemon busy meanwhile, as between a round's calls: the worker polls, then
-    sleeps), every answer checked."""
+    sleeps), less the ``hold_us`` the worker computes for each, every answer checked."""
     samples = []
     for index in range(count):
         until = time.perf_counter() + gap_us / 1e6
@@ -48,7 +51,7 @@ async def time_calls(call, count: int, check, gap_us: float = 0.0) -> list[float
         reply, frames = await call()
         check(reply, frames)
         if index >= count // 10:  # the first tenth warms caches and the allocator
-            samples.append((time.perf_counter() - start) * 1e6)
+            samples.append((time.perf_counter() - start) * 1e6 - hold_us)
     return samples
 
 
@@ -69,6 +72,7 @@ async def run(args: argparse.Namespace) -> int:
                         "cpu", "llama.cpp", str(args.model),
                         m.LlamaCppSettings(n_ctx=256, threads=1), cores=worker_cores,
                         log_format="console", spin_us=args.spin_us, mailbox=link == "mailbox",
+                        reply_spin_us=args.daemon_spin_us,
                     )  # fmt: skip
                     generation = len(samples) + 1  # fresh endpoints for each worker
                     client = WorkerClient(spec, Path(runtime_dir), generation, arena.layout)
@@ -87,7 +91,8 @@ async def run(args: argparse.Namespace) -> int:
     print(f"round trip daemon -> worker -> daemon, {args.floats} float32 ({kib:.0f} KiB) each "
           f"way, {args.turns} x {args.count - args.count // 10} calls after warm-up per link, "
           f"{args.gap_us:g} us apart, the worker polling {args.spin_us:g} us before it "
-          "sleeps")  # fmt: skip
+          f"sleeps, holding each answer {args.hold_us:g} us (not counted), the daemon polling "
+          f"{args.daemon_spin_us:g} us after each call")  # fmt: skip
     merged: dict[tuple[str, str], list[float]] = {}
     for (link, kind, _), answers in samples.items():
         merged.setdefault((link, kind), []).extend(answers)
@@ -100,6 +105,7 @@ async def run(args: argparse.Namespace) -> int:
               f"p10 {q[0]:7.1f}   p90 {q[-1]:7.1f}")  # fmt: skip
     if args.json is not None:
         document = {"floats": args.floats, "gap_us": args.gap_us, "spin_us": args.spin_us,
+                    "hold_us": args.hold_us, "daemon_spin_us": args.daemon_spin_us,
                     "median_us": medians}  # fmt: skip
         args.json.write_text(json.dumps(document))
     return 0
@@ -111,7 +117,7 @@ async def time_link(client: WorkerClient, arena: Arena, row: np.ndarray, args) -
     in_slot = ArrayRef(row.dtype.str, row.shape, slot=0)
 
     async def via_arena():
-        echo = m.Echo(request=client.next_request(), data=in_slot, out=1)
+        echo = m.Echo(request=client.next_request(), data=in_slot, out=1, hold_us=args.hold_us)
         return await client.call(echo)
 
     def arena_answer(reply, frames):
@@ -119,14 +125,16 @@ async def time_link(client: WorkerClient, arena: Arena, row: np.ndarray, args) -
 
     async def via_frames():
         data = ArrayRef(row.dtype.str, row.shape, frame=1)
-        return await client.call(m.Echo(request=client.next_request(), data=data), (row,))
+        echo = m.Echo(request=client.next_request(), data=data, hold_us=args.hold_us)
+        return await client.call(echo, (row,))
 
     def framed_answer(reply, frames):
         assert frame_array(reply.data, frames)[-1] == row[-1]
 
+    timing = {"gap_us": args.gap_us, "hold_us": args.hold_us}
     return {
-        "shared-memory arena": await time_calls(via_arena, args.count, arena_answer, args.gap_us),
-        "message frames": await time_calls(via_frames, args.count, framed_answer, args.gap_us),
+        "shared-memory arena": await time_calls(via_arena, args.count, arena_answer, **timing),
+        "message frames": await time_calls(via_frames, args.count, framed_answer, **timing),
     }
 
 
@@ -144,6 +152,16 @@ def main(argv: list[str] | None = None) -> int:
         "--gap-us", type=float, default=0.0,
         help="time between an answer and the next call (longer than --spin-us: the worker "
         "sleeps, and the call pays its wake-up)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--hold-us", type=float, default=0.0,
+        help="the worker computes this long before each answer (the daemon waits, as through "
+        "a verification); not counted in the times",
+    )  # fmt: skip
+    parser.add_argument(
+        "--daemon-spin-us", type=float, default=0.0,
+        help="the daemon polls the replies this long after each call instead of sleeping "
+        "until one wakes it (daemon_spin_us)",
     )  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write the medians here")
     args = parser.parse_args(argv)

@@ -225,6 +225,11 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # thread's wake-up costs ~200 us on an idle VM, but polling slows the other worker (on a
     # 2-vCPU VM a busy sibling made a torch forward 1.7x slower), so keep it short.
     worker_spin_us: float = 100.0
+    # After sending a worker a call the daemon reads its replies this long on every pass of
+    # its event loop instead of sleeping until a reply wakes it (0: it sleeps). That saves a
+    # wake-up per call but keeps a core busy through every call: for a box where the daemon
+    # has a core of its own (a GPU box's CPU), never for two cores the workers share.
+    daemon_spin_us: float = 0.0
     # Commands and replies through shared-memory mailboxes with an eventfd bell (x86-64
     # Linux; protocol/mailbox.py): a round trip ~4x shorter than through ZeroMQ alone, whose
     # I/O threads each message wakes. false: ZeroMQ alone (also what other machines use).
@@ -251,8 +256,9 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError(
                 f"http_max_connections must be in 1..1000000, not {self.http_max_connections}"
             )
-        if not 0 <= self.worker_spin_us <= 100_000:
-            raise ValueError(f"worker_spin_us must be in 0..100000, not {self.worker_spin_us}")
+        for key in ("worker_spin_us", "daemon_spin_us"):
+            if not 0 <= getattr(self, key) <= 100_000:
+                raise ValueError(f"{key} must be in 0..100000, not {getattr(self, key)}")
         if not 1 <= self.gamma <= 32:
             raise ValueError(f"gamma must be in 1..32, not {self.gamma}")
         if not 0 <= self.draft_tree <= 8:

@@ -128,6 +128,7 @@ def worker_specs(config: DaemonConfig, log_format: str, gpu_runtime: str | None 
         gpu_settings = _torch_settings(gpu_cfg, verifies=drafting_on_cpu, cores=gpu_cores)
     common = {"heartbeat_s": config.heartbeat_s, "heartbeat_timeout_s": config.heartbeat_timeout_s,
               "call_timeout_s": config.call_timeout_s, "spin_us": config.worker_spin_us,
+              "reply_spin_us": config.daemon_spin_us,
               "mailbox": config.worker_mailboxes, "log_format": log_format}  # fmt: skip
     # Both compute on the CPU: the verifier may borrow the drafter's cores while it idles.
     lend = config.lend_cores and not cuda

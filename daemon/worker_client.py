@@ -106,6 +106,9 @@ class WorkerSpec:
     call_timeout_s: float = 300.0  # a command taking longer means a wedged engine: kill it
     log_format: str = "json"
     spin_us: float = 100.0  # how long the worker polls for its next command before it sleeps
+    # after a call is sent, how long the daemon reads the replies mailbox on every pass of its
+    # event loop, which then never sleeps (0: it waits for the bell, a wake-up per reply)
+    reply_spin_us: float = 0.0
     # commands and replies through shared-memory mailboxes (protocol/mailbox.py) where they
     # work (x86-64 Linux); False, or elsewhere: through the ZeroMQ sockets alone
     mailbox: bool = True
@@ -154,6 +157,7 @@ class WorkerClient:
         self._handshake: asyncio.Future | None = None  # resolves to Hello
         self._outbox: Mailbox | None = None  # commands, when the link uses mailboxes
         self._inbox: Mailbox | None = None  # replies from the compute thread
+        self._polling_until: float | None = None  # perf_counter; None: not polling (see call)
         self._loading: asyncio.Future | None = None  # resolves to Ready
         self.died = asyncio.get_running_loop().create_future()
 
@@ -351,11 +355,37 @@ class WorkerClient:
     def _on_bell(self) -> None:
         """The replies mailbox's bell rang: reset it, then read every reply posted."""
         self._inbox.clear()
+        self._read_inbox()
+
+    def _read_inbox(self) -> None:
         while (frames := self._inbox.take()) is not None:
             if isinstance(frames, list):  # the worker never diverts: big replies just use zmq
                 self._dispatch(frames)
         if self._settling:
             self._wake_settled()
+
+    def _poll_replies(self) -> None:
+        """Read the replies mailbox, and again on the event loop's next pass while a call is
+        pending and the poll lasts: the loop then never sleeps, so a reply is read without
+        waiting to be woken. Its bell still rings; ``_on_bell`` then finds nothing new."""
+        until = self._polling_until
+        if self._inbox is None or until is None:
+            self._polling_until = None
+            return
+        self._read_inbox()
+        if self._calls and time.perf_counter() < until and not self.died.done():
+            asyncio.get_running_loop().call_soon(self._poll_replies)
+        else:
+            self._polling_until = None
+
+    def _start_polling(self) -> None:
+        """Poll the replies mailbox for ``reply_spin_us`` from now (``_poll_replies``)."""
+        if self._inbox is None or self.spec.reply_spin_us <= 0:
+            return
+        polling = self._polling_until is not None
+        self._polling_until = time.perf_counter() + self.spec.reply_spin_us / 1e6
+        if not polling:
+            asyncio.get_running_loop().call_soon(self._poll_replies)
 
     def _dispatch(self, frames: list[bytes]) -> None:
         try:
@@ -528,6 +558,7 @@ class WorkerClient:
         worker is done with its command."""
         request = command.request
         future = self._send_call(request, command, arrays)
+        self._start_polling()
         # a timer handle instead of asyncio.wait_for, which costs ~50 us per call
         timer = asyncio.get_running_loop().call_later(self.spec.call_timeout_s, _expire, future)
         try:

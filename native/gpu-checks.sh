@@ -10,8 +10,8 @@
 # The full call benches the verifier the quick call found fastest among those bit-identical at
 # every width (cuBLAS, the Triton matmul, torch.compile: native/gpu-pick-settings.py) unless
 # BENCH_SET is given before bash: daemon settings separated by spaces (e.g. BENCH_SET='' for
-# the default; the pick adds worker_spin_us=2000 itself where the quick call's round trips
-# showed a wake-up costing more than polling through the gap). BENCH_ARGS adds arguments to that
+# the default; the pick adds worker_spin_us=2000 and daemon_spin_us=5000 itself where the quick
+# call's round trips showed a wake-up costing more than polling). BENCH_ARGS adds arguments to that
 # bench (e.g. BENCH_ARGS='--temperature 0.8': every system sampled, seeded per prompt).
 # GEMMA=1 before a quick call adds T_verify of a random Gemma-3-1B-shaped folder at its end.
 #
@@ -167,6 +167,15 @@ if [[ -n "${QUICK:-}" ]]; then
     step 40 "worker round trip, 1 ms apart, polling $spin us" "$python" -m \
         hetspec.daemon.bench_roundtrip --floats 16 --count 600 --turns 1 --gap-us 1000 \
         --spin-us $spin --json "$tables/roundtrip-spin$spin.json"
+  done
+  # the daemon's side: the worker computing 1 ms an answer (as through a verification), the
+  # daemon sleeping until the answer wakes it, or polling (on the 2-vCPU dev VM, the daemon
+  # on a core of its own: 123 against 73 us; the pick adds daemon_spin_us=5000 where it pays)
+  for daemon in 0 5000; do
+    step 40 "worker round trip, a 1 ms answer, the daemon polling $daemon us" "$python" -m \
+        hetspec.daemon.bench_roundtrip --floats 16 --count 600 --turns 1 --gap-us 1000 \
+        --spin-us 2000 --hold-us 1000 --daemon-spin-us $daemon \
+        --json "$tables/roundtrip-hold$([[ $daemon == 0 ]] || echo -daemon).json"
   done
   pick
   # the least telling last: through torch.compile (inductor fuses the kernels between the

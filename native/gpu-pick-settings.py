@@ -13,7 +13,9 @@ alternative qualifies.
 
 Where OUT_DIR also holds roundtrip-spin100.json and roundtrip-spin2000.json (bench_roundtrip
 --json: a worker woken for every call, and one polling through the gap), it adds
-``worker_spin_us=2000`` when polling saves at least ``SPIN_PAYS_US`` a call.
+``worker_spin_us=2000`` when polling saves at least ``SPIN_PAYS_US`` a call; and where it holds
+roundtrip-hold.json and roundtrip-hold-daemon.json (the worker computing 1 ms an answer, the
+daemon sleeping through it or polling), ``daemon_spin_us=5000`` when polling saves as much.
 
 With --tiling it reads OUT_DIR/TABLE (default matmul.json; bench_matmul --json) instead and
 prints the
@@ -42,21 +44,42 @@ SPINS = (100, 2000)  # the worker's poll before it sleeps: the default, and thro
 LINK = "mailboxes, message frames"  # a command's path: the daemon's default link, no arena row
 
 
+DAEMON_SPIN = 5000  # the daemon's poll after a call: longer than a round's calls
+
+
+def saved_us(folder: Path, sleeping: str, polling: str) -> float | None:
+    """How much less a call takes in table ``polling`` than in ``sleeping`` (bench_roundtrip
+    --json, the link's median); None where either is missing."""
+    medians = []
+    for name in (sleeping, polling):
+        try:
+            medians.append(float(json.loads((folder / name).read_text())["median_us"][LINK]))
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            print(f"{name}: not read ({error!r})", file=sys.stderr)
+            return None
+    return medians[0] - medians[1]
+
+
 def spin_setting(folder: Path) -> str:
     """``worker_spin_us=2000`` where the round-trip tables say polling through a call's gap
     saves at least ``SPIN_PAYS_US`` a call; else nothing."""
-    medians = {}
-    for spin in SPINS:
-        try:
-            table = json.loads((folder / f"roundtrip-spin{spin}.json").read_text())
-            medians[spin] = float(table["median_us"][LINK])
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            print(f"roundtrip-spin{spin}.json: not read ({error!r})", file=sys.stderr)
-            return ""
-    saved = medians[SPINS[0]] - medians[SPINS[1]]
+    saved = saved_us(folder, f"roundtrip-spin{SPINS[0]}.json", f"roundtrip-spin{SPINS[1]}.json")
+    if saved is None:
+        return ""
     print(f"a call polling {SPINS[1]} us against {SPINS[0]}: {saved:.1f} us saved",
           file=sys.stderr)  # fmt: skip
     return f"worker_spin_us={SPINS[1]}" if saved >= SPIN_PAYS_US else ""
+
+
+def daemon_spin_setting(folder: Path) -> str:
+    """``daemon_spin_us=5000`` where the daemon reading its replies by polling instead of
+    sleeping through a 1 ms call saves at least ``SPIN_PAYS_US`` a call; else nothing."""
+    saved = saved_us(folder, "roundtrip-hold.json", "roundtrip-hold-daemon.json")
+    if saved is None:
+        return ""
+    print(f"the daemon polling through a 1 ms call against sleeping: {saved:.1f} us saved",
+          file=sys.stderr)  # fmt: skip
+    return f"daemon_spin_us={DAEMON_SPIN}" if saved >= SPIN_PAYS_US else ""
 
 
 def t1_ms(table: dict) -> float | None:
@@ -133,7 +156,7 @@ def main() -> int:
             best = (price, chosen)
     if best is not None:
         print(f"chosen: {best[1] or 'the default'} ({best[0]} ms)", file=sys.stderr)
-    settings = [best[1] if best else "", spin_setting(folder)]
+    settings = [best[1] if best else "", spin_setting(folder), daemon_spin_setting(folder)]
     print(" ".join(setting for setting in settings if setting))
     return 0
 

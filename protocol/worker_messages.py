@@ -22,7 +22,7 @@ from hetspec.protocol.arena import ArenaLayout, ArrayRef
 from hetspec.protocol.sampling import SamplingParams, TokenLogprob
 from hetspec.protocol.vocab import VocabInfo
 
-PROTOCOL_VERSION = 17
+PROTOCOL_VERSION = 18
 
 
 class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"):
@@ -254,11 +254,14 @@ class Tokenize(_Message, tag="tokenize"):
 
 
 class Echo(_Message, tag="echo"):
-    """Copy the array at ``data`` into slot ``out`` (or back as a frame): the round-trip probe."""
+    """Copy the array at ``data`` into slot ``out`` (or back as a frame): the round-trip probe.
+    ``hold_us``: computing that long first (as a verification or a draft does, while the
+    daemon waits)."""
 
     request: int
     data: ArrayRef
     out: int = -1
+    hold_us: float = 0.0
 
 
 class Cancel(_Message, tag="cancel"):

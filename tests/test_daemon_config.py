@@ -61,6 +61,11 @@ def test_file_then_environment_then_flags(tmp_path) -> None:
             "gpu_worker.dtype: invalid enum value 'fp8'; one of: auto, float32, bfloat16, "
             "float16 (environment variable HETSPEC_GPU_WORKER__DTYPE)",
         ),
+        (
+            "daemon_spin_us = -1\n",
+            {},
+            "daemon_spin_us: must be in 0..100000, not -1.0 (FILE)",
+        ),
         ("socket = \n", {}, "FILE is not valid TOML"),
         ("", {"HETSPEC_BOGUS": "1"}, "bogus: unknown setting (environment variable HETSPEC_BOGUS)"),
         (

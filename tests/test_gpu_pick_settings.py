@@ -168,3 +168,32 @@ def test_the_worker_polls_through_a_calls_gap_where_its_wake_up_costs_more(tmp_p
     (tmp_path / "verify-1b-fixed16-triton.json").unlink()
     tables(woken_us=180.0, polling_us=60.0)
     assert picked(tmp_path)[0] == "worker_spin_us=2000"  # the default verifier, polling
+
+
+def test_the_daemon_polls_for_replies_where_its_own_wake_up_costs_more(tmp_path) -> None:
+    """bench_roundtrip with the worker computing each answer and the daemon polling for it
+    (the quick call's last two round-trip tables): the full call's daemon polls where that
+    saves >= 25 us a call, and the setting is one the daemon takes."""
+    written = tmp_path / "written.json"
+    arguments = ["--floats", "16", "--count", "40", "--turns", "1", "--gap-us", "300",
+                 "--spin-us", "2000", "--hold-us", "300", "--daemon-spin-us", "5000",
+                 "--json", str(written)]  # fmt: skip
+    assert bench_roundtrip.main(arguments) == 0
+    table = json.loads(written.read_text())
+    assert (table["hold_us"], table["daemon_spin_us"]) == (300.0, 5000.0)
+    link = table["median_us"]["mailboxes, message frames"]
+    assert 0 < link < 300  # the hold is not counted
+
+    def tables(sleeping_us: float, polling_us: float) -> None:
+        for name, us in (("roundtrip-hold", sleeping_us), ("roundtrip-hold-daemon", polling_us)):
+            document = {**table, "median_us": {**table["median_us"],
+                                               "mailboxes, message frames": us}}  # fmt: skip
+            (tmp_path / f"{name}.json").write_text(json.dumps(document))
+
+    tables(sleeping_us=123.0, polling_us=73.0)
+    settings, reasons = picked(tmp_path)
+    assert settings == "daemon_spin_us=5000"
+    assert "50.0 us saved" in reasons
+    assert daemon_config(settings).daemon_spin_us == 5000
+    tables(sleeping_us=80.0, polling_us=70.0)  # the daemon wakes fast here: it sleeps
+    assert picked(tmp_path)[0] == ""

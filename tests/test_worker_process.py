@@ -175,6 +175,38 @@ async def test_arrays_travel_in_frames_and_in_slots(gguf, tmp_path, arena) -> No
         await cpu.stop()
 
 
+async def test_a_daemon_polling_for_replies_reads_them_and_then_lets_its_loop_sleep(
+    gguf, tmp_path, arena
+) -> None:
+    """With ``reply_spin_us`` the client reads the replies mailbox on every pass of the event
+    loop while a call is pending (an answer held 20 ms comes without the bell's callback),
+    and stops polling once none is, or once the poll's time is up."""
+    cpu = await started(spec(gguf, "llama.cpp", reply_spin_us=50_000.0), tmp_path, arena)
+    try:
+        arena.empty(2, (8,))[:] = np.arange(8, dtype=np.float32)
+        data = ArrayRef("<f4", (8,), slot=2)
+        bells = []
+        on_bell = cpu._on_bell
+        cpu._on_bell = lambda: bells.append(len(cpu._calls)) or on_bell()
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(cpu._inbox.bell_fd)
+        loop.add_reader(cpu._inbox.bell_fd, cpu._on_bell)
+        echoed, _ = await cpu.call(m.Echo(request=cpu.next_request(), data=data, out=3,
+                                          hold_us=20_000.0))  # fmt: skip
+        np.testing.assert_array_equal(arena.view(echoed.data), np.arange(8))
+        assert all(pending == 0 for pending in bells)  # the poll read it before any bell
+        await asyncio.sleep(0.01)
+        assert cpu._polling_until is None  # no call pending: the loop may sleep again
+        held = m.Echo(request=cpu.next_request(), data=data, out=3, hold_us=80_000.0)
+        call = asyncio.ensure_future(cpu.call(held))
+        await asyncio.sleep(0.065)
+        assert cpu._polling_until is None  # 50 ms are up: the bell reads this one
+        await call
+        assert bells[-1] == 1  # the bell's callback found the call pending and answered it
+    finally:
+        await cpu.stop()
+
+
 def threads_on(pid: int, cores: set[int]) -> dict[int, int]:
     """{thread id: nanoseconds it has run} for the process's threads that may run on
     ``cores`` only."""

@@ -534,7 +534,11 @@ class Worker:
         return m.Tokenized(command.request, tokens), ()
 
     def echo(self, command: m.Echo, frames) -> tuple:
-        """Copy the array back: into slot ``out``, or as a frame when ``out`` is -1."""
+        """Copy the array back: into slot ``out``, or as a frame when ``out`` is -1, after
+        computing ``hold_us`` (a busy wait)."""
+        until = time.perf_counter() + min(max(command.hold_us, 0.0), 1e6) / 1e6  # <= 1 s
+        while time.perf_counter() < until:
+            pass
         if command.data.frame >= 1:
             data = frame_array(command.data, frames)
         else:
