@@ -271,6 +271,16 @@ class LlamaServerPeer:
                 "draft_n": timing.draft_n, "draft_n_accepted": timing.draft_n_accepted}  # fmt: skip
 
 
+def decode_speeds(timings: dict, failed: set) -> dict:
+    """Decode tokens/s of each setting's completions (all tokens after the first over all
+    decode time), leaving out settings that failed or never ran."""
+    return {
+        setting: sum(t.tokens - 1 for t in measured) / sum(t.decode_ms for t in measured) * 1000
+        for setting, measured in timings.items()
+        if measured and setting not in failed
+    }
+
+
 def sweep_n_max(binary: Path, config: ServerConfig, limit: int,
                 temperature: float = 0.0) -> dict[int, float]:  # fmt: skip
     """Decode tokens/s of llama-server's speculative decoding at each draft length of
@@ -309,11 +319,7 @@ def sweep_n_max(binary: Path, config: ServerConfig, limit: int,
                 failed.add(n_max)
     finally:
         pool.close()
-    return {
-        n: sum(t.tokens - 1 for t in measured) / sum(t.decode_ms for t in measured) * 1000
-        for n, measured in timings.items()
-        if measured and n not in failed
-    }
+    return decode_speeds(timings, failed)
 
 
 def pick_flash_attention(
@@ -339,11 +345,7 @@ def pick_flash_attention(
                     failed.add(setting)
     finally:
         pool.close()
-    speeds = {
-        setting: sum(t.tokens - 1 for t in measured) / sum(t.decode_ms for t in measured) * 1000
-        for setting, measured in timings.items()
-        if measured and setting not in failed
-    }
+    speeds = decode_speeds(timings, failed)
     return (max(speeds, key=speeds.__getitem__) if speeds else None), speeds
 
 
