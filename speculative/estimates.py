@@ -57,9 +57,14 @@ class WindowedMedian:
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
         self._clock = clock or (lambda: 0)
         self._max_age = max_age
+        self._added = 0
+        # (clock, samples added) -> (median, count): a controller's choice reads each median
+        # several times between two rounds
+        self._cached: tuple[tuple[int, int], tuple[float | None, int]] | None = None
 
     def add(self, value: float) -> None:
         self._samples.append((self._clock(), value))
+        self._added += 1
 
     def _fresh(self) -> list[float]:
         if self._max_age is None:
@@ -68,17 +73,20 @@ class WindowedMedian:
         return [value for tick, value in self._samples if tick >= oldest]
 
     def __len__(self) -> int:
-        return len(self._fresh())
+        return self.median_and_count()[1]
 
     @property
     def value(self) -> float | None:
-        fresh = self._fresh()
-        return statistics.median(fresh) if fresh else None
+        return self.median_and_count()[0]
 
     def median_and_count(self) -> tuple[float | None, int]:
-        """``value`` and ``len`` from one pass over the samples."""
-        fresh = self._fresh()
-        return (statistics.median(fresh) if fresh else None), len(fresh)
+        """``value`` and ``len`` from one pass over the samples (again only once a sample
+        was added or the clock moved)."""
+        key = (self._clock(), self._added)
+        if self._cached is None or self._cached[0] != key:
+            fresh = self._fresh()
+            self._cached = key, ((statistics.median(fresh) if fresh else None), len(fresh))
+        return self._cached[1]
 
 
 class DecayedRate:
@@ -317,14 +325,21 @@ class Estimates:
             return [(1, 1.0)]
         return [(k, float(n / total)) for k, n in enumerate(self._rule_picked) if n > 0]
 
-    def reach(self, branches: int, first: float | None = None) -> np.ndarray:
-        """[depth]: P(the first depth tokens accepted), depth 0 .. max_gamma + 1."""
+    def reach(self, branches: int, first: float | None = None,
+              deeper: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+        """[depth]: P(the first depth tokens accepted), depth 0 .. max_gamma + 1 (``deeper``:
+        ``_deeper_acceptance()``, where the caller has it)."""
+        steps = np.empty(self.config.max_gamma + 2)
+        steps[0] = 1.0
+        steps[1] = first if first is not None else self.acceptance(1, branches)
+        steps[2:] = self._deeper_acceptance() if deeper is None else deeper
+        return np.cumprod(steps)
+
+    def _deeper_acceptance(self) -> np.ndarray:
+        """acceptance(d) for d = 2 .. max_gamma + 1 (the last depth's for the one beyond)."""
         config, top = self.config, self.config.max_gamma
-        steps = np.empty(top + 1)
-        steps[0] = first if first is not None else self.acceptance(1, branches)
-        deeper = np.minimum(np.arange(2, top + 2), top)  # acceptance(d) for d > 1, at once
-        steps[1:] = self._depth.rate(deeper, config.prior_acceptance, config.prior_weight)
-        return np.concatenate([[1.0], np.cumprod(steps)])
+        deeper = np.minimum(np.arange(2, top + 2), top)
+        return self._depth.rate(deeper, config.prior_acceptance, config.prior_weight)
 
     # ------------------------------------------------------------ the model
 
@@ -335,8 +350,10 @@ class Estimates:
         verify = {o: self._verify_or_stand_in(o) for o in (False, True)}
         if step[False] is None or verify[False] is None:
             return None
-        reach = np.stack([np.zeros(self.config.max_gamma + 2)] + [
-            self.reach(b) for b in range(1, self.config.max_branches + 1)])  # fmt: skip
+        deeper = self._deeper_acceptance()  # the same for every branch count
+        branches = range(1, self.config.max_branches + 1)
+        reach = np.stack([np.zeros(self.config.max_gamma + 2)]
+                         + [self.reach(b, deeper=deeper) for b in branches])  # fmt: skip
         overhead = self._overhead.value or 0.0
         if self._alone.value:
             alone = self._alone.value
@@ -344,7 +361,7 @@ class Estimates:
             alone = float(self._profile.at(1))
         else:
             alone = float(verify[False].at(1)) + overhead
-        shares = tuple(RuleShare(k, share, self.reach(k, self.rule_acceptance(k)))
+        shares = tuple(RuleShare(k, share, self.reach(k, self.rule_acceptance(k), deeper))
                        for k, share in self.rule_shares()) if rule else ()  # fmt: skip
         latency = {o: self.draft_latency_s(o) for o in (False, True)}
         return CostModel(step, latency, verify, reach, overhead, self.config.branch_cost,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -47,8 +48,10 @@ def plan_of(model: CostModel, limits: Limits, gamma: int, branches: int = 1, *,
                 expected_tokens=float(tokens), round_s=float(seconds))  # fmt: skip
 
 
+@lru_cache(maxsize=16)
 def _grid(limits: Limits) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(gamma, branches, overlap) of every drafted shape the limits allow."""
+    """(gamma, branches, overlap) of every drafted shape the limits allow (built once per
+    limits: read-only arrays)."""
     shapes = [
         (g, b, False)
         for b in range(1, limits.max_branches + 1)
@@ -59,8 +62,10 @@ def _grid(limits: Limits) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         shapes += [
             (g, 1, True) for g in range(1, limits.max_gamma + 1) if g + 1 <= limits.max_width
         ]
-    gammas, branches, overlaps = zip(*shapes, strict=True)
-    return np.array(gammas), np.array(branches), np.array(overlaps)
+    arrays = tuple(np.array(column) for column in zip(*shapes, strict=True))
+    for array in arrays:
+        array.flags.writeable = False
+    return arrays
 
 
 def best_drafted(model: CostModel, limits: Limits, overlap: bool) -> Plan:

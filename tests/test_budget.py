@@ -15,7 +15,7 @@ from hetspec.speculative.cost_model import (
     RuleShare,
     VerifyLine,
 )
-from hetspec.speculative.estimates import Estimates
+from hetspec.speculative.estimates import Estimates, WindowedMedian
 from hetspec.speculative.rounds import DraftCall, Plan, RoundReport
 
 MAX_GAMMA, MAX_BRANCHES = 16, 4  # the controller's defaults
@@ -675,3 +675,23 @@ def test_rounds_of_a_narrow_span_of_widths_price_the_others_by_the_profiles_shap
                                               verify_s=noisy))  # fmt: skip
         seven = level * float(np.interp(7, list(profile), list(profile.values())))
         assert estimates.verify_s(7) == pytest.approx(seven, rel=0.12)
+
+
+def test_a_windowed_median_read_again_follows_new_samples_and_forgets_old_ones() -> None:
+    """The median is computed once per (clock, samples) and read from there after: a sample
+    added or the clock moving past a sample's age changes it at once."""
+    clock = [0]
+    median = WindowedMedian(window=3, clock=lambda: clock[0], max_age=5)
+    assert (median.value, len(median)) == (None, 0)
+    median.add(1.0)
+    median.add(3.0)
+    assert (median.value, len(median)) == (2.0, 2)
+    median.add(8.0)
+    assert median.value == 3.0
+    median.add(9.0)  # the window drops 1.0
+    assert median.median_and_count() == (8.0, 3)
+    clock[0] = 4
+    median.add(20.0)  # the window drops 3.0
+    assert median.median_and_count() == (9.0, 3)
+    clock[0] = 6  # the samples of tick 0 are older than 5 ticks
+    assert median.median_and_count() == (20.0, 1)
