@@ -3,7 +3,8 @@
     python -m hetspec.models.acceptance_bound [--prompts 8] [--tokens 96] [--gammas 4,8,16]
                                               [--head models/head] [--target-gguf GGUF]
                                               [--verify-ms 2.6,1.8,1.0 [--draft-ms 0.15]
-                                               [--other-ms 0.3]] [--out FILE.md]
+                                               [--other-ms 0.3]
+                                               [--stop-below 0.05,0.1]] [--out FILE.md]
 
 Offline, in torch float32, on the benchmarks' prompts (``corpus.prompt_set``): the target's
 own greedy continuation of each prompt, then, at every generated position, whether each
@@ -16,7 +17,9 @@ a (1 - a^gamma) / (1 - a) tokens; the last table gives the agreement a head woul
 given multiple of the draft model's chain. With ``--verify-ms`` it also says what plain
 (not overlapped) rounds of the draft model's chains allow for those verification costs as the
 daemon sees them, with a draft token's and the rest of a round's: the best gamma and its
-tokens a second (e.g. the GPU box's costs, docs/bench/gpu). With ``--target-gguf`` the
+tokens a second (e.g. the GPU box's costs, docs/bench/gpu); with ``--stop-below`` also rounds
+that stop drafting once the draft model's top probability falls below a threshold (llama.cpp's
+``p_min`` idea) against that best fixed gamma. With ``--target-gguf`` the
 target's continuation and the features the head reads come from llama.cpp over that file
 instead (as the daemon's draft-gpu verifier computes them, e.g. the bundled Q8_0 export).
 """
@@ -85,6 +88,26 @@ def chain_kept(agrees: list[np.ndarray], first: int, end: int, gamma: int) -> tu
     return kept, rounds
 
 
+def confident_walk(agrees: np.ndarray, confidence: np.ndarray, first: int, end: int, *,
+                   most: int, below: float) -> tuple[int, int, int]:  # fmt: skip
+    """(tokens kept, rounds, draft forwards) walking positions first..end in plain rounds
+    that draft until the drafter's top probability falls below ``below`` (a node at least,
+    ``most`` at most): ``confidence[t]``, the draft model's top probability at position t.
+    A round stopped that way paid one forward more, the one whose choice it did not draft."""
+    kept = rounds = forwards = 0
+    position = first
+    while position + most <= end:
+        drafted = 1
+        while drafted < most and confidence[position + drafted] >= below:
+            drafted += 1
+        accepted = 0
+        while accepted < drafted and agrees[position + accepted]:
+            accepted += 1
+        forwards += drafted + (drafted < most)
+        kept, rounds, position = kept + accepted, rounds + 1, position + accepted + 1
+    return kept, rounds, forwards
+
+
 def best_plain_round(
     kept: dict[int, float], verify_ms: float, draft_ms: float, other_ms: float
 ) -> tuple[int, float]:
@@ -138,6 +161,7 @@ class Drafters:
             choice = torch.cat([tokens[1:], tokens[-1:]])
         _, draft_log_p = self.draft(tokens.view(1, -1))
         draft = (draft_log_p[0].argmax(-1) == choice).numpy()
+        self.confidence = draft_log_p[0].max(-1).values.exp().numpy()  # for --stop-below
         head, inputs, n = [], shifted(features), len(tokens)
         embeddings = self.pieces.embed(tokens.view(1, -1))
         cos, sin = (table[:n] for table in self.head_rope)
@@ -182,6 +206,36 @@ def round_costs_report(kept: dict[int, float], costs: list[float], draft_ms: flo
     return "\n".join(lines)
 
 
+STOP_MOST = (8, 12, 16)  # the longest drafts a stopping rule may reach
+
+
+def stop_below_report(walks: dict, kept: dict[int, float], costs: list[float],
+                      draft_ms: float, other_ms: float) -> str:  # fmt: skip
+    """Plain rounds that stop drafting below a confidence against the best fixed gamma:
+    ``walks[(below, most)]`` = (kept, rounds, forwards) summed over the prompts."""
+    thresholds = sorted({below for below, _ in walks})
+    lines = [f"Plain rounds that draft until the draft model's top probability falls below a "
+             f"threshold (at most {'/'.join(map(str, STOP_MOST))} nodes, the best of them; "
+             f"a stopped round pays the forward it did not draft), against the best fixed "
+             f"gamma; a draft forward {draft_ms} ms, the rest of a round {other_ms} ms:", "",
+             "| verification ms | best fixed gamma, tokens/s | "
+             + " | ".join(f"below {t}" for t in thresholds) + " |",
+             "|---|---|" + "---|" * len(thresholds)]  # fmt: skip
+    for verify_ms in costs:
+        gamma, fixed = best_plain_round(kept, verify_ms, draft_ms, other_ms)
+        cells = []
+        for below in thresholds:
+            rates = {}
+            for most in STOP_MOST:
+                hit, rounds, forwards = walks[below, most]
+                seconds = forwards * draft_ms + rounds * (verify_ms + other_ms)
+                rates[most] = 1000 * (hit + rounds) / seconds
+            most = max(rates, key=rates.__getitem__)
+            cells.append(f"{rates[most]:.0f} ({rates[most] / fixed:.2f}x, at most {most})")
+        lines.append(f"| {verify_ms} | {fixed:.0f} (gamma {gamma}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hetspec.models.acceptance_bound")
     parser.add_argument("--prompts", type=int, default=8, help="code prompts (as bench_head)")
@@ -200,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-ms", type=float, default=0.15, help="a draft token's ms")
     parser.add_argument("--other-ms", type=float, default=0.3,
                         help="the rest of a round's ms (links, the daemon's own)")  # fmt: skip
+    parser.add_argument("--stop-below", default=None,
+                        help="with --verify-ms: comma-separated confidences; also what plain "
+                        "rounds drafting until the draft's top probability falls below each "
+                        "allow")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="also write the tables here")
     args = parser.parse_args(argv)
     gammas = [int(g) for g in args.gammas.split(",")]
@@ -209,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     drafters = Drafters(args.head)
     kept = {(name, g): [0, 0] for name in ("draft model", "head") for g in walked}
     agreement = {"draft model": [0, 0], **{f"head, step {k + 1}": [0, 0] for k in range(depth)}}
+    stops = [float(t) for t in args.stop_below.split(",")] if args.stop_below and costs else []
+    walks = {(below, most): np.zeros(3, int) for below in stops for most in STOP_MOST}
     for prompt in prompt_set(args.prompts)[: args.prompts]:
         first, end, draft, head = drafters.agreements(prompt, args.tokens, depth,
                                                       args.target_gguf)  # fmt: skip
@@ -216,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
             for g in walked:
                 got = chain_kept(agrees, first, end, g)
                 kept[name, g] = [kept[name, g][0] + got[0], kept[name, g][1] + got[1]]
+        for below, most in walks:
+            walks[below, most] += confident_walk(draft, drafters.confidence, first, end,
+                                                 most=most, below=below)  # fmt: skip
         steps = [(f"head, step {k + 1}", a) for k, a in enumerate(head)]
         for key, agrees in [("draft model", draft), *steps]:
             agreement[key][0] += int(agrees[first:end].sum())
@@ -227,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
         per_round = {g: hit / rounds for (name, g), (hit, rounds) in kept.items()
                      if name == "draft model"}  # fmt: skip
         text += "\n\n" + round_costs_report(per_round, costs, args.draft_ms, args.other_ms)
+        if walks:
+            text += "\n\n" + stop_below_report(walks, per_round, costs, args.draft_ms,
+                                                args.other_ms)  # fmt: skip
     print(text)
     if args.out is not None:
         args.out.write_text(text + "\n")

@@ -290,3 +290,21 @@ def test_the_best_plain_round_weighs_what_a_chain_keeps_against_its_drafting() -
     gamma, rate = best_plain_round(kept, verify_ms=0.2, draft_ms=0.5, other_ms=0.1)
     assert gamma == 1
     assert rate == pytest.approx(1000 * 1.9 / 0.8)
+
+
+def test_a_round_stopped_below_a_confidence_drafts_until_the_draft_is_unsure() -> None:
+    """models/acceptance_bound.py --stop-below: a round drafts its first node whatever the
+    confidence, then nodes while the draft's top probability stays at or above the threshold,
+    at most ``most``; a round stopped early paid the forward of the node it did not draft."""
+    from hetspec.models.acceptance_bound import confident_walk  # noqa: PLC0415
+
+    agrees = np.ones(12, bool)
+    agrees[5] = False
+    confidence = np.full(12, 0.9)
+    confidence[3] = 0.05
+    # round 1 at 0: nodes 0-2, stopped before 3 (4 forwards), keeps 3; round 2 at 4: nodes
+    # 4-7 (at most 4: no extra forward), keeps 1 (5 disagrees); 6 + 4 <= 12: round 3 at 6
+    # drafts 6-9 and keeps 4; 11 + 4 > 12 ends the walk
+    assert confident_walk(agrees, confidence, 0, 12, most=4, below=0.1) == (8, 3, 12)
+    # a threshold nothing falls below drafts every round at its most, as a fixed gamma
+    assert confident_walk(agrees, confidence, 0, 12, most=4, below=0.0) == (8, 3, 4 * 3)
