@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -318,10 +319,12 @@ def forget_prompt(client: Client) -> None:
     client.generate(FORGET_PROMPT, max_tokens=2, ignore_eos=True, mode="sequential", gamma=1)
 
 
-def run_requests(client, plan, prompts, options, *, repeats, loaded_from=None, busy=None):
+def run_requests(client, plan, prompts, options, *, repeats, loaded_from=None, busy=None,
+                 progress=None):  # fmt: skip
     """Every (system, prompt) ``repeats`` times, interleaved; returns the records. Sampled
     ``options`` with ``seeded`` give prompt i the seed ``SEED_BASE`` + i; without, outputs
-    are not compared (each request draws its own)."""
+    are not compared (each request draws its own). ``progress(records)``, where given, after
+    each prompt every system has run."""
     options = dict(options)
     seeded, sampled = options.pop("seeded", True), bool(options.get("temperature"))
     records = []
@@ -345,13 +348,18 @@ def run_requests(client, plan, prompts, options, *, repeats, loaded_from=None, b
                 done = client.generate(prompt, **given, **system.options)
                 record = Record.of(system.name, index, repeat, loaded, done)
                 records.append(replace(record, output="") if sampled and not seeded else record)
+            if progress is not None:
+                progress(records)
         print(f"  repeat {repeat + 1}/{repeats} done", file=sys.stderr, flush=True)
     if busy is not None:
         busy.stop()
     return records
 
 
-def measure_modes(client: Client, placement: str, args, peers: Peers | None) -> list[Record]:
+def measure_modes(client: Client, placement: str, args, peers: Peers | None,
+                  progress=None) -> list[Record]:  # fmt: skip
+    """Every system on every prompt, after a warm-up; ``progress`` as ``run_requests``'s
+    (not during the warm-up)."""
     prompts = prompt_set(args.prompts)
     plan = systems(args.gammas) + (peers.systems if peers else [])
     print(f"{placement}: warm-up", file=sys.stderr, flush=True)
@@ -359,7 +367,8 @@ def measure_modes(client: Client, placement: str, args, peers: Peers | None) -> 
     chat = len(prompts) - args.prompts
     print(f"{placement}: modes, {args.prompts} code + {chat} chat prompts x {len(plan)} systems",
           file=sys.stderr)  # fmt: skip
-    return run_requests(client, plan, prompts, request_options(args), repeats=args.repeats)
+    return run_requests(client, plan, prompts, request_options(args), repeats=args.repeats,
+                        progress=progress)  # fmt: skip
 
 
 def measure_load(client: Client, placement: str, args) -> list[Record]:
@@ -630,7 +639,12 @@ def _measure_target(spec: str, args, out: Path, *, report: list[str], results: d
                 device = (props.get("devices") or {}).get("target") or ""
                 if runtime == "torch" and "(" in device:  # its settings: int8 weights, ...
                     runtime += f", {device}"
-                modes = measure_modes(client, key, args, peers)
+                heading = f"### {key}: modes (the GPU worker in {runtime})"
+                total = len(prompt_set(args.prompts)) * args.repeats
+                so_far = functools.partial(write_so_far, out=out, report=list(report),
+                                           results=results, heading=heading,
+                                           total=total)  # fmt: skip
+                modes = measure_modes(client, key, args, peers, progress=so_far)
                 table, summary, fastest = modes_table(modes)
                 report += [f"### {key}: modes (the GPU worker in {runtime})\n", table, ""]
                 if rounds := rounds_table(modes):
@@ -723,6 +737,16 @@ def plot_sweep(path: Path, sweep: list[dict]) -> bool:
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     return True
+
+
+def write_so_far(records: list[Record], *, out: Path, report: list[str], results: dict,
+                 heading: str, total: int) -> None:  # fmt: skip
+    """The reports with the modes measured so far under ``heading``: a run cut short (a
+    device call's time limit) keeps the prompts it finished."""
+    done = len({(r.prompt, r.repeat) for r in records})
+    table = modes_table(records)[0]
+    note = f"{heading}, so far: {done} of {total} requests a system\n"
+    write_reports(out, [*report, note, table, ""], results)
 
 
 def write_reports(out: Path, report: list[str], results: dict) -> None:

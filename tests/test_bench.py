@@ -28,6 +28,7 @@ def test_bench_runs_every_system_and_writes_its_reports(tmp_path: Path) -> None:
     for system in systems:
         assert f"| {system} |" in table, (system, table, done.stderr)
     assert "a busy process on the drafter's core" in table
+    assert "so far" not in table  # the finished tables replace the ones written as it went
     rounds = table.split("where a round goes")[1]
     assert "| parallel gamma=2 |" in rounds  # it drafts every round
     parallel = next(line for line in rounds.splitlines() if line.startswith("| parallel"))
@@ -159,3 +160,25 @@ def test_the_report_says_what_llama_server_was_set_to_and_why() -> None:
         "2 51.0).\n"
     )
     assert bench.llama_server_settings({}) == ""
+
+
+def test_a_bench_cut_short_keeps_the_modes_of_the_prompts_it_finished(tmp_path: Path) -> None:
+    """After each prompt every system has run, the report holds the modes table so far (a
+    device call's time limit may end the bench before its tables)."""
+    records = [
+        bench.Record(
+            system, prompt, 0, False, tokens=16, decode_ms=ms, ttft_ms=5.0, output=f"p{prompt}"
+        )
+        for prompt in range(2)
+        for system, ms in (("autoregressive", 40.0), ("sequential", 20.0))
+    ]
+    results: dict = {}
+    bench.write_so_far(records, out=tmp_path, report=["# hetspec bench", ""], results=results,
+                       heading="### bundled draft-cpu: modes", total=8)  # fmt: skip
+    table = (tmp_path / "bench.md").read_text()
+    assert table.startswith("# hetspec bench")
+    assert "### bundled draft-cpu: modes, so far: 2 of 8 requests a system" in table
+    sequential = next(line for line in table.splitlines() if line.startswith("| sequential |"))
+    assert sequential.split("|")[2].strip() == "750.0"  # the 15 after the first in 20 ms
+    assert sequential.split("|")[3].strip() == "2.00"  # x the target alone's 375
+    assert (tmp_path / "bench.json").exists()
