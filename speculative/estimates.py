@@ -57,14 +57,13 @@ class WindowedMedian:
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
         self._clock = clock or (lambda: 0)
         self._max_age = max_age
-        self._added = 0
-        # (clock, samples added) -> (median, count): a controller's choice reads each median
-        # several times between two rounds
-        self._cached: tuple[tuple[int, int], tuple[float | None, int]] | None = None
+        # (clock, (median, count)) until a sample is added: a controller's choice reads each
+        # median several times between two rounds
+        self._cached: tuple[int, tuple[float | None, int]] | None = None
 
     def add(self, value: float) -> None:
         self._samples.append((self._clock(), value))
-        self._added += 1
+        self._cached = None
 
     def _fresh(self) -> list[float]:
         if self._max_age is None:
@@ -82,10 +81,10 @@ class WindowedMedian:
     def median_and_count(self) -> tuple[float | None, int]:
         """``value`` and ``len`` from one pass over the samples (again only once a sample
         was added or the clock moved)."""
-        key = (self._clock(), self._added)
-        if self._cached is None or self._cached[0] != key:
+        now = self._clock()
+        if self._cached is None or self._cached[0] != now:
             fresh = self._fresh()
-            self._cached = key, ((statistics.median(fresh) if fresh else None), len(fresh))
+            self._cached = now, ((statistics.median(fresh) if fresh else None), len(fresh))
         return self._cached[1]
 
 
