@@ -646,7 +646,7 @@ def _measure_target(spec: str, args, out: Path, *, report: list[str], results: d
                                            total=total)  # fmt: skip
                 modes = measure_modes(client, key, args, peers, progress=so_far)
                 table, summary, fastest = modes_table(modes)
-                report += [f"### {key}: modes (the GPU worker in {runtime})\n", table, ""]
+                report += [f"{heading}\n", table, ""]
                 if rounds := rounds_table(modes):
                     report += [f"### {key}: where a round goes\n", rounds, ""]
                 results[key] = {"summary": summary, "load_records": [], "records": modes}

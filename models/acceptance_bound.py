@@ -149,8 +149,9 @@ class Drafters:
 
     @torch.no_grad()
     def agreements(self, prompt: str, tokens_out: int, depth: int, gguf: Path | None):
-        """(first, end, the draft model's agreement, the head's per chain step): position t
-        agrees when the drafter's first choice there is the target's."""
+        """(first, end, the draft model's agreement, the head's per chain step, the draft
+        model's top probability): position t agrees when the drafter's first choice there is
+        the target's."""
         ids = self.tokenizer.encode(prompt).ids
         if gguf is None:
             tokens = greedy_continuation(self.target, ids, tokens_out)
@@ -161,7 +162,7 @@ class Drafters:
             choice = torch.cat([tokens[1:], tokens[-1:]])
         _, draft_log_p = self.draft(tokens.view(1, -1))
         draft = (draft_log_p[0].argmax(-1) == choice).numpy()
-        self.confidence = draft_log_p[0].max(-1).values.exp().numpy()  # for --stop-below
+        confidence = draft_log_p[0].max(-1).values.exp().numpy()
         head, inputs, n = [], shifted(features), len(tokens)
         embeddings = self.pieces.embed(tokens.view(1, -1))
         cos, sin = (table[:n] for table in self.head_rope)
@@ -169,7 +170,7 @@ class Drafters:
             predicted = self.pieces.feature(self.head.sequences(inputs, embeddings, cos, sin))
             head.append((self.pieces.logits(predicted)[0].argmax(-1) == choice).numpy())
             inputs = shifted(predicted)
-        return len(ids) - 1, len(tokens) - 1, draft, head
+        return len(ids) - 1, len(tokens) - 1, draft, head, confidence
 
 
 def report(rate: dict, kept: dict, gammas: list[int], source: str, args) -> str:
@@ -270,15 +271,15 @@ def main(argv: list[str] | None = None) -> int:
     stops = [float(t) for t in args.stop_below.split(",")] if args.stop_below and costs else []
     walks = {(below, most): np.zeros(3, int) for below in stops for most in STOP_MOST}
     for prompt in prompt_set(args.prompts)[: args.prompts]:
-        first, end, draft, head = drafters.agreements(prompt, args.tokens, depth,
-                                                      args.target_gguf)  # fmt: skip
+        first, end, draft, head, confidence = drafters.agreements(
+            prompt, args.tokens, depth, args.target_gguf)  # fmt: skip
         for name, agrees in (("draft model", [draft]), ("head", head)):
             for g in walked:
                 got = chain_kept(agrees, first, end, g)
                 kept[name, g] = [kept[name, g][0] + got[0], kept[name, g][1] + got[1]]
         for below, most in walks:
-            walks[below, most] += confident_walk(draft, drafters.confidence, first, end,
-                                                 most=most, below=below)  # fmt: skip
+            walks[below, most] += confident_walk(draft, confidence, first, end, most=most,
+                                                 below=below)  # fmt: skip
         steps = [(f"head, step {k + 1}", a) for k, a in enumerate(head)]
         for key, agrees in [("draft model", draft), *steps]:
             agreement[key][0] += int(agrees[first:end].sum())
