@@ -359,10 +359,15 @@ class Decoder:
         compute_s = decoded.elapsed_ms / 1000 / len(tokens)
         if idle:
             cores.record(spare_cores, compute_s)
-        # the first round without a draft is a transition (it evaluates the last round's
-        # bonus and moves the target onto the spare cores): not what decoding alone costs
+        # Not what decoding alone costs: the first round without a draft (a transition: it
+        # evaluates the last round's bonus and moves the target onto the spare cores), a trial
+        # of the core choice not preferred (two tokens, up to twice as slow), a round beside a
+        # drafter at work. One such sample, never replaced while drafting looked better,
+        # priced the target alone 1.4x too dear for a whole bench run.
+        usual = idle and not cores.exploring
         round_s = (time.perf_counter() - start) / len(tokens) if self.alone_streak else None
-        report = RoundReport(0, 1, 0, alone_round_s=round_s, alone_compute_s=compute_s)
+        report = RoundReport(0, 1, 0, alone_round_s=round_s if usual else None,
+                             alone_compute_s=compute_s if usual else None)  # fmt: skip
         return RoundOutcome(emitted, stopped, decoded.logprobs or None), report
 
     # ------------------------------------------------------------ pieces of a round

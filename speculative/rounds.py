@@ -61,8 +61,9 @@ class RoundReport:
     verify_compute_s: float = 0.0  # of that, the verifier's own time (the rest: the link)
     verify_overlapped: bool = False  # verified while the drafter drafted ahead
     overhead_s: float = 0.0  # besides drafting and verifying: messages, bookkeeping
-    # gamma 0 (the target alone): seconds per token of the whole round (None: a transition
-    # from drafting, which is not what decoding alone costs) and of the target's own work
+    # gamma 0 (the target alone): seconds per token of the whole round and of the target's
+    # own work (None: not what decoding alone costs, e.g. a transition from drafting or a
+    # trial of the other core choice)
     alone_round_s: float | None = None
     alone_compute_s: float | None = None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 
 import msgspec
@@ -17,6 +18,7 @@ from hetspec.daemon.worker_client import WorkerError
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.arena import Arena
 from hetspec.speculative.budget import BudgetController, Choice, ControllerConfig
+from hetspec.speculative.core_choice import SpareCoreChoice
 from hetspec.speculative.exploration import ExplorationState
 from hetspec.speculative.rounds import DraftCall, Plan, RoundReport
 
@@ -152,6 +154,37 @@ def test_a_late_drafter_prefill_is_its_own_wait_not_the_daemons_time(arena) -> N
     summary = stats.summary(controller)
     assert summary["t_prefill_wait_ms"] * stats.rounds >= 45
     assert summary["t_overhead_ms"] * stats.rounds < 45
+
+
+class Recording(ScriptedController):
+    def __init__(self, plans: list[Plan]) -> None:
+        super().__init__(plans)
+        self.reports: list[RoundReport] = []
+
+    def observe(self, report: RoundReport) -> None:
+        self.reports.append(report)
+        super().observe(report)
+
+
+def test_trials_of_the_other_core_choice_do_not_price_the_target_alone(arena) -> None:
+    """Every other call of the target alone tries the core choice not preferred (two
+    tokens, maybe twice as slow): those rounds, like a transition from drafting, report no
+    cost of decoding alone, so one of them cannot price the target alone for good."""
+    pair, reference = workers(arena)
+    pair = dataclasses.replace(pair, alone_cores=SpareCoreChoice(explore_every=2))
+    controller = Recording([Plan(2), Plan(0)])
+    for _ in range(8):  # a call decodes every token a request has left: short requests
+        result, _, _ = decode(pair, controller, max_tokens=12)
+        assert result.tokens == reference.greedy(PROMPT, 12)
+    alone = [r for r in controller.reports if r.gamma == 0]
+    trials = [r for r in alone if r.alone_compute_s is None]
+    priced = [r for r in alone if r.alone_round_s is not None]
+    assert len(trials) >= 3
+    assert all(r.alone_round_s is None for r in trials)
+    assert priced
+    assert len(priced) + len(trials) <= len(alone)
+    assert alone[0].alone_round_s is None  # a transition from drafting
+    assert len(controller.estimates._alone) == len(priced)
 
 
 def test_a_run_ahead_is_kept_when_the_draft_holds_and_dropped_when_it_misses(arena) -> None:
