@@ -9,7 +9,8 @@
 - Acceptance by depth (and at depth 1 by branch count, and by the branch count the rule picks):
   exponentially decayed counts, so old behaviour fades within a few dozen rounds.
 - The target alone: its seconds per token, kept apart from the verify line (a verifier that
-  did not wait for a draft answers faster).
+  did not wait for a draft answers faster), never forgotten but stale after
+  ``alone_max_age`` rounds: the controller then measures it again.
 - Before a cost is measured, the verifier's forward costs measured at load (the runtime
   choice's profile), where the daemon has them: ``assume_verifier``; after, their shape.
 Costs are kept apart for rounds where one worker computes at a time and overlapped ones.
@@ -43,6 +44,9 @@ class EstimateConfig:
     max_branches: int = 4
     window: int = 24  # samples per median: re-converges within a few dozen rounds
     max_age: int = 96  # rounds after which a cost measurement is forgotten
+    # rounds after which the target alone's cost is stale (still used until measured again):
+    # measured once while drafting looks better, one bad moment would price it for good
+    alone_max_age: int = 512
     decay: float = 0.95  # per-round weight of older acceptance counts
     prior_acceptance: float = 0.8  # for depths not observed yet (optimistic: explore them)
     prior_weight: float = 3.0  # in rounds: one unlucky round must not rule a depth out
@@ -53,10 +57,14 @@ class WindowedMedian:
     """The median of the last ``window`` samples, ignoring those older than ``max_age``
     ticks of ``clock``."""
 
-    def __init__(self, window: int, clock=None, max_age: int | None = None) -> None:
+    def __init__(self, window: int, clock=None, max_age: int | None = None, *,
+                 keep_last: bool = False) -> None:  # fmt: skip
+        """``keep_last``: once every sample is too old, the value is the latest sample's
+        (and the count 0: stale) rather than None."""
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
         self._clock = clock or (lambda: 0)
         self._max_age = max_age
+        self._keep_last = keep_last
         # (clock, (median, count)) until a sample is added: a controller's choice reads each
         # median several times between two rounds
         self._cached: tuple[int, tuple[float | None, int]] | None = None
@@ -84,7 +92,11 @@ class WindowedMedian:
         now = self._clock()
         if self._cached is None or self._cached[0] != now:
             fresh = self._fresh()
-            self._cached = now, ((statistics.median(fresh) if fresh else None), len(fresh))
+            if fresh:
+                median = statistics.median(fresh)
+            else:
+                median = self._samples[-1][1] if self._keep_last and self._samples else None
+            self._cached = now, (median, len(fresh))
         return self._cached[1]
 
 
@@ -118,9 +130,11 @@ class Estimates:
         self._verify: dict[bool, dict[int, WindowedMedian]] = {False: {}, True: {}}
         self._branched: dict[int, WindowedMedian] = {}  # verifications of several branches
         self._overhead = self._median()
-        # never forgotten: without it the target alone is priced as a one-node verification
-        self._alone = WindowedMedian(c.window)
-        self._alone_compute = WindowedMedian(c.window)
+        # never forgotten (without it the target alone is priced as a one-node verification),
+        # but measured again once stale
+        clock = lambda: self.rounds  # noqa: E731
+        self._alone = WindowedMedian(c.window, clock, c.alone_max_age, keep_last=True)
+        self._alone_compute = WindowedMedian(c.window, clock, c.alone_max_age, keep_last=True)
         self._depth = DecayedRate(c.max_gamma + 1)  # index: depth (1-based)
         self._first = DecayedRate(c.max_branches + 1)  # depth 1, by branch count
         # the rule branches where the drafter is unsure, so its rounds' first-depth acceptance
@@ -291,6 +305,7 @@ class Estimates:
         return self._alone_compute.value
 
     def alone_measured(self) -> bool:
+        """Whether the target alone's cost was measured within ``alone_max_age`` rounds."""
         return len(self._alone) > 0
 
     # ------------------------------------------------------------ acceptance

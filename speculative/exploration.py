@@ -10,7 +10,8 @@
   expects the most of, plus the drafter catching up.
 - The target alone, never measured, is priced as a one-node verification, dearer than it is
   where calls decode several tokens; one round measures it, half way between probes, after a
-  few probe cycles (earlier it slowed the drafting shape's first settling).
+  few probe cycles (earlier it slowed the drafting shape's first settling), and again
+  whenever that measurement has gone stale (``EstimateConfig.alone_max_age``).
 
 The state lives in an immutable ``ExplorationState``: the controller's ``choose`` returns the
 next one with its plan and installs it only when the round is committed.
@@ -70,7 +71,8 @@ def after_weighing(config: ExplorationConfig, state: ExplorationState, best: Pla
 
 
 def alone_unmeasured_round(config: ExplorationConfig, rounds: int, measured: bool) -> bool:
-    """Whether this round should measure the target alone, never measured yet."""
+    """Whether this round should measure the target alone, never measured yet or stale
+    (``measured``: whether a fresh measurement exists)."""
     half = config.probe_every // 2
     settled = rounds >= config.alone_measured_after_probes * config.probe_every
     return not measured and settled and half > 0 and rounds % config.probe_every == half

@@ -424,6 +424,29 @@ def test_the_target_alone_is_measured_once_even_where_a_guess_prices_it_out() ->
     assert np.mean([d.gamma == 0 for d in late]) >= 0.8
 
 
+def test_a_stale_price_of_the_target_alone_is_measured_again() -> None:
+    """The target alone was measured once, in a bad moment (another tenant on its cores:
+    alone it was slower than drafting); once that tenant left, decoding alone is 1.5x the
+    best drafting. The stale price is measured again and the target decodes alone."""
+    box = SimulatedBox(0.0002, 0.001, 0.00005, 0.8, np.random.default_rng(0),
+                       alone_speedup=0.7)  # fmt: skip
+    controller = controller_of(overlap=True)
+    explored = controller.config.exploration
+    for _ in range((explored.alone_measured_after_probes + 1) * explored.probe_every):
+        box.run_round(controller)
+    assert any(d.gamma == 0 for d in controller.history)  # measured once, dear
+    box.alone_speedup = 3.0
+    assert box.rate(0, 1) > 1.4 * max(box.rate(g, 1, o) for g in range(1, 17)
+                                      for o in (False, True))  # fmt: skip
+    for _ in range(200):
+        box.run_round(controller)
+    assert not any(d.gamma == 0 for d in controller.history[-150:])  # the price holds ...
+    for _ in range(controller.config.estimates.alone_max_age + 2 * explored.probe_every):
+        box.run_round(controller)
+    late = controller.history[-40:]  # ... until it is stale and measured again
+    assert np.mean([d.gamma == 0 for d in late]) >= 0.8
+
+
 def test_probes_thin_out_while_the_target_decodes_alone_and_drafting_resumes_when_it_pays():
     """Each probe (a few drafted rounds, and the drafter catching up) costs where drafting
     does not pay; after probes that confirm gamma 0 they come at most once in 2**3 probe
