@@ -122,8 +122,12 @@ class BudgetController:
             return Choice(last, dataclasses.replace(self._state, kept=self._state.kept + 1))
         state = dataclasses.replace(self._state, kept=0)
         model = self.estimates.cost_model(rule=limits.rule and limits.max_branches > 1)
-        if model is None:  # nothing measured yet: a one-token round measures both sides
-            return Choice(Plan(1, 1, round_s=0.0), state)
+        if model is None:  # nothing measured yet: a one-token round measures both sides,
+            # or, where it did not, two: a drafter whose catch-up's last forward yields the
+            # first token's distribution (llama.cpp's) drafts one token without a step of its
+            # own, and the controller chose one-token rounds for good
+            gamma = 1 if not rounds else max(1, min(2, limits.max_gamma, limits.max_width - 1))
+            return Choice(Plan(gamma, 1, round_s=0.0), state)
         if rounds < config.warmup_rounds:  # no acceptance data yet: DuoDecoding's gamma = c
             ratio = self.estimates.cost_ratio()
             gamma = max(1, min(limits.max_gamma, round(ratio), limits.max_width - 1))

@@ -189,6 +189,24 @@ def test_it_starts_with_one_token_then_gamma_equal_to_c() -> None:
     assert controller.choose().plan.gamma == 6
 
 
+def test_until_a_draft_step_is_measured_it_drafts_rounds_that_measure_one() -> None:
+    """A drafter whose catch-up's last forward yields the first token's distribution (as
+    llama.cpp's does) drafts one token without a step of its own: the controller kept
+    choosing such rounds, meant to measure both sides, for good (adaptive at gamma 1)."""
+    controller = BudgetController()
+    gammas = []
+    for _ in range(3):
+        plan = controller.commit(controller.choose())
+        gammas.append(plan.gamma)
+        steps = plan.gamma - 1  # the first token came with the catch-up
+        controller.observe(RoundReport(plan.gamma, 1, 1, drafts=(
+            DraftCall(steps, 1, 0.0005 * steps, 0.0002),), verify_width=plan.gamma + 1,
+            verify_s=0.006))  # fmt: skip
+    assert gammas[:2] == [1, 2]
+    assert controller.estimates.draft_step_s() == pytest.approx(0.0005)
+    assert controller.choose().plan.gamma > 2
+
+
 SEEDS = range(12)  # the box's noise differs per seed: the mean over seeds must be high, and
 # no seed may go far astray (one may settle on a neighbouring gamma ~10% slower: two close
 # shapes' estimates are noisy)
