@@ -234,6 +234,11 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Linux; protocol/mailbox.py): a round trip ~4x shorter than through ZeroMQ alone, whose
     # I/O threads each message wakes. false: ZeroMQ alone (also what other machines use).
     worker_mailboxes: bool = True
+    # A file where every speculative round is appended as a JSON line (its plan, what the
+    # controller expected, what it drafted, accepted and cost), for diagnosing the controller
+    # on a real box (the two workers' rounds, not a pipeline's); `python -m
+    # hetspec.daemon.round_log FILE` summarizes it. None: off.
+    round_log: str | None = None
     restart_backoff_s: tuple[float, float] = (0.5, 30.0)  # first and largest delay
     # How long a request waits for a restarting worker before it is answered 503: a killed
     # CPU worker is back in ~1.5 s, a GPU one in ~9 s on the demo models.

@@ -24,6 +24,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -58,6 +59,13 @@ from hetspec.speculative.verify import (
 __all__ = ["Decoder", "WorkerPair"]
 
 
+class RoundSink(Protocol):
+    """Takes each round: the plan as chosen, its report, its seconds and tokens given."""
+
+    def __call__(self, plan: Plan, report: RoundReport, *, seconds: float,
+                 emitted: int) -> None: ...  # fmt: skip
+
+
 def flatten(drafted: m.Drafted) -> tuple[list[int], list[int], list[tuple[int, int]]]:
     """Branches as tree nodes: tokens, parents, and each node's (branch, step)."""
     tokens, parents, origin = [], [], []
@@ -87,9 +95,11 @@ class Decoder:
     controller's; the controller (shared by the mode's requests) learns from every round."""
 
     def __init__(self, request: GenerateRequest, pair: WorkerPair, controller: BudgetController,
-                 stats: SpeculativeStats, *, plan: Plan | None = None) -> None:  # fmt: skip
+                 stats: SpeculativeStats, *, plan: Plan | None = None,
+                 log: RoundSink | None = None) -> None:  # fmt: skip
         self.request, self.pair, self.controller, self.stats = request, pair, controller, stats
         self.fixed = plan
+        self.log = log  # each round's plan and report, where a round log is kept
         self.params = request.sampling
         # Seeded: keyed choices, the same noise as both workers'. Unseeded: speculative
         # sampling, from a stream of the daemon's own (the drafter's draws are independent).
@@ -190,6 +200,7 @@ class Decoder:
                     plan.rule)  # fmt: skip
 
     async def round(self, remaining: int) -> RoundOutcome:
+        start = time.perf_counter()
         plan = self._plan(remaining)
         if not plan.overlap:
             self.drafter.run_ahead = None  # its pending nodes go with the next draft's append
@@ -204,6 +215,10 @@ class Decoder:
         self.alone_streak = self.alone_streak + 1 if plan.gamma == 0 else 0
         self.controller.observe(report)
         self.stats.count(report)
+        if self.log is not None:  # the plan as chosen, with what the controller expected
+            chosen = self.fixed or self.controller.history[-1]
+            self.log(chosen, report, seconds=time.perf_counter() - start,
+                     emitted=len(outcome.emitted))  # fmt: skip
         return outcome
 
     async def _plain_round(self, plan: Plan, remaining: int):

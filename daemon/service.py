@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import itertools
 import os
@@ -43,6 +44,7 @@ from hetspec.daemon.metrics import Metrics
 from hetspec.daemon.model_facts import ModelFacts, read_model_facts
 from hetspec.daemon.pipeline_backend import PipelineBackend, PipelineStartError
 from hetspec.daemon.requests import GenerateRequest, GenerationResult
+from hetspec.daemon.round_log import RoundLog
 from hetspec.daemon.round_stats import SpeculativeStats
 from hetspec.daemon.runs import Run
 from hetspec.daemon.runtime_choice import (
@@ -94,6 +96,7 @@ class Service:
         self.admission = Admission(config.max_queue)
         self.slots = SlotPool(config.arena_slots)
         self.metrics = Metrics()
+        self.round_log: RoundLog | None = None  # opened by run() where configured
         self.chat_template: ChatTemplate | None = None
         self._facts: dict[str, ModelFacts] = {}  # by path, read when first asked
         self.model_name = config.model_name or _model_name(config.target.folder)
@@ -128,6 +131,8 @@ class Service:
         watchdog = None
         try:
             self.instance.acquire()
+            if self.config.round_log:
+                self.round_log = RoundLog(self.config.round_log)
             self._load_chat_template()
             await self._listen()
             self.notifier.status("loading the models")
@@ -251,6 +256,8 @@ class Service:
             await self.supervisor.stop()
         if self.arena is not None:
             self.arena.close()
+        if self.round_log is not None:
+            self.round_log.close()
         if self.own_socket is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.own_socket.unlink()
@@ -484,7 +491,8 @@ class Service:
                                     cores=self.spare_cores)  # fmt: skip
                 pair = WorkerPair(drafter, verifier, self.arena, draft_slot, verify_slot,
                                   self.spare_cores, self.verify_cores, feature_slot)  # fmt: skip
-                return Decoder(body, pair, controller, stats, plan=fixed).stream(result)
+                log = self.round_log and functools.partial(self.round_log.write, run_id, mode)
+                return Decoder(body, pair, controller, stats, plan=fixed, log=log).stream(result)
 
             def reset() -> None:  # for a start over: what the first attempt counted goes
                 started = result.started  # (the time to the first token counts the wait)

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ import pytest
 from tiny_models import DAEMON_CONTEXT
 
 from hetspec.client.types import generate_body
+from hetspec.daemon import round_log
 from hetspec.daemon.instance import Instance
 from hetspec.protocol.arena import SHM_DIR
 from hetspec.speculative.samplers import DrawnSampler
@@ -223,7 +225,10 @@ def test_the_ready_daemon_serves_the_targets_own_greedy_output(daemon, models) -
 def test_speculative_greedy_output_is_the_targets_own(tmp_path, models, draft) -> None:
     """With a different draft (mostly rejected) and with the target as its own draft (always
     accepted), fixed and adaptive gamma, with and without branches: the target's tokens."""
-    daemon = Daemon(tmp_path, models["target"], models[draft])
+    rounds_file = tmp_path / "rounds.jsonl"
+    daemon = Daemon(tmp_path, models["target"], models[draft], "--set",
+                    f"round_log={json.dumps(str(rounds_file))}")  # fmt: skip
+    rounds = Counter()
     try:
         daemon.wait_ready()
         prompts = [
@@ -248,10 +253,26 @@ def test_speculative_greedy_output_is_the_targets_own(tmp_path, models, draft) -
             assert body["tokens"] == expected, (prompt, mode)
             accepted += body["timings"]["draft_n_accepted"]
             assert body["speculative"]["rounds"] >= 1
+            rounds[mode] += body["speculative"]["rounds"]
         if draft == "target":
             assert accepted >= 100
     finally:
         assert daemon.stop() == 0
+    # the round log has every round, each with its plan (the controller's expectation where
+    # it chose the plan) and its report
+    lines = round_log.read(rounds_file)
+    assert Counter(line.mode for line in lines) == rounds
+    assert sum(line.emitted for line in lines) + len(prompts) * len(MODES) == 40 * len(
+        prompts) * len(MODES)  # fmt: skip
+    # before anything was measured the controller expects nothing of a plan: its first
+    # rounds (one and two tokens: a drafter whose catch-up yields the first token measures
+    # its step from the second), the next chosen while the first one ran
+    adaptive = [line for line in lines if line.mode == "adaptive"]
+    unpriced = [index for index, line in enumerate(adaptive) if line.plan.round_s <= 0]
+    assert unpriced == list(range(len(unpriced)))
+    assert 2 <= len(unpriced) <= 4
+    assert len(adaptive) > len(unpriced)
+    assert "| adaptive |" in round_log.summary(lines)
 
 
 def test_sampled_speculative_output_is_reproducible_by_seed(daemon) -> None:

@@ -52,10 +52,10 @@ class ScriptedController(BudgetController):
                       ExplorationState())  # fmt: skip
 
 
-def decode(pair, controller, *, plan=None, max_tokens=40, **options):
+def decode(pair, controller, *, plan=None, max_tokens=40, log=None, **options):
     request = GenerateRequest(prompt=PROMPT, max_tokens=max_tokens, ignore_eos=True, **options)
     stats, result = SpeculativeStats(), GenerationResult()
-    decoder = Decoder(request, pair, controller, stats, plan=plan)
+    decoder = Decoder(request, pair, controller, stats, plan=plan, log=log)
 
     async def run() -> str:
         return "".join([piece async for piece in decoder.stream(result)])

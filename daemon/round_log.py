@@ -1,0 +1,110 @@
+"""Every speculative round as one JSON line, for diagnosing the controller on a real box.
+
+Off unless the ``round_log`` setting names a file. A line holds the request's id and mode,
+the plan the round ran with what the controller expected of it (``expected_tokens``,
+``round_s``; a request's fixed gamma expects nothing), and the round's report: what it
+drafted, accepted and cost (``speculative/rounds.py``). ``python -m
+hetspec.daemon.round_log FILE`` summarizes a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import msgspec
+
+from hetspec.speculative.rounds import Plan, RoundReport
+
+
+class RoundLine(msgspec.Struct, kw_only=True):
+    t: float  # wall-clock seconds when the round ended
+    run: str
+    mode: str
+    plan: Plan
+    report: RoundReport
+    seconds: float  # the round's wall-clock time, as the request saw it
+    emitted: int  # tokens the round gave the request
+
+
+class RoundLog:
+    """Appends rounds to ``path`` (created if missing; its folder must exist), a write a
+    round: each line is in the file once its round ends, whatever becomes of the daemon."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._file = self.path.open("ab", buffering=0)
+        self._encoder = msgspec.json.Encoder()
+
+    def write(self, run: str, mode: str, plan: Plan, report: RoundReport, *, seconds: float,
+              emitted: int) -> None:  # fmt: skip
+        line = RoundLine(t=time.time(), run=run, mode=mode, plan=plan, report=report,
+                         seconds=seconds, emitted=emitted)  # fmt: skip
+        self._file.write(self._encoder.encode(line) + b"\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read(path: str | Path) -> list[RoundLine]:
+    """The rounds of a round log (a line cut short by a crash is skipped)."""
+    decoder = msgspec.json.Decoder(RoundLine)
+    lines = []
+    for raw in Path(path).read_bytes().splitlines():
+        try:
+            lines.append(decoder.decode(raw))
+        except msgspec.DecodeError:
+            continue
+    return lines
+
+
+def summary(lines: list[RoundLine]) -> str:
+    """Per mode: requests, rounds, tokens, and the controller's expected tokens per second
+    against what the same rounds gave (its drafted rounds with an expectation)."""
+    by_mode: dict[str, list[RoundLine]] = defaultdict(list)
+    for line in lines:
+        by_mode[line.mode].append(line)
+    rows = ["| mode | requests | rounds | alone rounds | tokens | mean gamma drafted | "
+            "accepted a drafted round | expected tokens/s | measured tokens/s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for mode, mode_lines in sorted(by_mode.items()):
+        drafted = [line for line in mode_lines if line.report.gamma]
+        priced = [line for line in drafted if line.plan.round_s > 0]
+        expected = measured = "-"
+        if priced:
+            tokens = sum(line.plan.expected_tokens for line in priced)
+            expected = f"{tokens / sum(line.plan.round_s for line in priced):.1f}"
+            spent = sum(line.seconds for line in priced)
+            measured = f"{sum(line.emitted for line in priced) / spent:.1f}"
+        gamma = _mean([line.report.gamma for line in drafted])
+        accepted = _mean([line.report.accepted for line in drafted])
+        rows.append(f"| {mode} | {len({line.run for line in mode_lines})} | {len(mode_lines)} | "
+                    f"{len(mode_lines) - len(drafted)} | "
+                    f"{sum(line.emitted for line in mode_lines)} | {gamma} | {accepted} | "
+                    f"{expected} | {measured} |")  # fmt: skip
+    return "\n".join(rows)
+
+
+def _mean(values: list[float]) -> str:
+    return f"{sum(values) / len(values):.2f}" if values else "-"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hetspec.daemon.round_log",
+                                     description=__doc__.split("\n\n")[0])  # fmt: skip
+    parser.add_argument("file", help="a round log (the round_log setting's file)")
+    args = parser.parse_args(argv)
+    try:
+        lines = read(args.file)
+    except OSError as error:
+        print(f"round_log: cannot read {args.file}: {error.strerror}", file=sys.stderr)
+        return 1
+    print(summary(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""The round log: every speculative round as a JSON line, and its summary."""
+
+from __future__ import annotations
+
+import functools
+
+from test_engine import PROMPT, decode, workers
+
+from hetspec.daemon import round_log
+from hetspec.daemon.round_log import RoundLog
+from hetspec.speculative.budget import BudgetController, ControllerConfig
+
+
+def test_each_round_is_a_line_with_its_plan_report_and_time(arena, tmp_path) -> None:
+    pair, reference = workers(arena, noise=0.5)
+    path = tmp_path / "rounds.jsonl"
+    log = RoundLog(path)
+    controller = BudgetController(ControllerConfig.of(max_width=63))
+    result, stats, _ = decode(pair, controller, max_tokens=60,
+                              log=functools.partial(log.write, "run-1", "adaptive"))  # fmt: skip
+    log.close()
+    assert result.tokens == reference.greedy(PROMPT, 60)
+    lines = round_log.read(path)
+    assert len(lines) == stats.rounds
+    assert {line.run for line in lines} == {"run-1"}
+    assert sum(line.emitted for line in lines) == 60 - 1  # the first token is the prefill's
+    assert [line.report.gamma for line in lines] == stats.gammas
+    assert all(line.seconds > 0 for line in lines)
+    assert [line.plan for line in lines] == controller.history  # as chosen, expectations too
+    table = round_log.summary(lines)
+    assert "| adaptive | 1 |" in table
+
+
+def test_a_line_cut_short_is_skipped_and_a_missing_file_is_one_clear_line(
+    arena, tmp_path, capsys
+) -> None:  # fmt: skip
+    pair, _ = workers(arena)
+    path = tmp_path / "rounds.jsonl"
+    log = RoundLog(path)
+    _, stats, _ = decode(pair, BudgetController(), max_tokens=20,
+                         log=functools.partial(log.write, "r", "sequential"))  # fmt: skip
+    log.close()
+    with path.open("ab") as file:
+        file.write(b'{"t": 1.0, "run": "r", "mo')  # a crash mid-line
+    assert len(round_log.read(path)) == stats.rounds
+    assert round_log.main([str(path)]) == 0
+    assert "| sequential |" in capsys.readouterr().out
+    assert round_log.main([str(tmp_path / "missing.jsonl")]) == 1
+    assert "cannot read" in capsys.readouterr().err
