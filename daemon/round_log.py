@@ -36,7 +36,10 @@ class RoundLog:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._file = self.path.open("ab", buffering=0)
+        try:
+            self._file = self.path.open("ab", buffering=0)
+        except OSError as error:
+            raise OSError(f"cannot open round_log {path}: {error.strerror}") from None
         self._encoder = msgspec.json.Encoder()
 
     def write(self, run: str, mode: str, plan: Plan, report: RoundReport, *, seconds: float,

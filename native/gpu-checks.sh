@@ -237,10 +237,14 @@ bench_set=()
 for item in ${BENCH_SET:-}; do bench_set+=(--set "$item"); done
 # BENCH_ARGS: more arguments for this bench, separated by spaces (e.g. '--temperature 0.8')
 read -r -a bench_args <<< "${BENCH_ARGS:-}"
+# every speculative round of its daemon, written straight into $OUT (a call cut short keeps
+# them): the controller's expected tokens/s against its rounds', per mode
 step $(( left > 60 ? left - 40 : 20 )) "bench heavy-1b draft-cpu" "$python" -m hetspec.client.cli bench \
     --target heavy-1b --placement draft-cpu --gammas 4 --prompts 3 --max-tokens 128 \
-    --repeats 1 --warmup 1 --out "$bench_out" "${bench_set[@]}" "${bench_args[@]}"
+    --repeats 1 --warmup 1 --out "$bench_out" "${bench_set[@]}" "${bench_args[@]}" \
+    --set "round_log=\"$OUT/rounds-heavy-1b.jsonl\""
 cp "$bench_out"/bench.md "$OUT/bench.md"; cp "$bench_out"/bench.json "$OUT/bench.json"
+"$python" -m hetspec.daemon.round_log "$OUT/rounds-heavy-1b.jsonl" || true
 # the same pair with int8 weights in the verifier (the int8 model's text, its own target alone
 # the reference; the peers above read Q8_0), in what time is left: no peers, no load
 int8_set=(--set 'gpu_worker.weights="int8"')

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 from test_engine import PROMPT, decode, workers
 
 from hetspec.daemon import round_log
@@ -47,3 +48,8 @@ def test_a_line_cut_short_is_skipped_and_a_missing_file_is_one_clear_line(
     assert "| sequential |" in capsys.readouterr().out
     assert round_log.main([str(tmp_path / "missing.jsonl")]) == 1
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_a_round_log_that_cannot_be_opened_says_which_and_why(tmp_path) -> None:
+    with pytest.raises(OSError, match=r"cannot open round_log .*missing/rounds.jsonl: No such"):
+        RoundLog(tmp_path / "missing" / "rounds.jsonl")
