@@ -165,7 +165,10 @@ class Decoder:
         room = self.controller.limits.max_width + 1
         self.max_tokens = token_budget(self.request, len(prompt), context, room)
         self.drafter = DrafterSide(self.pair, prompt, self.request.seed)
-        alone = self.fixed is None and self.controller.decodes_alone()
+        if self.fixed is None:
+            self.controller.begin_request(self.max_tokens)
+        alone = (self.fixed is None and self.controller.decodes_alone()
+                 and not self.controller.probes_first())  # fmt: skip
         spare_cores = bool(verifier.spec.spare_cores) and self.pair.alone_cores.preferred()
         head = self.pair.head  # a draft head prefills from the target's prompt features
         if not (spare_cores or alone or head):

@@ -97,6 +97,21 @@ class BudgetController:
         measured (see ``Estimates.assume_overlap_factor``)."""
         self.estimates.assume_overlap_factor(factor)
 
+    def begin_request(self, tokens: int) -> None:
+        """A request of at most ``tokens`` tokens begins (requests decode one at a time):
+        acceptance learned from earlier ones weighs less, and where the target decodes alone
+        the request starts with a probe if one costs little against it."""
+        self.estimates.begin_request()
+        model = self.estimates.cost_model(rule=False)
+        if self.decodes_alone() and model is not None:
+            probe = explore.request_probe(self.config.exploration, model, self.limits, tokens,
+                                          self.config.estimates.prior_acceptance)  # fmt: skip
+            self._state = dataclasses.replace(self._state, start_probe=probe)
+
+    def probes_first(self) -> bool:
+        """Whether the next round is a new request's probe (it drafts)."""
+        return self._state.start_probe is not None
+
     def decodes_alone(self) -> bool:
         """Whether the latest committed plan has the target decode alone (gamma 0)."""
         return bool(self.history) and self.history[-1].gamma == 0
@@ -117,6 +132,10 @@ class BudgetController:
             return Choice(
                 last, dataclasses.replace(self._state, probe_left=self._state.probe_left - 1)
             )
+        if self._state.start_probe is not None:  # a new request's (begin_request's)
+            rounds_left = config.exploration.alone_probe_rounds - 1
+            return Choice(self._state.start_probe, dataclasses.replace(
+                self._state, start_probe=None, kept=0, probe_left=rounds_left))  # fmt: skip
         due = explore.probe_due(config.exploration, self._state, rounds, alone)
         if alone and explore.keeps_alone(config.exploration, self._state, due):
             return Choice(last, dataclasses.replace(self._state, kept=self._state.kept + 1))

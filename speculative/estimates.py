@@ -51,6 +51,10 @@ class EstimateConfig:
     prior_acceptance: float = 0.8  # for depths not observed yet (optimistic: explore them)
     prior_weight: float = 3.0  # in rounds: one unlucky round must not rule a depth out
     branch_cost: float = 0.4  # each extra branch adds this share of a draft step
+    # At a new request, acceptance counts are cut to this many rounds' worth (0: kept): what
+    # a draft accepts depends on the text, so earlier requests' counts are a prior that the
+    # request's own rounds soon outweigh (a request's first probe among them)
+    request_acceptance_rounds: float = 6.0
 
 
 class WindowedMedian:
@@ -114,6 +118,12 @@ class DecayedRate:
     def add(self, index: int, hit: bool) -> None:
         self.tries[index] += 1
         self.hits[index] += hit
+
+    def cap(self, tries: float) -> None:
+        """Scale each index's counts down to at most ``tries`` tries, keeping its rate."""
+        scale = np.minimum(1.0, tries / np.maximum(self.tries, 1e-12))
+        self.tries *= scale
+        self.hits *= scale
 
     def rate(self, index, prior: float, weight: float):
         """hits / tries at ``index`` (an int or an array of them), with ``weight`` tries of
@@ -195,6 +205,13 @@ class Estimates:
             self._rule_picked[rule_k] += 1
             if branches == 1:
                 self._single_first.add(rule_k, accepted >= 1)
+
+    def begin_request(self) -> None:
+        """A new request, a new text: earlier acceptance becomes a prior of limited weight."""
+        rounds = self.config.request_acceptance_rounds
+        if rounds > 0:
+            for rate in (self._depth, self._first, self._rule_first, self._single_first):
+                rate.cap(rounds)
 
     def assume_verifier(self, seconds_by_width: dict[int, float]) -> None:
         """Forward costs of the verifier measured before serving ({width: seconds}, width 1

@@ -8,6 +8,10 @@
   that finds gamma 0 still best halves how often the next comes (down to one in
   2**max_alone_backoff probe slots): a probe is a drafted round of the shape the model
   expects the most of, plus the drafter catching up.
+- A request that starts while the target decodes alone starts with a probe, plain rounds of
+  the chain that would pay most on text accepting the prior's rate, where that costs little
+  against the request (``request_probe_share``): the text changes at a request, and the
+  probes above come once in up to 128 rounds of ~50 ms of tokens each.
 - The target alone, never measured, is priced as a one-node verification, dearer than it is
   where calls decode several tokens; one round measures it, half way between probes, after a
   few probe cycles (earlier it slowed the drafting shape's first settling), and again
@@ -20,6 +24,8 @@ next one with its plan and installs it only when the round is committed.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
+import numpy as np
 
 from hetspec.speculative.cost_model import CostModel
 from hetspec.speculative.planning import Limits, best_drafted, plan_of
@@ -35,6 +41,11 @@ class ExplorationConfig:
     # estimates that made the target alone best
     alone_probe_rounds: int = 3
     alone_measured_after_probes: int = 4
+    # A request that starts while the target decodes alone starts with a plain probe (new
+    # text may accept drafts the last did not; probes between requests come too seldom to
+    # see it), where the probe's expected loss against decoding alone is at most this share
+    # of the request's time alone (0: never)
+    request_probe_share: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,7 @@ class ExplorationState:
     alone_backoff: int = 0  # probe slots skipped while alone: 2**this - 1 of every 2**this
     alone_probes: int = 0  # probes taken from gamma 0 (they alternate two kinds)
     probe_left: int = 0  # rounds the running probe from gamma 0 still drafts its shape
+    start_probe: Plan | None = None  # a new request's probe, its next round's plan
 
 
 def probe_due(config: ExplorationConfig, state: ExplorationState, rounds: int,
@@ -114,3 +126,22 @@ def neighbour(best: Plan, model: CostModel, limits: Limits, state: ExplorationSt
     if limits.fits(gamma, branches, overlap):
         return plan_of(model, limits, gamma, branches, overlap=overlap), state
     return best, state
+
+
+def request_probe(config: ExplorationConfig, model: CostModel, limits: Limits, tokens: int,
+                  prior: float) -> Plan | None:  # fmt: skip
+    """The probe a request of ``tokens`` tokens starts with while the target decodes alone:
+    the plain chain that would pay most if the text accepted ``prior`` a token (the shape
+    the current estimates prefer is the short one that made the target alone best, and one
+    or two tokens show least what a text accepts), where its rounds' expected loss against
+    the target alone by the current estimates is at most ``request_probe_share`` of the
+    request's time alone; else None."""
+    if config.request_probe_share <= 0 or tokens <= 0:
+        return None
+    depths = np.arange(model.reach.shape[1])
+    hopeful = replace(model, reach=np.tile(prior**depths, (model.reach.shape[0], 1)), rule=())
+    shape = best_drafted(hopeful, limits, overlap=False)
+    probe = plan_of(model, limits, shape.gamma)
+    round_loss = max(0.0, probe.round_s - probe.expected_tokens * model.alone_s)
+    loss = config.alone_probe_rounds * round_loss
+    return probe if loss <= config.request_probe_share * tokens * model.alone_s else None

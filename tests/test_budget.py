@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from hetspec.speculative import exploration as explore
 from hetspec.speculative.branching import branch_length
 from hetspec.speculative.budget import BudgetController, ControllerConfig
 from hetspec.speculative.core_choice import SpareCoreChoice
@@ -463,6 +464,68 @@ def test_a_stale_price_of_the_target_alone_is_measured_again() -> None:
         box.run_round(controller)
     late = controller.history[-40:]  # ... until it is stale and measured again
     assert np.mean([d.gamma == 0 for d in late]) >= 0.8
+
+
+def _requests(
+    box: SimulatedBox,
+    controller: BudgetController,
+    acceptance: float,
+    *,
+    count: int = 1,
+    rounds: int = 16,
+    tokens: int = 256,
+) -> list[Plan]:
+    """``count`` requests of ``rounds`` rounds each on text of this ``acceptance``."""
+    plans = []
+    box.acceptance = acceptance
+    for _ in range(count):
+        controller.begin_request(tokens)
+        plans += [box.run_round(controller) for _ in range(rounds)]
+    return plans
+
+
+def test_a_request_after_the_target_went_alone_probes_first_and_drafts_easier_text():
+    """Hard text made the target alone best; the next requests' text accepts 0.95 a token,
+    where drafting is ~2x the target alone. A request that starts alone starts with a probe
+    (probes between requests come once in up to 128 rounds, each of ~50 ms of tokens): a
+    chain as long as would pay on text of the prior's acceptance (the shape the estimates
+    prefer is the short one that lost to the target alone, and shows least), and at a request
+    earlier requests' acceptance weighs a few rounds, so the probe's rounds count."""
+    box = SimulatedBox(0.0003, 0.002, 0.0001, 0.3, np.random.default_rng(0), alone_speedup=1.5)
+    controller = controller_of(overlap=True)
+    _requests(box, controller, 0.3, count=8)
+    assert box.rate(0, 1) > 1.3 * max(box.rate(g, 1, o) for g in range(1, 17)
+                                      for o in (False, True))  # fmt: skip
+    assert controller.decodes_alone()
+    easy = _requests(box, controller, 0.95, count=4, rounds=4)
+    assert box.best_rate() > 1.8 * box.rate(0, 1)
+    assert easy[0].gamma >= 3  # the probe
+    assert np.mean([plan.gamma > 0 for plan in easy]) > 0.9, easy
+
+
+def test_a_requests_probe_is_taken_only_where_it_costs_little_against_the_request():
+    """Its rounds' expected loss against the target alone is at most 5% of the request's
+    time alone: a short request on a pair where the target alone is far faster starts alone."""
+    box = SimulatedBox(0.0003, 0.002, 0.0001, 0.3, np.random.default_rng(0), alone_speedup=1.5)
+    controller = controller_of(overlap=True)
+    _requests(box, controller, 0.3, count=8)
+    controller.estimates.begin_request()  # as a request's begin_request does first
+    model = controller.estimates.cost_model(rule=False)
+    explored, limits = controller.config.exploration, controller.limits
+    long = explore.request_probe(explored, model, limits, 512, 0.8)
+    assert long is not None
+    assert long.gamma >= 3
+    assert not long.overlap
+    loss = explored.alone_probe_rounds * (long.round_s - long.expected_tokens * model.alone_s)
+    assert loss > 0
+    enough = loss / (explored.request_probe_share * model.alone_s)  # tokens that pay for it
+    assert explore.request_probe(explored, model, limits, int(enough) + 1, 0.8) == long
+    assert explore.request_probe(explored, model, limits, int(enough) - 1, 0.8) is None
+    controller.begin_request(int(enough) - 1)
+    assert not controller.probes_first()
+    controller.begin_request(int(enough) + 1)
+    assert controller.probes_first()
+    assert controller.commit(controller.choose()) == long
 
 
 def test_probes_thin_out_while_the_target_decodes_alone_and_drafting_resumes_when_it_pays():
