@@ -7,7 +7,8 @@
   without weighing the candidates again (such a round is about a millisecond), and each probe
   that finds gamma 0 still best halves how often the next comes (down to one in
   2**max_alone_backoff probe slots): a probe is a drafted round of the shape the model
-  expects the most of, plus the drafter catching up.
+  expects the most of (plain and overlapped by turns, overlapped only where the model does
+  not price it far below plain), plus the drafter catching up.
 - A request that starts while the target decodes alone starts with a probe, plain rounds of
   the chain that would pay most on text accepting the prior's rate, where that costs little
   against the request (``request_probe_share``): the text changes at a request, and the
@@ -30,6 +31,12 @@ import numpy as np
 from hetspec.speculative.cost_model import CostModel
 from hetspec.speculative.planning import Limits, best_drafted, plan_of
 from hetspec.speculative.rounds import Plan
+
+# A probe from gamma 0 takes its overlapped turn only where the model expects that kind at
+# least this share of the plain kind's rate: on a 2-core box an overlapped probe verified
+# without the drafter's core and cost a whole 11 ms request (the bundled pair), or drafted a
+# chain too short to show what the text accepts (gamma 2 on heavy-100m)
+OVERLAPPED_PROBE_SHARE = 0.8
 
 
 @dataclass(frozen=True)
@@ -109,7 +116,7 @@ def neighbour(best: Plan, model: CostModel, limits: Limits, state: ExplorationSt
         # the moment that made gamma 0 best, so the target stayed alone for good
         probes = state.alone_probes + 1
         state = replace(state, alone_probes=probes, probe_left=alone_rounds - 1)
-        return best_drafted(model, limits, overlap=probes % 2 == 0), state
+        return _probe_from_alone(model, limits, overlapped_turn=probes % 2 == 0), state
     if turn == "rule":
         if best.rule:
             return plan_of(model, limits, best.gamma), state
@@ -126,6 +133,17 @@ def neighbour(best: Plan, model: CostModel, limits: Limits, state: ExplorationSt
     if limits.fits(gamma, branches, overlap):
         return plan_of(model, limits, gamma, branches, overlap=overlap), state
     return best, state
+
+
+def _probe_from_alone(model: CostModel, limits: Limits, *, overlapped_turn: bool) -> Plan:
+    """The drafted shape the model expects the most of, of the turn's kind: overlapped on
+    its turns, unless the model prices that kind far below plain."""
+    plain = best_drafted(model, limits, overlap=False)
+    if overlapped_turn:
+        overlapped = best_drafted(model, limits, overlap=True)
+        if overlapped.tokens_per_s >= OVERLAPPED_PROBE_SHARE * plain.tokens_per_s:
+            return overlapped
+    return plain
 
 
 def request_probe(config: ExplorationConfig, model: CostModel, limits: Limits, tokens: int,

@@ -582,6 +582,26 @@ def test_a_probe_from_gamma_0_drafts_the_shape_the_model_expects_most_of_for_a_f
     assert {run[0].overlap for run in full} == {False, True}
 
 
+def test_a_probe_from_gamma_0_is_plain_where_overlapped_rounds_are_far_slower():
+    """Two vCPUs that slow each other down (contention 1.8): the model prices overlapped
+    rounds far below plain ones, so probes from gamma 0 skip their overlapped turns (such a
+    probe cost a whole request on the bundled pair and drafted too short a chain to show
+    what the text accepts)."""
+    box = SimulatedBox(0.0003, 0.002, 0.0001, 0.9, np.random.default_rng(0), alone_speedup=4.0,
+                       contention=1.8)  # fmt: skip
+    assert box.rate(0, 1) > 1.3 * max(box.rate(g, 1, o) for g in range(1, 17)
+                                      for o in (False, True))  # fmt: skip
+    controller = controller_of(overlap=True, rule=False)
+    # as the daemon says where the verifier borrows the drafter's core: an overlapped
+    # verification, unmeasured (or aged out), costs twice a plain one
+    controller.assume_overlap_factor(2.0)
+    for _ in range(600):
+        box.run_round(controller)
+    probes = [plan for plan in controller.history[150:] if plan.gamma]
+    assert len(probes) >= 6
+    assert not any(plan.overlap for plan in probes), probes
+
+
 def test_the_warm_up_overlaps_only_where_the_verifier_keeps_its_speed_beside_the_drafter():
     """DuoDecoding's start, gamma = c, overlapped where the model expects that to pay. On a
     CPU box whose verifier borrows the drafter's core, an overlapped round verifies on its own
