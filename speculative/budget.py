@@ -102,8 +102,10 @@ class BudgetController:
         acceptance learned from earlier ones weighs less, and where the target decodes alone
         the request starts with a probe if one costs little against it."""
         self.estimates.begin_request()
+        if not self.decodes_alone():
+            return
         model = self.estimates.cost_model(rule=False)
-        if self.decodes_alone() and model is not None:
+        if model is not None:
             probe = explore.request_probe(self.config.exploration, model, self.limits, tokens,
                                           self.config.estimates.prior_acceptance)  # fmt: skip
             self._state = dataclasses.replace(self._state, start_probe=probe)

@@ -142,9 +142,8 @@ class Estimates:
         self._overhead = self._median()
         # never forgotten (without it the target alone is priced as a one-node verification),
         # but measured again once stale
-        clock = lambda: self.rounds  # noqa: E731
-        self._alone = WindowedMedian(c.window, clock, c.alone_max_age, keep_last=True)
-        self._alone_compute = WindowedMedian(c.window, clock, c.alone_max_age, keep_last=True)
+        self._alone = self._median(c.alone_max_age, keep_last=True)
+        self._alone_compute = self._median(c.alone_max_age, keep_last=True)
         self._depth = DecayedRate(c.max_gamma + 1)  # index: depth (1-based)
         self._first = DecayedRate(c.max_branches + 1)  # depth 1, by branch count
         # the rule branches where the drafter is unsure, so its rounds' first-depth acceptance
@@ -156,8 +155,11 @@ class Estimates:
         self._profile: ProfileCurve | None = None  # the verifier's, measured before serving
         self._overlap_factor = 1.0  # an overlapped verification against a plain one, unmeasured
 
-    def _median(self) -> WindowedMedian:
-        return WindowedMedian(self.config.window, lambda: self.rounds, self.config.max_age)
+    def _median(self, max_age: int | None = None, *, keep_last: bool = False) -> WindowedMedian:
+        """A median on the rounds' clock, forgetting samples ``max_age`` rounds old (default:
+        the config's ``max_age``)."""
+        return WindowedMedian(self.config.window, lambda: self.rounds,
+                              max_age or self.config.max_age, keep_last=keep_last)  # fmt: skip
 
     # ------------------------------------------------------------ learning
 

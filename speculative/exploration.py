@@ -157,7 +157,7 @@ def request_probe(config: ExplorationConfig, model: CostModel, limits: Limits, t
     if config.request_probe_share <= 0 or tokens <= 0:
         return None
     depths = np.arange(model.reach.shape[1])
-    hopeful = replace(model, reach=np.tile(prior**depths, (model.reach.shape[0], 1)), rule=())
+    hopeful = replace(model, reach=np.tile(prior**depths, (model.reach.shape[0], 1)))
     shape = best_drafted(hopeful, limits, overlap=False)
     probe = plan_of(model, limits, shape.gamma)
     round_loss = max(0.0, probe.round_s - probe.expected_tokens * model.alone_s)
