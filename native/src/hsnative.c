@@ -630,6 +630,18 @@ HS_AVX2 INLINE void unsigned_block(const char *wrow, const int type, const int b
     _mm256_store_si256((__m256i *)weights, load_unsigned_weights(wrow, type, b));
 }
 
+/* Block b of `tile` weight rows `stride` bytes apart, made unsigned into staged[t] (the next
+ * tile's rows prefetched, as unsigned_block does). The rows-in-lanes kernels stage block b + 1
+ * while they multiply block b, so that each four weights are broadcast from memory, a load:
+ * made unsigned and used at once, the block stayed in a register (the compiler's choice) and
+ * each broadcast was a shuffle on vpdpbusd's port, which halved the kernels' rate
+ * (docs/bench/native/staged-weights.md). */
+HS_AVX2 INLINE void stage_tile(const char *wrows, const size_t stride, const int type, const int b,
+                               const int tile, const size_t block_bytes, int32_t staged[][HS_BLOCK / 4]) {
+    for (int t = 0; t < tile; t++)
+        unsigned_block(wrows + stride * t, type, b, stride * tile + block_bytes * b, staged[t]);
+}
+
 /* Two 256-bit halves as one 512-bit vector (lo in lanes 0-7). */
 HS_VNNI INLINE __m512i join256(const void *lo, const void *hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)lo)),
@@ -640,7 +652,7 @@ HS_VNNI INLINE __m512i join256(const void *lo, const void *hi) {
  * row r of the groups, so one broadcast of four weights and one vpdpbusd serve all 16 rows
  * (half the instructions of two 256-bit groups, and the wider vpdpbusd does more products a
  * cycle). `tile` (1 or 4) weight rows share the block's activations, held in 8 registers.
- * Each lane does exactly what rows8_in_lanes_vnni's does: the same bits. */
+ * Each lane does exactly what rows_in_lanes_vnni's (vnni256.h) does: the same bits. */
 HS_VNNI INLINE void rows16_in_lanes_vnni(const char *wrows, const size_t stride, const int type,
                                          const int blocks, const activations *a, const int group,
                                          const int tile, float *result) {
@@ -648,7 +660,10 @@ HS_VNNI INLINE void rows16_in_lanes_vnni(const char *wrows, const size_t stride,
     const size_t block_bytes = stride / blocks;
     __m512 acc[4];
     for (int t = 0; t < tile; t++) acc[t] = _mm512_setzero_ps();
+    int32_t staged[2][4][HS_BLOCK / 4] __attribute__((aligned(32)));
+    stage_tile(wrows, stride, type, 0, tile, block_bytes, staged[0]);
     for (int b = 0; b < blocks; b++) {
+        if (b + 1 < blocks) stage_tile(wrows, stride, type, b + 1, tile, block_bytes, staged[(b + 1) & 1]);
         const size_t at = ((size_t)group * blocks + b) * GROUP;
         const size_t next = at + (size_t)blocks * GROUP; /* the second group's block b */
         __m512i x[HS_BLOCK / 4];
@@ -659,9 +674,8 @@ HS_VNNI INLINE void rows16_in_lanes_vnni(const char *wrows, const size_t stride,
         const __m512 x_scales = _mm512_castsi512_ps(join256(a->grouped_d + at, a->grouped_d + next));
         for (int t = 0; t < tile; t++) {
             const char *wrow = wrows + stride * t;
-            int32_t weights[HS_BLOCK / 4] __attribute__((aligned(32)));
-            unsigned_block(wrow, type, b, stride * tile + block_bytes * b, weights);
-            __m512i chains[2] = {start, _mm512_setzero_si512()}; /* see rows8_in_lanes_vnni */
+            const int32_t *weights = staged[b & 1][t];
+            __m512i chains[2] = {start, _mm512_setzero_si512()}; /* vpdpbusd waits on its sum */
             for (int k = 0; k < HS_BLOCK / 4; k++)
                 chains[k & 1] = _mm512_dpbusd_epi32(chains[k & 1], _mm512_set1_epi32(weights[k]), x[k]);
             const __m512 w_scale = _mm512_set1_ps(_cvtsh_ss(weight_scale_of(wrow, type, b)));
@@ -672,56 +686,74 @@ HS_VNNI INLINE void rows16_in_lanes_vnni(const char *wrows, const size_t stride,
     for (int t = 0; t < tile; t++) _mm512_storeu_ps(result + t * 2 * GROUP, acc[t]);
 }
 
-/* Rows in lanes for one group (8 rows) and `rows` (1, 2 or 4) weight rows `stride` bytes
- * apart, into result[t * GROUP ..], in 512-bit vectors: lanes 0-7 hold the 8 rows against a
- * pair's first weight row, lanes 8-15 against its second (the activations in both halves; a
- * lone row is its own second), so one vpdpbusd does the work of two 256-bit ones and one
- * permute places both rows' four weights. A block's activations stay in registers for every
- * weight row (a load per four products would otherwise be the bottleneck), and each product
- * adds into one of two chains (vpdpbusd waits several cycles for its accumulator; integer
- * sums may be split and added in any order). Each lane's dot_b is the AVX2 kernels' exact
- * integer and the float steps are theirs: the same bits. (Q8_0 with the activations as the
- * unsigned side and the weights broadcast straight from the GGUF block measured no faster.) */
-HS_VNNI INLINE void rows8_in_lanes_vnni(const char *wrows, const size_t stride, const int type,
-                                        const int blocks, const activations *a, const int group,
-                                        const int rows, float *result) {
-    const int shift = type == HS_Q8_0 ? Q8_BIAS_SHIFT : Q4_BIAS_SHIFT, pairs = (rows + 1) / 2;
-    const size_t block_bytes = stride / blocks;
-    __m512i place[HS_BLOCK / 4]; /* lanes 0-7: dword k of the low half, 8-15: of the high */
-    for (int k = 0; k < HS_BLOCK / 4; k++)
-        place[k] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(k)), _mm256_set1_epi32(8 + k), 1);
-    __m512 acc[2];
-    for (int p = 0; p < pairs; p++) acc[p] = _mm512_setzero_ps();
+/* Block b of 16 Q8_0 weight rows `stride` bytes apart, transposed in registers so that lane f
+ * of w[k] holds row f's k-th four values, made unsigned (w + 128, as load_unsigned_weights);
+ * their scales in *w_scales, gathered (each lane's dword starts at its row's block: its low
+ * half is the scale). Rows go in as [f | f + 4] pairs, f = 0-3 and 8-11, so that after the
+ * unpacks the 128-bit lanes' order is the rows' own. On even blocks it prefetches the next 16
+ * rows'. */
+HS_VNNI INLINE void transposed16_q8_0(const char *wrows, const size_t stride, const int b,
+                                      const __m512i scale_at, __m512i w[8], __m512 *w_scales) {
+    const size_t at = (size_t)b * sizeof(block_q8_0);
+    if (!(b & 1))
+        for (int f = 0; f < 16; f++) _mm_prefetch(wrows + stride * (16 + f) + at, _MM_HINT_T0);
+    for (int i = 0; i < 8; i++) {
+        const int f = i < 4 ? i : i + 4;
+        w[i] = join256(((const block_q8_0 *)(wrows + stride * f))[b].qs,
+                       ((const block_q8_0 *)(wrows + stride * (f + 4)))[b].qs);
+    }
+    __m512i t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(w[2 * i], w[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(w[2 * i], w[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int i = 0; i < 4; i++) {
+        w[i] = _mm512_xor_si512(_mm512_shuffle_i32x4(u[i], u[i + 4], 0x88), flip);
+        w[i + 4] = _mm512_xor_si512(_mm512_shuffle_i32x4(u[i], u[i + 4], 0xDD), flip);
+    }
+    const __m512i scales = _mm512_i32gather_epi32(scale_at, wrows + at, 1);
+    *w_scales = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(scales));
+}
+
+/* Features in lanes for Q8_0, 16 at a time: m (<= 8) row-major rows times 16 weight rows
+ * `stride` bytes apart, read in place (transposed16_q8_0), each row's four activations
+ * broadcast. The same exact dot_b and float steps as features_in_lanes_vnni: the same bits,
+ * at twice its products a cycle for 2-8 rows (docs/bench/native/staged-weights.md). */
+HS_VNNI INLINE void features16_in_lanes_vnni(const char *wrows, const size_t stride, const int blocks,
+                                             const int8_t *xq, const float *xd, const int32_t *xs,
+                                             const int cols, const int m, float *result) {
+    const __m512i scale_at = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32((int)stride));
+    __m512 acc[8];
+    for (int r = 0; r < m; r++) acc[r] = _mm512_setzero_ps();
     for (int b = 0; b < blocks; b++) {
-        const size_t at = ((size_t)group * blocks + b) * GROUP;
-        __m512i x[HS_BLOCK / 4];
-        for (int k = 0; k < HS_BLOCK / 4; k++)
-            x[k] = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(a->grouped + (at + k) * 4 * GROUP)));
-        const __m512i start = _mm512_broadcast_i64x4(
-            vnni_start(_mm256_loadu_si256((const __m256i *)(a->grouped_sum + at)), shift));
-        const __m512 x_scales = _mm512_castsi512_ps(
-            _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(a->grouped_d + at))));
-        for (int p = 0; p < pairs; p++) {
-            const char *first = wrows + stride * 2 * p;
-            const char *second = 2 * p + 1 < rows ? first + stride : first;
-            if (!(b & 1)) { /* the next tile's rows (see features_in_lanes_avx2) */
-                _mm_prefetch(first + stride * rows + block_bytes * b, _MM_HINT_T0);
-                _mm_prefetch(second + stride * rows + block_bytes * b, _MM_HINT_T0);
-            }
-            const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(load_unsigned_weights(first, type, b)),
-                                                    load_unsigned_weights(second, type, b), 1);
-            __m512i chains[2] = {start, _mm512_setzero_si512()};
+        __m512i w[8];
+        __m512 w_scales;
+        transposed16_q8_0(wrows, stride, b, scale_at, w, &w_scales);
+        for (int r = 0; r < m; r++) {
+            const int32_t *x = (const int32_t *)(xq + (size_t)r * cols + (size_t)b * HS_BLOCK);
+            __m512i chains[2] = {_mm512_set1_epi32(-(xs[(size_t)r * blocks + b] << Q8_BIAS_SHIFT)),
+                                 _mm512_setzero_si512()};
             for (int k = 0; k < HS_BLOCK / 4; k++)
-                chains[k & 1] = _mm512_dpbusd_epi32(chains[k & 1], _mm512_permutexvar_epi32(place[k], both), x[k]);
-            const __m512 w_scales = _mm512_castsi512_ps(_mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_castps_si256(_mm256_set1_ps(_cvtsh_ss(weight_scale_of(first, type, b))))),
-                _mm256_castps_si256(_mm256_set1_ps(_cvtsh_ss(weight_scale_of(second, type, b)))), 1));
-            acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(chains[0], chains[1])),
-                                     _mm512_mul_ps(x_scales, w_scales), acc[p]);
+                chains[k & 1] = _mm512_dpbusd_epi32(chains[k & 1], w[k], _mm512_set1_epi32(x[k]));
+            const __m512 x_scale = _mm512_set1_ps(xd[(size_t)r * blocks + b]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(chains[0], chains[1])),
+                                     _mm512_mul_ps(x_scale, w_scales), acc[r]);
         }
     }
-    for (int p = 0; p < pairs; p++) _mm512_storeu_ps(result + p * 2 * GROUP, acc[p]);
+    for (int r = 0; r < m; r++) _mm512_storeu_ps(result + 16 * r, acc[r]);
 }
+
+/* rows from which Q8_0 goes 16 features in lanes; a lone row measured the same either way and
+ * keeps one_row_in_lanes */
+#define IN_PLACE16_FROM 2
 
 /* The 256-bit kernels, in vpdpbusd's EVEX form (AVX-512 VNNI with VL) */
 #define V256_ATTR HS_VNNI
@@ -745,11 +777,15 @@ HS_VNNI INLINE void rows8_in_lanes_vnni(const char *wrows, const size_t stride, 
  * AVX2 one-by-one product (the same exact dot_b, so the same bits). */
 HS_VNNI static void quantized_features_vnni(const hs_matrix *w, const activations *a, int n,
                                             int first, int end, float *out) {
-    const int blocks = w->cols / HS_BLOCK, groups = grouped_rows(n) / GROUP;
+    /* Q8_0 read in place: rows outside groups go 16 features in lanes, and calls of up to 8
+     * rows have no groups (16 features in lanes beat rows in lanes there) */
+    const int in_place16 = w->type == HS_Q8_0 && !w->packed;
+    const int blocks = w->cols / HS_BLOCK;
+    const int groups = in_place16 && n <= GROUP ? 0 : grouped_rows(n) / GROUP;
     const int grouped = groups * GROUP < n ? groups * GROUP : n;
     const size_t stride = row_bytes(w);
     const char *data = w->data;
-    float result[4 * 2 * GROUP];
+    float result[8 * 16];
     for (int g = 0; g < groups; g += 2) {
         const int count = groups - g > 1 ? 2 : 1;
         for (int j = first; j < end;) {
@@ -759,8 +795,8 @@ HS_VNNI static void quantized_features_vnni(const hs_matrix *w, const activation
 #define ROWS(type)                                                                           \
     if (count == 2 && tile == 4) rows16_in_lanes_vnni(wrows, stride, type, blocks, a, g, 4, result); \
     else if (count == 2) rows16_in_lanes_vnni(wrows, stride, type, blocks, a, g, 1, result);         \
-    else if (tile == 4) rows8_in_lanes_vnni(wrows, stride, type, blocks, a, g, 4, result);           \
-    else rows8_in_lanes_vnni(wrows, stride, type, blocks, a, g, 1, result);
+    else if (tile == 4) rows_in_lanes_vnni(wrows, stride, type, blocks, a, g, 4, result);            \
+    else rows_in_lanes_vnni(wrows, stride, type, blocks, a, g, 1, result);
             if (w->type == HS_Q8_0) {
                 ROWS(HS_Q8_0)
             } else {
@@ -774,6 +810,29 @@ HS_VNNI static void quantized_features_vnni(const hs_matrix *w, const activation
         }
     }
     int j = first;
+    if (in_place16 && n - grouped >= IN_PLACE16_FROM)
+        for (; j + 16 <= end; j += 16)
+            for (int r0 = grouped; r0 < n; r0 += GROUP) {
+                const int m = n - r0 < GROUP ? n - r0 : GROUP;
+                const char *rows16 = data + stride * j;
+                const int8_t *q = a->q + (size_t)r0 * w->cols;
+                const float *d = a->d + (size_t)r0 * blocks;
+                const int32_t *sums = a->sum + (size_t)r0 * blocks;
+#define FEATURES16(M) features16_in_lanes_vnni(rows16, stride, blocks, q, d, sums, w->cols, M, result)
+                switch (m) { /* literal row counts: each call is compiled for its own */
+                case 8: FEATURES16(8); break;
+                case 7: FEATURES16(7); break;
+                case 6: FEATURES16(6); break;
+                case 5: FEATURES16(5); break;
+                case 4: FEATURES16(4); break;
+                case 3: FEATURES16(3); break;
+                case 2: FEATURES16(2); break;
+                default: FEATURES16(1); break;
+                }
+#undef FEATURES16
+                for (int r = 0; r < m; r++)
+                    for (int f = 0; f < 16; f++) out[(size_t)(r0 + r) * w->rows + j + f] = result[16 * r + f];
+            }
     PACKED_ROWS(packed_features_vnni, HS_PACKED_UNSIGNED)
     UNGROUPED_ROWS(features_in_lanes_vnni)
 }
