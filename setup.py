@@ -12,7 +12,12 @@ setup(
         Extension(
             "hetspec.native._hsnative",
             sources=["native/src/hsnative.c", "native/src/unpacked.c", "native/src/module.c"],
-            depends=["native/src/hsnative.h", "native/src/internal.h", "native/src/vnni256.h"],
+            depends=[
+                "native/src/hsnative.h",
+                "native/src/internal.h",
+                "native/src/transposes.h",
+                "native/src/vnni256.h",
+            ],
             # -ffp-contract=off: no fused multiply-add the source did not ask for (width
             # invariance, see hsnative.c); SIMD paths are chosen at run time, not by -march.
             extra_compile_args=["-O3", "-std=c11", "-fopenmp", "-ffp-contract=off"],

@@ -1,7 +1,7 @@
 /* What the VNNI matrix kernels' block recipes reach on one core, data in L1/L2, against the
  * CPU's vpdpbusd peak (docs/bench/native/staged-weights.md).
  *
- *     gcc -O3 -march=native native/bench/staging_ceiling.c -o /tmp/staging && /tmp/staging
+ *     gcc -O3 -march=native -Inative/src native/bench/staging_ceiling.c -o /tmp/staging && /tmp/staging
  *
  * 16 rows in lanes, Q8_0, 4 weight rows a tile, the kernel's float steps per block:
  *   "broadcast from a register": each weight row's block made unsigned in a register and its
@@ -12,10 +12,12 @@
  *     the shuffles, not with loads.
  * 16 features in lanes, Q8_0 read in place: 16 weight rows' blocks transposed in registers,
  *   their scales gathered, m rows' four activations broadcast (features16_in_lanes_vnni). */
-#include <immintrin.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <time.h>
+
+#include "internal.h"
+#include "transposes.h"
 
 typedef struct { uint16_t d; int8_t qs[32]; } __attribute__((packed)) block;
 enum { BLOCKS = 32, WROWS = 256 };
@@ -84,27 +86,9 @@ __attribute__((noinline)) static void features16(int m) {
         __m512 acc[8];
         for (int r = 0; r < m; r++) acc[r] = _mm512_setzero_ps();
         for (int b = 0; b < BLOCKS; b++) {
-            __m512i w[8], t[8], u[8];
-            for (int i = 0; i < 8; i++) {
-                const int f = i < 4 ? i : i + 4;
-                w[i] = _mm512_inserti64x4(
-                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(base + stride * f + 34 * b + 2))),
-                    _mm256_loadu_si256((const __m256i *)(base + stride * (f + 4) + 34 * b + 2)), 1);
-            }
-            for (int i = 0; i < 4; i++) {
-                t[2 * i] = _mm512_unpacklo_epi32(w[2 * i], w[2 * i + 1]);
-                t[2 * i + 1] = _mm512_unpackhi_epi32(w[2 * i], w[2 * i + 1]);
-            }
-            for (int i = 0; i < 2; i++) {
-                u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-                u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-                u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-                u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-            }
-            for (int i = 0; i < 4; i++) {
-                w[i] = _mm512_xor_si512(_mm512_shuffle_i32x4(u[i], u[i + 4], 0x88), _mm512_set1_epi8((char)0x80));
-                w[i + 4] = _mm512_xor_si512(_mm512_shuffle_i32x4(u[i], u[i + 4], 0xDD), _mm512_set1_epi8((char)0x80));
-            }
+            __m512i w[8];
+            rows16_transposed(base + 34 * b + 2, stride, w);
+            for (int k = 0; k < 8; k++) w[k] = _mm512_xor_si512(w[k], _mm512_set1_epi8((char)0x80));
             const __m512 scales = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(at, base + 34 * b, 1)));
             for (int r = 0; r < m; r++) {
                 const int32_t *x = (const int32_t *)(rows[r] + 32 * b);

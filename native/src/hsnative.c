@@ -3,6 +3,7 @@
  * Build with -ffp-contract=off: a fused multiply-add that the compiler forms in one
  * specialization of a kernel and not in another would break width invariance. */
 #include "internal.h"
+#include "transposes.h"
 
 #define COL_CHUNK 16  /* output features a thread takes at a time */
 #define ATTEND_ROWS 16 /* rows one call of the attention kernel takes (attend_rows_body) */
@@ -393,17 +394,8 @@ HS_AVX2 INLINE void rows_in_lanes_q4_avx2(const void *wrow, const int blocks, co
 
 /* v[f] lane k -> v[k] lane f, for 8 vectors of 8 int32. */
 HS_AVX2 INLINE void transpose_8x8_epi32(__m256i v[8]) {
-    __m256i t[8], u[8];
-    for (int i = 0; i < 4; i++) {
-        t[2 * i] = _mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
-    }
-    for (int i = 0; i < 2; i++) {
-        u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
+    __m256i u[8];
+    TRANSPOSE_LANES_4X4(_mm256, __m256i, v, u);
     for (int i = 0; i < 4; i++) {
         v[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
         v[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
@@ -687,37 +679,16 @@ HS_VNNI INLINE void rows16_in_lanes_vnni(const char *wrows, const size_t stride,
 }
 
 /* Block b of 16 Q8_0 weight rows `stride` bytes apart, transposed in registers so that lane f
- * of w[k] holds row f's k-th four values, made unsigned (w + 128, as load_unsigned_weights);
- * their scales in *w_scales, gathered (each lane's dword starts at its row's block: its low
- * half is the scale). Rows go in as [f | f + 4] pairs, f = 0-3 and 8-11, so that after the
- * unpacks the 128-bit lanes' order is the rows' own. On even blocks it prefetches the next 16
- * rows'. */
+ * of w[k] holds row f's k-th four values (rows16_transposed), made unsigned (w + 128, as
+ * load_unsigned_weights); their scales in *w_scales, gathered (each lane's dword starts at its
+ * row's block: its low half is the scale). On even blocks it prefetches the next 16 rows'. */
 HS_VNNI INLINE void transposed16_q8_0(const char *wrows, const size_t stride, const int b,
                                       const __m512i scale_at, __m512i w[8], __m512 *w_scales) {
     const size_t at = (size_t)b * sizeof(block_q8_0);
     if (!(b & 1))
         for (int f = 0; f < 16; f++) _mm_prefetch(wrows + stride * (16 + f) + at, _MM_HINT_T0);
-    for (int i = 0; i < 8; i++) {
-        const int f = i < 4 ? i : i + 4;
-        w[i] = join256(((const block_q8_0 *)(wrows + stride * f))[b].qs,
-                       ((const block_q8_0 *)(wrows + stride * (f + 4)))[b].qs);
-    }
-    __m512i t[8], u[8];
-    for (int i = 0; i < 4; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(w[2 * i], w[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(w[2 * i], w[2 * i + 1]);
-    }
-    for (int i = 0; i < 2; i++) {
-        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    for (int i = 0; i < 4; i++) {
-        w[i] = _mm512_xor_si512(_mm512_shuffle_i32x4(u[i], u[i + 4], 0x88), flip);
-        w[i + 4] = _mm512_xor_si512(_mm512_shuffle_i32x4(u[i], u[i + 4], 0xDD), flip);
-    }
+    rows16_transposed((const char *)((const block_q8_0 *)(wrows + at))->qs, stride, w);
+    for (int k = 0; k < HS_BLOCK / 4; k++) w[k] = _mm512_xor_si512(w[k], _mm512_set1_epi8((char)0x80));
     const __m512i scales = _mm512_i32gather_epi32(scale_at, wrows + at, 1);
     *w_scales = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(scales));
 }
