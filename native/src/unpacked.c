@@ -37,6 +37,7 @@
  * blocks add up as a tree, so one row's chunk is a few vector steps (no chain of dependent
  * multiply-adds). Every kernel level gives the same bits, for a row alone or among others. */
 #include "internal.h"
+#include "transposes.h"
 
 #define SUB (HS_SUPER / HS_BLOCK) /* activation blocks in a chunk */
 
@@ -1020,8 +1021,81 @@ HS_VNNI INLINE void features_typed_vnni(const hs_matrix *w, const int type, cons
 
 ROWS_ALONE(HS_VNNI, vnni)
 
+/* Q4_K and Q5_K (unsigned values, with mins) against m (2-8) rows, 16 weight rows [j, j + 16)
+ * at a time: each chunk of the 16 rows unpacked, each block transposed so that the 16 features
+ * sit in the lanes (rows16_transposed), each row's four activations broadcast, the blocks'
+ * integer scales and mins gathered per lane. A lane's integers are rows_major's exact ones
+ * and its float steps super_term's: the same bits. */
+HS_VNNI INLINE void super16_in_lanes_vnni(const hs_matrix *w, const int type, const activations *a,
+                                          const int m, const int j, float *out) {
+    const int blocks = w->cols / HS_BLOCK, chunks = blocks / SUB;
+    const size_t stride = hs_unpacked_row_bytes(type, w->cols);
+    unpacked u[16];
+    const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32((int)sizeof(unpacked)));
+    __m512 acc[GROUP];
+    for (int r = 0; r < m; r++) acc[r] = _mm512_setzero_ps();
+    for (int c = 0; c < chunks; c++) {
+        for (int f = 0; f < 16; f++) {
+            const char *chunk = chunk_at((const char *)w->data + stride * (size_t)(j + f), type, c);
+            for (size_t line = 0; line < chunk_bytes(type); line += 64) /* the next chunk's */
+                _mm_prefetch(chunk + chunk_bytes(type) + line, _MM_HINT_T0);
+            unpack_avx2(chunk, type, SUB, &u[f]);
+        }
+        __m512i products[GROUP], mins[GROUP];
+        for (int r = 0; r < m; r++) products[r] = mins[r] = _mm512_setzero_si512();
+        for (int b = 0; b < SUB; b++) {
+            __m512i values[HS_BLOCK / 4];
+            rows16_transposed((const char *)u[0].q + HS_BLOCK * b, sizeof(unpacked), values);
+            const __m512i scale = _mm512_i32gather_epi32(at, &u[0].iscale[b], 1);
+            const __m512i min = _mm512_i32gather_epi32(at, &u[0].imin[b], 1);
+            for (int r = 0; r < m; r++) {
+                const int32_t *x = (const int32_t *)(a->q + (size_t)r * w->cols + (size_t)c * HS_SUPER + HS_BLOCK * b);
+                __m512i chains[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+                for (int k = 0; k < HS_BLOCK / 4; k++)
+                    chains[k & 1] = _mm512_dpbusd_epi32(chains[k & 1], values[k], _mm512_set1_epi32(x[k]));
+                products[r] = _mm512_add_epi32(products[r], _mm512_mullo_epi32(_mm512_add_epi32(chains[0], chains[1]), scale));
+                mins[r] = _mm512_add_epi32(mins[r], _mm512_mullo_epi32(
+                    _mm512_set1_epi32(a->sum[(size_t)r * blocks + (size_t)c * SUB + b]), min));
+            }
+        }
+        const __m512 sd = _mm512_i32gather_ps(at, &u[0].sd, 1), smin = _mm512_i32gather_ps(at, &u[0].smin, 1);
+        for (int r = 0; r < m; r++) { /* super_term's steps */
+            const __m512 x_scale = _mm512_set1_ps(a->d[(size_t)r * blocks + (size_t)c * SUB]);
+            const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(products[r]), _mm512_mul_ps(x_scale, sd));
+            acc[r] = _mm512_add_ps(acc[r], _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins[r]), _mm512_mul_ps(x_scale, smin), v));
+        }
+    }
+    for (int r = 0; r < m; r++) {
+        float lanes[16];
+        _mm512_storeu_ps(lanes, acc[r]);
+        for (int f = 0; f < 16; f++) out[(size_t)r * w->rows + j + f] = lanes[f];
+    }
+}
+
 HS_VNNI static void features_vnni(const hs_matrix *w, const activations *a, int n, int first, int end,
                                   float *out) {
+    if ((w->type == HS_Q4_K || w->type == HS_Q5_K) && n >= 2 && n <= GROUP) {
+        for (; first + 16 <= end; first += 16) { /* literal types and row counts */
+#define SUPER16(type)                                                                        \
+    switch (n) {                                                                             \
+    case 8: super16_in_lanes_vnni(w, type, a, 8, first, out); break;                         \
+    case 7: super16_in_lanes_vnni(w, type, a, 7, first, out); break;                         \
+    case 6: super16_in_lanes_vnni(w, type, a, 6, first, out); break;                         \
+    case 5: super16_in_lanes_vnni(w, type, a, 5, first, out); break;                         \
+    case 4: super16_in_lanes_vnni(w, type, a, 4, first, out); break;                         \
+    case 3: super16_in_lanes_vnni(w, type, a, 3, first, out); break;                         \
+    default: super16_in_lanes_vnni(w, type, a, 2, first, out); break;                        \
+    }
+            if (w->type == HS_Q4_K) {
+                SUPER16(HS_Q4_K)
+            } else {
+                SUPER16(HS_Q5_K)
+            }
+#undef SUPER16
+        }
+        if (first >= end) return;
+    }
     TYPED_CALLS(vnni)
 }
 
