@@ -1021,11 +1021,13 @@ HS_VNNI INLINE void features_typed_vnni(const hs_matrix *w, const int type, cons
 
 ROWS_ALONE(HS_VNNI, vnni)
 
-/* Q4_K and Q5_K (unsigned values, with mins) against m (2-8) rows, 16 weight rows [j, j + 16)
- * at a time: each chunk of the 16 rows unpacked, each block transposed so that the 16 features
- * sit in the lanes (rows16_transposed), each row's four activations broadcast, the blocks'
- * integer scales and mins gathered per lane. A lane's integers are rows_major's exact ones
- * and its float steps super_term's: the same bits. */
+/* Q4_K, Q5_K (unsigned values, with mins) and Q6_K (signed, a scale a half-block) against m
+ * (2-8) rows, 16 weight rows [j, j + 16) at a time: each chunk of the 16 rows unpacked, each
+ * block transposed so that the 16 features sit in the lanes (rows16_transposed), each row's
+ * four activations broadcast, the blocks' integer scales and mins gathered per lane. Q6_K's
+ * values go biased by 32 to vpdpbusd's unsigned side, 32 times each half-block's activation
+ * sum taken off. A lane's integers are rows_major's exact ones and its float steps
+ * super_term's: the same bits. */
 HS_VNNI INLINE void super16_in_lanes_vnni(const hs_matrix *w, const int type, const activations *a,
                                           const int m, const int j, float *out) {
     const int blocks = w->cols / HS_BLOCK, chunks = blocks / SUB;
@@ -1047,23 +1049,42 @@ HS_VNNI INLINE void super16_in_lanes_vnni(const hs_matrix *w, const int type, co
         for (int b = 0; b < SUB; b++) {
             __m512i values[HS_BLOCK / 4];
             rows16_transposed((const char *)u[0].q + HS_BLOCK * b, sizeof(unpacked), values);
-            const __m512i scale = _mm512_i32gather_epi32(at, &u[0].iscale[b], 1);
-            const __m512i min = _mm512_i32gather_epi32(at, &u[0].imin[b], 1);
+            if (type == HS_Q6_K) /* 0..63 */
+                for (int k = 0; k < HS_BLOCK / 4; k++) values[k] = _mm512_add_epi8(values[k], _mm512_set1_epi8(32));
+            /* Q6_K: each dword holds the block's two half-block scales (int16, low then high) */
+            const __m512i scale = type == HS_Q6_K ? _mm512_i32gather_epi32(at, &u[0].scale[2 * b], 1)
+                                                  : _mm512_i32gather_epi32(at, &u[0].iscale[b], 1);
+            const __m512i min = has_mins(type) ? _mm512_i32gather_epi32(at, &u[0].imin[b], 1) : _mm512_setzero_si512();
             for (int r = 0; r < m; r++) {
-                const int32_t *x = (const int32_t *)(a->q + (size_t)r * w->cols + (size_t)c * HS_SUPER + HS_BLOCK * b);
+                const int8_t *xq = a->q + (size_t)r * w->cols + (size_t)c * HS_SUPER + HS_BLOCK * b;
+                const int32_t *x = (const int32_t *)xq;
+                const int32_t x_sum = a->sum[(size_t)r * blocks + (size_t)c * SUB + b];
+                if (type == HS_Q6_K) { /* a chain a half-block: each takes its own scale */
+                    const __m128i flipped = _mm_xor_si128(_mm_loadu_si128((const __m128i *)xq), _mm_set1_epi8((char)0x80));
+                    const __m128i sad = _mm_sad_epu8(flipped, _mm_setzero_si128());
+                    const int32_t low = _mm_cvtsi128_si32(_mm_add_epi64(sad, _mm_unpackhi_epi64(sad, sad))) - 128 * 16;
+                    __m512i halves[2] = {_mm512_set1_epi32(-(low << 5)), _mm512_set1_epi32(-((x_sum - low) << 5))};
+                    for (int k = 0; k < HS_BLOCK / 4; k++)
+                        halves[k / 4] = _mm512_dpbusd_epi32(halves[k / 4], values[k], _mm512_set1_epi32(x[k]));
+                    const __m512i scale_lo = _mm512_srai_epi32(_mm512_slli_epi32(scale, 16), 16);
+                    const __m512i scale_hi = _mm512_srai_epi32(scale, 16);
+                    products[r] = _mm512_add_epi32(products[r], _mm512_add_epi32(_mm512_mullo_epi32(halves[0], scale_lo),
+                                                                                 _mm512_mullo_epi32(halves[1], scale_hi)));
+                    continue;
+                }
                 __m512i chains[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
                 for (int k = 0; k < HS_BLOCK / 4; k++)
                     chains[k & 1] = _mm512_dpbusd_epi32(chains[k & 1], values[k], _mm512_set1_epi32(x[k]));
                 products[r] = _mm512_add_epi32(products[r], _mm512_mullo_epi32(_mm512_add_epi32(chains[0], chains[1]), scale));
-                mins[r] = _mm512_add_epi32(mins[r], _mm512_mullo_epi32(
-                    _mm512_set1_epi32(a->sum[(size_t)r * blocks + (size_t)c * SUB + b]), min));
+                mins[r] = _mm512_add_epi32(mins[r], _mm512_mullo_epi32(_mm512_set1_epi32(x_sum), min));
             }
         }
         const __m512 sd = _mm512_i32gather_ps(at, &u[0].sd, 1), smin = _mm512_i32gather_ps(at, &u[0].smin, 1);
         for (int r = 0; r < m; r++) { /* super_term's steps */
             const __m512 x_scale = _mm512_set1_ps(a->d[(size_t)r * blocks + (size_t)c * SUB]);
-            const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(products[r]), _mm512_mul_ps(x_scale, sd));
-            acc[r] = _mm512_add_ps(acc[r], _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins[r]), _mm512_mul_ps(x_scale, smin), v));
+            __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(products[r]), _mm512_mul_ps(x_scale, sd));
+            if (has_mins(type)) v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins[r]), _mm512_mul_ps(x_scale, smin), v);
+            acc[r] = _mm512_add_ps(acc[r], v);
         }
     }
     for (int r = 0; r < m; r++) {
@@ -1075,7 +1096,7 @@ HS_VNNI INLINE void super16_in_lanes_vnni(const hs_matrix *w, const int type, co
 
 HS_VNNI static void features_vnni(const hs_matrix *w, const activations *a, int n, int first, int end,
                                   float *out) {
-    if ((w->type == HS_Q4_K || w->type == HS_Q5_K) && n >= 2 && n <= GROUP) {
+    if ((w->type == HS_Q4_K || w->type == HS_Q5_K || w->type == HS_Q6_K) && n >= 2 && n <= GROUP) {
         for (; first + 16 <= end; first += 16) { /* literal types and row counts */
 #define SUPER16(type)                                                                        \
     switch (n) {                                                                             \
@@ -1089,8 +1110,10 @@ HS_VNNI static void features_vnni(const hs_matrix *w, const activations *a, int 
     }
             if (w->type == HS_Q4_K) {
                 SUPER16(HS_Q4_K)
-            } else {
+            } else if (w->type == HS_Q5_K) {
                 SUPER16(HS_Q5_K)
+            } else {
+                SUPER16(HS_Q6_K)
             }
 #undef SUPER16
         }
