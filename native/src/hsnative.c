@@ -782,29 +782,28 @@ HS_VNNI static void quantized_features_vnni(const hs_matrix *w, const activation
         }
     }
     int j = first;
-    if (in_place16 && n - grouped >= IN_PLACE16_FROM)
-        for (; j + 16 <= end; j += 16)
-            for (int r0 = grouped; r0 < n; r0 += GROUP) {
-                const int m = n - r0 < GROUP ? n - r0 : GROUP;
-                const char *rows16 = data + stride * j;
-                const int8_t *q = a->q + (size_t)r0 * w->cols;
-                const float *d = a->d + (size_t)r0 * blocks;
-                const int32_t *sums = a->sum + (size_t)r0 * blocks;
+    /* the rows outside groups: all n (<= 8) without groups, else fewer than PAD_FROM */
+    const int m = n - grouped;
+    if (in_place16 && m >= IN_PLACE16_FROM)
+        for (; j + 16 <= end; j += 16) {
+            const char *rows16 = data + stride * j;
+            const int8_t *q = a->q + (size_t)grouped * w->cols;
+            const float *d = a->d + (size_t)grouped * blocks;
+            const int32_t *sums = a->sum + (size_t)grouped * blocks;
 #define FEATURES16(M) features16_in_lanes_vnni(rows16, stride, blocks, q, d, sums, w->cols, M, result)
-                switch (m) { /* literal row counts: each call is compiled for its own */
-                case 8: FEATURES16(8); break;
-                case 7: FEATURES16(7); break;
-                case 6: FEATURES16(6); break;
-                case 5: FEATURES16(5); break;
-                case 4: FEATURES16(4); break;
-                case 3: FEATURES16(3); break;
-                case 2: FEATURES16(2); break;
-                default: FEATURES16(1); break;
-                }
-#undef FEATURES16
-                for (int r = 0; r < m; r++)
-                    for (int f = 0; f < 16; f++) out[(size_t)(r0 + r) * w->rows + j + f] = result[16 * r + f];
+            switch (m) { /* literal row counts: each call is compiled for its own */
+            case 8: FEATURES16(8); break;
+            case 7: FEATURES16(7); break;
+            case 6: FEATURES16(6); break;
+            case 5: FEATURES16(5); break;
+            case 4: FEATURES16(4); break;
+            case 3: FEATURES16(3); break;
+            default: FEATURES16(2); break;
             }
+#undef FEATURES16
+            for (int r = 0; r < m; r++)
+                for (int f = 0; f < 16; f++) out[(size_t)(grouped + r) * w->rows + j + f] = result[16 * r + f];
+        }
     PACKED_ROWS(packed_features_vnni, HS_PACKED_UNSIGNED)
     UNGROUPED_ROWS(features_in_lanes_vnni)
 }
@@ -1280,11 +1279,13 @@ static void quantize_activation(const activations *a, const float *x, int i, int
     int8_t *q = a->q + (size_t)i * cols;
     float *d = a->d + (size_t)i * blocks;
     quantize_row_simd(x, cols, q, d, a->span, simd);
-    int32_t *sum = a->sum + (size_t)i * blocks;
+    int32_t *sum = a->sum + (size_t)i * blocks, *half_sum = a->half_sum + (size_t)i * blocks;
     for (int b = 0; a->with_sums && b < blocks; b++) {
-        int32_t total = 0;
-        for (int k = 0; k < HS_BLOCK; k++) total += q[b * HS_BLOCK + k];
-        sum[b] = total;
+        int32_t half = 0, rest = 0;
+        for (int k = 0; k < HS_BLOCK / 2; k++) half += q[b * HS_BLOCK + k];
+        for (int k = HS_BLOCK / 2; k < HS_BLOCK; k++) rest += q[b * HS_BLOCK + k];
+        half_sum[b] = half;
+        sum[b] = half + rest;
     }
     if (i >= grouped_rows(n)) return;
     const int lane = i % GROUP;
@@ -1295,10 +1296,8 @@ static void quantize_activation(const activations *a, const float *x, int i, int
             memcpy(runs + k * HS_BLOCK + 4 * lane, q + b * HS_BLOCK + 4 * k, 4);
         a->grouped_d[(first + b) * GROUP + lane] = d[b];
         if (a->with_sums) {
-            int32_t half = 0;
-            for (int k = 0; k < HS_BLOCK / 2; k++) half += q[b * HS_BLOCK + k];
             a->grouped_sum[(first + b) * GROUP + lane] = sum[b];
-            a->grouped_half_sum[(first + b) * GROUP + lane] = half;
+            a->grouped_half_sum[(first + b) * GROUP + lane] = half_sum[b];
         }
     }
     if (i != n - 1) return;
@@ -1392,12 +1391,13 @@ int hs_matmul(const hs_matrix *w, const float *x, int n, float *out, int threads
                      .span = hs_unpacked_super(w->type) ? HS_SUPER : HS_BLOCK};
     void *base = NULL;
     if (is_quantized(w->type)) { /* room for a padded group (see grouped_rows) */
-        base = malloc(2 * padded * w->cols + 2 * blocks * sizeof(float) + 3 * blocks * sizeof(int32_t));
+        base = malloc(2 * padded * w->cols + 2 * blocks * sizeof(float) + 4 * blocks * sizeof(int32_t));
         if (!base) return -1;
         a.d = base;
         a.grouped_d = a.d + blocks;
         a.sum = (int32_t *)(a.grouped_d + blocks);
-        a.grouped_sum = a.sum + blocks;
+        a.half_sum = a.sum + blocks;
+        a.grouped_sum = a.half_sum + blocks;
         a.grouped_half_sum = a.grouped_sum + blocks;
         a.q = (int8_t *)(a.grouped_half_sum + blocks);
         a.grouped = a.q + padded * w->cols;
@@ -1438,18 +1438,20 @@ static int scratch_alloc(scratch *s, const hs_model *m, int n, int threads) {
                              n * d,  n * f,      n * f,
                              (size_t)threads * attention_scratch(m),
                              n * (widest / HS_BLOCK), padded * (widest / HS_BLOCK),
+                             n * (widest / HS_BLOCK), n * (widest / HS_BLOCK),
+                             padded * (widest / HS_BLOCK), padded * (widest / HS_BLOCK),
                              n * (widest / HS_BLOCK), padded * (widest / HS_BLOCK),
-                             padded * (widest / HS_BLOCK),
-                             n * (widest / HS_BLOCK), padded * (widest / HS_BLOCK),
-                             n * (widest / HS_BLOCK), padded * (widest / HS_BLOCK),
-                             padded * (widest / HS_BLOCK)};
+                             n * (widest / HS_BLOCK), n * (widest / HS_BLOCK),
+                             padded * (widest / HS_BLOCK), padded * (widest / HS_BLOCK)};
     _Static_assert(sizeof(float) == sizeof(int32_t), "the block sums share the float slots");
+    _Static_assert(sizeof floats / sizeof *floats == 22, "a size for each slot below");
     float **slots[] = {&s->x,      &s->normed,    &s->q,    &s->k,  &s->v,     &s->attended,
                        &s->projected, &s->gate, &s->up, &s->scores, &s->acts.d,
-                       &s->acts.grouped_d, (float **)&s->acts.sum,
+                       &s->acts.grouped_d, (float **)&s->acts.sum, (float **)&s->acts.half_sum,
                        (float **)&s->acts.grouped_sum, (float **)&s->acts.grouped_half_sum,
                        &s->super.d, &s->super.grouped_d, (float **)&s->super.sum,
-                       (float **)&s->super.grouped_sum, (float **)&s->super.grouped_half_sum};
+                       (float **)&s->super.half_sum, (float **)&s->super.grouped_sum,
+                       (float **)&s->super.grouped_half_sum};
     const size_t int8s = (padded * widest + 63) & ~(size_t)63; /* each of the four int8 layouts */
     size_t total = 4 * int8s;
     for (size_t i = 0; i < sizeof floats / sizeof *floats; i++) total += floats[i] * sizeof(float) + 64;

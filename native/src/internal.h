@@ -86,6 +86,7 @@ typedef struct {
     /* block sums of the int8 values, where with_sums (the VNNI kernels and the types with mins
      * need them): */
     int32_t *sum;              /* (n, cols / 32) */
+    int32_t *half_sum;         /* (n, cols / 32): the sums of each block's first 16 values (Q6_K) */
     int32_t *grouped_sum;      /* per group, per block: the group's 8 sums */
     int32_t *grouped_half_sum; /* ... and the 8 sums of the block's first 16 values (Q6_K) */
     int with_sums;

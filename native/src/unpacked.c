@@ -1026,8 +1026,8 @@ ROWS_ALONE(HS_VNNI, vnni)
  * block transposed so that the 16 features sit in the lanes (rows16_transposed), each row's
  * four activations broadcast, the blocks' integer scales and mins gathered per lane. Q6_K's
  * values go biased by 32 to vpdpbusd's unsigned side, 32 times each half-block's activation
- * sum taken off. A lane's integers are rows_major's exact ones and its float steps
- * super_term's: the same bits. */
+ * sum (a->half_sum) taken off. A lane's integers are rows_major's exact ones and its float
+ * steps super_term's: the same bits. */
 HS_VNNI INLINE void super16_in_lanes_vnni(const hs_matrix *w, const int type, const activations *a,
                                           const int m, const int j, float *out) {
     const int blocks = w->cols / HS_BLOCK, chunks = blocks / SUB;
@@ -1056,13 +1056,11 @@ HS_VNNI INLINE void super16_in_lanes_vnni(const hs_matrix *w, const int type, co
                                                   : _mm512_i32gather_epi32(at, &u[0].iscale[b], 1);
             const __m512i min = has_mins(type) ? _mm512_i32gather_epi32(at, &u[0].imin[b], 1) : _mm512_setzero_si512();
             for (int r = 0; r < m; r++) {
-                const int8_t *xq = a->q + (size_t)r * w->cols + (size_t)c * HS_SUPER + HS_BLOCK * b;
-                const int32_t *x = (const int32_t *)xq;
-                const int32_t x_sum = a->sum[(size_t)r * blocks + (size_t)c * SUB + b];
+                const int32_t *x = (const int32_t *)(a->q + (size_t)r * w->cols + (size_t)c * HS_SUPER + HS_BLOCK * b);
+                const size_t at_block = (size_t)r * blocks + (size_t)c * SUB + b;
+                const int32_t x_sum = a->sum[at_block];
                 if (type == HS_Q6_K) { /* a chain a half-block: each takes its own scale */
-                    const __m128i flipped = _mm_xor_si128(_mm_loadu_si128((const __m128i *)xq), _mm_set1_epi8((char)0x80));
-                    const __m128i sad = _mm_sad_epu8(flipped, _mm_setzero_si128());
-                    const int32_t low = _mm_cvtsi128_si32(_mm_add_epi64(sad, _mm_unpackhi_epi64(sad, sad))) - 128 * 16;
+                    const int32_t low = a->half_sum[at_block];
                     __m512i halves[2] = {_mm512_set1_epi32(-(low << 5)), _mm512_set1_epi32(-((x_sum - low) << 5))};
                     for (int k = 0; k < HS_BLOCK / 4; k++)
                         halves[k / 4] = _mm512_dpbusd_epi32(halves[k / 4], values[k], _mm512_set1_epi32(x[k]));
@@ -1079,7 +1077,8 @@ HS_VNNI INLINE void super16_in_lanes_vnni(const hs_matrix *w, const int type, co
                 mins[r] = _mm512_add_epi32(mins[r], _mm512_mullo_epi32(_mm512_set1_epi32(x_sum), min));
             }
         }
-        const __m512 sd = _mm512_i32gather_ps(at, &u[0].sd, 1), smin = _mm512_i32gather_ps(at, &u[0].smin, 1);
+        const __m512 sd = _mm512_i32gather_ps(at, &u[0].sd, 1);
+        const __m512 smin = has_mins(type) ? _mm512_i32gather_ps(at, &u[0].smin, 1) : _mm512_setzero_ps();
         for (int r = 0; r < m; r++) { /* super_term's steps */
             const __m512 x_scale = _mm512_set1_ps(a->d[(size_t)r * blocks + (size_t)c * SUB]);
             __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(products[r]), _mm512_mul_ps(x_scale, sd));
