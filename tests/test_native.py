@@ -150,18 +150,19 @@ def test_a_rows_result_does_not_depend_on_its_neighbours_or_threads(kernels, kin
         reference = rng.standard_normal((rows, cols)).astype(dtype)
         data = reference.view(np.uint8).reshape(rows, -1)
     weights = matrix(kind, data, rows, cols)
-    x = rng.standard_normal((23, cols)).astype(np.float32)
+    x = rng.standard_normal((70, cols)).astype(np.float32)
     alone = np.concatenate([kernels.matmul(weights, x[row : row + 1].copy(), threads=1)
                             for row in range(len(x))])  # fmt: skip
     # every way rows are split between the kernels: whole groups of 8, groups padded from 5-7
-    # rows, features-in-lanes tiles of 1-4 rows
+    # rows, features-in-lanes tiles of 1-4 rows, 16 features in lanes in passes of up to 32
+    # rows (70: three passes of 24, 23, 23; 33: 17 and 16)
     packed = []  # Q8_0 copies packed with each kind of values (the levels read their own)
     for packing in (PACKED_UNSIGNED, PACKED_SIGNED) if kind == Q8_0 else ():
         copy = matrix(kind, data, rows, cols)
         copy.values = kernels.pack_q8_0(copy, packing)  # alive as long as the Matrix
         copy.packed, copy.packing = copy.values.ctypes.data, packing
         packed.append(copy)
-    for n in (23, 16, 15, 14, 13, 9, 7, 6, 5, 4, 3, 2, 1):
+    for n in (70, 33, 32, 24, 23, 17, 16, 15, 14, 13, 9, 7, 6, 5, 4, 3, 2, 1):
         for level in levels_here(kernels, portable=False):  # every SIMD level: the same bits
             for which in (weights, *packed):
                 together = kernels.matmul(which, x[:n].copy(), threads=2, simd=level)
@@ -227,10 +228,10 @@ def test_unpacked_types_give_every_row_the_same_bits_at_every_level(kernels, kin
     rng = np.random.default_rng(100 + kind)
     rows, cols = 37, 11 * BLOCK if kind in SMALL_BLOCKS else 3 * 256
     weights = matrix(kind, random_blocks(kind, rng, rows, cols), rows, cols)
-    x = rng.standard_normal((23, cols)).astype(np.float32)
+    x = rng.standard_normal((70, cols)).astype(np.float32)
     alone = np.concatenate([kernels.matmul(weights, x[row : row + 1].copy(), threads=1, simd=0)
                             for row in range(len(x))])  # fmt: skip
-    for n in (23, 16, 15, 13, 9, 8, 7, 6, 5, 4, 3, 2, 1):
+    for n in (70, 33, 24, 23, 17, 16, 15, 13, 9, 8, 7, 6, 5, 4, 3, 2, 1):
         for level in levels_here(kernels):
             together = kernels.matmul(weights, x[:n].copy(), threads=2, simd=level)
             np.testing.assert_array_equal(

@@ -693,8 +693,8 @@ HS_VNNI INLINE void transposed16_q8_0(const char *wrows, const size_t stride, co
     *w_scales = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(scales));
 }
 
-/* Features in lanes for Q8_0, 16 at a time: m (<= 8) row-major rows times 16 weight rows
- * `stride` bytes apart, read in place (transposed16_q8_0), each row's four activations
+/* Features in lanes for Q8_0, 16 at a time: m (<= FEATURES16_PASS) row-major rows times 16
+ * weight rows `stride` bytes apart, read in place (transposed16_q8_0), each row's four activations
  * broadcast. The same exact dot_b and float steps as features_in_lanes_vnni: the same bits,
  * at twice its products a cycle for 2-8 rows (docs/bench/native/staged-weights.md). */
 HS_VNNI INLINE void features16_in_lanes_vnni(const char *wrows, const size_t stride, const int blocks,
@@ -702,7 +702,7 @@ HS_VNNI INLINE void features16_in_lanes_vnni(const char *wrows, const size_t str
                                              const int cols, const int m, float *result) {
     const __m512i scale_at = _mm512_mullo_epi32(
         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32((int)stride));
-    __m512 acc[8];
+    __m512 acc[FEATURES16_PASS];
     for (int r = 0; r < m; r++) acc[r] = _mm512_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         __m512i w[8];
@@ -726,6 +726,46 @@ HS_VNNI INLINE void features16_in_lanes_vnni(const char *wrows, const size_t str
  * keeps one_row_in_lanes */
 #define IN_PLACE16_FROM 2
 
+/* All n rows against output features [j, j + 16) of a Q8_0 matrix, in passes of at most
+ * FEATURES16_PASS rows of equal size; literal row counts up to 16 (each call compiled for its
+ * own: their accumulators stay in registers), a counted loop beyond. */
+HS_VNNI static void features16_passes_vnni(const hs_matrix *w, const activations *a, const int n, const int j,
+                                           float *out) {
+    const int blocks = w->cols / HS_BLOCK, passes = (n + FEATURES16_PASS - 1) / FEATURES16_PASS;
+    const size_t stride = row_bytes(w);
+    const char *rows16 = (const char *)w->data + stride * j;
+    float result[FEATURES16_PASS * 16];
+    for (int p = 0, r0 = 0; p < passes; p++) {
+        const int m = (n - r0 + passes - p - 1) / (passes - p);
+        const int8_t *q = a->q + (size_t)r0 * w->cols;
+        const float *d = a->d + (size_t)r0 * blocks;
+        const int32_t *sums = a->sum + (size_t)r0 * blocks;
+#define FEATURES16(M) features16_in_lanes_vnni(rows16, stride, blocks, q, d, sums, w->cols, M, result)
+        switch (m) {
+        case 16: FEATURES16(16); break;
+        case 15: FEATURES16(15); break;
+        case 14: FEATURES16(14); break;
+        case 13: FEATURES16(13); break;
+        case 12: FEATURES16(12); break;
+        case 11: FEATURES16(11); break;
+        case 10: FEATURES16(10); break;
+        case 9: FEATURES16(9); break;
+        case 8: FEATURES16(8); break;
+        case 7: FEATURES16(7); break;
+        case 6: FEATURES16(6); break;
+        case 5: FEATURES16(5); break;
+        case 4: FEATURES16(4); break;
+        case 3: FEATURES16(3); break;
+        case 2: FEATURES16(2); break;
+        default: FEATURES16(m); break;
+        }
+#undef FEATURES16
+        for (int r = 0; r < m; r++)
+            for (int f = 0; f < 16; f++) out[(size_t)(r0 + r) * w->rows + j + f] = result[16 * r + f];
+        r0 += m;
+    }
+}
+
 /* The 256-bit kernels, in vpdpbusd's EVEX form (AVX-512 VNNI with VL) */
 #define V256_ATTR HS_VNNI
 #define V256_DPBUSD _mm256_dpbusd_epi32
@@ -748,12 +788,13 @@ HS_VNNI INLINE void features16_in_lanes_vnni(const char *wrows, const size_t str
  * AVX2 one-by-one product (the same exact dot_b, so the same bits). */
 HS_VNNI static void quantized_features_vnni(const hs_matrix *w, const activations *a, int n,
                                             int first, int end, float *out) {
-    /* Q8_0: rows outside groups go 16 features in lanes, and calls of up to 8 rows have no
-     * groups (16 features in lanes beat rows in lanes there); a packed copy serves up to 4
-     * rows better (no transposes: the bundled target's T(4) 0.22 against 0.25 ms) */
-    const int in_place16 = w->type == HS_Q8_0 && (!w->packed || (n > 4 && n <= GROUP));
+    /* Q8_0: calls of 2 or more rows go 16 features in lanes (one pass over the weights for up
+     * to 32 rows, the transposes shared by all: it beat rows in lanes at every width from 2
+     * to 128 rows); a packed copy serves up to 4 rows better (no transposes: the bundled
+     * target's T(4) 0.22 against 0.25 ms). Q4_0 goes rows in lanes. */
+    const int in_place16 = w->type == HS_Q8_0 && n >= IN_PLACE16_FROM && (!w->packed || n > 4);
     const int blocks = w->cols / HS_BLOCK;
-    const int groups = in_place16 && n <= GROUP ? 0 : grouped_rows(n) / GROUP;
+    const int groups = in_place16 ? 0 : grouped_rows(n) / GROUP;
     const int grouped = groups * GROUP < n ? groups * GROUP : n;
     const size_t stride = row_bytes(w);
     const char *data = w->data;
@@ -762,19 +803,12 @@ HS_VNNI static void quantized_features_vnni(const hs_matrix *w, const activation
         const int count = groups - g > 1 ? 2 : 1;
         for (int j = first; j < end;) {
             const int tile = end - j >= 4 ? 4 : 1; /* weight rows a call: the registers allow */
-            /* literal types, counts and tiles: each call is compiled for its own */
+            /* literal counts and tiles: each call is compiled for its own */
             const char *wrows = data + stride * j;
-#define ROWS(type)                                                                           \
-    if (count == 2 && tile == 4) rows16_in_lanes_vnni(wrows, stride, type, blocks, a, g, 4, result); \
-    else if (count == 2) rows16_in_lanes_vnni(wrows, stride, type, blocks, a, g, 1, result);         \
-    else if (tile == 4) rows_in_lanes_vnni(wrows, stride, type, blocks, a, g, 4, result);            \
-    else rows_in_lanes_vnni(wrows, stride, type, blocks, a, g, 1, result);
-            if (w->type == HS_Q8_0) {
-                ROWS(HS_Q8_0)
-            } else {
-                ROWS(HS_Q4_0)
-            }
-#undef ROWS
+            if (count == 2 && tile == 4) rows16_in_lanes_vnni(wrows, stride, HS_Q4_0, blocks, a, g, 4, result);
+            else if (count == 2) rows16_in_lanes_vnni(wrows, stride, HS_Q4_0, blocks, a, g, 1, result);
+            else if (tile == 4) rows_in_lanes_vnni(wrows, stride, HS_Q4_0, blocks, a, g, 4, result);
+            else rows_in_lanes_vnni(wrows, stride, HS_Q4_0, blocks, a, g, 1, result);
             for (int t = 0; t < tile; t++)
                 for (int r = 0; r < GROUP * count && g * GROUP + r < n; r++)
                     out[(size_t)(g * GROUP + r) * w->rows + j + t] = result[t * count * GROUP + r];
@@ -782,30 +816,10 @@ HS_VNNI static void quantized_features_vnni(const hs_matrix *w, const activation
         }
     }
     int j = first;
-    /* the rows outside groups: all n (<= 8) without groups, else fewer than PAD_FROM */
-    const int m = n - grouped;
-    if (in_place16 && m >= IN_PLACE16_FROM)
-        for (; j + 16 <= end; j += 16) {
-            const char *rows16 = data + stride * j;
-            const int8_t *q = a->q + (size_t)grouped * w->cols;
-            const float *d = a->d + (size_t)grouped * blocks;
-            const int32_t *sums = a->sum + (size_t)grouped * blocks;
-#define FEATURES16(M) features16_in_lanes_vnni(rows16, stride, blocks, q, d, sums, w->cols, M, result)
-            switch (m) { /* literal row counts: each call is compiled for its own */
-            case 8: FEATURES16(8); break;
-            case 7: FEATURES16(7); break;
-            case 6: FEATURES16(6); break;
-            case 5: FEATURES16(5); break;
-            case 4: FEATURES16(4); break;
-            case 3: FEATURES16(3); break;
-            default: FEATURES16(2); break;
-            }
-#undef FEATURES16
-            for (int r = 0; r < m; r++)
-                for (int f = 0; f < 16; f++) out[(size_t)(grouped + r) * w->rows + j + f] = result[16 * r + f];
-        }
+    if (in_place16)
+        for (; j + 16 <= end; j += 16) features16_passes_vnni(w, a, n, j, out);
     PACKED_ROWS(packed_features_vnni, HS_PACKED_UNSIGNED)
-    UNGROUPED_ROWS(features_in_lanes_vnni)
+    UNGROUPED_ROWS(features_in_lanes_vnni) /* Q4_0's rows outside groups; leftover features */
 }
 
 /* One row times one f32 or f16 weight row: 8 lanes, then a scalar tail. */

@@ -43,6 +43,9 @@
 #define INLINE __attribute__((always_inline)) static inline
 #define GROUP 8       /* rows of one interleaved activation group: the 8 int32 lanes of AVX2 */
 #define PAD_FROM 5     /* leftover rows from which a padded group is cheaper than them alone */
+/* rows a pass of a 16-features-in-lanes kernel takes at most: each pass reads (and transposes)
+ * the weights again, and passes of more rows than this measured no faster */
+#define FEATURES16_PASS 32
 
 /* Rows computed rows-in-lanes: whole groups of 8, and the leftover rows too (in a group
  * padded with zero rows) where there are PAD_FROM or more of them: one pass of 8 rows costs

@@ -1021,21 +1021,21 @@ HS_VNNI INLINE void features_typed_vnni(const hs_matrix *w, const int type, cons
 
 ROWS_ALONE(HS_VNNI, vnni)
 
-/* Q4_K, Q5_K (unsigned values, with mins) and Q6_K (signed, a scale a half-block) against m
- * (2-8) rows, 16 weight rows [j, j + 16) at a time: each chunk of the 16 rows unpacked, each
- * block transposed so that the 16 features sit in the lanes (rows16_transposed), each row's
- * four activations broadcast, the blocks' integer scales and mins gathered per lane. Q6_K's
+/* Q4_K, Q5_K (unsigned values, with mins) and Q6_K (signed, a scale a half-block): rows
+ * [r0, r0 + m) (m <= FEATURES16_PASS) against 16 weight rows [j, j + 16): each chunk of the
+ * 16 rows unpacked, each block transposed so that the 16 features sit in the lanes
+ * (rows16_transposed; shared by every row of the pass), each row's four activations broadcast, the blocks' integer scales and mins gathered per lane. Q6_K's
  * values go biased by 32 to vpdpbusd's unsigned side, 32 times each half-block's activation
  * sum (a->half_sum) taken off. A lane's integers are rows_major's exact ones and its float
  * steps super_term's: the same bits. */
 HS_VNNI INLINE void super16_in_lanes_vnni(const hs_matrix *w, const int type, const activations *a,
-                                          const int m, const int j, float *out) {
+                                          const int r0, const int m, const int j, float *out) {
     const int blocks = w->cols / HS_BLOCK, chunks = blocks / SUB;
     const size_t stride = hs_unpacked_row_bytes(type, w->cols);
     unpacked u[16];
     const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                           _mm512_set1_epi32((int)sizeof(unpacked)));
-    __m512 acc[GROUP];
+    __m512 acc[FEATURES16_PASS];
     for (int r = 0; r < m; r++) acc[r] = _mm512_setzero_ps();
     for (int c = 0; c < chunks; c++) {
         for (int f = 0; f < 16; f++) {
@@ -1044,7 +1044,7 @@ HS_VNNI INLINE void super16_in_lanes_vnni(const hs_matrix *w, const int type, co
                 _mm_prefetch(chunk + chunk_bytes(type) + line, _MM_HINT_T0);
             unpack_avx2(chunk, type, SUB, &u[f]);
         }
-        __m512i products[GROUP], mins[GROUP];
+        __m512i products[FEATURES16_PASS], mins[FEATURES16_PASS];
         for (int r = 0; r < m; r++) products[r] = mins[r] = _mm512_setzero_si512();
         for (int b = 0; b < SUB; b++) {
             __m512i values[HS_BLOCK / 4];
@@ -1056,8 +1056,8 @@ HS_VNNI INLINE void super16_in_lanes_vnni(const hs_matrix *w, const int type, co
                                                   : _mm512_i32gather_epi32(at, &u[0].iscale[b], 1);
             const __m512i min = has_mins(type) ? _mm512_i32gather_epi32(at, &u[0].imin[b], 1) : _mm512_setzero_si512();
             for (int r = 0; r < m; r++) {
-                const int32_t *x = (const int32_t *)(a->q + (size_t)r * w->cols + (size_t)c * HS_SUPER + HS_BLOCK * b);
-                const size_t at_block = (size_t)r * blocks + (size_t)c * SUB + b;
+                const int32_t *x = (const int32_t *)(a->q + (size_t)(r0 + r) * w->cols + (size_t)c * HS_SUPER + HS_BLOCK * b);
+                const size_t at_block = (size_t)(r0 + r) * blocks + (size_t)c * SUB + b;
                 const int32_t x_sum = a->sum[at_block];
                 if (type == HS_Q6_K) { /* a chain a half-block: each takes its own scale */
                     const int32_t low = a->half_sum[at_block];
@@ -1080,7 +1080,7 @@ HS_VNNI INLINE void super16_in_lanes_vnni(const hs_matrix *w, const int type, co
         const __m512 sd = _mm512_i32gather_ps(at, &u[0].sd, 1);
         const __m512 smin = has_mins(type) ? _mm512_i32gather_ps(at, &u[0].smin, 1) : _mm512_setzero_ps();
         for (int r = 0; r < m; r++) { /* super_term's steps */
-            const __m512 x_scale = _mm512_set1_ps(a->d[(size_t)r * blocks + (size_t)c * SUB]);
+            const __m512 x_scale = _mm512_set1_ps(a->d[(size_t)(r0 + r) * blocks + (size_t)c * SUB]);
             __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(products[r]), _mm512_mul_ps(x_scale, sd));
             if (has_mins(type)) v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins[r]), _mm512_mul_ps(x_scale, smin), v);
             acc[r] = _mm512_add_ps(acc[r], v);
@@ -1089,33 +1089,46 @@ HS_VNNI INLINE void super16_in_lanes_vnni(const hs_matrix *w, const int type, co
     for (int r = 0; r < m; r++) {
         float lanes[16];
         _mm512_storeu_ps(lanes, acc[r]);
-        for (int f = 0; f < 16; f++) out[(size_t)r * w->rows + j + f] = lanes[f];
+        for (int f = 0; f < 16; f++) out[(size_t)(r0 + r) * w->rows + j + f] = lanes[f];
     }
 }
 
 HS_VNNI static void features_vnni(const hs_matrix *w, const activations *a, int n, int first, int end,
                                   float *out) {
-    if ((w->type == HS_Q4_K || w->type == HS_Q5_K || w->type == HS_Q6_K) && n >= 2 && n <= GROUP) {
-        for (; first + 16 <= end; first += 16) { /* literal types and row counts */
+    if ((w->type == HS_Q4_K || w->type == HS_Q5_K || w->type == HS_Q6_K) && n >= 2) {
+        const int passes = (n + FEATURES16_PASS - 1) / FEATURES16_PASS; /* of equal size */
+        for (; first + 16 <= end; first += 16)
+            for (int p = 0, r0 = 0; p < passes; p++) {
+                const int m = (n - r0 + passes - p - 1) / (passes - p);
 #define SUPER16(type)                                                                        \
-    switch (n) {                                                                             \
-    case 8: super16_in_lanes_vnni(w, type, a, 8, first, out); break;                         \
-    case 7: super16_in_lanes_vnni(w, type, a, 7, first, out); break;                         \
-    case 6: super16_in_lanes_vnni(w, type, a, 6, first, out); break;                         \
-    case 5: super16_in_lanes_vnni(w, type, a, 5, first, out); break;                         \
-    case 4: super16_in_lanes_vnni(w, type, a, 4, first, out); break;                         \
-    case 3: super16_in_lanes_vnni(w, type, a, 3, first, out); break;                         \
-    default: super16_in_lanes_vnni(w, type, a, 2, first, out); break;                        \
+    switch (m) {                                                                             \
+    case 16: super16_in_lanes_vnni(w, type, a, r0, 16, first, out); break;                   \
+    case 15: super16_in_lanes_vnni(w, type, a, r0, 15, first, out); break;                   \
+    case 14: super16_in_lanes_vnni(w, type, a, r0, 14, first, out); break;                   \
+    case 13: super16_in_lanes_vnni(w, type, a, r0, 13, first, out); break;                   \
+    case 12: super16_in_lanes_vnni(w, type, a, r0, 12, first, out); break;                   \
+    case 11: super16_in_lanes_vnni(w, type, a, r0, 11, first, out); break;                   \
+    case 10: super16_in_lanes_vnni(w, type, a, r0, 10, first, out); break;                   \
+    case 9: super16_in_lanes_vnni(w, type, a, r0, 9, first, out); break;                     \
+    case 8: super16_in_lanes_vnni(w, type, a, r0, 8, first, out); break;                     \
+    case 7: super16_in_lanes_vnni(w, type, a, r0, 7, first, out); break;                     \
+    case 6: super16_in_lanes_vnni(w, type, a, r0, 6, first, out); break;                     \
+    case 5: super16_in_lanes_vnni(w, type, a, r0, 5, first, out); break;                     \
+    case 4: super16_in_lanes_vnni(w, type, a, r0, 4, first, out); break;                     \
+    case 3: super16_in_lanes_vnni(w, type, a, r0, 3, first, out); break;                     \
+    case 2: super16_in_lanes_vnni(w, type, a, r0, 2, first, out); break;                     \
+    default: super16_in_lanes_vnni(w, type, a, r0, m, first, out); break;                   \
     }
-            if (w->type == HS_Q4_K) {
-                SUPER16(HS_Q4_K)
-            } else if (w->type == HS_Q5_K) {
-                SUPER16(HS_Q5_K)
-            } else {
-                SUPER16(HS_Q6_K)
-            }
+                if (w->type == HS_Q4_K) {
+                    SUPER16(HS_Q4_K)
+                } else if (w->type == HS_Q5_K) {
+                    SUPER16(HS_Q5_K)
+                } else {
+                    SUPER16(HS_Q6_K)
+                }
 #undef SUPER16
-        }
+                r0 += m;
+            }
         if (first >= end) return;
     }
     TYPED_CALLS(vnni)
