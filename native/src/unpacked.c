@@ -1024,10 +1024,12 @@ ROWS_ALONE(HS_VNNI, vnni)
 /* Q4_K, Q5_K (unsigned values, with mins) and Q6_K (signed, a scale a half-block): rows
  * [r0, r0 + m) (m <= FEATURES16_PASS) against 16 weight rows [j, j + 16): each chunk of the
  * 16 rows unpacked, each block transposed so that the 16 features sit in the lanes
- * (rows16_transposed; shared by every row of the pass), each row's four activations broadcast, the blocks' integer scales and mins gathered per lane. Q6_K's
- * values go biased by 32 to vpdpbusd's unsigned side, 32 times each half-block's activation
- * sum (a->half_sum) taken off. A lane's integers are rows_major's exact ones and its float
- * steps super_term's: the same bits. */
+ * (rows16_transposed; shared by every row of the pass), each row's four activations
+ * broadcast; the chunk's integer scales and mins transposed alike, the mins as int16 pairs so
+ * that a row's M is four vpdpwssd. Q6_K's values go biased by 32 to vpdpbusd's unsigned
+ * side, 32 times each half-block's activation sum (a->half_sum) taken off. A lane's integers
+ * are rows_major's exact ones (I and M are exact whatever the order) and its float steps
+ * super_term's: the same bits. */
 HS_VNNI INLINE void super16_in_lanes_vnni(const hs_matrix *w, const int type, const activations *a,
                                           const int r0, const int m, const int j, float *out) {
     const int blocks = w->cols / HS_BLOCK, chunks = blocks / SUB;
@@ -1040,27 +1042,36 @@ HS_VNNI INLINE void super16_in_lanes_vnni(const hs_matrix *w, const int type, co
     for (int c = 0; c < chunks; c++) {
         for (int f = 0; f < 16; f++) {
             const char *chunk = chunk_at((const char *)w->data + stride * (size_t)(j + f), type, c);
-            for (size_t line = 0; line < chunk_bytes(type); line += 64) /* the next chunk's */
-                _mm_prefetch(chunk + chunk_bytes(type) + line, _MM_HINT_T0);
+            /* the next 16 rows' same chunk, a row's chunks ahead (rows hold 4-16 of them) */
+            for (size_t line = 0; line < chunk_bytes(type); line += 64)
+                _mm_prefetch(chunk + 16 * stride + line, _MM_HINT_T0);
             unpack_avx2(chunk, type, SUB, &u[f]);
         }
-        __m512i products[FEATURES16_PASS], mins[FEATURES16_PASS];
-        for (int r = 0; r < m; r++) products[r] = mins[r] = _mm512_setzero_si512();
+        __m512i products[FEATURES16_PASS];
+        for (int r = 0; r < m; r++) products[r] = _mm512_setzero_si512();
+        /* lane f of scales[b]: row f's block b's scale (Q6_K: its two half-block scales, int16,
+         * low then high); of min_pairs[i]: its mins of blocks 2i and 2i + 1 (int16 pairs, for
+         * vpdpwssd: a chunk's M is four of them a row) */
+        __m512i scales[SUB], min_pairs[SUB / 2];
+        rows16_transposed(type == HS_Q6_K ? (const char *)u[0].scale : (const char *)u[0].iscale,
+                          sizeof(unpacked), scales);
+        if (has_mins(type)) {
+            __m512i mins[SUB];
+            rows16_transposed((const char *)u[0].imin, sizeof(unpacked), mins);
+            for (int i = 0; i < SUB / 2; i++)
+                min_pairs[i] = _mm512_or_si512(mins[2 * i], _mm512_slli_epi32(mins[2 * i + 1], 16));
+        }
         for (int b = 0; b < SUB; b++) {
             __m512i values[HS_BLOCK / 4];
             rows16_transposed((const char *)u[0].q + HS_BLOCK * b, sizeof(unpacked), values);
             if (type == HS_Q6_K) /* 0..63 */
                 for (int k = 0; k < HS_BLOCK / 4; k++) values[k] = _mm512_add_epi8(values[k], _mm512_set1_epi8(32));
-            /* Q6_K: each dword holds the block's two half-block scales (int16, low then high) */
-            const __m512i scale = type == HS_Q6_K ? _mm512_i32gather_epi32(at, &u[0].scale[2 * b], 1)
-                                                  : _mm512_i32gather_epi32(at, &u[0].iscale[b], 1);
-            const __m512i min = has_mins(type) ? _mm512_i32gather_epi32(at, &u[0].imin[b], 1) : _mm512_setzero_si512();
+            const __m512i scale = scales[b];
             for (int r = 0; r < m; r++) {
                 const int32_t *x = (const int32_t *)(a->q + (size_t)(r0 + r) * w->cols + (size_t)c * HS_SUPER + HS_BLOCK * b);
-                const size_t at_block = (size_t)(r0 + r) * blocks + (size_t)c * SUB + b;
-                const int32_t x_sum = a->sum[at_block];
                 if (type == HS_Q6_K) { /* a chain a half-block: each takes its own scale */
-                    const int32_t low = a->half_sum[at_block];
+                    const size_t at_block = (size_t)(r0 + r) * blocks + (size_t)c * SUB + b;
+                    const int32_t x_sum = a->sum[at_block], low = a->half_sum[at_block];
                     __m512i halves[2] = {_mm512_set1_epi32(-(low << 5)), _mm512_set1_epi32(-((x_sum - low) << 5))};
                     for (int k = 0; k < HS_BLOCK / 4; k++)
                         halves[k / 4] = _mm512_dpbusd_epi32(halves[k / 4], values[k], _mm512_set1_epi32(x[k]));
@@ -1074,7 +1085,6 @@ HS_VNNI INLINE void super16_in_lanes_vnni(const hs_matrix *w, const int type, co
                 for (int k = 0; k < HS_BLOCK / 4; k++)
                     chains[k & 1] = _mm512_dpbusd_epi32(chains[k & 1], values[k], _mm512_set1_epi32(x[k]));
                 products[r] = _mm512_add_epi32(products[r], _mm512_mullo_epi32(_mm512_add_epi32(chains[0], chains[1]), scale));
-                mins[r] = _mm512_add_epi32(mins[r], _mm512_mullo_epi32(_mm512_set1_epi32(x_sum), min));
             }
         }
         const __m512 sd = _mm512_i32gather_ps(at, &u[0].sd, 1);
@@ -1082,7 +1092,15 @@ HS_VNNI INLINE void super16_in_lanes_vnni(const hs_matrix *w, const int type, co
         for (int r = 0; r < m; r++) { /* super_term's steps */
             const __m512 x_scale = _mm512_set1_ps(a->d[(size_t)(r0 + r) * blocks + (size_t)c * SUB]);
             __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(products[r]), _mm512_mul_ps(x_scale, sd));
-            if (has_mins(type)) v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins[r]), _mm512_mul_ps(x_scale, smin), v);
+            if (has_mins(type)) { /* the blocks' activation sums (|sum| <= 32 x 127) as int16 pairs */
+                const int32_t *sums = a->sum + (size_t)(r0 + r) * blocks + (size_t)c * SUB;
+                __m512i mins = _mm512_setzero_si512();
+                for (int i = 0; i < SUB / 2; i++) {
+                    const uint32_t pair = ((uint32_t)sums[2 * i] & 0xffffu) | (uint32_t)sums[2 * i + 1] << 16;
+                    mins = _mm512_dpwssd_epi32(mins, min_pairs[i], _mm512_set1_epi32((int)pair));
+                }
+                v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(x_scale, smin), v);
+            }
             acc[r] = _mm512_add_ps(acc[r], v);
         }
     }
