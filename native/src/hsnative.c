@@ -392,16 +392,6 @@ HS_AVX2 INLINE void rows_in_lanes_q4_avx2(const void *wrow, const int blocks, co
     for (int g = 0; g < count; g++) _mm256_storeu_ps(result + GROUP * g, acc[g]);
 }
 
-/* v[f] lane k -> v[k] lane f, for 8 vectors of 8 int32. */
-HS_AVX2 INLINE void transpose_8x8_epi32(__m256i v[8]) {
-    __m256i u[8];
-    TRANSPOSE_LANES_4X4(_mm256, __m256i, v, u);
-    for (int i = 0; i < 4; i++) {
-        v[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
-        v[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
-    }
-}
-
 /* Block b of 8 weight rows `stride` bytes apart, as signed bytes, transposed in registers so
  * that w[k] holds the k-th four weights of every row (row f in lane f); their scales in
  * *w_scales. On even blocks it prefetches the next 8 rows': each 8 rows are short streams the

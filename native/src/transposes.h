@@ -22,6 +22,23 @@
         }                                                                                    \
     } while (0)
 
+/* v[f] lane k -> v[k] lane f, for 8 vectors of 8 int32. */
+HS_AVX2 INLINE void transpose_8x8_epi32(__m256i v[8]) {
+    __m256i u[8];
+    TRANSPOSE_LANES_4X4(_mm256, __m256i, v, u);
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+        v[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+    }
+}
+
+/* 8 rows' 32 bytes at first + stride * f (f = 0..7), transposed: lane f of v[k] holds row f's
+ * k-th four bytes. */
+HS_AVX2 INLINE void rows8_transposed(const char *first, const size_t stride, __m256i v[8]) {
+    for (int f = 0; f < 8; f++) v[f] = _mm256_loadu_si256((const __m256i *)(first + stride * f));
+    transpose_8x8_epi32(v);
+}
+
 /* 16 rows' 32 bytes at first + stride * f (f = 0..15), transposed: lane f of w[k] holds row
  * f's k-th four bytes. Rows go in as [f | f + 4] pairs, f = 0-3 and 8-11, so that after the
  * unpacks the 128-bit lanes' order is the rows' own. */
