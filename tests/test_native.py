@@ -162,7 +162,7 @@ def test_a_rows_result_does_not_depend_on_its_neighbours_or_threads(kernels, kin
         copy.values = kernels.pack_q8_0(copy, packing)  # alive as long as the Matrix
         copy.packed, copy.packing = copy.values.ctypes.data, packing
         packed.append(copy)
-    for n in (70, 33, 32, 24, 23, 17, 16, 15, 14, 13, 9, 7, 6, 5, 4, 3, 2, 1):
+    for n in (70, 33, 32, 24, 23, 17, 16, 15, 14, 13, 9, 8, 7, 6, 5, 4, 3, 2, 1):
         for level in levels_here(kernels, portable=False):  # every SIMD level: the same bits
             for which in (weights, *packed):
                 together = kernels.matmul(which, x[:n].copy(), threads=2, simd=level)
