@@ -443,6 +443,68 @@ HS_AVX2 INLINE void features_in_lanes_avx2(const char *wrows, const size_t strid
     for (int r = 0; r < m; r++) _mm256_storeu_ps(result + 8 * r, acc[r]);
 }
 
+/* Features in lanes for m (2 <= m <= FEATURES16_PASS) rows against 8 weight rows: each block
+ * transposed once for all m rows (features_in_lanes_avx2 transposes it again for every 4
+ * rows); its integers and float steps, the same bits. */
+HS_AVX2 INLINE void features8_in_lanes_avx2(const char *wrows, const size_t stride, const int type,
+                                            const int blocks, const int8_t *xq, const float *xd,
+                                            const int cols, const int m, float *result) {
+    __m256 acc[FEATURES16_PASS];
+    for (int r = 0; r < m; r++) acc[r] = _mm256_setzero_ps();
+    const size_t block_bytes = stride / blocks;
+    for (int b = 0; b < blocks; b++) {
+        __m256i w[8], w_abs[8];
+        __m256 w_scales;
+        transposed_block(wrows, stride, type, b, block_bytes, w, &w_scales);
+        for (int k = 0; k < HS_BLOCK / 4; k++) w_abs[k] = _mm256_sign_epi8(w[k], w[k]);
+        for (int r = 0; r < m; r++) {
+            const int8_t *x = xq + (size_t)r * cols + (size_t)b * HS_BLOCK;
+            __m256i sum = _mm256_setzero_si256();
+            for (int k = 0; k < HS_BLOCK / 4; k++) sum = dot4_add(sum, w_abs[k], w[k], broadcast4(x + 4 * k));
+            const __m256 x_scale = _mm256_set1_ps(xd[(size_t)r * blocks + b]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(x_scale, w_scales), acc[r]);
+        }
+    }
+    for (int r = 0; r < m; r++) _mm256_storeu_ps(result + 8 * r, acc[r]);
+}
+
+/* All n rows against features [j, j + 8), in passes of up to FEATURES16_PASS rows of equal
+ * size (literal types and row counts up to 8). */
+HS_AVX2 static void features8_passes_avx2(const hs_matrix *w, const activations *a, const int n, const int j,
+                                          float *out) {
+    const int blocks = w->cols / HS_BLOCK, passes = (n + FEATURES16_PASS - 1) / FEATURES16_PASS;
+    const size_t stride = row_bytes(w);
+    const char *rows8 = (const char *)w->data + stride * j;
+    float result[FEATURES16_PASS * 8];
+    for (int p = 0, r0 = 0; p < passes; p++) {
+        const int m = (n - r0 + passes - p - 1) / (passes - p);
+        const int8_t *q = a->q + (size_t)r0 * w->cols;
+        const float *d = a->d + (size_t)r0 * blocks;
+#define FEATURES8(type, M) features8_in_lanes_avx2(rows8, stride, type, blocks, q, d, w->cols, M, result)
+#define FEATURES8_ROWS(type)                                                                 \
+    switch (m) {                                                                             \
+    case 8: FEATURES8(type, 8); break;                                                       \
+    case 7: FEATURES8(type, 7); break;                                                       \
+    case 6: FEATURES8(type, 6); break;                                                       \
+    case 5: FEATURES8(type, 5); break;                                                       \
+    case 4: FEATURES8(type, 4); break;                                                       \
+    case 3: FEATURES8(type, 3); break;                                                       \
+    case 2: FEATURES8(type, 2); break;                                                       \
+    default: FEATURES8(type, m); break;                                                      \
+    }
+        if (w->type == HS_Q8_0) {
+            FEATURES8_ROWS(HS_Q8_0)
+        } else {
+            FEATURES8_ROWS(HS_Q4_0)
+        }
+#undef FEATURES8_ROWS
+#undef FEATURES8
+        for (int r = 0; r < m; r++)
+            for (int f = 0; f < 8; f++) out[(size_t)(r0 + r) * w->rows + j + f] = result[8 * r + f];
+        r0 += m;
+    }
+}
+
 /* Features in lanes from a packed tile of signed Q8_0 values (hs_matrix.packed): the blocks
  * as transposed_block leaves them, read with nine loads; the same products and float steps as
  * features_in_lanes_avx2, so the same bits. */
@@ -545,18 +607,16 @@ HS_AVX2 static float dot_quantized_avx2(const void *wrow, int type, int blocks, 
                 data + stride * j, w->type, blocks, a->q + (size_t)r * w->cols,              \
                 a->d + (size_t)r * blocks);
 
-/* Output features [first, end) of all n rows, into out (n, w->rows). Whole groups of 8 rows
- * go rows-in-lanes, two groups at a time over every feature (their activations stay in L1);
- * the other rows go features-in-lanes, 4 rows by 8 features; leftover features one by one.
- * Q8_0 calls of 5 or 6 rows are not padded to a group: they cost less features in lanes
- * (heavy-100m T(5) 8.8 against 11.3 ms padded, T(6) 10.2 against 11.4; Q4_0's do not, nor
- * do 5 or 6 rows beside a group). */
-#define Q8_0_PAD_FROM_AVX2 7
+/* Output features [first, end) of all n rows, into out (n, w->rows). Calls of 5 or more rows
+ * go features in lanes in passes (features8_passes_avx2; heavy-100m Q8_0 T(5) 11.3 -> 8.6 ms,
+ * T(9) 15.4 -> 12.8), but Q4_0's whole groups, which go rows in lanes, two groups at a time
+ * over every feature (their activations stay in L1; T(16) 19.0 against 20.2); up to 4 rows go
+ * features in lanes, 4 rows by 8 features; leftover features one by one. */
 HS_AVX2 static void quantized_features_avx2(const hs_matrix *w, const activations *a, int n,
                                             int first, int end, float *out) {
     const int blocks = w->cols / HS_BLOCK;
-    const int below_group = w->type == HS_Q8_0 && n < GROUP;
-    const int groups = (below_group ? grouped_rows_from(n, Q8_0_PAD_FROM_AVX2) : grouped_rows(n)) / GROUP;
+    const int in_lanes8 = n > 4 && (w->type == HS_Q8_0 || n % GROUP);
+    const int groups = in_lanes8 ? 0 : grouped_rows(n) / GROUP;
     const int grouped = groups * GROUP < n ? groups * GROUP : n;
     const size_t stride = row_bytes(w);
     const char *data = w->data;
@@ -579,6 +639,8 @@ HS_AVX2 static void quantized_features_avx2(const hs_matrix *w, const activation
         }
     }
     int j = first;
+    if (in_lanes8)
+        for (; j + 8 <= end; j += 8) features8_passes_avx2(w, a, n, j, out);
     PACKED_ROWS(packed_features_avx2, HS_PACKED_SIGNED)
     UNGROUPED_ROWS(features_in_lanes_avx2)
 }

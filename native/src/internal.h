@@ -49,13 +49,11 @@
 
 /* Rows computed rows-in-lanes: whole groups of 8, and the leftover rows too (in a group
  * padded with zero rows) where there are PAD_FROM or more of them: one pass of 8 rows costs
- * about what 4 rows cost features-in-lanes. Both kernels give the same bits. The activations'
- * grouped layout holds grouped_rows(n); a kernel may pad from later (grouped_rows_from). */
-static inline int grouped_rows_from(int n, int pad_from) {
+ * about what 4 rows cost features-in-lanes. Both kernels give the same bits. */
+static inline int grouped_rows(int n) {
     const int leftover = n % GROUP;
-    return leftover >= pad_from ? n + GROUP - leftover : n - leftover;
+    return leftover >= PAD_FROM ? n + GROUP - leftover : n - leftover;
 }
-static inline int grouped_rows(int n) { return grouped_rows_from(n, PAD_FROM); }
 
 static inline float half_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
