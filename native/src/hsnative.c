@@ -448,7 +448,8 @@ HS_AVX2 INLINE void features_in_lanes_avx2(const char *wrows, const size_t strid
  * rows); its integers and float steps, the same bits. */
 HS_AVX2 INLINE void features8_in_lanes_avx2(const char *wrows, const size_t stride, const int type,
                                             const int blocks, const int8_t *xq, const float *xd,
-                                            const int cols, const int m, float *result) {
+                                            const int32_t *xs, const int cols, const int m, float *result) {
+    (void)xs; /* the VNNI kernel's activation sums: one signature for FEATURES8_PASSES */
     __m256 acc[FEATURES16_PASS];
     for (int r = 0; r < m; r++) acc[r] = _mm256_setzero_ps();
     const size_t block_bytes = stride / blocks;
@@ -469,41 +470,40 @@ HS_AVX2 INLINE void features8_in_lanes_avx2(const char *wrows, const size_t stri
 }
 
 /* All n rows against features [j, j + 8), in passes of up to FEATURES16_PASS rows of equal
- * size (literal types and row counts up to 8). */
-HS_AVX2 static void features8_passes_avx2(const hs_matrix *w, const activations *a, const int n, const int j,
-                                          float *out) {
-    const int blocks = w->cols / HS_BLOCK, passes = (n + FEATURES16_PASS - 1) / FEATURES16_PASS;
-    const size_t stride = row_bytes(w);
-    const char *rows8 = (const char *)w->data + stride * j;
-    float result[FEATURES16_PASS * 8];
-    for (int p = 0, r0 = 0; p < passes; p++) {
-        const int m = (n - r0 + passes - p - 1) / (passes - p);
-        const int8_t *q = a->q + (size_t)r0 * w->cols;
-        const float *d = a->d + (size_t)r0 * blocks;
-#define FEATURES8(type, M) features8_in_lanes_avx2(rows8, stride, type, blocks, q, d, w->cols, M, result)
-#define FEATURES8_ROWS(type)                                                                 \
+ * size, by KERNEL (a features8_in_lanes, with literal types and row counts up to 8). */
+#define FEATURES8_PASSES(ATTR, NAME, KERNEL)                                                 \
+    ATTR static void NAME(const hs_matrix *w, const activations *a, const int n, const int j, float *out) { \
+        const int blocks = w->cols / HS_BLOCK, passes = (n + FEATURES16_PASS - 1) / FEATURES16_PASS; \
+        const size_t stride = row_bytes(w);                                                  \
+        const char *rows8 = (const char *)w->data + stride * j;                              \
+        float result[FEATURES16_PASS * 8];                                                   \
+        for (int p = 0, r0 = 0; p < passes; p++) {                                           \
+            const int m = pass_rows(n, r0, p, passes);                                       \
+            const int8_t *q = a->q + (size_t)r0 * w->cols;                                   \
+            const float *d = a->d + (size_t)r0 * blocks;                                     \
+            const int32_t *sums = a->sum + (size_t)r0 * blocks;                              \
+            if (w->type == HS_Q8_0) {                                                        \
+                FEATURES8_ROWS(KERNEL, HS_Q8_0)                                              \
+            } else {                                                                         \
+                FEATURES8_ROWS(KERNEL, HS_Q4_0)                                              \
+            }                                                                                \
+            for (int r = 0; r < m; r++)                                                      \
+                for (int f = 0; f < 8; f++) out[(size_t)(r0 + r) * w->rows + j + f] = result[8 * r + f]; \
+            r0 += m;                                                                         \
+        }                                                                                    \
+    }
+#define FEATURES8_ROWS(KERNEL, type)                                                         \
     switch (m) {                                                                             \
-    case 8: FEATURES8(type, 8); break;                                                       \
-    case 7: FEATURES8(type, 7); break;                                                       \
-    case 6: FEATURES8(type, 6); break;                                                       \
-    case 5: FEATURES8(type, 5); break;                                                       \
-    case 4: FEATURES8(type, 4); break;                                                       \
-    case 3: FEATURES8(type, 3); break;                                                       \
-    case 2: FEATURES8(type, 2); break;                                                       \
-    default: FEATURES8(type, m); break;                                                      \
+    case 8: KERNEL(rows8, stride, type, blocks, q, d, sums, w->cols, 8, result); break;      \
+    case 7: KERNEL(rows8, stride, type, blocks, q, d, sums, w->cols, 7, result); break;      \
+    case 6: KERNEL(rows8, stride, type, blocks, q, d, sums, w->cols, 6, result); break;      \
+    case 5: KERNEL(rows8, stride, type, blocks, q, d, sums, w->cols, 5, result); break;      \
+    case 4: KERNEL(rows8, stride, type, blocks, q, d, sums, w->cols, 4, result); break;      \
+    case 3: KERNEL(rows8, stride, type, blocks, q, d, sums, w->cols, 3, result); break;      \
+    case 2: KERNEL(rows8, stride, type, blocks, q, d, sums, w->cols, 2, result); break;      \
+    default: KERNEL(rows8, stride, type, blocks, q, d, sums, w->cols, m, result); break;     \
     }
-        if (w->type == HS_Q8_0) {
-            FEATURES8_ROWS(HS_Q8_0)
-        } else {
-            FEATURES8_ROWS(HS_Q4_0)
-        }
-#undef FEATURES8_ROWS
-#undef FEATURES8
-        for (int r = 0; r < m; r++)
-            for (int f = 0; f < 8; f++) out[(size_t)(r0 + r) * w->rows + j + f] = result[8 * r + f];
-        r0 += m;
-    }
-}
+FEATURES8_PASSES(HS_AVX2, features8_passes_avx2, features8_in_lanes_avx2)
 
 /* Features in lanes from a packed tile of signed Q8_0 values (hs_matrix.packed): the blocks
  * as transposed_block leaves them, read with nine loads; the same products and float steps as
@@ -794,7 +794,7 @@ HS_VNNI static void features16_passes_vnni(const hs_matrix *w, const activations
     const char *rows16 = (const char *)w->data + stride * j;
     float result[FEATURES16_PASS * 16];
     for (int p = 0, r0 = 0; p < passes; p++) {
-        const int m = (n - r0 + passes - p - 1) / (passes - p);
+        const int m = pass_rows(n, r0, p, passes);
         const int8_t *q = a->q + (size_t)r0 * w->cols;
         const float *d = a->d + (size_t)r0 * blocks;
         const int32_t *sums = a->sum + (size_t)r0 * blocks;

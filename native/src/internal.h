@@ -47,6 +47,12 @@
  * the weights again, and passes of more rows than this measured no faster */
 #define FEATURES16_PASS 32
 
+/* Rows of pass p of `passes` over n rows, `done` of them in the passes before: passes of
+ * equal size (33 rows: 17, 16). */
+static inline int pass_rows(int n, int done, int p, int passes) {
+    return (n - done + passes - p - 1) / (passes - p);
+}
+
 /* Rows computed rows-in-lanes: whole groups of 8, and the leftover rows too (in a group
  * padded with zero rows) where there are PAD_FROM or more of them: one pass of 8 rows costs
  * about what 4 rows cost features-in-lanes. Both kernels give the same bits. */

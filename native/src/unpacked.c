@@ -916,7 +916,7 @@ ROWS_MAJOR(HS_AVX2, avx2)
                                             const int j, float *out) {                                        \
         const int passes = (n + FEATURES16_PASS - 1) / FEATURES16_PASS;                                       \
         for (int p = 0, r0 = 0; p < passes; p++) {                                                            \
-            const int m = (n - r0 + passes - p - 1) / (passes - p);                                           \
+            const int m = pass_rows(n, r0, p, passes);                                           \
             SUPER8_TYPES(SUFFIX, w->type, m)                                                                  \
             r0 += m;                                                                                          \
         }                                                                                                     \
@@ -1266,7 +1266,7 @@ HS_VNNI static void features_vnni(const hs_matrix *w, const activations *a, int 
         const int passes = (n + FEATURES16_PASS - 1) / FEATURES16_PASS; /* of equal size */
         for (; first + 16 <= end; first += 16)
             for (int p = 0, r0 = 0; p < passes; p++) {
-                const int m = (n - r0 + passes - p - 1) / (passes - p);
+                const int m = pass_rows(n, r0, p, passes);
 #define SUPER16(type)                                                                        \
     switch (m) {                                                                             \
     case 16: super16_in_lanes_vnni(w, type, a, r0, 16, first, out); break;                   \

@@ -3,10 +3,11 @@
  *   V256_ATTR    the functions' target attribute (HS_VNNI, HS_AVX_VNNI),
  *   V256_DPBUSD  the intrinsic (_mm256_dpbusd_epi32, _mm256_dpbusd_avx_epi32),
  *   V256(name)   a function's name at that level,
- * and vnni_start, load_unsigned_weights, weight_scale_of, transposed_block and UNGROUPED_ROWS
- * in scope. No include guard: one copy per level, on purpose. The AVX-VNNI level runs them
- * all (quantized_features_256); the AVX-512 VNNI level takes the one-row, features-in-lanes and
- * one-group kernels and puts two groups at a time in 512-bit vectors instead. (A lone group as
+ * and vnni_start, load_unsigned_weights, weight_scale_of, transposed_block, UNGROUPED_ROWS
+ * and FEATURES8_PASSES in scope. No include guard: one copy per level, on purpose. The
+ * AVX-VNNI level runs them all (quantized_features_256); the AVX-512 VNNI level takes the
+ * one-row, features-in-lanes and one-group kernels (for Q4_0's groups and small leftovers)
+ * and puts 16 features or two groups at a time in 512-bit vectors instead. (A lone group as
  * 8 rows against two weight rows in a 512-bit vector, placed by a permute per four weights,
  * measured 8% slower a forward than these 256-bit broadcasts.) */
 
@@ -193,43 +194,7 @@ V256_ATTR INLINE void V256(features8_in_lanes)(const char *wrows, const size_t s
     for (int r = 0; r < m; r++) _mm256_storeu_ps(result + 8 * r, acc[r]);
 }
 
-/* All n rows against features [j, j + 8), in passes of up to FEATURES16_PASS rows of equal
- * size (literal types and row counts up to 8). */
-V256_ATTR static void V256(features8_passes)(const hs_matrix *w, const activations *a, const int n, const int j,
-                                             float *out) {
-    const int blocks = w->cols / HS_BLOCK, passes = (n + FEATURES16_PASS - 1) / FEATURES16_PASS;
-    const size_t stride = row_bytes(w);
-    const char *rows8 = (const char *)w->data + stride * j;
-    float result[FEATURES16_PASS * 8];
-    for (int p = 0, r0 = 0; p < passes; p++) {
-        const int m = (n - r0 + passes - p - 1) / (passes - p);
-        const int8_t *q = a->q + (size_t)r0 * w->cols;
-        const float *d = a->d + (size_t)r0 * blocks;
-        const int32_t *sums = a->sum + (size_t)r0 * blocks;
-#define FEATURES8(type, M) V256(features8_in_lanes)(rows8, stride, type, blocks, q, d, sums, w->cols, M, result)
-#define FEATURES8_ROWS(type)                                                                 \
-    switch (m) {                                                                             \
-    case 8: FEATURES8(type, 8); break;                                                       \
-    case 7: FEATURES8(type, 7); break;                                                       \
-    case 6: FEATURES8(type, 6); break;                                                       \
-    case 5: FEATURES8(type, 5); break;                                                       \
-    case 4: FEATURES8(type, 4); break;                                                       \
-    case 3: FEATURES8(type, 3); break;                                                       \
-    case 2: FEATURES8(type, 2); break;                                                       \
-    default: FEATURES8(type, m); break;                                                      \
-    }
-        if (w->type == HS_Q8_0) {
-            FEATURES8_ROWS(HS_Q8_0)
-        } else {
-            FEATURES8_ROWS(HS_Q4_0)
-        }
-#undef FEATURES8_ROWS
-#undef FEATURES8
-        for (int r = 0; r < m; r++)
-            for (int f = 0; f < 8; f++) out[(size_t)(r0 + r) * w->rows + j + f] = result[8 * r + f];
-        r0 += m;
-    }
-}
+FEATURES8_PASSES(V256_ATTR, V256(features8_passes), V256(features8_in_lanes))
 
 /* Features in lanes from a packed Q8_0 tile (hs_matrix.packed: 8 weight rows, every block):
  * features_in_lanes with the transpose and the bias done once at load, so a block is nine
