@@ -806,23 +806,23 @@ ROWS_MAJOR(HS_AVX2, avx2)
                                                                                                               \
     ATTR static void features_##SUFFIX(const hs_matrix *w, const activations *a, int n, int first, int end,   \
                                       float *out) {                                                           \
-        if ((w->type == HS_Q4_K || w->type == HS_Q5_K || w->type == HS_Q6_K) && n >= 2 &&                     \
-            n <= (SUPER8_MAX_ROWS)) {                                                                         \
+        if (hs_unpacked_super(w->type) && n >= 2 && n <= (SUPER8_MAX_ROWS)) {                                 \
             for (; first + 8 <= end; first += 8) super8_passes_##SUFFIX(w, a, n, first, out);                 \
             if (first >= end) return;                                                                         \
         }                                                                                                     \
         TYPED_CALLS(SUFFIX)                                                                                   \
     }
 
-/* Q4_K, Q5_K and Q6_K in 256-bit vectors: rows [r0, r0 + m) (m <= FEATURES16_PASS) against 8
- * weight rows [j, j + 8), 8 features in the lanes: super16_in_lanes_vnni's steps (each chunk
- * of the 8 rows unpacked, each block, the scales and the mins transposed, each row's four
- * activations broadcast), with DP4 the level's step that adds four unsigned-by-signed
- * products to a lane (vpmaddubsw's pairs cannot saturate: at most 2 x 63 x 127) and the mins'
- * sum as four vpmaddwd a row a chunk. Q6_K's signed values: where BIASED (the activations
- * have their sums: the VNNI levels) biased by 32 and 32 times each half-block's sum taken off,
- * else |w| times x with w's sign (DP4_SIGNED). A lane's integers are rows_major's exact ones
- * and its float steps super_term's: the same bits. */
+/* The super-block types (Q4_K, Q5_K, Q6_K, IQ4_XS) in 256-bit vectors: rows [r0, r0 + m)
+ * (m <= FEATURES16_PASS) against 8 weight rows [j, j + 8), 8 features in the lanes:
+ * super16_in_lanes_vnni's steps (each chunk of the 8 rows unpacked, each block, the scales
+ * and the mins transposed, each row's four activations broadcast), with DP4 the level's step
+ * that adds four unsigned-by-signed products to a lane (vpmaddubsw's pairs cannot saturate:
+ * at most 2 x 127 x 127) and the mins' sum as four vpmaddwd a row a chunk. Signed values
+ * (Q6_K, IQ4_XS): where BIASED (the activations have their sums: the VNNI levels) biased by
+ * 32 or 128 and that times each (half-)block's sum taken off, else |w| times x with w's sign
+ * (DP4_SIGNED). A lane's integers are rows_major's exact ones and its float steps
+ * super_term's: the same bits. */
 #define SUPER8_IN_LANES(ATTR, SUFFIX, DP4, DP4_SIGNED, BIASED)                                                                    \
     ATTR INLINE void super8_in_lanes_##SUFFIX(const hs_matrix *w, const int type, const activations *a,       \
                                               const int r0, const int m, const int j, float *out) {           \
@@ -855,6 +855,9 @@ ROWS_MAJOR(HS_AVX2, avx2)
                 if (type == HS_Q6_K && (BIASED)) /* 0..63 */                                                  \
                     for (int k = 0; k < HS_BLOCK / 4; k++)                                                    \
                         values[k] = _mm256_add_epi8(values[k], _mm256_set1_epi8(32));                         \
+                if (type == HS_IQ4_XS && (BIASED)) /* 1..241 */                                               \
+                    for (int k = 0; k < HS_BLOCK / 4; k++)                                                    \
+                        values[k] = _mm256_xor_si256(values[k], _mm256_set1_epi8((char)0x80));                \
                 const __m256i scale = scales[b];                                                              \
                 for (int r = 0; r < m; r++) {                                                                 \
                     const int32_t *x = (const int32_t *)(a->q + (size_t)(r0 + r) * w->cols +                  \
@@ -878,8 +881,12 @@ ROWS_MAJOR(HS_AVX2, avx2)
                         continue;                                                                             \
                     }                                                                                         \
                     __m256i chains[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};                     \
+                    if (type == HS_IQ4_XS && (BIASED)) /* 128 times the block's sum off */                    \
+                        chains[0] = _mm256_set1_epi32(-(a->sum[(size_t)(r0 + r) * blocks + (size_t)c * SUB + b] << 7)); \
                     for (int k = 0; k < HS_BLOCK / 4; k++)                                                    \
-                        chains[k & 1] = DP4(chains[k & 1], values[k], _mm256_set1_epi32(x[k]));               \
+                        chains[k & 1] = type == HS_IQ4_XS && !(BIASED)                                        \
+                                            ? DP4_SIGNED(chains[k & 1], values[k], _mm256_set1_epi32(x[k]))   \
+                                            : DP4(chains[k & 1], values[k], _mm256_set1_epi32(x[k]));         \
                     products[r] = _mm256_add_epi32(                                                           \
                         products[r], _mm256_mullo_epi32(_mm256_add_epi32(chains[0], chains[1]), scale));      \
                 }                                                                                             \
@@ -926,8 +933,10 @@ ROWS_MAJOR(HS_AVX2, avx2)
         SUPER8_ROWS(SUFFIX, HS_Q4_K, m)                                                      \
     } else if ((type) == HS_Q5_K) {                                                          \
         SUPER8_ROWS(SUFFIX, HS_Q5_K, m)                                                      \
-    } else {                                                                                 \
+    } else if ((type) == HS_Q6_K) {                                                          \
         SUPER8_ROWS(SUFFIX, HS_Q6_K, m)                                                      \
+    } else {                                                                                 \
+        SUPER8_ROWS(SUFFIX, HS_IQ4_XS, m)                                                    \
     }
 #define SUPER8_ROWS(SUFFIX, type, m)                                                         \
     switch (m) {                                                                             \
@@ -951,7 +960,7 @@ HS_AVX2 INLINE __m256i dp4_signed_avx2(const __m256i acc, const __m256i w, const
 }
 SUPER8_IN_LANES(HS_AVX2, avx2, dp4_avx2, dp4_signed_avx2, 0)
 ROWS_ALONE(HS_AVX2, avx2)
-/* K-quant calls of 2-5 rows go 8 features in lanes; from 6 rows vpmaddubsw's products made
+/* Super-block calls of 2-5 rows go 8 features in lanes; from 6 rows vpmaddubsw's products made
  * groups of rows in lanes as fast or faster (heavy-100m Q4_K_M T(4) 7.56 -> 6.55 ms, T(7)
  * 9.05 against 10.62) */
 FEATURES_IN_PASSES(HS_AVX2, avx2, 5)
@@ -1170,15 +1179,15 @@ HS_VNNI INLINE void features_typed_vnni(const hs_matrix *w, const int type, cons
 
 ROWS_ALONE(HS_VNNI, vnni)
 
-/* Q4_K, Q5_K (unsigned values, with mins) and Q6_K (signed, a scale a half-block): rows
- * [r0, r0 + m) (m <= FEATURES16_PASS) against 16 weight rows [j, j + 16): each chunk of the
- * 16 rows unpacked, each block transposed so that the 16 features sit in the lanes
- * (rows16_transposed; shared by every row of the pass), each row's four activations
- * broadcast; the chunk's integer scales and mins transposed alike, the mins as int16 pairs so
- * that a row's M is four vpdpwssd. Q6_K's values go biased by 32 to vpdpbusd's unsigned
- * side, 32 times each half-block's activation sum (a->half_sum) taken off. A lane's integers
- * are rows_major's exact ones (I and M are exact whatever the order) and its float steps
- * super_term's: the same bits. */
+/* Q4_K, Q5_K (unsigned values, with mins), Q6_K (signed, a scale a half-block) and IQ4_XS
+ * (signed table values): rows [r0, r0 + m) (m <= FEATURES16_PASS) against 16 weight rows
+ * [j, j + 16): each chunk of the 16 rows unpacked, each block transposed so that the 16
+ * features sit in the lanes (rows16_transposed; shared by every row of the pass), each row's
+ * four activations broadcast; the chunk's integer scales and mins transposed alike, the mins
+ * as int16 pairs so that a row's M is four vpdpwssd. Signed values go biased to vpdpbusd's
+ * unsigned side, that times the activations' sum taken off: Q6_K's by 32 a half-block
+ * (a->half_sum), IQ4_XS's by 128 a block. A lane's integers are rows_major's exact ones (I
+ * and M are exact whatever the order) and its float steps super_term's: the same bits. */
 HS_VNNI INLINE void super16_in_lanes_vnni(const hs_matrix *w, const int type, const activations *a,
                                           const int r0, const int m, const int j, float *out) {
     const int blocks = w->cols / HS_BLOCK, chunks = blocks / SUB;
@@ -1215,6 +1224,8 @@ HS_VNNI INLINE void super16_in_lanes_vnni(const hs_matrix *w, const int type, co
             rows16_transposed((const char *)u[0].q + HS_BLOCK * b, sizeof(unpacked), values);
             if (type == HS_Q6_K) /* 0..63 */
                 for (int k = 0; k < HS_BLOCK / 4; k++) values[k] = _mm512_add_epi8(values[k], _mm512_set1_epi8(32));
+            if (type == HS_IQ4_XS) /* 1..241 */
+                for (int k = 0; k < HS_BLOCK / 4; k++) values[k] = _mm512_xor_si512(values[k], _mm512_set1_epi8((char)0x80));
             const __m512i scale = scales[b];
             for (int r = 0; r < m; r++) {
                 const int32_t *x = (const int32_t *)(a->q + (size_t)(r0 + r) * w->cols + (size_t)c * HS_SUPER + HS_BLOCK * b);
@@ -1231,6 +1242,8 @@ HS_VNNI INLINE void super16_in_lanes_vnni(const hs_matrix *w, const int type, co
                     continue;
                 }
                 __m512i chains[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+                if (type == HS_IQ4_XS) /* 128 times the block's sum off */
+                    chains[0] = _mm512_set1_epi32(-(a->sum[(size_t)(r0 + r) * blocks + (size_t)c * SUB + b] << 7));
                 for (int k = 0; k < HS_BLOCK / 4; k++)
                     chains[k & 1] = _mm512_dpbusd_epi32(chains[k & 1], values[k], _mm512_set1_epi32(x[k]));
                 products[r] = _mm512_add_epi32(products[r], _mm512_mullo_epi32(_mm512_add_epi32(chains[0], chains[1]), scale));
@@ -1262,7 +1275,7 @@ HS_VNNI INLINE void super16_in_lanes_vnni(const hs_matrix *w, const int type, co
 
 HS_VNNI static void features_vnni(const hs_matrix *w, const activations *a, int n, int first, int end,
                                   float *out) {
-    if ((w->type == HS_Q4_K || w->type == HS_Q5_K || w->type == HS_Q6_K) && n >= 2) {
+    if (hs_unpacked_super(w->type) && n >= 2) {
         const int passes = (n + FEATURES16_PASS - 1) / FEATURES16_PASS; /* of equal size */
         for (; first + 16 <= end; first += 16)
             for (int p = 0, r0 = 0; p < passes; p++) {
@@ -1290,8 +1303,10 @@ HS_VNNI static void features_vnni(const hs_matrix *w, const activations *a, int 
                     SUPER16(HS_Q4_K)
                 } else if (w->type == HS_Q5_K) {
                     SUPER16(HS_Q5_K)
-                } else {
+                } else if (w->type == HS_Q6_K) {
                     SUPER16(HS_Q6_K)
+                } else {
+                    SUPER16(HS_IQ4_XS)
                 }
 #undef SUPER16
                 r0 += m;
@@ -1367,7 +1382,7 @@ SUPER_IN_LANES(HS_AVX_VNNI, avx_vnni)
 ROWS_IN_LANES(HS_AVX_VNNI, avx_vnni)
 SUPER8_IN_LANES(HS_AVX_VNNI, avx_vnni, _mm256_dpbusd_avx_epi32, _mm256_dpbusd_avx_epi32, 1)
 ROWS_ALONE(HS_AVX_VNNI, avx_vnni)
-/* K-quant calls of any width go 8 features in lanes (heavy-100m Q4_K_M T(4) 6.97 -> 4.99 ms,
+/* Super-block calls of any width go 8 features in lanes (heavy-100m Q4_K_M T(4) 6.97 -> 4.99 ms,
  * T(12) 15.59 -> 11.96; 8 and 32 rows as fast as groups) */
 FEATURES_IN_PASSES(HS_AVX_VNNI, avx_vnni, INT_MAX)
 #endif
