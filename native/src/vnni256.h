@@ -122,6 +122,17 @@ V256_ATTR INLINE void V256(one_row_in_lanes)(const char *wrows, const size_t str
     _mm256_storeu_ps(result, acc);
 }
 
+/* transposed_block's block, biased to vpdpbusd's unsigned side as load_unsigned_weights
+ * biases it (Q8_0 w + 128, Q4_0 w + 8). */
+V256_ATTR INLINE void V256(unsigned_transposed_block)(const char *wrows, const size_t stride, const int type,
+                                                      const int b, const size_t block_bytes, __m256i w[8],
+                                                      __m256 *w_scales) {
+    transposed_block(wrows, stride, type, b, block_bytes, w, w_scales);
+    for (int k = 0; k < HS_BLOCK / 4; k++)
+        w[k] = type == HS_Q8_0 ? _mm256_xor_si256(w[k], _mm256_set1_epi8((char)0x80))
+                               : _mm256_add_epi8(w[k], _mm256_set1_epi8(8));
+}
+
 /* Features in lanes: m (<= 4) row-major rows times 8 weight rows `stride` bytes apart, as
  * features_in_lanes_avx2 lays them out. */
 V256_ATTR INLINE void V256(features_in_lanes)(const char *wrows, const size_t stride, const int type,
@@ -139,10 +150,7 @@ V256_ATTR INLINE void V256(features_in_lanes)(const char *wrows, const size_t st
     for (int b = 0; b < blocks; b++) {
         __m256i w[8];
         __m256 w_scales;
-        transposed_block(wrows, stride, type, b, block_bytes, w, &w_scales);
-        for (int k = 0; k < HS_BLOCK / 4; k++) /* biased to unsigned, as load_unsigned_weights */
-            w[k] = type == HS_Q8_0 ? _mm256_xor_si256(w[k], _mm256_set1_epi8((char)0x80))
-                                   : _mm256_add_epi8(w[k], _mm256_set1_epi8(8));
+        V256(unsigned_transposed_block)(wrows, stride, type, b, block_bytes, w, &w_scales);
         __m256i sums[4][2]; /* two chains a row (see rows_in_lanes) */
         for (int r = 0; r < m; r++) {
             sums[r][0] = vnni_start(_mm256_set1_epi32(xs[(size_t)r * blocks + b]), shift);
@@ -176,10 +184,7 @@ V256_ATTR INLINE void V256(features8_in_lanes)(const char *wrows, const size_t s
     for (int b = 0; b < blocks; b++) {
         __m256i w[8];
         __m256 w_scales;
-        transposed_block(wrows, stride, type, b, block_bytes, w, &w_scales);
-        for (int k = 0; k < HS_BLOCK / 4; k++)
-            w[k] = type == HS_Q8_0 ? _mm256_xor_si256(w[k], _mm256_set1_epi8((char)0x80))
-                                   : _mm256_add_epi8(w[k], _mm256_set1_epi8(8));
+        V256(unsigned_transposed_block)(wrows, stride, type, b, block_bytes, w, &w_scales);
         for (int r = 0; r < m; r++) {
             const int8_t *x = xq + (size_t)r * cols + (size_t)b * HS_BLOCK;
             __m256i chains[2] = {vnni_start(_mm256_set1_epi32(xs[(size_t)r * blocks + b]), shift),
