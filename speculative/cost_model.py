@@ -11,6 +11,8 @@ P(the first d drafted tokens are accepted, b branches drafted) it commits
 - a round drafted by DuoDecoding's rule with budget B: k sequences of B // k tokens, over the
   branch counts k the rule has been picking (B forwards when k = 1, B // k + 1 otherwise);
 - a round without a draft: the target decoding one token alone.
+A draft step of b branches costs ``branch_factor[b]`` steps of a chain (measured: a runtime
+that drafts chains in one call and branches step by step pays several times more).
 Every drafted round also pays ``overhead`` (messages, bookkeeping). Costs are kept apart for
 one worker computing at a time and both at once (``overlapped``): on cores that share
 execution resources each runs slower then, and that decides whether overlapping pays.
@@ -106,6 +108,11 @@ class RuleShare:
     reach: np.ndarray  # [depth]: P(the first depth tokens accepted); reach[0] = 1
 
 
+def linear_branch_factor(branch_cost: float, max_branches: int) -> np.ndarray:
+    """[branches]: 1 + ``branch_cost`` x (branches - 1), from 0 to ``max_branches``."""
+    return 1 + branch_cost * (np.arange(max_branches + 1) - 1.0)
+
+
 @dataclass(frozen=True)
 class CostModel:
     step_s: dict[bool, float]  # seconds per draft step of one branch, by "overlapped"
@@ -113,7 +120,8 @@ class CostModel:
     verify: dict[bool, VerifyLine | ProfiledVerify]  # by "overlapped"
     reach: np.ndarray  # [branches, depth]: P(the first depth tokens accepted); row 0 unused
     overhead_s: float
-    branch_cost: float  # each branch beyond the first adds this share of a step
+    # [branches]: a draft step of that many branches against one of a chain (index 0 unused)
+    branch_factor: np.ndarray
     alone_s: float  # seconds per token of the target decoding alone
     rule: tuple[RuleShare, ...] = ()  # empty: the rule is not a candidate
     # a verification of several branches against one chain of its width (a verifier whose
@@ -126,7 +134,7 @@ class CostModel:
 
     def draft_s(self, steps, branches=1, overlapped: bool = False):
         """A draft call of ``steps`` steps, from sending it to having its reply."""
-        step = self.step_s[overlapped] * (1 + self.branch_cost * (np.asarray(branches) - 1))
+        step = self.step_s[overlapped] * self.branch_factor[np.asarray(branches)]
         return self.latency_s[overlapped] + np.asarray(steps) * step
 
     def predict(self, gamma, branches=1, overlap=False) -> tuple[np.ndarray, np.ndarray]:

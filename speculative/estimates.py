@@ -2,8 +2,11 @@
 
 - A draft step: a level (a windowed median of recent steps, each scaled to one branch, so
   every round refreshes it whatever its branch count; a median, so one preempted step does
-  not swing it) times 1 + branch_cost x (branches - 1) (per-k estimates went stale for the
-  branch counts not chosen lately); plus a draft call's latency, paid once per call.
+  not swing it) times a branch factor: per branch count, the windowed median of its steps
+  against the chains' level when they were drafted (a ratio: it holds when the level moves,
+  so it is kept once stale rather than forgotten); unmeasured counts extrapolate the nearest
+  measured one's cost per extra branch, or before any ``branch_cost``. A draft call's
+  latency is paid once per call.
 - A verification: through windowed medians per tree width (weighted by their samples), the
   verifier's profile raised and stretched to them where it was measured, else a line.
 - Acceptance by depth (and at depth 1 by branch count, and by the branch count the rule picks):
@@ -32,6 +35,7 @@ from hetspec.speculative.cost_model import (
     ProfiledVerify,
     RuleShare,
     VerifyLine,
+    linear_branch_factor,
 )
 from hetspec.speculative.rounds import DraftCall, RoundReport
 
@@ -50,7 +54,7 @@ class EstimateConfig:
     decay: float = 0.95  # per-round weight of older acceptance counts
     prior_acceptance: float = 0.8  # for depths not observed yet (optimistic: explore them)
     prior_weight: float = 3.0  # in rounds: one unlucky round must not rule a depth out
-    branch_cost: float = 0.4  # each extra branch adds this share of a draft step
+    branch_cost: float = 0.4  # each extra branch adds this share of a draft step, unmeasured
     # At a new request, acceptance counts are cut to this many rounds' worth (0: kept): what
     # a draft accepts depends on the text, so earlier requests' counts are a prior that the
     # request's own rounds soon outweigh (a request's first probe among them)
@@ -145,6 +149,8 @@ class Estimates:
         self._alone = self._median(c.alone_max_age, keep_last=True)
         self._alone_compute = self._median(c.alone_max_age, keep_last=True)
         self._depth = DecayedRate(c.max_gamma + 1)  # index: depth (1-based)
+        # a draft step of b branches against the chains' level at the time (b >= 2)
+        self._branch_ratio: dict[int, WindowedMedian] = {}
         self._first = DecayedRate(c.max_branches + 1)  # depth 1, by branch count
         # the rule branches where the drafter is unsure, so its rounds' first-depth acceptance
         # differs from fixed-k rounds'; every single-branch draft also says which k the rule
@@ -181,8 +187,14 @@ class Estimates:
 
     def _observe_draft(self, call: DraftCall) -> None:
         if call.steps > 0 and call.compute_s > 0:
-            per_branch = call.compute_s / call.steps / self._branch_factor(call.branches)
-            self._draft_level[call.overlapped].add(per_branch)
+            step, level = call.compute_s / call.steps, self._draft_level[call.overlapped]
+            branches = min(call.branches, self.config.max_branches)
+            if branches > 1:
+                if level.value:
+                    ratio = self._branch_ratio.setdefault(branches, self._median(keep_last=True))
+                    ratio.add(step / level.value)
+                step /= self.branch_factor()[branches]
+            level.add(step)
         self._draft_latency[call.overlapped].add(max(0.0, call.latency_s))
 
     def _observe_acceptance(self, report: RoundReport) -> None:
@@ -230,8 +242,19 @@ class Estimates:
 
     # ------------------------------------------------------------ costs
 
-    def _branch_factor(self, branches: int) -> float:
-        return 1 + self.config.branch_cost * (branches - 1)
+    def branch_factor(self) -> np.ndarray:
+        """[branches]: a draft step of that many branches in chain steps (index 0 unused)."""
+        config = self.config
+        factors = linear_branch_factor(config.branch_cost, config.max_branches)
+        measured = {b: m.value for b, m in self._branch_ratio.items() if m.value is not None}
+        for branches in range(2, config.max_branches + 1):
+            if branches in measured:
+                factors[branches] = max(1.0, measured[branches])
+            elif measured:  # the nearest measured count's cost per extra branch
+                near = min(measured, key=lambda b: (abs(b - branches), b))
+                per_branch = max(0.0, measured[near] - 1) / (near - 1)
+                factors[branches] = 1 + per_branch * (branches - 1)
+        return factors
 
     def draft_step_s(self, overlapped: bool = False) -> float | None:
         """Seconds per draft step of one branch; a condition never measured borrows the other's."""
@@ -397,8 +420,8 @@ class Estimates:
         shares = tuple(RuleShare(k, share, self.reach(k, self.rule_acceptance(k), deeper))
                        for k, share in self.rule_shares()) if rule else ()  # fmt: skip
         latency = {o: self.draft_latency_s(o) for o in (False, True)}
-        return CostModel(step, latency, verify, reach, overhead, self.config.branch_cost,
-                         alone, shares, self.branched_verify(verify[False]))  # fmt: skip
+        return CostModel(step, latency, verify, reach, overhead, self.branch_factor(), alone,
+                         shares, self.branched_verify(verify[False]))  # fmt: skip
 
     def summary(self) -> dict:
         """What is believed now, in milliseconds, for the request statistics."""
@@ -422,6 +445,7 @@ class Estimates:
                                          for w, m in sorted(self._verify[o].items()) if len(m)}
                                   for kind, o in (("alone", False), ("overlapped", True))},
             "branched_verify": round(self.branched_verify(), 3),
+            "branch_factor": [round(f, 2) for f in self.branch_factor()[2:].tolist()],
             "overhead_ms": ms(self._overhead.value),
             "target_alone_round_ms": ms(self._alone.value),
             "acceptance_by_depth": [round(self.acceptance(d), 3) for d in range(1, 9)],

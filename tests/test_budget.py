@@ -15,12 +15,16 @@ from hetspec.speculative.cost_model import (
     ProfiledVerify,
     RuleShare,
     VerifyLine,
+    linear_branch_factor,
 )
 from hetspec.speculative.estimates import Estimates, WindowedMedian
 from hetspec.speculative.rounds import DraftCall, Plan, RoundReport
 
 MAX_GAMMA, MAX_BRANCHES = 16, 4  # the controller's defaults
-BRANCH_COST = 0.5  # each extra branch adds this share of a draft step (the controller assumes 0.4)
+# each extra branch adds this share of a draft step: far from the controller's prior (0.4),
+# which it must measure (the native drafter's two-branch step cost 2.9 chain steps on a Zen 4
+# box: its chains are one C call, its branches a forward each)
+BRANCH_COST = 1.5
 
 
 class SimulatedBox:
@@ -37,7 +41,8 @@ class SimulatedBox:
                  uncertain: float = 0.0, uncertain_acceptance: float = 0.3,
                  rule_branches: int = 3, call_latency_s: float = 0.0,
                  alone_speedup: float = 1.0, verify_ms: dict[int, float] | None = None,
-                 branched_premium: float = 1.0) -> None:  # fmt: skip
+                 branched_premium: float = 1.0,
+                 branch_cost: float = BRANCH_COST) -> None:  # fmt: skip
         self.draft_step_s = draft_step_s
         self.verify_base_s, self.verify_per_node_s = verify_base_s, verify_per_node_s
         # where given, the verification's cost by width instead of base + per node x width
@@ -56,10 +61,11 @@ class SimulatedBox:
         # a verification of several branches against a chain of its width (a GPU verifier
         # that gathers each path's keys)
         self.branched_premium = branched_premium
+        self.branch_cost = branch_cost  # each extra branch adds this share of a draft step
         self.last_gamma = 0  # the previous round's (a request starts after the prefill)
 
     def step_s(self, branches: int) -> float:
-        return self.draft_step_s * (1 + BRANCH_COST * (branches - 1))
+        return self.draft_step_s * (1 + self.branch_cost * (branches - 1))
 
     def verify_s(self, width: int) -> float:
         if self.verify_curve is not None:
@@ -93,7 +99,8 @@ class SimulatedBox:
             step_s={False: self.draft_step_s, True: self.draft_step_s * slow},
             latency_s={False: self.call_latency_s, True: self.call_latency_s},
             verify={False: self.verify_cost(), True: self.verify_cost(slow)},
-            reach=reach, overhead_s=0.0, branch_cost=BRANCH_COST, alone_s=self.alone_s(),
+            reach=reach, overhead_s=0.0, alone_s=self.alone_s(),
+            branch_factor=linear_branch_factor(self.branch_cost, MAX_BRANCHES),
             rule=(RuleShare(k, 1.0, reach[k]),), branched_verify=self.branched_premium,
         )  # fmt: skip
 
@@ -631,13 +638,15 @@ def test_the_warm_up_overlaps_only_where_the_verifier_keeps_its_speed_beside_the
 
 def test_it_drafts_by_the_uncertainty_rule_where_that_pays() -> None:
     """A drafter that is sometimes sure (its top token accepted 90% of the time) and
-    sometimes lost (5%): DuoDecoding's rule, one long sequence when sure and three short ones
-    when lost, beats every fixed shape; the controller learns its value from the k the rule
-    would pick for the single-branch drafts, then uses it."""
+    sometimes lost (5%), and drafts branches nearly as cheaply as chains: DuoDecoding's rule,
+    one long sequence when sure and three short ones when lost, beats every fixed shape; the
+    controller learns its value from the k the rule would pick for the single-branch drafts,
+    then uses it."""
     shares, ruled = [], []
     for seed in SEEDS:
         box = SimulatedBox(0.001, 0.006, 0.0001, 0.9, np.random.default_rng(seed),
-                           uncertain=0.3, uncertain_acceptance=0.05)  # fmt: skip
+                           uncertain=0.3, uncertain_acceptance=0.05,
+                           branch_cost=0.5)  # fmt: skip
         controller = controller_of(overlap=False)
         for _ in range(150):
             box.run_round(controller)
@@ -646,7 +655,9 @@ def test_it_drafts_by_the_uncertainty_rule_where_that_pays() -> None:
         ruled.append(np.mean([d.rule for d in late]))
     assert box.best_rate(False) > 1.02 * box.best_rate(False, rule=False)
     assert np.mean(shares) >= 0.93, shares
-    assert np.mean(ruled) >= 0.25, ruled
+    # 0.19 (0.30 while a branch was priced at the prior's 1.4 steps instead of 1.5: the same
+    # shares, the rule's edge over a chain is narrow on this box)
+    assert np.mean(ruled) >= 0.15, ruled
 
 
 def test_branches_that_verify_dearer_than_a_chain_are_priced_so() -> None:
@@ -658,7 +669,7 @@ def test_branches_that_verify_dearer_than_a_chain_are_priced_so() -> None:
     for seed in SEEDS:
         box = SimulatedBox(0.001, 0.006, 0.0001, 0.9, np.random.default_rng(seed),
                            uncertain=0.3, uncertain_acceptance=0.05,
-                           branched_premium=1.6)  # fmt: skip
+                           branched_premium=1.6, branch_cost=0.5)  # fmt: skip
         controller = controller_of(overlap=False)
         for _ in range(150):
             box.run_round(controller)
@@ -669,7 +680,30 @@ def test_branches_that_verify_dearer_than_a_chain_are_priced_so() -> None:
     assert box.best_rate(False) == pytest.approx(box.best_rate(False, rule=False))
     assert np.mean(shares) >= 0.96, shares  # 0.98 here; 0.91 priced by width alone
     assert np.mean(ruled) <= 0.1, ruled
-    assert all(p == 1.0 or 1.4 <= p <= 1.8 for p in premiums), premiums
+    assert all(p == 1.0 or 1.3 <= p <= 2.1 for p in premiums), premiums
+    assert 1.45 <= np.median(premiums) <= 1.75, premiums
+
+
+def test_it_measures_what_a_branch_costs_the_drafter() -> None:
+    """A drafter whose two-branch step costs 2.9 chain steps (the native drafter's on a
+    Zen 4 box: it drafts a chain in one C call, branches a forward each), far from the 1.4
+    the controller assumes before measuring: priced by that prior, it drafted branches in half
+    its late rounds (0.92x the best shape, a chain); measured, it settles on chains."""
+    shares, branched, factors = [], [], []
+    for seed in SEEDS:
+        box = SimulatedBox(0.001, 0.006, 0.0002, 0.5, np.random.default_rng(seed),
+                           branch_cost=1.9)  # fmt: skip
+        controller = controller_of(overlap=False)
+        for _ in range(150):
+            box.run_round(controller)
+        late = controller.history[-50:]
+        shares.append(np.mean([box.decision_rate(d) for d in late]) / box.best_rate(False))
+        branched.append(np.mean([d.branches > 1 for d in late]))
+        factors.append(controller.estimates.branch_factor()[2])
+    assert box.best_rate(False) == pytest.approx(box.best_rate(False, rule=False))
+    assert np.mean(shares) >= 0.96, shares  # 0.98
+    assert np.mean(branched) <= 0.15, branched
+    assert 2.5 <= np.median(factors) <= 3.3, factors
 
 
 def test_a_target_alone_choice_is_kept_a_few_rounds_and_history_stays_bounded() -> None:
