@@ -654,7 +654,10 @@ def test_it_drafts_by_the_uncertainty_rule_where_that_pays() -> None:
         shares.append(np.mean([box.decision_rate(d) for d in late]) / box.best_rate(False))
         ruled.append(np.mean([d.rule for d in late]))
     assert box.best_rate(False) > 1.02 * box.best_rate(False, rule=False)
-    assert np.mean(shares) >= 0.93, shares
+    # 0.915; 0.944 while branched rounds' later tokens were counted with the chains': this
+    # box accepts them alike, where real text accepts them less (heavy-100m: 0.66-0.71 a
+    # depth against 0.81-0.82), so counting them apart costs a little here
+    assert np.mean(shares) >= 0.9, shares
     # 0.19 (0.30 while a branch was priced at the prior's 1.4 steps instead of 1.5: the same
     # shares, the rule's edge over a chain is narrow on this box)
     assert np.mean(ruled) >= 0.15, ruled
