@@ -197,7 +197,7 @@ class Estimates:
                 if level.value:
                     ratio = self._branch_ratio.setdefault(branches, self._median(keep_last=True))
                     ratio.add(step / level.value)
-                step /= self.branch_factor()[branches]
+                step /= float(self.branch_factor()[branches])  # a float: the summary is JSON
             level.add(step)
         self._draft_latency[call.overlapped].add(max(0.0, call.latency_s))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -756,6 +757,21 @@ def test_the_spare_cores_are_used_while_they_pay_and_left_when_another_process_t
     assert np.mean(calls(48)[-32:]) <= 0.1
     costs[True] = 0.0005  # it left
     assert np.mean(calls(64)[-32:]) >= 0.9
+
+
+def test_the_summary_stays_plain_json_once_branches_were_drafted() -> None:
+    """A branched call's step, scaled by the measured branch factor (a numpy array's
+    element), once entered the draft level as a numpy float, and every request's statistics
+    then failed to encode (HTTP 500 mid-stream)."""
+    estimates = Estimates()
+    for branches in (1, 2, 1, 2):
+        estimates.observe(RoundReport(4, branches, 2, drafts=(
+            DraftCall(4, branches, 0.0004 * branches, 0.0001),), verify_width=4 * branches + 1,
+            verify_s=0.005))  # fmt: skip
+    summary = estimates.summary()
+    assert summary["branch_factor"][0] == pytest.approx(2.0)
+    assert type(summary["draft_step_ms"]["alone"]) is float
+    assert msgspec.json.decode(msgspec.json.encode(summary))["branch_factor"]
 
 
 def test_a_trial_of_the_other_core_choice_is_flagged_and_the_preferred_cost_known():
