@@ -161,6 +161,7 @@ class Kernels:
         library.hs_dequantize_rows.restype = ctypes.c_int
         library.hs_forward.restype = ctypes.c_int
         library.hs_draft_chain.restype = ctypes.c_int
+        library.hs_draft_branches.restype = ctypes.c_int
         library.hs_pack_q8_0.restype = ctypes.c_int
         library.hs_argmax.restype = ctypes.c_int
         return cls(library)
@@ -242,6 +243,34 @@ class Kernels:
         if status:
             raise ValueError("hs_forward refused its arguments (a token, position, slot or "
                              "shape out of range)")  # fmt: skip
+
+    def draft_branches(self, model: Model, tokens: np.ndarray, *, position: int, start: int,
+                       prefix: int, base: np.ndarray, logits: np.ndarray,
+                       probs: np.ndarray | None, threads: int) -> None:  # fmt: skip
+        """``hs_draft_branches``: ``tokens`` (steps + 1, branches) int32, row 0 the first
+        tokens, each next row the argmax of the last one's rows; ``logits`` (steps x branches,
+        vocab); ``probs`` (branches, steps + 1, vocab), C-contiguous: rows [:, 1:] get the
+        softmax of each row (rows [:, 0] untouched)."""
+        count, branches = tokens.shape[0] - 1, tokens.shape[1]
+        rows, stride = None, 0
+        if probs is not None:
+            if (
+                probs.dtype != np.float32
+                or not probs.flags.c_contiguous
+                or probs.shape != (branches, count + 1, logits.shape[1])
+            ):
+                raise ValueError(f"probs must be C-contiguous float32 "
+                                 f"{(branches, count + 1, logits.shape[1])}")  # fmt: skip
+            rows = ctypes.c_void_p(probs.ctypes.data + probs.strides[1])  # row [0, 1]
+            stride = probs.shape[1] * probs.shape[2]
+        status = self.library.hs_draft_branches(
+            ctypes.byref(model), branches, count, _pointer(tokens, np.int32), position, start,
+            prefix, _pointer(base, np.int32), len(base), _pointer(logits, np.float32), rows,
+            ctypes.c_longlong(stride), threads,
+        )  # fmt: skip
+        if status:
+            raise ValueError("hs_draft_branches refused its arguments (a token, position, slot "
+                             "or shape out of range)")  # fmt: skip
 
     def draft_chain(self, model: Model, tokens: np.ndarray, *, position: int, start: int,
                     prefix: int, base: np.ndarray, logits: np.ndarray, temperature: float = 1.0,

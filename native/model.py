@@ -363,6 +363,26 @@ class NativeModel:
         )  # fmt: skip
         return tokens, logits, probs
 
+    def draft_branches(
+        self, firsts: np.ndarray, count: int, *, position: int, start: int, prefix: int,
+        base: np.ndarray, threads: int, probs: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        """Greedy chains of ``count`` forwards below the same node, one per first token of
+        ``firsts``, side by side (see ``hs_draft_branches``): their tokens (count + 1,
+        branches), the first ones in row 0, and their (count x branches, vocab) logits, step
+        by step; each row's softmax into ``probs`` [:, 1:] ((branches, count + 1, vocab))
+        where given."""
+        branches = len(firsts)
+        tokens = np.zeros((count + 1, branches), np.int32)
+        tokens[0] = firsts
+        logits = np.empty((count * branches, self.vocab), np.float32)
+        self.kernels.draft_branches(
+            self.struct, tokens, position=position, start=start, prefix=prefix,
+            base=np.ascontiguousarray(base, np.int32), logits=logits, probs=probs,
+            threads=threads,
+        )  # fmt: skip
+        return tokens, logits
+
     def move_slots(self, sources: np.ndarray, first: int) -> None:
         """Copy the keys/values of slots ``sources`` to slots first, first + 1, ..."""
         targets = first + np.arange(len(sources))

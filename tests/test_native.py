@@ -637,3 +637,46 @@ def test_bench_draft_times_a_round_s_draft_call_against_a_forward_alone(capsys) 
     figures = [float(x) for x in re.findall(r"\d+\.\d", line.split("gamma 3:")[1])]
     assert len(figures) == 3
     assert all(figure > 0 for figure in figures)
+
+
+class BranchesStepwiseRuntime(NativeRuntime):
+    """The same runtime drafting branches one forward of all their rows at a time."""
+
+    _run_branches = None
+
+
+@pytest.mark.parametrize("branches", [2, 4])
+def test_greedy_branches_drafted_in_one_call_are_the_ones_drafted_step_by_step(
+    heavy, branches: int
+) -> None:  # fmt: skip
+    """The same tokens, nodes, pending tree and logits, and probability rows within float
+    rounding: afresh, continued below a pending node (``after``) and after committing a
+    branch's path; only the calls into the kernels differ (one a draft instead of one a step)."""
+    path, params = heavy.gguf("q8_0"), SamplingParams()
+    together, stepwise = NativeRuntime(path, n_ctx=256), BranchesStepwiseRuntime(path, n_ctx=256)
+    prompt = together.tokenize(TEXT)[:40]
+    drafts = []
+    for runtime in (together, stepwise):
+        runtime.prefill(prompt)
+        first = runtime.draft(6, params, DrawnSampler(0), branches=branches)
+        state = [a.copy() for a in pending_state(runtime)]
+        after = (int(first.nodes[1, 2]), int(first.tokens[1, 3]))
+        below = runtime.draft(4, params, DrawnSampler(0), branches=branches, after=after)
+        below_state = [a.copy() for a in pending_state(runtime)]
+        runtime.commit([int(node) for node in first.nodes[1, :3]])
+        logits = runtime.last_logits().copy()
+        third = runtime.draft(5, params, DrawnSampler(0), branches=branches)
+        drafts.append((first, state, below, below_state, logits, third, pending_state(runtime)))
+    for ours, theirs in zip(*drafts, strict=True):
+        if isinstance(ours, list):
+            for a, b in zip(ours, theirs, strict=True):
+                np.testing.assert_array_equal(a, b)
+        elif isinstance(ours, np.ndarray):
+            np.testing.assert_array_equal(ours, theirs)
+        else:
+            np.testing.assert_array_equal(ours.tokens, theirs.tokens)
+            np.testing.assert_array_equal(ours.nodes, theirs.nodes)
+            assert ours.root == theirs.root
+            np.testing.assert_allclose(ours.probs, theirs.probs, rtol=1e-5, atol=1e-9)
+    tokens = drafts[0][0].tokens
+    assert len(set(tokens[:, 1].tolist())) > 1  # the branches went their own ways

@@ -116,6 +116,14 @@ class NativeRuntime(TreeRuntime[np.ndarray]):
             uniforms=None if draws is None else draws.uniforms, probs=probs_out,
         )  # fmt: skip
 
+    def _run_branches(self, firsts: np.ndarray, count: int, position: int,
+                      base: np.ndarray, probs: np.ndarray | None):  # fmt: skip
+        return self.model.draft_branches(
+            firsts, count, position=position, start=self.committed + self.pending,
+            prefix=self.committed, base=self.committed + base,
+            threads=self.threads + self._extra_threads, probs=probs,
+        )  # fmt: skip
+
     def _run(
         self, tokens: np.ndarray, parents: np.ndarray, positions: np.ndarray, rows: np.ndarray
     ) -> np.ndarray:

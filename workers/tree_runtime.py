@@ -142,6 +142,12 @@ class TreeRuntime(ABC, Generic[Output]):
     # came from, or a greedy chain's softmax rows, or None); each choice the argmax, or with
     # ``ChainDraws`` one from softmax(logits / temperature) as they say
     _run_chain = None
+    # Optional hook, a method where a runtime drafts greedy branches side by side in one call:
+    # (first tokens (branches,), forwards, the first tokens' position, their pending
+    # ancestors' slots past the committed ones, probs: (branches, forwards + 1, vocab) whose
+    # rows [:, 1:] receive the softmax rows, or None) -> (tokens (forwards + 1, branches), the
+    # first ones in row 0, each next one the argmax; the nodes' ``_run`` output, step by step)
+    _run_branches = None
 
     @contextlib.contextmanager
     def features_captured(self) -> Iterator[list[np.ndarray]]:
@@ -304,6 +310,33 @@ class TreeRuntime(ABC, Generic[Output]):
         draft.tokens[0] = chained
         draft.nodes[0, :-1] = start + np.arange(steps - 1)
         _chain_rows(rows, probs, logits, params)
+        return True
+
+    def _draft_branched(self, draft: DraftResult, params: SamplingParams) -> bool:
+        """A greedy draft of several branches: its steps after the first tokens (in place:
+        ``draft`` holds them) in one ``_run_branches`` call, the nodes laid out as ``draft``'s
+        loop lays them (step by step, branch by branch). False (nothing done) where the runtime
+        has no such call, the draft samples or features are captured."""
+        branches, steps = draft.tokens.shape
+        if self._run_branches is None or not params.greedy or self.features_sink is not None:
+            return False
+        count, existing = steps - 1, self.pending
+        self._checked_tokens(draft.tokens[:, 0], count * branches)
+        firsts = np.full(branches, draft.root, np.int64)
+        parents = validate_parents(
+            np.concatenate([firsts, existing + np.arange((count - 1) * branches)]), existing
+        )
+        node_depths = depths(parents, self._pending_depths)
+        rows = ancestor_mask(parents, self._pending_mask)
+        base = np.flatnonzero(rows[0, :existing])  # the root's pending ancestors, itself too
+        tokens, output = self._run_branches(draft.tokens[:, 0], count,
+                                            self.committed + int(node_depths[0]), base,
+                                            draft.probs)  # fmt: skip
+        self.forwards += count
+        tokens = np.asarray(tokens, np.int64)
+        self._record_pending(tokens[:count].reshape(-1), parents, node_depths, rows, output)
+        draft.tokens[:, 1:] = tokens[1:].T
+        draft.nodes[:, :-1] = existing + np.arange(count) * branches + np.arange(branches)[:, None]
         return True
 
     def chains_in_one_call(self, params: SamplingParams, branches: int = 1,
@@ -613,7 +646,8 @@ class TreeRuntime(ABC, Generic[Output]):
         out[1:, 0] = out[0, 0]
         tokens[:, 0] = proposals(out[0, 0], params, sampler, position, branches)
         result = DraftResult(tokens, out, nodes, root)
-        if steps > 1 and self._draft_chained(result, position, params, sampler):
+        if steps > 1 and (self._draft_chained(result, position, params, sampler)
+                          or self._draft_branched(result, params)):  # fmt: skip
             return result
         for step in range(1, steps):
             parents = nodes[:, step - 2] if step > 1 else np.full(branches, root)

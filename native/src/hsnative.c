@@ -1957,3 +1957,41 @@ int hs_draft_chain(const hs_model *m, int count, int32_t *tokens, int position, 
     free(visible);
     return status;
 }
+
+int hs_draft_branches(const hs_model *m, int branches, int count, int32_t *tokens, int position,
+                      int start, int n_prefix, const int32_t *base, int n_base, float *logits,
+                      float *probs, long long branch_stride, int threads) {
+    if (branches < 1 || count < 1 || n_base < 0 || start + count * branches > m->capacity) return -1;
+    if (probs && branch_stride < (long long)count * m->vocab) return -1;
+    const size_t longest = (size_t)n_base + (size_t)count; /* a row's visible slots at the end */
+    int32_t *visible = malloc(sizeof(int32_t) * longest * (size_t)branches);
+    int32_t *offsets = malloc(sizeof(int32_t) * (size_t)(branches + 1));
+    int32_t *positions = malloc(sizeof(int32_t) * (size_t)branches);
+    int status = visible && offsets && positions ? 0 : -1;
+    const int simd = simd_for(m->simd);
+    for (int i = 0; i < count && !status; i++) {
+        const int seen = n_base + i + 1; /* base, then the branch's nodes up to this one */
+        offsets[0] = 0;
+        for (int j = 0; j < branches; j++) {
+            int32_t *row = visible + (size_t)j * (size_t)seen;
+            memcpy(row, base, sizeof(int32_t) * (size_t)n_base);
+            for (int k = 0; k <= i; k++) row[n_base + k] = start + k * branches + j;
+            offsets[j + 1] = offsets[j] + seen;
+            positions[j] = position + i;
+        }
+        float *rows = logits + (size_t)i * (size_t)branches * m->vocab;
+        status = hs_forward(m, branches, tokens + (size_t)i * branches, positions,
+                            start + i * branches, n_prefix, offsets, visible, 0, rows, threads);
+        for (int j = 0; j < branches && !status; j++) {
+            const float *row = rows + (size_t)j * m->vocab;
+            if (probs)
+                softmax_row(row, m->vocab, 1.0f, probs + j * branch_stride + (size_t)i * m->vocab,
+                            simd);
+            tokens[(size_t)(i + 1) * branches + j] = argmax_row(row, m->vocab, simd);
+        }
+    }
+    free(visible);
+    free(offsets);
+    free(positions);
+    return status;
+}
