@@ -221,17 +221,22 @@ SEEDS = range(12)  # the box's noise differs per seed: the mean over seeds must 
 # shapes' estimates are noisy)
 
 
-def settled_shares(make_box, parallel: bool, rounds: int = 150) -> list[float]:
-    """Per seed: the rate of the controller's last 50 choices over the box's best fixed shape."""
-    shares = []
+def settled_runs(make_box, parallel: bool, rounds: int = 150):
+    """Per seed: the box, its controller after ``rounds`` rounds, and the controller's last
+    50 choices with their rate over the box's best fixed shape."""
     for seed in SEEDS:
         box = make_box(np.random.default_rng(seed))
         controller = controller_of(overlap=parallel)
         for _ in range(rounds):
             box.run_round(controller)
         late = controller.history[-50:]
-        shares.append(np.mean([box.decision_rate(d) for d in late]) / box.best_rate(parallel))
-    return shares
+        share = np.mean([box.decision_rate(d) for d in late]) / box.best_rate(parallel)
+        yield box, controller, late, share
+
+
+def settled_shares(make_box, parallel: bool, rounds: int = 150) -> list[float]:
+    """Per seed: the rate of the controller's last 50 choices over the box's best fixed shape."""
+    return [share for *_, share in settled_runs(make_box, parallel, rounds)]
 
 
 @pytest.mark.parametrize("contention", [1.0, 1.7])
@@ -644,15 +649,15 @@ def test_it_drafts_by_the_uncertainty_rule_where_that_pays() -> None:
     controller learns its value from the k the rule would pick for the single-branch drafts,
     then uses it."""
     shares, ruled = [], []
-    for seed in SEEDS:
-        box = SimulatedBox(0.001, 0.006, 0.0001, 0.9, np.random.default_rng(seed),
-                           uncertain=0.3, uncertain_acceptance=0.05,
-                           branch_cost=0.5)  # fmt: skip
-        controller = controller_of(overlap=False)
-        for _ in range(150):
-            box.run_round(controller)
-        late = controller.history[-50:]
-        shares.append(np.mean([box.decision_rate(d) for d in late]) / box.best_rate(False))
+
+    def make_box(rng):
+        return SimulatedBox(0.001, 0.006, 0.0001, 0.9, rng, uncertain=0.3,
+                            uncertain_acceptance=0.05, branch_cost=0.5)  # fmt: skip
+
+    runs = list(settled_runs(make_box, parallel=False))
+    box = runs[-1][0]  # the premise below: the same box whatever the seed
+    for _, _, late, share in runs:
+        shares.append(share)
         ruled.append(np.mean([d.rule for d in late]))
     assert box.best_rate(False) > 1.02 * box.best_rate(False, rule=False)
     # 0.915; 0.944 while branched rounds' later tokens were counted with the chains': this
@@ -670,15 +675,16 @@ def test_branches_that_verify_dearer_than_a_chain_are_priced_so() -> None:
     learns the premium from the branched rounds it tries and settles near the best shape,
     which is now a chain."""
     shares, ruled, premiums = [], [], []
-    for seed in SEEDS:
-        box = SimulatedBox(0.001, 0.006, 0.0001, 0.9, np.random.default_rng(seed),
-                           uncertain=0.3, uncertain_acceptance=0.05,
-                           branched_premium=1.6, branch_cost=0.5)  # fmt: skip
-        controller = controller_of(overlap=False)
-        for _ in range(150):
-            box.run_round(controller)
-        late = controller.history[-50:]
-        shares.append(np.mean([box.decision_rate(d) for d in late]) / box.best_rate(False))
+
+    def make_box(rng):
+        return SimulatedBox(0.001, 0.006, 0.0001, 0.9, rng, uncertain=0.3,
+                            uncertain_acceptance=0.05, branch_cost=0.5,
+                            branched_premium=1.6)  # fmt: skip
+
+    runs = list(settled_runs(make_box, parallel=False))
+    box = runs[-1][0]  # the premise below: the same box whatever the seed
+    for _, controller, late, share in runs:
+        shares.append(share)
         ruled.append(np.mean([d.rule or d.branches > 1 for d in late]))
         premiums.append(controller.estimates.branched_verify())
     assert box.best_rate(False) == pytest.approx(box.best_rate(False, rule=False))
@@ -694,14 +700,14 @@ def test_it_measures_what_a_branch_costs_the_drafter() -> None:
     the controller assumes before measuring: priced by that prior, it drafted branches in half
     its late rounds (0.92x the best shape, a chain); measured, it settles on chains."""
     shares, branched, factors = [], [], []
-    for seed in SEEDS:
-        box = SimulatedBox(0.001, 0.006, 0.0002, 0.5, np.random.default_rng(seed),
-                           branch_cost=1.9)  # fmt: skip
-        controller = controller_of(overlap=False)
-        for _ in range(150):
-            box.run_round(controller)
-        late = controller.history[-50:]
-        shares.append(np.mean([box.decision_rate(d) for d in late]) / box.best_rate(False))
+
+    def make_box(rng):
+        return SimulatedBox(0.001, 0.006, 0.0002, 0.5, rng, branch_cost=1.9)
+
+    runs = list(settled_runs(make_box, parallel=False))
+    box = runs[-1][0]  # the premise below: the same box whatever the seed
+    for _, controller, late, share in runs:
+        shares.append(share)
         branched.append(np.mean([d.branches > 1 for d in late]))
         factors.append(controller.estimates.branch_factor()[2])
     assert box.best_rate(False) == pytest.approx(box.best_rate(False, rule=False))

@@ -441,16 +441,42 @@ def pending_state(runtime: NativeRuntime) -> list[np.ndarray]:
             runtime._pending_mask]  # fmt: skip
 
 
+def both_runtimes_through(heavy, stepwise_kind: type, scenario) -> list[tuple]:
+    """What ``scenario(runtime)`` records on heavy-100m's runtime and on ``stepwise_kind``'s,
+    each prefilled with the same prompt."""
+    path = heavy.gguf("q8_0")
+    runtimes = NativeRuntime(path, n_ctx=256), stepwise_kind(path, n_ctx=256)
+    prompt = runtimes[0].tokenize(TEXT)[:40]
+    records = []
+    for runtime in runtimes:
+        runtime.prefill(prompt)
+        records.append(scenario(runtime))
+    return records
+
+
+def assert_same_drafts(ours: tuple, theirs: tuple, *, probs_rtol: float) -> None:
+    """Two runtimes' records of the same calls: pending states (lists of arrays), logits and
+    drafts equal, the drafts' probability rows within ``probs_rtol``."""
+    for mine, other in zip(ours, theirs, strict=True):
+        if isinstance(mine, list):
+            for a, b in zip(mine, other, strict=True):
+                np.testing.assert_array_equal(a, b)
+        elif isinstance(mine, np.ndarray):
+            np.testing.assert_array_equal(mine, other)
+        else:
+            np.testing.assert_array_equal(mine.tokens, other.tokens)
+            np.testing.assert_array_equal(mine.nodes, other.nodes)
+            assert mine.root == other.root
+            np.testing.assert_allclose(mine.probs, other.probs, rtol=probs_rtol, atol=1e-9)
+
+
 def test_a_greedy_chain_drafted_in_one_call_is_the_one_drafted_node_by_node(heavy) -> None:
     """The same tokens, probability rows, logits and pending tree: afresh, continued below a
     pending draft (``after``, as a drafter running ahead of verification does) and after a
     commit; only the calls into the kernels differ (one a chain instead of one a token)."""
-    path, params = heavy.gguf("q8_0"), SamplingParams()
-    chained, stepwise = NativeRuntime(path, n_ctx=256), StepwiseRuntime(path, n_ctx=256)
-    prompt = chained.tokenize(TEXT)[:40]
-    drafts = []
-    for runtime in (chained, stepwise):
-        runtime.prefill(prompt)
+    params = SamplingParams()
+
+    def scenario(runtime: NativeRuntime) -> tuple:
         first = runtime.draft(9, params, DrawnSampler(0))
         state = [a.copy() for a in pending_state(runtime)]
         ahead = runtime.draft(5, params, DrawnSampler(0), after=(7, int(first.tokens[0, 8])))
@@ -458,18 +484,10 @@ def test_a_greedy_chain_drafted_in_one_call_is_the_one_drafted_node_by_node(heav
         runtime.commit([0, 1, 2])  # the logits after node 2 come from the chain's output
         logits = runtime.last_logits().copy()
         third = runtime.draft(4, params, DrawnSampler(0))
-        drafts.append((first, state, ahead, ahead_state, logits, third, pending_state(runtime)))
-    for ours, theirs in zip(*drafts, strict=True):
-        if isinstance(ours, list):
-            for a, b in zip(ours, theirs, strict=True):
-                np.testing.assert_array_equal(a, b)
-        elif isinstance(ours, np.ndarray):
-            np.testing.assert_array_equal(ours, theirs)
-        else:
-            np.testing.assert_array_equal(ours.tokens, theirs.tokens)
-            np.testing.assert_array_equal(ours.nodes, theirs.nodes)
-            assert ours.root == theirs.root
-            np.testing.assert_allclose(ours.probs, theirs.probs, rtol=1e-6, atol=1e-9)
+        return first, state, ahead, ahead_state, logits, third, pending_state(runtime)
+
+    drafts = both_runtimes_through(heavy, StepwiseRuntime, scenario)
+    assert_same_drafts(*drafts, probs_rtol=1e-6)
     assert len(set(drafts[0][0].tokens[0].tolist())) > 1  # a real chain, not one token
 
 
@@ -652,12 +670,9 @@ def test_greedy_branches_drafted_in_one_call_are_the_ones_drafted_step_by_step(
     """The same tokens, nodes, pending tree and logits, and probability rows within float
     rounding: afresh, continued below a pending node (``after``) and after committing a
     branch's path; only the calls into the kernels differ (one a draft instead of one a step)."""
-    path, params = heavy.gguf("q8_0"), SamplingParams()
-    together, stepwise = NativeRuntime(path, n_ctx=256), BranchesStepwiseRuntime(path, n_ctx=256)
-    prompt = together.tokenize(TEXT)[:40]
-    drafts = []
-    for runtime in (together, stepwise):
-        runtime.prefill(prompt)
+    params = SamplingParams()
+
+    def scenario(runtime: NativeRuntime) -> tuple:
         first = runtime.draft(6, params, DrawnSampler(0), branches=branches)
         state = [a.copy() for a in pending_state(runtime)]
         after = (int(first.nodes[1, 2]), int(first.tokens[1, 3]))
@@ -666,17 +681,9 @@ def test_greedy_branches_drafted_in_one_call_are_the_ones_drafted_step_by_step(
         runtime.commit([int(node) for node in first.nodes[1, :3]])
         logits = runtime.last_logits().copy()
         third = runtime.draft(5, params, DrawnSampler(0), branches=branches)
-        drafts.append((first, state, below, below_state, logits, third, pending_state(runtime)))
-    for ours, theirs in zip(*drafts, strict=True):
-        if isinstance(ours, list):
-            for a, b in zip(ours, theirs, strict=True):
-                np.testing.assert_array_equal(a, b)
-        elif isinstance(ours, np.ndarray):
-            np.testing.assert_array_equal(ours, theirs)
-        else:
-            np.testing.assert_array_equal(ours.tokens, theirs.tokens)
-            np.testing.assert_array_equal(ours.nodes, theirs.nodes)
-            assert ours.root == theirs.root
-            np.testing.assert_allclose(ours.probs, theirs.probs, rtol=1e-5, atol=1e-9)
+        return first, state, below, below_state, logits, third, pending_state(runtime)
+
+    drafts = both_runtimes_through(heavy, BranchesStepwiseRuntime, scenario)
+    assert_same_drafts(*drafts, probs_rtol=1e-5)
     tokens = drafts[0][0].tokens
     assert len(set(tokens[:, 1].tolist())) > 1  # the branches went their own ways
