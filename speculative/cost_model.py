@@ -11,8 +11,8 @@ P(the first d drafted tokens are accepted, b branches drafted) it commits
 - a round drafted by DuoDecoding's rule with budget B: k sequences of B // k tokens, over the
   branch counts k the rule has been picking (B forwards when k = 1, B // k + 1 otherwise);
 - a round without a draft: the target decoding one token alone.
-A draft step of b branches costs ``branch_factor[b]`` steps of a chain (measured: a runtime
-that drafts chains in one call and branches step by step pays several times more).
+A draft step of b branches costs ``branch_factor[b]`` steps of a chain (measured: it depends
+on how the drafter's runtime drafts branches).
 Every drafted round also pays ``overhead`` (messages, bookkeeping). Costs are kept apart for
 one worker computing at a time and both at once (``overlapped``): on cores that share
 execution resources each runs slower then, and that decides whether overlapping pays.

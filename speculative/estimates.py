@@ -13,7 +13,7 @@
   exponentially decayed counts, so old behaviour fades within a few dozen rounds. Below a
   branched round's first token, acceptance is counted apart, with the chains' as its prior:
   a round branches where the text is hard for the draft, and there its later tokens are
-  accepted less (heavy-100m: 0.66-0.71 a depth against 0.81-0.82 in chains).
+  accepted less (docs/design-notes.md, "Draft step cost").
 - The target alone: its seconds per token, kept apart from the verify line (a verifier that
   did not wait for a draft answers faster), never forgotten but stale after
   ``alone_max_age`` rounds: the controller then measures it again.

@@ -322,9 +322,9 @@ class TreeRuntime(ABC, Generic[Output]):
             return False
         count, existing = steps - 1, self.pending
         self._checked_tokens(draft.tokens[:, 0], count * branches)
-        firsts = np.full(branches, draft.root, np.int64)
+        roots = np.full(branches, draft.root, np.int64)  # the first step's parents
         parents = validate_parents(
-            np.concatenate([firsts, existing + np.arange((count - 1) * branches)]), existing
+            np.concatenate([roots, existing + np.arange((count - 1) * branches)]), existing
         )
         node_depths = depths(parents, self._pending_depths)
         rows = ancestor_mask(parents, self._pending_mask)

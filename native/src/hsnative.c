@@ -1929,39 +1929,17 @@ static int inverse_cdf_row(const float *probs, double u, int n) {
     return n - 1;
 }
 
-int hs_draft_chain(const hs_model *m, int count, int32_t *tokens, int position, int start,
-                   int n_prefix, const int32_t *base, int n_base, float *logits,
-                   const float *noise, const double *uniforms, float inv_temperature,
-                   float *probs, int threads) {
-    if (count < 1 || n_base < 0 || start + count > m->capacity) return -1;
+/* hs_draft_chain's and hs_draft_branches' loop: `branches` chains side by side, row j of step
+ * i in slot start + i * branches + j, its probability row at probs + j * branch_stride +
+ * i * vocab, its noise row or uniform the (i * branches + j)-th. */
+static int draft_side_by_side(const hs_model *m, int branches, int count, int32_t *tokens,
+                              int position, int start, int n_prefix, const int32_t *base,
+                              int n_base, float *logits, const float *noise,
+                              const double *uniforms, float inv_temperature, float *probs,
+                              long long branch_stride, int threads) {
+    if (branches < 1 || count < 1 || n_base < 0 || start + count * branches > m->capacity) return -1;
     const int sampled = noise || uniforms;
     if ((noise && uniforms) || (sampled && !probs) || (probs && !(inv_temperature > 0.0f))) return -1;
-    int32_t *visible = malloc(sizeof(int32_t) * (size_t)(n_base + count));
-    if (!visible) return -1;
-    memcpy(visible, base, sizeof(int32_t) * (size_t)n_base);
-    int status = 0;
-    for (int i = 0; i < count && !status; i++) {
-        visible[n_base + i] = start + i; /* the ancestors so far, then the node itself */
-        const int32_t offsets[2] = {0, n_base + i + 1}, at = position + i;
-        const size_t row_at = (size_t)i * m->vocab;
-        float *row = logits + row_at;
-        status = hs_forward(m, 1, tokens + i, &at, start + i, n_prefix, offsets, visible, 0, row,
-                            threads);
-        if (status) break;
-        float *p = probs ? probs + row_at : NULL;
-        if (p) softmax_row(row, m->vocab, inv_temperature, p, simd_for(m->simd));
-        if (!sampled) tokens[i + 1] = argmax_row(row, m->vocab, simd_for(m->simd));
-        else tokens[i + 1] = noise ? race_row(p, noise + row_at, m->vocab)
-                                   : inverse_cdf_row(p, uniforms[i], m->vocab);
-    }
-    free(visible);
-    return status;
-}
-
-int hs_draft_branches(const hs_model *m, int branches, int count, int32_t *tokens, int position,
-                      int start, int n_prefix, const int32_t *base, int n_base, float *logits,
-                      float *probs, long long branch_stride, int threads) {
-    if (branches < 1 || count < 1 || n_base < 0 || start + count * branches > m->capacity) return -1;
     if (probs && branch_stride < (long long)count * m->vocab) return -1;
     const size_t longest = (size_t)n_base + (size_t)count; /* a row's visible slots at the end */
     int32_t *visible = malloc(sizeof(int32_t) * longest * (size_t)branches);
@@ -1983,15 +1961,33 @@ int hs_draft_branches(const hs_model *m, int branches, int count, int32_t *token
         status = hs_forward(m, branches, tokens + (size_t)i * branches, positions,
                             start + i * branches, n_prefix, offsets, visible, 0, rows, threads);
         for (int j = 0; j < branches && !status; j++) {
+            const size_t at = (size_t)i * branches + j; /* the row, in step order */
             const float *row = rows + (size_t)j * m->vocab;
-            if (probs)
-                softmax_row(row, m->vocab, 1.0f, probs + j * branch_stride + (size_t)i * m->vocab,
-                            simd);
-            tokens[(size_t)(i + 1) * branches + j] = argmax_row(row, m->vocab, simd);
+            float *p = probs ? probs + j * branch_stride + (size_t)i * m->vocab : NULL;
+            if (p) softmax_row(row, m->vocab, inv_temperature, p, simd);
+            tokens[at + branches] = !sampled ? argmax_row(row, m->vocab, simd)
+                                    : noise  ? race_row(p, noise + at * m->vocab, m->vocab)
+                                             : inverse_cdf_row(p, uniforms[at], m->vocab);
         }
     }
     free(visible);
     free(offsets);
     free(positions);
     return status;
+}
+
+int hs_draft_chain(const hs_model *m, int count, int32_t *tokens, int position, int start,
+                   int n_prefix, const int32_t *base, int n_base, float *logits,
+                   const float *noise, const double *uniforms, float inv_temperature,
+                   float *probs, int threads) {
+    return draft_side_by_side(m, 1, count, tokens, position, start, n_prefix, base, n_base,
+                              logits, noise, uniforms, inv_temperature, probs,
+                              (long long)count * m->vocab, threads);
+}
+
+int hs_draft_branches(const hs_model *m, int branches, int count, int32_t *tokens, int position,
+                      int start, int n_prefix, const int32_t *base, int n_base, float *logits,
+                      float *probs, long long branch_stride, int threads) {
+    return draft_side_by_side(m, branches, count, tokens, position, start, n_prefix, base,
+                              n_base, logits, NULL, NULL, 1.0f, probs, branch_stride, threads);
 }

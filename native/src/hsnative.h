@@ -126,6 +126,15 @@ int hs_forward(const hs_model *m, int n, const int32_t *tokens, const int32_t *p
                int start, int n_prefix, const int32_t *offsets, const int32_t *visible,
                int first_logit, float *logits, int threads);
 
+/* The index of the largest of row[0..n) (the lowest of equal ones: a greedy chain's choice),
+ * at kernel level `simd_cap` (as hs_matmul's); -1 for n < 1. */
+int hs_argmax(const float *row, int n, int simd_cap);
+
+/* Write `w`'s (Q8_0) whole groups of 8 rows into `out` (rows / 8 * blocks * HS_PACKED_BYTES
+ * bytes) in hs_matrix.packed's layout, values of kind `packing` (HS_PACKED_*). Returns 0, or
+ * -1 if `w` is not Q8_0 or the kind is not one. */
+int hs_pack_q8_0(const hs_matrix *w, int packing, void *out);
+
 /* A draft chain: `count` forwards of one token each, the first of tokens[0] at slot `start`
  * and `position`, each next token chosen from the last one's logits and evaluated one slot
  * and one position further, written to tokens[i + 1] (tokens holds count + 1). Node i sees
@@ -142,25 +151,16 @@ int hs_forward(const hs_model *m, int n, const int32_t *tokens, const int32_t *p
  * double) exceeds u times the row's total: a draw from p, which `probs` reports. Returns 0,
  * or -1 for bad input (as hs_forward; both noise and uniforms; either without probs; probs
  * with a temperature's inverse not > 0). */
-/* The index of the largest of row[0..n) (the lowest of equal ones: a greedy chain's choice),
- * at kernel level `simd_cap` (as hs_matmul's); -1 for n < 1. */
-int hs_argmax(const float *row, int n, int simd_cap);
-
-/* Write `w`'s (Q8_0) whole groups of 8 rows into `out` (rows / 8 * blocks * HS_PACKED_BYTES
- * bytes) in hs_matrix.packed's layout, values of kind `packing` (HS_PACKED_*). Returns 0, or
- * -1 if `w` is not Q8_0 or the kind is not one. */
-int hs_pack_q8_0(const hs_matrix *w, int packing, void *out);
-
 int hs_draft_chain(const hs_model *m, int count, int32_t *tokens, int position, int start,
                    int n_prefix, const int32_t *base, int n_base, float *logits,
                    const float *noise, const double *uniforms, float inv_temperature,
                    float *probs, int threads);
 
-/* `branches` greedy chains side by side below one node, one forward of all their rows a
- * step (the chains of a branched draft): tokens[0..branches) are the first tokens, at
- * `position`; row j of step i sits in slot start + i * branches + j and sees slots
- * 0..n_prefix-1, `base` and its own branch's nodes up to itself; its argmax becomes
- * tokens[(i + 1) * branches + j]. `logits`: count x branches rows, step by step; `probs` (or
+/* hs_draft_chain's greedy choice for `branches` chains side by side below one node, one
+ * forward of all their rows a step (the chains of a branched draft): tokens[0..branches)
+ * are the first tokens, at `position`; row j of step i sits in slot start + i * branches + j
+ * and sees slots 0..n_prefix-1, `base` and its own branch's nodes up to itself; its argmax
+ * becomes tokens[(i + 1) * branches + j]. `logits`: count x branches rows, step by step; `probs` (or
  * NULL): each row's softmax, row j of step i at probs + j * branch_stride + i * vocab (a
  * branches x steps x vocab array's rows from step 1 on). Returns 0, or -1 for bad input. */
 int hs_draft_branches(const hs_model *m, int branches, int count, int32_t *tokens, int position,
