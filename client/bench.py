@@ -476,8 +476,10 @@ def rounds_table(records: list[Record]) -> str:
         "\nBranched rounds: of the drafted rounds, those of more than one branch (a GPU "
         "verifier's fixed-width forward gathers a path for each, where a chain attends in "
         "place). A link: a call's time as the daemon sees it beyond the worker's own (messages, "
-        "wake-ups, the worker's Python around its compute). The daemon's own: a round's time "
-        "outside its draft and verify calls (verdict, bookkeeping, the controller). The "
+        "wake-ups, the worker's Python around its compute). The daemon's own: a round's period "
+        "(from the previous round's report to its own) beyond its draft and verify calls "
+        "(verdict, bookkeeping, the controller, streaming the tokens out, where a draft sent "
+        "early does not overlap them). The "
         "drafter's prefill wait: a first draft's wait for the drafter's prompt prefill, which "
         "starts with that draft where the request began decoding alone. Round ms, the daemon's "
         "own and the wait: over every round, rounds of the target alone included.",

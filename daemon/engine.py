@@ -79,6 +79,18 @@ def flatten(drafted: m.Drafted) -> tuple[list[int], list[int], list[tuple[int, i
     return tokens, parents, origin
 
 
+def _shaped(plan: Plan, remaining: int) -> Plan:
+    """The round a plan runs with ``remaining`` tokens left to emit: gamma cut to them (an
+    overlapped round drafts at least one); what was expected of it is not carried."""
+    gamma = min(plan.gamma, remaining)
+    return Plan(max(gamma, 1) if plan.overlap else gamma, plan.branches, plan.overlap, plan.rule)
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()  # nothing awaits it: its failure is not news
+
+
 def _no_draft_rows() -> np.ndarray:
     raise AssertionError("tree rounds verify greedy or keyed requests, which need no draft rows")
 
@@ -113,6 +125,12 @@ class Decoder:
         self.max_tokens = 0
         self.top = request.logprobs  # None: no log-probabilities
         self.first_logprob: list[TokenLogprob] | None = None
+        # when the last round's period ended (its report; decoding's start before any): a
+        # round's period runs from there to its own report, so that its overhead counts
+        # everything between its calls, the bookkeeping and streaming around them included
+        self.settled_at = 0.0
+        # the next round's draft, sent as soon as this round's tokens were known
+        self.early_draft: asyncio.Future | None = None
 
     # ------------------------------------------------------------ the request
 
@@ -124,7 +142,7 @@ class Decoder:
             if self.drafter is not None:
                 self.drafter.close()
             raise
-        decode_start = time.perf_counter()
+        decode_start = self.settled_at = time.perf_counter()
         ready = self.pair.verifier.ready
         output = TextOutput(ready.token_bytes, self.request.stops, ready.special_tokens)
         self.verifier.bonus, self.drafter.unseen = first, [first]
@@ -150,6 +168,7 @@ class Decoder:
                 yield tail
         finally:
             result.decode_ms = (time.perf_counter() - decode_start) * 1000
+            self._drop_early_draft()
             self.drafter.close()
 
     async def _prefill(self, result: GenerationResult) -> int:
@@ -198,12 +217,10 @@ class Decoder:
         else:
             choice, self.upcoming = self.upcoming or self.controller.choose(), None
             plan = self.controller.commit(choice)
-        gamma = min(plan.gamma, remaining)
-        return Plan(max(gamma, 1) if plan.overlap else gamma, plan.branches, plan.overlap,
-                    plan.rule)  # fmt: skip
+        return _shaped(plan, remaining)
 
     async def round(self, remaining: int) -> RoundOutcome:
-        start = time.perf_counter()
+        began = self.settled_at
         plan = self._plan(remaining)
         if not plan.overlap:
             self.drafter.run_ahead = None  # its pending nodes go with the next draft's append
@@ -215,23 +232,20 @@ class Decoder:
             outcome, report = await self._tree_round(plan, remaining)
         else:
             outcome, report = await self._plain_round(plan, remaining)
+        self.settled_at = time.perf_counter()
         self.alone_streak = self.alone_streak + 1 if plan.gamma == 0 else 0
         self.controller.observe(report)
         self.stats.count(report)
         if self.log is not None:  # the plan as chosen, with what the controller expected
             chosen = self.fixed or self.controller.history[-1]
-            self.log(chosen, report, seconds=time.perf_counter() - start,
+            self.log(chosen, report, seconds=self.settled_at - began,
                      emitted=len(outcome.emitted))  # fmt: skip
         return outcome
 
     async def _plain_round(self, plan: Plan, remaining: int):
-        start = time.perf_counter()
-        scale = self.controller.config.rule_scale if plan.rule else None
         # the next plan is weighed while the drafter drafts: the verification may borrow
         # every core, and a core taken from it stalls all its threads
-        drafted, draft, draft_s = await self._choosing_ahead(
-            self.drafter.draft(plan.gamma, plan.branches, self.params, scale, length=self.position)
-        )
+        drafted, draft, draft_s = await self._choosing_ahead(self._draft(plan))
         tokens, parents, origin = flatten(drafted)
         probs = self.pair.arena.view(drafted.probs)
         verified, verify_s, trial = await self._verify_while_drafter_idles(tokens, parents)
@@ -243,11 +257,12 @@ class Decoder:
         self.drafter.unseen = emitted  # it holds the rest as this draft's pending nodes
         branches, gamma = len(drafted.tokens), len(drafted.tokens[0])
         rule_k = None if plan.rule or branches > 1 else self._rule_would_pick(probs[0])
+        self._post_next_draft(remaining - len(emitted), stopped)  # the draft's rows are read
         report = RoundReport(
             gamma, branches, len(verdict.path), rule=plan.rule, rule_k=rule_k, drafts=(draft,),
             verify_width=width, verify_s=0.0 if trial else verify_s,
             verify_compute_s=verified.elapsed_ms / 1000,
-            overhead_s=time.perf_counter() - start - draft_s - verify_s)  # fmt: skip
+            overhead_s=time.perf_counter() - self.settled_at - draft_s - verify_s)  # fmt: skip
         return RoundOutcome(emitted, stopped, logprobs), report
 
     async def _verify_while_drafter_idles(self, tokens: list[int], parents: list[int]):
@@ -279,14 +294,9 @@ class Decoder:
         prefix is the one that commits the most tokens per second, by the nodes' estimated
         acceptance (calibrated by what earlier tree rounds accepted) and the verifier's
         measured cost per width."""
-        start = time.perf_counter()
-        limits, calibration = self.controller.limits, self.controller.tree_calibration
-        first_choice = self.controller.tree_first_choice
-        depth = min(plan.gamma, remaining)
-        size = min(limits.max_width - 1, limits.tree_k * (1 + (depth - 1) * limits.tree_k))
-        drafted, draft, draft_s = await self._choosing_ahead(self.drafter.draft_tree(
-            depth, limits.tree_k, size, self.params, length=self.position,
-            first_accept=first_choice.rate))  # fmt: skip
+        controller = self.controller
+        calibration, first_choice = controller.tree_calibration, controller.tree_first_choice
+        drafted, draft, draft_s = await self._choosing_ahead(self._draft(plan))
         settings = self.pair.verifier.spec.settings  # llama.cpp: a sequence id per leaf
         leaves = settings.n_seq_max - 1 if isinstance(settings, m.LlamaCppSettings) else None
         fits = within_leaves(drafted.parents, leaves)
@@ -300,10 +310,11 @@ class Decoder:
         first_choice.observe(parents, verdict.path)
         emitted, stopped, logprobs = self._emitted(verdict, tokens, remaining, logits, verified)
         self.drafter.unseen = emitted
+        self._post_next_draft(remaining - len(emitted), stopped)
         report = RoundReport(
-            depth, 1, len(verdict.path), drafts=(draft,), verify_width=len(tokens) + 1,
+            plan.gamma, 1, len(verdict.path), drafts=(draft,), verify_width=len(tokens) + 1,
             verify_s=0.0 if trial else verify_s, verify_compute_s=verified.elapsed_ms / 1000,
-            overhead_s=time.perf_counter() - start - draft_s - verify_s)  # fmt: skip
+            overhead_s=time.perf_counter() - self.settled_at - draft_s - verify_s)  # fmt: skip
         return RoundOutcome(emitted, stopped, logprobs), report
 
     async def _overlapped_round(self, plan: Plan, remaining: int):
@@ -345,18 +356,18 @@ class Decoder:
         if held is not None and not (stopped or len(emitted) >= remaining):
             self.drafter.run_ahead = held
             self.stats.run_ahead_held += 1
+        period_s = time.perf_counter() - self.settled_at
         report = RoundReport(
             len(tokens), 1, len(verdict.path), rule_k=self._rule_would_pick(draft.probs),
             drafts=tuple(drafts), verify_width=len(tokens) + 1, verify_s=verify_s,
             verify_compute_s=verified.elapsed_ms / 1000,
             verify_overlapped=ahead is not None,
-            overhead_s=time.perf_counter() - start - fresh_s - max(verify_s, ahead_s))  # fmt: skip
+            overhead_s=period_s - fresh_s - max(verify_s, ahead_s))  # fmt: skip
         return RoundOutcome(emitted, stopped, logprobs), report
 
     async def _alone_round(self, remaining: int):
         """The target decodes a few tokens alone (``alone_tokens``), drawing them in its own
         process; the drafter falls behind by them and catches up when drafting resumes."""
-        start = time.perf_counter()
         idle = self.drafter.idle()  # else the drafter prefills: the target keeps to its cores
         cores = self.pair.alone_cores
         spare_cores = idle and cores.choose()
@@ -383,25 +394,77 @@ class Decoder:
         # drafter at work. One such sample, never replaced while drafting looked better,
         # priced the target alone 1.4x too dear for a whole bench run.
         usual = idle and not cores.exploring
-        round_s = (time.perf_counter() - start) / len(tokens) if self.alone_streak else None
+        period_s = time.perf_counter() - self.settled_at
+        round_s = period_s / len(tokens) if self.alone_streak else None
         report = RoundReport(0, 1, 0, alone_round_s=round_s if usual else None,
                              alone_compute_s=compute_s if usual else None)  # fmt: skip
         return RoundOutcome(emitted, stopped, decoded.logprobs or None), report
 
     # ------------------------------------------------------------ pieces of a round
 
+    def _draft(self, plan: Plan):
+        """The draft call of a plain or tree round of ``plan``: the one sent early for it
+        (``_post_next_draft``), else a new one."""
+        early, self.early_draft = self.early_draft, None
+        return early if early is not None else self._draft_call(plan, post=False)
+
+    def _draft_call(self, plan: Plan, *, post: bool):
+        """A draft call of a plain or tree round of ``plan``; with ``post``, its command sent
+        now (the drafter's prefill done) rather than once awaited."""
+        drafter, limits = self.drafter, self.controller.limits
+        if self._tree_round_fits(plan):
+            depth, k = plan.gamma, limits.tree_k
+            size = min(limits.max_width - 1, k * (1 + (depth - 1) * k))
+            call = drafter.post_tree if post else drafter.draft_tree
+            return call(depth, k, size, self.params, length=self.position,
+                        first_accept=self.controller.tree_first_choice.rate)  # fmt: skip
+        scale = self.controller.config.rule_scale if plan.rule else None
+        call = drafter.post_draft if post else drafter.draft
+        return call(plan.gamma, plan.branches, self.params, scale, length=self.position)
+
+    def _post_next_draft(self, remaining: int, stopped: bool) -> None:
+        """Send the next round's draft as soon as this round's tokens are known, where that
+        round drafts a plain or tree round of a plan known already (fixed, or chosen ahead):
+        the drafter drafts while the daemon reports this round, updates the controller and
+        streams the tokens out. ``remaining``: what the request may emit after this round.
+        Call it once nothing more reads this round's draft rows (the next draft's replace
+        them)."""
+        if stopped or remaining <= 0 or not self.drafter.can_post():
+            return
+        chosen = self.fixed or (self.upcoming.plan if self.upcoming is not None else None)
+        if chosen is None:
+            return
+        plan = _shaped(chosen, remaining)  # what ``_plan`` will make of it
+        if plan.gamma > 0 and not plan.overlap:
+            self.early_draft = asyncio.ensure_future(self._draft_call(plan, post=True))
+
+    def _drop_early_draft(self) -> None:
+        """The request ended with a draft sent early for a round that will not run: it runs
+        to its reply (a draft's time; cancelled before its first step, its call would never
+        hear of it), which nothing reads."""
+        early, self.early_draft = self.early_draft, None
+        if early is not None:
+            early.add_done_callback(_retrieved)
+
     async def _choosing_ahead(self, call):
         """Await a worker call, choosing the next round's plan while it runs (weighing every
         candidate takes most of a millisecond the daemon would otherwise add to the round).
-        The choice is committed only if the next round runs."""
+        The choice is committed only if the next round runs. ``call``: a coroutine, or the
+        task of a call whose command was sent (an early draft)."""
+        sent = isinstance(call, asyncio.Future)
         task = asyncio.ensure_future(call)
         try:
             if self.fixed is None and self.upcoming is None:
                 await asyncio.sleep(0)  # the call's command goes out first
                 self.upcoming = self.controller.choose()
-            return await task
+            # a sent call's task runs to its reply: cancelled before its first step, it
+            # would never hear of it
+            return await (asyncio.shield(task) if sent else task)
         except BaseException:
-            task.cancel()
+            if sent:
+                task.add_done_callback(_retrieved)
+            else:
+                task.cancel()
             raise
 
     @property

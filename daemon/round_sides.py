@@ -126,11 +126,9 @@ class DrafterSide:
         """Draft after appending what it has not seen (the sequence being ``length`` tokens
         long); the reply, its cost and the call's seconds. The append's last forward yields
         the first token's distribution, so gamma tokens cost gamma forwards."""
-        drafted, seconds, waited = await self._call(
-            length, steps=gamma, sampling=params, branches=branches, dynamic=rule_scale
-        )
-        cost = _cost(drafted, len(drafted.tokens), seconds, waited=waited)
-        return drafted, cost, seconds + waited
+        waited = await self._prefilled()
+        return await self.post_draft(gamma, branches, params, rule_scale, length=length,
+                                     waited=waited)  # fmt: skip
 
     async def draft_tree(self, depth: int, top_k: int, size: int, params: SamplingParams, *,
                          length: int,
@@ -138,25 +136,55 @@ class DrafterSide:
         """EAGLE-2's dynamic tree after appending what it has not seen: ``size`` nodes ranked
         best first (see ``draft``). Its forwards: the append's, then one per layer below the
         first, each of ``top_k`` nodes."""
-        drafted, seconds, waited = await self._call(
-            length, steps=size, sampling=params, tree=(depth, top_k),
-            tree_first_accept=first_accept)  # fmt: skip
-        cost = _cost(drafted, top_k, seconds, waited=waited)
-        return drafted, cost, seconds + waited
+        waited = await self._prefilled()
+        return await self.post_tree(depth, top_k, size, params, length=length,
+                                    first_accept=first_accept, waited=waited)  # fmt: skip
 
-    async def _call(self, length: int, **fields) -> tuple[m.Drafted, float, float]:
-        """A ``Draft`` of ``fields`` that first appends the unseen tokens (with their features
-        for a head): the reply, the call's seconds, and the seconds waited first for the
-        drafter's prefill."""
+    def can_post(self) -> bool:
+        """Whether a draft's command may be sent at once: the drafter's prefill went out and
+        succeeded, so nothing must precede it."""
+        prefill = self.prefill
+        return (prefill is not None and prefill.done() and not prefill.cancelled()
+                and prefill.exception() is None)  # fmt: skip
+
+    def post_draft(self, gamma: int, branches: int, params: SamplingParams,
+                   rule_scale: float | None = None, *, length: int,
+                   waited: float = 0.0):  # fmt: skip
+        """``draft``'s command, sent now (only where ``can_post``): a coroutine for its
+        result, to await or wrap in a task."""
+        return self._post(length, waited, None, steps=gamma, sampling=params,
+                          branches=branches, dynamic=rule_scale)  # fmt: skip
+
+    def post_tree(self, depth: int, top_k: int, size: int, params: SamplingParams, *,
+                  length: int, first_accept: float, waited: float = 0.0):  # fmt: skip
+        """``draft_tree``'s command, sent now (see ``post_draft``)."""
+        return self._post(length, waited, top_k, steps=size, sampling=params,
+                          tree=(depth, top_k), tree_first_accept=first_accept)  # fmt: skip
+
+    async def _prefilled(self) -> float:
+        """Wait for the drafter's prefill (starting it if it was not): the seconds waited."""
         waiting = time.perf_counter()
         await self.start_prefill()
+        return time.perf_counter() - waiting
+
+    def _post(self, length: int, waited: float, cost_branches: int | None, **fields):
+        """Send a ``Draft`` of ``fields`` that first appends the unseen tokens (with their
+        features for a head); a coroutine for the reply, its cost (of ``cost_branches``, else
+        as many as drafted) and the call's seconds, ``waited`` for the prefill included."""
         start = time.perf_counter()
         features, arrays = self._appended_features(length)
-        drafted, _ = await self.client.call(m.Draft(
+        reply = self.client.post(m.Draft(
             request=self.client.next_request(), out=self.slot, append=self.unseen,
             features=features, **fields), arrays)  # fmt: skip
         self.unseen = []
-        return drafted, time.perf_counter() - start, start - waiting
+        return self._costed(reply, start, waited, cost_branches)
+
+    @staticmethod
+    async def _costed(reply, start: float, waited: float, cost_branches: int | None):
+        drafted, _ = await reply
+        seconds = time.perf_counter() - start
+        cost = _cost(drafted, cost_branches or len(drafted.tokens), seconds, waited=waited)
+        return drafted, cost, seconds + waited
 
     def start_run_ahead(self, draft: Unverified, gamma: int,
                         params: SamplingParams) -> asyncio.Future | None:  # fmt: skip
@@ -181,10 +209,11 @@ class DrafterSide:
 def _cost(drafted: m.Drafted, branches: int, seconds: float, *, waited: float) -> DraftCall:
     """A draft call's cost: the forwards the drafter timed after its catch-up (the append:
     all of it, or all but its last new token where that one is the draft's first forward;
-    see ``Drafted``), and the call's time beyond the drafter's own."""
+    see ``Drafted``), the catch-up, and the call's time beyond the drafter's own."""
     compute_s = (drafted.elapsed_ms - drafted.append_ms) / 1000
     latency_s = seconds - drafted.elapsed_ms / 1000
-    return DraftCall(drafted.forwards, branches, compute_s, latency_s, prefill_wait_s=waited)
+    return DraftCall(drafted.forwards, branches, compute_s, latency_s, prefill_wait_s=waited,
+                     catch_up_s=drafted.append_ms / 1000)  # fmt: skip
 
 
 async def _timed(call):

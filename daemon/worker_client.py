@@ -556,8 +556,16 @@ class WorkerClient:
         the worker is gone. Cancelling the await sends ``Cancel`` to the worker where it can
         and always ends in ``CancelledError``; ``settled`` still counts the call until the
         worker is done with its command."""
+        return await self._reply(command, self._send_call(command.request, command, arrays))
+
+    def post(self, command: msgspec.Struct, arrays: tuple[np.ndarray, ...] = ()):
+        """``call`` with its command sent now, not at the returned coroutine's first step
+        (which waits for the event loop): await the coroutine, or wrap it in a task, for the
+        reply, as from ``call``."""
+        return self._reply(command, self._send_call(command.request, command, arrays))
+
+    async def _reply(self, command: msgspec.Struct, future: asyncio.Future):
         request = command.request
-        future = self._send_call(request, command, arrays)
         self._start_polling()
         # a timer handle instead of asyncio.wait_for, which costs ~50 us per call
         timer = asyncio.get_running_loop().call_later(self.spec.call_timeout_s, _expire, future)

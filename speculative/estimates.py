@@ -6,7 +6,7 @@
   against the chains' level when they were drafted (a ratio: it holds when the level moves,
   so it is kept once stale rather than forgotten); unmeasured counts extrapolate the nearest
   measured one's cost per extra branch, or before any ``branch_cost``. A draft call's
-  latency is paid once per call.
+  latency (its link and the drafter's catch-up) is paid once per call.
 - A verification: through windowed medians per tree width (weighted by their samples), the
   verifier's profile raised and stretched to them where it was measured, else a line.
 - Acceptance by depth (and at depth 1 by branch count, and by the branch count the rule picks):
@@ -199,7 +199,8 @@ class Estimates:
                     ratio.add(step / level.value)
                 step /= float(self.branch_factor()[branches])  # a float: the summary is JSON
             level.add(step)
-        self._draft_latency[call.overlapped].add(max(0.0, call.latency_s))
+        # paid once a call: the link, and the catch-up (one forward or none, in a round)
+        self._draft_latency[call.overlapped].add(max(0.0, call.latency_s + call.catch_up_s))
 
     def _observe_acceptance(self, report: RoundReport) -> None:
         self.rounds += 1

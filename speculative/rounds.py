@@ -32,10 +32,11 @@ class Plan:
 @dataclass(frozen=True)
 class DraftCall:
     """One draft call's cost: ``steps`` forwards of ``branches`` branches took ``compute_s``
-    of the drafter's own time (steps 0: not a measure of a step, e.g. a long catch-up), and
-    the call took ``latency_s`` more (messages, wake-ups). ``prefill_wait_s``: before the
-    call, waiting for the drafter's prompt prefill (started late, after rounds without a
-    draft): neither a draft's cost nor the daemon's."""
+    of the drafter's own time (steps 0: not a measure of a step, e.g. a long catch-up), its
+    catch-up before them (appending what it had not seen) ``catch_up_s``, and the call took
+    ``latency_s`` more (messages, wake-ups). ``prefill_wait_s``: before the call, waiting for
+    the drafter's prompt prefill (started late, after rounds without a draft): neither a
+    draft's cost nor the daemon's."""
 
     steps: int
     branches: int
@@ -43,6 +44,7 @@ class DraftCall:
     latency_s: float
     overlapped: bool = False  # drafted while the verifier computed
     prefill_wait_s: float = 0.0
+    catch_up_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,9 @@ class RoundReport:
     verify_s: float = 0.0  # 0: not what such a round costs (a trial of the other core choice)
     verify_compute_s: float = 0.0  # of that, the verifier's own time (the rest: the link)
     verify_overlapped: bool = False  # verified while the drafter drafted ahead
-    overhead_s: float = 0.0  # besides drafting and verifying: messages, bookkeeping
+    # the rest of the round's period (from the previous round's report to this one's):
+    # the daemon's bookkeeping, streaming the tokens out, choosing the next plan
+    overhead_s: float = 0.0
     # gamma 0 (the target alone): seconds per token of the whole round and of the target's
     # own work (None: not what decoding alone costs, e.g. a transition from drafting or a
     # trial of the other core choice)

@@ -140,7 +140,8 @@ class _Spec:
 
 @dataclass
 class InProcessWorker:
-    """The engine's view of a worker (``call``, ``next_request``, ``ready``, ``spec``)."""
+    """The engine's view of a worker (``call``, ``post``, ``next_request``, ``ready``,
+    ``spec``)."""
 
     name: str
     model: TableModel
@@ -170,9 +171,28 @@ class InProcessWorker:
         return next(self._ids)
 
     async def call(self, command, arrays=()):
-        kind = type(command)
         # a reply never comes in the same step as its command
-        await asyncio.sleep(self.delays.get(kind, 0))
+        await asyncio.sleep(self.delays.get(type(command), 0))
+        return self._run(command, arrays)
+
+    def post(self, command, arrays=()):
+        """``call`` with its command run now, as a worker process starts on a command once
+        sent; the coroutine gives its reply (or failure) after the command's delay."""
+        try:
+            reply, failure = self._run(command, arrays), None
+        except WorkerError as error:
+            reply, failure = None, error
+
+        async def answer():
+            await asyncio.sleep(self.delays.get(type(command), 0))
+            if failure is not None:
+                raise failure
+            return reply
+
+        return answer()
+
+    def _run(self, command, arrays):
+        kind = type(command)
         if kind is self.fail_on:
             if self.fail_after <= 0:
                 raise WorkerError(self.name, "internal", f"{kind.__name__} failed on purpose")

@@ -268,12 +268,15 @@ def test_a_worker_failing_mid_round_fails_the_request_and_leaves_no_call(arena, 
     assert 0 < len(result.tokens) < 60
 
 
-def test_cancelling_a_request_mid_round_leaves_no_call_running(arena) -> None:
+@pytest.mark.parametrize("kind", ["plain", "overlapped"])
+def test_cancelling_a_request_mid_round_leaves_no_call_running(arena, kind) -> None:
+    """A plain round's next draft is already out when its tokens stream (an overlapped
+    one's run-ahead while it verifies): cancelled with the request."""
     pair, _ = workers(arena)
     request = GenerateRequest(prompt=PROMPT, max_tokens=300, ignore_eos=True)
     result = GenerationResult()
     decoder = Decoder(request, pair, BudgetController(), SpeculativeStats(),
-                      plan=Plan(3, overlap=True))  # fmt: skip
+                      plan=dataclasses.replace(FIXED[kind], gamma=3))  # fmt: skip
 
     async def run() -> set:
         async def consume() -> None:
@@ -291,6 +294,80 @@ def test_cancelling_a_request_mid_round_leaves_no_call_running(arena) -> None:
 
     assert asyncio.run(run()) == set()
     assert 20 <= len(result.tokens) < 300
+
+
+@pytest.mark.parametrize("kind", ["plain", "branches", "rule"])
+def test_the_next_draft_goes_out_before_a_rounds_tokens_stream(arena, kind) -> None:
+    """Where the next round's plan is known (fixed here, or chosen ahead), its draft is sent
+    as soon as a round's tokens are: the drafter drafts while the daemon reports the round
+    and streams them out. The round that reaches the request's end sends none."""
+    pair, reference = workers(arena, noise=0.5)
+    request = GenerateRequest(prompt=PROMPT, max_tokens=40, ignore_eos=True)
+    result, stats = GenerationResult(), SpeculativeStats()
+    decoder = Decoder(request, pair, BudgetController(), stats, plan=FIXED[kind])
+    seen = []  # at each piece: rounds run, drafts sent, tokens so far
+
+    async def run() -> None:
+        async for _ in decoder.stream(result):
+            drafts = sum(isinstance(c, m.Draft) for c in pair.drafter.commands)
+            seen.append((stats.rounds, drafts, len(result.tokens)))
+
+    asyncio.run(run())
+    assert result.tokens == reference.greedy(PROMPT, 40)
+    streamed_mid = [
+        (rounds, drafts) for rounds, drafts, tokens in seen if rounds > 0 and tokens < 40
+    ]
+    assert len(streamed_mid) >= 3
+    assert all(drafts == rounds + 1 for rounds, drafts in streamed_mid)
+    drafts = sum(isinstance(c, m.Draft) for c in pair.drafter.commands)
+    assert drafts == stats.rounds  # none sent for a round that never ran
+
+
+def test_a_draft_sent_for_a_round_that_never_runs_leaves_the_pair_as_it_was(arena) -> None:
+    """A stop string ends a request while the next round's draft is out: the next request
+    on the same workers still gets the target's own tokens, and no call is left running."""
+    pair, reference = workers(arena, noise=0.5)
+    expected = reference.greedy(PROMPT, 40)
+    text = [reference.token_bytes(t).decode() for t in expected]
+    stop = text[12] + text[13]
+    assert stop
+    assert stop not in "".join(text[:12]) + text[12][:-1], "a stop the fixture reaches"
+
+    async def run() -> set:
+        for stops in ([stop], []):
+            request = GenerateRequest(prompt=PROMPT, max_tokens=40, ignore_eos=True, stop=stops)
+            result = GenerationResult()
+            decoder = Decoder(request, pair, BudgetController(), SpeculativeStats(), plan=Plan(3))
+            async for _ in decoder.stream(result):
+                pass
+            outputs.append(result.tokens)
+        await asyncio.sleep(0.01)
+        return asyncio.all_tasks() - {asyncio.current_task()}
+
+    outputs = []
+    assert asyncio.run(run()) == set()
+    assert len(outputs[0]) < 30
+    assert outputs[0] == expected[: len(outputs[0])]
+    assert outputs[1] == expected
+
+
+def test_a_rounds_overhead_counts_the_time_between_its_calls_outside_it(arena) -> None:
+    """A round's period runs from the previous round's report to its own: what the daemon
+    does between rounds (here a client that takes 5 ms a piece) is priced as overhead, not
+    lost, where it does not overlap a draft."""
+    pair, _ = workers(arena, noise=0.5)
+    request = GenerateRequest(prompt=PROMPT, max_tokens=40, ignore_eos=True)
+    controller = Recording([Plan(3)])
+    decoder = Decoder(request, pair, controller, SpeculativeStats())
+
+    async def run() -> None:
+        async for _ in decoder.stream(GenerationResult()):
+            await asyncio.sleep(0.005)
+
+    asyncio.run(run())
+    overheads = sorted(r.overhead_s for r in controller.reports[1:] if r.gamma)
+    assert len(overheads) >= 5
+    assert overheads[len(overheads) // 2] >= 0.004
 
 
 def test_sampled_rounds_draw_from_the_request_seed(arena) -> None:
