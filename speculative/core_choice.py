@@ -5,8 +5,13 @@ drafter idles (see hetspec.workers.spare_cores): on a 2-vCPU VM that doubled its
 when another process keeps those cores busy, the target's extra threads wait on each other
 at every step, and borrowing made it five times slower than its own core alone (the bench's
 busy-core run). So the daemon measures both: the target's own compute per token with and
-without the spare cores, the better one is used, and every ``explore_every`` calls the other
-is tried once, so that a change either way is noticed within a few dozen calls.
+without the spare cores, the better one is used, and the other is tried now and then, so
+that a change either way is noticed. The two trials are not worth the same: borrowing's own
+calls show a busy process arriving (they slow past the other choice's median), but while the
+target keeps to its own cores only a trial shows that the process left. So borrowing is
+tried every ``explore_every`` calls, and keeping to its own cores, once measured, every
+``recheck_every`` (each such trial costs ~1.6x a call on a 2-vCPU VM: every 16th call made
+them 3-4% of a run's verification time).
 """
 
 from __future__ import annotations
@@ -16,10 +21,11 @@ from collections import deque
 
 
 class SpareCoreChoice:
-    def __init__(self, window: int = 5, explore_every: int = 16) -> None:
+    def __init__(self, window: int = 5, explore_every: int = 16,
+                 recheck_every: int = 128) -> None:  # fmt: skip
         self._cost: dict[bool, deque[float]] = {c: deque(maxlen=window) for c in (True, False)}
-        self.explore_every = explore_every
-        self._calls = 0
+        self.explore_every, self.recheck_every = explore_every, recheck_every
+        self._since_trial = 0  # calls since the last trial
         self._exploring = False  # the last choice was the one not preferred
         self._confirming = False  # ... and it measured better: try it again at once
         self._best = True
@@ -37,11 +43,15 @@ class SpareCoreChoice:
         """For the next call of the target alone: the preferred choice, or now and then the
         other one, to measure it again (and again at once while it measures better, so that
         a few calls overturn a median of old measurements)."""
-        self._calls += 1
         best = self.preferred()
         if best != self._best:
             self._best, self._confirming = best, False
-        self._exploring = self._confirming or self._calls % self.explore_every == 0
+        self._since_trial += 1
+        measured = bool(self._cost[False])  # keeping to its own cores, measured at least once
+        every = self.recheck_every if best and measured else self.explore_every
+        self._exploring = self._confirming or self._since_trial >= every
+        if self._exploring:
+            self._since_trial = 0
         return not best if self._exploring else best
 
     @property

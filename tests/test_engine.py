@@ -171,7 +171,7 @@ def test_trials_of_the_other_core_choice_do_not_price_the_target_alone(arena) ->
     tokens, maybe twice as slow): those rounds, like a transition from drafting, report no
     cost of decoding alone, so one of them cannot price the target alone for good."""
     pair, reference = workers(arena)
-    pair = dataclasses.replace(pair, alone_cores=SpareCoreChoice(explore_every=2))
+    pair = dataclasses.replace(pair, alone_cores=SpareCoreChoice(explore_every=2, recheck_every=2))
     controller = Recording([Plan(2), Plan(0)])
     for _ in range(8):  # a call decodes every token a request has left: short requests
         result, _, _ = decode(pair, controller, max_tokens=12)
