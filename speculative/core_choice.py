@@ -6,12 +6,14 @@ when another process keeps those cores busy, the target's extra threads wait on 
 at every step, and borrowing made it five times slower than its own core alone (the bench's
 busy-core run). So the daemon measures both: the target's own compute per token with and
 without the spare cores, the better one is used, and the other is tried now and then, so
-that a change either way is noticed. The two trials are not worth the same: borrowing's own
-calls show a busy process arriving (they slow past the other choice's median), but while the
-target keeps to its own cores only a trial shows that the process left. So borrowing is
-tried every ``explore_every`` calls, and keeping to its own cores, once measured, every
-``recheck_every`` (each such trial costs ~1.6x a call on a 2-vCPU VM: every 16th call made
-them 3-4% of a run's verification time).
+that a change either way is noticed. The two trials are not worth the same. While the target
+keeps to its own cores, only a trial shows that a busy process left the spare cores: so
+borrowing is tried every ``explore_every`` calls. While it borrows, its own calls show a
+busy process arriving by slowing down; what they cannot show is whether keeping to its own
+cores is now the better choice, so that is tried again at once when borrowing's calls slow
+(their recent median ``slower`` times their usual), and otherwise only every
+``recheck_every`` calls (each such trial costs ~1.6x a call on a 2-vCPU VM: every 16th call
+made them 3-4% of a run's verification time).
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ from collections import deque
 
 
 class SpareCoreChoice:
-    def __init__(self, window: int = 5, explore_every: int = 16,
-                 recheck_every: int = 128) -> None:  # fmt: skip
+    def __init__(self, window: int = 5, explore_every: int = 16, recheck_every: int = 128,
+                 usual_window: int = 48, slower: float = 1.25) -> None:  # fmt: skip
         self._cost: dict[bool, deque[float]] = {c: deque(maxlen=window) for c in (True, False)}
+        self._usual = deque(maxlen=usual_window)  # borrowing's calls over a longer time
         self.explore_every, self.recheck_every = explore_every, recheck_every
+        self.slower = slower
         self._since_trial = 0  # calls since the last trial
         self._exploring = False  # the last choice was the one not preferred
         self._confirming = False  # ... and it measured better: try it again at once
@@ -49,10 +53,25 @@ class SpareCoreChoice:
         self._since_trial += 1
         measured = bool(self._cost[False])  # keeping to its own cores, measured at least once
         every = self.recheck_every if best and measured else self.explore_every
-        self._exploring = self._confirming or self._since_trial >= every
+        self._exploring = (
+            self._confirming
+            or self._since_trial >= every
+            or (best and measured and self._borrowing_slowed())
+        )
         if self._exploring:
             self._since_trial = 0
+            if best:  # borrowing's level now is its usual, until it slows again
+                self._usual.clear()
+                self._usual.extend(self._cost[True])
         return not best if self._exploring else best
+
+    def _borrowing_slowed(self) -> bool:
+        """Borrowing's recent calls cost ``slower`` times their usual (the level since the
+        last recheck, once a few dozen calls tell it)."""
+        recent, usual = self._median(True), self._usual
+        if recent is None or len(usual) < usual.maxlen // 2:
+            return False
+        return recent > self.slower * statistics.median(usual)
 
     @property
     def exploring(self) -> bool:
@@ -75,6 +94,8 @@ class SpareCoreChoice:
             other = self._median(not spare_cores)
             self._confirming = other is not None and seconds_per_token < other
         self._cost[spare_cores].append(seconds_per_token)
+        if spare_cores:
+            self._usual.append(seconds_per_token)
 
     def snapshot(self) -> dict:
         """What was measured: the median cost with and without the spare cores (None where

@@ -789,6 +789,28 @@ def test_keeping_to_its_own_cores_is_rechecked_rarely_and_borrowing_retried_ofte
     assert trials(256) >= 256 // 16 - 1
 
 
+def test_a_slowdown_of_borrowing_rechecks_its_own_cores_at_once():
+    """A busy process slows borrowing (1.8x here) past keeping to the target's own cores
+    (1.6x), whose median was measured in a worse moment (2x) and would still lose:
+    borrowing's own slowdown triggers the recheck that finds it, within a few calls (the
+    regular recheck would come dozens of calls later)."""
+    rng = np.random.default_rng(2)
+    choice = SpareCoreChoice()
+    costs = {True: 0.0010, False: 0.0020}
+
+    def calls(count: int) -> list[bool]:
+        made = []
+        for _ in range(count):
+            wide = choice.choose()
+            choice.record(wide, costs[wide] * rng.lognormal(0, 0.05))
+            made.append(wide)
+        return made
+
+    assert np.mean(calls(100)) > 0.95
+    costs.update({True: 0.0018, False: 0.0016})
+    assert sum(calls(40)[-24:]) <= 2  # borrowing's own trials, every 16 calls
+
+
 def test_the_summary_stays_plain_json_once_branches_were_drafted() -> None:
     """A branched call's step, scaled by the measured branch factor (a numpy array's
     element), once entered the draft level as a numpy float, and every request's statistics
