@@ -742,6 +742,18 @@ def test_a_target_alone_choice_is_kept_a_few_rounds_and_history_stays_bounded() 
     assert len(controller.history) <= 2 * BudgetController.HISTORY_KEPT
 
 
+def core_calls(choice: SpareCoreChoice, costs: dict[bool, float], count: int, rng,
+               spread: float = 0.1) -> list[tuple[bool, bool]]:  # fmt: skip
+    """``count`` calls of the target through ``choice``, each costing ``costs`` of the
+    choice made times lognormal noise: (borrowed, a trial) per call."""
+    made = []
+    for _ in range(count):
+        wide = choice.choose()
+        made.append((wide, choice.exploring))
+        choice.record(wide, costs[wide] * rng.lognormal(0, spread))
+    return made
+
+
 def test_the_spare_cores_are_used_while_they_pay_and_left_when_another_process_takes_them():
     """The target alone: 0.5 ms a token on its own and the drafter's cores, 1 ms on its own
     only; then a busy process takes the drafter's cores and borrowing them costs 2.5 ms a
@@ -751,12 +763,7 @@ def test_the_spare_cores_are_used_while_they_pay_and_left_when_another_process_t
     costs = {True: 0.0005, False: 0.001}
 
     def calls(count: int) -> list[bool]:
-        made = []
-        for _ in range(count):
-            wide = choice.choose()
-            choice.record(wide, costs[wide] * rng.lognormal(0, 0.1))
-            made.append(wide)
-        return made
+        return [wide for wide, _ in core_calls(choice, costs, count, rng)]
 
     assert np.mean(calls(64)[-32:]) >= 0.9  # borrowed, but for the odd measurement
     costs[True] = 0.0025  # another process on the drafter's cores
@@ -774,12 +781,7 @@ def test_keeping_to_its_own_cores_is_rechecked_rarely_and_borrowing_retried_ofte
     costs = {True: 0.0005, False: 0.0008}
 
     def trials(count: int) -> int:
-        tried = 0
-        for _ in range(count):
-            wide = choice.choose()
-            tried += choice.exploring
-            choice.record(wide, costs[wide] * rng.lognormal(0, 0.1))
-        return tried
+        return sum(trial for _, trial in core_calls(choice, costs, count, rng))
 
     assert trials(16) == 1  # the first measurement of the other choice comes early
     assert trials(512) <= 512 // 128 + 1
@@ -799,12 +801,7 @@ def test_a_slowdown_of_borrowing_rechecks_its_own_cores_at_once():
     costs = {True: 0.0010, False: 0.0020}
 
     def calls(count: int) -> list[bool]:
-        made = []
-        for _ in range(count):
-            wide = choice.choose()
-            choice.record(wide, costs[wide] * rng.lognormal(0, 0.05))
-            made.append(wide)
-        return made
+        return [wide for wide, _ in core_calls(choice, costs, count, rng, spread=0.05)]
 
     assert np.mean(calls(100)) > 0.95
     costs.update({True: 0.0018, False: 0.0016})
