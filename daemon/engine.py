@@ -248,7 +248,13 @@ class Decoder:
         drafted, draft, draft_s = await self._choosing_ahead(self._draft(plan))
         tokens, parents, origin = flatten(drafted)
         probs = self.pair.arena.view(drafted.probs)
-        verified, verify_s, trial = await self._verify_while_drafter_idles(tokens, parents)
+        # the rule's would-be k reads the draft's rows, which the next draft replaces: beside
+        # a verification off the CPU, else once it is done
+        rule_rows = None if plan.rule or len(drafted.tokens) > 1 else probs[0]
+        beside = None if rule_rows is None or self.pair.verifier_on_cpu else (
+            lambda: self._rule_would_pick(rule_rows))  # fmt: skip
+        verified, verify_s, trial, rule_k = await self._verify_while_drafter_idles(
+            tokens, parents, beside)  # fmt: skip
         width = len(tokens) + 1
         logits = self._target_rows(verified)
         draft_rows = lambda: np.stack([probs[b, s] for b, s in origin])  # noqa: E731
@@ -256,7 +262,8 @@ class Decoder:
         emitted, stopped, logprobs = self._emitted(verdict, tokens, remaining, logits, verified)
         self.drafter.unseen = emitted  # it holds the rest as this draft's pending nodes
         branches, gamma = len(drafted.tokens), len(drafted.tokens[0])
-        rule_k = None if plan.rule or branches > 1 else self._rule_would_pick(probs[0])
+        if rule_rows is not None and beside is None:
+            rule_k = self._rule_would_pick(rule_rows)
         self._post_next_draft(remaining - len(emitted), stopped)  # the draft's rows are read
         report = RoundReport(
             gamma, branches, len(verdict.path), rule=plan.rule, rule_k=rule_k, drafts=(draft,),
@@ -265,22 +272,26 @@ class Decoder:
             overhead_s=time.perf_counter() - self.settled_at - draft_s - verify_s)  # fmt: skip
         return RoundOutcome(emitted, stopped, logprobs), report
 
-    async def _verify_while_drafter_idles(self, tokens: list[int], parents: list[int]):
+    async def _verify_while_drafter_idles(self, tokens: list[int], parents: list[int],
+                                          beside=None):  # fmt: skip
         """A round's verification once its draft is done: the drafter idles, so the verifier
         may borrow its cores (the measured better choice, now and then the other as a trial).
-        The reply, its seconds, and whether it was such a trial (not what rounds cost)."""
+        The reply, its seconds, whether it was such a trial (not what rounds cost), and what
+        ``beside`` (the daemon's work while the verifier computes, if any) returned."""
         cores = self.pair.verify_cores if self.pair.verifier.spec.spare_cores else None
         spare_cores = cores is not None and cores.choose()
         start = time.perf_counter()
-        verified, _ = await self.verifier.verify(tokens, parents, spare_cores=spare_cores,
-                                                 argmax_only=self._argmax_only)  # fmt: skip
+        reply = self.verifier.verify(tokens, parents, spare_cores=spare_cores,
+                                     argmax_only=self._argmax_only)  # fmt: skip
+        aside = beside() if beside is not None else None
+        verified, _ = await reply
         verify_s = time.perf_counter() - start
         if cores is None:
-            return verified, verify_s, False
+            return verified, verify_s, False, aside
         # per one-node verification: calls of every width compare
         size = self.controller.estimates.verify_size(len(tokens) + 1)
         cores.record(spare_cores, verified.elapsed_ms / 1000 / size)
-        return verified, verify_s, cores.exploring
+        return verified, verify_s, cores.exploring, aside
 
     def _tree_round_fits(self, plan: Plan) -> bool:
         """Trees replace single-branch plain rounds of greedy and keyed requests. A drawn
@@ -303,7 +314,7 @@ class Decoder:
         acceptance = drafted.acceptance[:fits]
         width = best_width(acceptance, calibration.factor, self.controller.estimates.verify_s)
         tokens, parents = drafted.tokens[0][:width], drafted.parents[:width]
-        verified, verify_s, trial = await self._verify_while_drafter_idles(tokens, parents)
+        verified, verify_s, trial, _ = await self._verify_while_drafter_idles(tokens, parents)
         logits = self._target_rows(verified)
         verdict = self._verdict(tokens, parents, logits, _no_draft_rows)
         calibration.observe(float(sum(acceptance[:width])), len(verdict.path))

@@ -43,6 +43,12 @@ class WorkerPair:
     def head(self) -> bool:
         return self.feature_slot >= 0
 
+    @property
+    def verifier_on_cpu(self) -> bool:
+        """Whether the verifier computes on the CPU (its device as its worker reported it),
+        where the daemon's own work beside a verification takes cycles from it."""
+        return self.verifier.ready.device.startswith("cpu")
+
 
 class FeatureBook:
     """The target's features (rows by sequence position) the drafter has not been given."""
@@ -239,9 +245,9 @@ class VerifierSide:
         """The call evaluating a draft tree below the bonus (logits row 0: after the bonus,
         where the draft grows from), committing the last round's path first; on the
         drafter's cores too when ``spare_cores``; each row's argmax alone with
-        ``argmax_only``."""
+        ``argmax_only``. The command is sent now: the coroutine awaits its reply."""
         self._tree = [self.bonus, *tokens]
-        return self.client.call(m.VerifyTree(
+        return self.client.post(m.VerifyTree(
             request=self.client.next_request(), tokens=self._tree,
             parents=[-1, *(p + 1 for p in parents)], out=self.slot, commit=self._keep,
             spare_cores=spare_cores, features_out=self.feature_slot,

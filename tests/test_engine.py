@@ -370,6 +370,22 @@ def test_a_rounds_overhead_counts_the_time_between_its_calls_outside_it(arena) -
     assert overheads[len(overheads) // 2] >= 0.004
 
 
+def test_the_rules_would_be_k_is_the_same_beside_a_gpu_verification(arena) -> None:
+    """Beside a verifier off the CPU the daemon weighs the rule's would-be k from the
+    draft's rows while the verification runs, not after it: the same k every round."""
+    picked = []
+    for device in ("cpu", "cuda:0"):
+        pair, reference = workers(arena, noise=1.0)
+        pair.verifier.ready = msgspec.structs.replace(pair.verifier.ready, device=device)
+        assert pair.verifier_on_cpu == (device == "cpu")
+        controller = Recording([Plan(4)])
+        result, _, _ = decode(pair, controller)
+        assert result.tokens == reference.greedy(PROMPT, 40)
+        picked.append([r.rule_k for r in controller.reports if r.gamma])
+    assert picked[0] == picked[1]
+    assert any(k is not None and k > 1 for k in picked[0])
+
+
 def test_sampled_rounds_draw_from_the_request_seed(arena) -> None:
     """Same seed, same plan: the same tokens (the drafter's and the verifier's streams are
     both seeded by the request)."""
