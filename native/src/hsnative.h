@@ -160,9 +160,10 @@ int hs_draft_chain(const hs_model *m, int count, int32_t *tokens, int position, 
  * forward of all their rows a step (the chains of a branched draft): tokens[0..branches)
  * are the first tokens, at `position`; row j of step i sits in slot start + i * branches + j
  * and sees slots 0..n_prefix-1, `base` and its own branch's nodes up to itself; its argmax
- * becomes tokens[(i + 1) * branches + j]. `logits`: count x branches rows, step by step; `probs` (or
- * NULL): each row's softmax, row j of step i at probs + j * branch_stride + i * vocab (a
- * branches x steps x vocab array's rows from step 1 on). Returns 0, or -1 for bad input. */
+ * becomes tokens[(i + 1) * branches + j]. `logits`: count x branches rows, step by step;
+ * `probs` (or NULL): each row's softmax, row j of step i at probs + j * branch_stride +
+ * i * vocab (a branches x steps x vocab array's rows from step 1 on). Returns 0, or -1 for
+ * bad input. */
 int hs_draft_branches(const hs_model *m, int branches, int count, int32_t *tokens, int position,
                       int start, int n_prefix, const int32_t *base, int n_base, float *logits,
                       float *probs, long long branch_stride, int threads);
