@@ -265,8 +265,13 @@ class Decoder:
         if rule_rows is not None and beside is None:
             rule_k = self._rule_would_pick(rule_rows)
         self._post_next_draft(remaining - len(emitted), stopped)  # the draft's rows are read
+        first_branch = None
+        if branches > 1:  # the path's first node is on the first branch, or it missed there
+            on_first = bool(verdict.path) and origin[verdict.path[0]][0] == 0
+            first_branch = len(verdict.path) if on_first else 0
         report = RoundReport(
-            gamma, branches, len(verdict.path), rule=plan.rule, rule_k=rule_k, drafts=(draft,),
+            gamma, branches, len(verdict.path), rule=plan.rule, rule_k=rule_k,
+            first_branch_accepted=first_branch, drafts=(draft,),
             verify_width=width, verify_s=0.0 if trial else verify_s,
             verify_compute_s=verified.elapsed_ms / 1000,
             overhead_s=time.perf_counter() - self.settled_at - draft_s - verify_s)  # fmt: skip

@@ -10,10 +10,10 @@
 - A verification: through windowed medians per tree width (weighted by their samples), the
   verifier's profile raised and stretched to them where it was measured, else a line.
 - Acceptance by depth (and at depth 1 by branch count, and by the branch count the rule picks):
-  exponentially decayed counts, so old behaviour fades within a few dozen rounds. Below a
-  branched round's first token, acceptance is counted apart, with the chains' as its prior:
-  a round branches where the text is hard for the draft, and there its later tokens are
-  accepted less (docs/design-notes.md, "Draft step cost").
+  exponentially decayed counts, so old behaviour fades within a few dozen rounds. A branched
+  round also counts at depth 1 for one branch: its first branch holds the draft's own
+  choices, the chain a one-branch round would have drafted, so chains' acceptance follows the
+  text while branches are drafted (docs/design-notes.md, "Chains learned while branching").
 - The target alone: its seconds per token, kept apart from the verify line (a verifier that
   did not wait for a draft answers faster), never forgotten but stale after
   ``alone_max_age`` rounds: the controller then measures it again.
@@ -152,7 +152,6 @@ class Estimates:
         self._alone = self._median(c.alone_max_age, keep_last=True)
         self._alone_compute = self._median(c.alone_max_age, keep_last=True)
         self._depth = DecayedRate(c.max_gamma + 1)  # index: depth (1-based)
-        self._branched_depth = DecayedRate(c.max_gamma + 1)  # depths >= 2 of branched rounds
         # a draft step of b branches against the chains' level at the time (b >= 2)
         self._branch_ratio: dict[int, WindowedMedian] = {}
         self._first = DecayedRate(c.max_branches + 1)  # depth 1, by branch count
@@ -211,9 +210,13 @@ class Estimates:
             rate.decay(decay)
         self._rule_picked *= decay
         accepted = report.accepted
-        depths = self._branched_depth if report.branches > 1 else self._depth
-        for depth in range(2 if report.rule else 1, min(report.gamma, accepted + 1) + 1):
-            depths.add(depth, depth <= accepted)
+        for depth in range(2, min(report.gamma, accepted + 1) + 1):
+            self._depth.add(depth, depth <= accepted)
+        # a round's first branch holds the draft's own choices: a chain's first token, also
+        # where branches were drafted (the rule's rounds of one branch are such chains too)
+        first_branch = accepted if report.branches == 1 else report.first_branch_accepted
+        if (report.rule or report.branches > 1) and first_branch is not None:
+            self._first.add(1, first_branch >= 1)
         branches, rule_k = min(report.branches, top), report.rule_k
         if report.rule:
             rule_k = branches
@@ -234,7 +237,7 @@ class Estimates:
                 rate.cap(rounds)
 
     def _rates(self) -> tuple[DecayedRate, ...]:
-        return (self._depth, self._branched_depth, self._first, self._rule_first,
+        return (self._depth, self._first, self._rule_first,
                 self._single_first)  # fmt: skip
 
     def assume_verifier(self, seconds_by_width: dict[int, float]) -> None:
@@ -394,22 +397,18 @@ class Estimates:
     def reach(self, branches: int, first: float | None = None,
               deeper: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
         """[depth]: P(the first depth tokens accepted), depth 0 .. max_gamma + 1 (``deeper``:
-        ``_deeper_acceptance(branches > 1)``, where the caller has it)."""
+        ``_deeper_acceptance()``, where the caller has it)."""
         steps = np.empty(self.config.max_gamma + 2)
         steps[0] = 1.0
         steps[1] = first if first is not None else self.acceptance(1, branches)
-        steps[2:] = self._deeper_acceptance(branches > 1) if deeper is None else deeper
+        steps[2:] = self._deeper_acceptance() if deeper is None else deeper
         return np.cumprod(steps)
 
-    def _deeper_acceptance(self, branched: bool = False) -> np.ndarray:
-        """acceptance(d) for d = 2 .. max_gamma + 1 (the last depth's for the one beyond);
-        ``branched``: below a branched round's first token, the chains' rates its prior."""
+    def _deeper_acceptance(self) -> np.ndarray:
+        """acceptance(d) for d = 2 .. max_gamma + 1 (the last depth's for the one beyond)."""
         config, top = self.config, self.config.max_gamma
         deeper = np.minimum(np.arange(2, top + 2), top)
-        chains = self._depth.rate(deeper, config.prior_acceptance, config.prior_weight)
-        if not branched:
-            return chains
-        return self._branched_depth.rate(deeper, chains, config.prior_weight)
+        return self._depth.rate(deeper, config.prior_acceptance, config.prior_weight)
 
     # ------------------------------------------------------------ the model
 
@@ -420,10 +419,10 @@ class Estimates:
         verify = {o: self._verify_or_stand_in(o) for o in (False, True)}
         if step[False] is None or verify[False] is None:
             return None
-        deeper = {b: self._deeper_acceptance(b) for b in (False, True)}  # by "branched"
+        deeper = self._deeper_acceptance()
         branches = range(1, self.config.max_branches + 1)
         reach = np.stack([np.zeros(self.config.max_gamma + 2)]
-                         + [self.reach(b, deeper=deeper[b > 1]) for b in branches])  # fmt: skip
+                         + [self.reach(b, deeper=deeper) for b in branches])  # fmt: skip
         overhead = self._overhead.value or 0.0
         if self._alone.value:
             alone = self._alone.value
@@ -431,7 +430,7 @@ class Estimates:
             alone = float(self._profile.at(1))
         else:
             alone = float(verify[False].at(1)) + overhead
-        shares = tuple(RuleShare(k, share, self.reach(k, self.rule_acceptance(k), deeper[k > 1]))
+        shares = tuple(RuleShare(k, share, self.reach(k, self.rule_acceptance(k), deeper))
                        for k, share in self.rule_shares()) if rule else ()  # fmt: skip
         latency = {o: self.draft_latency_s(o) for o in (False, True)}
         return CostModel(step, latency, verify, reach, overhead, self.branch_factor(), alone,

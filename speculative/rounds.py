@@ -57,6 +57,9 @@ class RoundReport:
     accepted: int
     rule: bool = False  # drafted by the uncertainty rule
     rule_k: int | None = None  # a single-branch draft: the branch count the rule would pick
+    # several branches: the drafted tokens the first branch kept (0: it missed at once; None:
+    # not known). The first branch holds the draft's own choices, a one-branch round's chain
+    first_branch_accepted: int | None = None
     drafts: tuple[DraftCall, ...] = ()
     verify_width: int = 0  # nodes verified: the pending bonus and the draft
     verify_s: float = 0.0  # 0: not what such a round costs (a trial of the other core choice)

@@ -436,3 +436,24 @@ def test_a_draft_head_gets_the_targets_feature_before_every_token(kind, temperat
         assert checking.features_checked >= len(PROMPT) + sum(len(c.append) for c in appends)
     finally:
         arena.close()
+
+
+def test_a_branched_round_reports_what_its_first_branch_kept_as_a_chain_would(arena) -> None:
+    """The first branch holds the draft's own choices: it keeps what a one-branch round
+    drafted at the same place keeps, whichever branch the target followed (the controller
+    learns chains' acceptance from it while it drafts branches)."""
+    later_branch_won = 0
+    for seed in range(8):
+        first_rounds = {}
+        for plan in (Plan(4), Plan(4, 3)):
+            pair, _ = workers(arena, noise=2.0, seed=seed)
+            reports: list[RoundReport] = []
+            decode(pair, BudgetController(), plan=plan, max_tokens=8,
+                   log=lambda _plan, report, into=reports, **_: into.append(report))  # fmt: skip
+            first_rounds[plan.branches] = reports[0]
+        chain, branched = first_rounds[1], first_rounds[3]
+        assert chain.first_branch_accepted is None
+        assert branched.first_branch_accepted == chain.accepted
+        assert branched.accepted >= chain.accepted
+        later_branch_won += branched.accepted > 0 and branched.first_branch_accepted == 0
+    assert later_branch_won  # the seeds cover a round won by a later branch
