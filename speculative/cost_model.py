@@ -159,14 +159,19 @@ class CostModel:
         """Expected (tokens, seconds) of rounds drafted by the rule with these budgets (an
         array weighs them all in one call)."""
         budget = np.asarray(budget)
-        tokens, seconds = np.zeros(budget.shape), np.full(budget.shape, self.overhead_s)
-        for share in self.rule:
-            k = np.minimum(share.k, budget)
-            length = np.maximum(1, budget // k)  # branch_length, elementwise
-            forwards = np.where(k == 1, budget, length + 1)
-            accepted = np.cumsum(share.reach)  # [d]: 1 + sum of reach[1..d]
-            tokens += share.share * accepted[length]
-            verify = self.verify[False].at(k * length + 1)
-            verify = verify * np.where(k > 1, self.branched_verify, 1.0)
-            seconds += share.share * (self.draft_s(forwards, k) + verify)
+        if not self.rule:
+            return np.zeros(budget.shape), np.full(budget.shape, self.overhead_s)
+        # one row per branch count the rule picks, one column per budget (in one pass: the
+        # controller weighs every budget each round)
+        column = (-1,) + (1,) * budget.ndim
+        share = np.array([s.share for s in self.rule]).reshape(column)
+        k = np.minimum(np.array([s.k for s in self.rule]).reshape(column), budget)
+        length = np.maximum(1, budget // k)  # branch_length, elementwise
+        forwards = np.where(k == 1, budget, length + 1)
+        accepted = np.cumsum([s.reach for s in self.rule], axis=1)  # 1 + sum of reach[1..d]
+        kept = np.take_along_axis(accepted, length.reshape(len(self.rule), -1), axis=1)
+        verify = self.verify[False].at(k * length + 1)
+        verify = verify * np.where(k > 1, self.branched_verify, 1.0)
+        tokens = (share * kept.reshape(length.shape)).sum(axis=0)
+        seconds = self.overhead_s + (share * (self.draft_s(forwards, k) + verify)).sum(axis=0)
         return tokens, seconds

@@ -398,11 +398,8 @@ class Estimates:
               deeper: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
         """[depth]: P(the first depth tokens accepted), depth 0 .. max_gamma + 1 (``deeper``:
         ``_deeper_acceptance()``, where the caller has it)."""
-        steps = np.empty(self.config.max_gamma + 2)
-        steps[0] = 1.0
-        steps[1] = first if first is not None else self.acceptance(1, branches)
-        steps[2:] = self._deeper_acceptance() if deeper is None else deeper
-        return np.cumprod(steps)
+        first = first if first is not None else self.acceptance(1, branches)
+        return _reach_rows([first], self._deeper_acceptance() if deeper is None else deeper)[0]
 
     def _deeper_acceptance(self) -> np.ndarray:
         """acceptance(d) for d = 2 .. max_gamma + 1 (the last depth's for the one beyond)."""
@@ -421,8 +418,8 @@ class Estimates:
             return None
         deeper = self._deeper_acceptance()
         branches = range(1, self.config.max_branches + 1)
-        reach = np.stack([np.zeros(self.config.max_gamma + 2)]
-                         + [self.reach(b, deeper=deeper) for b in branches])  # fmt: skip
+        reach = _reach_rows([0.0] + [self.acceptance(1, b) for b in branches], deeper)
+        reach[0] = 0.0  # unused: no round drafts zero branches
         overhead = self._overhead.value or 0.0
         if self._alone.value:
             alone = self._alone.value
@@ -430,8 +427,12 @@ class Estimates:
             alone = float(self._profile.at(1))
         else:
             alone = float(verify[False].at(1)) + overhead
-        shares = tuple(RuleShare(k, share, self.reach(k, self.rule_acceptance(k), deeper))
-                       for k, share in self.rule_shares()) if rule else ()  # fmt: skip
+        shares = ()
+        if rule:
+            picked = self.rule_shares()
+            rows = _reach_rows([self.rule_acceptance(k) for k, _ in picked], deeper)
+            shares = tuple(RuleShare(k, share, row)
+                           for (k, share), row in zip(picked, rows, strict=True))  # fmt: skip
         latency = {o: self.draft_latency_s(o) for o in (False, True)}
         return CostModel(step, latency, verify, reach, overhead, self.branch_factor(), alone,
                          shares, self.branched_verify(verify[False]))  # fmt: skip
@@ -489,6 +490,16 @@ def _fit_profile(profile: ProfileCurve, widths: np.ndarray, times: np.ndarray,
                 return ProfiledVerify(profile, mean_t - scale * mean_p, scale, floor)
     scale = float((weights * times).sum() / (weights * expected).sum())
     return ProfiledVerify(profile, 0.0, scale, floor)
+
+
+def _reach_rows(firsts: list[float], deeper: np.ndarray) -> np.ndarray:
+    """[row, depth]: P(the first depth tokens accepted), depth 0 .. max_gamma + 1, for each
+    first-token acceptance in ``firsts`` over the same later depths (``deeper``)."""
+    steps = np.empty((len(firsts), len(deeper) + 2))
+    steps[:, 0] = 1.0
+    steps[:, 1] = firsts
+    steps[:, 2:] = deeper
+    return np.cumprod(steps, axis=1)
 
 
 def _scaled(line: VerifyCost, factor: float) -> VerifyCost:
