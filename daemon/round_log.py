@@ -4,7 +4,8 @@ Off unless the ``round_log`` setting names a file. A line holds the request's id
 the plan the round ran with what the controller expected of it (``expected_tokens``,
 ``round_s``; a request's fixed gamma expects nothing), and the round's report: what it
 drafted, accepted and cost (``speculative/rounds.py``). ``python -m
-hetspec.daemon.round_log FILE`` summarizes a file.
+hetspec.daemon.round_log FILE`` summarizes a file: per mode, then per mode and kind of
+round (chains, branches, the rule's, overlapped, the target alone).
 """
 
 from __future__ import annotations
@@ -91,6 +92,50 @@ def summary(lines: list[RoundLine]) -> str:
     return "\n".join(rows)
 
 
+def kind_of(line: RoundLine) -> str:
+    """A round's kind, as the controller weighs them."""
+    plan = line.plan
+    if not plan.gamma:
+        return "alone"
+    if plan.rule:
+        return "rule"
+    if plan.overlap:
+        return "overlapped"
+    return "chain" if plan.branches == 1 else f"{plan.branches} branches"
+
+
+def kinds(lines: list[RoundLine]) -> str:
+    """Per mode and kind of round: its share of the mode's time, and what the controller
+    expected of such rounds against what they gave (a kind it chose more than it paid shows
+    here: e.g. branched rounds on text their first branch accepted whole)."""
+    groups: dict[tuple[str, str], list[RoundLine]] = defaultdict(list)
+    for line in lines:
+        groups[line.mode, kind_of(line)].append(line)
+    spent = defaultdict(float)
+    for (mode, _), group in groups.items():
+        spent[mode] += sum(line.seconds for line in group)
+    rows = ["| mode | kind | rounds | share of time | mean gamma | tokens a round, expected | "
+            "kept | ms a round, expected | measured | tokens/s |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for (mode, kind), group in sorted(groups.items()):
+        seconds = sum(line.seconds for line in group)
+        priced = [line for line in group if line.plan.round_s > 0]
+        expected_tokens = _mean([line.plan.expected_tokens for line in priced])
+        # the target alone is priced a token, and decodes several a call
+        per_call = [line.plan.round_s * 1000 * (line.emitted if kind == "alone" else 1)
+                    for line in priced]  # fmt: skip
+        expected_ms = _mean(per_call)
+        if kind == "alone":
+            expected_tokens = "-"
+        rate = sum(line.emitted for line in group) / seconds if seconds > 0 else 0.0
+        share = seconds / spent[mode] if spent[mode] > 0 else 0.0
+        rows.append(f"| {mode} | {kind} | {len(group)} | {share:.0%} | "
+                    f"{_mean([line.report.gamma for line in group])} | {expected_tokens} | "
+                    f"{_mean([line.emitted for line in group])} | {expected_ms} | "
+                    f"{_mean([line.seconds * 1000 for line in group])} | {rate:.1f} |")  # fmt: skip
+    return "\n".join(rows)
+
+
 def _mean(values: list[float]) -> str:
     return f"{sum(values) / len(values):.2f}" if values else "-"
 
@@ -106,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"round_log: cannot read {args.file}: {error.strerror}", file=sys.stderr)
         return 1
     print(summary(lines))
+    print()
+    print(kinds(lines))
     return 0
 
 

@@ -10,6 +10,7 @@ from test_engine import PROMPT, decode, workers
 from hetspec.daemon import round_log
 from hetspec.daemon.round_log import RoundLog
 from hetspec.speculative.budget import BudgetController, ControllerConfig
+from hetspec.speculative.rounds import Plan
 
 
 def test_each_round_is_a_line_with_its_plan_report_and_time(arena, tmp_path) -> None:
@@ -53,3 +54,26 @@ def test_a_line_cut_short_is_skipped_and_a_missing_file_is_one_clear_line(
 def test_a_round_log_that_cannot_be_opened_says_which_and_why(tmp_path) -> None:
     with pytest.raises(OSError, match=r"cannot open round_log .*missing/rounds.jsonl: No such"):
         RoundLog(tmp_path / "missing" / "rounds.jsonl")
+
+
+def test_the_summary_tells_each_kind_of_round_apart(arena, tmp_path) -> None:
+    """Per mode and kind: its rounds, its share of the mode's time, tokens kept a round."""
+    path = tmp_path / "rounds.jsonl"
+    log = RoundLog(path)
+    for plan, mode in ((Plan(3), "sequential"), (Plan(2, 2), "sequential"), (Plan(0), "adaptive")):
+        pair, _ = workers(arena, noise=0.5)
+        decode(pair, BudgetController(), plan=plan, max_tokens=20,
+               log=functools.partial(log.write, "run", mode))  # fmt: skip
+    log.close()
+    lines = round_log.read(path)
+    rows = {tuple(cell.strip() for cell in row.split("|")[1:4]): row
+            for row in round_log.kinds(lines).splitlines()[2:]}  # fmt: skip
+    counted = {kind: int(rounds) for (mode, kind, rounds) in rows if mode == "sequential"}
+    assert counted == {
+        "chain": sum(1 for line in lines if line.mode == "sequential" and line.plan.branches == 1),
+        "2 branches": sum(1 for line in lines if line.plan.branches == 2),
+    }
+    (alone,) = [row for (_, kind, _), row in rows.items() if kind == "alone"]
+    assert alone.startswith("| adaptive | alone |")
+    assert "| 100% |" in alone  # the mode's only kind
+    assert sum(line.emitted for line in lines if line.plan.branches == 2) > 0
