@@ -212,17 +212,16 @@ class Estimates:
         accepted = report.accepted
         for depth in range(2, min(report.gamma, accepted + 1) + 1):
             self._depth.add(depth, depth <= accepted)
-        # a round's first branch holds the draft's own choices: a chain's first token, also
-        # where branches were drafted (the rule's rounds of one branch are such chains too)
-        first_branch = accepted if report.branches == 1 else report.first_branch_accepted
-        if (report.rule or report.branches > 1) and first_branch is not None:
-            self._first.add(1, first_branch >= 1)
         branches, rule_k = min(report.branches, top), report.rule_k
         if report.rule:
             rule_k = branches
             self._rule_first.add(branches, accepted >= 1)
-        else:
+        elif branches > 1:
             self._first.add(branches, accepted >= 1)
+        # every round's first branch holds the draft's own choices: a chain's first token
+        first_branch = accepted if branches == 1 else report.first_branch_accepted
+        if first_branch is not None:
+            self._first.add(1, first_branch >= 1)
         if rule_k is not None:
             rule_k = min(max(rule_k, 1), top)
             self._rule_picked[rule_k] += 1
