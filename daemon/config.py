@@ -179,6 +179,10 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # cores too whenever the drafter has nothing to do: the target decoding alone, a plain
     # round's verification (see workers/spare_cores.py). False keeps each on its own cores.
     lend_cores: bool = True
+    # Where both workers compute on the CPU, the daemon keeps off the drafter's cores: its
+    # work between calls overlaps the draft, and on the drafter's core it delays it (see
+    # cores.daemon_cores). False: wherever the scheduler puts it.
+    daemon_off_drafter_cores: bool = True
     # The native kernels' most capable instruction level (either worker): "best", the best
     # this CPU runs, or a cap: "vnni" (AVX-512 VNNI), "avx_vnni", "avx2", "portable"; on
     # aarch64 "dotprod" or "portable". Every x86 SIMD level gives the same bits; a cap is for

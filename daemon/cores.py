@@ -38,6 +38,17 @@ def split_cores(owned: Sequence[int], cuda: bool) -> tuple[list[int], list[int]]
     return cores[half:], cores[:half]
 
 
+def daemon_cores(owned: set[int], drafter_cores: Sequence[int], cuda: bool) -> set[int] | None:
+    """The cores the daemon's event loop keeps to, or None to leave it where the scheduler
+    puts it. Where both workers compute on the CPU, the daemon works (the next round's plan,
+    a round's bookkeeping, streaming) while the drafter drafts and the verifier idles: on the
+    drafter's cores that work delays the draft's start, or stalls a thread the others wait
+    on, so it keeps to the cores the drafter does not own. With CUDA the only such core is
+    the GPU worker's, which polls between calls: there the scheduler chooses."""
+    free = set(owned) - set(drafter_cores)
+    return free if free and not cuda else None
+
+
 def check_cores(name: str, cores: Sequence[int], threads: int | None, owned: set[int]) -> None:
     """Refuse cores the daemon does not own, and more threads than cores."""
     if not cores:

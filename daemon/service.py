@@ -35,7 +35,7 @@ from hetspec.daemon.api_openai import openai_routes
 from hetspec.daemon.autoregressive import generate
 from hetspec.daemon.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from hetspec.daemon.config import BUNDLED_MODELS, DaemonConfig
-from hetspec.daemon.cores import CoreError
+from hetspec.daemon.cores import CoreError, cuda_present, daemon_cores, owned_cores
 from hetspec.daemon.engine import Decoder, WorkerPair
 from hetspec.daemon.head_choice import HeadChoiceError
 from hetspec.daemon.http_guard import GuardedRunner
@@ -65,7 +65,7 @@ from hetspec.daemon.supervisor import (
     worker_specs,
 )
 from hetspec.daemon.systemd import Notifier, activated_sockets, watchdog_loop
-from hetspec.daemon.worker_client import WorkerClient, WorkerDied
+from hetspec.daemon.worker_client import WorkerClient, WorkerDied, WorkerSpec
 from hetspec.protocol.arena import Arena, ArenaError
 from hetspec.speculative.budget import BudgetController, ControllerConfig
 from hetspec.speculative.core_choice import SpareCoreChoice
@@ -199,6 +199,7 @@ class Service:
             controller.assume_overlap_factor(overlap_factor)
         self.notifier.status("loading the models")
         await self._start_workers(specs, features=decision.runtime == "head")
+        self._keep_off_drafter(specs[roles(self.config.placement).drafter])
 
     async def _start_workers(self, specs: dict, *, features: bool = False) -> None:
         """The arena (a slot holds a tree's probability rows, or with ``features`` its
@@ -213,6 +214,22 @@ class Service:
         self.supervisor = Supervisor(self.config, specs, self.instance.runtime_dir,
                                      self.arena.layout)  # fmt: skip
         await self.supervisor.start()
+
+    def _keep_off_drafter(self, drafter: WorkerSpec) -> None:
+        """Move the event loop off ``drafter``'s cores where that is the better place
+        (``daemon_cores``); the workers, started already, keep their own."""
+        if not self.config.daemon_off_drafter_cores:
+            return
+        cuda = cuda_present(self.config.gpu_worker.device)
+        cores = daemon_cores(owned_cores(), drafter.cores, cuda)
+        if cores is None:
+            return
+        try:
+            os.sched_setaffinity(0, cores)
+        except OSError as error:  # a cpuset changed under us: stay where we are
+            log.warning("cannot keep off the drafter's cores", error=str(error))
+            return
+        log.info("daemon cores", cores=sorted(cores), drafter_cores=list(drafter.cores))
 
     async def _load_pipeline(self) -> None:
         """The drafter's worker, then the pipeline's stages (which verify instead of a
@@ -369,8 +386,10 @@ class Service:
                                  "device": client.ready.device if client.ready else None,
                                  "model": client.spec.model, "cores": list(client.spec.cores),
                                  "spare_cores": list(client.spec.spare_cores)}  # fmt: skip
+        daemon = {"pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0))}
         status = "ready" if ready else ("draining" if self.draining else "loading")
-        health = {"status": status, "version": __version__, "workers": workers}
+        health = {"status": status, "version": __version__, "workers": workers,
+                  "daemon": daemon}  # fmt: skip
         if self.pipeline is not None:
             health["pipeline"] = self.pipeline.health()
         return health

@@ -170,6 +170,10 @@ def test_the_ready_daemon_serves_the_targets_own_greedy_output(daemon, models) -
     assert not set(cpu["cores"]) & set(gpu["cores"]) or len(os.sched_getaffinity(0)) == 1
     if gpu["device"] == "cpu" and len(os.sched_getaffinity(0)) >= 2:  # the target may borrow
         assert (gpu["spare_cores"], cpu["spare_cores"]) == (cpu["cores"], [])
+        # and the daemon works beside the drafter, not on its cores
+        off_drafter = os.sched_getaffinity(0) - set(cpu["cores"])
+        assert set(health["daemon"]["cores"]) == off_drafter
+        assert os.sched_getaffinity(health["daemon"]["pid"]) == off_drafter
 
     prompt = "def load(path):\n"
     status, body = request(

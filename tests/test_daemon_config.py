@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from hetspec.daemon.config import BUNDLED_MODELS, ConfigError, load_config, parse_value
-from hetspec.daemon.cores import CoreError, check_cores, owned_cores, split_cores
+from hetspec.daemon.cores import CoreError, check_cores, daemon_cores, owned_cores, split_cores
 from hetspec.daemon.slots import SlotError, SlotPool
 from hetspec.daemon.supervisor import worker_specs
 from hetspec.protocol.worker_messages import MatmulTiling
@@ -97,6 +97,13 @@ def test_cores_are_split_by_what_the_gpu_worker_computes_on() -> None:
         check_cores("cpu_worker", [7], None, owned={0, 1})
     with pytest.raises(CoreError, match="threads = 3 exceeds its 2 cores"):
         check_cores("cpu_worker", [0, 1], 3, owned={0, 1})
+
+
+def test_the_daemon_keeps_off_a_cpu_drafters_cores_only() -> None:
+    assert daemon_cores({0, 1}, [1], cuda=False) == {0}  # the verifier's core
+    assert daemon_cores({0, 1, 2, 3, 4}, [2, 3], cuda=False) == {0, 1, 4}
+    assert daemon_cores({5}, [5], cuda=False) is None  # one core: nowhere else to go
+    assert daemon_cores({0, 1, 2, 3}, [1, 2, 3], cuda=True) is None  # the GPU worker's core
 
 
 @pytest.mark.skipif(len(owned_cores()) < 2, reason="needs two cores to split")
