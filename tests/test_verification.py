@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from hetspec.speculative.samplers import KeyedSampler
 from hetspec.speculative.tree import depths, is_path
-from hetspec.speculative.verify import verify_greedy, verify_keyed, verify_sampling
+from hetspec.speculative.verify import _walk, verify_greedy, verify_keyed, verify_sampling
 
 # chi-square critical values at p = 0.001 (no scipy here): a correct sampler fails 1 in 1000
 CHI2_CRITICAL_0001 = {4: 18.467, 24: 51.179}
@@ -105,9 +105,25 @@ def test_drafts_from_the_target_itself_are_always_accepted() -> None:
     assert verdict.path == [0, 1, 2]
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=10), st.lists(st.integers(0, 3), min_size=11,
+                                                        max_size=11))  # fmt: skip
+def test_a_chain_against_choices_is_the_tree_walks_verdict(tokens, choices) -> None:
+    """The one-branch shortcut (plain Python) agrees with the general walk, from lists and
+    from arrays."""
+    parents = list(range(-1, len(tokens) - 1))
+    rows = np.array(choices[: len(tokens) + 1])
+    walked = _walk(tokens, parents, rows, lambda row: int(rows[row]))
+    assert verify_greedy(tokens, parents, rows) == walked
+    assert verify_greedy(np.array(tokens, int), np.array(parents, int), rows) == walked
+    assert all(isinstance(node, int) for node in walked.path)
+
+
 def test_mismatched_rows_are_refused() -> None:
     with pytest.raises(ValueError, match="2 nodes need 3 target rows"):
         verify_greedy([1, 2], [-1, 0], np.zeros((2, 4)))
+    with pytest.raises(ValueError, match="2 nodes need 3 target rows"):
+        verify_greedy([1, 2], [-1, 0], np.zeros(2, int))  # choices: the chain's shortcut
     with pytest.raises(ValueError, match="2 nodes need 2 draft rows"):
         verify_sampling(
             [1, 2], [-1, 0], np.zeros((1, 4)), np.zeros((3, 4)), np.random.default_rng()
