@@ -254,7 +254,7 @@ class Decoder:
         beside = None if rule_rows is None or self.pair.verifier_on_cpu else (
             lambda: self._rule_would_pick(rule_rows))  # fmt: skip
         verified, verify_s, trial, rule_k = await self._verify_while_drafter_idles(
-            tokens, parents, beside)  # fmt: skip
+            tokens, parents, remaining, beside)  # fmt: skip
         width = len(tokens) + 1
         logits = self._target_rows(verified)
         draft_rows = lambda: np.stack([probs[b, s] for b, s in origin])  # noqa: E731
@@ -278,11 +278,12 @@ class Decoder:
         return RoundOutcome(emitted, stopped, logprobs), report
 
     async def _verify_while_drafter_idles(self, tokens: list[int], parents: list[int],
-                                          beside=None):  # fmt: skip
+                                          remaining: int, beside=None):  # fmt: skip
         """A round's verification once its draft is done: the drafter idles, so the verifier
         may borrow its cores (the measured better choice, now and then the other as a trial).
         The reply, its seconds, whether it was such a trial (not what rounds cost), and what
-        ``beside`` (the daemon's work while the verifier computes, if any) returned."""
+        ``beside`` (the daemon's work while the verifier computes, if any) returned.
+        ``remaining``: what the request may emit from this round on."""
         cores = self.pair.verify_cores if self.pair.verifier.spec.spare_cores else None
         spare_cores = cores is not None and cores.choose()
         start = time.perf_counter()
@@ -291,6 +292,7 @@ class Decoder:
         aside = beside() if beside is not None else None
         verified, _ = await reply
         verify_s = time.perf_counter() - start
+        self._announce_next_draft(remaining)
         if cores is None:
             return verified, verify_s, False, aside
         # per one-node verification: calls of every width compare
@@ -319,7 +321,8 @@ class Decoder:
         acceptance = drafted.acceptance[:fits]
         width = best_width(acceptance, calibration.factor, self.controller.estimates.verify_s)
         tokens, parents = drafted.tokens[0][:width], drafted.parents[:width]
-        verified, verify_s, trial, _ = await self._verify_while_drafter_idles(tokens, parents)
+        verified, verify_s, trial, _ = await self._verify_while_drafter_idles(
+            tokens, parents, remaining)  # fmt: skip
         logits = self._target_rows(verified)
         verdict = self._verdict(tokens, parents, logits, _no_draft_rows)
         calibration.observe(float(sum(acceptance[:width])), len(verdict.path))
@@ -453,6 +456,17 @@ class Decoder:
         plan = _shaped(chosen, remaining)  # what ``_plan`` will make of it
         if plan.gamma > 0 and not plan.overlap:
             self.early_draft = asyncio.ensure_future(self._draft_call(plan, post=True))
+
+    def _announce_next_draft(self, remaining: int) -> None:
+        """Wake the drafter once a verification's reply is in where ``_post_next_draft`` will
+        likely send it the next draft: it waits awake through the verdict instead of waking
+        when the draft comes (where the verifier borrowed its cores, that wake-up was most
+        of a draft call's link). Wrong only where the round ends the request: a short spin."""
+        if remaining <= 1 or not self.drafter.can_post():
+            return
+        chosen = self.fixed or (self.upcoming.plan if self.upcoming is not None else None)
+        if chosen is not None and chosen.gamma > 0 and not chosen.overlap:
+            self.drafter.announce()
 
     def _drop_early_draft(self) -> None:
         """The request ended with a draft sent early for a round that will not run: it runs

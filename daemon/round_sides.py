@@ -153,6 +153,10 @@ class DrafterSide:
         return (prefill is not None and prefill.done() and not prefill.cancelled()
                 and prefill.exception() is None)  # fmt: skip
 
+    def announce(self) -> None:
+        """Wake the drafter to wait awake for a draft about to be posted."""
+        self.client.announce()
+
     def post_draft(self, gamma: int, branches: int, params: SamplingParams,
                    rule_scale: float | None = None, *, length: int,
                    waited: float = 0.0):  # fmt: skip

@@ -550,6 +550,14 @@ class WorkerClient:
                 self.spec.name, "overloaded", "its command queue is full (it stopped reading)"
             ) from None
 
+    def announce(self) -> None:
+        """Wake the worker to wait awake for a command about to be sent (the mailbox link's
+        ``announce``; nothing over ZeroMQ alone), so that the command's own wake-up is off
+        the path from now to its reply."""
+        if self._outbox is not None and not self.died.done():
+            with contextlib.suppress(OSError):  # a bell gone with the worker: nothing to wake
+                self._outbox.announce()
+
     async def call(self, command: msgspec.Struct, arrays: tuple[np.ndarray, ...] = ()):
         """Send ``command`` (whose ``request`` came from ``next_request``) and return the reply
         and its frames; raises ``WorkerError`` for a ``Failed`` reply and ``WorkerDied`` when

@@ -12,8 +12,9 @@ Publishing relies on the processor keeping stores in program order (the frames a
 before the counter that publishes them), which x86-64 guarantees and Python cannot enforce on
 weaker memory models: ``supported()`` is False elsewhere, and the link stays ZeroMQ there.
 
-Ring layout: the producer's counter (bytes ever written) at byte 0, the consumer's (bytes
-ever read) at byte 64, each on its own cache line, then ``capacity`` bytes of records. A
+Ring layout: the producer's counter (bytes ever written) at byte 0 and its announcements
+(``announce``) at byte 8, the consumer's counter (bytes ever read) at byte 64, each side's
+on its own cache line, then ``capacity`` bytes of records. A
 record is ``<u32 count, u32 size>`` (size: the whole record, 8-byte aligned), ``count`` u32
 frame lengths, then the frames. Two counts are markers: WRAP (the rest of the ring is unused,
 the next record is at its start) and DIVERTED (the next message is on the ZeroMQ socket: one
@@ -71,7 +72,7 @@ class Mailbox:
         self.memory_fd, self.bell_fd, self.capacity = memory_fd, bell_fd, capacity
         self._map = mmap.mmap(memory_fd, HEADER + capacity)
         counters = np.frombuffer(self._map, np.uint64, HEADER // 8)
-        self._written, self._read = counters[0:1], counters[8:9]
+        self._written, self._announced, self._read = counters[0:1], counters[1:2], counters[8:9]
         self._data = memoryview(self._map)[HEADER:]
         self._mask = capacity - 1
         self._closed = False
@@ -131,6 +132,12 @@ class Mailbox:
     def ring(self) -> None:
         os.eventfd_write(self.bell_fd, 1)
 
+    def announce(self) -> None:
+        """Say a message is coming soon and wake the consumer, so that it is awake (polling)
+        when the message comes instead of waking then."""
+        self._announced[0] = int(self._announced[0]) + 1
+        self.ring()
+
     def _reserve(self, size: int) -> tuple[int, int]:
         """(offset, bytes skipped): where a record of ``size`` bytes goes, after a WRAP
         marker if it would cross the ring's end (published with the record)."""
@@ -172,6 +179,12 @@ class Mailbox:
         self._read[0] = read + size
         return message
 
+    def announcements(self) -> int:
+        """How many times the producer announced a message (``announce``): a consumer that
+        remembers the count at each message it takes knows whether a wake-up announced
+        one still to come."""
+        return int(self._announced[0])
+
     def clear(self) -> None:
         """Reset the bell before draining, so that a message posted after the drain rings it
         again."""
@@ -186,7 +199,7 @@ class Mailbox:
             return
         self._closed = True
         self._data.release()
-        del self._written, self._read
+        del self._written, self._announced, self._read
         with contextlib.suppress(BufferError):  # a caller still holds a view: the GC unmaps
             self._map.close()
         for fd in (self.memory_fd, self.bell_fd):

@@ -140,8 +140,8 @@ class _Spec:
 
 @dataclass
 class InProcessWorker:
-    """The engine's view of a worker (``call``, ``post``, ``next_request``, ``ready``,
-    ``spec``)."""
+    """The engine's view of a worker (``call``, ``post``, ``announce``, ``next_request``,
+    ``ready``, ``spec``)."""
 
     name: str
     model: TableModel
@@ -151,6 +151,7 @@ class InProcessWorker:
     delays: dict = field(default_factory=dict)  # command type -> seconds its reply takes
     ran: list[str] = field(default_factory=list)
     commands: list = field(default_factory=list)
+    announced: list[int] = field(default_factory=list)  # len(commands) at each announce
 
     def __post_init__(self) -> None:
         self.spec = _Spec(self.name)
@@ -169,6 +170,10 @@ class InProcessWorker:
 
     def next_request(self) -> int:
         return next(self._ids)
+
+    def announce(self) -> None:
+        """The engine's word that a command follows (a worker process waits awake for it)."""
+        self.announced.append(len(self.commands))
 
     async def call(self, command, arrays=()):
         # a reply never comes in the same step as its command

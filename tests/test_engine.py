@@ -321,6 +321,12 @@ def test_the_next_draft_goes_out_before_a_rounds_tokens_stream(arena, kind) -> N
     assert all(drafts == rounds + 1 for rounds, drafts in streamed_mid)
     drafts = sum(isinstance(c, m.Draft) for c in pair.drafter.commands)
     assert drafts == stats.rounds  # none sent for a round that never ran
+    # each draft sent after a verification was announced when its reply came (the drafter
+    # then waits awake through the verdict); an announcement is followed by a draft, but
+    # the last round's, which found the request at its end
+    commands, announced = pair.drafter.commands, pair.drafter.announced
+    assert drafts - 1 <= len(announced) <= drafts
+    assert all(isinstance(commands[n], m.Draft) for n in announced if n < len(commands))
 
 
 def test_a_draft_sent_for_a_round_that_never_runs_leaves_the_pair_as_it_was(arena) -> None:

@@ -6,10 +6,13 @@ import select
 import stat
 import subprocess
 import sys
+import threading
+import time
 
 import msgspec
 import numpy as np
 import pytest
+import zmq
 
 from hetspec.protocol import (
     Arena,
@@ -23,6 +26,7 @@ from hetspec.protocol import (
 )
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.arena import ArenaLayout
+from hetspec.workers.process import CommandReader
 
 COMMANDS = [
     m.Load(model="/models/t", settings=m.TorchSettings(device="cpu"), arena=None),
@@ -194,3 +198,39 @@ def test_a_mailbox_reaches_another_process_and_rings_its_bell(tmp_path) -> None:
         child.kill()
         commands.close()
         replies.close()
+
+
+@needs_mailboxes
+def test_an_announced_command_finds_its_reader_awake_and_spends_the_announcement(
+    tmp_path,
+) -> None:
+    """``announce`` rings the bell and counts; a reader woken by it with nothing to read
+    waits awake for the command, and taking the command spends the announcement, so that a
+    later wake-up with nothing (a bell left from a command read while spinning) does not
+    keep the reader awake for nothing."""
+    producer = mailbox.Mailbox.create()
+    consumer = mailbox.Mailbox.attach(*producer.fds)
+    context = zmq.Context.instance()
+    reader = CommandReader(context, f"ipc://{tmp_path}/unused.sock", 0.0, print, consumer)
+    codec = Codec(m.Command)
+    try:
+        producer.announce()
+        assert consumer.announcements() == 1
+        assert select.select([consumer.bell_fd], [], [], 0)[0], "the announcement rang"
+
+        def post_later() -> None:
+            time.sleep(0.02)
+            producer.post(codec.encode(m.Tokenize(request=7, text="x")))
+            producer.ring()
+
+        poster = threading.Thread(target=post_later)
+        poster.start()
+        assert reader.next()[0].request == 7
+        poster.join()
+        assert not reader._announced()  # spent by the command it announced
+        producer.announce()
+        assert reader._announced()
+    finally:
+        reader.socket.close(linger=0)
+        producer.close()
+        consumer.close()

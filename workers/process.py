@@ -190,8 +190,13 @@ class CommandReader:
     that command was answered already. Remembering such late cancels would grow without bound.
 
     With a ``mailbox`` the commands come through it (a socket message only where a marker in
-    it says so), and spinning reads shared memory instead of asking ZeroMQ.
+    it says so), and spinning reads shared memory instead of asking ZeroMQ. A wake-up that
+    announced a command (``Mailbox.announce``: the daemon knows the next draft follows a
+    verification's verdict) but brought none is followed by a spin of ``ANNOUNCED_SPIN_S``,
+    so that the command finds the reader awake.
     """
+
+    ANNOUNCED_SPIN_S = 0.001  # the daemon posts the command ~0.1-0.5 ms after announcing it
 
     def __init__(self, context: zmq.Context, endpoint: str, spin_s: float, failed,
                  mailbox: Mailbox | None = None) -> None:  # fmt: skip
@@ -205,6 +210,7 @@ class CommandReader:
         self.codec = Codec(m.Command)
         self.failed = failed  # how to answer a malformed or cancelled command
         self.backlog: deque[tuple[msgspec.Struct, list[bytes]]] = deque()
+        self._announcements = 0  # announcements seen when the last command was taken
 
     def _take(self, frames: list[bytes]) -> None:
         try:
@@ -248,13 +254,24 @@ class CommandReader:
 
     def next(self) -> tuple[msgspec.Struct, list[bytes]]:
         self._drain()  # a Cancel that came while the last command ran stops a queued one
-        deadline = time.perf_counter() + self.spin_s
-        while not self.backlog and time.perf_counter() < deadline:
-            self._drain()
+        self._spin(self.spin_s)
         while not self.backlog:
             self._wait()
             self._drain()
+            if not self.backlog and self._announced():
+                self._spin(self.ANNOUNCED_SPIN_S)
+        if self.mailbox is not None:  # announcements made before it are this command's
+            self._announcements = self.mailbox.announcements()
         return self.backlog.popleft()
+
+    def _spin(self, seconds: float) -> None:
+        deadline = time.perf_counter() + seconds
+        while not self.backlog and time.perf_counter() < deadline:
+            self._drain()
+
+    def _announced(self) -> bool:
+        """Whether a command was announced since the last one was taken."""
+        return self.mailbox is not None and self.mailbox.announcements() != self._announcements
 
 
 class Worker:
