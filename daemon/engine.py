@@ -441,6 +441,16 @@ class Decoder:
         call = drafter.post_draft if post else drafter.draft
         return call(plan.gamma, plan.branches, self.params, scale, length=self.position)
 
+    def _next_plain_draft(self, remaining: int) -> Plan | None:
+        """The next round's plan where it is known already (fixed, or chosen ahead) and
+        drafts a plain or tree round, as ``_plan`` will shape it with ``remaining`` tokens
+        left to emit; else None."""
+        chosen = self.fixed or (self.upcoming.plan if self.upcoming is not None else None)
+        if chosen is None or remaining <= 0 or not self.drafter.can_post():
+            return None
+        plan = _shaped(chosen, remaining)
+        return plan if plan.gamma > 0 and not plan.overlap else None
+
     def _post_next_draft(self, remaining: int, stopped: bool) -> None:
         """Send the next round's draft as soon as this round's tokens are known, where that
         round drafts a plain or tree round of a plan known already (fixed, or chosen ahead):
@@ -448,24 +458,18 @@ class Decoder:
         streams the tokens out. ``remaining``: what the request may emit after this round.
         Call it once nothing more reads this round's draft rows (the next draft's replace
         them)."""
-        if stopped or remaining <= 0 or not self.drafter.can_post():
-            return
-        chosen = self.fixed or (self.upcoming.plan if self.upcoming is not None else None)
-        if chosen is None:
-            return
-        plan = _shaped(chosen, remaining)  # what ``_plan`` will make of it
-        if plan.gamma > 0 and not plan.overlap:
+        plan = None if stopped else self._next_plain_draft(remaining)
+        if plan is not None:
             self.early_draft = asyncio.ensure_future(self._draft_call(plan, post=True))
 
     def _announce_next_draft(self, remaining: int) -> None:
         """Wake the drafter once a verification's reply is in where ``_post_next_draft`` will
-        likely send it the next draft: it waits awake through the verdict instead of waking
-        when the draft comes (where the verifier borrowed its cores, that wake-up was most
-        of a draft call's link). Wrong only where the round ends the request: a short spin."""
-        if remaining <= 1 or not self.drafter.can_post():
-            return
-        chosen = self.fixed or (self.upcoming.plan if self.upcoming is not None else None)
-        if chosen is not None and chosen.gamma > 0 and not chosen.overlap:
+        likely send it the next draft (``remaining``: what the request may emit from this
+        round on, which emits at least one): it waits awake through the verdict instead of
+        waking when the draft comes (where the verifier borrowed its cores, that wake-up was
+        most of a draft call's link). Wrong only where the round ends the request: a short
+        spin."""
+        if self._next_plain_draft(remaining - 1) is not None:
             self.drafter.announce()
 
     def _drop_early_draft(self) -> None:

@@ -393,12 +393,9 @@ class Estimates:
             return [(1, 1.0)]
         return [(k, float(n / total)) for k, n in enumerate(self._rule_picked) if n > 0]
 
-    def reach(self, branches: int, first: float | None = None,
-              deeper: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
-        """[depth]: P(the first depth tokens accepted), depth 0 .. max_gamma + 1 (``deeper``:
-        ``_deeper_acceptance()``, where the caller has it)."""
-        first = first if first is not None else self.acceptance(1, branches)
-        return _reach_rows([first], self._deeper_acceptance() if deeper is None else deeper)[0]
+    def reach(self, branches: int) -> np.ndarray:
+        """[depth]: P(the first depth tokens accepted), depth 0 .. max_gamma + 1."""
+        return _reach_rows([self.acceptance(1, branches)], self._deeper_acceptance())[0]
 
     def _deeper_acceptance(self) -> np.ndarray:
         """acceptance(d) for d = 2 .. max_gamma + 1 (the last depth's for the one beyond)."""
