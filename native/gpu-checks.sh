@@ -142,6 +142,16 @@ if [[ -n "${QUICK:-}" ]]; then
     echo "BENCH_SET for the full call: '$(cat "$HETSPEC_CACHE_DIR/bench_set")'"
   }
   pick
+  # through torch.compile (inductor fuses the small kernels between the matmuls: a layer's
+  # norms, rotary, activation and residual adds), compiled at load (three forwards a span
+  # bucket: trees, gathered chains, chains in place), around the Triton matmul as one op a
+  # layer where bench_matmul found its 16-row forward faster than cuBLAS's, else cuBLAS's
+  compiled_matmul=$("$python" native/gpu-pick-settings.py --compiled-matmul "$tables")
+  compiled_with=(--matmul "$compiled_matmul")
+  [[ $compiled_matmul != triton ]] || compiled_with+=(--matmul-tiling "$tiling")
+  VERIFY_S=200 verify 1b-fixed16-compiled "$h1b" --dtype bfloat16 --fixed-width 16 --invariance \
+      --compile "${compiled_with[@]}" --profile-width 1 --shape chain,tree
+  pick
   # int8 weights (workers/torch_runtime/int8_weights.py): the same Triton kernel reading
   # one byte a weight and a scale per row, half the 1.95 GB (llama-server's Q8_0 reads 1.06
   # GB). The int8 model computes other logits, so it is no candidate for the bf16 pick: its
@@ -178,12 +188,7 @@ if [[ -n "${QUICK:-}" ]]; then
         --json "$tables/roundtrip-hold$([[ $daemon == 0 ]] || echo -daemon).json"
   done
   pick
-  # the least telling last: through torch.compile (inductor fuses the kernels between the
-  # matmuls, which stay cuBLAS's), compiled at load (three forwards a span bucket: trees,
-  # gathered chains, chains in place); then width buckets (not invariant)
-  VERIFY_S=200 verify 1b-fixed16-compiled "$h1b" --dtype bfloat16 --fixed-width 16 --invariance \
-      --compile --profile-width 1 --shape chain,tree
-  pick
+  # the least telling last: width buckets (not invariant)
   verify 1b-buckets "$h1b" --dtype bfloat16 --invariance
   # what attending in place saves: the same verifier with every chain gathering its path
   # (the third session's fixed-width rows: 1.806 ms at w = 1)

@@ -2,14 +2,16 @@
 
     python native/gpu-pick-settings.py OUT_DIR > SETTINGS
     python native/gpu-pick-settings.py --tiling OUT_DIR [TABLE] > FIELDS
+    python native/gpu-pick-settings.py --compiled-matmul OUT_DIR [TABLE] > MATMUL
 
 Reads OUT_DIR/verify-1b-fixed16{,-triton,-compiled,-split}.json (bench_verify --json) and
 prints the daemon settings (space-separated, gpu-checks.sh's BENCH_SET) of the fastest
 width-invariant verifier among those whose every invariance row, the tree's included, is
-bit-identical, with the Triton table's tiling. Fastest: the least T(1) (a token of the target
-alone) plus the slowest 16-row forward among the table's shapes (a round's verification, a
-chain's or a tree's). Nothing (cuBLAS, eager, gathered paths: the default) when no
-alternative qualifies.
+bit-identical, as each table describes its verifier (compiled, its matmul and tiling, its
+attention; an int8 table computes another model's logits and is passed over). Fastest: the
+least T(1) (a token of the target alone) plus the slowest 16-row forward among the table's
+shapes (a round's verification, a chain's or a tree's). Nothing (cuBLAS, eager, gathered
+paths: the default) when no alternative qualifies.
 
 Where OUT_DIR also holds roundtrip-spin100.json and roundtrip-spin2000.json (bench_roundtrip
 --json: a worker woken for every call, and one polling through the gap), it adds
@@ -18,10 +20,11 @@ roundtrip-hold.json and roundtrip-hold-daemon.json (the worker computing 1 ms an
 daemon sleeping through it or polling), ``daemon_spin_us=5000`` when polling saves as much.
 
 With --tiling it reads OUT_DIR/TABLE (default matmul.json; bench_matmul --json) instead and
-prints the
-Triton kernel's fastest tiling over a forward of 16 rows (a fixed-width verifier's) among
+prints the Triton kernel's fastest tiling over a forward of 16 rows (a fixed-width verifier's) among
 those that kept every row's bits, as bench_verify's --matmul-tiling takes it
-(``block_n=32,warps=8``; nothing: the default). The reasoning goes to stderr.
+(``block_n=32,warps=8``; nothing: the default). With --compiled-matmul it prints the matmul a
+verifier compiled with torch.compile should run there: ``triton`` where that tiling's 16-row
+forward beats cuBLAS's, else ``torch``. The reasoning goes to stderr.
 """
 
 from __future__ import annotations
@@ -30,12 +33,28 @@ import json
 import sys
 from pathlib import Path
 
-CANDIDATES = {  # table -> the daemon setting that runs it
-    "verify-1b-fixed16.json": "",
-    "verify-1b-fixed16-triton.json": 'gpu_worker.matmul="triton"',
-    "verify-1b-fixed16-compiled.json": "gpu_worker.compile=true",
-    "verify-1b-fixed16-split.json": 'gpu_worker.attention="split"',
-}
+CANDIDATES = (
+    "verify-1b-fixed16.json",
+    "verify-1b-fixed16-triton.json",
+    "verify-1b-fixed16-compiled.json",
+    "verify-1b-fixed16-split.json",
+)
+
+
+def settings_of(name: str, table: dict) -> str:
+    """The daemon settings that run the verifier table ``name`` describes (a table from
+    before bench_verify recorded ``compile`` says so by its name)."""
+    settings = []
+    if table.get("compile", "compiled" in name):
+        settings.append("gpu_worker.compile=true")
+    if table.get("matmul") == "triton":
+        settings.append('gpu_worker.matmul="triton"')
+        if tiling := table.get("matmul_tiling"):  # TOML's inline table, without spaces
+            fields = ",".join(f"{field}={value}" for field, value in tiling.items())
+            settings.append(f"gpu_worker.matmul_tiling={{{fields}}}")
+    if table.get("attention") == "split":
+        settings.append('gpu_worker.attention="split"')
+    return " ".join(settings)
 
 
 # a round makes two calls: 2 x 25 us is ~1.5% of the third session's ~3.5 ms rounds
@@ -96,6 +115,24 @@ def price_ms(table: dict) -> float | None:
 
 def fastest_tiling(document: dict, rows: int = 16) -> str:
     """The fastest tiling's changed fields at ``rows`` rows, among the invariant ones."""
+    best = best_tiling(document, rows)
+    return best[1] if best else ""
+
+
+def compiled_matmul(document: dict, rows: int = 16) -> str:
+    """The matmul a compiled verifier should run: "triton" where the fastest invariant
+    tiling's forward of ``rows`` rows beats cuBLAS's in bench_matmul's table, else "torch"."""
+    best = best_tiling(document, rows)
+    cublas = document["forward_us"].get(f"cuBLAS rows {rows}")
+    print(f"cuBLAS: {cublas} us a forward", file=sys.stderr)
+    if best is None or cublas is None or best[0] >= cublas:
+        return "torch"
+    return "triton"
+
+
+def best_tiling(document: dict, rows: int) -> tuple[float, str] | None:
+    """(us a forward, changed fields) of the fastest tiling at ``rows`` rows among the
+    invariant ones; None: none qualifies."""
     broken = {label.removesuffix(" invariant") for row in document["rows"]
               for label, kept in row.items()
               if label.endswith(" invariant") and not kept}  # fmt: skip
@@ -111,11 +148,11 @@ def fastest_tiling(document: dict, rows: int = 16) -> str:
             best = (us, text)
     if best is not None:
         print(f"chosen tiling: {best[1] or 'the default'} ({best[0]} us)", file=sys.stderr)
-    return best[1] if best else ""
+    return best
 
 
 def main() -> int:
-    tiling = sys.argv[1:2] == ["--tiling"]
+    tiling = sys.argv[1:2] in (["--tiling"], ["--compiled-matmul"])
     low, high = (3, 4) if tiling else (2, 2)
     if not low <= len(sys.argv) <= high or sys.argv[1] in ("-h", "--help"):
         print(__doc__, file=sys.stderr)
@@ -125,13 +162,15 @@ def main() -> int:
         try:
             document = json.loads((Path(sys.argv[2]) / name).read_text())
         except (OSError, ValueError) as error:
-            print(f"{name}: not read ({error}): the default tiling", file=sys.stderr)
+            print(f"{name}: not read ({error}): the default", file=sys.stderr)
+            print("" if sys.argv[1] == "--tiling" else "torch")
             return 0
-        print(fastest_tiling(document))
+        choose = fastest_tiling if sys.argv[1] == "--tiling" else compiled_matmul
+        print(choose(document))
         return 0
     folder = Path(sys.argv[1])
     best: tuple[float, str] | None = None
-    for name, setting in CANDIDATES.items():
+    for name in CANDIDATES:
         try:
             table = json.loads((folder / name).read_text())
         except (OSError, ValueError) as error:
@@ -146,12 +185,12 @@ def main() -> int:
             print(f"{name}: the Triton kernel refused ({table['matmul_refused']})",
                   file=sys.stderr)  # fmt: skip
             continue
+        if table.get("weights") == "int8":  # another model's text: never the bf16 target's
+            print(f"{name}: int8 weights, passed over", file=sys.stderr)
+            continue
         if price is None or not invariance or differing:
             continue
-        chosen = setting
-        if tiling := table.get("matmul_tiling"):  # TOML's inline table, without spaces
-            fields = ",".join(f"{field}={value}" for field, value in tiling.items())
-            chosen += f" gpu_worker.matmul_tiling={{{fields}}}"
+        chosen = settings_of(name, table)
         if best is None or price < best[0]:
             best = (price, chosen)
     if best is not None:

@@ -83,6 +83,14 @@ def test_a_verifier_gives_the_same_bits_alone_and_in_any_tree(folder, dtype, com
                                      compile=compile, attention=attention))  # fmt: skip
 
 
+@pytest.mark.parametrize("weights", ["dtype", "int8"])
+def test_a_compiled_verifier_through_the_triton_matmul_gives_the_same_bits(folder, weights):
+    """torch.compile around the Triton matmul (one op a layer), bf16 or int8 weights."""
+    pytest.importorskip("triton", reason="Triton is not installed")
+    check_the_same_bits(TorchRuntime(folder, device="cuda", dtype="bfloat16", verifies=True,
+                                     compile=True, matmul="triton", weights=weights))  # fmt: skip
+
+
 @pytest.mark.parametrize("attention", ["gathered", "split"])
 @pytest.mark.parametrize("name", ["gemma3", "gemma2"])
 def test_a_gemma_verifier_gives_the_same_bits_alone_and_in_any_tree(tmp_path, name,

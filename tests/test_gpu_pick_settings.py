@@ -47,6 +47,7 @@ def test_the_fastest_invariant_table_becomes_daemon_settings(tmp_path, monkeypat
     table = json.loads(cublas.read_text())
     assert len(table["invariance"]) == 4  # widths 1, 4, 16 and the 4 x 4 tree
     assert not sum(row["rows_differ"] for row in table["invariance"])
+    assert table["compile"] is False
 
     # only the default's table: nothing to set
     assert picked(out)[0] == ""
@@ -63,7 +64,7 @@ def test_the_fastest_invariant_table_becomes_daemon_settings(tmp_path, monkeypat
     assert (gpu_worker.matmul_tiling.block_n, gpu_worker.matmul_tiling.warps) == (32, 8)
 
     # a faster compiled table whose rows changed bits is passed over
-    compiled = {**triton, "matmul": "torch", "matmul_tiling": {}}
+    compiled = {**triton, "compile": True, "matmul": "torch", "matmul_tiling": {}}
     compiled["rows"] = [{**row, "median_ms": row["median_ms"] / 4} for row in table["rows"]]
     compiled["invariance"] = [{**row, "rows_differ": 1} for row in table["invariance"]]
     (out / "verify-1b-fixed16-compiled.json").write_text(json.dumps(compiled))
@@ -92,6 +93,35 @@ def test_the_fastest_invariant_table_becomes_daemon_settings(tmp_path, monkeypat
     tree["median_ms"] = 1000.0  # trees slow: back to the compiled forwards
     split.write_text(json.dumps(table))
     assert picked(out)[0] == "gpu_worker.compile=true"
+
+
+def test_a_tables_own_description_says_how_its_verifier_runs(tmp_path) -> None:
+    """Compiled around the Triton matmul with a tiling: all three settings; int8 weights:
+    another model's logits, never the pick however fast."""
+    rows = [{"width": 1, "median_ms": 2.0}, {"width": 16, "median_ms": 2.1}]
+    invariance = [{"width": 16, "rows_differ": 0}]
+    (tmp_path / "verify-1b-fixed16.json").write_text(
+        json.dumps({"rows": rows, "invariance": invariance, "compile": False, "matmul": "torch"})
+    )
+    faster = [{**row, "median_ms": row["median_ms"] / 2} for row in rows]
+    compiled = {"rows": faster, "invariance": invariance, "compile": True, "matmul": "triton",
+                "matmul_tiling": {"block_n": 32}}  # fmt: skip
+    (tmp_path / "verify-1b-fixed16-compiled.json").write_text(json.dumps(compiled))
+    settings, _ = picked(tmp_path)
+    assert settings == ('gpu_worker.compile=true gpu_worker.matmul="triton" '
+                        "gpu_worker.matmul_tiling={block_n=32}")  # fmt: skip
+    gpu_worker = daemon_config(settings).gpu_worker
+    assert (gpu_worker.compile, gpu_worker.matmul, gpu_worker.matmul_tiling.block_n) == (
+        True,
+        "triton",
+        32,
+    )
+    (tmp_path / "verify-1b-fixed16-compiled.json").write_text(
+        json.dumps({**compiled, "weights": "int8"})
+    )
+    settings, reasons = picked(tmp_path)
+    assert settings == ""
+    assert "int8 weights, passed over" in reasons
 
 
 def test_a_table_whose_triton_kernel_was_refused_is_passed_over(tmp_path) -> None:
@@ -130,6 +160,22 @@ def test_the_tiling_comes_from_bench_matmuls_table(tmp_path) -> None:
                           check=True)  # fmt: skip
     assert done.stdout.strip() == ""  # the default is the fastest there
     assert "chosen tiling: the default (400.0 us)" in done.stderr
+
+
+def test_a_compiled_verifier_runs_the_triton_matmul_where_it_beats_cublas(tmp_path) -> None:
+    document = {
+        "rows": [{"shape": "q", "a invariant": True, "b invariant": False}],
+        "forward_us": {"a rows 16": 900.0, "b rows 16": 500.0, "cuBLAS rows 16": 950.0},
+        "tilings": {"a": {"block_n": 32}, "b": {"block_k": 64}},
+    }
+    (tmp_path / "matmul.json").write_text(json.dumps(document))
+    assert picked(tmp_path, "--compiled-matmul")[0] == "triton"  # a's 900 us: b changed bits
+    document["forward_us"]["cuBLAS rows 16"] = 800.0
+    (tmp_path / "matmul.json").write_text(json.dumps(document))
+    matmul, reasons = picked(tmp_path, "--compiled-matmul")
+    assert matmul == "torch"
+    assert "cuBLAS: 800.0 us a forward" in reasons
+    assert picked(tmp_path / "absent", "--compiled-matmul")[0] == "torch"
 
 
 def test_the_worker_polls_through_a_calls_gap_where_its_wake_up_costs_more(tmp_path) -> None:

@@ -113,6 +113,26 @@ def test_an_int8_verifier_keeps_its_tokens_bits_alone_and_in_trees(interpreted, 
         assert torch.equal(alone, logits[node]), node
 
 
+@pytest.mark.slow
+def test_a_compiled_int8_verifier_tracks_the_eager_one_and_keeps_its_bits(interpreted, tmp_path):
+    """int8 weights through torch.compile: the same logits as eager int8 (the kernel is the
+    same op, the small kernels between fused), and a token's bits the same alone and in a
+    tree."""
+    folder = save_reference(build_reference("llama-linear-bias-tied"), tmp_path / "m")
+    options = {"device": "cpu", "dtype": "float32", "fixed_width": 4, "max_context": 64,
+               "weights": "int8"}  # fmt: skip
+    compiled = TorchRuntime(folder, compile=True, **options)
+    eager = TorchRuntime(folder, **options)
+    for runtime in (compiled, eager):
+        runtime.prefill(PROMPT)
+    torch.testing.assert_close(compiled.last_logits(), eager.last_logits(), rtol=1e-5, atol=1e-5)
+    tree = ([3, 4, 5, 6], [-1, 0, 0, 2])
+    logits = compiled.forward_tree(*tree).logits.clone()
+    torch.testing.assert_close(logits, eager.forward_tree(*tree).logits, rtol=1e-5, atol=1e-5)
+    compiled.discard_pending()
+    assert torch.equal(compiled.forward_tree([3, 5], [-1, 0]).logits[1], logits[2])
+
+
 def _linears(model):
     """The linear layers in model order, by their names (a plain model's, an int8 one's)."""
     kinds = (torch.nn.Linear, Int8Linear)
@@ -143,8 +163,6 @@ def test_int8_weights_are_refused_where_the_kernel_cannot_run(tmp_path, monkeypa
     with pytest.raises(ModelLoadError, match=r'weights "int8" \(read by the Triton matmul\) '
                                              "cannot run here: Triton compiles"):  # fmt: skip
         TorchRuntime(folder, device="cpu", weights="int8")
-    with pytest.raises(ModelLoadError, match="choose one"):
-        TorchRuntime(folder, device="cpu", weights="int8", compile=True)
     with pytest.raises(ModelLoadError, match='weights must be "dtype" or "int8", not'):
         TorchRuntime(folder, device="cpu", weights="int4")
 

@@ -96,14 +96,36 @@ def test_a_fixed_width_verifier_through_the_kernel_keeps_the_logits(interpreted,
     assert torch.equal(alone, logits[0])
 
 
+@pytest.mark.slow
+def test_compiled_the_kernel_stays_one_op_a_layer(interpreted, tmp_path, monkeypatch) -> None:
+    """torch.compile with matmul "triton": every linear layer of a compiled forward is still
+    the kernel (inductor fuses around it, never replaces it), the logits track eager's, and
+    a token's logits are bit-identical alone and inside a tree."""
+    folder = save_reference(build_reference("qwen3"), tmp_path / "m")
+    options = {"device": "cpu", "dtype": "float32", "fixed_width": 4, "max_context": 64,
+               "matmul": "triton"}  # fmt: skip
+    compiled = TorchRuntime(folder, compile=True, **options)
+    eager = TorchRuntime(folder, **options)
+    for runtime in (compiled, eager):
+        runtime.prefill(PROMPT)
+    calls = []
+    real = skinny_matmul.launches
+    monkeypatch.setattr(skinny_matmul, "launches", lambda *a, **k: calls.append(1) or real(*a, **k))
+    tree = ([3, 4, 5, 6], [-1, 0, 0, 2])
+    logits = compiled.forward_tree(*tree).logits.clone()  # one forward of four rows
+    layers = sum(isinstance(mod, skinny_matmul.SkinnyLinear) for mod in compiled.model.modules())
+    assert len(calls) == layers  # the output head among them
+    torch.testing.assert_close(logits, eager.forward_tree(*tree).logits, rtol=1e-4, atol=1e-4)
+    compiled.discard_pending()
+    assert torch.equal(compiled.forward_tree([3], [-1]).logits[0], logits[0])
+
+
 def test_the_kernel_is_refused_where_it_cannot_run(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     folder = save_reference(build_reference("qwen3"), tmp_path / "m")
     assert "not for cpu" in unavailable_reason(torch.device("cpu"))
     with pytest.raises(ModelLoadError, match='matmul "triton" cannot run here: Triton compiles'):
         TorchRuntime(folder, device="cpu", matmul="triton")
-    with pytest.raises(ModelLoadError, match="choose one"):
-        TorchRuntime(folder, device="cpu", matmul="triton", compile=True)
     with pytest.raises(ModelLoadError, match="matmul must be"):
         TorchRuntime(folder, device="cpu", matmul="cutlass")
 

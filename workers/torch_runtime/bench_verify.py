@@ -343,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         f"model {args.model} ({sum(p.numel() for p in runtime.model.parameters()) / 1e6:.1f}M "
         f"parameters) on {runtime.device} {str(runtime.dtype).removeprefix('torch.')}, "
         f"{torch.get_num_threads()} threads, median of {args.repeats}; "
-        f"{runtime.graphs} CUDA graphs, fixed width {runtime.fixed_width or 'none'}"
+        f"{runtime.graphs} CUDA graphs{', compiled' if args.compile else ''}, "
+        f"fixed width {runtime.fixed_width or 'none'}"
         f"{', chains in place' if runtime.chains_in_place else ''}"
         f"{', split attention' if runtime.attention == 'split' else ''}"
         f"{' (Triton kernel)' if runtime.split_kernel else ''}"
@@ -388,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
                 "chains_in_place": runtime.chains_in_place, "attention": runtime.attention,
                 "split_kernel": runtime.split_kernel,
                 "split_kernel_refused": runtime.split_kernel_refused,
+                "compile": args.compile,
                 "matmul": args.matmul, "matmul_tiling": args.matmul_tiling,
                 "weights": runtime.weights,
                 "matmul_refused": runtime.matmul_refused}  # fmt: skip

@@ -134,7 +134,8 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         at load with the graphs on CUDA), or where shapes vary each new shape's first forward.
         ``matmul`` "triton": linear layers of at most 16 rows in ``skinny_matmul`` (a GPU, or
         Triton's interpreter), cut as ``skinny_matmul.Tiling`` with ``matmul_tiling``'s
-        fields changed; not with ``compile``. ``weights`` "int8": every linear layer's
+        fields changed (with ``compile``, one opaque op each that inductor fuses around).
+        ``weights`` "int8": every linear layer's
         weight (and the output head's) in int8 with a float32 scale per output row, read
         by that kernel whatever ``matmul`` says (int8_weights.py: the int8 model's text,
         not the original's)."""
@@ -154,7 +155,7 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
                 f"{folder}: context {capacity} is outside what the model allows (1..{limit})"
             )
         self.model = self._load_model(folder)
-        self.weights = self._use_matmul(matmul, matmul_tiling, compile, weights)
+        self.weights = self._use_matmul(matmul, matmul_tiling, weights)
         self._run_model = torch.compile(self.model, dynamic=True) if compile else self.model
         if fixed_width is None:
             fixed_width = DEFAULT_FIXED_WIDTH if verifies and self.device.type == "cuda" else 0
@@ -247,8 +248,7 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         self.split_kernel_refused = problem
         return arithmetic(graphs=graphs)
 
-    def _use_matmul(self, matmul: str, tiling: dict[str, int] | None, compile: bool,
-                    weights: str) -> str:  # fmt: skip
+    def _use_matmul(self, matmul: str, tiling: dict[str, int] | None, weights: str) -> str:
         """Put the Triton kernel under the linear layers where ``matmul`` or ``weights``
         ask for it; returns the weights' format."""
         if matmul not in ("torch", "triton"):
@@ -262,9 +262,6 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
             return weights
         asked = ('weights "int8" (read by the Triton matmul)' if weights == "int8"
                  else 'matmul "triton"')  # fmt: skip
-        if compile:
-            raise ModelLoadError(f"{asked} and compile are two ways to fused kernels: "
-                                 "choose one")  # fmt: skip
         reason = skinny_matmul.unavailable_reason(self.device)
         if reason is not None:
             raise ModelLoadError(f"{asked} cannot run here: {reason}")

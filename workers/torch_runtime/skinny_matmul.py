@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 from torch import nn
@@ -287,6 +287,22 @@ def kernel_problem(weight: torch.Tensor, dtype: torch.dtype, *, scale: torch.Ten
                    "sums", "torch's")  # fmt: skip
 
 
+# torch.compile traces ``linear`` into this op: inductor cannot see into a Triton launch made
+# from Python, and as an op with a known output shape the kernel stays one call in the
+# compiled graph while the small kernels between the matmuls are fused around it.
+@torch.library.custom_op("hetspec::skinny_linear", mutates_args=())
+def _skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # noqa: PLR0917 (an op's schema)
+                      scale: torch.Tensor | None, block_n: int, block_k: int,
+                      programs_per_sm: int, warps: int, stages: int) -> torch.Tensor:  # fmt: skip
+    tiling = Tiling(block_n, block_k, programs_per_sm, warps, stages)
+    return skinny_linear(x, weight, bias, tiling, scale=scale)
+
+
+@_skinny_linear_op.register_fake
+def _(x, weight, bias, scale, block_n, block_k, programs_per_sm, warps, stages):  # noqa: PLR0917
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 class SkinnyLinear(nn.Linear):
     """``nn.Linear`` whose calls of at most ``MAX_ROWS`` rows take ``skinny_linear``, cut by
     its ``tiling``."""
@@ -304,6 +320,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     through ``skinny_linear`` for at most ``MAX_ROWS`` rows; wider calls (a prompt's prefill)
     in torch's matmul, an int8 weight widened to ``x``'s dtype for it."""
     if x.numel() <= MAX_ROWS * x.shape[-1]:
+        if torch.compiler.is_compiling():  # one opaque op in the traced graph, fused around
+            return torch.ops.hetspec.skinny_linear(x, weight, bias, scale, *astuple(tiling))
         return skinny_linear(x, weight, bias, tiling, scale=scale)
     if scale is None:
         return F.linear(x, weight, bias)
