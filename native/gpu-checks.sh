@@ -143,9 +143,10 @@ if [[ -n "${QUICK:-}" ]]; then
   }
   pick
   # through torch.compile (inductor fuses the small kernels between the matmuls: a layer's
-  # norms, rotary, activation and residual adds), compiled at load (three forwards a span
-  # bucket: trees, gathered chains, chains in place), around the Triton matmul as one op a
-  # layer where bench_matmul found its 16-row forward faster than cuBLAS's, else cuBLAS's
+  # norms, rotary, activation and residual adds), compiled at load (three forwards, each
+  # once for every span bucket: trees, gathered chains, chains in place), around the Triton
+  # matmul as one op a layer where bench_matmul found its 16-row forward faster than
+  # cuBLAS's, else cuBLAS's
   compiled_matmul=$("$python" native/gpu-pick-settings.py --compiled-matmul "$tables")
   compiled_with=(--matmul "$compiled_matmul")
   [[ $compiled_matmul != triton ]] || compiled_with+=(--matmul-tiling "$tiling")

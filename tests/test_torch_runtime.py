@@ -291,6 +291,31 @@ def test_compiled_model_gives_the_eager_logits(tmp_path) -> None:
 
 
 @pytest.mark.slow
+def test_a_compiled_verifier_compiles_a_forward_once_for_every_span(tmp_path, monkeypatch):
+    """The span reaches a compiled forward as a dynamic dimension: a chain walking through
+    three span buckets compiles each kind of forward (trees, chains gathered, chains in
+    place) once, not once a bucket, and tracks eager forwards all the way."""
+    from torch._dynamo.utils import counters  # noqa: PLC0415 (dynamo's own statistics)
+
+    monkeypatch.setattr(static_forward, "MIN_SPAN", 16)
+    folder = save_reference(build_reference("qwen3"), tmp_path / "m")
+    options = {"device": "cpu", "dtype": "float32", "fixed_width": 4, "max_context": 64}
+    before = counters["stats"]["unique_graphs"]
+    compiled = TorchRuntime(folder, compile=True, **options)
+    eager = TorchRuntime(folder, **options)
+    assert len(compiled._static.shapes.spans) == 3  # 16, 32, 64
+    for runtime in (compiled, eager):
+        runtime.prefill(PROMPT)
+    for step in range(11):  # to position 56, through every bucket: chains, then a tree
+        tree = ([3, 4, 5, 6], [-1, 0, 1, 2] if step % 2 else [-1, 0, 0, 2])
+        ours, theirs = (runtime.forward_tree(*tree).logits for runtime in (compiled, eager))
+        assert_close(ours, theirs)
+        for runtime in (compiled, eager):
+            runtime.commit([0, 1])
+    assert counters["stats"]["unique_graphs"] - before <= 3 + 1  # and the prompt's, eager shapes
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["gathered", "split"])
 def test_compiled_fixed_shapes_track_eager_and_stay_width_invariant(tmp_path, attention) -> None:
     folder = save_reference(build_reference("qwen3"), tmp_path / "m")

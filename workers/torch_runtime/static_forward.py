@@ -136,13 +136,14 @@ class StaticForward:
         compiled: bool = False,
         split_kernel: bool = False,
     ) -> None:
-        """``compiled``: each shape's forward through torch.compile (inductor fuses the small
-        kernels between the matmuls), compiled at its first call (at load where graphs are
-        captured) and, on CUDA, captured as that shape's graph. ``split_kernel``: split
+        """``compiled``: forwards through torch.compile (inductor fuses the small kernels
+        between the matmuls), compiled at the first call (at load where graphs are captured)
+        for every span bucket at once (the span a dynamic dimension) and, on CUDA, captured as
+        each shape's graph. ``split_kernel``: split
         attention (``shapes.tail_block``) in split_kernel.py's Triton kernel."""
         self.model, self.config, self.shapes = model, config, shapes
         self.split_kernel = split_kernel
-        self._compiled = torch.compile(self._compute, dynamic=False) if compiled else None
+        self._compiled = torch.compile(self._compute) if compiled else None
         self.keys, self.values, self.cos, self.sin = keys, values, cos, sin
         self.capacity = capacity
         self.dtype = keys.dtype
@@ -228,24 +229,34 @@ class StaticForward:
         host[2, n:width] = self.capacity + np.arange(n, width)  # scratch slots
 
     def _forward(self, width: int, span: int) -> None:
+        gather = self._gather[span][0]
+        masks = None if self._tail is not None else self._masks[span][0]
         if self._compiled is None:
-            self._compute(width, span)
+            self._compute(width, gather, masks)
             return
-        # a compiled graph per (width, span): more than dynamo's default limit of 8
+        # The span comes in as these tensors' last dimension, marked dynamic: one compiled
+        # graph serves every span bucket (a compile each took minutes at load for a model's
+        # whole context); each (width, span) is still its own CUDA graph.
+        torch._dynamo.maybe_mark_dynamic(gather, 1)
+        if masks is not None:
+            torch._dynamo.maybe_mark_dynamic(masks, masks.dim() - 1)
         with torch._dynamo.config.patch(recompile_limit=COMPILED_SHAPES):
-            self._compiled(width, span)
+            self._compiled(width, gather, masks)
 
-    def _compute(self, width: int, span: int) -> None:
+    def _compute(self, width: int, gather: torch.Tensor, masks: torch.Tensor | None) -> None:
+        """One forward of ``width`` rows from the staged inputs over the span of ``gather``'s
+        (paths, span) rows; ``masks`` the span's staged masks (None: split attention)."""
+        span = gather.shape[1]
         tokens, positions, slots, row_paths = self._inputs[0][:, :width]
         split = None
-        if self._tail is not None:
+        if masks is None:
             block = self.shapes.tail_block
             split = SplitRows(self._tail[0][:width], positions, block, self.split_kernel)
             masks = [None if self.split_kernel else split_bias(positions, span, block, window)
                      for window in self.windows]  # fmt: skip
         else:
-            masks = self._masks[span][0][..., :width, :]
-        paths = (self._gather[span][0], row_paths) if self.shapes.paths else None
+            masks = masks[..., :width, :]
+        paths = (gather, row_paths) if self.shapes.paths else None
         hidden = self.model(
             tokens,
             self.cos[:, positions].to(self.dtype),
