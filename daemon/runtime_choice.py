@@ -46,8 +46,12 @@ log = structlog.get_logger("hetspec.daemon.runtime_choice")
 CANDIDATES = ("llama.cpp", "native", "torch")
 # The verifications the controller chooses from, around the native kernels' steps (one pass
 # over the weights serves up to 8 rows; 5-7 leftover rows ride in a padded pass): the
-# controller fits the rounds' measured costs to this profile's shape.
-VERIFY_WIDTHS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17]
+# controller fits the rounds' measured costs to this profile's shape. Trees reach the widest
+# a slot holds (gamma x branches, up to 64 nodes), where a CPU's verification is bound by its
+# arithmetic, not the weights' bandwidth: 32 and 64 measure that slope rather than leaving it
+# to the last segment's (16 -> 17: noise, often flat, which priced a 40-node tree of
+# heavy-300m at 31 ms against the 75 it took).
+VERIFY_WIDTHS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 32, 64]
 PREFIX_TOKENS = 128
 
 

@@ -128,6 +128,8 @@ def test_auto_measures_every_runtime_chooses_the_fastest_and_reuses_the_figures(
     assert costs is not None
     assert costs[1] == chosen.median_ms[0] / 1000
     assert sorted(costs) == chosen.widths
+    # up to the widest tree a slot holds: wide trees priced by measurement, not extrapolation
+    assert max(chosen.widths) >= config.max_tree_nodes
 
     again = asyncio.run(decide_gpu_runtime(config, cache=tmp_path))
     assert again.cached
