@@ -52,6 +52,9 @@ CANDIDATES = ("llama.cpp", "native", "torch")
 # to the last segment's (16 -> 17: noise, often flat, which priced a 40-node tree of
 # heavy-300m at 31 ms against the 75 it took).
 VERIFY_WIDTHS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 32, 64]
+# On CUDA a verifier's forwards are 16 rows wide (the width-invariant default), so its cost
+# climbs a forward at 17, 33 and 49 nodes: each step's both sides.
+CUDA_VERIFY_WIDTHS = sorted({*VERIFY_WIDTHS, 33, 48, 49})
 PREFIX_TOKENS = 128
 
 
@@ -254,10 +257,11 @@ async def decide_gpu_runtime(config: DaemonConfig, log_format: str = "json",
             cached &= hit
             if isinstance(draft, RuntimeProfile):
                 draft_ms = draft.median_ms[0]
-    widths = VERIFY_WIDTHS if role == "verifier" else [1]
+    cuda = cuda_present(config.gpu_worker.device)
+    widths = (CUDA_VERIFY_WIDTHS if cuda else VERIFY_WIDTHS) if role == "verifier" else [1]
     profiles, failures = [], []
     candidates = list(CANDIDATES)
-    if cuda_present(config.gpu_worker.device):  # the GPU worker owns one core there
+    if cuda:  # the GPU worker owns one core there
         failures.append(ProbeFailure(runtime="native", message="CPU kernels only, and this "
                                      "box verifies on CUDA"))  # fmt: skip
         candidates.remove("native")

@@ -17,6 +17,8 @@ from test_lossless import BundledDaemon
 
 from hetspec.daemon.config import BUNDLED_MODELS, ConfigError, load_config
 from hetspec.daemon.runtime_choice import (
+    CUDA_VERIFY_WIDTHS,
+    VERIFY_WIDTHS,
     cache_dir,
     decide_drafter,
     decide_gpu_runtime,
@@ -149,6 +151,15 @@ def test_a_runtime_that_cannot_hold_the_model_is_skipped_with_its_reason(tmp_pat
     assert [f.runtime for f in decision.failures] == ["torch"]
     assert "gguf-only" in decision.failures[0].message
     assert "torch unusable" in decision.summary()
+
+
+def test_a_cuda_verifier_is_profiled_on_both_sides_of_each_forward_it_adds() -> None:
+    """Its forwards are 16 rows wide: a chain of 17 costs two, of 33 three. Priced from
+    16 and 32 alone, 33 would cost about 32's two forwards."""
+    assert set(VERIFY_WIDTHS) <= set(CUDA_VERIFY_WIDTHS)
+    for forwards in range(1, 4):
+        assert {16 * forwards, 16 * forwards + 1} <= set(CUDA_VERIFY_WIDTHS)
+    assert max(CUDA_VERIFY_WIDTHS) == max(VERIFY_WIDTHS) == 64
 
 
 def test_where_cuda_verifies_cpu_only_runtimes_are_not_timed(tmp_path) -> None:
