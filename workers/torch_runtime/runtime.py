@@ -135,10 +135,9 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         ``matmul`` "triton": linear layers of at most 16 rows in ``skinny_matmul`` (a GPU, or
         Triton's interpreter), cut as ``skinny_matmul.Tiling`` with ``matmul_tiling``'s
         fields changed (with ``compile``, one opaque op each that inductor fuses around).
-        ``weights`` "int8": every linear layer's
-        weight (and the output head's) in int8 with a float32 scale per output row, read
-        by that kernel whatever ``matmul`` says (int8_weights.py: the int8 model's text,
-        not the original's)."""
+        ``weights`` "int8": every linear layer's weight (and the output head's) in int8 with
+        a float32 scale per output row, read by that kernel whatever ``matmul`` says
+        (int8_weights.py: the int8 model's text, not the original's)."""
         folder = Path(model_dir)
         if not folder.is_dir():
             raise ModelLoadError(f"{folder}: not a directory")
