@@ -1,7 +1,7 @@
 """Split attention's Triton kernel in Triton's interpreter, run by tests/test_split_attention.py
 in a process of its own with TRITON_INTERPRET=1 set before anything imports Triton.
 
-    TRITON_INTERPRET=1 python tests/split_kernel_checks.py kernel|runtime
+    TRITON_INTERPRET=1 python tests/split_kernel_checks.py kernel|runtime|compiled
 """
 
 from __future__ import annotations
@@ -68,18 +68,26 @@ def kernel() -> None:
             assert torch.equal(alone[0], ours[row]), (heads, d, row)
 
 
-def runtime() -> None:
+def runtime(compile: bool = False) -> None:
+    """``compile``: through torch.compile, the kernel one op a layer in the compiled forward."""
     static_forward.MIN_SPAN = 16
     static_forward.TAIL_BLOCK = 4
     folder = save_reference(build_reference("gemma2"), Path(tempfile.mkdtemp()) / "m")
     split = TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=4,
-                         attention="split")  # fmt: skip
+                         attention="split", compile=compile)  # fmt: skip
     gathered = TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=4)
-    assert split.split_kernel
+    assert split.split_kernel, split.split_kernel_refused
     prompt = [1, 17, 42, 5, 88, 23, 9, 61, 2, 70, 33, 14, 8, 3]
     for each in (split, gathered):
         each.prefill(prompt)
     assert np.allclose(split.last_logits(), gathered.last_logits(), atol=1e-4)
+    if compile:  # the compiled forward still calls the kernel, once a layer
+        calls, kernel = [], split_kernel.split_attention
+        split_kernel.split_attention = lambda *a, **k: calls.append(1) or kernel(*a, **k)
+        split.forward_tree([3], [-1])
+        split.discard_pending()
+        split_kernel.split_attention = kernel
+        assert len(calls) == split.config.num_layers, calls
     chain, alone = [], []
     for _ in range(6):
         chain.append(int(split.last_logits().argmax()))
@@ -99,5 +107,6 @@ def runtime() -> None:
 
 
 if __name__ == "__main__":
-    {"kernel": kernel, "runtime": runtime}[sys.argv[1]]()
+    checks = {"kernel": kernel, "runtime": runtime, "compiled": lambda: runtime(compile=True)}
+    checks[sys.argv[1]]()
     print(f"{sys.argv[1]}: passed")

@@ -74,9 +74,9 @@ def test_buckets_track_float32_in_bfloat16(folder) -> None:
 @pytest.mark.parametrize(("dtype", "compile", "attention"),
                          [("bfloat16", False, "gathered"), ("float32", False, "gathered"),
                           ("bfloat16", True, "gathered"), ("bfloat16", False, "split"),
-                          ("float32", False, "split")],
+                          ("float32", False, "split"), ("bfloat16", True, "split")],
                          ids=["bf16", "f32", "bf16-compiled", "bf16-split",
-                              "f32-split"])  # fmt: skip
+                              "f32-split", "bf16-compiled-split"])  # fmt: skip
 def test_a_verifier_gives_the_same_bits_alone_and_in_any_tree(folder, dtype, compile,
                                                               attention) -> None:  # fmt: skip
     check_the_same_bits(TorchRuntime(folder, device="cuda", dtype=dtype, verifies=True,

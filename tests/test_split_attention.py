@@ -151,6 +151,13 @@ def test_a_verifier_through_the_kernel_gives_the_same_bits_alone_and_in_trees() 
     in_the_interpreter("runtime")
 
 
+@pytest.mark.slow
+def test_compiled_the_kernel_stays_one_op_a_layer_and_keeps_the_bits() -> None:
+    """torch.compile around the kernel (a custom op inductor fuses around): the same checks
+    as above, and the compiled forward still calls the kernel once a layer."""
+    in_the_interpreter("compiled")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_on_cuda_the_kernel_tracks_the_torch_arithmetic_row_by_row(dtype) -> None:

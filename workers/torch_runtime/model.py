@@ -175,7 +175,7 @@ class Attention(nn.Module):
         """Split attention of q (heads, n, d): (n, heads * d)."""
         n, scale = q.shape[1], self.scale or self.head_dim**-0.5
         if split.kernel:
-            out = split_kernel.split_attention(
+            out = split_kernel.attend(
                 q, keys, values, split.tail_slots, split.positions, block=split.block,
                 scale=scale, softcap=self.softcap, window=self.window,
             )  # fmt: skip

@@ -231,13 +231,13 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
                         compiled: bool) -> StaticForward:  # fmt: skip
         """Split attention's forwards: in the Triton kernel where it runs and
         ``kernel_problem`` finds none (``split_kernel_refused`` says otherwise why not), else
-        (or compiled) in torch's arithmetic."""
+        in torch's arithmetic; either ``compiled`` around."""
         arithmetic = partial(forwards, shapes=shapes, split_kernel=False)
-        if compiled or skinny_matmul.unavailable_reason(self.device) is not None:
+        if skinny_matmul.unavailable_reason(self.device) is not None:
             return arithmetic(graphs=graphs, compiled=compiled)
         whole = replace(shapes, spans=shapes.spans[-1:])  # the kernel reads no more than it needs
         try:
-            kernel = forwards(shapes=whole, graphs=graphs, split_kernel=True)
+            kernel = forwards(shapes=whole, graphs=graphs, compiled=compiled, split_kernel=True)
         except Exception as error:  # capturing its graphs ran it, and it failed
             problem = failure(error)
         else:
@@ -245,7 +245,7 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
             if problem is None:
                 return kernel
         self.split_kernel_refused = problem
-        return arithmetic(graphs=graphs)
+        return arithmetic(graphs=graphs, compiled=compiled)
 
     def _use_matmul(self, matmul: str, tiling: dict[str, int] | None, weights: str) -> str:
         """Put the Triton kernel under the linear layers where ``matmul`` or ``weights``

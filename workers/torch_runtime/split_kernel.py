@@ -126,3 +126,30 @@ def split_attention(
         STEP=step, SOFTCAP=softcap is not None, WINDOWED=window is not None,
     )  # fmt: skip
     return out
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tail_slots: torch.Tensor,
+           positions: torch.Tensor, *, block: int, scale: float, softcap: float | None = None,
+           window: int | None = None) -> torch.Tensor:  # fmt: skip
+    """``split_attention``, as one opaque op where torch.compile traces it (inductor cannot see
+    into a Triton launch made from Python; it fuses the kernels around it instead)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.hetspec.split_attention(q, keys, values, tail_slots, positions, block,
+                                                 scale, softcap, window)  # fmt: skip
+    return split_attention(q, keys, values, tail_slots, positions, block=block, scale=scale,
+                           softcap=softcap, window=window)  # fmt: skip
+
+
+@torch.library.custom_op("hetspec::split_attention", mutates_args=())
+def _split_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,  # noqa: PLR0917 (an op's schema)
+                        tail_slots: torch.Tensor, positions: torch.Tensor, block: int,
+                        scale: float, softcap: float | None,
+                        window: int | None) -> torch.Tensor:  # fmt: skip
+    return split_attention(q, keys, values, tail_slots, positions, block=block, scale=scale,
+                           softcap=softcap, window=window)  # fmt: skip
+
+
+@_split_attention_op.register_fake
+def _(q, keys, values, tail_slots, positions, block, scale, softcap, window):  # noqa: PLR0917
+    heads, n, d = q.shape
+    return q.new_empty((n, heads, d))
