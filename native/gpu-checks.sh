@@ -189,6 +189,11 @@ if [[ -n "${QUICK:-}" ]]; then
         --json "$tables/roundtrip-hold$([[ $daemon == 0 ]] || echo -daemon).json"
   done
   pick
+  # split attention compiled, its kernel one op a layer, with the compiled step's matmul
+  VERIFY_S=200 verify 1b-fixed16-compiled-split "$h1b" --dtype bfloat16 --fixed-width 16 \
+      --invariance --compile "${compiled_with[@]}" --attention split --profile-width 1 \
+      --shape chain,tree
+  pick
   # the least telling last: width buckets (not invariant)
   verify 1b-buckets "$h1b" --dtype bfloat16 --invariance
   # what attending in place saves: the same verifier with every chain gathering its path

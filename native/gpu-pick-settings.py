@@ -4,8 +4,8 @@
     python native/gpu-pick-settings.py --tiling OUT_DIR [TABLE] > FIELDS
     python native/gpu-pick-settings.py --compiled-matmul OUT_DIR [TABLE] > MATMUL
 
-Reads OUT_DIR/verify-1b-fixed16{,-triton,-compiled,-split}.json (bench_verify --json) and
-prints the daemon settings (space-separated, gpu-checks.sh's BENCH_SET) of the fastest
+Reads OUT_DIR/verify-1b-fixed16{,-triton,-compiled,-split,-compiled-split}.json (bench_verify
+--json) and prints the daemon settings (space-separated, gpu-checks.sh's BENCH_SET) of the fastest
 width-invariant verifier among those whose every invariance row, the tree's included, is
 bit-identical, as each table describes its verifier (compiled, its matmul and tiling, its
 attention; an int8 table computes another model's logits and is passed over). Fastest: the
@@ -38,6 +38,7 @@ CANDIDATES = (
     "verify-1b-fixed16-triton.json",
     "verify-1b-fixed16-compiled.json",
     "verify-1b-fixed16-split.json",
+    "verify-1b-fixed16-compiled-split.json",
 )
 
 

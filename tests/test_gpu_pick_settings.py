@@ -122,6 +122,14 @@ def test_a_tables_own_description_says_how_its_verifier_runs(tmp_path) -> None:
     settings, reasons = picked(tmp_path)
     assert settings == ""
     assert "int8 weights, passed over" in reasons
+    # compiled with split attention, faster still: all of it
+    split = {**compiled, "attention": "split",
+             "rows": [{**row, "median_ms": row["median_ms"] / 4} for row in rows]}  # fmt: skip
+    (tmp_path / "verify-1b-fixed16-compiled-split.json").write_text(json.dumps(split))
+    settings, _ = picked(tmp_path)
+    assert settings.endswith('gpu_worker.attention="split"')
+    assert daemon_config(settings).gpu_worker.attention == "split"
+    assert daemon_config(settings).gpu_worker.compile is True
 
 
 def test_a_table_whose_triton_kernel_was_refused_is_passed_over(tmp_path) -> None:
