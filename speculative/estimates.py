@@ -58,6 +58,10 @@ class EstimateConfig:
     prior_acceptance: float = 0.8  # for depths not observed yet (optimistic: explore them)
     prior_weight: float = 3.0  # in rounds: one unlucky round must not rule a depth out
     branch_cost: float = 0.4  # each extra branch adds this share of a draft step, unmeasured
+    # P(a sibling's token is accepted at depth 1 | the draft's own first choice was not), each
+    # sibling, until branched rounds measure it: far below the first choice's own rate (the
+    # bundled pair: 0.27 measured where its first choice kept 0.8)
+    prior_rescue: float = 0.3
     # At a new request, acceptance counts are cut to this many rounds' worth (0: kept): what
     # a draft accepts depends on the text, so earlier requests' counts are a prior that the
     # request's own rounds soon outweigh (a request's first probe among them)
@@ -155,6 +159,8 @@ class Estimates:
         # a draft step of b branches against the chains' level at the time (b >= 2)
         self._branch_ratio: dict[int, WindowedMedian] = {}
         self._first = DecayedRate(c.max_branches + 1)  # depth 1, by branch count
+        # depth 1 where the first branch lost it: kept by a sibling, by branch count
+        self._rescue = DecayedRate(c.max_branches + 1)
         # the rule branches where the drafter is unsure, so its rounds' first-depth acceptance
         # differs from fixed-k rounds'; every single-branch draft also says which k the rule
         # would have picked, so the rule's value is known before it is ever used
@@ -218,6 +224,8 @@ class Estimates:
             self._rule_first.add(branches, accepted >= 1)
         elif branches > 1:
             self._first.add(branches, accepted >= 1)
+            if report.first_branch_accepted == 0:
+                self._rescue.add(branches, accepted >= 1)
         # every round's first branch holds the draft's own choices: a chain's first token
         first_branch = accepted if branches == 1 else report.first_branch_accepted
         if first_branch is not None:
@@ -236,7 +244,7 @@ class Estimates:
                 rate.cap(rounds)
 
     def _rates(self) -> tuple[DecayedRate, ...]:
-        return (self._depth, self._first, self._rule_first,
+        return (self._depth, self._first, self._rescue, self._rule_first,
                 self._single_first)  # fmt: skip
 
     def assume_verifier(self, seconds_by_width: dict[int, float]) -> None:
@@ -368,16 +376,22 @@ class Estimates:
         return float(rate.rate(index, prior, self.config.prior_weight))
 
     def acceptance(self, depth: int, branches: int = 1) -> float:
-        """P(depth accepted | depth - 1 accepted); at depth 1 with ``branches`` candidates."""
+        """P(depth accepted | depth - 1 accepted); at depth 1 with ``branches`` candidates:
+        the first branch's (a chain's, measured every round) or else a sibling's rescue
+        (measured where branched rounds report their first branch; ``prior_rescue`` a
+        sibling before), so branches follow the text as chains do."""
         prior = self.config.prior_acceptance
         if depth > 1:
             return self._rate(self._depth, depth, prior)
-        seen = int(np.argmax(self._first.tries[1:])) + 1  # the branch count tried most
-        if self._first.tries[branches] < 1 and self._first.tries[seen] >= 1:
-            # unseen: inferred from the branch count seen most, as independent tries
-            single = 1 - (1 - self._rate(self._first, seen, prior)) ** (1 / seen)
-            return 1 - (1 - single) ** branches
-        return self._rate(self._first, branches, prior)
+        single = self._rate(self._first, 1, prior)
+        if branches == 1:
+            return single
+        if self._rescue.tries.sum() < 1e-9 and self._first.tries[branches] >= 1:
+            # branched rounds that never said which branch kept depth 1: as they measured it
+            return self._rate(self._first, branches, prior)
+        sibling_prior = 1 - (1 - self.config.prior_rescue) ** (branches - 1)
+        rescue = self._rate(self._rescue, branches, sibling_prior)
+        return 1 - (1 - single) * (1 - rescue)
 
     def rule_acceptance(self, k: int) -> float:
         """P(depth 1 accepted) when the rule picks ``k``: from the rounds it drafted, and

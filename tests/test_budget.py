@@ -354,6 +354,32 @@ def test_acceptance_by_depth_follows_what_happened() -> None:
     assert 1 + estimates.reach(1)[1:5].sum() == pytest.approx(3, abs=0.05)
 
 
+def test_branches_first_token_is_the_chains_or_a_siblings_rescue() -> None:
+    """Depth 1 of a branched round is kept by its first branch (the draft's own choice, as
+    a chain's) or else rescued by a sibling. Each measured on its own, the branched price
+    follows the text as the chains' does; before any rescue was seen, ``prior_rescue`` a
+    sibling (far below independent tries, which priced the bundled pair's two branches at
+    0.96 where they kept 0.78)."""
+    estimates = controller_of(prior_weight=0.01).estimates
+    for _ in range(40):
+        estimates.observe(RoundReport(gamma=4, branches=1, accepted=2))
+    assert estimates.acceptance(1, 2) == pytest.approx(1, abs=0.01)
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # the first branch keeps depth 1 half the time, a sibling 20% of the rest
+        first = int(rng.random() < 0.5)
+        accepted = first or int(rng.random() < 0.2)
+        estimates.observe(RoundReport(gamma=4, branches=2, accepted=accepted,
+                                      first_branch_accepted=first))  # fmt: skip
+    assert estimates.acceptance(1, 1) == pytest.approx(0.5, abs=0.1)
+    assert estimates.acceptance(1, 2) == pytest.approx(1 - 0.5 * 0.8, abs=0.1)
+    for _ in range(60):  # easier text, chains only: the branched price follows
+        estimates.observe(RoundReport(gamma=4, branches=1, accepted=int(rng.random() < 0.9)))
+    assert estimates.acceptance(1, 2) == pytest.approx(1 - 0.1 * 0.8, abs=0.05)
+    fresh = controller_of().estimates  # nothing measured: the priors
+    prior, rescue = fresh.config.prior_acceptance, fresh.config.prior_rescue
+    assert fresh.acceptance(1, 3) == pytest.approx(1 - (1 - prior) * (1 - rescue) ** 2)
+
+
 def test_a_costly_round_overhead_is_amortised_over_longer_drafts() -> None:
     def settled_gamma(overhead_s: float) -> int:
         controller = controller_of(overlap=False, prior_weight=0.01)
