@@ -153,12 +153,12 @@ def best_tiling(document: dict, rows: int) -> tuple[float, str] | None:
 
 
 def main() -> int:
-    tiling = sys.argv[1:2] in (["--tiling"], ["--compiled-matmul"])
-    low, high = (3, 4) if tiling else (2, 2)
+    matmul_table = sys.argv[1:2] in (["--tiling"], ["--compiled-matmul"])  # bench_matmul's
+    low, high = (3, 4) if matmul_table else (2, 2)
     if not low <= len(sys.argv) <= high or sys.argv[1] in ("-h", "--help"):
         print(__doc__, file=sys.stderr)
         return 0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2
-    if tiling:
+    if matmul_table:
         name = sys.argv[3] if len(sys.argv) == 4 else "matmul.json"
         try:
             document = json.loads((Path(sys.argv[2]) / name).read_text())

@@ -10,7 +10,12 @@ import json
 import pytest
 import torch
 from test_skinny_matmul import GPUS, compile_for
-from tiny_models import build_reference, save_reference, write_tiny_gguf_llama
+from tiny_models import (
+    build_reference,
+    compiled_beside_eager,
+    save_reference,
+    write_tiny_gguf_llama,
+)
 
 from hetspec.protocol import worker_messages as m
 from hetspec.workers.process import load_runtime
@@ -121,10 +126,7 @@ def test_a_compiled_int8_verifier_tracks_the_eager_one_and_keeps_its_bits(interp
     folder = save_reference(build_reference("llama-linear-bias-tied"), tmp_path / "m")
     options = {"device": "cpu", "dtype": "float32", "fixed_width": 4, "max_context": 64,
                "weights": "int8"}  # fmt: skip
-    compiled = TorchRuntime(folder, compile=True, **options)
-    eager = TorchRuntime(folder, **options)
-    for runtime in (compiled, eager):
-        runtime.prefill(PROMPT)
+    compiled, eager = compiled_beside_eager(folder, PROMPT, **options)
     torch.testing.assert_close(compiled.last_logits(), eager.last_logits(), rtol=1e-5, atol=1e-5)
     tree = ([3, 4, 5, 6], [-1, 0, 0, 2])
     logits = compiled.forward_tree(*tree).logits.clone()

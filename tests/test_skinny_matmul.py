@@ -8,7 +8,12 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-from tiny_models import build_reference, save_reference, write_tiny_gguf_llama
+from tiny_models import (
+    build_reference,
+    compiled_beside_eager,
+    save_reference,
+    write_tiny_gguf_llama,
+)
 
 from hetspec.protocol import worker_messages as m
 from hetspec.workers.process import LoadError, load_runtime
@@ -104,10 +109,7 @@ def test_compiled_the_kernel_stays_one_op_a_layer(interpreted, tmp_path, monkeyp
     folder = save_reference(build_reference("qwen3"), tmp_path / "m")
     options = {"device": "cpu", "dtype": "float32", "fixed_width": 4, "max_context": 64,
                "matmul": "triton"}  # fmt: skip
-    compiled = TorchRuntime(folder, compile=True, **options)
-    eager = TorchRuntime(folder, **options)
-    for runtime in (compiled, eager):
-        runtime.prefill(PROMPT)
+    compiled, eager = compiled_beside_eager(folder, PROMPT, **options)
     calls = []
     real = skinny_matmul.launches
     monkeypatch.setattr(skinny_matmul, "launches", lambda *a, **k: calls.append(1) or real(*a, **k))

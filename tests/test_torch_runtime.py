@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import TINY_CONFIGS, build_reference, save_reference
+from tiny_models import TINY_CONFIGS, build_reference, compiled_beside_eager, save_reference
 
 from hetspec.speculative.samplers import DrawnSampler
 from hetspec.speculative.sampling import SamplingParams
@@ -301,11 +301,8 @@ def test_a_compiled_verifier_compiles_a_forward_once_for_every_span(tmp_path, mo
     folder = save_reference(build_reference("qwen3"), tmp_path / "m")
     options = {"device": "cpu", "dtype": "float32", "fixed_width": 4, "max_context": 64}
     before = counters["stats"]["unique_graphs"]
-    compiled = TorchRuntime(folder, compile=True, **options)
-    eager = TorchRuntime(folder, **options)
+    compiled, eager = compiled_beside_eager(folder, PROMPT, **options)
     assert len(compiled._static.shapes.spans) == 3  # 16, 32, 64
-    for runtime in (compiled, eager):
-        runtime.prefill(PROMPT)
     for step in range(11):  # to position 56, through every bucket: chains, then a tree
         tree = ([3, 4, 5, 6], [-1, 0, 1, 2] if step % 2 else [-1, 0, 0, 2])
         ours, theirs = (runtime.forward_tree(*tree).logits for runtime in (compiled, eager))

@@ -231,3 +231,14 @@ def write_tiny_pair(root: Path, context: int) -> dict[str, Path]:
         "target": write_tiny_gguf_llama(root / "target", seed=0, layers=2, context=context),
         "draft": write_tiny_gguf_llama(root / "draft", seed=1, layers=1, context=context),
     }
+
+
+def compiled_beside_eager(folder: Path, prompt: list[int], **options):
+    """(compiled, eager): two torch runtimes of ``folder`` with the same ``options``, one
+    through torch.compile, both prefilled with ``prompt``."""
+    from hetspec.workers.torch_runtime import TorchRuntime  # noqa: PLC0415 (its tests only)
+
+    runtimes = TorchRuntime(folder, compile=True, **options), TorchRuntime(folder, **options)
+    for runtime in runtimes:
+        runtime.prefill(prompt)
+    return runtimes
