@@ -243,9 +243,8 @@ class Decoder:
         return outcome
 
     async def _plain_round(self, plan: Plan, remaining: int):
-        # the next plan is weighed while the drafter drafts: the verification may borrow
-        # every core, and a core taken from it stalls all its threads
-        drafted, draft, draft_s = await self._choosing_ahead(self._draft(plan))
+        drafted, draft, draft_s = await self._choosing_ahead(
+            self._draft(plan), weigh=self._weighs_beside_draft)  # fmt: skip
         tokens, parents, origin = flatten(drafted)
         probs = self.pair.arena.view(drafted.probs)
         # the rule's would-be k reads the draft's rows, which the next draft replaces: beside
@@ -290,6 +289,8 @@ class Decoder:
         reply = self.verifier.verify(tokens, parents, spare_cores=spare_cores,
                                      argmax_only=self._argmax_only)  # fmt: skip
         aside = beside() if beside is not None else None
+        if not self._weighs_beside_draft:
+            self._weigh_next_plan()
         verified, _ = await reply
         verify_s = time.perf_counter() - start
         self._announce_next_draft(remaining)
@@ -314,7 +315,8 @@ class Decoder:
         measured cost per width."""
         controller = self.controller
         calibration, first_choice = controller.tree_calibration, controller.tree_first_choice
-        drafted, draft, draft_s = await self._choosing_ahead(self._draft(plan))
+        drafted, draft, draft_s = await self._choosing_ahead(
+            self._draft(plan), weigh=self._weighs_beside_draft)  # fmt: skip
         settings = self.pair.verifier.spec.settings  # llama.cpp: a sequence id per leaf
         leaves = settings.n_seq_max - 1 if isinstance(settings, m.LlamaCppSettings) else None
         fits = within_leaves(drafted.parents, leaves)
@@ -480,17 +482,32 @@ class Decoder:
         if early is not None:
             early.add_done_callback(_retrieved)
 
-    async def _choosing_ahead(self, call):
+    @property
+    def _weighs_beside_draft(self) -> bool:
+        """Where a plain or tree round weighs the next plan: while its draft runs where the
+        verifier computes on the CPU (the verification may borrow every core, and a core
+        taken from it stalls all its threads), else while its verification runs (on a GPU
+        box the longer call of the two, where an early draft may be done before the
+        weighing, which then delays the verification's start)."""
+        return self.pair.verifier_on_cpu
+
+    def _weigh_next_plan(self) -> None:
+        """Choose the next round's plan now, unless fixed or chosen already; it is
+        committed only if that round runs."""
+        if self.fixed is None and self.upcoming is None:
+            self.upcoming = self.controller.choose()
+
+    async def _choosing_ahead(self, call, *, weigh: bool = True):
         """Await a worker call, choosing the next round's plan while it runs (weighing every
-        candidate takes most of a millisecond the daemon would otherwise add to the round).
-        The choice is committed only if the next round runs. ``call``: a coroutine, or the
-        task of a call whose command was sent (an early draft)."""
+        candidate takes most of a millisecond the daemon would otherwise add to the round)
+        unless not ``weigh``. ``call``: a coroutine, or the task of a call whose command
+        was sent (an early draft)."""
         sent = isinstance(call, asyncio.Future)
         task = asyncio.ensure_future(call)
         try:
-            if self.fixed is None and self.upcoming is None:
+            if weigh and self.fixed is None and self.upcoming is None:
                 await asyncio.sleep(0)  # the call's command goes out first
-                self.upcoming = self.controller.choose()
+                self._weigh_next_plan()
             # a sent call's task runs to its reply: cancelled before its first step, it
             # would never hear of it
             return await (asyncio.shield(task) if sent else task)

@@ -392,6 +392,65 @@ def test_the_rules_would_be_k_is_the_same_beside_a_gpu_verification(arena) -> No
     assert any(k is not None and k > 1 for k in picked[0])
 
 
+class WeighingLog(ScriptedController):
+    """Scripted plans, noting at each ``choose`` which worker calls were in flight: the
+    commands each worker took, less the replies the engine had awaited."""
+
+    def __init__(self, pair: WorkerPair, plans: list[Plan]) -> None:
+        super().__init__(plans)
+        self.in_flight: list[set[str]] = []
+        self.pending: set[str] = set()
+        for worker in (pair.drafter, pair.verifier):
+            self._watch(worker)
+
+    def _watch(self, worker) -> None:
+        posted, called = worker.post, worker.call
+
+        def post(command, arrays=()):
+            name = type(command).__name__
+            self.pending.add(name)
+            reply = posted(command, arrays)
+
+            async def answer():
+                try:
+                    return await reply
+                finally:
+                    self.pending.discard(name)
+
+            return answer()
+
+        async def call(command, arrays=()):
+            name = type(command).__name__
+            self.pending.add(name)
+            try:
+                return await called(command, arrays)
+            finally:
+                self.pending.discard(name)
+
+        worker.post, worker.call = post, call
+
+    def choose(self) -> Choice:
+        self.in_flight.append(set(self.pending))
+        return super().choose()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
+def test_the_next_plan_is_weighed_beside_the_longer_call_of_a_round(arena, device) -> None:
+    """Beside a verifier on the CPU the next plan is weighed while the draft runs (the
+    verification may borrow the drafter's cores); beside one off the CPU, while the
+    verification runs, where a GPU box's early draft was often done before the weighing.
+    Either way every round's plan is chosen ahead and the output stays the target's."""
+    pair, reference = workers(arena, noise=1.0)
+    pair.verifier.ready = msgspec.structs.replace(pair.verifier.ready, device=device)
+    controller = WeighingLog(pair, [Plan(3), Plan(2, 2), Plan(4)])
+    result, _, _ = decode(pair, controller, max_tokens=60)
+    assert result.tokens == reference.greedy(PROMPT, 60)
+    beside = [calls for calls in controller.in_flight if calls in ({"Draft"}, {"VerifyTree"})]
+    assert len(beside) >= 10
+    expected = {"Draft"} if device == "cpu" else {"VerifyTree"}
+    assert all(calls == expected for calls in beside), controller.in_flight
+
+
 def test_sampled_rounds_draw_from_the_request_seed(arena) -> None:
     """Same seed, same plan: the same tokens (the drafter's and the verifier's streams are
     both seeded by the request)."""
