@@ -25,8 +25,13 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
+
+# Integer widths a profile curve tabulates: every tree a round may verify (the controller
+# prices every candidate's width at each choice)
+TABULATED_WIDTHS = 128
 
 
 @dataclass(frozen=True)
@@ -56,8 +61,26 @@ class ProfileCurve:
     times: tuple[float, ...]
 
     def at(self, width):
+        """Seconds at ``width`` (a number or an array; widths >= 0)."""
         if isinstance(width, int | float):  # the engine's per-round calls: no numpy overhead
             return self._at_scalar(float(width))
+        width = np.asarray(width)
+        if width.dtype.kind in "iu":
+            try:
+                return self._table[width]
+            except IndexError:  # wider than tabulated
+                pass
+        return self._curve(width)
+
+    @cached_property
+    def _table(self) -> np.ndarray:
+        """``at`` of the integer widths 0 .. TABULATED_WIDTHS - 1, computed once: the same
+        values, without numpy's interpolation per call."""
+        table = self._curve(np.arange(TABULATED_WIDTHS))
+        table.flags.writeable = False
+        return table
+
+    def _curve(self, width) -> np.ndarray:
         width = np.asarray(width, float)
         inside = np.interp(width, self.widths, self.times)
         if len(self.widths) < 2:
@@ -142,7 +165,7 @@ class CostModel:
         broadcast, so one call weighs every candidate. gamma 0: the target alone."""
         gamma, branches = np.asarray(gamma), np.asarray(branches)
         overlap = np.asarray(overlap, bool)
-        accepted = np.cumsum(self.reach[:, 1:], axis=1)  # [b, g - 1]: sum of reach to g
+        accepted = self._accepted
         drafted = gamma > 0
         g = np.where(drafted, gamma, 1)
         tokens = np.where(drafted, 1.0 + accepted[branches, g - 1], 1.0)
@@ -155,6 +178,19 @@ class CostModel:
         seconds = np.where(overlap, overlapped, plain) + self.overhead_s
         return tokens, np.where(drafted, seconds, self.alone_s)
 
+    @cached_property
+    def _rule_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The rule's shares, branch counts and [count, depth] cumulative reach (1 + the sum
+        of reach[1..d]), built once per model."""
+        shares = np.array([s.share for s in self.rule])
+        picked = np.array([s.k for s in self.rule])
+        return shares, picked, np.cumsum([s.reach for s in self.rule], axis=1)
+
+    @cached_property
+    def _accepted(self) -> np.ndarray:
+        """[branches, gamma - 1]: the sum of reach over depths 1 .. gamma."""
+        return np.cumsum(self.reach[:, 1:], axis=1)
+
     def predict_rule(self, budget) -> tuple[np.ndarray, np.ndarray]:
         """Expected (tokens, seconds) of rounds drafted by the rule with these budgets (an
         array weighs them all in one call)."""
@@ -164,14 +200,14 @@ class CostModel:
         # one row per branch count the rule picks, one column per budget (in one pass: the
         # controller weighs every budget each round)
         column = (-1,) + (1,) * budget.ndim
-        share = np.array([s.share for s in self.rule]).reshape(column)
-        k = np.minimum(np.array([s.k for s in self.rule]).reshape(column), budget)
+        shares, picked, accepted = self._rule_arrays
+        share = shares.reshape(column)
+        k = np.minimum(picked.reshape(column), budget)
         length = np.maximum(1, budget // k)  # branch_length, elementwise
         forwards = np.where(k == 1, budget, length + 1)
-        accepted = np.cumsum([s.reach for s in self.rule], axis=1)  # 1 + sum of reach[1..d]
-        kept = np.take_along_axis(accepted, length.reshape(len(self.rule), -1), axis=1)
+        kept = accepted[np.arange(len(self.rule)).reshape(column), length]
         verify = self.verify[False].at(k * length + 1)
         verify = verify * np.where(k > 1, self.branched_verify, 1.0)
-        tokens = (share * kept.reshape(length.shape)).sum(axis=0)
+        tokens = (share * kept).sum(axis=0)
         seconds = self.overhead_s + (share * (self.draft_s(forwards, k) + verify)).sum(axis=0)
         return tokens, seconds

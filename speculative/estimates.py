@@ -488,17 +488,19 @@ def _fit_profile(profile: ProfileCurve, widths: np.ndarray, times: np.ndarray,
     drafting drafter, another level and slope), else the profile scaled by the ratio of the
     medians to it: over a narrow span the noise tilts the line, and a controller that
     believes other widths dear never measures them again (docs/design-notes.md)."""
-    expected = profile.at(widths)
+    expected = profile.at(widths.astype(np.int64))  # tree widths: the profile's table
     floor = float(times.min()) * 0.5
+    total = float(weights.sum())  # dot products: np.average's checks cost more than its sums
     if len(widths) >= 3 and expected.max() >= FIT_SPAN * expected.min():
-        mean_p = float(np.average(expected, weights=weights))
-        mean_t = float(np.average(times, weights=weights))
-        spread = float((weights * (expected - mean_p) ** 2).sum())
+        mean_p = float(weights @ expected) / total
+        mean_t = float(weights @ times) / total
+        off_p = expected - mean_p
+        spread = float(weights @ (off_p * off_p))
         if spread > 0:
-            scale = float((weights * (expected - mean_p) * (times - mean_t)).sum()) / spread
+            scale = float(weights @ (off_p * (times - mean_t))) / spread
             if scale > 0:
                 return ProfiledVerify(profile, mean_t - scale * mean_p, scale, floor)
-    scale = float((weights * times).sum() / (weights * expected).sum())
+    scale = float(weights @ times) / float(weights @ expected)
     return ProfiledVerify(profile, 0.0, scale, floor)
 
 

@@ -11,6 +11,7 @@ from hetspec.speculative.branching import branch_length
 from hetspec.speculative.budget import BudgetController, ControllerConfig
 from hetspec.speculative.core_choice import SpareCoreChoice
 from hetspec.speculative.cost_model import (
+    TABULATED_WIDTHS,
     CostModel,
     ProfileCurve,
     ProfiledVerify,
@@ -905,8 +906,9 @@ def test_the_target_alone_is_priced_by_the_load_profile_until_it_is_measured() -
 
 def test_a_profile_prices_one_width_as_it_prices_an_array_of_them() -> None:
     """The engine asks for one width a round (pure Python, no numpy overhead); the controller
-    for arrays of candidates (numpy): both give the same seconds, inside the measured widths,
-    on them, before the first and past the last (the last segment's slope, never falling)."""
+    for arrays of candidates (numpy; integer widths from a table computed once): all give
+    the same seconds, inside the measured widths, on them, before the first and past the
+    last (the last segment's slope, never falling), past the table too."""
     rng = np.random.default_rng(0)
     for _ in range(200):
         widths = sorted({float(w) for w in rng.integers(1, 40, int(rng.integers(1, 6)))})
@@ -915,6 +917,12 @@ def test_a_profile_prices_one_width_as_it_prices_an_array_of_them() -> None:
             one = curve.at(width)
             assert isinstance(one, float)
             assert one == pytest.approx(float(curve.at(np.array([width], float))[0]), rel=1e-15)
+        integers = np.array([[0, 1, 2, 3], [17, 39, 64, TABULATED_WIDTHS - 1]])
+        tabulated = curve.at(integers)
+        assert tabulated.shape == integers.shape
+        assert np.array_equal(tabulated, curve.at(integers.astype(float)))  # interpolated
+        beyond = np.array([TABULATED_WIDTHS - 1, TABULATED_WIDTHS, 300])
+        assert np.array_equal(curve.at(beyond), curve.at(beyond.astype(float)))
 
 
 def test_rounds_of_a_narrow_span_of_widths_price_the_others_by_the_profiles_shape() -> None:
