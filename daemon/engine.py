@@ -39,6 +39,7 @@ from hetspec.daemon.requests import (
 from hetspec.daemon.round_sides import DrafterSide, Unverified, VerifierSide, WorkerPair
 from hetspec.daemon.round_stats import SpeculativeStats
 from hetspec.daemon.text_output import TextOutput
+from hetspec.daemon.worker_client import WorkerError
 from hetspec.protocol import TokenLogprob, frame_array
 from hetspec.protocol import worker_messages as m
 from hetspec.speculative.branching import uncertainty_branches
@@ -47,14 +48,9 @@ from hetspec.speculative.dynamic_tree import best_width, within_leaves
 from hetspec.speculative.logprobs import token_logprob
 from hetspec.speculative.rounds import DraftCall, Plan, RoundReport
 from hetspec.speculative.samplers import KeyedSampler, sampler_for
-from hetspec.speculative.sampling import WarpedRows, distribution
-from hetspec.speculative.verify import (
-    Verdict,
-    accept_token,
-    verify_greedy,
-    verify_keyed,
-    verify_sampling,
-)
+from hetspec.speculative.sampling import distribution
+from hetspec.speculative.tree import is_path
+from hetspec.speculative.verify import Verdict, accept_token, verify_greedy, verify_sampled
 
 __all__ = ["Decoder", "WorkerPair"]
 
@@ -252,12 +248,13 @@ class Decoder:
         rule_rows = None if plan.rule or len(drafted.tokens) > 1 else probs[0]
         beside = None if rule_rows is None or self.pair.verifier_on_cpu else (
             lambda: self._rule_would_pick(rule_rows))  # fmt: skip
+        walk = self._walk(drafted.probs, [b * probs.shape[1] + s for b, s in origin])
         verified, verify_s, trial, rule_k = await self._verify_while_drafter_idles(
-            tokens, parents, remaining, beside)  # fmt: skip
+            tokens, parents, remaining, beside, walk)  # fmt: skip
         width = len(tokens) + 1
         logits = self._target_rows(verified)
         draft_rows = lambda: np.stack([probs[b, s] for b, s in origin])  # noqa: E731
-        verdict = self._verdict(tokens, parents, logits, draft_rows)
+        verdict = self._verdict(tokens, parents, verified, logits, draft_rows)
         emitted, stopped, logprobs = self._emitted(verdict, tokens, remaining, logits, verified)
         self.drafter.unseen = emitted  # it holds the rest as this draft's pending nodes
         branches, gamma = len(drafted.tokens), len(drafted.tokens[0])
@@ -277,17 +274,19 @@ class Decoder:
         return RoundOutcome(emitted, stopped, logprobs), report
 
     async def _verify_while_drafter_idles(self, tokens: list[int], parents: list[int],
-                                          remaining: int, beside=None):  # fmt: skip
+                                          remaining: int, beside=None,
+                                          walk: m.SampledWalk | None = None):  # fmt: skip
         """A round's verification once its draft is done: the drafter idles, so the verifier
         may borrow its cores (the measured better choice, now and then the other as a trial).
         The reply, its seconds, whether it was such a trial (not what rounds cost), and what
         ``beside`` (the daemon's work while the verifier computes, if any) returned.
-        ``remaining``: what the request may emit from this round on."""
+        ``remaining``: what the request may emit from this round on; ``walk``: the verdict
+        taken in the verifier (``_walk``)."""
         cores = self.pair.verify_cores if self.pair.verifier.spec.spare_cores else None
         spare_cores = cores is not None and cores.choose()
         start = time.perf_counter()
         reply = self.verifier.verify(tokens, parents, spare_cores=spare_cores,
-                                     argmax_only=self._argmax_only)  # fmt: skip
+                                     argmax_only=self._argmax_only, walk=walk)  # fmt: skip
         aside = beside() if beside is not None else None
         if not self._weighs_beside_draft:
             self._weigh_next_plan()
@@ -324,9 +323,9 @@ class Decoder:
         width = best_width(acceptance, calibration.factor, self.controller.estimates.verify_s)
         tokens, parents = drafted.tokens[0][:width], drafted.parents[:width]
         verified, verify_s, trial, _ = await self._verify_while_drafter_idles(
-            tokens, parents, remaining)  # fmt: skip
+            tokens, parents, remaining, walk=self._walk())  # fmt: skip
         logits = self._target_rows(verified)
-        verdict = self._verdict(tokens, parents, logits, _no_draft_rows)
+        verdict = self._verdict(tokens, parents, verified, logits, _no_draft_rows)
         calibration.observe(float(sum(acceptance[:width])), len(verdict.path))
         first_choice.observe(parents, verdict.path)
         emitted, stopped, logprobs = self._emitted(verdict, tokens, remaining, logits, verified)
@@ -348,8 +347,10 @@ class Decoder:
         draft, self.drafter.run_ahead = self.drafter.run_ahead, None
         tokens, parents = draft.tokens, list(range(-1, len(draft.tokens) - 1))
         verify_start = time.perf_counter()
+        # a drawn request's second opinion below reads the target's last row: no walk there
+        walk = self._walk(keyed_only=True)
         verify = asyncio.ensure_future(
-            self.verifier.verify(tokens, parents, argmax_only=self._argmax_only)
+            self.verifier.verify(tokens, parents, argmax_only=self._argmax_only, walk=walk)
         )
         ahead_gamma = max(1, min(plan.gamma, remaining - len(tokens)))
         ahead = self.drafter.start_run_ahead(draft, ahead_gamma, self.params)
@@ -361,7 +362,7 @@ class Decoder:
             raise
         verify_s = time.perf_counter() - verify_start
         logits = self._target_rows(verified)
-        verdict = self._verdict(tokens, parents, logits, lambda: draft.probs)
+        verdict = self._verdict(tokens, parents, verified, logits, lambda: draft.probs)
         ahead_s, held = 0.0, None
         if ahead is not None:
             guessed, ahead_s = await ahead
@@ -370,7 +371,7 @@ class Decoder:
             drafts.append(DraftCall(guessed.forwards, 1, compute_s, ahead_s - compute_s,
                                     overlapped=True))  # fmt: skip
             if len(verdict.path) == len(tokens):  # all accepted: does the guessed bonus hold?
-                verdict, holds = self._second_opinion(verdict, guessed, logits[-1:])
+                verdict, holds = self._second_opinion(verdict, guessed, logits)
                 held = Unverified.of(guessed, self.pair.arena, skip=1) if holds else None
         emitted, stopped, logprobs = self._emitted(verdict, tokens, remaining, logits, verified)
         self.drafter.unseen += emitted
@@ -523,20 +524,56 @@ class Decoder:
         """Greedy verification without log-probabilities needs each row's argmax alone."""
         return self.params.greedy and self.top is None
 
-    def _target_rows(self, verified: m.Verified) -> np.ndarray:
-        """The verifier's logits rows, or with ``_argmax_only`` their argmax (1-d)."""
-        if verified.logits is None:
-            return np.asarray(verified.argmax, np.int64)
-        return self.pair.arena.view(verified.logits)
+    def _walk(self, draft: m.ArrayRef | None = None, draft_rows: list[int] | None = None, *,
+              keyed_only: bool = False) -> m.SampledWalk | None:  # fmt: skip
+        """The verdict of a sampled request without log-probabilities, to be taken in the
+        verifier (``SampledWalk``): only the rows its walk reaches leave the verifier's
+        runtime, where the daemon's walk needed every row in the arena (a 128K-262K-token
+        vocabulary makes them megabytes a round). Keyed: the verifier's own keyed sampler;
+        drawn: ``draft`` (the drafter's rows, each drafted node's at ``draft_rows``) and a
+        fresh seed from the daemon's stream, unless ``keyed_only``. None: the daemon walks."""
+        if self.params.greedy or self.top is not None:
+            return None
+        if isinstance(self.sampler, KeyedSampler):
+            return m.SampledWalk(self.params, self.position, keyed=True)
+        if keyed_only or draft is None:
+            return None
+        seed = int(self.sampler.rng.integers(2**63))
+        return m.SampledWalk(self.params, self.position, seed=seed, draft=draft,
+                             draft_rows=draft_rows)  # fmt: skip
 
-    def _verdict(self, tokens, parents, logits, draft_rows) -> Verdict:
-        """Row 0 of ``logits`` chooses the token at ``self.position``."""
+    def _target_rows(self, verified: m.Verified) -> np.ndarray | None:
+        """The verifier's logits rows, or with ``_argmax_only`` their argmax (1-d); None where
+        the verifier took the verdict itself (``_walk``)."""
+        if verified.logits is not None:
+            return self.pair.arena.view(verified.logits)
+        if verified.bonus >= 0:
+            return None
+        return np.asarray(verified.argmax, np.int64)
+
+    def _walked(self, parents, verified: m.Verified) -> Verdict:
+        """The verdict a verifier's walk replied, checked: a path of the tree it was sent and
+        a bonus in the vocabulary (nothing unverified is emitted, a faulty worker's either)."""
+        path, bonus, nodes = list(verified.path), verified.bonus, len(parents)
+        vocab = self.pair.verifier.ready.vocab.size
+        fits = all(0 <= node < nodes for node in path) and 0 <= bonus < vocab
+        if not (fits and is_path(path, np.asarray(parents))):
+            raise WorkerError(self.pair.verifier.spec.name, "protocol",
+                              f"a walk's verdict ({path}, bonus {bonus}) does not fit the "
+                              f"tree of {nodes} nodes it was sent")  # fmt: skip
+        return Verdict(path, bonus)
+
+    def _verdict(self, tokens, parents, verified: m.Verified, logits, draft_rows) -> Verdict:
+        """The verifier's own where it walked; else from ``logits``, whose row 0 chooses the
+        token at ``self.position``."""
+        if logits is None:
+            return self._walked(parents, verified)
         if self.params.greedy:
             return verify_greedy(tokens, parents, logits)
-        target_rows = WarpedRows(logits, self.params)  # the rows the walk reaches
-        if isinstance(self.sampler, KeyedSampler):
-            return verify_keyed(tokens, parents, target_rows, self.sampler, self.position)
-        return verify_sampling(tokens, parents, draft_rows(), target_rows, self.sampler.rng)
+        keyed = self.sampler if isinstance(self.sampler, KeyedSampler) else None
+        return verify_sampled(tokens, parents, logits, self.params, position=self.position,
+                              keyed=keyed, rng=self.sampler.rng if keyed is None else None,
+                              draft=draft_rows)  # fmt: skip
 
     def _emitted(self, verdict: Verdict, tokens, remaining: int, logits: np.ndarray,
                  verified: m.Verified):  # fmt: skip
@@ -561,7 +598,7 @@ class Decoder:
                         for row, token in zip(rows, emitted, strict=False)]  # fmt: skip
         return emitted, stopped, logprobs
 
-    def _second_opinion(self, verdict: Verdict, guessed: m.Drafted, last_logits):
+    def _second_opinion(self, verdict: Verdict, guessed: m.Drafted, logits):
         """The whole draft was accepted and the run-ahead's first token guessed the bonus.
         Greedy and keyed: the guess holds if it is the target's choice, the bonus. Drawn: the
         guess was drawn from the drafter, so it is judged like a drafted token (kept with
@@ -570,7 +607,7 @@ class Decoder:
         guess = guessed.tokens[0][0]
         if self.params.greedy or isinstance(self.sampler, KeyedSampler):
             return verdict, guess == verdict.bonus
-        target = distribution(last_logits, self.params)[0]
+        target = distribution(logits[-1:], self.params)[0]
         draft = self.pair.arena.view(guessed.probs)[0, 0]
         held, bonus = accept_token(guess, draft, target, self.sampler.rng)
         return Verdict(verdict.path, bonus), held

@@ -245,17 +245,18 @@ class VerifierSide:
         self._keep: list[int] = []  # its nodes to commit: the bonus and the accepted path
 
     def verify(self, tokens: list[int], parents: list[int], *, spare_cores: bool = False,
-               argmax_only: bool = False):  # fmt: skip
+               argmax_only: bool = False, walk: m.SampledWalk | None = None):  # fmt: skip
         """The call evaluating a draft tree below the bonus (logits row 0: after the bonus,
         where the draft grows from), committing the last round's path first; on the
         drafter's cores too when ``spare_cores``; each row's argmax alone with
-        ``argmax_only``. The command is sent now: the coroutine awaits its reply."""
+        ``argmax_only``; the verdict itself with ``walk``. The command is sent now: the
+        coroutine awaits its reply."""
         self._tree = [self.bonus, *tokens]
         return self.client.post(m.VerifyTree(
             request=self.client.next_request(), tokens=self._tree,
             parents=[-1, *(p + 1 for p in parents)], out=self.slot, commit=self._keep,
             spare_cores=spare_cores, features_out=self.feature_slot,
-            argmax_only=argmax_only))  # fmt: skip
+            argmax_only=argmax_only, walk=walk))  # fmt: skip
 
     def kept_features(self, verified: m.Verified, arena: Arena) -> np.ndarray | None:
         """The features of the bonus and the accepted path (after ``accepted``), in order."""

@@ -2,10 +2,12 @@
 # Issue #24's GPU checks and benchmark on a GPU machine with no network, from the repository's
 # root, with native/device-bundle.sh's bundle at .device. Two calls of the device tool on one
 # warm machine (its 10-minute limit per call; llama-server's CUDA build alone took 348 s on 14
-# cores of the H100 machine), the second issued as soon as the first returns:
+# cores of the H100 machine), the second issued as soon as the first returns. A session's
+# device time is 900 s in all, the machine's start (~100 s) and idle waits included, so the
+# two calls' limits add up to no more than ~770 s:
 #
-#   run(command="OUT=$OUT QUICK=1 bash native/gpu-checks.sh", carry=[".device"], timeout_s=330)
-#   run(command="OUT=$OUT bash native/gpu-checks.sh", carry=[".device"], timeout_s=590)
+#   run(command="OUT=$OUT QUICK=1 bash native/gpu-checks.sh", carry=[".device"], timeout_s=300)
+#   run(command="OUT=$OUT TOTAL_S=450 bash native/gpu-checks.sh", carry=[".device"], timeout_s=470)
 #
 # The full call benches the verifier the quick call found fastest among those bit-identical at
 # every width (cuBLAS, the Triton matmul, torch.compile: native/gpu-pick-settings.py) unless

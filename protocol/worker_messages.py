@@ -22,7 +22,7 @@ from hetspec.protocol.arena import ArenaLayout, ArrayRef
 from hetspec.protocol.sampling import SamplingParams, TokenLogprob
 from hetspec.protocol.vocab import VocabInfo
 
-PROTOCOL_VERSION = 18
+PROTOCOL_VERSION = 19
 
 
 class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"):
@@ -214,6 +214,24 @@ class Decode(_Message, tag="decode"):
     report_features: bool = False  # reply with the features of the positions evaluated
 
 
+class SampledWalk(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A sampled verdict taken in the verifier (protocol 19), as ``argmax_only`` is for
+    greedy: the tree's first node is the last round's bonus, the draft grows below it, and
+    row r (after node r) chooses the token at ``position`` + its depth. Only the rows the walk
+    reaches leave the runtime, warped by ``sampling``; nothing goes to the arena, and
+    ``Verified.path`` and ``bonus`` say what the target keeps. ``keyed``: the request's keyed
+    choices (the seed of the verifier's ``Prefill``). Otherwise speculative sampling, its
+    uniforms from a generator seeded with ``seed``, node i + 1's draft row at
+    ``draft_rows[i]`` of ``draft`` (the drafter's rows, flattened to (rows, vocab))."""
+
+    sampling: SamplingParams
+    position: int
+    keyed: bool = False
+    seed: int = 0  # 0 .. 2**63 - 1
+    draft: ArrayRef | None = None
+    draft_rows: list[int] = []
+
+
 class VerifyTree(_Message, tag="verify"):
     """Evaluate a token tree (``parents[i]`` = -1 for the committed prefix); the float32
     logits of every node go to arena slot ``out``, after the logits that follow the committed
@@ -232,6 +250,7 @@ class VerifyTree(_Message, tag="verify"):
     spare_cores: bool = False
     features_out: int = -1  # >= 0: every node's feature (nodes, feature size) to this slot
     argmax_only: bool = False
+    walk: SampledWalk | None = None
 
 
 class Commit(_Message, tag="commit"):
@@ -355,6 +374,8 @@ class Verified(_Message, tag="verified"):
     elapsed_ms: float
     features: ArrayRef | None = None  # with features_out: one row per tree node, in order
     argmax: list[int] = []  # with argmax_only: each row's argmax (the first of equal ones)
+    path: list[int] = []  # with a walk: the accepted draft nodes (node 1 of the tree is 0)
+    bonus: int = -1  # with a walk: the target's own token after the path
 
 
 class Committed(_Message, tag="committed"):

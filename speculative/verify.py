@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hetspec.protocol.sampling import SamplingParams
 from hetspec.speculative.samplers import KeyedSampler
-from hetspec.speculative.sampling import draw
+from hetspec.speculative.sampling import WarpedRows, draw
 from hetspec.speculative.tree import ROOT, depths, validate_parents
 
 
@@ -174,3 +175,35 @@ def verify_sampling(
             return Verdict(path, draw(p, rng))
         path.append(accepted)
         node = accepted
+
+
+class RowsAt:
+    """Rows ``index[i]`` of a 2-d array as row i, read in place (a draft's rows for its tree
+    nodes, without copying the vocabulary-wide rows no walk reaches)."""
+
+    def __init__(self, array: np.ndarray, index) -> None:
+        self.array, self.index = array, list(index)
+        self.shape = (len(self.index), *array.shape[1:])
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, row: int) -> np.ndarray:
+        return self.array[self.index[row]]
+
+
+def verify_sampled(tokens, parents, logits, params: SamplingParams, *, position: int,
+                   keyed: KeyedSampler | None = None, rng: np.random.Generator | None = None,
+                   draft=None) -> Verdict:  # fmt: skip
+    """A sampled request's verdict from the target's logit rows (an array, or any object
+    with ``shape`` whose rows are read when first indexed), warped by ``params`` row by row
+    as the walk reaches them: ``keyed``'s choices (row 0 choosing the token at ``position``),
+    else speculative sampling with ``rng`` against ``draft`` (rows as ``verify_sampling``
+    takes them, or a callable returning them). The daemon and a verifier walking in its own
+    process (``SampledWalk``) take it the same way."""
+    target = WarpedRows(logits, params)
+    if keyed is not None:
+        return verify_keyed(tokens, parents, target, keyed, position)
+    if rng is None or draft is None:
+        raise ValueError("speculative sampling needs a generator and the draft's rows")
+    return verify_sampling(tokens, parents, draft() if callable(draft) else draft, target, rng)

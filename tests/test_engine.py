@@ -109,12 +109,63 @@ def test_greedy_rounds_take_the_verifiers_argmax_alone_unless_logprobs_are_asked
     assert tokens[0] == tokens[1] == reference.greedy(PROMPT, 40)
 
 
-def test_sampled_rounds_take_the_verifiers_rows(arena) -> None:
+@pytest.mark.parametrize("kind", ["plain", "branches", "overlapped", "rule"])
+def test_a_seeded_request_takes_its_verdicts_in_the_verifier_with_the_same_text(arena, kind):
+    """A sampled request's verdict is walked in the verifier (only the rows the walk reaches
+    leave its runtime, nothing goes to the arena); with log-probabilities asked the rows still
+    come, and the daemon's walk gives the same keyed text."""
+    walks, tokens = [], []
+    for logprobs in (None, 2):
+        pair, _ = workers(arena, noise=1.0)
+        arena.view(m.ArrayRef("<f4", (16, VOCAB), slot=1))[:] = np.nan
+        result, _, _ = decode(pair, BudgetController(), plan=FIXED[kind], temperature=0.8,
+                              seed=3, logprobs=logprobs)  # fmt: skip
+        calls = [c for c in pair.verifier.commands if isinstance(c, m.VerifyTree)]
+        assert calls
+        assert not any(c.argmax_only for c in calls)
+        walks.append({(c.walk.keyed, c.walk.position > 0) if c.walk else None for c in calls})
+        tokens.append(result.tokens)
+        if logprobs is None:  # the slot held the prefill's one row, and no verification's
+            assert np.isnan(arena.view(m.ArrayRef("<f4", (16, VOCAB), slot=1))[1:]).all()
+    assert walks == [{(True, True)}, {None}]
+    assert tokens[0] == tokens[1]
+    assert len(set(np.diff(tokens[0]))) > 3  # not a degenerate loop
+
+
+@pytest.mark.parametrize("kind", ["plain", "branches", "overlapped", "rule"])
+def test_an_unseeded_request_walks_in_the_verifier_where_it_needs_no_row_after(arena, kind):
+    """Drawn plain rounds send the draft's rows (in the drafter's slot) and a fresh seed a
+    round for the verifier's walk; an overlapped round's second opinion reads the target's
+    last row, so the daemon walks it as before."""
     pair, _ = workers(arena, noise=1.0)
-    decode(pair, BudgetController(), plan=FIXED["plain"], temperature=0.8, seed=3)
+    result, _, _ = decode(pair, BudgetController(), plan=FIXED[kind], temperature=0.8)
     calls = [c for c in pair.verifier.commands if isinstance(c, m.VerifyTree)]
-    assert calls
-    assert not any(c.argmax_only for c in calls)
+    walks = [c.walk for c in calls]
+    assert len(result.tokens) == 40
+    if kind == "overlapped":
+        assert walks == [None] * len(calls)
+        return
+    assert all(w is not None and not w.keyed and w.draft.slot == 0 for w in walks)
+    assert all(len(w.draft_rows) == len(c.tokens) - 1 for w, c in zip(walks, calls, strict=True))
+    assert len({w.seed for w in walks}) == len(walks)  # a new stream every round
+
+
+@pytest.mark.parametrize("fault", [{"bonus": VOCAB}, {"path": [5]}, {"path": [1]}])
+def test_a_walked_verdict_that_does_not_fit_its_tree_fails_the_request(arena, fault) -> None:
+    """A verifier's walk that replies a bonus outside the vocabulary or nodes that are no path
+    of the tree (a faulty worker) ends the request with an error, emitting nothing of it."""
+    pair, _ = workers(arena)
+    handlers = pair.verifier._worker.handlers
+    verify = handlers[m.VerifyTree]
+
+    def faulty(command, frames):
+        reply, out = verify(command, frames)
+        return msgspec.structs.replace(reply, **fault), out
+
+    handlers[m.VerifyTree] = faulty
+    with pytest.raises(WorkerError, match="does not fit the tree of 3 nodes") as failure:
+        decode(pair, BudgetController(), plan=Plan(3), temperature=0.8, seed=1)
+    assert failure.value.kind == "protocol"
 
 
 @pytest.mark.parametrize("kind", ["plain", "overlapped", "alone"])

@@ -7,9 +7,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hetspec.protocol.sampling import SamplingParams
 from hetspec.speculative.samplers import KeyedSampler
+from hetspec.speculative.sampling import distribution
 from hetspec.speculative.tree import depths, is_path
-from hetspec.speculative.verify import _walk, verify_greedy, verify_keyed, verify_sampling
+from hetspec.speculative.verify import (
+    RowsAt,
+    _walk,
+    verify_greedy,
+    verify_keyed,
+    verify_sampled,
+    verify_sampling,
+)
 
 # chi-square critical values at p = 0.001 (no scipy here): a correct sampler fails 1 in 1000
 CHI2_CRITICAL_0001 = {4: 18.467, 24: 51.179}
@@ -128,3 +137,45 @@ def test_mismatched_rows_are_refused() -> None:
         verify_sampling(
             [1, 2], [-1, 0], np.zeros((1, 4)), np.zeros((3, 4)), np.random.default_rng()
         )
+
+
+class CountedRows:
+    """Logit rows that note which were read (a verifier's rows, brought to the CPU one by one)."""
+
+    def __init__(self, logits: np.ndarray) -> None:
+        self.logits, self.shape, self.read = logits, logits.shape, []
+
+    def __getitem__(self, row: int) -> np.ndarray:
+        self.read.append(row)
+        return self.logits[row]
+
+
+@settings(max_examples=200, deadline=None)
+@given(trees_with_logits(vocab=6), st.booleans(), st.integers(0, 2**32 - 1))
+def test_a_sampled_verdict_from_rows_read_on_demand_is_the_one_from_all_rows(
+    case, keyed: bool, seed: int
+) -> None:
+    """What a verifier walking in its own process decides (rows read as the walk reaches
+    them, the draft's rows in place through ``RowsAt``) is the daemon's verdict over every
+    row: the same path, the same bonus, and no row read that the walk did not reach."""
+    tokens, parents, logits = case
+    params = SamplingParams(temperature=0.9, top_k=4, top_p=0.95)
+    rng = np.random.default_rng(seed)
+    drafted = distribution(rng.normal(size=(2 * len(tokens), logits.shape[1])), params)
+    where = rng.permutation(len(drafted))[: len(tokens)]
+    options = {"keyed": KeyedSampler(seed)} if keyed else {}
+    whole = verify_sampled(tokens, parents, logits, params, position=40,
+                           rng=np.random.default_rng(seed), draft=drafted[where],
+                           **options)  # fmt: skip
+    rows = CountedRows(logits)
+    walked = verify_sampled(tokens, parents, rows, params, position=40,
+                            rng=np.random.default_rng(seed), draft=RowsAt(drafted, where),
+                            **options)  # fmt: skip
+    assert (walked.path, walked.bonus) == (whole.path, whole.bonus)
+    assert sorted(set(rows.read)) == sorted({0, *(node + 1 for node in walked.path)})
+
+
+def test_a_drawn_verdict_needs_its_draft_and_generator() -> None:
+    logits = np.zeros((2, 4))
+    with pytest.raises(ValueError, match="generator and the draft"):
+        verify_sampled([1], [-1], logits, SamplingParams(temperature=1.0), position=3)

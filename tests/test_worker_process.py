@@ -25,6 +25,9 @@ from hetspec.daemon.worker_client import (
 from hetspec.protocol import ArrayRef, frame_array
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.arena import Arena
+from hetspec.speculative.samplers import KeyedSampler
+from hetspec.speculative.sampling import distribution
+from hetspec.speculative.verify import verify_sampled
 
 LOAD_TIMEOUT = 120
 VOCAB = TINY_VOCAB
@@ -128,6 +131,68 @@ async def test_both_engines_hand_shake_draft_and_verify_through_the_arena(
     assert not pid_alive(cpu.pid)
     assert not pid_alive(gpu.pid)
     assert not list(tmp_path.glob("*.sock"))
+
+
+@pytest.mark.parametrize("runtime", ["torch", "llama.cpp"])
+async def test_a_verifier_walks_a_sampled_verdict_as_the_daemon_would(gguf, tmp_path, arena,
+                                                                      runtime) -> None:  # fmt: skip
+    """``VerifyTree.walk``: the verifier takes a seeded request's keyed verdict and an
+    unseeded one's speculative sampling (the draft's rows read from the drafter's slot), the
+    same path and bonus the daemon takes from the rows written to the arena; nothing goes to
+    the arena; a walk it cannot take is refused, and the worker serves on."""
+    worker = await started(spec(gguf, runtime), tmp_path, arena)
+    try:
+        prompt = [1, 5, 9, 13, 17, 21]
+        await worker.call(m.Prefill(request=worker.next_request(), tokens=prompt, seed=5))
+        params = m.SamplingParams(temperature=0.7, top_k=8)
+        rng = np.random.default_rng(0)
+        tree = [3, 7, 11, 7, 4]  # the bonus, a chain of two and a branch of two
+        parents = [-1, 0, 1, 0, 3]
+        drafted = arena.empty(0, (2, 2, VOCAB))
+        drafted[:] = distribution(rng.normal(size=(2, 2, VOCAB)) * 4, params)
+        draft = ArrayRef("<f4", (2, 2, VOCAB), slot=0)
+        position = len(prompt) + 1
+        walks = {"keyed": m.SampledWalk(params, position, keyed=True),
+                 "drawn": m.SampledWalk(params, position, seed=11, draft=draft,
+                                        draft_rows=[0, 1, 2, 3])}  # fmt: skip
+        for kind, walk in walks.items():
+            rows, _ = await worker.call(m.VerifyTree(request=worker.next_request(), tokens=tree,
+                                                     parents=parents, out=1))  # fmt: skip
+            logits = arena.view(rows.logits).copy()
+            arena.view(rows.logits)[:] = np.nan
+            options = (
+                {"keyed": KeyedSampler(5)}
+                if kind == "keyed"
+                else {"rng": np.random.default_rng(11), "draft": drafted.reshape(4, VOCAB)}
+            )
+            expected = verify_sampled(tree[1:], [-1, 0, -1, 2], logits, params,
+                                      position=position, **options)  # fmt: skip
+            command = m.VerifyTree(request=worker.next_request(), tokens=tree, parents=parents,
+                                   out=1, walk=walk)  # fmt: skip
+            walked, _ = await worker.call(command)
+            assert walked.logits is None
+            assert walked.argmax == []
+            assert (walked.path, walked.bonus) == (expected.path, expected.bonus), kind
+            assert np.isnan(arena.view(rows.logits)).all()
+        refused = [
+            (m.VerifyTree(request=worker.next_request(), tokens=tree, parents=parents, out=1,
+                          argmax_only=True, walk=walks["keyed"]), "neither argmax_only"),
+            (m.VerifyTree(request=worker.next_request(), tokens=tree, parents=parents, out=1,
+                          walk=m.SampledWalk(params, position, draft=draft, draft_rows=[0])),
+             "needs as many draft rows"),
+            (m.VerifyTree(request=worker.next_request(), tokens=tree[1:], parents=[-1, 0, -1, 2],
+                          out=1, walk=walks["keyed"]), "one tree below its first node"),
+        ]  # fmt: skip
+        for command, reason in refused:
+            with pytest.raises(WorkerError, match=reason) as failure:
+                await worker.call(command)
+            assert failure.value.kind == "usage"
+        again, _ = await worker.call(m.VerifyTree(
+            request=worker.next_request(), tokens=tree, parents=parents, out=1,
+            walk=walks["keyed"]))  # fmt: skip
+        assert again.bonus >= 0
+    finally:
+        await worker.stop()
 
 
 async def test_a_native_drafter_evaluates_the_bonus_in_its_chain_call(tmp_path) -> None:

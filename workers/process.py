@@ -43,7 +43,8 @@ from hetspec.protocol import worker_messages as m
 from hetspec.protocol.arena import SHM_DIR
 from hetspec.protocol.mailbox import Mailbox, MailboxFull
 from hetspec.protocol.sampling import SamplingError
-from hetspec.speculative.samplers import DrawnSampler, Sampler, sampler_for
+from hetspec.speculative.samplers import DrawnSampler, KeyedSampler, Sampler, sampler_for
+from hetspec.speculative.verify import RowsAt, Verdict, verify_sampled
 from hetspec.workers.spare_cores import SPARE_CORES_SPIN_COUNT, SpareCores, openmp_places
 from hetspec.workers.tree_runtime import RuntimeUsageError
 
@@ -500,8 +501,11 @@ class Worker:
         start = time.perf_counter()
         engine = self._engine(command.spare_cores)
         first = 1 if command.root_row else 0
-        out, logits, argmax = None, None, []
-        if not command.argmax_only:
+        out, logits, argmax, verdict = None, None, [], None
+        walk = command.walk
+        if walk is not None and (command.argmax_only or command.root_row):
+            raise RuntimeUsageError("a sampled walk takes neither argmax_only nor root_row")
+        if not command.argmax_only and walk is None:
             out = self._slot(command.out, (first + len(command.tokens), engine.vocab_size))
         if command.commit:
             engine.commit(command.commit)
@@ -513,7 +517,10 @@ class Worker:
                 out[0] = root
         with self._reporting(engine, command.features_out >= 0) as sink:
             tree = (command.tokens, command.parents)
-            if out is None:
+            if walk is not None:
+                rows = engine.evaluate_rows(*tree, extend=command.extend)
+                verdict = self._walk(walk, command.tokens, command.parents, rows)
+            elif out is None:
                 argmax.extend(engine.evaluate_argmax(*tree, extend=command.extend))
             else:
                 engine.evaluate_tree(*tree, extend=command.extend, out=out[first:])
@@ -528,7 +535,32 @@ class Worker:
             np.copyto(target, rows)
             features = m.ArrayRef(rows.dtype.str, rows.shape, slot=command.features_out)
         elapsed = (time.perf_counter() - start) * 1000
-        return m.Verified(command.request, logits, elapsed, features, argmax), ()
+        path, bonus = (verdict.path, verdict.bonus) if verdict is not None else ([], -1)
+        return m.Verified(command.request, logits, elapsed, features, argmax, path, bonus), ()
+
+    def _walk(self, walk: m.SampledWalk, tokens: list[int], parents: list[int], rows) -> Verdict:
+        """The verdict of ``walk`` over the draft below node 0 (the last round's bonus)."""
+        if not parents or parents[0] != -1 or -1 in parents[1:]:
+            raise RuntimeUsageError("a sampled walk needs one tree below its first node")
+        draft_tokens, draft_parents = tokens[1:], [parent - 1 for parent in parents[1:]]
+        if walk.keyed:
+            if not isinstance(self.sampler, KeyedSampler):
+                raise RuntimeUsageError("a keyed walk needs the request's Prefill with a seed")
+            return verify_sampled(draft_tokens, draft_parents, rows, walk.sampling,
+                                  position=walk.position, keyed=self.sampler)  # fmt: skip
+        if walk.draft is None or len(walk.draft_rows) != len(draft_tokens):
+            raise RuntimeUsageError(f"a drawn walk over {len(draft_tokens)} drafted nodes needs "
+                                    f"as many draft rows, not {len(walk.draft_rows)}")  # fmt: skip
+        if self.arena is None:
+            raise ArenaError("no shared-memory arena was given at load")
+        drafted = self.arena.view(walk.draft)
+        drafted = drafted.reshape(-1, drafted.shape[-1])
+        if not all(0 <= row < len(drafted) for row in walk.draft_rows):
+            raise RuntimeUsageError(f"draft rows {walk.draft_rows} outside the draft's "
+                                    f"{len(drafted)}")  # fmt: skip
+        return verify_sampled(draft_tokens, draft_parents, rows, walk.sampling,
+                              position=walk.position, rng=np.random.default_rng(walk.seed),
+                              draft=RowsAt(drafted, walk.draft_rows))  # fmt: skip
 
     def commit(self, command: m.Commit, frames) -> tuple:
         start = time.perf_counter()

@@ -61,6 +61,21 @@ class TreeDraftResult:
     nodes: np.ndarray  # (n,) the pending-tree node of each, -1 where not evaluated
 
 
+class NodeRows:
+    """A tree's logit rows, each read from the runtime when indexed (``shape``: nodes, vocab)."""
+
+    def __init__(self, shape: tuple[int, int], read) -> None:
+        self.shape, self._read = shape, read
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, row: int) -> np.ndarray:
+        if not 0 <= row < self.shape[0]:
+            raise IndexError(f"row {row} of {self.shape[0]}")
+        return self._read(row)
+
+
 class TreeRuntime(ABC, Generic[Output]):
     """A committed token sequence plus a pending tree of evaluated, unconfirmed nodes.
 
@@ -443,6 +458,14 @@ class TreeRuntime(ABC, Generic[Output]):
         """``forward_tree``, returning each node's argmax (the first of equal logits), as
         greedy verification takes it, without the logits."""
         return self._step_argmax(self.forward_tree(tokens, parents, extend=extend)).tolist()
+
+    def evaluate_rows(
+        self, tokens: Sequence[int], parents: Sequence[int], *, extend: bool = False
+    ) -> NodeRows:
+        """``forward_tree``, each node's float32 logits brought to the CPU only when first read
+        (a sampled verdict reads the rows its walk reaches), until the next forward."""
+        output = self.forward_tree(tokens, parents, extend=extend)
+        return NodeRows((len(tokens), self.vocab_size), lambda row: self._node_logits(output, row))
 
     def _step_argmax(self, output: Output) -> np.ndarray:
         """The argmax of each row of ``_step_logits(output)`` (a runtime may skip copying)."""
