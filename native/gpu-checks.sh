@@ -211,6 +211,10 @@ if [[ -n "${QUICK:-}" ]]; then
     # its 262,144 x 1,152 head is a third of its weights: int8 halves that too
     verify gemma3-1b-fixed16-int8 "$gemma" --dtype bfloat16 --fixed-width 16 --invariance \
         --weights int8 --matmul-tiling "$tiling_int8"
+    # a sampled round's verdict: the daemon's walk over 17 rows of 262,144 logits copied off
+    # the GPU into the arena, against the verifier's walk reading only the rows it reaches
+    step 90 "sampled verdict, gemma3-1b" "${pin[@]}" "$python" -m hetspec.daemon.bench_verdict \
+        "$gemma" --runtime torch --rounds 30 --json "$tables/verdict-gemma3-1b.json"
   fi
   stamp "done (quick): the llama-server build so far"
   tail -c 300 "$build_log"; echo
