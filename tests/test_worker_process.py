@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -443,3 +444,27 @@ async def test_a_command_too_big_for_the_mailbox_keeps_its_place_in_line(
             np.testing.assert_array_equal(frame_array(echoed.data, frames), row)
     finally:
         await cpu.stop()
+
+
+@pytest.mark.parametrize("runtime", ["native", "torch"])
+def test_bench_verdict_times_both_walks_with_the_same_verdicts(tmp_path, runtime) -> None:
+    """``bench_verdict`` (the GPU call's GEMMA step) on the bundled target: the target's own
+    keyed tokens are accepted whole and a changed first token is rejected at once, by the
+    daemon's walk and the verifier's alike (it checks every round's two verdicts agree)."""
+    from hetspec.daemon import bench_verdict  # noqa: PLC0415
+
+    target = Path(__file__).parents[1] / "models" / "target"
+    model = target / "target-q8_0.gguf" if runtime == "native" else target
+    written = tmp_path / "verdict.json"
+    cores = os.sched_getaffinity(0)
+    arguments = [str(model), "--runtime", runtime, "--rounds", "5", "--nodes", "6",
+                 "--json", str(written)]  # fmt: skip
+    assert bench_verdict.main(arguments) == 0
+    assert os.sched_getaffinity(0) == cores
+    results = json.loads(written.read_text())["results"]
+    accepted = {draft: {way: timed["accepted"] for way, timed in ways.items()}
+                for draft, ways in results.items()}  # fmt: skip
+    assert accepted == {"accepted whole (reads all)": {"daemon walks": 6, "verifier walks": 6},
+                        "rejected at once (reads one)": {"daemon walks": 0,
+                                                         "verifier walks": 0}}  # fmt: skip
+    assert all(timed["round_ms"] > 0 for ways in results.values() for timed in ways.values())
