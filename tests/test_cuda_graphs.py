@@ -11,6 +11,7 @@ from tiny_models import build_reference, save_reference
 from hetspec.speculative.samplers import DrawnSampler, KeyedSampler
 from hetspec.speculative.sampling import SamplingParams
 from hetspec.speculative.tree import chain_parents
+from hetspec.speculative.verify import verify_sampled
 from hetspec.workers.torch_runtime import TorchRuntime, static_forward
 from hetspec.workers.tree_runtime import TreeRuntime
 
@@ -168,6 +169,27 @@ def test_logits_go_straight_into_registered_host_memory(folder) -> None:
         torch.from_numpy(out), runtime.forward_tree([3, 4, 5], [-1, 0, 0]).logits.cpu()
     )
     runtime.close()
+
+
+@pytest.mark.parametrize("seed", [None, 11])  # drawn, keyed
+def test_a_sampled_walk_reads_the_same_rows_off_the_cuda_device(folder, seed) -> None:
+    """A verifier's walk (``evaluate_rows``: a row leaves the GPU when the walk reaches it)
+    reads the bits the whole tree's copy holds, and so takes the same verdict, in bf16 graphs
+    of fixed width."""
+    runtime = TorchRuntime(folder, device="cuda", dtype="bfloat16", verifies=True)
+    runtime.prefill(PROMPT)
+    tokens, parents = [3, 4, 5, 6, 7], [-1, 0, 1, 0, 3]
+    whole = runtime.evaluate_tree(tokens, parents).copy()
+    rows = runtime.evaluate_rows(tokens, parents)
+    assert rows.shape == whole.shape
+    assert all(np.array_equal(rows[row], whole[row]) for row in range(len(tokens)))
+    params, draft = SamplingParams(temperature=0.8), np.full((4, whole.shape[1]), 1.0)
+    draft /= draft.sum(-1, keepdims=True)
+    options = {"keyed": KeyedSampler(seed)} if seed is not None else {"draft": draft}
+    verdicts = [verify_sampled(tokens[1:], [-1, 0, -1, 2], rows_of, params, position=12,
+                               rng=np.random.default_rng(3), **options)
+                for rows_of in (whole, runtime.evaluate_rows(tokens, parents))]  # fmt: skip
+    assert verdicts[0] == verdicts[1]
 
 
 @pytest.mark.parametrize("attention", ["gathered", "split"])
