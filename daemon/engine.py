@@ -50,7 +50,13 @@ from hetspec.speculative.rounds import DraftCall, Plan, RoundReport
 from hetspec.speculative.samplers import KeyedSampler, sampler_for
 from hetspec.speculative.sampling import distribution
 from hetspec.speculative.tree import is_path
-from hetspec.speculative.verify import Verdict, accept_token, verify_greedy, verify_sampled
+from hetspec.speculative.verify import (
+    RowsOnDemand,
+    Verdict,
+    accept_token,
+    verify_greedy,
+    verify_sampled,
+)
 
 __all__ = ["Decoder", "WorkerPair"]
 
@@ -85,10 +91,6 @@ def _shaped(plan: Plan, remaining: int) -> Plan:
 def _retrieved(task: asyncio.Future) -> None:
     if not task.cancelled():
         task.exception()  # nothing awaits it: its failure is not news
-
-
-def _no_draft_rows() -> np.ndarray:
-    raise AssertionError("tree rounds verify greedy or keyed requests, which need no draft rows")
 
 
 @dataclass(frozen=True)
@@ -248,12 +250,15 @@ class Decoder:
         rule_rows = None if plan.rule or len(drafted.tokens) > 1 else probs[0]
         beside = None if rule_rows is None or self.pair.verifier_on_cpu else (
             lambda: self._rule_would_pick(rule_rows))  # fmt: skip
-        walk = self._walk(drafted.probs, [b * probs.shape[1] + s for b, s in origin])
+        # a sampled walk's draft rows, node i's at index[i] of the drafter's rows, read in place
+        index = None if self.params.greedy else [b * probs.shape[1] + s for b, s in origin]
+        walk = self._walk(drafted.probs, index)
         verified, verify_s, trial, rule_k = await self._verify_while_drafter_idles(
             tokens, parents, remaining, beside, walk)  # fmt: skip
         width = len(tokens) + 1
         logits = self._target_rows(verified)
-        draft_rows = lambda: np.stack([probs[b, s] for b, s in origin])  # noqa: E731
+        draft_rows = None if index is None else RowsOnDemand.at(
+            probs.reshape(-1, probs.shape[-1]), index)  # fmt: skip
         verdict = self._verdict(tokens, parents, verified, logits, draft_rows)
         emitted, stopped, logprobs = self._emitted(verdict, tokens, remaining, logits, verified)
         self.drafter.unseen = emitted  # it holds the rest as this draft's pending nodes
@@ -325,7 +330,7 @@ class Decoder:
         verified, verify_s, trial, _ = await self._verify_while_drafter_idles(
             tokens, parents, remaining, walk=self._walk())  # fmt: skip
         logits = self._target_rows(verified)
-        verdict = self._verdict(tokens, parents, verified, logits, _no_draft_rows)
+        verdict = self._verdict(tokens, parents, verified, logits, None)  # greedy or keyed
         calibration.observe(float(sum(acceptance[:width])), len(verdict.path))
         first_choice.observe(parents, verdict.path)
         emitted, stopped, logprobs = self._emitted(verdict, tokens, remaining, logits, verified)
@@ -362,7 +367,7 @@ class Decoder:
             raise
         verify_s = time.perf_counter() - verify_start
         logits = self._target_rows(verified)
-        verdict = self._verdict(tokens, parents, verified, logits, lambda: draft.probs)
+        verdict = self._verdict(tokens, parents, verified, logits, draft.probs)
         ahead_s, held = 0.0, None
         if ahead is not None:
             guessed, ahead_s = await ahead

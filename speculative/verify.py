@@ -177,19 +177,26 @@ def verify_sampling(
         node = accepted
 
 
-class RowsAt:
-    """Rows ``index[i]`` of a 2-d array as row i, read in place (a draft's rows for its tree
-    nodes, without copying the vocabulary-wide rows no walk reaches)."""
+class RowsOnDemand:
+    """Vocabulary-wide rows, each read by ``read(row)`` only when indexed (``shape``: rows,
+    vocab): a walk reads the rows it reaches and no other (a runtime's logits off its device,
+    a draft's rows in place)."""
 
-    def __init__(self, array: np.ndarray, index) -> None:
-        self.array, self.index = array, list(index)
-        self.shape = (len(self.index), *array.shape[1:])
+    def __init__(self, shape: tuple[int, int], read: Callable[[int], np.ndarray]) -> None:
+        self.shape, self._read = shape, read
+
+    @classmethod
+    def at(cls, array: np.ndarray, index: list[int]) -> RowsOnDemand:
+        """Rows ``index[i]`` of a 2-d ``array`` as row i, read in place."""
+        return cls((len(index), array.shape[1]), lambda row: array[index[row]])
 
     def __len__(self) -> int:
         return self.shape[0]
 
     def __getitem__(self, row: int) -> np.ndarray:
-        return self.array[self.index[row]]
+        if not 0 <= row < self.shape[0]:
+            raise IndexError(f"row {row} of {self.shape[0]}")
+        return self._read(row)
 
 
 def verify_sampled(tokens, parents, logits, params: SamplingParams, *, position: int,
@@ -199,11 +206,11 @@ def verify_sampled(tokens, parents, logits, params: SamplingParams, *, position:
     with ``shape`` whose rows are read when first indexed), warped by ``params`` row by row
     as the walk reaches them: ``keyed``'s choices (row 0 choosing the token at ``position``),
     else speculative sampling with ``rng`` against ``draft`` (rows as ``verify_sampling``
-    takes them, or a callable returning them). The daemon and a verifier walking in its own
-    process (``SampledWalk``) take it the same way."""
+    takes them). The daemon and a verifier walking in its own process (``SampledWalk``) take
+    it the same way."""
     target = WarpedRows(logits, params)
     if keyed is not None:
         return verify_keyed(tokens, parents, target, keyed, position)
     if rng is None or draft is None:
         raise ValueError("speculative sampling needs a generator and the draft's rows")
-    return verify_sampling(tokens, parents, draft() if callable(draft) else draft, target, rng)
+    return verify_sampling(tokens, parents, draft, target, rng)

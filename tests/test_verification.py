@@ -12,7 +12,7 @@ from hetspec.speculative.samplers import KeyedSampler
 from hetspec.speculative.sampling import distribution
 from hetspec.speculative.tree import depths, is_path
 from hetspec.speculative.verify import (
-    RowsAt,
+    RowsOnDemand,
     _walk,
     verify_greedy,
     verify_keyed,
@@ -156,7 +156,7 @@ def test_a_sampled_verdict_from_rows_read_on_demand_is_the_one_from_all_rows(
     case, keyed: bool, seed: int
 ) -> None:
     """What a verifier walking in its own process decides (rows read as the walk reaches
-    them, the draft's rows in place through ``RowsAt``) is the daemon's verdict over every
+    them, the draft's rows in place through ``RowsOnDemand``) is the daemon's verdict over every
     row: the same path, the same bonus, and no row read that the walk did not reach."""
     tokens, parents, logits = case
     params = SamplingParams(temperature=0.9, top_k=4, top_p=0.95)
@@ -168,9 +168,9 @@ def test_a_sampled_verdict_from_rows_read_on_demand_is_the_one_from_all_rows(
                            rng=np.random.default_rng(seed), draft=drafted[where],
                            **options)  # fmt: skip
     rows = CountedRows(logits)
+    in_place = RowsOnDemand.at(drafted, list(where))
     walked = verify_sampled(tokens, parents, rows, params, position=40,
-                            rng=np.random.default_rng(seed), draft=RowsAt(drafted, where),
-                            **options)  # fmt: skip
+                            rng=np.random.default_rng(seed), draft=in_place, **options)  # fmt: skip
     assert (walked.path, walked.bonus) == (whole.path, whole.bonus)
     assert sorted(set(rows.read)) == sorted({0, *(node + 1 for node in walked.path)})
 

@@ -44,7 +44,7 @@ from hetspec.protocol.arena import SHM_DIR
 from hetspec.protocol.mailbox import Mailbox, MailboxFull
 from hetspec.protocol.sampling import SamplingError
 from hetspec.speculative.samplers import DrawnSampler, KeyedSampler, Sampler, sampler_for
-from hetspec.speculative.verify import RowsAt, Verdict, verify_sampled
+from hetspec.speculative.verify import RowsOnDemand, Verdict, verify_sampled
 from hetspec.workers.spare_cores import SPARE_CORES_SPIN_COUNT, SpareCores, openmp_places
 from hetspec.workers.tree_runtime import RuntimeUsageError
 
@@ -560,7 +560,7 @@ class Worker:
                                     f"{len(drafted)}")  # fmt: skip
         return verify_sampled(draft_tokens, draft_parents, rows, walk.sampling,
                               position=walk.position, rng=np.random.default_rng(walk.seed),
-                              draft=RowsAt(drafted, walk.draft_rows))  # fmt: skip
+                              draft=RowsOnDemand.at(drafted, walk.draft_rows))  # fmt: skip
 
     def commit(self, command: m.Commit, frames) -> tuple:
         start = time.perf_counter()

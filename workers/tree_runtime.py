@@ -32,6 +32,7 @@ from hetspec.speculative.tree import (
     match_path,
     validate_parents,
 )
+from hetspec.speculative.verify import RowsOnDemand
 
 Output = TypeVar("Output")
 WARM_UP_S = 3.0  # what warming the widths up at load may take (see TreeRuntime.warm_up)
@@ -59,21 +60,6 @@ class TreeDraftResult:
     parents: np.ndarray  # (n,) int64: an earlier node of this list, or -1 (the committed end)
     acceptance: np.ndarray  # (n,) float64: each node's score, its estimated chance of acceptance
     nodes: np.ndarray  # (n,) the pending-tree node of each, -1 where not evaluated
-
-
-class NodeRows:
-    """A tree's logit rows, each read from the runtime when indexed (``shape``: nodes, vocab)."""
-
-    def __init__(self, shape: tuple[int, int], read) -> None:
-        self.shape, self._read = shape, read
-
-    def __len__(self) -> int:
-        return self.shape[0]
-
-    def __getitem__(self, row: int) -> np.ndarray:
-        if not 0 <= row < self.shape[0]:
-            raise IndexError(f"row {row} of {self.shape[0]}")
-        return self._read(row)
 
 
 class TreeRuntime(ABC, Generic[Output]):
@@ -461,11 +447,12 @@ class TreeRuntime(ABC, Generic[Output]):
 
     def evaluate_rows(
         self, tokens: Sequence[int], parents: Sequence[int], *, extend: bool = False
-    ) -> NodeRows:
+    ) -> RowsOnDemand:
         """``forward_tree``, each node's float32 logits brought to the CPU only when first read
         (a sampled verdict reads the rows its walk reaches), until the next forward."""
         output = self.forward_tree(tokens, parents, extend=extend)
-        return NodeRows((len(tokens), self.vocab_size), lambda row: self._node_logits(output, row))
+        return RowsOnDemand((len(tokens), self.vocab_size),
+                            lambda row: self._node_logits(output, row))  # fmt: skip
 
     def _step_argmax(self, output: Output) -> np.ndarray:
         """The argmax of each row of ``_step_logits(output)`` (a runtime may skip copying)."""
