@@ -100,17 +100,16 @@ class ChatTemplate:
 
 
 def load_chat_template(folder: str | Path, gguf: str | Path | None = None) -> ChatTemplate | None:
-    """The target model's template, or None when neither export carries one."""
-    config = _folder_json(Path(folder) / "tokenizer_config.json")
+    """The target model's template, or None when neither export carries one; ``folder`` may
+    be "" (a GGUF-only model: the template, BOS, EOS and add-BOS are then the GGUF's)."""
+    config = _folder_json(Path(folder) / "tokenizer_config.json") if folder else {}
     source = config.get("chat_template")
     if isinstance(source, list):  # several named templates: the default one
         source = next((t.get("template") for t in source if t.get("name") == "default"), None)
-    if not source and gguf is not None:
-        source = _gguf_chat_template(Path(gguf))
+    if not source and gguf:
+        return _gguf_chat_template(Path(gguf))
     if not source:
         return None
-
-    # without the folder's settings (the GGUF's template) bos_token renders empty
     bos = bool(config) and adds_bos(config, _folder_json(Path(folder) / "tokenizer.json"))
     return ChatTemplate(source, special_token_text(config, "bos_token"),
                         special_token_text(config, "eos_token"), adds_bos=bos)  # fmt: skip
@@ -124,9 +123,25 @@ def _folder_json(path: Path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def _gguf_chat_template(path: Path) -> str | None:
+def _gguf_chat_template(path: Path) -> ChatTemplate | None:
+    """The GGUF's template with its BOS and EOS texts and whether it adds BOS, as llama.cpp
+    renders it."""
     try:
-        template = read_gguf_header(path).fields.get("tokenizer.chat_template")
+        fields = read_gguf_header(path, strings=True).fields
     except (OSError, ValueError):
         return None
-    return template if isinstance(template, str) else None
+    template = fields.get("tokenizer.chat_template")
+    if not isinstance(template, str):
+        return None
+    tokens = fields.get("tokenizer.ggml.tokens")
+    tokens = tokens if isinstance(tokens, list) else []
+
+    def text(key: str) -> str:
+        token_id = fields.get(key)
+        return str(tokens[token_id]) if isinstance(token_id, int) and token_id < len(tokens) else ""
+
+    adds = bool(fields.get("tokenizer.ggml.add_bos_token", False)) and bool(
+        text("tokenizer.ggml.bos_token_id")
+    )
+    return ChatTemplate(template, text("tokenizer.ggml.bos_token_id"),
+                        text("tokenizer.ggml.eos_token_id"), adds_bos=adds)  # fmt: skip

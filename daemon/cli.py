@@ -17,6 +17,7 @@ from hetspec.daemon.config import (
     ConfigError,
     DaemonConfig,
     load_config,
+    model_paths_of,
     parse_value,
 )
 from hetspec.daemon.cores import CoreError
@@ -28,6 +29,7 @@ from hetspec.daemon.runtime_choice import (
     decide_gpu_runtime,
 )
 from hetspec.daemon.service import Service
+from hetspec.daemon.supervisor import StartupError
 from hetspec.logs import LOG_LEVELS, configure_logging, get_logger
 from hetspec.protocol import ProbeFailure
 
@@ -59,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--socket", help="Unix socket to serve HTTP on")
     parser.add_argument("--runtime-dir", help="directory for the lock and worker endpoints")
     parser.add_argument("--placement", choices=("draft-cpu", "draft-gpu"))
+    parser.add_argument("--target", metavar="PATH", help="the target model: a .gguf file, a "
+                        "model folder, or a folder holding both (sets target.folder and "
+                        "target.gguf; a missing export is left empty)")  # fmt: skip
+    parser.add_argument("--draft", metavar="PATH", help="the draft model, likewise")
     parser.add_argument(
         "--set",
         action="append",
@@ -83,6 +89,10 @@ def overrides_from(args: argparse.Namespace) -> dict[str, object]:
     named = {"socket": args.socket, "runtime_dir": args.runtime_dir, "placement": args.placement,
              "log_level": args.log_level, "log_format": args.log_format}  # fmt: skip
     overrides.update({key: value for key, value in named.items() if value is not None})
+    for name in ("target", "draft"):
+        if (path := getattr(args, name)) is not None:
+            exports = model_paths_of(path)
+            overrides[f"{name}.folder"], overrides[f"{name}.gguf"] = exports.folder, exports.gguf
     return overrides
 
 
@@ -102,7 +112,7 @@ def run_check(as_json: bool, config: DaemonConfig | None) -> int:
     if config is not None and not failed:
         try:
             drafter, decision = uvloop.run(decide_runtimes(config))
-        except (RuntimeChoiceError, CoreError, ValueError) as error:
+        except (RuntimeChoiceError, CoreError, StartupError, ValueError) as error:
             problem = str(error)
     if as_json:
         document = {"hetspecd": __version__, "runtimes": reports, "gpu_runtime": decision,

@@ -33,10 +33,33 @@ class ConfigError(ValueError):
 
 
 class ModelPaths(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """One model in both exports: the torch worker loads ``folder``, llama.cpp ``gguf``."""
+    """One model in both exports: the torch worker loads ``folder``, llama.cpp and the native
+    kernels ``gguf``; "" (or leaving it out): the model has no such export."""
 
-    folder: str
-    gguf: str
+    folder: str = ""
+    gguf: str = ""
+
+
+def model_paths_of(path: str | Path) -> ModelPaths:
+    """The exports one path names: a ``.gguf`` file (with its folder where ``config.json`` lies
+    beside it), or a folder (a Hugging Face one, with its one GGUF where it holds one).
+    Raises ConfigError, saying why, for anything else."""
+    path = Path(path).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ConfigError(f"{path} is neither a model folder nor a .gguf file")
+        folder = path.parent if (path.parent / "config.json").is_file() else None
+        return ModelPaths(folder=str(folder.resolve()) if folder else "", gguf=str(path.resolve()))
+    if not path.is_dir():
+        raise ConfigError(f"{path}: no such file or folder")
+    ggufs = sorted(path.resolve().glob("*.gguf"))
+    if len(ggufs) > 1:
+        raise ConfigError(f"{path} holds several GGUF files ({', '.join(g.name for g in ggufs)}); "
+                          "name one")  # fmt: skip
+    folder = path.resolve() if (path / "config.json").is_file() else None
+    if folder is None and not ggufs:
+        raise ConfigError(f"{path} has neither config.json nor a .gguf file")
+    return ModelPaths(folder=str(folder or ""), gguf=str(ggufs[0]) if ggufs else "")
 
 
 class CpuWorkerConfig(LlamaCppSettings, forbid_unknown_fields=True, kw_only=True, tag=False):
@@ -284,6 +307,13 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def _check_combinations(self) -> None:
         """Settings that are each valid but not together."""
+        for name, model in (("target", self.target), ("draft", self.draft)):
+            if not model.folder and not model.gguf:
+                raise ValueError(f"{name}: give its folder, its gguf or both; both are empty")
+        on_cpu = "draft" if self.placement == "draft-cpu" else "target"
+        if not getattr(self, on_cpu).gguf:
+            raise ValueError(f"{on_cpu}.gguf is empty, and the CPU worker loads it with "
+                             f"llama.cpp in placement {self.placement!r}")  # fmt: skip
         if self.rpc.servers and self.gpu_runtime not in ("auto", "llama.cpp"):
             raise ValueError(f"gpu_runtime {self.gpu_runtime!r} cannot use rpc.servers: the "
                              "target's layers go to rpc-servers through llama.cpp; set "

@@ -49,6 +49,11 @@ def draft_head_for(config: DaemonConfig) -> Path | None:
     if (config.placement != "draft-gpu" or config.draft_head == "none"
             or config.gpu_runtime not in HEAD_RUNTIMES):  # fmt: skip
         return None
+    if not config.target.folder:  # a head reads the target's folder (embedding, LM head)
+        if config.draft_head not in ("auto", "none"):
+            raise HeadChoiceError("draft_head: a head reads the target's model folder, and "
+                                  'the target has none (target.folder = "")')  # fmt: skip
+        return None
     target = Path(config.target.folder)
     if config.draft_head != "auto":
         head = Path(config.draft_head)

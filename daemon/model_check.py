@@ -19,7 +19,7 @@ from pathlib import Path
 
 import msgspec
 
-from hetspec.daemon.config import DaemonConfig
+from hetspec.daemon.config import ConfigError, DaemonConfig, model_paths_of
 from hetspec.daemon.head_choice import BUNDLED_HEAD, TARGET_HEAD, mismatch
 from hetspec.daemon.model_facts import ModelFacts, read_model_facts
 from hetspec.protocol import VocabReport
@@ -57,29 +57,20 @@ class Model:
 
 
 def find_exports(name: str, path: Path) -> Model:
-    """The folder and the GGUF file ``path`` names (a GGUF next to ``config.json`` is both)."""
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise CheckError(f"{name}: {path} is neither a model folder nor a .gguf file")
-        folder = path.parent if (path.parent / "config.json").is_file() else None
-        gguf = path.resolve()
-    elif path.is_dir():
-        folder = path if (path / "config.json").is_file() else None
-        ggufs = sorted(path.resolve().glob("*.gguf"))
-        if len(ggufs) > 1:
-            names = ", ".join(g.name for g in ggufs)
-            raise CheckError(f"{name}: {path} holds several GGUF files ({names}); name one")
-        gguf = ggufs[0] if ggufs else None
-        if folder is None and gguf is None:
-            raise CheckError(f"{name}: {path} has neither config.json nor a .gguf file")
-    else:
-        raise CheckError(f"{name}: {path}: no such file or folder")
+    """The folder and the GGUF file ``path`` names (a GGUF next to ``config.json`` is both),
+    as ``hetspecd --target/--draft`` reads it."""
+    try:
+        exports = model_paths_of(path)
+    except ConfigError as error:
+        raise CheckError(f"{name}: {error}") from None
+    folder = Path(exports.folder) if exports.folder else None
+    gguf = Path(exports.gguf) if exports.gguf else None
     try:
         folder_facts = read_model_facts(folder) if folder else None
         gguf_facts = read_model_facts(gguf) if gguf else None
     except ValueError as error:
         raise CheckError(f"{name}: {error}") from None
-    return Model(name, folder and folder.resolve(), gguf, folder_facts, gguf_facts)
+    return Model(name, folder, gguf, folder_facts, gguf_facts)
 
 
 def read_vocabs(paths: dict[tuple[str, str], Path], timeout_s: float = 120.0) -> dict:

@@ -270,6 +270,9 @@ async def decide_gpu_runtime(config: DaemonConfig, log_format: str = "json",
             failures.append(ProbeFailure(runtime="llama.cpp", message="this llama.cpp build "
                                          "cannot offload to the GPU"))  # fmt: skip
             candidates.remove("llama.cpp")
+    for failure in missing_exports(config, role, candidates):
+        failures.append(failure)
+        candidates.remove(failure.runtime)
     for runtime in candidates:
         spec = worker_specs(config, log_format, gpu_runtime=runtime)["gpu"]
         result, hit = await measure(spec, widths, timeout_s, cache)
@@ -285,6 +288,18 @@ async def decide_gpu_runtime(config: DaemonConfig, log_format: str = "json",
         rates={name: round(rate.tokens_per_s, 1) for name, rate in rates.items()},
         gammas={name: rate.gamma for name, rate in rates.items()}, cached=cached,
     )  # fmt: skip
+
+
+def missing_exports(config: DaemonConfig, role: str, candidates: list[str]) -> list[ProbeFailure]:
+    """The ``candidates`` that cannot load the GPU worker's model in ``role`` because the
+    configuration gives none of the export they read (torch a folder, the others a GGUF)."""
+    name = "target" if role == "verifier" else "draft"
+    exports = config.target if role == "verifier" else config.draft
+    reads = {"torch": ("a model folder", exports.folder)}
+    return [ProbeFailure(runtime=runtime, message=f"reads {what}, and the {name} has none")
+            for runtime in candidates
+            for what, given in [reads.get(runtime, ("a GGUF", exports.gguf))]
+            if not given]  # fmt: skip
 
 
 class DrafterChoice(msgspec.Struct, frozen=True, kw_only=True):

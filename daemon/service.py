@@ -34,7 +34,7 @@ from hetspec.daemon.api_ollama import OllamaApi
 from hetspec.daemon.api_openai import openai_routes
 from hetspec.daemon.autoregressive import generate
 from hetspec.daemon.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
-from hetspec.daemon.config import BUNDLED_MODELS, DaemonConfig
+from hetspec.daemon.config import BUNDLED_MODELS, DaemonConfig, ModelPaths
 from hetspec.daemon.cores import CoreError, cuda_present, daemon_cores, owned_cores
 from hetspec.daemon.engine import Decoder, WorkerPair
 from hetspec.daemon.head_choice import HeadChoiceError
@@ -60,7 +60,7 @@ from hetspec.daemon.supervisor import (
     StartupError,
     Supervisor,
     WorkerUnavailable,
-    config_number_of,
+    model_number_of,
     roles,
     worker_specs,
 )
@@ -99,7 +99,7 @@ class Service:
         self.round_log: RoundLog | None = None  # opened by run() where configured
         self.chat_template: ChatTemplate | None = None
         self._facts: dict[str, ModelFacts] = {}  # by path, read when first asked
-        self.model_name = config.model_name or _model_name(config.target.folder)
+        self.model_name = config.model_name or _model_name(config.target)
         # one controller for the daemon's life: costs measured in one request still hold
         width = config.max_tree_nodes - 1
         # (parallel mode's gamma is fixed: its controller only measures, for the statistics)
@@ -204,10 +204,9 @@ class Service:
     async def _start_workers(self, specs: dict, *, features: bool = False) -> None:
         """The arena (a slot holds a tree's probability rows, or with ``features`` its
         target features if wider) and the supervised workers of ``specs``."""
-        width = max(config_number_of(self.config.target.folder),
-                    config_number_of(self.config.draft.folder))  # fmt: skip
+        width = max(model_number_of(self.config.target), model_number_of(self.config.draft))
         if features:
-            width = max(width, config_number_of(self.config.target.folder, "hidden_size"))
+            width = max(width, model_number_of(self.config.target, "hidden_size"))
         self.arena = self.instance.create_arena(
             self.config.arena_slots, self.config.max_tree_nodes * width * 4
         )
@@ -615,9 +614,12 @@ async def _first(stream: AsyncIterator[str]) -> AsyncIterator[str]:
         return
 
 
-def _model_name(folder: str) -> str:
-    """The name /v1/models serves: the target's folder name (the bundled pair: hetspec-demo)."""
-    path = Path(folder).resolve()
+def _model_name(target: ModelPaths) -> str:
+    """The name /v1/models serves: the target's folder name (the bundled pair: hetspec-demo),
+    or its GGUF's name without ``.gguf`` where it has no folder."""
+    if not target.folder:
+        return Path(target.gguf).stem
+    path = Path(target.folder).resolve()
     return "hetspec-demo" if path == (BUNDLED_MODELS / "target").resolve() else path.name
 
 

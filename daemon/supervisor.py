@@ -20,12 +20,13 @@ from pathlib import Path
 import msgspec
 import structlog
 
-from hetspec.daemon.config import DaemonConfig
+from hetspec.daemon.config import DaemonConfig, ModelPaths
 from hetspec.daemon.cores import check_cores, cuda_present, owned_cores, split_cores
 from hetspec.daemon.head_choice import draft_head_for
 from hetspec.daemon.worker_client import WorkerClient, WorkerSpec, WorkerStartError
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.arena import ArenaLayout
+from hetspec.protocol.gguf_header import read_gguf_header
 from hetspec.speculative.vocab import incompatibilities
 
 log = structlog.get_logger("hetspec.daemon.supervisor")
@@ -49,6 +50,10 @@ def roles(placement: str) -> Roles:
     return Roles("cpu", "gpu") if placement == "draft-cpu" else Roles("gpu", "cpu")
 
 
+# config.json's names for the numbers a GGUF stores as "{architecture}.{key}"
+_GGUF_KEYS = {"hidden_size": "embedding_length", "num_hidden_layers": "block_count"}
+
+
 def config_number_of(folder: str, key: str = "vocab_size") -> int:
     """A number of a model folder's config.json ("vocab_size": the logits width,
     "hidden_size": the feature width), read without loading anything."""
@@ -58,6 +63,41 @@ def config_number_of(folder: str, key: str = "vocab_size") -> int:
         return int(config.get("text_config", config)[key])
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise StartupError(f"cannot read {key} from {path}: {error}") from None
+
+
+def model_number_of(model: ModelPaths, key: str = "vocab_size") -> int:
+    """``config_number_of`` for a model given as a folder, a GGUF or both: its folder's
+    config.json where it has one, else its GGUF's header (a vocabulary's size is its token
+    list's length where the file does not state it)."""
+    if model.folder:
+        return config_number_of(model.folder, key)
+    try:
+        header = read_gguf_header(model.gguf)
+        family = header.fields["general.architecture"]
+        stated = header.fields.get(f"{family}.{_GGUF_KEYS.get(key, key)}")
+        if stated is None and key == "vocab_size":
+            stated = header.fields["tokenizer.ggml.tokens"].count
+        return int(stated)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise StartupError(f"cannot read {key} from {model.gguf}: {error}") from None
+
+
+def missing_export(config: DaemonConfig, gpu_runtime: str) -> None:
+    """Raise StartupError, naming the setting, where a worker would load an export the
+    configuration leaves empty ("")."""
+    drafting_on_cpu = config.placement == "draft-cpu"
+    on_cpu = ("draft", config.draft) if drafting_on_cpu else ("target", config.target)
+    on_gpu = ("target", config.target) if drafting_on_cpu else ("draft", config.draft)
+    needs = [(*on_cpu, "gguf", "the CPU worker's llama.cpp")]
+    if gpu_runtime in ("torch", "head"):
+        needs.append((*on_gpu, "folder", f"the GPU worker's {gpu_runtime}"))
+    else:
+        needs.append((*on_gpu, "gguf", f"the GPU worker's {gpu_runtime}"))
+    for name, paths, export, reader in needs:
+        if not getattr(paths, export):
+            other = "gguf" if export == "folder" else "folder"
+            raise StartupError(f"{reader} loads the {name}'s {export}, and {name}.{export} is "
+                             f'empty; give one (the {name} has only its {other})')  # fmt: skip
 
 
 def worker_specs(config: DaemonConfig, log_format: str, gpu_runtime: str | None = None,
@@ -86,6 +126,7 @@ def worker_specs(config: DaemonConfig, log_format: str, gpu_runtime: str | None 
                 or None, owned)  # fmt: skip
     check_cores("gpu_worker", gpu_cores, gpu_cfg.threads, owned)
     drafting_on_cpu = config.placement == "draft-cpu"
+    missing_export(config, gpu_runtime)
     cpu_model = config.draft.gguf if drafting_on_cpu else config.target.gguf
     gpu_model = config.target.folder if drafting_on_cpu else config.draft.folder
     # the target's layers on rpc-servers: only ever the verifier's llama.cpp

@@ -28,7 +28,12 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from hetspec.models.llama_quantize import QUANT_TYPES, QuantizeError, quantize_gguf
-from hetspec.protocol.tokenizer_files import adds_bos, byte_piece, is_sentencepiece_bpe
+from hetspec.protocol.tokenizer_files import (
+    adds_bos,
+    byte_level_pre_name,
+    byte_piece,
+    is_sentencepiece_bpe,
+)
 
 OUT_TYPES = {
     "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
@@ -143,11 +148,12 @@ def _add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, n_vocab: int) -> No
     tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
     settings = json.loads((model_dir / "tokenizer_config.json").read_text())
     bpe = tokenizer["model"]
-    byte_level = (tokenizer.get("pre_tokenizer") or {}).get("type") == "ByteLevel"
+    pre = byte_level_pre_name(tokenizer)
     sentencepiece = is_sentencepiece_bpe(tokenizer)
-    if bpe.get("type") != "BPE" or not (byte_level or sentencepiece):
-        raise ExportError(f"{model_dir}: only byte-level BPE tokenizers and SentencePiece's "
-                          "BPE with byte fallback are supported")  # fmt: skip
+    if bpe.get("type") != "BPE" or not (pre or sentencepiece):
+        raise ExportError(f"{model_dir}: only byte-level BPE tokenizers (GPT-2's or SmolLM's "
+                          "pre-tokenizer) and SentencePiece's BPE with byte fallback are "
+                          "supported")  # fmt: skip
     vocab: dict[str, int] = dict(bpe["vocab"])
     specials = {t["content"]: t["id"] for t in tokenizer.get("added_tokens", []) if t["special"]}
     vocab.update(specials)
@@ -164,7 +170,7 @@ def _add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, n_vocab: int) -> No
         _add_sentencepiece_vocab(writer, tokenizer, tokens, types, merges)
     else:
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("gpt-2")
+        writer.add_tokenizer_pre(pre)
         writer.add_token_list(tokens)
         writer.add_token_types(types)
         writer.add_token_merges(merges)

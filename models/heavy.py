@@ -41,8 +41,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import fcntl
-import glob
 import hashlib
 import json
 import math
@@ -52,10 +50,8 @@ import shutil
 import sys
 import textwrap
 import time
-import uuid
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -63,6 +59,14 @@ from types import MappingProxyType
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from hetspec.models.cache_files import (
+    default_cache_dir,
+    fsync,
+    leftovers,
+    locked,
+    remove,
+    temp_name,
+)
 from hetspec.models.gguf_export import OUT_TYPES, ExportError, export_any
 from hetspec.models.llama_quantize import QUANT_TYPES, QuantizeError
 
@@ -165,14 +169,6 @@ def parse_types(types: str | Iterable[str]) -> tuple[str, ...]:
             f"unknown GGUF type {unknown[0]!r}; choose from {', '.join([*OUT_TYPES, *QUANT_TYPES])}"
         )
     return result
-
-
-def default_cache_dir() -> Path:
-    """``$HETSPEC_CACHE_DIR``, else ``$XDG_CACHE_HOME/hetspec``, else ``~/.cache/hetspec``."""
-    if os.environ.get("HETSPEC_CACHE_DIR"):
-        return Path(os.environ["HETSPEC_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "hetspec"
 
 
 # ------------------------------------------------------------------ the recipe
@@ -336,7 +332,7 @@ def _write_head(folder: Path, feature_size: int, say: Callable[[str], None]) -> 
         pass
     head, tensors = widened_head(config, load_file(HEAD_SOURCE / "model.safetensors"),
                                  feature_size)  # fmt: skip
-    temp = _temp_name(target)
+    temp = temp_name(target)
     temp.mkdir()
     try:
         (temp / "head_config.json").write_text(json.dumps(head, indent=2) + "\n")
@@ -344,13 +340,13 @@ def _write_head(folder: Path, feature_size: int, say: Callable[[str], None]) -> 
         (temp / "model.safetensors").chmod((temp / "head_config.json").stat().st_mode & 0o777)
         (temp / "source.json").write_text(json.dumps(stamp) + "\n")
         for path in temp.iterdir():
-            _fsync(path)
-        _remove(target)
+            fsync(path)
+        remove(target)
         temp.rename(target)
-        _fsync(folder)
+        fsync(folder)
         say(f"{folder.name}: wrote its draft head ({target})")
     finally:
-        _remove(temp)
+        remove(temp)
 
 
 def _fingerprint(source: Path) -> str:
@@ -377,45 +373,6 @@ def _is_current(folder: Path, manifest: dict) -> bool:
         return json.loads((folder / MANIFEST).read_text()) == manifest
     except (OSError, json.JSONDecodeError):
         return False
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _temp_name(final: Path) -> Path:
-    """A hidden sibling of ``final`` to build it in; see ``_leftovers``."""
-    return final.with_name(f".{final.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
-
-
-def _leftovers(folder: Path) -> list[Path]:
-    """Temporary files and folders of ``folder`` that a killed run left behind."""
-    siblings = folder.parent.glob(f".{glob.escape(folder.name)}.*.tmp")
-    inside = folder.glob(".*.tmp") if folder.is_dir() else ()
-    return [*siblings, *inside]
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-
-
-@contextmanager
-def _locked(path: Path, say: Callable[[str], None]) -> Iterator[None]:
-    """Hold an exclusive lock on ``path``, so concurrent callers build each model once."""
-    with path.open("a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            say(f"waiting for another process that holds {path}")
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        yield  # the lock goes with the file descriptor
 
 
 def _model_card(size: str, config: Mapping, params: int, source_config: Mapping) -> str:
@@ -474,7 +431,7 @@ def _build_folder(folder: Path, manifest: Mapping, say: Callable[[str], None]) -
     except (OSError, json.JSONDecodeError) as error:
         raise HeavyModelError(f"cannot read the bundled target at {SOURCE}: {error}") from None
     config = heavy_config(source_config, PRESETS[size], size)
-    temp = _temp_name(folder)
+    temp = temp_name(folder)
     temp.mkdir()
     try:
         started = time.monotonic()
@@ -490,33 +447,33 @@ def _build_folder(folder: Path, manifest: Mapping, say: Callable[[str], None]) -
         (temp / "README.md").write_text(_model_card(size, config, params, source_config))
         (temp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         for path in temp.iterdir():
-            _fsync(path)
-        _fsync(temp)
+            fsync(path)
+        fsync(temp)
         if folder.exists():  # stale or forced: swap the new one in, then drop the old one
-            old = _temp_name(folder)
+            old = temp_name(folder)
             folder.rename(old)
             temp.rename(folder)
-            _remove(old)
+            remove(old)
         else:
             temp.rename(folder)
-        _fsync(folder.parent)
+        fsync(folder.parent)
         say(f"heavy-{size}: wrote {folder} ({time.monotonic() - started:.1f} s)")
     finally:
-        _remove(temp)
+        remove(temp)
 
 
 def _export(folder: Path, size: str, gguf_type: str, say: Callable[[str], None]) -> Path:
     """Export one GGUF into ``folder`` atomically; returns its path."""
     final = folder / f"heavy-{size}-{gguf_type}.gguf"
-    temp = _temp_name(final)
+    temp = temp_name(final)
     started = time.monotonic()
     say(f"heavy-{size}: exporting {final.name}")
     f16 = folder / f"heavy-{size}-f16.gguf"  # a K-quant's source where it exists
     try:
         export_any(folder, temp, gguf_type, f16 if f16.is_file() else None)
-        _fsync(temp)
+        fsync(temp)
         temp.replace(final)
-        _fsync(folder)
+        fsync(folder)
     except (ExportError, QuantizeError) as error:
         raise HeavyModelError(f"heavy-{size}: {gguf_type} export failed: {error}") from None
     finally:
@@ -569,9 +526,9 @@ def ensure_heavy(
         raise HeavyModelError(f"cache directory {root} exists and is not a directory")
     try:
         root.mkdir(parents=True, exist_ok=True)
-        with _locked(root / f".heavy-{name}.lock", say):
-            for path in _leftovers(folder):  # nobody else builds while we hold the lock
-                _remove(path)
+        with locked(root / f".heavy-{name}.lock", say):
+            for path in leftovers(folder):  # nobody else builds while we hold the lock
+                remove(path)
             rebuild = force or not _is_current(folder, manifest)
             if rebuild:
                 _build_folder(folder, manifest, say)

@@ -20,13 +20,35 @@ END_OF_TURN_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
+def is_byte_level(spec: dict[str, Any]) -> bool:
+    """Whether tokenizer.json pre-tokenizes byte-level (GPT-2's spelling of bytes): a
+    ByteLevel pre-tokenizer, alone or in a Sequence (SmolLM's splits digits first)."""
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    return any((step or {}).get("type") == "ByteLevel" for step in steps)
+
+
+def byte_level_pre_name(spec: dict[str, Any]) -> str | None:
+    """llama.cpp's name (``tokenizer.ggml.pre``) of a byte-level pre-tokenizer it reproduces:
+    "gpt-2" for ByteLevel alone, "smollm" for single digits first; None for others."""
+    pre = spec.get("pre_tokenizer") or {}
+    if pre.get("type") == "ByteLevel":
+        return "gpt-2"
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
+    kinds = [(step or {}).get("type") for step in steps]
+    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits"):
+        return "smollm"
+    return None
+
+
 def is_sentencepiece_bpe(spec: dict[str, Any]) -> bool:
     """Whether tokenizer.json is transformers' conversion of a SentencePiece model (Llama 2's,
     Gemma's): a BPE whose missing characters fall back to ``<0xNN>`` byte pieces, with no
     byte-level pre-tokenizer; llama.cpp calls such a vocabulary "spm"."""
     model = spec.get("model") or {}
-    byte_level = (spec.get("pre_tokenizer") or {}).get("type") == "ByteLevel"
-    return model.get("type") == "BPE" and bool(model.get("byte_fallback")) and not byte_level
+    return (
+        model.get("type") == "BPE" and bool(model.get("byte_fallback")) and not is_byte_level(spec)
+    )
 
 
 def byte_piece(text: str) -> int | None:

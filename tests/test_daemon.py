@@ -67,24 +67,29 @@ class Daemon:
     def __init__(
         self,
         tmp_path: Path,
-        target: Path,
-        draft: Path,
+        target: Path | None,
+        draft: Path | None,
         *extra: str,
         env: dict[str, str] | None = None,
         launcher: list[str] | None = None,
         pass_fds: tuple[int, ...] = (),
+        gpu_runtime: str = "torch",
+        context: int = CONTEXT,
     ) -> None:
+        """hetspecd on ``target`` and ``draft`` (GGUF files, each with its folder: the file's
+        own; None: the models ``extra`` names, or the configuration's), the GPU worker in
+        ``gpu_runtime`` ("auto": measured at load)."""
         tmp_path.mkdir(parents=True, exist_ok=True)
         self.socket = tmp_path / "hetspecd.sock"
         self.runtime_dir = tmp_path / "run"
         self.log = tmp_path / "hetspecd.log"
+        exports = {(name, kind): path.parent if kind == "folder" else path
+                   for name, path in (("target", target), ("draft", draft)) if path is not None
+                   for kind in ("folder", "gguf")}  # fmt: skip
         settings = {
-            "target.folder": target.parent,
-            "target.gguf": target,
-            "draft.folder": draft.parent,
-            "draft.gguf": draft,
-            "cpu_worker.n_ctx": CONTEXT,
-            "gpu_worker.max_context": CONTEXT,
+            **{f"{name}.{kind}": path for (name, kind), path in exports.items()},
+            "cpu_worker.n_ctx": context,
+            "gpu_worker.max_context": context,
             "heartbeat_timeout_s": 5,
             "restart_backoff_s": [0.2, 2],
         }
@@ -100,7 +105,7 @@ class Daemon:
             "json",
             # the torch verifier these tests mean, not one measured at load (test_runtime_choice)
             "--set",
-            'gpu_runtime="torch"',
+            f"gpu_runtime={json.dumps(gpu_runtime)}",
             *extra,
         ]
         for key, value in settings.items():

@@ -20,6 +20,7 @@ from hetspec.protocol.tokenizer_files import (
     adds_bos,
     byte_piece,
     generation_end_ids,
+    is_byte_level,
     is_sentencepiece_bpe,
 )
 from hetspec.protocol.vocab import VocabInfo
@@ -57,7 +58,7 @@ class FolderTokenizer:
         except (OSError, ValueError, Exception) as error:  # tokenizers raises plain Exception
             raise ModelLoadError(f"{folder}: cannot read its tokenizer files ({error})") from None
         model_type = spec.get("model", {}).get("type", "")
-        self.byte_level = (spec.get("pre_tokenizer") or {}).get("type") == "ByteLevel"
+        self.byte_level = is_byte_level(spec)
         self.sentencepiece = is_sentencepiece_bpe(spec)
         self.kind = (
             "spm" if self.sentencepiece else KINDS.get(model_type, model_type.lower() or "unknown")
