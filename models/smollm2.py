@@ -224,6 +224,38 @@ def ensure_smollm2(
     return RealModel(folder, folder / GGUF_NAME)
 
 
+DRAFT_SHIPPED = Path(__file__).resolve().parent / "smollm2-draft" / "draft-q8_0.gguf"
+
+
+def ensure_smollm2_draft(cache_dir: str | os.PathLike[str] | None = None, *,
+                         quiet: bool = False) -> RealModel:  # fmt: skip
+    """The draft hetspec ships for SmolLM2 (``train_draft``: trained here, not distilled), as
+    its GGUF and, made once in the cache, the Hugging Face folder torch drafts with. Raises
+    RealModelError, one line, when it is missing or the folder cannot be written."""
+    if not DRAFT_SHIPPED.is_file():
+        raise RealModelError(f"the SmolLM2 draft {DRAFT_SHIPPED} is missing; make one with "
+                             "python -m hetspec.models.train_draft")  # fmt: skip
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    digest = hashlib.sha256(DRAFT_SHIPPED.read_bytes()).hexdigest()[:12]
+    folder = root / f"smollm2-draft-{digest}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with locked(root / f".{folder.name}.lock", lambda _: None):
+            for path in leftovers(folder):
+                remove(path)
+            if not (folder / "model.safetensors").is_file():
+                if not quiet:
+                    print(f"smollm2: writing the draft's folder {folder}", file=sys.stderr)
+                import_gguf(DRAFT_SHIPPED, folder)
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise RealModelError(f"cannot write {folder.name} in cache directory {root}: {reason}"
+                             ) from None  # fmt: skip
+    except GgufImportError as error:
+        raise RealModelError(f"cannot derive the draft's torch folder: {error}") from None
+    return RealModel(folder, DRAFT_SHIPPED)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit 0 with the model's paths on stdout, 1 with one line on stderr when it fails."""
     parser = argparse.ArgumentParser(

@@ -197,3 +197,34 @@ def test_every_runtime_predicts_like_the_publishers_file(real) -> None:
             compared += len(path)
             agreed += int((picks == np.asarray(path)).sum())
     assert agreed / compared >= 0.95, f"{agreed}/{compared}"
+
+
+def test_the_360m_cost_copy_predicts_like_the_real_model(real, tmp_path) -> None:
+    """SmolLM2 padded to SmolLM2-360M's cost (still tied, weights in float32): the same
+    logits in torch, and in llama.cpp the same as the real model's own Q8_0 export."""
+    from hetspec.models.gguf_export import export_gguf  # noqa: PLC0415
+    from hetspec.models.heavy import SMOLLM2_PRESETS, ensure_heavy  # noqa: PLC0415
+    from hetspec.speculative.tree import chain_parents  # noqa: PLC0415
+    from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
+    from hetspec.workers.torch_runtime import TorchRuntime  # noqa: PLC0415
+
+    heavy = ensure_heavy("360m", ["q8_0"], real.folder.parent, source="smollm2", quiet=True)
+    assert heavy.params == SMOLLM2_PRESETS["360m"].params(49152, 64, tied=True)
+    assert abs(heavy.params / 362e6 - 1) < 0.02  # SmolLM2-360M: 361.8M parameters
+    text = CHAT.format(QUESTIONS[1]) + "def reverse(items):\n    return items[::-1]\n" * 4
+
+    def chain(runtime) -> np.ndarray:
+        tokens = runtime.tokenize(text)[:97]
+        runtime.prefill(tokens[:1])
+        return runtime.evaluate_tree(tokens[1:], chain_parents(len(tokens) - 1))
+
+    pairs = {
+        "torch": [TorchRuntime(folder, dtype="float32", max_context=256)
+                  for folder in (real.folder, heavy.folder)],
+        "llama.cpp": [LlamaCppRuntime(gguf, n_ctx=256, threads=1) for gguf in (
+            export_gguf(real.folder, tmp_path / "real-q8_0.gguf", "q8_0"), heavy.gguf("q8_0"))],
+    }  # fmt: skip
+    for name, (ours, theirs) in pairs.items():
+        mine, real_logits = chain(theirs), chain(ours)
+        assert float(np.abs(mine - real_logits).max()) <= 2e-3, name
+        np.testing.assert_array_equal(mine.argmax(-1), real_logits.argmax(-1))

@@ -422,17 +422,25 @@ def llama_cpp_offloads() -> bool:
     return local_gpu_present()
 
 
+def assisted_peer(args: argparse.Namespace, gpu: bool,
+                  skipped: dict[str, str]) -> list[tuple[str, Callable[[], Peer]]]:  # fmt: skip
+    """transformers' assisted generation, where the pair has model folders."""
+    name = "transformers assisted"
+    if not (args.target_folder and args.draft_folder):
+        skipped[name] = "it loads model folders, and the pair is given as GGUF files only"
+        return []
+    return [(name, lambda: TransformersAssisted(args.threads, args.target_folder,
+                                                args.draft_folder, gpu=gpu,
+                                                temperature=args.temperature))]  # fmt: skip
+
+
 def load_peers(
     args: argparse.Namespace, stack: ExitStack, skipped: dict[str, str], info: dict
 ) -> list[Peer]:
     """Every peer that can be had, warmed up; the others go to ``skipped`` with one line why.
     With ``args.gpu`` ("auto": where torch sees CUDA) the peers compute on the GPU."""
     gpu = cuda_available() if args.gpu == "auto" else args.gpu == "on"
-    candidates: list[tuple[str, Callable[[], Peer]]] = [
-        ("transformers assisted",
-         lambda: TransformersAssisted(args.threads, args.target_folder, args.draft_folder,
-                                      gpu=gpu, temperature=args.temperature)),
-    ]  # fmt: skip
+    candidates = assisted_peer(args, gpu, skipped)
     loop = "llama-cpp-python loop speculative gamma=4"
     if args.temperature > 0:
         skipped[loop] = "greedy only (it verifies by the target's argmax)"
@@ -512,9 +520,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the target for llama.cpp (default: the bundled one)")  # fmt: skip
     parser.add_argument("--draft-gguf", type=Path, default=DRAFT_GGUF,
                         help="the draft for llama.cpp (default: the bundled one)")  # fmt: skip
-    parser.add_argument("--target-folder", type=Path, default=MODELS / "target",
+    parser.add_argument("--target-folder", type=str, default=str(MODELS / "target"),
                         help="the target for transformers (default: the bundled one)")  # fmt: skip
-    parser.add_argument("--draft-folder", type=Path, default=MODELS / "draft",
+    parser.add_argument("--draft-folder", type=str, default=str(MODELS / "draft"),
                         help="the draft for transformers (default: the bundled one)")  # fmt: skip
     parser.add_argument(
         "--llama-server",
