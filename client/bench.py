@@ -113,8 +113,11 @@ class Peers:
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         row = self._reply()
+        ids = row.get("ids") or []
         return Record(system, index, repeat, False, row["tokens"], row["decode_ms"],
-                      row["ttft_ms"])  # fmt: skip
+                      row["ttft_ms"], accepted=row.get("draft_n_accepted", 0),
+                      output=token_digest(ids) if ids else "",
+                      drafted=row.get("draft_n", 0))  # fmt: skip
 
     def close(self) -> None:
         self.process.stdin.close()
@@ -160,6 +163,7 @@ class Record:
     output: str = ""  # a digest of the token ids generated ("": a peer's, not compared)
     t_prefill_wait_ms: float | None = None  # waiting for the drafter's late prefill
     branches: list[int] = field(default_factory=list)  # each round's, as gammas (last 64)
+    drafted: int = 0  # draft tokens offered to the target (llama-server's draft_n)
 
     @classmethod
     def of(cls, system: str, prompt: int, repeat: int, loaded: bool, done: Completion) -> Record:
@@ -173,7 +177,7 @@ class Record:
             spec.get("t_draft_link_ms"), spec.get("t_verify_link_ms"), gammas,
             spec.get("acceptance_by_depth", []), token_digest(done.tokens),
             t_prefill_wait_ms=spec.get("t_prefill_wait_ms"),
-            branches=spec.get("branch_history", []),
+            branches=spec.get("branch_history", []), drafted=timings.get("draft_n", 0),
         )  # fmt: skip
 
     @property
@@ -225,8 +229,12 @@ def summarise(records: list[Record]) -> dict:
              for rs in by_repeat.values()]  # fmt: skip
     rounds = sum(r.rounds for r in records)
     ideal = [r.tokens_per_s / r.ideal_tokens_per_s for r in records if r.ideal_tokens_per_s]
+    drafted = sum(r.drafted for r in records)
     return {
         "tokens_per_s": statistics.median(rates),
+        "tokens_per_s_range": (min(rates), max(rates)),  # over the passes
+        "passes": len(rates),
+        "acceptance": sum(r.accepted for r in records) / drafted if drafted else None,
         "ttft_ms": statistics.median(r.ttft_ms for r in records),
         "mean_accepted": sum(r.accepted for r in records) / rounds if rounds else None,
         "gamma_mean": statistics.fmean(r.gamma_mean for r in records) if rounds else None,
@@ -421,25 +429,31 @@ def modes_table(records: list[Record]) -> tuple[str, dict, str]:
     for name, summary in summaries.items():
         summary["same_as_alone"] = same_output([r for r in records if r.system == name], alone)
     lines = [
-        "| system | decode tokens/s | x fastest target alone | x sequential | mean accepted | "
-        "gamma | overlapped rounds | TTFT ms | x TTFT | efficiency | tokens = alone |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| system | decode tokens/s | min-max | x fastest target alone | x sequential | "
+        "mean accepted | accepted/drafted | gamma | overlapped rounds | TTFT ms | x TTFT | "
+        "efficiency | tokens = alone |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, s in summaries.items():
         same = s["same_as_alone"]
+        low, high = s["tokens_per_s_range"]
         lines.append(
-            f"| {name} | {s['tokens_per_s']:.1f} | "
+            f"| {name} | {s['tokens_per_s']:.1f} | {low:.1f}-{high:.1f} | "
             f"{s['tokens_per_s'] / base['tokens_per_s']:.2f} | "
             f"{s['tokens_per_s'] / sequential['tokens_per_s']:.2f} | "
-            f"{_fmt(s['mean_accepted'], '.2f')} | {_fmt(s['gamma_mean'], '.1f')} | "
+            f"{_fmt(s['mean_accepted'], '.2f')} | {_fmt(s['acceptance'], '.0%')} | "
+            f"{_fmt(s['gamma_mean'], '.1f')} | "
             f"{_fmt(s['overlapped'], '.0%')} | {s['ttft_ms']:.2f} | "
             f"{s['ttft_ms'] / base['ttft_ms']:.2f} | "
             f"{_fmt(s['efficiency'], '.2f')} | {f'{same[0]}/{same[1]}' if same else '-'} |"
         )
     lines.append(
-        f"\nx fastest target alone, x TTFT: relative to {fastest}. tokens = alone: "
-        "requests whose token ids equal hetspec's target alone (autoregressive) on the "
-        "same prompt (greedy or seeded: all of them, or the output is not lossless)."
+        f"\nx fastest target alone, x TTFT: relative to {fastest}; decode tokens/s is the "
+        "median over the passes, min-max their range. tokens = alone: requests whose token "
+        "ids equal hetspec's target alone (autoregressive) on the same prompt (greedy or "
+        "seeded: for hetspec's modes all of them, or the output is not lossless; a peer's may "
+        "differ where its arithmetic breaks a near-tie another way, or past an end token, "
+        "which llama-server never samples with ignore_eos while hetspec generates past it)."
     )
     return "\n".join(lines), summaries, fastest
 

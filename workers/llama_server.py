@@ -119,6 +119,7 @@ class ServerConfig:
     target: Path
     draft: Path | None = None
     n_max: int | None = None
+    p_min: float | None = None  # --spec-draft-p-min; None: the server's default
     threads: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
     context: int = 2048
     flash_attention: str | None = None
@@ -145,6 +146,8 @@ def server_args(binary: Path, config: ServerConfig, socket: Path) -> list[str]:
         args += ["-tbd", threads]
         if config.n_max is not None:
             args += ["--spec-draft-n-max", str(config.n_max)]
+        if config.p_min is not None:
+            args += ["--spec-draft-p-min", str(config.p_min)]
         if config.draft_gpu_layers is not None:
             args += ["-ngld", str(config.draft_gpu_layers)]
     return args
@@ -156,6 +159,7 @@ class Timing(NamedTuple):
     tokens: int
     draft_n: int
     draft_n_accepted: int
+    ids: tuple[int, ...] = ()  # the token ids generated, where the reply lists them
 
 
 def timing_of(reply: Mapping) -> Timing:
@@ -180,6 +184,7 @@ def timing_of(reply: Mapping) -> Timing:
         int(timings["predicted_n"]),
         int(timings.get("draft_n", 0)),
         int(timings.get("draft_n_accepted", 0)),
+        tuple(int(t) for t in reply.get("tokens") or ()),
     )
 
 

@@ -40,7 +40,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
@@ -63,6 +63,7 @@ MODELS = Path(__file__).resolve().parents[1] / "models"
 TARGET_GGUF = MODELS / "target" / "target-q8_0.gguf"
 DRAFT_GGUF = MODELS / "draft" / "draft-q8_0.gguf"
 SWEEP_N_MAX = (1, 2, 3, 4, 6, 8)
+SWEEP_P_MIN = (0.0, 0.75)
 # The sweep's prompts: code like the bench's, but none of its prompts (it tunes on these).
 SWEEP_PROMPTS = (
     "import os\n\n\ndef walk_files(root):\n    ",
@@ -268,7 +269,8 @@ class LlamaServerPeer:
         server = self.pool.get(self.config)
         timing = server.complete(prompt, max_tokens, self.temperature, seed)
         return {"ttft_ms": timing.ttft_ms, "decode_ms": timing.decode_ms,
-                "draft_n": timing.draft_n, "draft_n_accepted": timing.draft_n_accepted}  # fmt: skip
+                "draft_n": timing.draft_n, "draft_n_accepted": timing.draft_n_accepted,
+                "ids": list(timing.ids)}  # fmt: skip
 
 
 def decode_speeds(timings: dict, failed: set) -> dict:
@@ -284,39 +286,47 @@ def decode_speeds(timings: dict, failed: set) -> dict:
 def sweep_n_max(binary: Path, config: ServerConfig, limit: int,
                 temperature: float = 0.0) -> dict[int, float]:  # fmt: skip
     """Decode tokens/s of llama-server's speculative decoding at each draft length of
-    SWEEP_N_MAX, after one warm-up request: SWEEP_PROMPTS, SWEEP_TOKENS tokens each, repeated
-    at least SWEEP_REPEATS times and until SWEEP_MIN_MS of decoding (a small model's 64 tokens
-    take ~30 ms, too few to rank lengths by). With ``limit`` servers room for every length,
-    the lengths take turns, so that a drifting box slows them alike; else one after the
-    other. Lengths whose server fails are left out. At ``temperature`` > 0 each prompt is
-    sampled with a seed of its own, the same at every length."""
-    timings: dict[int, list[Timing]] = {n: [] for n in SWEEP_N_MAX}
-    failed: set[int] = set()
-    interleave = limit >= len(SWEEP_N_MAX)
-    turns = ([n for _ in range(SWEEP_MAX_REPEATS) for n in SWEEP_N_MAX] if interleave
-             else [n for n in SWEEP_N_MAX for _ in range(SWEEP_MAX_REPEATS)])  # fmt: skip
+    SWEEP_N_MAX (``sweep``)."""
+    configs = {n: replace(config, n_max=n) for n in SWEEP_N_MAX}
+    return sweep(binary, configs, limit, temperature)
 
-    def done(n_max: int) -> bool:
-        measured = timings[n_max]
-        return n_max in failed or (
+
+def sweep(binary: Path, configs: dict[Hashable, ServerConfig], limit: int,
+          temperature: float = 0.0) -> dict[Hashable, float]:  # fmt: skip
+    """Decode tokens/s of each of llama-server's ``configs``, after one warm-up request each:
+    SWEEP_PROMPTS, SWEEP_TOKENS tokens each, repeated at least SWEEP_REPEATS times and until
+    SWEEP_MIN_MS of decoding (a small model's 64 tokens take ~30 ms, too few to rank settings
+    by). With ``limit`` servers room for every setting, the settings take turns, so that a
+    drifting box slows them alike; else one after the other. Settings whose server fails are
+    left out. At ``temperature`` > 0 each prompt is sampled with a seed of its own, the same
+    in every setting."""
+    timings: dict[Hashable, list[Timing]] = {key: [] for key in configs}
+    failed: set[Hashable] = set()
+    interleave = limit >= len(configs)
+    turns = ([k for _ in range(SWEEP_MAX_REPEATS) for k in configs] if interleave
+             else [k for k in configs for _ in range(SWEEP_MAX_REPEATS)])  # fmt: skip
+
+    def done(key: Hashable) -> bool:
+        measured = timings[key]
+        return key in failed or (
             len(measured) >= SWEEP_REPEATS * len(SWEEP_PROMPTS)
             and sum(t.decode_ms for t in measured) >= SWEEP_MIN_MS
         )
 
     pool = ServerPool(binary, limit)
     try:
-        for n_max in turns:
-            if done(n_max):
+        for key in turns:
+            if done(key):
                 continue
             try:
-                server = pool.get(replace(config, n_max=n_max))
-                if not timings[n_max]:
+                server = pool.get(configs[key])
+                if not timings[key]:
                     server.complete(WARMUP_PROMPT, 8)
-                timings[n_max] += [server.complete(p, SWEEP_TOKENS, temperature, seed)
-                                   for seed, p in enumerate(SWEEP_PROMPTS)]  # fmt: skip
+                timings[key] += [server.complete(p, SWEEP_TOKENS, temperature, seed)
+                                 for seed, p in enumerate(SWEEP_PROMPTS)]  # fmt: skip
             except LlamaServerError as error:
-                print(f"peers: llama-server n-max={n_max} failed: {error}", file=sys.stderr)
-                failed.add(n_max)
+                print(f"peers: llama-server {key} failed: {error}", file=sys.stderr)
+                failed.add(key)
     finally:
         pool.close()
     return decode_speeds(timings, failed)
@@ -394,8 +404,15 @@ def llama_server_peers(
             best = max(speeds, key=speeds.__getitem__)
             info[f"best_n_max{suffix}"] = best
             config = replace(speculative, n_max=best)
-            peers.append(LlamaServerPeer(f"llama-server speculative n-max={best}{suffix}",
-                                         config, pool, temperature))  # fmt: skip
+            # its minimum draft probability: 0 (the default since) or 0.75 (the old default)
+            by_p_min = sweep(pool.binary, {p: replace(config, p_min=p) for p in SWEEP_P_MIN},
+                             servers_that_fit([target, draft], 2), temperature)  # fmt: skip
+            info[f"sweep_p_min{suffix}"] = {str(p): round(v, 1) for p, v in by_p_min.items()}
+            p_min = max(by_p_min, key=by_p_min.__getitem__) if by_p_min else None
+            config = replace(config, p_min=p_min)
+            peers.append(LlamaServerPeer(f"llama-server speculative n-max={best} "
+                                         f"p-min={p_min}{suffix}", config, pool,
+                                         temperature))  # fmt: skip
         else:
             skipped[f"llama-server speculative n-max=N{suffix}"] = (
                 "no draft length of the sweep would run"
