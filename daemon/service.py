@@ -76,6 +76,11 @@ log = structlog.get_logger("hetspec.daemon")
 MAX_BODY_BYTES = 4 << 20
 
 
+# The exit status of a drain that SIGHUP asked for: the systemd unit restarts the daemon on it
+# (RestartForceExitStatus) and does not count it a failure (SuccessExitStatus).
+RELOAD_EXIT_STATUS = 75
+
+
 class Service:
     def __init__(self, config: DaemonConfig, log_format: str) -> None:
         self.config = config
@@ -89,6 +94,7 @@ class Service:
         self.drafter: DrafterChoice | None = None
         self.runner: web.AppRunner | None = None
         self.draining = False
+        self.reloading = False  # SIGHUP: drain, then exit RELOAD_EXIT_STATUS
         self.own_socket: Path | None = None  # the socket file we created (not systemd's)
         self.in_flight = 0
         self._idle = asyncio.Event()
@@ -126,7 +132,7 @@ class Service:
     async def run(self) -> int:
         """Serve until SIGTERM/SIGINT; 0 after a clean drain, 1 if serving could not start."""
         loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(signum, self._begin_drain, signum)
         watchdog = None
         try:
@@ -154,7 +160,7 @@ class Service:
                                 f"ready after {startup_s} s")  # fmt: skip
             await self._stop.wait()
             await self._drain()
-            return 0
+            return RELOAD_EXIT_STATUS if self.reloading else 0
         except (InstanceError, StartupError, CoreError, ArenaError, ChatTemplateError,
                 RuntimeChoiceError, HeadChoiceError, PipelineStartError,
                 OSError) as error:  # fmt: skip
@@ -251,6 +257,12 @@ class Service:
         return self.supervisor is None or self.supervisor.heartbeats_fresh()
 
     def _begin_drain(self, signum: int) -> None:
+        if signum == signal.SIGHUP and not self.draining:
+            # No configuration is reloaded in place: the daemon drains and exits with
+            # RELOAD_EXIT_STATUS, which the systemd unit restarts (systemctl reload sends HUP).
+            log.info("reload asked (SIGHUP): draining, then exiting to be restarted with the "
+                     "configuration as it is now", exit_status=RELOAD_EXIT_STATUS)  # fmt: skip
+            self.reloading = True
         if not self.draining:
             log.info("draining", signal=signal.Signals(signum).name, in_flight=self.in_flight)
             self.notifier.stopping()

@@ -381,6 +381,32 @@ def test_sigterm_lets_the_request_finish_and_leaves_nothing_behind(daemon) -> No
     assert not list(daemon.runtime_dir.glob("*.sock"))
 
 
+def test_sighup_drains_like_sigterm_and_exits_to_be_restarted(daemon) -> None:
+    """A reload (systemctl reload sends HUP): the streaming request ends whole, nothing is
+    left behind, and the exit status is the one the unit restarts on without calling it a
+    failure (SuccessExitStatus and RestartForceExitStatus)."""
+    from hetspec.daemon.service import RELOAD_EXIT_STATUS  # noqa: PLC0415
+
+    daemon.wait_ready()
+    connection, response = stream(
+        daemon.socket, native("class A:\n", max_tokens=600, ignore_eos=True)
+    )
+    json.loads(response.readline())
+    daemon.process.send_signal(signal.SIGHUP)
+    lines = [json.loads(line) for line in iter(response.readline, b"")]
+    connection.close()
+    assert lines[-1]["done_reason"] == "length"
+    assert len(lines[-1]["tokens"]) == 600
+    assert daemon.process.wait(timeout=60) == RELOAD_EXIT_STATUS == 75
+    assert "reload asked (SIGHUP)" in daemon.log.read_text()
+    assert not segments(daemon.runtime_dir)
+    assert not daemon.socket.exists()
+    unit = (Path(__file__).resolve().parents[1] / "systemd" / "hetspecd.service").read_text()
+    assert "ExecReload=/bin/kill -HUP $MAINPID" in unit
+    assert "SuccessExitStatus=75" in unit
+    assert "RestartForceExitStatus=75" in unit
+
+
 def test_a_restart_removes_what_a_killed_instance_left(tmp_path, models) -> None:
     runtime_dir = tmp_path / "run"
     runtime_dir.mkdir(mode=0o700)  # hetspecd refuses a directory others may write

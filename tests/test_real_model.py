@@ -228,3 +228,22 @@ def test_the_360m_cost_copy_predicts_like_the_real_model(real, tmp_path) -> None
         mine, real_logits = chain(theirs), chain(ours)
         assert float(np.abs(mine - real_logits).max()) <= 2e-3, name
         np.testing.assert_array_equal(mine.argmax(-1), real_logits.argmax(-1))
+
+
+def test_the_shipped_draft_is_an_independent_draft_for_the_real_model(real) -> None:
+    """Its vocabulary is the real model's (as the daemon checks at start-up), and its figures
+    say it was trained on its own text, not distilled: it agrees with the target far less
+    often than the distilled bundled draft does with its target."""
+    import json  # noqa: PLC0415
+
+    from hetspec.models.smollm2 import DRAFT_SHIPPED  # noqa: PLC0415
+    from hetspec.protocol.gguf_header import read_gguf_header  # noqa: PLC0415
+
+    mine, theirs = (read_gguf_header(path, strings=True).fields
+                    for path in (DRAFT_SHIPPED, real.gguf))  # fmt: skip
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.pre",
+                "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):  # fmt: skip
+        assert mine[key] == theirs[key], key
+    metrics = json.loads((DRAFT_SHIPPED.parent / "metrics.json").read_text())
+    assert 0.2 < metrics["held_out"]["greedy_agreement"] < 0.8
+    assert metrics["training"]["tokens_seen"] > 1_000_000
