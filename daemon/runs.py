@@ -8,11 +8,13 @@ stream with an error object instead.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 
+import structlog
 from aiohttp import web
 
 from hetspec.daemon.api_errors import ApiError
@@ -23,6 +25,8 @@ from hetspec.daemon.supervisor import WorkerUnavailable
 from hetspec.daemon.worker_client import WorkerError
 from hetspec.protocol import TokenLogprob
 from hetspec.speculative.budget import BudgetController
+
+log = structlog.get_logger("hetspec.daemon.runs")
 
 
 @dataclass
@@ -146,6 +150,25 @@ async def stream_runs(
     before it is done: its turn in the queue comes then); ``encode_piece`` gets the run's
     index. The first run's first piece is awaited before responding, so an early failure is
     a proper 4xx/5xx; a later failure ends the stream with an error object."""
+    try:
+        return await _stream_runs(request, runs, content_type=content_type,
+                                  encode_piece=encode_piece, encode_run_end=encode_run_end,
+                                  encode_end=encode_end, encode_failure=encode_failure)  # fmt: skip
+    except ConnectionResetError:  # the client left mid-stream: its runs ended as they unwound
+        log.debug("client left mid-stream", path=request.path)
+        raise asyncio.CancelledError from None  # aiohttp's quiet way out of a handler
+
+
+async def _stream_runs(
+    request: web.Request,
+    runs: list[AbstractAsyncContextManager[Run]],
+    *,
+    content_type: str,
+    encode_piece: Callable[[int, str], bytes],
+    encode_run_end: Callable[[Run], bytes],
+    encode_end: Callable[[list[Run]], bytes],
+    encode_failure: Callable[[ApiError], bytes],
+) -> web.StreamResponse:
     response: web.StreamResponse | None = None
     finished: list[Run] = []
     try:
@@ -169,6 +192,8 @@ async def stream_runs(
                         await response.write(encode_piece(index, first))
                     async for piece in run.pieces:
                         await response.write(encode_piece(index, piece))
+                except ConnectionResetError:  # the client left: not an error to answer
+                    raise
                 except Exception as error:
                     failure = as_api_error(error)  # after the response began: an error object
                     run.result.done_reason = "error"

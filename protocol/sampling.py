@@ -11,6 +11,11 @@ class SamplingError(ValueError):
     """Sampling parameters out of range; the message says which and what is allowed."""
 
 
+# A sampled request's temperature: below the floor logits / T overflow float32; above the
+# ceiling every token is as likely as any other to within float32's precision anyway.
+TEMPERATURE_RANGE = (0.001, 100.0)
+
+
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """``temperature == 0`` is greedy decoding; ``top_k == 0`` and ``top_p == 1`` switch off."""
 
@@ -19,8 +24,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise SamplingError(f"temperature must be a finite number >= 0, not {self.temperature}")
+        low, high = TEMPERATURE_RANGE
+        if not (self.temperature == 0 or low <= self.temperature <= high):
+            raise SamplingError(f"temperature must be 0 (greedy) or in {low}..{high}, not "
+                                f"{self.temperature}")  # fmt: skip
         if self.top_k < 0:
             raise SamplingError(f"top_k must be >= 0 (0 = off), not {self.top_k}")
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):

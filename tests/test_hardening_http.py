@@ -183,6 +183,66 @@ def test_malformed_requests_are_answered_400_and_leave_no_error_in_the_log(daemo
     assert not [e for e in events if e["level"] not in ("debug", "info") or "exception" in e]
 
 
+def post(path: str, body: dict) -> bytes:
+    data = json.dumps(body).encode()
+    return b"\r\n".join([f"POST {path} HTTP/1.1".encode(), b"Host: hetspecd",
+                         b"Connection: close", b"Content-Type: application/json",
+                         f"Content-Length: {len(data)}".encode(), b"", data])  # fmt: skip
+
+
+@pytest.mark.parametrize("temperature", [1e308, 1e-300, 100.5, -1.0])
+def test_a_temperature_out_of_range_is_400_with_the_range_and_nothing_in_the_log(
+    daemon, temperature: float
+) -> None:
+    """1e308 once reached numpy, whose overflow warning landed in the JSON log as raw text."""
+    offset = daemon.log.stat().st_size
+    requests = {
+        "/api/generate": {"prompt": "x", "options": {"temperature": temperature}},
+        "/v1/completions": {"prompt": "x", "temperature": temperature, "max_tokens": 2},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "x"}],
+                                 "temperature": temperature, "max_tokens": 2},
+    }  # fmt: skip
+    for path, body in requests.items():
+        answer = exchange(unix(daemon), post(path, body))
+        assert status_of(answer) == 400, (path, answer)
+        assert b"temperature must be 0 (greedy) or in 0.001..100.0" in answer, answer
+    ok = exchange(
+        unix(daemon),
+        post("/v1/completions", {"prompt": "x", "max_tokens": 2, "temperature": 100.0, "seed": 1}),
+    )
+    assert status_of(ok) == 200, ok
+    time.sleep(0.2)
+    text = daemon.log.read_bytes()[offset:].decode()
+    assert all(line.startswith("{") for line in text.splitlines() if line), text
+    assert not [e for e in log_since(daemon, offset) if e["level"] not in ("debug", "info")]
+
+
+def test_clients_that_reset_mid_stream_are_debug_lines_not_errors(daemon) -> None:
+    """A client gone mid-stream (a reset, not a close) once surfaced as an unhandled
+    ClientConnectionResetError with a traceback at ERROR, now and then."""
+    import struct  # noqa: PLC0415
+
+    offset = daemon.log.stat().st_size
+    body = {"prompt": "class A:\n", "stream": True, "options": {"num_predict": 3500},
+            "ignore_eos": True}  # fmt: skip
+    for index in range(12):
+        over_tcp = index % 3 == 0  # TCP resets for real; a Unix socket reports a broken pipe
+        connection = tcp(daemon) if over_tcp else unix(daemon)
+        raw = post("/api/generate", body)
+        if over_tcp:
+            raw = raw.replace(b"Host: hetspecd", f"Host: x\r\nAuthorization: Bearer {TOKEN}"
+                              .encode())  # fmt: skip
+        connection.sendall(raw)
+        connection.recv(4096 if index % 2 else 64)  # the headers, perhaps a piece
+        time.sleep(0.01 * (index % 4))
+        connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        connection.close()  # unread data and linger 0: the server's next write is reset
+    assert status_of(exchange(unix(daemon), get("/health"))) == 200
+    time.sleep(0.5)
+    events = log_since(daemon, offset)
+    assert not [e for e in events if e["level"] not in ("debug", "info") or "exception" in e]
+
+
 def record(message: object, level: int = logging.ERROR, name: str = "aiohttp.server"):
     return logging.LogRecord(name, level, __file__, 1, message, None, None)
 
