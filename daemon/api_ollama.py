@@ -281,6 +281,7 @@ class OllamaApi:
         return self._render(messages), template.stops
 
     def _render(self, messages: list[ChatMessage]) -> str:
+        self.service.check_chat_size(len(messages))
         try:
             return self.service.chat_template.render(messages)
         except ChatTemplateError as error:

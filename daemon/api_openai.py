@@ -290,6 +290,7 @@ def openai_routes(service: Service) -> list[web.RouteDef]:
         template = service.chat_template
         if template is None:
             raise ApiError(400, "the target model has no chat template; use /v1/completions")
+        service.check_chat_size(len(body.messages))
         try:
             prompt = template.render(body.messages)
         except ChatTemplateError as error:

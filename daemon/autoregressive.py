@@ -11,6 +11,7 @@ import numpy as np
 from hetspec.daemon.requests import (
     GenerateRequest,
     GenerationResult,
+    check_prompt_fits,
     end_ids,
     token_budget,
 )
@@ -71,6 +72,7 @@ async def generate(
     pays."""
     ready = worker.ready
     started = time.perf_counter()
+    check_prompt_fits(request.prompt, ready.context, max(map(len, ready.token_bytes), default=1))
     tokenized, _ = await worker.call(m.Tokenize(request=worker.next_request(), text=request.prompt))
     prompt = tokenized.tokens
     max_tokens = token_budget(request, len(prompt), ready.context)

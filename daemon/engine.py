@@ -32,6 +32,7 @@ from hetspec.daemon.autoregressive import alone_tokens, first_token
 from hetspec.daemon.requests import (
     GenerateRequest,
     GenerationResult,
+    check_prompt_fits,
     cut_at_end,
     end_ids,
     token_budget,
@@ -174,11 +175,12 @@ class Decoder:
         prefill's logits. The drafter's prefill starts now only where the two do not share
         cores and drafting is planned; otherwise with the first draft."""
         verifier, started = self.pair.verifier, time.perf_counter()
+        context = min(self.pair.drafter.ready.context, verifier.ready.context)
+        check_prompt_fits(self.request.prompt, context, self.pair.longest_token_bytes)
         tokenized, _ = await verifier.call(
             m.Tokenize(request=verifier.next_request(), text=self.request.prompt)
         )
         prompt = tokenized.tokens
-        context = min(self.pair.drafter.ready.context, verifier.ready.context)
         room = self.controller.limits.max_width + 1
         self.max_tokens = token_budget(self.request, len(prompt), context, room)
         self.drafter = DrafterSide(self.pair, prompt, self.request.seed)

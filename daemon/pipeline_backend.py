@@ -35,6 +35,7 @@ from hetspec.daemon.pipeline_drafter import PipelineDrafter, TreeShape
 from hetspec.daemon.requests import (
     GenerateRequest,
     GenerationResult,
+    check_prompt_fits,
     end_ids,
     token_budget,
 )
@@ -217,6 +218,8 @@ class PipelineBackend:
                                 "stopping")  # fmt: skip
         ready = drafter.ready
         started = time.perf_counter()
+        longest = max(map(len, ready.token_bytes), default=1)
+        check_prompt_fits(request.prompt, min(ready.context, self.context), longest)
         tokenized, _ = await drafter.call(m.Tokenize(request=drafter.next_request(),
                                                      text=request.prompt))  # fmt: skip
         prompt = tokenized.tokens

@@ -107,6 +107,25 @@ def cut_at_end(tokens: list[int], ends: frozenset[int]) -> tuple[list[int], bool
     return tokens, False
 
 
+def check_prompt_fits(prompt: str, context: int, longest_token_bytes: int) -> None:
+    """Refuse (ValueError) a prompt that cannot fit the context whatever its tokens, before
+    anything tokenizes it: a token stands for at most ``longest_token_bytes`` bytes, so the
+    prompt needs at least its bytes over that many tokens. Tokenizing takes time that grows
+    faster than the text (special tokens: quadratic in their count in llama.cpp), and it
+    happens in the verifier's worker, where every other request would wait behind it."""
+    size = len(prompt.encode())
+    if size > context * max(1, longest_token_bytes):
+        raise ValueError(f"the prompt is {size:,} bytes, at least {size // longest_token_bytes:,} "
+                         f"tokens, which cannot fit the {context}-token context")  # fmt: skip
+
+
+def check_messages_fit(count: int, context: int) -> None:
+    """Refuse (ValueError) a chat of more messages than the context has tokens (each message
+    takes at least one) before its template is rendered."""
+    if count > context:
+        raise ValueError(f"{count:,} messages cannot fit the {context}-token context")
+
+
 def token_budget(request: GenerateRequest, prompt_tokens: int, context: int, room: int = 0) -> int:
     """How many tokens the request may generate: its ``max_tokens``, or what the context
     leaves when it gives none; ``room`` is kept free (for a draft tree on top of the text)."""

@@ -43,7 +43,7 @@ from hetspec.daemon.instance import Instance, InstanceError
 from hetspec.daemon.metrics import Metrics
 from hetspec.daemon.model_facts import ModelFacts, read_model_facts
 from hetspec.daemon.pipeline_backend import PipelineBackend, PipelineStartError
-from hetspec.daemon.requests import GenerateRequest, GenerationResult
+from hetspec.daemon.requests import GenerateRequest, GenerationResult, check_messages_fit
 from hetspec.daemon.round_log import RoundLog
 from hetspec.daemon.round_stats import SpeculativeStats
 from hetspec.daemon.runs import Run
@@ -368,6 +368,17 @@ class Service:
         if self.supervisor is None:
             return None
         return self.supervisor.workers.get(self.supervisor.roles.verifier)
+
+    def check_chat_size(self, messages: int) -> None:
+        """Refuse (400) a chat of more messages than the loaded context has tokens, before
+        its template is rendered (each message takes at least one token)."""
+        if self.supervisor is None:
+            return
+        contexts = [w.ready.context for w in self.supervisor.workers.values() if w.ready]
+        try:
+            check_messages_fit(messages, min(contexts, default=messages))
+        except ValueError as error:
+            raise ApiError(400, str(error)) from None
 
     def target_path(self) -> str:
         """The file or folder the target is served from (its worker's, once started)."""

@@ -217,6 +217,29 @@ def test_a_temperature_out_of_range_is_400_with_the_range_and_nothing_in_the_log
     assert not [e for e in log_since(daemon, offset) if e["level"] not in ("debug", "info")]
 
 
+def test_a_prompt_that_cannot_fit_is_refused_before_anything_tokenizes_it(daemon) -> None:
+    """100,000 empty chat messages (3.3 MB, under the body limit) once kept the verifier's
+    worker tokenizing for ~90 s, and every request behind it waited: now they, and a prompt of
+    more bytes than the context's tokens could hold, are 400 at once, and a request sent right
+    after is served at once."""
+    chat = {"messages": [{"role": "user", "content": ""}] * 100_000, "max_tokens": 1}
+    started = time.monotonic()
+    answer = exchange(unix(daemon), post("/v1/chat/completions", chat))
+    assert status_of(answer) == 400, answer[:300]
+    assert b"100,000 messages cannot fit the" in answer
+    ollama = {"model": "x", "messages": chat["messages"], "stream": False}
+    assert status_of(exchange(unix(daemon), post("/api/chat", ollama))) == 400
+    huge = {"prompt": "<|im_start|>" * 270_000, "max_tokens": 1}
+    answer = exchange(unix(daemon), post("/v1/completions", huge))
+    assert status_of(answer) == 400, answer[:300]
+    assert b"which cannot fit the" in answer
+    assert time.monotonic() - started < 10
+    small = {"prompt": "x", "max_tokens": 2}
+    started = time.monotonic()
+    assert status_of(exchange(unix(daemon), post("/v1/completions", small))) == 200
+    assert time.monotonic() - started < 1
+
+
 def test_clients_that_reset_mid_stream_are_debug_lines_not_errors(daemon) -> None:
     """A client gone mid-stream (a reset, not a close) once surfaced as an unhandled
     ClientConnectionResetError with a traceback at ERROR, now and then."""
