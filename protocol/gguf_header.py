@@ -11,6 +11,7 @@ format is gguf-py's ``GGUFWriter``'s, versions 2 and 3.
 from __future__ import annotations
 
 import functools
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "
 NUMPY_TYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
                6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}  # fmt: skip
 STRING, ARRAY = 8, 9
+MAX_NESTING = 8  # arrays of arrays: llama.cpp writes none; a deep nest is a crafted file
 
 
 class GGUFFormatError(ValueError):
@@ -101,6 +103,7 @@ def type_bytes(ggml_type: int, elements: int, path: Path) -> int:
 class _Cursor:
     def __init__(self, data: bytes | memoryview, path: Path) -> None:
         self.data, self.at, self.path = data, 0, path
+        self.depth = 0  # of the arrays of arrays being read
 
     def take(self, fmt: str) -> object:
         size = struct.calcsize("<" + fmt)
@@ -145,7 +148,14 @@ class _Cursor:
             for _ in range(count):
                 self.skip_string()
             return SkippedStrings(count)
-        return [self.value(item, strings) for _ in range(count)]  # arrays of arrays
+        if self.depth >= MAX_NESTING:
+            raise GGUFFormatError(f"{self.path}: arrays nested more than {MAX_NESTING} deep "
+                                  f"(at byte {self.at})")  # fmt: skip
+        self.depth += 1
+        try:
+            return [self.value(item, strings) for _ in range(count)]  # arrays of arrays
+        finally:
+            self.depth -= 1
 
 
 def read_gguf_header(path: str | Path, *, strings: bool = False) -> GGUFHeader:
@@ -180,7 +190,7 @@ def read_gguf_header(path: str | Path, *, strings: bool = False) -> GGUFHeader:
     data_offset = -(-cursor.at // alignment) * alignment
     tensors = {}
     for name, shape, kind, offset in infos:
-        elements = int(np.prod(shape, dtype=np.int64))
+        elements = math.prod(shape)  # Python's integers: [2**32, 2**32] must not wrap to 0
         nbytes = type_bytes(kind, elements, path)
         start = data_offset + offset
         if start + nbytes > len(data):

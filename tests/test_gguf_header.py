@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import struct
+import subprocess
+import sys
 import time
 
 import gguf
@@ -85,3 +88,36 @@ def test_files_that_are_not_gguf_are_refused_with_a_reason(tmp_path) -> None:
         path.write_bytes(content)
         with pytest.raises(GGUFFormatError, match=reason):
             read_gguf_header(path)
+
+
+def crafted(fields: bytes, field_count: int, tensors: bytes = b"", tensor_count: int = 0) -> bytes:
+    """A GGUF v3 header of raw key-value and tensor-info bytes."""
+    head = b"GGUF" + struct.pack("<IQQ", 3, tensor_count, field_count)
+    return head + fields + tensors
+
+
+def key(text: str) -> bytes:
+    return struct.pack("<Q", len(text)) + text.encode()
+
+
+def test_crafted_headers_are_refused_in_one_line_not_a_crash(tmp_path) -> None:
+    """Arrays nested 5,000 deep (a RecursionError traceback in models check once) and a
+    tensor of 2**32 x 2**32 values (np.prod wrapped it to 0 bytes, which passed the
+    end-of-file check) are refused by name."""
+    depth = 5000
+    nested = key("x") + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * depth
+    nested += struct.pack("<IQ", 4, 0)  # the innermost: no uint32s
+    huge = key("blk.0.attn_q.weight") + struct.pack("<IQQIQ", 2, 2**32, 2**32, 0, 0)
+    cases = {"nested": (crafted(nested, 1), "nested more than 8 deep"),
+             "huge": (crafted(b"", 0, huge, 1), "runs past the end of the file")}  # fmt: skip
+    for name, (content, reason) in cases.items():
+        path = tmp_path / f"{name}.gguf"
+        path.write_bytes(content + bytes(64))
+        with pytest.raises(GGUFFormatError, match=reason):
+            read_gguf_header(path)
+        done = subprocess.run([sys.executable, "-m", "hetspec.client.cli", "models", "check",
+                               str(path), str(BUNDLED_MODELS / "draft" / "draft-q8_0.gguf")],
+                              capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert reason in done.stderr
