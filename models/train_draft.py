@@ -59,7 +59,7 @@ def encode(tokenizer: Tokenizer, documents: list[str], eos: int) -> np.ndarray:
 def draft_config(target: dict) -> LlamaConfig:
     return LlamaConfig(
         vocab_size=target["vocab_size"],
-        max_position_embeddings=2048,
+        max_position_embeddings=target["max_position_embeddings"],
         rms_norm_eps=1e-5,
         rope_theta=target["rope_theta"],
         tie_word_embeddings=True,
