@@ -696,9 +696,16 @@ def llama_server_settings(info: dict) -> str:
         parts.append(f"flash attention {flash['chosen']} (decode tokens/s of the target alone "
                      f"after a long prompt: {speeds})")  # fmt: skip
     for key, speeds in info.items():
-        if key.startswith("sweep") and isinstance(speeds, dict) and speeds:
+        if not (isinstance(speeds, dict) and speeds):
+            continue
+        listed = ", ".join(f"{n} {v}" for n, v in speeds.items())
+        if key.startswith("sweep_p_min"):
+            suffix = key.removeprefix("sweep_p_min")
+            best = max(speeds, key=speeds.__getitem__)
+            parts.append(f"minimum draft probability {best}{suffix} at that length (decode "
+                         f"tokens/s by p-min: {listed})")  # fmt: skip
+        elif key.startswith("sweep"):
             suffix = key.removeprefix("sweep")  # "" or " (draft on GPU)", ...
-            listed = ", ".join(f"{n} {v}" for n, v in speeds.items())
             best = info.get(f"best_n_max{suffix}")
             parts.append(f"draft length {best}{suffix} (decode tokens/s by n-max: {listed})")
     return f"llama-server's settings, measured: {'; '.join(parts)}.\n" if parts else ""

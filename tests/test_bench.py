@@ -151,13 +151,15 @@ def test_the_report_says_what_llama_server_was_set_to_and_why() -> None:
     nothing without llama-server."""
     info = {"flash_attention": {"chosen": "off", "on": 24.5, "off": 32.7},
             "sweep": {"1": 40.0, "3": 48.9}, "best_n_max": 3,
+            "sweep_p_min": {"0.0": 45.0, "0.75": 50.1},
             "sweep (draft on CPU)": {"2": 51.0}, "best_n_max (draft on CPU)": 2}  # fmt: skip
     line = bench.llama_server_settings(info)
     assert line == (
         "llama-server's settings, measured: flash attention off (decode tokens/s of the target "
         "alone after a long prompt: on 24.5, off 32.7); draft length 3 (decode tokens/s by "
-        "n-max: 1 40.0, 3 48.9); draft length 2 (draft on CPU) (decode tokens/s by n-max: "
-        "2 51.0).\n"
+        "n-max: 1 40.0, 3 48.9); minimum draft probability 0.75 at that length (decode "
+        "tokens/s by p-min: 0.0 45.0, 0.75 50.1); draft length 2 (draft on CPU) (decode "
+        "tokens/s by n-max: 2 51.0).\n"
     )
     assert bench.llama_server_settings({}) == ""
 
