@@ -90,7 +90,7 @@ def overrides_from(args: argparse.Namespace) -> dict[str, object]:
              "log_level": args.log_level, "log_format": args.log_format}  # fmt: skip
     overrides.update({key: value for key, value in named.items() if value is not None})
     for name in ("target", "draft"):
-        if (path := getattr(args, name)) is not None:
+        if (path := getattr(args, name, None)) is not None:
             exports = model_paths_of(path)
             overrides[f"{name}.folder"], overrides[f"{name}.gguf"] = exports.folder, exports.gguf
     return overrides

@@ -135,8 +135,8 @@ def test_sampled_request_draws_from_the_softmax_at_its_temperature_alone() -> No
 
 def test_timings_become_ttft_and_decode() -> None:
     """prompt_ms ends when the first token is sampled; predicted_ms covers the other tokens."""
-    spec = timing_of({"content": "...", "timings": SPECULATIVE_TIMINGS})
-    assert spec == (2.571, 34.898, 64, 69, 40)
+    spec = timing_of({"content": "...", "timings": SPECULATIVE_TIMINGS, "tokens": [5, 7]})
+    assert spec == (2.571, 34.898, 64, 69, 40, (5, 7))  # the ids, where the reply lists them
     assert spec.ttft_ms == 2.571
     assert spec.decode_ms == 34.898
     # the server's own rate counts the same tokens: (n - 1) / predicted_ms
