@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
@@ -136,6 +137,22 @@ async def stream(
     )  # fmt: skip
 
 
+def _quiet_when_the_client_leaves(streaming):
+    """A client that resets mid-stream unwinds its runs as cancelled and leaves the handler
+    as aiohttp's premature disconnection (a debug line), not an unhandled error."""
+
+    @functools.wraps(streaming)
+    async def streamed(request: web.Request, *args, **kwargs) -> web.StreamResponse:
+        try:
+            return await streaming(request, *args, **kwargs)
+        except ConnectionResetError:
+            log.debug("client left mid-stream", path=request.path)
+            raise asyncio.CancelledError from None
+
+    return streamed
+
+
+@_quiet_when_the_client_leaves
 async def stream_runs(
     request: web.Request,
     runs: list[AbstractAsyncContextManager[Run]],
@@ -150,25 +167,6 @@ async def stream_runs(
     before it is done: its turn in the queue comes then); ``encode_piece`` gets the run's
     index. The first run's first piece is awaited before responding, so an early failure is
     a proper 4xx/5xx; a later failure ends the stream with an error object."""
-    try:
-        return await _stream_runs(request, runs, content_type=content_type,
-                                  encode_piece=encode_piece, encode_run_end=encode_run_end,
-                                  encode_end=encode_end, encode_failure=encode_failure)  # fmt: skip
-    except ConnectionResetError:  # the client left mid-stream: its runs ended as they unwound
-        log.debug("client left mid-stream", path=request.path)
-        raise asyncio.CancelledError from None  # aiohttp's quiet way out of a handler
-
-
-async def _stream_runs(
-    request: web.Request,
-    runs: list[AbstractAsyncContextManager[Run]],
-    *,
-    content_type: str,
-    encode_piece: Callable[[int, str], bytes],
-    encode_run_end: Callable[[Run], bytes],
-    encode_end: Callable[[list[Run]], bytes],
-    encode_failure: Callable[[ApiError], bytes],
-) -> web.StreamResponse:
     response: web.StreamResponse | None = None
     finished: list[Run] = []
     try:
