@@ -72,7 +72,7 @@ async def generate(
     pays."""
     ready = worker.ready
     started = time.perf_counter()
-    check_prompt_fits(request.prompt, ready.context, max(map(len, ready.token_bytes), default=1))
+    check_prompt_fits(request.prompt, ready.context, worker.longest_token_bytes)
     tokenized, _ = await worker.call(m.Tokenize(request=worker.next_request(), text=request.prompt))
     prompt = tokenized.tokens
     max_tokens = token_budget(request, len(prompt), ready.context)

@@ -176,7 +176,7 @@ class Decoder:
         cores and drafting is planned; otherwise with the first draft."""
         verifier, started = self.pair.verifier, time.perf_counter()
         context = min(self.pair.drafter.ready.context, verifier.ready.context)
-        check_prompt_fits(self.request.prompt, context, self.pair.longest_token_bytes)
+        check_prompt_fits(self.request.prompt, context, verifier.longest_token_bytes)
         tokenized, _ = await verifier.call(
             m.Tokenize(request=verifier.next_request(), text=self.request.prompt)
         )

@@ -17,7 +17,7 @@ from pathlib import Path
 from hetspec.protocol.gguf_header import SkippedStrings, read_gguf_header
 
 # config.json's names for the numbers a GGUF stores as "{architecture}.{key}"
-_CONFIG_KEYS = {
+CONFIG_KEYS = {
     "context_length": "max_position_embeddings",
     "embedding_length": "hidden_size",
     "block_count": "num_hidden_layers",
@@ -121,7 +121,7 @@ def _folder_facts(folder: Path) -> ModelFacts:
         raise ValueError(f"{folder}: unreadable model files ({error})") from None
     family = config.get("model_type", "unknown")
     info = {"general.architecture": family, "general.parameter_count": parameters}
-    for key, name in _CONFIG_KEYS.items():
+    for key, name in CONFIG_KEYS.items():
         if isinstance(config.get(name), int):
             info[f"{family}.{key}"] = config[name]
     dtype = config.get("torch_dtype") or config.get("dtype") or "float32"

@@ -218,8 +218,8 @@ class PipelineBackend:
                                 "stopping")  # fmt: skip
         ready = drafter.ready
         started = time.perf_counter()
-        longest = max(map(len, ready.token_bytes), default=1)
-        check_prompt_fits(request.prompt, min(ready.context, self.context), longest)
+        check_prompt_fits(request.prompt, min(ready.context, self.context),
+                          drafter.longest_token_bytes)  # fmt: skip
         tokenized, _ = await drafter.call(m.Tokenize(request=drafter.next_request(),
                                                      text=request.prompt))  # fmt: skip
         prompt = tokenized.tokens

@@ -10,7 +10,6 @@ accepted), and may hold a run-ahead: a draft of the next round made while this o
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from dataclasses import dataclass, field
 
@@ -43,11 +42,6 @@ class WorkerPair:
     @property
     def head(self) -> bool:
         return self.feature_slot >= 0
-
-    @functools.cached_property
-    def longest_token_bytes(self) -> int:
-        """The most bytes one of the target's tokens stands for."""
-        return max(map(len, self.verifier.ready.token_bytes), default=1)
 
     @property
     def verifier_on_cpu(self) -> bool:

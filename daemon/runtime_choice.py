@@ -30,7 +30,7 @@ from hetspec.daemon.config import DaemonConfig
 from hetspec.daemon.cores import cuda_present
 from hetspec.daemon.head_choice import draft_head_for
 from hetspec.daemon.runtime_check import check_runtime
-from hetspec.daemon.supervisor import roles, worker_specs
+from hetspec.daemon.supervisor import export_read_by, roles, worker_specs
 from hetspec.daemon.worker_client import WorkerSpec
 from hetspec.protocol import LlamaCppReport, ProbeFailure, RuntimeProfile, decode_profile
 from hetspec.speculative.runtime_choice import (
@@ -295,11 +295,11 @@ def missing_exports(config: DaemonConfig, role: str, candidates: list[str]) -> l
     configuration gives none of the export they read (torch a folder, the others a GGUF)."""
     name = "target" if role == "verifier" else "draft"
     exports = config.target if role == "verifier" else config.draft
-    reads = {"torch": ("a model folder", exports.folder)}
-    return [ProbeFailure(runtime=runtime, message=f"reads {what}, and the {name} has none")
+    said = {"folder": "a model folder", "gguf": "a GGUF"}
+    return [ProbeFailure(runtime=runtime, message=f"reads {said[export]}, and the {name} has none")
             for runtime in candidates
-            for what, given in [reads.get(runtime, ("a GGUF", exports.gguf))]
-            if not given]  # fmt: skip
+            for export in [export_read_by(runtime)]
+            if not getattr(exports, export)]  # fmt: skip
 
 
 class DrafterChoice(msgspec.Struct, frozen=True, kw_only=True):

@@ -23,6 +23,7 @@ import structlog
 from hetspec.daemon.config import DaemonConfig, ModelPaths
 from hetspec.daemon.cores import check_cores, cuda_present, owned_cores, split_cores
 from hetspec.daemon.head_choice import draft_head_for
+from hetspec.daemon.model_facts import CONFIG_KEYS
 from hetspec.daemon.worker_client import WorkerClient, WorkerSpec, WorkerStartError
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.arena import ArenaLayout
@@ -50,8 +51,8 @@ def roles(placement: str) -> Roles:
     return Roles("cpu", "gpu") if placement == "draft-cpu" else Roles("gpu", "cpu")
 
 
-# config.json's names for the numbers a GGUF stores as "{architecture}.{key}"
-_GGUF_KEYS = {"hidden_size": "embedding_length", "num_hidden_layers": "block_count"}
+# the GGUF key ("{architecture}.{key}") of each config.json number
+_GGUF_KEYS = {name: key for key, name in CONFIG_KEYS.items()}
 
 
 def config_number_of(folder: str, key: str = "vocab_size") -> int:
@@ -82,17 +83,22 @@ def model_number_of(model: ModelPaths, key: str = "vocab_size") -> int:
         raise StartupError(f"cannot read {key} from {model.gguf}: {error}") from None
 
 
+def export_read_by(runtime: str) -> str:
+    """Which of a model's exports a worker's ``runtime`` loads: torch (and a draft head) a
+    Hugging Face folder, llama.cpp and the native kernels a GGUF."""
+    return "folder" if runtime in ("torch", "head") else "gguf"
+
+
 def missing_export(config: DaemonConfig, gpu_runtime: str) -> None:
     """Raise StartupError, naming the setting, where a worker would load an export the
     configuration leaves empty ("")."""
     drafting_on_cpu = config.placement == "draft-cpu"
     on_cpu = ("draft", config.draft) if drafting_on_cpu else ("target", config.target)
     on_gpu = ("target", config.target) if drafting_on_cpu else ("draft", config.draft)
-    needs = [(*on_cpu, "gguf", "the CPU worker's llama.cpp")]
-    if gpu_runtime in ("torch", "head"):
-        needs.append((*on_gpu, "folder", f"the GPU worker's {gpu_runtime}"))
-    else:
-        needs.append((*on_gpu, "gguf", f"the GPU worker's {gpu_runtime}"))
+    needs = [
+        (*on_cpu, "gguf", "the CPU worker's llama.cpp"),
+        (*on_gpu, export_read_by(gpu_runtime), f"the GPU worker's {gpu_runtime}"),
+    ]
     for name, paths, export, reader in needs:
         if not getattr(paths, export):
             other = "gguf" if export == "folder" else "folder"

@@ -138,6 +138,7 @@ class WorkerClient:
     arena: ArenaLayout | None = None
     pid: int | None = None
     ready: m.Ready | None = None
+    longest_token_bytes: int = 1  # the most bytes one of its model's tokens stands for
     died: asyncio.Future = field(init=False)  # resolves to the reason once the worker is gone
 
     def __post_init__(self) -> None:
@@ -223,6 +224,7 @@ class WorkerClient:
         await self._send_first(self._codec.encode(load), load_timeout_s)
         try:
             self.ready = await self._wait(self._loading, load_timeout_s, "load its model")
+            self.longest_token_bytes = max(map(len, self.ready.token_bytes), default=1)
         except WorkerError as error:
             raise WorkerStartError(f"{self.spec.name} worker: {error.message}") from None
         return self.ready

@@ -141,7 +141,7 @@ class _Spec:
 @dataclass
 class InProcessWorker:
     """The engine's view of a worker (``call``, ``post``, ``announce``, ``next_request``,
-    ``ready``, ``spec``)."""
+    ``ready``, ``longest_token_bytes``, ``spec``)."""
 
     name: str
     model: TableModel
@@ -167,6 +167,7 @@ class InProcessWorker:
             load_ms=0.0,
             token_bytes=[self.model.token_bytes(i) for i in range(VOCAB)],
         )
+        self.longest_token_bytes = max(map(len, self.ready.token_bytes))
 
     def next_request(self) -> int:
         return next(self._ids)
