@@ -11,7 +11,6 @@ import numpy as np
 from hetspec.daemon.requests import (
     GenerateRequest,
     GenerationResult,
-    check_prompt_fits,
     end_ids,
     token_budget,
 )
@@ -72,7 +71,7 @@ async def generate(
     pays."""
     ready = worker.ready
     started = time.perf_counter()
-    check_prompt_fits(request.prompt, ready.context, worker.longest_token_bytes)
+    worker.prompt_bound.check(request.prompt, ready.context)
     tokenized, _ = await worker.call(m.Tokenize(request=worker.next_request(), text=request.prompt))
     prompt = tokenized.tokens
     max_tokens = token_budget(request, len(prompt), ready.context)

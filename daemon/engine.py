@@ -32,7 +32,6 @@ from hetspec.daemon.autoregressive import alone_tokens, first_token
 from hetspec.daemon.requests import (
     GenerateRequest,
     GenerationResult,
-    check_prompt_fits,
     cut_at_end,
     end_ids,
     token_budget,
@@ -176,7 +175,7 @@ class Decoder:
         cores and drafting is planned; otherwise with the first draft."""
         verifier, started = self.pair.verifier, time.perf_counter()
         context = min(self.pair.drafter.ready.context, verifier.ready.context)
-        check_prompt_fits(self.request.prompt, context, verifier.longest_token_bytes)
+        verifier.prompt_bound.check(self.request.prompt, context)
         tokenized, _ = await verifier.call(
             m.Tokenize(request=verifier.next_request(), text=self.request.prompt)
         )

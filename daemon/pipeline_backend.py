@@ -35,7 +35,6 @@ from hetspec.daemon.pipeline_drafter import PipelineDrafter, TreeShape
 from hetspec.daemon.requests import (
     GenerateRequest,
     GenerationResult,
-    check_prompt_fits,
     end_ids,
     token_budget,
 )
@@ -218,8 +217,7 @@ class PipelineBackend:
                                 "stopping")  # fmt: skip
         ready = drafter.ready
         started = time.perf_counter()
-        check_prompt_fits(request.prompt, min(ready.context, self.context),
-                          drafter.longest_token_bytes)  # fmt: skip
+        drafter.prompt_bound.check(request.prompt, min(ready.context, self.context))
         tokenized, _ = await drafter.call(m.Tokenize(request=drafter.next_request(),
                                                      text=request.prompt))  # fmt: skip
         prompt = tokenized.tokens

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -107,16 +108,48 @@ def cut_at_end(tokens: list[int], ends: frozenset[int]) -> tuple[list[int], bool
     return tokens, False
 
 
-def check_prompt_fits(prompt: str, context: int, longest_token_bytes: int) -> None:
-    """Refuse (ValueError) a prompt that cannot fit the context whatever its tokens, before
-    anything tokenizes it: a token stands for at most ``longest_token_bytes`` bytes, so the
-    prompt needs at least its bytes over that many tokens. Tokenizing takes time that grows
-    faster than the text (special tokens: quadratic in their count in llama.cpp), and it
-    happens in the verifier's worker, where every other request would wait behind it."""
-    size = len(prompt.encode())
-    if size > context * max(1, longest_token_bytes):
-        raise ValueError(f"the prompt is {size:,} bytes, at least {size // longest_token_bytes:,} "
-                         f"tokens, which cannot fit the {context}-token context")  # fmt: skip
+@dataclass(frozen=True)
+class PromptBound:
+    """What a model's vocabulary says of a prompt's token count before anything tokenizes
+    it. Tokenizing takes time that grows faster than the text (special tokens: quadratic in
+    their count in llama.cpp), and it happens in a worker where every other request waits
+    behind it, so a prompt that cannot fit is refused first, in linear time."""
+
+    longest_token_bytes: int = 1  # a token stands for at most this many bytes
+    specials: re.Pattern[str] | None = None  # control tokens' texts: one token each
+
+    @classmethod
+    def of(cls, token_bytes: list[bytes], special_tokens: list[int]) -> PromptBound:
+        texts = {
+            token_bytes[i].decode(errors="ignore")
+            for i in special_tokens
+            if 0 <= i < len(token_bytes)
+        }
+        texts.discard("")
+        # longest first, so that a special inside a longer one is not counted twice
+        alternatives = sorted(texts, key=len, reverse=True)
+        pattern = re.compile("|".join(map(re.escape, alternatives))) if alternatives else None
+        return cls(max(map(len, token_bytes), default=1), pattern)
+
+    def least_tokens(self, prompt: str) -> int:
+        """A lower bound on the tokens ``prompt`` takes: each special token's text it holds
+        is one token, and the rest takes at least its bytes over the longest token's."""
+        size, specials, special_bytes = len(prompt.encode()), 0, 0
+        if self.specials is not None:
+            for match in self.specials.finditer(prompt):
+                specials += 1
+                special_bytes += len(match.group().encode())
+        return specials + -(-(size - special_bytes) // max(1, self.longest_token_bytes))
+
+    def check(self, prompt: str, context: int) -> None:
+        """Refuse (ValueError) a prompt that cannot fit ``context`` whatever its tokens."""
+        tokens = self.least_tokens(prompt)
+        if tokens > context:
+            raise ValueError(
+                f"the prompt is {len(prompt.encode()):,} bytes, at least "
+                f"{tokens:,} tokens, which cannot fit the {context}-token "
+                "context"
+            )
 
 
 def check_messages_fit(count: int, context: int) -> None:

@@ -37,6 +37,7 @@ import numpy as np
 import structlog
 import zmq
 
+from hetspec.daemon.requests import PromptBound
 from hetspec.protocol import Codec, MessageError
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.arena import ArenaLayout
@@ -138,7 +139,7 @@ class WorkerClient:
     arena: ArenaLayout | None = None
     pid: int | None = None
     ready: m.Ready | None = None
-    longest_token_bytes: int = 1  # the most bytes one of its model's tokens stands for
+    prompt_bound: PromptBound = field(default_factory=PromptBound)  # set at load
     died: asyncio.Future = field(init=False)  # resolves to the reason once the worker is gone
 
     def __post_init__(self) -> None:
@@ -224,7 +225,7 @@ class WorkerClient:
         await self._send_first(self._codec.encode(load), load_timeout_s)
         try:
             self.ready = await self._wait(self._loading, load_timeout_s, "load its model")
-            self.longest_token_bytes = max(map(len, self.ready.token_bytes), default=1)
+            self.prompt_bound = PromptBound.of(self.ready.token_bytes, self.ready.special_tokens)
         except WorkerError as error:
             raise WorkerStartError(f"{self.spec.name} worker: {error.message}") from None
         return self.ready

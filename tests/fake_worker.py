@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hetspec.daemon.requests import PromptBound
 from hetspec.daemon.worker_client import WorkerError
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.arena import Arena
@@ -141,7 +142,7 @@ class _Spec:
 @dataclass
 class InProcessWorker:
     """The engine's view of a worker (``call``, ``post``, ``announce``, ``next_request``,
-    ``ready``, ``longest_token_bytes``, ``spec``)."""
+    ``ready``, ``prompt_bound``, ``spec``)."""
 
     name: str
     model: TableModel
@@ -167,7 +168,7 @@ class InProcessWorker:
             load_ms=0.0,
             token_bytes=[self.model.token_bytes(i) for i in range(VOCAB)],
         )
-        self.longest_token_bytes = max(map(len, self.ready.token_bytes))
+        self.prompt_bound = PromptBound.of(self.ready.token_bytes, self.ready.special_tokens)
 
     def next_request(self) -> int:
         return next(self._ids)

@@ -219,8 +219,9 @@ def test_a_temperature_out_of_range_is_400_with_the_range_and_nothing_in_the_log
 
 def test_a_prompt_that_cannot_fit_is_refused_before_anything_tokenizes_it(daemon) -> None:
     """100,000 empty chat messages (3.3 MB, under the body limit) once kept the verifier's
-    worker tokenizing for ~90 s, and every request behind it waited: now they, and a prompt of
-    more bytes than the context's tokens could hold, are 400 at once, and a request sent right
+    worker tokenizing for ~90 s, and every request behind it waited: now they, a prompt of
+    more bytes than the context's tokens could hold, and one of more control tokens than it
+    has tokens, are 400 at once, and a request sent right
     after is served at once."""
     chat = {"messages": [{"role": "user", "content": ""}] * 100_000, "max_tokens": 1}
     started = time.monotonic()
@@ -233,6 +234,12 @@ def test_a_prompt_that_cannot_fit_is_refused_before_anything_tokenizes_it(daemon
     answer = exchange(unix(daemon), post("/v1/completions", huge))
     assert status_of(answer) == 400, answer[:300]
     assert b"which cannot fit the" in answer
+    # under the bytes bound, but more control tokens than the context has tokens (llama.cpp
+    # takes time quadratic in their count: 40,000 kept SmolLM2's worker busy 5 s)
+    dense = {"prompt": "<|im_end|>" * (CONTEXT + 1), "max_tokens": 1}
+    answer = exchange(unix(daemon), post("/v1/completions", dense))
+    assert status_of(answer) == 400, answer[:300]
+    assert f"at least {CONTEXT + 1:,} tokens".encode() in answer
     assert time.monotonic() - started < 10
     small = {"prompt": "x", "max_tokens": 2}
     started = time.monotonic()

@@ -19,6 +19,7 @@ import zmq
 from test_daemon import Daemon, native, request, stream, target_greedy
 from test_hardening_supervision import events, ready_health, wait_until
 from test_worker_process import LOAD_TIMEOUT, VOCAB, spec
+from tiny_models import write_tiny_gguf_llama
 
 from hetspec.daemon.slots import SlotPool
 from hetspec.daemon.worker_client import WorkerClient, WorkerDied, WorkerError
@@ -279,3 +280,40 @@ def test_with_two_slots_requests_after_clients_left_mid_stream_are_exact(tmp_pat
         assert "no free arena slot" not in daemon.log.read_text()
     finally:
         assert daemon.stop() == 0
+
+
+# ------------------------------------------------------------------ 5: a long prefill cancelled
+
+
+async def test_a_prefill_cancelled_while_it_runs_stops_between_its_chunks(tmp_path, arena) -> None:
+    """A client that leaves during a long prompt's prefill once kept the worker evaluating
+    the whole prompt (~60 s for 7,200 tokens of SmolLM2 on 2 cores), and every request behind
+    it waited. The Cancel is read between chunks: the prefill stops there, keeps what it
+    evaluated (the same prompt again reuses it), and the worker is free at once."""
+    gguf = write_tiny_gguf_llama(tmp_path / "model", context=4096)
+    settings = m.LlamaCppSettings(n_ctx=4096, n_batch=8, threads=1, n_seq_max=4)
+    client = WorkerClient(spec(gguf, "llama.cpp", settings=settings), tmp_path, 1, arena.layout)
+    await client.start(LOAD_TIMEOUT)
+    prompt = [(index * 7) % (VOCAB - 4) + 3 for index in range(4000)]  # 500 chunks of 8
+    try:
+        started = time.monotonic()
+        whole = await client.call(m.Prefill(request=client.next_request(), tokens=prompt))
+        whole_s = time.monotonic() - started
+        await client.call(m.Rollback(request=client.next_request(), length=1))
+
+        call = asyncio.ensure_future(
+            client.call(m.Prefill(request=client.next_request(), tokens=prompt))
+        )
+        await asyncio.sleep(whole_s / 4)  # well into the prefill, far from its end
+        call.cancel()
+        cancelled_at = time.monotonic()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        await asyncio.wait_for(client.settled(), 10)
+        settled_s = time.monotonic() - cancelled_at
+        again, _ = await client.call(m.Prefill(request=client.next_request(), tokens=prompt))
+    finally:
+        await client.stop()
+    assert whole[0].reused == 0
+    assert 1 < again.reused < len(prompt) // 2, again  # it had begun, and it stopped
+    assert settled_s < whole_s / 2, (settled_s, whole_s)

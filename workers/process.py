@@ -46,7 +46,7 @@ from hetspec.protocol.sampling import SamplingError
 from hetspec.speculative.samplers import DrawnSampler, KeyedSampler, Sampler, sampler_for
 from hetspec.speculative.verify import RowsOnDemand, Verdict, verify_sampled
 from hetspec.workers.spare_cores import SPARE_CORES_SPIN_COUNT, SpareCores, openmp_places
-from hetspec.workers.tree_runtime import RuntimeUsageError
+from hetspec.workers.tree_runtime import Interrupted, RuntimeUsageError
 
 RUNTIMES = ("llama.cpp", "torch", "native", "head")
 PR_SET_PDEATHSIG = 1
@@ -186,9 +186,11 @@ class CommandReader:
     with a command is drained into the backlog too, so a ``Cancel`` read there stops a
     command still queued.
 
-    A ``Cancel`` for a command not in the backlog is dropped: the daemon sends a command
-    before its ``Cancel``, on this one connection, and commands run only between reads, so
-    that command was answered already. Remembering such late cancels would grow without bound.
+    A ``Cancel`` for the command running now is remembered until the next one starts: a long
+    one (a prompt's prefill) asks ``running_cancelled`` between its chunks. Any other
+    ``Cancel`` for a command not in the backlog is dropped: the daemon sends a command before
+    its ``Cancel``, on this one connection, so that command was answered already.
+    Remembering such late cancels would grow without bound.
 
     With a ``mailbox`` the commands come through it (a socket message only where a marker in
     it says so), and spinning reads shared memory instead of asking ZeroMQ. A wake-up that
@@ -212,6 +214,8 @@ class CommandReader:
         self.failed = failed  # how to answer a malformed or cancelled command
         self.backlog: deque[tuple[msgspec.Struct, list[bytes]]] = deque()
         self._announcements = 0  # announcements seen when the last command was taken
+        self._running: int | None = None  # the request of the command taken last
+        self._running_cancelled = False
 
     def _take(self, frames: list[bytes]) -> None:
         try:
@@ -232,6 +236,13 @@ class CommandReader:
                 self.backlog.remove(entry)
                 self.failed(m.Failed(request=request, kind="cancelled", message="cancelled"))
                 return
+        if request == self._running:
+            self._running_cancelled = True
+
+    def running_cancelled(self) -> bool:
+        """Whether the daemon has cancelled the command taken last (reads what came since)."""
+        self._drain()
+        return self._running_cancelled
 
     def _drain(self) -> None:
         if self.mailbox is not None:
@@ -263,7 +274,10 @@ class CommandReader:
                 self._spin(self.ANNOUNCED_SPIN_S)
         if self.mailbox is not None:  # announcements made before it are this command's
             self._announcements = self.mailbox.announcements()
-        return self.backlog.popleft()
+        command = self.backlog.popleft()
+        self._running = getattr(command[0], "request", None)
+        self._running_cancelled = False
+        return command
 
     def _spin(self, seconds: float) -> None:
         deadline = time.perf_counter() + seconds
@@ -291,6 +305,8 @@ class Worker:
         self.runtime = None
         self.arena: Arena | None = None
         self.sampler: Sampler = DrawnSampler()  # a request's, from its Prefill's seed
+        # whether the daemon cancelled the command running now (see serve)
+        self.cancelled: Callable[[], bool] = lambda: False
         self.handlers: dict[type, Callable] = {
             m.Load: self.load, m.Prefill: self.prefill, m.Draft: self.draft, m.Decode: self.decode,
             m.VerifyTree: self.verify, m.Commit: self.commit, m.Rollback: self.rollback,
@@ -310,6 +326,7 @@ class Worker:
         self.replies.send_multipart(frames, copy=not arrays)
 
     def serve(self, commands: CommandReader) -> None:
+        self.cancelled = commands.running_cancelled
         while True:
             command, frames = commands.next()
             if isinstance(command, m.Shutdown):
@@ -328,6 +345,8 @@ class Worker:
         request = getattr(command, "request", None)
         if isinstance(error, LoadError):
             return m.Failed(request=request, kind="load", message=str(error))
+        if isinstance(error, Interrupted):
+            return m.Failed(request=request, kind="cancelled", message=str(error))
         if isinstance(error, RuntimeUsageError | SamplingError | ArenaError | MessageError):
             return m.Failed(request=request, kind="usage", message=str(error))
         where = traceback.extract_tb(error.__traceback__)[-1]
@@ -414,13 +433,17 @@ class Worker:
     def prefill(self, command: m.Prefill, frames) -> tuple:
         start = time.perf_counter()
         engine = self._engine(command.spare_cores)
-        with self._reporting(engine, command.report_features) as sink:
-            if command.features is not None:
-                features = self._features_in(engine, command.features, frames)
-                reused = engine.prefill(command.tokens, features=features,
-                                        start=command.features_start)  # fmt: skip
-            else:
-                reused = engine.prefill(command.tokens)
+        engine.interrupt = self.cancelled  # a long prompt stops between chunks when cancelled
+        try:
+            with self._reporting(engine, command.report_features) as sink:
+                if command.features is not None:
+                    features = self._features_in(engine, command.features, frames)
+                    reused = engine.prefill(command.tokens, features=features,
+                                            start=command.features_start)  # fmt: skip
+                else:
+                    reused = engine.prefill(command.tokens)
+        finally:
+            engine.interrupt = None
         self.sampler = sampler_for(command.seed)
         logits = None
         if command.out >= 0:

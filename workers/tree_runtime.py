@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -40,6 +40,11 @@ WARM_UP_S = 3.0  # what warming the widths up at load may take (see TreeRuntime.
 
 class RuntimeUsageError(ValueError):
     """A call the runtime's state does not allow (context full, not a path, ...)."""
+
+
+class Interrupted(RuntimeError):
+    """Evaluating a prompt stopped between two chunks because ``interrupt`` said so; the
+    chunks evaluated before stay committed (a later prefill of the same prompt reuses them)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,8 @@ class TreeRuntime(ABC, Generic[Output]):
     outputs_kept: bool = False
     feature_size: int | None = None  # set by runtimes that can report features
     max_leaves: int | None = None  # the most leaves the pending tree may have (None: any)
+    # asked between the chunks of a long evaluation: True stops it (Interrupted)
+    interrupt: Callable[[], bool] | None = None
 
     def __init__(self, vocab_size: int, capacity: int) -> None:
         self.vocab_size = vocab_size
@@ -520,6 +527,8 @@ class TreeRuntime(ABC, Generic[Output]):
         rest = self._checked_tokens(tokens, len(tokens))
         size = chunk_size or self.default_chunk
         for begin in range(0, len(rest), size):
+            if begin and self.interrupt is not None and self.interrupt():
+                raise Interrupted(f"stopped after {begin} of {len(rest)} tokens")
             chunk = rest[begin : begin + size]
             self._last_logits = self._extend_committed(chunk)
             self.forwards += 1
