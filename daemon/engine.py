@@ -271,12 +271,13 @@ class Decoder:
         if branches > 1:  # the path's first node is on the first branch, or it missed there
             on_first = bool(verdict.path) and origin[verdict.path[0]][0] == 0
             first_branch = len(verdict.path) if on_first else 0
+        period_s = time.perf_counter() - self.settled_at
         report = RoundReport(
             gamma, branches, len(verdict.path), rule=plan.rule, rule_k=rule_k,
             first_branch_accepted=first_branch, drafts=(draft,),
             verify_width=width, verify_s=0.0 if trial else verify_s,
             verify_compute_s=verified.elapsed_ms / 1000,
-            overhead_s=time.perf_counter() - self.settled_at - draft_s - verify_s)  # fmt: skip
+            overhead_s=period_s - draft_s - verify_s, period_s=period_s)  # fmt: skip
         return RoundOutcome(emitted, stopped, logprobs), report
 
     async def _verify_while_drafter_idles(self, tokens: list[int], parents: list[int],
@@ -337,10 +338,11 @@ class Decoder:
         emitted, stopped, logprobs = self._emitted(verdict, tokens, remaining, logits, verified)
         self.drafter.unseen = emitted
         self._post_next_draft(remaining - len(emitted), stopped)
+        period_s = time.perf_counter() - self.settled_at
         report = RoundReport(
             plan.gamma, 1, len(verdict.path), drafts=(draft,), verify_width=len(tokens) + 1,
             verify_s=0.0 if trial else verify_s, verify_compute_s=verified.elapsed_ms / 1000,
-            overhead_s=time.perf_counter() - self.settled_at - draft_s - verify_s)  # fmt: skip
+            overhead_s=period_s - draft_s - verify_s, period_s=period_s)  # fmt: skip
         return RoundOutcome(emitted, stopped, logprobs), report
 
     async def _overlapped_round(self, plan: Plan, remaining: int):
@@ -390,7 +392,7 @@ class Decoder:
             drafts=tuple(drafts), verify_width=len(tokens) + 1, verify_s=verify_s,
             verify_compute_s=verified.elapsed_ms / 1000,
             verify_overlapped=ahead is not None,
-            overhead_s=period_s - fresh_s - max(verify_s, ahead_s))  # fmt: skip
+            overhead_s=period_s - fresh_s - max(verify_s, ahead_s), period_s=period_s)  # fmt: skip
         return RoundOutcome(emitted, stopped, logprobs), report
 
     async def _alone_round(self, remaining: int):

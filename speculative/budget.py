@@ -85,6 +85,12 @@ class BudgetController:
         return self.config.limits
 
     def observe(self, report: RoundReport) -> None:
+        """Learn from the round of the plan committed last."""
+        plan = self.history[-1] if self.history else None
+        if report.gamma and plan is not None and plan.gamma and plan.round_s > 0:
+            after_alone = len(self.history) > 1 and self.history[-2].gamma == 0
+            if not after_alone:
+                self.estimates.observe_delivery(report, plan.tokens_per_s)
         self.estimates.observe(report)
 
     def assume_verifier(self, seconds_by_width: dict[int, float]) -> None:
@@ -158,7 +164,8 @@ class BudgetController:
             plans = [plan_of(model, limits, gamma, overlap=kind) for kind in kinds]
             return Choice(max(plans, key=lambda plan: plan.tokens_per_s), state)
         entry = 1.0 if alone else 1 / (1 + config.alone_entry_margin)
-        best = best_plan(model, limits, entry)
+        # drafting is weighed at what its rounds delivered against their predictions
+        best = best_plan(model, limits, entry / self.estimates.delivered_share())
         state = explore.after_weighing(config.exploration, state, best, due)
         plan = best
         if due:

@@ -66,6 +66,15 @@ class EstimateConfig:
     # a draft accepts depends on the text, so earlier requests' counts are a prior that the
     # request's own rounds soon outweigh (a request's first probe among them)
     request_acceptance_rounds: float = 6.0
+    # per drafted round, and per round of the target alone (evidence fades slowly while no
+    # new comes), the weight of older rounds in what drafting delivered against its
+    # prediction; and the predicted tokens of a prior that delivered as predicted
+    delivered_decay: float = 0.95
+    delivered_alone_decay: float = 0.99
+    delivered_prior_tokens: float = 8.0
+    # the share below which drafting is priced at what it delivered: above it the model's
+    # own errors (a depth's optimistic prior, noise) are small, and its shapes differ in them
+    delivered_trusted_above: float = 0.8
 
 
 class WindowedMedian:
@@ -142,6 +151,35 @@ class DecayedRate:
         return (self.hits[index] + prior * weight) / (self.tries[index] + weight)
 
 
+class Delivered:
+    """What drafted rounds delivered against what the cost model predicted for them: tokens
+    committed, and the tokens the predicted rate would have committed in the rounds' whole
+    periods, both decayed per round. The model predicts a round from its parts (acceptance
+    by depth, costs by width), and those can each be right on average while the prediction
+    is not (priors of shapes seldom tried, costs that shift with the text)."""
+
+    def __init__(self) -> None:
+        self.tokens = self.predicted = 0.0
+
+    def add(self, tokens: int, predicted: float) -> None:
+        self.tokens += tokens
+        self.predicted += predicted
+
+    def decay(self, factor: float) -> None:
+        self.tokens *= factor
+        self.predicted *= factor
+
+    def cap(self, predicted: float) -> None:
+        """Scale down to at most ``predicted`` predicted tokens' worth, keeping the ratio."""
+        if self.predicted > predicted:
+            scale = predicted / self.predicted
+            self.tokens, self.predicted = self.tokens * scale, predicted
+
+    def share(self, prior_tokens: float) -> float:
+        """Delivered over predicted, drawn toward 1 by ``prior_tokens`` predicted tokens."""
+        return (self.tokens + prior_tokens) / (self.predicted + prior_tokens)
+
+
 class Estimates:
     def __init__(self, config: EstimateConfig = EstimateConfig()) -> None:
         self.config = c = config
@@ -169,6 +207,7 @@ class Estimates:
         self._single_first = DecayedRate(c.max_branches + 1)  # one branch, by would-be k
         self._profile: ProfileCurve | None = None  # the verifier's, measured before serving
         self._overlap_factor = 1.0  # an overlapped verification against a plain one, unmeasured
+        self._delivered = Delivered()
 
     def _median(self, max_age: int | None = None, *, keep_last: bool = False) -> WindowedMedian:
         """A median on the rounds' clock, forgetting samples ``max_age`` rounds old (default:
@@ -179,6 +218,9 @@ class Estimates:
     # ------------------------------------------------------------ learning
 
     def observe(self, report: RoundReport) -> None:
+        config = self.config
+        self._delivered.decay(config.delivered_decay if report.gamma else
+                              config.delivered_alone_decay)  # fmt: skip
         for call in report.drafts:
             self._observe_draft(call)
         if report.gamma == 0:
@@ -242,6 +284,7 @@ class Estimates:
         if rounds > 0:
             for rate in self._rates():
                 rate.cap(rounds)
+            self._delivered.cap(rounds * 2)  # about two tokens a round
 
     def _rates(self) -> tuple[DecayedRate, ...]:
         return (self._depth, self._first, self._rescue, self._rule_first,
@@ -366,6 +409,22 @@ class Estimates:
         """The target's own seconds per token decoding alone, once measured."""
         return self._alone_compute.value
 
+    def observe_delivery(self, report: RoundReport, predicted_rate: float) -> None:
+        """A drafted round measured whole (``report.period_s``), against the rate its plan
+        was predicted to deliver. The first drafted round after the target alone catches the
+        drafter up on what it decoded: the price of switching, not of drafting."""
+        if report.period_s <= 0 or predicted_rate <= 0:
+            return
+        waited = sum(call.prefill_wait_s for call in report.drafts)
+        predicted = predicted_rate * max(report.period_s - waited, 0.0)
+        self._delivered.add(report.accepted + 1, predicted)
+
+    def delivered_share(self) -> float:
+        """Drafted rounds' committed tokens over their prediction lately (see ``Delivered``),
+        where clearly below 1; else 1 (also until measured)."""
+        share = self._delivered.share(self.config.delivered_prior_tokens)
+        return share if share < self.config.delivered_trusted_above else 1.0
+
     def alone_measured(self) -> bool:
         """Whether the target alone's cost was measured within ``alone_max_age`` rounds."""
         return len(self._alone) > 0
@@ -472,6 +531,7 @@ class Estimates:
             "branch_factor": [round(f, 2) for f in self.branch_factor()[2:].tolist()],
             "overhead_ms": ms(self._overhead.value),
             "target_alone_round_ms": ms(self._alone.value),
+            "delivered_share": round(self.delivered_share(), 3),
             "acceptance_by_depth": [round(self.acceptance(d), 3) for d in range(1, 9)],
         }  # fmt: skip
 

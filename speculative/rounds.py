@@ -68,6 +68,9 @@ class RoundReport:
     # the rest of the round's period (from the previous round's report to this one's):
     # the daemon's bookkeeping, streaming the tokens out, choosing the next plan
     overhead_s: float = 0.0
+    # the round's whole period, from the previous round's report to this one's (0: not
+    # measured): what its tokens really cost, whatever the cost model thinks of its parts
+    period_s: float = 0.0
     # gamma 0 (the target alone): seconds per token of the whole round and of the target's
     # own work (None: not what decoding alone costs, e.g. a transition from drafting or a
     # trial of the other core choice)
