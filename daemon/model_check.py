@@ -6,7 +6,8 @@ runtime would load (a runtime that needs the missing export is marked so), wheth
 pair shares a vocabulary (the daemon's own start-up check, on vocabularies read by the
 workers' own code in a process of their own), the context each allows, the memory each side
 would take, and prints a ``hetspecd.toml`` for the pair. Exit status 0 when the default
-placement can serve the pair, 1 when not, 2 for bad arguments.
+placement can serve the pair, 1 when not (a GGUF the daemon would refuse at start-up, its
+metadata contradicting its tensors, gets that one line alone), 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from hetspec.daemon.config import ConfigError, DaemonConfig, model_paths_of
 from hetspec.daemon.head_choice import BUNDLED_HEAD, TARGET_HEAD, mismatch
 from hetspec.daemon.model_facts import ModelFacts, read_model_facts
 from hetspec.protocol import VocabReport
+from hetspec.protocol.gguf_checks import GGUFMetadataError, ModelShape, check_model_file
 from hetspec.speculative.vocab import incompatibilities
 
 DEFAULT_CONTEXT_LIMIT = 8192  # what the workers load when no context is configured
@@ -34,10 +36,15 @@ NATIVE_TENSOR_TYPES = frozenset(
     {"F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
      "IQ4_XS"}
 )  # fmt: skip
+NATIVE_ROPE_SCALINGS = ("none", "linear")
 
 
 class CheckError(ValueError):
     pass
+
+
+class CannotServe(ValueError):
+    """A model file the daemon would refuse at start-up; the message says why, in its words."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,7 @@ class Model:
     gguf: Path | None
     folder_facts: ModelFacts | None
     gguf_facts: ModelFacts | None
+    gguf_shape: ModelShape | None = None  # the GGUF's checked numbers (a checked architecture)
 
     @property
     def facts(self) -> ModelFacts:
@@ -70,7 +78,11 @@ def find_exports(name: str, path: Path) -> Model:
         gguf_facts = read_model_facts(gguf) if gguf else None
     except ValueError as error:
         raise CheckError(f"{name}: {error}") from None
-    return Model(name, folder, gguf, folder_facts, gguf_facts)
+    try:  # the daemon's own start-up check of the file (daemon/supervisor.py)
+        shape = check_model_file(gguf) if gguf else None
+    except GGUFMetadataError as error:
+        raise CannotServe(str(error)) from None
+    return Model(name, folder, gguf, folder_facts, gguf_facts, shape)
 
 
 def read_vocabs(paths: dict[tuple[str, str], Path], timeout_s: float = 120.0) -> dict:
@@ -92,16 +104,22 @@ def read_vocabs(paths: dict[tuple[str, str], Path], timeout_s: float = 120.0) ->
     return reports
 
 
+def count_of(facts: ModelFacts, key: str) -> int | None:
+    """The positive whole number ``{family}.{key}`` of ``facts``, or None (absent, or something
+    else in a file of an architecture protocol/gguf_checks.py does not check)."""
+    value = facts.info.get(f"{facts.family}.{key}")
+    return value if type(value) is int and value > 0 else None
+
+
 def kv_bytes_per_token(facts: ModelFacts, element_bytes: float) -> int | None:
     """K and V of one position across all layers (``element_bytes`` per K and V element)."""
-    info, family = facts.info, facts.family
-    layers = info.get(f"{family}.block_count")
-    heads = info.get(f"{family}.attention.head_count")
-    kv_heads = info.get(f"{family}.attention.head_count_kv", heads)
-    width = info.get(f"{family}.embedding_length")
+    layers = count_of(facts, "block_count")
+    heads = count_of(facts, "attention.head_count")
+    kv_heads = count_of(facts, "attention.head_count_kv") or heads
+    width = count_of(facts, "embedding_length")
     if not (layers and heads and kv_heads and width):
         return None
-    head_dim = info.get(f"{family}.attention.key_length", width // heads)
+    head_dim = count_of(facts, "attention.key_length") or width // heads
     return int(layers * kv_heads * head_dim * element_bytes)
 
 
@@ -156,15 +174,23 @@ class Side:
                 return (f"the torch runtime reads {'/'.join(TORCH_MODEL_TYPES)} folders, not "
                         f"{family}")  # fmt: skip
             return None
-        facts = self.model.gguf_facts
-        if self.runtime == "native":
-            if facts.family not in NATIVE_FAMILIES:
-                return (f"the native kernels run {'/'.join(NATIVE_FAMILIES)} GGUFs, not "
-                        f"{facts.family}")  # fmt: skip
-            if unread := sorted(facts.tensor_types - NATIVE_TENSOR_TYPES):
-                known = ", ".join(sorted(NATIVE_TENSOR_TYPES))
-                return (f"the native kernels read {known} tensors; this {facts.quantization} "
-                        f"file has {', '.join(unread)}")  # fmt: skip
+        return self._native_unusable() if self.runtime == "native" else None
+
+    def _native_unusable(self) -> str | None:
+        """Why the native kernels cannot run the GGUF (its family, tensor types, numbers)."""
+        facts, shape = self.model.gguf_facts, self.model.gguf_shape
+        if facts.family not in NATIVE_FAMILIES:
+            return (f"the native kernels run {'/'.join(NATIVE_FAMILIES)} GGUFs, not "
+                    f"{facts.family}")  # fmt: skip
+        if unread := sorted(facts.tensor_types - NATIVE_TENSOR_TYPES):
+            known = ", ".join(sorted(NATIVE_TENSOR_TYPES))
+            return (f"the native kernels read {known} tensors; this {facts.quantization} "
+                    f"file has {', '.join(unread)}")  # fmt: skip
+        if shape is not None and shape.experts:
+            return f"the native kernels run dense models; this one has {shape.experts} experts"
+        if shape is not None and shape.rope_scaling not in NATIVE_ROPE_SCALINGS:
+            return (f"the native kernels scale RoPE {'/'.join(NATIVE_ROPE_SCALINGS)}, not "
+                    f"{shape.rope_scaling}")  # fmt: skip
         return None
 
     def line(self, context: int) -> str:
@@ -250,7 +276,7 @@ def check(target: Model, draft: Model) -> tuple[list[str], bool]:
             lines.append(f'  gpu_runtime "{runtime}": {verdict}')
             lines += [side.line(context) for side in sides]
     lines += describe_heads(target)
-    vocab = target.facts.info.get(f"{target.facts.family}.vocab_size")
+    vocab = count_of(target.facts, "vocab_size")
     if vocab:
         defaults = DaemonConfig()
         slots, nodes = defaults.arena_slots, defaults.max_tree_nodes
@@ -302,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     except CheckError as error:
         print(f"hetspec models check: {error}", file=sys.stderr)
         return 2
+    except CannotServe as error:
+        print(f"hetspec models check: cannot serve: {error}", file=sys.stderr)
+        return 1
     lines, ok = check(target, draft)
     print("\n".join(lines))
     return 0 if ok else 1

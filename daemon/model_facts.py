@@ -50,7 +50,9 @@ class ModelFacts:
 
     @property
     def context_length(self) -> int | None:
-        return self.info.get(f"{self.family}.context_length")
+        """The trained context where the file states a positive whole number, else None."""
+        value = self.info.get(f"{self.family}.context_length")
+        return value if type(value) is int and value > 0 else None
 
     @property
     def digest(self) -> str:

@@ -60,6 +60,7 @@ from hetspec.daemon.supervisor import (
     StartupError,
     Supervisor,
     WorkerUnavailable,
+    check_model_files,
     model_number_of,
     roles,
     worker_specs,
@@ -173,7 +174,9 @@ class Service:
             await self._cleanup()
 
     async def _load(self) -> None:
-        """Decide the GPU worker's runtime (measuring, for "auto"), then start both workers."""
+        """Check the model files, decide the GPU worker's runtime (measuring, for "auto"),
+        then start both workers."""
+        check_model_files(self.config)  # before any process loads them
         if self.config.pipeline.enabled:
             await self._load_pipeline()
             return

@@ -27,6 +27,7 @@ from hetspec.daemon.model_facts import CONFIG_KEYS
 from hetspec.daemon.worker_client import WorkerClient, WorkerSpec, WorkerStartError
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.arena import ArenaLayout
+from hetspec.protocol.gguf_checks import check_model_file
 from hetspec.protocol.gguf_header import read_gguf_header
 from hetspec.speculative.vocab import incompatibilities
 
@@ -81,6 +82,22 @@ def model_number_of(model: ModelPaths, key: str = "vocab_size") -> int:
         return int(stated)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise StartupError(f"cannot read {key} from {model.gguf}: {error}") from None
+
+
+def check_model_files(config: DaemonConfig) -> None:
+    """Refuse (``StartupError``, one line) a configured GGUF that is no GGUF file read here or
+    whose metadata contradicts its tensors, before any worker loads it: the check ``hetspec
+    models check`` makes (protocol/gguf_checks.py). Every configured GGUF, whichever worker
+    would load it: a broken file is a mistake to report, not one to route around."""
+    for model in (config.target, config.draft):
+        if not model.gguf:
+            continue
+        try:
+            check_model_file(model.gguf)
+        except ValueError as error:  # GGUFFormatError, GGUFMetadataError
+            raise StartupError(str(error)) from None
+        except OSError as error:
+            raise StartupError(f"{model.gguf}: cannot read it ({error.strerror})") from None
 
 
 def export_read_by(runtime: str) -> str:

@@ -38,6 +38,7 @@ from hetspec.native.kernels import (
     NativeUnavailable,
     matrix,
 )
+from hetspec.protocol.gguf_checks import GGUFMetadataError, ModelShape, check_model
 from hetspec.protocol.gguf_header import TensorInfo, read_gguf_header
 
 LAYER_TENSORS = {
@@ -49,6 +50,7 @@ assert tuple(LAYER_TENSORS) == MATRICES
 # than adjacent pairs; llama.cpp's converter reorders Llama's q/k rows for the pairs
 FAMILIES = {"llama": False, "qwen2": True, "qwen3": True, "gemma2": True, "gemma3": True}
 DEFAULT_MAX_CONTEXT = 8192
+ROPE_SCALINGS = ("none", "linear")  # of llama.cpp's, the ones computed here
 # Q8_0 weights up to this size get a packed copy for calls of few rows (hs_matrix.packed):
 # such a model's weights stay in the caches, where transposing blocks in registers, not
 # memory, bounds a drafter's token; a larger model streams from memory at one row's pace
@@ -80,26 +82,20 @@ class NativeModel:
         ``PACK_LIMIT_BYTES``)."""
         self.path = Path(path)
         self.kernels = Kernels.load()
-        try:
-            self._header = read_gguf_header(self.path)
-        except (OSError, ValueError) as error:
-            raise ModelFormatError(f"{self.path}: not a readable GGUF file ({error})") from None
+        shape = self._read_header()
         self._tensors = self._header.tensors
         self._keep: list[object] = []  # arrays and structs C holds pointers into
         self.architecture = str(self._field("general.architecture"))
-        if self.architecture not in FAMILIES:
+        if shape is None or self.architecture not in FAMILIES:
             raise ModelFormatError(f"{self.path}: architecture {self.architecture!r}; the native "
                                    f"runtime runs {', '.join(FAMILIES)}")  # fmt: skip
-        self.d_model = int(self._hparam("embedding_length"))
-        self.n_layers = int(self._hparam("block_count"))
-        self.n_heads = int(self._hparam("attention.head_count"))
-        self.n_kv_heads = int(self._hparam("attention.head_count_kv", self.n_heads))
-        self.head_dim = int(self._hparam("attention.key_length", self.d_model // self.n_heads))
-        if int(self._hparam("attention.value_length", self.head_dim)) != self.head_dim:
+        self.d_model, self.n_layers = shape.embedding_length, shape.block_count
+        self.n_heads, self.n_kv_heads = shape.head_count, shape.head_count_kv
+        self.head_dim, self.n_ff = shape.key_length, shape.feed_forward_length
+        if shape.value_length != self.head_dim:
             raise ModelFormatError(f"{self.path}: values and keys of different widths")
-        self.n_ff = int(self._hparam("feed_forward_length"))
         self.eps = float(self._hparam("attention.layer_norm_rms_epsilon"))
-        trained = int(self._hparam("context_length"))
+        trained = shape.context_length
         self.capacity = capacity or min(trained, DEFAULT_MAX_CONTEXT)
         if not 0 < self.capacity <= trained:
             raise ModelFormatError(f"{self.path}: context {self.capacity} is outside what the "
@@ -143,6 +139,18 @@ class NativeModel:
         )  # fmt: skip
 
     # ------------------------------------------------------------ reading the file
+
+    def _read_header(self) -> ModelShape | None:
+        """Read the header (``_header``); its numbers checked against its tensors
+        (protocol/gguf_checks.py), before anything is sized by them."""
+        try:
+            self._header = read_gguf_header(self.path)
+        except (OSError, ValueError) as error:
+            raise ModelFormatError(f"{self.path}: not a readable GGUF file ({error})") from None
+        try:
+            return check_model(self._header)
+        except GGUFMetadataError as error:
+            raise ModelFormatError(str(error)) from None
 
     def _field(self, key: str, default: object = None) -> object:
         value = self._header.fields.get(key)
@@ -294,7 +302,7 @@ class NativeModel:
             raise ModelFormatError(f"{self.path}: RoPE over {rotated} of {self.head_dim} "
                                    "dimensions is not supported")  # fmt: skip
         scaling = str(self._hparam("rope.scaling.type", "none"))
-        if scaling not in ("none", "linear"):
+        if scaling not in ROPE_SCALINGS:
             raise ModelFormatError(f"{self.path}: RoPE scaling {scaling!r} is not supported")
         self._rope_theta = float(self._hparam("rope.freq_base", 10000.0))
         factor = float(self._hparam("rope.scaling.factor", 1.0))

@@ -5,7 +5,11 @@ headers. gguf-py's ``GGUFReader`` builds a numpy view for every entry of every a
 takes it 4-8 s on a 152K- or 262K-token vocabulary (Qwen, Gemma 3); this walks the same bytes
 with ``struct`` and skips the arrays of strings (the vocabulary, its merges) unless asked, so
 a header reads in milliseconds. Little-endian files (every file llama.cpp writes here); the
-format is gguf-py's ``GGUFWriter``'s, versions 2 and 3.
+format is gguf-py's ``GGUFWriter``'s, versions 2 and 3, laid out as llama.cpp reads it back: no
+key or tensor twice, tensors of at most 4 dimensions whose rows are whole blocks, stored back to
+back in the order listed. A header that breaks a rule is refused (``GGUFFormatError``): such a
+file is crafted, and its tensors' data may overlap. What the metadata says of the model is
+checked against the tensors by ``protocol.gguf_checks``.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +29,9 @@ SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "
            12: "d"}  # fmt: skip
 NUMPY_TYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
                6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}  # fmt: skip
-STRING, ARRAY = 8, 9
+STRING, ARRAY, UINT32 = 8, 9, 4
 MAX_NESTING = 8  # arrays of arrays: llama.cpp writes none; a deep nest is a crafted file
+MAX_DIMS = 4  # of a tensor: ggml's GGML_MAX_DIMS
 
 
 class GGUFFormatError(ValueError):
@@ -70,6 +75,7 @@ class GGUFHeader:
     fields: dict[str, object]  # scalars, strings, lists (of numbers or strings) or SkippedStrings
     tensors: dict[str, TensorInfo]
     data_offset: int
+    types: dict[str, int] = field(default_factory=dict)  # each field's value type id (SCALARS')
 
     @functools.cached_property
     def _mapped(self) -> np.memmap:
@@ -87,17 +93,20 @@ class GGUFHeader:
         return mapped.reshape(rows, -1)
 
 
-def type_bytes(ggml_type: int, elements: int, path: Path) -> int:
-    """Bytes of ``elements`` values of ggml type ``ggml_type`` (gguf-py's table of sizes)."""
+def type_bytes(ggml_type: int, shape: tuple[int, ...], path: Path) -> int:
+    """Bytes of a tensor of ``shape`` (GGUF's order) in ggml type ``ggml_type`` (gguf-py's
+    table of sizes); its rows must be whole blocks, as llama.cpp requires."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: PLC0415
 
     try:
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
     except (ValueError, KeyError):
         raise GGUFFormatError(f"{path}: unknown tensor type {ggml_type}") from None
-    if elements % block:
-        raise GGUFFormatError(f"{path}: {elements} values are not whole blocks of {block}")
-    return elements // block * size
+    row = shape[0] if shape else 1
+    if row % block:
+        raise GGUFFormatError(f"{path}: rows of {row} values are not whole blocks of {block}")
+    # Python's integers: [2**32, 2**32] must not wrap to 0
+    return math.prod(shape) // block * size
 
 
 class _Cursor:
@@ -175,25 +184,40 @@ def read_gguf_header(path: str | Path, *, strings: bool = False) -> GGUFHeader:
                               "big-endian file reads as a huge version)")  # fmt: skip
     tensor_count, field_count = cursor.take("Q"), cursor.take("Q")
     fields: dict[str, object] = {}
+    types: dict[str, int] = {}
     for _ in range(field_count):
         key = cursor.string()
-        fields[key] = cursor.value(cursor.take("I"), strings)
+        if key in fields:
+            raise GGUFFormatError(f"{path}: key {key!r:.60} appears twice")
+        types[key] = cursor.take("I")
+        fields[key] = cursor.value(types[key], strings)
     infos = []
     for _ in range(tensor_count):
         name = cursor.string()
         dims = cursor.take("I")
+        if dims > MAX_DIMS:
+            raise GGUFFormatError(f"{path}: tensor {name!r:.60} has {dims} dimensions (ggml's "
+                                  f"most: {MAX_DIMS})")  # fmt: skip
         shape = tuple(cursor.take("Q") for _ in range(dims))
         infos.append((name, shape, cursor.take("I"), cursor.take("Q")))
-    alignment = int(fields.get("general.alignment", DEFAULT_ALIGNMENT))
-    if alignment <= 0 or alignment & (alignment - 1):
-        raise GGUFFormatError(f"{path}: alignment {alignment} is not a power of two")
+    alignment = fields.get("general.alignment", DEFAULT_ALIGNMENT)
+    uint32 = types.get("general.alignment", UINT32) == UINT32
+    if not uint32 or alignment <= 0 or alignment & (alignment - 1):
+        raise GGUFFormatError(f"{path}: alignment {alignment!r:.40} is not a power of two in a "
+                              "uint32")  # fmt: skip
     data_offset = -(-cursor.at // alignment) * alignment
     tensors = {}
+    end = 0  # of the tensors so far, in the data: llama.cpp reads them back to back, in order
     for name, shape, kind, offset in infos:
-        elements = math.prod(shape)  # Python's integers: [2**32, 2**32] must not wrap to 0
-        nbytes = type_bytes(kind, elements, path)
+        if name in tensors:
+            raise GGUFFormatError(f"{path}: tensor {name!r:.60} is listed twice")
+        nbytes = type_bytes(kind, shape, path)
         start = data_offset + offset
         if start + nbytes > len(data):
-            raise GGUFFormatError(f"{path}: tensor {name} runs past the end of the file")
+            raise GGUFFormatError(f"{path}: tensor {name!r:.60} runs past the end of the file")
+        if offset != end:
+            raise GGUFFormatError(f"{path}: tensor {name!r:.60} starts at {offset} in the data, "
+                                  f"where the tensors before it end at {end}")  # fmt: skip
+        end += -(-nbytes // alignment) * alignment
         tensors[name] = TensorInfo(name, shape, kind, start, nbytes)
-    return GGUFHeader(path, version, fields, tensors, data_offset)
+    return GGUFHeader(path, version, fields, tensors, data_offset, types)

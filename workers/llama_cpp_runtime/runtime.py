@@ -17,6 +17,8 @@ from pathlib import Path
 import llama_cpp as L
 import numpy as np
 
+from hetspec.protocol.gguf_checks import GGUFMetadataError, check_model_file
+from hetspec.protocol.gguf_header import GGUFFormatError
 from hetspec.speculative.tree import ROOT
 from hetspec.speculative.vocab import VocabInfo
 from hetspec.workers.llama_cpp_runtime.ggml import local_gpu_present, local_gpus
@@ -193,6 +195,12 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
             raise LlamaCppError(f"{path}: cannot read: {error.strerror}") from None
         if magic != GGUF_MAGIC:
             raise LlamaCppError(f"{path}: not a GGUF file (starts with {magic!r})")
+        try:  # metadata that contradicts the tensors: llama.cpp may allocate by it, or abort
+            check_model_file(path)
+        except GGUFMetadataError as error:
+            raise LlamaCppError(str(error)) from None
+        except (GGUFFormatError, OSError):
+            pass  # a header llama.cpp refuses too, in its own words
 
     def _error(self, message: str, mark: int) -> LlamaCppError:
         said = self._log.since(mark)
