@@ -108,6 +108,9 @@ def cut_at_end(tokens: list[int], ends: frozenset[int]) -> tuple[list[int], bool
     return tokens, False
 
 
+_DROPPABLE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
 @dataclass(frozen=True)
 class PromptBound:
     """What a model's vocabulary says of a prompt's token count before anything tokenizes
@@ -133,8 +136,11 @@ class PromptBound:
 
     def least_tokens(self, prompt: str) -> int:
         """A lower bound on the tokens ``prompt`` takes: each special token's text it holds
-        is one token, and the rest takes at least its bytes over the longest token's."""
-        size, specials, special_bytes = len(prompt.encode()), 0, 0
+        is one token, and the rest takes at least its bytes over the longest token's, but
+        for control characters, which a vocabulary may drop (SmolLM2's has no token for six
+        of them)."""
+        size = len(_DROPPABLE.sub("", prompt).encode())
+        specials = special_bytes = 0
         if self.specials is not None:
             for match in self.specials.finditer(prompt):
                 specials += 1

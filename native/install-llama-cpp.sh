@@ -47,9 +47,12 @@ echo "A first build compiles llama.cpp (about 4 minutes on 2 cores); pip caches 
 start=$SECONDS
 "$python" -m pip install -q "${pip_args[@]}" llama-cpp-python
 # pip's wheel cache is keyed by the source archive alone: a wheel cached by an older setup
-# (built before the RPC backend was switched on) would come back without it. Build afresh then.
-if ! "$python" -c 'import sys, llama_cpp; sys.exit(not llama_cpp.llama_supports_rpc())' 2>/dev/null; then
-  echo "The cached llama-cpp-python wheel lacks the RPC backend; compiling a fresh one."
+# (built before the RPC backend was switched on, or with llamafile's sgemm) would come back
+# as it was built. Build afresh then.
+built_as_asked='import sys, llama_cpp as L
+sys.exit(not L.llama_supports_rpc() or b"LLAMAFILE = 1" in L.llama_print_system_info())'
+if ! "$python" -c "$built_as_asked" 2>/dev/null; then
+  echo "The cached llama-cpp-python wheel was built otherwise (RPC, llamafile); compiling a fresh one."
   "$python" -m pip install -q "${pip_args[@]}" --no-cache-dir llama-cpp-python
 fi
 echo "$backend $CMAKE_ARGS" > "$stamp"

@@ -14,6 +14,11 @@ common+=" -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF"
 # The RPC backend: a verifier may put some of its layers on other hosts' rpc-server
 # (llama_cpp.rpc_servers; docs/beyond-one-box.md). It costs nothing when unused.
 common+=" -DGGML_RPC=ON"
+# Without llamafile's sgemm, a token's logits are the same whatever else its forward holds:
+# with it, a 5-token verification of SmolLM2-135M (Q4_1) moved logits by up to 1.46 against
+# one token at a time and flipped 10 of 480 greedy tokens (lossless output needs the
+# target's own). It costs 0-10% on verifications of 5-17 tokens here (docs/design-notes.md).
+common+=" -DGGML_LLAMAFILE=OFF"
 case "$backend" in
   cpu)          flags="-DGGML_NATIVE=ON" ;;
   cpu-portable) flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" ;;

@@ -77,7 +77,7 @@ PIECES = [
     "user",
     "<",
 ]
-pieces = st.sampled_from([*PIECES, " ", "\n", "|", "    return"])
+pieces = st.sampled_from([*PIECES, "\x1d", "\x04\x06", "\t", "\r", " ", "\n", "|", "    return"])
 
 
 @settings(max_examples=300, deadline=None)

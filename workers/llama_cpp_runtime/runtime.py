@@ -16,6 +16,7 @@ from pathlib import Path
 
 import llama_cpp as L
 import numpy as np
+import structlog
 
 from hetspec.protocol.gguf_checks import GGUFMetadataError, check_model_file
 from hetspec.protocol.gguf_header import GGUFFormatError
@@ -45,6 +46,14 @@ def _cpu_has_amx() -> bool:
         return "amx_int8" in Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
+
+
+def batch_invariant() -> bool:
+    """Whether this llama.cpp gives a token's logits whatever else its forward evaluates.
+    Built with llamafile's sgemm it does not (its tiles sum quantized rows another way once a
+    forward holds several tokens), and a verifier's greedy output then leaves the target's
+    own at near-ties; native/llama-cmake-args.sh builds it without."""
+    return b"LLAMAFILE = 1" not in L.llama_print_system_info()
 
 
 class LlamaCppError(RuntimeError):
@@ -88,6 +97,12 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
         self._check_file(path)
         self._log = llama_log()
         L.llama_backend_init()
+        if not batch_invariant():
+            structlog.get_logger("hetspec.worker").warning(
+                "llama.cpp was built with llamafile's sgemm: its logits depend on how many "
+                "tokens a forward holds, so verifying with it can leave the target's own "
+                "greedy output at near-ties; make setup rebuilds it without"
+            )
 
         self._model = self._load_model(path, mmap, gpu_layers, tuple(rpc_servers))
         trained = L.llama_model_n_ctx_train(self._model)
