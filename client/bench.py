@@ -51,6 +51,7 @@ from hetspec.arguments import non_negative, positive, positive_list, setting, te
 from hetspec.client.bench_targets import BenchTarget, TargetError, forward_ms, resolve
 from hetspec.client.busy_box import busy_note
 from hetspec.client.clients import Client
+from hetspec.client.daemon_process import DaemonProcess
 from hetspec.client.types import Completion, HetspecError
 from hetspec.models.corpus import CHAT_PROMPTS, FORGET_PROMPT, prompt_set
 
@@ -275,13 +276,8 @@ def daemon(placement: str, socket: str | None, log_dir: Path, target: BenchTarge
         client.wait_ready(10)
         yield client
         return
-    run = Path(tempfile.mkdtemp(prefix="hetspec-bench-"))
     name = name or (f"{target.name}-{placement}" if target else placement)
-    log = (log_dir / f"hetspecd-{name}.log").open("w")
-    hetspecd = Path(sys.executable).with_name("hetspecd")
-    command = [str(hetspecd), "--socket", str(run / "hetspecd.sock"),
-               "--runtime-dir", str(run / "run"),
-               "--placement", placement.removesuffix("-llama")]  # fmt: skip
+    command = ["--placement", placement.removesuffix("-llama")]
     if placement.endswith("-llama"):  # both workers in llama.cpp
         command += ["--set", 'gpu_runtime="llama.cpp"']
     if target is not None:
@@ -292,25 +288,16 @@ def daemon(placement: str, socket: str | None, log_dir: Path, target: BenchTarge
             command += ["--set", f"{key}={json.dumps(str(path))}"]
     for item in settings:
         command += ["--set", item]
-    process = subprocess.Popen(command, stderr=log)
+    run = Path(tempfile.mkdtemp(prefix="hetspec-bench-"))
+    hetspecd = DaemonProcess(run, *command, log=log_dir / f"hetspecd-{name}.log")
     try:
-        client = Client(f"unix://{run / 'hetspecd.sock'}")
-        deadline = time.monotonic() + 900  # a first start measures the runtimes: minutes
-        while True:
-            try:
-                client.wait_ready(2)
-                break
-            except HetspecError as error:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    log.flush()
-                    said = (log_dir / f"hetspecd-{name}.log").read_text(errors="replace")
-                    raise HetspecError(f"hetspecd did not start on {name}: {error}; its log "
-                                       f"ends: {said[-600:]}") from None  # fmt: skip
-        yield client
+        try:
+            hetspecd.wait_ready(900)  # a first start measures the runtimes: minutes
+        except HetspecError as error:
+            raise HetspecError(f"hetspecd did not start on {name}: {error}") from None
+        yield hetspecd.client
     finally:
-        process.terminate()
-        process.wait(60)
-        log.close()
+        hetspecd.stop()
 
 
 def drafter_core(client: Client, placement: str) -> int:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from tiny_models import DAEMON_CONTEXT
 
+from hetspec.client.daemon_process import DaemonProcess
 from hetspec.client.types import generate_body
 from hetspec.daemon import round_log
 from hetspec.daemon.instance import Instance
@@ -25,6 +26,8 @@ from hetspec.protocol.arena import SHM_DIR
 from hetspec.speculative.samplers import DrawnSampler
 from hetspec.speculative.sampling import SamplingParams
 from hetspec.workers.torch_runtime import TorchRuntime
+
+pytestmark = pytest.mark.process
 
 CONTEXT = DAEMON_CONTEXT
 MODES = ("sequential", "parallel", "adaptive")  # the speculative ones
@@ -63,7 +66,13 @@ def stream(sock: Path, body: dict):
     return connection, response
 
 
-class Daemon:
+def clean_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment without its HETSPEC_ settings (a developer's shell must not configure
+    the daemons under test), and ``env``."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("HETSPEC_")} | (env or {})
+
+
+class Daemon(DaemonProcess):
     def __init__(
         self,
         tmp_path: Path,
@@ -79,65 +88,28 @@ class Daemon:
         """hetspecd on ``target`` and ``draft`` (GGUF files, each with its folder: the file's
         own; None: the models ``extra`` names, or the configuration's), the GPU worker in
         ``gpu_runtime`` ("auto": measured at load)."""
-        tmp_path.mkdir(parents=True, exist_ok=True)
-        self.socket = tmp_path / "hetspecd.sock"
-        self.runtime_dir = tmp_path / "run"
-        self.log = tmp_path / "hetspecd.log"
         exports = {(name, kind): path.parent if kind == "folder" else path
                    for name, path in (("target", target), ("draft", draft)) if path is not None
                    for kind in ("folder", "gguf")}  # fmt: skip
         settings = {
-            **{f"{name}.{kind}": path for (name, kind), path in exports.items()},
+            **{f"{name}.{kind}": str(path) for (name, kind), path in exports.items()},
             "cpu_worker.n_ctx": context,
             "gpu_worker.max_context": context,
             "heartbeat_timeout_s": 5,
             "restart_backoff_s": [0.2, 2],
         }
-        argv = [
-            sys.executable,
-            "-m",
-            "hetspec.daemon",
-            "--socket",
-            str(self.socket),
-            "--runtime-dir",
-            str(self.runtime_dir),
-            "--log-format",
-            "json",
-            # the torch verifier these tests mean, not one measured at load (test_runtime_choice)
-            "--set",
-            f"gpu_runtime={json.dumps(gpu_runtime)}",
-            *extra,
-        ]
+        # the torch verifier these tests mean, not one measured at load (test_runtime_choice)
+        argv = ["--log-format", "json", "--set", f"gpu_runtime={json.dumps(gpu_runtime)}", *extra]
         for key, value in settings.items():
-            argv += [
-                "--set",
-                f"{key}={json.dumps(value if not isinstance(value, Path) else str(value))}",
-            ]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("HETSPEC_")} | (env or {})
-        with open(self.log, "wb") as log:
-            self.process = subprocess.Popen(
-                [*(launcher or []), *argv], stderr=log, stdout=log, env=env, pass_fds=pass_fds
-            )
+            argv += ["--set", f"{key}={json.dumps(value)}"]
+        super().__init__(tmp_path, *argv, env=clean_env(env), launcher=launcher or (),
+                         pass_fds=pass_fds)  # fmt: skip
 
     def wait_ready(self) -> dict:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, self.log.read_text()
-            if self.socket.exists():
-                status, health = request(self.socket, "GET", "/health")
-                if status == 200:
-                    return health
-                assert health["status"] == "loading"
-            time.sleep(0.1)
-        raise AssertionError(f"not ready in {STARTUP_TIMEOUT} s:\n{self.log.read_text()}")
+        return super().wait_ready(STARTUP_TIMEOUT)
 
     def health(self) -> dict:
         return request(self.socket, "GET", "/health")[1]
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout=60)
 
 
 def target_greedy(gguf: Path, prompt: str, count: int) -> np.ndarray:
