@@ -249,6 +249,7 @@ def native(heavy) -> NativeRuntime:
     return NativeRuntime(heavy.gguf("q8_0"), n_ctx=1024)
 
 
+@pytest.mark.slow
 def test_a_tokens_logits_are_bit_identical_alone_and_inside_a_tree(native) -> None:
     tokens = native.tokenize(TEXT)[:40]
     native.prefill(tokens[:20])
@@ -383,6 +384,7 @@ def k_quant_bundled(tmp_path_factory):
     return made
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "gguf_type",
     ["q8_0", "q4_0", "q4_k_m", "bundled q4_k_m", "bundled q5_k_m", "bundled iq4_xs"],
@@ -408,6 +410,7 @@ def test_it_predicts_as_llama_cpp_does_on_the_same_file(request, heavy, gguf_typ
     assert (ours.argmax(-1) == theirs.argmax(-1)).mean() >= 0.95
 
 
+@pytest.mark.slow
 def test_greedy_decoding_equals_greedy_verification(native) -> None:
     prompt = native.tokenize("def read_lines(path):\n")
     native.prefill(prompt)
@@ -501,6 +504,7 @@ class CountingRuntime(NativeRuntime):
         return super()._run_chain(*args, **kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seeded", [True, False], ids=["keyed", "drawn"])
 def test_a_sampled_chain_drafted_in_one_call_is_the_one_drafted_node_by_node(
     heavy, seeded: bool
@@ -538,6 +542,7 @@ def test_a_sampled_chain_drafted_in_one_call_is_the_one_drafted_node_by_node(
     assert chained.chains == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seeded", [None, True], ids=["greedy", "keyed"])
 def test_a_draft_evaluating_its_appended_token_in_the_chain_call_is_append_then_draft(
     heavy, seeded: bool | None
@@ -603,10 +608,11 @@ def test_a_draft_evaluating_its_appended_token_in_the_chain_call_is_append_then_
     assert runtime.pending == 0
 
 
+@pytest.mark.slow
 def test_a_drawn_chain_token_follows_the_row_it_reports() -> None:
     """Unseeded, each chained token is a draw from the probability row reported with it
     (chi-square over 3000 chains from one state)."""
-    from test_lossless import chi2_critical, chi_square  # noqa: PLC0415
+    from laws import chi2_critical, chi_square  # noqa: PLC0415
 
     runtime = NativeRuntime(MODELS / "draft" / "draft-q8_0.gguf", n_ctx=256)
     runtime.prefill(runtime.tokenize(TEXT)[:40])
@@ -663,6 +669,7 @@ class BranchesStepwiseRuntime(NativeRuntime):
     _run_branches = None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("branches", [2, 4])
 def test_greedy_branches_drafted_in_one_call_are_the_ones_drafted_step_by_step(
     heavy, branches: int

@@ -25,6 +25,8 @@ from hetspec.speculative.samplers import DrawnSampler
 from hetspec.speculative.sampling import SamplingParams
 from hetspec.workers.torch_runtime import TorchRuntime
 
+pytestmark = pytest.mark.process
+
 TARGET = BUNDLED_MODELS / "target"
 PROMPT = "def read_lines(path):\n    with open(path) as"
 # half-layers (speculative/layer_split.py): three stages split layers 1 and 2 after attention
@@ -165,11 +167,12 @@ def test_sampled_tokens_through_the_pipeline_follow_the_targets_law(tmp_path, st
     """Temperature 1, top-k 6: the second and third tokens' marginal laws through 2 and 3
     stage processes (3: split after attention) match the target's exact law (chi-square),
     keyed by seed and drawn."""
-    from test_lossless import SEEDS, chi2_critical, chi_square, exact_marginals  # noqa: PLC0415
+    from laws import chi2_critical, chi_square, exact_marginals  # noqa: PLC0415
 
     from hetspec.speculative.samplers import sampler_for  # noqa: PLC0415
     from hetspec.speculative.sampling import SamplingParams as Params  # noqa: PLC0415
 
+    seeds = range(1200, 2400)  # keyed: one fixed sample, which fits (test_lossless's, once)
     prompt = "def add(a, b):\n"
     params = Params(temperature=1.0, top_k=6)
     runtime = TorchRuntime(TARGET, device="cpu", dtype="float32", max_context=512)
@@ -204,15 +207,15 @@ def test_sampled_tokens_through_the_pipeline_follow_the_targets_law(tmp_path, st
         return counts, accepted
 
     try:
-        keyed, keyed_accepted = asyncio.run(sample(SEEDS))
-        drawn, drawn_accepted = asyncio.run(sample([None] * len(SEEDS)))
+        keyed, keyed_accepted = asyncio.run(sample(seeds))
+        drawn, drawn_accepted = asyncio.run(sample([None] * len(seeds)))
     finally:
         pipeline.stop()
-    assert keyed_accepted > len(SEEDS) // 4  # drafts were taken, not just the target's own
-    assert drawn_accepted > len(SEEDS) // 4
+    assert keyed_accepted > len(seeds) // 4  # drafts were taken, not just the target's own
+    assert drawn_accepted > len(seeds) // 4
     for counts, p in ((keyed, 0.001), (drawn, 0.0001)):
         for position in (1, 2):
-            statistic, df = chi_square(counts[position], law[position], len(SEEDS))
+            statistic, df = chi_square(counts[position], law[position], len(seeds))
             assert df >= 1
             assert statistic < chi2_critical(df, p), (position, statistic, df)
 
