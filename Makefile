@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.hetspec-installed
 
-.PHONY: help setup demo heavy test lint format clean wheelhouse device-bundle
+.PHONY: help setup demo heavy check test lint format clean wheelhouse device-bundle
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -90,6 +90,13 @@ lint: setup ## ruff lint and format check
 format: setup ## apply ruff's formatting and safe fixes
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
+
+# The unit tier: no test that starts a process (marked `process`, which tests/conftest.py
+# enforces) or takes more than a second or two (`slow`); under 5 minutes on 2 cores.
+check: lint ## lint, then the unit tests: no processes, nothing slow (minutes, for every change)
+	@rc=0; $(BIN)/pytest -m "not process and not slow" $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: that is a failure here" >&2; fi; \
+	exit $$rc
 
 test: lint ## lint, then the whole pytest suite (GPU tests skip without CUDA)
 	@rc=0; $(BIN)/pytest $(PYTEST_ARGS) || rc=$$?; \

@@ -1,9 +1,11 @@
-"""Suite-wide settings (GPU tests skip, with the reason, when CUDA is absent) and the tiny
-models and arena many modules share (a module may define its own under the same name)."""
+"""Suite-wide settings (GPU tests skip, with the reason, when CUDA is absent; a test that starts
+a process must be marked so) and the tiny models and arena many modules share (a module may
+define its own under the same name)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,53 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs a CUDA device: torch.cuda.is_available() is False here")
     for item in gpu_tests:
         item.add_marker(skip)
+
+
+# The tiers (see the Makefile): `make check` runs what is marked neither `process` nor `slow`.
+# A process marker cannot be forgotten: a test without it that starts a process (a daemon, a
+# worker, a shell client: anything through subprocess, asyncio's included) fails, even where
+# the code under test catches the error the start raises. A test that starts one only on a cold
+# cache (a compiler behind torch.compile or triton, pip fetching a model) is marked too: here
+# the cache may be warm, on CI it is not.
+_running: pytest.Item | None = None
+_spawned = pytest.StashKey[str]()
+_execute_child = subprocess.Popen._execute_child  # type: ignore[attr-defined]
+
+
+def _guarded_execute_child(self, args, *rest, **kwargs):
+    item = _running
+    if item is not None and item.get_closest_marker("process") is None:
+        item.stash[_spawned] = (
+            f"{item.nodeid} starts a process ({args!r}) but is not marked `process`: mark it "
+            "(a whole module: pytestmark = pytest.mark.process), so that make check leaves it out"
+        )
+        raise RuntimeError(item.stash[_spawned])
+    return _execute_child(self, args, *rest, **kwargs)
+
+
+subprocess.Popen._execute_child = _guarded_execute_child  # type: ignore[attr-defined]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Setup, call and teardown of ``item`` (module fixtures it starts included) under the guard."""
+    global _running  # noqa: PLW0603
+    _running = item
+    try:
+        return (yield)
+    finally:
+        _running = None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    message = item.stash.get(_spawned, None)
+    if message is not None:  # reported once, in the phase that started the process
+        del item.stash[_spawned]
+        if report.passed:
+            report.outcome, report.longrepr = "failed", message
+    return report
 
 
 @pytest.fixture(scope="session")

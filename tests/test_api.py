@@ -24,6 +24,8 @@ from hetspec.daemon.api_ollama import ChatBody, GenerateBody, Options
 from hetspec.daemon.api_openai import ChatRequest, CompletionRequest
 from hetspec.daemon.requests import GenerateRequest
 
+pytestmark = pytest.mark.process
+
 TOKEN = "test-token-0123456789abcdef"
 QUEUE = 8
 GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}

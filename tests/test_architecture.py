@@ -72,6 +72,7 @@ def test_folder_imports_only_what_the_architecture_allows(folder: str) -> None:
                 )
 
 
+@pytest.mark.process
 def test_daemon_and_client_load_without_torch_or_llama_cpp() -> None:
     code = (
         "import sys, hetspec.daemon.cli, hetspec.client.cli, hetspec.protocol\n"

@@ -15,6 +15,7 @@ from hetspec.client.bench import BusyCore
 from hetspec.client.busy_box import busy_note
 
 
+@pytest.mark.process
 def test_bench_runs_every_system_and_writes_its_reports(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     command = [sys.executable, "-m", "hetspec.client.cli", "bench", "--prompts", "1",
@@ -46,6 +47,7 @@ def test_bench_runs_every_system_and_writes_its_reports(tmp_path: Path) -> None:
     assert done.stdout.count("| autoregressive |") == 1
 
 
+@pytest.mark.process
 def test_bench_help_shows_defaults_and_bad_numbers_are_one_line_errors() -> None:
     def bench(*args: str) -> subprocess.CompletedProcess:
         command = [sys.executable, "-m", "hetspec.client.cli", "bench", *args]
@@ -70,6 +72,7 @@ def test_bench_help_shows_defaults_and_bad_numbers_are_one_line_errors() -> None
         assert "Traceback" not in done.stderr
 
 
+@pytest.mark.process
 def test_bench_sweeps_targets_and_skips_a_bad_one_with_its_reason(tmp_path: Path) -> None:
     """Two targets (the bundled one, and a folder of the user's: the same model), one that
     cannot be had: a table per target, the speedup sweep, one line for the skipped one."""
@@ -100,6 +103,7 @@ def test_a_heavy_target_of_an_unknown_gguf_type_is_one_clear_error(tmp_path: Pat
     assert not any(tmp_path.iterdir())  # refused before anything was built
 
 
+@pytest.mark.process
 def test_sampled_bench_keeps_each_prompts_seed_so_every_mode_makes_the_same_tokens(
     tmp_path: Path,
 ) -> None:  # fmt: skip
@@ -130,6 +134,7 @@ def test_sampled_bench_keeps_each_prompts_seed_so_every_mode_makes_the_same_toke
     assert row.endswith("| - |"), row
 
 
+@pytest.mark.process
 def test_a_busy_core_is_named_with_the_process_that_keeps_it_busy() -> None:
     """Before it starts, the bench says which of its cores another process keeps busy."""
     core = min(os.sched_getaffinity(0))

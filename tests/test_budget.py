@@ -1001,6 +1001,7 @@ def test_a_windowed_median_read_again_follows_new_samples_and_forgets_old_ones()
     assert median.median_and_count() == (20.0, 1)
 
 
+@pytest.mark.slow
 def test_chains_acceptance_follows_the_text_while_branches_are_drafted() -> None:
     """Hard text (the draft's first choice accepted 30% of the time), where branches pay,
     then easy text (90%), where a chain is best. While branching, the chains' own

@@ -235,6 +235,7 @@ def test_llama_cpp_reports_the_same_features_and_logits_with_them() -> None:
 # ------------------------------------------------------------------ the daemon
 
 
+@pytest.mark.process
 @pytest.mark.skipif(not (BUNDLED_HEAD / "head_config.json").exists(), reason="no bundled head")
 def test_draft_gpu_drafts_with_the_bundled_head_by_default(tmp_path) -> None:
     """The daemon's default draft-gpu drafts with the head (its device says so), and its

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from tiny_models import write_tiny_gguf
 
 from hetspec.daemon.config import BUNDLED_MODELS
@@ -36,6 +37,7 @@ def test_end_ids_come_from_generation_config_as_a_number_or_a_list() -> None:
     assert cut_at_end([5, 6], frozenset({1, 106})) == ([5, 6], False)
 
 
+@pytest.mark.process
 def test_the_daemon_stops_at_an_end_id_generation_config_lists(tmp_path) -> None:
     """A torch target whose generation_config.json lists a token the text reaches: every
     mode stops right before it, where it ran on before the file said so."""

@@ -53,6 +53,7 @@ def test_fields_and_tensors_are_gguf_pys(tmp_path) -> None:
             assert data.shape == tensor.data.shape
 
 
+@pytest.mark.slow
 def test_a_large_vocabulary_reads_in_a_fraction_of_gguf_pys_time(tmp_path) -> None:
     """A 262,144-token vocabulary (Gemma 3's): gguf-py builds a view per token."""
     path = tmp_path / "vocab.gguf"
@@ -100,6 +101,7 @@ def key(text: str) -> bytes:
     return struct.pack("<Q", len(text)) + text.encode()
 
 
+@pytest.mark.process
 def test_crafted_headers_are_refused_in_one_line_not_a_crash(tmp_path) -> None:
     """Arrays nested 5,000 deep (a RecursionError traceback in models check once) and a
     tensor of 2**32 x 2**32 values (np.prod wrapped it to 0 bytes, which passed the

@@ -14,6 +14,8 @@ from test_daemon import Daemon, native, request
 
 from hetspec.daemon.config import BUNDLED_MODELS, ConfigError, load_config, model_paths_of
 
+pytestmark = pytest.mark.process  # hetspecd or the shell client, for most
+
 PROMPT = "def read_lines(path):\n"
 
 

@@ -10,12 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from tiny_models import build_reference, save_reference
 
 from hetspec.daemon import bench_roundtrip
 from hetspec.daemon.cli import overrides_from
 from hetspec.daemon.config import load_config
 from hetspec.workers.torch_runtime import bench_verify, static_forward
+
+pytestmark = pytest.mark.process
 
 PICKER = Path(__file__).resolve().parents[1] / "native" / "gpu-pick-settings.py"
 

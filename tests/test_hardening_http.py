@@ -23,6 +23,8 @@ from hetspec.daemon.config import ConfigError, DaemonConfig, load_config
 from hetspec.daemon.http_guard import RESERVED_FDS, descriptor_shortfall
 from hetspec.logs import RateLimit
 
+pytestmark = pytest.mark.process  # a real daemon, or a logging process, for most
+
 TOKEN = "hardening-token-0123456789abcdef"
 MAX_CONNECTIONS = 6
 IDLE_TIMEOUT_S = 3.0

@@ -21,6 +21,8 @@ from hetspec.daemon.supervisor import config_number_of
 from hetspec.daemon.worker_client import WorkerClient, WorkerStartError
 from hetspec.protocol.arena import SHM_DIR, Arena, ArenaError, ArenaLayout
 
+pytestmark = pytest.mark.process
+
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="planting another user's files needs root")
 UMASK_000 = ["sh", "-c", 'umask 000 && exec "$@"', "sh"]

@@ -25,6 +25,8 @@ from tiny_models import write_tiny_pair
 from hetspec.daemon.worker_client import WorkerClient, WorkerError, WorkerStartError
 from hetspec.protocol import worker_messages as m
 
+pytestmark = pytest.mark.process
+
 ROOT = os.geteuid() == 0
 UMASK_000 = ["sh", "-c", 'umask 000 && exec "$@"', "sh"]
 VOCAB = 320

@@ -154,6 +154,7 @@ def test_a_folder_of_another_recipe_is_rebuilt(tmp_path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == [".heavy-100m.lock", "heavy-100m"]
 
 
+@pytest.mark.slow
 def test_k_quants_come_from_llama_cpps_quantizer_without_keeping_an_f16(tmp_path) -> None:
     """Most users' files are K-quants, which gguf-py cannot write: llama.cpp's quantizer makes
     them from an F16 export, a temporary one when no f16 was asked for."""
@@ -215,6 +216,7 @@ def test_an_unwritable_cache_dir_is_one_line_and_exit_1(tmp_path, capsys) -> Non
         assert err.count("\n") == 1
 
 
+@pytest.mark.process
 def test_the_module_runs_and_fails_without_a_traceback(tmp_path) -> None:
     run = subprocess.run(
         [sys.executable, "-m", "hetspec.models.heavy", "--params", "7q"],

@@ -118,6 +118,7 @@ def test_an_int8_verifier_keeps_its_tokens_bits_alone_and_in_trees(interpreted, 
         assert torch.equal(alone, logits[node]), node
 
 
+@pytest.mark.process  # torch.compile runs a compiler
 @pytest.mark.slow
 def test_a_compiled_int8_verifier_tracks_the_eager_one_and_keeps_its_bits(interpreted, tmp_path):
     """int8 weights through torch.compile: the same logits as eager int8 (the kernel is the
@@ -169,6 +170,7 @@ def test_int8_weights_are_refused_where_the_kernel_cannot_run(tmp_path, monkeypa
         TorchRuntime(folder, device="cpu", weights="int4")
 
 
+@pytest.mark.process  # triton runs ptxas
 @pytest.mark.parametrize("capability", sorted(GPUS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_int8_kernels_compile_for_each_gpu_within_its_shared_memory(capability, dtype):
@@ -202,6 +204,7 @@ def test_on_cuda_the_int8_kernel_tracks_its_widened_weight_and_rows_stay_indepen
         assert torch.equal(int8_linear(x[:rows], weight, scale), y[:rows]), rows
 
 
+@pytest.mark.process
 def test_a_daemon_with_an_int8_verifier_returns_its_target_alones_greedy_text(tmp_path):
     """Through the real daemon (its torch verifier in a GPU's fixed width, int8 weights, the
     kernels interpreted): speculative rounds return what the int8 target alone returns."""
@@ -274,6 +277,7 @@ def test_a_model_too_big_for_the_gpu_is_a_load_error_that_says_what_helps(tmp_pa
     )
 
 
+@pytest.mark.slow
 def test_bench_verify_times_an_int8_verifier_and_says_so(interpreted, tmp_path, capsys,
                                                          monkeypatch) -> None:  # fmt: skip
     from hetspec.workers.torch_runtime import bench_verify, static_forward  # noqa: PLC0415

@@ -116,6 +116,7 @@ def test_logits_match_transformers_on_the_exported_model(gguf, prompt) -> None:
     assert_close(ours, expected[1:], tolerance=1e-4)
 
 
+@pytest.mark.process
 def test_greedy_draft_of_64_equals_llama_cpps_own_generation(runtime, gguf, prompt) -> None:
     runtime.prefill(prompt)
     drafted = runtime.draft(64, SamplingParams(), DrawnSampler(0)).tokens[0].tolist()
@@ -419,6 +420,7 @@ def test_a_draft_continues_after_a_pending_one(runtime, gguf, prompt, engine) ->
     assert drafter.tokens == [*prompt, *whole]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("engine", ["llama.cpp", "torch"])
 def test_decoding_alone_commits_as_it_draws_and_equals_llama_cpps_generation(
     runtime, gguf, prompt, engine

@@ -167,6 +167,7 @@ def test_cached_binary_is_found_without_running_the_script(tmp_path, monkeypatch
     assert find_llama_server(build=True, script=tmp_path / "absent.sh") == binary
 
 
+@pytest.mark.process
 def test_failed_build_says_the_scripts_last_line(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("HETSPEC_CACHE_DIR", str(tmp_path))
     said = "build-llama-server: cmake is not installed"
@@ -179,6 +180,7 @@ def test_failed_build_says_the_scripts_last_line(tmp_path, monkeypatch) -> None:
     assert progress.read_text() == "Compiling.\n"
 
 
+@pytest.mark.process
 def test_successful_build_returns_the_path_it_printed_last(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("HETSPEC_CACHE_DIR", str(tmp_path))
     made = tmp_path / "made" / "llama-server"
@@ -192,6 +194,7 @@ def test_successful_build_returns_the_path_it_printed_last(tmp_path, monkeypatch
         find_llama_server(build=True, script=missing, progress=sink)
 
 
+@pytest.mark.process
 def test_build_script_fails_in_one_line_without_cmake(tmp_path) -> None:
     """The real script, on a PATH with only what it needs before looking for cmake."""
     tools = tmp_path / "bin"
@@ -211,6 +214,7 @@ def test_build_script_fails_in_one_line_without_cmake(tmp_path) -> None:
     assert len(unknown.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.process
 def test_server_that_dies_at_start_says_why_and_leaves_nothing(tmp_path) -> None:
     said = "error: invalid argument: -tbd"
     fake = executable(tmp_path / "llama-server", f'echo "loading..."; echo "{said}" >&2; exit 1\n')
@@ -223,6 +227,7 @@ def test_server_that_dies_at_start_says_why_and_leaves_nothing(tmp_path) -> None
     assert set(Path(tempfile.gettempdir()).glob("hetspec-llama-server-*")) == folders
 
 
+@pytest.mark.process
 def test_binary_that_cannot_run_is_one_clear_error(tmp_path) -> None:
     plain = tmp_path / "llama-server"
     plain.write_text("not a program")
@@ -244,6 +249,7 @@ class FakeServer:
         self.process.wait()
 
 
+@pytest.mark.process
 def test_server_pool_keeps_the_most_recently_used(monkeypatch) -> None:
     monkeypatch.setattr(peers, "LlamaServer", FakeServer)
     FakeServer.started = []
@@ -268,6 +274,7 @@ def test_server_pool_keeps_the_most_recently_used(monkeypatch) -> None:
     assert third.closed
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_peers_go_on_without_llama_server_and_say_why(tmp_path) -> None:
     """The peers' process with an unusable llama-server: the other peers, and the reason."""
@@ -287,6 +294,7 @@ def test_peers_go_on_without_llama_server_and_say_why(tmp_path) -> None:
     assert answer["decode_ms"] > 0
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_sampled_peers_skip_the_greedy_loop_and_draw_the_others(tmp_path) -> None:
     """At a temperature the greedy-only loop is skipped with its reason, and transformers'
@@ -337,6 +345,7 @@ def greedy_tokens(prompt: str, count: int) -> list[int]:
         runtime.close()
 
 
+@pytest.mark.process
 def test_target_alone_decodes_as_hetspecs_runtime_does(binary: Path) -> None:
     """Same model file, greedy: llama-server's tokens are the project's runtime's, so its speed
     is compared on the same work."""
@@ -351,6 +360,7 @@ def test_target_alone_decodes_as_hetspecs_runtime_does(binary: Path) -> None:
         assert server.generate(PROMPT, 32)["timings"]["cache_n"] == 0  # nothing reused
 
 
+@pytest.mark.process
 def test_speculative_server_is_lossless_and_stops_cleanly(binary: Path) -> None:
     with LlamaServer(binary, ServerConfig(TARGET, DRAFT, 3, threads=1)) as server:
         reply = server.generate(PROMPT, 32)
@@ -363,6 +373,7 @@ def test_speculative_server_is_lossless_and_stops_cleanly(binary: Path) -> None:
     assert not folder.exists()
 
 
+@pytest.mark.process
 def test_sampled_server_follows_its_seed(binary: Path) -> None:
     """At a temperature the server draws: the same seed the same tokens, another seed
     others, and neither is the greedy text."""
@@ -377,6 +388,7 @@ def test_sampled_server_follows_its_seed(binary: Path) -> None:
     assert timing.tokens == 32
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_peers_process_serves_llama_servers_systems(binary: Path) -> None:
     """The peers' process with the real server: alone, default and best-of-sweep systems."""

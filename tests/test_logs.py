@@ -13,6 +13,8 @@ import pytest
 
 from hetspec.logs import configure_logging
 
+pytestmark = pytest.mark.process  # a process with or without a terminal
+
 EMIT = (
     "import logging\n"
     "from hetspec.logs import configure_logging, get_logger\n"

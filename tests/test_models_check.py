@@ -10,7 +10,11 @@ import tomllib
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from hetspec.daemon.config import BUNDLED_MODELS
+
+pytestmark = pytest.mark.process  # the shell client, for most
 
 
 def check(*paths: Path | str) -> subprocess.CompletedProcess:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.process
+
 SOURCES = Path(__file__).resolve().parents[1] / "native" / "src"
 FLAGS = ["-O2", "-std=c11", "-fopenmp", "-ffp-contract=off", f"-I{SOURCES}",
          str(SOURCES / "hsnative.c"), str(SOURCES / "unpacked.c"), str(SOURCES / "selftest.c"),

@@ -209,6 +209,7 @@ def qwen2_layout(folder: Path, out: Path) -> Path:
     return export_gguf(out, out / "target-q8_0.gguf", "q8_0")
 
 
+@pytest.mark.process
 def test_the_daemon_serves_a_qwen2_target_on_the_native_kernels_losslessly(tmp_path) -> None:
     """The bundled target as a qwen2 file, the bundled draft as it is: every mode returns the
     target alone's greedy tokens, and the target alone is the native runtime's own decode."""
@@ -250,6 +251,7 @@ def test_the_daemon_serves_a_qwen2_target_on_the_native_kernels_losslessly(tmp_p
         daemon.stop()
 
 
+@pytest.mark.process
 def test_the_daemon_serves_a_gemma3_pair_on_the_native_kernels_losslessly(tmp_path) -> None:
     """A tiny Gemma 3 target and draft (sliding windows of 6 positions, so every request runs
     past them): every mode returns the target alone's greedy tokens."""

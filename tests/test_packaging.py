@@ -13,6 +13,8 @@ import pytest
 
 import hetspec
 
+pytestmark = pytest.mark.process
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SUBPACKAGES = ("protocol", "speculative", "workers", "daemon", "client", "models")

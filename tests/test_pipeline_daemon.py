@@ -21,6 +21,8 @@ from test_lossless import BundledDaemon
 from hetspec.client.bench import prompt_set
 from hetspec.daemon.config import BUNDLED_MODELS
 
+pytestmark = pytest.mark.process  # a daemon with stage processes, for most
+
 TOKENS = 24
 
 

@@ -86,6 +86,7 @@ def test_small_arrays_travel_as_their_own_frames() -> None:
         frame_array(ArrayRef("<f4", (3,), frame=2), sent)
 
 
+@pytest.mark.process
 def test_the_arena_is_private_shared_with_another_process_and_unlinked(tmp_path) -> None:
     path = tmp_path / "hetspec-test-arena"
     with Arena.create(path, slots=3, slot_bytes=1000) as arena:
@@ -163,6 +164,7 @@ def test_a_mailbox_delivers_every_message_in_order_across_its_wrap() -> None:
         consumer.close()
 
 
+@pytest.mark.process
 @needs_mailboxes
 def test_a_mailbox_reaches_another_process_and_rings_its_bell(tmp_path) -> None:
     """A child that inherited the descriptors sleeps on the bell, reads what was posted and

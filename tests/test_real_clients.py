@@ -19,6 +19,8 @@ from hetspec import __version__
 from hetspec.daemon.config import BUNDLED_MODELS
 from hetspec.workers.torch_runtime import TorchRuntime
 
+pytestmark = pytest.mark.process
+
 TOKEN = "test-token-real-clients-0123"
 PROMPT = "def read_lines(path):\n"
 QUESTION = [{"role": "user", "content": "Write a function that adds two numbers."}]

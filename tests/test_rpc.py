@@ -72,6 +72,7 @@ def greedy(runtime: LlamaCppRuntime, tokens: int) -> tuple[np.ndarray, list[int]
     return logits, runtime.draft(tokens, SamplingParams(), DrawnSampler(0)).tokens[0].tolist()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("layers", [2, -1])
 def test_layers_on_an_rpc_server_compute_what_this_box_computes(rpc_server, layers) -> None:
     """Some layers (or all and the output layer) on the server: the same llama.cpp CPU
@@ -101,6 +102,7 @@ def test_a_malformed_rpc_endpoint_is_refused_before_llama_cpp_sees_it(endpoint) 
         LlamaCppRuntime(TARGET, n_ctx=256, threads=1, gpu_layers=-1, rpc_servers=(endpoint,))
 
 
+@pytest.mark.process
 def test_the_server_refuses_an_open_address_unless_told_and_then_warns() -> None:
     refused = subprocess.run(
         [sys.executable, "-m", "hetspec.workers.rpc_server", "--host", "0.0.0.0"],
@@ -196,6 +198,7 @@ def test_a_delaying_link_delivers_every_chunk_in_order_after_its_delay(event_loo
         echo.close()
 
 
+@pytest.mark.process
 def test_two_rpc_servers_behind_slow_links_compute_the_same(tmp_path, event_loop_thread):
     """llama.cpp splits every layer over two servers, each behind a 5 ms link: the same greedy
     text as this box alone, each token paying the links."""

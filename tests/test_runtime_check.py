@@ -48,6 +48,7 @@ def test_host_features_come_from_cpuinfo_flags() -> None:
     assert host_cpu_features("", "x86_64") == set()
 
 
+@pytest.mark.process
 def test_this_box_runs_both_runtimes_and_llama_cpp_uses_every_simd_extension() -> None:
     reports = check_runtimes()
     llama, torch_report = reports["llama.cpp"], reports["torch"]
@@ -67,6 +68,7 @@ def test_torch_probe_sees_the_cuda_device() -> None:
     assert report.devices
 
 
+@pytest.mark.process
 def test_hetspecd_check_prints_both_runtimes_and_the_gpu_workers_choice(tmp_path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HETSPEC_")}
     env["HETSPEC_CACHE_DIR"] = str(tmp_path)
@@ -91,6 +93,7 @@ def test_hetspecd_check_prints_both_runtimes_and_the_gpu_workers_choice(tmp_path
     assert document["gpu_runtime"]["runtime"] in choice[0]
 
 
+@pytest.mark.process
 def test_hetspecd_check_refuses_a_bad_configuration() -> None:
     result = subprocess.run([BIN / "hetspecd", "--check", "--set", 'gpu_runtime="cuda"'],
                             capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
@@ -99,6 +102,7 @@ def test_hetspecd_check_refuses_a_bad_configuration() -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.process
 def test_a_hung_probe_becomes_a_failure_report() -> None:
     sleeper = subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(60)"], stdout=subprocess.PIPE,
@@ -109,6 +113,7 @@ def test_a_hung_probe_becomes_a_failure_report() -> None:
     assert sleeper.poll() is not None, "the hung probe must be killed"
 
 
+@pytest.mark.process
 def test_a_crashing_or_garbled_probe_becomes_a_failure_report() -> None:
     crash = subprocess.Popen(
         [sys.executable, "-c", "raise SystemExit('libfoo.so: cannot open shared object')"],
@@ -128,6 +133,7 @@ def test_a_crashing_or_garbled_probe_becomes_a_failure_report() -> None:
     assert describe(report) == [f"ERROR torch: {report.message}"]
 
 
+@pytest.mark.process
 def test_probe_rejects_an_unknown_runtime() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "hetspec.workers.probe", "tensorflow"],

@@ -68,6 +68,7 @@ def profile(*argv: str) -> subprocess.CompletedProcess:
                           capture_output=True, timeout=180, check=False)  # fmt: skip
 
 
+@pytest.mark.process
 def test_a_profile_times_each_width_in_a_process_of_its_own() -> None:
     result = profile("llama.cpp", str(TARGET_GGUF), "--widths", "1,4", "--repeats", "3")
     assert result.returncode == 0, result.stderr
@@ -78,6 +79,7 @@ def test_a_profile_times_each_width_in_a_process_of_its_own() -> None:
     assert report.prefix == 128
 
 
+@pytest.mark.process
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
 def test_a_verifier_that_borrows_the_drafter_s_cores_is_profiled_on_them() -> None:
     """Plain rounds verify, and the target decodes alone, on the drafter's cores too: the
@@ -96,6 +98,7 @@ def test_a_verifier_that_borrows_the_drafter_s_cores_is_profiled_on_them() -> No
     assert profile_key(verifier, [1, 8]) != profile_key(alone, [1, 8])
 
 
+@pytest.mark.process
 def test_a_model_that_cannot_load_is_a_failure_report_not_a_traceback(tmp_path) -> None:
     result = profile("torch", str(tmp_path / "nowhere"))
     assert result.returncode == 0
@@ -111,6 +114,7 @@ def test_the_cache_dir_follows_the_environment() -> None:
     assert cache_dir(None, {"HOME": "/home/z"}).name == "hetspec"
 
 
+@pytest.mark.process
 def test_auto_measures_every_runtime_chooses_the_fastest_and_reuses_the_figures(tmp_path) -> None:
     config = load_config(environ={"HETSPEC_GPU_WORKER__DEVICE": "cpu"})
     assert config.gpu_runtime == "auto"  # the default
@@ -139,6 +143,7 @@ def test_auto_measures_every_runtime_chooses_the_fastest_and_reuses_the_figures(
     assert again.runtime == decision.runtime
 
 
+@pytest.mark.process
 def test_a_runtime_that_cannot_hold_the_model_is_skipped_with_its_reason(tmp_path) -> None:
     """A target given as GGUF only (its folder holds no torch model): a GGUF runtime is chosen."""
     folder = tmp_path / "gguf-only"
@@ -162,6 +167,7 @@ def test_a_cuda_verifier_is_profiled_on_both_sides_of_each_forward_it_adds() -> 
     assert max(CUDA_VERIFY_WIDTHS) == max(VERIFY_WIDTHS) == 64
 
 
+@pytest.mark.process
 def test_where_cuda_verifies_cpu_only_runtimes_are_not_timed(tmp_path) -> None:
     """On a GPU box the GPU worker owns one core: timing the target there on CPU kernels
     took minutes for a 1B target. Here (no CUDA) torch on "cuda" then fails too, and the
@@ -192,6 +198,7 @@ def test_a_configured_runtime_is_used_without_measuring(tmp_path) -> None:
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.process
 def test_the_daemon_says_what_it_chose_and_why(tmp_path) -> None:
     (tmp_path / "daemon").mkdir()
     daemon = BundledDaemon(tmp_path / "daemon", "draft-cpu", "--set", 'gpu_runtime="auto"',
@@ -256,6 +263,7 @@ def test_the_fastest_drafter_is_the_cheapest_token_at_its_fewest_fast_threads() 
         fastest_drafter({"llama.cpp": {}})
 
 
+@pytest.mark.process
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
 def test_the_drafter_s_runtime_and_threads_are_measured_and_given_to_its_worker(tmp_path) -> None:
     cores = sorted(os.sched_getaffinity(0))[:2]

@@ -60,6 +60,7 @@ def test_the_folder_and_llama_cpp_describe_one_vocabulary(request, model) -> Non
         assert pieces == prefix + text.encode()
 
 
+@pytest.mark.process
 def test_the_daemon_pairs_a_torch_gemma_target_with_a_gguf_draft(tmp_path, gemma) -> None:
     """Torch verifies the folder, llama.cpp drafts from a GGUF of the same vocabulary: the
     daemon starts, speculation returns the target alone's tokens, and the text is the

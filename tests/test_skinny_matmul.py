@@ -101,6 +101,7 @@ def test_a_fixed_width_verifier_through_the_kernel_keeps_the_logits(interpreted,
     assert torch.equal(alone, logits[0])
 
 
+@pytest.mark.process  # torch.compile runs a compiler
 @pytest.mark.slow
 def test_compiled_the_kernel_stays_one_op_a_layer(interpreted, tmp_path, monkeypatch) -> None:
     """torch.compile with matmul "triton": every linear layer of a compiled forward is still
@@ -212,6 +213,7 @@ def gpu_launches(n: int, k: int, dtype: torch.dtype, capability: int,
     return launches(x, weight, None, tiling, shared=GPUS[capability])[1]
 
 
+@pytest.mark.process  # triton runs ptxas
 @pytest.mark.parametrize("capability", sorted(GPUS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_the_kernels_compile_for_each_gpu_within_its_shared_memory(capability, dtype) -> None:
@@ -231,6 +233,7 @@ def test_the_kernels_compile_for_each_gpu_within_its_shared_memory(capability, d
     assert float32 == (2 if GPUS[capability] < 128 * 1024 else 4)
 
 
+@pytest.mark.process  # triton runs ptxas
 def test_every_tiling_the_bench_times_compiles_for_an_h100() -> None:
     """bench_matmul times these on the GPU session's H100: none may fail there to compile."""
     n, k = HEAVY_1B[2][1:3]  # gate/up: the widest shape

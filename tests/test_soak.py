@@ -22,6 +22,8 @@ import zmq
 from test_daemon import CONTEXT, Daemon, UnixHTTPConnection, native, request
 from tiny_models import write_tiny_pair
 
+pytestmark = pytest.mark.process
+
 REQUESTS = 400
 CLIENTS = 4
 ANSWER_WITHIN_S = 30  # a request not answered within this counts as a hang

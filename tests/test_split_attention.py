@@ -136,6 +136,7 @@ def in_the_interpreter(check: str) -> None:
     assert f"{check}: passed" in done.stdout
 
 
+@pytest.mark.process
 def test_the_kernel_computes_it_alike_and_each_row_alone() -> None:
     """The Triton kernel and the torch arithmetic against float64 (GQA groups of 2, 3, 4
     and 8 heads, head sizes that are no power of two, soft caps, windows shorter than a
@@ -144,6 +145,7 @@ def test_the_kernel_computes_it_alike_and_each_row_alone() -> None:
     in_the_interpreter("kernel")
 
 
+@pytest.mark.process
 def test_a_verifier_through_the_kernel_gives_the_same_bits_alone_and_in_trees() -> None:
     """A fixed-width runtime picks the kernel where Triton runs (here its interpreter): its
     logits track the gathered verifier's, and a token's are bit-identical alone, in a chain
@@ -151,6 +153,7 @@ def test_a_verifier_through_the_kernel_gives_the_same_bits_alone_and_in_trees() 
     in_the_interpreter("runtime")
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_compiled_the_kernel_stays_one_op_a_layer_and_keeps_the_bits() -> None:
     """torch.compile around the kernel (a custom op inductor fuses around): the same checks

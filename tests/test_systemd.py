@@ -70,6 +70,7 @@ def analyze(*args: str) -> subprocess.CompletedProcess[str]:
                           timeout=60, check=False)  # fmt: skip
 
 
+@pytest.mark.process
 @needs_analyze
 def test_units_verify_without_a_word(units) -> None:
     result = analyze("verify", str(units / "hetspecd.service"), str(units / "hetspecd.socket"),
@@ -78,6 +79,7 @@ def test_units_verify_without_a_word(units) -> None:
     assert (result.returncode, result.stderr) == (0, "")
 
 
+@pytest.mark.process
 @needs_analyze
 def test_verify_does_complain_here(units) -> None:
     """The check above means something: verify does report a bad unit in this environment."""
@@ -86,6 +88,7 @@ def test_verify_does_complain_here(units) -> None:
     assert "NoSuchSetting" in analyze("verify", str(broken)).stderr
 
 
+@pytest.mark.process
 @needs_analyze
 @pytest.mark.parametrize(
     "unit", ["hetspecd.service", "hetspec-rpc-server.service", "hetspec-stage.service"]
@@ -117,6 +120,7 @@ def test_units_agree_with_the_daemon_defaults() -> None:
     assert socket_unit["Service"] == ["hetspecd.service"]
 
 
+@pytest.mark.process
 @pytest.mark.skipif(shutil.which("systemd-sysusers") is None
                     or shutil.which("systemd-tmpfiles") is None,
                     reason="systemd-sysusers or systemd-tmpfiles is not installed")  # fmt: skip
@@ -293,6 +297,7 @@ with connection:
 """
 
 
+@pytest.mark.process
 def test_activated_socket_serves_in_a_child(tmp_path) -> None:
     path = tmp_path / "activated.sock"
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:

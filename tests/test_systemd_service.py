@@ -15,6 +15,8 @@ import pytest
 from test_daemon import CONTEXT, Daemon, native, request
 from tiny_models import write_tiny_gguf_llama
 
+pytestmark = pytest.mark.process
+
 WATCHDOG_USEC = 400_000  # pings every 0.2 s
 
 

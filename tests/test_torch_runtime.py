@@ -279,6 +279,7 @@ def test_folder_problems_are_clear_errors(tmp_path, checkpoint) -> None:
         TorchRuntime(folder, device="cpu")
 
 
+@pytest.mark.process  # torch.compile runs a compiler
 @pytest.mark.slow
 def test_compiled_model_gives_the_eager_logits(tmp_path) -> None:
     folder = save_reference(build_reference("qwen3"), tmp_path / "m")
@@ -290,6 +291,7 @@ def test_compiled_model_gives_the_eager_logits(tmp_path) -> None:
     assert_close(compiled.forward_tree(*tree).logits, eager.forward_tree(*tree).logits)
 
 
+@pytest.mark.process  # torch.compile runs a compiler
 @pytest.mark.slow
 def test_a_compiled_verifier_compiles_a_forward_once_for_every_span(tmp_path, monkeypatch):
     """The span reaches a compiled forward as a dynamic dimension: a chain walking through
@@ -312,6 +314,7 @@ def test_a_compiled_verifier_compiles_a_forward_once_for_every_span(tmp_path, mo
     assert counters["stats"]["unique_graphs"] - before <= 3 + 1  # and the prompt's, eager shapes
 
 
+@pytest.mark.process  # torch.compile runs a compiler
 @pytest.mark.slow
 @pytest.mark.parametrize("attention", ["gathered", "split"])
 def test_compiled_fixed_shapes_track_eager_and_stay_width_invariant(tmp_path, attention) -> None:

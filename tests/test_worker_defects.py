@@ -27,6 +27,8 @@ from hetspec.protocol import ArrayRef, Codec
 from hetspec.protocol import worker_messages as m
 from hetspec.workers.process import CommandReader
 
+pytestmark = pytest.mark.process  # worker processes, for all but one
+
 
 async def settle(calls: list[asyncio.Future]) -> None:
     """Retrieve the outcome of calls a test abandoned (their worker is gone)."""

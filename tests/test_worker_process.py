@@ -30,6 +30,8 @@ from hetspec.speculative.samplers import KeyedSampler
 from hetspec.speculative.sampling import distribution
 from hetspec.speculative.verify import verify_sampled
 
+pytestmark = pytest.mark.process
+
 LOAD_TIMEOUT = 120
 VOCAB = TINY_VOCAB
 
