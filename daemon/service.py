@@ -82,6 +82,22 @@ MAX_BODY_BYTES = 4 << 20
 RELOAD_EXIT_STATUS = 75
 
 
+def mode_controllers(config: DaemonConfig, *, chains_only: bool = False) -> dict:
+    """Each speculative mode's controller. ``chains_only``: no branches, no trees (a verifier
+    whose logits depend on where its KV cache put earlier tokens)."""
+    width = config.max_tree_nodes - 1
+    # dynamic trees replace branches (and DuoDecoding's rule) in plain rounds
+    tree = {"tree_k": config.draft_tree, "max_branches": 1} if config.draft_tree else {}
+    if chains_only:
+        tree = {"max_branches": 1}
+    return {
+        "sequential": BudgetController(ControllerConfig.of(overlap=False, max_width=width, **tree)),
+        # parallel mode's gamma is fixed: its controller only measures, for the statistics
+        "parallel": BudgetController(ControllerConfig.of(max_width=width, max_branches=1)),
+        "adaptive": BudgetController(ControllerConfig.of(max_width=width, **tree)),
+    }
+
+
 class Service:
     def __init__(self, config: DaemonConfig, log_format: str) -> None:
         self.config = config
@@ -108,17 +124,8 @@ class Service:
         self._facts: dict[str, ModelFacts] = {}  # by path, read when first asked
         self.model_name = config.model_name or _model_name(config.target)
         # one controller for the daemon's life: costs measured in one request still hold
-        width = config.max_tree_nodes - 1
-        # (parallel mode's gamma is fixed: its controller only measures, for the statistics)
-        # dynamic trees replace branches (and DuoDecoding's rule) in plain rounds
-        tree = {"tree_k": config.draft_tree, "max_branches": 1} if config.draft_tree else {}
-        self.controllers = {
-            "sequential": BudgetController(
-                ControllerConfig.of(overlap=False, max_width=width, **tree)
-            ),
-            "parallel": BudgetController(ControllerConfig.of(max_width=width, max_branches=1)),
-            "adaptive": BudgetController(ControllerConfig.of(max_width=width, **tree)),
-        }
+        self.controllers = mode_controllers(config)
+        self.chains_only = False  # the verifier verifies chains only (set at load)
         # whether the target decoding alone computes on the drafter's cores too: measured
         # for the daemon's life, by every mode
         self.spare_cores = SpareCoreChoice()
@@ -200,6 +207,14 @@ class Service:
         # timed) verifies beside a drafting drafter on its own cores only.
         costs = decision.verifier_costs_s()
         verifier = specs[roles(self.config.placement).verifier]
+        # llama.cpp sums a token's attention over its KV cells in their order; a branch left
+        # behind leaves cells that later tokens fill out of order, and their logits then
+        # differ from the target's own one token at a time (by up to 1.2 on SmolLM2): a
+        # chain's rejected tail is refilled in order, so llama.cpp verifies chains
+        chains_only = verifier.runtime == "llama.cpp"
+        if chains_only != self.chains_only:
+            self.controllers = mode_controllers(self.config, chains_only=chains_only)
+            self.chains_only = chains_only
         own = len(set(verifier.cores)) or 1
         overlap_factor = (own + len(verifier.spare_cores)) / own  # spare: none of its own
         for controller in self.controllers.values():
@@ -527,6 +542,8 @@ class Service:
             if gamma:
                 overlap = mode != "sequential"
                 branches = body.branches or (controller.limits.max_branches if body.dynamic else 1)
+                if self.chains_only:  # see _load: one branch keeps the target's own output
+                    branches = 1
                 fixed = Plan(gamma, 1 if overlap else branches, overlap, body.dynamic)
 
             def pieces(verifier: WorkerClient, drafter: WorkerClient) -> AsyncIterator[str]:

