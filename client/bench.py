@@ -295,7 +295,8 @@ def daemon(placement: str, socket: str | None, log_dir: Path, target: BenchTarge
             hetspecd.wait_ready(900)  # a first start measures the runtimes: minutes
         except HetspecError as error:
             raise HetspecError(f"hetspecd did not start on {name}: {error}") from None
-        yield hetspecd.client
+        with Client(f"unix://{hetspecd.socket}") as client:
+            yield client
     finally:
         hetspecd.stop()
 

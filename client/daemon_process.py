@@ -39,7 +39,6 @@ class DaemonProcess:
             self.process = subprocess.Popen(
                 argv, stdout=out, stderr=out, env=env, pass_fds=tuple(pass_fds)
             )
-        self.client = Client(f"unix://{self.socket}")
 
     def log_end(self, chars: int = 2000) -> str:
         return self.log.read_text(errors="replace")[-chars:]
@@ -50,29 +49,30 @@ class DaemonProcess:
         runtimes at its first start takes minutes)."""
         deadline = time.monotonic() + timeout_s
         last = "no answer yet"
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                last = f"it exited with {self.process.returncode}"
-                break
-            try:
-                health = self.client.health()
-            except DaemonUnreachable:
-                pass  # not listening yet
-            else:
-                if health["status"] == "ready":
-                    return health
-                last = f"status {health['status']}"
-                if health["status"] != "loading":  # draining: it will never be ready
+        # socket: where clients connect (reassigned where systemd passed one)
+        with Client(f"unix://{self.socket}") as client:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    last = f"it exited with {self.process.returncode}"
                     break
-            time.sleep(0.1)
-        else:
-            last += f" after {timeout_s:g} s"
+                try:
+                    health = client.health()
+                except DaemonUnreachable:
+                    pass  # not listening yet
+                else:
+                    if health["status"] == "ready":
+                        return health
+                    last = f"status {health['status']}"
+                    if health["status"] != "loading":  # draining: it will never be ready
+                        break
+                time.sleep(0.1)
+            else:
+                last += f" after {timeout_s:g} s"
         raise HetspecError(f"hetspecd did not become ready ({last}); its log ends:\n"
                            f"{self.log_end()}")  # fmt: skip
 
     def stop(self, timeout_s: float = 60) -> int:
         """SIGTERM (it drains), then its exit status."""
-        self.client.close()
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         return self.process.wait(timeout=timeout_s)
