@@ -35,24 +35,31 @@ def gguf(request) -> str:
         pytest.skip(f"SmolLM2 cannot be had here: {error}")
 
 
-def test_this_llama_cpp_is_built_without_llamafiles_sgemm() -> None:
-    assert batch_invariant(), "llama.cpp has LLAMAFILE = 1: run make setup to rebuild it"
-
-
-@pytest.mark.parametrize("width", [2, 5, 9])
-def test_a_chain_verified_in_one_forward_has_the_logits_of_one_token_at_a_time(gguf, width):
-    # the verifier's settings (flash attention off, an f16 K and an f32 V cache)
+def greedy_alone(gguf: str, count: int):
+    """A llama.cpp runtime with the verifier's settings (flash attention off, an f16 K and an
+    f32 V cache), ``count`` greedy tokens after the chat prompt decoded one token a forward,
+    and the logits before each (and after the last); the runtime is left at the prompt."""
     runtime = LlamaCppRuntime(gguf, n_ctx=512, n_batch=512, kv_type="f16", v_type="f32",
                               flash_attention="off")  # fmt: skip
     prompt = runtime.tokenize(CHAT)
     runtime.prefill(prompt)
     alone = [runtime.last_logits().copy()]
     tokens: list[int] = []
-    for _ in range(3 * width):  # greedy, one token a forward
+    for _ in range(count):
         tokens.append(int(alone[-1].argmax()))
         runtime.append([tokens[-1]])
         alone.append(runtime.last_logits().copy())
     runtime.prefill(prompt)
+    return runtime, tokens, alone
+
+
+def test_this_llama_cpp_is_built_without_llamafiles_sgemm() -> None:
+    assert batch_invariant(), "llama.cpp has LLAMAFILE = 1: run make setup to rebuild it"
+
+
+@pytest.mark.parametrize("width", [2, 5, 9])
+def test_a_chain_verified_in_one_forward_has_the_logits_of_one_token_at_a_time(gguf, width):
+    runtime, tokens, alone = greedy_alone(gguf, 3 * width)
     for start in range(0, len(tokens), width):
         chain = tokens[start : start + width]
         rows = runtime.evaluate_tree(chain, list(range(-1, len(chain) - 1)))
@@ -65,17 +72,7 @@ def test_a_chain_whose_tail_was_refused_keeps_the_logits_of_one_token_at_a_time(
     """A refused tail's KV cells are the last ones; the next tokens refill them in order.
     (A refused branch's cells are not: later tokens fill them out of order, and llama.cpp sums
     attention over cells in their order, so the daemon has llama.cpp verify chains only.)"""
-    runtime = LlamaCppRuntime(gguf, n_ctx=512, n_batch=512, kv_type="f16", v_type="f32",
-                              flash_attention="off")  # fmt: skip
-    prompt = runtime.tokenize(CHAT)
-    runtime.prefill(prompt)
-    alone = [runtime.last_logits().copy()]
-    tokens: list[int] = []
-    for _ in range(24):
-        tokens.append(int(alone[-1].argmax()))
-        runtime.append([tokens[-1]])
-        alone.append(runtime.last_logits().copy())
-    runtime.prefill(prompt)
+    runtime, tokens, alone = greedy_alone(gguf, 24)
     for start in range(0, len(tokens), 2):  # two right, two wrong; the two right kept
         chain = [*tokens[start : start + 2], 7, 8]
         rows = runtime.evaluate_tree(chain, [-1, 0, 1, 2])
