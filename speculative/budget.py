@@ -88,6 +88,8 @@ class BudgetController:
         """Learn from the round of the plan committed last."""
         plan = self.history[-1] if self.history else None
         if report.gamma and plan is not None and plan.gamma and plan.round_s > 0:
+            # the first drafted round after the target alone catches the drafter up on what
+            # it decoded: the price of switching, not of drafting
             after_alone = len(self.history) > 1 and self.history[-2].gamma == 0
             if not after_alone:
                 self.estimates.observe_delivery(report, plan.tokens_per_s)

@@ -410,9 +410,8 @@ class Estimates:
         return self._alone_compute.value
 
     def observe_delivery(self, report: RoundReport, predicted_rate: float) -> None:
-        """A drafted round measured whole (``report.period_s``), against the rate its plan
-        was predicted to deliver. The first drafted round after the target alone catches the
-        drafter up on what it decoded: the price of switching, not of drafting."""
+        """A drafted round measured whole (``report.period_s``, less any wait for the
+        drafter's prefill), against the rate its plan was predicted to deliver."""
         if report.period_s <= 0 or predicted_rate <= 0:
             return
         waited = sum(call.prefill_wait_s for call in report.drafts)
