@@ -10,7 +10,7 @@ import sys
 
 from hetspec import __version__
 from hetspec.arguments import finite_float
-from hetspec.client import bench as bench_module
+from hetspec.bench import compare as bench_module
 from hetspec.client.clients import Client
 from hetspec.client.types import DEFAULT_SOCKET, Completion, HetspecError, QueueFull
 from hetspec.protocol.modes import MODES
@@ -251,7 +251,7 @@ def _failed(args: argparse.Namespace, message: str) -> int:
 
 def _without_a_client(args: argparse.Namespace, argv: list[str] | None, host: str | None) -> int:
     if args.command == "models":  # the daemon's own check, in a process of its own
-        check = [sys.executable, "-m", "hetspec.daemon.model_check", *args.arguments]
+        check = [sys.executable, "-m", "hetspec.daemon.load.model_check", *args.arguments]
         return subprocess.run(check, check=False).returncode
     args.argv = sys.argv[2:] if argv is None else argv[1:]
     if args.running and args.settings:

@@ -20,16 +20,16 @@ from hetspec.daemon.config import (
     model_paths_of,
     parse_value,
 )
-from hetspec.daemon.cores import CoreError
-from hetspec.daemon.runtime_check import check_runtimes, describe
-from hetspec.daemon.runtime_choice import (
+from hetspec.daemon.load.runtime_check import check_runtimes, describe
+from hetspec.daemon.load.runtime_trials import (
     RuntimeChoiceError,
     cache_dir,
     decide_drafter,
     decide_gpu_runtime,
 )
 from hetspec.daemon.service import Service
-from hetspec.daemon.supervisor import StartupError
+from hetspec.daemon.supervision.cores import CoreError
+from hetspec.daemon.supervision.supervisor import StartupError
 from hetspec.logs import LOG_LEVELS, configure_logging, get_logger
 from hetspec.protocol import ProbeFailure
 

@@ -134,7 +134,7 @@ class PipelineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     both are empty. Requests decode through it in every speculative mode."""
 
     # layer ranges this daemon runs as stage processes, in order: ["0:2.5"] (halves split a
-    # layer after its attention, speculative/layer_split.py)
+    # layer after its attention, speculative/flow/layer_split.py)
     local: list[str] = msgspec.field(default_factory=list)
     stages: list[PipelineStage] = msgspec.field(default_factory=list)
     # the coordinator's secret key (NAME.key_secret, mode 0600; its NAME.key beside it goes to
@@ -196,11 +196,11 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # EAGLE-2's dynamic draft trees in plain rounds of greedy and seeded requests (modes
     # sequential and adaptive): each layer expands this many of the likeliest nodes, and the
     # likeliest drafted nodes are verified, as many as the measured costs make pay
-    # (speculative/dynamic_tree.py). 0: chains and DuoDecoding's branches.
+    # (speculative/drafting/dynamic_tree.py). 0: chains and DuoDecoding's branches.
     draft_tree: int = 0
     # Where both workers compute on the CPU (no CUDA), the verifier computes on the drafter's
     # cores too whenever the drafter has nothing to do: the target decoding alone, a plain
-    # round's verification (see workers/spare_cores.py). False keeps each on its own cores.
+    # round's verification (see workers/runtimes/spare_cores.py). False keeps each on its own cores.
     lend_cores: bool = True
     # Where both workers compute on the CPU, the daemon keeps off the drafter's cores: its
     # work between calls overlaps the draft, and on the drafter's core it delays it (see
@@ -264,7 +264,7 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # A file where every speculative round is appended as a JSON line (its plan, what the
     # controller expected, what it drafted, accepted and cost), for diagnosing the controller
     # on a real box (the two workers' rounds, not a pipeline's); `python -m
-    # hetspec.daemon.round_log FILE` summarizes it. None: off.
+    # hetspec.daemon.decode.round_log FILE` summarizes it. None: off.
     round_log: str | None = None
     restart_backoff_s: tuple[float, float] = (0.5, 30.0)  # first and largest delay
     # How long a request waits for a restarting worker before it is answered 503: a killed

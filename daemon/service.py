@@ -27,27 +27,24 @@ import structlog
 from aiohttp import web
 
 from hetspec import __version__
-from hetspec.daemon.admission import Admission, QueueFull
-from hetspec.daemon.api_errors import ApiError, json_errors
-from hetspec.daemon.api_native import native_routes
-from hetspec.daemon.api_ollama import OllamaApi
-from hetspec.daemon.api_openai import openai_routes
-from hetspec.daemon.autoregressive import generate
-from hetspec.daemon.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from hetspec.daemon.api.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from hetspec.daemon.api.errors import ApiError, json_errors
+from hetspec.daemon.api.guard import GuardedRunner
+from hetspec.daemon.api.ollama import OllamaApi
+from hetspec.daemon.api.openai import openai_routes
+from hetspec.daemon.api.runs import Run
+from hetspec.daemon.api.status import native_routes
 from hetspec.daemon.config import BUNDLED_MODELS, DaemonConfig, ModelPaths
-from hetspec.daemon.cores import CoreError, cuda_present, daemon_cores, owned_cores
-from hetspec.daemon.engine import Decoder, WorkerPair
-from hetspec.daemon.head_choice import HeadChoiceError
-from hetspec.daemon.http_guard import GuardedRunner
+from hetspec.daemon.decode.admission import Admission, QueueFull
+from hetspec.daemon.decode.autoregressive import generate
+from hetspec.daemon.decode.engine import Decoder, WorkerPair
+from hetspec.daemon.decode.requests import GenerateRequest, GenerationResult, check_messages_fit
+from hetspec.daemon.decode.round_log import RoundLog
+from hetspec.daemon.decode.round_stats import SpeculativeStats
 from hetspec.daemon.instance import Instance, InstanceError
-from hetspec.daemon.metrics import Metrics
-from hetspec.daemon.model_facts import ModelFacts, read_model_facts
-from hetspec.daemon.pipeline_backend import PipelineBackend, PipelineStartError
-from hetspec.daemon.requests import GenerateRequest, GenerationResult, check_messages_fit
-from hetspec.daemon.round_log import RoundLog
-from hetspec.daemon.round_stats import SpeculativeStats
-from hetspec.daemon.runs import Run
-from hetspec.daemon.runtime_choice import (
+from hetspec.daemon.load.head_choice import HeadChoiceError
+from hetspec.daemon.load.model_facts import ModelFacts, read_model_facts
+from hetspec.daemon.load.runtime_trials import (
     DrafterChoice,
     RuntimeChoiceError,
     RuntimeDecision,
@@ -55,8 +52,11 @@ from hetspec.daemon.runtime_choice import (
     decide_drafter,
     decide_gpu_runtime,
 )
-from hetspec.daemon.slots import SlotPool
-from hetspec.daemon.supervisor import (
+from hetspec.daemon.metrics import Metrics
+from hetspec.daemon.pipeline.backend import PipelineBackend, PipelineStartError
+from hetspec.daemon.supervision.cores import CoreError, cuda_present, daemon_cores, owned_cores
+from hetspec.daemon.supervision.slots import SlotPool
+from hetspec.daemon.supervision.supervisor import (
     StartupError,
     Supervisor,
     WorkerUnavailable,
@@ -65,12 +65,12 @@ from hetspec.daemon.supervisor import (
     roles,
     worker_specs,
 )
+from hetspec.daemon.supervision.worker_client import WorkerClient, WorkerDied, WorkerSpec
 from hetspec.daemon.systemd import Notifier, activated_sockets, watchdog_loop
-from hetspec.daemon.worker_client import WorkerClient, WorkerDied, WorkerSpec
 from hetspec.protocol.arena import Arena, ArenaError
-from hetspec.speculative.budget import BudgetController, ControllerConfig
-from hetspec.speculative.core_choice import SpareCoreChoice
-from hetspec.speculative.rounds import Plan
+from hetspec.speculative.control.budget import BudgetController, ControllerConfig
+from hetspec.speculative.control.core_choice import SpareCoreChoice
+from hetspec.speculative.control.rounds import Plan
 
 log = structlog.get_logger("hetspec.daemon")
 

@@ -36,8 +36,8 @@ from tokenizers import Tokenizer
 
 from hetspec.models.corpus import prompt_set
 from hetspec.models.train_head import Teacher, shifted
-from hetspec.workers.torch_runtime.draft_head import load_head, load_target_pieces
-from hetspec.workers.torch_runtime.model import rope_tables
+from hetspec.workers.runtimes.torch_runtime.draft_head import load_head, load_target_pieces
+from hetspec.workers.runtimes.torch_runtime.model import rope_tables
 
 MODELS = Path(__file__).parent
 CPU = torch.device("cpu")
@@ -53,7 +53,7 @@ def greedy_continuation(target: Teacher, prompt: list[int], count: int) -> torch
 
 def gguf_continuation(path: Path, prompt: list[int], count: int) -> tuple[torch.Tensor, ...]:
     """The target's greedy continuation in llama.cpp, and the features of every position."""
-    from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
+    from hetspec.workers.runtimes.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
 
     # the daemon's verifier settings: no flash attention, an f32 V cache
     runtime = LlamaCppRuntime(

@@ -26,8 +26,8 @@ from tokenizers import Tokenizer
 
 from hetspec.models.corpus import stdlib_sources
 from hetspec.models.train_head import Teacher
-from hetspec.workers.torch_runtime.int8_weights import use_int8_weights
-from hetspec.workers.torch_runtime.skinny_matmul import MAX_ROWS
+from hetspec.workers.runtimes.torch_runtime.int8_weights import use_int8_weights
+from hetspec.workers.runtimes.torch_runtime.skinny_matmul import MAX_ROWS
 
 MODELS = Path(__file__).parent
 

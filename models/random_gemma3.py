@@ -2,8 +2,8 @@
 time the native kernels against llama.cpp on Gemma's real widths (no Gemma weights ship here).
 
     python -m hetspec.models.random_gemma3 270m /tmp/gemma3-270m --type q8_0
-    python -m hetspec.workers.profile native /tmp/gemma3-270m/model-q8_0.gguf --widths 1,4,8,16
-    python -m hetspec.workers.profile llama.cpp /tmp/gemma3-270m/model-q8_0.gguf --widths 1,4,8,16
+    python -m hetspec.workers.tools.profile native /tmp/gemma3-270m/model-q8_0.gguf
+    python -m hetspec.workers.tools.profile llama.cpp /tmp/gemma3-270m/model-q8_0.gguf
 
 Random weights predict nothing, but a forward costs what the released model's costs: the same
 matrices, vocabulary (262,144 rows in the tied output head), head_dim 256 and windows of 512.

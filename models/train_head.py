@@ -31,16 +31,16 @@ from tokenizers import Tokenizer
 
 from hetspec.models.corpus import stdlib_sources
 from hetspec.models.train_demo import chat_examples, cosine_lr, encode_documents, windows
-from hetspec.workers.torch_runtime.config import ModelConfig
-from hetspec.workers.torch_runtime.draft_head import (
+from hetspec.workers.runtimes.torch_runtime.config import ModelConfig
+from hetspec.workers.runtimes.torch_runtime.draft_head import (
     HEAD_CONFIG,
     DraftHead,
     HeadConfig,
     load_target_pieces,
 )
-from hetspec.workers.torch_runtime.model import layer_rope_tables, rope_tables
-from hetspec.workers.torch_runtime.tokenizer import FolderTokenizer
-from hetspec.workers.torch_runtime.weights import load_model
+from hetspec.workers.runtimes.torch_runtime.model import layer_rope_tables, rope_tables
+from hetspec.workers.runtimes.torch_runtime.tokenizer import FolderTokenizer
+from hetspec.workers.runtimes.torch_runtime.weights import load_model
 
 MODELS = Path(__file__).parent
 CPU = torch.device("cpu")

@@ -100,7 +100,7 @@ print(e('$1', ('f16', 'q8_0'), quiet=True).folder)"; }
 verify() {  # verify NAME MODEL ARGS...: T_verify(w) at 512 tokens of context, and a token
   # decoded alone (64 a call) with the forwards queued on the GPU against the host's loop
   local name=$1 model=$2; shift 2
-  step "${VERIFY_S:-90}" "T_verify $name" "${pin[@]}" "$python" -m hetspec.workers.torch_runtime.bench_verify \
+  step "${VERIFY_S:-90}" "T_verify $name" "${pin[@]}" "$python" -m hetspec.bench.torch_verify \
       --model "$model" --contexts 512 --widths 1,2,4,8,16,32,64 --repeats 30 --decode 65 \
       --json "$tables/verify-$name.json" "$@"
 }
@@ -113,7 +113,7 @@ if [[ -n "${QUICK:-}" ]]; then
       -k "(cuda or graph or fixed or bucket) and not compiled"  # compiling: T_verify's below
   # heavy-1b's linear layers alone, cuBLAS against the Triton kernel's tilings (GB/s of
   # weight, and whether each keeps a row's bits among other rows), while the targets build
-  step 90 "linear layers" "${pin[@]}" "$python" -m hetspec.workers.torch_runtime.bench_matmul \
+  step 90 "linear layers" "${pin[@]}" "$python" -m hetspec.bench.torch_matmul \
       --json "$tables/matmul.json"
   # the Triton verifier below runs the tiling fastest over a 16-row forward (none: the default)
   tiling=$("$python" native/gpu-pick-settings.py --tiling "$tables")
@@ -155,17 +155,17 @@ if [[ -n "${QUICK:-}" ]]; then
   VERIFY_S=200 verify 1b-fixed16-compiled "$h1b" --dtype bfloat16 --fixed-width 16 --invariance \
       --compile "${compiled_with[@]}" --profile-width 1 --shape chain,tree
   pick
-  # int8 weights (workers/torch_runtime/int8_weights.py): the same Triton kernel reading
+  # int8 weights (workers/runtimes/torch_runtime/int8_weights.py): the same Triton kernel reading
   # one byte a weight and a scale per row, half the 1.95 GB (llama-server's Q8_0 reads 1.06
   # GB). The int8 model computes other logits, so it is no candidate for the bf16 pick: its
   # T(1) and T(16) against the Triton table above, and its linear layers alone
   step 60 "linear layers, int8 weights" "${pin[@]}" "$python" -m \
-      hetspec.workers.torch_runtime.bench_matmul --weights int8 --json "$tables/matmul-int8.json"
+      hetspec.bench.torch_matmul --weights int8 --json "$tables/matmul-int8.json"
   tiling_int8=$("$python" native/gpu-pick-settings.py --tiling "$tables" matmul-int8.json)
   echo "$tiling_int8" > "$HETSPEC_CACHE_DIR/tiling_int8"
   VERIFY_S=120 verify 1b-fixed16-int8 "$h1b" --dtype bfloat16 --fixed-width 16 --invariance \
       --weights int8 --matmul-tiling "$tiling_int8" --profile-width 1 --shape chain,tree
-  # split attention (workers/torch_runtime/split_attention.py): each row reads the cache in
+  # split attention (workers/runtimes/torch_runtime/split_attention.py): each row reads the cache in
   # place up to a point its position fixes and gathers only its path's last 33-48 keys, in
   # explicit float32 arithmetic instead of SDPA; a tree should cost about a chain (the +12%
   # trees keep over chains offline, docs/bench/gpu/README.md); its tables against the above
@@ -178,7 +178,7 @@ if [[ -n "${QUICK:-}" ]]; then
   # (the pick adds worker_spin_us=2000 to the full call's settings where polling pays)
   for spin in 100 2000; do
     step 40 "worker round trip, 1 ms apart, polling $spin us" "$python" -m \
-        hetspec.daemon.bench_roundtrip --floats 16 --count 600 --turns 1 --gap-us 1000 \
+        hetspec.bench.roundtrip --floats 16 --count 600 --turns 1 --gap-us 1000 \
         --spin-us $spin --json "$tables/roundtrip-spin$spin.json"
   done
   # the daemon's side: the worker computing 1 ms an answer (as through a verification), the
@@ -186,7 +186,7 @@ if [[ -n "${QUICK:-}" ]]; then
   # on a core of its own: 123 against 73 us; the pick adds daemon_spin_us=5000 where it pays)
   for daemon in 0 5000; do
     step 40 "worker round trip, a 1 ms answer, the daemon polling $daemon us" "$python" -m \
-        hetspec.daemon.bench_roundtrip --floats 16 --count 600 --turns 1 --gap-us 1000 \
+        hetspec.bench.roundtrip --floats 16 --count 600 --turns 1 --gap-us 1000 \
         --spin-us 2000 --hold-us 1000 --daemon-spin-us $daemon \
         --json "$tables/roundtrip-hold$([[ $daemon == 0 ]] || echo -daemon).json"
   done
@@ -213,7 +213,7 @@ if [[ -n "${QUICK:-}" ]]; then
         --weights int8 --matmul-tiling "$tiling_int8"
     # a sampled round's verdict: the daemon's walk over 17 rows of 262,144 logits copied off
     # the GPU into the arena, against the verifier's walk reading only the rows it reaches
-    step 90 "sampled verdict, gemma3-1b" "${pin[@]}" "$python" -m hetspec.daemon.bench_verdict \
+    step 90 "sampled verdict, gemma3-1b" "${pin[@]}" "$python" -m hetspec.bench.verdict \
         "$gemma" --runtime torch --rounds 30 --json "$tables/verdict-gemma3-1b.json"
   fi
   stamp "done (quick): the llama-server build so far"
@@ -230,7 +230,7 @@ tail -3 "$build_log"
 while [[ ! -e "$HETSPEC_CACHE_DIR/heavy.done" ]]; do sleep 2; done
 # a draft token as the rounds pay for it on this box's cores, against a forward alone
 for threads in 1 4; do
-  step 30 "a draft token in rounds, $threads thread(s)" "$python" -m hetspec.workers.bench_draft \
+  step 30 "a draft token in rounds, $threads thread(s)" "$python" -m hetspec.bench.draft_cost \
       models/draft/draft-q8_0.gguf --threads "$threads" --cores "$(seq -s, 2 $((1 + threads)))" \
       --rounds 200
 done
@@ -261,7 +261,7 @@ step $(( left > 60 ? left - 40 : 20 )) "bench heavy-1b draft-cpu" "$python" -m h
     --repeats 1 --warmup 1 --out "$bench_out" "${bench_set[@]}" "${bench_args[@]}" \
     --set "round_log=\"$OUT/rounds-heavy-1b.jsonl\""
 cp "$bench_out"/bench.md "$OUT/bench.md"; cp "$bench_out"/bench.json "$OUT/bench.json"
-"$python" -m hetspec.daemon.round_log "$OUT/rounds-heavy-1b.jsonl" || true
+"$python" -m hetspec.daemon.decode.round_log "$OUT/rounds-heavy-1b.jsonl" || true
 # the same pair with int8 weights in the verifier (the int8 model's text, its own target alone
 # the reference; the peers above read Q8_0), in what time is left: no peers, no load
 int8_set=(--set 'gpu_worker.weights="int8"')

@@ -12,13 +12,14 @@ class VocabInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     bos: int
     eos: int
     add_bos: bool
-    fingerprint: str  # sha256 of the texts of ids 5 .. real_size - 1 (hetspec.speculative.vocab)
+    # sha256 of the texts of ids 5 .. real_size - 1 (hetspec.speculative.drafting.vocab_match)
+    fingerprint: str
     # every id that ends generation: eos and the end-of-turn tokens (llama.cpp's "EOG" set)
     ends: tuple[int, ...] = ()
 
 
 class VocabReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What ``python -m hetspec.workers.describe`` prints: a model file's vocabulary as a
+    """What ``python -m hetspec.workers.tools.describe`` prints: a model file's vocabulary as a
     worker reads it, or why it cannot be read."""
 
     path: str

@@ -68,7 +68,7 @@ class LlamaCppSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
 
 
 class MatmulTiling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """How the Triton matmul cuts a weight (workers/torch_runtime/skinny_matmul.py,
+    """How the Triton matmul cuts a weight (workers/runtimes/torch_runtime/skinny_matmul.py,
     ``Tiling``); None keeps the kernel's default. A tiling may change a result's bits, never
     with the row count: one tiling serves a whole model, so losslessness holds."""
 
@@ -85,7 +85,7 @@ class TorchSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag
     max_context: int | None = None
     threads: int | None = None
     compile: bool = False
-    # On CUDA: forwards in fixed shapes replayed as CUDA graphs (workers/torch_runtime/
+    # On CUDA: forwards in fixed shapes replayed as CUDA graphs (workers/runtimes/torch_runtime/
     # static_forward.py); fixed_width > 0 makes every forward that many rows so a token's
     # logits never depend on what it is verified with (None: 16 for a verifier on CUDA, else
     # width buckets); span_buckets False attends over the whole context in every forward.
@@ -100,17 +100,17 @@ class TorchSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag
     # load finds the same bits as through the gather
     chain_in_place: bool = True
     # "split": fixed-width forwards read the cache in place up to a point each row's position
-    # fixes and gather only its path's last 33-48 keys (workers/torch_runtime/
+    # fixes and gather only its path's last 33-48 keys (workers/runtimes/torch_runtime/
     # split_attention.py): any tree in one forward, bit-identical to its rows alone by
     # construction, at about a chain's cost; "gathered": paths gathered as above
     attention: AttentionKind = "gathered"
     # "triton": linear layers of at most 16 rows (every fixed-width forward) in hetspec's
     # Triton kernel, which reads each weight once for all rows in an order that does not
-    # depend on the rows (workers/torch_runtime/skinny_matmul.py); "torch": cuBLAS
+    # depend on the rows (workers/runtimes/torch_runtime/skinny_matmul.py); "torch": cuBLAS
     matmul: MatmulKernel = "torch"
     matmul_tiling: MatmulTiling | None = None  # with "triton"; bench_matmul times tilings
     # "int8": every linear layer's weight (the output head's too) in int8 with a float32
-    # scale per output row, read by that Triton kernel (workers/torch_runtime/
+    # scale per output row, read by that Triton kernel (workers/runtimes/torch_runtime/
     # int8_weights.py): half bfloat16's bytes to stream, and the int8 model's text (its
     # target alone is the reference); "dtype": the weights in the activations' dtype
     weights: WeightFormat = "dtype"
@@ -195,7 +195,7 @@ class Draft(_Message, tag="draft"):
     # expanding the top_k likeliest of each layer; the reply's ``parents`` give its shape
     tree: tuple[int, int] | None = None
     tree_first_accept: float | None = None  # nodes ranked by this acceptance model (see
-    # speculative/dynamic_tree.py) instead of the draft's path probability
+    # speculative/drafting/dynamic_tree.py) instead of the draft's path probability
 
 
 class Decode(_Message, tag="decode"):
@@ -354,7 +354,7 @@ class Drafted(_Message, tag="drafted"):
     # a tree draft: one row of ``tokens`` and ``nodes`` holds the nodes ranked best first
     # (parents before children); ``parents`` per node (-1: the committed end), and each
     # node's score: its estimated chance of being accepted along its path (see
-    # speculative/dynamic_tree.py); ``probs`` is then empty (nodes are chosen, not drawn)
+    # speculative/drafting/dynamic_tree.py); ``probs`` is then empty (nodes are chosen, not drawn)
     parents: list[int] = []
     acceptance: list[float] = []
 

@@ -111,7 +111,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
 def interpreted(monkeypatch):
     """The Triton matmul's kernels made for Triton's interpreter, on the CPU (for the tests of
     skinny_matmul.py and int8_weights.py); made afresh after the test."""
-    from hetspec.workers.torch_runtime import skinny_matmul  # noqa: PLC0415 (torch: only here)
+    from hetspec.workers.runtimes.torch_runtime import skinny_matmul  # noqa: PLC0415 (torch: only here)
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     skinny_matmul._kernels.cache_clear()

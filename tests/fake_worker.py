@@ -16,16 +16,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hetspec.daemon.requests import PromptBound
-from hetspec.daemon.worker_client import WorkerError
+from hetspec.daemon.supervision.prompt_bound import PromptBound
+from hetspec.daemon.supervision.worker_client import WorkerError
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.arena import Arena
 from hetspec.protocol.sampling import SamplingParams
 from hetspec.protocol.vocab import VocabInfo
-from hetspec.speculative.samplers import DrawnSampler
+from hetspec.speculative.verify.samplers import DrawnSampler
 from hetspec.workers.process import Worker
-from hetspec.workers.spare_cores import SpareCores
-from hetspec.workers.tree_runtime import TreeRuntime
+from hetspec.workers.runtimes.spare_cores import SpareCores
+from hetspec.workers.runtimes.tree_runtime import TreeRuntime
 
 VOCAB = 32
 PERIOD = 8  # positions the logits tell apart

@@ -185,21 +185,24 @@ class Parties:
     to a target's GGUF the draft ``draft`` serves with."""
 
     def __init__(self, draft: Path) -> None:
-        from hetspec.workers.describe import _gguf_vocab  # noqa: PLC0415
+        from hetspec.workers.tools.describe import _gguf_vocab  # noqa: PLC0415
 
         self.draft = draft
         self.draft_vocab = _gguf_vocab(draft).vocab
 
     def judge(self, path: Path) -> dict:
         from hetspec.daemon.config import DaemonConfig, ModelPaths  # noqa: PLC0415
-        from hetspec.daemon.model_check import CannotServe, CheckError, Side, find_exports  # noqa: PLC0415
-        from hetspec.daemon.supervisor import StartupError, check_model_files  # noqa: PLC0415
+        from hetspec.daemon.load.model_check import CannotServe, CheckError, Side, find_exports  # noqa: PLC0415
+        from hetspec.daemon.supervision.supervisor import StartupError, check_model_files  # noqa: PLC0415
         from hetspec.native.model import ModelFormatError, NativeModel  # noqa: PLC0415
         from hetspec.protocol.gguf_checks import GGUFMetadataError, check_model_file  # noqa: PLC0415
         from hetspec.protocol.gguf_header import GGUFFormatError  # noqa: PLC0415
-        from hetspec.speculative.vocab import incompatibilities  # noqa: PLC0415
-        from hetspec.workers.describe import _gguf_vocab  # noqa: PLC0415
-        from hetspec.workers.llama_cpp_runtime.runtime import LlamaCppError, LlamaCppRuntime  # noqa: PLC0415
+        from hetspec.speculative.drafting.vocab_match import incompatibilities  # noqa: PLC0415
+        from hetspec.workers.runtimes.llama_cpp_runtime.runtime import (  # noqa: PLC0415
+            LlamaCppError,
+            LlamaCppRuntime,
+        )
+        from hetspec.workers.tools.describe import _gguf_vocab  # noqa: PLC0415
 
         verdicts: dict[str, object] = {}
         verdicts["check"] = verdict(lambda: check_model_file(path), GGUFMetadataError,

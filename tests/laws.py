@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from hetspec.speculative.sampling import SamplingParams, distribution
+from hetspec.speculative.verify.distributions import SamplingParams, distribution
 
 
 def chi2_sf(statistic: float, df: int) -> float:

@@ -14,8 +14,12 @@ import numpy as np
 import torch
 from tiny_models import build_reference, save_reference
 
-from hetspec.workers.torch_runtime import TorchRuntime, split_kernel, static_forward
-from hetspec.workers.torch_runtime.split_attention import split_attention, split_bias, split_point
+from hetspec.workers.runtimes.torch_runtime import TorchRuntime, split_kernel, static_forward
+from hetspec.workers.runtimes.torch_runtime.split_attention import (
+    split_attention,
+    split_bias,
+    split_point,
+)
 
 
 def exact(q, keys, values, positions, *, scale, softcap, window) -> torch.Tensor:

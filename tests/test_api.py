@@ -20,9 +20,9 @@ from test_daemon import native
 from test_lossless import BundledDaemon
 
 from hetspec.client import AsyncClient, BadRequest, Client, DaemonUnreachable
-from hetspec.daemon.api_ollama import ChatBody, GenerateBody, Options
-from hetspec.daemon.api_openai import ChatRequest, CompletionRequest
-from hetspec.daemon.requests import GenerateRequest
+from hetspec.daemon.api.ollama import ChatBody, GenerateBody, Options
+from hetspec.daemon.api.openai import ChatRequest, CompletionRequest
+from hetspec.daemon.decode.requests import GenerateRequest
 
 pytestmark = pytest.mark.process
 

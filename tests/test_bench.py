@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from hetspec.client import bench
-from hetspec.client.bench import BusyCore
-from hetspec.client.busy_box import busy_note
+from hetspec.bench import compare as bench
+from hetspec.bench.busy_box import busy_note
+from hetspec.bench.compare import BusyCore
 
 
 @pytest.mark.process
@@ -96,7 +96,7 @@ def test_bench_sweeps_targets_and_skips_a_bad_one_with_its_reason(tmp_path: Path
 
 
 def test_a_heavy_target_of_an_unknown_gguf_type_is_one_clear_error(tmp_path: Path) -> None:
-    from hetspec.client.bench_targets import TargetError, resolve  # noqa: PLC0415
+    from hetspec.bench.targets import TargetError, resolve  # noqa: PLC0415
 
     with pytest.raises(TargetError, match="heavy-100m-q4_k_s: unknown GGUF type 'q4_k_s'"):
         resolve("heavy-100m-q4_k_s", None, str(tmp_path))

@@ -6,11 +6,10 @@ import msgspec
 import numpy as np
 import pytest
 
-from hetspec.speculative import exploration as explore
-from hetspec.speculative.branching import branch_length
-from hetspec.speculative.budget import BudgetController, ControllerConfig
-from hetspec.speculative.core_choice import SpareCoreChoice
-from hetspec.speculative.cost_model import (
+from hetspec.speculative.control import exploration as explore
+from hetspec.speculative.control.budget import BudgetController, ControllerConfig
+from hetspec.speculative.control.core_choice import SpareCoreChoice
+from hetspec.speculative.control.cost_model import (
     TABULATED_WIDTHS,
     CostModel,
     ProfileCurve,
@@ -19,8 +18,9 @@ from hetspec.speculative.cost_model import (
     VerifyLine,
     linear_branch_factor,
 )
-from hetspec.speculative.estimates import Estimates, WindowedMedian
-from hetspec.speculative.rounds import DraftCall, Plan, RoundReport
+from hetspec.speculative.control.estimates import Estimates, WindowedMedian
+from hetspec.speculative.control.rounds import DraftCall, Plan, RoundReport
+from hetspec.speculative.drafting.branching import branch_length
 
 MAX_GAMMA, MAX_BRANCHES = 16, 4  # the controller's defaults
 # each extra branch adds this share of a draft step: far from the controller's prior (0.4),

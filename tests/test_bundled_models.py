@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hetspec.speculative.tree import chain_parents
-from hetspec.speculative.vocab import incompatibilities
-from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime
-from hetspec.workers.torch_runtime import TorchRuntime
+from hetspec.speculative.drafting.vocab_match import incompatibilities
+from hetspec.speculative.verify.tree import chain_parents
+from hetspec.workers.runtimes.llama_cpp_runtime import LlamaCppRuntime
+from hetspec.workers.runtimes.torch_runtime import TorchRuntime
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 TEXT = textwrap.dedent('''\

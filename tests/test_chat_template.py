@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from hetspec.daemon.chat_template import (
+from hetspec.daemon.api.chat_template import (
     ChatMessage,
     ChatTemplate,
     ChatTemplateError,

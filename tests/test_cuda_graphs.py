@@ -8,12 +8,12 @@ import pytest
 import torch
 from tiny_models import build_reference, save_reference
 
-from hetspec.speculative.samplers import DrawnSampler, KeyedSampler
-from hetspec.speculative.sampling import SamplingParams
-from hetspec.speculative.tree import chain_parents
-from hetspec.speculative.verify import verify_sampled
-from hetspec.workers.torch_runtime import TorchRuntime, static_forward
-from hetspec.workers.tree_runtime import TreeRuntime
+from hetspec.speculative.verify.distributions import SamplingParams
+from hetspec.speculative.verify.samplers import DrawnSampler, KeyedSampler
+from hetspec.speculative.verify.tree import chain_parents
+from hetspec.speculative.verify.verdicts import verify_sampled
+from hetspec.workers.runtimes.torch_runtime import TorchRuntime, static_forward
+from hetspec.workers.runtimes.tree_runtime import TreeRuntime
 
 pytestmark = pytest.mark.gpu
 PROMPT = [1, 17, 42, 5, 88, 23, 9, 61, 2, 70, 33, 14]

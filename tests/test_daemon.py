@@ -20,12 +20,12 @@ from tiny_models import DAEMON_CONTEXT
 
 from hetspec.client.daemon_process import DaemonProcess
 from hetspec.client.types import generate_body
-from hetspec.daemon import round_log
+from hetspec.daemon.decode import round_log
 from hetspec.daemon.instance import Instance
 from hetspec.protocol.arena import SHM_DIR
-from hetspec.speculative.samplers import DrawnSampler
-from hetspec.speculative.sampling import SamplingParams
-from hetspec.workers.torch_runtime import TorchRuntime
+from hetspec.speculative.verify.distributions import SamplingParams
+from hetspec.speculative.verify.samplers import DrawnSampler
+from hetspec.workers.runtimes.torch_runtime import TorchRuntime
 
 pytestmark = pytest.mark.process
 

@@ -7,9 +7,15 @@ import asyncio
 import pytest
 
 from hetspec.daemon.config import BUNDLED_MODELS, ConfigError, load_config, parse_value
-from hetspec.daemon.cores import CoreError, check_cores, daemon_cores, owned_cores, split_cores
-from hetspec.daemon.slots import SlotError, SlotPool
-from hetspec.daemon.supervisor import worker_specs
+from hetspec.daemon.supervision.cores import (
+    CoreError,
+    check_cores,
+    daemon_cores,
+    owned_cores,
+    split_cores,
+)
+from hetspec.daemon.supervision.slots import SlotError, SlotPool
+from hetspec.daemon.supervision.supervisor import worker_specs
 from hetspec.protocol.worker_messages import MatmulTiling
 
 

@@ -12,15 +12,15 @@ import torch
 from safetensors.torch import save_file
 
 from hetspec.daemon.config import DaemonConfig, ModelPaths
-from hetspec.daemon.head_choice import BUNDLED_HEAD, HeadChoiceError, draft_head_for, mismatch
+from hetspec.daemon.load.head_choice import BUNDLED_HEAD, HeadChoiceError, draft_head_for, mismatch
 from hetspec.protocol.sampling import SamplingParams
-from hetspec.speculative.samplers import DrawnSampler
-from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime
-from hetspec.workers.torch_runtime import ModelConfig, ModelLoadError, TorchRuntime
-from hetspec.workers.torch_runtime.draft_head import DraftHead, HeadConfig
-from hetspec.workers.torch_runtime.head_runtime import HeadRuntime
-from hetspec.workers.torch_runtime.model import rope_tables
-from hetspec.workers.torch_runtime.tokenizer import FolderTokenizer
+from hetspec.speculative.verify.samplers import DrawnSampler
+from hetspec.workers.runtimes.llama_cpp_runtime import LlamaCppRuntime
+from hetspec.workers.runtimes.torch_runtime import ModelConfig, ModelLoadError, TorchRuntime
+from hetspec.workers.runtimes.torch_runtime.draft_head import DraftHead, HeadConfig
+from hetspec.workers.runtimes.torch_runtime.head_runtime import HeadRuntime
+from hetspec.workers.runtimes.torch_runtime.model import rope_tables
+from hetspec.workers.runtimes.torch_runtime.tokenizer import FolderTokenizer
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 TARGET = MODELS / "target"
@@ -244,7 +244,7 @@ def test_draft_gpu_drafts_with_the_bundled_head_by_default(tmp_path) -> None:
     features keeps under one."""
     from test_lossless import BundledDaemon  # noqa: PLC0415
 
-    from hetspec.client.bench import prompt_set  # noqa: PLC0415
+    from hetspec.bench.compare import prompt_set  # noqa: PLC0415
 
     prompts = prompt_set(3)[:3]
     accepted = {}

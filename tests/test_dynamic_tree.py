@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from hetspec.speculative.dynamic_tree import (
+from hetspec.speculative.drafting.dynamic_tree import (
     Calibration,
     FirstChoice,
     best_width,
@@ -15,7 +15,7 @@ from hetspec.speculative.dynamic_tree import (
     rank_nodes,
     within_leaves,
 )
-from hetspec.speculative.tree import path_to
+from hetspec.speculative.verify.tree import path_to
 
 
 def test_ranking_keeps_the_likeliest_nodes_as_a_tree() -> None:

@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 from fake_worker import VOCAB, FeatureCheckingDraft, InProcessWorker, TableModel
 
-from hetspec.daemon.engine import Decoder, WorkerPair
-from hetspec.daemon.requests import GenerateRequest, GenerationResult
-from hetspec.daemon.round_stats import SpeculativeStats
-from hetspec.daemon.worker_client import WorkerError
+from hetspec.daemon.decode.engine import Decoder, WorkerPair
+from hetspec.daemon.decode.requests import GenerateRequest, GenerationResult
+from hetspec.daemon.decode.round_stats import SpeculativeStats
+from hetspec.daemon.supervision.worker_client import WorkerError
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.arena import Arena
-from hetspec.speculative.budget import BudgetController, Choice, ControllerConfig
-from hetspec.speculative.core_choice import SpareCoreChoice
-from hetspec.speculative.exploration import ExplorationState
-from hetspec.speculative.rounds import DraftCall, Plan, RoundReport
+from hetspec.speculative.control.budget import BudgetController, Choice, ControllerConfig
+from hetspec.speculative.control.core_choice import SpareCoreChoice
+from hetspec.speculative.control.exploration import ExplorationState
+from hetspec.speculative.control.rounds import DraftCall, Plan, RoundReport
 
 PROMPT = "def read(path):"
 

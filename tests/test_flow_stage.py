@@ -1,4 +1,4 @@
-"""A pipeline stage's share of FlowSpec's tree (speculative/flow_stage.py): whatever order
+"""A pipeline stage's share of FlowSpec's tree (speculative/flow/stage_cache.py): whatever order
 segments and commits reach it in, every node it computes attends to exactly its own prefix,
 and its cache ends up holding exactly the committed text."""
 
@@ -10,8 +10,8 @@ from collections import deque
 import pytest
 from test_flow_tree import greedy_reference, target_choice
 
-from hetspec.speculative.flow_stage import StageBook
-from hetspec.speculative.flow_tree import FlowTree
+from hetspec.speculative.flow.flow_tree import FlowTree
+from hetspec.speculative.flow.stage_cache import StageBook
 
 
 class SimulatedStage:

@@ -1,4 +1,4 @@
-"""FlowSpec's continuously verified tree (speculative/flow_tree.py), against a simulated
+"""FlowSpec's continuously verified tree (speculative/flow/flow_tree.py), against a simulated
 pipeline: segments in flight for several steps, outputs arriving late, drafts right and wrong."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections import deque
 
 import pytest
 
-from hetspec.speculative.flow_tree import FlowTree
+from hetspec.speculative.flow.flow_tree import FlowTree
 
 
 def target_choice(prefix: list[int], vocab: int = 7) -> int:

@@ -13,10 +13,10 @@ import pytest
 from tiny_models import write_tiny_gguf
 
 from hetspec.daemon.config import BUNDLED_MODELS
-from hetspec.daemon.requests import cut_at_end
+from hetspec.daemon.decode.requests import cut_at_end
 from hetspec.protocol.tokenizer_files import generation_end_ids
-from hetspec.workers.llama_cpp_runtime.vocabulary import VocabularyFile
-from hetspec.workers.torch_runtime.tokenizer import FolderTokenizer
+from hetspec.workers.runtimes.llama_cpp_runtime.vocabulary import VocabularyFile
+from hetspec.workers.runtimes.torch_runtime.tokenizer import FolderTokenizer
 
 
 def test_the_folder_and_llama_cpp_end_generation_at_the_same_ids() -> None:

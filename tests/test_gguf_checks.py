@@ -18,11 +18,11 @@ from gguf_crafting import RawGGUF, T, crafted_copy
 from gguf_fuzz import BASES, apply, draw_mutations
 
 from hetspec.daemon.config import BUNDLED_MODELS, DaemonConfig, ModelPaths
-from hetspec.daemon.supervisor import StartupError, check_model_files
+from hetspec.daemon.supervision.supervisor import StartupError, check_model_files
 from hetspec.native.model import NativeModel
 from hetspec.protocol.gguf_checks import GGUFMetadataError, check_model, check_model_file
 from hetspec.protocol.gguf_header import read_gguf_header
-from hetspec.workers.llama_cpp_runtime.runtime import LlamaCppRuntime
+from hetspec.workers.runtimes.llama_cpp_runtime.runtime import LlamaCppRuntime
 
 DRAFT = BUNDLED_MODELS / "draft" / "draft-q8_0.gguf"  # 2 blocks, width 128, 4 heads of 32
 MiB = 2**20
@@ -255,7 +255,7 @@ def disagreements(record: dict) -> list[str]:
 def test_the_checks_idea_of_the_native_kernels_is_theirs() -> None:
     """The shared check covers the architectures the native kernels run; models check (which
     may not import them) keeps its own copy of the RoPE scalings they compute: the same."""
-    from hetspec.daemon.model_check import NATIVE_ROPE_SCALINGS  # noqa: PLC0415
+    from hetspec.daemon.load.model_check import NATIVE_ROPE_SCALINGS  # noqa: PLC0415
     from hetspec.native.model import FAMILIES, ROPE_SCALINGS  # noqa: PLC0415
     from hetspec.protocol.gguf_checks import CHECKED_ARCHITECTURES  # noqa: PLC0415
     from hetspec.protocol.gguf_checks import ROPE_SCALINGS as LLAMA_CPP_SCALINGS  # noqa: PLC0415

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 from tiny_models import build_reference, save_reference
 
-from hetspec.daemon import bench_roundtrip
+from hetspec.bench import roundtrip as bench_roundtrip
+from hetspec.bench import torch_verify as bench_verify
 from hetspec.daemon.cli import overrides_from
 from hetspec.daemon.config import load_config
-from hetspec.workers.torch_runtime import bench_verify, static_forward
+from hetspec.workers.runtimes.torch_runtime import static_forward
 
 pytestmark = pytest.mark.process
 

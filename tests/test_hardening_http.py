@@ -18,9 +18,9 @@ from test_daemon import CONTEXT, Daemon, native, stream
 from test_systemd import UNITS, unit_settings
 from tiny_models import write_tiny_gguf_llama
 
+from hetspec.daemon.api.guard import RESERVED_FDS, descriptor_shortfall
 from hetspec.daemon.cli import build_parser
 from hetspec.daemon.config import ConfigError, DaemonConfig, load_config
-from hetspec.daemon.http_guard import RESERVED_FDS, descriptor_shortfall
 from hetspec.logs import RateLimit
 
 pytestmark = pytest.mark.process  # a real daemon, or a logging process, for most

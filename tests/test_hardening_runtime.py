@@ -17,8 +17,8 @@ from test_worker_process import LOAD_TIMEOUT, spec
 from tiny_models import write_tiny_gguf_llama, write_tiny_pair
 
 from hetspec.daemon.instance import Instance
-from hetspec.daemon.supervisor import config_number_of
-from hetspec.daemon.worker_client import WorkerClient, WorkerStartError
+from hetspec.daemon.supervision.supervisor import config_number_of
+from hetspec.daemon.supervision.worker_client import WorkerClient, WorkerStartError
 from hetspec.protocol.arena import SHM_DIR, Arena, ArenaError, ArenaLayout
 
 pytestmark = pytest.mark.process

@@ -22,7 +22,7 @@ from test_daemon import CONTEXT, Daemon, UnixHTTPConnection, native, request
 from test_worker_process import LOAD_TIMEOUT, spec
 from tiny_models import write_tiny_pair
 
-from hetspec.daemon.worker_client import WorkerClient, WorkerError, WorkerStartError
+from hetspec.daemon.supervision.worker_client import WorkerClient, WorkerError, WorkerStartError
 from hetspec.protocol import worker_messages as m
 
 pytestmark = pytest.mark.process

@@ -26,9 +26,9 @@ from hetspec.models.heavy import (
     parse_size,
     parse_types,
 )
-from hetspec.speculative.tree import chain_parents
-from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime
-from hetspec.workers.torch_runtime import TorchRuntime
+from hetspec.speculative.verify.tree import chain_parents
+from hetspec.workers.runtimes.llama_cpp_runtime import LlamaCppRuntime
+from hetspec.workers.runtimes.torch_runtime import TorchRuntime
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 POSITIONS = 320
@@ -98,7 +98,7 @@ def test_llama_cpp_logits_equal_the_bundled_targets(heavy, gguf_type, tmp_path) 
 def test_the_bundled_head_widened_drafts_for_it_as_for_the_bundled_target(heavy) -> None:
     """A heavy target's features are the bundled target's, zero-padded: its draft-head (the
     bundled head with zero input columns) drafts as the bundled head does."""
-    from hetspec.workers.torch_runtime.head_runtime import HeadRuntime  # noqa: PLC0415
+    from hetspec.workers.runtimes.torch_runtime.head_runtime import HeadRuntime  # noqa: PLC0415
 
     logits = []
     for target, head in (

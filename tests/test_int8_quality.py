@@ -9,7 +9,7 @@ import torch
 
 from hetspec.models import int8_quality
 from hetspec.models.train_head import Teacher
-from hetspec.workers.torch_runtime.int8_weights import quantize_rows
+from hetspec.workers.runtimes.torch_runtime.int8_weights import quantize_rows
 
 TARGET = int8_quality.MODELS / "target"
 

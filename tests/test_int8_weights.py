@@ -19,9 +19,9 @@ from tiny_models import (
 
 from hetspec.protocol import worker_messages as m
 from hetspec.workers.process import load_runtime
-from hetspec.workers.torch_runtime import ModelLoadError, TorchRuntime, skinny_matmul
-from hetspec.workers.torch_runtime.int8_weights import Int8Linear, quantize_rows
-from hetspec.workers.torch_runtime.skinny_matmul import MAX_ROWS, launches
+from hetspec.workers.runtimes.torch_runtime import ModelLoadError, TorchRuntime, skinny_matmul
+from hetspec.workers.runtimes.torch_runtime.int8_weights import Int8Linear, quantize_rows
+from hetspec.workers.runtimes.torch_runtime.skinny_matmul import MAX_ROWS, launches
 
 triton = pytest.importorskip("triton", reason="Triton is not installed (the test extra has it)")
 PROMPT = [1, 5, 9, 14, 2, 33, 7, 21, 40, 11]
@@ -267,7 +267,7 @@ def test_a_model_too_big_for_the_gpu_is_a_load_error_that_says_what_helps(tmp_pa
     def too_big(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
 
-    monkeypatch.setattr("hetspec.workers.torch_runtime.TorchRuntime", too_big)
+    monkeypatch.setattr("hetspec.workers.runtimes.torch_runtime.TorchRuntime", too_big)
     with pytest.raises(process.LoadError) as refused:
         load_runtime("torch", str(folder), m.TorchSettings(device="cpu"))
     assert str(refused.value) == (
@@ -280,7 +280,8 @@ def test_a_model_too_big_for_the_gpu_is_a_load_error_that_says_what_helps(tmp_pa
 @pytest.mark.slow
 def test_bench_verify_times_an_int8_verifier_and_says_so(interpreted, tmp_path, capsys,
                                                          monkeypatch) -> None:  # fmt: skip
-    from hetspec.workers.torch_runtime import bench_verify, static_forward  # noqa: PLC0415
+    from hetspec.bench import torch_verify as bench_verify  # noqa: PLC0415
+    from hetspec.workers.runtimes.torch_runtime import static_forward  # noqa: PLC0415
 
     for module in (static_forward, bench_verify):  # the invariance chain crosses span 16's end
         monkeypatch.setattr(module, "MIN_SPAN", 16)

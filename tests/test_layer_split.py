@@ -1,4 +1,4 @@
-"""Splitting a target's layers into pipeline stages (speculative/layer_split.py): ranges in
+"""Splitting a target's layers into pipeline stages (speculative/flow/layer_split.py): ranges in
 half-layers, and the split that makes the slowest stage fastest for measured stage costs."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from hetspec.speculative.layer_split import (
+from hetspec.speculative.flow.layer_split import (
     ModelShape,
     SplitError,
     balanced_split,

@@ -16,15 +16,19 @@ import transformers
 from tiny_models import write_tiny_gguf_llama
 from tokenizers import Tokenizer
 
-from hetspec.speculative.branching import uncertainty_branches
-from hetspec.speculative.dynamic_tree import within_leaves
-from hetspec.speculative.samplers import DrawnSampler
-from hetspec.speculative.sampling import SamplingParams
-from hetspec.speculative.tree import chain_parents, path_to
-from hetspec.speculative.vocab import incompatibilities
-from hetspec.workers.llama_cpp_runtime import LlamaCppError, LlamaCppRuntime, RuntimeUsageError
-from hetspec.workers.llama_cpp_runtime.ggml import local_gpu_present
-from hetspec.workers.torch_runtime import TorchRuntime
+from hetspec.speculative.drafting.branching import uncertainty_branches
+from hetspec.speculative.drafting.dynamic_tree import within_leaves
+from hetspec.speculative.drafting.vocab_match import incompatibilities
+from hetspec.speculative.verify.distributions import SamplingParams
+from hetspec.speculative.verify.samplers import DrawnSampler
+from hetspec.speculative.verify.tree import chain_parents, path_to
+from hetspec.workers.runtimes.llama_cpp_runtime import (
+    LlamaCppError,
+    LlamaCppRuntime,
+    RuntimeUsageError,
+)
+from hetspec.workers.runtimes.llama_cpp_runtime.ggml import local_gpu_present
+from hetspec.workers.runtimes.torch_runtime import TorchRuntime
 
 TEXT = 'def load(path):\n    """Read the file."""\n    with open(path) as f:\n'
 TOLERANCE = 1e-3  # llama.cpp against itself: a tree node vs its path evaluated alone

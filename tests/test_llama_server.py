@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hetspec.workers import peers
-from hetspec.workers.llama_server import (
+from hetspec.bench import peers
+from hetspec.bench.llama_server import (
     BUILD_SCRIPT,
     LlamaServer,
     LlamaServerError,
@@ -32,8 +32,8 @@ from hetspec.workers.llama_server import (
     server_args,
     timing_of,
 )
-from hetspec.workers.peers import DRAFT_GGUF as DRAFT  # the bundled pair, the peers' default
-from hetspec.workers.peers import TARGET_GGUF as TARGET
+from hetspec.bench.peers import DRAFT_GGUF as DRAFT  # the bundled pair, the peers' default
+from hetspec.bench.peers import TARGET_GGUF as TARGET
 
 PROMPT = 'def read_lines(path):\n    """Return the lines of a file."""\n'
 
@@ -278,7 +278,7 @@ def test_server_pool_keeps_the_most_recently_used(monkeypatch) -> None:
 @pytest.mark.slow
 def test_peers_go_on_without_llama_server_and_say_why(tmp_path) -> None:
     """The peers' process with an unusable llama-server: the other peers, and the reason."""
-    command = [sys.executable, "-m", "hetspec.workers.peers", "--threads", "1",
+    command = [sys.executable, "-m", "hetspec.bench.peers", "--threads", "1",
                "--llama-server", str(tmp_path / "absent")]  # fmt: skip
     request = json.dumps({"system": "transformers assisted", "prompt": PROMPT, "max_tokens": 4})
     done = subprocess.run(command, input=request + "\n", capture_output=True, text=True,
@@ -299,7 +299,7 @@ def test_peers_go_on_without_llama_server_and_say_why(tmp_path) -> None:
 def test_sampled_peers_skip_the_greedy_loop_and_draw_the_others(tmp_path) -> None:
     """At a temperature the greedy-only loop is skipped with its reason, and transformers'
     assisted generation samples (seeded per request)."""
-    command = [sys.executable, "-m", "hetspec.workers.peers", "--threads", "1",
+    command = [sys.executable, "-m", "hetspec.bench.peers", "--threads", "1",
                "--llama-server", "off", "--temperature", "0.8"]  # fmt: skip
     requests = [{"system": "transformers assisted", "prompt": PROMPT, "max_tokens": 4,
                  "seed": seed} for seed in (1, None)]  # fmt: skip
@@ -331,7 +331,7 @@ def binary() -> Path:
 
 def greedy_tokens(prompt: str, count: int) -> list[int]:
     """The project's own greedy decoding of the target, token by token."""
-    from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
+    from hetspec.workers.runtimes.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
 
     runtime = LlamaCppRuntime(TARGET, n_ctx=2048, threads=1)
     try:
@@ -392,7 +392,7 @@ def test_sampled_server_follows_its_seed(binary: Path) -> None:
 @pytest.mark.slow
 def test_peers_process_serves_llama_servers_systems(binary: Path) -> None:
     """The peers' process with the real server: alone, default and best-of-sweep systems."""
-    command = [sys.executable, "-m", "hetspec.workers.peers", "--llama-server", str(binary)]
+    command = [sys.executable, "-m", "hetspec.bench.peers", "--llama-server", str(binary)]
     request = {"system": "llama-server target alone", "prompt": PROMPT, "max_tokens": 16}
     done = subprocess.run(command, input=json.dumps(request) + "\n", capture_output=True,
                           text=True, timeout=240, check=False)  # fmt: skip

@@ -28,11 +28,11 @@ from laws import chi2_sf, chi_square, exact_marginals
 from test_daemon import clean_env, native, request, stream
 from test_rpc import RpcServer
 
-from hetspec.client.bench import prompt_set
+from hetspec.bench.compare import prompt_set
 from hetspec.client.daemon_process import DaemonProcess
 from hetspec.daemon.config import BUNDLED_MODELS
-from hetspec.speculative.samplers import DrawnSampler, KeyedSampler
-from hetspec.speculative.sampling import SamplingParams
+from hetspec.speculative.verify.distributions import SamplingParams
+from hetspec.speculative.verify.samplers import DrawnSampler, KeyedSampler
 
 pytestmark = pytest.mark.process
 
@@ -206,20 +206,20 @@ def test_a_client_that_hangs_up_cancels_its_generation_mid_round(daemon, mode: s
 def target_runtime(placement: str):
     """The target model as the verifying worker loads it, in this process."""
     if placement == "draft-cpu":  # torch verifies (draft-cpu-llama: llama.cpp, as draft-gpu)
-        from hetspec.workers.torch_runtime import TorchRuntime  # noqa: PLC0415
+        from hetspec.workers.runtimes.torch_runtime import TorchRuntime  # noqa: PLC0415
 
         # as the daemon's verifier: float32 on the CPU, bf16 in fixed-width forwards on CUDA
         return TorchRuntime(BUNDLED_MODELS / "target", max_context=1024, verifies=True)
     if placement == "draft-cpu-split":  # the same in a GPU's fixed width, split attention
-        from hetspec.workers.torch_runtime import TorchRuntime  # noqa: PLC0415
+        from hetspec.workers.runtimes.torch_runtime import TorchRuntime  # noqa: PLC0415
 
         return TorchRuntime(BUNDLED_MODELS / "target", max_context=1024, verifies=True,
                             fixed_width=16, attention="split")  # fmt: skip
     if placement == "draft-cpu-native":
-        from hetspec.workers.native_runtime import NativeRuntime  # noqa: PLC0415
+        from hetspec.workers.runtimes.native_runtime import NativeRuntime  # noqa: PLC0415
 
         return NativeRuntime(BUNDLED_MODELS / "target" / "target-q8_0.gguf", n_ctx=1024)
-    from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
+    from hetspec.workers.runtimes.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
 
     return LlamaCppRuntime(BUNDLED_MODELS / "target" / "target-q8_0.gguf", n_ctx=1024, threads=1,
                            flash_attention="off", kv_type="f16", v_type="f32")  # fmt: skip

@@ -57,7 +57,7 @@ def test_k_quant_files_run_on_the_native_kernels_and_other_types_are_named(tmp_p
     """A Q4_K_M file (here with Q5_0 and Q8_0 tensors too: llama.cpp's choice for rows that are
     not whole super-blocks) can be verified by the native kernels; a type they do not read is
     named."""
-    from hetspec.daemon.model_check import Side, find_exports  # noqa: PLC0415
+    from hetspec.daemon.load.model_check import Side, find_exports  # noqa: PLC0415
     from hetspec.models.llama_quantize import quantize_gguf  # noqa: PLC0415
 
     target = quantize_gguf(BUNDLED_MODELS / "target" / "target-f16.gguf",
@@ -111,7 +111,7 @@ def test_bad_arguments_get_one_line_each(tmp_path) -> None:
 def test_the_checks_idea_of_the_native_kernels_is_theirs() -> None:
     """The daemon may not import the native package (it checks files before any worker
     runs), so it keeps its own list of what the kernels read: the same list."""
-    from hetspec.daemon.model_check import NATIVE_FAMILIES, NATIVE_TENSOR_TYPES  # noqa: PLC0415
+    from hetspec.daemon.load.model_check import NATIVE_FAMILIES, NATIVE_TENSOR_TYPES  # noqa: PLC0415
     from hetspec.native.kernels import TYPE_NAMES  # noqa: PLC0415
     from hetspec.native.model import FAMILIES  # noqa: PLC0415
 
@@ -120,7 +120,7 @@ def test_the_checks_idea_of_the_native_kernels_is_theirs() -> None:
 
 
 def test_the_checks_idea_of_the_torch_runtime_is_its_own() -> None:
-    from hetspec.daemon.model_check import TORCH_MODEL_TYPES  # noqa: PLC0415
-    from hetspec.workers.torch_runtime.config import ARCHITECTURES  # noqa: PLC0415
+    from hetspec.daemon.load.model_check import TORCH_MODEL_TYPES  # noqa: PLC0415
+    from hetspec.workers.runtimes.torch_runtime.config import ARCHITECTURES  # noqa: PLC0415
 
     assert set(TORCH_MODEL_TYPES) == set(ARCHITECTURES)

@@ -41,11 +41,11 @@ from hetspec.native.kernels import (
     matrix,
 )
 from hetspec.native.model import NativeModel
-from hetspec.speculative.samplers import DrawnSampler, KeyedSampler
-from hetspec.speculative.sampling import SamplingParams
-from hetspec.speculative.tree import chain_parents
-from hetspec.workers.native_runtime import NativeRuntime
-from hetspec.workers.tree_runtime import RuntimeUsageError
+from hetspec.speculative.verify.distributions import SamplingParams
+from hetspec.speculative.verify.samplers import DrawnSampler, KeyedSampler
+from hetspec.speculative.verify.tree import chain_parents
+from hetspec.workers.runtimes.native_runtime import NativeRuntime
+from hetspec.workers.runtimes.tree_runtime import RuntimeUsageError
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 TEXT = Path(textwrap.__file__).read_text()[:3000]
@@ -390,7 +390,7 @@ def k_quant_bundled(tmp_path_factory):
     ["q8_0", "q4_0", "q4_k_m", "bundled q4_k_m", "bundled q5_k_m", "bundled iq4_xs"],
 )
 def test_it_predicts_as_llama_cpp_does_on_the_same_file(request, heavy, gguf_type) -> None:
-    from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
+    from hetspec.workers.runtimes.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
 
     if gguf_type == "q4_k_m":
         path = request.getfixturevalue("k_quant_heavy")
@@ -645,7 +645,7 @@ def test_a_greedy_chain_past_the_context_is_refused(heavy) -> None:
 def test_bench_draft_times_a_round_s_draft_call_against_a_forward_alone(capsys) -> None:
     """The micro-benchmark behind docs/bench/native/draft-calls.md runs on the bundled draft
     and says, per runtime and gamma, what a draft token costs in rounds and alone."""
-    from hetspec.workers import bench_draft  # noqa: PLC0415
+    from hetspec.bench import draft_cost as bench_draft  # noqa: PLC0415
 
     draft = str(MODELS / "draft" / "draft-q8_0.gguf")
     cores = os.sched_getaffinity(0)

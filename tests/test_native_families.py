@@ -20,8 +20,8 @@ import pytest
 from tiny_models import write_tiny_gguf
 
 from hetspec.native.kernels import NativeUnavailable
-from hetspec.speculative.tree import chain_parents
-from hetspec.workers.native_runtime import NativeRuntime
+from hetspec.speculative.verify.tree import chain_parents
+from hetspec.workers.runtimes.native_runtime import NativeRuntime
 
 FAMILIES = ["llama3-rope", "llama-linear-bias-tied", "qwen2", "qwen3", "gemma2", "gemma3"]
 TEXT = Path(textwrap.__file__).read_text()[:3000]
@@ -63,7 +63,7 @@ def transformers_logits(folder: Path, tokens: list[int]) -> np.ndarray:
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_each_family_computes_what_transformers_and_llama_cpp_compute(tiny, name) -> None:
-    from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
+    from hetspec.workers.runtimes.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
 
     path = tiny(name)
     native = NativeRuntime(path, n_ctx=CONTEXT)
@@ -84,7 +84,7 @@ def test_each_family_computes_what_transformers_and_llama_cpp_compute(tiny, name
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma2", "gemma3"])
 def test_quantized_files_predict_as_llama_cpp_does(tiny, name) -> None:
-    from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
+    from hetspec.workers.runtimes.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
 
     path = tiny(name, "q8_0")
     native = NativeRuntime(path, n_ctx=CONTEXT)
@@ -218,10 +218,10 @@ def test_the_daemon_serves_a_qwen2_target_on_the_native_kernels_losslessly(tmp_p
     from test_daemon import native, request  # noqa: PLC0415
     from test_lossless import BundledDaemon  # noqa: PLC0415
 
-    from hetspec.client.bench import prompt_set  # noqa: PLC0415
+    from hetspec.bench.compare import prompt_set  # noqa: PLC0415
     from hetspec.daemon.config import BUNDLED_MODELS  # noqa: PLC0415
-    from hetspec.speculative.samplers import DrawnSampler  # noqa: PLC0415
-    from hetspec.speculative.sampling import SamplingParams  # noqa: PLC0415
+    from hetspec.speculative.verify.distributions import SamplingParams  # noqa: PLC0415
+    from hetspec.speculative.verify.samplers import DrawnSampler  # noqa: PLC0415
 
     target = qwen2_layout(BUNDLED_MODELS / "target", tmp_path / "qwen2")
     daemon = BundledDaemon(tmp_path, "draft-cpu", "--set", 'gpu_runtime="native"',
@@ -259,7 +259,7 @@ def test_the_daemon_serves_a_gemma3_pair_on_the_native_kernels_losslessly(tmp_pa
 
     from test_lossless import BundledDaemon  # noqa: PLC0415
 
-    from hetspec.client.bench import prompt_set  # noqa: PLC0415
+    from hetspec.bench.compare import prompt_set  # noqa: PLC0415
 
     models = {role: write_tiny_gguf(tmp_path / role, "gemma3", seed=seed, gguf_type="q8_0",
                                     context=1024, intermediate_size=FFN)

@@ -1,10 +1,10 @@
-"""The pipeline's timeline with a device per stage (speculative/pipeline_clock.py)."""
+"""The pipeline's timeline with a device per stage (speculative/flow/pipeline_clock.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from hetspec.speculative.pipeline_clock import CostProfile, PipelineClock
+from hetspec.speculative.flow.pipeline_clock import CostProfile, PipelineClock
 
 
 def test_one_segment_at_a_time_adds_every_hop_and_every_stage() -> None:

@@ -18,7 +18,7 @@ import pytest
 from test_daemon import request
 from test_lossless import BundledDaemon
 
-from hetspec.client.bench import prompt_set
+from hetspec.bench.compare import prompt_set
 from hetspec.daemon.config import BUNDLED_MODELS
 
 pytestmark = pytest.mark.process  # a daemon with stage processes, for most
@@ -40,7 +40,7 @@ def daemon(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def target():
-    from hetspec.workers.torch_runtime import TorchRuntime  # noqa: PLC0415
+    from hetspec.workers.runtimes.torch_runtime import TorchRuntime  # noqa: PLC0415
 
     return TorchRuntime(BUNDLED_MODELS / "target", max_context=1024, verifies=True)
 
@@ -152,7 +152,7 @@ def test_a_stage_on_another_host_admits_the_daemons_one_key(tmp_path, target) ->
     """A stage the daemon does not run (as on another host: its own key pair, admitting only
     the coordinator's public key) after the daemon's local stage, which uses the
     coordinator's key to reach it."""
-    from hetspec.daemon.local_stages import free_port  # noqa: PLC0415
+    from hetspec.daemon.pipeline.local_stages import free_port  # noqa: PLC0415
     from hetspec.protocol.curve_keys import make_keys  # noqa: PLC0415
 
     keys, admitted = tmp_path / "keys", tmp_path / "admitted"

@@ -1,6 +1,6 @@
 """FlowSpec's pipeline across processes: `hetspec-stage` processes on the loopback interface,
 each holding a range of the bundled target's layers, reached over ZeroMQ TCP with CURVE, driven
-by the daemon's coordinator (daemon/pipeline.py)."""
+by the daemon's coordinator (daemon/pipeline/coordinator.py)."""
 
 from __future__ import annotations
 
@@ -17,19 +17,19 @@ import numpy as np
 import pytest
 
 from hetspec.daemon.config import BUNDLED_MODELS
-from hetspec.daemon.local_stages import LocalStages
-from hetspec.daemon.pipeline import PipelineError, pipeline_decode
+from hetspec.daemon.pipeline.coordinator import PipelineError, pipeline_decode
+from hetspec.daemon.pipeline.local_stages import LocalStages
 from hetspec.protocol.curve_keys import CurveKeyError, load_secret, make_keys
-from hetspec.speculative.flow_tree import FlowTree
-from hetspec.speculative.samplers import DrawnSampler
-from hetspec.speculative.sampling import SamplingParams
-from hetspec.workers.torch_runtime import TorchRuntime
+from hetspec.speculative.flow.flow_tree import FlowTree
+from hetspec.speculative.verify.distributions import SamplingParams
+from hetspec.speculative.verify.samplers import DrawnSampler
+from hetspec.workers.runtimes.torch_runtime import TorchRuntime
 
 pytestmark = pytest.mark.process
 
 TARGET = BUNDLED_MODELS / "target"
 PROMPT = "def read_lines(path):\n    with open(path) as"
-# half-layers (speculative/layer_split.py): three stages split layers 1 and 2 after attention
+# half-layers (speculative/flow/layer_split.py): three stages split layers 1 and 2 after attention
 SPLITS = {2: [(0, 4), (4, 8)], 3: [(0, 3), (3, 5), (5, 8)]}
 TOKENS = 32
 
@@ -169,8 +169,8 @@ def test_sampled_tokens_through_the_pipeline_follow_the_targets_law(tmp_path, st
     keyed by seed and drawn."""
     from laws import chi2_critical, chi_square, exact_marginals  # noqa: PLC0415
 
-    from hetspec.speculative.samplers import sampler_for  # noqa: PLC0415
-    from hetspec.speculative.sampling import SamplingParams as Params  # noqa: PLC0415
+    from hetspec.speculative.verify.distributions import SamplingParams as Params  # noqa: PLC0415
+    from hetspec.speculative.verify.samplers import sampler_for  # noqa: PLC0415
 
     seeds = range(1200, 2400)  # keyed: one fixed sample, which fits (test_lossless's, once)
     prompt = "def add(a, b):\n"
@@ -224,8 +224,8 @@ def test_a_draft_workers_tree_and_its_expansion_verify_to_the_greedy_text(tmp_pa
     """The bundled draft model in a llama.cpp worker drafts below each root and, with the
     tree kept small, expands the likeliest leaves while the root waits: chains whose scores
     never rise, hung below leaves; 3 stage processes still return the target's greedy text."""
-    from hetspec.daemon.pipeline_drafter import PipelineDrafter, TreeShape  # noqa: PLC0415
-    from hetspec.daemon.worker_client import WorkerClient, WorkerSpec  # noqa: PLC0415
+    from hetspec.daemon.pipeline.drafter import PipelineDrafter, TreeShape  # noqa: PLC0415
+    from hetspec.daemon.supervision.worker_client import WorkerClient, WorkerSpec  # noqa: PLC0415
     from hetspec.protocol import Arena  # noqa: PLC0415
     from hetspec.protocol import worker_messages as m  # noqa: PLC0415
 

@@ -1,6 +1,7 @@
-"""The bundled target split into torch pipeline stages (workers/torch_runtime/stage.py),
-driven by FlowSpec's tree and stage books in one process: the split model computes what the
-whole model computes, and pipelined greedy verification returns the target's greedy text."""
+"""The bundled target split into torch pipeline stages
+(workers/runtimes/torch_runtime/stage_runtime.py), driven by FlowSpec's tree and stage books in
+one process: the split model computes what the whole model computes, and pipelined greedy
+verification returns the target's greedy text."""
 
 from __future__ import annotations
 
@@ -11,14 +12,14 @@ import pytest
 from tiny_models import build_reference, save_reference
 
 from hetspec.daemon.config import BUNDLED_MODELS
-from hetspec.speculative.flow_stage import StageBook
-from hetspec.speculative.flow_tree import FlowTree
-from hetspec.speculative.samplers import DrawnSampler
-from hetspec.speculative.sampling import SamplingParams
-from hetspec.speculative.tree import chain_parents
-from hetspec.workers.torch_runtime import TorchRuntime
-from hetspec.workers.torch_runtime.config import ModelLoadError
-from hetspec.workers.torch_runtime.stage import StageRuntime
+from hetspec.speculative.flow.flow_tree import FlowTree
+from hetspec.speculative.flow.stage_cache import StageBook
+from hetspec.speculative.verify.distributions import SamplingParams
+from hetspec.speculative.verify.samplers import DrawnSampler
+from hetspec.speculative.verify.tree import chain_parents
+from hetspec.workers.runtimes.torch_runtime import TorchRuntime
+from hetspec.workers.runtimes.torch_runtime.config import ModelLoadError
+from hetspec.workers.runtimes.torch_runtime.stage_runtime import StageRuntime
 
 TARGET = BUNDLED_MODELS / "target"
 PROMPT = "def read_lines(path):\n    with open(path) as"

@@ -14,12 +14,12 @@ import shutil
 import pytest
 from tiny_models import write_tiny_gguf
 
-from hetspec.daemon.chat_template import ChatMessage, load_chat_template
+from hetspec.daemon.api.chat_template import ChatMessage, load_chat_template
 from hetspec.models.gguf_export import export_gguf
 from hetspec.protocol.tokenizer_files import adds_bos
-from hetspec.speculative.vocab import incompatibilities
-from hetspec.workers.llama_cpp_runtime.vocabulary import VocabularyFile
-from hetspec.workers.torch_runtime.tokenizer import FolderTokenizer
+from hetspec.speculative.drafting.vocab_match import incompatibilities
+from hetspec.workers.runtimes.llama_cpp_runtime.vocabulary import VocabularyFile
+from hetspec.workers.runtimes.torch_runtime.tokenizer import FolderTokenizer
 
 # Gemma's template, abridged: BOS text first, turns as <start_of_turn>role ... <end_of_turn>
 GEMMA_TEMPLATE = (

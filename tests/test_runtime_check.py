@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hetspec.daemon.runtime_check import _collect, check_runtimes, describe
+from hetspec.daemon.load.runtime_check import _collect, check_runtimes, describe
 from hetspec.protocol import (
     LlamaCppReport,
     ProbeFailure,
@@ -20,7 +20,7 @@ from hetspec.protocol import (
     decode_runtime_report,
     encode_runtime_report,
 )
-from hetspec.workers.probe import compiled_cpu_features, host_cpu_features
+from hetspec.workers.tools.probe import compiled_cpu_features, host_cpu_features
 
 BIN = Path(sys.executable).parent
 
@@ -136,11 +136,11 @@ def test_a_crashing_or_garbled_probe_becomes_a_failure_report() -> None:
 @pytest.mark.process
 def test_probe_rejects_an_unknown_runtime() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "hetspec.workers.probe", "tensorflow"],
+        [sys.executable, "-m", "hetspec.workers.tools.probe", "tensorflow"],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert result.returncode == 2
-    assert result.stderr.strip() == "usage: python -m hetspec.workers.probe {llama.cpp|torch}"
+    assert result.stderr.strip() == "usage: python -m hetspec.workers.tools.probe {llama.cpp|torch}"
 
 
 def test_a_llama_build_without_simd_is_called_out() -> None:

@@ -16,7 +16,7 @@ from test_daemon import request
 from test_lossless import BundledDaemon
 
 from hetspec.daemon.config import BUNDLED_MODELS, ConfigError, load_config
-from hetspec.daemon.runtime_choice import (
+from hetspec.daemon.load.runtime_trials import (
     CUDA_VERIFY_WIDTHS,
     VERIFY_WIDTHS,
     cache_dir,
@@ -24,9 +24,9 @@ from hetspec.daemon.runtime_choice import (
     decide_gpu_runtime,
     profile_key,
 )
-from hetspec.daemon.supervisor import worker_specs
+from hetspec.daemon.supervision.supervisor import worker_specs
 from hetspec.protocol import ProbeFailure, RuntimeProfile, decode_profile
-from hetspec.speculative.runtime_choice import (
+from hetspec.speculative.control.runtime_choice import (
     Rate,
     best_rate,
     expected_tokens,
@@ -64,7 +64,7 @@ def test_the_fastest_runtime_wins_and_a_tie_keeps_the_first() -> None:
 
 
 def profile(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hetspec.workers.profile", *argv],
+    return subprocess.run([sys.executable, "-m", "hetspec.workers.tools.profile", *argv],
                           capture_output=True, timeout=180, check=False)  # fmt: skip
 
 
@@ -172,8 +172,8 @@ def test_where_cuda_verifies_cpu_only_runtimes_are_not_timed(tmp_path) -> None:
     """On a GPU box the GPU worker owns one core: timing the target there on CPU kernels
     took minutes for a 1B target. Here (no CUDA) torch on "cuda" then fails too, and the
     error names all three reasons."""
-    from hetspec.daemon.runtime_check import check_runtime  # noqa: PLC0415
-    from hetspec.daemon.runtime_choice import RuntimeChoiceError  # noqa: PLC0415
+    from hetspec.daemon.load.runtime_check import check_runtime  # noqa: PLC0415
+    from hetspec.daemon.load.runtime_trials import RuntimeChoiceError  # noqa: PLC0415
 
     if getattr(check_runtime("llama.cpp"), "gpu_offload", False):
         pytest.skip("this llama.cpp build offloads: it is a candidate on a GPU box")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hetspec.speculative.logprobs import token_logprob
-from hetspec.speculative.samplers import (
+from hetspec.speculative.verify.logprobs import token_logprob
+from hetspec.speculative.verify.samplers import (
     DrawnSampler,
     KeyedSampler,
     PhiloxNoise,

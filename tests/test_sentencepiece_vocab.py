@@ -14,9 +14,9 @@ import json
 import pytest
 from tiny_models import write_tiny_gguf
 
-from hetspec.speculative.vocab import incompatibilities
-from hetspec.workers.llama_cpp_runtime.vocabulary import VocabularyFile
-from hetspec.workers.torch_runtime.tokenizer import FolderTokenizer
+from hetspec.speculative.drafting.vocab_match import incompatibilities
+from hetspec.workers.runtimes.llama_cpp_runtime.vocabulary import VocabularyFile
+from hetspec.workers.runtimes.torch_runtime.tokenizer import FolderTokenizer
 
 TEXTS = [
     "def f(x):\n    return x + 1  # ünïcode ☃",  # characters only byte pieces spell

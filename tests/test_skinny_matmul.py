@@ -15,11 +15,11 @@ from tiny_models import (
     write_tiny_gguf_llama,
 )
 
+from hetspec.bench.torch_matmul import HEAVY_1B, TILINGS
 from hetspec.protocol import worker_messages as m
 from hetspec.workers.process import LoadError, load_runtime
-from hetspec.workers.torch_runtime import ModelLoadError, TorchRuntime, skinny_matmul
-from hetspec.workers.torch_runtime.bench_matmul import HEAVY_1B, TILINGS
-from hetspec.workers.torch_runtime.skinny_matmul import (
+from hetspec.workers.runtimes.torch_runtime import ModelLoadError, TorchRuntime, skinny_matmul
+from hetspec.workers.runtimes.torch_runtime.skinny_matmul import (
     DEFAULT_TILING,
     MAX_ROWS,
     Launch,

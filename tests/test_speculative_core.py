@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hetspec.speculative.branching import branch_length, uncertainty_branches
-from hetspec.speculative.samplers import DrawnSampler, pick
-from hetspec.speculative.sampling import (
+from hetspec.speculative.drafting.branching import branch_length, uncertainty_branches
+from hetspec.speculative.drafting.vocab_match import incompatibilities, vocab_info
+from hetspec.speculative.verify.distributions import (
     SamplingError,
     SamplingParams,
     distribution,
@@ -18,7 +18,8 @@ from hetspec.speculative.sampling import (
     softmax,
     top_tokens,
 )
-from hetspec.speculative.tree import (
+from hetspec.speculative.verify.samplers import DrawnSampler, pick
+from hetspec.speculative.verify.tree import (
     TreeError,
     ancestor_mask,
     chain_parents,
@@ -27,7 +28,6 @@ from hetspec.speculative.tree import (
     path_to,
     validate_parents,
 )
-from hetspec.speculative.vocab import incompatibilities, vocab_info
 
 
 @st.composite

@@ -1,4 +1,4 @@
-"""Split attention (workers/torch_runtime/split_attention.py): the arithmetic against plain
+"""Split attention (workers/runtimes/torch_runtime/split_attention.py): the arithmetic against plain
 softmax attention, the tails a tree's rows gather, and the runtime's way out for rows too
 deep for it."""
 
@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from tiny_models import build_reference, save_reference, write_tiny_gguf_llama
 
-from hetspec.workers.torch_runtime import ModelLoadError, TorchRuntime, static_forward
-from hetspec.workers.torch_runtime.split_attention import (
+from hetspec.workers.runtimes.torch_runtime import ModelLoadError, TorchRuntime, static_forward
+from hetspec.workers.runtimes.torch_runtime.split_attention import (
     path_tails,
     split_attention,
     split_bias,
@@ -166,7 +166,7 @@ def test_compiled_the_kernel_stays_one_op_a_layer_and_keeps_the_bits() -> None:
 def test_on_cuda_the_kernel_tracks_the_torch_arithmetic_row_by_row(dtype) -> None:
     """heavy-1b's attention shape (128 heads of 32 over 64 KV heads) at 500 keys: the kernel
     against the torch arithmetic, and each row's bits the same in a call of one row."""
-    from hetspec.workers.torch_runtime import split_kernel  # noqa: PLC0415
+    from hetspec.workers.runtimes.torch_runtime import split_kernel  # noqa: PLC0415
 
     generator = torch.Generator(device="cuda").manual_seed(0)
     keys = torch.randn(64, 600, 32, device="cuda", generator=generator).to(dtype)
@@ -197,7 +197,7 @@ def test_a_kernel_that_fails_or_strays_is_refused_for_the_torch_arithmetic(
     a stand-in for a miscompiled kernel) is refused, and the worker's device line says so."""
     from hetspec.protocol import worker_messages as m  # noqa: PLC0415
     from hetspec.workers.process import load_runtime  # noqa: PLC0415
-    from hetspec.workers.torch_runtime import skinny_matmul, split_kernel  # noqa: PLC0415
+    from hetspec.workers.runtimes.torch_runtime import skinny_matmul, split_kernel  # noqa: PLC0415
 
     def kernel(q, *args, **kwargs):
         if broken == "raises":

@@ -11,7 +11,7 @@ import torch
 from tiny_models import build_reference, save_reference
 
 from hetspec.models.train_head import Teacher
-from hetspec.workers.torch_runtime import TorchRuntime
+from hetspec.workers.runtimes.torch_runtime import TorchRuntime
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetspec.daemon.autoregressive import (
+from hetspec.daemon.decode.autoregressive import (
     ALONE_CALL_S,
     MAX_ALONE_TOKENS,
     TRIAL_TOKENS,
     alone_tokens,
 )
-from hetspec.daemon.text_output import TextOutput
+from hetspec.daemon.decode.text_output import TextOutput
 
 # single ASCII letters, a two-letter token, and the two halves of "é" (0xC3 0xA9)
 TOKENS = [b"a", b"b", b"c", b"ab", b"\xc3", b"\xa9", b"\n"]

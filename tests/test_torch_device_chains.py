@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from tiny_models import build_reference, save_reference
 
-from hetspec.speculative.samplers import DrawnSampler, KeyedSampler
-from hetspec.speculative.sampling import SamplingParams
-from hetspec.workers.torch_runtime import TorchRuntime, device_choice, static_forward
-from hetspec.workers.tree_runtime import TreeRuntime
+from hetspec.speculative.verify.distributions import SamplingParams
+from hetspec.speculative.verify.samplers import DrawnSampler, KeyedSampler
+from hetspec.workers.runtimes.torch_runtime import TorchRuntime, device_choice, static_forward
+from hetspec.workers.runtimes.tree_runtime import TreeRuntime
 
 PROMPT = [1, 17, 42, 5, 88, 23, 9, 61, 2, 70, 33, 14]
 
@@ -172,7 +172,7 @@ def test_a_chained_draft_is_the_step_by_step_draft(tmp_path, params, sampler, at
 
 
 def test_bench_verify_times_decoding_both_ways(tmp_path) -> None:
-    from hetspec.workers.torch_runtime import bench_verify  # noqa: PLC0415
+    from hetspec.bench import torch_verify as bench_verify  # noqa: PLC0415
 
     folder = save_reference(build_reference("qwen3"), tmp_path / "m")
     out = tmp_path / "verify.json"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import transformers
 
-from hetspec.workers.torch_runtime.config import ModelConfig, ModelLoadError
+from hetspec.workers.runtimes.torch_runtime.config import ModelConfig, ModelLoadError
 
 GEMMA3_1B = {  # google/gemma-3-1b-it (transformers 4.50)
     "model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 1152,

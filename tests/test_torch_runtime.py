@@ -10,16 +10,16 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_models import TINY_CONFIGS, build_reference, compiled_beside_eager, save_reference
 
-from hetspec.speculative.samplers import DrawnSampler
-from hetspec.speculative.sampling import SamplingParams
-from hetspec.speculative.tree import chain_parents, path_to
-from hetspec.workers.torch_runtime import (
+from hetspec.speculative.verify.distributions import SamplingParams
+from hetspec.speculative.verify.samplers import DrawnSampler
+from hetspec.speculative.verify.tree import chain_parents, path_to
+from hetspec.workers.runtimes.torch_runtime import (
     ModelLoadError,
     RuntimeUsageError,
     TorchRuntime,
     static_forward,
 )
-from hetspec.workers.torch_runtime.static_forward import Shapes
+from hetspec.workers.runtimes.torch_runtime.static_forward import Shapes
 
 TOLERANCE = 1e-4  # max abs logit difference allowed against transformers in fp32
 PROMPT = [1, 17, 42, 5, 88, 23, 9, 61, 2, 70, 33, 14]

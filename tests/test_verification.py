@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetspec.protocol.sampling import SamplingParams
-from hetspec.speculative.samplers import KeyedSampler
-from hetspec.speculative.sampling import distribution
-from hetspec.speculative.tree import depths, is_path
-from hetspec.speculative.verify import (
+from hetspec.speculative.verify.distributions import distribution
+from hetspec.speculative.verify.samplers import KeyedSampler
+from hetspec.speculative.verify.tree import depths, is_path
+from hetspec.speculative.verify.verdicts import (
     RowsOnDemand,
     _walk,
     verify_greedy,

@@ -21,8 +21,8 @@ from test_hardening_supervision import events, ready_health, wait_until
 from test_worker_process import LOAD_TIMEOUT, VOCAB, spec
 from tiny_models import write_tiny_gguf_llama
 
-from hetspec.daemon.slots import SlotPool
-from hetspec.daemon.worker_client import WorkerClient, WorkerDied, WorkerError
+from hetspec.daemon.supervision.slots import SlotPool
+from hetspec.daemon.supervision.worker_client import WorkerClient, WorkerDied, WorkerError
 from hetspec.protocol import ArrayRef, Codec
 from hetspec.protocol import worker_messages as m
 from hetspec.workers.process import CommandReader

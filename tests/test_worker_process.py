@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from tiny_models import TINY_VOCAB
 
-from hetspec.daemon.worker_client import (
+from hetspec.daemon.supervision.worker_client import (
     WorkerClient,
     WorkerDied,
     WorkerError,
@@ -26,9 +26,9 @@ from hetspec.daemon.worker_client import (
 from hetspec.protocol import ArrayRef, frame_array
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.arena import Arena
-from hetspec.speculative.samplers import KeyedSampler
-from hetspec.speculative.sampling import distribution
-from hetspec.speculative.verify import verify_sampled
+from hetspec.speculative.verify.distributions import distribution
+from hetspec.speculative.verify.samplers import KeyedSampler
+from hetspec.speculative.verify.verdicts import verify_sampled
 
 pytestmark = pytest.mark.process
 
@@ -389,7 +389,7 @@ def test_a_worker_exits_when_the_daemon_dies(gguf, tmp_path) -> None:
     """The daemon is SIGKILLed with its worker loaded: the death pipe takes the worker down."""
     script = f"""
 import asyncio, os, sys
-from hetspec.daemon.worker_client import WorkerClient, WorkerSpec
+from hetspec.daemon.supervision.worker_client import WorkerClient, WorkerSpec
 from hetspec.protocol import worker_messages as m
 async def main():
     spec = WorkerSpec("cpu", "llama.cpp", {str(gguf)!r}, m.LlamaCppSettings(n_ctx=64, threads=1))
@@ -453,7 +453,7 @@ def test_bench_verdict_times_both_walks_with_the_same_verdicts(tmp_path, runtime
     """``bench_verdict`` (the GPU call's GEMMA step) on the bundled target: the target's own
     keyed tokens are accepted whole and a changed first token is rejected at once, by the
     daemon's walk and the verifier's alike (it checks every round's two verdicts agree)."""
-    from hetspec.daemon import bench_verdict  # noqa: PLC0415
+    from hetspec.bench import verdict as bench_verdict  # noqa: PLC0415
 
     target = Path(__file__).parents[1] / "models" / "target"
     model = target / "target-q8_0.gguf" if runtime == "native" else target

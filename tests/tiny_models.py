@@ -236,7 +236,7 @@ def write_tiny_pair(root: Path, context: int) -> dict[str, Path]:
 def compiled_beside_eager(folder: Path, prompt: list[int], **options):
     """(compiled, eager): two torch runtimes of ``folder`` with the same ``options``, one
     through torch.compile, both prefilled with ``prompt``."""
-    from hetspec.workers.torch_runtime import TorchRuntime  # noqa: PLC0415 (its tests only)
+    from hetspec.workers.runtimes.torch_runtime import TorchRuntime  # noqa: PLC0415 (its tests only)
 
     runtimes = TorchRuntime(folder, compile=True, **options), TorchRuntime(folder, **options)
     for runtime in runtimes:

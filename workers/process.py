@@ -43,10 +43,10 @@ from hetspec.protocol import worker_messages as m
 from hetspec.protocol.arena import SHM_DIR
 from hetspec.protocol.mailbox import Mailbox, MailboxFull
 from hetspec.protocol.sampling import SamplingError
-from hetspec.speculative.samplers import DrawnSampler, KeyedSampler, Sampler, sampler_for
-from hetspec.speculative.verify import RowsOnDemand, Verdict, verify_sampled
-from hetspec.workers.spare_cores import SPARE_CORES_SPIN_COUNT, SpareCores, openmp_places
-from hetspec.workers.tree_runtime import Interrupted, RuntimeUsageError
+from hetspec.speculative.verify.samplers import DrawnSampler, KeyedSampler, Sampler, sampler_for
+from hetspec.speculative.verify.verdicts import RowsOnDemand, Verdict, verify_sampled
+from hetspec.workers.runtimes.spare_cores import SPARE_CORES_SPIN_COUNT, SpareCores, openmp_places
+from hetspec.workers.runtimes.tree_runtime import Interrupted, RuntimeUsageError
 
 RUNTIMES = ("llama.cpp", "torch", "native", "head")
 PR_SET_PDEATHSIG = 1
@@ -72,7 +72,7 @@ def load_runtime(kind: str, model: str, settings: m.RuntimeSettings):
     """Import and build the engine only now, in this process, after the cores are set."""
     options = {k: v for k, v in msgspec.structs.asdict(settings).items() if v is not None}
     if kind == "llama.cpp":
-        from hetspec.workers.llama_cpp_runtime import LlamaCppError, LlamaCppRuntime  # noqa: PLC0415
+        from hetspec.workers.runtimes.llama_cpp_runtime import LlamaCppError, LlamaCppRuntime  # noqa: PLC0415
 
         if not isinstance(settings, m.LlamaCppSettings):
             raise LoadError("the llama.cpp worker takes llama.cpp settings")
@@ -83,7 +83,7 @@ def load_runtime(kind: str, model: str, settings: m.RuntimeSettings):
             raise LoadError(str(error)) from None
     if kind == "native":
         from hetspec.native.kernels import NativeUnavailable  # noqa: PLC0415
-        from hetspec.workers.native_runtime import NativeRuntime  # noqa: PLC0415
+        from hetspec.workers.runtimes.native_runtime import NativeRuntime  # noqa: PLC0415
 
         if not isinstance(settings, m.NativeSettings):
             raise LoadError("the native worker takes native settings")
@@ -92,10 +92,10 @@ def load_runtime(kind: str, model: str, settings: m.RuntimeSettings):
             return runtime, f"cpu (native, {runtime.kernels})"
         except NativeUnavailable as error:
             raise LoadError(str(error)) from None
-    from hetspec.workers.torch_runtime import ModelLoadError  # noqa: PLC0415
+    from hetspec.workers.runtimes.torch_runtime import ModelLoadError  # noqa: PLC0415
 
     if kind == "head":
-        from hetspec.workers.torch_runtime.head_runtime import HeadRuntime  # noqa: PLC0415
+        from hetspec.workers.runtimes.torch_runtime.head_runtime import HeadRuntime  # noqa: PLC0415
 
         if not isinstance(settings, m.HeadSettings):
             raise LoadError("the draft head's worker takes draft-head settings")
@@ -112,7 +112,7 @@ def load_runtime(kind: str, model: str, settings: m.RuntimeSettings):
 def load_torch(model: str, settings: m.TorchSettings, options: dict):
     import torch  # noqa: PLC0415
 
-    from hetspec.workers.torch_runtime import ModelLoadError, TorchRuntime  # noqa: PLC0415
+    from hetspec.workers.runtimes.torch_runtime import ModelLoadError, TorchRuntime  # noqa: PLC0415
 
     if settings.matmul_tiling is not None:  # the fields it changes, as plain values
         tiling = msgspec.structs.asdict(settings.matmul_tiling)

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     if not is_loopback(args.host):
         print(WARNING.format(host=args.host), file=sys.stderr)
 
-    from hetspec.workers.llama_cpp_runtime.rpc import RpcError, serve  # noqa: PLC0415
+    from hetspec.workers.runtimes.llama_cpp_runtime.rpc import RpcError, serve  # noqa: PLC0415
 
     # The server loop runs inside llama.cpp, where Python's handlers never run: let the
     # signals end the process directly (it keeps no state worth a clean shutdown).

@@ -8,7 +8,7 @@ FlowSpec's pipeline, reached over ZeroMQ on TCP with CURVE (docs/beyond-one-box.
 Only clients whose public key file is in ``--authorized`` may connect (the coordinator, and
 the stage before this one); traffic is encrypted. Rows come from the stage before (or the
 coordinator, for the first stage) and commits straight from the coordinator; the stage's
-bookkeeping (speculative/flow_stage.py) makes their arrival order irrelevant.
+bookkeeping (speculative/flow/stage_cache.py) makes their arrival order irrelevant.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from hetspec.protocol.pipeline_messages import (
     StageFailed,
     ToStage,
 )
-from hetspec.speculative.flow_stage import StageBook
-from hetspec.speculative.layer_split import SplitError, format_range, parse_range
+from hetspec.speculative.flow.layer_split import SplitError, format_range, parse_range
+from hetspec.speculative.flow.stage_cache import StageBook
 
 
 class Sender(threading.Thread):
@@ -195,8 +195,8 @@ def serve(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
 
-    from hetspec.workers.torch_runtime import ModelLoadError  # noqa: PLC0415
-    from hetspec.workers.torch_runtime.stage import StageRuntime  # noqa: PLC0415
+    from hetspec.workers.runtimes.torch_runtime import ModelLoadError  # noqa: PLC0415
+    from hetspec.workers.runtimes.torch_runtime.stage_runtime import StageRuntime  # noqa: PLC0415
 
     try:
         runtime = StageRuntime(args.model, first / 2, end / 2, max_context=args.max_context,

@@ -1,4 +1,4 @@
-/* The block transposes that the features-in-lanes kernels and native/bench/staging_ceiling.c
+/* The block transposes that the features-in-lanes kernels and bench/c/staging_ceiling.c
  * share (x86; include after internal.h). */
 #ifndef HS_TRANSPOSES_H
 #define HS_TRANSPOSES_H

@@ -1,0 +1,1 @@
+"""Verification: token trees, the target's distributions, keyed and drawn sampling, verdicts."""

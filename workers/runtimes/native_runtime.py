@@ -1,0 +1,152 @@
+"""NativeRuntime: token trees on hetspec's own CPU kernels (hetspec.native), over a GGUF file.
+
+Laid out as the torch runtime is: the committed tokens' keys/values fill cache slots
+0..committed-1 and the pending tree's nodes the slots after them, in evaluation order;
+committing a path copies its slots right after the prefix. Each new node attends to the
+prefix and to its ancestors' slots, listed per node (no dense mask). The kernels compute every
+row the same way whatever the width of the call, so a token's logits inside a tree equal its
+logits evaluated alone, bit for bit: greedy verification returns exactly what this runtime
+decodes alone. The vocabulary comes from llama.cpp (the file loaded ``vocab_only``), so this
+runtime tokenizes exactly as the llama.cpp workers do.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from hetspec.native.kernels import BEST, SIMD_LEVELS, NativeUnavailable
+from hetspec.native.model import NativeModel
+from hetspec.speculative.drafting.vocab_match import VocabInfo
+from hetspec.speculative.verify.samplers import ChainDraws
+from hetspec.workers.runtimes.llama_cpp_runtime.vocabulary import VocabularyFile
+from hetspec.workers.runtimes.tree_runtime import TreeRuntime
+
+
+class NativeRuntime(TreeRuntime[np.ndarray]):
+    def __init__(self, model_path: str | Path, *, n_ctx: int | None = None,
+                 threads: int | None = None, simd: str | None = None,
+                 pack: bool | None = None) -> None:  # fmt: skip
+        """Load a Llama, Qwen2 or Qwen3 GGUF file (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
+        Q6_K, IQ4_NL, IQ4_XS, F16 or F32 weights); ``threads`` defaults to the cores this
+        process may run on; ``simd`` caps the kernels' level (``SIMD_LEVELS``; None: the best
+        here); ``pack``: packed copies of Q8_0 matrices (None: ``NativeModel``'s choice).
+        Raises ``NativeUnavailable`` with the reason."""
+        path = Path(model_path)
+        if not path.is_file():
+            raise NativeUnavailable(f"{path}: no such file")
+        owned = len(os.sched_getaffinity(0))
+        self.threads = threads or owned
+        if not 0 < self.threads <= owned:
+            raise NativeUnavailable(f"{self.threads} threads requested but this process owns "
+                                    f"{owned} cores")  # fmt: skip
+        self._extra_threads = 0
+        if simd is not None and simd not in SIMD_LEVELS:
+            raise NativeUnavailable(f"no {simd} kernels on this architecture: it has "
+                                    f"{', '.join(SIMD_LEVELS)}")  # fmt: skip
+        self.model = NativeModel(path, n_ctx, BEST if simd is None else SIMD_LEVELS[simd],
+                                 pack=pack)  # fmt: skip
+        level = self.model.kernels.level_for(BEST if simd is None else SIMD_LEVELS[simd])
+        self.kernels = next(name for name, value in SIMD_LEVELS.items() if value == level)
+        vocabulary = VocabularyFile.open(path)
+        if vocabulary is None:
+            raise NativeUnavailable(f"{path}: llama.cpp could not read its vocabulary")
+        if vocabulary.size != self.model.vocab:
+            raise NativeUnavailable(f"{path}: {vocabulary.size} tokens in the vocabulary but "
+                                    f"{self.model.vocab} embedding rows")  # fmt: skip
+        self._vocabulary = vocabulary
+        self.path = path
+        super().__init__(self.model.vocab, self.model.capacity)
+
+    def set_extra_threads(self, extra: int) -> None:
+        """Compute with ``extra`` threads beyond the configured ones (on cores lent for now:
+        see workers/runtimes/spare_cores.py); 0 restores the configured count."""
+        self._extra_threads = extra
+
+    # ------------------------------------------------------------ vocabulary
+
+    def vocab_info(self) -> VocabInfo:
+        return self._vocabulary.info()
+
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        return self._vocabulary.tokenize(text, add_special=add_special)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self._vocabulary.token_bytes(token)
+
+    def special_tokens(self) -> list[int]:
+        return self._vocabulary.special_tokens()
+
+    # The widest chain first, then 1, 2, ... for a second. The kernels keep no state per width
+    # (torch's reason to run every width), but a width's first call costs up to ~0.7 ms more
+    # than the next ones (the bundled target: 1.1 ms against 0.8 at 13 tokens): all of a small
+    # model's first calls, nothing on a large one, where every width took a 1B model 38 s.
+    warm_up_s = 1.0
+
+    def warm_up_widths(self, width: int) -> Iterable[int]:
+        return (width, *range(1, width))
+
+    # ------------------------------------------------------------ TreeRuntime hooks
+
+    def _forward(self, tokens: np.ndarray, positions: np.ndarray, rows: np.ndarray,
+                 first_logit: int) -> np.ndarray:  # fmt: skip
+        """New nodes into the slots after the pending ones; ``rows`` (new, pending + new) says
+        which pending slots each sees besides the committed prefix."""
+        node, column = np.nonzero(rows)  # row-major: each node's slots in increasing order
+        offsets = np.zeros(len(tokens) + 1, np.int32)
+        np.cumsum(np.bincount(node, minlength=len(tokens)), out=offsets[1:])
+        return self.model.forward(
+            tokens, positions, start=self.committed + self.pending, prefix=self.committed,
+            offsets=offsets, visible=self.committed + column, first_logit=first_logit,
+            threads=self.threads + self._extra_threads,
+        )  # fmt: skip
+
+    def _run_chain(self, first: int, positions: np.ndarray, rows: np.ndarray,
+                   draws: ChainDraws | None, temperature: float, *,
+                   probs_out: np.ndarray | None = None):  # fmt: skip
+        existing = self.pending  # the first node's pending ancestors, in slot order
+        return self.model.draft_chain(
+            first, len(rows), position=int(positions[0]), start=self.committed + existing,
+            prefix=self.committed, base=self.committed + np.flatnonzero(rows[0, :existing]),
+            threads=self.threads + self._extra_threads, temperature=temperature,
+            noise=None if draws is None else draws.noise,
+            uniforms=None if draws is None else draws.uniforms, probs=probs_out,
+        )  # fmt: skip
+
+    def _run_branches(self, firsts: np.ndarray, count: int, position: int,
+                      base: np.ndarray, probs: np.ndarray | None):  # fmt: skip
+        return self.model.draft_branches(
+            firsts, count, position=position, start=self.committed + self.pending,
+            prefix=self.committed, base=self.committed + base,
+            threads=self.threads + self._extra_threads, probs=probs,
+        )  # fmt: skip
+
+    def _run(
+        self, tokens: np.ndarray, parents: np.ndarray, positions: np.ndarray, rows: np.ndarray
+    ) -> np.ndarray:
+        return self._forward(tokens, positions, rows, 0)
+
+    def _node_logits(self, output: np.ndarray, index: int) -> np.ndarray:
+        return output[index].copy()
+
+    def _step_logits(self, output: np.ndarray) -> np.ndarray:
+        return output
+
+    def _keep_path(self, path: list[int]) -> None:
+        if path != list(range(len(path))):
+            self.model.move_slots(self.committed + np.asarray(path), self.committed)
+
+    def _drop_pending_kv(self) -> None:
+        """Nothing to do: pending slots are overwritten by the next forward."""
+
+    def _truncate_kv(self, length: int) -> None:
+        """Nothing to do: slots past the committed length are never attended to."""
+
+    def _extend_committed(self, tokens: np.ndarray) -> np.ndarray:
+        count = len(tokens)
+        rows = np.tril(np.ones((count, count), bool))
+        positions = self.committed + np.arange(count)
+        return self._forward(tokens, positions, rows, count - 1)[0]

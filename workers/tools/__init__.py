@@ -1,0 +1,3 @@
+"""Small worker-side commands the daemon runs in processes of their own: describe a model, probe a
+runtime, profile a forward.
+"""
