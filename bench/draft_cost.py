@@ -78,18 +78,27 @@ def kernel_chain_us(runtime, gamma: int, *, prefix: int, repeats: int) -> float 
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
-        model.draft_chain(1, gamma, position=prefix, start=prefix, prefix=prefix, base=base,
-                          threads=runtime.threads)  # fmt: skip
+        model.draft_chain(
+            1,
+            gamma,
+            position=prefix,
+            start=prefix,
+            prefix=prefix,
+            base=base,
+            threads=runtime.threads,
+        )
         samples.append(time.perf_counter() - start)
     return float(np.median(samples)) / gamma * 1e6
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hetspec.bench.draft_cost",
-                                     description=__doc__)  # fmt: skip
+    parser = argparse.ArgumentParser(prog="python -m hetspec.bench.draft_cost", description=__doc__)
     parser.add_argument("model", help="a GGUF file")
-    parser.add_argument("--runtimes", default="native,llama.cpp",
-                        help="comma-separated: native, llama.cpp (default both)")  # fmt: skip
+    parser.add_argument(
+        "--runtimes",
+        default="native,llama.cpp",
+        help="comma-separated: native, llama.cpp (default both)",
+    )
     parser.add_argument("--gammas", type=positive_int_list, default=[4, 8])
     parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--prefix", type=positive_int, default=256)
@@ -97,9 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cores", default="", help="comma-separated cores to run on")
     args = parser.parse_args(argv)
     cores = core_list(args.cores)
-    print(f"{os.path.basename(args.model)}: a draft token, {args.threads} thread(s), "
-          f"{args.prefix} tokens of context; in rounds (the accepted path and a bonus "
-          "appended first) against the same draft alone")  # fmt: skip
+    print(
+        f"{os.path.basename(args.model)}: a draft token, {args.threads} thread(s), "
+        f"{args.prefix} tokens of context; in rounds (the accepted path and a bonus "
+        "appended first) against the same draft alone"
+    )
     for name in args.runtimes.split(","):
         if name not in SETTINGS:
             parser.error(f"unknown runtime {name!r} (native, llama.cpp)")
@@ -114,8 +125,10 @@ def main(argv: list[str] | None = None) -> int:
             alone = forward_alone_us(runtime, gamma, prefix=args.prefix, repeats=args.rounds)
             kernel = kernel_chain_us(runtime, gamma, prefix=args.prefix, repeats=args.rounds)
             kernels = "" if kernel is None else f", the kernels' chain call {kernel:.1f}"
-            print(f"  {device}, gamma {gamma}: in rounds {in_rounds:.1f} us a token; a forward "
-                  f"of a draft alone {alone:.1f}{kernels}")  # fmt: skip
+            print(
+                f"  {device}, gamma {gamma}: in rounds {in_rounds:.1f} us a token; a forward "
+                f"of a draft alone {alone:.1f}{kernels}"
+            )
         if hasattr(runtime, "close"):
             runtime.close()
     return 0

@@ -48,16 +48,24 @@ def acceptance(client, prompts: list[str], max_tokens: int) -> dict:
         accepted = rounds = nodes = 0
         rates = []
         for prompt in prompts:
-            done = client.generate(prompt, max_tokens=max_tokens, ignore_eos=True,
-                                   temperature=temperature, mode="sequential",
-                                   gamma=GAMMA)  # fmt: skip
+            done = client.generate(
+                prompt,
+                max_tokens=max_tokens,
+                ignore_eos=True,
+                temperature=temperature,
+                mode="sequential",
+                gamma=GAMMA,
+            )
             accepted += done.timings["draft_n_accepted"]
             rounds += done.speculative["rounds"]
             nodes += done.speculative.get("verified_nodes", 0)
             rates.append(done.timings["predicted_per_second"])
-        rows[temperature] = {"accepted_per_round": accepted / rounds, "rounds": rounds,
-                             "nodes_per_round": nodes / rounds,
-                             "tokens_per_s": statistics.mean(rates)}  # fmt: skip
+        rows[temperature] = {
+            "accepted_per_round": accepted / rounds,
+            "rounds": rounds,
+            "nodes_per_round": nodes / rounds,
+            "tokens_per_s": statistics.mean(rates),
+        }
     return rows
 
 
@@ -67,8 +75,12 @@ def head_systems(ablation: Path | None) -> list[tuple[str, list[str]]]:
         for folder in sorted(p for p in ablation.iterdir() if (p / "head_config.json").exists()):
             shape = json.loads((folder / "head_config.json").read_text())
             fusion = "DGF" if shape["fusion"] == "dgf" else "plain fusion"
-            systems.append((f"head: {fusion}, {shape['blocks']} blocks ({folder.name})",
-                            [f"draft_head={json.dumps(str(folder))}"]))  # fmt: skip
+            systems.append(
+                (
+                    f"head: {fusion}, {shape['blocks']} blocks ({folder.name})",
+                    [f"draft_head={json.dumps(str(folder))}"],
+                )
+            )
     return systems
 
 
@@ -82,10 +94,16 @@ def acceptance_table(results: dict[str, dict]) -> list[str]:
     for name, rows in results.items():
         cells = []
         for temperature in TEMPERATURES:
-            row, ratio = rows[temperature], rows[temperature]["accepted_per_round"] / base[
-                temperature]["accepted_per_round"]  # fmt: skip
-            cells += [f"{row['accepted_per_round']:.2f}", f"{ratio:.2f}x",
-                      f"{row['nodes_per_round']:.2f}", f"{row['tokens_per_s']:.0f}"]  # fmt: skip
+            row, ratio = (
+                rows[temperature],
+                rows[temperature]["accepted_per_round"] / base[temperature]["accepted_per_round"],
+            )
+            cells += [
+                f"{row['accepted_per_round']:.2f}",
+                f"{ratio:.2f}x",
+                f"{row['nodes_per_round']:.2f}",
+                f"{row['tokens_per_s']:.0f}",
+            ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
@@ -101,15 +119,19 @@ def speed(target, prompts: list[str], max_tokens: int, out: Path) -> list[str]:
             log = f"{target.name}-{name.replace(' ', '-')}-{turn}"
             with daemon("draft-gpu", None, out, target, settings=settings, name=log) as client:
                 runtime = (client.props().get("gpu_runtime") or {}).get("runtime", "?")
-                print(f"{target.name} {name} (GPU worker: {runtime}), turn {turn + 1}",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"{target.name} {name} (GPU worker: {runtime}), turn {turn + 1}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 client.generate(prompts[0], max_tokens=16)  # warm-up
                 for prompt in prompts:
                     done = client.generate(prompt, max_tokens=max_tokens, ignore_eos=True)
                     rates[name].append(done.timings["predicted_per_second"])
                     if name in mismatches and turn == 0:
-                        own = client.generate(prompt, max_tokens=max_tokens, ignore_eos=True,
-                                              mode="autoregressive")  # fmt: skip
+                        own = client.generate(
+                            prompt, max_tokens=max_tokens, ignore_eos=True, mode="autoregressive"
+                        )
                         if name == "head":
                             alone.append(own.timings["predicted_per_second"])
                         mismatches[name] += own.tokens != done.tokens
@@ -118,15 +140,20 @@ def speed(target, prompts: list[str], max_tokens: int, out: Path) -> list[str]:
     return [
         f"draft-gpu, default mode, {len(prompts)} prompts x {max_tokens} tokens, each daemon "
         "twice in turn (decode tokens/s, mean of requests):\n",
-        "| drafter | tok/s | x draft model |", "|---|---|---|",
-        f"| draft model | {draft:.1f} | 1.00x |", f"| head | {head:.1f} | {head / draft:.2f}x |",
+        "| drafter | tok/s | x draft model |",
+        "|---|---|---|",
+        f"| draft model | {draft:.1f} | 1.00x |",
+        f"| head | {head:.1f} | {head / draft:.2f}x |",
         f"| head, dynamic tree | {tree:.1f} | {tree / draft:.2f}x |",
         f"| the target alone (autoregressive, the head's daemon) | {statistics.mean(alone):.1f}"
-        f" | {statistics.mean(alone) / draft:.2f}x |", "",
-        *(f"Greedy output of the daemon drafting with the {name} equal to the target alone "
-          f"(on the same daemon) on {len(prompts) - count} of {len(prompts)} prompts."
-          for name, count in mismatches.items()),
-    ]  # fmt: skip
+        f" | {statistics.mean(alone) / draft:.2f}x |",
+        "",
+        *(
+            f"Greedy output of the daemon drafting with the {name} equal to the target alone "
+            f"(on the same daemon) on {len(prompts) - count} of {len(prompts)} prompts."
+            for name, count in mismatches.items()
+        ),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,9 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     prompts = prompt_set(args.prompts)[: args.prompts]
-    report = ["# Draft head against draft model\n",
-              f"## Acceptance on the bundled target: draft-gpu, a chain of gamma {GAMMA}, "
-              f"{len(prompts)} prompts x {args.max_tokens} tokens\n"]  # fmt: skip
+    report = [
+        "# Draft head against draft model\n",
+        f"## Acceptance on the bundled target: draft-gpu, a chain of gamma {GAMMA}, "
+        f"{len(prompts)} prompts x {args.max_tokens} tokens\n",
+    ]
     try:
         results = {}
         for name, settings in head_systems(args.ablation):
@@ -158,8 +187,11 @@ def main(argv: list[str] | None = None) -> int:
         report += [*acceptance_table(results), ""]
         if args.heavy:
             target = resolve(f"heavy-{args.heavy}", None)
-            report += [f"## Speed on {target.name}\n",
-                       *speed(target, prompts, args.max_tokens, args.out), ""]  # fmt: skip
+            report += [
+                f"## Speed on {target.name}\n",
+                *speed(target, prompts, args.max_tokens, args.out),
+                "",
+            ]
     except (HetspecError, TargetError) as error:
         print(f"bench_head: {error}", file=sys.stderr)
         return 1

@@ -42,9 +42,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         runtime = LlamaCppRuntime(
-            args.model, n_ctx=args.context + args.steps * max(args.branches) + 16,
-            n_seq_max=max(args.branches) + 1, threads=args.threads,
-        )  # fmt: skip
+            args.model,
+            n_ctx=args.context + args.steps * max(args.branches) + 16,
+            n_seq_max=max(args.branches) + 1,
+            threads=args.threads,
+        )
     except LlamaCppError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -72,8 +74,14 @@ def main(argv: list[str] | None = None) -> int:
         separate_ms = timed_ms(separate, args.repeats)
         batched_ms = timed_ms(batched, args.repeats)
         ratio = batched_ms[0] / separate_ms[0]
-        rows.append({"branches": branches, "separate_ms": separate_ms, "batched_ms": batched_ms,
-                     "ratio": round(ratio, 3)})  # fmt: skip
+        rows.append(
+            {
+                "branches": branches,
+                "separate_ms": separate_ms,
+                "batched_ms": batched_ms,
+                "ratio": round(ratio, 3),
+            }
+        )
         print(
             f"{branches:>3} {separate_ms[0]:>12.2f} {batched_ms[0]:>11.2f} {ratio:>17.2f} "
             f"{1 / branches:>5.2f}",
@@ -81,8 +89,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     runtime.discard_pending()
     if args.json:
-        meta = {"model": str(args.model), "threads": runtime.threads, "context": args.context,
-                "steps": args.steps, "repeats": args.repeats}  # fmt: skip
+        meta = {
+            "model": str(args.model),
+            "threads": runtime.threads,
+            "context": args.context,
+            "steps": args.steps,
+            "repeats": args.repeats,
+        }
         args.json.write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
     return 0
 

@@ -188,8 +188,9 @@ def timing_of(reply: Mapping) -> Timing:
     )
 
 
-def completion_request(prompt: str, max_tokens: int, temperature: float = 0.0,
-                       seed: int | None = None) -> dict:  # fmt: skip
+def completion_request(
+    prompt: str, max_tokens: int, temperature: float = 0.0, seed: int | None = None
+) -> dict:
     """Exactly ``max_tokens`` tokens (EOS ignored), the whole prompt prefilled. Greedy at
     ``temperature`` 0; above it, drawn from the softmax at that temperature alone (the server's
     default top-k 40, top-p 0.95 and min-p 0.05 switched off, as hetspec's requests have
@@ -286,8 +287,9 @@ class LlamaServer:
             f"llama-server was not ready after {timeout:.0f} s: {_last_words(self.log)}"
         )
 
-    def generate(self, prompt: str, max_tokens: int, temperature: float = 0.0,
-                 seed: int | None = None) -> dict:  # fmt: skip
+    def generate(
+        self, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int | None = None
+    ) -> dict:
         """The raw /completion reply (``content``, ``tokens``, ``timings``, ...); sampling as
         ``completion_request``'s."""
         if self.client is None:
@@ -305,8 +307,9 @@ class LlamaServer:
             )
         return response.json()
 
-    def complete(self, prompt: str, max_tokens: int, temperature: float = 0.0,
-                 seed: int | None = None) -> Timing:  # fmt: skip
+    def complete(
+        self, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int | None = None
+    ) -> Timing:
         """Time one completion of exactly ``max_tokens`` tokens (see ``timing_of``), greedy
         unless ``temperature`` > 0."""
         timing = timing_of(self.generate(prompt, max_tokens, temperature, seed))

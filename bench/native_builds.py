@@ -65,9 +65,16 @@ def main() -> None:
         n = len(tokens)
         visible = np.concatenate([np.arange(start, start + i + 1) for i in range(n)])
         offsets = np.concatenate([[0], np.cumsum(np.arange(1, n + 1))])
-        return model.forward(tokens, np.arange(start, start + n), start=start, prefix=start,
-                             offsets=offsets, visible=visible, first_logit=first_logit,
-                             threads=args.threads)  # fmt: skip
+        return model.forward(
+            tokens,
+            np.arange(start, start + n),
+            start=start,
+            prefix=start,
+            offsets=offsets,
+            visible=visible,
+            first_logit=first_logit,
+            threads=args.threads,
+        )
 
     def forward(label: str, tokens: np.ndarray) -> np.ndarray:
         return chain(label, tokens, args.context, 0)

@@ -132,8 +132,15 @@ class Peer(Protocol):
 class TransformersAssisted:
     name = "transformers assisted"
 
-    def __init__(self, threads: int, target: Path, draft: Path, *, gpu: bool = False,
-                 temperature: float = 0.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        threads: int,
+        target: Path,
+        draft: Path,
+        *,
+        gpu: bool = False,
+        temperature: float = 0.0,
+    ) -> None:
         """On the CPU in float32; with ``gpu``, both models on CUDA in bfloat16 (what a user
         of a GPU runs), with the static KV cache transformers compiles and graphs. Greedy, or
         at ``temperature`` > 0 its speculative sampling."""
@@ -155,13 +162,22 @@ class TransformersAssisted:
     def _generate(self, ids, count: int, seed: int | None) -> float:
         sampling = {"do_sample": False}
         if self.temperature > 0:  # top-k 0 and top-p 1: the softmax at the temperature alone
-            sampling = {"do_sample": True, "temperature": self.temperature, "top_k": 0,
-                        "top_p": 1.0}  # fmt: skip
+            sampling = {
+                "do_sample": True,
+                "temperature": self.temperature,
+                "top_k": 0,
+                "top_p": 1.0,
+            }
             self.torch.manual_seed(0 if seed is None else seed)
         start = time.perf_counter()
         with self.torch.inference_mode():
-            out = self.target.generate(ids, assistant_model=self.draft, **sampling,
-                                       max_new_tokens=count, min_new_tokens=count)  # fmt: skip
+            out = self.target.generate(
+                ids,
+                assistant_model=self.draft,
+                **sampling,
+                max_new_tokens=count,
+                min_new_tokens=count,
+            )
         assert out.shape[1] - ids.shape[1] == count
         return (time.perf_counter() - start) * 1000
 
@@ -174,15 +190,15 @@ class TransformersAssisted:
 
 
 class LlamaCppSpeculative:
-    def __init__(self, threads: int, target: Path, draft: Path, gamma: int = 4, *,
-                 gpu_layers: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self, threads: int, target: Path, draft: Path, gamma: int = 4, *, gpu_layers: int = 0
+    ) -> None:
         from hetspec.protocol.sampling import SamplingParams  # noqa: PLC0415
         from hetspec.workers.runtimes.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
 
         self.name = f"llama-cpp-python loop speculative gamma={gamma}"
         self.gamma = gamma
-        self.target = LlamaCppRuntime(target, n_ctx=2048, threads=threads,
-                                      gpu_layers=gpu_layers)  # fmt: skip
+        self.target = LlamaCppRuntime(target, n_ctx=2048, threads=threads, gpu_layers=gpu_layers)
         self.draft = LlamaCppRuntime(draft, n_ctx=2048, threads=threads)
         self.greedy, self.sampler = SamplingParams(), DrawnSampler(0)
 
@@ -249,8 +265,14 @@ def servers_that_fit(models: list[Path], wanted: int) -> int:
     quarter of the memory available now, else one."""
     try:
         meminfo = Path("/proc/meminfo").read_text()
-        available = int(next(line for line in meminfo.splitlines()
-                             if line.startswith("MemAvailable:")).split()[1]) * 1024  # fmt: skip
+        available = (
+            int(
+                next(
+                    line for line in meminfo.splitlines() if line.startswith("MemAvailable:")
+                ).split()[1]
+            )
+            * 1024
+        )
     except (OSError, StopIteration, ValueError):
         return 1
     size = sum(path.stat().st_size for path in models if path.exists())
@@ -260,17 +282,22 @@ def servers_that_fit(models: list[Path], wanted: int) -> int:
 class LlamaServerPeer:
     """One llama-server configuration as a peer system, greedy or at ``temperature``."""
 
-    def __init__(self, name: str, config: ServerConfig, pool: ServerPool,
-                 temperature: float = 0.0) -> None:  # fmt: skip
+    def __init__(
+        self, name: str, config: ServerConfig, pool: ServerPool, temperature: float = 0.0
+    ) -> None:
         self.name, self.config, self.pool = name, config, pool
         self.temperature = temperature
 
     def run(self, prompt: str, max_tokens: int, seed: int | None = None) -> dict[str, float]:
         server = self.pool.get(self.config)
         timing = server.complete(prompt, max_tokens, self.temperature, seed)
-        return {"ttft_ms": timing.ttft_ms, "decode_ms": timing.decode_ms,
-                "draft_n": timing.draft_n, "draft_n_accepted": timing.draft_n_accepted,
-                "ids": list(timing.ids)}  # fmt: skip
+        return {
+            "ttft_ms": timing.ttft_ms,
+            "decode_ms": timing.decode_ms,
+            "draft_n": timing.draft_n,
+            "draft_n_accepted": timing.draft_n_accepted,
+            "ids": list(timing.ids),
+        }
 
 
 def decode_speeds(timings: dict, failed: set) -> dict:
@@ -283,16 +310,18 @@ def decode_speeds(timings: dict, failed: set) -> dict:
     }
 
 
-def sweep_n_max(binary: Path, config: ServerConfig, limit: int,
-                temperature: float = 0.0) -> dict[int, float]:  # fmt: skip
+def sweep_n_max(
+    binary: Path, config: ServerConfig, limit: int, temperature: float = 0.0
+) -> dict[int, float]:
     """Decode tokens/s of llama-server's speculative decoding at each draft length of
     SWEEP_N_MAX (``sweep``)."""
     configs = {n: replace(config, n_max=n) for n in SWEEP_N_MAX}
     return sweep(binary, configs, limit, temperature)
 
 
-def sweep(binary: Path, configs: dict[Hashable, ServerConfig], limit: int,
-          temperature: float = 0.0) -> dict[Hashable, float]:  # fmt: skip
+def sweep(
+    binary: Path, configs: dict[Hashable, ServerConfig], limit: int, temperature: float = 0.0
+) -> dict[Hashable, float]:
     """Decode tokens/s of each of llama-server's ``configs``, after one warm-up request each:
     SWEEP_PROMPTS, SWEEP_TOKENS tokens each, repeated at least SWEEP_REPEATS times and until
     SWEEP_MIN_MS of decoding (a small model's 64 tokens take ~30 ms, too few to rank settings
@@ -303,8 +332,11 @@ def sweep(binary: Path, configs: dict[Hashable, ServerConfig], limit: int,
     timings: dict[Hashable, list[Timing]] = {key: [] for key in configs}
     failed: set[Hashable] = set()
     interleave = limit >= len(configs)
-    turns = ([k for _ in range(SWEEP_MAX_REPEATS) for k in configs] if interleave
-             else [k for k in configs for _ in range(SWEEP_MAX_REPEATS)])  # fmt: skip
+    turns = (
+        [k for _ in range(SWEEP_MAX_REPEATS) for k in configs]
+        if interleave
+        else [k for k in configs for _ in range(SWEEP_MAX_REPEATS)]
+    )
 
     def done(key: Hashable) -> bool:
         measured = timings[key]
@@ -322,8 +354,10 @@ def sweep(binary: Path, configs: dict[Hashable, ServerConfig], limit: int,
                 server = pool.get(configs[key])
                 if not timings[key]:
                     server.complete(WARMUP_PROMPT, 8)
-                timings[key] += [server.complete(p, SWEEP_TOKENS, temperature, seed)
-                                 for seed, p in enumerate(SWEEP_PROMPTS)]  # fmt: skip
+                timings[key] += [
+                    server.complete(p, SWEEP_TOKENS, temperature, seed)
+                    for seed, p in enumerate(SWEEP_PROMPTS)
+                ]
             except LlamaServerError as error:
                 print(f"peers: llama-server {key} failed: {error}", file=sys.stderr)
                 failed.add(key)
@@ -348,8 +382,9 @@ def pick_flash_attention(
                     server = pool.get(replace(config, flash_attention=setting))
                     if turn == 0:
                         server.complete(WARMUP_PROMPT, 8)
-                    timings[setting].append(server.complete(FLASH_PROMPT, SWEEP_TOKENS,
-                                                            temperature, seed=turn))  # fmt: skip
+                    timings[setting].append(
+                        server.complete(FLASH_PROMPT, SWEEP_TOKENS, temperature, seed=turn)
+                    )
                 except LlamaServerError as error:
                     print(f"peers: llama-server -fa {setting} failed: {error}", file=sys.stderr)
                     failed.add(setting)
@@ -363,9 +398,16 @@ ALL_LAYERS = 999  # -ngl: every layer on the GPU
 
 
 def llama_server_peers(
-    pool: ServerPool, threads: int, target: Path, draft: Path, *, skipped: dict, info: dict,
-    gpu: bool = False, temperature: float = 0.0,
-) -> list[Peer]:  # fmt: skip
+    pool: ServerPool,
+    threads: int,
+    target: Path,
+    draft: Path,
+    *,
+    skipped: dict,
+    info: dict,
+    gpu: bool = False,
+    temperature: float = 0.0,
+) -> list[Peer]:
     """llama-server alone, at its default draft length and at the sweep's best (run now),
     every row with the faster flash-attention setting (``pick_flash_attention``, run first);
     ``info`` gets the binary and both choices' figures. With ``gpu`` (a CUDA build) the target
@@ -385,34 +427,54 @@ def llama_server_peers(
         half = sorted(target.parent.glob("*-f16.gguf"))
         if half and half[0] != target:
             config = ServerConfig(half[0], threads=threads, **shared)
-            peers.append(LlamaServerPeer("llama-server target alone (F16)", config, pool,
-                                         temperature))  # fmt: skip
+            peers.append(
+                LlamaServerPeer("llama-server target alone (F16)", config, pool, temperature)
+            )
     placements = {"": {}}
     if gpu:  # where the draft computes: its suffix in the rows' names and its -ngld
-        placements = {" (draft on GPU)": {"draft_gpu_layers": ALL_LAYERS},
-                      " (draft on CPU)": {"draft_gpu_layers": 0}}  # fmt: skip
-    info.update(binary=str(pool.binary), sweep_prompts=len(SWEEP_PROMPTS),
-                sweep_tokens=SWEEP_TOKENS, sweep_min_decode_ms=SWEEP_MIN_MS)  # fmt: skip
+        placements = {
+            " (draft on GPU)": {"draft_gpu_layers": ALL_LAYERS},
+            " (draft on CPU)": {"draft_gpu_layers": 0},
+        }
+    info.update(
+        binary=str(pool.binary),
+        sweep_prompts=len(SWEEP_PROMPTS),
+        sweep_tokens=SWEEP_TOKENS,
+        sweep_min_decode_ms=SWEEP_MIN_MS,
+    )
     for suffix, where in placements.items():
         speculative = ServerConfig(target, draft, threads=threads, **shared, **where)
-        peers.append(LlamaServerPeer(f"llama-server speculative (default n-max){suffix}",
-                                     speculative, pool, temperature))  # fmt: skip
-        speeds = sweep_n_max(pool.binary, speculative, servers_that_fit([target, draft], 6),
-                             temperature)  # fmt: skip
+        peers.append(
+            LlamaServerPeer(
+                f"llama-server speculative (default n-max){suffix}", speculative, pool, temperature
+            )
+        )
+        speeds = sweep_n_max(
+            pool.binary, speculative, servers_that_fit([target, draft], 6), temperature
+        )
         info[f"sweep{suffix}"] = {str(n): round(v, 1) for n, v in speeds.items()}
         if speeds:
             best = max(speeds, key=speeds.__getitem__)
             info[f"best_n_max{suffix}"] = best
             config = replace(speculative, n_max=best)
             # its minimum draft probability: 0 (the default since) or 0.75 (the old default)
-            by_p_min = sweep(pool.binary, {p: replace(config, p_min=p) for p in SWEEP_P_MIN},
-                             servers_that_fit([target, draft], 2), temperature)  # fmt: skip
+            by_p_min = sweep(
+                pool.binary,
+                {p: replace(config, p_min=p) for p in SWEEP_P_MIN},
+                servers_that_fit([target, draft], 2),
+                temperature,
+            )
             info[f"sweep_p_min{suffix}"] = {str(p): round(v, 1) for p, v in by_p_min.items()}
             p_min = max(by_p_min, key=by_p_min.__getitem__) if by_p_min else None
             config = replace(config, p_min=p_min)
-            peers.append(LlamaServerPeer(f"llama-server speculative n-max={best} "
-                                         f"p-min={p_min}{suffix}", config, pool,
-                                         temperature))  # fmt: skip
+            peers.append(
+                LlamaServerPeer(
+                    f"llama-server speculative n-max={best} p-min={p_min}{suffix}",
+                    config,
+                    pool,
+                    temperature,
+                )
+            )
         else:
             skipped[f"llama-server speculative n-max=N{suffix}"] = (
                 "no draft length of the sweep would run"
@@ -439,16 +501,26 @@ def llama_cpp_offloads() -> bool:
     return local_gpu_present()
 
 
-def assisted_peer(args: argparse.Namespace, gpu: bool,
-                  skipped: dict[str, str]) -> list[tuple[str, Callable[[], Peer]]]:  # fmt: skip
+def assisted_peer(
+    args: argparse.Namespace, gpu: bool, skipped: dict[str, str]
+) -> list[tuple[str, Callable[[], Peer]]]:
     """transformers' assisted generation, where the pair has model folders."""
     name = "transformers assisted"
     if not (args.target_folder and args.draft_folder):
         skipped[name] = "it loads model folders, and the pair is given as GGUF files only"
         return []
-    return [(name, lambda: TransformersAssisted(args.threads, args.target_folder,
-                                                args.draft_folder, gpu=gpu,
-                                                temperature=args.temperature))]  # fmt: skip
+    return [
+        (
+            name,
+            lambda: TransformersAssisted(
+                args.threads,
+                args.target_folder,
+                args.draft_folder,
+                gpu=gpu,
+                temperature=args.temperature,
+            ),
+        )
+    ]
 
 
 def load_peers(
@@ -486,8 +558,15 @@ def load_peers(
             models = [args.target_gguf, args.draft_gguf]
             pool = ServerPool(binary, servers_that_fit(models, 3))
             stack.callback(pool.close)
-            peers = llama_server_peers(pool, args.threads, *models, skipped=skipped, info=info,
-                                       gpu=gpu, temperature=args.temperature)  # fmt: skip
+            peers = llama_server_peers(
+                pool,
+                args.threads,
+                *models,
+                skipped=skipped,
+                info=info,
+                gpu=gpu,
+                temperature=args.temperature,
+            )
             candidates += [(peer.name, lambda peer=peer: peer) for peer in peers]
         except (LlamaServerUnavailable, LlamaServerError) as error:
             skipped["llama-server"] = str(error)
@@ -533,24 +612,44 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    parser.add_argument("--target-gguf", type=Path, default=TARGET_GGUF,
-                        help="the target for llama.cpp (default: the bundled one)")  # fmt: skip
-    parser.add_argument("--draft-gguf", type=Path, default=DRAFT_GGUF,
-                        help="the draft for llama.cpp (default: the bundled one)")  # fmt: skip
-    parser.add_argument("--target-folder", type=str, default=str(MODELS / "target"),
-                        help="the target for transformers (default: the bundled one)")  # fmt: skip
-    parser.add_argument("--draft-folder", type=str, default=str(MODELS / "draft"),
-                        help="the draft for transformers (default: the bundled one)")  # fmt: skip
+    parser.add_argument(
+        "--target-gguf",
+        type=Path,
+        default=TARGET_GGUF,
+        help="the target for llama.cpp (default: the bundled one)",
+    )
+    parser.add_argument(
+        "--draft-gguf",
+        type=Path,
+        default=DRAFT_GGUF,
+        help="the draft for llama.cpp (default: the bundled one)",
+    )
+    parser.add_argument(
+        "--target-folder",
+        type=str,
+        default=str(MODELS / "target"),
+        help="the target for transformers (default: the bundled one)",
+    )
+    parser.add_argument(
+        "--draft-folder",
+        type=str,
+        default=str(MODELS / "draft"),
+        help="the draft for transformers (default: the bundled one)",
+    )
     parser.add_argument(
         "--llama-server",
         default="build",
         help="llama.cpp's own server: a path to the binary, 'build' (the cached build, made "
         "on first use by native/build-llama-server.sh; the default) or 'off'",
     )
-    parser.add_argument("--gpu", choices=["auto", "on", "off"], default="auto",
-                        help="peers on the GPU: llama-server's CUDA build with every layer "
-                        "offloaded, transformers on CUDA in bf16 (default auto: where torch "
-                        "sees CUDA)")  # fmt: skip
+    parser.add_argument(
+        "--gpu",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="peers on the GPU: llama-server's CUDA build with every layer "
+        "offloaded, transformers on CUDA in bf16 (default auto: where torch "
+        "sees CUDA)",
+    )
     parser.add_argument(
         "--temperature",
         type=float,

@@ -86,11 +86,13 @@ class Row:
         s = self.stats
         simulated, utilization = self.clock.timeline(stages, self.link_ms / 1000, profile)
         used = " / ".join(f"{u:.0%}" for u in utilization)
-        return (f"| {self.system} | {layers} | {self.link_ms:g} | "
-                f"{self.tokens / self.seconds:6.1f} | "
-                f"{self.tokens / simulated:6.1f} | {used} | "
-                f"{s.nodes_sent / max(s.segments, 1):4.1f} | "
-                f"{self.tokens / max(s.commits, 1):4.2f} |")  # fmt: skip
+        return (
+            f"| {self.system} | {layers} | {self.link_ms:g} | "
+            f"{self.tokens / self.seconds:6.1f} | "
+            f"{self.tokens / simulated:6.1f} | {used} | "
+            f"{s.nodes_sent / max(s.segments, 1):4.1f} | "
+            f"{self.tokens / max(s.commits, 1):4.2f} |"
+        )
 
 
 async def run_system(client, drafter, prompts, *, tokens, system, link_ms, **schedule) -> Row:
@@ -101,8 +103,7 @@ async def run_system(client, drafter, prompts, *, tokens, system, link_ms, **sch
         if drafter is not no_draft:
             await drafter.start(prompt)
         start = time.perf_counter()
-        out, stats = await pipeline_decode(client, prompt, tokens, drafter, clock=clock,
-                                         **schedule)  # fmt: skip
+        out, stats = await pipeline_decode(client, prompt, tokens, drafter, clock=clock, **schedule)
         seconds += time.perf_counter() - start
         produced += len(out)
         texts.append(out)
@@ -131,10 +132,12 @@ async def run(args: argparse.Namespace) -> int:
     if (bounds := splits(args, shape)) is None:
         return 2
     tokenizer_prompts = tokenize(target, PROMPTS[: args.prompts])
-    print(f"target {target.name}: {shape.layers} layers in {args.stages} stages; draft "
-          f"{args.draft.name}; tree depth {args.depth}, top-k {args.top_k}, {args.size} nodes; "
-          f"{args.prompts} prompts x {args.tokens} tokens; {os.cpu_count()} cores "
-          "here")  # fmt: skip
+    print(
+        f"target {target.name}: {shape.layers} layers in {args.stages} stages; draft "
+        f"{args.draft.name}; tree depth {args.depth}, top-k {args.top_k}, {args.size} nodes; "
+        f"{args.prompts} prompts x {args.tokens} tokens; {os.cpu_count()} cores "
+        "here"
+    )
     print()
     print(
         "| system | layers | link ms | tok/s here | tok/s, a device per stage | stage "
@@ -154,8 +157,10 @@ async def run(args: argparse.Namespace) -> int:
                 return 1
             try:
                 tree = TreeShape(args.depth, args.top_k, args.size, expand_steps=args.expand)
-                drafters = (PipelineDrafter(worker, arena, replace(tree, expand_steps=0)),
-                            PipelineDrafter(worker, arena, tree))  # fmt: skip
+                drafters = (
+                    PipelineDrafter(worker, arena, replace(tree, expand_steps=0)),
+                    PipelineDrafter(worker, arena, tree),
+                )
                 for link_ms in args.link_ms:
                     here = Path(folder) / f"link{link_ms:g}"
                     here.mkdir()
@@ -163,8 +168,9 @@ async def run(args: argparse.Namespace) -> int:
                     for attempt in range(2 if args.layers == "auto" else 1):
                         (sub := here / f"split{attempt}").mkdir()
                         stages = LocalStages(sub, target, run_split, link_ms=link_ms)
-                        flowspec = await on_stages(stages, drafters, tokenizer_prompts, args,
-                                                   link_ms)  # fmt: skip
+                        flowspec = await on_stages(
+                            stages, drafters, tokenizer_prompts, args, link_ms
+                        )
                         if flowspec is None or args.layers != "auto" or attempt:
                             break
                         run_split = split_by_cost(shape, run_split, flowspec, args, link_ms)
@@ -195,8 +201,11 @@ def split_by_cost(shape: ModelShape, bounds, flowspec: tuple, args, link_ms: flo
     chosen = balanced_split(shape, rates)
     ranges = ", ".join(format_range(a, b) for a, b in chosen)
     per_mparam = " / ".join(f"{r * 1e6 * 1000 / max(row.tokens, 1):.3f}" for r in rates)
-    print(f"| split by measured cost: {ranges} (FlowSpec's busy ms per Mparam per token, by "
-          f"stage: {per_mparam}) | | | | | | | |", flush=True)  # fmt: skip
+    print(
+        f"| split by measured cost: {ranges} (FlowSpec's busy ms per Mparam per token, by "
+        f"stage: {per_mparam}) | | | | | | | |",
+        flush=True,
+    )
     return chosen
 
 
@@ -204,16 +213,18 @@ async def rpc_row(folder: Path, target: Path, prompts, args, link_ms: float, *, 
     """The llama.cpp RPC row: the target alone, its layers on ``args.stages`` rpc-servers."""
     gguf = next(iter(sorted(target.glob("*-f16.gguf"))), None)
     if gguf is None:
-        print(f"| llama.cpp RPC | - | {link_ms:g} | - | - | - | - | - | (no *-f16.gguf in "
-              f"{target})")  # fmt: skip
+        print(
+            f"| llama.cpp RPC | - | {link_ms:g} | - | - | - | - | - | (no *-f16.gguf in {target})"
+        )
         return
     servers = LocalRpcServers(folder, args.stages, link_ms=link_ms)
     worker = None
     try:
         servers.wait()
         await servers.start_links()
-        settings = m.LlamaCppSettings(n_ctx=2048, threads=1, gpu_layers=-1,
-                                      rpc_servers=tuple(servers.endpoints))  # fmt: skip
+        settings = m.LlamaCppSettings(
+            n_ctx=2048, threads=1, gpu_layers=-1, rpc_servers=tuple(servers.endpoints)
+        )
         spec = WorkerSpec("gpu", "llama.cpp", str(gguf), settings, log_format="console")
         worker = WorkerClient(spec, folder, 2, arena.layout)
         await worker.start(load_timeout_s=300)
@@ -221,15 +232,18 @@ async def rpc_row(folder: Path, target: Path, prompts, args, link_ms: float, *, 
         for index, prompt in enumerate([prompts[0], *prompts]):  # the first warms up
             await worker.call(m.Prefill(request=worker.next_request(), tokens=prompt))
             start = time.perf_counter()
-            decode = m.Decode(request=worker.next_request(), steps=args.tokens,
-                              sampling=SamplingParams())  # fmt: skip
+            decode = m.Decode(
+                request=worker.next_request(), steps=args.tokens, sampling=SamplingParams()
+            )
             reply, _ = await worker.call(decode)
             if index:
                 seconds += time.perf_counter() - start
                 produced += len(reply.tokens)
-        print(f"| llama.cpp RPC ({args.stages} servers, target alone) | llama.cpp's | "
-              f"{link_ms:g} | {produced / seconds:6.1f} | - | - | - | - |",
-              flush=True)  # fmt: skip
+        print(
+            f"| llama.cpp RPC ({args.stages} servers, target alone) | llama.cpp's | "
+            f"{link_ms:g} | {produced / seconds:6.1f} | - | - | - | - |",
+            flush=True,
+        )
     except (WorkerStartError, RuntimeError) as error:
         print(f"error: llama.cpp RPC: {error}", file=sys.stderr)
     finally:
@@ -248,18 +262,36 @@ async def compare(stages, drafters, prompts, args, link_ms):
     try:
         runs = [
             ("plain pipeline", no_draft, {"segment_size": 1, "in_flight": 1}),
-            ("naive pipelined speculation", plain_tree,
-             {"segment_size": args.size + 1, "in_flight": 1}),
-            ("FlowSpec, no expansion", plain_tree,
-             {"segment_size": args.segment, "in_flight": args.stages}),
-            ("FlowSpec", drafter, {"segment_size": args.segment, "in_flight": args.stages,
-                                   "expand": drafter.expand}),
-        ]  # fmt: skip
+            (
+                "naive pipelined speculation",
+                plain_tree,
+                {"segment_size": args.size + 1, "in_flight": 1},
+            ),
+            (
+                "FlowSpec, no expansion",
+                plain_tree,
+                {"segment_size": args.segment, "in_flight": args.stages},
+            ),
+            (
+                "FlowSpec",
+                drafter,
+                {"segment_size": args.segment, "in_flight": args.stages, "expand": drafter.expand},
+            ),
+        ]
         await pipeline_decode(client, prompts[0], 8, no_draft, segment_size=1, in_flight=1)
         rows = []
         for system, draft, schedule in runs:
-            rows.append(await run_system(client, draft, prompts, tokens=args.tokens,
-                                         system=system, link_ms=link_ms, **schedule))  # fmt: skip
+            rows.append(
+                await run_system(
+                    client,
+                    draft,
+                    prompts,
+                    tokens=args.tokens,
+                    system=system,
+                    link_ms=link_ms,
+                    **schedule,
+                )
+            )
         # stage compute times as measured while one segment at a time was in flight (each
         # stage computing alone): the plain pipeline's and the naive speculation's
         profile = CostProfile()
@@ -267,9 +299,11 @@ async def compare(stages, drafters, prompts, args, link_ms):
             row.clock.measured(profile)
         for row in rows:
             print(row.line(args.stages, profile, layers), flush=True)
-        print(f"(FlowSpec's expansion drafted {drafter.expanded_nodes} nodes below leaves, "
-              f"{drafter.expanded_nodes / max(rows[-1].tokens, 1):.2f} a token)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"(FlowSpec's expansion drafted {drafter.expanded_nodes} nodes below leaves, "
+            f"{drafter.expanded_nodes / max(rows[-1].tokens, 1):.2f} a token)",
+            file=sys.stderr,
+        )
         drafter.expanded_nodes = 0
         if any(row.texts != rows[0].texts for row in rows):
             print("MISMATCH: the systems' greedy texts differ", file=sys.stderr)
@@ -289,22 +323,27 @@ def tokenize(target: Path, prompts: list[str]) -> list[list[int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hetspec.bench.pipeline",
-                                     description=__doc__.split("\n")[0])  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m hetspec.bench.pipeline", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--target", required=True, help="the target's model folder")
     parser.add_argument("--draft", type=Path, default=BUNDLED / "draft" / "draft-q8_0.gguf")
     parser.add_argument("--stages", type=int, default=3)
-    parser.add_argument("--link-ms", default="0,2",
-                        help="comma-separated link delays (ms, each message and hop)")  # fmt: skip
+    parser.add_argument(
+        "--link-ms", default="0,2", help="comma-separated link delays (ms, each message and hop)"
+    )
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--size", type=int, default=8, help="nodes drafted per tree")
     parser.add_argument("--segment", type=int, default=3, help="FlowSpec's nodes per segment")
-    parser.add_argument("--expand", type=int, default=TreeShape.expand_steps,
-                        help="tokens per expansion chain below the likeliest leaf while the "
-                        "root waits (0: none)")  # fmt: skip
+    parser.add_argument(
+        "--expand",
+        type=int,
+        default=TreeShape.expand_steps,
+        help="tokens per expansion chain below the likeliest leaf while the root waits (0: none)",
+    )
     parser.add_argument(
         "--layers",
         default="auto",
@@ -312,12 +351,15 @@ def main(argv: list[str] | None = None) -> int:
         "2.5,2.5,3 (halves split a layer after its attention), or 'auto' (default: even, "
         "then again split by the stage costs FlowSpec measured on the even split)",
     )
-    parser.add_argument("--no-rpc", dest="rpc", action="store_false",
-                        help="skip the llama.cpp RPC row")  # fmt: skip
+    parser.add_argument(
+        "--no-rpc", dest="rpc", action="store_false", help="skip the llama.cpp RPC row"
+    )
     args = parser.parse_args(argv)
     if not (Path(args.target) / "config.json").is_file():
-        parser.error(f"--target {args.target}: not a model folder (its config.json is missing); "
-                     "the stages load a Hugging Face folder, not a GGUF file")  # fmt: skip
+        parser.error(
+            f"--target {args.target}: not a model folder (its config.json is missing); "
+            "the stages load a Hugging Face folder, not a GGUF file"
+        )
     try:
         args.link_ms = [float(x) for x in args.link_ms.split(",")]
     except ValueError:

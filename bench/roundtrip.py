@@ -37,8 +37,9 @@ LINKS = {"mailbox": "mailboxes", "zmq": "ZeroMQ alone"}
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "draft" / "draft-q8_0.gguf"
 
 
-async def time_calls(call, count: int, check, gap_us: float = 0.0,
-                     hold_us: float = 0.0) -> list[float]:  # fmt: skip
+async def time_calls(
+    call, count: int, check, gap_us: float = 0.0, hold_us: float = 0.0
+) -> list[float]:
     """Round-trip times (us) of ``count`` awaits of ``call()``, each ``gap_us`` after the last
     answer (the daemon busy meanwhile, as between a round's calls: the worker polls, then
     sleeps), less the ``hold_us`` the worker computes for each, every answer checked."""
@@ -69,11 +70,16 @@ async def run(args: argparse.Namespace) -> int:
             for turn in range(args.turns):  # links in turn: the box's drift hits each alike
                 for link in links:
                     spec = WorkerSpec(
-                        "cpu", "llama.cpp", str(args.model),
-                        m.LlamaCppSettings(n_ctx=256, threads=1), cores=worker_cores,
-                        log_format="console", spin_us=args.spin_us, mailbox=link == "mailbox",
+                        "cpu",
+                        "llama.cpp",
+                        str(args.model),
+                        m.LlamaCppSettings(n_ctx=256, threads=1),
+                        cores=worker_cores,
+                        log_format="console",
+                        spin_us=args.spin_us,
+                        mailbox=link == "mailbox",
                         reply_spin_us=args.daemon_spin_us,
-                    )  # fmt: skip
+                    )
                     generation = len(samples) + 1  # fresh endpoints for each worker
                     client = WorkerClient(spec, Path(runtime_dir), generation, arena.layout)
                     try:
@@ -88,11 +94,13 @@ async def run(args: argparse.Namespace) -> int:
                     for kind, answers in timed.items():
                         samples[link, kind, turn] = answers
     kib = row.nbytes / 1024
-    print(f"round trip daemon -> worker -> daemon, {args.floats} float32 ({kib:.0f} KiB) each "
-          f"way, {args.turns} x {args.count - args.count // 10} calls after warm-up per link, "
-          f"{args.gap_us:g} us apart, the worker polling {args.spin_us:g} us before it "
-          f"sleeps, holding each answer {args.hold_us:g} us (not counted), the daemon polling "
-          f"{args.daemon_spin_us:g} us after each call")  # fmt: skip
+    print(
+        f"round trip daemon -> worker -> daemon, {args.floats} float32 ({kib:.0f} KiB) each "
+        f"way, {args.turns} x {args.count - args.count // 10} calls after warm-up per link, "
+        f"{args.gap_us:g} us apart, the worker polling {args.spin_us:g} us before it "
+        f"sleeps, holding each answer {args.hold_us:g} us (not counted), the daemon polling "
+        f"{args.daemon_spin_us:g} us after each call"
+    )
     merged: dict[tuple[str, str], list[float]] = {}
     for (link, kind, _), answers in samples.items():
         merged.setdefault((link, kind), []).extend(answers)
@@ -101,12 +109,16 @@ async def run(args: argparse.Namespace) -> int:
         q = statistics.quantiles(times, n=10)
         label = f"{LINKS[link]}, {kind}"
         medians[label] = round(statistics.median(times), 1)
-        print(f"  {label:<42} median {medians[label]:7.1f} us   "
-              f"p10 {q[0]:7.1f}   p90 {q[-1]:7.1f}")  # fmt: skip
+        print(f"  {label:<42} median {medians[label]:7.1f} us   p10 {q[0]:7.1f}   p90 {q[-1]:7.1f}")
     if args.json is not None:
-        document = {"floats": args.floats, "gap_us": args.gap_us, "spin_us": args.spin_us,
-                    "hold_us": args.hold_us, "daemon_spin_us": args.daemon_spin_us,
-                    "median_us": medians}  # fmt: skip
+        document = {
+            "floats": args.floats,
+            "gap_us": args.gap_us,
+            "spin_us": args.spin_us,
+            "hold_us": args.hold_us,
+            "daemon_spin_us": args.daemon_spin_us,
+            "median_us": medians,
+        }
         args.json.write_text(json.dumps(document))
     return 0
 
@@ -139,8 +151,7 @@ async def time_link(client: WorkerClient, arena: Arena, row: np.ndarray, args) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hetspec.bench.roundtrip",
-                                     description=__doc__)  # fmt: skip
+    parser = argparse.ArgumentParser(prog="python -m hetspec.bench.roundtrip", description=__doc__)
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="GGUF the worker loads")
     parser.add_argument("--floats", type=int, default=32768, help="length of the row")
     parser.add_argument("--count", type=int, default=5000, help="calls per link and turn")
@@ -149,20 +160,26 @@ def main(argv: list[str] | None = None) -> int:
         "--spin-us", type=float, default=100.0, help="the worker's poll before it sleeps"
     )
     parser.add_argument(
-        "--gap-us", type=float, default=0.0,
+        "--gap-us",
+        type=float,
+        default=0.0,
         help="time between an answer and the next call (longer than --spin-us: the worker "
         "sleeps, and the call pays its wake-up)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--hold-us", type=float, default=0.0,
+        "--hold-us",
+        type=float,
+        default=0.0,
         help="the worker computes this long before each answer (the daemon waits, as through "
         "a verification); not counted in the times",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--daemon-spin-us", type=float, default=0.0,
+        "--daemon-spin-us",
+        type=float,
+        default=0.0,
         help="the daemon polls the replies this long after each call instead of sleeping "
         "until one wakes it (daemon_spin_us)",
-    )  # fmt: skip
+    )
     parser.add_argument("--json", type=Path, help="also write the medians here")
     args = parser.parse_args(argv)
     cores = os.sched_getaffinity(0)

@@ -56,8 +56,9 @@ def median_ms(work, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def cells(target: np.ndarray, draft_logits: np.ndarray, params: SamplingParams,
-          repeats: int) -> list[float]:  # fmt: skip
+def cells(
+    target: np.ndarray, draft_logits: np.ndarray, params: SamplingParams, repeats: int
+) -> list[float]:
     """One table row's timings (see the module's docstring)."""
     draft = distribution(draft_logits, params)
     tokens = np.array([int(row.argmax()) for row in draft])
@@ -77,9 +78,12 @@ def cells(target: np.ndarray, draft_logits: np.ndarray, params: SamplingParams,
         rows = WarpedRows(target, params)
         verify_sampling(tokens, parents, draft, rows, np.random.default_rng(1))
 
-    return [median_ms(lambda: distribution(target[0], params), repeats),
-            median_ms(sorted_row, repeats), median_ms(every_row, repeats),
-            median_ms(as_reached, repeats)]  # fmt: skip
+    return [
+        median_ms(lambda: distribution(target[0], params), repeats),
+        median_ms(sorted_row, repeats),
+        median_ms(every_row, repeats),
+        median_ms(as_reached, repeats),
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -99,8 +103,10 @@ def main(argv: list[str] | None = None) -> None:
         draft_logits = target[1:] + rng.standard_normal((args.nodes, vocab)).astype(np.float32)
         for name, params in SETTINGS.items():
             timings = cells(target, draft_logits, params, args.repeats)
-            print(f"| {vocab} | {name} | " + " | ".join(f"{ms:.2f}" for ms in timings) + " |",
-                  flush=True)  # fmt: skip
+            print(
+                f"| {vocab} | {name} | " + " | ".join(f"{ms:.2f}" for ms in timings) + " |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

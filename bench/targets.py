@@ -147,20 +147,32 @@ def resolve(spec: str, draft: str | None, cache_dir: str | None = None) -> Bench
     if same_model(target, draft_files):
         raise TargetError(f"{name}: the target and the draft are the same model")
     if spec.startswith("heavy-") and same_model(draft_files, BUNDLED_TARGET):
-        raise TargetError(f"{name}: the bundled target predicts exactly like it (every draft "
-                          "token would be accepted); draft with another model")  # fmt: skip
+        raise TargetError(
+            f"{name}: the bundled target predicts exactly like it (every draft "
+            "token would be accepted); draft with another model"
+        )
     problem = vocabulary_mismatch(target.gguf, draft_files.gguf)
     if problem:
-        raise TargetError(f"{name}: the draft {draft_files.gguf} does not share its vocabulary: "
-                          f"{problem}")  # fmt: skip
+        raise TargetError(
+            f"{name}: the draft {draft_files.gguf} does not share its vocabulary: {problem}"
+        )
     return BenchTarget(name, target, draft_files)
 
 
 def forward_ms(gguf_path: Path, timeout_s: float = 600.0) -> float:
     """One token's forward in llama.cpp on every core this process owns, after a 128-token
     context (``hetspec.workers.tools.profile``, a process of its own)."""
-    command = [sys.executable, "-m", "hetspec.workers.tools.profile", "llama.cpp", str(gguf_path),
-               "--widths", "1", "--repeats", "9"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "hetspec.workers.tools.profile",
+        "llama.cpp",
+        str(gguf_path),
+        "--widths",
+        "1",
+        "--repeats",
+        "9",
+    ]
     result = subprocess.run(command, capture_output=True, timeout=timeout_s, check=False)
     try:
         report = decode_profile(result.stdout.strip().splitlines()[-1])

@@ -32,8 +32,13 @@ from hetspec.workers.runtimes.torch_runtime.skinny_matmul import (
 )
 
 # heavy-1b: (name, out features, in features, how many a forward has)
-HEAVY_1B = (("q, o", 4096, 4096, 10), ("k, v", 2048, 4096, 10), ("gate, up", 11264, 4096, 10),
-            ("down", 4096, 11264, 5), ("head", 4096, 4096, 1))  # fmt: skip
+HEAVY_1B = (
+    ("q, o", 4096, 4096, 10),
+    ("k, v", 2048, 4096, 10),
+    ("gate, up", 11264, 4096, 10),
+    ("down", 4096, 11264, 5),
+    ("head", 4096, 4096, 1),
+)
 TILINGS = {
     "default": DEFAULT_TILING,
     "no split": Tiling(programs_per_sm=0),  # one program per column block, no second kernel
@@ -49,8 +54,11 @@ CALLS = 50  # calls in one graph
 
 def changed_fields(tiling: Tiling) -> dict[str, int]:
     """The fields where ``tiling`` differs from the default (gpu_worker.matmul_tiling's)."""
-    return {field: value for field, value in asdict(tiling).items()
-            if value != getattr(DEFAULT_TILING, field)}  # fmt: skip
+    return {
+        field: value
+        for field, value in asdict(tiling).items()
+        if value != getattr(DEFAULT_TILING, field)
+    }
 
 
 def time_call(call, repeats: int) -> float:
@@ -76,20 +84,29 @@ def time_call(call, repeats: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m hetspec.bench.torch_matmul", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+        prog="python -m hetspec.bench.torch_matmul",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--rows", default="1,16", help="row counts, comma-separated")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    parser.add_argument("--weights", choices=["dtype", "int8"], default="dtype",
-                        help="the Triton kernel's weights: the dtype's, or int8 with a scale "
-                        "per row (cuBLAS reads the dtype's either way)")  # fmt: skip
+    parser.add_argument(
+        "--weights",
+        choices=["dtype", "int8"],
+        default="dtype",
+        help="the Triton kernel's weights: the dtype's, or int8 with a scale "
+        "per row (cuBLAS reads the dtype's either way)",
+    )
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     if not torch.cuda.is_available() or (reason := unavailable_reason(device)):
-        print("error: needs a CUDA device and Triton"
-              + (f" ({reason})" if torch.cuda.is_available() else ""), file=sys.stderr)  # fmt: skip
+        print(
+            "error: needs a CUDA device and Triton"
+            + (f" ({reason})" if torch.cuda.is_available() else ""),
+            file=sys.stderr,
+        )
         return 1
     rows_list = [int(r) for r in args.rows.split(",")]
     if not all(0 < r <= MAX_ROWS for r in rows_list):
@@ -97,9 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     dtype = getattr(torch, args.dtype)
     int8 = args.weights == "int8"
-    print(f"{torch.cuda.get_device_name()}, {args.dtype}"
-          + (", the Triton cells' weights int8" if int8 else "")
-          + f"; us a call (GB/s of weight), {CALLS} calls a graph x {args.repeats}")  # fmt: skip
+    print(
+        f"{torch.cuda.get_device_name()}, {args.dtype}"
+        + (", the Triton cells' weights int8" if int8 else "")
+        + f"; us a call (GB/s of weight), {CALLS} calls a graph x {args.repeats}"
+    )
     results, totals = [], {}
     for name, n, k, count in HEAVY_1B:
         weight = torch.randn(n, k, device=device).to(dtype) / k**0.5
@@ -121,26 +140,38 @@ def main(argv: list[str] | None = None) -> int:
                 size = (weight if tiling is None else quantized).element_size()
                 line.append(f"{label} {us:.1f} ({n * k * size / us / 1e3:.0f})")
                 if tiling is not None and rows > 1:  # a row's bits alone and among others
-                    row[f"{label} invariant"] = bool(torch.equal(ours(x[:1], tiling),
-                                                                 call()[:1]))  # fmt: skip
+                    row[f"{label} invariant"] = bool(torch.equal(ours(x[:1], tiling), call()[:1]))
             results.append(row)
             print(" | ".join(line), flush=True)
     size = 1 if int8 else torch.tensor([], dtype=dtype).element_size()
     weights = sum(n * k * count for _, n, k, count in HEAVY_1B)
-    print(f"a forward's linear layers ({weights * size / 1e9:.2f} GB of weight for the Triton "
-          f"cells), us:")  # fmt: skip
+    print(
+        f"a forward's linear layers ({weights * size / 1e9:.2f} GB of weight for the Triton "
+        f"cells), us:"
+    )
     for rows in rows_list:
         cells = [f"{label} {totals[(label, rows)]:.0f}" for label in ["cuBLAS", *TILINGS]]
         print(f"  rows {rows:>2}: " + ", ".join(cells))
-    broken = [(r["shape"], r["rows"], label) for r in results for label in TILINGS
-              if r.get(f"{label} invariant") is False]  # fmt: skip
-    print("every tiling kept a row's bits among other rows" if not broken else
-          f"!! rows changed with their company: {broken}")  # fmt: skip
+    broken = [
+        (r["shape"], r["rows"], label)
+        for r in results
+        for label in TILINGS
+        if r.get(f"{label} invariant") is False
+    ]
+    print(
+        "every tiling kept a row's bits among other rows"
+        if not broken
+        else f"!! rows changed with their company: {broken}"
+    )
     if args.json:
         summary = {f"{label} rows {rows}": round(us, 1) for (label, rows), us in totals.items()}
         tilings = {label: changed_fields(tiling) for label, tiling in TILINGS.items()}
-        document = {"rows": results, "forward_us": summary, "tilings": tilings,
-                    "weights": args.weights}  # fmt: skip
+        document = {
+            "rows": results,
+            "forward_us": summary,
+            "tilings": tilings,
+            "weights": args.weights,
+        }
         args.json.write_text(json.dumps(document, indent=2))
     return 0
 

@@ -104,9 +104,14 @@ def profile_forward(
     ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:top]
     for name, (ms, count) in ranked:
         print(f"  {ms:8.3f} ms {count / repeats:6.1f}x  {name[:90]}")
-    return {"width": len(tokens), "wall_ms": round(wall, 3), "busy_ms": round(busy, 3),
-            "top": [{"name": n, "ms": round(ms, 4), "per_forward": c / repeats}
-                    for n, (ms, c) in ranked]}  # fmt: skip
+    return {
+        "width": len(tokens),
+        "wall_ms": round(wall, 3),
+        "busy_ms": round(busy, 3),
+        "top": [
+            {"name": n, "ms": round(ms, 4), "per_forward": c / repeats} for n, (ms, c) in ranked
+        ],
+    }
 
 
 def time_decode(runtime: TorchRuntime, steps: int, repeats: int) -> dict:
@@ -122,8 +127,10 @@ def time_decode(runtime: TorchRuntime, steps: int, repeats: int) -> dict:
         runtime.last_logits()
         synchronize()
 
-    modes = (("", "greedily", SamplingParams(), DrawnSampler(0)),
-             ("sampled_", "sampled", SamplingParams(temperature=0.8), KeyedSampler(1)))  # fmt: skip
+    modes = (
+        ("", "greedily", SamplingParams(), DrawnSampler(0)),
+        ("sampled_", "sampled", SamplingParams(temperature=0.8), KeyedSampler(1)),
+    )
     for prefix, how, params, sampler in modes:
         for name, decode in (("queued", TorchRuntime.decode), ("host_loop", TreeRuntime.decode)):
             call = partial(decode, runtime, steps, params, sampler)
@@ -131,9 +138,12 @@ def time_decode(runtime: TorchRuntime, steps: int, repeats: int) -> dict:
             row[f"{prefix}{name}_ms_a_token"] = round(median / (steps - 1), 4)
         runtime.rollback(start)
         queued, host = row[f"{prefix}queued_ms_a_token"], row[f"{prefix}host_loop_ms_a_token"]
-        print(f"decoding alone {how}, {steps} tokens a call, median of {repeats}: {queued:.3f} "
-              f"ms a token with its forwards queued on the device, {host:.3f} ms in the host's "
-              f"loop ({host / queued:.2f}x)", flush=True)  # fmt: skip
+        print(
+            f"decoding alone {how}, {steps} tokens a call, median of {repeats}: {queued:.3f} "
+            f"ms a token with its forwards queued on the device, {host:.3f} ms in the host's "
+            f"loop ({host / queued:.2f}x)",
+            flush=True,
+        )
     return row
 
 
@@ -163,8 +173,15 @@ def invariance_rows(runtime: TorchRuntime, widths: list[int], rng) -> list[dict]
         differ = int((together != alone).any(-1).sum())
         flips = int((together.argmax(-1) != alone.argmax(-1)).sum())
         worst = float((together - alone).abs().max())
-        rows.append({"width": width, "max_abs_diff": worst, "rows_differ": differ,
-                     "argmax_flips": flips, "rows": length})  # fmt: skip
+        rows.append(
+            {
+                "width": width,
+                "max_abs_diff": worst,
+                "rows_differ": differ,
+                "argmax_flips": flips,
+                "rows": length,
+            }
+        )
         print(f"{width:>6} {worst:>11.3g} {f'{differ}/{length}':>12} {flips:>13}", flush=True)
     if length >= 16:
         rows.append(tree_row(runtime, prompt, chain))
@@ -191,17 +208,27 @@ def tree_row(runtime: TorchRuntime, prompt: list[int], chain: np.ndarray) -> dic
     differ = int((tree != alone).any(-1).sum())
     flips = int((tree.argmax(-1) != alone.argmax(-1)).sum())
     worst = float((tree - alone).abs().max())
-    print(f"{'tree':>6} {worst:>11.3g} {f'{differ}/16':>12} {flips:>13}   (4 branches of 4 "
-          "against each branch as a chain)", flush=True)  # fmt: skip
-    return {"width": "tree 4x4", "max_abs_diff": worst, "rows_differ": differ,
-            "argmax_flips": flips, "rows": 16}  # fmt: skip
+    print(
+        f"{'tree':>6} {worst:>11.3g} {f'{differ}/16':>12} {flips:>13}   (4 branches of 4 "
+        "against each branch as a chain)",
+        flush=True,
+    )
+    return {
+        "width": "tree 4x4",
+        "max_abs_diff": worst,
+        "rows_differ": differ,
+        "argmax_flips": flips,
+        "rows": 16,
+    }
 
 
 def tiling_fields(text: str) -> dict[str, int]:
     """``block_n=32,warps=8`` -> {"block_n": 32, "warps": 8} (an empty text: {})."""
     try:
-        return {key.strip(): int(value) for key, value in
-                (item.split("=") for item in text.split(",") if item.strip())}  # fmt: skip
+        return {
+            key.strip(): int(value)
+            for key, value in (item.split("=") for item in text.split(",") if item.strip())
+        }
     except ValueError:
         raise argparse.ArgumentTypeError(f"not FIELD=N,...: {text!r}") from None
 
@@ -326,13 +353,23 @@ def main(argv: list[str] | None = None) -> int:
         if args.invariance:  # its chain crosses the first span bucket's end
             capacity = max(capacity, MIN_SPAN + max(args.widths))
         runtime = TorchRuntime(
-            args.model, device=args.device, dtype=args.dtype, threads=args.threads,
-            max_context=capacity, compile=args.compile, cuda_graphs=args.graphs,
-            fixed_width=args.fixed_width, span_buckets=args.span_buckets,
-            invariant_paths=args.paths, chain_forwards=args.chain_forwards,
-            chain_in_place=args.chain_in_place, attention=args.attention,
-            matmul=args.matmul, matmul_tiling=args.matmul_tiling, weights=args.weights,
-        )  # fmt: skip
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            threads=args.threads,
+            max_context=capacity,
+            compile=args.compile,
+            cuda_graphs=args.graphs,
+            fixed_width=args.fixed_width,
+            span_buckets=args.span_buckets,
+            invariant_paths=args.paths,
+            chain_forwards=args.chain_forwards,
+            chain_in_place=args.chain_in_place,
+            attention=args.attention,
+            matmul=args.matmul,
+            matmul_tiling=args.matmul_tiling,
+            weights=args.weights,
+        )
     except ModelLoadError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -354,8 +391,10 @@ def main(argv: list[str] | None = None) -> int:
         + (", int8 weights" if runtime.weights == "int8" else "")
         + (f" (kernel refused: {runtime.matmul_refused}; cuBLAS)" if runtime.matmul_refused else "")
     )
-    print(f"{'context':>8} {'shape':>6} {'width':>6} {'ms':>9} {'p25-p75':>15} {'ms/token':>9} "
-          f"{'x w=1':>6}")  # fmt: skip
+    print(
+        f"{'context':>8} {'shape':>6} {'width':>6} {'ms':>9} {'p25-p75':>15} {'ms/token':>9} "
+        f"{'x w=1':>6}"
+    )
     rows = []
     for context in args.contexts:
         runtime.prefill(rng.integers(0, vocab, size=context).tolist())
@@ -366,9 +405,16 @@ def main(argv: list[str] | None = None) -> int:
                 parents = tree_parents(shape, width)
                 median, p25, p75 = time_forward(runtime, tokens, parents, args.repeats)
                 base = base or median
-                rows.append({"context": context, "shape": shape, "width": width,
-                             "median_ms": round(median, 3), "p25_ms": round(p25, 3),
-                             "p75_ms": round(p75, 3)})  # fmt: skip
+                rows.append(
+                    {
+                        "context": context,
+                        "shape": shape,
+                        "width": width,
+                        "median_ms": round(median, 3),
+                        "p25_ms": round(p25, 3),
+                        "p75_ms": round(p75, 3),
+                    }
+                )
                 print(
                     f"{context:>8} {shape:>6} {width:>6} {median:>9.3f} "
                     f"{f'{p25:.2f}-{p75:.2f}':>15} {median / width:>9.3f} {median / base:>6.2f}",
@@ -377,22 +423,31 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile_width > 0 and context == args.contexts[-1]:
             width = args.profile_width
             parents = tree_parents(args.shape[0], width)
-            profiled = profile_forward(runtime, rng.integers(0, vocab, size=width), parents,
-                                       args.repeats)  # fmt: skip
+            profiled = profile_forward(
+                runtime, rng.integers(0, vocab, size=width), parents, args.repeats
+            )
         if args.decode > 1 and context == args.contexts[-1]:
             decoding = time_decode(runtime, args.decode, args.repeats)
     invariance = invariance_rows(runtime, args.widths, rng) if args.invariance else []
     if args.json:
-        meta = {"model": str(args.model), "device": str(runtime.device), "shape": args.shape,
-                "dtype": str(runtime.dtype), "threads": torch.get_num_threads(),
-                "graphs": runtime.graphs, "fixed_width": runtime.fixed_width,
-                "chains_in_place": runtime.chains_in_place, "attention": runtime.attention,
-                "split_kernel": runtime.split_kernel,
-                "split_kernel_refused": runtime.split_kernel_refused,
-                "compile": args.compile,
-                "matmul": args.matmul, "matmul_tiling": args.matmul_tiling,
-                "weights": runtime.weights,
-                "matmul_refused": runtime.matmul_refused}  # fmt: skip
+        meta = {
+            "model": str(args.model),
+            "device": str(runtime.device),
+            "shape": args.shape,
+            "dtype": str(runtime.dtype),
+            "threads": torch.get_num_threads(),
+            "graphs": runtime.graphs,
+            "fixed_width": runtime.fixed_width,
+            "chains_in_place": runtime.chains_in_place,
+            "attention": runtime.attention,
+            "split_kernel": runtime.split_kernel,
+            "split_kernel_refused": runtime.split_kernel_refused,
+            "compile": args.compile,
+            "matmul": args.matmul,
+            "matmul_tiling": args.matmul_tiling,
+            "weights": runtime.weights,
+            "matmul_refused": runtime.matmul_refused,
+        }
         document = {**meta, "rows": rows, "invariance": invariance}
         if args.profile_width > 0:
             document["profile"] = profiled

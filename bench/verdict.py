@@ -45,8 +45,9 @@ def settings_for(runtime: str, threads: int, context: int, nodes: int):
     if runtime == "native":
         return m.NativeSettings(n_ctx=context, threads=threads)
     if runtime == "llama.cpp":
-        return m.LlamaCppSettings(n_ctx=context, threads=threads, threads_batch=threads,
-                                  n_batch=max(64, nodes + 1))  # fmt: skip
+        return m.LlamaCppSettings(
+            n_ctx=context, threads=threads, threads_batch=threads, n_batch=max(64, nodes + 1)
+        )
     return m.TorchSettings(max_context=context, threads=threads)
 
 
@@ -56,9 +57,14 @@ async def run(args: argparse.Namespace) -> int:
     worker_cores = tuple(cores[-threads:])
     if len(cores) > threads:  # as in the daemon: the worker owns its cores, the daemon the rest
         os.sched_setaffinity(0, cores[:-threads])
-    spec = WorkerSpec("gpu", args.runtime, str(args.model),
-                      settings_for(args.runtime, threads, args.context, args.nodes),
-                      cores=worker_cores, log_format="console")  # fmt: skip
+    spec = WorkerSpec(
+        "gpu",
+        args.runtime,
+        str(args.model),
+        settings_for(args.runtime, threads, args.context, args.nodes),
+        cores=worker_cores,
+        log_format="console",
+    )
     with tempfile.TemporaryDirectory(prefix="hetspec-bench-") as runtime_dir:
         name = f"/dev/shm/hetspec-bench-{os.getpid()}"
         # the slot's size is known once the worker says its vocabulary: a probe worker first
@@ -78,22 +84,33 @@ async def run(args: argparse.Namespace) -> int:
             finally:
                 await client.stop()
     sampling = f"temperature {args.temperature:g}" + (
-        f", top-p {args.top_p:g}" if args.top_p < 1 else "")  # fmt: skip
-    print(f"{args.runtime} verifier on {threads} thread(s), vocabulary {vocab}, a chain of "
-          f"{args.nodes} drafted tokens below the bonus, keyed sampling at {sampling}; "
-          f"ms a round as the daemon sees it (the call and the verdict), median of "
-          f"{args.rounds - WARM_UP} rounds a way, alternated; in brackets the verifier's "
-          f"own")  # fmt: skip
+        f", top-p {args.top_p:g}" if args.top_p < 1 else ""
+    )
+    print(
+        f"{args.runtime} verifier on {threads} thread(s), vocabulary {vocab}, a chain of "
+        f"{args.nodes} drafted tokens below the bonus, keyed sampling at {sampling}; "
+        f"ms a round as the daemon sees it (the call and the verdict), median of "
+        f"{args.rounds - WARM_UP} rounds a way, alternated; in brackets the verifier's "
+        f"own"
+    )
     print(f"  {'draft':<28} {'daemon walks':>20} {'verifier walks':>20} {'saved':>8}")
     for draft, ways in results.items():
         daemon, verifier = ways["daemon walks"], ways["verifier walks"]
-        print(f"  {draft:<28} {daemon['round_ms']:8.3f} ({daemon['worker_ms']:7.3f}) "
-              f"{verifier['round_ms']:8.3f} ({verifier['worker_ms']:7.3f}) "
-              f"{daemon['round_ms'] - verifier['round_ms']:8.3f}")  # fmt: skip
+        print(
+            f"  {draft:<28} {daemon['round_ms']:8.3f} ({daemon['worker_ms']:7.3f}) "
+            f"{verifier['round_ms']:8.3f} ({verifier['worker_ms']:7.3f}) "
+            f"{daemon['round_ms'] - verifier['round_ms']:8.3f}"
+        )
     if args.json is not None:
-        document = {"runtime": args.runtime, "vocab": vocab, "nodes": args.nodes,
-                    "threads": threads, "temperature": args.temperature, "top_p": args.top_p,
-                    "results": results}  # fmt: skip
+        document = {
+            "runtime": args.runtime,
+            "vocab": vocab,
+            "nodes": args.nodes,
+            "threads": threads,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "results": results,
+        }
         args.json.write_text(json.dumps(document, indent=1))
     return 0
 
@@ -104,12 +121,15 @@ async def time_rounds(client: WorkerClient, arena: Arena, vocab: int, args) -> d
     await client.call(m.Prefill(request=client.next_request(), tokens=prompt, seed=SEED))
     # the target's own keyed tokens after the prompt, then back to the prompt less its last
     # token, which each tree repeats as its bonus (row 0 chooses the token at len(prompt))
-    decoded, _ = await client.call(m.Decode(request=client.next_request(),
-                                            steps=args.nodes, sampling=params))  # fmt: skip
+    decoded, _ = await client.call(
+        m.Decode(request=client.next_request(), steps=args.nodes, sampling=params)
+    )
     await client.call(m.Rollback(request=client.next_request(), length=len(prompt) - 1))
     own = decoded.tokens
-    drafts = {"accepted whole (reads all)": own,
-              "rejected at once (reads one)": [(own[0] + 1) % vocab, *own[1:]]}  # fmt: skip
+    drafts = {
+        "accepted whole (reads all)": own,
+        "rejected at once (reads one)": [(own[0] + 1) % vocab, *own[1:]],
+    }
     parents = list(range(-1, args.nodes))
     position, sampler = len(prompt), KeyedSampler(SEED)
     walk = m.SampledWalk(params, position, keyed=True)
@@ -117,22 +137,26 @@ async def time_rounds(client: WorkerClient, arena: Arena, vocab: int, args) -> d
     for label, draft in drafts.items():
         tree = [prompt[-1], *draft]
         draft_parents = list(range(-1, len(draft) - 1))
-        samples: dict[str, list[tuple[float, float]]] = {"daemon walks": [],
-                                                          "verifier walks": []}  # fmt: skip
+        samples: dict[str, list[tuple[float, float]]] = {"daemon walks": [], "verifier walks": []}
         for index in range(args.rounds):
             verdicts = {}
             for way, times in samples.items():
                 start = time.perf_counter()
-                command = m.VerifyTree(request=client.next_request(), tokens=tree,
-                                       parents=parents, out=0,
-                                       walk=walk if way == "verifier walks" else None)  # fmt: skip
+                command = m.VerifyTree(
+                    request=client.next_request(),
+                    tokens=tree,
+                    parents=parents,
+                    out=0,
+                    walk=walk if way == "verifier walks" else None,
+                )
                 verified, _ = await client.call(command)
                 if verified.logits is None:
                     verdict = (verified.path, verified.bonus)
                 else:
                     rows = arena.view(verified.logits)
-                    taken = verify_sampled(draft, draft_parents, rows, params,
-                                           position=position, keyed=sampler)  # fmt: skip
+                    taken = verify_sampled(
+                        draft, draft_parents, rows, params, position=position, keyed=sampler
+                    )
                     verdict = (taken.path, taken.bonus)
                 seconds = time.perf_counter() - start
                 verdicts[way] = verdict
@@ -141,17 +165,20 @@ async def time_rounds(client: WorkerClient, arena: Arena, vocab: int, args) -> d
             if verdicts["daemon walks"] != verdicts["verifier walks"]:
                 raise AssertionError(f"the two verdicts differ: {verdicts}")
         results[label] = {
-            way: {"round_ms": round(statistics.median(t for t, _ in times), 3),
-                  "worker_ms": round(statistics.median(w for _, w in times), 3),
-                  "accepted": len(verdicts[way][0])}
+            way: {
+                "round_ms": round(statistics.median(t for t, _ in times), 3),
+                "worker_ms": round(statistics.median(w for _, w in times), 3),
+                "accepted": len(verdicts[way][0]),
+            }
             for way, times in samples.items()
-        }  # fmt: skip
+        }
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hetspec.bench.verdict",
-                                     description=__doc__.split("\n\n")[0])  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m hetspec.bench.verdict", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("model", type=Path, help="a GGUF (native, llama.cpp) or folder (torch)")
     parser.add_argument("--runtime", choices=["native", "llama.cpp", "torch"], default="native")
     parser.add_argument("--nodes", type=int, default=16, help="drafted tokens in the chain")

@@ -23,12 +23,21 @@ from hetspec.arguments import positive, positive_list
 from hetspec.models.heavy import HeavyModelError, ensure_heavy
 
 SYSTEMS = {  # name -> (runtime, the heavy model's file, settings)
-    "llama.cpp Q8_0": ("llama.cpp", "q8_0", '{"type":"llama.cpp","flash_attention":"off",'
-                       '"kv_type":"f16","v_type":"f32"}'),
-    "llama.cpp Q4_0": ("llama.cpp", "q4_0", '{"type":"llama.cpp","flash_attention":"off",'
-                       '"kv_type":"f16","v_type":"f32"}'),
-    "llama.cpp Q4_K_M": ("llama.cpp", "q4_k_m", '{"type":"llama.cpp","flash_attention":"off",'
-                         '"kv_type":"f16","v_type":"f32"}'),
+    "llama.cpp Q8_0": (
+        "llama.cpp",
+        "q8_0",
+        '{"type":"llama.cpp","flash_attention":"off","kv_type":"f16","v_type":"f32"}',
+    ),
+    "llama.cpp Q4_0": (
+        "llama.cpp",
+        "q4_0",
+        '{"type":"llama.cpp","flash_attention":"off","kv_type":"f16","v_type":"f32"}',
+    ),
+    "llama.cpp Q4_K_M": (
+        "llama.cpp",
+        "q4_k_m",
+        '{"type":"llama.cpp","flash_attention":"off","kv_type":"f16","v_type":"f32"}',
+    ),
     "native Q8_0": ("native", "q8_0", '{"type":"native"}'),
     "native Q4_0": ("native", "q4_0", '{"type":"native"}'),
     "native Q4_K_M": ("native", "q4_k_m", '{"type":"native"}'),
@@ -39,7 +48,7 @@ SYSTEMS = {  # name -> (runtime, the heavy model's file, settings)
     "native Q4_0 AVX2": ("native", "q4_0", '{"type":"native","simd":"avx2"}'),
     "torch f32": ("torch", "folder", '{"type":"torch","device":"cpu","dtype":"float32"}'),
     "torch fbgemm int8": ("torch", "folder", '{"type":"torch","device":"cpu","dtype":"float32"}'),
-}  # fmt: skip
+}
 
 
 def measure_one(
@@ -47,9 +56,21 @@ def measure_one(
 ) -> dict:
     """System ``name``'s medians, measured in a fresh process; {"error": ...} when it fails."""
     runtime, _, settings = SYSTEMS[name]
-    command = [sys.executable, "-m", "hetspec.workers.tools.profile", runtime, model,
-               "--settings", settings, "--widths", ",".join(map(str, widths)),
-               "--repeats", str(repeats), "--prefix", str(prefix)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "hetspec.workers.tools.profile",
+        runtime,
+        model,
+        "--settings",
+        settings,
+        "--widths",
+        ",".join(map(str, widths)),
+        "--repeats",
+        str(repeats),
+        "--prefix",
+        str(prefix),
+    ]
     if "fbgemm" in name:
         command.append("--fbgemm-int8")
     result = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -67,9 +88,11 @@ def table(results: dict[str, dict[str, dict]], widths: list[int], prefix: int = 
     lines = []
     for size, systems in results.items():
         title = f"heavy-{size}: T(w) in ms after {prefix} tokens (T(w) / T(1) in brackets)"
-        lines += [f"\n### {title}\n",
-                  "| runtime | " + " | ".join(f"w={w}" for w in widths) + " |",
-                  "|---|" + "---:|" * len(widths)]  # fmt: skip
+        lines += [
+            f"\n### {title}\n",
+            "| runtime | " + " | ".join(f"w={w}" for w in widths) + " |",
+            "|---|" + "---:|" * len(widths),
+        ]
         for name, figures in systems.items():
             if "error" in figures:
                 lines.append(f"| {name} | skipped: {figures['error']} |")
@@ -82,9 +105,10 @@ def table(results: dict[str, dict[str, dict]], widths: list[int], prefix: int = 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m hetspec.bench.widths", description=__doc__,
+        prog="python -m hetspec.bench.widths",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     parser.add_argument("--sizes", default="100m,300m", help="heavy targets (default 100m,300m)")
     parser.add_argument("--widths", type=positive_list, default=[1, 2, 4, 8, 16])
     parser.add_argument("--repeats", type=int, default=7)
@@ -94,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         default=128,
         help="tokens of context before the timed forward (default 128)",
     )
-    parser.add_argument("--systems", default=",".join(SYSTEMS),
-                        help="comma-separated names of the rows to measure")  # fmt: skip
+    parser.add_argument(
+        "--systems", default=",".join(SYSTEMS), help="comma-separated names of the rows to measure"
+    )
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
     chosen = [name.strip() for name in args.systems.split(",") if name.strip()]
@@ -115,12 +140,14 @@ def main(argv: list[str] | None = None) -> int:
             file = SYSTEMS[name][1]
             model = str(heavy.folder if file == "folder" else heavy.gguf(file))
             print(f"heavy-{size}: {name} ...", file=sys.stderr, flush=True)
-            results[size][name] = measure_one(name, model, widths=args.widths,
-                                              repeats=args.repeats, prefix=args.prefix)  # fmt: skip
+            results[size][name] = measure_one(
+                name, model, widths=args.widths, repeats=args.repeats, prefix=args.prefix
+            )
     print(table(results, args.widths, args.prefix))
     if args.json:
-        args.json.write_text(json.dumps({"widths": args.widths, "prefix": args.prefix,
-                                         "results": results}, indent=1))  # fmt: skip
+        args.json.write_text(
+            json.dumps({"widths": args.widths, "prefix": args.prefix, "results": results}, indent=1)
+        )
     return 0
 
 

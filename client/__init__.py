@@ -15,6 +15,17 @@ from hetspec.client.types import (
     Unavailable,
 )
 
-__all__ = ["ApiError", "AsyncClient", "AsyncStream", "BadRequest", "Client", "Completion",
-           "DaemonUnreachable", "GenerationFailed", "HetspecError", "QueueFull", "Stream",
-           "Unavailable"]  # fmt: skip
+__all__ = [
+    "ApiError",
+    "AsyncClient",
+    "AsyncStream",
+    "BadRequest",
+    "Client",
+    "Completion",
+    "DaemonUnreachable",
+    "GenerationFailed",
+    "HetspecError",
+    "QueueFull",
+    "Stream",
+    "Unavailable",
+]

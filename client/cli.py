@@ -23,8 +23,7 @@ def _add_generation_options(parser: argparse.ArgumentParser, max_tokens: int | N
         default=max_tokens,
         help="most tokens to generate (default %(default)s)",
     )
-    parser.add_argument("--temperature", type=finite_float, help="0 = greedy (the default "
-                        "for run)")  # fmt: skip
+    parser.add_argument("--temperature", type=finite_float, help="0 = greedy (the default for run)")
     parser.add_argument("--top-k", type=int)
     parser.add_argument("--top-p", type=finite_float)
     parser.add_argument("--seed", type=int, help="the same seed, the same sampled text (any mode)")
@@ -87,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
         "models", help="check model files before serving them: hetspec models check TARGET DRAFT"
     )
     models.add_argument("action", choices=["check"])
-    models.add_argument("arguments", nargs=argparse.REMAINDER,
-                        help="TARGET DRAFT (see hetspec models check --help)")  # fmt: skip
+    models.add_argument(
+        "arguments", nargs=argparse.REMAINDER, help="TARGET DRAFT (see hetspec models check --help)"
+    )
     bench = commands.add_parser(
         "bench",
         help="compare the decoding modes (starts its own hetspecd on the bundled models)",
@@ -255,8 +255,11 @@ def _without_a_client(args: argparse.Namespace, argv: list[str] | None, host: st
         return subprocess.run(check, check=False).returncode
     args.argv = sys.argv[2:] if argv is None else argv[1:]
     if args.running and args.settings:
-        print("hetspec bench: --set applies to the daemons the bench starts, not to a running "
-              "one (--running)", file=sys.stderr)  # fmt: skip
+        print(
+            "hetspec bench: --set applies to the daemons the bench starts, not to a running "
+            "one (--running)",
+            file=sys.stderr,
+        )
         return 2
     args.socket = host if args.running else None
     return bench_module.main(args)
@@ -276,8 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return commands.get(args.command, run_generate)(client, args)
     except QueueFull as error:
-        return _failed(args, f"the daemon is busy: {error.message} (retry in "
-                             f"{error.retry_after_s or 1:g} s)")  # fmt: skip
+        return _failed(
+            args, f"the daemon is busy: {error.message} (retry in {error.retry_after_s or 1:g} s)"
+        )
     except HetspecError as error:
         return _failed(args, str(error))
     except KeyboardInterrupt:

@@ -33,8 +33,17 @@ class DaemonProcess:
         self.socket = folder / "hetspecd.sock"
         self.runtime_dir = folder / "run"
         self.log = log or folder / "hetspecd.log"
-        argv = [*launcher, sys.executable, "-m", "hetspec.daemon", "--socket", str(self.socket),
-                "--runtime-dir", str(self.runtime_dir), *args]  # fmt: skip
+        argv = [
+            *launcher,
+            sys.executable,
+            "-m",
+            "hetspec.daemon",
+            "--socket",
+            str(self.socket),
+            "--runtime-dir",
+            str(self.runtime_dir),
+            *args,
+        ]
         with open(self.log, "wb") as out:
             self.process = subprocess.Popen(
                 argv, stdout=out, stderr=out, env=env, pass_fds=tuple(pass_fds)
@@ -68,8 +77,9 @@ class DaemonProcess:
                 time.sleep(0.1)
             else:
                 last += f" after {timeout_s:g} s"
-        raise HetspecError(f"hetspecd did not become ready ({last}); its log ends:\n"
-                           f"{self.log_end()}")  # fmt: skip
+        raise HetspecError(
+            f"hetspecd did not become ready ({last}); its log ends:\n{self.log_end()}"
+        )
 
     def stop(self, timeout_s: float = 60) -> int:
         """SIGTERM (it drains), then its exit status."""

@@ -115,8 +115,14 @@ def error_from(status: int, body: bytes, retry_after: str | None) -> ApiError:
 
 
 # the client's names for Ollama's sampling options; the rest are hetspec's top-level extensions
-_OLLAMA_OPTIONS = {"max_tokens": "num_predict", "temperature": "temperature", "top_k": "top_k",
-                   "top_p": "top_p", "seed": "seed", "stop": "stop"}  # fmt: skip
+_OLLAMA_OPTIONS = {
+    "max_tokens": "num_predict",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "seed": "seed",
+    "stop": "stop",
+}
 
 
 def generate_body(prompt: str, options: dict, stream: bool) -> dict:

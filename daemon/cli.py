@@ -56,14 +56,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--json", action="store_true", help="with --check: print the reports as JSON"
     )
-    parser.add_argument("--config", type=Path, help=f"TOML file (default {DEFAULT_CONFIG_FILE}, "
-                        "or $HETSPEC_CONFIG; a missing default file is fine)")  # fmt: skip
+    parser.add_argument(
+        "--config",
+        type=Path,
+        help=f"TOML file (default {DEFAULT_CONFIG_FILE}, "
+        "or $HETSPEC_CONFIG; a missing default file is fine)",
+    )
     parser.add_argument("--socket", help="Unix socket to serve HTTP on")
     parser.add_argument("--runtime-dir", help="directory for the lock and worker endpoints")
     parser.add_argument("--placement", choices=("draft-cpu", "draft-gpu"))
-    parser.add_argument("--target", metavar="PATH", help="the target model: a .gguf file, a "
-                        "model folder, or a folder holding both (sets target.folder and "
-                        "target.gguf; a missing export is left empty)")  # fmt: skip
+    parser.add_argument(
+        "--target",
+        metavar="PATH",
+        help="the target model: a .gguf file, a "
+        "model folder, or a folder holding both (sets target.folder and "
+        "target.gguf; a missing export is left empty)",
+    )
     parser.add_argument("--draft", metavar="PATH", help="the draft model, likewise")
     parser.add_argument(
         "--set",
@@ -86,8 +94,13 @@ def overrides_from(args: argparse.Namespace) -> dict[str, object]:
         if not sep or not key:
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
         overrides[key.strip()] = parse_value(value.strip())
-    named = {"socket": args.socket, "runtime_dir": args.runtime_dir, "placement": args.placement,
-             "log_level": args.log_level, "log_format": args.log_format}  # fmt: skip
+    named = {
+        "socket": args.socket,
+        "runtime_dir": args.runtime_dir,
+        "placement": args.placement,
+        "log_level": args.log_level,
+        "log_format": args.log_format,
+    }
     overrides.update({key: value for key, value in named.items() if value is not None})
     for name in ("target", "draft"):
         if (path := getattr(args, name, None)) is not None:
@@ -115,8 +128,13 @@ def run_check(as_json: bool, config: DaemonConfig | None) -> int:
         except (RuntimeChoiceError, CoreError, StartupError, ValueError) as error:
             problem = str(error)
     if as_json:
-        document = {"hetspecd": __version__, "runtimes": reports, "gpu_runtime": decision,
-                    "drafter": drafter, "gpu_runtime_error": problem}  # fmt: skip
+        document = {
+            "hetspecd": __version__,
+            "runtimes": reports,
+            "gpu_runtime": decision,
+            "drafter": drafter,
+            "gpu_runtime_error": problem,
+        }
         sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(document)) + b"\n")
     else:
         print(
@@ -145,8 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(args.log_level or "info", args.log_format or "auto", process="hetspecd")
         return run_check(args.json, config)
     configure_logging(config.log_level, config.log_format, process="hetspecd")
-    worker_log_format = "json" if config.log_format == "auto" and not sys.stderr.isatty() else (
-        "console" if config.log_format == "auto" else config.log_format)  # fmt: skip
+    worker_log_format = (
+        "json"
+        if config.log_format == "auto" and not sys.stderr.isatty()
+        else ("console" if config.log_format == "auto" else config.log_format)
+    )
     get_logger(__name__).info("starting", version=__version__, pid=os.getpid())
     return uvloop.run(Service(config, worker_log_format).run())
 

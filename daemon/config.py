@@ -54,8 +54,9 @@ def model_paths_of(path: str | Path) -> ModelPaths:
         raise ConfigError(f"{path}: no such file or folder")
     ggufs = sorted(path.resolve().glob("*.gguf"))
     if len(ggufs) > 1:
-        raise ConfigError(f"{path} holds several GGUF files ({', '.join(g.name for g in ggufs)}); "
-                          "name one")  # fmt: skip
+        raise ConfigError(
+            f"{path} holds several GGUF files ({', '.join(g.name for g in ggufs)}); name one"
+        )
     folder = path.resolve() if (path / "config.json").is_file() else None
     if folder is None and not ggufs:
         raise ConfigError(f"{path} has neither config.json nor a .gguf file")
@@ -86,19 +87,24 @@ class TcpConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                     mode = os.fstat(file.fileno()).st_mode
                     self.token = file.read().strip()
             except OSError as error:
-                raise ValueError(f"token_file: cannot read {self.token_file}: "
-                                 f"{error.strerror}") from None  # fmt: skip
+                raise ValueError(
+                    f"token_file: cannot read {self.token_file}: {error.strerror}"
+                ) from None
             if mode & 0o006:  # others may read the token, or write their own
-                raise ValueError(f"token_file: {self.token_file} is readable or writable by "
-                                 f"every user (mode {mode & 0o777:04o}); chmod o= it")  # fmt: skip
+                raise ValueError(
+                    f"token_file: {self.token_file} is readable or writable by "
+                    f"every user (mode {mode & 0o777:04o}); chmod o= it"
+                )
         if self.listen is None:
             return
         _, sep, port = self.listen.rpartition(":")
         if not sep or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"listen must be HOST:PORT, not {self.listen!r}")
         if not self.token or len(self.token) < 16:
-            raise ValueError("a TCP listener needs a bearer token of at least 16 characters "
-                             "(tcp.token or tcp.token_file)")  # fmt: skip
+            raise ValueError(
+                "a TCP listener needs a bearer token of at least 16 characters "
+                "(tcp.token or tcp.token_file)"
+            )
 
 
 class RpcConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -148,8 +154,10 @@ class PipelineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def __post_init__(self) -> None:
         if self.stages and self.key is None:
-            raise ValueError("key: stages on other hosts need the coordinator's key file "
-                             "(hetspec-stage keys DIR coordinator)")  # fmt: skip
+            raise ValueError(
+                "key: stages on other hosts need the coordinator's key file "
+                "(hetspec-stage keys DIR coordinator)"
+            )
         for stage in self.stages:
             if not stage.endpoint.startswith("tcp://"):
                 raise ValueError(f"stages: {stage.endpoint!r} is not a tcp:// endpoint")
@@ -274,11 +282,15 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     log_format: Literal["auto", "json", "console"] = "auto"
 
     def __post_init__(self) -> None:
-        positive = {"arena_slots": self.arena_slots, "max_tree_nodes": self.max_tree_nodes,
-                    "load_timeout_s": self.load_timeout_s, "heartbeat_s": self.heartbeat_s,
-                    "heartbeat_timeout_s": self.heartbeat_timeout_s,
-                    "call_timeout_s": self.call_timeout_s,
-                    "http_idle_timeout_s": self.http_idle_timeout_s}  # fmt: skip
+        positive = {
+            "arena_slots": self.arena_slots,
+            "max_tree_nodes": self.max_tree_nodes,
+            "load_timeout_s": self.load_timeout_s,
+            "heartbeat_s": self.heartbeat_s,
+            "heartbeat_timeout_s": self.heartbeat_timeout_s,
+            "call_timeout_s": self.call_timeout_s,
+            "http_idle_timeout_s": self.http_idle_timeout_s,
+        }
         for key, value in positive.items():
             if not value > 0:
                 raise ValueError(f"{key} must be > 0, not {value}")
@@ -302,8 +314,10 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         self._check_combinations()
         low, high = self.restart_backoff_s
         if not 0 < low <= high:
-            raise ValueError(f"restart_backoff_s must be [first, largest] with 0 < first <= "
-                             f"largest, not {list(self.restart_backoff_s)}")  # fmt: skip
+            raise ValueError(
+                f"restart_backoff_s must be [first, largest] with 0 < first <= "
+                f"largest, not {list(self.restart_backoff_s)}"
+            )
 
     def _check_combinations(self) -> None:
         """Settings that are each valid but not together."""
@@ -312,18 +326,26 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 raise ValueError(f"{name}: give its folder, its gguf or both; both are empty")
         on_cpu = "draft" if self.placement == "draft-cpu" else "target"
         if not getattr(self, on_cpu).gguf:
-            raise ValueError(f"{on_cpu}.gguf is empty, and the CPU worker loads it with "
-                             f"llama.cpp in placement {self.placement!r}")  # fmt: skip
+            raise ValueError(
+                f"{on_cpu}.gguf is empty, and the CPU worker loads it with "
+                f"llama.cpp in placement {self.placement!r}"
+            )
         if self.rpc.servers and self.gpu_runtime not in ("auto", "llama.cpp"):
-            raise ValueError(f"gpu_runtime {self.gpu_runtime!r} cannot use rpc.servers: the "
-                             "target's layers go to rpc-servers through llama.cpp; set "
-                             'gpu_runtime = "auto" or "llama.cpp"')  # fmt: skip
+            raise ValueError(
+                f"gpu_runtime {self.gpu_runtime!r} cannot use rpc.servers: the "
+                "target's layers go to rpc-servers through llama.cpp; set "
+                'gpu_runtime = "auto" or "llama.cpp"'
+            )
         if self.cpu_runtime == "native" and self.placement != "draft-cpu":
-            raise ValueError('cpu_runtime "native" drafts: it needs placement = "draft-cpu" '
-                             "(in draft-gpu the CPU worker verifies in llama.cpp)")  # fmt: skip
+            raise ValueError(
+                'cpu_runtime "native" drafts: it needs placement = "draft-cpu" '
+                "(in draft-gpu the CPU worker verifies in llama.cpp)"
+            )
         if self.pipeline.enabled and (self.placement != "draft-cpu" or self.rpc.servers):
-            raise ValueError("pipeline: the stages verify and the CPU worker drafts; it needs "
-                             'placement = "draft-cpu" and no rpc.servers')  # fmt: skip
+            raise ValueError(
+                "pipeline: the stages verify and the CPU worker drafts; it needs "
+                'placement = "draft-cpu" and no rpc.servers'
+            )
 
 
 def parse_value(text: str) -> Any:

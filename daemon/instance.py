@@ -126,8 +126,10 @@ class Instance:
             else:
                 kept.append(str(path))
         # the runtime directory is ours alone (checked in acquire): whatever is there is ours
-        for path in [*self.runtime_dir.glob("*-commands.sock"),
-                     *self.runtime_dir.glob("*-replies.sock")]:  # fmt: skip
+        for path in [
+            *self.runtime_dir.glob("*-commands.sock"),
+            *self.runtime_dir.glob("*-replies.sock"),
+        ]:
             (removed if _unlink(path) else kept).append(str(path))
         if removed:
             log.warning("removed leftovers of an earlier instance", paths=removed)

@@ -162,16 +162,29 @@ class Service:
             stop.cancel()
             start.result()
             startup_s = round(time.monotonic() - self.started, 2)
-            log.info("serving", socket=self.config.socket, placement=self.config.placement,
-                     startup_s=startup_s)  # fmt: skip
-            self.notifier.ready(f"serving {self.model_name} ({self.config.placement}), "
-                                f"ready after {startup_s} s")  # fmt: skip
+            log.info(
+                "serving",
+                socket=self.config.socket,
+                placement=self.config.placement,
+                startup_s=startup_s,
+            )
+            self.notifier.ready(
+                f"serving {self.model_name} ({self.config.placement}), ready after {startup_s} s"
+            )
             await self._stop.wait()
             await self._drain()
             return RELOAD_EXIT_STATUS if self.reloading else 0
-        except (InstanceError, StartupError, CoreError, ArenaError, ChatTemplateError,
-                RuntimeChoiceError, HeadChoiceError, PipelineStartError,
-                OSError) as error:  # fmt: skip
+        except (
+            InstanceError,
+            StartupError,
+            CoreError,
+            ArenaError,
+            ChatTemplateError,
+            RuntimeChoiceError,
+            HeadChoiceError,
+            PipelineStartError,
+            OSError,
+        ) as error:
             log.error("cannot serve", error=str(error))
             self.notifier.status(f"cannot serve: {error}")
             return 1
@@ -193,16 +206,29 @@ class Service:
         drafter = await decide_drafter(self.config, self.log_format, cache)
         self.drafter = drafter
         if drafter is not None:
-            log.info("drafter", runtime=drafter.runtime, threads=drafter.threads,
-                     chosen_by=drafter.chosen_by, costs_ms=drafter.costs_ms,
-                     failures=[f"{f.runtime}: {f.message}" for f in drafter.failures])  # fmt: skip
+            log.info(
+                "drafter",
+                runtime=drafter.runtime,
+                threads=drafter.threads,
+                chosen_by=drafter.chosen_by,
+                costs_ms=drafter.costs_ms,
+                failures=[f"{f.runtime}: {f.message}" for f in drafter.failures],
+            )
         decision = await decide_gpu_runtime(self.config, self.log_format, cache, drafter)
         self.runtime_decision = decision
-        log.info("gpu worker runtime", runtime=decision.runtime, chosen_by=decision.chosen_by,
-                 summary=decision.summary())  # fmt: skip
-        specs = worker_specs(self.config, self.log_format, decision.runtime,
-                             drafter.threads if drafter else None,
-                             drafter.runtime if drafter else None)  # fmt: skip
+        log.info(
+            "gpu worker runtime",
+            runtime=decision.runtime,
+            chosen_by=decision.chosen_by,
+            summary=decision.summary(),
+        )
+        specs = worker_specs(
+            self.config,
+            self.log_format,
+            decision.runtime,
+            drafter.threads if drafter else None,
+            drafter.runtime if drafter else None,
+        )
         # A verifier that borrows the drafter's cores while it idles (as its profile was
         # timed) verifies beside a drafting drafter on its own cores only.
         costs = decision.verifier_costs_s()
@@ -234,8 +260,9 @@ class Service:
         self.arena = self.instance.create_arena(
             self.config.arena_slots, self.config.max_tree_nodes * width * 4
         )
-        self.supervisor = Supervisor(self.config, specs, self.instance.runtime_dir,
-                                     self.arena.layout)  # fmt: skip
+        self.supervisor = Supervisor(
+            self.config, specs, self.instance.runtime_dir, self.arena.layout
+        )
         await self.supervisor.start()
 
     def _keep_off_drafter(self, drafter: WorkerSpec) -> None:
@@ -259,12 +286,17 @@ class Service:
         verifier worker)."""
         self.notifier.status("loading the draft model and the pipeline's stages")
         drafter = roles(self.config.placement).drafter
-        choice = await decide_drafter(self.config, self.log_format,
-                                      cache_dir(self.config.cache_dir))  # fmt: skip
+        choice = await decide_drafter(
+            self.config, self.log_format, cache_dir(self.config.cache_dir)
+        )
         self.drafter = choice
-        specs = worker_specs(self.config, self.log_format, "torch",
-                             choice.threads if choice else None,
-                             choice.runtime if choice else None)  # fmt: skip
+        specs = worker_specs(
+            self.config,
+            self.log_format,
+            "torch",
+            choice.threads if choice else None,
+            choice.runtime if choice else None,
+        )
         await self._start_workers({drafter: specs[drafter]})
         self.pipeline = PipelineBackend(self.config, self.instance.runtime_dir)
         await self.pipeline.start()
@@ -278,8 +310,11 @@ class Service:
         if signum == signal.SIGHUP and not self.draining:
             # No configuration is reloaded in place: the daemon drains and exits with
             # RELOAD_EXIT_STATUS, which the systemd unit restarts (systemctl reload sends HUP).
-            log.info("reload asked (SIGHUP): draining, then exiting to be restarted with the "
-                     "configuration as it is now", exit_status=RELOAD_EXIT_STATUS)  # fmt: skip
+            log.info(
+                "reload asked (SIGHUP): draining, then exiting to be restarted with the "
+                "configuration as it is now",
+                exit_status=RELOAD_EXIT_STATUS,
+            )
             self.reloading = True
         if not self.draining:
             log.info("draining", signal=signal.Signals(signum).name, in_flight=self.in_flight)
@@ -317,14 +352,19 @@ class Service:
             log.warning("the target model has no chat template; /v1/chat/completions is off")
 
     async def _listen(self) -> None:
-        app = web.Application(middlewares=[json_errors, self._authorize],
-                              client_max_size=MAX_BODY_BYTES)  # fmt: skip
+        app = web.Application(
+            middlewares=[json_errors, self._authorize], client_max_size=MAX_BODY_BYTES
+        )
         app.add_routes([*native_routes(self), *OllamaApi(self).routes(), *openai_routes(self)])
         app.on_response_prepare.append(self._count_response)
-        self.runner = GuardedRunner(app, max_connections=self.config.http_max_connections,
-                                    idle_timeout_s=self.config.http_idle_timeout_s,
-                                    on_refused=self._refused_connection,
-                                    handler_cancellation=True, access_log=None)  # fmt: skip
+        self.runner = GuardedRunner(
+            app,
+            max_connections=self.config.http_max_connections,
+            idle_timeout_s=self.config.http_idle_timeout_s,
+            on_refused=self._refused_connection,
+            handler_cancellation=True,
+            access_log=None,
+        )
         await self.runner.setup()
         passed = activated_sockets()
         if passed:  # socket activation: systemd owns the socket file and its permissions
@@ -365,8 +405,10 @@ class Service:
 
     def _refused_connection(self) -> None:
         self.metrics.connections_refused.inc()
-        log.warning("too many open HTTP connections; refusing new ones",
-                    limit=self.config.http_max_connections)  # fmt: skip
+        log.warning(
+            "too many open HTTP connections; refusing new ones",
+            limit=self.config.http_max_connections,
+        )
 
     async def _count_response(self, request: web.Request, response: web.StreamResponse) -> None:
         route = request.match_info.route.resource
@@ -378,8 +420,12 @@ class Service:
     def ready(self) -> bool:
         """Both workers loaded and the daemon not draining."""
         pipeline_up = self.pipeline is not None and self.pipeline.client is not None
-        return (self.supervisor is not None and self.supervisor.ready() and not self.draining
-                and (pipeline_up or not self.config.pipeline.enabled))  # fmt: skip
+        return (
+            self.supervisor is not None
+            and self.supervisor.ready()
+            and not self.draining
+            and (pipeline_up or not self.config.pipeline.enabled)
+        )
 
     def verifier(self) -> WorkerClient | None:
         """The worker that serves the target, once started."""
@@ -421,15 +467,18 @@ class Service:
         workers = {}
         if supervisor is not None:
             for name, client in supervisor.workers.items():
-                workers[name] = {"pid": client.pid, "alive": client.alive,
-                                 "restarts": supervisor.restarts[name],
-                                 "device": client.ready.device if client.ready else None,
-                                 "model": client.spec.model, "cores": list(client.spec.cores),
-                                 "spare_cores": list(client.spec.spare_cores)}  # fmt: skip
+                workers[name] = {
+                    "pid": client.pid,
+                    "alive": client.alive,
+                    "restarts": supervisor.restarts[name],
+                    "device": client.ready.device if client.ready else None,
+                    "model": client.spec.model,
+                    "cores": list(client.spec.cores),
+                    "spare_cores": list(client.spec.spare_cores),
+                }
         daemon = {"pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0))}
         status = "ready" if ready else ("draining" if self.draining else "loading")
-        health = {"status": status, "version": __version__, "workers": workers,
-                  "daemon": daemon}  # fmt: skip
+        health = {"status": status, "version": __version__, "workers": workers, "daemon": daemon}
         if self.pipeline is not None:
             health["pipeline"] = self.pipeline.health()
         return health
@@ -445,14 +494,18 @@ class Service:
             if self.pipeline is not None:  # the stages verify: no verifier worker
                 devices["target"] = "pipeline"
         config = self.config
-        last = {mode: controller.history[-1] if controller.history else None
-                for mode, controller in self.controllers.items()}  # fmt: skip
+        last = {
+            mode: controller.history[-1] if controller.history else None
+            for mode, controller in self.controllers.items()
+        }
         return {
             "version": __version__,
             "status": health["status"],
             "model": self.model_name,
-            "models": {"target": {"folder": config.target.folder, "gguf": config.target.gguf},
-                       "draft": {"folder": config.draft.folder, "gguf": config.draft.gguf}},
+            "models": {
+                "target": {"folder": config.target.folder, "gguf": config.target.gguf},
+                "draft": {"folder": config.draft.folder, "gguf": config.draft.gguf},
+            },
             "placement": config.placement,
             "devices": devices,
             "gpu_runtime": msgspec.to_builtins(self.runtime_decision)
@@ -461,18 +514,28 @@ class Service:
             "drafter": msgspec.to_builtins(self.drafter) if self.drafter else None,
             "pipeline": health.get("pipeline"),
             "mode": config.mode,
-            "gamma": {mode: {"gamma": d.gamma, "branches": d.branches, "overlap": d.overlap}
-                      if d else None for mode, d in last.items()},
+            "gamma": {
+                mode: {"gamma": d.gamma, "branches": d.branches, "overlap": d.overlap}
+                if d
+                else None
+                for mode, d in last.items()
+            },
             "parallel_gamma": config.gamma,
-            "queue": {"running": self.admission.running, "waiting": self.admission.waiting,
-                      "capacity": self.admission.capacity, "refused": self.admission.refused},
+            "queue": {
+                "running": self.admission.running,
+                "waiting": self.admission.waiting,
+                "capacity": self.admission.capacity,
+                "refused": self.admission.refused,
+            },
             "chat_template": self.chat_template is not None,
             "uptime_s": round(time.monotonic() - self.started, 1),
             "workers": health["workers"],
             # the verifier on the drafter's cores too, per token alone and per node verified
-            "spare_cores": {"alone": self.spare_cores.snapshot(),
-                            "verify": self.verify_cores.snapshot()},
-        }  # fmt: skip
+            "spare_cores": {
+                "alone": self.spare_cores.snapshot(),
+                "verify": self.verify_cores.snapshot(),
+            },
+        }
 
     def refresh_gauges(self) -> None:
         self.metrics.queue_waiting.set(self.admission.waiting)
@@ -495,8 +558,11 @@ class Service:
             raise ApiError(400, f"invalid request: {error}") from None
         gamma = body.gamma or (self.config.gamma if mode == "parallel" else None)
         if gamma and gamma * (body.branches or 1) + 1 > self.config.max_tree_nodes:
-            raise ApiError(400, f"gamma x branches + 1 = {gamma * (body.branches or 1) + 1} "
-                           f"exceeds max_tree_nodes ({self.config.max_tree_nodes})")  # fmt: skip
+            raise ApiError(
+                400,
+                f"gamma x branches + 1 = {gamma * (body.branches or 1) + 1} "
+                f"exceeds max_tree_nodes ({self.config.max_tree_nodes})",
+            )
         if self.supervisor is None or not self.supervisor.workers:
             raise ApiError(503, "the workers are still loading", retry_after_s=5)
         self.in_flight += 1
@@ -514,8 +580,9 @@ class Service:
                 self._idle.set()
 
     @contextlib.asynccontextmanager
-    async def _start(self, body: GenerateRequest, mode: str, gamma: int | None,
-                     waited_s: float) -> AsyncIterator[Run]:  # fmt: skip
+    async def _start(
+        self, body: GenerateRequest, mode: str, gamma: int | None, waited_s: float
+    ) -> AsyncIterator[Run]:
         if self.pipeline is not None:
             async with self._start_pipeline(body, mode, waited_s) as run:
                 yield run
@@ -548,10 +615,19 @@ class Service:
 
             def pieces(verifier: WorkerClient, drafter: WorkerClient) -> AsyncIterator[str]:
                 if mode == "autoregressive":
-                    return generate(body, verifier, draft_slot, result, arena=self.arena,
-                                    cores=self.spare_cores)  # fmt: skip
-                pair = WorkerPair(drafter, verifier, self.arena, draft_slot, verify_slot,
-                                  self.spare_cores, self.verify_cores, feature_slot)  # fmt: skip
+                    return generate(
+                        body, verifier, draft_slot, result, arena=self.arena, cores=self.spare_cores
+                    )
+                pair = WorkerPair(
+                    drafter,
+                    verifier,
+                    self.arena,
+                    draft_slot,
+                    verify_slot,
+                    self.spare_cores,
+                    self.verify_cores,
+                    feature_slot,
+                )
                 log = self.round_log and functools.partial(self.round_log.write, run_id, mode)
                 return Decoder(body, pair, controller, stats, plan=fixed, log=log).stream(result)
 
@@ -563,8 +639,16 @@ class Service:
 
             speculative = (stats, controller) if mode != "autoregressive" else (None, None)
             again = self._again_if_died(pieces, verifier, drafter, reset, whole=not body.stream)
-            run = Run(run_id, mode, again, result, devices, waited_s * 1000, *speculative,
-                      token_bytes=verifier.ready.token_bytes)  # fmt: skip
+            run = Run(
+                run_id,
+                mode,
+                again,
+                result,
+                devices,
+                waited_s * 1000,
+                *speculative,
+                token_bytes=verifier.ready.token_bytes,
+            )
             async with self._counted(run):
                 yield run
 
@@ -584,35 +668,56 @@ class Service:
             await run.pieces.aclose()  # a stream left early: stop its decoding now
             if result.tokens or result.prompt_tokens:
                 self.metrics.observe_generation(
-                    mode=run.mode, reason=result.done_reason, prompt_tokens=result.prompt_tokens,
-                    tokens=len(result.tokens), ttft_ms=result.ttft_ms,
-                    decode_ms=result.decode_ms, speculative=run.speculative())  # fmt: skip
+                    mode=run.mode,
+                    reason=result.done_reason,
+                    prompt_tokens=result.prompt_tokens,
+                    tokens=len(result.tokens),
+                    ttft_ms=result.ttft_ms,
+                    decode_ms=result.decode_ms,
+                    speculative=run.speculative(),
+                )
 
     @contextlib.asynccontextmanager
-    async def _start_pipeline(self, body: GenerateRequest, mode: str,
-                              waited_s: float) -> AsyncIterator[Run]:  # fmt: skip
+    async def _start_pipeline(
+        self, body: GenerateRequest, mode: str, waited_s: float
+    ) -> AsyncIterator[Run]:
         """A run decoded through the pipeline's stages: FlowSpec's schedule in every
         speculative mode, the plain pipeline in autoregressive mode."""
         if body.logprobs is not None:
             raise ApiError(400, "logprobs are not available through the pipeline")
         try:
-            drafter = await self.supervisor.worker(self.supervisor.roles.drafter,
-                                                   self.config.restart_wait_s)  # fmt: skip
+            drafter = await self.supervisor.worker(
+                self.supervisor.roles.drafter, self.config.restart_wait_s
+            )
         except WorkerUnavailable as error:
             raise ApiError(503, str(error), retry_after_s=5) from None
         run_id = f"{int(self.started_wall):x}-{next(self._run_ids)}"
         devices = {"target": "pipeline", "draft": drafter.ready.device}
         async with self.slots.lease(run_id, self.supervisor.settled) as slot:
             result = GenerationResult()
-            pieces = self.pipeline.generate(body, drafter, result, arena=self.arena, slot=slot,
-                                            speculative=mode != "autoregressive")  # fmt: skip
-            run = Run(run_id, mode, pieces, result, devices, waited_s * 1000,
-                      token_bytes=drafter.ready.token_bytes)  # fmt: skip
+            pieces = self.pipeline.generate(
+                body,
+                drafter,
+                result,
+                arena=self.arena,
+                slot=slot,
+                speculative=mode != "autoregressive",
+            )
+            run = Run(
+                run_id,
+                mode,
+                pieces,
+                result,
+                devices,
+                waited_s * 1000,
+                token_bytes=drafter.ready.token_bytes,
+            )
             async with self._counted(run):
                 yield run
 
-    async def _again_if_died(self, pieces, verifier: WorkerClient, drafter: WorkerClient,
-                             reset, *, whole: bool) -> AsyncIterator[str]:  # fmt: skip
+    async def _again_if_died(
+        self, pieces, verifier: WorkerClient, drafter: WorkerClient, reset, *, whole: bool
+    ) -> AsyncIterator[str]:
         """``pieces(verifier, drafter)``, started over once (after ``reset()``) with the
         restarted workers when a worker dies before anything reached the client: before the
         first piece, or for a ``whole`` (not streamed) request before the last. That is a
@@ -634,8 +739,9 @@ class Service:
                     break
                 reason = f"the {dead[0].spec.name} worker {dead[0].died.result()}"
             await stream.aclose()
-            log.info("a worker died before the request answered anything; starting over",
-                     reason=reason)  # fmt: skip
+            log.info(
+                "a worker died before the request answered anything; starting over", reason=reason
+            )
             reset()
             roles, wait_s = self.supervisor.roles, self.config.restart_wait_s
             verifier = await self.supervisor.worker(roles.verifier, wait_s)

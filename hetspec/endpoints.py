@@ -21,8 +21,7 @@ def parse_rpc_endpoint(text: str) -> tuple[str, int]:
     takes IPv4 addresses and host names only."""
     host, port = parse_endpoint(text)
     if ":" in host:
-        raise ValueError(f"{text!r}: llama.cpp's RPC takes IPv4 addresses or host names, "
-                         "not IPv6")  # fmt: skip
+        raise ValueError(f"{text!r}: llama.cpp's RPC takes IPv4 addresses or host names, not IPv6")
     return host, port
 
 

@@ -144,8 +144,11 @@ class RateLimit(logging.Filter):
             bucket.suppressed += 1
             return False
         bucket.limited = True
-        _annotate(record, rate_limited="more of this event follow than the log takes; "
-                  "similar ones are dropped for now and counted")  # fmt: skip
+        _annotate(
+            record,
+            rate_limited="more of this event follow than the log takes; "
+            "similar ones are dropped for now and counted",
+        )
         # the notice, not one more traceback
         record.exc_info = record.exc_text = None
         if isinstance(record.msg, dict):

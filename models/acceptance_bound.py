@@ -88,8 +88,9 @@ def chain_kept(agrees: list[np.ndarray], first: int, end: int, gamma: int) -> tu
     return kept, rounds
 
 
-def confident_walk(agrees: np.ndarray, confidence: np.ndarray, first: int, end: int, *,
-                   most: int, below: float) -> tuple[int, int, int]:  # fmt: skip
+def confident_walk(
+    agrees: np.ndarray, confidence: np.ndarray, first: int, end: int, *, most: int, below: float
+) -> tuple[int, int, int]:
     """(tokens kept, rounds, draft forwards) walking positions first..end in plain rounds
     that draft until the drafter's top probability falls below ``below`` (a node at least,
     ``most`` at most): ``confidence[t]``, the draft model's top probability at position t.
@@ -141,8 +142,7 @@ class Drafters:
         # Teacher runs any model folder whole-sequence: the draft model's choices too
         self.target, self.draft = Teacher(MODELS / "target"), Teacher(MODELS / "draft")
         limit = self.target.config.max_context
-        self.pieces = load_target_pieces(self.target.config, MODELS / "target", torch.float32,
-                                         CPU)  # fmt: skip
+        self.pieces = load_target_pieces(self.target.config, MODELS / "target", torch.float32, CPU)
         self.head = load_head(head, self.target.config, torch.float32, CPU)
         self.head_rope = rope_tables(self.head.config.block_config(), limit, CPU)
         self.tokenizer = Tokenizer.from_file(str(MODELS / "target" / "tokenizer.json"))
@@ -175,13 +175,20 @@ class Drafters:
 
 def report(rate: dict, kept: dict, gammas: list[int], source: str, args) -> str:
     depth = max(gammas)
-    lines = [f"# Greedy acceptance on the bundled target ({args.prompts} prompts x "
-             f"{args.tokens} tokens, {source})\n",
-             "| drafter | agreement per step |", "|---|---|"]  # fmt: skip
+    lines = [
+        f"# Greedy acceptance on the bundled target ({args.prompts} prompts x "
+        f"{args.tokens} tokens, {source})\n",
+        "| drafter | agreement per step |",
+        "|---|---|",
+    ]
     shown = ("draft model", "head, step 1", "head, step 2", f"head, step {depth}")
     lines += [f"| {key} | {value:.3f} |" for key, value in rate.items() if key in shown]
-    lines += ["", "| gamma | draft model kept/round | head kept/round | head / draft model | "
-              "head agreement needed for 1.5x |", "|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        "| gamma | draft model kept/round | head kept/round | head / draft model | "
+        "head agreement needed for 1.5x |",
+        "|---|---|---|---|---|",
+    ]
     for g in gammas:
         base = kept["draft model", g][0] / kept["draft model", g][1]
         ours = kept["head", g][0] / kept["head", g][1]
@@ -189,18 +196,25 @@ def report(rate: dict, kept: dict, gammas: list[int], source: str, args) -> str:
         need = "impossible (> gamma)" if needed is None else f"{needed:.3f}"
         lines.append(f"| {g} | {base:.2f} | {ours:.2f} | {ours / base:.2f}x | {need} |")
     a = rate["draft model"]
-    lines += ["", f"A chain of any length keeps at most a / (1 - a) tokens: {a / (1 - a):.1f} "
-              f"for the draft model's {a:.3f}; 1.5x that needs a head agreeing "
-              f"{1.5 * a / (1 + 0.5 * a):.3f} at every step."]  # fmt: skip
+    lines += [
+        "",
+        f"A chain of any length keeps at most a / (1 - a) tokens: {a / (1 - a):.1f} "
+        f"for the draft model's {a:.3f}; 1.5x that needs a head agreeing "
+        f"{1.5 * a / (1 + 0.5 * a):.3f} at every step.",
+    ]
     return "\n".join(lines)
 
 
-def round_costs_report(kept: dict[int, float], costs: list[float], draft_ms: float,
-                       other_ms: float) -> str:  # fmt: skip
-    lines = [f"Plain rounds of the draft model's chains (gamma 1..{max(kept)}), a draft token "
-             f"{draft_ms} ms, the rest of a round {other_ms} ms:", "",
-             "| verification ms | best gamma | kept a round | tokens/s |",
-             "|---|---|---|---|"]  # fmt: skip
+def round_costs_report(
+    kept: dict[int, float], costs: list[float], draft_ms: float, other_ms: float
+) -> str:
+    lines = [
+        f"Plain rounds of the draft model's chains (gamma 1..{max(kept)}), a draft token "
+        f"{draft_ms} ms, the rest of a round {other_ms} ms:",
+        "",
+        "| verification ms | best gamma | kept a round | tokens/s |",
+        "|---|---|---|---|",
+    ]
     for verify_ms in costs:
         gamma, rate = best_plain_round(kept, verify_ms, draft_ms, other_ms)
         lines.append(f"| {verify_ms} | {gamma} | {kept[gamma]:.2f} | {rate:.0f} |")
@@ -210,18 +224,23 @@ def round_costs_report(kept: dict[int, float], costs: list[float], draft_ms: flo
 STOP_MOST = (8, 12, 16)  # the longest drafts a stopping rule may reach
 
 
-def stop_below_report(walks: dict, kept: dict[int, float], costs: list[float],
-                      draft_ms: float, other_ms: float) -> str:  # fmt: skip
+def stop_below_report(
+    walks: dict, kept: dict[int, float], costs: list[float], draft_ms: float, other_ms: float
+) -> str:
     """Plain rounds that stop drafting below a confidence against the best fixed gamma:
     ``walks[(below, most)]`` = (kept, rounds, forwards) summed over the prompts."""
     thresholds = sorted({below for below, _ in walks})
-    lines = [f"Plain rounds that draft until the draft model's top probability falls below a "
-             f"threshold (at most {'/'.join(map(str, STOP_MOST))} nodes, the best of them; "
-             f"a stopped round pays the forward it did not draft), against the best fixed "
-             f"gamma; a draft forward {draft_ms} ms, the rest of a round {other_ms} ms:", "",
-             "| verification ms | best fixed gamma, tokens/s | "
-             + " | ".join(f"below {t}" for t in thresholds) + " |",
-             "|---|---|" + "---|" * len(thresholds)]  # fmt: skip
+    lines = [
+        f"Plain rounds that draft until the draft model's top probability falls below a "
+        f"threshold (at most {'/'.join(map(str, STOP_MOST))} nodes, the best of them; "
+        f"a stopped round pays the forward it did not draft), against the best fixed "
+        f"gamma; a draft forward {draft_ms} ms, the rest of a round {other_ms} ms:",
+        "",
+        "| verification ms | best fixed gamma, tokens/s | "
+        + " | ".join(f"below {t}" for t in thresholds)
+        + " |",
+        "|---|---|" + "---|" * len(thresholds),
+    ]
     for verify_ms in costs:
         gamma, fixed = best_plain_round(kept, verify_ms, draft_ms, other_ms)
         cells = []
@@ -249,16 +268,26 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the target's text and features from llama.cpp over this file",
     )
-    parser.add_argument("--verify-ms", default=None,
-                        help="comma-separated verification costs (ms, as the daemon sees "
-                        "them): what plain rounds of the draft model allow at each")  # fmt: skip
+    parser.add_argument(
+        "--verify-ms",
+        default=None,
+        help="comma-separated verification costs (ms, as the daemon sees "
+        "them): what plain rounds of the draft model allow at each",
+    )
     parser.add_argument("--draft-ms", type=float, default=0.15, help="a draft token's ms")
-    parser.add_argument("--other-ms", type=float, default=0.3,
-                        help="the rest of a round's ms (links, the daemon's own)")  # fmt: skip
-    parser.add_argument("--stop-below", default=None,
-                        help="with --verify-ms: comma-separated confidences; also what plain "
-                        "rounds drafting until the draft's top probability falls below each "
-                        "allow")  # fmt: skip
+    parser.add_argument(
+        "--other-ms",
+        type=float,
+        default=0.3,
+        help="the rest of a round's ms (links, the daemon's own)",
+    )
+    parser.add_argument(
+        "--stop-below",
+        default=None,
+        help="with --verify-ms: comma-separated confidences; also what plain "
+        "rounds drafting until the draft's top probability falls below each "
+        "allow",
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the tables here")
     args = parser.parse_args(argv)
     gammas = [int(g) for g in args.gammas.split(",")]
@@ -272,14 +301,16 @@ def main(argv: list[str] | None = None) -> int:
     walks = {(below, most): np.zeros(3, int) for below in stops for most in STOP_MOST}
     for prompt in prompt_set(args.prompts)[: args.prompts]:
         first, end, draft, head, confidence = drafters.agreements(
-            prompt, args.tokens, depth, args.target_gguf)  # fmt: skip
+            prompt, args.tokens, depth, args.target_gguf
+        )
         for name, agrees in (("draft model", [draft]), ("head", head)):
             for g in walked:
                 got = chain_kept(agrees, first, end, g)
                 kept[name, g] = [kept[name, g][0] + got[0], kept[name, g][1] + got[1]]
         for below, most in walks:
-            walks[below, most] += confident_walk(draft, confidence, first, end, most=most,
-                                                 below=below)  # fmt: skip
+            walks[below, most] += confident_walk(
+                draft, confidence, first, end, most=most, below=below
+            )
         steps = [(f"head, step {k + 1}", a) for k, a in enumerate(head)]
         for key, agrees in [("draft model", draft), *steps]:
             agreement[key][0] += int(agrees[first:end].sum())
@@ -288,12 +319,14 @@ def main(argv: list[str] | None = None) -> int:
     source = "torch f32" if args.target_gguf is None else f"llama.cpp, {args.target_gguf.name}"
     text = report(rate, kept, gammas, source, args)
     if costs:
-        per_round = {g: hit / rounds for (name, g), (hit, rounds) in kept.items()
-                     if name == "draft model"}  # fmt: skip
+        per_round = {
+            g: hit / rounds for (name, g), (hit, rounds) in kept.items() if name == "draft model"
+        }
         text += "\n\n" + round_costs_report(per_round, costs, args.draft_ms, args.other_ms)
         if walks:
-            text += "\n\n" + stop_below_report(walks, per_round, costs, args.draft_ms,
-                                                args.other_ms)  # fmt: skip
+            text += "\n\n" + stop_below_report(
+                walks, per_round, costs, args.draft_ms, args.other_ms
+            )
     print(text)
     if args.out is not None:
         args.out.write_text(text + "\n")

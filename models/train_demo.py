@@ -296,9 +296,16 @@ def main(argv: list[str] | None = None) -> int:
         return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
 
     target_run = train_for(
-        "target", target, target_loss, args.target_minutes, train_stream,
-        batch=8, length=args.seq_len, peak_lr=2e-3, seed=args.seed,
-    )  # fmt: skip
+        "target",
+        target,
+        target_loss,
+        args.target_minutes,
+        train_stream,
+        batch=8,
+        length=args.seq_len,
+        peak_lr=2e-3,
+        seed=args.seed,
+    )
 
     draft = LlamaForCausalLM(DRAFT.config(vocab_size, bos_id))
     target.eval()
@@ -309,13 +316,21 @@ def main(argv: list[str] | None = None) -> int:
             teacher = target(inputs).logits.float().log_softmax(-1)
         student = draft(inputs).logits.float().log_softmax(-1)
         # Forward KL(target || draft): the draft learns to put mass where the target does.
-        return F.kl_div(student.flatten(0, 1), teacher.flatten(0, 1), log_target=True,
-                        reduction="batchmean")  # fmt: skip
+        return F.kl_div(
+            student.flatten(0, 1), teacher.flatten(0, 1), log_target=True, reduction="batchmean"
+        )
 
     draft_run = train_for(
-        "draft", draft, distillation_loss, args.draft_minutes, train_stream,
-        batch=8, length=args.seq_len, peak_lr=3e-3, seed=args.seed + 1,
-    )  # fmt: skip
+        "draft",
+        draft,
+        distillation_loss,
+        args.draft_minutes,
+        train_stream,
+        batch=8,
+        length=args.seq_len,
+        peak_lr=3e-3,
+        seed=args.seed + 1,
+    )
 
     metrics = held_out_metrics(target, draft, held_out_stream, args.seq_len)
     print(f"held out: {metrics}", flush=True)

@@ -64,8 +64,10 @@ class Teacher:
         no more than window - 1 positions back, as the runtime's)."""
         causal = torch.ones(n, n, dtype=torch.bool).tril()
         offsets = torch.arange(n)[:, None] - torch.arange(n)[None, :]
-        by_window = {w: causal if w is None else causal & (offsets < w)
-                     for w in set(self.config.sliding_windows)}  # fmt: skip
+        by_window = {
+            w: causal if w is None else causal & (offsets < w)
+            for w in set(self.config.sliding_windows)
+        }
         return [by_window[w] for w in self.config.sliding_windows]
 
     @torch.no_grad()
@@ -80,8 +82,15 @@ class Teacher:
         for row in tokens:  # the runtime's model takes one sequence at a time
             shape = (c.num_layers, c.num_kv_heads, n, c.head_dim)
             keys, values = torch.zeros(shape), torch.zeros(shape)
-            hidden = model(row, self._cos[:, :n], self._sin[:, :n], cache_keys=keys,
-                           cache_values=values, start=0, masks=masks)  # fmt: skip
+            hidden = model(
+                row,
+                self._cos[:, :n],
+                self._sin[:, :n],
+                cache_keys=keys,
+                cache_values=values,
+                start=0,
+                masks=masks,
+            )
             features.append(model.model.norm(hidden))
             log_p.append(model.logits(hidden).log_softmax(-1))
         return torch.stack(features), torch.stack(log_p)
@@ -137,16 +146,21 @@ def held_out(head, pieces, teacher, stream, *, length: int, rope) -> dict:
         count += tokens.numel()
     head.train()
     agree1, accept1, agree2, accept2 = (totals / count).round(4).tolist()
-    return {"held_out_tokens": count, "step1_greedy_agreement": agree1,
-            "step1_sampling_acceptance_t1": accept1, "step2_greedy_agreement": agree2,
-            "step2_sampling_acceptance_t1": accept2}  # fmt: skip
+    return {
+        "held_out_tokens": count,
+        "step1_greedy_agreement": agree1,
+        "step1_sampling_acceptance_t1": accept1,
+        "step2_greedy_agreement": agree2,
+        "step2_sampling_acceptance_t1": accept2,
+    }
 
 
 def train(head, pieces, teacher, stream, *, args, rope) -> tuple[int, list[tuple]]:
     """Train until the wall-clock budget (the step count is fixed after timing the first
     steps); returns the steps and each step's (loss, step-1 and step-2 cross-entropy)."""
-    optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95),
-                                  weight_decay=0.01)  # fmt: skip
+    optimizer = torch.optim.AdamW(
+        head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01
+    )
     rng = np.random.default_rng(args.seed)
     budget_s, calibrate, warmup = args.minutes * 60, 5, 30
     total, step, losses, started = None, 0, [], time.perf_counter()
@@ -173,9 +187,11 @@ def train(head, pieces, teacher, stream, *, args, rope) -> tuple[int, list[tuple
             print(f"{elapsed / step:.2f} s/step: {total} steps in the budget", flush=True)
         if step % 25 == 0 or step == total:
             recent = np.mean(losses[-25:], axis=0)
-            print(f"step {step}/{total} loss {recent[0]:.3f} ce1 {recent[1]:.3f} "
-                  f"ce2 {recent[2]:.3f} lr {lr:.2e} {elapsed / 60:.1f} min",
-                  flush=True)  # fmt: skip
+            print(
+                f"step {step}/{total} loss {recent[0]:.3f} ce1 {recent[1]:.3f} "
+                f"ce2 {recent[2]:.3f} lr {lr:.2e} {elapsed / 60:.1f} min",
+                flush=True,
+            )
     return step, losses
 
 
@@ -211,25 +227,34 @@ def main(argv: list[str] | None = None) -> int:
     train_stream = encode_documents(tokenizer, train_docs)
     held_out_stream = encode_documents(tokenizer, [text for _, text in held_out_files])
     config = HeadConfig(
-        feature_size=target.hidden_size, width=target.hidden_size, vocab_size=target.vocab_size,
-        blocks=args.blocks, fusion=args.fusion, num_heads=target.num_heads,
-        num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
-        intermediate_size=target.intermediate_size, rms_norm_eps=target.rms_norm_eps,
-        rope_theta=target.rope.theta, max_context=target.max_context,
+        feature_size=target.hidden_size,
+        width=target.hidden_size,
+        vocab_size=target.vocab_size,
+        blocks=args.blocks,
+        fusion=args.fusion,
+        num_heads=target.num_heads,
+        num_kv_heads=target.num_kv_heads,
+        head_dim=target.head_dim,
+        intermediate_size=target.intermediate_size,
+        rms_norm_eps=target.rms_norm_eps,
+        rope_theta=target.rope.theta,
+        max_context=target.max_context,
         vocab_fingerprint=FolderTokenizer(args.target, target.vocab_size).vocab_info().fingerprint,
-    )  # fmt: skip
+    )
     head = DraftHead(config)
     pieces = load_target_pieces(target, args.target, torch.float32, torch.device("cpu"))
     cos, sin = rope_tables(config.block_config(), args.seq_len, torch.device("cpu"))
     parameters = sum(p.numel() for p in head.parameters())
-    print(f"head: {config.blocks} blocks, {config.fusion}, {parameters:,} parameters; "
-          f"{len(train_stream):,} training tokens", flush=True)  # fmt: skip
+    print(
+        f"head: {config.blocks} blocks, {config.fusion}, {parameters:,} parameters; "
+        f"{len(train_stream):,} training tokens",
+        flush=True,
+    )
 
     train_start = time.perf_counter()
     step, losses = train(head, pieces, teacher, train_stream, args=args, rope=(cos, sin))
     train_minutes = round((time.perf_counter() - train_start) / 60, 1)
-    metrics = held_out(head, pieces, teacher, held_out_stream, length=args.seq_len,
-                       rope=(cos, sin))  # fmt: skip
+    metrics = held_out(head, pieces, teacher, held_out_stream, length=args.seq_len, rope=(cos, sin))
     print(f"held out: {metrics}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     state = {name: p.detach().to(torch.float16).contiguous() for name, p in head.named_parameters()}
@@ -241,17 +266,22 @@ def main(argv: list[str] | None = None) -> int:
         "shape": {"blocks": config.blocks, "fusion": config.fusion, "width": config.width},
         "parameters": parameters,
         "training": {
-            "steps": step, "tokens_seen": step * args.batch * args.seq_len,
+            "steps": step,
+            "tokens_seen": step * args.batch * args.seq_len,
             "minutes": train_minutes,
             "final_loss": round(float(np.mean([loss[0] for loss in losses[-25:]])), 4),
-            "batch": args.batch, "sequence_length": args.seq_len, "peak_lr": args.lr,
-            "feature_noise": FEATURE_NOISE, "classification_weight": CLASSIFICATION_WEIGHT,
-            "threads": args.threads, "torch": str(torch.__version__),
+            "batch": args.batch,
+            "sequence_length": args.seq_len,
+            "peak_lr": args.lr,
+            "feature_noise": FEATURE_NOISE,
+            "classification_weight": CLASSIFICATION_WEIGHT,
+            "threads": args.threads,
+            "torch": str(torch.__version__),
         },
         "held_out": metrics,
         "file_bytes": (args.out / "model.safetensors").stat().st_size,
         "total_minutes": round((time.perf_counter() - started) / 60, 1),
-    }  # fmt: skip
+    }
     metrics_path = args.metrics or args.out.parent / "metrics.json"
     existing = json.loads(metrics_path.read_text()) if metrics_path.exists() else {}
     existing[args.out.name if args.metrics is None else "head"] = report

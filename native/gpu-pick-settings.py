@@ -86,8 +86,7 @@ def spin_setting(folder: Path) -> str:
     saved = saved_us(folder, f"roundtrip-spin{SPINS[0]}.json", f"roundtrip-spin{SPINS[1]}.json")
     if saved is None:
         return ""
-    print(f"a call polling {SPINS[1]} us against {SPINS[0]}: {saved:.1f} us saved",
-          file=sys.stderr)  # fmt: skip
+    print(f"a call polling {SPINS[1]} us against {SPINS[0]}: {saved:.1f} us saved", file=sys.stderr)
     return f"worker_spin_us={SPINS[1]}" if saved >= SPIN_PAYS_US else ""
 
 
@@ -97,8 +96,10 @@ def daemon_spin_setting(folder: Path) -> str:
     saved = saved_us(folder, "roundtrip-hold.json", "roundtrip-hold-daemon.json")
     if saved is None:
         return ""
-    print(f"the daemon polling through a 1 ms call against sleeping: {saved:.1f} us saved",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"the daemon polling through a 1 ms call against sleeping: {saved:.1f} us saved",
+        file=sys.stderr,
+    )
     return f"daemon_spin_us={DAEMON_SPIN}" if saved >= SPIN_PAYS_US else ""
 
 
@@ -134,14 +135,19 @@ def compiled_matmul(document: dict, rows: int = 16) -> str:
 def best_tiling(document: dict, rows: int) -> tuple[float, str] | None:
     """(us a forward, changed fields) of the fastest tiling at ``rows`` rows among the
     invariant ones; None: none qualifies."""
-    broken = {label.removesuffix(" invariant") for row in document["rows"]
-              for label, kept in row.items()
-              if label.endswith(" invariant") and not kept}  # fmt: skip
+    broken = {
+        label.removesuffix(" invariant")
+        for row in document["rows"]
+        for label, kept in row.items()
+        if label.endswith(" invariant") and not kept
+    }
     best: tuple[float, str] | None = None
     for label, fields in document["tilings"].items():
         us = document["forward_us"].get(f"{label} rows {rows}")
-        print(f"tiling {label}: {us} us a forward{', rows changed' if label in broken else ''}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"tiling {label}: {us} us a forward{', rows changed' if label in broken else ''}",
+            file=sys.stderr,
+        )
         if us is None or label in broken:
             continue
         text = ",".join(f"{field}={value}" for field, value in fields.items())
@@ -180,11 +186,13 @@ def main() -> int:
         price = price_ms(table)
         invariance = table.get("invariance", [])
         differing = sum(r["rows_differ"] for r in invariance)
-        print(f"{name}: T(1) {t1_ms(table)} ms, T(1) + T(16) {price} ms, {differing} differing "
-              f"rows in {len(invariance)} checks", file=sys.stderr)  # fmt: skip
+        print(
+            f"{name}: T(1) {t1_ms(table)} ms, T(1) + T(16) {price} ms, {differing} differing "
+            f"rows in {len(invariance)} checks",
+            file=sys.stderr,
+        )
         if table.get("matmul_refused"):  # its rows are cuBLAS's: the Triton kernel refused
-            print(f"{name}: the Triton kernel refused ({table['matmul_refused']})",
-                  file=sys.stderr)  # fmt: skip
+            print(f"{name}: the Triton kernel refused ({table['matmul_refused']})", file=sys.stderr)
             continue
         if table.get("weights") == "int8":  # another model's text: never the bf16 target's
             print(f"{name}: int8 weights, passed over", file=sys.stderr)

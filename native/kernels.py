@@ -19,20 +19,43 @@ Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 12, 13, 14, 20, 23
 BLOCK = 32  # the activations' blocks
 PACKED_BYTES = 8 * 4 + 8 * BLOCK  # hs_matrix.packed: one group of 8 rows, one block
 PACKED_UNSIGNED, PACKED_SIGNED = 1, 2  # hs_matrix.packing: its values (the VNNI levels', AVX2's)
-TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1",
-              Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_NL: "IQ4_NL",
-              IQ4_XS: "IQ4_XS"}  # fmt: skip
+TYPE_NAMES = {
+    F32: "F32",
+    F16: "F16",
+    Q4_0: "Q4_0",
+    Q4_1: "Q4_1",
+    Q5_0: "Q5_0",
+    Q5_1: "Q5_1",
+    Q8_0: "Q8_0",
+    Q4_K: "Q4_K",
+    Q5_K: "Q5_K",
+    Q6_K: "Q6_K",
+    IQ4_NL: "IQ4_NL",
+    IQ4_XS: "IQ4_XS",
+}
 # The quantized types' blocks: (values, bytes). K-quants' and IQ4_XS's super-blocks hold 256.
-BLOCK_BYTES = {Q8_0: (32, 34), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24),
-               Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210), IQ4_NL: (32, 18),
-               IQ4_XS: (256, 136)}  # fmt: skip
+BLOCK_BYTES = {
+    Q8_0: (32, 34),
+    Q4_0: (32, 18),
+    Q4_1: (32, 20),
+    Q5_0: (32, 22),
+    Q5_1: (32, 24),
+    Q4_K: (256, 144),
+    Q5_K: (256, 176),
+    Q6_K: (256, 210),
+    IQ4_NL: (32, 18),
+    IQ4_XS: (256, 136),
+}
 # Kernel levels (hsnative.h's HS_SIMD_*), by this machine's architecture. x86-64: AVX2, AVX-VNNI
 # (vpdpbusd on 256-bit vectors) and VNNI (AVX-512 VNNI) give the same bits, each faster than the
 # last, and the portable C rounds its other float steps its own way; aarch64: the dot-product
 # kernels give the portable bits. A CPU may lack a level below its best (AVX-512 VNNI without
 # AVX-VNNI): a cap runs the best level it has at or below the cap.
-SIMD_LEVELS = ({"portable": 0, "dotprod": 1} if platform.machine().lower() in ("aarch64", "arm64")
-               else {"portable": 0, "avx2": 1, "avx_vnni": 2, "vnni": 3})  # fmt: skip
+SIMD_LEVELS = (
+    {"portable": 0, "dotprod": 1}
+    if platform.machine().lower() in ("aarch64", "arm64")
+    else {"portable": 0, "avx2": 1, "avx_vnni": 2, "vnni": 3}
+)
 BEST = -1  # as a cap: the best level this CPU runs
 
 
@@ -73,8 +96,19 @@ class Layer(ctypes.Structure):
 
 class Model(ctypes.Structure):
     _fields_ = [
-        *((name, ctypes.c_int32) for name in ("n_layers", "d_model", "n_ff", "n_heads",
-                                              "n_kv_heads", "head_dim", "vocab", "capacity")),
+        *(
+            (name, ctypes.c_int32)
+            for name in (
+                "n_layers",
+                "d_model",
+                "n_ff",
+                "n_heads",
+                "n_kv_heads",
+                "head_dim",
+                "vocab",
+                "capacity",
+            )
+        ),
         ("eps", ctypes.c_float),
         ("simd", ctypes.c_int32),  # the most capable kernel level allowed; BEST: any
         ("layers", ctypes.POINTER(Layer)),
@@ -91,7 +125,7 @@ class Model(ctypes.Structure):
         ("attn_scale", ctypes.c_float),  # > 0: scores q.k times it, else 1 / sqrt(head_dim)
         ("attn_softcap", ctypes.c_float),  # > 0: scores, then logits, cap * tanh(x / cap)
         ("final_softcap", ctypes.c_float),
-    ]  # fmt: skip
+    ]
 
 
 SILU, GELU_TANH = 0, 1  # hs_model.activation
@@ -115,12 +149,16 @@ def matrix(kind: int, data: np.ndarray, rows: int, cols: int) -> Matrix:
     if kind not in TYPE_NAMES:
         raise NativeUnavailable(f"ggml type {kind} is not one the native kernels read")
     if kind in BLOCK_BYTES and cols % BLOCK_BYTES[kind][0]:
-        raise NativeUnavailable(f"a {TYPE_NAMES[kind]} row of {cols} values is not whole blocks "
-                                f"of {BLOCK_BYTES[kind][0]}")  # fmt: skip
+        raise NativeUnavailable(
+            f"a {TYPE_NAMES[kind]} row of {cols} values is not whole blocks "
+            f"of {BLOCK_BYTES[kind][0]}"
+        )
     if not data.flags.c_contiguous or data.nbytes != rows * row_bytes(kind, cols):
-        raise NativeUnavailable(f"{rows}x{cols} {TYPE_NAMES[kind]} weights need "
-                                f"{rows * row_bytes(kind, cols)} contiguous bytes, "
-                                f"not {data.nbytes}")  # fmt: skip
+        raise NativeUnavailable(
+            f"{rows}x{cols} {TYPE_NAMES[kind]} weights need "
+            f"{rows * row_bytes(kind, cols)} contiguous bytes, "
+            f"not {data.nbytes}"
+        )
     weights = Matrix(kind, rows, cols, 0, data.ctypes.data)
     weights.owner = data  # keeps the bytes alive as long as this Matrix (not its copies)
     return weights
@@ -172,8 +210,9 @@ class Kernels:
 
     def simd_levels(self) -> list[int]:
         """Every kernel level this CPU runs, increasing (values of ``SIMD_LEVELS``)."""
-        return [level for level in sorted(SIMD_LEVELS.values())
-                if self.library.hs_simd_supported(level)]  # fmt: skip
+        return [
+            level for level in sorted(SIMD_LEVELS.values()) if self.library.hs_simd_supported(level)
+        ]
 
     def level_for(self, cap: int) -> int:
         """The level a call capped at ``cap`` runs (``BEST``: no cap)."""
@@ -193,8 +232,10 @@ class Kernels:
         blocks = weights.cols // BLOCK
         packed = np.empty(weights.rows // 8 * blocks * PACKED_BYTES, np.uint8)
         if self.library.hs_pack_q8_0(ctypes.byref(weights), packing, _pointer(packed, np.uint8)):
-            raise ValueError(f"only Q8_0 weights are packed, with values of kind "
-                             f"{PACKED_UNSIGNED} or {PACKED_SIGNED}")  # fmt: skip
+            raise ValueError(
+                f"only Q8_0 weights are packed, with values of kind "
+                f"{PACKED_UNSIGNED} or {PACKED_SIGNED}"
+            )
         return packed
 
     def quantize_rows(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -204,20 +245,28 @@ class Kernels:
             raise ValueError(f"rows of {cols} values are not whole blocks of {BLOCK}")
         q = np.empty((n, cols), np.int8)
         scale = np.empty((n, cols // BLOCK), np.float32)
-        self.library.hs_quantize_rows(_pointer(x, np.float32), n, cols, _pointer(q, np.int8),
-                                      _pointer(scale, np.float32))  # fmt: skip
+        self.library.hs_quantize_rows(
+            _pointer(x, np.float32), n, cols, _pointer(q, np.int8), _pointer(scale, np.float32)
+        )
         return q, scale
 
-    def matmul(self, weights: Matrix, x: np.ndarray, threads: int = 1,
-               simd: int = BEST) -> np.ndarray:  # fmt: skip
+    def matmul(
+        self, weights: Matrix, x: np.ndarray, threads: int = 1, simd: int = BEST
+    ) -> np.ndarray:
         """float32 (n, weights.rows): rows ``x`` (n, weights.cols) times the weights, with
         kernels of at most level ``simd``."""
         n = x.shape[0]
         if x.shape != (n, weights.cols):
             raise ValueError(f"x must be (n, {weights.cols}), not {x.shape}")
         out = np.empty((n, weights.rows), np.float32)
-        status = self.library.hs_matmul(ctypes.byref(weights), _pointer(x, np.float32), n,
-                                        _pointer(out, np.float32), threads, simd)  # fmt: skip
+        status = self.library.hs_matmul(
+            ctypes.byref(weights),
+            _pointer(x, np.float32),
+            n,
+            _pointer(out, np.float32),
+            threads,
+            simd,
+        )
         if status:
             raise ValueError("hs_matmul refused its arguments")
         return out
@@ -226,27 +275,58 @@ class Kernels:
         """float32 (count, weights.cols): rows first.. of the weights, as ggml dequantizes them."""
         count = weights.rows - first if count is None else count
         out = np.empty((max(count, 0), weights.cols), np.float32)
-        if self.library.hs_dequantize_rows(ctypes.byref(weights), first, count,
-                                           _pointer(out, np.float32)):  # fmt: skip
+        if self.library.hs_dequantize_rows(
+            ctypes.byref(weights), first, count, _pointer(out, np.float32)
+        ):
             raise ValueError(f"rows {first}..{first + count - 1} are not rows of the weights")
         return out
 
-    def forward(self, model: Model, tokens: np.ndarray, positions: np.ndarray, *, start: int,
-                prefix: int, offsets: np.ndarray, visible: np.ndarray, first_logit: int,
-                logits: np.ndarray, threads: int) -> None:  # fmt: skip
+    def forward(
+        self,
+        model: Model,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        *,
+        start: int,
+        prefix: int,
+        offsets: np.ndarray,
+        visible: np.ndarray,
+        first_logit: int,
+        logits: np.ndarray,
+        threads: int,
+    ) -> None:
         """``hs_forward``: evaluate ``tokens`` into cache slots start.., logits into ``logits``."""
         status = self.library.hs_forward(
-            ctypes.byref(model), len(tokens), _pointer(tokens, np.int32),
-            _pointer(positions, np.int32), start, prefix, _pointer(offsets, np.int32),
-            _pointer(visible, np.int32), first_logit, _pointer(logits, np.float32), threads,
-        )  # fmt: skip
+            ctypes.byref(model),
+            len(tokens),
+            _pointer(tokens, np.int32),
+            _pointer(positions, np.int32),
+            start,
+            prefix,
+            _pointer(offsets, np.int32),
+            _pointer(visible, np.int32),
+            first_logit,
+            _pointer(logits, np.float32),
+            threads,
+        )
         if status:
-            raise ValueError("hs_forward refused its arguments (a token, position, slot or "
-                             "shape out of range)")  # fmt: skip
+            raise ValueError(
+                "hs_forward refused its arguments (a token, position, slot or shape out of range)"
+            )
 
-    def draft_branches(self, model: Model, tokens: np.ndarray, *, position: int, start: int,
-                       prefix: int, base: np.ndarray, logits: np.ndarray,
-                       probs: np.ndarray | None, threads: int) -> None:  # fmt: skip
+    def draft_branches(
+        self,
+        model: Model,
+        tokens: np.ndarray,
+        *,
+        position: int,
+        start: int,
+        prefix: int,
+        base: np.ndarray,
+        logits: np.ndarray,
+        probs: np.ndarray | None,
+        threads: int,
+    ) -> None:
         """``hs_draft_branches``: ``tokens`` (steps + 1, branches) int32, row 0 the first
         tokens, each next row the argmax of the last one's rows; ``logits`` (steps x branches,
         vocab); ``probs`` (branches, steps + 1, vocab), C-contiguous: rows [:, 1:] get the
@@ -259,35 +339,71 @@ class Kernels:
                 or not probs.flags.c_contiguous
                 or probs.shape != (branches, count + 1, logits.shape[1])
             ):
-                raise ValueError(f"probs must be C-contiguous float32 "
-                                 f"{(branches, count + 1, logits.shape[1])}")  # fmt: skip
+                raise ValueError(
+                    f"probs must be C-contiguous float32 {(branches, count + 1, logits.shape[1])}"
+                )
             rows = ctypes.c_void_p(probs.ctypes.data + probs.strides[1])  # row [0, 1]
             stride = probs.shape[1] * probs.shape[2]
         status = self.library.hs_draft_branches(
-            ctypes.byref(model), branches, count, _pointer(tokens, np.int32), position, start,
-            prefix, _pointer(base, np.int32), len(base), _pointer(logits, np.float32), rows,
-            ctypes.c_longlong(stride), threads,
-        )  # fmt: skip
+            ctypes.byref(model),
+            branches,
+            count,
+            _pointer(tokens, np.int32),
+            position,
+            start,
+            prefix,
+            _pointer(base, np.int32),
+            len(base),
+            _pointer(logits, np.float32),
+            rows,
+            ctypes.c_longlong(stride),
+            threads,
+        )
         if status:
-            raise ValueError("hs_draft_branches refused its arguments (a token, position, slot "
-                             "or shape out of range)")  # fmt: skip
+            raise ValueError(
+                "hs_draft_branches refused its arguments (a token, position, slot "
+                "or shape out of range)"
+            )
 
-    def draft_chain(self, model: Model, tokens: np.ndarray, *, position: int, start: int,
-                    prefix: int, base: np.ndarray, logits: np.ndarray, temperature: float = 1.0,
-                    noise: np.ndarray | None = None, uniforms: np.ndarray | None = None,
-                    probs: np.ndarray | None = None, threads: int) -> None:  # fmt: skip
+    def draft_chain(
+        self,
+        model: Model,
+        tokens: np.ndarray,
+        *,
+        position: int,
+        start: int,
+        prefix: int,
+        base: np.ndarray,
+        logits: np.ndarray,
+        temperature: float = 1.0,
+        noise: np.ndarray | None = None,
+        uniforms: np.ndarray | None = None,
+        probs: np.ndarray | None = None,
+        threads: int,
+    ) -> None:
         """``hs_draft_chain``: ``len(tokens) - 1`` forwards, each next token the argmax (the
         softmax rows to ``probs`` where given), or chosen by ``noise`` or ``uniforms`` from
         softmax(logits / ``temperature``), whose rows go to ``probs``."""
         sampled = noise is not None or uniforms is not None
         inverse = ctypes.c_float(1 / temperature if sampled else 1)  # greedy: temperature 0
         status = self.library.hs_draft_chain(
-            ctypes.byref(model), len(tokens) - 1, _pointer(tokens, np.int32), position, start,
-            prefix, _pointer(base, np.int32), len(base), _pointer(logits, np.float32),
+            ctypes.byref(model),
+            len(tokens) - 1,
+            _pointer(tokens, np.int32),
+            position,
+            start,
+            prefix,
+            _pointer(base, np.int32),
+            len(base),
+            _pointer(logits, np.float32),
             None if noise is None else _pointer(noise, np.float32),
-            None if uniforms is None else _pointer(uniforms, np.float64), inverse,
-            None if probs is None else _pointer(probs, np.float32), threads,
-        )  # fmt: skip
+            None if uniforms is None else _pointer(uniforms, np.float64),
+            inverse,
+            None if probs is None else _pointer(probs, np.float32),
+            threads,
+        )
         if status:
-            raise ValueError("hs_draft_chain refused its arguments (a token, position, slot "
-                             "or shape out of range, or draws without probabilities)")  # fmt: skip
+            raise ValueError(
+                "hs_draft_chain refused its arguments (a token, position, slot "
+                "or shape out of range, or draws without probabilities)"
+            )

@@ -42,9 +42,14 @@ from hetspec.protocol.gguf_checks import GGUFMetadataError, ModelShape, check_mo
 from hetspec.protocol.gguf_header import TensorInfo, read_gguf_header
 
 LAYER_TENSORS = {
-    "q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
-    "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down",
-}  # fmt: skip
+    "q": "attn_q",
+    "k": "attn_k",
+    "v": "attn_v",
+    "o": "attn_output",
+    "gate": "ffn_gate",
+    "up": "ffn_up",
+    "down": "ffn_down",
+}
 assert tuple(LAYER_TENSORS) == MATRICES
 # architecture -> whether a head's halves rotate together (llama.cpp's NEOX rotation) rather
 # than adjacent pairs; llama.cpp's converter reorders Llama's q/k rows for the pairs
@@ -74,8 +79,13 @@ class ModelFormatError(NativeUnavailable):
 class NativeModel:
     """The weights of ``path``, a KV cache of ``capacity`` slots, and one forward call."""
 
-    def __init__(self, path: str | Path, capacity: int | None = None, simd: int = BEST,
-                 pack: bool | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        path: str | Path,
+        capacity: int | None = None,
+        simd: int = BEST,
+        pack: bool | None = None,
+    ) -> None:
         """``simd``: the most capable kernel level to use (``kernels.SIMD_LEVELS``);
         ``pack``: whether Q8_0 matrices get a packed copy, with values of the kind the level
         reads (None: where the level reads one and the model's Q8_0 weights are at most
@@ -87,8 +97,10 @@ class NativeModel:
         self._keep: list[object] = []  # arrays and structs C holds pointers into
         self.architecture = str(self._field("general.architecture"))
         if shape is None or self.architecture not in FAMILIES:
-            raise ModelFormatError(f"{self.path}: architecture {self.architecture!r}; the native "
-                                   f"runtime runs {', '.join(FAMILIES)}")  # fmt: skip
+            raise ModelFormatError(
+                f"{self.path}: architecture {self.architecture!r}; the native "
+                f"runtime runs {', '.join(FAMILIES)}"
+            )
         self.d_model, self.n_layers = shape.embedding_length, shape.block_count
         self.n_heads, self.n_kv_heads = shape.head_count, shape.head_count_kv
         self.head_dim, self.n_ff = shape.key_length, shape.feed_forward_length
@@ -98,8 +110,10 @@ class NativeModel:
         trained = shape.context_length
         self.capacity = capacity or min(trained, DEFAULT_MAX_CONTEXT)
         if not 0 < self.capacity <= trained:
-            raise ModelFormatError(f"{self.path}: context {self.capacity} is outside what the "
-                                   f"model allows (1..{trained})")  # fmt: skip
+            raise ModelFormatError(
+                f"{self.path}: context {self.capacity} is outside what the "
+                f"model allows (1..{trained})"
+            )
         self._used: set[str] = set()  # the tensors read: any other one is refused
         self._check_rope()
         self._gemma = self.architecture in ("gemma2", "gemma3")
@@ -117,8 +131,13 @@ class NativeModel:
             self._read_layer(layers[index], index)
         output_norm = self._vector("output_norm.weight")
         self._check_all_used()
-        cos, sin = rope_tables(self.capacity, self.head_dim, self._rope_theta, self._rope_factor,
-                               self._rope_frequency_factors)  # fmt: skip
+        cos, sin = rope_tables(
+            self.capacity,
+            self.head_dim,
+            self._rope_theta,
+            self._rope_factor,
+            self._rope_frequency_factors,
+        )
         local = self._window_rope_tables()
         for layer, window in zip(layers, self.windows, strict=True):
             layer.window = window
@@ -129,14 +148,30 @@ class NativeModel:
         self.values = np.zeros(shape, np.float16)
         self._keep += [layers, cos, sin]
         self.struct = Model(
-            self.n_layers, self.d_model, self.n_ff, self.n_heads, self.n_kv_heads,
-            self.head_dim, self.vocab, self.capacity, self.eps, simd, layers,
-            output_norm, embed, output, cos.ctypes.data, sin.ctypes.data,
-            self.keys.ctypes.data, self.values.ctypes.data, FAMILIES[self.architecture],
+            self.n_layers,
+            self.d_model,
+            self.n_ff,
+            self.n_heads,
+            self.n_kv_heads,
+            self.head_dim,
+            self.vocab,
+            self.capacity,
+            self.eps,
+            simd,
+            layers,
+            output_norm,
+            embed,
+            output,
+            cos.ctypes.data,
+            sin.ctypes.data,
+            self.keys.ctypes.data,
+            self.values.ctypes.data,
+            FAMILIES[self.architecture],
             GELU_TANH if self._gemma else SILU,
             float(np.sqrt(np.float32(self.d_model))) if self._gemma else 0.0,
-            self._attention_scale(), *self._softcaps,
-        )  # fmt: skip
+            self._attention_scale(),
+            *self._softcaps,
+        )
 
     # ------------------------------------------------------------ reading the file
 
@@ -184,8 +219,10 @@ class NativeModel:
             if name in self._tensors:
                 setattr(layer, field, self._vector(name, self.head_dim))
         if self.architecture in ("qwen3", "gemma3") and not (layer.q_norm and layer.k_norm):
-            raise ModelFormatError(f"{self.path}: a {self.architecture} file needs attn_q_norm "
-                                   f"and attn_k_norm in layer {index}")  # fmt: skip
+            raise ModelFormatError(
+                f"{self.path}: a {self.architecture} file needs attn_q_norm "
+                f"and attn_k_norm in layer {index}"
+            )
         if self._gemma:
             layer.post_attn_norm = self._vector(f"{prefix}post_attention_norm.weight")
             layer.post_ffn_norm = self._vector(f"{prefix}post_ffw_norm.weight")
@@ -196,8 +233,10 @@ class NativeModel:
         (llama.cpp's gemma3 has none)."""
         if self.architecture == "gemma2":
             attention, final = GEMMA2_SOFTCAPS
-            return (float(self._hparam("attn_logit_softcapping", attention)),
-                    float(self._hparam("final_logit_softcapping", final)))  # fmt: skip
+            return (
+                float(self._hparam("attn_logit_softcapping", attention)),
+                float(self._hparam("final_logit_softcapping", final)),
+            )
         if self.architecture == "gemma3":
             return 0.0, float(self._hparam("final_logit_softcapping", 0.0))
         return 0.0, 0.0
@@ -214,12 +253,13 @@ class NativeModel:
         pattern = self._hparam("attention.sliding_window_pattern", period)
         if isinstance(pattern, list):  # one flag per layer
             if len(pattern) != self.n_layers:
-                raise ModelFormatError(f"{self.path}: sliding_window_pattern has {len(pattern)} "
-                                       f"entries for {self.n_layers} layers")  # fmt: skip
+                raise ModelFormatError(
+                    f"{self.path}: sliding_window_pattern has {len(pattern)} "
+                    f"entries for {self.n_layers} layers"
+                )
             return [window if flag else 0 for flag in pattern]
         every = int(pattern)  # the last layer of each run of `every` is global (0: none is)
-        return [window if every == 0 or i % every < every - 1 else 0
-                for i in range(self.n_layers)]  # fmt: skip
+        return [window if every == 0 or i % every < every - 1 else 0 for i in range(self.n_layers)]
 
     def _window_rope_tables(self) -> tuple[np.ndarray, np.ndarray] | None:
         """The windowed layers' rotary tables where they differ from the others' (None):
@@ -299,8 +339,9 @@ class NativeModel:
     def _check_rope(self) -> None:
         rotated = int(self._hparam("rope.dimension_count", self.head_dim))
         if rotated != self.head_dim:
-            raise ModelFormatError(f"{self.path}: RoPE over {rotated} of {self.head_dim} "
-                                   "dimensions is not supported")  # fmt: skip
+            raise ModelFormatError(
+                f"{self.path}: RoPE over {rotated} of {self.head_dim} dimensions is not supported"
+            )
         scaling = str(self._hparam("rope.scaling.type", "none"))
         if scaling not in ROPE_SCALINGS:
             raise ModelFormatError(f"{self.path}: RoPE scaling {scaling!r} is not supported")
@@ -310,37 +351,62 @@ class NativeModel:
         self._rope_frequency_factors = None  # Llama 3's: one per rotated pair, dividing it
         if "rope_freqs.weight" in self._tensors:
             tensor = self._tensor("rope_freqs.weight")
-            if (tensor.type != gguf.GGMLQuantizationType.F32
-                    or tensor.shape != (self.head_dim // 2,)):  # fmt: skip
-                raise ModelFormatError(f"{self.path}: rope_freqs.weight must be F32 "
-                                       f"({self.head_dim // 2},)")  # fmt: skip
+            if tensor.type != gguf.GGMLQuantizationType.F32 or tensor.shape != (
+                self.head_dim // 2,
+            ):
+                raise ModelFormatError(
+                    f"{self.path}: rope_freqs.weight must be F32 ({self.head_dim // 2},)"
+                )
             self._rope_frequency_factors = np.array(self._header.tensor_data(tensor), np.float64)
         if self.d_model % BLOCK or self.n_ff % BLOCK or (self.n_heads * self.head_dim) % BLOCK:
             raise ModelFormatError(f"{self.path}: widths must be multiples of {BLOCK}")
 
     # ------------------------------------------------------------ computing
 
-    def forward(self, tokens: np.ndarray, positions: np.ndarray, *, start: int, prefix: int,
-                offsets: np.ndarray, visible: np.ndarray, first_logit: int,
-                threads: int) -> np.ndarray:  # fmt: skip
+    def forward(
+        self,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        *,
+        start: int,
+        prefix: int,
+        offsets: np.ndarray,
+        visible: np.ndarray,
+        first_logit: int,
+        threads: int,
+    ) -> np.ndarray:
         """Logits (n - first_logit, vocab) of new tokens at cache slots start..start+n-1; row
         i sees slots 0..prefix-1 and ``visible[offsets[i]:offsets[i + 1]]``."""
         logits = np.empty((len(tokens) - first_logit, self.vocab), np.float32)
         self.kernels.forward(
-            self.struct, np.ascontiguousarray(tokens, np.int32),
-            np.ascontiguousarray(positions, np.int32), start=start, prefix=prefix,
+            self.struct,
+            np.ascontiguousarray(tokens, np.int32),
+            np.ascontiguousarray(positions, np.int32),
+            start=start,
+            prefix=prefix,
             offsets=np.ascontiguousarray(offsets, np.int32),
-            visible=np.ascontiguousarray(visible, np.int32), first_logit=first_logit,
-            logits=logits, threads=threads,
-        )  # fmt: skip
+            visible=np.ascontiguousarray(visible, np.int32),
+            first_logit=first_logit,
+            logits=logits,
+            threads=threads,
+        )
         return logits
 
     def draft_chain(
-        self, first: int, count: int, *, position: int, start: int, prefix: int,
-        base: np.ndarray, threads: int, temperature: float = 1.0,
-        noise: np.ndarray | None = None, uniforms: np.ndarray | None = None,
+        self,
+        first: int,
+        count: int,
+        *,
+        position: int,
+        start: int,
+        prefix: int,
+        base: np.ndarray,
+        threads: int,
+        temperature: float = 1.0,
+        noise: np.ndarray | None = None,
+        uniforms: np.ndarray | None = None,
         probs: np.ndarray | None = None,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:  # fmt: skip
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """A chain of ``count`` forwards from token ``first`` at slot ``start`` and
         ``position``, seeing slots 0..prefix-1, ``base`` and its own chain: the chain's
         count + 1 tokens (``first`` and each forward's choice: the argmax, or from
@@ -353,8 +419,9 @@ class NativeModel:
         logits = np.empty((count, self.vocab), np.float32)
         sampled = noise is not None or uniforms is not None
         shape = (count, self.vocab)
-        if probs is not None and (probs.shape != shape or probs.dtype != np.float32
-                                  or not probs.flags.c_contiguous):  # fmt: skip
+        if probs is not None and (
+            probs.shape != shape or probs.dtype != np.float32 or not probs.flags.c_contiguous
+        ):
             raise ValueError(f"probs must be C-contiguous float32 {shape}, not {probs.shape}")
         if probs is None and sampled:
             probs = np.empty(shape, np.float32)
@@ -363,18 +430,33 @@ class NativeModel:
         if uniforms is not None and uniforms.shape != (count,):
             raise ValueError(f"uniforms must be ({count},), not {uniforms.shape}")
         self.kernels.draft_chain(
-            self.struct, tokens, position=position, start=start, prefix=prefix,
-            base=np.ascontiguousarray(base, np.int32), logits=logits, temperature=temperature,
+            self.struct,
+            tokens,
+            position=position,
+            start=start,
+            prefix=prefix,
+            base=np.ascontiguousarray(base, np.int32),
+            logits=logits,
+            temperature=temperature,
             noise=None if noise is None else np.ascontiguousarray(noise, np.float32),
             uniforms=None if uniforms is None else np.ascontiguousarray(uniforms, np.float64),
-            probs=probs, threads=threads,
-        )  # fmt: skip
+            probs=probs,
+            threads=threads,
+        )
         return tokens, logits, probs
 
     def draft_branches(
-        self, firsts: np.ndarray, count: int, *, position: int, start: int, prefix: int,
-        base: np.ndarray, threads: int, probs: np.ndarray | None = None,
-    ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        self,
+        firsts: np.ndarray,
+        count: int,
+        *,
+        position: int,
+        start: int,
+        prefix: int,
+        base: np.ndarray,
+        threads: int,
+        probs: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Greedy chains of ``count`` forwards below the same node, one per first token of
         ``firsts``, side by side (see ``hs_draft_branches``): their tokens (count + 1,
         branches), the first ones in row 0, and their (count x branches, vocab) logits, step
@@ -385,10 +467,16 @@ class NativeModel:
         tokens[0] = firsts
         logits = np.empty((count * branches, self.vocab), np.float32)
         self.kernels.draft_branches(
-            self.struct, tokens, position=position, start=start, prefix=prefix,
-            base=np.ascontiguousarray(base, np.int32), logits=logits, probs=probs,
+            self.struct,
+            tokens,
+            position=position,
+            start=start,
+            prefix=prefix,
+            base=np.ascontiguousarray(base, np.int32),
+            logits=logits,
+            probs=probs,
             threads=threads,
-        )  # fmt: skip
+        )
         return tokens, logits
 
     def move_slots(self, sources: np.ndarray, first: int) -> None:

@@ -196,5 +196,7 @@ def _free_bytes(folder: Path) -> int | None:
 
 def _too_small(size: int, folder: Path, free: int | None) -> str:
     have = "?" if free is None else f"{free / 2**20:.1f}"
-    return (f"the shared-memory arena needs {size / 2**20:.1f} MiB but {folder} has {have} MiB "
-            "free: make it larger, or the arena smaller (arena_slots, max_tree_nodes)")  # fmt: skip
+    return (
+        f"the shared-memory arena needs {size / 2**20:.1f} MiB but {folder} has {have} MiB "
+        "free: make it larger, or the arena smaller (arena_slots, max_tree_nodes)"
+    )

@@ -28,9 +28,21 @@ from hetspec.protocol.gguf_header import ARRAY, STRING, GGUFHeader, SkippedStrin
 
 CHECKED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
 UINT32, FLOAT32 = 4, 6  # the GGUF value types llama.cpp reads counts and reals as, exactly
-TYPE_NAMES = {0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32",
-              6: "float32", 7: "bool", 8: "string", 9: "array", 10: "uint64", 11: "int64",
-              12: "float64"}  # fmt: skip
+TYPE_NAMES = {
+    0: "uint8",
+    1: "int8",
+    2: "uint16",
+    3: "int16",
+    4: "uint32",
+    5: "int32",
+    6: "float32",
+    7: "bool",
+    8: "string",
+    9: "array",
+    10: "uint64",
+    11: "int64",
+    12: "float64",
+}
 MAX_CONTEXT = 2**31 - 1  # positions are int32 in every runtime here
 TENSOR_ALIGNMENT = 32  # ggml's: a tensor mapped from the file must start on such a boundary
 NO_VOCABULARY = ("none", "no_vocab")  # tokenizer.ggml.model's names for a file without one
@@ -116,8 +128,10 @@ class _Checker:
             raise self.refuse(f"tokenizer.ggml.model is {tokenizer!r}: no vocabulary to serve")
         for tensor in self.tensors.values():
             if tensor.offset % TENSOR_ALIGNMENT:  # a smaller general.alignment; llama.cpp aborts
-                raise self.refuse(f"tensor {tensor.name!r:.60} starts at byte {tensor.offset}, "
-                                  f"off ggml's {TENSOR_ALIGNMENT}-byte boundaries")  # fmt: skip
+                raise self.refuse(
+                    f"tensor {tensor.name!r:.60} starts at byte {tensor.offset}, "
+                    f"off ggml's {TENSOR_ALIGNMENT}-byte boundaries"
+                )
         if architecture not in CHECKED_ARCHITECTURES:
             return None
         self.architecture = architecture
@@ -125,28 +139,44 @@ class _Checker:
         heads = self.count("attention.head_count")
         kv_heads = self.count("attention.head_count_kv", heads)
         if heads % kv_heads:
-            raise self.refuse(f"{self.key('attention.head_count')} {heads} is not a multiple of "
-                              f"head_count_kv {kv_heads}")  # fmt: skip
+            raise self.refuse(
+                f"{self.key('attention.head_count')} {heads} is not a multiple of "
+                f"head_count_kv {kv_heads}"
+            )
         per_head = width // heads
         stated = all(self.key(f"attention.{n}_length") in self.fields for n in ("key", "value"))
         if not per_head and not stated:
-            raise self.refuse(f"{self.key('attention.head_count')} {heads} is more than "
-                              f"embedding_length {width}, and no key_length and value_length "
-                              "say how wide a head is")  # fmt: skip
+            raise self.refuse(
+                f"{self.key('attention.head_count')} {heads} is more than "
+                f"embedding_length {width}, and no key_length and value_length "
+                "say how wide a head is"
+            )
         key_length = self.count("attention.key_length", per_head)
         rotated = self.count("rope.dimension_count", key_length)
         if rotated != key_length:
-            raise self.refuse(f"{self.key('rope.dimension_count')} {rotated} is not key_length "
-                              f"{key_length} (only whole heads rotate)")  # fmt: skip
+            raise self.refuse(
+                f"{self.key('rope.dimension_count')} {rotated} is not key_length "
+                f"{key_length} (only whole heads rotate)"
+            )
         shape = ModelShape(
-            architecture, self.count("block_count"), width, self.count("feed_forward_length"),
-            heads, kv_heads, key_length,
-            self.count("attention.value_length", per_head), self.vocab(width),
-            self.count("context_length"), self.rope_scaling(), self.experts(),
-        )  # fmt: skip
+            architecture,
+            self.count("block_count"),
+            width,
+            self.count("feed_forward_length"),
+            heads,
+            kv_heads,
+            key_length,
+            self.count("attention.value_length", per_head),
+            self.vocab(width),
+            self.count("context_length"),
+            self.rope_scaling(),
+            self.experts(),
+        )
         if shape.context_length > MAX_CONTEXT:
-            raise self.refuse(f"{self.key('context_length')} {shape.context_length} is over "
-                              f"{MAX_CONTEXT} positions")  # fmt: skip
+            raise self.refuse(
+                f"{self.key('context_length')} {shape.context_length} is over "
+                f"{MAX_CONTEXT} positions"
+            )
         self.check_settings(shape)
         self.check_blocks(shape)
         return shape
@@ -165,8 +195,10 @@ class _Checker:
             return default
         kind = self.header.types.get(key)
         if kind != UINT32:
-            raise self.refuse(f"{key} is {_shown(value)} ({TYPE_NAMES.get(kind, kind)}), where "
-                              "llama.cpp reads a uint32")  # fmt: skip
+            raise self.refuse(
+                f"{key} is {_shown(value)} ({TYPE_NAMES.get(kind, kind)}), where "
+                "llama.cpp reads a uint32"
+            )
         if value == 0:
             raise self.refuse(f"{key} is 0")
         return value
@@ -177,15 +209,18 @@ class _Checker:
         value, kind = self.fields.get(key), self.header.types.get(key)
         if value is not None and kind not in kinds:
             wanted = " or ".join(f"a {TYPE_NAMES[k]}" for k in kinds)
-            raise self.refuse(f"{key} is {_shown(value)} ({TYPE_NAMES.get(kind, kind)}), where "
-                              f"{wanted} belongs")  # fmt: skip
+            raise self.refuse(
+                f"{key} is {_shown(value)} ({TYPE_NAMES.get(kind, kind)}), where {wanted} belongs"
+            )
         return value
 
     def rope_scaling(self) -> str:
         scaling = self.typed("rope.scaling.type", STRING)
         if scaling is not None and scaling not in ROPE_SCALINGS:
-            raise self.refuse(f"{self.key('rope.scaling.type')} is {_shown(scaling)}, not one of "
-                              f"llama.cpp's {', '.join(ROPE_SCALINGS)}")  # fmt: skip
+            raise self.refuse(
+                f"{self.key('rope.scaling.type')} is {_shown(scaling)}, not one of "
+                f"llama.cpp's {', '.join(ROPE_SCALINGS)}"
+            )
         return scaling or "none"
 
     def experts(self) -> int:
@@ -200,8 +235,10 @@ class _Checker:
             return
         kind = self.header.types.get(key)
         if kind != FLOAT32:
-            raise self.refuse(f"{key} is {_shown(value)} ({TYPE_NAMES.get(kind, kind)}), where "
-                              "llama.cpp reads a float32")  # fmt: skip
+            raise self.refuse(
+                f"{key} is {_shown(value)} ({TYPE_NAMES.get(kind, kind)}), where "
+                "llama.cpp reads a float32"
+            )
         if not math.isfinite(value) or value < 0 or (positive and value == 0):
             wanted = "a positive number" if positive else "a number of at least 0"
             raise self.refuse(f"{key} is {_shown(value)}, where {wanted} belongs")
@@ -214,8 +251,10 @@ class _Checker:
         self.typed("attention.sliding_window", UINT32)
         pattern = self.typed("attention.sliding_window_pattern", UINT32, ARRAY)
         if isinstance(pattern, list) and len(pattern) != shape.block_count:
-            raise self.refuse(f"{self.key('attention.sliding_window_pattern')} has "
-                              f"{len(pattern)} entries for {shape.block_count} blocks")  # fmt: skip
+            raise self.refuse(
+                f"{self.key('attention.sliding_window_pattern')} has "
+                f"{len(pattern)} entries for {shape.block_count} blocks"
+            )
 
     def vocab(self, width: int) -> int:
         """token_embd's rows, which the vocabulary's size and the output's rows must equal."""
@@ -223,17 +262,22 @@ class _Checker:
         rows = embed[1]
         stated = self.fields.get(self.key("vocab_size"))
         if stated is not None and self.count("vocab_size") != rows:
-            raise self.refuse(f"{self.key('vocab_size')} {stated} does not match "
-                              f"token_embd.weight's {rows} rows")  # fmt: skip
+            raise self.refuse(
+                f"{self.key('vocab_size')} {stated} does not match token_embd.weight's {rows} rows"
+            )
         tokens = self.fields.get("tokenizer.ggml.tokens")
         listed = tokens.count if isinstance(tokens, SkippedStrings) else None
         listed = len(tokens) if isinstance(tokens, list) else listed
         if listed is not None and listed != rows:
-            raise self.refuse(f"tokenizer.ggml.tokens lists {listed} tokens for "
-                              f"token_embd.weight's {rows} rows")  # fmt: skip
+            raise self.refuse(
+                f"tokenizer.ggml.tokens lists {listed} tokens for token_embd.weight's {rows} rows"
+            )
         if "output.weight" in self.tensors:
-            self.tensor("output.weight", (width, rows),
-                        f"embedding_length {width}, token_embd.weight's {rows} rows")  # fmt: skip
+            self.tensor(
+                "output.weight",
+                (width, rows),
+                f"embedding_length {width}, token_embd.weight's {rows} rows",
+            )
         self.tensor("output_norm.weight", (width,), f"embedding_length {width}")
         return rows
 
@@ -248,8 +292,9 @@ class _Checker:
         if not whole or len(present) != shape.block_count:
             found = f"{len(present)} blocks of tensors" if present else "no blk.N tensors"
             found += f" (blk.0 to blk.{max(present)})" if present and whole else ""
-            raise self.refuse(f"{self.key('block_count')} is {shape.block_count} but the file "
-                              f"has {found}")  # fmt: skip
+            raise self.refuse(
+                f"{self.key('block_count')} is {shape.block_count} but the file has {found}"
+            )
         w, f = shape.embedding_length, shape.feed_forward_length
         queries = shape.head_count * shape.key_length
         keys = shape.head_count_kv * shape.key_length
@@ -285,6 +330,8 @@ class _Checker:
             want is not None and want != got for want, got in zip(dims, tensor.shape, strict=False)
         ):
             wanted = _shape(tuple("*" if d is None else d for d in dims))
-            raise self.refuse(f"{name} has shape {_shape(tensor.shape)}, not {wanted} as the "
-                              f"metadata says ({self.architecture}.{why})")  # fmt: skip
+            raise self.refuse(
+                f"{name} has shape {_shape(tensor.shape)}, not {wanted} as the "
+                f"metadata says ({self.architecture}.{why})"
+            )
         return tensor.shape

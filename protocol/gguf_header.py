@@ -25,10 +25,32 @@ import numpy as np
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 # value type id -> struct format of a scalar of it (8: string, 9: array)
-SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
-           12: "d"}  # fmt: skip
-NUMPY_TYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
-               6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}  # fmt: skip
+SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
+NUMPY_TYPES = {
+    0: np.uint8,
+    1: np.int8,
+    2: np.uint16,
+    3: np.int16,
+    4: np.uint32,
+    5: np.int32,
+    6: np.float32,
+    7: np.bool_,
+    10: np.uint64,
+    11: np.int64,
+    12: np.float64,
+}
 STRING, ARRAY, UINT32 = 8, 9, 4
 MAX_NESTING = 8  # arrays of arrays: llama.cpp writes none; a deep nest is a crafted file
 MAX_DIMS = 4  # of a tensor: ggml's GGML_MAX_DIMS
@@ -158,8 +180,9 @@ class _Cursor:
                 self.skip_string()
             return SkippedStrings(count)
         if self.depth >= MAX_NESTING:
-            raise GGUFFormatError(f"{self.path}: arrays nested more than {MAX_NESTING} deep "
-                                  f"(at byte {self.at})")  # fmt: skip
+            raise GGUFFormatError(
+                f"{self.path}: arrays nested more than {MAX_NESTING} deep (at byte {self.at})"
+            )
         self.depth += 1
         try:
             return [self.value(item, strings) for _ in range(count)]  # arrays of arrays
@@ -180,8 +203,10 @@ def read_gguf_header(path: str | Path, *, strings: bool = False) -> GGUFHeader:
     cursor.at = 4
     version = cursor.take("I")
     if version not in (2, 3):
-        raise GGUFFormatError(f"{path}: GGUF version {version} (this reads 2 and 3; a "
-                              "big-endian file reads as a huge version)")  # fmt: skip
+        raise GGUFFormatError(
+            f"{path}: GGUF version {version} (this reads 2 and 3; a "
+            "big-endian file reads as a huge version)"
+        )
     tensor_count, field_count = cursor.take("Q"), cursor.take("Q")
     fields: dict[str, object] = {}
     types: dict[str, int] = {}
@@ -196,15 +221,17 @@ def read_gguf_header(path: str | Path, *, strings: bool = False) -> GGUFHeader:
         name = cursor.string()
         dims = cursor.take("I")
         if dims > MAX_DIMS:
-            raise GGUFFormatError(f"{path}: tensor {name!r:.60} has {dims} dimensions (ggml's "
-                                  f"most: {MAX_DIMS})")  # fmt: skip
+            raise GGUFFormatError(
+                f"{path}: tensor {name!r:.60} has {dims} dimensions (ggml's most: {MAX_DIMS})"
+            )
         shape = tuple(cursor.take("Q") for _ in range(dims))
         infos.append((name, shape, cursor.take("I"), cursor.take("Q")))
     alignment = fields.get("general.alignment", DEFAULT_ALIGNMENT)
     uint32 = types.get("general.alignment", UINT32) == UINT32
     if not uint32 or alignment <= 0 or alignment & (alignment - 1):
-        raise GGUFFormatError(f"{path}: alignment {alignment!r:.40} is not a power of two in a "
-                              "uint32")  # fmt: skip
+        raise GGUFFormatError(
+            f"{path}: alignment {alignment!r:.40} is not a power of two in a uint32"
+        )
     data_offset = -(-cursor.at // alignment) * alignment
     tensors = {}
     end = 0  # of the tensors so far, in the data: llama.cpp reads them back to back, in order
@@ -216,8 +243,10 @@ def read_gguf_header(path: str | Path, *, strings: bool = False) -> GGUFHeader:
         if start + nbytes > len(data):
             raise GGUFFormatError(f"{path}: tensor {name!r:.60} runs past the end of the file")
         if offset != end:
-            raise GGUFFormatError(f"{path}: tensor {name!r:.60} starts at {offset} in the data, "
-                                  f"where the tensors before it end at {end}")  # fmt: skip
+            raise GGUFFormatError(
+                f"{path}: tensor {name!r:.60} starts at {offset} in the data, "
+                f"where the tensors before it end at {end}"
+            )
         end += -(-nbytes // alignment) * alignment
         tensors[name] = TensorInfo(name, shape, kind, start, nbytes)
     return GGUFHeader(path, version, fields, tensors, data_offset, types)

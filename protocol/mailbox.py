@@ -54,8 +54,11 @@ DIVERTED_MESSAGE = Diverted()
 def supported() -> bool:
     """Whether mailboxes may carry the link here: Linux (memfd, eventfd) on x86-64 (stores
     become visible in program order)."""
-    return (platform.machine().lower() in ("x86_64", "amd64")
-            and hasattr(os, "memfd_create") and hasattr(os, "eventfd"))  # fmt: skip
+    return (
+        platform.machine().lower() in ("x86_64", "amd64")
+        and hasattr(os, "memfd_create")
+        and hasattr(os, "eventfd")
+    )
 
 
 def _aligned(size: int) -> int:
@@ -114,8 +117,9 @@ class Mailbox:
             return False
         offset, skip = self._reserve(size)
         _RECORD.pack_into(self._data, offset, len(views), size)
-        struct.pack_into(f"<{len(views)}I", self._data, offset + _RECORD.size,
-                         *(view.nbytes for view in views))  # fmt: skip
+        struct.pack_into(
+            f"<{len(views)}I", self._data, offset + _RECORD.size, *(view.nbytes for view in views)
+        )
         position = offset + _RECORD.size + lengths
         for view in views:
             self._data[position : position + view.nbytes] = view

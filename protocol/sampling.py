@@ -26,8 +26,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         low, high = TEMPERATURE_RANGE
         if not (self.temperature == 0 or low <= self.temperature <= high):
-            raise SamplingError(f"temperature must be 0 (greedy) or in {low}..{high}, not "
-                                f"{self.temperature}")  # fmt: skip
+            raise SamplingError(
+                f"temperature must be 0 (greedy) or in {low}..{high}, not {self.temperature}"
+            )
         if self.top_k < 0:
             raise SamplingError(f"top_k must be >= 0 (0 = off), not {self.top_k}")
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):

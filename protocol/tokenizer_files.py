@@ -13,8 +13,17 @@ from typing import Any
 
 # Token texts that end a turn, and with it generation, wherever a vocabulary has them
 # (llama.cpp counts the same ones in its end-of-generation set)
-END_OF_TURN_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-                     "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>")  # fmt: skip
+END_OF_TURN_TEXTS = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "<|end_of_text|>",
+)
 
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")

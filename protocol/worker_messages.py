@@ -294,9 +294,18 @@ class Shutdown(_Message, tag="shutdown"):
 
 
 Command = (
-    Load | Prefill | Draft | Decode | VerifyTree | Commit | Rollback | Tokenize | Echo | Cancel
+    Load
+    | Prefill
+    | Draft
+    | Decode
+    | VerifyTree
+    | Commit
+    | Rollback
+    | Tokenize
+    | Echo
+    | Cancel
     | Shutdown
-)  # fmt: skip
+)
 
 
 # ---------------------------------------------------------------- worker -> daemon
@@ -405,6 +414,15 @@ class Failed(_Message, tag="failed"):
 
 
 Reply = (
-    Hello | Ready | Heartbeat | Prefilled | Drafted | Decoded | Verified | Committed | Tokenized
-    | Echoed | Failed
-)  # fmt: skip
+    Hello
+    | Ready
+    | Heartbeat
+    | Prefilled
+    | Drafted
+    | Decoded
+    | Verified
+    | Committed
+    | Tokenized
+    | Echoed
+    | Failed
+)

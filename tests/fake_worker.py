@@ -34,8 +34,12 @@ PERIOD = 8  # positions the logits tell apart
 class TableModel(TreeRuntime):
     feature_size = 2  # a position's "feature": (its position, its token)
 
-    def __init__(self, tables: tuple[np.ndarray, np.ndarray, np.ndarray], eos: int = VOCAB - 1,
-                 capacity: int = 512) -> None:  # fmt: skip
+    def __init__(
+        self,
+        tables: tuple[np.ndarray, np.ndarray, np.ndarray],
+        eos: int = VOCAB - 1,
+        capacity: int = 512,
+    ) -> None:
         super().__init__(VOCAB, capacity)
         self.last_table, self.prev_table, self.position_table = tables
         self.eos, self.threads = eos, 1
@@ -44,8 +48,11 @@ class TableModel(TreeRuntime):
     def pair(cls, seed: int = 0, noise: float = 1.0, eos_bias: float = -4.0):
         """A target and a draft whose logits differ by ``noise`` x N(0, 1) per entry."""
         rng = np.random.default_rng(seed)
-        tables = (rng.normal(0, 3, (VOCAB, VOCAB)), rng.normal(0, 1, (VOCAB, VOCAB)),
-                  rng.normal(0, 1, (PERIOD, VOCAB)))  # fmt: skip
+        tables = (
+            rng.normal(0, 3, (VOCAB, VOCAB)),
+            rng.normal(0, 1, (VOCAB, VOCAB)),
+            rng.normal(0, 1, (PERIOD, VOCAB)),
+        )
         for table in tables[:1]:
             table[:, VOCAB - 1] += eos_bias  # EOS is rare, not absent
         draft = tuple(t + noise * rng.normal(0, 1, t.shape) for t in tables)

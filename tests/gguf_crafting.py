@@ -16,9 +16,19 @@ from pathlib import Path
 import gguf
 
 T = gguf.GGUFValueType
-SCALAR_FORMATS = {T.UINT8: "B", T.INT8: "b", T.UINT16: "H", T.INT16: "h", T.UINT32: "I",
-                  T.INT32: "i", T.FLOAT32: "f", T.BOOL: "?", T.UINT64: "Q", T.INT64: "q",
-                  T.FLOAT64: "d"}  # fmt: skip
+SCALAR_FORMATS = {
+    T.UINT8: "B",
+    T.INT8: "b",
+    T.UINT16: "H",
+    T.INT16: "h",
+    T.UINT32: "I",
+    T.INT32: "i",
+    T.FLOAT32: "f",
+    T.BOOL: "?",
+    T.UINT64: "Q",
+    T.INT64: "q",
+    T.FLOAT64: "d",
+}
 ALIGNMENT = 32  # the files here keep gguf-py's default
 
 
@@ -43,9 +53,13 @@ class TensorEntry:
 
     def encoded(self) -> bytes:
         name = self.name.encode()
-        return (struct.pack("<Q", len(name)) + name + struct.pack("<I", len(self.dims))
-                + b"".join(struct.pack("<Q", d) for d in self.dims)
-                + struct.pack("<IQ", self.type, self.offset))  # fmt: skip
+        return (
+            struct.pack("<Q", len(name))
+            + name
+            + struct.pack("<I", len(self.dims))
+            + b"".join(struct.pack("<Q", d) for d in self.dims)
+            + struct.pack("<IQ", self.type, self.offset)
+        )
 
 
 @dataclass
@@ -66,9 +80,15 @@ class RawGGUF:
                 continue
             kind = int(found.parts[2][0])
             fields[name] = (kind, b"".join(part.tobytes() for part in found.parts[3:]))
-        tensors = [TensorEntry(t.name, tuple(int(d) for d in t.field.parts[3]),
-                               int(t.tensor_type), int(t.field.parts[5][0]))
-                   for t in reader.tensors]  # fmt: skip
+        tensors = [
+            TensorEntry(
+                t.name,
+                tuple(int(d) for d in t.field.parts[3]),
+                int(t.tensor_type),
+                int(t.field.parts[5][0]),
+            )
+            for t in reader.tensors
+        ]
         start = min(int(t.data_offset) for t in reader.tensors) - min(e.offset for e in tensors)
         return cls(fields, tensors, path.read_bytes()[start:])
 

@@ -25,11 +25,20 @@ from gguf_crafting import SCALAR_FORMATS, RawGGUF, T
 
 from hetspec.daemon.config import BUNDLED_MODELS
 
-BASES = (BUNDLED_MODELS / "draft" / "draft-q8_0.gguf",
-         BUNDLED_MODELS / "target" / "target-q8_0.gguf")  # fmt: skip
-INTEGERS = {T.UINT8: (8, False), T.INT8: (8, True), T.UINT16: (16, False), T.INT16: (16, True),
-            T.UINT32: (32, False), T.INT32: (32, True), T.UINT64: (64, False),
-            T.INT64: (64, True)}  # fmt: skip
+BASES = (
+    BUNDLED_MODELS / "draft" / "draft-q8_0.gguf",
+    BUNDLED_MODELS / "target" / "target-q8_0.gguf",
+)
+INTEGERS = {
+    T.UINT8: (8, False),
+    T.INT8: (8, True),
+    T.UINT16: (16, False),
+    T.INT16: (16, True),
+    T.UINT32: (32, False),
+    T.INT32: (32, True),
+    T.UINT64: (64, False),
+    T.INT64: (64, True),
+}
 REALS = (T.FLOAT32, T.FLOAT64)
 # keys the loaders read that the bases lack: their types as llama.cpp writes them, a value
 ADDED_KEYS = {
@@ -53,14 +62,47 @@ def _wrapped(value: int, kind: T) -> int:
 
 
 def _integer(rng: random.Random, original: int) -> int:
-    return rng.choice([0, 1, 2, 3, -1, original + 1, original - 1, original * 2, original // 2,
-                       original * 3, 2 ** rng.randint(2, 40), 2**28, 2**17, 2**31 - 1, 2**32 - 1,
-                       2**63 - 1, 2**64 - 1, rng.randint(0, 2**16)])  # fmt: skip
+    return rng.choice(
+        [
+            0,
+            1,
+            2,
+            3,
+            -1,
+            original + 1,
+            original - 1,
+            original * 2,
+            original // 2,
+            original * 3,
+            2 ** rng.randint(2, 40),
+            2**28,
+            2**17,
+            2**31 - 1,
+            2**32 - 1,
+            2**63 - 1,
+            2**64 - 1,
+            rng.randint(0, 2**16),
+        ]
+    )
 
 
 def _real(rng: random.Random, original: float) -> float:
-    return rng.choice([0.0, -0.0, -1.0, math.nan, math.inf, -math.inf, 1e-30, 1e30, 1.0,
-                       original * 2, original / 2, 3.5e38])  # fmt: skip
+    return rng.choice(
+        [
+            0.0,
+            -0.0,
+            -1.0,
+            math.nan,
+            math.inf,
+            -math.inf,
+            1e-30,
+            1e30,
+            1.0,
+            original * 2,
+            original / 2,
+            3.5e38,
+        ]
+    )
 
 
 def _float32(value: float) -> float:
@@ -80,8 +122,9 @@ def _value_of(rng: random.Random, kind: T, original: object) -> tuple[object, T 
     if kind == T.BOOL:
         return rng.random() < 0.5, None
     if kind == T.STRING:
-        return rng.choice(["", "x", str(original), "linear", "yarn", "none", "llama", "a\nb",
-                           "9" * 30]), None  # fmt: skip
+        return rng.choice(
+            ["", "x", str(original), "linear", "yarn", "none", "llama", "a\nb", "9" * 30]
+        ), None
     item = rng.choice([T.UINT32, T.INT32, T.FLOAT32, T.STRING])
     return [_value_of(rng, item, original)[0] for _ in range(rng.choice([0, 1, 2, 4]))], item
 
@@ -109,8 +152,13 @@ def _field_mutation(rng: random.Random, raw: RawGGUF) -> dict:
     if rng.random() < 0.25:
         kind = rng.choice([k for k in T if k != kind])
     value, item = _value_of(rng, kind, original)
-    return {"op": "set", "key": key, "type": int(kind), "value": value,
-            "item": None if item is None else int(item)}  # fmt: skip
+    return {
+        "op": "set",
+        "key": key,
+        "type": int(kind),
+        "value": value,
+        "item": None if item is None else int(item),
+    }
 
 
 def _tensor_mutation(rng: random.Random, raw: RawGGUF) -> dict:
@@ -118,8 +166,20 @@ def _tensor_mutation(rng: random.Random, raw: RawGGUF) -> dict:
     tensor = rng.choice(raw.tensors)
     dims = list(tensor.dims)
     where = rng.randrange(len(dims))
-    dims[where] = rng.choice([0, 1, 32, dims[where] + 32, dims[where] - 32, dims[where] * 2,
-                              dims[where] // 2, 2**32, 2**40, 2**63])  # fmt: skip
+    dims[where] = rng.choice(
+        [
+            0,
+            1,
+            32,
+            dims[where] + 32,
+            dims[where] - 32,
+            dims[where] * 2,
+            dims[where] // 2,
+            2**32,
+            2**40,
+            2**63,
+        ]
+    )
     if rng.random() < 0.2:
         dims = rng.choice([list(tensor.dims)[::-1], [*tensor.dims, 1], [*dims, 2], dims[:1]])
     return {"op": "dims", "tensor": tensor.name, "dims": [max(d, 0) for d in dims]}
@@ -134,9 +194,10 @@ def draw_mutations(seed: int, count: int) -> list[dict]:
     for _ in range(count):
         base = 0 if rng.random() < 0.75 else 1
         raw = bases[base]
-        mutations = [_field_mutation(rng, raw) if rng.random() < 0.67
-                     else _tensor_mutation(rng, raw)
-                     for _ in range(rng.choice([1, 1, 1, 2, 3]))]  # fmt: skip
+        mutations = [
+            _field_mutation(rng, raw) if rng.random() < 0.67 else _tensor_mutation(rng, raw)
+            for _ in range(rng.choice([1, 1, 1, 2, 3]))
+        ]
         files.append({"base": base, "mutations": mutations})
     return files
 
@@ -205,10 +266,12 @@ class Parties:
         from hetspec.workers.tools.describe import _gguf_vocab  # noqa: PLC0415
 
         verdicts: dict[str, object] = {}
-        verdicts["check"] = verdict(lambda: check_model_file(path), GGUFMetadataError,
-                                    GGUFFormatError)  # fmt: skip
-        config = DaemonConfig(target=ModelPaths(gguf=str(path)),
-                              draft=ModelPaths(gguf=str(self.draft)))  # fmt: skip
+        verdicts["check"] = verdict(
+            lambda: check_model_file(path), GGUFMetadataError, GGUFFormatError
+        )
+        config = DaemonConfig(
+            target=ModelPaths(gguf=str(path)), draft=ModelPaths(gguf=str(self.draft))
+        )
 
         def llama_cpp() -> None:  # the worker that verifies on the GGUF, as the daemon starts it
             runtime = LlamaCppRuntime(path, threads=1, n_seq_max=2)

@@ -21,8 +21,9 @@ def chi2_sf(statistic: float, df: int) -> float:
         exponents = [-half + i * math.log(half) - math.lgamma(i + 1) for i in range(df // 2)]
         return min(1.0, math.fsum(math.exp(e) for e in exponents))
     # erfc(sqrt(h)) + exp(-h) * sum_{1 <= i <= (df-1)/2} h^(i - 1/2) / gamma(i + 1/2)
-    exponents = [-half + (i - 0.5) * math.log(half) - math.lgamma(i + 0.5)
-                 for i in range(1, (df + 1) // 2)]  # fmt: skip
+    exponents = [
+        -half + (i - 0.5) * math.log(half) - math.lgamma(i + 0.5) for i in range(1, (df + 1) // 2)
+    ]
     return min(1.0, math.erfc(math.sqrt(half)) + math.fsum(math.exp(e) for e in exponents))
 
 

@@ -56,8 +56,17 @@ def kernel() -> None:
         tails = (split_point(positions, block)[:, None] + torch.arange(3 * block)).clamp(max=79)
         bias = split_bias(positions, span, block, window)
         expected = split_attention(q, keys, values, tails, bias, scale=0.3, softcap=softcap)
-        ours = split_kernel.split_attention(q, keys, values, tails, positions, block=block,
-                                            scale=0.3, softcap=softcap, window=window)  # fmt: skip
+        ours = split_kernel.split_attention(
+            q,
+            keys,
+            values,
+            tails,
+            positions,
+            block=block,
+            scale=0.3,
+            softcap=softcap,
+            window=window,
+        )
         assert ours.shape == (len(positions), heads, d)
         truth = exact(q, keys, values, positions, scale=0.3, softcap=softcap, window=window)
         # both against float64: torch's CPU tanh took another path in some processes (its
@@ -66,9 +75,17 @@ def kernel() -> None:
         assert torch.allclose(expected.double(), truth, atol=1e-4), (heads, d)
         for row in range(len(positions)):
             one = slice(row, row + 1)
-            alone = split_kernel.split_attention(q[:, one], keys, values, tails[one],
-                                                 positions[one], block=block, scale=0.3,
-                                                 softcap=softcap, window=window)  # fmt: skip
+            alone = split_kernel.split_attention(
+                q[:, one],
+                keys,
+                values,
+                tails[one],
+                positions[one],
+                block=block,
+                scale=0.3,
+                softcap=softcap,
+                window=window,
+            )
             assert torch.equal(alone[0], ours[row]), (heads, d, row)
 
 
@@ -77,8 +94,9 @@ def runtime(compile: bool = False) -> None:
     static_forward.MIN_SPAN = 16
     static_forward.TAIL_BLOCK = 4
     folder = save_reference(build_reference("gemma2"), Path(tempfile.mkdtemp()) / "m")
-    split = TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=4,
-                         attention="split", compile=compile)  # fmt: skip
+    split = TorchRuntime(
+        folder, device="cpu", dtype="float32", fixed_width=4, attention="split", compile=compile
+    )
     gathered = TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=4)
     assert split.split_kernel, split.split_kernel_refused
     prompt = [1, 17, 42, 5, 88, 23, 9, 61, 2, 70, 33, 14, 8, 3]

@@ -41,9 +41,16 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     port = free_port()
-    daemon = BundledDaemon(tmp_path_factory.mktemp("api"), "draft-cpu",
-                           "--set", f"max_queue={QUEUE}", "--set", f'tcp.listen="127.0.0.1:{port}"',
-                           "--set", f'tcp.token="{TOKEN}"')  # fmt: skip
+    daemon = BundledDaemon(
+        tmp_path_factory.mktemp("api"),
+        "draft-cpu",
+        "--set",
+        f"max_queue={QUEUE}",
+        "--set",
+        f'tcp.listen="127.0.0.1:{port}"',
+        "--set",
+        f'tcp.token="{TOKEN}"',
+    )
     daemon.port = port
     yield daemon
     daemon.stop()
@@ -51,16 +58,23 @@ def daemon(tmp_path_factory):
 
 @pytest.fixture
 def http(daemon):
-    with httpx.Client(transport=httpx.HTTPTransport(uds=str(daemon.socket)),
-                      base_url="http://hetspecd", timeout=60) as http:  # fmt: skip
+    with httpx.Client(
+        transport=httpx.HTTPTransport(uds=str(daemon.socket)),
+        base_url="http://hetspecd",
+        timeout=60,
+    ) as http:
         yield http
 
 
 def shell(daemon, *argv: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "hetspec.client.cli", "--host", f"unix://{daemon.socket}", *argv],
-        input=stdin, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def test_the_client_library_generates_streams_and_chats(daemon) -> None:
@@ -123,8 +137,14 @@ def test_sampled_text_never_shows_control_tokens(daemon) -> None:
     with Client(f"unix://{daemon.socket}") as client:
         for seed in range(30):
             for mode in ("autoregressive", "adaptive"):
-                done = client.generate("def main():", max_tokens=96, temperature=1.3,
-                                       seed=seed, ignore_eos=True, mode=mode)  # fmt: skip
+                done = client.generate(
+                    "def main():",
+                    max_tokens=96,
+                    temperature=1.3,
+                    seed=seed,
+                    ignore_eos=True,
+                    mode=mode,
+                )
                 drawn += any(token in (0, 1, 2) for token in done.tokens)
                 assert "<|" not in done.text, (seed, mode, done.text)
     assert drawn >= 3  # the check saw control tokens drawn
@@ -152,9 +172,14 @@ def test_openai_requests_with_plain_httpx(daemon, http) -> None:
     )
     assert chunks[-1]["usage"]["total_tokens"] > chunks[-1]["usage"]["completion_tokens"]
 
-    chat = {"messages": [{"role": "system", "content": "You write Python."},
-                         {"role": "user", "content": "def add(a, b):"}],
-            "max_tokens": 10, "stream": True}  # fmt: skip
+    chat = {
+        "messages": [
+            {"role": "system", "content": "You write Python."},
+            {"role": "user", "content": "def add(a, b):"},
+        ],
+        "max_tokens": 10,
+        "stream": True,
+    }
     with http.stream("POST", "/v1/chat/completions", json=chat) as response:
         events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
     chunks = [json.loads(event) for event in events[:-1]]
@@ -192,17 +217,26 @@ def test_chat_content_as_text_parts_and_neutral_openai_values(http) -> None:
             ],
         }
     ]
-    answers = [http.post("/v1/chat/completions", json={"messages": messages, **greedy,
-                                                          "response_format": {"type": "text"},
-                                                          "store": False}).json()
-               for messages in (whole, parts)]  # fmt: skip
+    answers = [
+        http.post(
+            "/v1/chat/completions",
+            json={
+                "messages": messages,
+                **greedy,
+                "response_format": {"type": "text"},
+                "store": False,
+            },
+        ).json()
+        for messages in (whole, parts)
+    ]
     assert answers[0]["choices"][0]["message"] == answers[1]["choices"][0]["message"]
     assert answers[0]["usage"] == answers[1]["usage"]
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
-    for body, named in (({"messages": image}, "'image_url'"),
-                        ({"messages": whole, "response_format": {"type": "json_object"}},
-                         "'json_object'"),
-                        ({"messages": whole, "store": True}, "store")):  # fmt: skip
+    for body, named in (
+        ({"messages": image}, "'image_url'"),
+        ({"messages": whole, "response_format": {"type": "json_object"}}, "'json_object'"),
+        ({"messages": whole, "store": True}, "store"),
+    ):
         refused = http.post("/v1/chat/completions", json={**body, **greedy})
         assert refused.status_code == 400, body
         assert named in refused.json()["error"]["message"]
@@ -224,13 +258,19 @@ def test_several_answers_n_and_prompt_lists_streamed_or_not(http) -> None:
         assert choice["text"] == alone["response"], index
         assert choice["tokens"] == alone["tokens"]  # the extras, per choice
     usage = both["usage"]
-    assert usage["prompt_tokens"] == sum(both["choices"][2 * i]["timings"]["prompt_n"]
-                                         for i in range(2))  # each prompt once  # fmt: skip
+    assert usage["prompt_tokens"] == sum(
+        both["choices"][2 * i]["timings"]["prompt_n"] for i in range(2)
+    )  # each prompt once
     assert usage["completion_tokens"] == sum(len(c["tokens"]) for c in both["choices"])
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
-    body = {"prompt": prompts, "n": 2, **sampled, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "prompt": prompts,
+        "n": 2,
+        **sampled,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with http.stream("POST", "/v1/completions", json=body) as response:
         events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
     assert events[-1] == "[DONE]"
@@ -255,9 +295,13 @@ def test_native_ndjson_stream_over_raw_http(daemon) -> None:
     payload = json.dumps({**native(PROMPT, **GREEDY), "stream": True}).encode()
     with socket.socket(socket.AF_UNIX) as raw:
         raw.connect(str(daemon.socket))
-        raw.sendall(b"POST /api/generate HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-                    b"Content-Type: application/json\r\nContent-Length: "
-                    + str(len(payload)).encode() + b"\r\n\r\n" + payload)  # fmt: skip
+        raw.sendall(
+            b"POST /api/generate HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\nContent-Length: "
+            + str(len(payload)).encode()
+            + b"\r\n\r\n"
+            + payload
+        )
         data = b""
         while chunk := raw.recv(65536):
             data += chunk
@@ -276,8 +320,16 @@ def test_native_ndjson_stream_over_raw_http(daemon) -> None:
     assert final["done"] is True
     assert final["done_reason"] == "length"
     assert len(final["tokens"]) == 12
-    assert {"prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "predicted_per_second",
-            "draft_n", "draft_n_accepted", "ttft_ms"} <= set(final["timings"])  # fmt: skip
+    assert {
+        "prompt_n",
+        "prompt_ms",
+        "predicted_n",
+        "predicted_ms",
+        "predicted_per_second",
+        "draft_n",
+        "draft_n_accepted",
+        "ttft_ms",
+    } <= set(final["timings"])
     assert {"mean_accepted_length", "acceptance_by_depth", "gamma_history"} <= set(
         final["speculative"]
     )
@@ -301,9 +353,22 @@ def test_the_shell_client(daemon) -> None:
     chat = shell(daemon, "chat", "--max-tokens", "6", stdin="hello\nand again\n")
     assert chat.returncode == 0, chat.stderr
     assert chat.stderr.count("tokens/s") == 2
-    seeded = [shell(daemon, "run", PROMPT, "--max-tokens", "30", "--temperature", "0.8",
-                    "--seed", "1", "--mode", mode).stdout for mode in ("adaptive", "sequential",
-                                                                     "autoregressive")]  # fmt: skip
+    seeded = [
+        shell(
+            daemon,
+            "run",
+            PROMPT,
+            "--max-tokens",
+            "30",
+            "--temperature",
+            "0.8",
+            "--seed",
+            "1",
+            "--mode",
+            mode,
+        ).stdout
+        for mode in ("adaptive", "sequential", "autoregressive")
+    ]
     assert seeded[0] == seeded[1] == seeded[2] != ""
     bad = shell(daemon, "run", PROMPT, "--top-p", "7")
     assert bad.returncode == 1
@@ -316,20 +381,48 @@ def test_the_shell_client(daemon) -> None:
     piped = shell(daemon, "run", "-", "--max-tokens", "12", stdin=PROMPT)
     assert piped.returncode == 0, piped.stderr
     assert piped.stdout == run.stdout
-    wrong = subprocess.run([sys.executable, "-m", "hetspec.client.cli", "--host", "ftp://x",
-                            "status"], capture_output=True, text=True, timeout=60, check=False,
-                           env={**os.environ, "HETSPEC_HOST": ""})  # fmt: skip
+    wrong = subprocess.run(
+        [sys.executable, "-m", "hetspec.client.cli", "--host", "ftp://x", "status"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "HETSPEC_HOST": ""},
+    )
     assert wrong.returncode == 2
     assert "the host must be unix:///path or http://host:port, not 'ftp://x'" in wrong.stderr
-    gone = subprocess.run([sys.executable, "-m", "hetspec.client.cli", "--host",
-                           "unix:///nonexistent/hetspecd.sock", "status"],
-                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    gone = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hetspec.client.cli",
+            "--host",
+            "unix:///nonexistent/hetspecd.sock",
+            "status",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert gone.returncode == 1
     assert "cannot reach hetspecd" in gone.stderr
     assert "Traceback" not in gone.stderr
-    gone_json = subprocess.run([sys.executable, "-m", "hetspec.client.cli", "--json", "--host",
-                                "unix:///nonexistent/hetspecd.sock", "status"],
-                               capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    gone_json = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hetspec.client.cli",
+            "--json",
+            "--host",
+            "unix:///nonexistent/hetspecd.sock",
+            "status",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert gone_json.returncode == 1
     assert "cannot reach hetspecd" in json.loads(gone_json.stdout)["error"]
     turns = shell(daemon, "--json", "chat", "--max-tokens", "6", stdin="hello\nand again\n")
@@ -350,7 +443,7 @@ def test_metrics_count_what_was_served(daemon, http) -> None:
         'hetspec_worker_restarts{worker="cpu"}',
         "hetspec_decode_tokens_per_second",
     ):
-        assert name in text, name  # fmt: skip
+        assert name in text, name
 
 
 def test_tcp_needs_the_bearer_token(daemon) -> None:
@@ -376,8 +469,9 @@ def test_twenty_clients_at_once_fifo_or_429(daemon) -> None:
     async def burst():
         transport = httpx.AsyncHTTPTransport(uds=str(daemon.socket))
         limits = httpx.Limits(max_connections=40)
-        async with httpx.AsyncClient(transport=transport, base_url="http://x", timeout=120,
-                                     limits=limits) as client:  # fmt: skip
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://x", timeout=120, limits=limits
+        ) as client:
             return await asyncio.gather(*(one(client, i) for i in range(20)))
 
     results = asyncio.run(burst())
@@ -416,8 +510,13 @@ VALID = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
 }
 NUMBERS = st.one_of(st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st.booleans())
-JUNK = st.one_of(st.none(), NUMBERS, st.text(max_size=8), st.lists(st.integers(), max_size=3),
-                 st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))  # fmt: skip
+JUNK = st.one_of(
+    st.none(),
+    NUMBERS,
+    st.text(max_size=8),
+    st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+)
 OUT_OF_RANGE = {  # each value is wrong for its field on every endpoint that has the field
     # (Ollama's num_predict takes -1 and -2: to the end of the context)
     "max_tokens": st.one_of(
@@ -440,8 +539,14 @@ def _raw(document) -> bytes:
     return json.dumps(document).encode()
 
 
-OLLAMA_OPTIONS = {"max_tokens": "num_predict", "temperature": "temperature", "top_k": "top_k",
-                  "top_p": "top_p", "seed": "seed", "stop": "stop"}  # fmt: skip
+OLLAMA_OPTIONS = {
+    "max_tokens": "num_predict",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "seed": "seed",
+    "stop": "stop",
+}
 
 
 def _set(body: dict, field: str, value) -> dict:
@@ -519,8 +624,19 @@ def _empty(draw, body):
     )
 
 
-MUTATIONS = [_garbage_bytes, _not_an_object, _wrong_type, _unknown_field, _out_of_range,
-             _missing, _bad_utf8, _surrogate, _nan, _too_long, _empty]  # fmt: skip
+MUTATIONS = [
+    _garbage_bytes,
+    _not_an_object,
+    _wrong_type,
+    _unknown_field,
+    _out_of_range,
+    _missing,
+    _bad_utf8,
+    _surrogate,
+    _nan,
+    _too_long,
+    _empty,
+]
 # Ollama's /api/generate without a prompt only loads the model: a valid request
 VALID_WITHOUT_TEXT = {"/api/generate"}
 
@@ -531,8 +647,11 @@ def bad_requests(draw) -> tuple[str, str, bytes]:
     path = draw(st.sampled_from(sorted(VALID)))
     body = dict(VALID[path])
     kind = draw(st.integers(0, len(MUTATIONS) + 1))
-    while kind < len(MUTATIONS) and MUTATIONS[kind] in (_missing, _empty) and (
-            path in VALID_WITHOUT_TEXT):  # fmt: skip
+    while (
+        kind < len(MUTATIONS)
+        and MUTATIONS[kind] in (_missing, _empty)
+        and (path in VALID_WITHOUT_TEXT)
+    ):
         kind = draw(st.integers(0, len(MUTATIONS) + 1))
     if kind == len(MUTATIONS):
         return draw(st.sampled_from(["GET", "PUT", "DELETE", "PATCH"])), path, b""
@@ -541,9 +660,14 @@ def bad_requests(draw) -> tuple[str, str, bytes]:
     return "POST", path, MUTATIONS[kind](draw, body)
 
 
-_FIELDS = {*GenerateRequest.__struct_fields__, *CompletionRequest.__struct_fields__,
-           *ChatRequest.__struct_fields__, *GenerateBody.__struct_fields__,
-           *ChatBody.__struct_fields__, *Options.__struct_fields__}  # fmt: skip
+_FIELDS = {
+    *GenerateRequest.__struct_fields__,
+    *CompletionRequest.__struct_fields__,
+    *ChatRequest.__struct_fields__,
+    *GenerateBody.__struct_fields__,
+    *ChatBody.__struct_fields__,
+    *Options.__struct_fields__,
+}
 
 
 def _fits(field: str, value) -> bool:
@@ -571,13 +695,19 @@ def _is_json_object(raw: bytes) -> bool:
 def test_fuzzed_bad_requests_are_all_4xx_and_the_daemon_keeps_serving(daemon, http) -> None:
     answered = []
 
-    @settings(max_examples=600, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=600,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(bad_requests())
     def send(case) -> None:
         method, path, raw = case
-        response = http.request(method, path, content=raw,
-                                headers={"Content-Type": "application/json"})  # fmt: skip
+        response = http.request(
+            method, path, content=raw, headers={"Content-Type": "application/json"}
+        )
         assert 400 <= response.status_code < 500, (case, response.status_code, response.text)
         error = response.json()["error"]  # Ollama's shape under /api/: the message alone
         assert error if isinstance(error, str) else error["message"], case
@@ -601,8 +731,9 @@ def test_a_client_that_leaves_the_queue_is_forgotten(daemon, http) -> None:
     results = {}
 
     def run_long() -> None:
-        with httpx.Client(transport=httpx.HTTPTransport(uds=str(daemon.socket)),
-                          base_url="http://x", timeout=120) as client:  # fmt: skip
+        with httpx.Client(
+            transport=httpx.HTTPTransport(uds=str(daemon.socket)), base_url="http://x", timeout=120
+        ) as client:
             results["long"] = client.post("/api/generate", json=long)
 
     runner = threading.Thread(target=run_long)

@@ -39,8 +39,9 @@ def greedy_alone(gguf: str, count: int):
     """A llama.cpp runtime with the verifier's settings (flash attention off, an f16 K and an
     f32 V cache), ``count`` greedy tokens after the chat prompt decoded one token a forward,
     and the logits before each (and after the last); the runtime is left at the prompt."""
-    runtime = LlamaCppRuntime(gguf, n_ctx=512, n_batch=512, kv_type="f16", v_type="f32",
-                              flash_attention="off")  # fmt: skip
+    runtime = LlamaCppRuntime(
+        gguf, n_ctx=512, n_batch=512, kv_type="f16", v_type="f32", flash_attention="off"
+    )
     prompt = runtime.tokenize(CHAT)
     runtime.prefill(prompt)
     alone = [runtime.last_logits().copy()]
@@ -97,8 +98,9 @@ def test_a_llama_cpp_verifier_speculates_to_the_target_alone_s_tokens(tmp_path) 
 
         def tokens(question: str, mode: str, **options) -> list[int]:
             prompt = f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
-            body = native(prompt, max_tokens=64, temperature=0.0, mode=mode, ignore_eos=True,
-                          **options)  # fmt: skip
+            body = native(
+                prompt, max_tokens=64, temperature=0.0, mode=mode, ignore_eos=True, **options
+            )
             status, answer = request(daemon.socket, "POST", "/api/generate", body)
             assert status == 200, answer
             return answer["tokens"]

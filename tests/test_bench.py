@@ -18,14 +18,37 @@ from hetspec.bench.compare import BusyCore
 @pytest.mark.process
 def test_bench_runs_every_system_and_writes_its_reports(tmp_path: Path) -> None:
     out = tmp_path / "bench"
-    command = [sys.executable, "-m", "hetspec.client.cli", "bench", "--prompts", "1",
-               "--repeats", "1", "--warmup", "1", "--max-tokens", "12", "--gammas", "2",
-               "--llama-server", "off", "--out", str(out)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "hetspec.client.cli",
+        "bench",
+        "--prompts",
+        "1",
+        "--repeats",
+        "1",
+        "--warmup",
+        "1",
+        "--max-tokens",
+        "12",
+        "--gammas",
+        "2",
+        "--llama-server",
+        "off",
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr
     table = (out / "bench.md").read_text()
-    systems = ("autoregressive", "sequential", "parallel gamma=2", "adaptive",
-               "transformers assisted", "llama-cpp-python loop speculative gamma=4")  # fmt: skip
+    systems = (
+        "autoregressive",
+        "sequential",
+        "parallel gamma=2",
+        "adaptive",
+        "transformers assisted",
+        "llama-cpp-python loop speculative gamma=4",
+    )
     for system in systems:
         assert f"| {system} |" in table, (system, table, done.stderr)
     assert "a busy process on the drafter's core" in table
@@ -56,16 +79,24 @@ def test_bench_help_shows_defaults_and_bad_numbers_are_one_line_errors() -> None
     shown = bench("--help")
     assert shown.returncode == 0
     assert "``" not in shown.stdout
-    for default in ("(default 2,4,6)", "(default 12)", "(default 128)", "(default 3)",
-                    "(default 4)", "chat prompts are always added"):  # fmt: skip
+    for default in (
+        "(default 2,4,6)",
+        "(default 12)",
+        "(default 128)",
+        "(default 3)",
+        "(default 4)",
+        "chat prompts are always added",
+    ):
         assert default in " ".join(shown.stdout.split()), default
-    for args, said in [(("--prompts", "0"), "must be at least 1: '0'"),
-                       (("--set", "gpu_runtime"), "not KEY=VALUE"),
-                       (("--running", "--set", "gamma=3"), "not to a running one"),
-                       (("--gammas", "2,x"), "not a whole number: 'x'"),
-                       (("--warmup", "-1"), "must be at least 0: '-1'"),
-                       (("--temperature", "-0.5"), "must be at least 0: '-0.5'"),
-                       (("--temperature", "inf"), "a finite number, not 'inf'")]:  # fmt: skip
+    for args, said in [
+        (("--prompts", "0"), "must be at least 1: '0'"),
+        (("--set", "gpu_runtime"), "not KEY=VALUE"),
+        (("--running", "--set", "gamma=3"), "not to a running one"),
+        (("--gammas", "2,x"), "not a whole number: 'x'"),
+        (("--warmup", "-1"), "must be at least 0: '-1'"),
+        (("--temperature", "-0.5"), "must be at least 0: '-0.5'"),
+        (("--temperature", "inf"), "a finite number, not 'inf'"),
+    ]:
         done = bench(*args)
         assert done.returncode == 2, (args, done.stderr)
         assert said in done.stderr, (args, done.stderr)
@@ -78,10 +109,30 @@ def test_bench_sweeps_targets_and_skips_a_bad_one_with_its_reason(tmp_path: Path
     cannot be had: a table per target, the speedup sweep, one line for the skipped one."""
     out = tmp_path / "bench"
     user_target = Path(__file__).resolve().parents[1] / "models" / "target"
-    command = [sys.executable, "-m", "hetspec.client.cli", "bench", "--prompts", "1",
-               "--repeats", "1", "--warmup", "1", "--max-tokens", "8", "--gammas", "2",
-               "--no-load", "--no-peers", "--target", f"bundled,heavy-7q,{user_target}",
-               "--set", 'gpu_runtime="torch"', "--out", str(out)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "hetspec.client.cli",
+        "bench",
+        "--prompts",
+        "1",
+        "--repeats",
+        "1",
+        "--warmup",
+        "1",
+        "--max-tokens",
+        "8",
+        "--gammas",
+        "2",
+        "--no-load",
+        "--no-peers",
+        "--target",
+        f"bundled,heavy-7q,{user_target}",
+        "--set",
+        'gpu_runtime="torch"',
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr
     table = (out / "bench.md").read_text()
@@ -106,18 +157,36 @@ def test_a_heavy_target_of_an_unknown_gguf_type_is_one_clear_error(tmp_path: Pat
 @pytest.mark.process
 def test_sampled_bench_keeps_each_prompts_seed_so_every_mode_makes_the_same_tokens(
     tmp_path: Path,
-) -> None:  # fmt: skip
+) -> None:
     """At a temperature every system samples prompt i with the seed SEED_BASE + i: hetspec's
     modes then produce the target alone's tokens (same seed, same text), which the table's
     last column checks; unseeded, outputs are not compared."""
 
     def bench(out: Path, *extra: str) -> str:
-        command = [sys.executable, "-m", "hetspec.client.cli", "bench", "--prompts", "1",
-                   "--repeats", "1", "--warmup", "0", "--max-tokens", "24", "--gammas", "3",
-                   "--no-load", "--no-peers", "--temperature", "0.9", *extra,
-                   "--out", str(out)]  # fmt: skip
-        done = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                              check=False)  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "hetspec.client.cli",
+            "bench",
+            "--prompts",
+            "1",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--max-tokens",
+            "24",
+            "--gammas",
+            "3",
+            "--no-load",
+            "--no-peers",
+            "--temperature",
+            "0.9",
+            *extra,
+            "--out",
+            str(out),
+        ]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
         assert done.returncode == 0, done.stderr
         return (out / "bench.md").read_text()
 
@@ -154,10 +223,14 @@ def test_a_busy_core_is_named_with_the_process_that_keeps_it_busy() -> None:
 def test_the_report_says_what_llama_server_was_set_to_and_why() -> None:
     """The peers' measured choices (flash attention, draft length by placement) in one line;
     nothing without llama-server."""
-    info = {"flash_attention": {"chosen": "off", "on": 24.5, "off": 32.7},
-            "sweep": {"1": 40.0, "3": 48.9}, "best_n_max": 3,
-            "sweep_p_min": {"0.0": 45.0, "0.75": 50.1},
-            "sweep (draft on CPU)": {"2": 51.0}, "best_n_max (draft on CPU)": 2}  # fmt: skip
+    info = {
+        "flash_attention": {"chosen": "off", "on": 24.5, "off": 32.7},
+        "sweep": {"1": 40.0, "3": 48.9},
+        "best_n_max": 3,
+        "sweep_p_min": {"0.0": 45.0, "0.75": 50.1},
+        "sweep (draft on CPU)": {"2": 51.0},
+        "best_n_max (draft on CPU)": 2,
+    }
     line = bench.llama_server_settings(info)
     assert line == (
         "llama-server's settings, measured: flash attention off (decode tokens/s of the target "
@@ -180,8 +253,14 @@ def test_a_bench_cut_short_keeps_the_modes_of_the_prompts_it_finished(tmp_path: 
         for system, ms in (("autoregressive", 40.0), ("sequential", 20.0))
     ]
     results: dict = {}
-    bench.write_so_far(records, out=tmp_path, report=["# hetspec bench", ""], results=results,
-                       heading="### bundled draft-cpu: modes", total=8)  # fmt: skip
+    bench.write_so_far(
+        records,
+        out=tmp_path,
+        report=["# hetspec bench", ""],
+        results=results,
+        heading="### bundled draft-cpu: modes",
+        total=8,
+    )
     table = (tmp_path / "bench.md").read_text()
     assert table.startswith("# hetspec bench")
     assert "### bundled draft-cpu: modes, so far: 2 of 8 requests a system" in table
@@ -197,15 +276,20 @@ def test_a_peers_acceptance_and_tokens_are_kept_and_compared() -> None:
     hetspec's target alone, and each row's passes give a median and a range."""
 
     def record(system: str, repeat: int, ms: float, output: str, **more) -> bench.Record:
-        return bench.Record(system, 0, repeat, False, tokens=17, decode_ms=ms, ttft_ms=5.0,
-                            output=output, **more)  # fmt: skip
+        return bench.Record(
+            system, 0, repeat, False, tokens=17, decode_ms=ms, ttft_ms=5.0, output=output, **more
+        )
 
     records = [record("autoregressive", r, ms, "same") for r, ms in enumerate((40.0, 32.0, 50.0))]
-    records += [record("sequential", r, 20.0, "same", rounds=4, accepted=12, drafted=16)
-                for r in range(3)]  # fmt: skip
-    records += [record("llama-server speculative n-max=4 p-min=0.0", r, 16.0, digest,
-                       accepted=9, drafted=12)
-                for r, digest in enumerate(("same", "same", "other"))]  # fmt: skip
+    records += [
+        record("sequential", r, 20.0, "same", rounds=4, accepted=12, drafted=16) for r in range(3)
+    ]
+    records += [
+        record(
+            "llama-server speculative n-max=4 p-min=0.0", r, 16.0, digest, accepted=9, drafted=12
+        )
+        for r, digest in enumerate(("same", "same", "other"))
+    ]
     table, summaries, fastest = bench.modes_table(records)
     assert fastest == "autoregressive"
     alone = summaries["autoregressive"]

@@ -38,13 +38,24 @@ class SimulatedBox:
     costs ``call_latency_s`` besides its steps (messages, the worker's wake-up); the engine
     measures it apart, as the call's time minus the worker's own."""
 
-    def __init__(self, draft_step_s: float, verify_base_s: float, verify_per_node_s: float,
-                 acceptance: float, rng: np.random.Generator, *, contention: float = 1.0,
-                 uncertain: float = 0.0, uncertain_acceptance: float = 0.3,
-                 rule_branches: int = 3, call_latency_s: float = 0.0,
-                 alone_speedup: float = 1.0, verify_ms: dict[int, float] | None = None,
-                 branched_premium: float = 1.0,
-                 branch_cost: float = BRANCH_COST) -> None:  # fmt: skip
+    def __init__(
+        self,
+        draft_step_s: float,
+        verify_base_s: float,
+        verify_per_node_s: float,
+        acceptance: float,
+        rng: np.random.Generator,
+        *,
+        contention: float = 1.0,
+        uncertain: float = 0.0,
+        uncertain_acceptance: float = 0.3,
+        rule_branches: int = 3,
+        call_latency_s: float = 0.0,
+        alone_speedup: float = 1.0,
+        verify_ms: dict[int, float] | None = None,
+        branched_premium: float = 1.0,
+        branch_cost: float = BRANCH_COST,
+    ) -> None:
         self.draft_step_s = draft_step_s
         self.verify_base_s, self.verify_per_node_s = verify_base_s, verify_per_node_s
         # where given, the verification's cost by width instead of base + per node x width
@@ -100,18 +111,25 @@ class SimulatedBox:
     def cost_model(self, unsure: bool) -> CostModel:
         """The box's true costs and acceptance, as the controller's own model."""
         depths = np.arange(MAX_GAMMA + 2)
-        reach = np.array([[1.0 if d == 0 else self.reach(d, max(b, 1), unsure) for d in depths]
-                          for b in range(MAX_BRANCHES + 1)])  # fmt: skip
+        reach = np.array(
+            [
+                [1.0 if d == 0 else self.reach(d, max(b, 1), unsure) for d in depths]
+                for b in range(MAX_BRANCHES + 1)
+            ]
+        )
         slow = self.contention
         k = self.rule_branches if unsure else 1
         return CostModel(
             step_s={False: self.draft_step_s, True: self.draft_step_s * slow},
             latency_s={False: self.call_latency_s, True: self.call_latency_s},
             verify={False: self.verify_cost(), True: self.verify_cost(slow)},
-            reach=reach, overhead_s=0.0, alone_s=self.alone_s(),
+            reach=reach,
+            overhead_s=0.0,
+            alone_s=self.alone_s(),
             branch_factor=linear_branch_factor(self.branch_cost, MAX_BRANCHES),
-            rule=(RuleShare(k, 1.0, reach[k]),), branched_verify=self.branched_premium,
-        )  # fmt: skip
+            rule=(RuleShare(k, 1.0, reach[k]),),
+            branched_verify=self.branched_premium,
+        )
 
     def _mixed(self, predict) -> float:
         """Tokens per second over the sure and the unsure rounds."""
@@ -158,16 +176,24 @@ class SimulatedBox:
             compute = forwards * self.step_s(branches) * noise[0]
             drafts.append(DraftCall(forwards, branches, compute, latency))
         elif gamma and not overlap:
-            drafts.append(DraftCall(gamma, branches, gamma * self.step_s(branches) * noise[0],
-                                    latency))  # fmt: skip
+            drafts.append(
+                DraftCall(gamma, branches, gamma * self.step_s(branches) * noise[0], latency)
+            )
         width = gamma * branches + 1
         verify_s = self.verify_s(width) * noise[1]
         if branches > 1:
             verify_s *= self.branched_premium
         if overlap:
             slow = self.contention
-            drafts.append(DraftCall(gamma + 1, 1, (gamma + 1) * self.step_s(1) * slow * noise[0],
-                                    latency, overlapped=True))  # fmt: skip
+            drafts.append(
+                DraftCall(
+                    gamma + 1,
+                    1,
+                    (gamma + 1) * self.step_s(1) * slow * noise[0],
+                    latency,
+                    overlapped=True,
+                )
+            )
             verify_s *= slow
             if self.rng.random() > self.reach(gamma + 1, 1, unsure):  # a miss: a fresh draft
                 drafts.append(DraftCall(gamma, 1, gamma * self.step_s(1) * noise[2], latency))
@@ -185,16 +211,26 @@ class SimulatedBox:
         rule_k = would if branches == 1 and gamma >= 2 and not plan.rule else None
         if gamma == 0:  # as the engine: a transition from drafting is not timed
             steady = self.last_gamma == 0
-            report = RoundReport(0, 1, 0, alone_round_s=self.alone_s() * noise[1] if steady
-                                 else None)  # fmt: skip
+            report = RoundReport(
+                0, 1, 0, alone_round_s=self.alone_s() * noise[1] if steady else None
+            )
         else:
             fresh_s = sum(d.compute_s + d.latency_s for d in drafts if not d.overlapped)
             ahead_s = sum(d.compute_s + d.latency_s for d in drafts if d.overlapped)
             period_s = (fresh_s + max(verify_s, ahead_s)) * self.period_factor
-            report = RoundReport(gamma, branches, accepted, rule=plan.rule, rule_k=rule_k,
-                                 first_branch_accepted=first_branch, drafts=tuple(drafts),
-                                 verify_width=width, verify_s=verify_s,
-                                 verify_overlapped=overlap, period_s=period_s)  # fmt: skip
+            report = RoundReport(
+                gamma,
+                branches,
+                accepted,
+                rule=plan.rule,
+                rule_k=rule_k,
+                first_branch_accepted=first_branch,
+                drafts=tuple(drafts),
+                verify_width=width,
+                verify_s=verify_s,
+                verify_overlapped=overlap,
+                period_s=period_s,
+            )
         self.last_gamma = gamma
         controller.observe(report)
         return plan
@@ -208,8 +244,9 @@ def test_it_starts_with_one_token_then_gamma_equal_to_c() -> None:
     controller = BudgetController()
     first = controller.commit(controller.choose())
     assert (first.gamma, first.branches) == (1, 1)
-    controller.observe(RoundReport(1, 1, 1, drafts=(DraftCall(1, 1, 0.001, 0.0),),
-                                   verify_width=2, verify_s=0.006))  # fmt: skip
+    controller.observe(
+        RoundReport(1, 1, 1, drafts=(DraftCall(1, 1, 0.001, 0.0),), verify_width=2, verify_s=0.006)
+    )
     assert controller.estimates.cost_ratio() == pytest.approx(6)
     assert controller.choose().plan.gamma == 6
 
@@ -224,9 +261,16 @@ def test_until_a_draft_step_is_measured_it_drafts_rounds_that_measure_one() -> N
         plan = controller.commit(controller.choose())
         gammas.append(plan.gamma)
         steps = plan.gamma - 1  # the first token came with the catch-up
-        controller.observe(RoundReport(plan.gamma, 1, 1, drafts=(
-            DraftCall(steps, 1, 0.0005 * steps, 0.0002),), verify_width=plan.gamma + 1,
-            verify_s=0.006))  # fmt: skip
+        controller.observe(
+            RoundReport(
+                plan.gamma,
+                1,
+                1,
+                drafts=(DraftCall(steps, 1, 0.0005 * steps, 0.0002),),
+                verify_width=plan.gamma + 1,
+                verify_s=0.006,
+            )
+        )
     assert gammas[:2] == [1, 2]
     assert controller.estimates.draft_step_s() == pytest.approx(0.0005)
     assert controller.choose().plan.gamma > 2
@@ -269,8 +313,9 @@ def test_it_converges_near_the_best_fixed_budget(parallel, acceptance, contentio
 
 def test_it_overlaps_only_where_the_box_runs_both_workers_at_full_speed() -> None:
     def overlapped_share(contention: float) -> float:
-        box = SimulatedBox(0.001, 0.006, 0.0002, 0.7, np.random.default_rng(0),
-                           contention=contention)  # fmt: skip
+        box = SimulatedBox(
+            0.001, 0.006, 0.0002, 0.7, np.random.default_rng(0), contention=contention
+        )
         controller = controller_of(overlap=True)
         for _ in range(150):
             box.run_round(controller)
@@ -307,8 +352,9 @@ def test_a_draft_calls_latency_is_priced_once_per_call(parallel) -> None:
     dear per token as the one measured; priced per call, the controller finds the best shape."""
 
     def vm_like(rng):
-        return SimulatedBox(0.00025, 0.0008, 0.0002, 0.8, rng, contention=1.1,
-                            call_latency_s=0.0006)  # fmt: skip
+        return SimulatedBox(
+            0.00025, 0.0008, 0.0002, 0.8, rng, contention=1.1, call_latency_s=0.0006
+        )
 
     shares = settled_shares(vm_like, parallel)
     assert np.mean(shares) >= 0.95, shares
@@ -317,9 +363,23 @@ def test_a_draft_calls_latency_is_priced_once_per_call(parallel) -> None:
 
 # heavy-100m's forward in the native kernels after 400 tokens, both cores (ms by width): one
 # pass over the weights serves up to 8 rows, so the cost climbs in steps
-NATIVE_VERIFY_MS = {1: 7.1, 2: 9.4, 3: 10.5, 4: 12.5, 5: 14.3, 6: 14.8, 7: 15.2, 8: 15.3,
-                    9: 18.2, 10: 19.8, 11: 20.9, 12: 23.1, 13: 26.9, 16: 27.5,
-                    17: 31.0}  # fmt: skip
+NATIVE_VERIFY_MS = {
+    1: 7.1,
+    2: 9.4,
+    3: 10.5,
+    4: 12.5,
+    5: 14.3,
+    6: 14.8,
+    7: 15.2,
+    8: 15.3,
+    9: 18.2,
+    10: 19.8,
+    11: 20.9,
+    12: 23.1,
+    13: 26.9,
+    16: 27.5,
+    17: 31.0,
+}
 
 
 @pytest.mark.parametrize("acceptance", [0.7, 0.85])
@@ -330,8 +390,16 @@ def test_a_verifier_whose_cost_climbs_in_steps_is_priced_by_its_profile_s_shape(
     profile = {w: t / 1000 * (1.6 + 0.04 * w) for w, t in NATIVE_VERIFY_MS.items()}
 
     def stepped(rng):
-        return SimulatedBox(0.00045, 0, 0, acceptance, rng, contention=1.3,
-                            call_latency_s=0.0006, verify_ms=NATIVE_VERIFY_MS)  # fmt: skip
+        return SimulatedBox(
+            0.00045,
+            0,
+            0,
+            acceptance,
+            rng,
+            contention=1.3,
+            call_latency_s=0.0006,
+            verify_ms=NATIVE_VERIFY_MS,
+        )
 
     def settled(profiled: bool) -> list[float]:
         shares = []
@@ -375,8 +443,9 @@ def test_branches_first_token_is_the_chains_or_a_siblings_rescue() -> None:
     for _ in range(200):  # the first branch keeps depth 1 half the time, a sibling 20% of the rest
         first = int(rng.random() < 0.5)
         accepted = first or int(rng.random() < 0.2)
-        estimates.observe(RoundReport(gamma=4, branches=2, accepted=accepted,
-                                      first_branch_accepted=first))  # fmt: skip
+        estimates.observe(
+            RoundReport(gamma=4, branches=2, accepted=accepted, first_branch_accepted=first)
+        )
     assert estimates.acceptance(1, 1) == pytest.approx(0.5, abs=0.1)
     assert estimates.acceptance(1, 2) == pytest.approx(1 - 0.5 * 0.8, abs=0.1)
     for _ in range(60):  # easier text, chains only: the branched price follows
@@ -394,17 +463,26 @@ def test_a_costly_round_overhead_is_amortised_over_longer_drafts() -> None:
         for round_ in range(60):
             accepted = min(16, int(rng.geometric(0.2)) - 1)  # acceptance 0.8 at every depth
             width, seconds = ((2, 0.005), (17, 0.006))[round_ % 2]
-            controller.observe(RoundReport(
-                16, 1, accepted, drafts=(DraftCall(1, 1, 0.001, 0.0),), verify_width=width,
-                verify_s=seconds, overhead_s=overhead_s))  # fmt: skip
+            controller.observe(
+                RoundReport(
+                    16,
+                    1,
+                    accepted,
+                    drafts=(DraftCall(1, 1, 0.001, 0.0),),
+                    verify_width=width,
+                    verify_s=seconds,
+                    overhead_s=overhead_s,
+                )
+            )
         return controller.choose().plan.gamma
 
     assert settled_gamma(0.02) > settled_gamma(0.0)
 
 
 def test_one_vectorized_prediction_equals_shape_by_shape() -> None:
-    box = SimulatedBox(0.0004, 0.003, 0.0001, 0.7, np.random.default_rng(0), contention=1.3,
-                       call_latency_s=0.0005)  # fmt: skip
+    box = SimulatedBox(
+        0.0004, 0.003, 0.0001, 0.7, np.random.default_rng(0), contention=1.3, call_latency_s=0.0005
+    )
     controller = controller_of(overlap=True, max_width=63)
     for _ in range(100):
         box.run_round(controller)
@@ -510,8 +588,7 @@ def test_the_target_alone_is_measured_once_even_where_a_guess_prices_it_out() ->
     alone far faster than that (the drafter's cores lent to it, several tokens a call) and
     drafting pays only against that guess, one round measures it once the drafting shape
     has settled, and then the target decodes alone."""
-    box = SimulatedBox(0.0002, 0.001, 0.00005, 0.8, np.random.default_rng(0),
-                       alone_speedup=3.0)  # fmt: skip
+    box = SimulatedBox(0.0002, 0.001, 0.00005, 0.8, np.random.default_rng(0), alone_speedup=3.0)
     guessed = box.verify_s(1)  # drafting is ~2x that guess: gamma 1 is never near the best
     assert max(box.rate(g, 1, o) for g in range(1, 9) for o in (False, True)) > 1.9 / guessed
     assert box.best_rate() == box.rate(0, 1)
@@ -532,16 +609,16 @@ def test_a_stale_price_of_the_target_alone_is_measured_again() -> None:
     """The target alone was measured once, in a bad moment (another tenant on its cores:
     alone it was slower than drafting); once that tenant left, decoding alone is 1.5x the
     best drafting. The stale price is measured again and the target decodes alone."""
-    box = SimulatedBox(0.0002, 0.001, 0.00005, 0.8, np.random.default_rng(0),
-                       alone_speedup=0.7)  # fmt: skip
+    box = SimulatedBox(0.0002, 0.001, 0.00005, 0.8, np.random.default_rng(0), alone_speedup=0.7)
     controller = controller_of(overlap=True)
     explored = controller.config.exploration
     for _ in range((explored.alone_measured_after_probes + 1) * explored.probe_every):
         box.run_round(controller)
     assert any(d.gamma == 0 for d in controller.history)  # measured once, dear
     box.alone_speedup = 3.0
-    assert box.rate(0, 1) > 1.4 * max(box.rate(g, 1, o) for g in range(1, 17)
-                                      for o in (False, True))  # fmt: skip
+    assert box.rate(0, 1) > 1.4 * max(
+        box.rate(g, 1, o) for g in range(1, 17) for o in (False, True)
+    )
     for _ in range(200):
         box.run_round(controller)
     assert not any(d.gamma == 0 for d in controller.history[-150:])  # the price holds ...
@@ -579,8 +656,9 @@ def test_a_request_after_the_target_went_alone_probes_first_and_drafts_easier_te
     box = SimulatedBox(0.0003, 0.002, 0.0001, 0.3, np.random.default_rng(0), alone_speedup=1.5)
     controller = controller_of(overlap=True)
     _requests(box, controller, 0.3, count=8)
-    assert box.rate(0, 1) > 1.3 * max(box.rate(g, 1, o) for g in range(1, 17)
-                                      for o in (False, True))  # fmt: skip
+    assert box.rate(0, 1) > 1.3 * max(
+        box.rate(g, 1, o) for g in range(1, 17) for o in (False, True)
+    )
     assert controller.decodes_alone()
     easy = _requests(box, controller, 0.95, count=4, rounds=4)
     assert box.best_rate() > 1.8 * box.rate(0, 1)
@@ -672,10 +750,12 @@ def test_a_probe_from_gamma_0_is_plain_where_overlapped_rounds_are_far_slower():
     rounds far below plain ones, so probes from gamma 0 skip their overlapped turns (such a
     probe cost a whole request on the bundled pair and drafted too short a chain to show
     what the text accepts)."""
-    box = SimulatedBox(0.0003, 0.002, 0.0001, 0.9, np.random.default_rng(0), alone_speedup=4.0,
-                       contention=1.8)  # fmt: skip
-    assert box.rate(0, 1) > 1.3 * max(box.rate(g, 1, o) for g in range(1, 17)
-                                      for o in (False, True))  # fmt: skip
+    box = SimulatedBox(
+        0.0003, 0.002, 0.0001, 0.9, np.random.default_rng(0), alone_speedup=4.0, contention=1.8
+    )
+    assert box.rate(0, 1) > 1.3 * max(
+        box.rate(g, 1, o) for g in range(1, 17) for o in (False, True)
+    )
     controller = controller_of(overlap=True, rule=False)
     # as the daemon says where the verifier borrows the drafter's core: an overlapped
     # verification, unmeasured (or aged out), costs twice a plain one
@@ -701,8 +781,11 @@ def test_the_warm_up_overlaps_only_where_the_verifier_keeps_its_speed_beside_the
             controller.assume_verifier(profile)
         controller.assume_overlap_factor(overlap_factor)
         assert controller.commit(controller.choose()).gamma == 1  # measures both sides
-        controller.observe(RoundReport(1, 1, 1, drafts=(DraftCall(1, 1, 0.00007, 0.0004),),
-                                       verify_width=2, verify_s=0.0036))  # fmt: skip
+        controller.observe(
+            RoundReport(
+                1, 1, 1, drafts=(DraftCall(1, 1, 0.00007, 0.0004),), verify_width=2, verify_s=0.0036
+            )
+        )
         return controller.choose().plan
 
     for profiled in (True, False):  # the plain rounds' line stands in where none was timed
@@ -723,8 +806,16 @@ def test_it_drafts_by_the_uncertainty_rule_where_that_pays() -> None:
     shares, ruled = [], []
 
     def make_box(rng):
-        return SimulatedBox(0.001, 0.006, 0.0001, 0.9, rng, uncertain=0.3,
-                            uncertain_acceptance=0.05, branch_cost=0.5)  # fmt: skip
+        return SimulatedBox(
+            0.001,
+            0.006,
+            0.0001,
+            0.9,
+            rng,
+            uncertain=0.3,
+            uncertain_acceptance=0.05,
+            branch_cost=0.5,
+        )
 
     runs = list(settled_runs(make_box, parallel=False))
     box = runs[-1][0]  # the premise below: the same box whatever the seed
@@ -748,9 +839,17 @@ def test_branches_that_verify_dearer_than_a_chain_are_priced_so() -> None:
     shares, ruled, premiums = [], [], []
 
     def make_box(rng):
-        return SimulatedBox(0.001, 0.006, 0.0001, 0.9, rng, uncertain=0.3,
-                            uncertain_acceptance=0.05, branch_cost=0.5,
-                            branched_premium=1.6)  # fmt: skip
+        return SimulatedBox(
+            0.001,
+            0.006,
+            0.0001,
+            0.9,
+            rng,
+            uncertain=0.3,
+            uncertain_acceptance=0.05,
+            branch_cost=0.5,
+            branched_premium=1.6,
+        )
 
     runs = list(settled_runs(make_box, parallel=False))
     box = runs[-1][0]  # the premise below: the same box whatever the seed
@@ -813,8 +912,9 @@ def test_a_target_alone_choice_is_kept_a_few_rounds_and_history_stays_bounded() 
     assert len(controller.history) <= 2 * BudgetController.HISTORY_KEPT
 
 
-def core_calls(choice: SpareCoreChoice, costs: dict[bool, float], count: int, rng,
-               spread: float = 0.1) -> list[tuple[bool, bool]]:  # fmt: skip
+def core_calls(
+    choice: SpareCoreChoice, costs: dict[bool, float], count: int, rng, spread: float = 0.1
+) -> list[tuple[bool, bool]]:
     """``count`` calls of the target through ``choice``, each costing ``costs`` of the
     choice made times lognormal noise: (borrowed, a trial) per call."""
     made = []
@@ -885,9 +985,16 @@ def test_the_summary_stays_plain_json_once_branches_were_drafted() -> None:
     then failed to encode (HTTP 500 mid-stream)."""
     estimates = Estimates()
     for branches in (1, 2, 1, 2):
-        estimates.observe(RoundReport(4, branches, 2, drafts=(
-            DraftCall(4, branches, 0.0004 * branches, 0.0001),), verify_width=4 * branches + 1,
-            verify_s=0.005))  # fmt: skip
+        estimates.observe(
+            RoundReport(
+                4,
+                branches,
+                2,
+                drafts=(DraftCall(4, branches, 0.0004 * branches, 0.0001),),
+                verify_width=4 * branches + 1,
+                verify_s=0.005,
+            )
+        )
     summary = estimates.summary()
     assert summary["branch_factor"][0] == pytest.approx(2.0)
     assert type(summary["draft_step_ms"]["alone"]) is float
@@ -921,9 +1028,17 @@ def test_the_target_alone_is_priced_by_the_load_profile_until_it_is_measured() -
             controller.assume_verifier(profile)
         for _ in range(controller.config.warmup_rounds + 2):
             controller.commit(controller.choose())
-            controller.observe(RoundReport(
-                4, 1, 3, drafts=(DraftCall(5, 1, 0.0017, 0.0003, overlapped=True),),
-                verify_width=5, verify_s=0.0033, verify_overlapped=True))  # fmt: skip
+            controller.observe(
+                RoundReport(
+                    4,
+                    1,
+                    3,
+                    drafts=(DraftCall(5, 1, 0.0017, 0.0003, overlapped=True),),
+                    verify_width=5,
+                    verify_s=0.0033,
+                    verify_overlapped=True,
+                )
+            )
         return controller
 
     profile = {1: 0.00036, 2: 0.00048, 4: 0.00076, 8: 0.00137}
@@ -975,8 +1090,7 @@ def test_rounds_of_a_narrow_span_of_widths_price_the_others_by_the_profiles_shap
             true_s = level * float(np.interp(width, list(profile), list(profile.values())))
             noisy = true_s * (1 + rng.normal(0, 0.08))  # the rounds' median, off by noise
             for _ in range(rounds):
-                estimates.observe(RoundReport(width - 1, 1, 2, verify_width=width,
-                                              verify_s=noisy))  # fmt: skip
+                estimates.observe(RoundReport(width - 1, 1, 2, verify_width=width, verify_s=noisy))
         seven = level * float(np.interp(7, list(profile), list(profile.values())))
         assert estimates.verify_s(7) == pytest.approx(seven, rel=0.12)
 
@@ -1012,9 +1126,16 @@ def test_chains_acceptance_follows_the_text_while_branches_are_drafted() -> None
     def easy_phase(report_first_branch: bool) -> tuple[float, float]:
         shares, branched = [], []
         for seed in SEEDS:
-            box = SimulatedBox(0.0005, 0.006, 0.0002, 0.9, np.random.default_rng(seed),
-                               uncertain=1.0, uncertain_acceptance=0.3,
-                               branch_cost=0.4)  # fmt: skip
+            box = SimulatedBox(
+                0.0005,
+                0.006,
+                0.0002,
+                0.9,
+                np.random.default_rng(seed),
+                uncertain=1.0,
+                uncertain_acceptance=0.3,
+                branch_cost=0.4,
+            )
             box.report_first_branch = report_first_branch
             controller = controller_of(overlap=False)
             for _ in range(120):

@@ -19,8 +19,10 @@ TARGET = BUNDLED_MODELS / "target"
 
 def test_the_bundled_template_renders_chatml_and_ends_turns_with_a_stop() -> None:
     template = load_chat_template(TARGET)
-    messages = [ChatMessage(role="system", content="Be brief."),
-                ChatMessage(role="user", content="hi")]  # fmt: skip
+    messages = [
+        ChatMessage(role="system", content="Be brief."),
+        ChatMessage(role="user", content="hi"),
+    ]
     assert template.render(messages) == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
         "<|im_start|>assistant\n"
@@ -38,8 +40,10 @@ def test_a_folder_without_a_template_falls_back_to_the_gguf(tmp_path) -> None:
 
 
 def test_template_failures_are_clear_errors_and_the_sandbox_holds() -> None:
-    strict = ChatTemplate("{% if messages[0].role != 'user' %}{{ raise_exception("
-                          "'the first message must be the user') }}{% endif %}ok")  # fmt: skip
+    strict = ChatTemplate(
+        "{% if messages[0].role != 'user' %}{{ raise_exception("
+        "'the first message must be the user') }}{% endif %}ok"
+    )
     with pytest.raises(ChatTemplateError, match="the first message must be the user"):
         strict.render([ChatMessage(role="system", content="x")])
     with pytest.raises(ChatTemplateError, match="does not parse"):

@@ -72,35 +72,56 @@ def test_buckets_track_float32_in_bfloat16(folder) -> None:
     assert (ours - expected).abs().max().item() < 0.2
 
 
-@pytest.mark.parametrize(("dtype", "compile", "attention"),
-                         [("bfloat16", False, "gathered"), ("float32", False, "gathered"),
-                          ("bfloat16", True, "gathered"), ("bfloat16", False, "split"),
-                          ("float32", False, "split"), ("bfloat16", True, "split")],
-                         ids=["bf16", "f32", "bf16-compiled", "bf16-split",
-                              "f32-split", "bf16-compiled-split"])  # fmt: skip
-def test_a_verifier_gives_the_same_bits_alone_and_in_any_tree(folder, dtype, compile,
-                                                              attention) -> None:  # fmt: skip
-    check_the_same_bits(TorchRuntime(folder, device="cuda", dtype=dtype, verifies=True,
-                                     compile=compile, attention=attention))  # fmt: skip
+@pytest.mark.parametrize(
+    ("dtype", "compile", "attention"),
+    [
+        ("bfloat16", False, "gathered"),
+        ("float32", False, "gathered"),
+        ("bfloat16", True, "gathered"),
+        ("bfloat16", False, "split"),
+        ("float32", False, "split"),
+        ("bfloat16", True, "split"),
+    ],
+    ids=["bf16", "f32", "bf16-compiled", "bf16-split", "f32-split", "bf16-compiled-split"],
+)
+def test_a_verifier_gives_the_same_bits_alone_and_in_any_tree(
+    folder, dtype, compile, attention
+) -> None:
+    check_the_same_bits(
+        TorchRuntime(
+            folder, device="cuda", dtype=dtype, verifies=True, compile=compile, attention=attention
+        )
+    )
 
 
 @pytest.mark.parametrize("weights", ["dtype", "int8"])
 def test_a_compiled_verifier_through_the_triton_matmul_gives_the_same_bits(folder, weights):
     """torch.compile around the Triton matmul (one op a layer), bf16 or int8 weights."""
     pytest.importorskip("triton", reason="Triton is not installed")
-    check_the_same_bits(TorchRuntime(folder, device="cuda", dtype="bfloat16", verifies=True,
-                                     compile=True, matmul="triton", weights=weights))  # fmt: skip
+    check_the_same_bits(
+        TorchRuntime(
+            folder,
+            device="cuda",
+            dtype="bfloat16",
+            verifies=True,
+            compile=True,
+            matmul="triton",
+            weights=weights,
+        )
+    )
 
 
 @pytest.mark.parametrize("attention", ["gathered", "split"])
 @pytest.mark.parametrize("name", ["gemma3", "gemma2"])
-def test_a_gemma_verifier_gives_the_same_bits_alone_and_in_any_tree(tmp_path, name,
-                                                                    attention) -> None:  # fmt: skip
+def test_a_gemma_verifier_gives_the_same_bits_alone_and_in_any_tree(
+    tmp_path, name, attention
+) -> None:
     """Gemma's windowed layers (6 positions here: the chain runs far past them), its second
     rotary table and Gemma 2's soft-capped attention (unfused) in bf16 graphs."""
     folder = save_reference(build_reference(name), tmp_path / name)
-    check_the_same_bits(TorchRuntime(folder, device="cuda", dtype="bfloat16", verifies=True,
-                                     attention=attention))  # fmt: skip
+    check_the_same_bits(
+        TorchRuntime(folder, device="cuda", dtype="bfloat16", verifies=True, attention=attention)
+    )
 
 
 def check_the_same_bits(runtime: TorchRuntime) -> None:
@@ -186,9 +207,18 @@ def test_a_sampled_walk_reads_the_same_rows_off_the_cuda_device(folder, seed) ->
     params, draft = SamplingParams(temperature=0.8), np.full((4, whole.shape[1]), 1.0)
     draft /= draft.sum(-1, keepdims=True)
     options = {"keyed": KeyedSampler(seed)} if seed is not None else {"draft": draft}
-    verdicts = [verify_sampled(tokens[1:], [-1, 0, -1, 2], rows_of, params, position=12,
-                               rng=np.random.default_rng(3), **options)
-                for rows_of in (whole, runtime.evaluate_rows(tokens, parents))]  # fmt: skip
+    verdicts = [
+        verify_sampled(
+            tokens[1:],
+            [-1, 0, -1, 2],
+            rows_of,
+            params,
+            position=12,
+            rng=np.random.default_rng(3),
+            **options,
+        )
+        for rows_of in (whole, runtime.evaluate_rows(tokens, parents))
+    ]
     assert verdicts[0] == verdicts[1]
 
 

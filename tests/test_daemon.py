@@ -88,9 +88,12 @@ class Daemon(DaemonProcess):
         """hetspecd on ``target`` and ``draft`` (GGUF files, each with its folder: the file's
         own; None: the models ``extra`` names, or the configuration's), the GPU worker in
         ``gpu_runtime`` ("auto": measured at load)."""
-        exports = {(name, kind): path.parent if kind == "folder" else path
-                   for name, path in (("target", target), ("draft", draft)) if path is not None
-                   for kind in ("folder", "gguf")}  # fmt: skip
+        exports = {
+            (name, kind): path.parent if kind == "folder" else path
+            for name, path in (("target", target), ("draft", draft))
+            if path is not None
+            for kind in ("folder", "gguf")
+        }
         settings = {
             **{f"{name}.{kind}": str(path) for (name, kind), path in exports.items()},
             "cpu_worker.n_ctx": context,
@@ -102,8 +105,9 @@ class Daemon(DaemonProcess):
         argv = ["--log-format", "json", "--set", f"gpu_runtime={json.dumps(gpu_runtime)}", *extra]
         for key, value in settings.items():
             argv += ["--set", f"{key}={json.dumps(value)}"]
-        super().__init__(tmp_path, *argv, env=clean_env(env), launcher=launcher or (),
-                         pass_fds=pass_fds)  # fmt: skip
+        super().__init__(
+            tmp_path, *argv, env=clean_env(env), launcher=launcher or (), pass_fds=pass_fds
+        )
 
     def wait_ready(self) -> dict:
         return super().wait_ready(STARTUP_TIMEOUT)
@@ -207,8 +211,13 @@ def test_speculative_greedy_output_is_the_targets_own(tmp_path, models, draft) -
     """With a different draft (mostly rejected) and with the target as its own draft (always
     accepted), fixed and adaptive gamma, with and without branches: the target's tokens."""
     rounds_file = tmp_path / "rounds.jsonl"
-    daemon = Daemon(tmp_path, models["target"], models[draft], "--set",
-                    f"round_log={json.dumps(str(rounds_file))}")  # fmt: skip
+    daemon = Daemon(
+        tmp_path,
+        models["target"],
+        models[draft],
+        "--set",
+        f"round_log={json.dumps(str(rounds_file))}",
+    )
     rounds = Counter()
     try:
         daemon.wait_ready()
@@ -244,7 +253,8 @@ def test_speculative_greedy_output_is_the_targets_own(tmp_path, models, draft) -
     lines = round_log.read(rounds_file)
     assert Counter(line.mode for line in lines) == rounds
     assert sum(line.emitted for line in lines) + len(prompts) * len(MODES) == 40 * len(
-        prompts) * len(MODES)  # fmt: skip
+        prompts
+    ) * len(MODES)
     # before anything was measured the controller expects nothing of a plan: its first
     # rounds (one and two tokens: a drafter whose catch-up yields the first token measures
     # its step from the second), the next chosen while the first one ran
@@ -262,11 +272,23 @@ def test_sampled_speculative_output_is_reproducible_by_seed(daemon) -> None:
     daemon.wait_ready()
     for mode in ("sequential", "parallel"):
         runs = [
-            request(daemon.socket, "POST", "/api/generate",
-                    native("import os\n", max_tokens=30, temperature=0.9, top_k=50,
-                           ignore_eos=True, gamma=3, seed=seed, mode=mode))[1]["tokens"]
+            request(
+                daemon.socket,
+                "POST",
+                "/api/generate",
+                native(
+                    "import os\n",
+                    max_tokens=30,
+                    temperature=0.9,
+                    top_k=50,
+                    ignore_eos=True,
+                    gamma=3,
+                    seed=seed,
+                    mode=mode,
+                ),
+            )[1]["tokens"]
             for seed in (1, 1, 2)
-        ]  # fmt: skip
+        ]
         assert runs[0] == runs[1], mode
         assert runs[0] != runs[2], mode
 
@@ -315,8 +337,15 @@ def test_a_seeded_request_cut_by_a_worker_restart_gives_the_same_text_again(daem
     """Keyed sampling: the tokens a killed worker cut short begin the text the retry gives,
     and the retry on the restarted workers gives the text the request gave before."""
     gpu_pid = daemon.wait_ready()["workers"]["gpu"]["pid"]
-    body = native("import os\n", max_tokens=2000, ignore_eos=True, seed=31, temperature=0.9,
-                  top_p=0.95, mode="adaptive")  # fmt: skip
+    body = native(
+        "import os\n",
+        max_tokens=2000,
+        ignore_eos=True,
+        seed=31,
+        temperature=0.9,
+        top_p=0.95,
+        mode="adaptive",
+    )
     status, before = request(daemon.socket, "POST", "/api/generate", body)
     assert status == 200
     connection, response = stream(daemon.socket, body)

@@ -29,8 +29,11 @@ def test_defaults_serve_the_bundled_models_without_any_file() -> None:
 def test_file_then_environment_then_flags(tmp_path) -> None:
     path = tmp_path / "hetspecd.toml"
     path.write_text('socket = "/a.sock"\nplacement = "draft-gpu"\n[cpu_worker]\nn_batch = 64\n')
-    environ = {"HETSPEC_SOCKET": "/b.sock", "HETSPEC_CPU_WORKER__CORES": "[0, 1]",
-               "HETSPEC_CONFIG": str(path)}  # fmt: skip
+    environ = {
+        "HETSPEC_SOCKET": "/b.sock",
+        "HETSPEC_CPU_WORKER__CORES": "[0, 1]",
+        "HETSPEC_CONFIG": str(path),
+    }
     config = load_config(environ=environ, overrides={"socket": "/c.sock"})
     assert (config.socket, config.placement) == ("/c.sock", "draft-gpu")
     assert (config.cpu_worker.n_batch, config.cpu_worker.cores) == (64, [0, 1])
@@ -203,8 +206,9 @@ def test_a_native_kernel_level_cap_reaches_both_native_workers() -> None:
     config = load_config(environ={}, overrides={"native_kernels": "avx2"})
     specs = worker_specs(config, "json", gpu_runtime="native", drafter_runtime="native")
     assert specs["gpu"].settings.simd == specs["cpu"].settings.simd == "avx2"
-    best = worker_specs(load_config(environ={}), "json", gpu_runtime="native",
-                        drafter_runtime="native")  # fmt: skip
+    best = worker_specs(
+        load_config(environ={}), "json", gpu_runtime="native", drafter_runtime="native"
+    )
     assert best["gpu"].settings.simd is best["cpu"].settings.simd is None
     with pytest.raises(ConfigError, match="native_kernels"):
         load_config(environ={}, overrides={"native_kernels": "avx512"})

@@ -20,8 +20,15 @@ def test_make_demo_answers_and_removes_its_temporary_folder(tmp_path: Path) -> N
     temporary = tmp_path / "tmp"
     temporary.mkdir()
     environment = {**os.environ, "TMPDIR": str(temporary), "DEMO_PROMPT": "def add(a, b):"}
-    done = subprocess.run(["make", "-s", "demo"], cwd=ROOT, env=environment, capture_output=True,
-                          text=True, timeout=600, check=False)  # fmt: skip
+    done = subprocess.run(
+        ["make", "-s", "demo"],
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     if "Question:" in done.stdout:  # the real model answers (greedy: its own text)
         assert "Paris" in done.stdout

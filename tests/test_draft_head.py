@@ -32,18 +32,27 @@ def write_head(folder: Path, fusion: str, blocks: int, seed: int = 0) -> Path:
     """A randomly initialised head for the bundled target: the mechanics need no training."""
     target = ModelConfig.from_folder(TARGET)
     config = HeadConfig(
-        feature_size=target.hidden_size, width=target.hidden_size, vocab_size=target.vocab_size,
-        blocks=blocks, fusion=fusion, num_heads=target.num_heads,
-        num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
-        intermediate_size=target.intermediate_size, rms_norm_eps=target.rms_norm_eps,
-        rope_theta=target.rope.theta, max_context=target.max_context,
+        feature_size=target.hidden_size,
+        width=target.hidden_size,
+        vocab_size=target.vocab_size,
+        blocks=blocks,
+        fusion=fusion,
+        num_heads=target.num_heads,
+        num_kv_heads=target.num_kv_heads,
+        head_dim=target.head_dim,
+        intermediate_size=target.intermediate_size,
+        rms_norm_eps=target.rms_norm_eps,
+        rope_theta=target.rope.theta,
+        max_context=target.max_context,
         vocab_fingerprint=FolderTokenizer(TARGET, target.vocab_size).vocab_info().fingerprint,
-    )  # fmt: skip
+    )
     torch.manual_seed(seed)
     head = DraftHead(config)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({n: p.detach().contiguous() for n, p in head.named_parameters()},
-              str(folder / "model.safetensors"))  # fmt: skip
+    save_file(
+        {n: p.detach().contiguous() for n, p in head.named_parameters()},
+        str(folder / "model.safetensors"),
+    )
     config.save(folder)
     return folder
 
@@ -134,8 +143,12 @@ def test_drafting_runs_ahead_below_a_pending_node(heads, target) -> None:
     tokens = runtime.tokenize(PROMPT)
     runtime.prefill(tokens, features=prompt_features(target, tokens), start=0)
     first = runtime.draft(3, SamplingParams(), DrawnSampler(0))
-    ahead = runtime.draft(2, SamplingParams(), DrawnSampler(0),
-                          after=(int(first.nodes[0, 1]), int(first.tokens[0, 2])))  # fmt: skip
+    ahead = runtime.draft(
+        2,
+        SamplingParams(),
+        DrawnSampler(0),
+        after=(int(first.nodes[0, 1]), int(first.tokens[0, 2])),
+    )
     assert ahead.tokens.shape == (1, 2)
     assert runtime.pending == 3 + 1
 
@@ -206,8 +219,9 @@ def test_llama_cpp_reports_the_same_features_and_logits_with_them() -> None:
     """Features from llama.cpp's per-token embeddings output are the torch target's (f16
     weights: within 1e-2), a tree's are its paths', and asking for them leaves a tree's
     logits exactly as they are without."""
-    runtime = LlamaCppRuntime(TARGET / "target-f16.gguf", flash_attention="off", v_type="f32",
-                              threads=1)  # fmt: skip
+    runtime = LlamaCppRuntime(
+        TARGET / "target-f16.gguf", flash_attention="off", v_type="f32", threads=1
+    )
     reference = TorchRuntime(TARGET, dtype="float32", threads=1)
     tokens = runtime.tokenize(PROMPT)[:24]
     runtime.prefill(tokens[:16])
@@ -254,8 +268,9 @@ def test_draft_gpu_drafts_with_the_bundled_head_by_default(tmp_path) -> None:
         try:
             total = rounds = 0
             for prompt in prompts:
-                body = daemon.generate(prompt, max_tokens=48, ignore_eos=True,
-                                       mode="sequential", gamma=4)  # fmt: skip
+                body = daemon.generate(
+                    prompt, max_tokens=48, ignore_eos=True, mode="sequential", gamma=4
+                )
                 total += body["timings"]["draft_n_accepted"]
                 rounds += body["speculative"]["rounds"]
                 assert ("draft head" in body["devices"]["draft"]) == (name == "head")

@@ -34,8 +34,13 @@ def arena():
 
 def workers(arena, *, noise: float = 1.0, seed: int = 0, eos_bias: float = -4.0):
     target, draft = TableModel.pair(seed, noise, eos_bias)
-    pair = WorkerPair(InProcessWorker("cpu", draft, arena), InProcessWorker("gpu", target, arena),
-                      arena, draft_slot=0, verify_slot=1)  # fmt: skip
+    pair = WorkerPair(
+        InProcessWorker("cpu", draft, arena),
+        InProcessWorker("gpu", target, arena),
+        arena,
+        draft_slot=0,
+        verify_slot=1,
+    )
     reference, _ = TableModel.pair(seed, noise, eos_bias)
     return pair, reference
 
@@ -48,8 +53,9 @@ class ScriptedController(BudgetController):
         self.script = list(plans)
 
     def choose(self) -> Choice:
-        return Choice(self.script.pop(0) if len(self.script) > 1 else self.script[0],
-                      ExplorationState())  # fmt: skip
+        return Choice(
+            self.script.pop(0) if len(self.script) > 1 else self.script[0], ExplorationState()
+        )
 
 
 def decode(pair, controller, *, plan=None, max_tokens=40, log=None, **options):
@@ -118,8 +124,9 @@ def test_a_seeded_request_takes_its_verdicts_in_the_verifier_with_the_same_text(
     for logprobs in (None, 2):
         pair, _ = workers(arena, noise=1.0)
         arena.view(m.ArrayRef("<f4", (16, VOCAB), slot=1))[:] = np.nan
-        result, _, _ = decode(pair, BudgetController(), plan=FIXED[kind], temperature=0.8,
-                              seed=3, logprobs=logprobs)  # fmt: skip
+        result, _, _ = decode(
+            pair, BudgetController(), plan=FIXED[kind], temperature=0.8, seed=3, logprobs=logprobs
+        )
         calls = [c for c in pair.verifier.commands if isinstance(c, m.VerifyTree)]
         assert calls
         assert not any(c.argmax_only for c in calls)
@@ -271,8 +278,11 @@ def test_a_requests_draft_time_is_its_own(arena) -> None:
     pair, _ = workers(arena)
     controller = BudgetController()
     for _ in range(5):
-        controller.observe(RoundReport(1, 1, 0, drafts=(DraftCall(1, 1, 1.0, 0.0),),
-                                       verify_width=2, verify_s=0.001))  # fmt: skip
+        controller.observe(
+            RoundReport(
+                1, 1, 0, drafts=(DraftCall(1, 1, 1.0, 0.0),), verify_width=2, verify_s=0.001
+            )
+        )
     _, stats, _ = decode(pair, controller, plan=Plan(3), max_tokens=6)
     summary = stats.summary(controller)
     assert summary["controller"]["draft_step_ms"]["alone"] >= 1000 / 3
@@ -326,8 +336,13 @@ def test_cancelling_a_request_mid_round_leaves_no_call_running(arena, kind) -> N
     pair, _ = workers(arena)
     request = GenerateRequest(prompt=PROMPT, max_tokens=300, ignore_eos=True)
     result = GenerationResult()
-    decoder = Decoder(request, pair, BudgetController(), SpeculativeStats(),
-                      plan=dataclasses.replace(FIXED[kind], gamma=3))  # fmt: skip
+    decoder = Decoder(
+        request,
+        pair,
+        BudgetController(),
+        SpeculativeStats(),
+        plan=dataclasses.replace(FIXED[kind], gamma=3),
+    )
 
     async def run() -> set:
         async def consume() -> None:
@@ -508,8 +523,9 @@ def test_sampled_rounds_draw_from_the_request_seed(arena) -> None:
     runs = []
     for _ in range(2):
         pair, _ = workers(arena)
-        result, _, _ = decode(pair, BudgetController(), plan=Plan(3, overlap=True),
-                              temperature=0.8, seed=7)  # fmt: skip
+        result, _, _ = decode(
+            pair, BudgetController(), plan=Plan(3, overlap=True), temperature=0.8, seed=7
+        )
         runs.append(result.tokens)
     assert runs[0] == runs[1]
     assert len(set(np.diff(runs[0]))) > 3  # not a degenerate loop
@@ -517,9 +533,18 @@ def test_sampled_rounds_draw_from_the_request_seed(arena) -> None:
 
 HEAD_PLANS = {
     **{kind: [plan] for kind, plan in FIXED.items() if kind != "alone"},
-    "mixed": [Plan(3), Plan(0), Plan(0), Plan(4, overlap=True), Plan(2, 3), Plan(0), Plan(3),
-              Plan(6, 4, rule=True), Plan(3, overlap=True)],
-}  # fmt: skip
+    "mixed": [
+        Plan(3),
+        Plan(0),
+        Plan(0),
+        Plan(4, overlap=True),
+        Plan(2, 3),
+        Plan(0),
+        Plan(3),
+        Plan(6, 4, rule=True),
+        Plan(3, overlap=True),
+    ],
+}
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -531,8 +556,7 @@ def test_a_draft_head_gets_the_targets_feature_before_every_token(kind, temperat
     arena = Arena.create(f"/dev/shm/hetspec-test-{uuid.uuid4().hex}", 3, 64 * 4 * 16 * VOCAB)
     try:
         target, draft = TableModel.pair(0, 1.0)
-        checking = FeatureCheckingDraft((draft.last_table, draft.prev_table,
-                                         draft.position_table))  # fmt: skip
+        checking = FeatureCheckingDraft((draft.last_table, draft.prev_table, draft.position_table))
         drafter, verifier = (
             InProcessWorker("gpu", checking, arena),
             InProcessWorker("cpu", target, arena),
@@ -564,8 +588,13 @@ def test_a_branched_round_reports_what_its_first_branch_kept_as_a_chain_would(ar
         for plan in (Plan(4), Plan(4, 3)):
             pair, _ = workers(arena, noise=2.0, seed=seed)
             reports: list[RoundReport] = []
-            decode(pair, BudgetController(), plan=plan, max_tokens=8,
-                   log=lambda _plan, report, into=reports, **_: into.append(report))  # fmt: skip
+            decode(
+                pair,
+                BudgetController(),
+                plan=plan,
+                max_tokens=8,
+                log=lambda _plan, report, into=reports, **_: into.append(report),
+            )
             first_rounds[plan.branches] = reports[0]
         chain, branched = first_rounds[1], first_rounds[3]
         assert chain.first_branch_accepted is None

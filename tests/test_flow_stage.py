@@ -44,8 +44,9 @@ class SimulatedStage:
         committed = self.slots[: self.book.committed]
         pending = self.slots[self.book.committed :]
         for row, (node, *_) in enumerate(live):
-            seen = committed + [s for s, v in zip(pending, admission.visible[row], strict=True)
-                                if v]  # fmt: skip
+            seen = committed + [
+                s for s, v in zip(pending, admission.visible[row], strict=True) if v
+            ]
             check(node, [t for t, _ in seen], [p for _, p in seen])
             self.computed += 1
         if not live:
@@ -84,8 +85,9 @@ def test_every_stage_computes_each_node_over_its_own_prefix(seed, stages) -> Non
         if rng.random() < 0.5 and (segment := tree.segment(rng.randint(1, 4))):
             for node in segment.ids:
                 prefixes[node] = committed + tree.path_to(node)
-            pipeline[0].segments.append((segment.ids, segment.tokens, segment.parents,
-                                         segment.positions, segment.epoch))  # fmt: skip
+            pipeline[0].segments.append(
+                (segment.ids, segment.tokens, segment.parents, segment.positions, segment.epoch)
+            )
         for index in rng.sample(range(stages), stages):  # stages step in any order
             out = pipeline[index].step(rng, check)
             if out is None:

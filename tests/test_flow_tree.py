@@ -39,8 +39,9 @@ def run_pipeline(seed: int, stages: int, segment_size: int, accuracy: float, tok
         assert steps < 10_000
         committed = context + final[:accepted]
         # draft: extend the three best leaves by one or two children each
-        leaves = sorted((i for i, n in tree.nodes.items() if not n.children),
-                        key=lambda i: -tree.nodes[i].score)[:3]  # fmt: skip
+        leaves = sorted(
+            (i for i, n in tree.nodes.items() if not n.children), key=lambda i: -tree.nodes[i].score
+        )[:3]
         for leaf in leaves:
             prefix = committed + tree.path_to(leaf)
             right = target_choice(prefix)
@@ -68,8 +69,9 @@ def run_pipeline(seed: int, stages: int, segment_size: int, accuracy: float, tok
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize(("stages", "segment_size", "accuracy"),
-                         [(1, 4, 0.9), (3, 2, 0.8), (3, 6, 0.5), (4, 3, 0.0)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("stages", "segment_size", "accuracy"), [(1, 4, 0.9), (3, 2, 0.8), (3, 6, 0.5), (4, 3, 0.0)]
+)
 def test_the_final_tokens_are_the_targets_greedy_tokens(seed, stages, segment_size, accuracy):
     context, final, _ = run_pipeline(seed, stages, segment_size, accuracy, 60)
     assert final == greedy_reference(context, len(final))

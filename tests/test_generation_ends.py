@@ -43,12 +43,18 @@ def test_the_daemon_stops_at_an_end_id_generation_config_lists(tmp_path) -> None
     mode stops right before it, where it ran on before the file said so."""
     from test_lossless import BundledDaemon  # noqa: PLC0415
 
-    models = {"target": write_tiny_gguf(tmp_path / "target", seed=0, layers=2),
-              "draft": write_tiny_gguf(tmp_path / "draft", seed=1, layers=1)}  # fmt: skip
+    models = {
+        "target": write_tiny_gguf(tmp_path / "target", seed=0, layers=2),
+        "draft": write_tiny_gguf(tmp_path / "draft", seed=1, layers=1),
+    }
     settings = ["--set", 'cpu_runtime="llama.cpp"']
     for role, path in models.items():
-        settings += ["--set", f"{role}.gguf={json.dumps(str(path))}",
-                     "--set", f"{role}.folder={json.dumps(str(path.parent))}"]  # fmt: skip
+        settings += [
+            "--set",
+            f"{role}.gguf={json.dumps(str(path))}",
+            "--set",
+            f"{role}.folder={json.dumps(str(path.parent))}",
+        ]
     prompt, options = "import json\n", {"max_tokens": 24}
     for run in ("before", "after"):
         (tmp_path / run).mkdir()
@@ -63,8 +69,11 @@ def test_the_daemon_stops_at_an_end_id_generation_config_lists(tmp_path) -> None
     (tmp_path / "target" / "generation_config.json").write_text(json.dumps(generation))
     daemon = BundledDaemon(tmp_path / "after", "draft-cpu", *settings)
     try:
-        for mode in ({"mode": "autoregressive"}, {"mode": "sequential", "gamma": 4},
-                     {"mode": "adaptive"}):  # fmt: skip
+        for mode in (
+            {"mode": "autoregressive"},
+            {"mode": "sequential", "gamma": 4},
+            {"mode": "adaptive"},
+        ):
             body = daemon.generate(prompt, **options, **mode)
             assert body["tokens"] == before[:cut], mode
             assert body["done_reason"] == "stop", mode

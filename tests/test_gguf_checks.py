@@ -29,30 +29,46 @@ MiB = 2**20
 
 # the issue's reproductions (and item 4's string for a number): fields set -> the one line
 REPRODUCTIONS = {
-    "block_count": ({"llama.block_count": (T.UINT32, 2**28)},
-                    "llama.block_count is 268435456 but the file has 2 blocks of tensors "
-                    "(blk.0 to blk.1)"),
-    "key_length": ({"llama.attention.key_length": (T.UINT32, 2**17),
-                    "llama.rope.dimension_count": (T.UINT32, 2**17)},
-                   "blk.0.attn_q.weight has shape (128, 128), not (128, 524288) as the metadata "
-                   "says (llama.embedding_length 128, head_count 4 x key_length 131072)"),
-    "head_count": ({"llama.attention.head_count": (T.UINT32, 0)},
-                   "llama.attention.head_count is 0"),
-    "head_count_kv": ({"llama.attention.head_count_kv": (T.UINT32, 0)},
-                      "llama.attention.head_count_kv is 0"),
-    "feed_forward_length": ({"llama.feed_forward_length": (T.UINT32, 320)},
-                            "blk.0.ffn_gate.weight has shape (128, 352), not (128, 320) as the "
-                            "metadata says (llama.embedding_length 128, feed_forward_length 320)"),
-    "epsilon": ({"llama.attention.layer_norm_rms_epsilon": (T.STRING, "abc")},
-                "llama.attention.layer_norm_rms_epsilon is 'abc' (string), where llama.cpp reads "
-                "a float32"),
-}  # fmt: skip
+    "block_count": (
+        {"llama.block_count": (T.UINT32, 2**28)},
+        "llama.block_count is 268435456 but the file has 2 blocks of tensors (blk.0 to blk.1)",
+    ),
+    "key_length": (
+        {
+            "llama.attention.key_length": (T.UINT32, 2**17),
+            "llama.rope.dimension_count": (T.UINT32, 2**17),
+        },
+        "blk.0.attn_q.weight has shape (128, 128), not (128, 524288) as the metadata "
+        "says (llama.embedding_length 128, head_count 4 x key_length 131072)",
+    ),
+    "head_count": (
+        {"llama.attention.head_count": (T.UINT32, 0)},
+        "llama.attention.head_count is 0",
+    ),
+    "head_count_kv": (
+        {"llama.attention.head_count_kv": (T.UINT32, 0)},
+        "llama.attention.head_count_kv is 0",
+    ),
+    "feed_forward_length": (
+        {"llama.feed_forward_length": (T.UINT32, 320)},
+        "blk.0.ffn_gate.weight has shape (128, 352), not (128, 320) as the "
+        "metadata says (llama.embedding_length 128, feed_forward_length 320)",
+    ),
+    "epsilon": (
+        {"llama.attention.layer_norm_rms_epsilon": (T.STRING, "abc")},
+        "llama.attention.layer_norm_rms_epsilon is 'abc' (string), where llama.cpp reads a float32",
+    ),
+}
 
 
 def models_check(target: Path, draft: Path = DRAFT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hetspec.client.cli", "models", "check",
-                           str(target), str(draft)], capture_output=True, text=True, timeout=300,
-                          check=False)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "hetspec.client.cli", "models", "check", str(target), str(draft)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
 
 
 def refusal(call) -> str:
@@ -88,20 +104,29 @@ def test_a_reproduction_is_refused_in_the_same_line_by_every_party(case, tmp_pat
 def test_the_native_loader_refuses_before_it_allocates(tmp_path) -> None:
     """The two reproductions that allocated gigabytes, loaded in a process of their own: its
     peak RSS stays under twice the file's size plus 256 MB."""
-    paths = [crafted_copy(DRAFT, tmp_path / f"{case}.gguf", REPRODUCTIONS[case][0])
-             for case in ("block_count", "key_length")]  # fmt: skip
-    code = ("import sys\n"
-            "from gguf_fuzz import peak_rss\n"
-            "from hetspec.native.model import ModelFormatError, NativeModel\n"
-            "for path in sys.argv[1:]:\n"
-            "    try:\n"
-            "        NativeModel(path)\n"
-            "    except ModelFormatError:\n"
-            "        pass\n"
-            "print(peak_rss())\n")  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", code, *map(str, paths)], capture_output=True,
-                          text=True, timeout=120, check=True,
-                          cwd=Path(__file__).parent)  # fmt: skip
+    paths = [
+        crafted_copy(DRAFT, tmp_path / f"{case}.gguf", REPRODUCTIONS[case][0])
+        for case in ("block_count", "key_length")
+    ]
+    code = (
+        "import sys\n"
+        "from gguf_fuzz import peak_rss\n"
+        "from hetspec.native.model import ModelFormatError, NativeModel\n"
+        "for path in sys.argv[1:]:\n"
+        "    try:\n"
+        "        NativeModel(path)\n"
+        "    except ModelFormatError:\n"
+        "        pass\n"
+        "print(peak_rss())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, *map(str, paths)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        cwd=Path(__file__).parent,
+    )
     peak = int(done.stdout)
     assert peak < 2 * DRAFT.stat().st_size + 256 * MiB, peak / MiB
 
@@ -112,10 +137,23 @@ def test_the_daemon_refuses_at_start_before_any_worker_loads(tmp_path) -> None:
     runtimes in profile workers first, where llama.cpp aborted on 2**28 blocks)."""
     values, reason = REPRODUCTIONS["block_count"]
     path = crafted_copy(DRAFT, tmp_path / "blocks.gguf", values)
-    settings = {"target.gguf": str(path), "target.folder": "", "draft.gguf": str(DRAFT),
-                "draft.folder": ""}  # fmt: skip
-    argv = [sys.executable, "-m", "hetspec.daemon", "--socket", str(tmp_path / "s.sock"),
-            "--runtime-dir", str(tmp_path / "run"), "--log-format", "json"]  # fmt: skip
+    settings = {
+        "target.gguf": str(path),
+        "target.folder": "",
+        "draft.gguf": str(DRAFT),
+        "draft.folder": "",
+    }
+    argv = [
+        sys.executable,
+        "-m",
+        "hetspec.daemon",
+        "--socket",
+        str(tmp_path / "s.sock"),
+        "--runtime-dir",
+        str(tmp_path / "run"),
+        "--log-format",
+        "json",
+    ]
     for key, value in settings.items():
         argv += ["--set", f"{key}={json.dumps(value)}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("HETSPEC_")}
@@ -132,8 +170,11 @@ def test_the_daemon_refuses_at_start_before_any_worker_loads(tmp_path) -> None:
 def test_bundled_and_mixture_of_experts_files_pass_and_others_are_left_to_llama_cpp(
     tmp_path,
 ) -> None:
-    for path in (DRAFT, BUNDLED_MODELS / "target" / "target-q8_0.gguf",
-                 BUNDLED_MODELS / "smollm2-draft" / "draft-q8_0.gguf"):  # fmt: skip
+    for path in (
+        DRAFT,
+        BUNDLED_MODELS / "target" / "target-q8_0.gguf",
+        BUNDLED_MODELS / "smollm2-draft" / "draft-q8_0.gguf",
+    ):
         shape = check_model_file(path)
         assert shape is not None
         assert shape.experts == 0
@@ -153,15 +194,17 @@ def test_bundled_and_mixture_of_experts_files_pass_and_others_are_left_to_llama_
     unnamed = RawGGUF.read(DRAFT).drop("general.architecture").write(tmp_path / "unnamed.gguf")
     with pytest.raises(GGUFMetadataError, match=r"lacks general\.architecture$"):
         check_model(read_gguf_header(unnamed))
-    silent = crafted_copy(DRAFT, tmp_path / "none.gguf",
-                          {"tokenizer.ggml.model": (T.STRING, "none")})  # fmt: skip
+    silent = crafted_copy(
+        DRAFT, tmp_path / "none.gguf", {"tokenizer.ggml.model": (T.STRING, "none")}
+    )
     with pytest.raises(GGUFMetadataError, match=r"tokenizer\.ggml\.model is 'none'"):
         check_model_file(silent)
 
 
 def test_check_model_files_names_an_unreadable_file(tmp_path) -> None:
-    config = DaemonConfig(target=ModelPaths(gguf=str(tmp_path / "absent.gguf")),
-                          draft=ModelPaths(gguf=str(DRAFT)))  # fmt: skip
+    config = DaemonConfig(
+        target=ModelPaths(gguf=str(tmp_path / "absent.gguf")), draft=ModelPaths(gguf=str(DRAFT))
+    )
     with pytest.raises(StartupError, match=r"absent\.gguf: cannot read it \(No such file"):
         check_model_files(config)
     junk = tmp_path / "junk.gguf"
@@ -190,17 +233,27 @@ def test_fuzzed_headers_are_served_or_refused_alike_in_one_line(tmp_path) -> Non
     specs, verdicts = tmp_path / "mutations.json", tmp_path / "verdicts.jsonl"
     specs.write_text(json.dumps(mutations))
     script = Path(__file__).with_name("gguf_fuzz.py")
-    done = subprocess.run([sys.executable, str(script), str(specs), str(verdicts)],
-                          capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(script), str(specs), str(verdicts)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     lines = [json.loads(line) for line in verdicts.read_text().splitlines()]
     records = [line for line in lines if "check" in line]
     if done.returncode != 0:
         last = max(line["index"] for line in lines if "started" in line)
-        pytest.fail(f"the judging process died (status {done.returncode}) on file {last}, "
-                    f"{mutations[last]}: {done.stderr[-3000:]}")  # fmt: skip
+        pytest.fail(
+            f"the judging process died (status {done.returncode}) on file {last}, "
+            f"{mutations[last]}: {done.stderr[-3000:]}"
+        )
     assert len(records) == FUZZ_FILES
-    failures = [f"{r['index']} {mutations[r['index']]}: {problem}"
-                for r in records for problem in disagreements(r)]  # fmt: skip
+    failures = [
+        f"{r['index']} {mutations[r['index']]}: {problem}"
+        for r in records
+        for problem in disagreements(r)
+    ]
     assert not failures, "\n".join(failures[:20])
     smallest = min(r["size"] for r in records)
     assert lines[-1]["peak_rss"] < 2 * smallest + 256 * MiB, lines[-1]["peak_rss"] / MiB

@@ -80,8 +80,11 @@ def test_a_large_vocabulary_reads_in_a_fraction_of_gguf_pys_time(tmp_path) -> No
 
 
 def test_files_that_are_not_gguf_are_refused_with_a_reason(tmp_path) -> None:
-    cases = {b"": "no GGUF magic", b"GGML" + bytes(20): "no GGUF magic",
-             b"GGUF" + (7).to_bytes(4, "little") + bytes(16): "GGUF version 7"}  # fmt: skip
+    cases = {
+        b"": "no GGUF magic",
+        b"GGML" + bytes(20): "no GGUF magic",
+        b"GGUF" + (7).to_bytes(4, "little") + bytes(16): "GGUF version 7",
+    }
     good = (BUNDLED_MODELS / "draft" / "draft-q8_0.gguf").read_bytes()
     cases[good[:5000]] = "ends early|runs past the end"
     for index, (content, reason) in enumerate(cases.items()):
@@ -110,16 +113,30 @@ def test_crafted_headers_are_refused_in_one_line_not_a_crash(tmp_path) -> None:
     nested = key("x") + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * depth
     nested += struct.pack("<IQ", 4, 0)  # the innermost: no uint32s
     huge = key("blk.0.attn_q.weight") + struct.pack("<IQQIQ", 2, 2**32, 2**32, 0, 0)
-    cases = {"nested": (crafted(nested, 1), "nested more than 8 deep"),
-             "huge": (crafted(b"", 0, huge, 1), "runs past the end of the file")}  # fmt: skip
+    cases = {
+        "nested": (crafted(nested, 1), "nested more than 8 deep"),
+        "huge": (crafted(b"", 0, huge, 1), "runs past the end of the file"),
+    }
     for name, (content, reason) in cases.items():
         path = tmp_path / f"{name}.gguf"
         path.write_bytes(content + bytes(64))
         with pytest.raises(GGUFFormatError, match=reason):
             read_gguf_header(path)
-        done = subprocess.run([sys.executable, "-m", "hetspec.client.cli", "models", "check",
-                               str(path), str(BUNDLED_MODELS / "draft" / "draft-q8_0.gguf")],
-                              capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "hetspec.client.cli",
+                "models",
+                "check",
+                str(path),
+                str(BUNDLED_MODELS / "draft" / "draft-q8_0.gguf"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         assert done.returncode == 2, done.stdout + done.stderr
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
         assert reason in done.stderr

@@ -148,10 +148,25 @@ def test_a_torch_verifier_without_a_folder_is_one_clear_line(tmp_path) -> None:
 def test_bench_on_a_pair_it_must_skip_ends_in_one_line_not_a_traceback(tmp_path) -> None:
     target, _ = alone(tmp_path)
     done = subprocess.run(
-        [sys.executable, "-m", "hetspec.client.cli", "bench", "--target", str(target),
-         "--draft", str(target), "--out", str(tmp_path / "out"), "--llama-server", "off"],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "hetspec.client.cli",
+            "bench",
+            "--target",
+            str(target),
+            "--draft",
+            str(target),
+            "--out",
+            str(tmp_path / "out"),
+            "--llama-server",
+            "off",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 1
     assert "the target and the draft are the same model" in done.stdout
     assert "nothing was measured: every target was skipped" in done.stderr

@@ -25,15 +25,30 @@ PICKER = Path(__file__).resolve().parents[1] / "native" / "gpu-pick-settings.py"
 
 
 def picked(folder: Path, *flags: str) -> tuple[str, str]:
-    done = subprocess.run([sys.executable, str(PICKER), *flags, str(folder)],
-                          capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(PICKER), *flags, str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return done.stdout.strip(), done.stderr
 
 
 def daemon_config(settings: str):
     """The settings as gpu-checks.sh passes them: split at spaces, one --set each."""
-    args = type("Args", (), {"set": settings.split(), "socket": None, "runtime_dir": None,
-                             "placement": None, "log_level": None, "log_format": None})  # fmt: skip
+    args = type(
+        "Args",
+        (),
+        {
+            "set": settings.split(),
+            "socket": None,
+            "runtime_dir": None,
+            "placement": None,
+            "log_level": None,
+            "log_format": None,
+        },
+    )
     return load_config(overrides=overrides_from(args), environ={})
 
 
@@ -44,9 +59,25 @@ def test_the_fastest_invariant_table_becomes_daemon_settings(tmp_path, monkeypat
     out = tmp_path / "out"
     out.mkdir()
     cublas = out / "verify-1b-fixed16.json"
-    arguments = ["--model", str(model), "--device", "cpu", "--dtype", "float32",
-                 "--fixed-width", "4", "--contexts", "20", "--widths", "1,4,16",
-                 "--repeats", "2", "--invariance", "--json", str(cublas)]  # fmt: skip
+    arguments = [
+        "--model",
+        str(model),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--fixed-width",
+        "4",
+        "--contexts",
+        "20",
+        "--widths",
+        "1,4,16",
+        "--repeats",
+        "2",
+        "--invariance",
+        "--json",
+        str(cublas),
+    ]
     assert bench_verify.main(arguments) == 0
     table = json.loads(cublas.read_text())
     assert len(table["invariance"]) == 4  # widths 1, 4, 16 and the 4 x 4 tree
@@ -81,8 +112,12 @@ def test_the_fastest_invariant_table_becomes_daemon_settings(tmp_path, monkeypat
 
     # split attention, timed on chains and trees: its slowest 16 rows count with its T(1)
     split = out / "verify-1b-fixed16-split.json"
-    assert bench_verify.main([*arguments[:-1], str(split), "--attention", "split",
-                              "--shape", "chain,tree"]) == 0  # fmt: skip
+    assert (
+        bench_verify.main(
+            [*arguments[:-1], str(split), "--attention", "split", "--shape", "chain,tree"]
+        )
+        == 0
+    )
     table = json.loads(split.read_text())
     assert table["attention"] == "split"
     assert {row["shape"] for row in table["rows"]} == {"chain", "tree"}
@@ -108,12 +143,18 @@ def test_a_tables_own_description_says_how_its_verifier_runs(tmp_path) -> None:
         json.dumps({"rows": rows, "invariance": invariance, "compile": False, "matmul": "torch"})
     )
     faster = [{**row, "median_ms": row["median_ms"] / 2} for row in rows]
-    compiled = {"rows": faster, "invariance": invariance, "compile": True, "matmul": "triton",
-                "matmul_tiling": {"block_n": 32}}  # fmt: skip
+    compiled = {
+        "rows": faster,
+        "invariance": invariance,
+        "compile": True,
+        "matmul": "triton",
+        "matmul_tiling": {"block_n": 32},
+    }
     (tmp_path / "verify-1b-fixed16-compiled.json").write_text(json.dumps(compiled))
     settings, _ = picked(tmp_path)
-    assert settings == ('gpu_worker.compile=true gpu_worker.matmul="triton" '
-                        "gpu_worker.matmul_tiling={block_n=32}")  # fmt: skip
+    assert settings == (
+        'gpu_worker.compile=true gpu_worker.matmul="triton" gpu_worker.matmul_tiling={block_n=32}'
+    )
     gpu_worker = daemon_config(settings).gpu_worker
     assert (gpu_worker.compile, gpu_worker.matmul, gpu_worker.matmul_tiling.block_n) == (
         True,
@@ -127,8 +168,11 @@ def test_a_tables_own_description_says_how_its_verifier_runs(tmp_path) -> None:
     assert settings == ""
     assert "int8 weights, passed over" in reasons
     # compiled with split attention, faster still: all of it
-    split = {**compiled, "attention": "split",
-             "rows": [{**row, "median_ms": row["median_ms"] / 4} for row in rows]}  # fmt: skip
+    split = {
+        **compiled,
+        "attention": "split",
+        "rows": [{**row, "median_ms": row["median_ms"] / 4} for row in rows],
+    }
     (tmp_path / "verify-1b-fixed16-compiled-split.json").write_text(json.dumps(split))
     settings, _ = picked(tmp_path)
     assert settings.endswith('gpu_worker.attention="split"')
@@ -167,9 +211,13 @@ def test_the_tiling_comes_from_bench_matmuls_table(tmp_path) -> None:
     # another table (bench_matmul --weights int8's) named after the folder
     int8 = {**document, "forward_us": {**document["forward_us"], "default rows 16": 400.0}}
     (tmp_path / "matmul-int8.json").write_text(json.dumps(int8))
-    done = subprocess.run([sys.executable, str(PICKER), "--tiling", str(tmp_path),
-                           "matmul-int8.json"], capture_output=True, text=True, timeout=60,
-                          check=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(PICKER), "--tiling", str(tmp_path), "matmul-int8.json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     assert done.stdout.strip() == ""  # the default is the fastest there
     assert "chosen tiling: the default (400.0 us)" in done.stderr
 
@@ -195,8 +243,18 @@ def test_the_worker_polls_through_a_calls_gap_where_its_wake_up_costs_more(tmp_p
     written by the quick call: the full call's daemon polls where that saves >= 25 us a call,
     beside the verifier the tables chose."""
     written = tmp_path / "written.json"
-    arguments = ["--floats", "16", "--count", "40", "--turns", "1", "--gap-us", "300",
-                 "--json", str(written)]  # fmt: skip
+    arguments = [
+        "--floats",
+        "16",
+        "--count",
+        "40",
+        "--turns",
+        "1",
+        "--gap-us",
+        "300",
+        "--json",
+        str(written),
+    ]
     cores = os.sched_getaffinity(0)
     assert bench_roundtrip.main(arguments) == 0
     assert os.sched_getaffinity(0) == cores  # the later tests' cores
@@ -233,9 +291,24 @@ def test_the_daemon_polls_for_replies_where_its_own_wake_up_costs_more(tmp_path)
     (the quick call's last two round-trip tables): the full call's daemon polls where that
     saves >= 25 us a call, and the setting is one the daemon takes."""
     written = tmp_path / "written.json"
-    arguments = ["--floats", "16", "--count", "40", "--turns", "1", "--gap-us", "300",
-                 "--spin-us", "2000", "--hold-us", "300", "--daemon-spin-us", "5000",
-                 "--json", str(written)]  # fmt: skip
+    arguments = [
+        "--floats",
+        "16",
+        "--count",
+        "40",
+        "--turns",
+        "1",
+        "--gap-us",
+        "300",
+        "--spin-us",
+        "2000",
+        "--hold-us",
+        "300",
+        "--daemon-spin-us",
+        "5000",
+        "--json",
+        str(written),
+    ]
     assert bench_roundtrip.main(arguments) == 0
     table = json.loads(written.read_text())
     assert (table["hold_us"], table["daemon_spin_us"]) == (300.0, 5000.0)
@@ -244,8 +317,10 @@ def test_the_daemon_polls_for_replies_where_its_own_wake_up_costs_more(tmp_path)
 
     def tables(sleeping_us: float, polling_us: float) -> None:
         for name, us in (("roundtrip-hold", sleeping_us), ("roundtrip-hold-daemon", polling_us)):
-            document = {**table, "median_us": {**table["median_us"],
-                                               "mailboxes, message frames": us}}  # fmt: skip
+            document = {
+                **table,
+                "median_us": {**table["median_us"], "mailboxes, message frames": us},
+            }
             (tmp_path / f"{name}.json").write_text(json.dumps(document))
 
     tables(sleeping_us=123.0, polling_us=73.0)

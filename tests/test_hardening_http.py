@@ -49,11 +49,19 @@ def daemon(tmp_path_factory):
     target = write_tiny_gguf_llama(root / "target", seed=0, layers=2, context=CONTEXT)
     draft = write_tiny_gguf_llama(root / "draft", seed=1, layers=1, context=CONTEXT)
     port = free_port()
-    daemon = Daemon(root / "daemon", target, draft,
-                    "--set", f'tcp.listen="127.0.0.1:{port}"',
-                    "--set", f'tcp.token_file="{token_file(root, 0o600)}"',
-                    "--set", f"http_max_connections={MAX_CONNECTIONS}",
-                    "--set", f"http_idle_timeout_s={IDLE_TIMEOUT_S}")  # fmt: skip
+    daemon = Daemon(
+        root / "daemon",
+        target,
+        draft,
+        "--set",
+        f'tcp.listen="127.0.0.1:{port}"',
+        "--set",
+        f'tcp.token_file="{token_file(root, 0o600)}"',
+        "--set",
+        f"http_max_connections={MAX_CONNECTIONS}",
+        "--set",
+        f"http_idle_timeout_s={IDLE_TIMEOUT_S}",
+    )
     daemon.port = port
     daemon.wait_ready()
     yield daemon
@@ -90,8 +98,16 @@ def status_of(answer: bytes) -> int:
 
 
 def get(path: str, *headers: bytes) -> bytes:
-    return b"\r\n".join([f"GET {path} HTTP/1.1".encode(), b"Host: hetspecd",
-                         b"Connection: close", *headers, b"", b""])  # fmt: skip
+    return b"\r\n".join(
+        [
+            f"GET {path} HTTP/1.1".encode(),
+            b"Host: hetspecd",
+            b"Connection: close",
+            *headers,
+            b"",
+            b"",
+        ]
+    )
 
 
 def log_since(daemon, offset: int) -> list[dict]:
@@ -132,8 +148,13 @@ except ValueError:
 
 @pytest.mark.parametrize("log_format", ["json", "console"])
 def test_tracebacks_name_no_local_variables(log_format: str) -> None:
-    result = subprocess.run([sys.executable, "-c", EMIT_TRACEBACK % TOKEN, log_format],
-                            capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", EMIT_TRACEBACK % TOKEN, log_format],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     assert "ValueError" in result.stderr
     assert "authorize" in result.stderr  # the frames are there, their variables are not
     assert TOKEN not in result.stderr
@@ -187,9 +208,17 @@ def test_malformed_requests_are_answered_400_and_leave_no_error_in_the_log(daemo
 
 def post(path: str, body: dict) -> bytes:
     data = json.dumps(body).encode()
-    return b"\r\n".join([f"POST {path} HTTP/1.1".encode(), b"Host: hetspecd",
-                         b"Connection: close", b"Content-Type: application/json",
-                         f"Content-Length: {len(data)}".encode(), b"", data])  # fmt: skip
+    return b"\r\n".join(
+        [
+            f"POST {path} HTTP/1.1".encode(),
+            b"Host: hetspecd",
+            b"Connection: close",
+            b"Content-Type: application/json",
+            f"Content-Length: {len(data)}".encode(),
+            b"",
+            data,
+        ]
+    )
 
 
 @pytest.mark.parametrize("temperature", [1e308, 1e-300, 100.5, -1.0])
@@ -201,9 +230,12 @@ def test_a_temperature_out_of_range_is_400_with_the_range_and_nothing_in_the_log
     requests = {
         "/api/generate": {"prompt": "x", "options": {"temperature": temperature}},
         "/v1/completions": {"prompt": "x", "temperature": temperature, "max_tokens": 2},
-        "/v1/chat/completions": {"messages": [{"role": "user", "content": "x"}],
-                                 "temperature": temperature, "max_tokens": 2},
-    }  # fmt: skip
+        "/v1/chat/completions": {
+            "messages": [{"role": "user", "content": "x"}],
+            "temperature": temperature,
+            "max_tokens": 2,
+        },
+    }
     for path, body in requests.items():
         answer = exchange(unix(daemon), post(path, body))
         assert status_of(answer) == 400, (path, answer)
@@ -255,15 +287,20 @@ def test_clients_that_reset_mid_stream_are_debug_lines_not_errors(daemon) -> Non
     import struct  # noqa: PLC0415
 
     offset = daemon.log.stat().st_size
-    body = {"prompt": "class A:\n", "stream": True, "options": {"num_predict": 3500},
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "prompt": "class A:\n",
+        "stream": True,
+        "options": {"num_predict": 3500},
+        "ignore_eos": True,
+    }
     for index in range(12):
         over_tcp = index % 3 == 0  # TCP resets for real; a Unix socket reports a broken pipe
         connection = tcp(daemon) if over_tcp else unix(daemon)
         raw = post("/api/generate", body)
         if over_tcp:
-            raw = raw.replace(b"Host: hetspecd", f"Host: x\r\nAuthorization: Bearer {TOKEN}"
-                              .encode())  # fmt: skip
+            raw = raw.replace(
+                b"Host: hetspecd", f"Host: x\r\nAuthorization: Bearer {TOKEN}".encode()
+            )
         connection.sendall(raw)
         connection.recv(4096 if index % 2 else 64)  # the headers, perhaps a piece
         time.sleep(0.01 * (index % 4))
@@ -311,8 +348,9 @@ for index in range(500):
 
 
 def test_a_flood_of_errors_is_a_few_lines() -> None:
-    result = subprocess.run([sys.executable, "-c", EMIT_FLOOD], capture_output=True, text=True,
-                            timeout=60, check=True)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", EMIT_FLOOD], capture_output=True, text=True, timeout=60, check=True
+    )
     events = [json.loads(line) for line in result.stderr.splitlines()]
     assert 2 * 11 <= len(events) <= 2 * 12  # per event: the burst (10), the notice, a refill
     assert sum("rate_limited" in json.dumps(event) for event in events) == 2
@@ -329,8 +367,9 @@ def generations(daemon) -> dict[str, float]:
 
 def test_a_generation_the_client_leaves_is_counted_as_cancelled(daemon) -> None:
     before = generations(daemon)
-    connection, response = stream(daemon.socket, native("class A:\n", max_tokens=4000,
-                                                        ignore_eos=True))  # fmt: skip
+    connection, response = stream(
+        daemon.socket, native("class A:\n", max_tokens=4000, ignore_eos=True)
+    )
     assert json.loads(response.readline())["done"] is False
     connection.close()
     response.close()

@@ -91,8 +91,9 @@ def test_a_second_daemon_with_another_runtime_dir_leaves_a_live_daemons_socket_a
     first = Daemon(tmp_path / "first", models["target"], models["draft"])
     try:
         first.wait_ready()
-        second = Daemon(tmp_path / "second", models["target"], models["draft"],
-                        "--socket", str(first.socket))  # fmt: skip
+        second = Daemon(
+            tmp_path / "second", models["target"], models["draft"], "--socket", str(first.socket)
+        )
         log = refused(second)
         assert f"another hetspecd (pid {first.process.pid}) serves {first.socket}" in log
         assert request(first.socket, "GET", "/health")[0] == 200  # still reachable
@@ -133,8 +134,7 @@ def test_a_runtime_dir_of_another_user_is_refused_and_its_lock_link_not_followed
     uid, gid = other_user()
     os.lchown(runtime_dir / "hetspecd.lock", uid, gid)
     os.chown(runtime_dir, uid, gid)
-    daemon = Daemon(tmp_path, models["target"], models["draft"],
-                    "--runtime-dir", str(runtime_dir))  # fmt: skip
+    daemon = Daemon(tmp_path, models["target"], models["draft"], "--runtime-dir", str(runtime_dir))
     log = refused(daemon)
     assert f"refusing to run in runtime directory {runtime_dir}" in log
     assert f"belongs to another user (uid {uid}" in log
@@ -166,8 +166,14 @@ def test_a_missing_runtime_dir_is_made_0750_and_its_parents_0755_whatever_the_um
     tmp_path, models
 ) -> None:
     runtime_dir = tmp_path / "a" / "b" / "run"
-    daemon = Daemon(tmp_path, models["target"], models["draft"],
-                    "--runtime-dir", str(runtime_dir), launcher=UMASK_000)  # fmt: skip
+    daemon = Daemon(
+        tmp_path,
+        models["target"],
+        models["draft"],
+        "--runtime-dir",
+        str(runtime_dir),
+        launcher=UMASK_000,
+    )
     try:
         daemon.wait_ready()
         modes = [stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "a", runtime_dir.parent)]
@@ -187,8 +193,7 @@ def test_a_dev_shm_too_small_for_the_arena_is_one_clear_line(tmp_path, models) -
     info = os.statvfs(SHM_DIR)
     free = info.f_bavail * info.f_frsize
     slots = (free + (1 << 30)) // slot_bytes  # a GiB more than /dev/shm has free
-    daemon = Daemon(tmp_path, models["target"], models["draft"],
-                    "--set", f"arena_slots={slots}")  # fmt: skip
+    daemon = Daemon(tmp_path, models["target"], models["draft"], "--set", f"arena_slots={slots}")
     log = refused(daemon)
     assert f"the shared-memory arena needs {slots * slot_bytes / 2**20:.1f} MiB but " in log
     assert "/dev/shm has " in log
@@ -206,8 +211,9 @@ def gguf(tmp_path_factory) -> Path:
 async def test_a_worker_maps_no_file_outside_dev_shm_as_its_arena(gguf, tmp_path) -> None:
     victim = tmp_path / "victim"
     victim.write_bytes(b"\xaa" * 4 * 1024)
-    client = WorkerClient(spec(gguf, "llama.cpp"), tmp_path, generation=1,
-                          arena=ArenaLayout(str(victim), 4, 1024))  # fmt: skip
+    client = WorkerClient(
+        spec(gguf, "llama.cpp"), tmp_path, generation=1, arena=ArenaLayout(str(victim), 4, 1024)
+    )
     with pytest.raises(WorkerStartError, match=r"must be a shared-memory object in /dev/shm"):
         await client.start(LOAD_TIMEOUT)
     assert victim.read_bytes() == b"\xaa" * 4 * 1024
@@ -219,8 +225,9 @@ async def test_a_worker_maps_no_symlink_in_dev_shm_as_its_arena(gguf, tmp_path) 
     link = SHM_DIR / f"hetspec-test-{os.getpid()}-link"
     link.symlink_to(victim)
     try:
-        client = WorkerClient(spec(gguf, "llama.cpp"), tmp_path, generation=1,
-                              arena=ArenaLayout(str(link), 4, 1024))  # fmt: skip
+        client = WorkerClient(
+            spec(gguf, "llama.cpp"), tmp_path, generation=1, arena=ArenaLayout(str(link), 4, 1024)
+        )
         with pytest.raises(WorkerStartError, match=r"is a symbolic link; refusing it"):
             await client.start(LOAD_TIMEOUT)
     finally:

@@ -51,8 +51,9 @@ def limit_leaving(free: int) -> int:
 
 
 def events(daemon: Daemon, event: str) -> list[dict]:
-    lines = [json.loads(line) for line in daemon.log.read_text().splitlines()
-             if line.startswith("{")]  # fmt: skip
+    lines = [
+        json.loads(line) for line in daemon.log.read_text().splitlines() if line.startswith("{")
+    ]
     return [line for line in lines if line.get("event") == event]
 
 
@@ -122,8 +123,11 @@ def test_supervision_outlives_restarts_that_fail_for_want_of_descriptors(tmp_pat
         resource.prlimit(daemon.process.pid, resource.RLIMIT_NOFILE, (16, hard))
         try:
             os.kill(health["workers"]["cpu"]["pid"], signal.SIGKILL)
-            wait_until(lambda: len(events(daemon, "worker restart failed")) >= 3, 10,
-                       "three failed restarts")  # fmt: skip
+            wait_until(
+                lambda: len(events(daemon, "worker restart failed")) >= 3,
+                10,
+                "three failed restarts",
+            )
             started = time.monotonic()
             held.request("POST", "/api/generate", json.dumps(native("x", max_tokens=2)))
             response = held.getresponse()
@@ -155,8 +159,11 @@ def test_the_backoff_grows_while_restarted_workers_keep_dying(tmp_path, models) 
         pid = daemon.wait_ready()["workers"]["cpu"]["pid"]
         for _ in range(3):
             os.kill(pid, signal.SIGKILL)
-            wait_until(lambda old=pid: (h := ready_health(daemon)) and
-                       h["workers"]["cpu"]["pid"] != old, 30, "the restarted worker")  # fmt: skip
+            wait_until(
+                lambda old=pid: (h := ready_health(daemon)) and h["workers"]["cpu"]["pid"] != old,
+                30,
+                "the restarted worker",
+            )
             pid = ready_health(daemon)["workers"]["cpu"]["pid"]
         delays = [e["in_s"] for e in events(daemon, "restarting worker")]
         assert delays == [0.2, 0.4, 0.8]
@@ -293,10 +300,18 @@ async def test_worker_endpoints_are_the_owners_alone_whatever_the_umask(gguf, ar
             path = client._endpoint(role).removeprefix("ipc://")
             assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, role
             probe = subprocess.run(
-                ["/usr/bin/python3", "-c", "import socket, sys; "
-                 "socket.socket(socket.AF_UNIX).connect(sys.argv[1])", path],
-                user="nobody", capture_output=True, text=True, timeout=30, check=False,
-            )  # fmt: skip
+                [
+                    "/usr/bin/python3",
+                    "-c",
+                    "import socket, sys; socket.socket(socket.AF_UNIX).connect(sys.argv[1])",
+                    path,
+                ],
+                user="nobody",
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+            )
             assert probe.returncode != 0
             assert "PermissionError" in probe.stderr, probe.stderr
     finally:

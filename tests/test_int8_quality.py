@@ -28,13 +28,18 @@ def test_the_rounded_model_keeps_its_embedding_and_rounds_every_matmul() -> None
 
 
 def test_the_report_says_how_close_int8_stays(capsys) -> None:
-    assert int8_quality.main(["--files", "2", "--tokens", "64", "--draft",
-                              str(int8_quality.MODELS / "draft")]) == 0  # fmt: skip
+    assert (
+        int8_quality.main(
+            ["--files", "2", "--tokens", "64", "--draft", str(int8_quality.MODELS / "draft")]
+        )
+        == 0
+    )
     report = capsys.readouterr().out
     agreement = float(re.search(r"first choice is the full model's at ([\d.]+)%", report)[1])
     assert agreement > 90  # 99.2% over 8 files x 256 tokens when measured
-    full, int8 = map(float, re.search(r"perplexity on the text: full ([\d.]+), int8 ([\d.]+)",
-                                      report).groups())  # fmt: skip
+    full, int8 = map(
+        float, re.search(r"perplexity on the text: full ([\d.]+), int8 ([\d.]+)", report).groups()
+    )
     assert abs(int8 / full - 1) < 0.02
     assert "the draft's first choice is the target's: full" in report
 

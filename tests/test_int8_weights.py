@@ -66,8 +66,9 @@ def test_int8_sums_match_float64_and_no_row_depends_on_the_others(interpreted, d
     torch.testing.assert_close(y.double(), exact, rtol=tolerance, atol=tolerance)
     for rows in (1, 4, MAX_ROWS - 1):
         company = torch.randn(rows - 1, k, generator=generator).to(dtype)
-        assert torch.equal(int8_linear(torch.cat([x[3:4], company]), weight, scale, bias)[0],
-                           y[3]), rows  # fmt: skip
+        assert torch.equal(
+            int8_linear(torch.cat([x[3:4], company]), weight, scale, bias)[0], y[3]
+        ), rows
     wide = int8_linear(torch.cat([x, x[:1]]), weight, scale, bias)  # a prefill's rows: torch
     torch.testing.assert_close(wide[:MAX_ROWS].double(), exact, rtol=tolerance, atol=tolerance)
 
@@ -99,8 +100,7 @@ def test_an_int8_verifier_keeps_its_tokens_bits_alone_and_in_trees(interpreted, 
     assert ours.model.quantized_head is not None
     assert not any(type(mod) is torch.nn.Linear for mod in ours.model.modules())
     with torch.no_grad():  # the plain model gets the int8 model's weights, widened
-        for (_, mine), (_, theirs) in zip(_linears(ours.model), _linears(plain.model),
-                                          strict=True):  # fmt: skip
+        for (_, mine), (_, theirs) in zip(_linears(ours.model), _linears(plain.model), strict=True):
             theirs.weight.copy_(widened(mine.weight, mine.scale).float())
         head = ours.model.quantized_head
         head_weight = widened(head.weight, head.scale).float()  # a tied embedding stays as is
@@ -125,8 +125,13 @@ def test_a_compiled_int8_verifier_tracks_the_eager_one_and_keeps_its_bits(interp
     same op, the small kernels between fused), and a token's bits the same alone and in a
     tree."""
     folder = save_reference(build_reference("llama-linear-bias-tied"), tmp_path / "m")
-    options = {"device": "cpu", "dtype": "float32", "fixed_width": 4, "max_context": 64,
-               "weights": "int8"}  # fmt: skip
+    options = {
+        "device": "cpu",
+        "dtype": "float32",
+        "fixed_width": 4,
+        "max_context": 64,
+        "weights": "int8",
+    }
     compiled, eager = compiled_beside_eager(folder, PROMPT, **options)
     torch.testing.assert_close(compiled.last_logits(), eager.last_logits(), rtol=1e-5, atol=1e-5)
     tree = ([3, 4, 5, 6], [-1, 0, 0, 2])
@@ -139,8 +144,11 @@ def test_a_compiled_int8_verifier_tracks_the_eager_one_and_keeps_its_bits(interp
 def _linears(model):
     """The linear layers in model order, by their names (a plain model's, an int8 one's)."""
     kinds = (torch.nn.Linear, Int8Linear)
-    return [(name, mod) for name, mod in model.named_modules()
-            if isinstance(mod, kinds) and name != "quantized_head"]  # fmt: skip
+    return [
+        (name, mod)
+        for name, mod in model.named_modules()
+        if isinstance(mod, kinds) and name != "quantized_head"
+    ]
 
 
 def test_int8_weights_halve_the_bytes_and_the_worker_says_so(interpreted, tmp_path) -> None:
@@ -151,8 +159,12 @@ def test_int8_weights_halve_the_bytes_and_the_worker_says_so(interpreted, tmp_pa
     plain = TorchRuntime(folder, device="cpu", dtype="bfloat16")
 
     def linear_bytes(model) -> int:
-        return sum(t.numel() * t.element_size() for _, mod in _linears(model)
-                   for t in (mod.weight, getattr(mod, "scale", None)) if t is not None)  # fmt: skip
+        return sum(
+            t.numel() * t.element_size()
+            for _, mod in _linears(model)
+            for t in (mod.weight, getattr(mod, "scale", None))
+            if t is not None
+        )
 
     ratio = linear_bytes(runtime.model) / linear_bytes(plain.model)
     assert 0.5 <= ratio < 0.53  # int8 plus a float32 scale per row of a few dozen values
@@ -163,8 +175,11 @@ def test_int8_weights_halve_the_bytes_and_the_worker_says_so(interpreted, tmp_pa
 def test_int8_weights_are_refused_where_the_kernel_cannot_run(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     folder = save_reference(build_reference("qwen3"), tmp_path / "m")
-    with pytest.raises(ModelLoadError, match=r'weights "int8" \(read by the Triton matmul\) '
-                                             "cannot run here: Triton compiles"):  # fmt: skip
+    with pytest.raises(
+        ModelLoadError,
+        match=r'weights "int8" \(read by the Triton matmul\) '
+        "cannot run here: Triton compiles",
+    ):
         TorchRuntime(folder, device="cpu", weights="int8")
     with pytest.raises(ModelLoadError, match='weights must be "dtype" or "int8", not'):
         TorchRuntime(folder, device="cpu", weights="int4")
@@ -211,8 +226,12 @@ def test_a_daemon_with_an_int8_verifier_returns_its_target_alones_greedy_text(tm
     from test_lossless import BundledDaemon  # noqa: PLC0415 (its module-scoped fixtures)
 
     settings = ("gpu_worker.fixed_width=16", 'gpu_worker.weights="int8"')
-    daemon = BundledDaemon(tmp_path, "draft-cpu", *(a for s in settings for a in ("--set", s)),
-                           env={"TRITON_INTERPRET": "1"})  # fmt: skip
+    daemon = BundledDaemon(
+        tmp_path,
+        "draft-cpu",
+        *(a for s in settings for a in ("--set", s)),
+        env={"TRITON_INTERPRET": "1"},
+    )
     try:
         prompt, options = "def read_lines(path):", {"max_tokens": 6, "ignore_eos": True}
         alone = daemon.generate(prompt, mode="autoregressive", **options)["tokens"]
@@ -237,8 +256,9 @@ def test_a_kernel_that_strays_is_refused_at_load(interpreted, tmp_path, monkeypa
     assert skinny_matmul.kernel_problem(weight, torch.float32) is None
     assert skinny_matmul.kernel_problem(quantized, torch.bfloat16, scale=scale) is None
     right = skinny_matmul.skinny_linear
-    monkeypatch.setattr(skinny_matmul, "skinny_linear",
-                        lambda *args, **kwargs: right(*args, **kwargs) * 1.5)  # fmt: skip
+    monkeypatch.setattr(
+        skinny_matmul, "skinny_linear", lambda *args, **kwargs: right(*args, **kwargs) * 1.5
+    )
     assert "differ from torch's by" in skinny_matmul.kernel_problem(weight, torch.float32)
     settings = m.TorchSettings(device="cpu", matmul="triton")
     runtime, described = load_runtime("torch", str(folder), settings)
@@ -256,8 +276,7 @@ def test_a_kernel_that_strays_is_refused_at_load(interpreted, tmp_path, monkeypa
     assert skinny_matmul.kernel_problem(weight, torch.float32) == "RuntimeError: PTX not supported"
 
 
-def test_a_model_too_big_for_the_gpu_is_a_load_error_that_says_what_helps(tmp_path,
-                                                                          monkeypatch):  # fmt: skip
+def test_a_model_too_big_for_the_gpu_is_a_load_error_that_says_what_helps(tmp_path, monkeypatch):
     """CUDA's out-of-memory error at load (no GPU here: raised where the model is built)
     becomes a load error naming the folder and the settings that shrink what it needs."""
     from hetspec.workers import process  # noqa: PLC0415
@@ -278,8 +297,9 @@ def test_a_model_too_big_for_the_gpu_is_a_load_error_that_says_what_helps(tmp_pa
 
 
 @pytest.mark.slow
-def test_bench_verify_times_an_int8_verifier_and_says_so(interpreted, tmp_path, capsys,
-                                                         monkeypatch) -> None:  # fmt: skip
+def test_bench_verify_times_an_int8_verifier_and_says_so(
+    interpreted, tmp_path, capsys, monkeypatch
+) -> None:
     from hetspec.bench import torch_verify as bench_verify  # noqa: PLC0415
     from hetspec.workers.runtimes.torch_runtime import static_forward  # noqa: PLC0415
 
@@ -287,9 +307,27 @@ def test_bench_verify_times_an_int8_verifier_and_says_so(interpreted, tmp_path, 
         monkeypatch.setattr(module, "MIN_SPAN", 16)
     folder = save_reference(build_reference("qwen3"), tmp_path / "m")
     out = tmp_path / "verify.json"
-    arguments = ["--model", str(folder), "--device", "cpu", "--dtype", "bfloat16",
-                 "--fixed-width", "4", "--contexts", "20", "--widths", "1,4", "--repeats", "1",
-                 "--weights", "int8", "--invariance", "--json", str(out)]  # fmt: skip
+    arguments = [
+        "--model",
+        str(folder),
+        "--device",
+        "cpu",
+        "--dtype",
+        "bfloat16",
+        "--fixed-width",
+        "4",
+        "--contexts",
+        "20",
+        "--widths",
+        "1,4",
+        "--repeats",
+        "1",
+        "--weights",
+        "int8",
+        "--invariance",
+        "--json",
+        str(out),
+    ]
     assert bench_verify.main(arguments) == 0
     assert "matmul triton, int8 weights" in capsys.readouterr().out
     table = json.loads(out.read_text())

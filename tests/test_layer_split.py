@@ -18,8 +18,9 @@ from hetspec.speculative.flow.layer_split import (
     stage_weights,
 )
 
-HEAVY_100M = ModelShape(layers=8, hidden=1024, heads=32, kv_heads=16, head_dim=32,
-                        intermediate=2816, vocab=4096)  # fmt: skip
+HEAVY_100M = ModelShape(
+    layers=8, hidden=1024, heads=32, kv_heads=16, head_dim=32, intermediate=2816, vocab=4096
+)
 
 
 def test_ranges_are_written_in_layers_with_halves() -> None:

@@ -85,8 +85,11 @@ print(json.dumps(generated))
 def _llama_cpp_greedy(path: str, prompt: tuple[int, ...], count: int) -> tuple[int, ...]:
     done = subprocess.run(
         [sys.executable, "-c", _GREEDY_REFERENCE, path, json.dumps(prompt), str(count)],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return tuple(json.loads(done.stdout.splitlines()[-1]))
 
@@ -252,8 +255,7 @@ def test_a_dynamic_tree_drafts_eagle2s_likeliest_nodes(runtime, prompt) -> None:
     assert len(tokens) == size
     assert all(parent < index for index, parent in enumerate(parents))
     assert np.all(np.diff(tree.acceptance) <= 1e-12)  # ranked best first
-    paths = [tuple(tokens[node] for node in path_to(index, tree.parents))
-             for index in range(size)]  # fmt: skip
+    paths = [tuple(tokens[node] for node in path_to(index, tree.parents)) for index in range(size)]
     by_hand = _paths_expanded_by_hand(runtime, prompt, depth, top_k)
     best = sorted(by_hand.values(), reverse=True)[:size]
     for path, probability in zip(paths, tree.acceptance.tolist(), strict=True):
@@ -263,8 +265,9 @@ def test_a_dynamic_tree_drafts_eagle2s_likeliest_nodes(runtime, prompt) -> None:
     runtime.prefill(prompt)
     chain = runtime.draft(depth, SamplingParams(), DrawnSampler(0)).tokens[0].tolist()
     runtime.prefill(prompt)
-    sure = runtime.draft_tree(depth, top_k, size, SamplingParams(), DrawnSampler(0),
-                              first_accept=0.95)  # fmt: skip
+    sure = runtime.draft_tree(
+        depth, top_k, size, SamplingParams(), DrawnSampler(0), first_accept=0.95
+    )
     assert sure.tokens[:depth].tolist() == chain
     assert sure.parents[:depth].tolist() == list(range(-1, depth - 1))
     # an accepted path of evaluated nodes is reused, not recomputed
@@ -294,8 +297,9 @@ def test_a_dynamic_tree_refuses_an_empty_shape(runtime, prompt) -> None:
         runtime.draft_tree(0, 2, 4, SamplingParams(), DrawnSampler(0))
 
 
-@pytest.mark.skipif(not local_gpu_present(),
-                    reason="this llama.cpp build cannot offload layers to a GPU")  # fmt: skip
+@pytest.mark.skipif(
+    not local_gpu_present(), reason="this llama.cpp build cannot offload layers to a GPU"
+)
 def test_partial_offload_verifies_as_the_cpu_does(gguf, prompt) -> None:
     """Dovetail's partial offload (draft-gpu: cpu_worker.gpu_layers): some of the verifier's
     layers on the GPU give the logits the CPU gives, within half precision."""

@@ -171,8 +171,10 @@ def test_cached_binary_is_found_without_running_the_script(tmp_path, monkeypatch
 def test_failed_build_says_the_scripts_last_line(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("HETSPEC_CACHE_DIR", str(tmp_path))
     said = "build-llama-server: cmake is not installed"
-    script = executable(tmp_path / "build.sh", 'echo "Compiling."\necho "warning: noise" >&2\n'
-                        f'echo "{said}" >&2\nexit 1\n')  # fmt: skip
+    script = executable(
+        tmp_path / "build.sh",
+        f'echo "Compiling."\necho "warning: noise" >&2\necho "{said}" >&2\nexit 1\n',
+    )
     progress = tmp_path / "progress.txt"
     with progress.open("w") as sink, pytest.raises(LlamaServerUnavailable) as caught:
         find_llama_server(build=True, script=script, progress=sink)
@@ -184,9 +186,12 @@ def test_failed_build_says_the_scripts_last_line(tmp_path, monkeypatch) -> None:
 def test_successful_build_returns_the_path_it_printed_last(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("HETSPEC_CACHE_DIR", str(tmp_path))
     made = tmp_path / "made" / "llama-server"
-    script = executable(tmp_path / "build.sh", f'mkdir -p "{made.parent}"\n'
-                        f'printf "#!/bin/sh\\n" > "{made}"; chmod +x "{made}"\n'
-                        f'echo "Compiling."\necho "{made}"\n')  # fmt: skip
+    script = executable(
+        tmp_path / "build.sh",
+        f'mkdir -p "{made.parent}"\n'
+        f'printf "#!/bin/sh\\n" > "{made}"; chmod +x "{made}"\n'
+        f'echo "Compiling."\necho "{made}"\n',
+    )
     with (tmp_path / "progress.txt").open("w") as sink:
         assert find_llama_server(build=True, script=script, progress=sink) == made
     missing = executable(tmp_path / "liar.sh", f'echo "{tmp_path / "nothing"}"\n')
@@ -202,14 +207,24 @@ def test_build_script_fails_in_one_line_without_cmake(tmp_path) -> None:
     for tool in ("bash", "dirname", "sed"):
         (tools / tool).symlink_to(shutil.which(tool))
     env = {"PATH": str(tools), "HOME": str(tmp_path), "HETSPEC_CACHE_DIR": str(tmp_path / "c")}
-    done = subprocess.run([str(tools / "bash"), str(BUILD_SCRIPT)], env=env,
-                          capture_output=True, text=True, check=False)  # fmt: skip
+    done = subprocess.run(
+        [str(tools / "bash"), str(BUILD_SCRIPT)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [
         "build-llama-server: cmake is not installed (apt install cmake)"
     ]
-    unknown = subprocess.run([str(tools / "bash"), str(BUILD_SCRIPT), "rocm"], env=env,
-                             capture_output=True, text=True, check=False)  # fmt: skip
+    unknown = subprocess.run(
+        [str(tools / "bash"), str(BUILD_SCRIPT), "rocm"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert unknown.returncode == 2
     assert len(unknown.stderr.strip().splitlines()) == 1
 
@@ -278,11 +293,19 @@ def test_server_pool_keeps_the_most_recently_used(monkeypatch) -> None:
 @pytest.mark.slow
 def test_peers_go_on_without_llama_server_and_say_why(tmp_path) -> None:
     """The peers' process with an unusable llama-server: the other peers, and the reason."""
-    command = [sys.executable, "-m", "hetspec.bench.peers", "--threads", "1",
-               "--llama-server", str(tmp_path / "absent")]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "hetspec.bench.peers",
+        "--threads",
+        "1",
+        "--llama-server",
+        str(tmp_path / "absent"),
+    ]
     request = json.dumps({"system": "transformers assisted", "prompt": PROMPT, "max_tokens": 4})
-    done = subprocess.run(command, input=request + "\n", capture_output=True, text=True,
-                          timeout=240, check=False)  # fmt: skip
+    done = subprocess.run(
+        command, input=request + "\n", capture_output=True, text=True, timeout=240, check=False
+    )
     assert done.returncode == 0, done.stderr
     first, answer = (json.loads(line) for line in done.stdout.splitlines())
     assert first["systems"] == [
@@ -299,12 +322,29 @@ def test_peers_go_on_without_llama_server_and_say_why(tmp_path) -> None:
 def test_sampled_peers_skip_the_greedy_loop_and_draw_the_others(tmp_path) -> None:
     """At a temperature the greedy-only loop is skipped with its reason, and transformers'
     assisted generation samples (seeded per request)."""
-    command = [sys.executable, "-m", "hetspec.bench.peers", "--threads", "1",
-               "--llama-server", "off", "--temperature", "0.8"]  # fmt: skip
-    requests = [{"system": "transformers assisted", "prompt": PROMPT, "max_tokens": 4,
-                 "seed": seed} for seed in (1, None)]  # fmt: skip
-    done = subprocess.run(command, input="".join(json.dumps(r) + "\n" for r in requests),
-                          capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "hetspec.bench.peers",
+        "--threads",
+        "1",
+        "--llama-server",
+        "off",
+        "--temperature",
+        "0.8",
+    ]
+    requests = [
+        {"system": "transformers assisted", "prompt": PROMPT, "max_tokens": 4, "seed": seed}
+        for seed in (1, None)
+    ]
+    done = subprocess.run(
+        command,
+        input="".join(json.dumps(r) + "\n" for r in requests),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     first, *answers = (json.loads(line) for line in done.stdout.splitlines())
     assert first["systems"] == ["transformers assisted"]
@@ -312,8 +352,9 @@ def test_sampled_peers_skip_the_greedy_loop_and_draw_the_others(tmp_path) -> Non
         "greedy only (it verifies by the target's argmax)"
     )
     assert [a["tokens"] for a in answers] == [4, 4]
-    refused = subprocess.run([*command[:-1], "nan"], capture_output=True, text=True,
-                             timeout=60, check=False)  # fmt: skip
+    refused = subprocess.run(
+        [*command[:-1], "nan"], capture_output=True, text=True, timeout=60, check=False
+    )
     assert refused.returncode == 2
     assert "--temperature must be a finite number >= 0, not nan" in refused.stderr
 
@@ -394,8 +435,14 @@ def test_peers_process_serves_llama_servers_systems(binary: Path) -> None:
     """The peers' process with the real server: alone, default and best-of-sweep systems."""
     command = [sys.executable, "-m", "hetspec.bench.peers", "--llama-server", str(binary)]
     request = {"system": "llama-server target alone", "prompt": PROMPT, "max_tokens": 16}
-    done = subprocess.run(command, input=json.dumps(request) + "\n", capture_output=True,
-                          text=True, timeout=240, check=False)  # fmt: skip
+    done = subprocess.run(
+        command,
+        input=json.dumps(request) + "\n",
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     first, answer = (json.loads(line) for line in done.stdout.splitlines())
     assert first["skipped"] == {}

@@ -52,9 +52,11 @@ def test_readable_text_on_a_tty() -> None:
     controller, terminal = pty.openpty()
     try:
         process = subprocess.Popen(
-            [sys.executable, "-c", EMIT], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            [sys.executable, "-c", EMIT],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
             stderr=terminal,
-        )  # fmt: skip
+        )
         os.close(terminal)
         output = b""
         while chunk := _read(controller):

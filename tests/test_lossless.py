@@ -41,13 +41,24 @@ pytestmark = pytest.mark.process
 # Dovetail's with the independent draft model instead of the head, the head drafting
 # EAGLE-2's dynamic trees, the verifier's last layers on an rpc-server (llama.cpp's RPC), and
 # the torch verifier in a GPU's fixed width with split attention (static_forward.py)
-PLACEMENTS = ("draft-cpu", "draft-gpu", "draft-cpu-llama", "draft-cpu-native", "draft-gpu-model",
-              "draft-gpu-tree", "draft-cpu-rpc", "draft-cpu-split")  # fmt: skip
-SETTINGS_BY_SUFFIX = {"-llama": ('gpu_runtime="llama.cpp"',), "-native": ('gpu_runtime="native"',),
-                      "-model": ('draft_head="none"',), "-tree": ("draft_tree=3",),
-                      "-rpc": ('gpu_runtime="llama.cpp"',),
-                      "-split": ("gpu_worker.fixed_width=16",
-                                 'gpu_worker.attention="split"')}  # fmt: skip
+PLACEMENTS = (
+    "draft-cpu",
+    "draft-gpu",
+    "draft-cpu-llama",
+    "draft-cpu-native",
+    "draft-gpu-model",
+    "draft-gpu-tree",
+    "draft-cpu-rpc",
+    "draft-cpu-split",
+)
+SETTINGS_BY_SUFFIX = {
+    "-llama": ('gpu_runtime="llama.cpp"',),
+    "-native": ('gpu_runtime="native"',),
+    "-model": ('draft_head="none"',),
+    "-tree": ("draft_tree=3",),
+    "-rpc": ('gpu_runtime="llama.cpp"',),
+    "-split": ("gpu_worker.fixed_width=16", 'gpu_worker.attention="split"'),
+}
 GREEDY_TOKENS = 24
 
 
@@ -57,8 +68,17 @@ class BundledDaemon(DaemonProcess):
     def __init__(
         self, tmp_path: Path, placement: str, *extra: str, env: dict | None = None
     ) -> None:
-        super().__init__(tmp_path, "--placement", placement, "--log-format", "json",
-                         "--set", 'gpu_runtime="torch"', *extra, env=clean_env(env))  # fmt: skip
+        super().__init__(
+            tmp_path,
+            "--placement",
+            placement,
+            "--log-format",
+            "json",
+            "--set",
+            'gpu_runtime="torch"',
+            *extra,
+            env=clean_env(env),
+        )
         try:
             self.wait_ready(180)
         except BaseException:
@@ -132,8 +152,12 @@ SEEDED = [
 SEEDED_TOKENS = 24
 # prompt i samples from LAWS[i % 4] with seed SEED_BASE + i: each law on 5 prompts, each
 # checked against the target alone in this process on one (i % 5 == 0)
-LAWS = [{"temperature": 0.5}, {"temperature": 1.0}, {"temperature": 0.5, "top_p": 0.9},
-        {"temperature": 1.0, "top_p": 0.9, "top_k": 6}]  # fmt: skip
+LAWS = [
+    {"temperature": 0.5},
+    {"temperature": 1.0},
+    {"temperature": 0.5, "top_p": 0.9},
+    {"temperature": 1.0, "top_p": 0.9, "top_k": 6},
+]
 SEED_BASE = 5000
 
 
@@ -190,8 +214,9 @@ def test_a_client_that_hangs_up_cancels_its_generation_mid_round(daemon, mode: s
     """The daemon notices the closed socket, stops decoding at once and serves the next
     request normally (the workers' state from the abandoned one is reset by the next prefill)."""
     prompt = "import os\n"
-    connection, response = stream(daemon.socket, native(prompt, max_tokens=1900,
-                                                        ignore_eos=True, mode=mode))  # fmt: skip
+    connection, response = stream(
+        daemon.socket, native(prompt, max_tokens=1900, ignore_eos=True, mode=mode)
+    )
     for _ in range(3):
         assert json.loads(response.readline())["response"] is not None
     connection.sock.shutdown(socket.SHUT_RDWR)
@@ -213,16 +238,27 @@ def target_runtime(placement: str):
     if placement == "draft-cpu-split":  # the same in a GPU's fixed width, split attention
         from hetspec.workers.runtimes.torch_runtime import TorchRuntime  # noqa: PLC0415
 
-        return TorchRuntime(BUNDLED_MODELS / "target", max_context=1024, verifies=True,
-                            fixed_width=16, attention="split")  # fmt: skip
+        return TorchRuntime(
+            BUNDLED_MODELS / "target",
+            max_context=1024,
+            verifies=True,
+            fixed_width=16,
+            attention="split",
+        )
     if placement == "draft-cpu-native":
         from hetspec.workers.runtimes.native_runtime import NativeRuntime  # noqa: PLC0415
 
         return NativeRuntime(BUNDLED_MODELS / "target" / "target-q8_0.gguf", n_ctx=1024)
     from hetspec.workers.runtimes.llama_cpp_runtime import LlamaCppRuntime  # noqa: PLC0415
 
-    return LlamaCppRuntime(BUNDLED_MODELS / "target" / "target-q8_0.gguf", n_ctx=1024, threads=1,
-                           flash_attention="off", kv_type="f16", v_type="f32")  # fmt: skip
+    return LlamaCppRuntime(
+        BUNDLED_MODELS / "target" / "target-q8_0.gguf",
+        n_ctx=1024,
+        threads=1,
+        flash_attention="off",
+        kv_type="f16",
+        v_type="f32",
+    )
 
 
 # Drawn requests draw afresh on every run, so a correct daemon fails a check now and then by
@@ -237,9 +273,11 @@ def target_runtime(placement: str):
 # (w = 0.77) fail every check.
 FAMILY_ALPHA = 0.001
 DRAWS = 600
-DRAWN = {"branches": {"mode": "sequential", "gamma": 2, "branches": 3},
-         "parallel": {"mode": "parallel", "gamma": 2},
-         "chain": {"mode": "sequential", "gamma": 2}}  # fmt: skip
+DRAWN = {
+    "branches": {"mode": "sequential", "gamma": 2, "branches": 3},
+    "parallel": {"mode": "parallel", "gamma": 2},
+    "chain": {"mode": "sequential", "gamma": 2},
+}
 DRAWN_CHECKS = 2 * (2 * len(PLACEMENTS) + 1)  # two positions; "chain": the tree placement's
 DRAWN_PROMPT = "def add(a, b):\n"
 DRAWN_PARAMS = {"temperature": 1.0, "top_k": 6}
@@ -249,13 +287,13 @@ DRAWN_PARAMS = {"temperature": 1.0, "top_k": 6}
 def test_drawn_tokens_follow_the_targets_law(daemon, shape: dict) -> None:
     if shape is DRAWN["chain"] and not daemon.placement.endswith("-tree"):
         pytest.skip("drawn requests in tree mode draft drawn chains: the tree placement's own")
-    law = exact_marginals(target_runtime(daemon.placement), DRAWN_PROMPT,
-                          SamplingParams(**DRAWN_PARAMS))  # fmt: skip
+    law = exact_marginals(
+        target_runtime(daemon.placement), DRAWN_PROMPT, SamplingParams(**DRAWN_PARAMS)
+    )
     counts: list[dict[int, int]] = [{}, {}, {}]
     accepted = 0
     for _ in range(DRAWS):
-        body = daemon.generate(DRAWN_PROMPT, max_tokens=3, ignore_eos=True, **DRAWN_PARAMS,
-                               **shape)  # fmt: skip
+        body = daemon.generate(DRAWN_PROMPT, max_tokens=3, ignore_eos=True, **DRAWN_PARAMS, **shape)
         accepted += body["timings"]["draft_n_accepted"]
         for position, token in enumerate(body["tokens"]):
             counts[position][token] = counts[position].get(token, 0) + 1

@@ -18,9 +18,13 @@ pytestmark = pytest.mark.process  # the shell client, for most
 
 
 def check(*paths: Path | str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hetspec.client.cli", "models", "check",
-                           *map(str, paths)], capture_output=True, text=True, timeout=300,
-                          check=False)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "hetspec.client.cli", "models", "check", *map(str, paths)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
 
 
 def config_of(stdout: str) -> dict:
@@ -60,8 +64,12 @@ def test_k_quant_files_run_on_the_native_kernels_and_other_types_are_named(tmp_p
     from hetspec.daemon.load.model_check import Side, find_exports  # noqa: PLC0415
     from hetspec.models.llama_quantize import quantize_gguf  # noqa: PLC0415
 
-    target = quantize_gguf(BUNDLED_MODELS / "target" / "target-f16.gguf",
-                           tmp_path / "target-q4_k_m.gguf", "q4_k_m", threads=1)  # fmt: skip
+    target = quantize_gguf(
+        BUNDLED_MODELS / "target" / "target-f16.gguf",
+        tmp_path / "target-q4_k_m.gguf",
+        "q4_k_m",
+        threads=1,
+    )
     done = check(target, BUNDLED_MODELS / "draft" / "draft-q8_0.gguf")
     assert done.returncode == 0, done.stdout + done.stderr
     assert 'gpu_runtime "native": can serve' in done.stdout
@@ -70,9 +78,11 @@ def test_k_quant_files_run_on_the_native_kernels_and_other_types_are_named(tmp_p
     assert model.gguf_facts.tensor_types == {"Q4_K", "Q6_K", "Q5_0", "Q8_0", "F32"}
     other = replace(model.gguf_facts, tensor_types=model.gguf_facts.tensor_types | {"IQ3_S"})
     side = Side("verifies", "CPU worker", "native", replace(model, gguf_facts=other))
-    assert side.unusable() == ("the native kernels read F16, F32, IQ4_NL, IQ4_XS, Q4_0, Q4_1, "
-                               "Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 tensors; this Q4_K_M file has "
-                               "IQ3_S")  # fmt: skip
+    assert side.unusable() == (
+        "the native kernels read F16, F32, IQ4_NL, IQ4_XS, Q4_0, Q4_1, "
+        "Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 tensors; this Q4_K_M file has "
+        "IQ3_S"
+    )
 
 
 def test_a_draft_with_another_tokenizer_is_refused_as_the_daemon_would(models) -> None:

@@ -79,8 +79,9 @@ def quantized(kind: int, values: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return record.view(np.uint8).reshape(rows, -1).copy()
 
 
-def integer_weights(kind: int, rng: np.random.Generator, rows: int = ROWS,
-                    cols: int = COLS) -> np.ndarray:  # fmt: skip
+def integer_weights(
+    kind: int, rng: np.random.Generator, rows: int = ROWS, cols: int = COLS
+) -> np.ndarray:
     low, high = (-127, 128) if kind == Q8_0 else (-8, 8)
     return rng.integers(low, high, (rows, cols))
 
@@ -143,16 +144,18 @@ def test_a_rows_result_does_not_depend_on_its_neighbours_or_threads(kernels, kin
         values = integer_weights(kind, rng, rows, cols)
         scales = rng.uniform(1e-3, 1e-2, (rows, cols // BLOCK))
         data = quantized(kind, values, scales)
-        reference = (values.reshape(rows, -1, BLOCK) * scales.astype(np.float16)[..., None]
-                     ).reshape(rows, cols)  # fmt: skip
+        reference = (
+            values.reshape(rows, -1, BLOCK) * scales.astype(np.float16)[..., None]
+        ).reshape(rows, cols)
     else:
         dtype = np.float16 if kind == F16 else np.float32
         reference = rng.standard_normal((rows, cols)).astype(dtype)
         data = reference.view(np.uint8).reshape(rows, -1)
     weights = matrix(kind, data, rows, cols)
     x = rng.standard_normal((70, cols)).astype(np.float32)
-    alone = np.concatenate([kernels.matmul(weights, x[row : row + 1].copy(), threads=1)
-                            for row in range(len(x))])  # fmt: skip
+    alone = np.concatenate(
+        [kernels.matmul(weights, x[row : row + 1].copy(), threads=1) for row in range(len(x))]
+    )
     # every way rows are split between the kernels: whole groups of 8, groups padded from 5-7
     # rows, features-in-lanes tiles of 1-4 rows, 16 features in lanes in passes of up to 32
     # rows (70: three passes of 24, 23, 23; 33: 17 and 16)
@@ -186,8 +189,16 @@ def test_bad_weights_are_refused_with_a_reason() -> None:
 
 # ---------------------------------------------------------------- types read by unpacking
 
-UNPACKED = {Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", Q5_0: "Q5_0", Q4_1: "Q4_1", Q5_1: "Q5_1",
-            IQ4_NL: "IQ4_NL", IQ4_XS: "IQ4_XS"}  # fmt: skip
+UNPACKED = {
+    Q4_K: "Q4_K",
+    Q5_K: "Q5_K",
+    Q6_K: "Q6_K",
+    Q5_0: "Q5_0",
+    Q4_1: "Q4_1",
+    Q5_1: "Q5_1",
+    IQ4_NL: "IQ4_NL",
+    IQ4_XS: "IQ4_XS",
+}
 SMALL_BLOCKS = (Q5_0, Q4_1, Q5_1, IQ4_NL)  # 32 values a block
 
 
@@ -229,8 +240,12 @@ def test_unpacked_types_give_every_row_the_same_bits_at_every_level(kernels, kin
     rows, cols = 37, 11 * BLOCK if kind in SMALL_BLOCKS else 3 * 256
     weights = matrix(kind, random_blocks(kind, rng, rows, cols), rows, cols)
     x = rng.standard_normal((70, cols)).astype(np.float32)
-    alone = np.concatenate([kernels.matmul(weights, x[row : row + 1].copy(), threads=1, simd=0)
-                            for row in range(len(x))])  # fmt: skip
+    alone = np.concatenate(
+        [
+            kernels.matmul(weights, x[row : row + 1].copy(), threads=1, simd=0)
+            for row in range(len(x))
+        ]
+    )
     for n in (70, 33, 24, 23, 17, 16, 15, 13, 9, 8, 7, 6, 5, 4, 3, 2, 1):
         for level in levels_here(kernels):
             together = kernels.matmul(weights, x[:n].copy(), threads=2, simd=level)
@@ -339,8 +354,9 @@ def test_a_small_models_packed_q8_0_copies_give_the_same_logits() -> None:
             runtime.prefill(runtime.tokenize(TEXT)[:100])
             outputs = [runtime.last_logits().copy()]
             for width in (1, 2, 3, 4, 5, 8, 9, 16):
-                outputs.append(runtime.evaluate_tree(list(range(3, 3 + width)),
-                                                     chain_parents(width)).copy())  # fmt: skip
+                outputs.append(
+                    runtime.evaluate_tree(list(range(3, 3 + width)), chain_parents(width)).copy()
+                )
             draft = runtime.draft(7, SamplingParams(), DrawnSampler(0))
             runs.append((outputs, draft.tokens.copy()))
         for ours, theirs in zip(runs[0][0], runs[1][0], strict=True):
@@ -402,8 +418,10 @@ def test_it_predicts_as_llama_cpp_does_on_the_same_file(request, heavy, gguf_typ
     llama = LlamaCppRuntime(path, n_ctx=512, flash_attention="off", kv_type="f16", v_type="f32")
     tokens = native.tokenize(TEXT)[:257]
     assert tokens == llama.tokenize(TEXT)[:257]
-    ours, theirs = (runtime.prefill(tokens[:1]) or runtime.evaluate_tree(tokens[1:],
-                    chain_parents(256)) for runtime in (native, llama))  # fmt: skip
+    ours, theirs = (
+        runtime.prefill(tokens[:1]) or runtime.evaluate_tree(tokens[1:], chain_parents(256))
+        for runtime in (native, llama)
+    )
     # both quantize activations to 8 bits (K-quants per 256 values, else per 32), but round
     # and order their float steps differently, and attention differs: close, not equal
     assert np.abs(ours - theirs).max() <= 0.05 * np.abs(theirs).max()
@@ -440,8 +458,12 @@ class StepwiseRuntime(NativeRuntime):
 
 
 def pending_state(runtime: NativeRuntime) -> list[np.ndarray]:
-    return [runtime._pending_tokens, runtime._pending_parents, runtime._pending_depths,
-            runtime._pending_mask]  # fmt: skip
+    return [
+        runtime._pending_tokens,
+        runtime._pending_parents,
+        runtime._pending_depths,
+        runtime._pending_mask,
+    ]
 
 
 def both_runtimes_through(heavy, stepwise_kind: type, scenario) -> list[tuple]:
@@ -508,7 +530,7 @@ class CountingRuntime(NativeRuntime):
 @pytest.mark.parametrize("seeded", [True, False], ids=["keyed", "drawn"])
 def test_a_sampled_chain_drafted_in_one_call_is_the_one_drafted_node_by_node(
     heavy, seeded: bool
-) -> None:  # fmt: skip
+) -> None:
     """Sampled at a temperature alone, a chain is one call too, choosing from rows equal to
     the node-by-node draft's (to float rounding: the kernels' softmax) with the same sampler:
     a seeded request's keyed choices (argmax p / the position's noise), an unseeded one's
@@ -546,7 +568,7 @@ def test_a_sampled_chain_drafted_in_one_call_is_the_one_drafted_node_by_node(
 @pytest.mark.parametrize("seeded", [None, True], ids=["greedy", "keyed"])
 def test_a_draft_evaluating_its_appended_token_in_the_chain_call_is_append_then_draft(
     heavy, seeded: bool | None
-) -> None:  # fmt: skip
+) -> None:
     """Rounds as the daemon runs them (the accepted path and the bonus appended, then a draft):
     ``catch_up`` and ``draft(first=...)`` give the tokens, rows, pending tree, committed
     sequence and next-token logits of ``append`` then ``draft`` node by node, in one kernel
@@ -555,8 +577,11 @@ def test_a_draft_evaluating_its_appended_token_in_the_chain_call_is_append_then_
     path = heavy.gguf("q8_0")
     params = SamplingParams(temperature=0.8) if seeded else SamplingParams()
     sampler = (lambda: KeyedSampler(7)) if seeded else (lambda: DrawnSampler(0))
-    fused, stepwise, fallback = (CountingRuntime(path, n_ctx=256), StepwiseRuntime(path, n_ctx=256),
-                                 StepwiseRuntime(path, n_ctx=256))  # fmt: skip
+    fused, stepwise, fallback = (
+        CountingRuntime(path, n_ctx=256),
+        StepwiseRuntime(path, n_ctx=256),
+        StepwiseRuntime(path, n_ctx=256),
+    )
     prompt = fused.tokenize(TEXT)[:40]
     # accepted tokens of each round's draft of 6, then the bonus: none, two, all six (whose
     # last was drawn, not evaluated: two new tokens), one; a bonus other than the draft's
@@ -581,15 +606,23 @@ def test_a_draft_evaluating_its_appended_token_in_the_chain_call_is_append_then_
                 draft = runtime.draft(6, params, sampler(), first=first)
                 assert runtime.forwards - caught_up == 6
                 assert caught_up - before == (count == 6)  # the drawn last token's forward
-            seen.append((draft, [a.copy() for a in pending_state(runtime)],
-                         list(runtime.tokens), runtime.last_logits().copy()))  # fmt: skip
+            seen.append(
+                (
+                    draft,
+                    [a.copy() for a in pending_state(runtime)],
+                    list(runtime.tokens),
+                    runtime.last_logits().copy(),
+                )
+            )
         rounds[name] = seen
     assert fused.chains == 1 + len(accepted)
     for name in ("fused", "fallback"):
-        for (ours, state, committed, logits), (theirs, their_state, their_committed,
-                                               their_logits) in zip(rounds[name],
-                                                                    rounds["stepwise"],
-                                                                    strict=True):  # fmt: skip
+        for (ours, state, committed, logits), (
+            theirs,
+            their_state,
+            their_committed,
+            their_logits,
+        ) in zip(rounds[name], rounds["stepwise"], strict=True):
             np.testing.assert_array_equal(ours.tokens, theirs.tokens)
             np.testing.assert_array_equal(ours.nodes, theirs.nodes)
             assert ours.root == theirs.root
@@ -650,8 +683,24 @@ def test_bench_draft_times_a_round_s_draft_call_against_a_forward_alone(capsys) 
     draft = str(MODELS / "draft" / "draft-q8_0.gguf")
     cores = os.sched_getaffinity(0)
     try:  # --cores pins this process, as a worker pins itself
-        assert bench_draft.main([draft, "--runtimes", "native", "--gammas", "3", "--rounds",
-                                 "5", "--prefix", "16", "--cores", "0"]) == 0  # fmt: skip
+        assert (
+            bench_draft.main(
+                [
+                    draft,
+                    "--runtimes",
+                    "native",
+                    "--gammas",
+                    "3",
+                    "--rounds",
+                    "5",
+                    "--prefix",
+                    "16",
+                    "--cores",
+                    "0",
+                ]
+            )
+            == 0
+        )
     finally:
         os.sched_setaffinity(0, cores)
     lines = capsys.readouterr().out.splitlines()
@@ -673,7 +722,7 @@ class BranchesStepwiseRuntime(NativeRuntime):
 @pytest.mark.parametrize("branches", [2, 4])
 def test_greedy_branches_drafted_in_one_call_are_the_ones_drafted_step_by_step(
     heavy, branches: int
-) -> None:  # fmt: skip
+) -> None:
     """The same tokens, nodes, pending tree and logits, and probability rows within float
     rounding: afresh, continued below a pending node (``after``) and after committing a
     branch's path; only the calls into the kernels differ (one a draft instead of one a step)."""

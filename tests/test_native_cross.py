@@ -20,14 +20,23 @@ import pytest
 pytestmark = pytest.mark.process
 
 SOURCES = Path(__file__).resolve().parents[1] / "native" / "src"
-FLAGS = ["-O2", "-std=c11", "-fopenmp", "-ffp-contract=off", f"-I{SOURCES}",
-         str(SOURCES / "hsnative.c"), str(SOURCES / "unpacked.c"), str(SOURCES / "selftest.c"),
-         "-lm"]  # fmt: skip
+FLAGS = [
+    "-O2",
+    "-std=c11",
+    "-fopenmp",
+    "-ffp-contract=off",
+    f"-I{SOURCES}",
+    str(SOURCES / "hsnative.c"),
+    str(SOURCES / "unpacked.c"),
+    str(SOURCES / "selftest.c"),
+    "-lm",
+]
 
 
 def build(compiler: str, output: Path, *extra: str) -> None:
-    result = subprocess.run([compiler, *FLAGS, *extra, "-o", str(output)], capture_output=True,
-                            text=True, check=False)  # fmt: skip
+    result = subprocess.run(
+        [compiler, *FLAGS, *extra, "-o", str(output)], capture_output=True, text=True, check=False
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -49,9 +58,11 @@ CROSS = shutil.which("aarch64-linux-gnu-gcc")
 QEMU = shutil.which("qemu-aarch64")
 
 
-@pytest.mark.skipif(CROSS is None or QEMU is None,
-                    reason="needs Debian's gcc-aarch64-linux-gnu and qemu-user (.ci/run installs "
-                    "them where it can)")  # fmt: skip
+@pytest.mark.skipif(
+    CROSS is None or QEMU is None,
+    reason="needs Debian's gcc-aarch64-linux-gnu and qemu-user (.ci/run installs "
+    "them where it can)",
+)
 def test_the_aarch64_kernels_pass_under_qemu(tmp_path) -> None:
     binary = tmp_path / "selftest-aarch64"
     build(CROSS, binary, "-static")

@@ -36,8 +36,9 @@ def tiny(tmp_path_factory):
     @functools.cache
     def export(name: str, gguf_type: str = "f32") -> Path:
         folder = tmp_path_factory.mktemp(name)
-        return write_tiny_gguf(folder, name, gguf_type=gguf_type, context=CONTEXT,
-                               intermediate_size=FFN)  # fmt: skip
+        return write_tiny_gguf(
+            folder, name, gguf_type=gguf_type, context=CONTEXT, intermediate_size=FFN
+        )
 
     return export
 
@@ -69,11 +70,12 @@ def test_each_family_computes_what_transformers_and_llama_cpp_compute(tiny, name
     native = NativeRuntime(path, n_ctx=CONTEXT)
     tokens = native.tokenize(TEXT)[:200]  # past the llama3 config's 32 original positions
     reference = transformers_logits(path.parent, tokens)
-    llama = LlamaCppRuntime(path, n_ctx=CONTEXT, flash_attention="off", kv_type="f16",
-                            v_type="f32")  # fmt: skip
+    llama = LlamaCppRuntime(path, n_ctx=CONTEXT, flash_attention="off", kv_type="f16", v_type="f32")
     scale = np.abs(reference).max()
-    for label, logits in (("native", logits_of(native, tokens)),
-                          ("llama.cpp", logits_of(llama, tokens))):  # fmt: skip
+    for label, logits in (
+        ("native", logits_of(native, tokens)),
+        ("llama.cpp", logits_of(llama, tokens)),
+    ):
         # F32 weights: only the half-float KV cache and summation order differ (Gemma: also
         # llama.cpp's GELU, read from a table of half floats, and Gemma 2's logits capped
         # at 4 here, so the largest logit is small)
@@ -88,8 +90,7 @@ def test_quantized_files_predict_as_llama_cpp_does(tiny, name) -> None:
 
     path = tiny(name, "q8_0")
     native = NativeRuntime(path, n_ctx=CONTEXT)
-    llama = LlamaCppRuntime(path, n_ctx=CONTEXT, flash_attention="off", kv_type="f16",
-                            v_type="f32")  # fmt: skip
+    llama = LlamaCppRuntime(path, n_ctx=CONTEXT, flash_attention="off", kv_type="f16", v_type="f32")
     tokens = native.tokenize(TEXT)[:200]
     ours, theirs = logits_of(native, tokens), logits_of(llama, tokens)
     # both quantize activations to 8 bits, in different blocks and scales: close, not equal.
@@ -139,8 +140,14 @@ def test_a_windowed_models_tree_node_is_the_same_bits_as_its_path_alone(tiny, na
         native.discard_pending()
 
 
-def copy_gguf(source: Path, target: Path, *, drop: str = "", extra: str = "",
-              keys: dict[str, float] | None = None) -> Path:  # fmt: skip
+def copy_gguf(
+    source: Path,
+    target: Path,
+    *,
+    drop: str = "",
+    extra: str = "",
+    keys: dict[str, float] | None = None,
+) -> Path:
     """``source`` (an F32 file) rewritten without tensor ``drop``, with a zero vector ``extra``
     and float ``keys`` added: a file from another converter, or a variant of the
     architecture."""
@@ -173,24 +180,27 @@ def test_a_file_with_parts_it_would_ignore_is_refused(tiny, tmp_path) -> None:
     qwen2 = tiny("qwen2")
     NativeRuntime(copy_gguf(qwen2, tmp_path / "same.gguf"), n_ctx=CONTEXT)  # the copy loads
     with pytest.raises(NativeUnavailable, match=r"blk\.0\.attn_output\.bias_extra.*do not do"):
-        NativeRuntime(copy_gguf(qwen2, tmp_path / "extra.gguf",
-                                extra="blk.0.attn_output.bias_extra"))  # fmt: skip
+        NativeRuntime(
+            copy_gguf(qwen2, tmp_path / "extra.gguf", extra="blk.0.attn_output.bias_extra")
+        )
     qwen3 = tiny("qwen3")
     with pytest.raises(NativeUnavailable, match="attn_q_norm and attn_k_norm in layer 1"):
-        NativeRuntime(copy_gguf(qwen3, tmp_path / "no-norm.gguf",
-                                drop="blk.1.attn_k_norm.weight"))  # fmt: skip
+        NativeRuntime(copy_gguf(qwen3, tmp_path / "no-norm.gguf", drop="blk.1.attn_k_norm.weight"))
     gemma3 = tiny("gemma3")
     with pytest.raises(NativeUnavailable, match=r"lacks tensor 'blk\.2\.post_ffw_norm\.weight'"):
-        NativeRuntime(copy_gguf(gemma3, tmp_path / "no-post-norm.gguf",
-                                drop="blk.2.post_ffw_norm.weight"))  # fmt: skip
+        NativeRuntime(
+            copy_gguf(gemma3, tmp_path / "no-post-norm.gguf", drop="blk.2.post_ffw_norm.weight")
+        )
     # a setting it reads is applied: a final soft cap (Gemma 2's; a Gemma 3 file may have one)
-    capped = NativeRuntime(copy_gguf(gemma3, tmp_path / "softcap.gguf",
-                                     keys={"gemma3.final_logit_softcapping": 1.5}))  # fmt: skip
+    capped = NativeRuntime(
+        copy_gguf(gemma3, tmp_path / "softcap.gguf", keys={"gemma3.final_logit_softcapping": 1.5})
+    )
     plain = NativeRuntime(gemma3)
     for runtime in (capped, plain):
         runtime.prefill(runtime.tokenize(TEXT)[:20])
-    np.testing.assert_allclose(capped.last_logits(), 1.5 * np.tanh(plain.last_logits() / 1.5),
-                               atol=1e-5)  # fmt: skip
+    np.testing.assert_allclose(
+        capped.last_logits(), 1.5 * np.tanh(plain.last_logits() / 1.5), atol=1e-5
+    )
 
 
 def qwen2_layout(folder: Path, out: Path) -> Path:
@@ -224,24 +234,39 @@ def test_the_daemon_serves_a_qwen2_target_on_the_native_kernels_losslessly(tmp_p
     from hetspec.speculative.verify.samplers import DrawnSampler  # noqa: PLC0415
 
     target = qwen2_layout(BUNDLED_MODELS / "target", tmp_path / "qwen2")
-    daemon = BundledDaemon(tmp_path, "draft-cpu", "--set", 'gpu_runtime="native"',
-                           "--set", f"target.gguf={json.dumps(str(target))}",
-                           "--set", f"target.folder={json.dumps(str(target.parent))}")  # fmt: skip
+    daemon = BundledDaemon(
+        tmp_path,
+        "draft-cpu",
+        "--set",
+        'gpu_runtime="native"',
+        "--set",
+        f"target.gguf={json.dumps(str(target))}",
+        "--set",
+        f"target.folder={json.dumps(str(target.parent))}",
+    )
     try:
         runtime = NativeRuntime(target, n_ctx=1024)
         options = {"max_tokens": 24, "ignore_eos": True}
         for prompt in prompt_set(2)[:3]:
-            status, body = request(daemon.socket, "POST", "/api/generate",
-                                   native(prompt, mode="autoregressive", **options))  # fmt: skip
+            status, body = request(
+                daemon.socket,
+                "POST",
+                "/api/generate",
+                native(prompt, mode="autoregressive", **options),
+            )
             assert status == 200, body
             alone = body["tokens"]
             runtime.prefill(runtime.tokenize(prompt))
             decoded = runtime.draft(25, SamplingParams(), DrawnSampler(0)).tokens[0, :24].tolist()
             assert alone == decoded
-            for mode in ({"mode": "sequential"}, {"mode": "adaptive"},
-                         {"mode": "sequential", "gamma": 4, "branches": 3}):  # fmt: skip
-                status, body = request(daemon.socket, "POST", "/api/generate",
-                                       native(prompt, **options, **mode))  # fmt: skip
+            for mode in (
+                {"mode": "sequential"},
+                {"mode": "adaptive"},
+                {"mode": "sequential", "gamma": 4, "branches": 3},
+            ):
+                status, body = request(
+                    daemon.socket, "POST", "/api/generate", native(prompt, **options, **mode)
+                )
                 assert status == 200, body
                 assert body["tokens"] == alone, mode
                 # the controller may rightly decode alone where the bundled pair (c ~ 2.2)
@@ -261,20 +286,35 @@ def test_the_daemon_serves_a_gemma3_pair_on_the_native_kernels_losslessly(tmp_pa
 
     from hetspec.bench.compare import prompt_set  # noqa: PLC0415
 
-    models = {role: write_tiny_gguf(tmp_path / role, "gemma3", seed=seed, gguf_type="q8_0",
-                                    context=1024, intermediate_size=FFN)
-              for role, seed in (("target", 0), ("draft", 1))}  # fmt: skip
+    models = {
+        role: write_tiny_gguf(
+            tmp_path / role,
+            "gemma3",
+            seed=seed,
+            gguf_type="q8_0",
+            context=1024,
+            intermediate_size=FFN,
+        )
+        for role, seed in (("target", 0), ("draft", 1))
+    }
     settings = ["--set", 'gpu_runtime="native"']
     for role, path in models.items():
-        settings += ["--set", f"{role}.gguf={json.dumps(str(path))}",
-                     "--set", f"{role}.folder={json.dumps(str(path.parent))}"]  # fmt: skip
+        settings += [
+            "--set",
+            f"{role}.gguf={json.dumps(str(path))}",
+            "--set",
+            f"{role}.folder={json.dumps(str(path.parent))}",
+        ]
     daemon = BundledDaemon(tmp_path, "draft-cpu", *settings)
     try:
         for prompt in prompt_set(2)[:2]:
             options = {"max_tokens": 24, "ignore_eos": True}
             alone = daemon.generate(prompt, mode="autoregressive", **options)["tokens"]
-            for mode in ({"mode": "sequential", "gamma": 3}, {"mode": "adaptive"},
-                         {"mode": "sequential", "gamma": 4, "branches": 3}):  # fmt: skip
+            for mode in (
+                {"mode": "sequential", "gamma": 3},
+                {"mode": "adaptive"},
+                {"mode": "sequential", "gamma": 4, "branches": 3},
+            ):
                 body = daemon.generate(prompt, **options, **mode)
                 assert body["tokens"] == alone, mode
                 # adaptive may rightly decode alone: this random draft is rarely accepted

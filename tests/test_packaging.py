@@ -47,9 +47,17 @@ def test_wheel_holds_only_the_hetspec_namespace(tmp_path: Path) -> None:
     source = tmp_path / "source"
     shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(*BUILD_LEFTOVERS))
     built = run(
-        sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-        "-w", tmp_path / "dist", source,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "-q",
+        "-w",
+        tmp_path / "dist",
+        source,
+    )
     assert built.returncode == 0, built.stderr
     (wheel,) = (tmp_path / "dist").glob("hetspec-*.whl")
     names = zipfile.ZipFile(wheel).namelist()

@@ -28,12 +28,18 @@ TOKENS = 24
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    daemon = BundledDaemon(tmp_path_factory.mktemp("pipeline"), "draft-cpu",
-                           "--set", 'pipeline.local=["0:1.5", "1.5:4"]',
-                           "--set", "pipeline.timeout_s=1.5",
-                           # a stage comes back after the request that found it dead has
-                           # failed (not within its 1.5 s, where the request would succeed)
-                           "--set", "restart_backoff_s=[2.0, 5.0]")  # fmt: skip
+    daemon = BundledDaemon(
+        tmp_path_factory.mktemp("pipeline"),
+        "draft-cpu",
+        "--set",
+        'pipeline.local=["0:1.5", "1.5:4"]',
+        "--set",
+        "pipeline.timeout_s=1.5",
+        # a stage comes back after the request that found it dead has
+        # failed (not within its 1.5 s, where the request would succeed)
+        "--set",
+        "restart_backoff_s=[2.0, 5.0]",
+    )
     yield daemon
     daemon.stop()
 
@@ -81,8 +87,10 @@ def test_greedy_output_through_the_pipeline_is_the_targets_own(daemon, target) -
 def test_a_seed_gives_the_same_text_drafting_or_not(daemon) -> None:
     options = {"max_tokens": TOKENS, "ignore_eos": True, "temperature": 1.0, "seed": 7}
     prompt = "def parse(text):\n"
-    texts = {mode: daemon.generate(prompt, mode=mode, **options)["tokens"]
-             for mode in ("adaptive", "autoregressive")}  # fmt: skip
+    texts = {
+        mode: daemon.generate(prompt, mode=mode, **options)["tokens"]
+        for mode in ("adaptive", "autoregressive")
+    }
     assert texts["adaptive"] == texts["autoregressive"]
     other = daemon.generate(prompt, mode="adaptive", **(options | {"seed": 8}))["tokens"]
     assert other != texts["adaptive"]
@@ -99,9 +107,17 @@ def test_a_killed_stage_fails_the_request_quickly_and_comes_back(daemon, target)
     _, health = request(daemon.socket, "GET", "/health")
     os.kill(health["pipeline"]["local"][1]["pid"], signal.SIGKILL)
     killed = time.monotonic()
-    status, body = request(daemon.socket, "POST", "/api/generate",
-                           {"model": "x", "prompt": "def f(x):\n", "stream": False,
-                            "options": {"num_predict": TOKENS}})  # fmt: skip
+    status, body = request(
+        daemon.socket,
+        "POST",
+        "/api/generate",
+        {
+            "model": "x",
+            "prompt": "def f(x):\n",
+            "stream": False,
+            "options": {"num_predict": TOKENS},
+        },
+    )
     assert status == 503, body
     assert time.monotonic() - killed < 2.0
     while True:
@@ -122,14 +138,18 @@ def test_a_killed_stage_fails_the_request_quickly_and_comes_back(daemon, target)
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"pipeline": {"stages": [{"endpoint": "tcp://10.0.0.2:5601", "key": "/k"}]}},
-         "stages on other hosts need the coordinator's key"),
-        ({"pipeline": {"key": "/k", "stages": [{"endpoint": "10.0.0.2:5601", "key": "/k"}]}},
-         "not a tcp:// endpoint"),
+        (
+            {"pipeline": {"stages": [{"endpoint": "tcp://10.0.0.2:5601", "key": "/k"}]}},
+            "stages on other hosts need the coordinator's key",
+        ),
+        (
+            {"pipeline": {"key": "/k", "stages": [{"endpoint": "10.0.0.2:5601", "key": "/k"}]}},
+            "not a tcp:// endpoint",
+        ),
         ({"pipeline": {"local": ["0:4"], "timeout_s": 0}}, "timeout_s must be in"),
         ({"pipeline": {"local": ["0:4"]}, "placement": "draft-gpu"}, 'placement = "draft-cpu"'),
     ],
-)  # fmt: skip
+)
 def test_a_pipeline_setting_that_cannot_work_is_one_clear_line(overrides, message) -> None:
     from hetspec.daemon.config import ConfigError, load_config  # noqa: PLC0415
 
@@ -139,11 +159,24 @@ def test_a_pipeline_setting_that_cannot_work_is_one_clear_line(overrides, messag
 
 def test_local_stages_that_do_not_follow_each_other_stop_the_daemon(tmp_path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "hetspec.daemon", "--socket", str(tmp_path / "s.sock"),
-         "--runtime-dir", str(tmp_path / "run"), "--log-format", "console",
-         "--set", 'pipeline.local=["0:1", "2:4"]'],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "hetspec.daemon",
+            "--socket",
+            str(tmp_path / "s.sock"),
+            "--runtime-dir",
+            str(tmp_path / "run"),
+            "--log-format",
+            "console",
+            "--set",
+            'pipeline.local=["0:1", "2:4"]',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 1
     assert "not consecutive ranges from layer 0" in result.stdout + result.stderr
 
@@ -162,12 +195,27 @@ def test_a_stage_on_another_host_admits_the_daemons_one_key(tmp_path, target) ->
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     log = (tmp_path / "stage1.log").open("w")
     stage = subprocess.Popen(
-        [sys.executable, "-m", "hetspec.workers.stage", "serve", "--model",
-         str(BUNDLED_MODELS / "target"), "--layers", "1.5:4", "--bind", endpoint,
-         "--key", str(keys / "stage1.key_secret"), "--authorized", str(admitted),
-         "--threads", "1"],
-        stdout=subprocess.DEVNULL, stderr=log,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "hetspec.workers.stage",
+            "serve",
+            "--model",
+            str(BUNDLED_MODELS / "target"),
+            "--layers",
+            "1.5:4",
+            "--bind",
+            endpoint,
+            "--key",
+            str(keys / "stage1.key_secret"),
+            "--authorized",
+            str(admitted),
+            "--threads",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+    )
     try:
         deadline = time.monotonic() + 60  # bound before the daemon picks its free ports
         while " at tcp://" not in (tmp_path / "stage1.log").read_text():
@@ -177,11 +225,18 @@ def test_a_stage_on_another_host_admits_the_daemons_one_key(tmp_path, target) ->
         remote = f'[{{endpoint = "{endpoint}", key = "{keys / "stage1.key"}"}}]'
         secret = keys / "coordinator.key_secret"
         (tmp_path / "daemon").mkdir()
-        daemon = BundledDaemon(tmp_path / "daemon", "draft-cpu",
-                               "--set", 'pipeline.local=["0:1.5"]',
-                               "--set", "pipeline.timeout_s=10",  # (a busy test box)
-                               "--set", f"pipeline.stages={remote}",
-                               "--set", f'pipeline.key="{secret}"')  # fmt: skip
+        daemon = BundledDaemon(
+            tmp_path / "daemon",
+            "draft-cpu",
+            "--set",
+            'pipeline.local=["0:1.5"]',
+            "--set",
+            "pipeline.timeout_s=10",  # (a busy test box)
+            "--set",
+            f"pipeline.stages={remote}",
+            "--set",
+            f'pipeline.key="{secret}"',
+        )
         try:
             prompt = "def mean(values):\n"
             body = daemon.generate(prompt, max_tokens=TOKENS, ignore_eos=True)
@@ -199,8 +254,12 @@ def test_a_stage_on_another_host_admits_the_daemons_one_key(tmp_path, target) ->
 def test_a_request_that_would_fill_the_stages_caches_is_refused_up_front(daemon) -> None:
     """The stages hold 2048 slots, some kept for the tree in flight: a request for 2040 more
     tokens than its prompt is a 400 that says so, before any stage computes."""
-    body = {"model": "x", "prompt": "def f(x):\n", "stream": False,
-            "options": {"num_predict": 2040}}  # fmt: skip
+    body = {
+        "model": "x",
+        "prompt": "def f(x):\n",
+        "stream": False,
+        "options": {"num_predict": 2040},
+    }
     status, answer = request(daemon.socket, "POST", "/api/generate", body)
     assert status == 400
     assert "room for a draft tree" in answer["error"]
@@ -213,8 +272,12 @@ def test_a_hung_stage_is_killed_and_restarted(daemon, target) -> None:
     hung, restarts = health["pipeline"]["local"][0]["pid"], health["pipeline"]["restarts"]
     os.kill(hung, signal.SIGSTOP)
     stopped = time.monotonic()
-    body = {"model": "x", "prompt": "def g(x):\n", "stream": False,
-            "options": {"num_predict": TOKENS}}  # fmt: skip
+    body = {
+        "model": "x",
+        "prompt": "def g(x):\n",
+        "stream": False,
+        "options": {"num_predict": TOKENS},
+    }
     status, answer = request(daemon.socket, "POST", "/api/generate", body)
     assert status == 503, answer
     assert "did not answer" in answer["error"]

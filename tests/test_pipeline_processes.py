@@ -64,8 +64,9 @@ def oracle_drafter(greedy_tokens, accuracy: float, seed: int):
     def draft(tree: FlowTree, final: list[int]) -> None:
         if tree.unsent() >= 4:
             return
-        for leaf in sorted((i for i, n in tree.nodes.items() if not n.children),
-                           key=lambda i: -tree.nodes[i].score)[:2]:  # fmt: skip
+        for leaf in sorted(
+            (i for i, n in tree.nodes.items() if not n.children), key=lambda i: -tree.nodes[i].score
+        )[:2]:
             depth = tree.nodes[leaf].position + 1 - len(prompt)
             right = continuation[depth] if depth < len(continuation) else 0
             guess = right if rng.random() < accuracy else (right + 7) % 4096
@@ -151,11 +152,27 @@ def test_keys_are_private_and_never_overwritten(tmp_path) -> None:
     with pytest.raises(CurveKeyError, match="chmod 600"):
         load_secret(secret)
     refused = subprocess.run(
-        [sys.executable, "-m", "hetspec.workers.stage", "serve", "--model", str(TARGET),
-         "--layers", "0:2", "--bind", "tcp://127.0.0.1:1", "--key", str(secret),
-         "--authorized", str(tmp_path / "keys")],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "hetspec.workers.stage",
+            "serve",
+            "--model",
+            str(TARGET),
+            "--layers",
+            "0:2",
+            "--bind",
+            "tcp://127.0.0.1:1",
+            "--key",
+            str(secret),
+            "--authorized",
+            str(tmp_path / "keys"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines() == [
         f"hetspec-stage: {secret} may be read by others (mode 0644); chmod 600 it"
@@ -197,8 +214,14 @@ def test_sampled_tokens_through_the_pipeline_follow_the_targets_law(tmp_path, st
         try:
             for seed in seeds:
                 out, stats = await pipeline_decode(
-                    client, tokens, 3, likely_drafter, params=params, sampler=sampler_for(seed),
-                    segment_size=3)  # fmt: skip
+                    client,
+                    tokens,
+                    3,
+                    likely_drafter,
+                    params=params,
+                    sampler=sampler_for(seed),
+                    segment_size=3,
+                )
                 accepted += stats.drafted_final
                 for position, token in enumerate(out):
                     counts[position][token] = counts[position].get(token, 0) + 1
@@ -234,10 +257,12 @@ def test_a_draft_workers_tree_and_its_expansion_verify_to_the_greedy_text(tmp_pa
     chains: list[list[float]] = []
 
     async def scenario() -> None:
-        with Arena.create(f"/dev/shm/hetspec-test-{os.getpid()}", slots=1,
-                          slot_bytes=1 << 20) as arena:  # fmt: skip
-            spec = WorkerSpec("cpu", "llama.cpp", str(draft), m.LlamaCppSettings(n_ctx=512),
-                              log_format="console")  # fmt: skip
+        with Arena.create(
+            f"/dev/shm/hetspec-test-{os.getpid()}", slots=1, slot_bytes=1 << 20
+        ) as arena:
+            spec = WorkerSpec(
+                "cpu", "llama.cpp", str(draft), m.LlamaCppSettings(n_ctx=512), log_format="console"
+            )
             worker = WorkerClient(spec, tmp_path, 1, arena.layout)
             await worker.start(load_timeout_s=120)
             client = pipeline.client()
@@ -254,13 +279,15 @@ def test_a_draft_workers_tree_and_its_expansion_verify_to_the_greedy_text(tmp_pa
                         parent = tree.nodes[added[0]].parent
                         assert parent in before
                         assert list(tree.nodes[parent].children.values()) == [added[0]]
-                        chains.append([tree.nodes[parent].score,
-                                       *(tree.nodes[i].score for i in added)])  # fmt: skip
+                        chains.append(
+                            [tree.nodes[parent].score, *(tree.nodes[i].score for i in added)]
+                        )
                     return grew
 
                 await drafter.start(greedy[0])
-                tokens, stats = await pipeline_decode(client, greedy[0], TOKENS, drafter,
-                                                      segment_size=2, expand=watched)  # fmt: skip
+                tokens, stats = await pipeline_decode(
+                    client, greedy[0], TOKENS, drafter, segment_size=2, expand=watched
+                )
                 assert tokens == greedy[1][:TOKENS]
                 assert stats.drafted_final > TOKENS // 4  # the draft model is good enough
             finally:

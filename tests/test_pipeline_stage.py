@@ -24,8 +24,7 @@ from hetspec.workers.runtimes.torch_runtime.stage_runtime import StageRuntime
 TARGET = BUNDLED_MODELS / "target"
 PROMPT = "def read_lines(path):\n    with open(path) as"
 # in layers; 1.5: after layer 1's attention (the middle stage of "halves" holds one MLP)
-SPLITS = {2: [(0, 2), (2, 4)], 3: [(0, 1), (1, 3), (3, 4)],
-          "halves": [(0, 1.5), (1.5, 2), (2, 4)]}  # fmt: skip
+SPLITS = {2: [(0, 2), (2, 4)], 3: [(0, 1), (1, 3), (3, 4)], "halves": [(0, 1.5), (1.5, 2), (2, 4)]}
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +89,16 @@ def test_a_stage_ending_on_a_half_layer_loads_and_caches_only_its_halves() -> No
     stage = StageRuntime(TARGET, 1.5, 3.5, max_context=64)
     loaded = {n for n, p in stage.model.named_parameters() if not p.is_meta}
     parts = {".".join(n.split(".")[2:4]) for n in loaded}
-    assert parts == {"1.post_attention_layernorm", "1.mlp", "2.input_layernorm", "2.self_attn",
-                     "2.post_attention_layernorm", "2.mlp", "3.input_layernorm",
-                     "3.self_attn"}  # fmt: skip
+    assert parts == {
+        "1.post_attention_layernorm",
+        "1.mlp",
+        "2.input_layernorm",
+        "2.self_attn",
+        "2.post_attention_layernorm",
+        "2.mlp",
+        "3.input_layernorm",
+        "3.self_attn",
+    }
     assert stage._keys.shape[0] == 2
     assert not stage.first
     assert not stage.last
@@ -143,8 +149,11 @@ def test_gemma_stages_split_the_sandwich_norms_with_their_halves(tmp_path) -> No
     whole = TorchRuntime(folder, device="cpu", dtype="float32", max_context=64)
     expected = whole.forward_tree(prompt.tolist(), chain_parents(len(prompt))).logits.numpy()
     stages = [StageRuntime(folder, a, b, max_context=64) for a, b in [(0, 1.5), (1.5, 3)]]
-    first = {".".join(n.split(".")[2:4]) for n, p in stages[0].model.named_parameters()
-             if not p.is_meta and n.startswith("model.layers.1.")}  # fmt: skip
+    first = {
+        ".".join(n.split(".")[2:4])
+        for n, p in stages[0].model.named_parameters()
+        if not p.is_meta and n.startswith("model.layers.1.")
+    }
     assert first == {"1.input_layernorm", "1.self_attn", "1.post_attention_layernorm"}
     data = prompt
     for stage in stages:

@@ -32,12 +32,17 @@ LLAMA3_PROCESSOR = {  # as Llama 3.x's tokenizer.json has it (ids shortened)
     "type": "Sequence",
     "processors": [
         {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False},
-        {"type": "TemplateProcessing",
-         "single": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}},
-                    {"Sequence": {"id": "A", "type_id": 0}}],
-         "pair": [], "special_tokens": {}},
+        {
+            "type": "TemplateProcessing",
+            "single": [
+                {"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}},
+                {"Sequence": {"id": "A", "type_id": 0}},
+            ],
+            "pair": [],
+            "special_tokens": {},
+        },
     ],
-}  # fmt: skip
+}
 
 
 def test_who_adds_bos_is_read_from_either_file() -> None:

@@ -65,8 +65,19 @@ def test_malformed_messages_are_refused_with_the_reason() -> None:
     with pytest.raises(MessageError, match="unknown field `speed`"):
         commands.decode([encode({"op": "rollback", "request": 1, "length": 2, "speed": 3})])
     with pytest.raises(MessageError, match=r"temperature must be 0 \(greedy\) or in"):
-        commands.decode([encode({"op": "draft", "request": 1, "steps": 2, "out": 0,
-                                 "sampling": {"temperature": float("nan")}})])  # fmt: skip
+        commands.decode(
+            [
+                encode(
+                    {
+                        "op": "draft",
+                        "request": 1,
+                        "steps": 2,
+                        "out": 0,
+                        "sampling": {"temperature": float("nan")},
+                    }
+                )
+            ]
+        )
     with pytest.raises(MessageError, match="empty message"):
         commands.decode([])
     with pytest.raises(ValueError, match="either in one frame"):
@@ -122,8 +133,9 @@ def test_the_arena_is_private_shared_with_another_process_and_unlinked(tmp_path)
 # ------------------------------------------------------------------ mailboxes
 
 
-needs_mailboxes = pytest.mark.skipif(not mailbox.supported(),
-                                     reason="mailboxes need Linux on x86-64")  # fmt: skip
+needs_mailboxes = pytest.mark.skipif(
+    not mailbox.supported(), reason="mailboxes need Linux on x86-64"
+)
 
 
 @needs_mailboxes

@@ -29,9 +29,14 @@ QUESTION = [{"role": "user", "content": "Write a function that adds two numbers.
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     port = free_port()
-    daemon = BundledDaemon(tmp_path_factory.mktemp("clients"), "draft-cpu",
-                           "--set", f'tcp.listen="127.0.0.1:{port}"',
-                           "--set", f'tcp.token="{TOKEN}"')  # fmt: skip
+    daemon = BundledDaemon(
+        tmp_path_factory.mktemp("clients"),
+        "draft-cpu",
+        "--set",
+        f'tcp.listen="127.0.0.1:{port}"',
+        "--set",
+        f'tcp.token="{TOKEN}"',
+    )
     daemon.port = port
     yield daemon
     daemon.stop()
@@ -47,16 +52,20 @@ def local(daemon):
 
 @pytest.fixture(scope="module")
 def http(daemon):
-    with httpx.Client(transport=httpx.HTTPTransport(uds=str(daemon.socket)),
-                      base_url="http://hetspecd", timeout=120) as http:  # fmt: skip
+    with httpx.Client(
+        transport=httpx.HTTPTransport(uds=str(daemon.socket)),
+        base_url="http://hetspecd",
+        timeout=120,
+    ) as http:
         yield http
 
 
 @pytest.fixture(scope="module")
 def remote(daemon):
     """OpenAI's client over TCP, as a tool elsewhere on the network would."""
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{daemon.port}/v1", api_key=TOKEN,
-                         max_retries=0, timeout=120)  # fmt: skip
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{daemon.port}/v1", api_key=TOKEN, max_retries=0, timeout=120
+    )
 
 
 def _check_ollama_final(final, text_tokens: int | None = None) -> None:
@@ -89,8 +98,9 @@ def test_ollama_generate_raw_is_the_native_continuation(local, http) -> None:
     assert wire["speculative"]["rounds"] >= 1
     assert wire["mode"] == "adaptive"
 
-    pieces = list(local.generate(model="hetspec-demo", prompt=PROMPT, raw=True,
-                                 options=options, stream=True))  # fmt: skip
+    pieces = list(
+        local.generate(model="hetspec-demo", prompt=PROMPT, raw=True, options=options, stream=True)
+    )
     assert all(not p.done for p in pieces[:-1])
     assert "".join(p.response for p in pieces) == answer.response
     _check_ollama_final(pieces[-1], answer.eval_count)
@@ -100,12 +110,15 @@ def test_ollama_generate_applies_the_chat_template_unless_raw(local, remote) -> 
     """Without raw the prompt is the user's turn in the model's chat template (a system
     prompt before it): the answer OpenAI's chat endpoint gives the same messages."""
     options = {"num_predict": 10, "temperature": 0}
-    templated = local.generate(model="x", prompt=QUESTION[0]["content"], system="Be brief.",
-                               options=options)  # fmt: skip
+    templated = local.generate(
+        model="x", prompt=QUESTION[0]["content"], system="Be brief.", options=options
+    )
     chat = remote.chat.completions.create(
-        model="x", messages=[{"role": "system", "content": "Be brief."}, *QUESTION],
-        max_tokens=10, temperature=0,
-    )  # fmt: skip
+        model="x",
+        messages=[{"role": "system", "content": "Be brief."}, *QUESTION],
+        max_tokens=10,
+        temperature=0,
+    )
     assert templated.response == chat.choices[0].message.content
     assert templated.prompt_eval_count == chat.usage.prompt_tokens
     with pytest.raises(ollama.ResponseError, match="system needs the chat template"):
@@ -118,30 +131,45 @@ def test_ollama_chat_streamed_or_not_and_seeded_like_openai(local, remote) -> No
     assert whole.message.role == "assistant"
     assert whole.message.content
     _check_ollama_final(whole)
-    pieces = list(local.chat(model="hetspec-demo", messages=QUESTION, options=options,
-                             stream=True))  # fmt: skip
+    pieces = list(local.chat(model="hetspec-demo", messages=QUESTION, options=options, stream=True))
     assert "".join(p.message.content for p in pieces) == whole.message.content
     assert pieces[-1].done
     assert pieces[-1].message.content == ""
     # the same seed draws the same text on OpenAI's endpoint
-    openai_chat = remote.chat.completions.create(model="x", messages=QUESTION, max_tokens=16,
-                                                 temperature=0.8, seed=5, top_p=0.9)  # fmt: skip
+    openai_chat = remote.chat.completions.create(
+        model="x", messages=QUESTION, max_tokens=16, temperature=0.8, seed=5, top_p=0.9
+    )
     assert openai_chat.choices[0].message.content == whole.message.content
 
 
 def test_ollama_options_stop_top_k_and_neutral_values(local, http) -> None:
-    base = local.generate(model="x", prompt=PROMPT, raw=True,
-                          options={"num_predict": 24, "temperature": 0})  # fmt: skip
+    base = local.generate(
+        model="x", prompt=PROMPT, raw=True, options={"num_predict": 24, "temperature": 0}
+    )
     stop = base.response[8:12]
-    stopped = local.generate(model="x", prompt=PROMPT, raw=True,
-                             options={"num_predict": 24, "temperature": 0, "stop": [stop],
-                                      "repeat_penalty": 1.0, "num_ctx": 64, "top_k": 1,
-                                      "num_thread": 2})  # fmt: skip
+    stopped = local.generate(
+        model="x",
+        prompt=PROMPT,
+        raw=True,
+        options={
+            "num_predict": 24,
+            "temperature": 0,
+            "stop": [stop],
+            "repeat_penalty": 1.0,
+            "num_ctx": 64,
+            "top_k": 1,
+            "num_thread": 2,
+        },
+    )
     assert stopped.response == base.response[: base.response.index(stop)]
     assert stopped.done_reason == "stop"
     # one string where Ollama's clients send a list: the same stop
-    body = {"prompt": PROMPT, "raw": True, "stream": False,
-            "options": {"num_predict": 24, "temperature": 0, "stop": stop}}  # fmt: skip
+    body = {
+        "prompt": PROMPT,
+        "raw": True,
+        "stream": False,
+        "options": {"num_predict": 24, "temperature": 0, "stop": stop},
+    }
     assert http.post("/api/generate", json=body).json()["response"] == stopped.response
 
 
@@ -224,44 +252,75 @@ def test_openai_completions_streamed_or_not_n_and_prompt_lists(remote) -> None:
     assert choice.text
     assert greedy.usage.completion_tokens <= 12
     assert greedy.usage.total_tokens == greedy.usage.prompt_tokens + greedy.usage.completion_tokens
-    chunks = list(remote.completions.create(model="x", prompt=PROMPT, max_tokens=12,
-                                            temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        remote.completions.create(
+            model="x",
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
     assert chunks[-1].usage.completion_tokens == greedy.usage.completion_tokens
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
 
-    several = remote.completions.create(model="x", prompt=[PROMPT, "class Stack:"], n=2,
-                                        max_tokens=6, temperature=0.8, seed=3)  # fmt: skip
+    several = remote.completions.create(
+        model="x", prompt=[PROMPT, "class Stack:"], n=2, max_tokens=6, temperature=0.8, seed=3
+    )
     assert [c.index for c in several.choices] == [0, 1, 2, 3]
     alone = remote.completions.create(
         model="x", prompt="class Stack:", max_tokens=6, temperature=0.8, seed=4
     )  # the 2nd answer: seed + 1
     assert several.choices[3].text == alone.choices[0].text
-    streamed = list(remote.completions.create(model="x", prompt=[PROMPT, "class Stack:"], n=2,
-                                              max_tokens=6, temperature=0.8, seed=3,
-                                              stream=True))  # fmt: skip
+    streamed = list(
+        remote.completions.create(
+            model="x",
+            prompt=[PROMPT, "class Stack:"],
+            n=2,
+            max_tokens=6,
+            temperature=0.8,
+            seed=3,
+            stream=True,
+        )
+    )
     for index in range(4):
         text = "".join(c.choices[0].text for c in streamed if c.choices[0].index == index)
         assert text == several.choices[index].text
 
 
 def test_openai_chat_streamed_or_not_with_parts_and_neutral_values(remote) -> None:
-    answer = remote.chat.completions.create(model="x", messages=QUESTION, max_tokens=10,
-                                            temperature=0)  # fmt: skip
+    answer = remote.chat.completions.create(
+        model="x", messages=QUESTION, max_tokens=10, temperature=0
+    )
     message = answer.choices[0].message
     assert message.role == "assistant"
     assert message.content
     halves = ["Write a function ", "that adds two numbers."]
     parts = [{"role": "user", "content": [{"type": "text", "text": half} for half in halves]}]
-    same = remote.chat.completions.create(model="x", messages=parts, max_tokens=10,
-                                          temperature=0, response_format={"type": "text"},
-                                          store=False, presence_penalty=0)  # fmt: skip
+    same = remote.chat.completions.create(
+        model="x",
+        messages=parts,
+        max_tokens=10,
+        temperature=0,
+        response_format={"type": "text"},
+        store=False,
+        presence_penalty=0,
+    )
     assert same.choices[0].message.content == message.content
     usage = {"include_usage": True}
-    chunks = list(remote.chat.completions.create(model="x", messages=QUESTION, max_tokens=10,
-                                                 temperature=0, stream=True, n=2,
-                                                 stream_options=usage))  # fmt: skip
+    chunks = list(
+        remote.chat.completions.create(
+            model="x",
+            messages=QUESTION,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            n=2,
+            stream_options=usage,
+        )
+    )
     for index in range(2):  # greedy: both answers alike
         deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].index == index]
         assert deltas[0].role == "assistant"
@@ -277,8 +336,9 @@ def test_openai_models_and_refusals(remote) -> None:
     with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
         remote.chat.completions.create(model="x", messages=QUESTION, frequency_penalty=0.5)
     with pytest.raises(openai.BadRequestError, match="json_object"):
-        remote.chat.completions.create(model="x", messages=QUESTION,
-                                       response_format={"type": "json_object"})  # fmt: skip
+        remote.chat.completions.create(
+            model="x", messages=QUESTION, response_format={"type": "json_object"}
+        )
     wrong = openai.OpenAI(base_url=remote.base_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         wrong.models.list()
@@ -303,10 +363,19 @@ def test_logprobs_are_the_targets_own_in_every_mode(http, remote) -> None:
     """Whether a token came from a verified draft, the target decoding alone or the prefill,
     its log-probability is the target's own one-token-at-a-time value, with the top
     alternatives in order; OpenAI's and Ollama's forms carry the same numbers."""
-    body = {"prompt": PROMPT, "raw": True, "stream": False, "logprobs": True,
-            "top_logprobs": 3, "options": {"num_predict": 12}, "ignore_eos": True}  # fmt: skip
-    answers = {mode: http.post("/api/generate", json={**body, "mode": mode}).json()
-               for mode in ("autoregressive", "sequential", "parallel", "adaptive")}  # fmt: skip
+    body = {
+        "prompt": PROMPT,
+        "raw": True,
+        "stream": False,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "options": {"num_predict": 12},
+        "ignore_eos": True,
+    }
+    answers = {
+        mode: http.post("/api/generate", json={**body, "mode": mode}).json()
+        for mode in ("autoregressive", "sequential", "parallel", "adaptive")
+    }
     tokens = answers["autoregressive"]["tokens"]
     reference = reference_logprobs(PROMPT, tokens)
     for mode, answer in answers.items():
@@ -317,51 +386,73 @@ def test_logprobs_are_the_targets_own_in_every_mode(http, remote) -> None:
             assert entry["logprob"] == pytest.approx(row[token], abs=1e-4), mode
             best = np.argsort(-row, kind="stable")[:3]
             assert [top["logprob"] for top in entry["top_logprobs"]] == pytest.approx(
-                row[best], abs=1e-4)  # fmt: skip
+                row[best], abs=1e-4
+            )
             assert entry["top_logprobs"][0]["logprob"] == pytest.approx(entry["logprob"])
-    assert "".join(e["token"] for e in answers["adaptive"]["logprobs"]) == answers[
-        "adaptive"]["response"]  # fmt: skip
+    assert (
+        "".join(e["token"] for e in answers["adaptive"]["logprobs"])
+        == answers["adaptive"]["response"]
+    )
 
-    completion = remote.completions.create(model="x", prompt=PROMPT, max_tokens=12,
-                                           temperature=0, logprobs=3)  # fmt: skip
+    completion = remote.completions.create(
+        model="x", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=3
+    )
     legacy = completion.choices[0].logprobs
     assert legacy.token_logprobs == pytest.approx(
-        [e["logprob"] for e in answers["adaptive"]["logprobs"]], abs=1e-4)  # fmt: skip
+        [e["logprob"] for e in answers["adaptive"]["logprobs"]], abs=1e-4
+    )
     assert "".join(legacy.tokens) == completion.choices[0].text
     assert legacy.text_offset[1] == len(legacy.tokens[0])
     first = answers["adaptive"]["logprobs"][0]
     assert list(legacy.top_logprobs[0].values()) == pytest.approx(
-        [top["logprob"] for top in first["top_logprobs"]], abs=1e-4)  # fmt: skip
+        [top["logprob"] for top in first["top_logprobs"]], abs=1e-4
+    )
 
 
 def test_logprobs_streamed_or_not_through_real_clients(local, remote) -> None:
     """Streamed, each piece carries its own tokens' log-probabilities: together, the whole
     answer's, as the answer given at once has them (chat and generate)."""
     options = {"num_predict": 10, "temperature": 0}
-    whole = local.chat(model="x", messages=QUESTION, options=options, logprobs=True,
-                       top_logprobs=2)  # fmt: skip
-    pieces = list(local.chat(model="x", messages=QUESTION, options=options, logprobs=True,
-                             top_logprobs=2, stream=True))  # fmt: skip
+    whole = local.chat(model="x", messages=QUESTION, options=options, logprobs=True, top_logprobs=2)
+    pieces = list(
+        local.chat(
+            model="x",
+            messages=QUESTION,
+            options=options,
+            logprobs=True,
+            top_logprobs=2,
+            stream=True,
+        )
+    )
     streamed = [entry for piece in pieces for entry in piece.logprobs or []]
     assert [e.token for e in streamed] == [e.token for e in whole.logprobs]
     # (a prefix cached from the last request changes the prefill's last bits)
-    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in whole.logprobs],
-                                                          abs=1e-4)  # fmt: skip
+    assert [e.logprob for e in streamed] == pytest.approx(
+        [e.logprob for e in whole.logprobs], abs=1e-4
+    )
     assert len(whole.logprobs) == whole.eval_count
     assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in whole.logprobs)
 
-    chat = remote.chat.completions.create(model="x", messages=QUESTION, max_tokens=10,
-                                          temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    chat = remote.chat.completions.create(
+        model="x", messages=QUESTION, max_tokens=10, temperature=0, logprobs=True, top_logprobs=2
+    )
     content = chat.choices[0].logprobs.content
     assert [c.token for c in content] == [e.token for e in whole.logprobs]
-    assert [c.logprob for c in content] == pytest.approx([e.logprob for e in whole.logprobs],
-                                                         abs=1e-4)  # fmt: skip
+    assert [c.logprob for c in content] == pytest.approx(
+        [e.logprob for e in whole.logprobs], abs=1e-4
+    )
     assert bytes(content[0].bytes).decode() == content[0].token
-    chunks = list(remote.chat.completions.create(model="x", messages=QUESTION, max_tokens=10,
-                                                 temperature=0, logprobs=True,
-                                                 stream=True))  # fmt: skip
-    streamed = [c for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
-                for c in chunk.choices[0].logprobs.content]  # fmt: skip
+    chunks = list(
+        remote.chat.completions.create(
+            model="x", messages=QUESTION, max_tokens=10, temperature=0, logprobs=True, stream=True
+        )
+    )
+    streamed = [
+        c
+        for chunk in chunks
+        if chunk.choices and chunk.choices[0].logprobs
+        for c in chunk.choices[0].logprobs.content
+    ]
     assert [c.token for c in streamed] == [c.token for c in content]
     assert all(c.top_logprobs == [] for c in streamed)  # top_logprobs not asked
     with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):

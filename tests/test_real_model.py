@@ -228,11 +228,18 @@ def test_the_360m_cost_copy_predicts_like_the_real_model(real, tmp_path) -> None
         return runtime.evaluate_tree(tokens[1:], chain_parents(len(tokens) - 1))
 
     pairs = {
-        "torch": [TorchRuntime(folder, dtype="float32", max_context=256)
-                  for folder in (real.folder, heavy.folder)],
-        "llama.cpp": [LlamaCppRuntime(gguf, n_ctx=256, threads=1) for gguf in (
-            export_gguf(real.folder, tmp_path / "real-q8_0.gguf", "q8_0"), heavy.gguf("q8_0"))],
-    }  # fmt: skip
+        "torch": [
+            TorchRuntime(folder, dtype="float32", max_context=256)
+            for folder in (real.folder, heavy.folder)
+        ],
+        "llama.cpp": [
+            LlamaCppRuntime(gguf, n_ctx=256, threads=1)
+            for gguf in (
+                export_gguf(real.folder, tmp_path / "real-q8_0.gguf", "q8_0"),
+                heavy.gguf("q8_0"),
+            )
+        ],
+    }
     for name, (ours, theirs) in pairs.items():
         mine, real_logits = chain(theirs), chain(ours)
         assert float(np.abs(mine - real_logits).max()) <= 2e-3, name
@@ -249,10 +256,16 @@ def test_the_shipped_draft_is_an_independent_draft_for_the_real_model(real) -> N
     from hetspec.models.smollm2 import DRAFT_SHIPPED  # noqa: PLC0415
     from hetspec.protocol.gguf_header import read_gguf_header  # noqa: PLC0415
 
-    mine, theirs = (read_gguf_header(path, strings=True).fields
-                    for path in (DRAFT_SHIPPED, real.gguf))  # fmt: skip
-    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.pre",
-                "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):  # fmt: skip
+    mine, theirs = (
+        read_gguf_header(path, strings=True).fields for path in (DRAFT_SHIPPED, real.gguf)
+    )
+    for key in (
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.merges",
+        "tokenizer.ggml.pre",
+        "tokenizer.ggml.bos_token_id",
+        "tokenizer.ggml.eos_token_id",
+    ):
         assert mine[key] == theirs[key], key
     metrics = json.loads((DRAFT_SHIPPED.parent / "metrics.json").read_text())
     assert 0.2 < metrics["held_out"]["greedy_agreement"] < 0.8

@@ -18,8 +18,9 @@ def test_each_round_is_a_line_with_its_plan_report_and_time(arena, tmp_path) -> 
     path = tmp_path / "rounds.jsonl"
     log = RoundLog(path)
     controller = BudgetController(ControllerConfig.of(max_width=63))
-    result, stats, _ = decode(pair, controller, max_tokens=60,
-                              log=functools.partial(log.write, "run-1", "adaptive"))  # fmt: skip
+    result, stats, _ = decode(
+        pair, controller, max_tokens=60, log=functools.partial(log.write, "run-1", "adaptive")
+    )
     log.close()
     assert result.tokens == reference.greedy(PROMPT, 60)
     lines = round_log.read(path)
@@ -35,12 +36,13 @@ def test_each_round_is_a_line_with_its_plan_report_and_time(arena, tmp_path) -> 
 
 def test_a_line_cut_short_is_skipped_and_a_missing_file_is_one_clear_line(
     arena, tmp_path, capsys
-) -> None:  # fmt: skip
+) -> None:
     pair, _ = workers(arena)
     path = tmp_path / "rounds.jsonl"
     log = RoundLog(path)
-    _, stats, _ = decode(pair, BudgetController(), max_tokens=20,
-                         log=functools.partial(log.write, "r", "sequential"))  # fmt: skip
+    _, stats, _ = decode(
+        pair, BudgetController(), max_tokens=20, log=functools.partial(log.write, "r", "sequential")
+    )
     log.close()
     with path.open("ab") as file:
         file.write(b'{"t": 1.0, "run": "r", "mo')  # a crash mid-line
@@ -62,12 +64,19 @@ def test_the_summary_tells_each_kind_of_round_apart(arena, tmp_path) -> None:
     log = RoundLog(path)
     for plan, mode in ((Plan(3), "sequential"), (Plan(2, 2), "sequential"), (Plan(0), "adaptive")):
         pair, _ = workers(arena, noise=0.5)
-        decode(pair, BudgetController(), plan=plan, max_tokens=20,
-               log=functools.partial(log.write, "run", mode))  # fmt: skip
+        decode(
+            pair,
+            BudgetController(),
+            plan=plan,
+            max_tokens=20,
+            log=functools.partial(log.write, "run", mode),
+        )
     log.close()
     lines = round_log.read(path)
-    rows = {tuple(cell.strip() for cell in row.split("|")[1:4]): row
-            for row in round_log.kinds(lines).splitlines()[2:]}  # fmt: skip
+    rows = {
+        tuple(cell.strip() for cell in row.split("|")[1:4]): row
+        for row in round_log.kinds(lines).splitlines()[2:]
+    }
     counted = {kind: int(rounds) for (mode, kind, rounds) in rows if mode == "sequential"}
     assert counted == {
         "chain": sum(1 for line in lines if line.mode == "sequential" and line.plan.branches == 1),

@@ -39,10 +39,19 @@ class RpcServer:
         self.port = free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "hetspec.workers.rpc_server", "--port", str(self.port),
-             "--threads", str(threads)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "hetspec.workers.rpc_server",
+                "--port",
+                str(self.port),
+                "--threads",
+                str(threads),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             assert self.process.poll() is None, self.process.stdout.read()
@@ -80,8 +89,9 @@ def test_layers_on_an_rpc_server_compute_what_this_box_computes(rpc_server, laye
     local = LlamaCppRuntime(TARGET, n_ctx=256, threads=1)
     expected_logits, expected_tokens = greedy(local, 16)
     local.close()
-    remote = LlamaCppRuntime(TARGET, n_ctx=256, threads=1, gpu_layers=layers,
-                             rpc_servers=(rpc_server.endpoint,))  # fmt: skip
+    remote = LlamaCppRuntime(
+        TARGET, n_ctx=256, threads=1, gpu_layers=layers, rpc_servers=(rpc_server.endpoint,)
+    )
     assert remote.offloaded
     logits, tokens = greedy(remote, 16)
     remote.close()
@@ -92,8 +102,9 @@ def test_layers_on_an_rpc_server_compute_what_this_box_computes(rpc_server, laye
 def test_an_unreachable_rpc_server_is_one_clear_error() -> None:
     port = free_port()  # nobody listens here
     with pytest.raises(LlamaCppError, match=rf"cannot reach the rpc-server at 127.0.0.1:{port}"):
-        LlamaCppRuntime(TARGET, n_ctx=256, threads=1, gpu_layers=-1,
-                        rpc_servers=(f"127.0.0.1:{port}",))  # fmt: skip
+        LlamaCppRuntime(
+            TARGET, n_ctx=256, threads=1, gpu_layers=-1, rpc_servers=(f"127.0.0.1:{port}",)
+        )
 
 
 @pytest.mark.parametrize("endpoint", ["127.0.0.1", "host:0", "[::1]:50052"])
@@ -106,17 +117,31 @@ def test_a_malformed_rpc_endpoint_is_refused_before_llama_cpp_sees_it(endpoint) 
 def test_the_server_refuses_an_open_address_unless_told_and_then_warns() -> None:
     refused = subprocess.run(
         [sys.executable, "-m", "hetspec.workers.rpc_server", "--host", "0.0.0.0"],
-        capture_output=True, text=True, timeout=30, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert refused.returncode == 2
     assert "not a loopback address" in refused.stderr
     assert "--allow-remote" in refused.stderr
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "hetspec.workers.rpc_server", "--host", "0.0.0.0", "--port",
-         str(port), "--threads", "1", "--allow-remote"],
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "hetspec.workers.rpc_server",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(port),
+            "--threads",
+            "1",
+            "--allow-remote",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         first = server.stderr.readline()
         assert "WARNING" in first
@@ -139,13 +164,16 @@ def test_the_rpc_settings_reach_only_the_verifiers_llama_cpp(tmp_path: Path) -> 
     assert specs["cpu"].settings.rpc_servers == ("10.0.0.2:50052", "box3:50052")
 
 
-@pytest.mark.parametrize(("toml", "message"), [
-    ('[rpc]\nservers = ["10.0.0.2"]\n', "HOST:PORT"),
-    ('[rpc]\nservers = ["[fe80::1]:50052"]\n', "not IPv6"),
-    ('[rpc]\nservers = ["a:1", "a:1"]\n', "listed twice"),
-    ('[rpc]\nservers = ["a:1"]\nlayers = -2\n', "layers must be"),
-    ('gpu_runtime = "torch"\n[rpc]\nservers = ["a:1"]\n', "cannot use rpc.servers"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ('[rpc]\nservers = ["10.0.0.2"]\n', "HOST:PORT"),
+        ('[rpc]\nservers = ["[fe80::1]:50052"]\n', "not IPv6"),
+        ('[rpc]\nservers = ["a:1", "a:1"]\n', "listed twice"),
+        ('[rpc]\nservers = ["a:1"]\nlayers = -2\n', "layers must be"),
+        ('gpu_runtime = "torch"\n[rpc]\nservers = ["a:1"]\n', "cannot use rpc.servers"),
+    ],
+)
 def test_bad_rpc_settings_are_one_line_naming_the_key(tmp_path: Path, toml, message) -> None:
     config_file = tmp_path / "hetspecd.toml"
     config_file.write_text(toml)
@@ -209,8 +237,9 @@ def test_two_rpc_servers_behind_slow_links_compute_the_same(tmp_path, event_loop
     try:
         servers.wait()
         asyncio.run_coroutine_threadsafe(servers.start_links(), event_loop_thread).result(5)
-        remote = LlamaCppRuntime(TARGET, n_ctx=256, threads=1, gpu_layers=-1,
-                                 rpc_servers=tuple(servers.endpoints))  # fmt: skip
+        remote = LlamaCppRuntime(
+            TARGET, n_ctx=256, threads=1, gpu_layers=-1, rpc_servers=tuple(servers.endpoints)
+        )
         start = time.perf_counter()
         _, tokens = greedy(remote, 8)
         elapsed = time.perf_counter() - start

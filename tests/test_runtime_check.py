@@ -32,15 +32,29 @@ SYSTEM_INFO = (
 
 def test_compiled_features_are_those_set_to_one() -> None:
     assert compiled_cpu_features(SYSTEM_INFO) == {
-        "SSE3", "SSSE3", "AVX", "AVX2", "F16C", "FMA", "LLAMAFILE", "OPENMP",
-    }  # fmt: skip
+        "SSE3",
+        "SSSE3",
+        "AVX",
+        "AVX2",
+        "F16C",
+        "FMA",
+        "LLAMAFILE",
+        "OPENMP",
+    }
 
 
 def test_host_features_come_from_cpuinfo_flags() -> None:
     x86 = "processor\t: 0\nflags\t\t: fpu pni ssse3 fma avx f16c avx2 avx512f bmi2 avx512_vnni\n"
     assert host_cpu_features(x86, "x86_64") == {
-        "SSE3", "SSSE3", "FMA", "AVX", "F16C", "AVX2", "AVX512", "AVX512_VNNI",
-    }  # fmt: skip
+        "SSE3",
+        "SSSE3",
+        "FMA",
+        "AVX",
+        "F16C",
+        "AVX2",
+        "AVX512",
+        "AVX512_VNNI",
+    }
     client = "flags\t\t: fma avx f16c avx2 avx_vnni\n"  # Alder Lake: AVX-VNNI without AVX-512
     assert host_cpu_features(client, "x86_64") == {"FMA", "AVX", "F16C", "AVX2", "AVX_VNNI"}
     arm = "Features\t: fp asimd evtstrm aes\n"
@@ -72,8 +86,14 @@ def test_torch_probe_sees_the_cuda_device() -> None:
 def test_hetspecd_check_prints_both_runtimes_and_the_gpu_workers_choice(tmp_path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HETSPEC_")}
     env["HETSPEC_CACHE_DIR"] = str(tmp_path)
-    result = subprocess.run([BIN / "hetspecd", "--check"], capture_output=True, text=True,
-                            timeout=300, check=False, env=env)  # fmt: skip
+    result = subprocess.run(
+        [BIN / "hetspecd", "--check"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env=env,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("hetspecd ")
@@ -84,8 +104,13 @@ def test_hetspecd_check_prints_both_runtimes_and_the_gpu_workers_choice(tmp_path
     assert "measured as verifier" in choice[0]
     assert "T(8)=" in choice[0]
 
-    as_json = subprocess.run([BIN / "hetspecd", "--check", "--json"], capture_output=True,
-                             timeout=300, check=True, env=env)  # fmt: skip
+    as_json = subprocess.run(
+        [BIN / "hetspecd", "--check", "--json"],
+        capture_output=True,
+        timeout=300,
+        check=True,
+        env=env,
+    )
     document = msgspec.json.decode(as_json.stdout)
     assert set(document["runtimes"]) == {"llama.cpp", "torch"}
     assert document["runtimes"]["torch"]["type"] == "torch"
@@ -95,8 +120,13 @@ def test_hetspecd_check_prints_both_runtimes_and_the_gpu_workers_choice(tmp_path
 
 @pytest.mark.process
 def test_hetspecd_check_refuses_a_bad_configuration() -> None:
-    result = subprocess.run([BIN / "hetspecd", "--check", "--set", 'gpu_runtime="cuda"'],
-                            capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    result = subprocess.run(
+        [BIN / "hetspecd", "--check", "--set", 'gpu_runtime="cuda"'],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 2
     assert "gpu_runtime" in result.stderr
     assert "Traceback" not in result.stderr
@@ -105,9 +135,10 @@ def test_hetspecd_check_refuses_a_bad_configuration() -> None:
 @pytest.mark.process
 def test_a_hung_probe_becomes_a_failure_report() -> None:
     sleeper = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(60)"], stdout=subprocess.PIPE,
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-    )  # fmt: skip
+    )
     report = _collect("torch", sleeper, timeout_s=0.5)
     assert report == ProbeFailure(runtime="torch", message="probe hung for more than 0.5 s")
     assert sleeper.poll() is not None, "the hung probe must be killed"
@@ -117,16 +148,18 @@ def test_a_hung_probe_becomes_a_failure_report() -> None:
 def test_a_crashing_or_garbled_probe_becomes_a_failure_report() -> None:
     crash = subprocess.Popen(
         [sys.executable, "-c", "raise SystemExit('libfoo.so: cannot open shared object')"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     report = _collect("llama.cpp", crash, timeout_s=30)
     assert isinstance(report, ProbeFailure)
     assert report.message == "probe exited with 1: libfoo.so: cannot open shared object"
 
     garbled = subprocess.Popen(
-        [sys.executable, "-c", "print('{\"type\": \"torch\"}')"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        [sys.executable, "-c", 'print(\'{"type": "torch"}\')'],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     report = _collect("torch", garbled, timeout_s=30)
     assert isinstance(report, ProbeFailure)
     assert report.message.startswith("probe answered garbage: Object missing required field")
@@ -137,17 +170,23 @@ def test_a_crashing_or_garbled_probe_becomes_a_failure_report() -> None:
 def test_probe_rejects_an_unknown_runtime() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "hetspec.workers.tools.probe", "tensorflow"],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 2
     assert result.stderr.strip() == "usage: python -m hetspec.workers.tools.probe {llama.cpp|torch}"
 
 
 def test_a_llama_build_without_simd_is_called_out() -> None:
     report = LlamaCppReport(
-        package_version="0.3.36", system_info="CPU : SSE3 = 1 |", gpu_offload=False,
-        missing_cpu_features=["AVX2", "FMA"], cores=[0, 1],
-    )  # fmt: skip
+        package_version="0.3.36",
+        system_info="CPU : SSE3 = 1 |",
+        gpu_offload=False,
+        missing_cpu_features=["AVX2", "FMA"],
+        cores=[0, 1],
+    )
     warning = describe(report)[-1]
     assert warning.startswith("WARNING llama.cpp was built without AVX2, FMA")
     assert "LLAMA_REBUILD=1" in warning
@@ -155,17 +194,25 @@ def test_a_llama_build_without_simd_is_called_out() -> None:
 
 reports = st.one_of(
     st.builds(
-        LlamaCppReport, package_version=st.text(), system_info=st.text(), gpu_offload=st.booleans(),
-        missing_cpu_features=st.lists(st.text()), cores=st.lists(st.integers(0, 1023)),
+        LlamaCppReport,
+        package_version=st.text(),
+        system_info=st.text(),
+        gpu_offload=st.booleans(),
+        missing_cpu_features=st.lists(st.text()),
+        cores=st.lists(st.integers(0, 1023)),
     ),
     st.builds(
-        TorchReport, torch_version=st.text(), cuda_available=st.booleans(),
-        cuda_version=st.none() | st.text(), devices=st.lists(st.text()),
-        bf16_supported=st.booleans(), threads=st.integers(1, 512),
+        TorchReport,
+        torch_version=st.text(),
+        cuda_available=st.booleans(),
+        cuda_version=st.none() | st.text(),
+        devices=st.lists(st.text()),
+        bf16_supported=st.booleans(),
+        threads=st.integers(1, 512),
         cores=st.lists(st.integers(0, 1023)),
     ),
     st.builds(ProbeFailure, runtime=st.text(), message=st.text()),
-)  # fmt: skip
+)
 
 
 @given(reports)

@@ -64,8 +64,12 @@ def test_the_fastest_runtime_wins_and_a_tie_keeps_the_first() -> None:
 
 
 def profile(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hetspec.workers.tools.profile", *argv],
-                          capture_output=True, timeout=180, check=False)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "hetspec.workers.tools.profile", *argv],
+        capture_output=True,
+        timeout=180,
+        check=False,
+    )
 
 
 @pytest.mark.process
@@ -85,8 +89,18 @@ def test_a_verifier_that_borrows_the_drafter_s_cores_is_profiled_on_them() -> No
     """Plain rounds verify, and the target decodes alone, on the drafter's cores too: the
     profile the controller prices them by is taken so, and cached apart."""
     own, spare = sorted(os.sched_getaffinity(0))[:2]
-    result = profile("native", str(TARGET_GGUF), "--widths", "1,4", "--repeats", "3",
-                     "--cores", str(own), "--spare-cores", str(spare))  # fmt: skip
+    result = profile(
+        "native",
+        str(TARGET_GGUF),
+        "--widths",
+        "1,4",
+        "--repeats",
+        "3",
+        "--cores",
+        str(own),
+        "--spare-cores",
+        str(spare),
+    )
     assert result.returncode == 0, result.stderr
     report = decode_profile(result.stdout)
     assert isinstance(report, RuntimeProfile)
@@ -148,9 +162,13 @@ def test_a_runtime_that_cannot_hold_the_model_is_skipped_with_its_reason(tmp_pat
     """A target given as GGUF only (its folder holds no torch model): a GGUF runtime is chosen."""
     folder = tmp_path / "gguf-only"
     folder.mkdir()
-    config = load_config(environ={"HETSPEC_GPU_WORKER__DEVICE": "cpu",
-                                  "HETSPEC_TARGET__FOLDER": str(folder),
-                                  "HETSPEC_TARGET__GGUF": str(TARGET_GGUF)})  # fmt: skip
+    config = load_config(
+        environ={
+            "HETSPEC_GPU_WORKER__DEVICE": "cpu",
+            "HETSPEC_TARGET__FOLDER": str(folder),
+            "HETSPEC_TARGET__GGUF": str(TARGET_GGUF),
+        }
+    )
     decision = asyncio.run(decide_gpu_runtime(config, cache=tmp_path / "cache"))
     assert decision.runtime in {"llama.cpp", "native"}
     assert [f.runtime for f in decision.failures] == ["torch"]
@@ -201,8 +219,13 @@ def test_a_configured_runtime_is_used_without_measuring(tmp_path) -> None:
 @pytest.mark.process
 def test_the_daemon_says_what_it_chose_and_why(tmp_path) -> None:
     (tmp_path / "daemon").mkdir()
-    daemon = BundledDaemon(tmp_path / "daemon", "draft-cpu", "--set", 'gpu_runtime="auto"',
-                           env={"HETSPEC_CACHE_DIR": str(tmp_path / "cache")})  # fmt: skip
+    daemon = BundledDaemon(
+        tmp_path / "daemon",
+        "draft-cpu",
+        "--set",
+        'gpu_runtime="auto"',
+        env={"HETSPEC_CACHE_DIR": str(tmp_path / "cache")},
+    )
     try:
         status, props = request(daemon.socket, "GET", "/props")
         assert status == 200
@@ -212,8 +235,11 @@ def test_the_daemon_says_what_it_chose_and_why(tmp_path) -> None:
         assert props["workers"]["gpu"]["model"].endswith(
             "target" if choice["runtime"] == "torch" else ".gguf"
         )
-        logged = [msgspec.json.decode(line) for line in daemon.log.read_bytes().splitlines()
-                  if b"gpu worker runtime" in line]  # fmt: skip
+        logged = [
+            msgspec.json.decode(line)
+            for line in daemon.log.read_bytes().splitlines()
+            if b"gpu worker runtime" in line
+        ]
         assert logged[0]["runtime"] == choice["runtime"]
         assert "T(1)=" in logged[0]["summary"]
     finally:
@@ -224,8 +250,10 @@ def test_rebuilt_native_kernels_are_measured_anew() -> None:
     """The native runtime's cached figures are keyed on the built library: new kernels (a
     rebuild) must not be ranked by the old ones' speed. The other runtimes' keys stay."""
     config = load_config(environ={"HETSPEC_GPU_WORKER__DEVICE": "cpu"})
-    specs = {runtime: worker_specs(config, "json", gpu_runtime=runtime)["gpu"]
-             for runtime in ("native", "llama.cpp")}  # fmt: skip
+    specs = {
+        runtime: worker_specs(config, "json", gpu_runtime=runtime)["gpu"]
+        for runtime in ("native", "llama.cpp")
+    }
     library = Path(importlib.util.find_spec("hetspec.native._hsnative").origin)
     before = {runtime: profile_key(spec, [1, 8]) for runtime, spec in specs.items()}
     stat = library.stat()
@@ -267,8 +295,9 @@ def test_the_fastest_drafter_is_the_cheapest_token_at_its_fewest_fast_threads() 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
 def test_the_drafter_s_runtime_and_threads_are_measured_and_given_to_its_worker(tmp_path) -> None:
     cores = sorted(os.sched_getaffinity(0))[:2]
-    config = load_config(environ={"HETSPEC_GPU_WORKER__DEVICE": "cpu",
-                                  "HETSPEC_CPU_WORKER__CORES": str(cores)})  # fmt: skip
+    config = load_config(
+        environ={"HETSPEC_GPU_WORKER__DEVICE": "cpu", "HETSPEC_CPU_WORKER__CORES": str(cores)}
+    )
     choice = asyncio.run(decide_drafter(config, cache=tmp_path))
     assert choice is not None
     assert choice.chosen_by == "measurement"
@@ -284,15 +313,20 @@ def test_the_drafter_s_runtime_and_threads_are_measured_and_given_to_its_worker(
         if runtime == "llama.cpp":
             assert spec.settings.threads_batch == 2
     # a configured runtime with configured threads: nothing to measure
-    configured = load_config(environ={"HETSPEC_CPU_WORKER__THREADS": "1",
-                                      "HETSPEC_CPU_RUNTIME": "native",
-                                      "HETSPEC_CPU_WORKER__CORES": str(cores)})  # fmt: skip
+    configured = load_config(
+        environ={
+            "HETSPEC_CPU_WORKER__THREADS": "1",
+            "HETSPEC_CPU_RUNTIME": "native",
+            "HETSPEC_CPU_WORKER__CORES": str(cores),
+        }
+    )
     chosen = asyncio.run(decide_drafter(configured))
     assert (chosen.runtime, chosen.threads, chosen.chosen_by) == ("native", 1, "configuration")
     assert worker_specs(configured, "json", "torch")["cpu"].runtime == "native"
     # one core, one runtime: the same
-    one = load_config(environ={"HETSPEC_CPU_WORKER__CORES": str(cores[:1]),
-                               "HETSPEC_CPU_RUNTIME": "llama.cpp"})  # fmt: skip
+    one = load_config(
+        environ={"HETSPEC_CPU_WORKER__CORES": str(cores[:1]), "HETSPEC_CPU_RUNTIME": "llama.cpp"}
+    )
     assert asyncio.run(decide_drafter(one, cache=tmp_path)).chosen_by == "configuration"
     # draft-gpu: the CPU worker verifies in llama.cpp; native cannot be asked for there
     dovetail = load_config(environ={"HETSPEC_PLACEMENT": "draft-gpu"})

@@ -94,5 +94,6 @@ def test_a_tokens_logprob_is_the_log_softmax_with_the_top_in_order() -> None:
     assert [token for token, _ in entry.top] == [1, 2, 0]
     assert [value for _, value in entry.top] == pytest.approx(expected[[1, 2, 0]], abs=1e-6)
     assert np.exp([value for _, value in token_logprob(logits, 3, top=9).top]).sum() == (
-        pytest.approx(1.0))  # fmt: skip
+        pytest.approx(1.0)
+    )
     assert token_logprob(logits, 3).top == []

@@ -71,8 +71,12 @@ def test_the_daemon_pairs_a_torch_gemma_target_with_a_gguf_draft(tmp_path, gemma
     draft = write_tiny_gguf(tmp_path / "draft", "gemma3", seed=1, sentencepiece=True)
     settings = ["--set", 'cpu_runtime="llama.cpp"']
     for role, path in (("target", target), ("draft", draft)):
-        settings += ["--set", f"{role}.gguf={json.dumps(str(path))}",
-                     "--set", f"{role}.folder={json.dumps(str(path.parent))}"]  # fmt: skip
+        settings += [
+            "--set",
+            f"{role}.gguf={json.dumps(str(path))}",
+            "--set",
+            f"{role}.folder={json.dumps(str(path.parent))}",
+        ]
     daemon = BundledDaemon(tmp_path, "draft-cpu", *settings)
     try:
         tokenizer = FolderTokenizer(target_folder, VocabularyFile.open(target).size)

@@ -68,8 +68,9 @@ def test_sums_match_float64_and_no_row_depends_on_the_others(interpreted, dtype,
         assert torch.equal(alone, y[5]), rows
     no_bias = skinny_linear(x[:2].reshape(2, 1, k), weight)  # leading shape kept
     assert no_bias.shape == (2, 1, n)
-    torch.testing.assert_close(no_bias[:, 0].double(), exact[:2] - bias.double(),
-                               rtol=tolerance, atol=tolerance)  # fmt: skip
+    torch.testing.assert_close(
+        no_bias[:, 0].double(), exact[:2] - bias.double(), rtol=tolerance, atol=tolerance
+    )
 
 
 def test_more_rows_than_a_tile_or_a_wrong_width_is_refused(interpreted) -> None:
@@ -108,8 +109,13 @@ def test_compiled_the_kernel_stays_one_op_a_layer(interpreted, tmp_path, monkeyp
     the kernel (inductor fuses around it, never replaces it), the logits track eager's, and
     a token's logits are bit-identical alone and inside a tree."""
     folder = save_reference(build_reference("qwen3"), tmp_path / "m")
-    options = {"device": "cpu", "dtype": "float32", "fixed_width": 4, "max_context": 64,
-               "matmul": "triton"}  # fmt: skip
+    options = {
+        "device": "cpu",
+        "dtype": "float32",
+        "fixed_width": 4,
+        "max_context": 64,
+        "matmul": "triton",
+    }
     compiled, eager = compiled_beside_eager(folder, PROMPT, **options)
     calls = []
     real = skinny_matmul.launches
@@ -138,8 +144,9 @@ def test_a_worker_cuts_its_layers_by_the_configured_tiling(interpreted, tmp_path
     (the output head's too); a tiling that cannot be, or one without the kernel, is a load
     error that says why."""
     folder = str(write_tiny_gguf_llama(tmp_path / "m", seed=0, layers=1).parent)
-    settings = m.TorchSettings(device="cpu", matmul="triton",
-                               matmul_tiling=m.MatmulTiling(block_n=32, warps=8))  # fmt: skip
+    settings = m.TorchSettings(
+        device="cpu", matmul="triton", matmul_tiling=m.MatmulTiling(block_n=32, warps=8)
+    )
     runtime, _ = load_runtime("torch", folder, settings)
     cut = Tiling(block_n=32, warps=8)
     layers = [mod for mod in runtime.model.modules() if isinstance(mod, skinny_matmul.SkinnyLinear)]
@@ -177,8 +184,12 @@ def test_on_cuda_the_kernel_tracks_cublas_and_rows_stay_independent(dtype) -> No
 # GPU would (the same arguments, specialized the same way), through PTX to the GPU's binary.
 # Compute capability -> the most shared memory a program may take there, in bytes
 GPUS = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}  # A100, RTX 30/40, H100
-TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-                torch.int8: "i8"}  # fmt: skip
+TRITON_TYPES = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.int8: "i8",
+}
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 
 
@@ -205,8 +216,9 @@ def compile_for(call: Launch, capability: int):
     return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
 
 
-def gpu_launches(n: int, k: int, dtype: torch.dtype, capability: int,
-                 tiling: Tiling = DEFAULT_TILING) -> list[Launch]:  # fmt: skip
+def gpu_launches(
+    n: int, k: int, dtype: torch.dtype, capability: int, tiling: Tiling = DEFAULT_TILING
+) -> list[Launch]:
     """The launches of a 16-row call on a GPU of ``capability`` (no memory: meta tensors)."""
     x = torch.empty(MAX_ROWS, k, dtype=dtype, device="meta")
     weight = torch.empty(n, k, dtype=dtype, device="meta")

@@ -48,8 +48,18 @@ def footprint(pid: int) -> tuple[int, int]:
 def one_request(sock: Path, index: int) -> tuple[str, int, str]:
     """(kind, status, what went wrong or "") for request ``index``; an error status must
     come with a JSON error object, a stream must end with a final document."""
-    kind = ("generate", "generate", "generate", "generate", "left", "left", "stream",
-            "bad", "health", "generate")[index % 10]  # fmt: skip
+    kind = (
+        "generate",
+        "generate",
+        "generate",
+        "generate",
+        "left",
+        "left",
+        "stream",
+        "bad",
+        "health",
+        "generate",
+    )[index % 10]
     body = native(f"def f{index}(x):\n", max_tokens=8 + index % 17, mode=MODES[index % len(MODES)])
     connection = UnixHTTPConnection(sock, timeout=ANSWER_WITHIN_S)
     try:
@@ -58,8 +68,9 @@ def one_request(sock: Path, index: int) -> tuple[str, int, str]:
         elif kind == "bad":
             connection.request("POST", "/api/generate", b'{"prompt": ')
         else:
-            connection.request("POST", "/api/generate", json.dumps(
-                {**body, "stream": kind != "generate"}))  # fmt: skip
+            connection.request(
+                "POST", "/api/generate", json.dumps({**body, "stream": kind != "generate"})
+            )
         response = connection.getresponse()
         if kind == "left" and response.status == 200:
             response.readline()  # one piece, then the client goes away
@@ -132,14 +143,18 @@ def test_soak_with_disconnects_worker_kills_and_junk(tmp_path, models) -> None:
         rss_before, fds_before = footprint(pid)
 
         stop, answered, kills = threading.Event(), [], []
-        chaos_thread = threading.Thread(target=chaos, args=(daemon, stop, answered, kills),
-                                        daemon=True)  # fmt: skip
+        chaos_thread = threading.Thread(
+            target=chaos, args=(daemon, stop, answered, kills), daemon=True
+        )
         chaos_thread.start()
         started = time.monotonic()
         try:
             with ThreadPoolExecutor(CLIENTS) as pool:
-                list(pool.map(lambda i: answered.append(one_request(daemon.socket, i)),
-                              range(REQUESTS)))  # fmt: skip
+                list(
+                    pool.map(
+                        lambda i: answered.append(one_request(daemon.socket, i)), range(REQUESTS)
+                    )
+                )
             outcomes = list(answered)
         finally:
             stop.set()
@@ -166,7 +181,9 @@ def test_soak_with_disconnects_worker_kills_and_junk(tmp_path, models) -> None:
         assert fds_after <= fds_before + FD_TOLERANCE, (fds_before, fds_after)
         assert rss_after <= rss_before + RSS_TOLERANCE_KB, (rss_before, rss_after)
         counts = Counter(f"{kind} {status}" for kind, status, _ in outcomes)
-        print(f"soak: {REQUESTS} requests in {soak_s:.1f} s ({dict(counts)}), {len(kills)} kills, "
-              f"rss {rss_before} -> {rss_after} kB, fds {fds_before} -> {fds_after}")  # fmt: skip
+        print(
+            f"soak: {REQUESTS} requests in {soak_s:.1f} s ({dict(counts)}), {len(kills)} kills, "
+            f"rss {rss_before} -> {rss_after} kB, fds {fds_before} -> {fds_after}"
+        )
     finally:
         assert daemon.stop() == 0

@@ -61,8 +61,9 @@ def test_the_two_parts_merge_into_one_softmax(heads, softcap, window) -> None:
         scores = softcap * torch.tanh(scores / softcap)
     expected = scores.masked_fill(~seen, float("-inf")).softmax(-1) @ v
     if softcap is None:
-        assert torch.allclose(expected, F.scaled_dot_product_attention(q, k, v, attn_mask=seen),
-                              atol=1e-6)  # fmt: skip
+        assert torch.allclose(
+            expected, F.scaled_dot_product_attention(q, k, v, attn_mask=seen), atol=1e-6
+        )
     assert torch.allclose(ours, expected, atol=2e-6)
 
 
@@ -91,8 +92,7 @@ def test_rows_too_deep_for_it_take_the_gathered_forwards(tmp_path, monkeypatch) 
     monkeypatch.setattr(static_forward, "MIN_SPAN", 16)
     monkeypatch.setattr(static_forward, "TAIL_BLOCK", 2)  # 4 deep at most
     folder = save_reference(build_reference("qwen3"), tmp_path / "m")
-    split = TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=4,
-                         attention="split")  # fmt: skip
+    split = TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=4, attention="split")
     gathered = TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=4)
     prompt = [1, 17, 42, 5, 88, 23, 9, 61, 2, 70, 33, 14]
     tokens = [5, 6, 7, 8, 9, 10, 11, 12]
@@ -129,9 +129,14 @@ def in_the_interpreter(check: str) -> None:
     on when Triton was imported, which this process may have done already."""
     pytest.importorskip("triton", reason="Triton is not installed (the test extra has it)")
     script = Path(__file__).with_name("split_kernel_checks.py")
-    done = subprocess.run([sys.executable, str(script), check], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"},
-                          check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(script), check],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        check=False,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"{check}: passed" in done.stdout
 
@@ -176,15 +181,16 @@ def test_on_cuda_the_kernel_tracks_the_torch_arithmetic_row_by_row(dtype) -> Non
     tails = split_point(positions, 16)[:, None] + torch.arange(48, device="cuda")
     bias = split_bias(positions, 512, 16, None)
     expected = split_attention(q, keys, values, tails, bias, scale=32**-0.5)
-    ours = split_kernel.split_attention(q, keys, values, tails, positions, block=16,
-                                        scale=32**-0.5)  # fmt: skip
+    ours = split_kernel.split_attention(q, keys, values, tails, positions, block=16, scale=32**-0.5)
     tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5  # bf16: an output's last bit
-    assert torch.allclose(ours.transpose(0, 1).float(), expected.float(), atol=tolerance,
-                          rtol=tolerance)  # fmt: skip
+    assert torch.allclose(
+        ours.transpose(0, 1).float(), expected.float(), atol=tolerance, rtol=tolerance
+    )
     for row in (0, 7, 15):
         one = slice(row, row + 1)
-        alone = split_kernel.split_attention(q[:, one], keys, values, tails[one],
-                                             positions[one], block=16, scale=32**-0.5)  # fmt: skip
+        alone = split_kernel.split_attention(
+            q[:, one], keys, values, tails[one], positions[one], block=16, scale=32**-0.5
+        )
         assert torch.equal(alone[0], ours[row])
 
 
@@ -210,8 +216,10 @@ def test_a_kernel_that_fails_or_strays_is_refused_for_the_torch_arithmetic(
     settings = m.TorchSettings(device="cpu", dtype="float32", fixed_width=4, attention="split")
     runtime, device = load_runtime("torch", folder, settings)
     assert not runtime.split_kernel
-    reason = {"raises": "RuntimeError: no kernel image is available for this device",
-              "wrong": "its logits differ from the torch arithmetic's"}[broken]  # fmt: skip
+    reason = {
+        "raises": "RuntimeError: no kernel image is available for this device",
+        "wrong": "its logits differ from the torch arithmetic's",
+    }[broken]
     assert runtime.split_kernel_refused.startswith(reason)
     assert device.startswith(f"cpu (split attention, torch; its kernel refused: {reason}")
     runtime.prefill([1, 5, 9])  # and it serves, in the torch arithmetic

@@ -46,19 +46,22 @@ def units(tmp_path) -> Path:
     folder = tmp_path / "units"
     folder.mkdir()
     service = (UNITS / "hetspecd.service").read_text()
-    service, count = re.subn(r"(?m)^ExecStart=/usr/bin/hetspecd$", f"ExecStart={executable}",
-                             service)  # fmt: skip
+    service, count = re.subn(
+        r"(?m)^ExecStart=/usr/bin/hetspecd$", f"ExecStart={executable}", service
+    )
     assert count == 1
     (folder / "hetspecd.service").write_text(service)
     shutil.copy(UNITS / "hetspecd.socket", folder)
     rpc = (UNITS / "hetspec-rpc-server.service").read_text()
-    rpc, count = re.subn(r"(?m)^ExecStart=/usr/bin/hetspec-rpc-server ", f"ExecStart={executable} ",
-                         rpc)  # fmt: skip
+    rpc, count = re.subn(
+        r"(?m)^ExecStart=/usr/bin/hetspec-rpc-server ", f"ExecStart={executable} ", rpc
+    )
     assert count == 1
     (folder / "hetspec-rpc-server.service").write_text(rpc)
     stage = (UNITS / "hetspec-stage.service").read_text()
-    stage, count = re.subn(r"(?m)^ExecStart=/usr/bin/hetspec-stage ", f"ExecStart={executable} ",
-                           stage)  # fmt: skip
+    stage, count = re.subn(
+        r"(?m)^ExecStart=/usr/bin/hetspec-stage ", f"ExecStart={executable} ", stage
+    )
     assert count == 1
     (folder / "hetspec-stage.service").write_text(stage)
     return folder
@@ -66,16 +69,21 @@ def units(tmp_path) -> Path:
 
 def analyze(*args: str) -> subprocess.CompletedProcess[str]:
     assert ANALYZE is not None
-    return subprocess.run([ANALYZE, "--no-pager", *args], capture_output=True, text=True,
-                          timeout=60, check=False)  # fmt: skip
+    return subprocess.run(
+        [ANALYZE, "--no-pager", *args], capture_output=True, text=True, timeout=60, check=False
+    )
 
 
 @pytest.mark.process
 @needs_analyze
 def test_units_verify_without_a_word(units) -> None:
-    result = analyze("verify", str(units / "hetspecd.service"), str(units / "hetspecd.socket"),
-                     str(units / "hetspec-rpc-server.service"),
-                     str(units / "hetspec-stage.service"))  # fmt: skip
+    result = analyze(
+        "verify",
+        str(units / "hetspecd.service"),
+        str(units / "hetspecd.socket"),
+        str(units / "hetspec-rpc-server.service"),
+        str(units / "hetspec-stage.service"),
+    )
     assert (result.returncode, result.stderr) == (0, "")
 
 
@@ -121,25 +129,42 @@ def test_units_agree_with_the_daemon_defaults() -> None:
 
 
 @pytest.mark.process
-@pytest.mark.skipif(shutil.which("systemd-sysusers") is None
-                    or shutil.which("systemd-tmpfiles") is None,
-                    reason="systemd-sysusers or systemd-tmpfiles is not installed")  # fmt: skip
+@pytest.mark.skipif(
+    shutil.which("systemd-sysusers") is None or shutil.which("systemd-tmpfiles") is None,
+    reason="systemd-sysusers or systemd-tmpfiles is not installed",
+)
 def test_sysusers_and_tmpfiles_create_the_user_and_directories(tmp_path) -> None:
     root = tmp_path / "root"
     (root / "etc").mkdir(parents=True)
-    sysusers = subprocess.run(["systemd-sysusers", f"--root={root}",
-                               str(UNITS / "sysusers.d" / "hetspec.conf")],
-                              capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    sysusers = subprocess.run(
+        ["systemd-sysusers", f"--root={root}", str(UNITS / "sysusers.d" / "hetspec.conf")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert sysusers.returncode == 0, sysusers.stderr
-    user = next(line.split(":") for line in (root / "etc" / "passwd").read_text().splitlines()
-                if line.startswith("hetspec:"))  # fmt: skip
+    user = next(
+        line.split(":")
+        for line in (root / "etc" / "passwd").read_text().splitlines()
+        if line.startswith("hetspec:")
+    )
     assert user[6] == "/usr/sbin/nologin"
     assert "hetspec:" in (root / "etc" / "group").read_text()
 
     # tmpfiles resolves the names from the root's /etc/passwd and /etc/group, just written
-    tmpfiles = subprocess.run(["systemd-tmpfiles", f"--root={root}", "--create",
-                               str(UNITS / "tmpfiles.d" / "hetspec.conf")],
-                              capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    tmpfiles = subprocess.run(
+        [
+            "systemd-tmpfiles",
+            f"--root={root}",
+            "--create",
+            str(UNITS / "tmpfiles.d" / "hetspec.conf"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     uid, gid = int(user[2]), int(user[3])
     run, etc = (root / "run" / "hetspec").stat(), (root / "etc" / "hetspec").stat()
     assert (run.st_mode & 0o7777, etc.st_mode & 0o7777) == (0o750, 0o750)
@@ -190,9 +215,13 @@ def test_messages_arrive_exactly(receiver) -> None:
     notifier.stopping()
     received = [sock.recv(4096).decode() for _ in range(5)]
     pid = os.getpid()
-    assert received == ["STATUS=loading the models", f"READY=1\nMAINPID={pid}",
-                        f"READY=1\nMAINPID={pid}\nSTATUS=serving", "WATCHDOG=1",
-                        "STOPPING=1\nSTATUS=draining"]  # fmt: skip
+    assert received == [
+        "STATUS=loading the models",
+        f"READY=1\nMAINPID={pid}",
+        f"READY=1\nMAINPID={pid}\nSTATUS=serving",
+        "WATCHDOG=1",
+        "STOPPING=1\nSTATUS=draining",
+    ]
 
 
 def test_abstract_socket() -> None:
@@ -303,9 +332,12 @@ def test_activated_socket_serves_in_a_child(tmp_path) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
         listener.bind(str(path))
         listener.listen(1)
-        child = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(listener.fileno()),
-                                  "-c", SERVICE], pass_fds=(listener.fileno(),),
-                                 stdout=subprocess.PIPE, text=True)  # fmt: skip
+        child = subprocess.Popen(
+            [sys.executable, "-c", LAUNCHER, str(listener.fileno()), "-c", SERVICE],
+            pass_fds=(listener.fileno(),),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
     try:
         assert child.stdout is not None
         report = json.loads(child.stdout.readline())

@@ -74,8 +74,16 @@ class FakeSystemd:
 def test_notify_ready_watchdog_tied_to_worker_heartbeats_and_stopping(tmp_path, models) -> None:
     systemd = FakeSystemd(tmp_path / "notify.sock")
     env = {"NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "WATCHDOG_USEC": str(WATCHDOG_USEC)}
-    daemon = Daemon(tmp_path / "d", models["target"], models["draft"], "--set",
-                    "heartbeat_s=0.2", "--set", "heartbeat_timeout_s=4", env=env)  # fmt: skip
+    daemon = Daemon(
+        tmp_path / "d",
+        models["target"],
+        models["draft"],
+        "--set",
+        "heartbeat_s=0.2",
+        "--set",
+        "heartbeat_timeout_s=4",
+        env=env,
+    )
     try:
         ready_at = systemd.wait_for("READY=1")
         assert "STATUS=loading the models" in systemd.lines()[: systemd.lines().index("READY=1")]
@@ -91,8 +99,10 @@ def test_notify_ready_watchdog_tied_to_worker_heartbeats_and_stopping(tmp_path, 
         # stale after three 0.2 s beats; no ping from then until the supervisor kills it (4 s)
         assert systemd.pings(hung_at + 1.0, hung_at + 3) == 0, systemd.lines()[-20:]
         deadline = time.monotonic() + 60  # killed, restarted, beating again: pings resume
-        while (systemd.pings(hung_at + 4, time.monotonic()) < 3
-               or daemon.health()["workers"]["gpu"]["restarts"] != 1):  # fmt: skip
+        while (
+            systemd.pings(hung_at + 4, time.monotonic()) < 3
+            or daemon.health()["workers"]["gpu"]["restarts"] != 1
+        ):
             assert time.monotonic() < deadline, "no restart, or the pings did not resume"
             time.sleep(0.2)
 
@@ -110,13 +120,21 @@ def test_socket_activation_serves_on_the_passed_socket(tmp_path, models) -> None
     listener.bind(str(path))
     listener.listen(8)
     # systemd's part: the socket as fd 3, LISTEN_PID naming the process that execs hetspecd
-    launcher = [sys.executable, "-c",
-                "import os, sys; os.dup2(int(sys.argv[1]), 3); "
-                "os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS='1', "
-                "LISTEN_FDNAMES='hetspecd.socket'); os.execv(sys.argv[2], sys.argv[2:])",
-                str(listener.fileno())]  # fmt: skip
-    daemon = Daemon(tmp_path / "d", models["target"], models["draft"],
-                    launcher=launcher, pass_fds=(listener.fileno(),))  # fmt: skip
+    launcher = [
+        sys.executable,
+        "-c",
+        "import os, sys; os.dup2(int(sys.argv[1]), 3); "
+        "os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS='1', "
+        "LISTEN_FDNAMES='hetspecd.socket'); os.execv(sys.argv[2], sys.argv[2:])",
+        str(listener.fileno()),
+    ]
+    daemon = Daemon(
+        tmp_path / "d",
+        models["target"],
+        models["draft"],
+        launcher=launcher,
+        pass_fds=(listener.fileno(),),
+    )
     listener.close()  # the daemon holds it now
     try:
         daemon.socket = path  # where clients connect: the activated socket

@@ -24,13 +24,15 @@ def small_spans(monkeypatch):  # span buckets 16, 32 ..: 30 tokens cross two of 
     monkeypatch.setattr(static_forward, "TAIL_BLOCK", 4)  # split attention's points 4 apart
 
 
-def runtime_for(tmp_path, name: str, fixed_width: int = 4, attention: str = "gathered"
-                ) -> TorchRuntime:  # fmt: skip
+def runtime_for(
+    tmp_path, name: str, fixed_width: int = 4, attention: str = "gathered"
+) -> TorchRuntime:
     folder = tmp_path / name
     if not folder.exists():
         save_reference(build_reference(name), folder)
-    return TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=fixed_width,
-                        attention=attention)  # fmt: skip
+    return TorchRuntime(
+        folder, device="cpu", dtype="float32", fixed_width=fixed_width, attention=attention
+    )
 
 
 def decoded(runtime: TorchRuntime, decode, steps: int, host_forwards: int = 0):
@@ -44,8 +46,9 @@ def decoded(runtime: TorchRuntime, decode, steps: int, host_forwards: int = 0):
     runtime._extend_committed = lambda tokens: calls.append(tokens) or extend(tokens)
     try:
         with runtime.features_captured() as features:
-            tokens = decode(runtime, steps, SamplingParams(), DrawnSampler(0),
-                            logprobs=logprobs, top=3)  # fmt: skip
+            tokens = decode(
+                runtime, steps, SamplingParams(), DrawnSampler(0), logprobs=logprobs, top=3
+            )
     finally:
         del runtime._extend_committed
     assert len(calls) == host_forwards
@@ -54,8 +57,7 @@ def decoded(runtime: TorchRuntime, decode, steps: int, host_forwards: int = 0):
 
 @pytest.mark.parametrize("attention", ["gathered", "split"])
 @pytest.mark.parametrize("name", ["qwen3", "gemma3", "gemma2"])
-def test_greedy_decoding_on_the_device_gives_the_host_loops_bits(tmp_path, name,
-                                                                 attention) -> None:  # fmt: skip
+def test_greedy_decoding_on_the_device_gives_the_host_loops_bits(tmp_path, name, attention) -> None:
     runtime = runtime_for(tmp_path, name, attention=attention)
     steps = 30
     watched = runtime._split if attention == "split" else runtime._in_place
@@ -87,17 +89,27 @@ def sampled(runtime: TorchRuntime, decode, steps: int, sampler, temperature: flo
     runtime.prefill(PROMPT)
     logprobs: list = []
     with runtime.features_captured() as features:
-        tokens = decode(runtime, steps, SamplingParams(temperature=temperature), sampler,
-                        logprobs=logprobs, top=2)  # fmt: skip
+        tokens = decode(
+            runtime,
+            steps,
+            SamplingParams(temperature=temperature),
+            sampler,
+            logprobs=logprobs,
+            top=2,
+        )
     return tokens, logprobs, runtime.last_logits().copy(), np.concatenate(features)
 
 
 @pytest.mark.parametrize(
     ("sampler", "margin"),
-    [(lambda: KeyedSampler(11), device_choice.MARGIN), (lambda: KeyedSampler(11), 0.3),
-     (lambda: KeyedSampler(11), 1e9), (lambda: DrawnSampler(5), device_choice.MARGIN)],
+    [
+        (lambda: KeyedSampler(11), device_choice.MARGIN),
+        (lambda: KeyedSampler(11), 0.3),
+        (lambda: KeyedSampler(11), 1e9),
+        (lambda: DrawnSampler(5), device_choice.MARGIN),
+    ],
     ids=["keyed", "keyed-some-left-to-the-host", "keyed-all-left-to-the-host", "drawn"],
-)  # fmt: skip
+)
 def test_sampled_decoding_on_the_device_gives_the_host_loops_tokens(
     tmp_path, monkeypatch, sampler, margin
 ) -> None:
@@ -142,11 +154,13 @@ def test_decoding_past_the_context_is_refused_before_any_forward(tmp_path) -> No
 
 @pytest.mark.parametrize(
     ("params", "sampler"),
-    [(SamplingParams(), lambda: DrawnSampler(0)),
-     (SamplingParams(temperature=0.8), lambda: KeyedSampler(11)),
-     (SamplingParams(temperature=0.8), lambda: DrawnSampler(5))],
+    [
+        (SamplingParams(), lambda: DrawnSampler(0)),
+        (SamplingParams(temperature=0.8), lambda: KeyedSampler(11)),
+        (SamplingParams(temperature=0.8), lambda: DrawnSampler(5)),
+    ],
     ids=["greedy", "keyed", "drawn"],
-)  # fmt: skip
+)
 @pytest.mark.parametrize("attention", ["gathered", "split"])
 def test_a_chained_draft_is_the_step_by_step_draft(tmp_path, params, sampler, attention) -> None:
     chained = runtime_for(tmp_path, "gemma3", attention=attention)
@@ -167,8 +181,10 @@ def test_a_chained_draft_is_the_step_by_step_draft(tmp_path, params, sampler, at
         assert ours[0].tolist() == host[0].tolist()
         np.testing.assert_allclose(ours[1], host[1], rtol=0, atol=2e-6)
     # the drafted nodes are the same pending tree: the same logits after a shared path
-    assert np.array_equal(chained.forward_tree([3], [12], extend=True).logits.numpy(),
-                          stepwise.forward_tree([3], [12], extend=True).logits.numpy())  # fmt: skip
+    assert np.array_equal(
+        chained.forward_tree([3], [12], extend=True).logits.numpy(),
+        stepwise.forward_tree([3], [12], extend=True).logits.numpy(),
+    )
 
 
 def test_bench_verify_times_decoding_both_ways(tmp_path) -> None:
@@ -176,9 +192,26 @@ def test_bench_verify_times_decoding_both_ways(tmp_path) -> None:
 
     folder = save_reference(build_reference("qwen3"), tmp_path / "m")
     out = tmp_path / "verify.json"
-    arguments = ["--model", str(folder), "--device", "cpu", "--dtype", "float32",
-                 "--fixed-width", "4", "--contexts", "20", "--widths", "1,4", "--repeats", "2",
-                 "--decode", "9", "--json", str(out)]  # fmt: skip
+    arguments = [
+        "--model",
+        str(folder),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--fixed-width",
+        "4",
+        "--contexts",
+        "20",
+        "--widths",
+        "1,4",
+        "--repeats",
+        "2",
+        "--decode",
+        "9",
+        "--json",
+        str(out),
+    ]
     assert bench_verify.main(arguments) == 0
     decode = json.loads(out.read_text())["decode"]
     assert decode["steps"] == 9

@@ -15,35 +15,73 @@ import transformers
 from hetspec.workers.runtimes.torch_runtime.config import ModelConfig, ModelLoadError
 
 GEMMA3_1B = {  # google/gemma-3-1b-it (transformers 4.50)
-    "model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 1152,
-    "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4,
-    "num_key_value_heads": 1, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
-    "max_position_embeddings": 32768, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
-    "rope_local_base_freq": 10000, "rope_scaling": None, "rope_theta": 1000000,
-    "sliding_window": 512, "sliding_window_pattern": 6, "attn_logit_softcapping": None,
-    "final_logit_softcapping": None, "attention_bias": False,
-}  # fmt: skip
-GEMMA3_270M = {  # google/gemma-3-270m (transformers 4.55: layer_types written out)
-    **GEMMA3_1B, "hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18,
-    "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
-                    for i in range(18)],
-}  # fmt: skip
-GEMMA3_LINEAR = {  # a 4B-like text stack: linear scaling of the full layers' rotary angles
-    **GEMMA3_1B, "hidden_size": 2560, "num_hidden_layers": 34, "num_attention_heads": 8,
-    "num_key_value_heads": 4, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
-}  # fmt: skip
-GEMMA2_2B = {  # google/gemma-2-2b-it
-    "model_type": "gemma2", "vocab_size": 256000, "hidden_size": 2304,
-    "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
-    "num_key_value_heads": 4, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
-    "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 8192,
-    "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
-    "sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+    "model_type": "gemma3_text",
+    "vocab_size": 262144,
+    "hidden_size": 1152,
+    "intermediate_size": 6912,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 32768,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06,
+    "rope_local_base_freq": 10000,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
     "attention_bias": False,
-}  # fmt: skip
-GEMMA2_27B_QUERY = {**GEMMA2_2B, "num_hidden_layers": 46, "hidden_size": 4608,
-                    "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128,
-                    "query_pre_attn_scalar": 144}  # fmt: skip
+}
+GEMMA3_270M = {  # google/gemma-3-270m (transformers 4.55: layer_types written out)
+    **GEMMA3_1B,
+    "hidden_size": 640,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 18,
+    "layer_types": [
+        "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)
+    ],
+}
+GEMMA3_LINEAR = {  # a 4B-like text stack: linear scaling of the full layers' rotary angles
+    **GEMMA3_1B,
+    "hidden_size": 2560,
+    "num_hidden_layers": 34,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+}
+GEMMA2_2B = {  # google/gemma-2-2b-it
+    "model_type": "gemma2",
+    "vocab_size": 256000,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_act": "gelu_pytorch_tanh",
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 8192,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000.0,
+    "sliding_window": 4096,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+    "attention_bias": False,
+}
+GEMMA2_27B_QUERY = {
+    **GEMMA2_2B,
+    "num_hidden_layers": 46,
+    "hidden_size": 4608,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 16,
+    "head_dim": 128,
+    "query_pre_attn_scalar": 144,
+}
 
 
 @pytest.mark.parametrize(
@@ -54,8 +92,10 @@ GEMMA2_27B_QUERY = {**GEMMA2_2B, "num_hidden_layers": 46, "hidden_size": 4608,
 def test_published_gemma_configs_read_as_transformers_reads_them(raw) -> None:
     ours = ModelConfig.from_dict(dict(raw))
     theirs = transformers.AutoConfig.for_model(**dict(raw))
-    windows = tuple(theirs.sliding_window if kind == "sliding_attention" else None
-                    for kind in theirs.layer_types)  # fmt: skip
+    windows = tuple(
+        theirs.sliding_window if kind == "sliding_attention" else None
+        for kind in theirs.layer_types
+    )
     assert ours.sliding_windows == windows
     assert ours.query_scale == pytest.approx(theirs.query_pre_attn_scalar**-0.5)
     assert ours.attn_softcap == theirs.attn_logit_softcapping

@@ -29,10 +29,15 @@ PROMPT = [1, 17, 42, 5, 88, 23, 9, 61, 2, 70, 33, 14]
 # default); 4 runs every call as forwards of exactly 4 rows through static_forward.py, the
 # shapes CUDA graphs replay, with each row's path gathered or with split attention (its
 # split points 4 apart here, so the prompt's rows read keys both in place and gathered)
-@pytest.fixture(scope="module",
-                params=[(c, w, a) for c in sorted(TINY_CONFIGS)
-                        for w, a in ((0, "gathered"), (4, "gathered"), (4, "split"))],
-                ids=lambda p: f"{p[0]}-w{p[1]}" + "-split" * (p[2] == "split"))  # fmt: skip
+@pytest.fixture(
+    scope="module",
+    params=[
+        (c, w, a)
+        for c in sorted(TINY_CONFIGS)
+        for w, a in ((0, "gathered"), (4, "gathered"), (4, "split"))
+    ],
+    ids=lambda p: f"{p[0]}-w{p[1]}" + "-split" * (p[2] == "split"),
+)
 def pair(request, tmp_path_factory):
     """(transformers reference, our runtime over the same saved checkpoint)."""
     name, fixed_width, attention = request.param
@@ -40,8 +45,9 @@ def pair(request, tmp_path_factory):
     folder = save_reference(reference, tmp_path_factory.mktemp(name))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(static_forward, "TAIL_BLOCK", 4)
-        runtime = TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=fixed_width,
-                               attention=attention)  # fmt: skip
+        runtime = TorchRuntime(
+            folder, device="cpu", dtype="float32", fixed_width=fixed_width, attention=attention
+        )
     assert runtime.attention == attention
     return reference, runtime
 
@@ -320,8 +326,9 @@ def test_a_compiled_verifier_compiles_a_forward_once_for_every_span(tmp_path, mo
 def test_compiled_fixed_shapes_track_eager_and_stay_width_invariant(tmp_path, attention) -> None:
     folder = save_reference(build_reference("qwen3"), tmp_path / "m")
     eager = TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=4)
-    compiled = TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=4, compile=True,
-                            attention=attention)  # fmt: skip
+    compiled = TorchRuntime(
+        folder, device="cpu", dtype="float32", fixed_width=4, compile=True, attention=attention
+    )
     assert compiled.attention == attention
     for runtime in (eager, compiled):
         runtime.prefill(PROMPT)
@@ -349,8 +356,9 @@ def test_cuda_half_precision_tracks_fp32(tmp_path, dtype) -> None:
 @pytest.mark.parametrize("attention", ["gathered", "split"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["qwen3", "gemma3", "gemma2"])
-def test_fixed_width_logits_do_not_depend_on_the_tree(tmp_path, monkeypatch, name, dtype,
-                                                      attention) -> None:  # fmt: skip
+def test_fixed_width_logits_do_not_depend_on_the_tree(
+    tmp_path, monkeypatch, name, dtype, attention
+) -> None:
     """With a fixed width a token's logits are bit-identical alone and inside any tree: the
     chain below with a wrong sibling beside every token (siblings between its ancestors in
     the cache), as several forwards, as a tree of more paths than a forward gathers, across
@@ -401,8 +409,9 @@ def test_chains_in_the_caches_order_attend_in_place_only_with_the_same_bits(tmp_
     forward whose bits differ (here one over other weights)."""
     folder = save_reference(build_reference("qwen3"), tmp_path / "m")
     runtime = TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=4, max_context=64)
-    gathered = TorchRuntime(folder, device="cpu", dtype="float32", fixed_width=4, max_context=64,
-                            chain_in_place=False)  # fmt: skip
+    gathered = TorchRuntime(
+        folder, device="cpu", dtype="float32", fixed_width=4, max_context=64, chain_in_place=False
+    )
     assert runtime.chains_in_place
     assert not runtime.in_place_differed
     assert not gathered.chains_in_place
@@ -410,8 +419,10 @@ def test_chains_in_the_caches_order_attend_in_place_only_with_the_same_bits(tmp_
     for each in (runtime, gathered):
         each.prefill(PROMPT)
     tokens = [5, 6, 7, 8, 9]
-    assert torch.equal(runtime.forward_tree(tokens, chain_parents(5)).logits,
-                       gathered.forward_tree(tokens, chain_parents(5)).logits)  # fmt: skip
+    assert torch.equal(
+        runtime.forward_tree(tokens, chain_parents(5)).logits,
+        gathered.forward_tree(tokens, chain_parents(5)).logits,
+    )
 
     chains = runtime._chains
     assert static_forward.same_bits_in_place(chains, runtime._in_place)

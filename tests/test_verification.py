@@ -115,8 +115,9 @@ def test_drafts_from_the_target_itself_are_always_accepted() -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(0, 3), max_size=10), st.lists(st.integers(0, 3), min_size=11,
-                                                        max_size=11))  # fmt: skip
+@given(
+    st.lists(st.integers(0, 3), max_size=10), st.lists(st.integers(0, 3), min_size=11, max_size=11)
+)
 def test_a_chain_against_choices_is_the_tree_walks_verdict(tokens, choices) -> None:
     """The one-branch shortcut (plain Python) agrees with the general walk, from lists and
     from arrays."""
@@ -164,13 +165,28 @@ def test_a_sampled_verdict_from_rows_read_on_demand_is_the_one_from_all_rows(
     drafted = distribution(rng.normal(size=(2 * len(tokens), logits.shape[1])), params)
     where = rng.permutation(len(drafted))[: len(tokens)]
     options = {"keyed": KeyedSampler(seed)} if keyed else {}
-    whole = verify_sampled(tokens, parents, logits, params, position=40,
-                           rng=np.random.default_rng(seed), draft=drafted[where],
-                           **options)  # fmt: skip
+    whole = verify_sampled(
+        tokens,
+        parents,
+        logits,
+        params,
+        position=40,
+        rng=np.random.default_rng(seed),
+        draft=drafted[where],
+        **options,
+    )
     rows = CountedRows(logits)
     in_place = RowsOnDemand.at(drafted, list(where))
-    walked = verify_sampled(tokens, parents, rows, params, position=40,
-                            rng=np.random.default_rng(seed), draft=in_place, **options)  # fmt: skip
+    walked = verify_sampled(
+        tokens,
+        parents,
+        rows,
+        params,
+        position=40,
+        rng=np.random.default_rng(seed),
+        draft=in_place,
+        **options,
+    )
     assert (walked.path, walked.bonus) == (whole.path, whole.bonus)
     assert sorted(set(rows.read)) == sorted({0, *(node + 1 for node in walked.path)})
 

@@ -108,13 +108,13 @@ def test_a_worker_restarted_with_another_vocabulary_is_not_used(tmp_path, models
         shutil.copy(models["other"], swapped)
         os.replace(swapped, draft)
         os.kill(health["workers"]["cpu"]["pid"], signal.SIGKILL)
-        wait_until(lambda: events(daemon, "worker restart failed"), 20,
-                   "the restarted worker refused")  # fmt: skip
+        wait_until(
+            lambda: events(daemon, "worker restart failed"), 20, "the restarted worker refused"
+        )
         failure = events(daemon, "worker restart failed")[0]
         assert failure["worker"] == "cpu"
         assert "token texts differ" in failure["error"], failure
-        status, body = request(daemon.socket, "POST", "/api/generate",
-                               native("x", max_tokens=2))  # fmt: skip
+        status, body = request(daemon.socket, "POST", "/api/generate", native("x", max_tokens=2))
         assert status == 503, body
         assert "the cpu worker is restarting" in body["error"]
         assert not events(daemon, "worker restarted")
@@ -123,8 +123,7 @@ def test_a_worker_restarted_with_another_vocabulary_is_not_used(tmp_path, models
         wait_until(lambda: ready_health(daemon), 30, "the worker back with the right model")
         assert ready_health(daemon)["workers"]["cpu"]["restarts"] == 1
         assert len(list(daemon.runtime_dir.glob("*.sock"))) == 4  # the refused ones stopped
-        status, body = request(daemon.socket, "POST", "/api/generate",
-                               native("x", max_tokens=2))  # fmt: skip
+        status, body = request(daemon.socket, "POST", "/api/generate", native("x", max_tokens=2))
         assert status == 200, body
     finally:
         assert daemon.stop() == 0
@@ -180,8 +179,9 @@ async def test_a_slot_whose_call_was_cancelled_is_not_lent_before_the_worker_is_
     """One slot, so no rotation hides it: a call writing the slot is cancelled while the
     worker cannot answer (stopped, as if computing), and the slot goes back. It is lent
     again only once the worker is done with that call; then nothing overwrites it."""
-    client = WorkerClient(spec(gguf, "llama.cpp", heartbeat_timeout_s=60), tmp_path, 1,
-                          arena.layout)  # fmt: skip
+    client = WorkerClient(
+        spec(gguf, "llama.cpp", heartbeat_timeout_s=60), tmp_path, 1, arena.layout
+    )
     await client.start(LOAD_TIMEOUT)
     pool = SlotPool(1)
     rows = np.full((16, VOCAB), 1.0, np.float32)
@@ -189,8 +189,9 @@ async def test_a_slot_whose_call_was_cancelled_is_not_lent_before_the_worker_is_
     try:
         async with pool.lease("run 1", client.settled) as slot:
             os.kill(client.pid, signal.SIGSTOP)
-            echo = m.Echo(request=client.next_request(), data=ArrayRef("<f4", rows.shape, frame=1),
-                          out=slot)  # fmt: skip
+            echo = m.Echo(
+                request=client.next_request(), data=ArrayRef("<f4", rows.shape, frame=1), out=slot
+            )
             call = asyncio.ensure_future(client.call(echo, (rows,)))
             await asyncio.sleep(0)  # sent
             call.cancel()
@@ -227,8 +228,9 @@ async def test_a_slot_comes_back_when_the_worker_dies_with_the_cancelled_call(
 ) -> None:
     """The worker never answers the cancelled call because it dies: the slot is free again
     at once, not held for ever."""
-    client = WorkerClient(spec(gguf, "llama.cpp", heartbeat_timeout_s=60), tmp_path, 1,
-                          arena.layout)  # fmt: skip
+    client = WorkerClient(
+        spec(gguf, "llama.cpp", heartbeat_timeout_s=60), tmp_path, 1, arena.layout
+    )
     await client.start(LOAD_TIMEOUT)
     pool = SlotPool(1)
     try:

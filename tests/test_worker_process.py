@@ -43,8 +43,14 @@ def spec(gguf, runtime: str, **overrides) -> WorkerSpec:
     else:
         settings = m.LlamaCppSettings(n_ctx=128, threads=1, n_seq_max=4)
         model = str(gguf)
-    options = {"name": "gpu" if runtime == "torch" else "cpu", "runtime": runtime, "model": model,
-               "settings": settings, "cores": (0,), "log_format": "console"}  # fmt: skip
+    options = {
+        "name": "gpu" if runtime == "torch" else "cpu",
+        "runtime": runtime,
+        "model": model,
+        "settings": settings,
+        "cores": (0,),
+        "log_format": "console",
+    }
     return WorkerSpec(**{**options, **overrides})
 
 
@@ -92,15 +98,17 @@ async def test_both_engines_hand_shake_draft_and_verify_through_the_arena(
         np.testing.assert_allclose(probs.sum(-1), 1, atol=1e-5)
         chain = draft.tokens[0]
         assert draft.forwards == 3  # the first token drawn from the prefill's logits
-        verified, _ = await gpu.call(m.VerifyTree(request=gpu.next_request(), tokens=chain,
-                                                  parents=[-1, 0, 1, 2], out=1))  # fmt: skip
+        verified, _ = await gpu.call(
+            m.VerifyTree(request=gpu.next_request(), tokens=chain, parents=[-1, 0, 1, 2], out=1)
+        )
         logits = arena.view(verified.logits).copy()
         # the same model on both sides: the target agrees with every greedy draft token
         assert logits[:3].argmax(-1).tolist() == chain[1:]
         # greedy verification's call: each row's argmax, and nothing written to the arena
         arena.view(verified.logits)[:] = np.nan
-        command = m.VerifyTree(request=gpu.next_request(), tokens=chain,
-                               parents=[-1, 0, 1, 2], out=1, argmax_only=True)  # fmt: skip
+        command = m.VerifyTree(
+            request=gpu.next_request(), tokens=chain, parents=[-1, 0, 1, 2], out=1, argmax_only=True
+        )
         argmax, _ = await gpu.call(command)
         assert argmax.logits is None
         assert argmax.argmax == logits.argmax(-1).tolist()
@@ -114,9 +122,15 @@ async def test_both_engines_hand_shake_draft_and_verify_through_the_arena(
         # llama.cpp drafts no chain in one call, so the bonus is evaluated with the append
         # (timed apart), and the draft's forwards are the steps after its first token
         bonus = 9 if chain[2] != 9 else 10
-        again, _ = await cpu.call(m.Draft(request=cpu.next_request(), steps=3, out=0,
-                                          sampling=m.SamplingParams(),
-                                          append=[*chain[:2], bonus]))  # fmt: skip
+        again, _ = await cpu.call(
+            m.Draft(
+                request=cpu.next_request(),
+                steps=3,
+                out=0,
+                sampling=m.SamplingParams(),
+                append=[*chain[:2], bonus],
+            )
+        )
         assert again.forwards == 2
         assert 0 < again.append_ms <= again.elapsed_ms
 
@@ -124,8 +138,11 @@ async def test_both_engines_hand_shake_draft_and_verify_through_the_arena(
             await gpu.call(m.Rollback(request=gpu.next_request(), length=99))
         assert failure.value.kind == "usage"
         with pytest.raises(WorkerError, match="does not fit"):
-            await gpu.call(m.VerifyTree(request=gpu.next_request(), tokens=[1] * 17,
-                                        parents=list(range(-1, 16)), out=2))  # fmt: skip
+            await gpu.call(
+                m.VerifyTree(
+                    request=gpu.next_request(), tokens=[1] * 17, parents=list(range(-1, 16)), out=2
+                )
+            )
         # still serving after refusing bad commands
         reply, _ = await gpu.call(m.Rollback(request=gpu.next_request(), length=2))
         assert reply.committed == 2
@@ -137,8 +154,9 @@ async def test_both_engines_hand_shake_draft_and_verify_through_the_arena(
 
 
 @pytest.mark.parametrize("runtime", ["torch", "llama.cpp"])
-async def test_a_verifier_walks_a_sampled_verdict_as_the_daemon_would(gguf, tmp_path, arena,
-                                                                      runtime) -> None:  # fmt: skip
+async def test_a_verifier_walks_a_sampled_verdict_as_the_daemon_would(
+    gguf, tmp_path, arena, runtime
+) -> None:
     """``VerifyTree.walk``: the verifier takes a seeded request's keyed verdict and an
     unseeded one's speculative sampling (the draft's rows read from the drafter's slot), the
     same path and bonus the daemon takes from the rows written to the arena; nothing goes to
@@ -155,12 +173,14 @@ async def test_a_verifier_walks_a_sampled_verdict_as_the_daemon_would(gguf, tmp_
         drafted[:] = distribution(rng.normal(size=(2, 2, VOCAB)) * 4, params)
         draft = ArrayRef("<f4", (2, 2, VOCAB), slot=0)
         position = len(prompt) + 1
-        walks = {"keyed": m.SampledWalk(params, position, keyed=True),
-                 "drawn": m.SampledWalk(params, position, seed=11, draft=draft,
-                                        draft_rows=[0, 1, 2, 3])}  # fmt: skip
+        walks = {
+            "keyed": m.SampledWalk(params, position, keyed=True),
+            "drawn": m.SampledWalk(params, position, seed=11, draft=draft, draft_rows=[0, 1, 2, 3]),
+        }
         for kind, walk in walks.items():
-            rows, _ = await worker.call(m.VerifyTree(request=worker.next_request(), tokens=tree,
-                                                     parents=parents, out=1))  # fmt: skip
+            rows, _ = await worker.call(
+                m.VerifyTree(request=worker.next_request(), tokens=tree, parents=parents, out=1)
+            )
             logits = arena.view(rows.logits).copy()
             arena.view(rows.logits)[:] = np.nan
             options = (
@@ -168,31 +188,63 @@ async def test_a_verifier_walks_a_sampled_verdict_as_the_daemon_would(gguf, tmp_
                 if kind == "keyed"
                 else {"rng": np.random.default_rng(11), "draft": drafted.reshape(4, VOCAB)}
             )
-            expected = verify_sampled(tree[1:], [-1, 0, -1, 2], logits, params,
-                                      position=position, **options)  # fmt: skip
-            command = m.VerifyTree(request=worker.next_request(), tokens=tree, parents=parents,
-                                   out=1, walk=walk)  # fmt: skip
+            expected = verify_sampled(
+                tree[1:], [-1, 0, -1, 2], logits, params, position=position, **options
+            )
+            command = m.VerifyTree(
+                request=worker.next_request(), tokens=tree, parents=parents, out=1, walk=walk
+            )
             walked, _ = await worker.call(command)
             assert walked.logits is None
             assert walked.argmax == []
             assert (walked.path, walked.bonus) == (expected.path, expected.bonus), kind
             assert np.isnan(arena.view(rows.logits)).all()
         refused = [
-            (m.VerifyTree(request=worker.next_request(), tokens=tree, parents=parents, out=1,
-                          argmax_only=True, walk=walks["keyed"]), "neither argmax_only"),
-            (m.VerifyTree(request=worker.next_request(), tokens=tree, parents=parents, out=1,
-                          walk=m.SampledWalk(params, position, draft=draft, draft_rows=[0])),
-             "needs as many draft rows"),
-            (m.VerifyTree(request=worker.next_request(), tokens=tree[1:], parents=[-1, 0, -1, 2],
-                          out=1, walk=walks["keyed"]), "one tree below its first node"),
-        ]  # fmt: skip
+            (
+                m.VerifyTree(
+                    request=worker.next_request(),
+                    tokens=tree,
+                    parents=parents,
+                    out=1,
+                    argmax_only=True,
+                    walk=walks["keyed"],
+                ),
+                "neither argmax_only",
+            ),
+            (
+                m.VerifyTree(
+                    request=worker.next_request(),
+                    tokens=tree,
+                    parents=parents,
+                    out=1,
+                    walk=m.SampledWalk(params, position, draft=draft, draft_rows=[0]),
+                ),
+                "needs as many draft rows",
+            ),
+            (
+                m.VerifyTree(
+                    request=worker.next_request(),
+                    tokens=tree[1:],
+                    parents=[-1, 0, -1, 2],
+                    out=1,
+                    walk=walks["keyed"],
+                ),
+                "one tree below its first node",
+            ),
+        ]
         for command, reason in refused:
             with pytest.raises(WorkerError, match=reason) as failure:
                 await worker.call(command)
             assert failure.value.kind == "usage"
-        again, _ = await worker.call(m.VerifyTree(
-            request=worker.next_request(), tokens=tree, parents=parents, out=1,
-            walk=walks["keyed"]))  # fmt: skip
+        again, _ = await worker.call(
+            m.VerifyTree(
+                request=worker.next_request(),
+                tokens=tree,
+                parents=parents,
+                out=1,
+                walk=walks["keyed"],
+            )
+        )
         assert again.bonus >= 0
     finally:
         await worker.stop()
@@ -208,17 +260,25 @@ async def test_a_native_drafter_evaluates_the_bonus_in_its_chain_call(tmp_path) 
     with Arena.create(name, 1, 8 * 4096 * 4) as arena:  # the bundled draft's 4096 tokens
         cpu = await started(native, tmp_path, arena)
         try:
-            reply, _ = await cpu.call(m.Tokenize(request=cpu.next_request(),
-                                                 text="def load(path):"))  # fmt: skip
+            reply, _ = await cpu.call(
+                m.Tokenize(request=cpu.next_request(), text="def load(path):")
+            )
             await cpu.call(m.Prefill(request=cpu.next_request(), tokens=reply.tokens))
-            first, _ = await cpu.call(m.Draft(request=cpu.next_request(), steps=4, out=0,
-                                              sampling=m.SamplingParams()))  # fmt: skip
+            first, _ = await cpu.call(
+                m.Draft(request=cpu.next_request(), steps=4, out=0, sampling=m.SamplingParams())
+            )
             assert first.forwards == 3  # its first token drawn from the prefill's logits
             chain = first.tokens[0]
             bonus = 9 if chain[2] != 9 else 10
-            again, _ = await cpu.call(m.Draft(request=cpu.next_request(), steps=5, out=0,
-                                              sampling=m.SamplingParams(),
-                                              append=[*chain[:2], bonus]))  # fmt: skip
+            again, _ = await cpu.call(
+                m.Draft(
+                    request=cpu.next_request(),
+                    steps=5,
+                    out=0,
+                    sampling=m.SamplingParams(),
+                    append=[*chain[:2], bonus],
+                )
+            )
             assert again.forwards == 5
             assert 0 <= again.append_ms <= again.elapsed_ms
             assert len(again.tokens[0]) == 5
@@ -259,8 +319,9 @@ async def test_a_daemon_polling_for_replies_reads_them_and_then_lets_its_loop_sl
         loop = asyncio.get_running_loop()
         loop.remove_reader(cpu._inbox.bell_fd)
         loop.add_reader(cpu._inbox.bell_fd, cpu._on_bell)
-        echoed, _ = await cpu.call(m.Echo(request=cpu.next_request(), data=data, out=3,
-                                          hold_us=20_000.0))  # fmt: skip
+        echoed, _ = await cpu.call(
+            m.Echo(request=cpu.next_request(), data=data, out=3, hold_us=20_000.0)
+        )
         np.testing.assert_array_equal(arena.view(echoed.data), np.arange(8))
         assert all(pending == 0 for pending in bells)  # the poll read it before any bell
         await asyncio.sleep(0.01)
@@ -301,25 +362,33 @@ async def test_a_worker_computes_on_the_spare_cores_only_when_a_command_says_so(
     thread idles); the logits do not depend on it (greedy output must not change with the
     cores)."""
     own, spare = sorted(os.sched_getaffinity(0))[:2]
-    client = await started(spec(gguf, runtime, cores=(own,), spare_cores=(spare,)), tmp_path,
-                           arena)  # fmt: skip
+    client = await started(spec(gguf, runtime, cores=(own,), spare_cores=(spare,)), tmp_path, arena)
     try:
         assert client.ready.threads == 1
         assert os.sched_getaffinity(client.pid) == {own}  # the main thread: OpenMP's master
 
         async def work(wide: bool) -> None:
             for _ in range(5):
-                await client.call(m.Prefill(request=client.next_request(),
-                                            tokens=list(range(100)), spare_cores=wide))  # fmt: skip
+                await client.call(
+                    m.Prefill(
+                        request=client.next_request(), tokens=list(range(100)), spare_cores=wide
+                    )
+                )
 
         async def verify(wide: bool) -> np.ndarray:
             await client.call(m.Rollback(request=client.next_request(), length=0))  # afresh
-            await client.call(m.Prefill(request=client.next_request(), tokens=list(range(40)),
-                                        spare_cores=wide))  # fmt: skip
+            await client.call(
+                m.Prefill(request=client.next_request(), tokens=list(range(40)), spare_cores=wide)
+            )
             verified, _ = await client.call(
-                m.VerifyTree(request=client.next_request(), tokens=[5, 6, 7, 8],
-                             parents=[-1, 0, 1, 0], out=0, spare_cores=wide)
-            )  # fmt: skip
+                m.VerifyTree(
+                    request=client.next_request(),
+                    tokens=[5, 6, 7, 8],
+                    parents=[-1, 0, 1, 0],
+                    out=0,
+                    spare_cores=wide,
+                )
+            )
             return arena.view(verified.logits).copy()
 
         await work(True)
@@ -357,8 +426,16 @@ async def test_a_killed_worker_fails_the_call_in_flight_at_once(gguf, tmp_path, 
     cpu = await started(spec(gguf, "llama.cpp"), tmp_path, arena)
     try:
         await cpu.call(m.Prefill(request=cpu.next_request(), tokens=[0, 5, 6]))
-        calls = [asyncio.ensure_future(cpu.call(m.Draft(request=cpu.next_request(), steps=16,
-                 sampling=m.SamplingParams(), out=i % 2))) for i in range(500)]  # fmt: skip
+        calls = [
+            asyncio.ensure_future(
+                cpu.call(
+                    m.Draft(
+                        request=cpu.next_request(), steps=16, sampling=m.SamplingParams(), out=i % 2
+                    )
+                )
+            )
+            for i in range(500)
+        ]
         await calls[0]  # the worker is busy with the queue now
         os.kill(cpu.pid, signal.SIGKILL)
         killed_at = time.monotonic()
@@ -459,14 +536,26 @@ def test_bench_verdict_times_both_walks_with_the_same_verdicts(tmp_path, runtime
     model = target / "target-q8_0.gguf" if runtime == "native" else target
     written = tmp_path / "verdict.json"
     cores = os.sched_getaffinity(0)
-    arguments = [str(model), "--runtime", runtime, "--rounds", "5", "--nodes", "6",
-                 "--json", str(written)]  # fmt: skip
+    arguments = [
+        str(model),
+        "--runtime",
+        runtime,
+        "--rounds",
+        "5",
+        "--nodes",
+        "6",
+        "--json",
+        str(written),
+    ]
     assert bench_verdict.main(arguments) == 0
     assert os.sched_getaffinity(0) == cores
     results = json.loads(written.read_text())["results"]
-    accepted = {draft: {way: timed["accepted"] for way, timed in ways.items()}
-                for draft, ways in results.items()}  # fmt: skip
-    assert accepted == {"accepted whole (reads all)": {"daemon walks": 6, "verifier walks": 6},
-                        "rejected at once (reads one)": {"daemon walks": 0,
-                                                         "verifier walks": 0}}  # fmt: skip
+    accepted = {
+        draft: {way: timed["accepted"] for way, timed in ways.items()}
+        for draft, ways in results.items()
+    }
+    assert accepted == {
+        "accepted whole (reads all)": {"daemon walks": 6, "verifier walks": 6},
+        "rejected at once (reads one)": {"daemon walks": 0, "verifier walks": 0},
+    }
     assert all(timed["round_ms"] > 0 for ways in results.values() for timed in ways.values())

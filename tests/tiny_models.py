@@ -137,8 +137,12 @@ def write_sentencepiece_tokenizer(
         [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     )
     pieces = [f"<0x{byte:02X}>" for byte in range(256)]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
-                                  special_tokens=SPM_SPECIALS + pieces)  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        show_progress=False,
+        special_tokens=SPM_SPECIALS + pieces,
+    )
     tokenizer.train_from_iterator(tokenizer_texts(), trainer=trainer)
     bos = tokenizer.token_to_id("<bos>")
     template = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", bos)])
@@ -147,8 +151,13 @@ def write_sentencepiece_tokenizer(
     # the byte pieces are vocabulary, as in a converted SentencePiece model, not added tokens
     spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] in SPM_SPECIALS]
     (folder / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
-    settings = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
-                "unk_token": "<unk>", "add_bos_token": True}  # fmt: skip
+    settings = {
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+        "add_bos_token": True,
+    }
     (folder / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
     return bos
 

@@ -147,8 +147,12 @@ def preload_runtime(kind: str) -> None:
     between two wide calls wait by spinning briefly, as they should. Loaded with the own
     cores only, it sees more threads than CPUs whenever a call computes wide and puts its
     threads to sleep after every step: 3 ms a demo-target token instead of 0.4."""
-    modules = {"llama.cpp": "llama_cpp", "torch": "torch", "native": "hetspec.native._hsnative",
-               "head": "torch"}  # fmt: skip
+    modules = {
+        "llama.cpp": "llama_cpp",
+        "torch": "torch",
+        "native": "hetspec.native._hsnative",
+        "head": "torch",
+    }
     with contextlib.suppress(ImportError):  # kernels not built: loading the model says so
         importlib.import_module(modules[kind])
 
@@ -201,8 +205,14 @@ class CommandReader:
 
     ANNOUNCED_SPIN_S = 0.001  # the daemon posts the command ~0.1-0.5 ms after announcing it
 
-    def __init__(self, context: zmq.Context, endpoint: str, spin_s: float, failed,
-                 mailbox: Mailbox | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        context: zmq.Context,
+        endpoint: str,
+        spin_s: float,
+        failed,
+        mailbox: Mailbox | None = None,
+    ) -> None:
         self.socket = context.socket(zmq.PULL)
         self.socket.connect(endpoint)
         self.mailbox = mailbox
@@ -293,9 +303,13 @@ class Worker:
     """The compute side: one engine, the arena, and the handlers for each command."""
 
     def __init__(
-        self, kind: str, replies: zmq.Socket, watchdog: Watchdog, spare: SpareCores,
+        self,
+        kind: str,
+        replies: zmq.Socket,
+        watchdog: Watchdog,
+        spare: SpareCores,
         outbox: Mailbox | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.kind = kind
         self.replies = replies
         self.outbox = outbox  # replies go here when the link uses mailboxes
@@ -308,10 +322,16 @@ class Worker:
         # whether the daemon cancelled the command running now (see serve)
         self.cancelled: Callable[[], bool] = lambda: False
         self.handlers: dict[type, Callable] = {
-            m.Load: self.load, m.Prefill: self.prefill, m.Draft: self.draft, m.Decode: self.decode,
-            m.VerifyTree: self.verify, m.Commit: self.commit, m.Rollback: self.rollback,
-            m.Tokenize: self.tokenize, m.Echo: self.echo,
-        }  # fmt: skip
+            m.Load: self.load,
+            m.Prefill: self.prefill,
+            m.Draft: self.draft,
+            m.Decode: self.decode,
+            m.VerifyTree: self.verify,
+            m.Commit: self.commit,
+            m.Rollback: self.rollback,
+            m.Tokenize: self.tokenize,
+            m.Echo: self.echo,
+        }
 
     def send(self, message: msgspec.Struct, arrays=()) -> None:
         frames = self.codec.encode(message, arrays)
@@ -382,8 +402,10 @@ class Worker:
         if command.arena is not None:
             # only a shared-memory object: never a file elsewhere the command happens to name
             if Path(command.arena.path).parent != SHM_DIR:
-                raise LoadError(f"the arena must be a shared-memory object in {SHM_DIR}, not "
-                                f"{command.arena.path}")  # fmt: skip
+                raise LoadError(
+                    f"the arena must be a shared-memory object in {SHM_DIR}, not "
+                    f"{command.arena.path}"
+                )
             self.arena = Arena.attach(command.arena)
         self.runtime, device = load_runtime(self.kind, command.model, command.settings)
         runtime = self.runtime
@@ -391,12 +413,15 @@ class Worker:
             runtime.warm_up(self.arena.layout.slot_bytes // (runtime.vocab_size * 4))
             runtime.pin_host_memory(self.arena.memory())  # logits straight into the arena
         ready = m.Ready(
-            model=command.model, device=device, vocab=runtime.vocab_info(),
-            context=runtime.capacity, threads=runtime.threads,
+            model=command.model,
+            device=device,
+            vocab=runtime.vocab_info(),
+            context=runtime.capacity,
+            threads=runtime.threads,
             load_ms=(time.perf_counter() - start) * 1000,
             token_bytes=[runtime.token_bytes(i) for i in range(runtime.vocab_size)],
             special_tokens=runtime.special_tokens(),
-        )  # fmt: skip
+        )
         log.info("model loaded", model=command.model, device=device, ms=round(ready.load_ms))
         return ready, ()
 
@@ -426,8 +451,9 @@ class Worker:
         if sink is None:
             return reply, ()
         rows = self._stacked(engine, sink)
-        reply = msgspec.structs.replace(reply, features=frame_ref(rows, 1),
-                                        features_start=engine.committed - len(rows))  # fmt: skip
+        reply = msgspec.structs.replace(
+            reply, features=frame_ref(rows, 1), features_start=engine.committed - len(rows)
+        )
         return reply, (rows,)
 
     def prefill(self, command: m.Prefill, frames) -> tuple:
@@ -438,8 +464,9 @@ class Worker:
             with self._reporting(engine, command.report_features) as sink:
                 if command.features is not None:
                     features = self._features_in(engine, command.features, frames)
-                    reused = engine.prefill(command.tokens, features=features,
-                                            start=command.features_start)  # fmt: skip
+                    reused = engine.prefill(
+                        command.tokens, features=features, start=command.features_start
+                    )
                 else:
                     reused = engine.prefill(command.tokens)
         finally:
@@ -463,14 +490,17 @@ class Worker:
         shape = (command.branches, command.steps, engine.vocab_size)
         out = None if dynamic else self._slot(command.out, shape)
         first = None  # the append's last token to evaluate: the draft's first forward
-        one_chain = (command.tree is None and command.after is None
-                     and engine.chains_in_one_call(command.sampling, command.branches,
-                                                   command.dynamic))  # fmt: skip
+        one_chain = (
+            command.tree is None
+            and command.after is None
+            and engine.chains_in_one_call(command.sampling, command.branches, command.dynamic)
+        )
         if command.features is not None:
             features = self._features_in(engine, command.features, frames)
             if len(features) != len(command.append):
-                raise RuntimeUsageError(f"{len(command.append)} tokens to append but "
-                                        f"{len(features)} feature rows")  # fmt: skip
+                raise RuntimeUsageError(
+                    f"{len(command.append)} tokens to append but {len(features)} feature rows"
+                )
             engine.append_after_features(command.append, features)
         elif command.append and one_chain:
             first = engine.catch_up(command.append)
@@ -480,13 +510,26 @@ class Worker:
         forwards = engine.forwards
         if command.tree is not None:
             depth, top_k = command.tree
-            tree = engine.draft_tree(depth, top_k, command.steps, command.sampling, self.sampler,
-                                     first_accept=command.tree_first_accept)  # fmt: skip
+            tree = engine.draft_tree(
+                depth,
+                top_k,
+                command.steps,
+                command.sampling,
+                self.sampler,
+                first_accept=command.tree_first_accept,
+            )
             probs = m.ArrayRef("<f4", (1, 0, engine.vocab_size), slot=command.out)
-            reply = m.Drafted(command.request, [tree.tokens.tolist()], [tree.nodes.tolist()],
-                              probs, (time.perf_counter() - start) * 1000, append_ms,
-                              engine.forwards - forwards, parents=tree.parents.tolist(),
-                              acceptance=tree.acceptance.tolist())  # fmt: skip
+            reply = m.Drafted(
+                command.request,
+                [tree.tokens.tolist()],
+                [tree.nodes.tolist()],
+                probs,
+                (time.perf_counter() - start) * 1000,
+                append_ms,
+                engine.forwards - forwards,
+                parents=tree.parents.tolist(),
+                acceptance=tree.acceptance.tolist(),
+            )
             return reply, ()
         result = engine.draft(
             command.steps,
@@ -503,8 +546,16 @@ class Worker:
             np.copyto(out, result.probs)
         probs = m.ArrayRef(out.dtype.str, out.shape, slot=command.out)
         elapsed = (time.perf_counter() - start) * 1000
-        reply = m.Drafted(command.request, result.tokens.tolist(), result.nodes.tolist(), probs,
-                          elapsed, append_ms, engine.forwards - forwards, result.root)  # fmt: skip
+        reply = m.Drafted(
+            command.request,
+            result.tokens.tolist(),
+            result.nodes.tolist(),
+            probs,
+            elapsed,
+            append_ms,
+            engine.forwards - forwards,
+            result.root,
+        )
         return reply, ()
 
     def decode(self, command: m.Decode, frames) -> tuple:
@@ -514,8 +565,13 @@ class Worker:
         with self._reporting(engine, command.report_features) as sink:
             if command.append:
                 engine.append(command.append)
-            tokens = engine.decode(command.steps, command.sampling, self.sampler,
-                                   logprobs=logprobs, top=command.logprobs or 0)  # fmt: skip
+            tokens = engine.decode(
+                command.steps,
+                command.sampling,
+                self.sampler,
+                logprobs=logprobs,
+                top=command.logprobs or 0,
+            )
         elapsed = (time.perf_counter() - start) * 1000
         reply = m.Decoded(command.request, tokens, elapsed, logprobs or [])
         return self._reported(reply, engine, sink)
@@ -569,21 +625,36 @@ class Worker:
         if walk.keyed:
             if not isinstance(self.sampler, KeyedSampler):
                 raise RuntimeUsageError("a keyed walk needs the request's Prefill with a seed")
-            return verify_sampled(draft_tokens, draft_parents, rows, walk.sampling,
-                                  position=walk.position, keyed=self.sampler)  # fmt: skip
+            return verify_sampled(
+                draft_tokens,
+                draft_parents,
+                rows,
+                walk.sampling,
+                position=walk.position,
+                keyed=self.sampler,
+            )
         if walk.draft is None or len(walk.draft_rows) != len(draft_tokens):
-            raise RuntimeUsageError(f"a drawn walk over {len(draft_tokens)} drafted nodes needs "
-                                    f"as many draft rows, not {len(walk.draft_rows)}")  # fmt: skip
+            raise RuntimeUsageError(
+                f"a drawn walk over {len(draft_tokens)} drafted nodes needs "
+                f"as many draft rows, not {len(walk.draft_rows)}"
+            )
         if self.arena is None:
             raise ArenaError("no shared-memory arena was given at load")
         drafted = self.arena.view(walk.draft)
         drafted = drafted.reshape(-1, drafted.shape[-1])
         if not all(0 <= row < len(drafted) for row in walk.draft_rows):
-            raise RuntimeUsageError(f"draft rows {walk.draft_rows} outside the draft's "
-                                    f"{len(drafted)}")  # fmt: skip
-        return verify_sampled(draft_tokens, draft_parents, rows, walk.sampling,
-                              position=walk.position, rng=np.random.default_rng(walk.seed),
-                              draft=RowsOnDemand.at(drafted, walk.draft_rows))  # fmt: skip
+            raise RuntimeUsageError(
+                f"draft rows {walk.draft_rows} outside the draft's {len(drafted)}"
+            )
+        return verify_sampled(
+            draft_tokens,
+            draft_parents,
+            rows,
+            walk.sampling,
+            position=walk.position,
+            rng=np.random.default_rng(walk.seed),
+            draft=RowsOnDemand.at(drafted, walk.draft_rows),
+        )
 
     def commit(self, command: m.Commit, frames) -> tuple:
         start = time.perf_counter()
@@ -621,8 +692,9 @@ class Worker:
             return m.Echoed(command.request, frame_ref(data, 1)), (data,)
         target = self._slot(command.out, data.shape)
         np.copyto(target, data, casting="no")
-        return m.Echoed(command.request, m.ArrayRef(data.dtype.str, data.shape,
-                                                    slot=command.out)), ()  # fmt: skip
+        return m.Echoed(
+            command.request, m.ArrayRef(data.dtype.str, data.shape, slot=command.out)
+        ), ()
 
 
 def core_list(text: str) -> set[int]:
@@ -699,8 +771,13 @@ def main(argv: list[str] | None = None) -> int:
         inbox, outbox = Mailbox.attach(*args.mailboxes[:2]), Mailbox.attach(*args.mailboxes[2:])
     worker = Worker(args.runtime, replies, watchdog, spare, outbox)
     commands = CommandReader(context, args.commands, args.spin_us / 1e6, worker.send, inbox)
-    hello = m.Hello(protocol=m.PROTOCOL_VERSION, pid=os.getpid(), runtime=args.runtime,
-                    cores=cores, spare_cores=sorted(spare.spare))  # fmt: skip
+    hello = m.Hello(
+        protocol=m.PROTOCOL_VERSION,
+        pid=os.getpid(),
+        runtime=args.runtime,
+        cores=cores,
+        spare_cores=sorted(spare.spare),
+    )
     worker.send(hello)
     watchdog.start()
     log.info("worker started", runtime=args.runtime, cores=cores)

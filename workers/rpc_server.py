@@ -27,25 +27,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=50052, help="TCP port (default 50052)")
     parser.add_argument(
-        "--threads", type=int, default=None,
+        "--threads",
+        type=int,
+        default=None,
         help="CPU threads (default: every core this process may use)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--cache-dir", default=None,
+        "--cache-dir",
+        default=None,
         help="keep received weights here, so a restarted client loads faster",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--allow-remote", action="store_true",
+        "--allow-remote",
+        action="store_true",
         help="bind a non-loopback address (read the warning it prints)",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
     try:
         parse_rpc_endpoint(f"{args.host}:{args.port}")
     except ValueError as error:
         parser.error(f"--host/--port: {error}")
     if not is_loopback(args.host) and not args.allow_remote:
-        parser.error(f"--host {args.host} is not a loopback address: llama.cpp's RPC protocol "
-                     "is unauthenticated; add --allow-remote only on a private link")  # fmt: skip
+        parser.error(
+            f"--host {args.host} is not a loopback address: llama.cpp's RPC protocol "
+            "is unauthenticated; add --allow-remote only on a private link"
+        )
     owned = len(os.sched_getaffinity(0))
     threads = args.threads or owned
     if not 0 < threads <= owned:
@@ -60,8 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     endpoint = f"{args.host}:{args.port}"
-    print(f"hetspec-rpc-server: serving {threads} CPU threads at {endpoint}", file=sys.stderr,
-          flush=True)  # fmt: skip
+    print(
+        f"hetspec-rpc-server: serving {threads} CPU threads at {endpoint}",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         serve(endpoint, threads, args.cache_dir)
     except RpcError as error:

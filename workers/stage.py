@@ -107,8 +107,9 @@ class Stage:
 
     def _reply(self, message, arrays=()) -> None:
         reset = self.reset
-        self.sender.send(reset.coordinator, reset.coordinator_key,
-                         self.codec.encode(message, arrays))  # fmt: skip
+        self.sender.send(
+            reset.coordinator, reset.coordinator_key, self.codec.encode(message, arrays)
+        )
 
     def _reset(self, message: Reset) -> None:
         self.session, self.reset, self.book = message.session, message, None
@@ -119,8 +120,17 @@ class Stage:
             why = f"protocol {message.version}; this stage speaks {PIPELINE_PROTOCOL_VERSION}"
             self._reply(StageFailed(message.session, self.name, why))
             return
-        self._reply(Ready(message.session, message.index, self.name, halves.start, halves.stop,
-                          self.runtime.config.num_layers, self.runtime.capacity))  # fmt: skip
+        self._reply(
+            Ready(
+                message.session,
+                message.index,
+                self.name,
+                halves.start,
+                halves.stop,
+                self.runtime.config.num_layers,
+                self.runtime.capacity,
+            )
+        )
 
     def _commit(self, message: Commit) -> None:
         if self.book is None or message.epoch != self.book.epoch + 1:
@@ -149,16 +159,23 @@ class Stage:
                 self._forward(rows, empty, start)  # the coordinator sees it come back
                 return
             positions = np.asarray(rows.positions, np.int64)[keep]
-            out = self.runtime.admit(admission, np.asarray(data)[keep], positions,
-                                     self.book.committed)  # fmt: skip
-            self._forward(rows, out, start, ids=[rows.ids[i] for i in keep],
-                          parents=[rows.parents[i] for i in keep],
-                          positions=positions.tolist())  # fmt: skip
+            out = self.runtime.admit(
+                admission, np.asarray(data)[keep], positions, self.book.committed
+            )
+            self._forward(
+                rows,
+                out,
+                start,
+                ids=[rows.ids[i] for i in keep],
+                parents=[rows.parents[i] for i in keep],
+                positions=positions.tolist(),
+            )
         except (ValueError, RuntimeError) as error:
             self._fail(str(error))
 
-    def _forward(self, rows: Rows, out: np.ndarray, start: float, *, ids=(), parents=(),
-                 positions=()) -> None:  # fmt: skip
+    def _forward(
+        self, rows: Rows, out: np.ndarray, start: float, *, ids=(), parents=(), positions=()
+    ) -> None:
         """Pass the computed rows on (the last stage: logits to the coordinator), with this
         stage's compute time since ``start``."""
         ids, parents, positions = list(ids), list(parents), list(positions)
@@ -166,11 +183,23 @@ class Stage:
         widths = [*rows.widths, len(out)]
         if self.runtime.last:
             logits = out[-1:] if rows.prefill else out
-            self._reply(Output(rows.session, frame_ref(logits, 1), ids, rows.prefill, costs,
-                               widths), [logits])  # fmt: skip
+            self._reply(
+                Output(rows.session, frame_ref(logits, 1), ids, rows.prefill, costs, widths),
+                [logits],
+            )
             return
-        message = Rows(rows.session, frame_ref(out, 1), ids, parents, positions, rows.epoch,
-                       rows.prefill, rows.root, costs, widths)  # fmt: skip
+        message = Rows(
+            rows.session,
+            frame_ref(out, 1),
+            ids,
+            parents,
+            positions,
+            rows.epoch,
+            rows.prefill,
+            rows.root,
+            costs,
+            widths,
+        )
         self.sender.send(self.reset.next, self.reset.next_key, self.codec.encode(message, [out]))
 
     def _fail(self, why: str) -> None:
@@ -191,16 +220,19 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     authorized = Path(args.authorized)
     if not authorized.is_dir() or not any(authorized.glob("*.key")):
-        print(f"hetspec-stage: {authorized} holds no public keys (*.key) of clients to allow",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"hetspec-stage: {authorized} holds no public keys (*.key) of clients to allow",
+            file=sys.stderr,
+        )
         return 2
 
     from hetspec.workers.runtimes.torch_runtime import ModelLoadError  # noqa: PLC0415
     from hetspec.workers.runtimes.torch_runtime.stage_runtime import StageRuntime  # noqa: PLC0415
 
     try:
-        runtime = StageRuntime(args.model, first / 2, end / 2, max_context=args.max_context,
-                               threads=args.threads)  # fmt: skip
+        runtime = StageRuntime(
+            args.model, first / 2, end / 2, max_context=args.max_context, threads=args.threads
+        )
     except ModelLoadError as error:
         print(f"hetspec-stage: {error}", file=sys.stderr)
         return 2
@@ -234,19 +266,24 @@ def main(argv: list[str] | None = None) -> int:
     keys.add_argument("names", nargs="+")
     run = commands.add_parser("serve", help="serve a range of a model's layers")
     run.add_argument("--model", required=True, help="the target's model folder")
-    run.add_argument("--layers", required=True,
-                     help="FIRST:END in layers, END excluded: 0:8, or 0:2.5 (ending after "
-                     "layer 2's attention)")  # fmt: skip
+    run.add_argument(
+        "--layers",
+        required=True,
+        help="FIRST:END in layers, END excluded: 0:8, or 0:2.5 (ending after layer 2's attention)",
+    )
     run.add_argument("--bind", required=True, help="ZeroMQ endpoint, e.g. tcp://10.0.0.2:5601")
     run.add_argument("--key", required=True, help="this stage's NAME.key_secret (mode 0600)")
-    run.add_argument("--authorized", required=True,
-                     help="folder of the public keys (*.key) of clients to allow")  # fmt: skip
+    run.add_argument(
+        "--authorized", required=True, help="folder of the public keys (*.key) of clients to allow"
+    )
     run.add_argument("--threads", type=int, default=None)
     run.add_argument("--max-context", type=int, default=2048)
     run.add_argument(
-        "--link-ms", type=float, default=0.0,
+        "--link-ms",
+        type=float,
+        default=0.0,
         help="delay each message sent by this much (a slow link, for tests)",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
     if args.command == "keys":
         try:

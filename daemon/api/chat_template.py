@@ -35,8 +35,9 @@ class ContentPart(msgspec.Struct, kw_only=True):
 
     def __post_init__(self) -> None:
         if self.type != "text":
-            raise ValueError(f"content parts of type {self.type!r} are not supported: the "
-                             f"model reads text only")  # fmt: skip
+            raise ValueError(
+                f"content parts of type {self.type!r} are not supported: the model reads text only"
+            )
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -63,8 +64,9 @@ def _raise(message: str) -> None:
 
 
 class ChatTemplate:
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", *,
-                 adds_bos: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, source: str, bos_token: str = "", eos_token: str = "", *, adds_bos: bool = False
+    ) -> None:
         """``adds_bos``: the target's tokenizer puts BOS before every prompt itself, so a
         rendered prompt's leading BOS text is dropped (one BOS, not two: llama.cpp's rule)."""
         environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -111,8 +113,12 @@ def load_chat_template(folder: str | Path, gguf: str | Path | None = None) -> Ch
     if not source:
         return None
     bos = bool(config) and adds_bos(config, _folder_json(Path(folder) / "tokenizer.json"))
-    return ChatTemplate(source, special_token_text(config, "bos_token"),
-                        special_token_text(config, "eos_token"), adds_bos=bos)  # fmt: skip
+    return ChatTemplate(
+        source,
+        special_token_text(config, "bos_token"),
+        special_token_text(config, "eos_token"),
+        adds_bos=bos,
+    )
 
 
 def _folder_json(path: Path) -> dict:
@@ -143,5 +149,9 @@ def _gguf_chat_template(path: Path) -> ChatTemplate | None:
     adds = bool(fields.get("tokenizer.ggml.add_bos_token", False)) and bool(
         text("tokenizer.ggml.bos_token_id")
     )
-    return ChatTemplate(template, text("tokenizer.ggml.bos_token_id"),
-                        text("tokenizer.ggml.eos_token_id"), adds_bos=adds)  # fmt: skip
+    return ChatTemplate(
+        template,
+        text("tokenizer.ggml.bos_token_id"),
+        text("tokenizer.ggml.eos_token_id"),
+        adds_bos=adds,
+    )

@@ -80,9 +80,11 @@ def descriptor_shortfall(max_connections: int, soft_limit: int) -> str | None:
     (``soft_limit``, RLIMIT_NOFILE), or None where there is room."""
     if soft_limit == resource.RLIM_INFINITY or soft_limit >= max_connections + RESERVED_FDS:
         return None
-    return (f"http_max_connections ({max_connections}) leaves too few of the {soft_limit} file "
-            f"descriptors allowed (ulimit -n, LimitNOFILE) for the workers: keep it below "
-            f"{max(soft_limit - RESERVED_FDS, 0)} or raise the limit")  # fmt: skip
+    return (
+        f"http_max_connections ({max_connections}) leaves too few of the {soft_limit} file "
+        f"descriptors allowed (ulimit -n, LimitNOFILE) for the workers: keep it below "
+        f"{max(soft_limit - RESERVED_FDS, 0)} or raise the limit"
+    )
 
 
 class _ConnectionLimit:

@@ -34,8 +34,15 @@ if TYPE_CHECKING:
 DEFAULT_NUM_PREDICT = 128  # /api/generate's; /api/chat's runs to the turn's end
 # a model kept loaded "forever" (keep_alive < 0) expires, in Ollama's /api/ps, at this date
 NEVER = "2318-01-01T00:00:00Z"
-_NEUTRAL = {"repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-            "tfs_z": 1.0, "typical_p": 1.0, "min_p": 0.0, "mirostat": 0}  # fmt: skip
+_NEUTRAL = {
+    "repeat_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "tfs_z": 1.0,
+    "typical_p": 1.0,
+    "min_p": 0.0,
+    "mirostat": 0,
+}
 _ZERO_DURATION = re.compile(r"[+-]?0*\.?0*(ns|us|µs|ms|s|m|h)?")
 
 
@@ -80,17 +87,24 @@ class Options(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def problems(self, context: int | None) -> list[str]:
         found = []
-        if self.num_predict is not None and not (self.num_predict in (-1, -2)
-                                                 or self.num_predict >= 1):  # fmt: skip
-            found.append(f"options.num_predict must be 1 or more, or -1 or -2 (to the end of "
-                         f"the context), not {self.num_predict}")  # fmt: skip
-        found += [f"options.{name} is not supported (it would change the target's "
-                 f"distribution); leave it out or use {neutral}"
-                 for name, neutral in _NEUTRAL.items()
-                 if getattr(self, name) not in (None, neutral)]  # fmt: skip
+        if self.num_predict is not None and not (
+            self.num_predict in (-1, -2) or self.num_predict >= 1
+        ):
+            found.append(
+                f"options.num_predict must be 1 or more, or -1 or -2 (to the end of "
+                f"the context), not {self.num_predict}"
+            )
+        found += [
+            f"options.{name} is not supported (it would change the target's "
+            f"distribution); leave it out or use {neutral}"
+            for name, neutral in _NEUTRAL.items()
+            if getattr(self, name) not in (None, neutral)
+        ]
         if context is not None and self.num_ctx is not None and self.num_ctx > context:
-            found.append(f"options.num_ctx {self.num_ctx} exceeds the served context "
-                         f"({context} tokens, set in the daemon's configuration)")  # fmt: skip
+            found.append(
+                f"options.num_ctx {self.num_ctx} exceeds the served context "
+                f"({context} tokens, set in the daemon's configuration)"
+            )
         return found
 
 
@@ -122,12 +136,15 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.think not in (None, False):
             found.append("think is not supported: the model has no thinking mode")
         if self.keep_alive is not None and _is_zero(self.keep_alive):
-            found.append("keep_alive 0 would unload the model: hetspecd keeps its models "
-                         "loaded while it runs (stop the daemon to free them)")  # fmt: skip
+            found.append(
+                "keep_alive 0 would unload the model: hetspecd keeps its models "
+                "loaded while it runs (stop the daemon to free them)"
+            )
         return found
 
-    def generate_request(self, prompt: str, stops: list[str],
-                         default_predict: int | None) -> GenerateRequest:  # fmt: skip
+    def generate_request(
+        self, prompt: str, stops: list[str], default_predict: int | None
+    ) -> GenerateRequest:
         options = self.options or Options()
         predict = default_predict if options.num_predict is None else options.num_predict
         try:
@@ -155,7 +172,8 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 def _is_zero(keep_alive: float | str) -> bool:
     if isinstance(keep_alive, str):
         return bool(_ZERO_DURATION.fullmatch(keep_alive.strip())) and any(
-            c.isdigit() for c in keep_alive)  # fmt: skip
+            c.isdigit() for c in keep_alive
+        )
     return keep_alive == 0
 
 
@@ -173,11 +191,15 @@ class GenerateBody(_Body, forbid_unknown_fields=True, kw_only=True):
         if self.suffix:
             found.append("suffix (fill in the middle) is not supported")
         if self.template:
-            found.append("template is not supported: the model's chat template applies, "
-                         "or none with raw: true")  # fmt: skip
+            found.append(
+                "template is not supported: the model's chat template applies, "
+                "or none with raw: true"
+            )
         if self.context:
-            found.append("context (the deprecated token history) is not supported; send "
-                         "the conversation to /api/chat")  # fmt: skip
+            found.append(
+                "context (the deprecated token history) is not supported; send "
+                "the conversation to /api/chat"
+            )
         if self.images:
             found.append("images are not supported: the model reads text only")
         if self.raw and self.system:
@@ -239,16 +261,26 @@ class OllamaApi:
 
     @staticmethod
     def details(facts: ModelFacts) -> dict:
-        return {"parent_model": "", "format": facts.format, "family": facts.family,
-                "families": [facts.family], "parameter_size": facts.parameter_size,
-                "quantization_level": facts.quantization}  # fmt: skip
+        return {
+            "parent_model": "",
+            "format": facts.format,
+            "family": facts.family,
+            "families": [facts.family],
+            "parameter_size": facts.parameter_size,
+            "quantization_level": facts.quantization,
+        }
 
     async def listing(self) -> dict:
         facts = await self.service.target_facts()
         name = self.service.model_name
-        return {"name": name, "model": name, "modified_at": facts.modified.isoformat(),
-                "size": facts.size_bytes, "digest": facts.digest,
-                "details": self.details(facts)}  # fmt: skip
+        return {
+            "name": name,
+            "model": name,
+            "modified_at": facts.modified.isoformat(),
+            "size": facts.size_bytes,
+            "digest": facts.digest,
+            "details": self.details(facts),
+        }
 
     def parameters(self) -> str:
         """The defaults a request gets, in Ollama's Modelfile form."""
@@ -273,8 +305,7 @@ class OllamaApi:
         template = self.service.chat_template
         if body.raw or template is None:
             if body.system:
-                raise ApiError(400, "the target model has no chat template to hold a system "
-                                    "prompt")  # fmt: skip
+                raise ApiError(400, "the target model has no chat template to hold a system prompt")
             return body.prompt, []
         messages = [ChatMessage(role="system", content=body.system)] if body.system else []
         messages.append(ChatMessage(role="user", content=body.prompt))
@@ -308,8 +339,14 @@ class OllamaApi:
             **run.statistics(),
         }
 
-    async def _respond(self, request: web.Request, body: _Body, generate: GenerateRequest,
-                       piece_fields, received: float) -> web.StreamResponse:  # fmt: skip
+    async def _respond(
+        self,
+        request: web.Request,
+        body: _Body,
+        generate: GenerateRequest,
+        piece_fields,
+        received: float,
+    ) -> web.StreamResponse:
         """Run one generation; ``piece_fields(text)`` is the part of an object that carries
         text (``response`` or ``message``)."""
         model = self._model(body)
@@ -319,8 +356,7 @@ class OllamaApi:
                 return web.json_response(self._final(run, body, received, **piece_fields(text)))
 
             def piece(text: str) -> bytes:
-                chunk = {"model": model, "created_at": _now(), **piece_fields(text),
-                         "done": False}  # fmt: skip
+                chunk = {"model": model, "created_at": _now(), **piece_fields(text), "done": False}
                 if body.wants_logprobs:  # the tokens generated since the last piece
                     chunk["logprobs"] = run.unsent_logprobs()
                 return msgspec.json.encode(chunk) + b"\n"
@@ -330,13 +366,21 @@ class OllamaApi:
                 return msgspec.json.encode(final) + b"\n"
 
             def failure(error: ApiError) -> bytes:
-                document = {**self._final(run, body, received, **piece_fields("")),
-                            "done_reason": "error", "error": error.message}  # fmt: skip
+                document = {
+                    **self._final(run, body, received, **piece_fields("")),
+                    "done_reason": "error",
+                    "error": error.message,
+                }
                 return msgspec.json.encode(document) + b"\n"
 
-            return await stream(request, run, content_type="application/x-ndjson",
-                                encode_piece=piece, encode_end=end,
-                                encode_failure=failure)  # fmt: skip
+            return await stream(
+                request,
+                run,
+                content_type="application/x-ndjson",
+                encode_piece=piece,
+                encode_end=end,
+                encode_failure=failure,
+            )
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         received = time.perf_counter()
@@ -345,13 +389,19 @@ class OllamaApi:
         if not body.prompt:  # Ollama's way to load a model: it is loaded already
             if not self.service.ready():
                 raise ApiError(503, "the workers are still loading", retry_after_s=5)
-            document = {"model": self._model(body), "created_at": _now(), "response": "",
-                        "done": True, "done_reason": "load"}  # fmt: skip
+            document = {
+                "model": self._model(body),
+                "created_at": _now(),
+                "response": "",
+                "done": True,
+                "done_reason": "load",
+            }
             return web.json_response(document)
         prompt, stops = self._prompt(body)
         generate = body.generate_request(prompt, stops, DEFAULT_NUM_PREDICT)
-        return await self._respond(request, body, generate,
-                                   lambda text: {"response": text}, received)  # fmt: skip
+        return await self._respond(
+            request, body, generate, lambda text: {"response": text}, received
+        )
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         received = time.perf_counter()
@@ -365,12 +415,16 @@ class OllamaApi:
             messages = [message.chat_message() for message in body.messages]
         except ValueError as error:
             raise ApiError(400, f"invalid request: {error}") from None
-        generate = body.generate_request(self._render(messages),
-                                         self.service.chat_template.stops, None)  # fmt: skip
+        generate = body.generate_request(
+            self._render(messages), self.service.chat_template.stops, None
+        )
         return await self._respond(
-            request, body, generate,
-            lambda text: {"message": {"role": "assistant", "content": text}}, received,
-        )  # fmt: skip
+            request,
+            body,
+            generate,
+            lambda text: {"message": {"role": "assistant", "content": text}},
+            received,
+        )
 
     # ------------------------------------------------------------ models
 
@@ -383,36 +437,46 @@ class OllamaApi:
         verifier = self.service.verifier()
         listing = await self.listing()
         on_gpu = verifier.ready.device.startswith("cuda")
-        entry = {**listing, "expires_at": NEVER, "size_vram": listing["size"] if on_gpu else 0,
-                 "context_length": self.served_context()}  # fmt: skip
+        entry = {
+            **listing,
+            "expires_at": NEVER,
+            "size_vram": listing["size"] if on_gpu else 0,
+            "context_length": self.served_context(),
+        }
         return web.json_response({"models": [entry]})
 
     async def show(self, request: web.Request) -> web.Response:
         body = decode(await request.read(), ShowBody)
         name = body.model or body.name or ""
         if name != self.service.model_name:
-            raise ApiError(404, f"model {name!r} not found: this daemon serves "
-                                f"{self.service.model_name!r}")  # fmt: skip
+            raise ApiError(
+                404, f"model {name!r} not found: this daemon serves {self.service.model_name!r}"
+            )
         facts = await self.service.target_facts()
         template = self.service.chat_template
         config = self.service.config
         capabilities = ["completion"]
         parameters = self.parameters()
         modelfile = f"# served by hetspecd {__version__}\nFROM {facts.path}\n" + "".join(
-            f"PARAMETER {line}\n" for line in parameters.splitlines())  # fmt: skip
-        return web.json_response({
-            "modelfile": modelfile,
-            "parameters": parameters,
-            # the chat template is Jinja (Hugging Face's), not an Ollama Go template
-            "template": template.source if template is not None else "{{ .Prompt }}",
-            "details": self.details(facts),
-            "model_info": facts.info,
-            "capabilities": capabilities,
-            "modified_at": facts.modified.isoformat(),
-            "hetspec": {"placement": config.placement,
-                        "draft": {"folder": config.draft.folder, "gguf": config.draft.gguf},
-                        "served_context": self.served_context()},
-        })  # fmt: skip
+            f"PARAMETER {line}\n" for line in parameters.splitlines()
+        )
+        return web.json_response(
+            {
+                "modelfile": modelfile,
+                "parameters": parameters,
+                # the chat template is Jinja (Hugging Face's), not an Ollama Go template
+                "template": template.source if template is not None else "{{ .Prompt }}",
+                "details": self.details(facts),
+                "model_info": facts.info,
+                "capabilities": capabilities,
+                "modified_at": facts.modified.isoformat(),
+                "hetspec": {
+                    "placement": config.placement,
+                    "draft": {"folder": config.draft.folder, "gguf": config.draft.gguf},
+                    "served_context": self.served_context(),
+                },
+            }
+        )
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": __version__})

@@ -83,8 +83,10 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         problems = self._unsupported()
         answers = len(prompts) * self.n
         if self.n < 1 or answers > MAX_CHOICES:
-            problems.append(f"n x prompts must be 1 to {MAX_CHOICES} answers, not {answers} "
-                            f"(they are generated one after another)")  # fmt: skip
+            problems.append(
+                f"n x prompts must be 1 to {MAX_CHOICES} answers, not {answers} "
+                f"(they are generated one after another)"
+            )
         if problems:
             raise ApiError(400, "; ".join(problems))
         user_stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -138,10 +140,13 @@ class CompletionRequest(_Common, forbid_unknown_fields=True, kw_only=True):
         return {
             "tokens": [entry["token"] for entry in entries],
             "token_logprobs": [entry["logprob"] for entry in entries],
-            "top_logprobs": [{top["token"]: top["logprob"] for top in entry["top_logprobs"]}
-                             for entry in entries] if self.logprobs else None,
+            "top_logprobs": [
+                {top["token"]: top["logprob"] for top in entry["top_logprobs"]} for entry in entries
+            ]
+            if self.logprobs
+            else None,
             "text_offset": offsets,
-        }  # fmt: skip
+        }
 
 
 class ResponseFormat(msgspec.Struct, kw_only=True):
@@ -163,8 +168,10 @@ class ChatRequest(_Common, forbid_unknown_fields=True, kw_only=True):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"response_format {self.response_format.type!r} is not supported: "
-                             f"only {{'type': 'text'}}")  # fmt: skip
+            raise ValueError(
+                f"response_format {self.response_format.type!r} is not supported: "
+                f"only {{'type': 'text'}}"
+            )
         if self.store:
             raise ValueError("store is not supported: hetspec keeps no completions")
 
@@ -188,8 +195,11 @@ def _usage(runs: list[Run], n: int) -> dict:
     """Every answer's tokens; each prompt's once (its n answers share it)."""
     prompt = sum(run.result.prompt_tokens for run in runs[::n])
     completion = sum(len(run.result.tokens) for run in runs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}  # fmt: skip
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 class _StreamedAnswers:
@@ -222,8 +232,7 @@ class _StreamedAnswers:
         if self.body.wanted_logprobs() is not None:  # the tokens generated since the last chunk
             entries = self.opened[index].unsent_logprobs()
             logprobs = self.body.shaped_logprobs(entries, self.offsets.get(index, 0))
-            self.offsets[index] = self.offsets.get(index, 0) + sum(len(e["token"])
-                                                                   for e in entries)  # fmt: skip
+            self.offsets[index] = self.offsets.get(index, 0) + sum(len(e["token"]) for e in entries)
         choices = [{"index": index, **choice, "logprobs": logprobs, "finish_reason": reason}]
         model = self.service.model_name
         return _event({**_envelope(self.opened[0], self.kind, model), "choices": choices})
@@ -236,8 +245,11 @@ class _StreamedAnswers:
         options = self.body.stream_options
         if not (options and options.include_usage):
             return _event("[DONE]")
-        document = {**_envelope(runs[0], self.kind, self.service.model_name), "choices": [],
-                    "usage": _usage(runs, self.body.n)}  # fmt: skip
+        document = {
+            **_envelope(runs[0], self.kind, self.service.model_name),
+            "choices": [],
+            "usage": _usage(runs, self.body.n),
+        }
         if len(runs) > 1:  # the extras, per answer in the choices' order
             document["answers"] = [run.statistics() for run in runs]
         else:
@@ -258,13 +270,23 @@ def openai_routes(service: Service) -> list[web.RouteDef]:
                 async with service.generation(generate) as run:
                     text = await collect(run)
                 runs.append(run)
-                content = {"message": {"role": "assistant", "content": text}} if chat else {
-                    "text": text}  # fmt: skip
+                content = (
+                    {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+                )
                 logprobs = body.shaped_logprobs(run.unsent_logprobs(), 0)
-                choices.append({"index": index, **content, "logprobs": logprobs,
-                                "finish_reason": run.result.done_reason})  # fmt: skip
-            document = {**_envelope(runs[0], kind, service.model_name), "choices": choices,
-                        "usage": _usage(runs, body.n)}  # fmt: skip
+                choices.append(
+                    {
+                        "index": index,
+                        **content,
+                        "logprobs": logprobs,
+                        "finish_reason": run.result.done_reason,
+                    }
+                )
+            document = {
+                **_envelope(runs[0], kind, service.model_name),
+                "choices": choices,
+                "usage": _usage(runs, body.n),
+            }
             if len(runs) == 1:
                 document.update(runs[0].statistics())
             else:
@@ -273,11 +295,14 @@ def openai_routes(service: Service) -> list[web.RouteDef]:
             return web.json_response(document)
         answers = _StreamedAnswers(service, body, chat)
         return await stream_runs(
-            request, [answers.answer(generate) for generate in generates],
-            content_type="text/event-stream", encode_piece=answers.chunk,
-            encode_run_end=answers.run_end, encode_end=answers.end,
+            request,
+            [answers.answer(generate) for generate in generates],
+            content_type="text/event-stream",
+            encode_piece=answers.chunk,
+            encode_run_end=answers.run_end,
+            encode_end=answers.end,
             encode_failure=answers.failure,
-        )  # fmt: skip
+        )
 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = decode(await request.read(), CompletionRequest)
@@ -301,8 +326,12 @@ def openai_routes(service: Service) -> list[web.RouteDef]:
 
     def model_card() -> dict:
         created = int(service.started_wall)
-        return {"id": service.model_name, "object": "model", "created": created,
-                "owned_by": "hetspec"}  # fmt: skip
+        return {
+            "id": service.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "hetspec",
+        }
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [model_card()]})

@@ -56,12 +56,15 @@ class Run:
 
         def token(token_id: int, logprob: float) -> dict:
             raw = self.token_bytes[token_id]
-            return {"token": raw.decode(errors="replace"), "logprob": logprob,
-                    "bytes": list(raw)}  # fmt: skip
+            return {"token": raw.decode(errors="replace"), "logprob": logprob, "bytes": list(raw)}
 
-        return [{**token(entry.token, entry.logprob),
-                 "top_logprobs": [token(i, logprob) for i, logprob in entry.top]}
-                for entry in entries]  # fmt: skip
+        return [
+            {
+                **token(entry.token, entry.logprob),
+                "top_logprobs": [token(i, logprob) for i, logprob in entry.top],
+            }
+            for entry in entries
+        ]
 
     def speculative(self) -> dict | None:
         return self.stats.summary(self.controller) if self.stats is not None else None
@@ -131,10 +134,14 @@ async def stream(
         yield run
 
     return await stream_runs(
-        request, [opened()], content_type=content_type,
-        encode_piece=lambda _, piece: encode_piece(piece), encode_run_end=lambda _: b"",
-        encode_end=lambda _: encode_end(), encode_failure=encode_failure,
-    )  # fmt: skip
+        request,
+        [opened()],
+        content_type=content_type,
+        encode_piece=lambda _, piece: encode_piece(piece),
+        encode_run_end=lambda _: b"",
+        encode_end=lambda _: encode_end(),
+        encode_failure=encode_failure,
+    )
 
 
 def _quiet_when_the_client_leaves(streaming):

@@ -44,8 +44,7 @@ def alone_tokens(token_s: float | None, *, trial: bool = False) -> int:
     return max(1, min(most, int(ALONE_CALL_S / token_s)))
 
 
-def first_token(logits: np.ndarray, params: SamplingParams, sampler: Sampler,
-                position: int) -> int:  # fmt: skip
+def first_token(logits: np.ndarray, params: SamplingParams, sampler: Sampler, position: int) -> int:
     """The token after the prompt (at ``position``, the prompt's length), from the prefill's
     (1, vocab) logits (every mode's)."""
     if params.greedy:
@@ -76,9 +75,14 @@ async def generate(
     prompt = tokenized.tokens
     max_tokens = token_budget(request, len(prompt), ready.context)
     prefilled, _ = await worker.call(
-        m.Prefill(request=worker.next_request(), tokens=prompt, seed=request.seed, out=slot,
-                  spare_cores=cores.preferred())
-    )  # fmt: skip
+        m.Prefill(
+            request=worker.next_request(),
+            tokens=prompt,
+            seed=request.seed,
+            out=slot,
+            spare_cores=cores.preferred(),
+        )
+    )
     # the worker's keyed choices continue the daemon's (seeded); unseeded draws are independent
     sampler = sampler_for(request.seed)
     logits = arena.view(prefilled.logits)

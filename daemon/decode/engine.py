@@ -64,8 +64,9 @@ __all__ = ["Decoder", "WorkerPair"]
 class RoundSink(Protocol):
     """Takes each round: the plan as chosen, its report, its seconds and tokens given."""
 
-    def __call__(self, plan: Plan, report: RoundReport, *, seconds: float,
-                 emitted: int) -> None: ...  # fmt: skip
+    def __call__(
+        self, plan: Plan, report: RoundReport, *, seconds: float, emitted: int
+    ) -> None: ...
 
 
 def flatten(drafted: m.Drafted) -> tuple[list[int], list[int], list[tuple[int, int]]]:
@@ -104,9 +105,16 @@ class Decoder:
     """One request's rounds. ``plan``: a fixed plan (the request's gamma), else the
     controller's; the controller (shared by the mode's requests) learns from every round."""
 
-    def __init__(self, request: GenerateRequest, pair: WorkerPair, controller: BudgetController,
-                 stats: SpeculativeStats, *, plan: Plan | None = None,
-                 log: RoundSink | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        request: GenerateRequest,
+        pair: WorkerPair,
+        controller: BudgetController,
+        stats: SpeculativeStats,
+        *,
+        plan: Plan | None = None,
+        log: RoundSink | None = None,
+    ) -> None:
         self.request, self.pair, self.controller, self.stats = request, pair, controller, stats
         self.fixed = plan
         self.log = log  # each round's plan and report, where a round log is kept
@@ -144,8 +152,11 @@ class Decoder:
         ready = self.pair.verifier.ready
         output = TextOutput(ready.token_bytes, self.request.stops, ready.special_tokens)
         self.verifier.bonus, self.drafter.unseen = first, [first]
-        outcome = RoundOutcome([], True) if first in self.ends else RoundOutcome(
-            [first], False, self.first_logprob)  # fmt: skip
+        outcome = (
+            RoundOutcome([], True)
+            if first in self.ends
+            else RoundOutcome([first], False, self.first_logprob)
+        )
         try:
             while True:
                 pieces = []  # one write per round, not per token
@@ -185,15 +196,25 @@ class Decoder:
         self.drafter = DrafterSide(self.pair, prompt, self.request.seed)
         if self.fixed is None:
             self.controller.begin_request(self.max_tokens)
-        alone = (self.fixed is None and self.controller.decodes_alone()
-                 and not self.controller.probes_first())  # fmt: skip
+        alone = (
+            self.fixed is None
+            and self.controller.decodes_alone()
+            and not self.controller.probes_first()
+        )
         spare_cores = bool(verifier.spec.spare_cores) and self.pair.alone_cores.preferred()
         head = self.pair.head  # a draft head prefills from the target's prompt features
         if not (spare_cores or alone or head):
             self.drafter.start_prefill()
-        prefilled, frames = await verifier.call(m.Prefill(
-            request=verifier.next_request(), tokens=prompt, out=self.pair.verify_slot,
-            seed=self.request.seed, spare_cores=spare_cores, report_features=head))  # fmt: skip
+        prefilled, frames = await verifier.call(
+            m.Prefill(
+                request=verifier.next_request(),
+                tokens=prompt,
+                out=self.pair.verify_slot,
+                seed=self.request.seed,
+                spare_cores=spare_cores,
+                report_features=head,
+            )
+        )
         if head and prefilled.features is not None:
             rows = frame_array(prefilled.features, frames).copy()
             self.drafter.prompt_features = (prefilled.features_start, rows)
@@ -237,29 +258,34 @@ class Decoder:
         self.stats.count(report)
         if self.log is not None:  # the plan as chosen, with what the controller expected
             chosen = self.fixed or self.controller.history[-1]
-            self.log(chosen, report, seconds=self.settled_at - began,
-                     emitted=len(outcome.emitted))  # fmt: skip
+            self.log(chosen, report, seconds=self.settled_at - began, emitted=len(outcome.emitted))
         return outcome
 
     async def _plain_round(self, plan: Plan, remaining: int):
         drafted, draft, draft_s = await self._choosing_ahead(
-            self._draft(plan), weigh=self._weighs_beside_draft)  # fmt: skip
+            self._draft(plan), weigh=self._weighs_beside_draft
+        )
         tokens, parents, origin = flatten(drafted)
         probs = self.pair.arena.view(drafted.probs)
         # the rule's would-be k reads the draft's rows, which the next draft replaces: beside
         # a verification off the CPU, else once it is done
         rule_rows = None if plan.rule or len(drafted.tokens) > 1 else probs[0]
-        beside = None if rule_rows is None or self.pair.verifier_on_cpu else (
-            lambda: self._rule_would_pick(rule_rows))  # fmt: skip
+        beside = (
+            None
+            if rule_rows is None or self.pair.verifier_on_cpu
+            else (lambda: self._rule_would_pick(rule_rows))
+        )
         # a sampled walk's draft rows, node i's at index[i] of the drafter's rows, read in place
         index = None if self.params.greedy else [b * probs.shape[1] + s for b, s in origin]
         walk = self._walk(drafted.probs, index)
         verified, verify_s, trial, rule_k = await self._verify_while_drafter_idles(
-            tokens, parents, remaining, beside, walk)  # fmt: skip
+            tokens, parents, remaining, beside, walk
+        )
         width = len(tokens) + 1
         logits = self._target_rows(verified)
-        draft_rows = None if index is None else RowsOnDemand.at(
-            probs.reshape(-1, probs.shape[-1]), index)  # fmt: skip
+        draft_rows = (
+            None if index is None else RowsOnDemand.at(probs.reshape(-1, probs.shape[-1]), index)
+        )
         verdict = self._verdict(tokens, parents, verified, logits, draft_rows)
         emitted, stopped, logprobs = self._emitted(verdict, tokens, remaining, logits, verified)
         self.drafter.unseen = emitted  # it holds the rest as this draft's pending nodes
@@ -273,16 +299,29 @@ class Decoder:
             first_branch = len(verdict.path) if on_first else 0
         period_s = time.perf_counter() - self.settled_at
         report = RoundReport(
-            gamma, branches, len(verdict.path), rule=plan.rule, rule_k=rule_k,
-            first_branch_accepted=first_branch, drafts=(draft,),
-            verify_width=width, verify_s=0.0 if trial else verify_s,
+            gamma,
+            branches,
+            len(verdict.path),
+            rule=plan.rule,
+            rule_k=rule_k,
+            first_branch_accepted=first_branch,
+            drafts=(draft,),
+            verify_width=width,
+            verify_s=0.0 if trial else verify_s,
             verify_compute_s=verified.elapsed_ms / 1000,
-            overhead_s=period_s - draft_s - verify_s, period_s=period_s)  # fmt: skip
+            overhead_s=period_s - draft_s - verify_s,
+            period_s=period_s,
+        )
         return RoundOutcome(emitted, stopped, logprobs), report
 
-    async def _verify_while_drafter_idles(self, tokens: list[int], parents: list[int],
-                                          remaining: int, beside=None,
-                                          walk: m.SampledWalk | None = None):  # fmt: skip
+    async def _verify_while_drafter_idles(
+        self,
+        tokens: list[int],
+        parents: list[int],
+        remaining: int,
+        beside=None,
+        walk: m.SampledWalk | None = None,
+    ):
         """A round's verification once its draft is done: the drafter idles, so the verifier
         may borrow its cores (the measured better choice, now and then the other as a trial).
         The reply, its seconds, whether it was such a trial (not what rounds cost), and what
@@ -292,8 +331,9 @@ class Decoder:
         cores = self.pair.verify_cores if self.pair.verifier.spec.spare_cores else None
         spare_cores = cores is not None and cores.choose()
         start = time.perf_counter()
-        reply = self.verifier.verify(tokens, parents, spare_cores=spare_cores,
-                                     argmax_only=self._argmax_only, walk=walk)  # fmt: skip
+        reply = self.verifier.verify(
+            tokens, parents, spare_cores=spare_cores, argmax_only=self._argmax_only, walk=walk
+        )
         aside = beside() if beside is not None else None
         if not self._weighs_beside_draft:
             self._weigh_next_plan()
@@ -311,8 +351,12 @@ class Decoder:
         """Trees replace single-branch plain rounds of greedy and keyed requests. A drawn
         request keeps drawn chains: a tree's chosen nodes would be accepted with the target's
         probability of each (0.3 accepted a round at T = 1, against 1.8-2.1 drawn)."""
-        return (bool(self.controller.limits.tree_k) and plan.branches == 1 and not plan.rule
-                and (self.params.greedy or isinstance(self.sampler, KeyedSampler)))  # fmt: skip
+        return (
+            bool(self.controller.limits.tree_k)
+            and plan.branches == 1
+            and not plan.rule
+            and (self.params.greedy or isinstance(self.sampler, KeyedSampler))
+        )
 
     async def _tree_round(self, plan: Plan, remaining: int):
         """EAGLE-2's dynamic tree of ``plan.gamma`` layers; of its ranked nodes, the verified
@@ -322,7 +366,8 @@ class Decoder:
         controller = self.controller
         calibration, first_choice = controller.tree_calibration, controller.tree_first_choice
         drafted, draft, draft_s = await self._choosing_ahead(
-            self._draft(plan), weigh=self._weighs_beside_draft)  # fmt: skip
+            self._draft(plan), weigh=self._weighs_beside_draft
+        )
         settings = self.pair.verifier.spec.settings  # llama.cpp: a sequence id per leaf
         leaves = settings.n_seq_max - 1 if isinstance(settings, m.LlamaCppSettings) else None
         fits = within_leaves(drafted.parents, leaves)
@@ -330,7 +375,8 @@ class Decoder:
         width = best_width(acceptance, calibration.factor, self.controller.estimates.verify_s)
         tokens, parents = drafted.tokens[0][:width], drafted.parents[:width]
         verified, verify_s, trial, _ = await self._verify_while_drafter_idles(
-            tokens, parents, remaining, walk=self._walk())  # fmt: skip
+            tokens, parents, remaining, walk=self._walk()
+        )
         logits = self._target_rows(verified)
         verdict = self._verdict(tokens, parents, verified, logits, None)  # greedy or keyed
         calibration.observe(float(sum(acceptance[:width])), len(verdict.path))
@@ -340,16 +386,24 @@ class Decoder:
         self._post_next_draft(remaining - len(emitted), stopped)
         period_s = time.perf_counter() - self.settled_at
         report = RoundReport(
-            plan.gamma, 1, len(verdict.path), drafts=(draft,), verify_width=len(tokens) + 1,
-            verify_s=0.0 if trial else verify_s, verify_compute_s=verified.elapsed_ms / 1000,
-            overhead_s=period_s - draft_s - verify_s, period_s=period_s)  # fmt: skip
+            plan.gamma,
+            1,
+            len(verdict.path),
+            drafts=(draft,),
+            verify_width=len(tokens) + 1,
+            verify_s=0.0 if trial else verify_s,
+            verify_compute_s=verified.elapsed_ms / 1000,
+            overhead_s=period_s - draft_s - verify_s,
+            period_s=period_s,
+        )
         return RoundOutcome(emitted, stopped, logprobs), report
 
     async def _overlapped_round(self, plan: Plan, remaining: int):
         start, drafts = time.perf_counter(), []
         if self.drafter.run_ahead is None:  # the last run-ahead missed: draft afresh first
-            drafted, draft, _ = await self.drafter.draft(plan.gamma, 1, self.params,
-                                                         length=self.position)  # fmt: skip
+            drafted, draft, _ = await self.drafter.draft(
+                plan.gamma, 1, self.params, length=self.position
+            )
             self.drafter.run_ahead, drafts = Unverified.of(drafted, self.pair.arena), [draft]
         fresh_s = time.perf_counter() - start
         draft, self.drafter.run_ahead = self.drafter.run_ahead, None
@@ -376,8 +430,9 @@ class Decoder:
             guessed, ahead_s = await ahead
             self.stats.run_ahead += 1
             compute_s = guessed.elapsed_ms / 1000
-            drafts.append(DraftCall(guessed.forwards, 1, compute_s, ahead_s - compute_s,
-                                    overlapped=True))  # fmt: skip
+            drafts.append(
+                DraftCall(guessed.forwards, 1, compute_s, ahead_s - compute_s, overlapped=True)
+            )
             if len(verdict.path) == len(tokens):  # all accepted: does the guessed bonus hold?
                 verdict, holds = self._second_opinion(verdict, guessed, logits)
                 held = Unverified.of(guessed, self.pair.arena, skip=1) if holds else None
@@ -388,11 +443,18 @@ class Decoder:
             self.stats.run_ahead_held += 1
         period_s = time.perf_counter() - self.settled_at
         report = RoundReport(
-            len(tokens), 1, len(verdict.path), rule_k=self._rule_would_pick(draft.probs),
-            drafts=tuple(drafts), verify_width=len(tokens) + 1, verify_s=verify_s,
+            len(tokens),
+            1,
+            len(verdict.path),
+            rule_k=self._rule_would_pick(draft.probs),
+            drafts=tuple(drafts),
+            verify_width=len(tokens) + 1,
+            verify_s=verify_s,
             verify_compute_s=verified.elapsed_ms / 1000,
             verify_overlapped=ahead is not None,
-            overhead_s=period_s - fresh_s - max(verify_s, ahead_s), period_s=period_s)  # fmt: skip
+            overhead_s=period_s - fresh_s - max(verify_s, ahead_s),
+            period_s=period_s,
+        )
         return RoundOutcome(emitted, stopped, logprobs), report
 
     async def _alone_round(self, remaining: int):
@@ -401,10 +463,12 @@ class Decoder:
         idle = self.drafter.idle()  # else the drafter prefills: the target keeps to its cores
         cores = self.pair.alone_cores
         spare_cores = idle and cores.choose()
-        steps = alone_tokens(self.controller.estimates.target_alone_s(),
-                             trial=idle and cores.exploring)  # fmt: skip
-        call = self.verifier.decode(min(steps, remaining), self.params,
-                                    spare_cores=spare_cores, logprobs=self.top)  # fmt: skip
+        steps = alone_tokens(
+            self.controller.estimates.target_alone_s(), trial=idle and cores.exploring
+        )
+        call = self.verifier.decode(
+            min(steps, remaining), self.params, spare_cores=spare_cores, logprobs=self.top
+        )
         decoded, frames = await self._choosing_ahead(call)
         tokens = decoded.tokens
         if decoded.features is not None and self.drafter.features is not None:
@@ -426,8 +490,13 @@ class Decoder:
         usual = idle and not cores.exploring
         period_s = time.perf_counter() - self.settled_at
         round_s = period_s / len(tokens) if self.alone_streak else None
-        report = RoundReport(0, 1, 0, alone_round_s=round_s if usual else None,
-                             alone_compute_s=compute_s if usual else None)  # fmt: skip
+        report = RoundReport(
+            0,
+            1,
+            0,
+            alone_round_s=round_s if usual else None,
+            alone_compute_s=compute_s if usual else None,
+        )
         return RoundOutcome(emitted, stopped, decoded.logprobs or None), report
 
     # ------------------------------------------------------------ pieces of a round
@@ -446,8 +515,14 @@ class Decoder:
             depth, k = plan.gamma, limits.tree_k
             size = min(limits.max_width - 1, k * (1 + (depth - 1) * k))
             call = drafter.post_tree if post else drafter.draft_tree
-            return call(depth, k, size, self.params, length=self.position,
-                        first_accept=self.controller.tree_first_choice.rate)  # fmt: skip
+            return call(
+                depth,
+                k,
+                size,
+                self.params,
+                length=self.position,
+                first_accept=self.controller.tree_first_choice.rate,
+            )
         scale = self.controller.config.rule_scale if plan.rule else None
         call = drafter.post_draft if post else drafter.draft
         return call(plan.gamma, plan.branches, self.params, scale, length=self.position)
@@ -532,8 +607,13 @@ class Decoder:
         """Greedy verification without log-probabilities needs each row's argmax alone."""
         return self.params.greedy and self.top is None
 
-    def _walk(self, draft: m.ArrayRef | None = None, draft_rows: list[int] | None = None, *,
-              keyed_only: bool = False) -> m.SampledWalk | None:  # fmt: skip
+    def _walk(
+        self,
+        draft: m.ArrayRef | None = None,
+        draft_rows: list[int] | None = None,
+        *,
+        keyed_only: bool = False,
+    ) -> m.SampledWalk | None:
         """The verdict of a sampled request without log-probabilities, to be taken in the
         verifier (``SampledWalk``): only the rows its walk reaches leave the verifier's
         runtime, where the daemon's walk needed every row in the arena (a 128K-262K-token
@@ -547,8 +627,9 @@ class Decoder:
         if keyed_only or draft is None:
             return None
         seed = int(self.sampler.rng.integers(2**63))
-        return m.SampledWalk(self.params, self.position, seed=seed, draft=draft,
-                             draft_rows=draft_rows)  # fmt: skip
+        return m.SampledWalk(
+            self.params, self.position, seed=seed, draft=draft, draft_rows=draft_rows
+        )
 
     def _target_rows(self, verified: m.Verified) -> np.ndarray | None:
         """The verifier's logits rows, or with ``_argmax_only`` their argmax (1-d); None where
@@ -566,9 +647,12 @@ class Decoder:
         vocab = self.pair.verifier.ready.vocab.size
         fits = all(0 <= node < nodes for node in path) and 0 <= bonus < vocab
         if not (fits and is_path(path, np.asarray(parents))):
-            raise WorkerError(self.pair.verifier.spec.name, "protocol",
-                              f"a walk's verdict ({path}, bonus {bonus}) does not fit the "
-                              f"tree of {nodes} nodes it was sent")  # fmt: skip
+            raise WorkerError(
+                self.pair.verifier.spec.name,
+                "protocol",
+                f"a walk's verdict ({path}, bonus {bonus}) does not fit the "
+                f"tree of {nodes} nodes it was sent",
+            )
         return Verdict(path, bonus)
 
     def _verdict(self, tokens, parents, verified: m.Verified, logits, draft_rows) -> Verdict:
@@ -579,12 +663,20 @@ class Decoder:
         if self.params.greedy:
             return verify_greedy(tokens, parents, logits)
         keyed = self.sampler if isinstance(self.sampler, KeyedSampler) else None
-        return verify_sampled(tokens, parents, logits, self.params, position=self.position,
-                              keyed=keyed, rng=self.sampler.rng if keyed is None else None,
-                              draft=draft_rows)  # fmt: skip
+        return verify_sampled(
+            tokens,
+            parents,
+            logits,
+            self.params,
+            position=self.position,
+            keyed=keyed,
+            rng=self.sampler.rng if keyed is None else None,
+            draft=draft_rows,
+        )
 
-    def _emitted(self, verdict: Verdict, tokens, remaining: int, logits: np.ndarray,
-                 verified: m.Verified):  # fmt: skip
+    def _emitted(
+        self, verdict: Verdict, tokens, remaining: int, logits: np.ndarray, verified: m.Verified
+    ):
         """The tokens to emit, cut at EOS and at ``remaining``, whether EOS came, and the
         tokens' log-probabilities from the target's ``logits`` when the request asked; the
         verifier keeps the accepted path and the bonus, whose features (the ones before each
@@ -602,8 +694,10 @@ class Decoder:
         logprobs = None
         if self.top is not None:
             rows = verdict.rows()
-            logprobs = [token_logprob(logits[row], token, self.top)
-                        for row, token in zip(rows, emitted, strict=False)]  # fmt: skip
+            logprobs = [
+                token_logprob(logits[row], token, self.top)
+                for row, token in zip(rows, emitted, strict=False)
+            ]
         return emitted, stopped, logprobs
 
     def _second_opinion(self, verdict: Verdict, guessed: m.Drafted, logits):
@@ -626,5 +720,6 @@ class Decoder:
         limits = self.controller.limits
         if len(probs) < 2 or not limits.rule or limits.max_branches < 2:
             return None
-        return uncertainty_branches(probs[0], float(probs[1].max()), limits.max_branches,
-                                    self.controller.config.rule_scale)  # fmt: skip
+        return uncertainty_branches(
+            probs[0], float(probs[1].max()), limits.max_branches, self.controller.config.rule_scale
+        )

@@ -48,15 +48,17 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.mode is not None and self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
         if len(self.stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in self.stops):
-            raise ValueError(f"stop takes at most {MAX_STOPS} strings of at most "
-                             f"{MAX_STOP_CHARS} characters")  # fmt: skip
+            raise ValueError(
+                f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters"
+            )
         if self.gamma is not None and not 1 <= self.gamma <= MAX_GAMMA:
             raise ValueError(f"gamma must be in 1..{MAX_GAMMA}, not {self.gamma}")
         if self.branches is not None and not 1 <= self.branches <= MAX_BRANCHES:
             raise ValueError(f"branches must be in 1..{MAX_BRANCHES}, not {self.branches}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top log-probabilities must be 0..{MAX_TOP_LOGPROBS}, "
-                             f"not {self.logprobs}")  # fmt: skip
+            raise ValueError(
+                f"top log-probabilities must be 0..{MAX_TOP_LOGPROBS}, not {self.logprobs}"
+            )
         if self.mode is not None:
             self.resolve_mode(self.mode)
 
@@ -64,14 +66,20 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         """The mode this request runs in, given the daemon's configured one."""
         mode = self.mode or default
         if self.gamma is not None and mode in ("autoregressive", "adaptive"):
-            raise ValueError(f"gamma fixes the draft length, which mode {mode!r} does not "
-                             "use; use mode 'parallel' or 'sequential'")  # fmt: skip
+            raise ValueError(
+                f"gamma fixes the draft length, which mode {mode!r} does not "
+                "use; use mode 'parallel' or 'sequential'"
+            )
         if self.branches is not None and (mode != "sequential" or self.gamma is None):
-            raise ValueError("branches fixes the branch count of mode 'sequential' and needs "
-                             f"gamma as well (mode {mode!r}, gamma {self.gamma})")  # fmt: skip
+            raise ValueError(
+                "branches fixes the branch count of mode 'sequential' and needs "
+                f"gamma as well (mode {mode!r}, gamma {self.gamma})"
+            )
         if self.dynamic and (mode != "sequential" or self.gamma is None):
-            raise ValueError("dynamic drafts mode 'sequential' by the uncertainty rule and "
-                             f"needs gamma (mode {mode!r}, gamma {self.gamma})")  # fmt: skip
+            raise ValueError(
+                "dynamic drafts mode 'sequential' by the uncertainty rule and "
+                f"needs gamma (mode {mode!r}, gamma {self.gamma})"
+            )
         return mode
 
     @property
@@ -120,14 +128,18 @@ def token_budget(request: GenerateRequest, prompt_tokens: int, context: int, roo
     left = context - prompt_tokens - room
     if request.max_tokens is None:
         if left < 1:
-            raise ValueError(f"the prompt has {prompt_tokens} tokens, which leaves no room "
-                             f"in the {context}-token context")  # fmt: skip
+            raise ValueError(
+                f"the prompt has {prompt_tokens} tokens, which leaves no room "
+                f"in the {context}-token context"
+            )
         return left
     if request.max_tokens > left:
         extra = f" and room for a draft tree ({room})" if room else ""
-        raise ValueError(f"the prompt has {prompt_tokens} tokens; with max_tokens "
-                         f"{request.max_tokens}{extra} that exceeds the {context}-token "
-                         "context")  # fmt: skip
+        raise ValueError(
+            f"the prompt has {prompt_tokens} tokens; with max_tokens "
+            f"{request.max_tokens}{extra} that exceeds the {context}-token "
+            "context"
+        )
     return request.max_tokens
 
 

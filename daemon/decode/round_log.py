@@ -43,10 +43,18 @@ class RoundLog:
             raise OSError(f"cannot open round_log {path}: {error.strerror}") from None
         self._encoder = msgspec.json.Encoder()
 
-    def write(self, run: str, mode: str, plan: Plan, report: RoundReport, *, seconds: float,
-              emitted: int) -> None:  # fmt: skip
-        line = RoundLine(t=time.time(), run=run, mode=mode, plan=plan, report=report,
-                         seconds=seconds, emitted=emitted)  # fmt: skip
+    def write(
+        self, run: str, mode: str, plan: Plan, report: RoundReport, *, seconds: float, emitted: int
+    ) -> None:
+        line = RoundLine(
+            t=time.time(),
+            run=run,
+            mode=mode,
+            plan=plan,
+            report=report,
+            seconds=seconds,
+            emitted=emitted,
+        )
         self._file.write(self._encoder.encode(line) + b"\n")
 
     def close(self) -> None:
@@ -71,9 +79,11 @@ def summary(lines: list[RoundLine]) -> str:
     by_mode: dict[str, list[RoundLine]] = defaultdict(list)
     for line in lines:
         by_mode[line.mode].append(line)
-    rows = ["| mode | requests | rounds | alone rounds | tokens | mean gamma drafted | "
-            "accepted a drafted round | expected tokens/s | measured tokens/s |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    rows = [
+        "| mode | requests | rounds | alone rounds | tokens | mean gamma drafted | "
+        "accepted a drafted round | expected tokens/s | measured tokens/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for mode, mode_lines in sorted(by_mode.items()):
         drafted = [line for line in mode_lines if line.report.gamma]
         priced = [line for line in drafted if line.plan.round_s > 0]
@@ -85,10 +95,12 @@ def summary(lines: list[RoundLine]) -> str:
             measured = f"{sum(line.emitted for line in priced) / spent:.1f}"
         gamma = _mean([line.report.gamma for line in drafted])
         accepted = _mean([line.report.accepted for line in drafted])
-        rows.append(f"| {mode} | {len({line.run for line in mode_lines})} | {len(mode_lines)} | "
-                    f"{len(mode_lines) - len(drafted)} | "
-                    f"{sum(line.emitted for line in mode_lines)} | {gamma} | {accepted} | "
-                    f"{expected} | {measured} |")  # fmt: skip
+        rows.append(
+            f"| {mode} | {len({line.run for line in mode_lines})} | {len(mode_lines)} | "
+            f"{len(mode_lines) - len(drafted)} | "
+            f"{sum(line.emitted for line in mode_lines)} | {gamma} | {accepted} | "
+            f"{expected} | {measured} |"
+        )
     return "\n".join(rows)
 
 
@@ -114,25 +126,30 @@ def kinds(lines: list[RoundLine]) -> str:
     spent = defaultdict(float)
     for (mode, _), group in groups.items():
         spent[mode] += sum(line.seconds for line in group)
-    rows = ["| mode | kind | rounds | share of time | mean gamma | tokens a round, expected | "
-            "kept | ms a round, expected | measured | tokens/s |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    rows = [
+        "| mode | kind | rounds | share of time | mean gamma | tokens a round, expected | "
+        "kept | ms a round, expected | measured | tokens/s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for (mode, kind), group in sorted(groups.items()):
         seconds = sum(line.seconds for line in group)
         priced = [line for line in group if line.plan.round_s > 0]
         expected_tokens = _mean([line.plan.expected_tokens for line in priced])
         # the target alone is priced a token, and decodes several a call
-        per_call = [line.plan.round_s * 1000 * (line.emitted if kind == "alone" else 1)
-                    for line in priced]  # fmt: skip
+        per_call = [
+            line.plan.round_s * 1000 * (line.emitted if kind == "alone" else 1) for line in priced
+        ]
         expected_ms = _mean(per_call)
         if kind == "alone":
             expected_tokens = "-"
         rate = sum(line.emitted for line in group) / seconds if seconds > 0 else 0.0
         share = seconds / spent[mode] if spent[mode] > 0 else 0.0
-        rows.append(f"| {mode} | {kind} | {len(group)} | {share:.0%} | "
-                    f"{_mean([line.report.gamma for line in group])} | {expected_tokens} | "
-                    f"{_mean([line.emitted for line in group])} | {expected_ms} | "
-                    f"{_mean([line.seconds * 1000 for line in group])} | {rate:.1f} |")  # fmt: skip
+        rows.append(
+            f"| {mode} | {kind} | {len(group)} | {share:.0%} | "
+            f"{_mean([line.report.gamma for line in group])} | {expected_tokens} | "
+            f"{_mean([line.emitted for line in group])} | {expected_ms} | "
+            f"{_mean([line.seconds * 1000 for line in group])} | {rate:.1f} |"
+        )
     return "\n".join(rows)
 
 
@@ -141,8 +158,9 @@ def _mean(values: list[float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hetspec.daemon.decode.round_log",
-                                     description=__doc__.split("\n\n")[0])  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m hetspec.daemon.decode.round_log", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("file", help="a round log (the round_log setting's file)")
     args = parser.parse_args(argv)
     try:

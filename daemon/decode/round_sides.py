@@ -104,13 +104,15 @@ class DrafterSide:
 
     def start_prefill(self) -> asyncio.Future:
         if self.prefill is None:
-            command = m.Prefill(request=self.client.next_request(), tokens=self._prompt,
-                                seed=self._seed)  # fmt: skip
+            command = m.Prefill(
+                request=self.client.next_request(), tokens=self._prompt, seed=self._seed
+            )
             arrays = ()
             if self.prompt_features is not None:
                 start, rows = self.prompt_features
-                command = msgspec.structs.replace(command, features=frame_ref(rows, 1),
-                                                  features_start=start)  # fmt: skip
+                command = msgspec.structs.replace(
+                    command, features=frame_ref(rows, 1), features_start=start
+                )
                 arrays = (rows,)
             self.prefill = asyncio.ensure_future(self.client.call(command, arrays))
         return self.prefill
@@ -126,50 +128,99 @@ class DrafterSide:
     def idle(self) -> bool:
         return self.prefill is None or self.prefill.done()
 
-    async def draft(self, gamma: int, branches: int, params: SamplingParams,
-                    rule_scale: float | None = None, *,
-                    length: int) -> tuple[m.Drafted, DraftCall, float]:  # fmt: skip
+    async def draft(
+        self,
+        gamma: int,
+        branches: int,
+        params: SamplingParams,
+        rule_scale: float | None = None,
+        *,
+        length: int,
+    ) -> tuple[m.Drafted, DraftCall, float]:
         """Draft after appending what it has not seen (the sequence being ``length`` tokens
         long); the reply, its cost and the call's seconds. The append's last forward yields
         the first token's distribution, so gamma tokens cost gamma forwards."""
         waited = await self._prefilled()
-        return await self.post_draft(gamma, branches, params, rule_scale, length=length,
-                                     waited=waited)  # fmt: skip
+        return await self.post_draft(
+            gamma, branches, params, rule_scale, length=length, waited=waited
+        )
 
-    async def draft_tree(self, depth: int, top_k: int, size: int, params: SamplingParams, *,
-                         length: int,
-                         first_accept: float) -> tuple[m.Drafted, DraftCall, float]:  # fmt: skip
+    async def draft_tree(
+        self,
+        depth: int,
+        top_k: int,
+        size: int,
+        params: SamplingParams,
+        *,
+        length: int,
+        first_accept: float,
+    ) -> tuple[m.Drafted, DraftCall, float]:
         """EAGLE-2's dynamic tree after appending what it has not seen: ``size`` nodes ranked
         best first (see ``draft``). Its forwards: the append's, then one per layer below the
         first, each of ``top_k`` nodes."""
         waited = await self._prefilled()
-        return await self.post_tree(depth, top_k, size, params, length=length,
-                                    first_accept=first_accept, waited=waited)  # fmt: skip
+        return await self.post_tree(
+            depth, top_k, size, params, length=length, first_accept=first_accept, waited=waited
+        )
 
     def can_post(self) -> bool:
         """Whether a draft's command may be sent at once: the drafter's prefill went out and
         succeeded, so nothing must precede it."""
         prefill = self.prefill
-        return (prefill is not None and prefill.done() and not prefill.cancelled()
-                and prefill.exception() is None)  # fmt: skip
+        return (
+            prefill is not None
+            and prefill.done()
+            and not prefill.cancelled()
+            and prefill.exception() is None
+        )
 
     def announce(self) -> None:
         """Wake the drafter to wait awake for a draft about to be posted."""
         self.client.announce()
 
-    def post_draft(self, gamma: int, branches: int, params: SamplingParams,
-                   rule_scale: float | None = None, *, length: int,
-                   waited: float = 0.0):  # fmt: skip
+    def post_draft(
+        self,
+        gamma: int,
+        branches: int,
+        params: SamplingParams,
+        rule_scale: float | None = None,
+        *,
+        length: int,
+        waited: float = 0.0,
+    ):
         """``draft``'s command, sent now (only where ``can_post``): a coroutine for its
         result, to await or wrap in a task."""
-        return self._post(length, waited, None, steps=gamma, sampling=params,
-                          branches=branches, dynamic=rule_scale)  # fmt: skip
+        return self._post(
+            length,
+            waited,
+            None,
+            steps=gamma,
+            sampling=params,
+            branches=branches,
+            dynamic=rule_scale,
+        )
 
-    def post_tree(self, depth: int, top_k: int, size: int, params: SamplingParams, *,
-                  length: int, first_accept: float, waited: float = 0.0):  # fmt: skip
+    def post_tree(
+        self,
+        depth: int,
+        top_k: int,
+        size: int,
+        params: SamplingParams,
+        *,
+        length: int,
+        first_accept: float,
+        waited: float = 0.0,
+    ):
         """``draft_tree``'s command, sent now (see ``post_draft``)."""
-        return self._post(length, waited, top_k, steps=size, sampling=params,
-                          tree=(depth, top_k), tree_first_accept=first_accept)  # fmt: skip
+        return self._post(
+            length,
+            waited,
+            top_k,
+            steps=size,
+            sampling=params,
+            tree=(depth, top_k),
+            tree_first_accept=first_accept,
+        )
 
     async def _prefilled(self) -> float:
         """Wait for the drafter's prefill (starting it if it was not): the seconds waited."""
@@ -183,9 +234,16 @@ class DrafterSide:
         as many as drafted) and the call's seconds, ``waited`` for the prefill included."""
         start = time.perf_counter()
         features, arrays = self._appended_features(length)
-        reply = self.client.post(m.Draft(
-            request=self.client.next_request(), out=self.slot, append=self.unseen,
-            features=features, **fields), arrays)  # fmt: skip
+        reply = self.client.post(
+            m.Draft(
+                request=self.client.next_request(),
+                out=self.slot,
+                append=self.unseen,
+                features=features,
+                **fields,
+            ),
+            arrays,
+        )
         self.unseen = []
         return self._costed(reply, start, waited, cost_branches)
 
@@ -196,14 +254,20 @@ class DrafterSide:
         cost = _cost(drafted, cost_branches or len(drafted.tokens), seconds, waited=waited)
         return drafted, cost, seconds + waited
 
-    def start_run_ahead(self, draft: Unverified, gamma: int,
-                        params: SamplingParams) -> asyncio.Future | None:  # fmt: skip
+    def start_run_ahead(
+        self, draft: Unverified, gamma: int, params: SamplingParams
+    ) -> asyncio.Future | None:
         """Draft the next round below ``draft`` while it is verified: a guess of the bonus,
         then ``gamma`` tokens. None when the drafter holds too much unverified already."""
         if len(self.unseen) + len(draft.tokens) >= self.MAX_UNSEEN:
             return None
-        command = m.Draft(request=self.client.next_request(), steps=gamma + 1, sampling=params,
-                          out=self.slot, after=(draft.last_parent, draft.tokens[-1]))  # fmt: skip
+        command = m.Draft(
+            request=self.client.next_request(),
+            steps=gamma + 1,
+            sampling=params,
+            out=self.slot,
+            after=(draft.last_parent, draft.tokens[-1]),
+        )
         return asyncio.ensure_future(_timed(self.client.call(command)))
 
     def close(self) -> None:
@@ -222,8 +286,14 @@ def _cost(drafted: m.Drafted, branches: int, seconds: float, *, waited: float) -
     see ``Drafted``), the catch-up, and the call's time beyond the drafter's own."""
     compute_s = (drafted.elapsed_ms - drafted.append_ms) / 1000
     latency_s = seconds - drafted.elapsed_ms / 1000
-    return DraftCall(drafted.forwards, branches, compute_s, latency_s, prefill_wait_s=waited,
-                     catch_up_s=drafted.append_ms / 1000)  # fmt: skip
+    return DraftCall(
+        drafted.forwards,
+        branches,
+        compute_s,
+        latency_s,
+        prefill_wait_s=waited,
+        catch_up_s=drafted.append_ms / 1000,
+    )
 
 
 async def _timed(call):
@@ -244,19 +314,34 @@ class VerifierSide:
         self._tree: list[int] = []  # the tokens of the last tree evaluated: [bonus, *draft]
         self._keep: list[int] = []  # its nodes to commit: the bonus and the accepted path
 
-    def verify(self, tokens: list[int], parents: list[int], *, spare_cores: bool = False,
-               argmax_only: bool = False, walk: m.SampledWalk | None = None):  # fmt: skip
+    def verify(
+        self,
+        tokens: list[int],
+        parents: list[int],
+        *,
+        spare_cores: bool = False,
+        argmax_only: bool = False,
+        walk: m.SampledWalk | None = None,
+    ):
         """The call evaluating a draft tree below the bonus (logits row 0: after the bonus,
         where the draft grows from), committing the last round's path first; on the
         drafter's cores too when ``spare_cores``; each row's argmax alone with
         ``argmax_only``; the verdict itself with ``walk``. The command is sent now: the
         coroutine awaits its reply."""
         self._tree = [self.bonus, *tokens]
-        return self.client.post(m.VerifyTree(
-            request=self.client.next_request(), tokens=self._tree,
-            parents=[-1, *(p + 1 for p in parents)], out=self.slot, commit=self._keep,
-            spare_cores=spare_cores, features_out=self.feature_slot,
-            argmax_only=argmax_only, walk=walk))  # fmt: skip
+        return self.client.post(
+            m.VerifyTree(
+                request=self.client.next_request(),
+                tokens=self._tree,
+                parents=[-1, *(p + 1 for p in parents)],
+                out=self.slot,
+                commit=self._keep,
+                spare_cores=spare_cores,
+                features_out=self.feature_slot,
+                argmax_only=argmax_only,
+                walk=walk,
+            )
+        )
 
     def kept_features(self, verified: m.Verified, arena: Arena) -> np.ndarray | None:
         """The features of the bonus and the accepted path (after ``accepted``), in order."""
@@ -268,15 +353,23 @@ class VerifierSide:
         self._keep = [0, *(node + 1 for node in verdict.path)]
         self.bonus = verdict.bonus
 
-    def decode(self, steps: int, params: SamplingParams, *, spare_cores: bool,
-               logprobs: int | None = None):  # fmt: skip
+    def decode(
+        self, steps: int, params: SamplingParams, *, spare_cores: bool, logprobs: int | None = None
+    ):
         """The call decoding ``steps`` tokens alone after committing the last round's path
         and evaluating the bonus; see ``decoded``."""
         kept = [self._tree[node] for node in self._keep]
-        return self.client.call(m.Decode(
-            request=self.client.next_request(), steps=steps, sampling=params,
-            append=[*kept, self.bonus], spare_cores=spare_cores, logprobs=logprobs,
-            report_features=self.feature_slot >= 0))  # fmt: skip
+        return self.client.call(
+            m.Decode(
+                request=self.client.next_request(),
+                steps=steps,
+                sampling=params,
+                append=[*kept, self.bonus],
+                spare_cores=spare_cores,
+                logprobs=logprobs,
+                report_features=self.feature_slot >= 0,
+            )
+        )
 
     def decoded(self, tokens: list[int]) -> None:
         """It committed every token it drew but the last, the new bonus."""

@@ -62,20 +62,25 @@ class SpeculativeStats:
         per = self.rounds or None
         step = self.draft_compute_ms / self.draft_steps if self.draft_steps else None
         return {
-            "rounds": self.rounds, "draft_n": self.drafted, "draft_n_accepted": self.accepted,
+            "rounds": self.rounds,
+            "draft_n": self.drafted,
+            "draft_n_accepted": self.accepted,
             "mean_accepted_length": round(self.accepted / per, 3) if per else 0,
             "acceptance_by_depth": self.accepted_by_depth,
-            "gamma_history": self.gammas[-64:], "branch_history": self.branches[-64:],
+            "gamma_history": self.gammas[-64:],
+            "branch_history": self.branches[-64:],
             "t_draft_ms": None if step is None else round(step, 3),
             "t_verify_ms": round(self.verify_ms / per, 3) if per else None,
-            "run_ahead": self.run_ahead, "run_ahead_held": self.run_ahead_held,
-            "rule_rounds": self.rule_rounds, "verified_nodes": self.verified_nodes,
+            "run_ahead": self.run_ahead,
+            "run_ahead_held": self.run_ahead_held,
+            "rule_rounds": self.rule_rounds,
+            "verified_nodes": self.verified_nodes,
             "t_overhead_ms": round(self.overhead_ms / per, 3) if per else None,
             "t_prefill_wait_ms": round(self.prefill_wait_ms / per, 3) if per else None,
             "t_draft_link_ms": _mean(self.draft_link_ms, self.draft_calls),
             "t_verify_link_ms": _mean(self.verify_link_ms, self.verifications),
             "controller": controller.summary(),
-        }  # fmt: skip
+        }
 
 
 def _mean(total_ms: float, count: int) -> float | None:

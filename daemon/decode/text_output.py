@@ -26,8 +26,9 @@ class TextOutput:
     the text ends just before it and ``stopped`` is set (the token that completed it is the
     last one generated)."""
 
-    def __init__(self, token_bytes: list[bytes], stops: list[str],
-                 special: Iterable[int] = ()) -> None:  # fmt: skip
+    def __init__(
+        self, token_bytes: list[bytes], stops: list[str], special: Iterable[int] = ()
+    ) -> None:
         self._detokenizer = Detokenizer(token_bytes)
         self._bytes = token_bytes
         self._stops = [stop for stop in stops if stop]
@@ -60,7 +61,9 @@ class TextOutput:
         if found:
             self.stopped, self._held = True, ""
             return text[: min(at for at, _ in found)]
-        keep = max((n for stop in self._stops for n in range(1, len(stop))
-                    if text.endswith(stop[:n])), default=0)  # fmt: skip
+        keep = max(
+            (n for stop in self._stops for n in range(1, len(stop)) if text.endswith(stop[:n])),
+            default=0,
+        )
         self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]

@@ -38,21 +38,28 @@ def mismatch(head: Path, target_folder: Path) -> str | None:
     except (OSError, ValueError, KeyError, TypeError) as error:
         return f"cannot compare {head} with {target_folder}: {error}"
     if found != wanted:
-        return (f"{head} reads {found[0]}-wide features over {found[1]} tokens; the target "
-                f"{target_folder} has {wanted[0]} and {wanted[1]}")  # fmt: skip
+        return (
+            f"{head} reads {found[0]}-wide features over {found[1]} tokens; the target "
+            f"{target_folder} has {wanted[0]} and {wanted[1]}"
+        )
     return None
 
 
 def draft_head_for(config: DaemonConfig) -> Path | None:
     """The head the GPU worker drafts with, or None (the draft model). Raises
     ``HeadChoiceError`` for a configured head that does not match the target."""
-    if (config.placement != "draft-gpu" or config.draft_head == "none"
-            or config.gpu_runtime not in HEAD_RUNTIMES):  # fmt: skip
+    if (
+        config.placement != "draft-gpu"
+        or config.draft_head == "none"
+        or config.gpu_runtime not in HEAD_RUNTIMES
+    ):
         return None
     if not config.target.folder:  # a head reads the target's folder (embedding, LM head)
         if config.draft_head not in ("auto", "none"):
-            raise HeadChoiceError("draft_head: a head reads the target's model folder, and "
-                                  'the target has none (target.folder = "")')  # fmt: skip
+            raise HeadChoiceError(
+                "draft_head: a head reads the target's model folder, and "
+                'the target has none (target.folder = "")'
+            )
         return None
     target = Path(config.target.folder)
     if config.draft_head != "auto":

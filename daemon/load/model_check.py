@@ -33,9 +33,21 @@ NATIVE_FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
 # ... and of the model_types the torch runtime reads (workers/runtimes/torch_runtime/config.py)
 TORCH_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
 NATIVE_TENSOR_TYPES = frozenset(
-    {"F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
-     "IQ4_XS"}
-)  # fmt: skip
+    {
+        "F32",
+        "F16",
+        "Q8_0",
+        "Q4_0",
+        "Q4_1",
+        "Q5_0",
+        "Q5_1",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+        "IQ4_NL",
+        "IQ4_XS",
+    }
+)
 NATIVE_ROPE_SCALINGS = ("none", "linear")
 
 
@@ -89,9 +101,15 @@ def read_vocabs(paths: dict[tuple[str, str], Path], timeout_s: float = 120.0) ->
     """Each vocabulary as a worker reads it (``python -m hetspec.workers.tools.describe KIND
     PATH``), all at once; keyed like ``paths`` by (model, "gguf" or "folder")."""
     describe = [sys.executable, "-m", "hetspec.workers.tools.describe"]
-    running = {key: subprocess.Popen([*describe, key[1], str(path)], stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
-               for key, path in paths.items()}  # fmt: skip
+    running = {
+        key: subprocess.Popen(
+            [*describe, key[1], str(path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+        )
+        for key, path in paths.items()
+    }
     reports = {}
     for key, process in running.items():
         try:
@@ -166,13 +184,15 @@ class Side:
         """Why this side cannot run, or None."""
         torch = self.runtime == "torch"
         if self.export is None:
-            return "needs " + ("a model folder (config.json, safetensors)" if torch else
-                               "a GGUF file")  # fmt: skip
+            return "needs " + (
+                "a model folder (config.json, safetensors)" if torch else "a GGUF file"
+            )
         if torch:
             family = self.model.folder_facts.family
             if family not in TORCH_MODEL_TYPES:
-                return (f"the torch runtime reads {'/'.join(TORCH_MODEL_TYPES)} folders, not "
-                        f"{family}")  # fmt: skip
+                return (
+                    f"the torch runtime reads {'/'.join(TORCH_MODEL_TYPES)} folders, not {family}"
+                )
             return None
         return self._native_unusable() if self.runtime == "native" else None
 
@@ -180,23 +200,27 @@ class Side:
         """Why the native kernels cannot run the GGUF (its family, tensor types, numbers)."""
         facts, shape = self.model.gguf_facts, self.model.gguf_shape
         if facts.family not in NATIVE_FAMILIES:
-            return (f"the native kernels run {'/'.join(NATIVE_FAMILIES)} GGUFs, not "
-                    f"{facts.family}")  # fmt: skip
+            return f"the native kernels run {'/'.join(NATIVE_FAMILIES)} GGUFs, not {facts.family}"
         if unread := sorted(facts.tensor_types - NATIVE_TENSOR_TYPES):
             known = ", ".join(sorted(NATIVE_TENSOR_TYPES))
-            return (f"the native kernels read {known} tensors; this {facts.quantization} "
-                    f"file has {', '.join(unread)}")  # fmt: skip
+            return (
+                f"the native kernels read {known} tensors; this {facts.quantization} "
+                f"file has {', '.join(unread)}"
+            )
         if shape is not None and shape.experts:
             return f"the native kernels run dense models; this one has {shape.experts} experts"
         if shape is not None and shape.rope_scaling not in NATIVE_ROPE_SCALINGS:
-            return (f"the native kernels scale RoPE {'/'.join(NATIVE_ROPE_SCALINGS)}, not "
-                    f"{shape.rope_scaling}")  # fmt: skip
+            return (
+                f"the native kernels scale RoPE {'/'.join(NATIVE_ROPE_SCALINGS)}, not "
+                f"{shape.rope_scaling}"
+            )
         return None
 
     def line(self, context: int) -> str:
         torch = self.runtime == "torch"
         what = f"{self.worker} {self.role} with {self.runtime} on the {self.model.name}'s " + (
-            "folder" if torch else "GGUF")  # fmt: skip
+            "folder" if torch else "GGUF"
+        )
         if (reason := self.unusable()) is not None:
             return f"    {what}: NO, {reason}"
         return f"    {what}: {self.export.name}, {self.memory(context)}{self._or_native()}"
@@ -215,21 +239,33 @@ def placements(target: Model, draft: Model) -> dict[str, list[list[Side]]]:
     """For each placement, the alternatives of the GPU worker's runtime: each a pair of
     sides (the CPU worker's llama.cpp, which may draft on the native kernels instead)."""
     return {
-        "draft-cpu": [[Side("drafts", "CPU worker", "llama.cpp", draft),
-                       Side("verifies", "GPU worker", runtime, target)]
-                      for runtime in ("torch", "llama.cpp", "native")],
-        "draft-gpu": [[Side("verifies", "CPU worker", "llama.cpp", target),
-                       Side("drafts", "GPU worker", runtime, draft)]
-                      for runtime in ("torch", "llama.cpp")],
-    }  # fmt: skip
+        "draft-cpu": [
+            [
+                Side("drafts", "CPU worker", "llama.cpp", draft),
+                Side("verifies", "GPU worker", runtime, target),
+            ]
+            for runtime in ("torch", "llama.cpp", "native")
+        ],
+        "draft-gpu": [
+            [
+                Side("verifies", "CPU worker", "llama.cpp", target),
+                Side("drafts", "GPU worker", runtime, draft),
+            ]
+            for runtime in ("torch", "llama.cpp")
+        ],
+    }
 
 
 def describe_model(model: Model) -> list[str]:
     facts = model.facts
-    lines = [f"{model.name}: {facts.family}, {facts.parameter_size} parameters, "
-             f"trained context {facts.context_length or 'unknown'}"]  # fmt: skip
-    for kind, path, found in (("folder", model.folder, model.folder_facts),
-                              ("GGUF", model.gguf, model.gguf_facts)):  # fmt: skip
+    lines = [
+        f"{model.name}: {facts.family}, {facts.parameter_size} parameters, "
+        f"trained context {facts.context_length or 'unknown'}"
+    ]
+    for kind, path, found in (
+        ("folder", model.folder, model.folder_facts),
+        ("GGUF", model.gguf, model.gguf_facts),
+    ):
         if path is None:
             lines.append(f"  {kind}: none")
         else:
@@ -241,29 +277,43 @@ def check(target: Model, draft: Model) -> tuple[list[str], bool]:
     """The report's lines, and whether the default placement (draft-cpu) can serve."""
     lines = [*describe_model(target), *describe_model(draft)]
     # vocabularies as the workers read them: each GGUF (llama.cpp) and each folder (torch)
-    reports = read_vocabs({(model.name, kind): path
-                           for model in (target, draft)
-                           for kind, path in (("gguf", model.gguf), ("folder", model.folder))
-                           if path is not None})  # fmt: skip
+    reports = read_vocabs(
+        {
+            (model.name, kind): path
+            for model in (target, draft)
+            for kind, path in (("gguf", model.gguf), ("folder", model.folder))
+            if path is not None
+        }
+    )
     failures = [f"  {name} {kind}: {r.error}" for (name, kind), r in reports.items() if r.error]
     vocabs = {key: r.vocab for key, r in reports.items() if r.vocab is not None}
-    problems = sorted({problem
-                       for (name_a, _), a in vocabs.items() if name_a == "draft"
-                       for (name_b, _), b in vocabs.items() if name_b == "target"
-                       for problem in incompatibilities(a, b)})  # fmt: skip
+    problems = sorted(
+        {
+            problem
+            for (name_a, _), a in vocabs.items()
+            if name_a == "draft"
+            for (name_b, _), b in vocabs.items()
+            if name_b == "target"
+            for problem in incompatibilities(a, b)
+        }
+    )
     shared = not problems and not failures
     if shared:
         any_vocab = next(iter(vocabs.values()))
-        lines.append(f"vocabulary: shared ({any_vocab.kind}, {any_vocab.real_size} tokens), "
-                     "as the daemon checks at start-up")  # fmt: skip
+        lines.append(
+            f"vocabulary: shared ({any_vocab.kind}, {any_vocab.real_size} tokens), "
+            "as the daemon checks at start-up"
+        )
     else:
         lines.append("vocabulary: NOT shared, the daemon would refuse the pair:")
         lines += failures + [f"  {problem}" for problem in problems]
     trained = target.facts.context_length, draft.facts.context_length
     contexts = [c for c in trained if c]
     context = min([*contexts, DEFAULT_CONTEXT_LIMIT])
-    lines.append(f"context: target {trained[0] or '?'}, draft {trained[1] or '?'}; "
-                 f"served by default: {context} tokens (n_ctx / max_context set it)")  # fmt: skip
+    lines.append(
+        f"context: target {trained[0] or '?'}, draft {trained[1] or '?'}; "
+        f"served by default: {context} tokens (n_ctx / max_context set it)"
+    )
     default_ok = False
     for placement, alternatives in placements(target, draft).items():
         default = " (the default)" if placement == "draft-cpu" else ""
@@ -281,8 +331,10 @@ def check(target: Model, draft: Model) -> tuple[list[str], bool]:
         defaults = DaemonConfig()
         slots, nodes = defaults.arena_slots, defaults.max_tree_nodes
         arena = slots * nodes * vocab * 4
-        lines.append(f"shared memory for probability rows: {_gb(arena)} (arena_slots {slots} "
-                     f"x max_tree_nodes {nodes} x {vocab} x 4 bytes)")  # fmt: skip
+        lines.append(
+            f"shared memory for probability rows: {_gb(arena)} (arena_slots {slots} "
+            f"x max_tree_nodes {nodes} x {vocab} x 4 bytes)"
+        )
     lines += ["", "hetspecd.toml:", *example_config(target, draft)]
     return lines, default_ok
 
@@ -316,8 +368,9 @@ def example_config(target: Model, draft: Model) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hetspec models check",
-                                     description=__doc__.split("\n\n")[0])  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="hetspec models check", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument(
         "target", type=Path, help="the target: a model folder, a GGUF file, or a folder with both"
     )

@@ -99,8 +99,17 @@ def _gguf_facts(path: Path) -> ModelFacts:
     except ValueError:
         quantization = f"type {file_type}"
     tensor_types = frozenset(tensor.type_name for tensor in header.tensors.values())
-    return ModelFacts(str(path), "gguf", family, parameters, quantization,
-                      path.stat().st_size, _modified(path), info, tensor_types)  # fmt: skip
+    return ModelFacts(
+        str(path),
+        "gguf",
+        family,
+        parameters,
+        quantization,
+        path.stat().st_size,
+        _modified(path),
+        info,
+        tensor_types,
+    )
 
 
 def _folder_facts(folder: Path) -> ModelFacts:
@@ -127,6 +136,13 @@ def _folder_facts(folder: Path) -> ModelFacts:
         if isinstance(config.get(name), int):
             info[f"{family}.{key}"] = config[name]
     dtype = config.get("torch_dtype") or config.get("dtype") or "float32"
-    return ModelFacts(str(folder), "safetensors", family, parameters,
-                      _DTYPES.get(dtype, dtype.upper()), sum(f.stat().st_size for f in weights),
-                      _modified(config_file, *weights), info)  # fmt: skip
+    return ModelFacts(
+        str(folder),
+        "safetensors",
+        family,
+        parameters,
+        _DTYPES.get(dtype, dtype.upper()),
+        sum(f.stat().st_size for f in weights),
+        _modified(config_file, *weights),
+        info,
+    )

@@ -26,8 +26,10 @@ def check_runtime(runtime: str, timeout_s: float = 120.0) -> RuntimeReport:
     """Probe one runtime (blocking); a probe that crashes or hangs becomes a ProbeFailure."""
     process = subprocess.Popen(
         [sys.executable, "-m", "hetspec.workers.tools.probe", runtime],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     return _collect(runtime, process, timeout_s)
 
 

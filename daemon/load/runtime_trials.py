@@ -78,8 +78,9 @@ class RuntimeDecision(msgspec.Struct, frozen=True, kw_only=True):
             return None
         for profile in self.profiles:
             if profile.runtime == self.runtime:
-                return {w: ms / 1000 for w, ms in zip(profile.widths, profile.median_ms,
-                                                      strict=True)}  # fmt: skip
+                return {
+                    w: ms / 1000 for w, ms in zip(profile.widths, profile.median_ms, strict=True)
+                }
         return None
 
     def summary(self) -> str:
@@ -133,8 +134,11 @@ def _native_kernels() -> list:
     Located through the import system, never imported (the daemon does not load them)."""
     spec = importlib.util.find_spec("hetspec.native")
     folders = spec.submodule_search_locations if spec is not None else None
-    return [_file_identity(file) for folder in folders or []
-            for file in sorted(Path(folder).glob("_hsnative*"))]  # fmt: skip
+    return [
+        _file_identity(file)
+        for folder in folders or []
+        for file in sorted(Path(folder).glob("_hsnative*"))
+    ]
 
 
 def _package_version(name: str) -> str | None:
@@ -173,8 +177,9 @@ def profile_key(spec: WorkerSpec, widths: list[int]) -> str:
     return hashlib.sha256(json.dumps(ingredients, sort_keys=True).encode()).hexdigest()[:24]
 
 
-async def measure(spec: WorkerSpec, widths: list[int], timeout_s: float,
-                  cache: Path | None) -> tuple[RuntimeProfile | ProbeFailure, bool]:  # fmt: skip
+async def measure(
+    spec: WorkerSpec, widths: list[int], timeout_s: float, cache: Path | None
+) -> tuple[RuntimeProfile | ProbeFailure, bool]:
     """The profile of ``spec``'s runtime and model (from the cache when there), and whether it
     came from the cache. A runtime that cannot load or hangs is a ``ProbeFailure``."""
     path = cache / "profiles" / f"{profile_key(spec, widths)}.json" if cache else None
@@ -185,24 +190,39 @@ async def measure(spec: WorkerSpec, widths: list[int], timeout_s: float,
                 return result, True
         except (OSError, msgspec.DecodeError, msgspec.ValidationError):
             pass  # absent or unreadable: measure again
-    command = [sys.executable, "-m", "hetspec.workers.tools.profile", spec.runtime, spec.model,
-               "--settings", msgspec.json.encode(spec.settings).decode(),
-               "--widths", ",".join(map(str, widths)), "--prefix", str(PREFIX_TOKENS),
-               "--cores", ",".join(map(str, spec.cores)),
-               # timed as the worker computes when the drafter idles (plain rounds' verification,
-               # decoding alone): on the drafter's cores too, where it may borrow them
-               "--spare-cores", ",".join(map(str, spec.spare_cores))]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "hetspec.workers.tools.profile",
+        spec.runtime,
+        spec.model,
+        "--settings",
+        msgspec.json.encode(spec.settings).decode(),
+        "--widths",
+        ",".join(map(str, widths)),
+        "--prefix",
+        str(PREFIX_TOKENS),
+        "--cores",
+        ",".join(map(str, spec.cores)),
+        # timed as the worker computes when the drafter idles (plain rounds' verification,
+        # decoding alone): on the drafter's cores too, where it may borrow them
+        "--spare-cores",
+        ",".join(map(str, spec.spare_cores)),
+    ]
     process = await asyncio.create_subprocess_exec(
-        *command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        *command,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+    )
     try:
         stdout, stderr = await asyncio.wait_for(process.communicate(), timeout_s)
     except TimeoutError:
         process.kill()
         await process.wait()
-        return ProbeFailure(runtime=spec.runtime, message=f"profiling took more than "
-                            f"{timeout_s:g} s"), False  # fmt: skip
+        return ProbeFailure(
+            runtime=spec.runtime, message=f"profiling took more than {timeout_s:g} s"
+        ), False
     except asyncio.CancelledError:  # the daemon stops while loading: leave no process behind
         process.kill()
         await process.wait()
@@ -211,8 +231,9 @@ async def measure(spec: WorkerSpec, widths: list[int], timeout_s: float,
         result = decode_profile(stdout.strip().splitlines()[-1])
     except (IndexError, msgspec.DecodeError, msgspec.ValidationError):
         said = (stderr.decode(errors="replace").strip().splitlines() or ["no output"])[-1]
-        return ProbeFailure(runtime=spec.runtime, message=f"profiling exited with "
-                            f"{process.returncode}: {said}"), False  # fmt: skip
+        return ProbeFailure(
+            runtime=spec.runtime, message=f"profiling exited with {process.returncode}: {said}"
+        ), False
     if path is not None and isinstance(result, RuntimeProfile):
         _store(path, msgspec.json.encode(result))
     return result, False
@@ -228,9 +249,12 @@ def _store(path: Path, data: bytes) -> None:
         log.warning("cannot cache the runtime profile", path=str(path), error=str(error))
 
 
-async def decide_gpu_runtime(config: DaemonConfig, log_format: str = "json",
-                             cache: Path | None = None,
-                             drafter: DrafterChoice | None = None) -> RuntimeDecision:  # fmt: skip
+async def decide_gpu_runtime(
+    config: DaemonConfig,
+    log_format: str = "json",
+    cache: Path | None = None,
+    drafter: DrafterChoice | None = None,
+) -> RuntimeDecision:
     """The GPU worker's runtime: "head" where a draft head drafts (see head_choice), else the
     configured one, or for ``"auto"`` the fastest measured, with the ``drafter`` decided (its
     measured cost, else it is timed here). Raises ``RuntimeChoiceError`` when no candidate can
@@ -242,17 +266,23 @@ async def decide_gpu_runtime(config: DaemonConfig, log_format: str = "json",
         return RuntimeDecision(runtime=config.gpu_runtime, chosen_by="configuration")
     role = "verifier" if roles(config.placement).verifier == "gpu" else "drafter"
     if role == "verifier" and config.rpc.servers:
-        return RuntimeDecision(runtime="llama.cpp", chosen_by="rpc.servers (the target's "
-                               "layers on other hosts run through llama.cpp)")  # fmt: skip
+        return RuntimeDecision(
+            runtime="llama.cpp",
+            chosen_by="rpc.servers (the target's layers on other hosts run through llama.cpp)",
+        )
     timeout_s = config.load_timeout_s
     draft_ms = None
     cached = True
     if role == "verifier":  # the drafter is the CPU worker either way
         draft_ms = drafter.draft_ms() if drafter is not None else None
         if draft_ms is None:
-            spec = worker_specs(config, log_format, "llama.cpp",
-                                drafter.threads if drafter else None,
-                                drafter.runtime if drafter else None)["cpu"]  # fmt: skip
+            spec = worker_specs(
+                config,
+                log_format,
+                "llama.cpp",
+                drafter.threads if drafter else None,
+                drafter.runtime if drafter else None,
+            )["cpu"]
             draft, hit = await measure(spec, [1], timeout_s, cache)
             cached &= hit
             if isinstance(draft, RuntimeProfile):
@@ -262,13 +292,19 @@ async def decide_gpu_runtime(config: DaemonConfig, log_format: str = "json",
     profiles, failures = [], []
     candidates = list(CANDIDATES)
     if cuda:  # the GPU worker owns one core there
-        failures.append(ProbeFailure(runtime="native", message="CPU kernels only, and this "
-                                     "box verifies on CUDA"))  # fmt: skip
+        failures.append(
+            ProbeFailure(
+                runtime="native", message="CPU kernels only, and this box verifies on CUDA"
+            )
+        )
         candidates.remove("native")
         llama = await asyncio.to_thread(check_runtime, "llama.cpp", timeout_s)
         if not (isinstance(llama, LlamaCppReport) and llama.gpu_offload):
-            failures.append(ProbeFailure(runtime="llama.cpp", message="this llama.cpp build "
-                                         "cannot offload to the GPU"))  # fmt: skip
+            failures.append(
+                ProbeFailure(
+                    runtime="llama.cpp", message="this llama.cpp build cannot offload to the GPU"
+                )
+            )
             candidates.remove("llama.cpp")
     for failure in missing_exports(config, role, candidates):
         failures.append(failure)
@@ -283,11 +319,16 @@ async def decide_gpu_runtime(config: DaemonConfig, log_format: str = "json",
         raise RuntimeChoiceError(f"no runtime can hold the GPU worker's model: {reasons}")
     rates: dict[str, Rate] = {p.runtime: best_rate(p.cost_ms(), draft_ms) for p in profiles}
     return RuntimeDecision(
-        runtime=fastest(rates), chosen_by="measurement", role=role, profiles=profiles,
-        failures=failures, draft_ms=draft_ms,
+        runtime=fastest(rates),
+        chosen_by="measurement",
+        role=role,
+        profiles=profiles,
+        failures=failures,
+        draft_ms=draft_ms,
         rates={name: round(rate.tokens_per_s, 1) for name, rate in rates.items()},
-        gammas={name: rate.gamma for name, rate in rates.items()}, cached=cached,
-    )  # fmt: skip
+        gammas={name: rate.gamma for name, rate in rates.items()},
+        cached=cached,
+    )
 
 
 def missing_exports(config: DaemonConfig, role: str, candidates: list[str]) -> list[ProbeFailure]:
@@ -296,10 +337,12 @@ def missing_exports(config: DaemonConfig, role: str, candidates: list[str]) -> l
     name = "target" if role == "verifier" else "draft"
     exports = config.target if role == "verifier" else config.draft
     said = {"folder": "a model folder", "gguf": "a GGUF"}
-    return [ProbeFailure(runtime=runtime, message=f"reads {said[export]}, and the {name} has none")
-            for runtime in candidates
-            for export in [export_read_by(runtime)]
-            if not getattr(exports, export)]  # fmt: skip
+    return [
+        ProbeFailure(runtime=runtime, message=f"reads {said[export]}, and the {name} has none")
+        for runtime in candidates
+        for export in [export_read_by(runtime)]
+        if not getattr(exports, export)
+    ]
 
 
 class DrafterChoice(msgspec.Struct, frozen=True, kw_only=True):
@@ -316,8 +359,10 @@ class DrafterChoice(msgspec.Struct, frozen=True, kw_only=True):
         threads = "its cores" if self.threads is None else f"{self.threads} thread(s)"
         if self.chosen_by != "measurement":
             return f"drafter {self.runtime} on {threads} ({self.chosen_by})"
-        figures = ", ".join(f"{runtime} " + " ".join(f"{n}t={ms:.3f}ms" for n, ms in by.items())
-                            for runtime, by in self.costs_ms.items())  # fmt: skip
+        figures = ", ".join(
+            f"{runtime} " + " ".join(f"{n}t={ms:.3f}ms" for n, ms in by.items())
+            for runtime, by in self.costs_ms.items()
+        )
         failed = "".join(f"; {f.runtime} unusable: {f.message}" for f in self.failures)
         return f"drafter {self.runtime} on {threads} (measured a draft token: {figures}{failed})"
 
@@ -326,8 +371,9 @@ class DrafterChoice(msgspec.Struct, frozen=True, kw_only=True):
         return self.costs_ms.get(self.runtime, {}).get(self.threads)
 
 
-async def decide_drafter(config: DaemonConfig, log_format: str = "json",
-                         cache: Path | None = None) -> DrafterChoice | None:  # fmt: skip
+async def decide_drafter(
+    config: DaemonConfig, log_format: str = "json", cache: Path | None = None
+) -> DrafterChoice | None:
     """What the CPU worker drafts with (draft-cpu; None elsewhere): the configured
     ``cpu_runtime`` and ``cpu_worker.threads``, or, for what is left open, the cheapest draft
     token timed in a profile process per runtime (llama.cpp, native) and thread count (1, 2,
@@ -345,8 +391,13 @@ async def decide_drafter(config: DaemonConfig, log_format: str = "json",
     failures: list[ProbeFailure] = []
     for runtime in runtimes:
         for count in counts:  # timed as the worker will run (llama.cpp: batches on every core)
-            spec = worker_specs(config, log_format, gpu_runtime="llama.cpp",
-                                drafter_threads=count, drafter_runtime=runtime)["cpu"]  # fmt: skip
+            spec = worker_specs(
+                config,
+                log_format,
+                gpu_runtime="llama.cpp",
+                drafter_threads=count,
+                drafter_runtime=runtime,
+            )["cpu"]
             result, _ = await measure(spec, [1], config.load_timeout_s, cache)
             if isinstance(result, RuntimeProfile):
                 costs.setdefault(runtime, {})[count] = round(result.median_ms[0], 4)
@@ -354,8 +405,10 @@ async def decide_drafter(config: DaemonConfig, log_format: str = "json",
                 failures.append(result)
                 break  # a runtime that cannot load the draft fails at every count
     if not costs:  # the worker's own load then says why
-        return DrafterChoice(runtime=runtimes[0], threads=configured, chosen_by="configuration",
-                             failures=failures)  # fmt: skip
+        return DrafterChoice(
+            runtime=runtimes[0], threads=configured, chosen_by="configuration", failures=failures
+        )
     runtime, threads = fastest_drafter(costs)
-    return DrafterChoice(runtime=runtime, threads=threads, chosen_by="measurement",
-                         costs_ms=costs, failures=failures)  # fmt: skip
+    return DrafterChoice(
+        runtime=runtime, threads=threads, chosen_by="measurement", costs_ms=costs, failures=failures
+    )

@@ -84,10 +84,12 @@ class PipelineBackend:
         try:
             layers = config_number_of(self.config.target.folder, "num_hidden_layers")
             bounds = [parse_range(text, layers) for text in settings.local]
-            if bounds and (bounds[0][0] != 0 or any(
-                    a != b for (_, a), (b, _) in itertools.pairwise(bounds))):  # fmt: skip
-                raise SplitError(f"local stages {settings.local} are not consecutive ranges "
-                                 "from layer 0")  # fmt: skip
+            if bounds and (
+                bounds[0][0] != 0 or any(a != b for (_, a), (b, _) in itertools.pairwise(bounds))
+            ):
+                raise SplitError(
+                    f"local stages {settings.local} are not consecutive ranges from layer 0"
+                )
             identity = self._identity()
             remote = [StageAddress(s.endpoint, Path(s.key)) for s in settings.stages]
         except (SplitError, CurveKeyError, StartupError, OSError) as error:
@@ -97,9 +99,13 @@ class PipelineBackend:
             local = self.folder / "local"  # what an earlier run left: its keys stay out
             shutil.rmtree(local, ignore_errors=True)
             local.mkdir(parents=True)
-            self.local = LocalStages(local, Path(self.config.target.folder),
-                                     bounds, threads=settings.threads,
-                                     identity=identity)  # fmt: skip
+            self.local = LocalStages(
+                local,
+                Path(self.config.target.folder),
+                bounds,
+                threads=settings.threads,
+                identity=identity,
+            )
             try:
                 await asyncio.to_thread(self.local.wait, None, self.config.load_timeout_s)
             except RuntimeError as error:
@@ -108,8 +114,7 @@ class PipelineBackend:
             addresses = self.local.addresses + addresses
         client = None
         try:
-            client = PipelineClient(addresses, identity, settings.listen,
-                                    settings.timeout_s)  # fmt: skip
+            client = PipelineClient(addresses, identity, settings.listen, settings.timeout_s)
             ready = await client.reset(timeout_s=max(settings.timeout_s, FIRST_ANSWER_S))
         except BaseException as error:
             if client is not None:  # not published yet: stop() would not close it
@@ -124,8 +129,12 @@ class PipelineBackend:
         self.client = client
         if self.local is not None:
             self._watcher = asyncio.create_task(self._watch(), name="watch-stages")
-        log.info("pipeline ready", stages=len(addresses), local=settings.local,
-                 remote=[s.endpoint for s in settings.stages])  # fmt: skip
+        log.info(
+            "pipeline ready",
+            stages=len(addresses),
+            local=settings.local,
+            remote=[s.endpoint for s in settings.stages],
+        )
 
     def _identity(self) -> Path:
         """The coordinator's (and local stages') secret key: the configured one, else a
@@ -149,8 +158,9 @@ class PipelineBackend:
             for index, process in enumerate(self.local.processes):
                 if process is None or process.poll() is None:
                     continue
-                log.warning("restarting pipeline stage", stage=index, code=process.returncode,
-                            in_s=delay)  # fmt: skip
+                log.warning(
+                    "restarting pipeline stage", stage=index, code=process.returncode, in_s=delay
+                )
                 await asyncio.sleep(delay)
                 started = time.monotonic()
                 self._starting.add(index)
@@ -165,8 +175,12 @@ class PipelineBackend:
                     self._starting.discard(index)
                 self.restarts += 1
                 delay = first
-                log.info("pipeline stage restarted", stage=index, restarts=self.restarts,
-                         took_s=round(time.monotonic() - started, 2))  # fmt: skip
+                log.info(
+                    "pipeline stage restarted",
+                    stage=index,
+                    restarts=self.restarts,
+                    took_s=round(time.monotonic() - started, 2),
+                )
 
     def _end_hung(self, silent: list[int], asked: list) -> None:
         """Kill the local stages among ``silent`` that still run: a stage that served, is
@@ -197,48 +211,71 @@ class PipelineBackend:
         local = []
         if self.local is not None:
             for index, process in enumerate(self.local.processes):
-                local.append({"layers": self.settings.local[index],
-                              "pid": process.pid if process else None,
-                              "alive": process is not None and process.poll() is None})  # fmt: skip
-        return {"local": local, "remote": [s.endpoint for s in self.settings.stages],
-                "restarts": self.restarts}  # fmt: skip
+                local.append(
+                    {
+                        "layers": self.settings.local[index],
+                        "pid": process.pid if process else None,
+                        "alive": process is not None and process.poll() is None,
+                    }
+                )
+        return {
+            "local": local,
+            "remote": [s.endpoint for s in self.settings.stages],
+            "restarts": self.restarts,
+        }
 
     # ------------------------------------------------------------ requests
 
-    async def generate(self, request: GenerateRequest, drafter: WorkerClient,
-                       result: GenerationResult, *, arena: Arena, slot: int,
-                       speculative: bool = True) -> AsyncIterator[str]:  # fmt: skip
+    async def generate(
+        self,
+        request: GenerateRequest,
+        drafter: WorkerClient,
+        result: GenerationResult,
+        *,
+        arena: Arena,
+        slot: int,
+        speculative: bool = True,
+    ) -> AsyncIterator[str]:
         """Yield text pieces as tokens become final; ``result`` as the other modes fill it.
         Not ``speculative``: the target alone through the stages, one token at a time (the
         plain pipeline). A stage that fails or falls silent, or a backend not serving (still
         starting, or stopping), ends the request with ``PipelineError``."""
         if self.client is None:  # the stages' context is not known (yet, or any more)
-            raise PipelineError("the pipeline is not serving: its stages are starting or "
-                                "stopping")  # fmt: skip
+            raise PipelineError("the pipeline is not serving: its stages are starting or stopping")
         ready = drafter.ready
         started = time.perf_counter()
         drafter.prompt_bound.check(request.prompt, min(ready.context, self.context))
-        tokenized, _ = await drafter.call(m.Tokenize(request=drafter.next_request(),
-                                                     text=request.prompt))  # fmt: skip
+        tokenized, _ = await drafter.call(
+            m.Tokenize(request=drafter.next_request(), text=request.prompt)
+        )
         prompt = tokenized.tokens
-        max_tokens = token_budget(request, len(prompt), min(ready.context, self.context),
-                                  room=TREE_SLOTS)  # fmt: skip
+        max_tokens = token_budget(
+            request, len(prompt), min(ready.context, self.context), room=TREE_SLOTS
+        )
         async with self._turn:
             if self.client is None:
                 raise PipelineError("the pipeline is stopping")
             if speculative:
                 draft = PipelineDrafter(drafter, arena, TreeShape(), slot)
                 await draft.start(prompt)
-                schedule = {"drafter": draft, "segment_size": self.settings.segment,
-                            "expand": draft.expand}  # fmt: skip
+                schedule = {
+                    "drafter": draft,
+                    "segment_size": self.settings.segment,
+                    "expand": draft.expand,
+                }
             else:
                 schedule = {"drafter": no_draft, "segment_size": 1, "in_flight": 1}
             asked = list(self.local.processes) if self.local is not None else []
             output = TextOutput(ready.token_bytes, request.stops, ready.special_tokens)
             ends = end_ids(request, ready.vocab)
             result.prompt_tokens = len(prompt)
-            stream = pipeline_tokens(self.client, prompt, params=request.sampling,
-                                     sampler=sampler_for(request.seed), **schedule)  # fmt: skip
+            stream = pipeline_tokens(
+                self.client,
+                prompt,
+                params=request.sampling,
+                sampler=sampler_for(request.seed),
+                **schedule,
+            )
             decode_start = None
             try:
                 async for tokens in stream:
@@ -261,8 +298,13 @@ class PipelineBackend:
                     result.decode_ms = (time.perf_counter() - decode_start) * 1000
 
 
-def _take(tokens: list[int], result: GenerationResult, output: TextOutput,
-          ends: frozenset[int], max_tokens: int) -> list[str]:  # fmt: skip
+def _take(
+    tokens: list[int],
+    result: GenerationResult,
+    output: TextOutput,
+    ends: frozenset[int],
+    max_tokens: int,
+) -> list[str]:
     """Add final ``tokens`` to ``result`` until the end of sequence, a stop string or the
     budget (``result.done_reason`` says which); their text pieces."""
     pieces = []

@@ -91,8 +91,9 @@ Expander = Callable[[FlowTree], Awaitable[bool]]
 
 
 class PipelineClient:
-    def __init__(self, stages: list[StageAddress], key: Path, listen: str,
-                 timeout_s: float = 2.0) -> None:  # fmt: skip
+    def __init__(
+        self, stages: list[StageAddress], key: Path, listen: str, timeout_s: float = 2.0
+    ) -> None:
         """``key``: the coordinator's ``.key_secret``; ``listen``: where outputs arrive (a
         TCP endpoint the last stage can reach; port ``*``: any free one)."""
         if not stages:
@@ -136,15 +137,19 @@ class PipelineClient:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         while True:
             if not await self.inbound.poll(timeout_s * 1000):
-                raise StagesSilent(f"no stage answered within {timeout_s:g} s (a stage died, "
-                                   "or cannot reach the next one)")  # fmt: skip
+                raise StagesSilent(
+                    f"no stage answered within {timeout_s:g} s (a stage died, "
+                    "or cannot reach the next one)"
+                )
             frames = await self.inbound.recv_multipart(copy=False)
             try:
                 message = self.codec.decode(frames)
             except MessageError as error:  # only admitted stages reach this socket
-                raise PipelineError(f"a stage sent a message this coordinator cannot read "
-                                    f"({error}): is every stage the same hetspec "
-                                    "version?") from None  # fmt: skip
+                raise PipelineError(
+                    f"a stage sent a message this coordinator cannot read "
+                    f"({error}): is every stage the same hetspec "
+                    "version?"
+                ) from None
             if message.session != self.session:
                 continue  # left over from an earlier request
             if isinstance(message, StageFailed):
@@ -161,8 +166,9 @@ class PipelineClient:
             last = index + 1 == len(self.stages)
             next_endpoint = self.listen if last else self.stages[index + 1].endpoint
             next_key = coordinator_key if last else self.stage_keys[index + 1].decode()
-            message = Reset(self.session, index, next_endpoint, next_key, self.listen,
-                            coordinator_key)  # fmt: skip
+            message = Reset(
+                self.session, index, next_endpoint, next_key, self.listen, coordinator_key
+            )
             await socket.send_multipart(self.codec.encode(message))
         ready: dict[int, Ready] = {}
         while len(ready) < len(self.stages):
@@ -176,15 +182,18 @@ class PipelineClient:
                 if message.version != PIPELINE_PROTOCOL_VERSION:
                     raise PipelineError(
                         f"stage {message.stage} speaks pipeline protocol {message.version}, "
-                        f"not {PIPELINE_PROTOCOL_VERSION}")  # fmt: skip
+                        f"not {PIPELINE_PROTOCOL_VERSION}"
+                    )
                 ready[message.index] = message
         answers = [ready[i] for i in range(len(self.stages))]
         halves = [(r.first_half, r.end_half) for r in answers]
         starts, ends = [a for a, _ in halves], [b for _, b in halves]
         if starts != [0, *ends[:-1]] or ends[-1] != 2 * answers[0].layers:
             ranges = ", ".join(format_range(a, b) for a, b in halves)
-            raise PipelineError(f"the stages' layers ({ranges}), in pipeline order, do not "
-                                f"cover the model's {answers[0].layers} layers once")  # fmt: skip
+            raise PipelineError(
+                f"the stages' layers ({ranges}), in pipeline order, do not "
+                f"cover the model's {answers[0].layers} layers once"
+            )
         return answers
 
     async def prefill(self, tokens: list[int], root_id: int) -> tuple[np.ndarray, Output]:
@@ -200,8 +209,14 @@ class PipelineClient:
 
     async def send(self, segment) -> None:
         data = np.asarray(segment.tokens, np.int64)
-        message = Rows(self.session, frame_ref(data, 1), segment.ids, segment.parents,
-                       segment.positions, segment.epoch)  # fmt: skip
+        message = Rows(
+            self.session,
+            frame_ref(data, 1),
+            segment.ids,
+            segment.parents,
+            segment.positions,
+            segment.epoch,
+        )
         await self.outbound[0].send_multipart(self.codec.encode(message, [data]))
 
     async def commit(self, epoch: int, accepted: list[int], root: int) -> None:
@@ -219,17 +234,33 @@ class PipelineClient:
 
 
 async def pipeline_decode(
-    client: PipelineClient, prompt: list[int], max_tokens: int, drafter: Drafter, *,
-    params: SamplingParams | None = None, sampler: Sampler | None = None,
-    segment_size: int = 4, in_flight: int | None = None, clock: PipelineClock | None = None,
+    client: PipelineClient,
+    prompt: list[int],
+    max_tokens: int,
+    drafter: Drafter,
+    *,
+    params: SamplingParams | None = None,
+    sampler: Sampler | None = None,
+    segment_size: int = 4,
+    in_flight: int | None = None,
+    clock: PipelineClock | None = None,
     expand: Expander | None = None,
-) -> tuple[list[int], PipelineStats]:  # fmt: skip
+) -> tuple[list[int], PipelineStats]:
     """``max_tokens`` tokens of ``pipeline_tokens`` (its arguments), and the statistics."""
     stats = PipelineStats()
     final: list[int] = []
-    stream = pipeline_tokens(client, prompt, drafter, params=params, sampler=sampler,
-                             segment_size=segment_size, in_flight=in_flight, clock=clock,
-                             expand=expand, stats=stats)  # fmt: skip
+    stream = pipeline_tokens(
+        client,
+        prompt,
+        drafter,
+        params=params,
+        sampler=sampler,
+        segment_size=segment_size,
+        in_flight=in_flight,
+        clock=clock,
+        expand=expand,
+        stats=stats,
+    )
     try:
         async for tokens in stream:
             final += tokens
@@ -241,11 +272,18 @@ async def pipeline_decode(
 
 
 async def pipeline_tokens(
-    client: PipelineClient, prompt: list[int], drafter: Drafter, *,
-    params: SamplingParams | None = None, sampler: Sampler | None = None,
-    segment_size: int = 4, in_flight: int | None = None, clock: PipelineClock | None = None,
-    expand: Expander | None = None, stats: PipelineStats | None = None,
-) -> AsyncIterator[list[int]]:  # fmt: skip
+    client: PipelineClient,
+    prompt: list[int],
+    drafter: Drafter,
+    *,
+    params: SamplingParams | None = None,
+    sampler: Sampler | None = None,
+    segment_size: int = 4,
+    in_flight: int | None = None,
+    clock: PipelineClock | None = None,
+    expand: Expander | None = None,
+    stats: PipelineStats | None = None,
+) -> AsyncIterator[list[int]]:
     """The tokens after ``prompt`` as the target alone would choose them (greedy: the same
     tokens; sampled with ``params`` by ``sampler``: keyed by position, or drawn, in both cases
     the target's own law, since a drafted token counts only where it equals the target's own
@@ -280,16 +318,26 @@ async def pipeline_tokens(
             await drafted
         if clock is not None:
             clock.spend(time.perf_counter() - start)
-        flying += await _fill(client, tree, in_flight - flying, segment_size=segment_size,
-                              expand=expand, clock=clock, stats=stats)  # fmt: skip
+        flying += await _fill(
+            client,
+            tree,
+            in_flight - flying,
+            segment_size=segment_size,
+            expand=expand,
+            clock=clock,
+            stats=stats,
+        )
         if flying == 0:
             raise PipelineError("nothing to verify: the drafter left the root unsent")
         ids, rows, reply = await client.output()
         if clock is not None:
             clock.returned(reply.costs_ms, reply.widths)
         flying -= 1
-        live = {i: choose(row, tree.nodes[i].position + 1)
-                for i, row in zip(ids, rows, strict=True) if i in tree.nodes}  # fmt: skip
+        live = {
+            i: choose(row, tree.nodes[i].position + 1)
+            for i, row in zip(ids, rows, strict=True)
+            if i in tree.nodes
+        }
         stats.nodes_back += len(live)
         if (advance := tree.deliver(live)) is not None:
             stats.commits += 1
@@ -299,9 +347,16 @@ async def pipeline_tokens(
             yield advance.final_tokens
 
 
-async def _fill(client: PipelineClient, tree: FlowTree, room: int, *, segment_size: int,
-                expand: Expander | None, clock: PipelineClock | None,
-                stats: PipelineStats) -> int:  # fmt: skip
+async def _fill(
+    client: PipelineClient,
+    tree: FlowTree,
+    room: int,
+    *,
+    segment_size: int,
+    expand: Expander | None,
+    clock: PipelineClock | None,
+    stats: PipelineStats,
+) -> int:
     """Send up to ``room`` segments, best nodes first, expanding the tree when nothing is
     left to send; how many went."""
     sent = 0

@@ -38,8 +38,7 @@ class PipelineDrafter:
     chosen, and for any verification rule that accepts a token only where the target chose it,
     the tree's shape never changes the output."""
 
-    def __init__(self, client: WorkerClient, arena: Arena, shape: TreeShape,
-                 slot: int = 0) -> None:  # fmt: skip
+    def __init__(self, client: WorkerClient, arena: Arena, shape: TreeShape, slot: int = 0) -> None:
         """``slot``: the arena slot expansion chains' probability rows go to."""
         self.client, self.arena, self.shape, self.slot = client, arena, shape, slot
         self.seen = 0  # final tokens the worker has been told
@@ -59,17 +58,24 @@ class PipelineDrafter:
 
     async def _draft_tree(self, tree: FlowTree, final: list[int]) -> None:
         shape = self.shape
-        drafted, _ = await self.client.call(m.Draft(
-            request=self.client.next_request(), steps=shape.size, sampling=SamplingParams(),
-            out=self.slot, append=final[self.seen:], tree=(shape.depth, shape.top_k)))  # fmt: skip
+        drafted, _ = await self.client.call(
+            m.Draft(
+                request=self.client.next_request(),
+                steps=shape.size,
+                sampling=SamplingParams(),
+                out=self.slot,
+                append=final[self.seen :],
+                tree=(shape.depth, shape.top_k),
+            )
+        )
         self.seen, self.root = len(final), tree.root
         self.pending = {tree.root: ROOT}
         self.expanded.clear()
         self.expansions = 0
         ids: list[int] = []
-        for token, parent, node, score in zip(drafted.tokens[0], drafted.parents,
-                                              drafted.nodes[0], drafted.acceptance,
-                                              strict=True):  # fmt: skip
+        for token, parent, node, score in zip(
+            drafted.tokens[0], drafted.parents, drafted.nodes[0], drafted.acceptance, strict=True
+        ):
             ids.append(tree.add(tree.root if parent < 0 else ids[parent], token, score))
             if node >= 0:
                 self.pending[ids[-1]] = node
@@ -79,8 +85,12 @@ class PipelineDrafter:
         from the worker's pending tree), or None."""
         best, best_score = None, self.shape.min_score
         for node_id, node in tree.nodes.items():
-            if (node.children or node_id in self.expanded or node.parent not in self.pending
-                    or node.score < best_score):  # fmt: skip
+            if (
+                node.children
+                or node_id in self.expanded
+                or node.parent not in self.pending
+                or node.score < best_score
+            ):
                 continue
             best, best_score = node_id, node.score
         return best
@@ -95,15 +105,21 @@ class PipelineDrafter:
         self.expanded.add(leaf)
         self.expansions += 1
         node = tree.nodes[leaf]
-        drafted, _ = await self.client.call(m.Draft(
-            request=self.client.next_request(), steps=shape.expand_steps,
-            sampling=SamplingParams(), out=self.slot,
-            after=(self.pending[node.parent], node.token)))  # fmt: skip
+        drafted, _ = await self.client.call(
+            m.Draft(
+                request=self.client.next_request(),
+                steps=shape.expand_steps,
+                sampling=SamplingParams(),
+                out=self.slot,
+                after=(self.pending[node.parent], node.token),
+            )
+        )
         self.pending[leaf] = drafted.root
         probs = self.arena.view(drafted.probs)[0]
         parent, score = leaf, node.score
-        for step, (token, pending) in enumerate(zip(drafted.tokens[0], drafted.nodes[0],
-                                                    strict=True)):  # fmt: skip
+        for step, (token, pending) in enumerate(
+            zip(drafted.tokens[0], drafted.nodes[0], strict=True)
+        ):
             score *= float(probs[step, token])
             parent = tree.add(parent, token, score)
             self.expanded_nodes += 1

@@ -34,9 +34,16 @@ def free_port() -> int:
 
 
 class LocalStages:
-    def __init__(self, folder: Path, model: Path, bounds: list[tuple[int, int]], *,
-                 link_ms: float = 0.0, threads: int = 1,
-                 identity: Path | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        folder: Path,
+        model: Path,
+        bounds: list[tuple[int, int]],
+        *,
+        link_ms: float = 0.0,
+        threads: int = 1,
+        identity: Path | None = None,
+    ) -> None:
         """Start one ``hetspec-stage`` per range of half-layers in ``bounds``
         (speculative/flow/layer_split.py); ``wait`` until they serve. Each stage has a key pair
         of its own in ``folder/keys``, or with ``identity`` (a ``NAME.key_secret``, its
@@ -72,14 +79,29 @@ class LocalStages:
         layers = format_range(*self.bounds[index])
         with self.log(index).open("w") as log:
             self.processes[index] = subprocess.Popen(
-                [sys.executable, "-m", "hetspec.workers.stage", "serve", "--model",
-                 str(self.model), "--layers", layers,
-                 "--bind", self.addresses[index].endpoint,
-                 "--key", str(self.secrets[index]),
-                 "--authorized", str(allowed), "--threads", str(self.threads),
-                 "--link-ms", str(self.link_ms)],
-                stderr=log, stdout=subprocess.DEVNULL,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "hetspec.workers.stage",
+                    "serve",
+                    "--model",
+                    str(self.model),
+                    "--layers",
+                    layers,
+                    "--bind",
+                    self.addresses[index].endpoint,
+                    "--key",
+                    str(self.secrets[index]),
+                    "--authorized",
+                    str(allowed),
+                    "--threads",
+                    str(self.threads),
+                    "--link-ms",
+                    str(self.link_ms),
+                ],
+                stderr=log,
+                stdout=subprocess.DEVNULL,
+            )
 
     def wait(self, index: int | None = None, timeout_s: float = 120.0) -> None:
         """Until stage ``index`` (default: every stage) serves; RuntimeError with its log's
@@ -117,18 +139,28 @@ class LocalRpcServers:
     ``start_links``/``close_links`` (awaited on the event loop that serves them) open and close
     the delaying links."""
 
-    def __init__(self, folder: Path, count: int, *, link_ms: float = 0.0,
-                 threads: int = 1) -> None:  # fmt: skip
+    def __init__(self, folder: Path, count: int, *, link_ms: float = 0.0, threads: int = 1) -> None:
         self.folder, self.link_ms = folder, link_ms
         self.ports = [free_port() for _ in range(count)]
         self.processes = []
         for index, port in enumerate(self.ports):
             log = (folder / f"rpc{index}.log").open("w")
-            self.processes.append(subprocess.Popen(
-                [sys.executable, "-m", "hetspec.workers.rpc_server", "--port", str(port),
-                 "--threads", str(threads)],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            ))  # fmt: skip
+            self.processes.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "hetspec.workers.rpc_server",
+                        "--port",
+                        str(port),
+                        "--threads",
+                        str(threads),
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
         self.links = [DelayLink(port, link_ms) for port in self.ports] if link_ms > 0 else []
 
     @property
@@ -200,8 +232,9 @@ class DelayLink:
             return
         self._writers.add(up_writer)
         # each direction ends at its reader's EOF (or an error); either end closing ends both
-        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer),
-                             return_exceptions=True)  # fmt: skip
+        await asyncio.gather(
+            self._pump(reader, up_writer), self._pump(up_reader, writer), return_exceptions=True
+        )
         for side in (writer, up_writer):
             side.close()
             self._writers.discard(side)

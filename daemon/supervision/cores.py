@@ -55,11 +55,14 @@ def check_cores(name: str, cores: Sequence[int], threads: int | None, owned: set
         raise CoreError(f"{name}.cores is empty")
     foreign = sorted(set(cores) - owned)
     if foreign:
-        raise CoreError(f"{name}.cores {foreign} are not among the cores this daemon may use "
-                        f"{sorted(owned)}")  # fmt: skip
+        raise CoreError(
+            f"{name}.cores {foreign} are not among the cores this daemon may use {sorted(owned)}"
+        )
     if threads is not None and threads > len(set(cores)):
-        raise CoreError(f"{name}.threads = {threads} exceeds its {len(set(cores))} cores; "
-                        "more threads than cores only slows the worker down")  # fmt: skip
+        raise CoreError(
+            f"{name}.threads = {threads} exceeds its {len(set(cores))} cores; "
+            "more threads than cores only slows the worker down"
+        )
 
 
 def owned_cores() -> set[int]:

@@ -119,13 +119,19 @@ def missing_export(config: DaemonConfig, gpu_runtime: str) -> None:
     for name, paths, export, reader in needs:
         if not getattr(paths, export):
             other = "gguf" if export == "folder" else "folder"
-            raise StartupError(f"{reader} loads the {name}'s {export}, and {name}.{export} is "
-                             f'empty; give one (the {name} has only its {other})')  # fmt: skip
+            raise StartupError(
+                f"{reader} loads the {name}'s {export}, and {name}.{export} is "
+                f"empty; give one (the {name} has only its {other})"
+            )
 
 
-def worker_specs(config: DaemonConfig, log_format: str, gpu_runtime: str | None = None,
-                 drafter_threads: int | None = None,
-                 drafter_runtime: str | None = None) -> dict[str, WorkerSpec]:  # fmt: skip
+def worker_specs(
+    config: DaemonConfig,
+    log_format: str,
+    gpu_runtime: str | None = None,
+    drafter_threads: int | None = None,
+    drafter_runtime: str | None = None,
+) -> dict[str, WorkerSpec]:
     """The two workers' specs for this configuration's placement and core split, with the GPU
     worker in ``gpu_runtime`` (default: the configured one, which must not be "auto": that is
     decided by measurement first, see runtime_choice) and, in draft-cpu, the CPU worker
@@ -145,40 +151,54 @@ def worker_specs(config: DaemonConfig, log_format: str, gpu_runtime: str | None 
     cpu_cfg, gpu_cfg = config.cpu_worker, config.gpu_worker
     cpu_cores = cpu_cfg.cores or cpu_cores
     gpu_cores = gpu_cfg.cores or gpu_cores
-    check_cores("cpu_worker", cpu_cores, max(cpu_cfg.threads or 0, cpu_cfg.threads_batch or 0)
-                or None, owned)  # fmt: skip
+    check_cores(
+        "cpu_worker",
+        cpu_cores,
+        max(cpu_cfg.threads or 0, cpu_cfg.threads_batch or 0) or None,
+        owned,
+    )
     check_cores("gpu_worker", gpu_cores, gpu_cfg.threads, owned)
     drafting_on_cpu = config.placement == "draft-cpu"
     missing_export(config, gpu_runtime)
     cpu_model = config.draft.gguf if drafting_on_cpu else config.target.gguf
     gpu_model = config.target.folder if drafting_on_cpu else config.draft.folder
     # the target's layers on rpc-servers: only ever the verifier's llama.cpp
-    remote = ({"rpc_servers": tuple(config.rpc.servers), "gpu_layers": config.rpc.layers}
-              if config.rpc.servers else {})  # fmt: skip
+    remote = (
+        {"rpc_servers": tuple(config.rpc.servers), "gpu_layers": config.rpc.layers}
+        if config.rpc.servers
+        else {}
+    )
     if remote and drafting_on_cpu and gpu_runtime != "llama.cpp":
         raise ValueError(f"rpc.servers needs the verifier in llama.cpp, not {gpu_runtime}")
-    cpu_settings = _llama_settings(cpu_cfg, verifies=not drafting_on_cpu,
-                                   **({} if drafting_on_cpu else remote))  # fmt: skip
+    cpu_settings = _llama_settings(
+        cpu_cfg, verifies=not drafting_on_cpu, **({} if drafting_on_cpu else remote)
+    )
     if drafting_on_cpu and drafter_threads and cpu_cfg.threads is None:
         cpu_settings = msgspec.structs.replace(
-            cpu_settings, threads=min(drafter_threads, len(set(cpu_cores))),
+            cpu_settings,
+            threads=min(drafter_threads, len(set(cpu_cores))),
             threads_batch=cpu_cfg.threads_batch or len(set(cpu_cores)),
-        )  # fmt: skip
+        )
     cpu_runtime = drafter_runtime if drafting_on_cpu else "llama.cpp"
     native_kernels = None if config.native_kernels == "best" else config.native_kernels
     if cpu_runtime == "native":  # one thread count for every call: the one-token steps'
-        cpu_settings = m.NativeSettings(n_ctx=cpu_cfg.n_ctx, threads=cpu_settings.threads,
-                                        simd=native_kernels)  # fmt: skip
+        cpu_settings = m.NativeSettings(
+            n_ctx=cpu_cfg.n_ctx, threads=cpu_settings.threads, simd=native_kernels
+        )
     if gpu_runtime == "llama.cpp":  # the GPU worker's model in llama.cpp too
         gpu_model = config.target.gguf if drafting_on_cpu else config.draft.gguf
-        gpu_settings = _llama_settings(cpu_cfg, verifies=drafting_on_cpu, threads=None,
-                                       threads_batch=None,
-                                       **({"gpu_layers": -1} | (remote if drafting_on_cpu
-                                                                else {})))  # fmt: skip
+        gpu_settings = _llama_settings(
+            cpu_cfg,
+            verifies=drafting_on_cpu,
+            threads=None,
+            threads_batch=None,
+            **({"gpu_layers": -1} | (remote if drafting_on_cpu else {})),
+        )
     elif gpu_runtime == "native":  # the same GGUF file, on hetspec's own CPU kernels
         gpu_model = config.target.gguf if drafting_on_cpu else config.draft.gguf
-        gpu_settings = m.NativeSettings(n_ctx=cpu_cfg.n_ctx, threads=gpu_cfg.threads,
-                                        simd=native_kernels)  # fmt: skip
+        gpu_settings = m.NativeSettings(
+            n_ctx=cpu_cfg.n_ctx, threads=gpu_cfg.threads, simd=native_kernels
+        )
     elif gpu_runtime == "head":  # Dovetail's draft head over the target's features
         head = draft_head_for(config)
         if head is None or drafting_on_cpu:
@@ -186,24 +206,47 @@ def worker_specs(config: DaemonConfig, log_format: str, gpu_runtime: str | None 
         gpu_model = str(head)
         torch_settings = _torch_settings(gpu_cfg, verifies=False, cores=gpu_cores)
         gpu_settings = m.HeadSettings(
-            target=config.target.folder, device=torch_settings.device, dtype=torch_settings.dtype,
-            max_context=torch_settings.max_context, threads=torch_settings.threads)  # fmt: skip
+            target=config.target.folder,
+            device=torch_settings.device,
+            dtype=torch_settings.dtype,
+            max_context=torch_settings.max_context,
+            threads=torch_settings.threads,
+        )
     else:
         gpu_settings = _torch_settings(gpu_cfg, verifies=drafting_on_cpu, cores=gpu_cores)
-    common = {"heartbeat_s": config.heartbeat_s, "heartbeat_timeout_s": config.heartbeat_timeout_s,
-              "call_timeout_s": config.call_timeout_s, "spin_us": config.worker_spin_us,
-              "reply_spin_us": config.daemon_spin_us,
-              "mailbox": config.worker_mailboxes, "log_format": log_format}  # fmt: skip
+    common = {
+        "heartbeat_s": config.heartbeat_s,
+        "heartbeat_timeout_s": config.heartbeat_timeout_s,
+        "call_timeout_s": config.call_timeout_s,
+        "spin_us": config.worker_spin_us,
+        "reply_spin_us": config.daemon_spin_us,
+        "mailbox": config.worker_mailboxes,
+        "log_format": log_format,
+    }
     # Both compute on the CPU: the verifier may borrow the drafter's cores while it idles.
     lend = config.lend_cores and not cuda
     cpu_spare = set(gpu_cores) - set(cpu_cores) if lend and not drafting_on_cpu else set()
     gpu_spare = set(cpu_cores) - set(gpu_cores) if lend and drafting_on_cpu else set()
     return {
-        "cpu": WorkerSpec("cpu", cpu_runtime, cpu_model, cpu_settings, tuple(cpu_cores),
-                          spare_cores=tuple(sorted(cpu_spare)), **common),
-        "gpu": WorkerSpec("gpu", gpu_runtime, gpu_model, gpu_settings, tuple(gpu_cores),
-                          spare_cores=tuple(sorted(gpu_spare)), **common),
-    }  # fmt: skip
+        "cpu": WorkerSpec(
+            "cpu",
+            cpu_runtime,
+            cpu_model,
+            cpu_settings,
+            tuple(cpu_cores),
+            spare_cores=tuple(sorted(cpu_spare)),
+            **common,
+        ),
+        "gpu": WorkerSpec(
+            "gpu",
+            gpu_runtime,
+            gpu_model,
+            gpu_settings,
+            tuple(gpu_cores),
+            spare_cores=tuple(sorted(gpu_spare)),
+            **common,
+        ),
+    }
 
 
 def _llama_settings(cfg, *, verifies: bool, **changes) -> m.LlamaCppSettings:
@@ -239,8 +282,13 @@ def _fields(struct: msgspec.Struct, target: type) -> dict:
 
 
 class Supervisor:
-    def __init__(self, config: DaemonConfig, specs: dict[str, WorkerSpec], runtime_dir: Path,
-                 arena: ArenaLayout) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: DaemonConfig,
+        specs: dict[str, WorkerSpec],
+        runtime_dir: Path,
+        arena: ArenaLayout,
+    ) -> None:
         self.config = config
         self.specs = specs
         self.runtime_dir = runtime_dir
@@ -329,8 +377,9 @@ class Supervisor:
                 self.restarts[name] += 1
                 up_since = time.monotonic()
                 self._ready[name].set()
-                log.info("worker restarted", worker=name, pid=client.pid,
-                         restarts=self.restarts[name])  # fmt: skip
+                log.info(
+                    "worker restarted", worker=name, pid=client.pid, restarts=self.restarts[name]
+                )
                 break
 
     async def _restart(self, name: str) -> WorkerClient:

@@ -182,9 +182,15 @@ class WorkerClient:
                     f"cannot start the {self.spec.name} worker: {error}"
                 ) from None
             raise
-        log.info("worker ready", worker=self.spec.name, pid=self.pid, device=ready.device,
-                 model=ready.model, load_ms=round(ready.load_ms),
-                 startup_ms=round((time.perf_counter() - started) * 1000))  # fmt: skip
+        log.info(
+            "worker ready",
+            worker=self.spec.name,
+            pid=self.pid,
+            device=ready.device,
+            model=ready.model,
+            load_ms=round(ready.load_ms),
+            startup_ms=round((time.perf_counter() - started) * 1000),
+        )
         return ready
 
     async def _start(self, load_timeout_s: float) -> m.Ready:
@@ -211,9 +217,14 @@ class WorkerClient:
             asyncio.create_task(self._watch_exit(), name=f"{self.spec.name}-exit"),
             asyncio.create_task(self._watch_heartbeats(), name=f"{self.spec.name}-beats"),
         ]
-        log.info("worker started", worker=self.spec.name, pid=self.pid,
-                 runtime=self.spec.runtime, cores=list(self.spec.cores),
-                 spare_cores=list(self.spec.spare_cores))  # fmt: skip
+        log.info(
+            "worker started",
+            worker=self.spec.name,
+            pid=self.pid,
+            runtime=self.spec.runtime,
+            cores=list(self.spec.cores),
+            spare_cores=list(self.spec.spare_cores),
+        )
         hello = await self._wait(self._handshake, load_timeout_s, "say hello")
         if hello.protocol != m.PROTOCOL_VERSION:
             raise WorkerStartError(
@@ -238,15 +249,32 @@ class WorkerClient:
             self._inbox = Mailbox.create()
             inherited += [*self._outbox.fds, *self._inbox.fds]
         argv = [
-            sys.executable, "-m", "hetspec.workers.process",
-            "--runtime", self.spec.runtime, "--name", self.spec.name,
-            "--commands", self._endpoint("commands"), "--replies", self._endpoint("replies"),
-            "--death-fd", str(death_read), "--parent", str(os.getpid()),
-            "--cores", ",".join(map(str, self.spec.cores)),
-            "--spare-cores", ",".join(map(str, self.spec.spare_cores)),
-            "--heartbeat", str(self.spec.heartbeat_s), "--log-format", self.spec.log_format,
-            "--spin-us", str(self.spec.spin_us),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "hetspec.workers.process",
+            "--runtime",
+            self.spec.runtime,
+            "--name",
+            self.spec.name,
+            "--commands",
+            self._endpoint("commands"),
+            "--replies",
+            self._endpoint("replies"),
+            "--death-fd",
+            str(death_read),
+            "--parent",
+            str(os.getpid()),
+            "--cores",
+            ",".join(map(str, self.spec.cores)),
+            "--spare-cores",
+            ",".join(map(str, self.spec.spare_cores)),
+            "--heartbeat",
+            str(self.spec.heartbeat_s),
+            "--log-format",
+            self.spec.log_format,
+            "--spin-us",
+            str(self.spec.spin_us),
+        ]
         if self._outbox is not None:
             argv += ["--mailboxes", ",".join(map(str, inherited[1:]))]
         return await asyncio.create_subprocess_exec(
@@ -254,13 +282,15 @@ class WorkerClient:
         )
 
     async def _wait(self, future: asyncio.Future, timeout_s: float, what: str):
-        done, _ = await asyncio.wait({future, self.died}, timeout=timeout_s,
-                                     return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        done, _ = await asyncio.wait(
+            {future, self.died}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
         if future in done:
             return future.result()
         if self.died in done:
-            raise WorkerStartError(f"{self.spec.name} worker {self.died.result()} before it could "
-                                   f"{what}")  # fmt: skip
+            raise WorkerStartError(
+                f"{self.spec.name} worker {self.died.result()} before it could {what}"
+            )
         raise WorkerStartError(f"{self.spec.name} worker did not {what} within {timeout_s:g} s")
 
     async def stop(self, grace_s: float = 5.0) -> None:
@@ -278,8 +308,12 @@ class WorkerClient:
                     await asyncio.wait_for(asyncio.shield(process.wait()), grace_s)
                     break
                 except TimeoutError:
-                    log.warning("worker slow to stop", worker=self.spec.name, pid=self.pid,
-                                next_step=str(action or "SIGTERM"))  # fmt: skip
+                    log.warning(
+                        "worker slow to stop",
+                        worker=self.spec.name,
+                        pid=self.pid,
+                        next_step=str(action or "SIGTERM"),
+                    )
         await asyncio.sleep(0)  # let the exit watcher fail outstanding calls
         self._mark_dead("was stopped")
         for task in self._tasks:
@@ -339,8 +373,12 @@ class WorkerClient:
             await asyncio.sleep(self.spec.heartbeat_s)
             silent = time.monotonic() - self._last_beat
             if silent > self.spec.heartbeat_timeout_s:
-                log.error("worker stopped answering; killing it", worker=self.spec.name,
-                          pid=self.pid, silent_s=round(silent, 1))  # fmt: skip
+                log.error(
+                    "worker stopped answering; killing it",
+                    worker=self.spec.name,
+                    pid=self.pid,
+                    silent_s=round(silent, 1),
+                )
                 self.kill()
                 return
 
@@ -403,15 +441,24 @@ class WorkerClient:
         if isinstance(reply, m.Failed) and request is None:
             # a command the worker could not read; which one is unknown, so none of those
             # pending is answered: fail them all now rather than at call_timeout_s
-            log.error("worker could not read a command", worker=self.spec.name,
-                      kind=reply.kind, error=reply.message, failing=len(self._calls))  # fmt: skip
+            log.error(
+                "worker could not read a command",
+                worker=self.spec.name,
+                kind=reply.kind,
+                error=reply.message,
+                failing=len(self._calls),
+            )
             self._fail_calls(lambda call: WorkerError(self.spec.name, reply.kind, reply.message))
             return
         call = self._calls.pop(request, None) if request is not None else None
         if call is None:
             if self._abandoned.pop(request, None) is None:  # else: a cancelled call's answer
-                log.warning("reply nobody waits for", worker=self.spec.name,
-                            op=type(reply).__name__, request=request)  # fmt: skip
+                log.warning(
+                    "reply nobody waits for",
+                    worker=self.spec.name,
+                    op=type(reply).__name__,
+                    request=request,
+                )
             return
         if call.future.done():
             return
@@ -431,8 +478,9 @@ class WorkerClient:
                 self._handshake.set_result(reply)
             return True
         loading = self._loading is not None and not self._loading.done()
-        if isinstance(reply, m.Ready) or (isinstance(reply, m.Failed) and reply.request is None
-                                          and loading):  # fmt: skip
+        if isinstance(reply, m.Ready) or (
+            isinstance(reply, m.Failed) and reply.request is None and loading
+        ):
             self._settle_load(reply)
             return True
         return False
@@ -448,12 +496,21 @@ class WorkerClient:
                 lost.append(request)
         for request in lost:
             call = self._calls.pop(request)
-            log.error("command lost: the worker is idle and never answered", op=call.command,
-                      worker=self.spec.name, request=request)  # fmt: skip
+            log.error(
+                "command lost: the worker is idle and never answered",
+                op=call.command,
+                worker=self.spec.name,
+                request=request,
+            )
             if not call.future.done():
-                call.future.set_exception(WorkerError(
-                    self.spec.name, "lost", f"no answer to {call.command}: the worker is idle, "
-                    "so the command or its reply was lost"))  # fmt: skip
+                call.future.set_exception(
+                    WorkerError(
+                        self.spec.name,
+                        "lost",
+                        f"no answer to {call.command}: the worker is idle, "
+                        "so the command or its reply was lost",
+                    )
+                )
         # a cancelled command the idle worker never answered is not running either
         for request, call in list(self._abandoned.items()):
             call.idle_beats += 1

@@ -44,8 +44,9 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         limits, estimates = self.limits, self.estimates
         if limits.max_gamma > estimates.max_gamma or limits.max_branches > estimates.max_branches:
-            raise ValueError("the limits allow shapes the estimates do not cover: "
-                             f"{limits} against {estimates}")  # fmt: skip
+            raise ValueError(
+                f"the limits allow shapes the estimates do not cover: {limits} against {estimates}"
+            )
 
     @classmethod
     def of(cls, **tunables) -> ControllerConfig:
@@ -114,8 +115,13 @@ class BudgetController:
             return
         model = self.estimates.cost_model(rule=False)
         if model is not None:
-            probe = explore.request_probe(self.config.exploration, model, self.limits, tokens,
-                                          self.config.estimates.prior_acceptance)  # fmt: skip
+            probe = explore.request_probe(
+                self.config.exploration,
+                model,
+                self.limits,
+                tokens,
+                self.config.estimates.prior_acceptance,
+            )
             self._state = dataclasses.replace(self._state, start_probe=probe)
 
     def probes_first(self) -> bool:
@@ -144,8 +150,10 @@ class BudgetController:
             )
         if self._state.start_probe is not None:  # a new request's (begin_request's)
             rounds_left = config.exploration.alone_probe_rounds - 1
-            return Choice(self._state.start_probe, dataclasses.replace(
-                self._state, start_probe=None, kept=0, probe_left=rounds_left))  # fmt: skip
+            return Choice(
+                self._state.start_probe,
+                dataclasses.replace(self._state, start_probe=None, kept=0, probe_left=rounds_left),
+            )
         due = explore.probe_due(config.exploration, self._state, rounds, alone)
         if alone and explore.keeps_alone(config.exploration, self._state, due):
             return Choice(last, dataclasses.replace(self._state, kept=self._state.kept + 1))
@@ -172,9 +180,15 @@ class BudgetController:
         plan = best
         if due:
             exploring = config.exploration
-            plan, state = explore.neighbour(best, model, limits, state, rounds=rounds,
-                                            every=exploring.probe_every,
-                                            alone_rounds=exploring.alone_probe_rounds)  # fmt: skip
+            plan, state = explore.neighbour(
+                best,
+                model,
+                limits,
+                state,
+                rounds=rounds,
+                every=exploring.probe_every,
+                alone_rounds=exploring.alone_probe_rounds,
+            )
         elif best.gamma and explore.alone_unmeasured_round(
             config.exploration, rounds, self.estimates.alone_measured()
         ):
@@ -188,7 +202,15 @@ class BudgetController:
     def summary(self) -> dict:
         """What the controller believes now and its latest plan, for request statistics."""
         plan = self.history[-1] if self.history else None
-        return {**self.estimates.summary(), "last_decision": None if plan is None else {
-            "gamma": plan.gamma, "branches": plan.branches, "overlap": plan.overlap,
-            "expected_tokens": round(plan.expected_tokens, 3),
-            "expected_tokens_per_s": round(plan.tokens_per_s, 1)}}  # fmt: skip
+        return {
+            **self.estimates.summary(),
+            "last_decision": None
+            if plan is None
+            else {
+                "gamma": plan.gamma,
+                "branches": plan.branches,
+                "overlap": plan.overlap,
+                "expected_tokens": round(plan.expected_tokens, 3),
+                "expected_tokens_per_s": round(plan.tokens_per_s, 1),
+            },
+        }

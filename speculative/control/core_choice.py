@@ -23,8 +23,14 @@ from collections import deque
 
 
 class SpareCoreChoice:
-    def __init__(self, window: int = 5, explore_every: int = 16, recheck_every: int = 128,
-                 usual_window: int = 48, slower: float = 1.25) -> None:  # fmt: skip
+    def __init__(
+        self,
+        window: int = 5,
+        explore_every: int = 16,
+        recheck_every: int = 128,
+        usual_window: int = 48,
+        slower: float = 1.25,
+    ) -> None:
         self._cost: dict[bool, deque[float]] = {c: deque(maxlen=window) for c in (True, False)}
         self._usual = deque(maxlen=usual_window)  # borrowing's calls over a longer time
         self.explore_every, self.recheck_every = explore_every, recheck_every

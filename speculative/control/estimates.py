@@ -81,8 +81,9 @@ class WindowedMedian:
     """The median of the last ``window`` samples, ignoring those older than ``max_age``
     ticks of ``clock``."""
 
-    def __init__(self, window: int, clock=None, max_age: int | None = None, *,
-                 keep_last: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, window: int, clock=None, max_age: int | None = None, *, keep_last: bool = False
+    ) -> None:
         """``keep_last``: once every sample is too old, the value is the latest sample's
         (and the count 0: stale) rather than None."""
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
@@ -212,15 +213,20 @@ class Estimates:
     def _median(self, max_age: int | None = None, *, keep_last: bool = False) -> WindowedMedian:
         """A median on the rounds' clock, forgetting samples ``max_age`` rounds old (default:
         the config's ``max_age``)."""
-        return WindowedMedian(self.config.window, lambda: self.rounds,
-                              max_age or self.config.max_age, keep_last=keep_last)  # fmt: skip
+        return WindowedMedian(
+            self.config.window,
+            lambda: self.rounds,
+            max_age or self.config.max_age,
+            keep_last=keep_last,
+        )
 
     # ------------------------------------------------------------ learning
 
     def observe(self, report: RoundReport) -> None:
         config = self.config
-        self._delivered.decay(config.delivered_decay if report.gamma else
-                              config.delivered_alone_decay)  # fmt: skip
+        self._delivered.decay(
+            config.delivered_decay if report.gamma else config.delivered_alone_decay
+        )
         for call in report.drafts:
             self._observe_draft(call)
         if report.gamma == 0:
@@ -287,8 +293,7 @@ class Estimates:
             self._delivered.cap(rounds * 2)  # about two tokens a round
 
     def _rates(self) -> tuple[DecayedRate, ...]:
-        return (self._depth, self._first, self._rescue, self._rule_first,
-                self._single_first)  # fmt: skip
+        return (self._depth, self._first, self._rescue, self._rule_first, self._single_first)
 
     def assume_verifier(self, seconds_by_width: dict[int, float]) -> None:
         """Forward costs of the verifier measured before serving ({width: seconds}, width 1
@@ -297,8 +302,9 @@ class Estimates:
         target alone, never measured, was priced as a verification timed while the drafter
         drafted beside it, up to 10x dearer than a token alone on a 2-core box."""
         if 1 not in seconds_by_width or min(seconds_by_width.values()) <= 0:
-            raise ValueError(f"a verifier profile needs positive costs from width 1 on, not "
-                             f"{seconds_by_width}")  # fmt: skip
+            raise ValueError(
+                f"a verifier profile needs positive costs from width 1 on, not {seconds_by_width}"
+            )
         widths = np.array(sorted(seconds_by_width), float)
         times = np.array([seconds_by_width[int(w)] for w in widths])
         self._profile = ProfileCurve(tuple(widths.tolist()), tuple(times.tolist()))
@@ -499,11 +505,21 @@ class Estimates:
         if rule:
             picked = self.rule_shares()
             rows = _reach_rows([self.rule_acceptance(k) for k, _ in picked], deeper)
-            shares = tuple(RuleShare(k, share, row)
-                           for (k, share), row in zip(picked, rows, strict=True))  # fmt: skip
+            shares = tuple(
+                RuleShare(k, share, row) for (k, share), row in zip(picked, rows, strict=True)
+            )
         latency = {o: self.draft_latency_s(o) for o in (False, True)}
-        return CostModel(step, latency, verify, reach, overhead, self.branch_factor(), alone,
-                         shares, self.branched_verify(verify[False]))  # fmt: skip
+        return CostModel(
+            step,
+            latency,
+            verify,
+            reach,
+            overhead,
+            self.branch_factor(),
+            alone,
+            shares,
+            self.branched_verify(verify[False]),
+        )
 
     def summary(self) -> dict:
         """What is believed now, in milliseconds, for the request statistics."""
@@ -516,30 +532,40 @@ class Estimates:
             return None if line is None else ms(float(line.at(width)))
 
         return {
-            "draft_step_ms": {"alone": ms(self._draft_level[False].value),
-                              "overlapped": ms(self._draft_level[True].value)},
-            "draft_latency_ms": {"alone": ms(self._draft_latency[False].value),
-                                 "overlapped": ms(self._draft_latency[True].value)},
-            "verify_ms": {kind: {w: fit(w, o) for w in (1, 2, 5, 9, 17)}
-                          for kind, o in (("alone", False), ("overlapped", True))},
+            "draft_step_ms": {
+                "alone": ms(self._draft_level[False].value),
+                "overlapped": ms(self._draft_level[True].value),
+            },
+            "draft_latency_ms": {
+                "alone": ms(self._draft_latency[False].value),
+                "overlapped": ms(self._draft_latency[True].value),
+            },
+            "verify_ms": {
+                kind: {w: fit(w, o) for w in (1, 2, 5, 9, 17)}
+                for kind, o in (("alone", False), ("overlapped", True))
+            },
             # what the line is fitted through: {width: [median, samples]}
-            "verify_medians_ms": {kind: {w: [ms(m.value), len(m)]
-                                         for w, m in sorted(self._verify[o].items()) if len(m)}
-                                  for kind, o in (("alone", False), ("overlapped", True))},
+            "verify_medians_ms": {
+                kind: {
+                    w: [ms(m.value), len(m)] for w, m in sorted(self._verify[o].items()) if len(m)
+                }
+                for kind, o in (("alone", False), ("overlapped", True))
+            },
             "branched_verify": round(self.branched_verify(), 3),
             "branch_factor": [round(f, 2) for f in self.branch_factor()[2:].tolist()],
             "overhead_ms": ms(self._overhead.value),
             "target_alone_round_ms": ms(self._alone.value),
             "delivered_share": round(self.delivered_share(), 3),
             "acceptance_by_depth": [round(self.acceptance(d), 3) for d in range(1, 9)],
-        }  # fmt: skip
+        }
 
 
 FIT_SPAN = 1.5  # the profile's dearest measured width against its cheapest, to fit a slope
 
 
-def _fit_profile(profile: ProfileCurve, widths: np.ndarray, times: np.ndarray,
-                 weights: np.ndarray) -> ProfiledVerify:  # fmt: skip
+def _fit_profile(
+    profile: ProfileCurve, widths: np.ndarray, times: np.ndarray, weights: np.ndarray
+) -> ProfiledVerify:
     """base + scale x the profile, fitted to (width, seconds) medians by weighted least
     squares where three widths or more were measured whose profile costs span at least
     ``FIT_SPAN`` (the profile is taken as plain rounds verify, on the drafter's cores too
@@ -576,10 +602,12 @@ def _reach_rows(firsts: list[float], deeper: np.ndarray) -> np.ndarray:
 def _scaled(line: VerifyCost, factor: float) -> VerifyCost:
     """``line``'s seconds times ``factor`` at every width."""
     if isinstance(line, ProfiledVerify):
-        return replace(line, base=line.base * factor, scale=line.scale * factor,
-                       floor=line.floor * factor)  # fmt: skip
-    return replace(line, mean_t=line.mean_t * factor, slope=line.slope * factor,
-                   floor=line.floor * factor)  # fmt: skip
+        return replace(
+            line, base=line.base * factor, scale=line.scale * factor, floor=line.floor * factor
+        )
+    return replace(
+        line, mean_t=line.mean_t * factor, slope=line.slope * factor, floor=line.floor * factor
+    )
 
 
 def _fit(widths: np.ndarray, times: np.ndarray, weights: np.ndarray | None = None) -> VerifyLine:

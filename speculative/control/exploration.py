@@ -64,8 +64,7 @@ class ExplorationState:
     start_probe: Plan | None = None  # a new request's probe, its next round's plan
 
 
-def probe_due(config: ExplorationConfig, state: ExplorationState, rounds: int,
-              alone: bool) -> bool:  # fmt: skip
+def probe_due(config: ExplorationConfig, state: ExplorationState, rounds: int, alone: bool) -> bool:
     every = config.probe_every
     if not every or rounds % every:
         return False
@@ -77,8 +76,9 @@ def keeps_alone(config: ExplorationConfig, state: ExplorationState, due: bool) -
     return state.kept < config.keep_alone_rounds and not due
 
 
-def after_weighing(config: ExplorationConfig, state: ExplorationState, best: Plan,
-                   due: bool) -> ExplorationState:  # fmt: skip
+def after_weighing(
+    config: ExplorationConfig, state: ExplorationState, best: Plan, due: bool
+) -> ExplorationState:
     """The state once the candidates were weighed and ``best`` won."""
     if best.gamma:
         backoff = 0
@@ -97,9 +97,16 @@ def alone_unmeasured_round(config: ExplorationConfig, rounds: int, measured: boo
     return not measured and settled and half > 0 and rounds % config.probe_every == half
 
 
-def neighbour(best: Plan, model: CostModel, limits: Limits, state: ExplorationState, *,
-              rounds: int, every: int,
-              alone_rounds: int = 1) -> tuple[Plan, ExplorationState]:  # fmt: skip
+def neighbour(
+    best: Plan,
+    model: CostModel,
+    limits: Limits,
+    state: ExplorationState,
+    *,
+    rounds: int,
+    every: int,
+    alone_rounds: int = 1,
+) -> tuple[Plan, ExplorationState]:
     """By turns: gamma - 1, gamma + 1, one branch less, one more, and another kind of round:
     alternately overlapped or not (where allowed) and drafted by the rule or with fixed
     branches (where allowed). From gamma 0: the drafted shape the model expects the most of,
@@ -146,8 +153,9 @@ def _probe_from_alone(model: CostModel, limits: Limits, *, overlapped_turn: bool
     return plain
 
 
-def request_probe(config: ExplorationConfig, model: CostModel, limits: Limits, tokens: int,
-                  prior: float) -> Plan | None:  # fmt: skip
+def request_probe(
+    config: ExplorationConfig, model: CostModel, limits: Limits, tokens: int, prior: float
+) -> Plan | None:
     """The probe a request of ``tokens`` tokens starts with while the target decodes alone:
     the plain chain that would pay most if the text accepted ``prior`` a token (the shape
     the current estimates prefer is the short one that made the target alone best, and one

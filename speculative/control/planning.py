@@ -25,13 +25,23 @@ class Limits:
     tree_k: int = 0
 
     def fits(self, gamma: int, branches: int, overlap: bool = False) -> bool:
-        return (int(overlap) <= gamma <= self.max_gamma and 1 <= branches <= self.max_branches
-                and gamma * branches + 1 <= self.max_width
-                and not (overlap and (branches > 1 or not self.overlap)))  # fmt: skip
+        return (
+            int(overlap) <= gamma <= self.max_gamma
+            and 1 <= branches <= self.max_branches
+            and gamma * branches + 1 <= self.max_width
+            and not (overlap and (branches > 1 or not self.overlap))
+        )
 
 
-def plan_of(model: CostModel, limits: Limits, gamma: int, branches: int = 1, *,
-            overlap: bool = False, rule: bool = False) -> Plan:  # fmt: skip
+def plan_of(
+    model: CostModel,
+    limits: Limits,
+    gamma: int,
+    branches: int = 1,
+    *,
+    overlap: bool = False,
+    rule: bool = False,
+) -> Plan:
     """The plan of one shape with what ``model`` expects of it."""
     if rule and model.rule:
         tokens, seconds = model.predict_rule(gamma)
@@ -44,8 +54,13 @@ def plan_of(model: CostModel, limits: Limits, gamma: int, branches: int = 1, *,
         )
     tokens, seconds = model.predict(gamma, branches, overlap)
     drafted = gamma > 0
-    return Plan(gamma, branches if drafted else 1, overlap and drafted,
-                expected_tokens=float(tokens), round_s=float(seconds))  # fmt: skip
+    return Plan(
+        gamma,
+        branches if drafted else 1,
+        overlap and drafted,
+        expected_tokens=float(tokens),
+        round_s=float(seconds),
+    )
 
 
 @lru_cache(maxsize=16)
@@ -76,8 +91,13 @@ def best_drafted(model: CostModel, limits: Limits, overlap: bool) -> Plan:
     gammas, branches, overlaps = gammas[kind], branches[kind], overlaps[kind]
     tokens, seconds = model.predict(gammas, branches, overlaps)
     best = int(np.argmax(tokens / seconds))
-    return Plan(int(gammas[best]), int(branches[best]), bool(overlaps[best]),
-                expected_tokens=float(tokens[best]), round_s=float(seconds[best]))  # fmt: skip
+    return Plan(
+        int(gammas[best]),
+        int(branches[best]),
+        bool(overlaps[best]),
+        expected_tokens=float(tokens[best]),
+        round_s=float(seconds[best]),
+    )
 
 
 def best_plan(model: CostModel, limits: Limits, alone_weight: float = 1.0) -> Plan:
@@ -87,8 +107,13 @@ def best_plan(model: CostModel, limits: Limits, alone_weight: float = 1.0) -> Pl
     tokens, seconds = model.predict(gammas, branches, overlaps)
     rates = tokens / seconds
     best = int(np.argmax(rates))
-    plan = Plan(int(gammas[best]), int(branches[best]), bool(overlaps[best]),
-                expected_tokens=float(tokens[best]), round_s=float(seconds[best]))  # fmt: skip
+    plan = Plan(
+        int(gammas[best]),
+        int(branches[best]),
+        bool(overlaps[best]),
+        expected_tokens=float(tokens[best]),
+        round_s=float(seconds[best]),
+    )
     if limits.rule and model.rule:
         budgets = np.arange(2, min(limits.max_gamma, limits.max_width - 1) + 1)
         if budgets.size:

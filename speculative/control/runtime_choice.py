@@ -81,8 +81,9 @@ def fewest_fast_threads(costs_ms: Mapping[int, float], tolerance: float = THREAD
     return min(n for n, cost in costs_ms.items() if cost <= cheapest * (1 + tolerance))
 
 
-def fastest_drafter(costs_ms: Mapping[str, Mapping[int, float]],
-                    tolerance: float = THREADS_TOLERANCE) -> tuple[str, int]:  # fmt: skip
+def fastest_drafter(
+    costs_ms: Mapping[str, Mapping[int, float]], tolerance: float = THREADS_TOLERANCE
+) -> tuple[str, int]:
     """The drafting runtime and thread count, from one draft token's cost ``{runtime:
     {threads: ms}}``: each runtime at its fewest fast threads (``fewest_fast_threads``), then
     the cheapest of those, where a runtime listed earlier keeps its place unless a later one

@@ -44,8 +44,9 @@ def child_scores(row: np.ndarray, chosen: Sequence[int], first_accept: float | N
     return scores
 
 
-def rank_nodes(parents: Sequence[int], scores: Sequence[float], depths: Sequence[int],
-               size: int) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+def rank_nodes(
+    parents: Sequence[int], scores: Sequence[float], depths: Sequence[int], size: int
+) -> tuple[np.ndarray, np.ndarray]:
     """The ``size`` best drafted nodes as a tree: (indices into the drafted nodes, best first,
     each parent before its children; their parents, renumbered into that list, -1 for the
     committed end). ``scores``: each node's log-score (``child_scores`` summed along its
@@ -57,8 +58,10 @@ def rank_nodes(parents: Sequence[int], scores: Sequence[float], depths: Sequence
     for index, node in enumerate(order):
         parent = int(parents[node])
         if parent != ROOT and parent not in position:
-            raise ValueError(f"node {int(node)} ranks above its parent {parent}: the scores "
-                             f"must not rise from a parent to its children")  # fmt: skip
+            raise ValueError(
+                f"node {int(node)} ranks above its parent {parent}: the scores "
+                f"must not rise from a parent to its children"
+            )
         renumbered[index] = ROOT if parent == ROOT else position[parent]
     return order, renumbered
 
@@ -103,8 +106,9 @@ class Calibration:
         return weight * measured + (1 - weight) * self.prior
 
 
-def best_width(acceptance: Sequence[float], factor: float,
-               verify_s: Callable[[int], float | None]) -> int:  # fmt: skip
+def best_width(
+    acceptance: Sequence[float], factor: float, verify_s: Callable[[int], float | None]
+) -> int:
     """How many of the ranked nodes to verify (at least 1), once drafted (the draft is paid):
     the count n whose round commits the most tokens per verification second,
     (1 + factor * the first n nodes' acceptance) / verify_s(n + 1); ``verify_s(width)`` is

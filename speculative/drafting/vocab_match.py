@@ -25,8 +25,15 @@ def is_padding(text: bytes, token_id: int) -> bool:
     return text == f"[PAD{token_id}]".encode()
 
 
-def vocab_info(kind: str, texts: Sequence[bytes], bos: int, eos: int, add_bos: bool,
-               *, ends: Sequence[int] = ()) -> VocabInfo:  # fmt: skip
+def vocab_info(
+    kind: str,
+    texts: Sequence[bytes],
+    bos: int,
+    eos: int,
+    add_bos: bool,
+    *,
+    ends: Sequence[int] = (),
+) -> VocabInfo:
     """``ends``: ids besides ``eos`` that end generation."""
     real_size = len(texts)
     while real_size > 0 and is_padding(texts[real_size - 1], real_size - 1):

@@ -108,8 +108,11 @@ class FlowTree:
         or already taken; None when nothing can go."""
         if limit < 1:
             raise ValueError(f"a segment holds at least one node, not {limit}")
-        ready = [(-n.score, i) for i, n in self.nodes.items()
-                 if not n.sent and (n.parent is None or self.nodes[n.parent].sent)]  # fmt: skip
+        ready = [
+            (-n.score, i)
+            for i, n in self.nodes.items()
+            if not n.sent and (n.parent is None or self.nodes[n.parent].sent)
+        ]
         heapq.heapify(ready)
         taken: list[int] = []
         while ready and len(taken) < limit:

@@ -51,8 +51,7 @@ class ModelShape:
 
     def half_weights(self) -> list[int]:
         """Parameters of each half-layer (what one row's compute there scales with)."""
-        attention = (self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-                     + self.hidden)  # fmt: skip
+        attention = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads) + self.hidden
         mlp = 3 * self.hidden * self.intermediate + self.hidden
         return [attention, mlp] * self.layers
 
@@ -101,8 +100,9 @@ def counts_split(counts: list[float], layers: int) -> list[tuple[int, int]]:
     """Layers per stage (e.g. ``[2.5, 2.5, 3]``) -> half ranges; they must cover the model."""
     halves = [c * 2 for c in counts]
     if any(h != int(h) or h < 1 for h in halves) or sum(halves) != 2 * layers:
-        raise SplitError(f"{counts} is not positive whole or half layers summing to the "
-                         f"model's {layers}")  # fmt: skip
+        raise SplitError(
+            f"{counts} is not positive whole or half layers summing to the model's {layers}"
+        )
     ends = list(itertools.accumulate(int(h) for h in halves))
     return [(end - int(h), end) for h, end in zip(halves, ends, strict=True)]
 
@@ -130,8 +130,10 @@ def balanced_split(shape: ModelShape, cost_per_weight: list[float]) -> list[tupl
     chosen: list[tuple[int, int]] = []
     for cuts in itertools.combinations(range(1, total), stages - 1):
         starts, ends = [0, *cuts], [*cuts, total]
-        times = [c * (prefix[b] - prefix[a]) for c, a, b in zip(cost_per_weight, starts, ends,
-                                                                strict=True)]  # fmt: skip
+        times = [
+            c * (prefix[b] - prefix[a])
+            for c, a, b in zip(cost_per_weight, starts, ends, strict=True)
+        ]
         times[-1] += cost_per_weight[-1] * head
         key = (max(times), max(times) - min(times))
         if best is None or key < best:

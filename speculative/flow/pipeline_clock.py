@@ -33,8 +33,9 @@ class CostProfile:
     def cost(self, stage: int, width: int) -> float:
         if width == 0:
             return 0.0
-        known = sorted((w, statistics.median(v)) for (s, w), v in self.samples.items()
-                       if s == stage)  # fmt: skip
+        known = sorted(
+            (w, statistics.median(v)) for (s, w), v in self.samples.items() if s == stage
+        )
         if not known:
             raise KeyError(f"no compute time measured for stage {stage}")
         widths = [w for w, _ in known]
@@ -70,8 +71,9 @@ class PipelineClock:
                 for stage, (cost_ms, width) in enumerate(zip(event[1], event[2], strict=True)):
                     profile.add(stage, width, cost_ms / 1000)
 
-    def timeline(self, stages: int, link_s: float,
-                 profile: CostProfile | None = None) -> tuple[float, list[float]]:  # fmt: skip
+    def timeline(
+        self, stages: int, link_s: float, profile: CostProfile | None = None
+    ) -> tuple[float, list[float]]:
         """(seconds the run would take, each stage's busy share) with a device per stage."""
         now, free_at, busy = 0.0, [0.0] * stages, [0.0] * stages
         sent: deque[float] = deque()

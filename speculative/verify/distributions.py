@@ -12,8 +12,19 @@ import numpy as np
 
 from hetspec.protocol.sampling import SamplingError, SamplingParams
 
-__all__ = ["SamplingError", "SamplingParams", "WarpedRows", "distribution", "draw", "draw_rows",
-           "keep_nucleus", "keep_top_k", "kth_largest", "softmax", "top_tokens"]  # fmt: skip
+__all__ = [
+    "SamplingError",
+    "SamplingParams",
+    "WarpedRows",
+    "distribution",
+    "draw",
+    "draw_rows",
+    "keep_nucleus",
+    "keep_top_k",
+    "kth_largest",
+    "softmax",
+    "top_tokens",
+]
 
 
 def softmax(logits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

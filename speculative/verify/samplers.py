@@ -93,10 +93,13 @@ class PhiloxNoise:
         """(vocab,) float32 > 0, the same in every process; a shorter vocabulary (a drafter's
         table may be a little smaller) gets a prefix of the same noise."""
         self._bits.state = {
-            "bit_generator": "Philox", "buffer": np.zeros(4, np.uint64), "buffer_pos": 4,
+            "bit_generator": "Philox",
+            "buffer": np.zeros(4, np.uint64),
+            "buffer_pos": 4,
             "state": {"counter": np.array([0, position, 0, 0], np.uint64), "key": self._key},
-            "has_uint32": 0, "uinteger": 0,
-        }  # fmt: skip
+            "has_uint32": 0,
+            "uinteger": 0,
+        }
         raw = self._bits.random_raw((vocab + 1) // 2).view(np.uint32)[:vocab]
         noise = (raw >> 9).astype(np.float32)
         noise += np.float32(0.5)

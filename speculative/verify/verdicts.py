@@ -57,8 +57,9 @@ def _check(tokens: np.ndarray, parents: np.ndarray, target: np.ndarray) -> None:
     if len(tokens) != len(parents):
         raise ValueError(f"{len(tokens)} tokens but {len(parents)} parents")
     if target.shape[0] != len(tokens) + 1:
-        raise ValueError(f"{len(tokens)} nodes need {len(tokens) + 1} target rows, not "
-                         f"{target.shape[0]}")  # fmt: skip
+        raise ValueError(
+            f"{len(tokens)} nodes need {len(tokens) + 1} target rows, not {target.shape[0]}"
+        )
 
 
 def _walk(tokens, parents, target: np.ndarray, choose: Callable[[int], int]) -> Verdict:
@@ -199,9 +200,17 @@ class RowsOnDemand:
         return self._read(row)
 
 
-def verify_sampled(tokens, parents, logits, params: SamplingParams, *, position: int,
-                   keyed: KeyedSampler | None = None, rng: np.random.Generator | None = None,
-                   draft=None) -> Verdict:  # fmt: skip
+def verify_sampled(
+    tokens,
+    parents,
+    logits,
+    params: SamplingParams,
+    *,
+    position: int,
+    keyed: KeyedSampler | None = None,
+    rng: np.random.Generator | None = None,
+    draft=None,
+) -> Verdict:
     """A sampled request's verdict from the target's logit rows (an array, or any object
     with ``shape`` whose rows are read when first indexed), warped by ``params`` row by row
     as the walk reaches them: ``keyed``'s choices (row 0 choosing the token at ``position``),

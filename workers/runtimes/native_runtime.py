@@ -27,9 +27,15 @@ from hetspec.workers.runtimes.tree_runtime import TreeRuntime
 
 
 class NativeRuntime(TreeRuntime[np.ndarray]):
-    def __init__(self, model_path: str | Path, *, n_ctx: int | None = None,
-                 threads: int | None = None, simd: str | None = None,
-                 pack: bool | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        n_ctx: int | None = None,
+        threads: int | None = None,
+        simd: str | None = None,
+        pack: bool | None = None,
+    ) -> None:
         """Load a Llama, Qwen2 or Qwen3 GGUF file (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
         Q6_K, IQ4_NL, IQ4_XS, F16 or F32 weights); ``threads`` defaults to the cores this
         process may run on; ``simd`` caps the kernels' level (``SIMD_LEVELS``; None: the best
@@ -41,22 +47,27 @@ class NativeRuntime(TreeRuntime[np.ndarray]):
         owned = len(os.sched_getaffinity(0))
         self.threads = threads or owned
         if not 0 < self.threads <= owned:
-            raise NativeUnavailable(f"{self.threads} threads requested but this process owns "
-                                    f"{owned} cores")  # fmt: skip
+            raise NativeUnavailable(
+                f"{self.threads} threads requested but this process owns {owned} cores"
+            )
         self._extra_threads = 0
         if simd is not None and simd not in SIMD_LEVELS:
-            raise NativeUnavailable(f"no {simd} kernels on this architecture: it has "
-                                    f"{', '.join(SIMD_LEVELS)}")  # fmt: skip
-        self.model = NativeModel(path, n_ctx, BEST if simd is None else SIMD_LEVELS[simd],
-                                 pack=pack)  # fmt: skip
+            raise NativeUnavailable(
+                f"no {simd} kernels on this architecture: it has {', '.join(SIMD_LEVELS)}"
+            )
+        self.model = NativeModel(
+            path, n_ctx, BEST if simd is None else SIMD_LEVELS[simd], pack=pack
+        )
         level = self.model.kernels.level_for(BEST if simd is None else SIMD_LEVELS[simd])
         self.kernels = next(name for name, value in SIMD_LEVELS.items() if value == level)
         vocabulary = VocabularyFile.open(path)
         if vocabulary is None:
             raise NativeUnavailable(f"{path}: llama.cpp could not read its vocabulary")
         if vocabulary.size != self.model.vocab:
-            raise NativeUnavailable(f"{path}: {vocabulary.size} tokens in the vocabulary but "
-                                    f"{self.model.vocab} embedding rows")  # fmt: skip
+            raise NativeUnavailable(
+                f"{path}: {vocabulary.size} tokens in the vocabulary but "
+                f"{self.model.vocab} embedding rows"
+            )
         self._vocabulary = vocabulary
         self.path = path
         super().__init__(self.model.vocab, self.model.capacity)
@@ -91,38 +102,68 @@ class NativeRuntime(TreeRuntime[np.ndarray]):
 
     # ------------------------------------------------------------ TreeRuntime hooks
 
-    def _forward(self, tokens: np.ndarray, positions: np.ndarray, rows: np.ndarray,
-                 first_logit: int) -> np.ndarray:  # fmt: skip
+    def _forward(
+        self, tokens: np.ndarray, positions: np.ndarray, rows: np.ndarray, first_logit: int
+    ) -> np.ndarray:
         """New nodes into the slots after the pending ones; ``rows`` (new, pending + new) says
         which pending slots each sees besides the committed prefix."""
         node, column = np.nonzero(rows)  # row-major: each node's slots in increasing order
         offsets = np.zeros(len(tokens) + 1, np.int32)
         np.cumsum(np.bincount(node, minlength=len(tokens)), out=offsets[1:])
         return self.model.forward(
-            tokens, positions, start=self.committed + self.pending, prefix=self.committed,
-            offsets=offsets, visible=self.committed + column, first_logit=first_logit,
+            tokens,
+            positions,
+            start=self.committed + self.pending,
+            prefix=self.committed,
+            offsets=offsets,
+            visible=self.committed + column,
+            first_logit=first_logit,
             threads=self.threads + self._extra_threads,
-        )  # fmt: skip
+        )
 
-    def _run_chain(self, first: int, positions: np.ndarray, rows: np.ndarray,
-                   draws: ChainDraws | None, temperature: float, *,
-                   probs_out: np.ndarray | None = None):  # fmt: skip
+    def _run_chain(
+        self,
+        first: int,
+        positions: np.ndarray,
+        rows: np.ndarray,
+        draws: ChainDraws | None,
+        temperature: float,
+        *,
+        probs_out: np.ndarray | None = None,
+    ):
         existing = self.pending  # the first node's pending ancestors, in slot order
         return self.model.draft_chain(
-            first, len(rows), position=int(positions[0]), start=self.committed + existing,
-            prefix=self.committed, base=self.committed + np.flatnonzero(rows[0, :existing]),
-            threads=self.threads + self._extra_threads, temperature=temperature,
+            first,
+            len(rows),
+            position=int(positions[0]),
+            start=self.committed + existing,
+            prefix=self.committed,
+            base=self.committed + np.flatnonzero(rows[0, :existing]),
+            threads=self.threads + self._extra_threads,
+            temperature=temperature,
             noise=None if draws is None else draws.noise,
-            uniforms=None if draws is None else draws.uniforms, probs=probs_out,
-        )  # fmt: skip
+            uniforms=None if draws is None else draws.uniforms,
+            probs=probs_out,
+        )
 
-    def _run_branches(self, firsts: np.ndarray, count: int, position: int,
-                      base: np.ndarray, probs: np.ndarray | None):  # fmt: skip
+    def _run_branches(
+        self,
+        firsts: np.ndarray,
+        count: int,
+        position: int,
+        base: np.ndarray,
+        probs: np.ndarray | None,
+    ):
         return self.model.draft_branches(
-            firsts, count, position=position, start=self.committed + self.pending,
-            prefix=self.committed, base=self.committed + base,
-            threads=self.threads + self._extra_threads, probs=probs,
-        )  # fmt: skip
+            firsts,
+            count,
+            position=position,
+            start=self.committed + self.pending,
+            prefix=self.committed,
+            base=self.committed + base,
+            threads=self.threads + self._extra_threads,
+            probs=probs,
+        )
 
     def _run(
         self, tokens: np.ndarray, parents: np.ndarray, positions: np.ndarray, rows: np.ndarray

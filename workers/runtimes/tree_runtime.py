@@ -276,9 +276,16 @@ class TreeRuntime(ABC, Generic[Output]):
         self._record_pending(token_array, parent_array, node_depths, rows, output)
         return output
 
-    def _chain(self, first: int, root: int, count: int, draws: ChainDraws | None = None,
-               temperature: float = 1.0, *,
-               probs_out: np.ndarray | None = None):  # fmt: skip
+    def _chain(
+        self,
+        first: int,
+        root: int,
+        count: int,
+        draws: ChainDraws | None = None,
+        temperature: float = 1.0,
+        *,
+        probs_out: np.ndarray | None = None,
+    ):
         """``count`` new pending nodes below pending node ``root`` (ROOT: the committed end),
         the first holding token ``first``, each next one chosen from the last one's logits
         (the argmax, or as ``draws`` say, see ``_run_chain``), in one call of ``_run_chain``:
@@ -297,8 +304,9 @@ class TreeRuntime(ABC, Generic[Output]):
         self._record_pending(tokens[:count], chain, node_depths, rows, output)
         return tokens, self._step_logits(output), probs
 
-    def _draft_chained(self, draft: DraftResult, position: int, params: SamplingParams,
-                       sampler: Sampler) -> bool:  # fmt: skip
+    def _draft_chained(
+        self, draft: DraftResult, position: int, params: SamplingParams, sampler: Sampler
+    ) -> bool:
         """A one-branch draft's steps after its first token (in place: ``draft`` holds it) in
         one ``_chain`` call, filled in as ``draft``'s loop fills them: greedy, or sampled at a
         temperature alone (top-k and top-p truncate the rows, which the call does not), each
@@ -313,8 +321,14 @@ class TreeRuntime(ABC, Generic[Output]):
             draws = sampler.chain_draws(position + 1, steps - 1, self.vocab_size)
         start = self.pending
         rows = draft.probs[0, 1:]
-        chained, logits, probs = self._chain(int(draft.tokens[0, 0]), draft.root, steps - 1,
-                                             draws, params.temperature, probs_out=rows)  # fmt: skip
+        chained, logits, probs = self._chain(
+            int(draft.tokens[0, 0]),
+            draft.root,
+            steps - 1,
+            draws,
+            params.temperature,
+            probs_out=rows,
+        )
         draft.tokens[0] = chained
         draft.nodes[0, :-1] = start + np.arange(steps - 1)
         _chain_rows(rows, probs, logits, params)
@@ -337,9 +351,9 @@ class TreeRuntime(ABC, Generic[Output]):
         node_depths = depths(parents, self._pending_depths)
         rows = ancestor_mask(parents, self._pending_mask)
         base = np.flatnonzero(rows[0, :existing])  # the root's pending ancestors, itself too
-        tokens, output = self._run_branches(draft.tokens[:, 0], count,
-                                            self.committed + int(node_depths[0]), base,
-                                            draft.probs)  # fmt: skip
+        tokens, output = self._run_branches(
+            draft.tokens[:, 0], count, self.committed + int(node_depths[0]), base, draft.probs
+        )
         self.forwards += count
         tokens = np.asarray(tokens, np.int64)
         self._record_pending(tokens[:count].reshape(-1), parents, node_depths, rows, output)
@@ -347,19 +361,25 @@ class TreeRuntime(ABC, Generic[Output]):
         draft.nodes[:, :-1] = existing + np.arange(count) * branches + np.arange(branches)[:, None]
         return True
 
-    def chains_in_one_call(self, params: SamplingParams, branches: int = 1,
-                           dynamic: float | None = None) -> bool:  # fmt: skip
+    def chains_in_one_call(
+        self, params: SamplingParams, branches: int = 1, dynamic: float | None = None
+    ) -> bool:
         """Whether one ``_run_chain`` call drafts a ``draft`` of these arguments (one branch,
         no rule, a sampler the call has): where it does, ``catch_up`` and ``draft(first=...)``
         save the appended token a forward of its own; elsewhere ``append`` evaluates what is
         new in one forward."""
         truncates = 0 < params.top_k < self.vocab_size or params.top_p < 1
-        return (self._run_chain is not None and self.features_sink is None
-                and branches == 1 and dynamic is None
-                and (params.greedy or not truncates))  # fmt: skip
+        return (
+            self._run_chain is not None
+            and self.features_sink is None
+            and branches == 1
+            and dynamic is None
+            and (params.greedy or not truncates)
+        )
 
-    def _draft_after(self, first: int, steps: int, params: SamplingParams, sampler: Sampler,
-                     out: np.ndarray) -> DraftResult:  # fmt: skip
+    def _draft_after(
+        self, first: int, steps: int, params: SamplingParams, sampler: Sampler, out: np.ndarray
+    ) -> DraftResult:
         """``draft``'s one-branch chain, ``first`` appended in the same ``_run_chain`` call:
         its node, the chain's first, is committed, and the others stay pending below it."""
         self.discard_pending()
@@ -382,15 +402,27 @@ class TreeRuntime(ABC, Generic[Output]):
         else:
             self._last_logits = self._node_logits(output, 0)
         if steps > 1:  # the drafted nodes but the last, below first, from output's row 1 on
-            self._record_pending(tokens[1:steps], np.arange(-1, steps - 2), np.arange(steps - 1),
-                                 chain[1:, 1:], output, first=-1)  # fmt: skip
+            self._record_pending(
+                tokens[1:steps],
+                np.arange(-1, steps - 2),
+                np.arange(steps - 1),
+                chain[1:, 1:],
+                output,
+                first=-1,
+            )
         _chain_rows(rows, probs, self._step_logits(output), params)
         nodes = np.full((1, steps), -1, np.int64)
         nodes[0, :-1] = np.arange(steps - 1)
         return DraftResult(tokens[None, 1:], out, nodes)
 
-    def _draft_below(self, after: tuple[int, int], steps: int, params: SamplingParams,
-                     sampler: Sampler, out: np.ndarray) -> DraftResult:  # fmt: skip
+    def _draft_below(
+        self,
+        after: tuple[int, int],
+        steps: int,
+        params: SamplingParams,
+        sampler: Sampler,
+        out: np.ndarray,
+    ) -> DraftResult:
         """``draft``'s one-branch chain continuing a pending draft: ``after`` = (parent,
         token), token's node below pending node parent the ``_run_chain`` call's first."""
         parent, token = after
@@ -403,16 +435,24 @@ class TreeRuntime(ABC, Generic[Output]):
         if not params.greedy:
             draws = sampler.chain_draws(position, steps, self.vocab_size)
         rows = out[0]
-        tokens, logits, probs = self._chain(token, parent, steps, draws, params.temperature,
-                                            probs_out=rows)  # fmt: skip
+        tokens, logits, probs = self._chain(
+            token, parent, steps, draws, params.temperature, probs_out=rows
+        )
         _chain_rows(rows, probs, logits, params)
         nodes = np.full((1, steps), -1, np.int64)
         nodes[0, :-1] = existing + 1 + np.arange(steps - 1)
         return DraftResult(tokens[None, 1:], out, nodes, existing)
 
-    def _record_pending(self, tokens: np.ndarray, parents: np.ndarray, node_depths: np.ndarray,
-                        rows: np.ndarray, output: Output, *,
-                        first: int | None = None) -> None:  # fmt: skip
+    def _record_pending(
+        self,
+        tokens: np.ndarray,
+        parents: np.ndarray,
+        node_depths: np.ndarray,
+        rows: np.ndarray,
+        output: Output,
+        *,
+        first: int | None = None,
+    ) -> None:
         """Add evaluated nodes to the pending tree (``rows``: their ancestor mask); ``first``:
         the node of ``output``'s first row (default: the first new node; -1: a row before
         them, as a committed token's)."""
@@ -458,8 +498,9 @@ class TreeRuntime(ABC, Generic[Output]):
         """``forward_tree``, each node's float32 logits brought to the CPU only when first read
         (a sampled verdict reads the rows its walk reaches), until the next forward."""
         output = self.forward_tree(tokens, parents, extend=extend)
-        return RowsOnDemand((len(tokens), self.vocab_size),
-                            lambda row: self._node_logits(output, row))  # fmt: skip
+        return RowsOnDemand(
+            (len(tokens), self.vocab_size), lambda row: self._node_logits(output, row)
+        )
 
     def _step_argmax(self, output: Output) -> np.ndarray:
         """The argmax of each row of ``_step_logits(output)`` (a runtime may skip copying)."""
@@ -569,8 +610,15 @@ class TreeRuntime(ABC, Generic[Output]):
             self.append([last])
         return self._last_logits
 
-    def decode(self, steps: int, params: SamplingParams, sampler: Sampler, *,
-               logprobs: list[TokenLogprob] | None = None, top: int = 0) -> list[int]:  # fmt: skip
+    def decode(
+        self,
+        steps: int,
+        params: SamplingParams,
+        sampler: Sampler,
+        *,
+        logprobs: list[TokenLogprob] | None = None,
+        top: int = 0,
+    ) -> list[int]:
         """Decode alone: draw ``steps`` tokens after the committed sequence, one forward each,
         committing every token but the last as it is drawn (the last is drawn, not evaluated).
         Greedy draws take the argmax of the logits, as ``verify_greedy`` does. The cheapest
@@ -665,8 +713,10 @@ class TreeRuntime(ABC, Generic[Output]):
         out[1:, 0] = out[0, 0]
         tokens[:, 0] = proposals(out[0, 0], params, sampler, position, branches)
         result = DraftResult(tokens, out, nodes, root)
-        if steps > 1 and (self._draft_chained(result, position, params, sampler)
-                          or self._draft_branched(result, params)):  # fmt: skip
+        if steps > 1 and (
+            self._draft_chained(result, position, params, sampler)
+            or self._draft_branched(result, params)
+        ):
             return result
         for step in range(1, steps):
             parents = nodes[:, step - 2] if step > 1 else np.full(branches, root)
@@ -676,9 +726,16 @@ class TreeRuntime(ABC, Generic[Output]):
             tokens[:, step] = pick(out[:, step], params, sampler, position + step)
         return result
 
-    def draft_tree(self, depth: int, top_k: int, size: int, params: SamplingParams,
-                   sampler: Sampler, *,
-                   first_accept: float | None = None) -> TreeDraftResult:  # fmt: skip
+    def draft_tree(
+        self,
+        depth: int,
+        top_k: int,
+        size: int,
+        params: SamplingParams,
+        sampler: Sampler,
+        *,
+        first_accept: float | None = None,
+    ) -> TreeDraftResult:
         """EAGLE-2's dynamic tree from the committed end (``speculative.dynamic_tree``):
         ``depth`` layers, each expanding the ``top_k`` likeliest nodes of the layer before into
         their ``top_k`` likeliest children (one forward per layer after the first); then the
@@ -689,8 +746,9 @@ class TreeRuntime(ABC, Generic[Output]):
         keyed sampler the best of its keyed scores (the target's own choice is the best of
         those): for greedy and keyed verification, which accept whatever tree they get."""
         if depth < 1 or not 1 <= top_k <= self.vocab_size or size < 1:
-            raise RuntimeUsageError(f"cannot draft a tree of depth {depth}, {top_k} children "
-                                    f"a node and {size} nodes")  # fmt: skip
+            raise RuntimeUsageError(
+                f"cannot draft a tree of depth {depth}, {top_k} children a node and {size} nodes"
+            )
         first = distribution(self.last_logits(), params)
         self.discard_pending()
         position = self.committed
@@ -707,8 +765,9 @@ class TreeRuntime(ABC, Generic[Output]):
                 chosen = top_tokens(row, top_k)
             base = scores[parent] if parent != ROOT else 0.0
             added = []
-            for token, score in zip(chosen.tolist(), child_scores(row, chosen, first_accept),
-                                    strict=True):  # fmt: skip
+            for token, score in zip(
+                chosen.tolist(), child_scores(row, chosen, first_accept), strict=True
+            ):
                 if row[token] <= 0:  # outside the warped distribution: never accepted
                     continue
                 added.append(len(tokens))
@@ -737,9 +796,11 @@ class TreeRuntime(ABC, Generic[Output]):
                 layer += grow(rows[row], node, position + level, level)
         order, ranked_parents = rank_nodes(parents, scores, layers, size)
         return TreeDraftResult(
-            np.asarray(tokens, np.int64)[order], ranked_parents,
-            np.exp(np.asarray(scores, np.float64)[order]), np.asarray(nodes, np.int64)[order],
-        )  # fmt: skip
+            np.asarray(tokens, np.int64)[order],
+            ranked_parents,
+            np.exp(np.asarray(scores, np.float64)[order]),
+            np.asarray(nodes, np.int64)[order],
+        )
 
     def _draft_dynamic(
         self, budget: int, params: SamplingParams, sampler: Sampler, cap: int, scale: float
@@ -792,8 +853,9 @@ class TreeRuntime(ABC, Generic[Output]):
         return DraftResult(tokens, out, nodes, ROOT)
 
 
-def _chain_rows(rows: np.ndarray, probs: np.ndarray | None, logits: np.ndarray,
-                params: SamplingParams) -> None:  # fmt: skip
+def _chain_rows(
+    rows: np.ndarray, probs: np.ndarray | None, logits: np.ndarray, params: SamplingParams
+) -> None:
     """A chain call's probability rows into ``rows``: those it returned (the rows its tokens
     were drawn from, as verification needs), or the distribution of its ``logits``."""
     if probs is None:

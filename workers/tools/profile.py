@@ -25,9 +25,17 @@ from hetspec.workers.runtimes.spare_cores import SpareCores
 from hetspec.workers.tools.timing import positive_int_list, timed_ms
 
 
-def profile(runtime_name: str, model: str, settings: m.RuntimeSettings, *, widths: list[int],
-            prefix: int, repeats: int, fbgemm_int8: bool = False,
-            spare: SpareCores | None = None) -> RuntimeProfile:  # fmt: skip
+def profile(
+    runtime_name: str,
+    model: str,
+    settings: m.RuntimeSettings,
+    *,
+    widths: list[int],
+    prefix: int,
+    repeats: int,
+    fbgemm_int8: bool = False,
+    spare: SpareCores | None = None,
+) -> RuntimeProfile:
     """Load ``model`` and time its forwards (on the ``spare`` cores too, where given); raises
     ``LoadError`` if it cannot load."""
     start = time.perf_counter()
@@ -46,11 +54,17 @@ def profile(runtime_name: str, model: str, settings: m.RuntimeSettings, *, width
         device += " (fbgemm int8)"
     load_s = time.perf_counter() - start
     medians = forward_medians(runtime, widths=widths, prefix=prefix, repeats=repeats)
-    return RuntimeProfile(runtime=runtime_name, device=device, model=model, prefix=prefix,
-                          widths=widths, median_ms=medians, load_s=round(load_s, 3),
-                          cores=sorted(os.sched_getaffinity(0)),
-                          spare_cores=sorted(spare.spare) if spare is not None and spare.wide
-                          else [])  # fmt: skip
+    return RuntimeProfile(
+        runtime=runtime_name,
+        device=device,
+        model=model,
+        prefix=prefix,
+        widths=widths,
+        median_ms=medians,
+        load_s=round(load_s, 3),
+        cores=sorted(os.sched_getaffinity(0)),
+        spare_cores=sorted(spare.spare) if spare is not None and spare.wide else [],
+    )
 
 
 def forward_medians(runtime, *, widths: list[int], prefix: int, repeats: int) -> list[float]:
@@ -74,42 +88,64 @@ def forward_medians(runtime, *, widths: list[int], prefix: int, repeats: int) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hetspec.workers.tools.profile",
-                                     description=__doc__)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m hetspec.workers.tools.profile", description=__doc__
+    )
     parser.add_argument("runtime", choices=RUNTIMES)
     parser.add_argument("model", help="a GGUF file (llama.cpp) or a model folder (torch)")
-    parser.add_argument("--settings", help="the worker's runtime settings as JSON "
-                        "(default: the runtime's own defaults)")  # fmt: skip
+    parser.add_argument(
+        "--settings",
+        help="the worker's runtime settings as JSON (default: the runtime's own defaults)",
+    )
     parser.add_argument("--widths", type=positive_int_list, default=[1, 2, 4, 8])
     parser.add_argument("--prefix", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cores", default="", help="comma-separated cores to run on")
-    parser.add_argument("--spare-cores", default="", help="comma-separated cores the worker "
-                        "also computes on while the other worker idles: the forwards are timed "
-                        "on both, as a verifier computes then")  # fmt: skip
-    parser.add_argument("--fbgemm-int8", action="store_true",
-                        help="torch only: the decoder's linears as fbgemm dynamic int8 (not "
-                        "lossless: activations quantized per tensor), for comparison")  # fmt: skip
+    parser.add_argument(
+        "--spare-cores",
+        default="",
+        help="comma-separated cores the worker "
+        "also computes on while the other worker idles: the forwards are timed "
+        "on both, as a verifier computes then",
+    )
+    parser.add_argument(
+        "--fbgemm-int8",
+        action="store_true",
+        help="torch only: the decoder's linears as fbgemm dynamic int8 (not "
+        "lossless: activations quantized per tensor), for comparison",
+    )
     args = parser.parse_args(argv)
     own, spare = core_list(args.cores), core_list(args.spare_cores)
     claim_cores(args.runtime, own, spare)  # as the worker does, before the runtime loads
     try:
-        defaults = {"llama.cpp": m.LlamaCppSettings, "torch": m.TorchSettings,
-                    "native": m.NativeSettings}  # fmt: skip
+        defaults = {
+            "llama.cpp": m.LlamaCppSettings,
+            "torch": m.TorchSettings,
+            "native": m.NativeSettings,
+        }
         default = defaults[args.runtime]()
-        settings = (msgspec.json.decode(args.settings, type=m.RuntimeSettings)
-                    if args.settings else default)  # fmt: skip
-        result = profile(args.runtime, args.model, settings, widths=args.widths,
-                         prefix=args.prefix, repeats=args.repeats,
-                         fbgemm_int8=args.fbgemm_int8, spare=SpareCores(own, spare))  # fmt: skip
+        settings = (
+            msgspec.json.decode(args.settings, type=m.RuntimeSettings) if args.settings else default
+        )
+        result = profile(
+            args.runtime,
+            args.model,
+            settings,
+            widths=args.widths,
+            prefix=args.prefix,
+            repeats=args.repeats,
+            fbgemm_int8=args.fbgemm_int8,
+            spare=SpareCores(own, spare),
+        )
     except (LoadError, msgspec.ValidationError, msgspec.DecodeError) as error:
         message = str(error)  # a runtime's own errors name the model
         if not message.startswith(args.model):
             message = f"{args.model}: {message}"
         result = ProbeFailure(runtime=args.runtime, message=message)
     except Exception as error:  # any runtime failure is a report, never a traceback
-        result = ProbeFailure(runtime=args.runtime,
-                              message=f"{args.model}: {type(error).__name__}: {error}")  # fmt: skip
+        result = ProbeFailure(
+            runtime=args.runtime, message=f"{args.model}: {type(error).__name__}: {error}"
+        )
     sys.stdout.buffer.write(encode_runtime_report(result) + b"\n")
     return 0
 

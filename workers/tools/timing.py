@@ -29,9 +29,11 @@ def positive_int_list(text: str) -> list[int]:
 
 
 def timed_ms(
-    work: Callable[[], object], repeats: int, warmup: int = 2,
+    work: Callable[[], object],
+    repeats: int,
+    warmup: int = 2,
     setup: Callable[[], object] | None = None,
-) -> tuple[float, float, float]:  # fmt: skip
+) -> tuple[float, float, float]:
     """Median, p25 and p75 of ``work()`` in milliseconds, after ``warmup`` untimed calls (the
     median, because a shared machine preempts the odd run); ``setup()``, untimed, before
     each call."""

@@ -38,8 +38,9 @@ def _bind(name: str, argtypes: list, restype):
 
 
 reg_by_name = _bind("ggml_backend_reg_by_name", [ctypes.c_char_p], ctypes.c_void_p)
-reg_proc_address = _bind("ggml_backend_reg_get_proc_address",
-                         [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p)  # fmt: skip
+reg_proc_address = _bind(
+    "ggml_backend_reg_get_proc_address", [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p
+)
 register = _bind("ggml_backend_register", [ctypes.c_void_p], None)
 dev_by_type = _bind("ggml_backend_dev_by_type", [ctypes.c_int], ctypes.c_void_p)
 dev_count = _bind("ggml_backend_dev_count", [], ctypes.c_size_t)
@@ -48,16 +49,18 @@ dev_type = _bind("ggml_backend_dev_type", [ctypes.c_void_p], ctypes.c_int)
 dev_reg = _bind("ggml_backend_dev_backend_reg", [ctypes.c_void_p], ctypes.c_void_p)
 reg_name = _bind("ggml_backend_reg_name", [ctypes.c_void_p], ctypes.c_char_p)
 reg_dev_count = _bind("ggml_backend_reg_dev_count", [ctypes.c_void_p], ctypes.c_size_t)
-reg_dev_get = _bind("ggml_backend_reg_dev_get", [ctypes.c_void_p, ctypes.c_size_t],
-                    ctypes.c_void_p)  # fmt: skip
+reg_dev_get = _bind("ggml_backend_reg_dev_get", [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_void_p)
 
 
 def local_gpus() -> list[int]:
     """The GPU devices of this machine this llama.cpp build sees (an rpc-server's devices
     register as GPUs too: not those)."""
-    return [device for device in map(dev_get, range(dev_count()))
-            if dev_type(device) in (DEVICE_GPU, DEVICE_IGPU)
-            and not reg_name(dev_reg(device)).startswith(b"RPC")]  # fmt: skip
+    return [
+        device
+        for device in map(dev_get, range(dev_count()))
+        if dev_type(device) in (DEVICE_GPU, DEVICE_IGPU)
+        and not reg_name(dev_reg(device)).startswith(b"RPC")
+    ]
 
 
 def local_gpu_present() -> bool:

@@ -18,9 +18,13 @@ REACH_TIMEOUT_S = 3.0
 
 _ADD_SERVER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)
 _START_SERVER = ctypes.CFUNCTYPE(
-    None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
+    None,
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_size_t,
+    ctypes.c_size_t,
     ctypes.POINTER(ctypes.c_void_p),
-)  # fmt: skip
+)
 
 
 class RpcError(RuntimeError):

@@ -153,8 +153,9 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
         compute on their CPUs, as a rule)."""
         return "off" if setting == "auto" and not self._on_local_gpu else setting
 
-    def _load_model(self, path: Path, mmap: bool, gpu_layers: int,
-                    rpc_servers: tuple[str, ...]) -> L.llama_model_p:  # fmt: skip
+    def _load_model(
+        self, path: Path, mmap: bool, gpu_layers: int, rpc_servers: tuple[str, ...]
+    ) -> L.llama_model_p:
         params = L.llama_model_default_params()
         # 0 for the CPU worker (the GPU belongs to the torch worker); a llama.cpp GPU worker
         # offloads what it is told (-1: every layer), which a CPU-only build ignores

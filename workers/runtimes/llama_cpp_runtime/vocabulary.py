@@ -38,8 +38,9 @@ class Vocabulary:
         capacity = len(data) + 8
         while True:
             buffer = (L.llama_token * capacity)()
-            count = L.llama_tokenize(self._vocab, data, len(data), buffer, capacity,
-                                     add_special, True)  # fmt: skip
+            count = L.llama_tokenize(
+                self._vocab, data, len(data), buffer, capacity, add_special, True
+            )
             if count >= 0:
                 return list(buffer[:count])
             capacity = -count

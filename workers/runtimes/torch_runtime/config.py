@@ -114,8 +114,9 @@ class ModelConfig:
         act_key = "hidden_activation" if gemma and "hidden_activation" in raw else "hidden_act"
         act = raw.get(act_key, "gelu_pytorch_tanh" if gemma else "silu")
         if act not in ACTIVATIONS:
-            raise ModelLoadError(f"{act_key} {act!r} is not supported; supported: "
-                                 f"{', '.join(ACTIVATIONS)}")  # fmt: skip
+            raise ModelLoadError(
+                f"{act_key} {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}"
+            )
         if raw.get("use_bidirectional_attention"):
             raise ModelLoadError("bidirectional attention (an embedding model) is not a decoder")
         try:
@@ -131,11 +132,13 @@ class ModelConfig:
             gemma_fields = {}
             if gemma:
                 gemma_fields = {
-                    "gemma_norms": True, "sandwich_norms": True, "embed_scale": hidden**0.5,
+                    "gemma_norms": True,
+                    "sandwich_norms": True,
+                    "embed_scale": hidden**0.5,
                     "query_scale": float(raw.get("query_pre_attn_scalar", head_dim)) ** -0.5,
                     "attn_softcap": _positive_or_none(raw, "attn_logit_softcapping"),
                     "final_softcap": _positive_or_none(raw, "final_logit_softcapping"),
-                }  # fmt: skip
+                }
             return cls(
                 model_type=model_type,
                 vocab_size=int(raw["vocab_size"]),
@@ -224,8 +227,10 @@ def _sliding_windows(raw: dict, model_type: str, layers: int) -> tuple[int | Non
     kinds = raw.get("layer_types")
     if kinds is None and model_type in GEMMA_TYPES:
         period = int(raw.get("sliding_window_pattern") or GEMMA_WINDOW_PERIOD[model_type])
-        kinds = ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
-                 for i in range(layers)]  # fmt: skip
+        kinds = [
+            "full_attention" if (i + 1) % period == 0 else "sliding_attention"
+            for i in range(layers)
+        ]
     if kinds is None:
         if model_type == "mistral":
             kinds = ["sliding_attention"] * layers

@@ -29,9 +29,15 @@ class DeviceChoice:
     verifier judges its tokens by the rows it reports), the target's own choices do."""
 
     def __init__(
-        self, draws: ChainDraws | None = None, temperature: float = 1.0, *, count: int = 0,
-        vocab: int = 0, device: torch.device | None = None, guarded: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        draws: ChainDraws | None = None,
+        temperature: float = 1.0,
+        *,
+        count: int = 0,
+        vocab: int = 0,
+        device: torch.device | None = None,
+        guarded: bool = False,
+    ) -> None:
         self.temperature = temperature
         self.probs: torch.Tensor | None = None
         self.safe: torch.Tensor | None = None

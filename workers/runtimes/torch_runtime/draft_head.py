@@ -68,8 +68,9 @@ class HeadConfig:
         if not 0 <= self.blocks <= 8:
             raise ModelLoadError(f"blocks must be 0..8, not {self.blocks}")
         if not 0 < self.width <= self.feature_size:
-            raise ModelLoadError(f"width {self.width} must be 1..feature_size "
-                                 f"({self.feature_size})")  # fmt: skip
+            raise ModelLoadError(
+                f"width {self.width} must be 1..feature_size ({self.feature_size})"
+            )
 
     @classmethod
     def from_folder(cls, folder: Path) -> HeadConfig:
@@ -89,13 +90,24 @@ class HeadConfig:
     def block_config(self) -> ModelConfig:
         """The blocks' shape, as the target runtime's layers take it."""
         return ModelConfig(
-            model_type="llama", vocab_size=self.vocab_size, hidden_size=self.width,
-            intermediate_size=self.intermediate_size, num_layers=self.blocks,
-            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            rms_norm_eps=self.rms_norm_eps, max_context=self.max_context,
-            rope=RopeScaling(self.rope_theta), tie_word_embeddings=False, qkv_bias=False,
-            o_bias=False, mlp_bias=False, qk_norm=False, sliding_windows=(None,) * self.blocks,
-        )  # fmt: skip
+            model_type="llama",
+            vocab_size=self.vocab_size,
+            hidden_size=self.width,
+            intermediate_size=self.intermediate_size,
+            num_layers=self.blocks,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            max_context=self.max_context,
+            rope=RopeScaling(self.rope_theta),
+            tie_word_embeddings=False,
+            qkv_bias=False,
+            o_bias=False,
+            mlp_bias=False,
+            qk_norm=False,
+            sliding_windows=(None,) * self.blocks,
+        )
 
 
 class DraftHead(nn.Module):
@@ -112,8 +124,9 @@ class DraftHead(nn.Module):
             self.gate = nn.Linear(2 * w, w)  # W_g
         else:
             self.fuse = nn.Linear(2 * d, w)
-        self.layers = nn.ModuleList(DecoderLayer(config.block_config())
-                                    for _ in range(config.blocks))  # fmt: skip
+        self.layers = nn.ModuleList(
+            DecoderLayer(config.block_config()) for _ in range(config.blocks)
+        )
 
     def fused(self, features: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
         if self.config.fusion == "concat":
@@ -138,13 +151,21 @@ class DraftHead(nn.Module):
         (``cache_keys``: (blocks, kv_heads, capacity, head_dim)), attending as ``mask``."""
         x = self.fused(features, embeddings)
         for index, layer in enumerate(self.layers):
-            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, keys=cache_keys[index],
-                                    values=cache_values[index], start=start, mask=mask)  # fmt: skip
+            x = x + layer.self_attn(
+                layer.input_layernorm(x),
+                cos,
+                sin,
+                keys=cache_keys[index],
+                values=cache_values[index],
+                start=start,
+                mask=mask,
+            )
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x
 
-    def sequences(self, features: torch.Tensor, embeddings: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def sequences(
+        self, features: torch.Tensor, embeddings: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         """Training's forward: whole sequences (batch, length, feature_size), causal, no cache;
         ``cos``/``sin`` (length, head_dim)."""
         x = self.fused(features, embeddings)
@@ -181,15 +202,20 @@ class TargetPieces(nn.Module):
         return self.lm_head(features).float()
 
 
-def load_target_pieces(target: ModelConfig, folder: Path, dtype: torch.dtype,
-                       device: torch.device) -> TargetPieces:  # fmt: skip
+def load_target_pieces(
+    target: ModelConfig, folder: Path, dtype: torch.dtype, device: torch.device
+) -> TargetPieces:
     """Read only the three tensors the head borrows from the target folder's safetensors."""
     if target.gemma_norms or target.embed_scale is not None or target.final_softcap is not None:
         # the pieces are Llama's: a Gemma target's norm, embedding scale and logit cap differ
-        raise ModelLoadError(f"{folder}: draft heads are built for Llama-family targets, not "
-                             f"{target.model_type}")  # fmt: skip
-    names = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
-             "lm_head.weight": "lm_head.weight"}  # fmt: skip
+        raise ModelLoadError(
+            f"{folder}: draft heads are built for Llama-family targets, not {target.model_type}"
+        )
+    names = {
+        "model.embed_tokens.weight": "embed.weight",
+        "model.norm.weight": "norm.weight",
+        "lm_head.weight": "lm_head.weight",
+    }
     if target.tie_word_embeddings:
         names.pop("lm_head.weight")
     state = {}
@@ -211,15 +237,17 @@ def load_target_pieces(target: ModelConfig, folder: Path, dtype: torch.dtype,
     return pieces.eval().requires_grad_(False)
 
 
-def load_head(folder: Path, target: ModelConfig, dtype: torch.dtype,
-              device: torch.device) -> DraftHead:  # fmt: skip
+def load_head(
+    folder: Path, target: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> DraftHead:
     """The head in ``folder``, checked against the target it will draft for."""
     config = HeadConfig.from_folder(folder)
     if config.feature_size != target.hidden_size or config.vocab_size != target.vocab_size:
         raise ModelLoadError(
             f"{folder}: the head reads {config.feature_size}-wide features over a "
             f"{config.vocab_size}-token vocabulary; the target has {target.hidden_size} and "
-            f"{target.vocab_size}: it was trained for another target")  # fmt: skip
+            f"{target.vocab_size}: it was trained for another target"
+        )
     with torch.device("meta"):
         head = DraftHead(config)
     expected = {name: tuple(p.shape) for name, p in head.named_parameters()}
@@ -230,8 +258,10 @@ def load_head(folder: Path, target: ModelConfig, dtype: torch.dtype,
                 for name in handle.keys():  # noqa: SIM118
                     tensor = handle.get_tensor(name)
                     if expected.get(name) != tuple(tensor.shape):
-                        raise ModelLoadError(f"{folder}: tensor {name} {tuple(tensor.shape)} is "
-                                             f"not the head's ({expected.get(name)})")  # fmt: skip
+                        raise ModelLoadError(
+                            f"{folder}: tensor {name} {tuple(tensor.shape)} is "
+                            f"not the head's ({expected.get(name)})"
+                        )
                     state[name] = tensor.to(dtype)
         except (SafetensorError, OSError) as error:
             raise ModelLoadError(f"{path}: not a readable safetensors file: {error}") from None

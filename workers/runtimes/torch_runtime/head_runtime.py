@@ -47,12 +47,15 @@ class HeadRuntime(TorchRuntime):
         if not self.target_folder.is_dir():
             raise ModelLoadError(f"{self.target_folder}: not a directory (the head's target)")
         self.target_config = ModelConfig.from_folder(self.target_folder)
-        super().__init__(head_dir, device=device, dtype=dtype, max_context=max_context,
-                         threads=threads)  # fmt: skip
+        super().__init__(
+            head_dir, device=device, dtype=dtype, max_context=max_context, threads=threads
+        )
         fingerprint = self.tokenizer.vocab_info().fingerprint
         if fingerprint != self.head_config.vocab_fingerprint:
-            raise ModelLoadError(f"{head_dir}: the head was trained over another vocabulary "
-                                 f"than {self.target_folder}'s")  # fmt: skip
+            raise ModelLoadError(
+                f"{head_dir}: the head was trained over another vocabulary "
+                f"than {self.target_folder}'s"
+            )
         self.feature_size = None  # it consumes features, it reports none
         width = self.target_config.hidden_size
         self._features = torch.zeros((self.capacity, width), dtype=self.dtype, device=self.device)
@@ -65,8 +68,9 @@ class HeadRuntime(TorchRuntime):
         return dataclasses.replace(blocks, max_context=limit)
 
     def _load_model(self, folder: Path):
-        self.pieces = load_target_pieces(self.target_config, self.target_folder, self.dtype,
-                                         self.device)  # fmt: skip
+        self.pieces = load_target_pieces(
+            self.target_config, self.target_folder, self.dtype, self.device
+        )
         return load_head(folder, self.target_config, self.dtype, self.device)
 
     @cached_property
@@ -80,18 +84,26 @@ class HeadRuntime(TorchRuntime):
         the context are ignored)."""
         rows = np.asarray(rows, np.float32)
         if rows.ndim != 2 or rows.shape[1] != self._features.shape[1]:
-            raise ModelLoadError(f"features must be (n, {self._features.shape[1]}), not "
-                                 f"{rows.shape}")  # fmt: skip
+            raise ModelLoadError(
+                f"features must be (n, {self._features.shape[1]}), not {rows.shape}"
+            )
         skip = max(0, -start)
         begin, end = start + skip, min(start + len(rows), self.capacity)
         if begin >= end:
             return
         self._features[begin:end] = torch.from_numpy(rows[skip : skip + end - begin]).to(
-            device=self.device, dtype=self.dtype)  # fmt: skip
+            device=self.device, dtype=self.dtype
+        )
         self._known[begin:end] = True
 
-    def prefill(self, prompt: Sequence[int], chunk_size: int | None = None, *,
-                features: np.ndarray | None = None, start: int = 0) -> int:  # fmt: skip
+    def prefill(
+        self,
+        prompt: Sequence[int],
+        chunk_size: int | None = None,
+        *,
+        features: np.ndarray | None = None,
+        start: int = 0,
+    ) -> int:
         """``TreeRuntime.prefill``, with the target's features of positions ``start``.."""
         if features is None:
             return super().prefill(prompt, chunk_size)
@@ -130,20 +142,34 @@ class HeadRuntime(TorchRuntime):
             return torch.zeros_like(self._features[0])
         return self._features[self.committed - 1]
 
-    def _forward(self, tokens: np.ndarray, inputs: torch.Tensor, positions: np.ndarray,
-                 start: int, mask: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    def _forward(
+        self,
+        tokens: np.ndarray,
+        inputs: torch.Tensor,
+        positions: np.ndarray,
+        start: int,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Predicted features of new nodes, keys/values to slots start.."""
         at = torch.from_numpy(positions).to(self.device)
         embeddings = self.pieces.embed(torch.from_numpy(tokens).to(self.device))
         # the head's blocks have one rotary kind (layer_rope_tables' first)
-        out = self.model(inputs, embeddings, self._cos[0, at].to(self.dtype),
-                         self._sin[0, at].to(self.dtype), cache_keys=self._keys,
-                         cache_values=self._values, start=start, mask=mask)  # fmt: skip
+        out = self.model(
+            inputs,
+            embeddings,
+            self._cos[0, at].to(self.dtype),
+            self._sin[0, at].to(self.dtype),
+            cache_keys=self._keys,
+            cache_values=self._values,
+            start=start,
+            mask=mask,
+        )
         return self.pieces.feature(out)
 
     @torch.inference_mode()
-    def _run(self, tokens: np.ndarray, parents: np.ndarray, positions: np.ndarray,
-             rows: np.ndarray) -> TreeOutput:  # fmt: skip
+    def _run(
+        self, tokens: np.ndarray, parents: np.ndarray, positions: np.ndarray, rows: np.ndarray
+    ) -> TreeOutput:
         existing, start = self.pending, self.committed + self.pending
         masks = self._attention_masks(rows, positions, existing)
         mask = masks[0] if masks else None
@@ -161,7 +187,7 @@ class HeadRuntime(TorchRuntime):
                     start + index,
                     node_mask,
                 )
-                table = torch.cat([table, feature])  # fmt: skip
+                table = torch.cat([table, feature])
             features = table[existing + 1 :]
         self._pending_features = torch.cat([self._pending_features, features])
         return TreeOutput(self.pieces.logits(features), features)

@@ -39,8 +39,12 @@ class Int8Linear(nn.Module):
     """A linear layer of int8 weights (``weight``) with a float32 scale per output row
     (``scale``) and the original's bias in the activations' dtype."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 tiling: Tiling = DEFAULT_TILING) -> None:  # fmt: skip
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        tiling: Tiling = DEFAULT_TILING,
+    ) -> None:
         """``weight`` (n, k) in full precision, quantized here."""
         super().__init__()
         quantized, scale = quantize_rows(weight)
@@ -61,9 +65,12 @@ def use_int8_weights(model: CausalLM, tiling: Tiling = DEFAULT_TILING) -> None:
     place, each original freed as it goes, and give the output head an int8 copy (a tied
     head's embedding stays for its lookups)."""
     # names only, so that each original is freed when it is replaced
-    layers = [(parent, name) for parent in model.modules()
-              for name, child in parent.named_children()
-              if isinstance(child, nn.Linear)]  # fmt: skip
+    layers = [
+        (parent, name)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear)
+    ]
     for parent, name in layers:
         layer = getattr(parent, name)
         setattr(parent, name, Int8Linear(layer.weight, layer.bias, tiling))

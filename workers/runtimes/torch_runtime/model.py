@@ -170,18 +170,32 @@ class Attention(nn.Module):
         )
         return self.o_proj(out[0].transpose(0, 1).reshape(n, self.heads * self.head_dim))
 
-    def _split(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               split: SplitRows, bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    def _split(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        split: SplitRows,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Split attention of q (heads, n, d): (n, heads * d)."""
         n, scale = q.shape[1], self.scale or self.head_dim**-0.5
         if split.kernel:
             out = split_kernel.attend(
-                q, keys, values, split.tail_slots, split.positions, block=split.block,
-                scale=scale, softcap=self.softcap, window=self.window,
-            )  # fmt: skip
+                q,
+                keys,
+                values,
+                split.tail_slots,
+                split.positions,
+                block=split.block,
+                scale=scale,
+                softcap=self.softcap,
+                window=self.window,
+            )
             return out.view(n, self.heads * self.head_dim)
-        out = split_attention(q, keys, values, split.tail_slots, bias, scale=scale,
-                              softcap=self.softcap)  # fmt: skip
+        out = split_attention(
+            q, keys, values, split.tail_slots, bias, scale=scale, softcap=self.softcap
+        )
         return out.transpose(0, 1).reshape(n, self.heads * self.head_dim)
 
     def _attend(
@@ -246,12 +260,14 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = norm(config)
         self.rope_kind = config.layer_ropes[index]
 
-    def attention_half(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       **attend) -> torch.Tensor:  # fmt: skip
+    def attention_half(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, **attend
+    ) -> torch.Tensor:
         """x plus this layer's attention (``Attention.forward``'s keywords); cos/sin
         (kinds, n, head_dim) as ``layer_rope_tables`` indexed by position."""
-        out = self.self_attn(self.input_layernorm(x), cos[self.rope_kind], sin[self.rope_kind],
-                             **attend)  # fmt: skip
+        out = self.self_attn(
+            self.input_layernorm(x), cos[self.rope_kind], sin[self.rope_kind], **attend
+        )
         return x + (self.post_attention_layernorm(out) if self.sandwich else out)
 
     def mlp_half(self, x: torch.Tensor) -> torch.Tensor:
@@ -322,9 +338,19 @@ class CausalLM(nn.Module):
         ``paths``, ``split``: see ``Attention.forward``.
         """
         x = self.model.embed(tokens)
-        return self.run_halves(x, range(2 * len(self.model.layers)), cos, sin,
-                               cache_keys=cache_keys, cache_values=cache_values, start=start,
-                               masks=masks, slots=slots, paths=paths, split=split)  # fmt: skip
+        return self.run_halves(
+            x,
+            range(2 * len(self.model.layers)),
+            cos,
+            sin,
+            cache_keys=cache_keys,
+            cache_values=cache_values,
+            start=start,
+            masks=masks,
+            slots=slots,
+            paths=paths,
+            split=split,
+        )
 
     def run_halves(
         self,

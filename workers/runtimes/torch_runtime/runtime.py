@@ -74,8 +74,9 @@ def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
     return dtypes[requested]
 
 
-def span_runs(shapes: Shapes, positions: np.ndarray, most_rows: int | None = None
-              ) -> Iterator[tuple[np.ndarray, int]]:  # fmt: skip
+def span_runs(
+    shapes: Shapes, positions: np.ndarray, most_rows: int | None = None
+) -> Iterator[tuple[np.ndarray, int]]:
     """Rows at ``positions`` in order, in runs of at most ``most_rows`` (None: the widest
     shape) that share a span bucket (their own positions'): (rows, span) each."""
     spans = np.asarray(shapes.spans)
@@ -166,9 +167,11 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
             raise ModelLoadError(f'attention must be "gathered" or "split", not {attention!r}')
         try:
             shapes = Shapes.for_context(
-                capacity, fixed_width=fixed_width, span_buckets=span_buckets,
+                capacity,
+                fixed_width=fixed_width,
+                span_buckets=span_buckets,
                 paths=invariant_paths,
-            )  # fmt: skip
+            )
         except ValueError as error:
             raise ModelLoadError(str(error)) from None
         split = attention == "split" and static and shapes.paths > 0
@@ -190,9 +193,15 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         # Triton kernel does not serve (None: it does, or was never tried)
         self._split, self.deep_rows, self.split_kernel_refused = None, 0, None
         if static:
-            self._build_forwards(shapes, capacity, graphs=cuda_graphs, compiled=compile,
-                                 chains=chain_forwards, in_place=chain_in_place,
-                                 split=split)  # fmt: skip
+            self._build_forwards(
+                shapes,
+                capacity,
+                graphs=cuda_graphs,
+                compiled=compile,
+                chains=chain_forwards,
+                in_place=chain_in_place,
+                split=split,
+            )
         else:
             self._run_chain = None  # eager forwards: each step's is the host's anyway
 
@@ -201,18 +210,35 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
     static_shapes = True  # a subclass with another model call turns fixed shapes off
     outputs_kept = True  # a forward's logits are its own tensor (static outputs are copied)
 
-    def _build_forwards(self, shapes: Shapes, capacity: int, *, graphs: bool, compiled: bool,
-                        chains: bool, in_place: bool, split: bool) -> None:  # fmt: skip
+    def _build_forwards(
+        self,
+        shapes: Shapes,
+        capacity: int,
+        *,
+        graphs: bool,
+        compiled: bool,
+        chains: bool,
+        in_place: bool,
+        split: bool,
+    ) -> None:
         """The fixed shapes' forwards, all over the one cache: ``shapes``; with ``chains`` the
         one-path shapes beside them, and with ``in_place`` those that read the cache in place,
         kept where ``same_bits_in_place`` finds their bits the one-path shapes'. With
         ``split`` the split-attention shapes instead, ``shapes`` eager for rows too deep."""
-        forwards = partial(StaticForward, self.model, self.config, keys=self._keys,
-                           values=self._values, cos=self._cos, sin=self._sin,
-                           capacity=capacity)  # fmt: skip
+        forwards = partial(
+            StaticForward,
+            self.model,
+            self.config,
+            keys=self._keys,
+            values=self._values,
+            cos=self._cos,
+            sin=self._sin,
+            capacity=capacity,
+        )
         if split:
-            self._split = self._split_forwards(forwards, shapes.split(), graphs=graphs,
-                                               compiled=compiled)  # fmt: skip
+            self._split = self._split_forwards(
+                forwards, shapes.split(), graphs=graphs, compiled=compiled
+            )
             self._static = forwards(shapes=shapes, graphs=False)
             return
         forwards = partial(forwards, graphs=graphs, compiled=compiled)
@@ -227,8 +253,9 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
             else:
                 self.in_place_differed = True
 
-    def _split_forwards(self, forwards, shapes: Shapes, *, graphs: bool,
-                        compiled: bool) -> StaticForward:  # fmt: skip
+    def _split_forwards(
+        self, forwards, shapes: Shapes, *, graphs: bool, compiled: bool
+    ) -> StaticForward:
         """Split attention's forwards: in the Triton kernel where it runs and
         ``kernel_problem`` finds none (``split_kernel_refused`` says otherwise why not), else
         in torch's arithmetic; either ``compiled`` around."""
@@ -256,11 +283,13 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
             raise ModelLoadError(f'weights must be "dtype" or "int8", not {weights!r}')
         if matmul == "torch" and weights == "dtype":
             if tiling:
-                raise ModelLoadError('matmul_tiling cuts the Triton matmul: it needs matmul '
-                                     '"triton"')  # fmt: skip
+                raise ModelLoadError(
+                    'matmul_tiling cuts the Triton matmul: it needs matmul "triton"'
+                )
             return weights
-        asked = ('weights "int8" (read by the Triton matmul)' if weights == "int8"
-                 else 'matmul "triton"')  # fmt: skip
+        asked = (
+            'weights "int8" (read by the Triton matmul)' if weights == "int8" else 'matmul "triton"'
+        )
         reason = skinny_matmul.unavailable_reason(self.device)
         if reason is not None:
             raise ModelLoadError(f"{asked} cannot run here: {reason}")
@@ -272,8 +301,9 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
             use_int8_weights(self.model, cut)
             head = self.model.quantized_head
             first = next(m for m in self.model.modules() if isinstance(m, Int8Linear))
-            problem = self._matmul_problem(cut, (first.weight, first.scale),
-                                           (head.weight, head.scale))  # fmt: skip
+            problem = self._matmul_problem(
+                cut, (first.weight, first.scale), (head.weight, head.scale)
+            )
             if problem is not None:
                 raise ModelLoadError(f"{asked}: the kernel cannot serve them here: {problem}")
             return weights
@@ -292,8 +322,7 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         """Why the Triton kernel cannot serve the (weight, int8 scale or None) pairs given
         (the first layer's and the output head's); None: it serves."""
         for weight, scale in weights:
-            problem = skinny_matmul.kernel_problem(weight, self.dtype, scale=scale,
-                                                   tiling=tiling)  # fmt: skip
+            problem = skinny_matmul.kernel_problem(weight, self.dtype, scale=scale, tiling=tiling)
             if problem is not None:
                 return problem
         return None
@@ -422,9 +451,16 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
     # ------------------------------------------------------------ chains on the device
 
     @torch.inference_mode()
-    def _run_chain(self, first: int, positions: np.ndarray, rows: np.ndarray,
-                   draws: ChainDraws | None, temperature: float, *,
-                   probs_out: np.ndarray | None = None):  # fmt: skip
+    def _run_chain(
+        self,
+        first: int,
+        positions: np.ndarray,
+        rows: np.ndarray,
+        draws: ChainDraws | None,
+        temperature: float,
+        *,
+        probs_out: np.ndarray | None = None,
+    ):
         """``TreeRuntime``'s hook: a draft chain's forwards back to back on the device, each
         next token chosen there (``DeviceChoice``), one wait for the device at the end."""
         existing = self.pending
@@ -432,15 +468,23 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         root = int(ancestors[-1]) if len(ancestors) else ROOT
         count = len(positions)
         parents = np.array([root, *range(existing, existing + count - 1)], np.int64)
-        choice = DeviceChoice(draws, temperature, count=count, vocab=self.vocab_size,
-                              device=self.device)  # fmt: skip
+        choice = DeviceChoice(
+            draws, temperature, count=count, vocab=self.vocab_size, device=self.device
+        )
         tokens, logits, hidden = self._chained_forwards(first, positions, parents, rows, choice)
         self._capture_hidden(hidden)
         probs = None if choice.probs is None else choice.probs.cpu().numpy()
         return tokens.cpu().numpy(), TreeOutput(logits, hidden), probs
 
-    def decode(self, steps: int, params: SamplingParams, sampler: Sampler, *,
-               logprobs: list[TokenLogprob] | None = None, top: int = 0) -> list[int]:  # fmt: skip
+    def decode(
+        self,
+        steps: int,
+        params: SamplingParams,
+        sampler: Sampler,
+        *,
+        logprobs: list[TokenLogprob] | None = None,
+        top: int = 0,
+    ) -> list[int]:
         """``TreeRuntime.decode``; in fixed shapes the forwards run back to back on the
         device, each next token chosen there (the same bits: each forward is the one
         ``TreeRuntime.decode`` would run), and the host waits once. Greedy: the argmax.
@@ -459,25 +503,30 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
             position = self.committed
             first = int(sampler.choose(distribution(before[None], params), position)[0])
             draws = sampler.chain_draws(position + 1, steps - 1, self.vocab_size)
-            choice = DeviceChoice(draws, params.temperature, count=steps - 1,
-                                  vocab=self.vocab_size, device=self.device,
-                                  guarded=True)  # fmt: skip
+            choice = DeviceChoice(
+                draws,
+                params.temperature,
+                count=steps - 1,
+                vocab=self.vocab_size,
+                device=self.device,
+                guarded=True,
+            )
         count = steps - 1
         self._checked_tokens([first], count)
         positions = self.committed + np.arange(count)
         parents = np.arange(-1, count - 1)
         rows = np.tril(np.ones((count, count), bool))
         with torch.inference_mode():
-            tokens, logits, hidden = self._chained_forwards(first, positions, parents, rows,
-                                                            choice)  # fmt: skip
+            tokens, logits, hidden = self._chained_forwards(first, positions, parents, rows, choice)
             drawn = tokens.tolist()  # the one wait for the device
             # forwards evaluated drawn[:count]; from the first unsafe choice on, the host's
             unsafe = [] if choice.safe is None else np.flatnonzero(~choice.safe.cpu().numpy())
             done = len(unsafe) == 0
             kept = count if done else int(unsafe[0]) + 1
             self._capture_hidden(hidden[:kept])
-            rows_after = (logits[:kept] if logprobs is not None
-                          else logits[kept - 1 : kept]).cpu().numpy()  # fmt: skip
+            rows_after = (
+                (logits[:kept] if logprobs is not None else logits[kept - 1 : kept]).cpu().numpy()
+            )
         drawn = drawn[: kept + done]
         if logprobs is not None:  # each drawn token's row is the one before it
             for row, token in zip([before, *rows_after], drawn, strict=False):
@@ -488,8 +537,14 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
             return drawn
         return drawn + self.decode(steps - kept, params, sampler, logprobs=logprobs, top=top)
 
-    def _chained_forwards(self, first: int, positions: np.ndarray, parents: np.ndarray,
-                          rows: np.ndarray, choose: DeviceChoice):  # fmt: skip
+    def _chained_forwards(
+        self,
+        first: int,
+        positions: np.ndarray,
+        parents: np.ndarray,
+        rows: np.ndarray,
+        choose: DeviceChoice,
+    ):
         """New nodes of one chain (``parents``, ``rows``: as ``_evaluate`` takes them) in one
         forward each, the first holding ``first``, each next one ``choose``'s token from the
         logits of the one before, so the host queues forwards without waiting for them. The
@@ -500,8 +555,7 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         tokens = torch.empty(count + 1, dtype=torch.int64, device=self.device)
         tokens[0] = first
         logits = torch.empty((count, self.vocab_size), device=self.device)
-        hidden = torch.empty((count, self.config.hidden_size), dtype=self.dtype,
-                             device=self.device)  # fmt: skip
+        hidden = torch.empty((count, self.config.hidden_size), dtype=self.dtype, device=self.device)
         for step, batch in enumerate(batches):
             row = replace(batch, tokens=np.zeros(1, np.int64))  # its token: tokens[step]
             out_logits, out_hidden = self._forward_batch(static, row, tokens[step : step + 1])
@@ -510,8 +564,9 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
             tokens[step + 1 : step + 2].copy_(choose(step, logits[step]))
         return tokens, logits, hidden
 
-    def _one_row_forwards(self, positions: np.ndarray, parents: np.ndarray, rows: np.ndarray
-                          ) -> tuple[StaticForward, Iterator[Batch]]:  # fmt: skip
+    def _one_row_forwards(
+        self, positions: np.ndarray, parents: np.ndarray, rows: np.ndarray
+    ) -> tuple[StaticForward, Iterator[Batch]]:
         """The forwards ``_evaluate`` would run for these nodes one at a time, and what runs
         them."""
         batches = self._split_plan(positions, parents, most_rows=1)
@@ -522,8 +577,9 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
             return self._in_place, (batch for _, batch in batches)
         return self._static, self._single_rows(self._static, positions, parents, rows)
 
-    def _single_rows(self, static: StaticForward, positions: np.ndarray, parents: np.ndarray,
-                     rows: np.ndarray) -> Iterator[Batch]:  # fmt: skip
+    def _single_rows(
+        self, static: StaticForward, positions: np.ndarray, parents: np.ndarray, rows: np.ndarray
+    ) -> Iterator[Batch]:
         """The forwards ``_evaluate`` would run for these nodes one at a time."""
         if static.shapes.paths:
             for _, batch in self._invariant_batches(static, positions, parents, most_rows=1):
@@ -532,15 +588,25 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         ((_, batch),) = self._bucket_batches(static, positions, rows)
         for i, slot in enumerate(batch.slots):
             one, span = slice(i, i + 1), static.shapes.span_for(int(slot) + 1)
-            yield replace(batch, positions=batch.positions[one], slots=batch.slots[one],
-                          masks=[mask[one, :span] for mask in batch.masks], span=span)  # fmt: skip
+            yield replace(
+                batch,
+                positions=batch.positions[one],
+                slots=batch.slots[one],
+                masks=[mask[one, :span] for mask in batch.masks],
+                span=span,
+            )
 
     # ------------------------------------------------------------ the model call
 
     def _evaluate(
-        self, tokens: np.ndarray, positions: np.ndarray, rows: np.ndarray, parents: np.ndarray,
-        *, last_only: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        self,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        rows: np.ndarray,
+        parents: np.ndarray,
+        *,
+        last_only: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(float32 logits, last hidden states) of new nodes whose keys/values go to the slots
         after the pending ones (``parents``: as ``forward_tree`` validated them); with
         ``last_only`` the logits of the last node may be all."""
@@ -556,8 +622,7 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
                 static, self._invariant_batches(static, positions, parents), tokens
             )
         if static is not None and len(tokens) <= static.shapes.widest:
-            return self._run_batches(static, self._bucket_batches(static, positions, rows),
-                                     tokens)  # fmt: skip
+            return self._run_batches(static, self._bucket_batches(static, positions, rows), tokens)
         hidden = self._hidden(tokens, positions, rows)
         return self.model.logits(hidden[-1:] if last_only else hidden), hidden
 
@@ -569,8 +634,9 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run (rows, batch without tokens) pairs; outputs in the nodes' order."""
         logits = torch.empty((len(tokens), self.vocab_size), device=self.device)
-        hidden = torch.empty((len(tokens), self.config.hidden_size), dtype=self.dtype,
-                             device=self.device)  # fmt: skip
+        hidden = torch.empty(
+            (len(tokens), self.config.hidden_size), dtype=self.dtype, device=self.device
+        )
         for chosen, rows in batches:
             out_logits, out_hidden = self._forward_batch(
                 static, replace(rows, tokens=tokens[chosen])
@@ -595,8 +661,9 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         left out), or where that path is the cache's order the cache in place."""
         if self._chains is not None and batch.gather is not None and len(batch.gather) == 1:
             if self._in_place is not None and in_cache_order(batch):
-                flat = replace(batch, masks=[mask[0] for mask in batch.masks], gather=None,
-                               row_paths=None)  # fmt: skip
+                flat = replace(
+                    batch, masks=[mask[0] for mask in batch.masks], gather=None, row_paths=None
+                )
                 return self._in_place.run(flat, first_token)
             one_path = replace(batch, masks=[mask[:1] for mask in batch.masks])
             return self._chains.run(one_path, first_token)
@@ -630,16 +697,27 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         return tails
 
     def _split_batches(
-        self, split: StaticForward, positions: np.ndarray, tails: np.ndarray,
+        self,
+        split: StaticForward,
+        positions: np.ndarray,
+        tails: np.ndarray,
         most_rows: int | None = None,
-    ) -> Iterator[tuple[np.ndarray, Batch]]:  # fmt: skip
+    ) -> Iterator[tuple[np.ndarray, Batch]]:
         """Split attention's forwards: rows in order, at most ``widest`` (or ``most_rows``)
         a forward, all of one span bucket (their own positions')."""
         first = self.committed + self.pending
         for rows, span in span_runs(split.shapes, positions, most_rows):
-            yield rows, Batch(tokens=np.empty(0, np.int64), positions=positions[rows],
-                              slots=first + rows, masks=[], span=span,
-                              tail_slots=tails[rows])  # fmt: skip
+            yield (
+                rows,
+                Batch(
+                    tokens=np.empty(0, np.int64),
+                    positions=positions[rows],
+                    slots=first + rows,
+                    masks=[],
+                    span=span,
+                    tail_slots=tails[rows],
+                ),
+            )
 
     def _in_place_batches(
         self, positions: np.ndarray, parents: np.ndarray, most_rows: int | None = None
@@ -657,18 +735,29 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
             return None
         return self._chain_batches(flat, positions, most_rows)
 
-    def _chain_batches(self, flat: StaticForward, positions: np.ndarray,
-                       most_rows: int | None) -> Iterator[tuple[np.ndarray, Batch]]:  # fmt: skip
+    def _chain_batches(
+        self, flat: StaticForward, positions: np.ndarray, most_rows: int | None
+    ) -> Iterator[tuple[np.ndarray, Batch]]:
         """``_in_place_batches``' forwards (``span_runs``), each row seeing the slots up to
         its own (within each sliding window)."""
         first = self.committed + self.pending
         for rows, span in span_runs(flat.shapes, positions, most_rows):
             picked, keys = positions[rows, None], np.arange(span)
             seen = keys <= picked
-            masks = [seen if window is None else seen & (keys > picked - window)
-                     for window in flat.windows]  # fmt: skip
-            yield rows, Batch(tokens=np.empty(0, np.int64), positions=positions[rows],
-                              slots=first + rows, masks=masks, span=span)  # fmt: skip
+            masks = [
+                seen if window is None else seen & (keys > picked - window)
+                for window in flat.windows
+            ]
+            yield (
+                rows,
+                Batch(
+                    tokens=np.empty(0, np.int64),
+                    positions=positions[rows],
+                    slots=first + rows,
+                    masks=masks,
+                    span=span,
+                ),
+            )
 
     def _bucket_batches(
         self, static: StaticForward, positions: np.ndarray, rows: np.ndarray
@@ -677,16 +766,22 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         first = self.committed + self.pending  # the first new node's cache slot
         count = len(positions)
         by_window = self._window_masks(rows, positions, self.pending)
-        batch = Batch(tokens=np.empty(0, np.int64), positions=positions,
-                      slots=np.arange(first, first + count),
-                      masks=[by_window[w] for w in static.windows],
-                      span=static.shapes.span_for(first + count))  # fmt: skip
+        batch = Batch(
+            tokens=np.empty(0, np.int64),
+            positions=positions,
+            slots=np.arange(first, first + count),
+            masks=[by_window[w] for w in static.windows],
+            span=static.shapes.span_for(first + count),
+        )
         return [(np.arange(count), batch)]
 
     def _invariant_batches(
-        self, static: StaticForward, positions: np.ndarray, parents: np.ndarray,
+        self,
+        static: StaticForward,
+        positions: np.ndarray,
+        parents: np.ndarray,
         most_rows: int | None = None,
-    ) -> Iterator[tuple[np.ndarray, Batch]]:  # fmt: skip
+    ) -> Iterator[tuple[np.ndarray, Batch]]:
         """Width-invariant forwards (static_forward.py): rows in order, a forward holding at
         most ``widest`` (or ``most_rows``) rows of one span bucket (their own positions') on
         at most ``shapes.paths`` root-to-node paths, each row attending to its path in
@@ -724,9 +819,15 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
                 mask[:, :, 0] = True  # a row sees slot 0 only through paths not its own
                 mask[on_path] = seen if window is None else seen & (keys > picked[:, None] - window)
                 masks.append(mask)
-            batch = Batch(tokens=np.empty(0, np.int64), positions=picked,
-                          slots=committed + existing + rows, masks=masks, span=span,
-                          gather=gather, row_paths=on_path[0])  # fmt: skip
+            batch = Batch(
+                tokens=np.empty(0, np.int64),
+                positions=picked,
+                slots=committed + existing + rows,
+                masks=masks,
+                span=span,
+                gather=gather,
+                row_paths=on_path[0],
+            )
             chosen.clear(), leaves.clear(), row_paths.clear()
             return rows, batch
 
@@ -734,8 +835,11 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
             node = existing + row
             parent = tree[node]
             extends = parent in leaves
-            if chosen and (row_spans[chosen[0]] != span or len(chosen) == most_rows
-                           or (not extends and len(leaves) == shapes.paths)):  # fmt: skip
+            if chosen and (
+                row_spans[chosen[0]] != span
+                or len(chosen) == most_rows
+                or (not extends and len(leaves) == shapes.paths)
+            ):
                 yield flush()
                 extends = False
             if extends:

@@ -49,8 +49,10 @@ class Tiling:
             return low <= value <= high and value & (value - 1) == 0
 
         if not (power_of_two(self.block_n, 16, 256) and power_of_two(self.block_k, 16, 512)):
-            raise ValueError(f"a tile's sides are powers of two, block_n 16..256 and block_k "
-                             f"16..512, not {self.block_n} x {self.block_k}")  # fmt: skip
+            raise ValueError(
+                f"a tile's sides are powers of two, block_n 16..256 and block_k "
+                f"16..512, not {self.block_n} x {self.block_k}"
+            )
         if not power_of_two(self.warps, 1, 16):
             raise ValueError(f"warps is 1, 2, 4, 8 or 16, not {self.warps}")
         if not 1 <= self.stages <= 8:
@@ -58,8 +60,9 @@ class Tiling:
         if self.programs_per_sm < 0:
             raise ValueError(f"programs_per_sm is 0 or more, not {self.programs_per_sm}")
 
-    def stages_within(self, shared_bytes: int | None, element_size: int,
-                      weight_element_size: int | None = None) -> int:  # fmt: skip
+    def stages_within(
+        self, shared_bytes: int | None, element_size: int, weight_element_size: int | None = None
+    ) -> int:
         """The pipeline's depth: ``stages``, or fewer so that a buffer of the row tile and
         the weight tile per stage fits ``shared_bytes`` (None: no limit); the weight's
         elements are ``element_size`` bytes too unless ``weight_element_size`` says. The
@@ -91,11 +94,29 @@ def _kernels():
     import triton.language as tl  # noqa: PLC0415
 
     @triton.jit(do_not_specialize=["rows"])
-    def partial_sums(x, w, partial, scale, bias, y, rows, n, k, k_per_split,  # noqa: PLR0917
-                     x_stride, w_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                     WIDEN: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     DIRECT: tl.constexpr):  # fmt: skip
+    def partial_sums(  # noqa: PLR0917
+        x,
+        w,
+        partial,
+        scale,
+        bias,
+        y,
+        rows,
+        n,
+        k,
+        k_per_split,
+        x_stride,
+        w_stride,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
+        WIDEN: tl.constexpr,
+        SCALED: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        DIRECT: tl.constexpr,
+    ):
         """partial[split, m, n] = sum over the split's K range of x[m, k] * w[n, k]; DIRECT
         (one split): y[m, n] = that sum (x scale[n] if SCALED, + bias) in y's dtype instead.
         WIDEN: w's tiles (int8) are converted to x's type first."""
@@ -108,10 +129,16 @@ def _kernels():
         start = split * k_per_split
         for offset in range(0, k_per_split, BLOCK_K):
             rk = start + offset + tl.arange(0, BLOCK_K)
-            a = tl.load(x + rm[:, None] * x_stride + rk[None, :],
-                        mask=(rm[:, None] < rows) & (rk[None, :] < k), other=0.0)  # fmt: skip
-            b = tl.load(w + rn[:, None] * w_stride + rk[None, :],
-                        mask=(rn[:, None] < n) & (rk[None, :] < k), other=0)  # fmt: skip
+            a = tl.load(
+                x + rm[:, None] * x_stride + rk[None, :],
+                mask=(rm[:, None] < rows) & (rk[None, :] < k),
+                other=0.0,
+            )
+            b = tl.load(
+                w + rn[:, None] * w_stride + rk[None, :],
+                mask=(rn[:, None] < n) & (rk[None, :] < k),
+                other=0,
+            )
             if UPCAST:
                 a, b = a.to(tl.float32), b.to(tl.float32)
             elif WIDEN:
@@ -125,13 +152,22 @@ def _kernels():
                 acc += tl.load(bias + rn, mask=rn < n, other=0.0).to(tl.float32)[None, :]
             tl.store(y + rm[:, None] * n + rn[None, :], acc.to(y.dtype.element_ty), mask=mask)
         else:
-            tl.store(partial + split * BLOCK_M * n + rm[:, None] * n + rn[None, :], acc,
-                     mask=mask)  # fmt: skip
+            tl.store(partial + split * BLOCK_M * n + rm[:, None] * n + rn[None, :], acc, mask=mask)
 
     @triton.jit(do_not_specialize=["rows"])
-    def add_splits(partial, scale, bias, y, rows, n, splits, SCALED: tl.constexpr,  # noqa: PLR0917
-                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):  # fmt: skip
+    def add_splits(  # noqa: PLR0917
+        partial,
+        scale,
+        bias,
+        y,
+        rows,
+        n,
+        splits,
+        SCALED: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
         """y[m, n] = the splits' partial sums added in split order (x scale[n] if SCALED,
         + bias), in y's dtype."""
         block = tl.program_id(0)
@@ -140,8 +176,9 @@ def _kernels():
         mask = (rm[:, None] < rows) & (rn[None, :] < n)
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         for split in range(0, splits):
-            acc += tl.load(partial + split * BLOCK_M * n + rm[:, None] * n + rn[None, :],
-                           mask=mask, other=0.0)  # fmt: skip
+            acc += tl.load(
+                partial + split * BLOCK_M * n + rm[:, None] * n + rn[None, :], mask=mask, other=0.0
+            )
         if SCALED:
             acc *= tl.load(scale + rn, mask=rn < n, other=0.0)[None, :]
         if HAS_BIAS:
@@ -197,9 +234,15 @@ class Launch:
     constants: dict
 
 
-def launches(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-             tiling: Tiling = DEFAULT_TILING, shared: int | None = None, *,
-             scale: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Launch]]:  # fmt: skip
+def launches(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    tiling: Tiling = DEFAULT_TILING,
+    shared: int | None = None,
+    *,
+    scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, list[Launch]]:
     """The output buffer of ``x @ weight.T * scale + bias`` (``x`` 2-D, at most
     ``MAX_ROWS`` rows, contiguous; ``scale``: None, or float32 (n,) for an int8 ``weight``)
     and the launches that fill it, in order; ``shared``: a program's shared memory in bytes
@@ -210,8 +253,11 @@ def launches(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     partial_sums, add_splits = _kernels()
     direct = plan.splits == 1  # one split: no partial sums to add
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    partial = y if direct else torch.empty((plan.splits, MAX_ROWS, n), dtype=torch.float32,
-                                           device=x.device)  # fmt: skip
+    partial = (
+        y
+        if direct
+        else torch.empty((plan.splits, MAX_ROWS, n), dtype=torch.float32, device=x.device)
+    )
     bias_or_any = bias if bias is not None else y  # never read without HAS_BIAS
     scale_or_any = scale if scale is not None else y  # never read without SCALED
     scaled, widen = scale is not None, weight.dtype != x.dtype
@@ -223,30 +269,68 @@ def launches(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     upcast = x.device.type == "cpu" and x.dtype == torch.bfloat16
     has_bias = bias is not None
     options = {"num_warps": tiling.warps, "enable_fp_fusion": True}
-    stages = tiling.stages_within(shared or shared_bytes(x.device), x.element_size(),
-                                  weight.element_size())  # fmt: skip
-    calls = [Launch(
-        partial_sums, (plan.n_blocks, plan.splits),
-        (x, weight, partial, scale_or_any, bias_or_any, y, rows, n, k, plan.k_per_split,
-         x.stride(0), weight.stride(0)),
-        {"BLOCK_M": MAX_ROWS, "BLOCK_N": tiling.block_n, "BLOCK_K": tiling.block_k,
-         "PRECISION": "ieee" if exact else "tf32", "UPCAST": upcast, "WIDEN": widen,
-         "SCALED": scaled, "HAS_BIAS": has_bias, "DIRECT": direct, "num_stages": stages,
-         **options},
-    )]  # fmt: skip
+    stages = tiling.stages_within(
+        shared or shared_bytes(x.device), x.element_size(), weight.element_size()
+    )
+    calls = [
+        Launch(
+            partial_sums,
+            (plan.n_blocks, plan.splits),
+            (
+                x,
+                weight,
+                partial,
+                scale_or_any,
+                bias_or_any,
+                y,
+                rows,
+                n,
+                k,
+                plan.k_per_split,
+                x.stride(0),
+                weight.stride(0),
+            ),
+            {
+                "BLOCK_M": MAX_ROWS,
+                "BLOCK_N": tiling.block_n,
+                "BLOCK_K": tiling.block_k,
+                "PRECISION": "ieee" if exact else "tf32",
+                "UPCAST": upcast,
+                "WIDEN": widen,
+                "SCALED": scaled,
+                "HAS_BIAS": has_bias,
+                "DIRECT": direct,
+                "num_stages": stages,
+                **options,
+            },
+        )
+    ]
     if not direct:
-        calls.append(Launch(
-            add_splits, (plan.n_blocks,),
-            (partial, scale_or_any, bias_or_any, y, rows, n, plan.splits),
-            {"SCALED": scaled, "HAS_BIAS": has_bias, "BLOCK_M": MAX_ROWS,
-             "BLOCK_N": tiling.block_n, **options},
-        ))  # fmt: skip
+        calls.append(
+            Launch(
+                add_splits,
+                (plan.n_blocks,),
+                (partial, scale_or_any, bias_or_any, y, rows, n, plan.splits),
+                {
+                    "SCALED": scaled,
+                    "HAS_BIAS": has_bias,
+                    "BLOCK_M": MAX_ROWS,
+                    "BLOCK_N": tiling.block_n,
+                    **options,
+                },
+            )
+        )
     return y, calls
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  tiling: Tiling = DEFAULT_TILING, *,
-                  scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tiling: Tiling = DEFAULT_TILING,
+    *,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` of at most ``MAX_ROWS`` rows (any leading shape
     flattened), accumulated in float32 and returned in ``x``'s dtype. An int8 ``weight``
     comes with ``scale``, float32 (n,): ``x @ (weight * scale[:, None]).T + bias``, the
@@ -263,8 +347,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if weight.dtype not in (x.dtype, torch.int8):
         raise ValueError(f"a {weight.dtype} weight for {x.dtype} rows")
     if scale is not None and (scale.dtype != torch.float32 or scale.shape != weight.shape[:1]):
-        raise ValueError(f"the scale is float32 of shape ({weight.shape[0]},), not "
-                         f"{scale.dtype} of {tuple(scale.shape)}")  # fmt: skip
+        raise ValueError(
+            f"the scale is float32 of shape ({weight.shape[0]},), not "
+            f"{scale.dtype} of {tuple(scale.shape)}"
+        )
     x = x.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     y, calls = launches(x, weight, bias, tiling, scale=scale)
@@ -273,8 +359,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y.reshape(*shape[:-1], weight.shape[0])
 
 
-def kernel_problem(weight: torch.Tensor, dtype: torch.dtype, *, scale: torch.Tensor | None = None,
-                   tiling: Tiling = DEFAULT_TILING, seed: int = 0) -> str | None:  # fmt: skip
+def kernel_problem(
+    weight: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    scale: torch.Tensor | None = None,
+    tiling: Tiling = DEFAULT_TILING,
+    seed: int = 0,
+) -> str | None:
     """Why the kernel cannot serve ``weight`` (with ``scale`` if int8) for rows of ``dtype``
     here: it failed to build or run, or its sums on random rows are not finite or stray from
     torch's float32 arithmetic further than rounding to ``dtype`` explains. None: it serves."""
@@ -283,17 +375,26 @@ def kernel_problem(weight: torch.Tensor, dtype: torch.dtype, *, scale: torch.Ten
     x = x.to(dtype)
     widened = weight.float() if scale is None else weight.float() * scale[:, None]
     expected = x.float() @ widened.T
-    return strayed(lambda: skinny_linear(x, weight, None, tiling, scale=scale), expected,
-                   "sums", "torch's")  # fmt: skip
+    return strayed(
+        lambda: skinny_linear(x, weight, None, tiling, scale=scale), expected, "sums", "torch's"
+    )
 
 
 # torch.compile traces ``linear`` into this op: inductor cannot see into a Triton launch made
 # from Python, and as an op with a known output shape the kernel stays one call in the
 # compiled graph while the small kernels between the matmuls are fused around it.
 @torch.library.custom_op("hetspec::skinny_linear", mutates_args=())
-def _skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # noqa: PLR0917 (an op's schema)
-                      scale: torch.Tensor | None, block_n: int, block_k: int,
-                      programs_per_sm: int, warps: int, stages: int) -> torch.Tensor:  # fmt: skip
+def _skinny_linear_op(  # noqa: PLR0917
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    block_n: int,
+    block_k: int,
+    programs_per_sm: int,
+    warps: int,
+    stages: int,
+) -> torch.Tensor:
     tiling = Tiling(block_n, block_k, programs_per_sm, warps, stages)
     return skinny_linear(x, weight, bias, tiling, scale=scale)
 
@@ -313,9 +414,14 @@ class SkinnyLinear(nn.Linear):
         return linear(x, self.weight, self.bias, self.tiling)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           tiling: Tiling = DEFAULT_TILING, *,
-           scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tiling: Tiling = DEFAULT_TILING,
+    *,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``F.linear`` (an int8 ``weight`` with its ``scale``, as ``skinny_linear`` takes them),
     through ``skinny_linear`` for at most ``MAX_ROWS`` rows; wider calls (a prompt's prefill)
     in torch's matmul, an int8 weight widened to ``x``'s dtype for it."""

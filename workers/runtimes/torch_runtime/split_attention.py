@@ -49,8 +49,7 @@ def tail_length(block: int) -> int:
     return 3 * block
 
 
-def split_mask(positions: torch.Tensor, span: int, block: int, window: int | None
-               ) -> torch.Tensor:  # fmt: skip
+def split_mask(positions: torch.Tensor, span: int, block: int, window: int | None) -> torch.Tensor:
     """Which keys rows at ``positions`` (n,) see, (n, span + tail): cache slots before their
     split point, then their tail's positions up to their own; ``window``: keys no more than
     window - 1 positions back (None: all)."""
@@ -63,8 +62,7 @@ def split_mask(positions: torch.Tensor, span: int, block: int, window: int | Non
     return seen if window is None else seen & (keys > mine - window)
 
 
-def split_bias(positions: torch.Tensor, span: int, block: int, window: int | None
-               ) -> torch.Tensor:  # fmt: skip
+def split_bias(positions: torch.Tensor, span: int, block: int, window: int | None) -> torch.Tensor:
     """``split_mask`` as split_attention takes it: float32, 0 where a key is seen, -inf
     where not (an addition: cheaper than masking the scores of every head)."""
     seen = split_mask(positions, span, block, window)
@@ -91,8 +89,9 @@ def split_attention(
     heads, d = q.shape[0], q.shape[-1]
     group = heads // kv_heads  # query heads per KV head, h -> h // group
     query = (q.float() * scale).contiguous().view(kv_heads, group, n, d)
-    before = torch.matmul(query.view(kv_heads, group * n, d),
-                          keys[:, :span].float().transpose(1, 2))  # fmt: skip
+    before = torch.matmul(
+        query.view(kv_heads, group * n, d), keys[:, :span].float().transpose(1, 2)
+    )
     flat = tail_slots.reshape(-1)
     tail_keys = keys.index_select(1, flat).view(kv_heads, n, tail, d).float()
     recent = torch.matmul(query.transpose(1, 2), tail_keys.transpose(2, 3)).transpose(1, 2)
@@ -100,15 +99,17 @@ def split_attention(
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     weights = (scores + bias).softmax(-1)
-    out = torch.matmul(weights[..., :span].reshape(kv_heads, group * n, span),
-                       values[:, :span].float()).view(kv_heads, group, n, d)  # fmt: skip
+    out = torch.matmul(
+        weights[..., :span].reshape(kv_heads, group * n, span), values[:, :span].float()
+    ).view(kv_heads, group, n, d)
     tail_values = values.index_select(1, flat).view(kv_heads, n, tail, d).float()
     out = out + torch.matmul(weights[..., span:].transpose(1, 2), tail_values).transpose(1, 2)
     return out.reshape(heads, n, d).to(q.dtype)
 
 
-def path_tails(committed: int, parents: np.ndarray, depths: np.ndarray, rows: np.ndarray,
-               block: int) -> np.ndarray | None:  # fmt: skip
+def path_tails(
+    committed: int, parents: np.ndarray, depths: np.ndarray, rows: np.ndarray, block: int
+) -> np.ndarray | None:
     """Each row's tail slots, (len(rows), tail), for nodes ``rows`` of a pending tree whose
     node i sits in cache slot committed + i at position committed + depths[i] below node
     parents[i] (-1: the committed end); slots past a row's own position are 0. None where a

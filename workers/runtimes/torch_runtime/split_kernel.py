@@ -30,13 +30,33 @@ def _kernel():
     import triton.language as tl  # noqa: PLC0415
 
     @triton.jit
-    def split_attention(q, keys, values, tail, positions, out,  # noqa: PLR0917
-                        q_row, q_head, kv_head, kv_slot, tail_row, out_row,
-                        scale, softcap, window, no_score,
-                        GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr,
-                        D_P: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr,
-                        STEP: tl.constexpr, SOFTCAP: tl.constexpr,
-                        WINDOWED: tl.constexpr):  # fmt: skip
+    def split_attention(  # noqa: PLR0917
+        q,
+        keys,
+        values,
+        tail,
+        positions,
+        out,
+        q_row,
+        q_head,
+        kv_head,
+        kv_slot,
+        tail_row,
+        out_row,
+        scale,
+        softcap,
+        window,
+        no_score,
+        GROUP: tl.constexpr,
+        GROUP_P: tl.constexpr,
+        D: tl.constexpr,
+        D_P: tl.constexpr,
+        BLOCK: tl.constexpr,
+        TAIL: tl.constexpr,
+        STEP: tl.constexpr,
+        SOFTCAP: tl.constexpr,
+        WINDOWED: tl.constexpr,
+    ):
         """out[row, heads of KV head h] = attention of those heads' queries over the row's
         keys before its split point (in place) and its tail (``tail``'s slots)."""
         row, head = tl.program_id(0), tl.program_id(1)
@@ -46,8 +66,12 @@ def _kernel():
         dims = tl.arange(0, D_P)
         heads = head * GROUP + g
         q_mask = (g < GROUP)[:, None] & (dims < D)[None, :]
-        query = tl.load(q + row * q_row + heads[:, None] * q_head + dims[None, :],
-                        mask=q_mask, other=0.0).to(tl.float32) * scale  # fmt: skip
+        query = (
+            tl.load(
+                q + row * q_row + heads[:, None] * q_head + dims[None, :], mask=q_mask, other=0.0
+            ).to(tl.float32)
+            * scale
+        )
         top = tl.full((GROUP_P,), no_score, tl.float32)
         total = tl.full((GROUP_P,), 0.0, tl.float32)
         acc = tl.full((GROUP_P, D_P), 0.0, tl.float32)
@@ -65,8 +89,9 @@ def _kernel():
             valid = (at <= p) & (at < start + TAIL)
             if WINDOWED:
                 valid &= at > p - window
-            gathered = tl.load(tail + row * tail_row + at - start, mask=valid & (at >= start),
-                               other=0)  # fmt: skip
+            gathered = tl.load(
+                tail + row * tail_row + at - start, mask=valid & (at >= start), other=0
+            )
             slots = tl.where(at >= start, gathered, at)
             where = slots[:, None] * kv_slot + dims[None, :]
             k = tl.load(k_base + where, mask=valid[:, None] & d_mask, other=0.0).to(tl.float32)
@@ -82,8 +107,11 @@ def _kernel():
             acc = acc * keep[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
             top = new_top
         result = acc / total[:, None]
-        tl.store(out + row * out_row + heads[:, None] * D + dims[None, :],
-                 result.to(out.dtype.element_ty), mask=q_mask)  # fmt: skip
+        tl.store(
+            out + row * out_row + heads[:, None] * D + dims[None, :],
+            result.to(out.dtype.element_ty),
+            mask=q_mask,
+        )
 
     return split_attention
 
@@ -109,8 +137,9 @@ def split_attention(
     if keys.stride(2) != 1 or values.stride() != keys.stride() or q.stride(2) != 1:
         raise ValueError("the kernel reads q, keys and values with unit stride along d")
     if tail_slots.shape != (n, tail_length(block)):
-        raise ValueError(f"tail_slots must be ({n}, {tail_length(block)}), not "
-                         f"{tuple(tail_slots.shape)}")  # fmt: skip
+        raise ValueError(
+            f"tail_slots must be ({n}, {tail_length(block)}), not {tuple(tail_slots.shape)}"
+        )
     import triton  # noqa: PLC0415 (where the kernel runs, Triton is installed)
 
     tail = tail_slots.contiguous()
@@ -119,34 +148,89 @@ def split_attention(
     step = max(16, min(64, TILE_ELEMENTS // (group_p * d_p)))  # powers of two, all
     kernel = _kernel()
     kernel[(n, kv_heads)](
-        q, keys, values, tail, positions, out,
-        q.stride(1), q.stride(0), keys.stride(0), keys.stride(1), tail.stride(0),
-        out.stride(0), scale, softcap or 1.0, window or 0, NO_SCORE,
-        GROUP=group, GROUP_P=group_p, D=d, D_P=d_p, BLOCK=block, TAIL=tail_length(block),
-        STEP=step, SOFTCAP=softcap is not None, WINDOWED=window is not None,
-    )  # fmt: skip
+        q,
+        keys,
+        values,
+        tail,
+        positions,
+        out,
+        q.stride(1),
+        q.stride(0),
+        keys.stride(0),
+        keys.stride(1),
+        tail.stride(0),
+        out.stride(0),
+        scale,
+        softcap or 1.0,
+        window or 0,
+        NO_SCORE,
+        GROUP=group,
+        GROUP_P=group_p,
+        D=d,
+        D_P=d_p,
+        BLOCK=block,
+        TAIL=tail_length(block),
+        STEP=step,
+        SOFTCAP=softcap is not None,
+        WINDOWED=window is not None,
+    )
     return out
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tail_slots: torch.Tensor,
-           positions: torch.Tensor, *, block: int, scale: float, softcap: float | None = None,
-           window: int | None = None) -> torch.Tensor:  # fmt: skip
+def attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    tail_slots: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    block: int,
+    scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
     """``split_attention``, as one opaque op where torch.compile traces it (inductor cannot see
     into a Triton launch made from Python; it fuses the kernels around it instead)."""
     if torch.compiler.is_compiling():
-        return torch.ops.hetspec.split_attention(q, keys, values, tail_slots, positions, block,
-                                                 scale, softcap, window)  # fmt: skip
-    return split_attention(q, keys, values, tail_slots, positions, block=block, scale=scale,
-                           softcap=softcap, window=window)  # fmt: skip
+        return torch.ops.hetspec.split_attention(
+            q, keys, values, tail_slots, positions, block, scale, softcap, window
+        )
+    return split_attention(
+        q,
+        keys,
+        values,
+        tail_slots,
+        positions,
+        block=block,
+        scale=scale,
+        softcap=softcap,
+        window=window,
+    )
 
 
 @torch.library.custom_op("hetspec::split_attention", mutates_args=())
-def _split_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,  # noqa: PLR0917 (an op's schema)
-                        tail_slots: torch.Tensor, positions: torch.Tensor, block: int,
-                        scale: float, softcap: float | None,
-                        window: int | None) -> torch.Tensor:  # fmt: skip
-    return split_attention(q, keys, values, tail_slots, positions, block=block, scale=scale,
-                           softcap=softcap, window=window)  # fmt: skip
+def _split_attention_op(  # noqa: PLR0917
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    tail_slots: torch.Tensor,
+    positions: torch.Tensor,
+    block: int,
+    scale: float,
+    softcap: float | None,
+    window: int | None,
+) -> torch.Tensor:
+    return split_attention(
+        q,
+        keys,
+        values,
+        tail_slots,
+        positions,
+        block=block,
+        scale=scale,
+        softcap=softcap,
+        window=window,
+    )
 
 
 @_split_attention_op.register_fake

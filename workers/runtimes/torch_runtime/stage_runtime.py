@@ -88,18 +88,24 @@ class StageRuntime:
         hidden states (n, hidden) float32, or logits (n, vocab) float32 from the last stage."""
         n = len(positions)
         if self.filled + n > self.capacity:
-            raise ValueError(f"the stage's cache holds {self.capacity} slots; {self.filled} "
-                             f"used, {n} more asked")  # fmt: skip
+            raise ValueError(
+                f"the stage's cache holds {self.capacity} slots; {self.filled} used, {n} more asked"
+            )
         if self.first:
             x = self.model.model.embed(torch.from_numpy(inputs).to(self.device))
         else:
             x = torch.from_numpy(inputs).to(self.device, self.dtype)
         at = torch.from_numpy(positions).to(self.device)
         hidden = self.model.run_halves(
-            x, self.halves, self._cos[:, at].to(self.dtype), self._sin[:, at].to(self.dtype),
-            cache_keys=self._keys, cache_values=self._values, start=self.filled,
+            x,
+            self.halves,
+            self._cos[:, at].to(self.dtype),
+            self._sin[:, at].to(self.dtype),
+            cache_keys=self._keys,
+            cache_values=self._values,
+            start=self.filled,
             masks=self._masks(positions, visible, committed),
-        )  # fmt: skip
+        )
         self._slot_positions[self.filled : self.filled + n] = positions
         self.filled += n
         if self.last:
@@ -129,12 +135,15 @@ class StageRuntime:
         causal = np.tril(np.ones((n, n), bool))
         return self.forward(inputs, self.filled + np.arange(n), causal, self.filled)
 
-    def admit(self, admission: Admission, inputs: np.ndarray, positions: np.ndarray,
-              committed: int) -> np.ndarray:  # fmt: skip
+    def admit(
+        self, admission: Admission, inputs: np.ndarray, positions: np.ndarray, committed: int
+    ) -> np.ndarray:
         """Compute a segment's live rows (``inputs``/``positions`` already cut to them)."""
         if admission.start != self.filled:
-            raise ValueError(f"the book places the segment at slot {admission.start}, the "
-                             f"cache is filled to {self.filled}")  # fmt: skip
+            raise ValueError(
+                f"the book places the segment at slot {admission.start}, the "
+                f"cache is filled to {self.filled}"
+            )
         return self.forward(inputs, positions, admission.visible, committed)
 
     @torch.inference_mode()

@@ -53,8 +53,9 @@ class Shapes:
     tail_block: int = 0
 
     @classmethod
-    def for_context(cls, capacity: int, *, fixed_width: int, span_buckets: bool,
-                    paths: int = INVARIANT_PATHS) -> Shapes:  # fmt: skip
+    def for_context(
+        cls, capacity: int, *, fixed_width: int, span_buckets: bool, paths: int = INVARIANT_PATHS
+    ) -> Shapes:
         """Width buckets 1, 2, 4 .. 64, or ``fixed_width`` alone (> 0, width-invariant, with
         ``paths`` paths a forward); span buckets 256, 512 .. up to ``capacity`` (or
         ``capacity`` alone)."""
@@ -156,8 +157,10 @@ class StaticForward:
         widest, paths, windows = shapes.widest, shapes.paths, len(self.windows)
 
         def pair(shape, dtype):  # (on the device, its pinned host staging)
-            return (torch.zeros(shape, dtype=dtype, device=device),
-                    torch.zeros(shape, dtype=dtype, pin_memory=pinned))  # fmt: skip
+            return (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, pin_memory=pinned),
+            )
 
         # tokens, positions, cache slots, row paths: a row each
         self._inputs = pair((4, widest), torch.int64)
@@ -176,8 +179,9 @@ class StaticForward:
 
     # ------------------------------------------------------------ calls
 
-    def run(self, batch: Batch, first_token: torch.Tensor | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def run(
+        self, batch: Batch, first_token: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Evaluate ``batch`` (n <= widest rows; its keys/values go to ``batch.slots``).
         Returns (logits float32 (n, vocab), last hidden states (n, hidden)): views valid
         until the next call. ``first_token``: a (1,) int64 tensor on the device that replaces
@@ -252,8 +256,10 @@ class StaticForward:
         if masks is None:
             block = self.shapes.tail_block
             split = SplitRows(self._tail[0][:width], positions, block, self.split_kernel)
-            masks = [None if self.split_kernel else split_bias(positions, span, block, window)
-                     for window in self.windows]  # fmt: skip
+            masks = [
+                None if self.split_kernel else split_bias(positions, span, block, window)
+                for window in self.windows
+            ]
         else:
             masks = masks[..., :width, :]
         paths = (gather, row_paths) if self.shapes.paths else None
@@ -335,12 +341,16 @@ def same_bits_in_place(one_path: StaticForward, in_place: StaticForward, seed: i
                 seen &= keys > positions[:, None] - window
             masks.append(seen)
         tokens = rng.integers(0, vocab, size=len(positions))
-        batch = Batch(tokens=tokens, positions=positions, slots=positions, masks=masks,
-                      span=span)  # fmt: skip
-        gathered = Batch(tokens=tokens, positions=positions, slots=positions,
-                         masks=[mask[None] for mask in masks], span=span,
-                         gather=keys[None].astype(np.int64),
-                         row_paths=np.zeros(len(positions), np.int64))  # fmt: skip
+        batch = Batch(tokens=tokens, positions=positions, slots=positions, masks=masks, span=span)
+        gathered = Batch(
+            tokens=tokens,
+            positions=positions,
+            slots=positions,
+            masks=[mask[None] for mask in masks],
+            span=span,
+            gather=keys[None].astype(np.int64),
+            row_paths=np.zeros(len(positions), np.int64),
+        )
         logits, hidden = (out.clone() for out in one_path.run(gathered))
         flat_logits, flat_hidden = in_place.run(batch)
         if not (torch.equal(logits, flat_logits) and torch.equal(hidden, flat_hidden)):
@@ -361,8 +371,14 @@ def kernel_problem(kernel: StaticForward, arithmetic: StaticForward, seed: int =
     tails = split_point(positions, shapes.tail_block)[:, None] + np.arange(
         tail_length(shapes.tail_block)
     )  # each row's split point on: its positions, in their own slots (past it: masked)
-    batch = Batch(tokens=tokens, positions=positions, slots=positions, masks=[], span=span,
-                  tail_slots=np.minimum(tails, span - 1))  # fmt: skip
+    batch = Batch(
+        tokens=tokens,
+        positions=positions,
+        slots=positions,
+        masks=[],
+        span=span,
+        tail_slots=np.minimum(tails, span - 1),
+    )
     expected = arithmetic.run(batch)[0].float().clone()
     return strayed(lambda: kernel.run(batch)[0], expected, "logits", "the torch arithmetic's")
 

@@ -53,8 +53,7 @@ class FolderTokenizer:
             settings_path = folder / "tokenizer_config.json"
             settings = json.loads(settings_path.read_text()) if settings_path.exists() else {}
             generation_path = folder / "generation_config.json"
-            generation = (json.loads(generation_path.read_text())
-                          if generation_path.exists() else {})  # fmt: skip
+            generation = json.loads(generation_path.read_text()) if generation_path.exists() else {}
         except (OSError, ValueError, Exception) as error:  # tokenizers raises plain Exception
             raise ModelLoadError(f"{folder}: cannot read its tokenizer files ({error})") from None
         model_type = spec.get("model", {}).get("type", "")
