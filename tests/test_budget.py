@@ -19,7 +19,7 @@ from hetspec.speculative.control.cost_model import (
     linear_branch_factor,
 )
 from hetspec.speculative.control.estimates import Estimates, WindowedMedian
-from hetspec.speculative.control.rounds import DraftCall, Plan, RoundReport
+from hetspec.speculative.control.rounds import DraftCall, Plan, RoundReport, TreeOutcome
 from hetspec.speculative.drafting.branching import branch_length
 
 MAX_GAMMA, MAX_BRANCHES = 16, 4  # the controller's defaults
@@ -1155,3 +1155,21 @@ def test_chains_acceptance_follows_the_text_while_branches_are_drafted() -> None
     assert share >= 0.95, (share, blind_share)
     assert branched <= 0.1, (branched, blind_branched)
     assert blind_branched > 2 * branched, (branched, blind_branched)  # the reports decide it
+
+
+def test_tree_rounds_teach_the_controller_through_their_reports_alone() -> None:
+    """What a tree round's scores expected and its first choices reach the controller in the
+    report, as a simulated box's would: the calibration and the first-choice rate follow."""
+    controller = BudgetController(ControllerConfig.of(max_width=63, tree_k=4))
+    prior_factor = controller.tree_calibration.factor
+    prior_rate = controller.tree_first_choice.rate
+    controller.commit(controller.choose())
+    for _ in range(20):  # scores expected 4 accepted tokens a round, 2 were; first choices missed
+        report = RoundReport(
+            4, 1, 2, verify_width=9, verify_s=0.01, tree=TreeOutcome(4.0, (True, True, False))
+        )
+        controller.observe(report)
+    assert controller.tree_calibration.factor == pytest.approx(0.5, abs=0.05)
+    assert controller.tree_calibration.factor < prior_factor
+    assert controller.tree_first_choice.rate < prior_rate
+    assert controller.tree_first_choice.rate > 2 / 3 - 0.1

@@ -12,6 +12,7 @@ from hetspec.speculative.drafting.dynamic_tree import (
     FirstChoice,
     best_width,
     child_scores,
+    first_choice_offers,
     rank_nodes,
     within_leaves,
 )
@@ -85,10 +86,14 @@ def test_first_choice_acceptance_is_learned_along_the_accepted_path() -> None:
     parents = [-1, -1, 0, 0, 2]
     learner = FirstChoice(prior=0.5, decay=1.0)
     for _ in range(10):
-        learner.observe(parents, [0, 3])  # first taken, then the second child: 1 of 2 offers
+        learner.observe(
+            first_choice_offers(parents, [0, 3])
+        )  # first taken, then the second child: 1 of 2 offers
     assert learner.rate == pytest.approx(0.5)
     for _ in range(40):
-        learner.observe(parents, [0, 2, 4])  # three offers, all taken
+        learner.observe(first_choice_offers(parents, [0, 2, 4]))  # three offers, all taken
     assert learner.rate == pytest.approx((10 + 120) / (20 + 120))
-    learner.observe(parents, [])  # the root's first child refused: one offer, not taken
+    learner.observe(
+        first_choice_offers(parents, [])
+    )  # the root's first child refused: one offer, not taken
     assert learner.rate < (10 + 120) / (20 + 120)

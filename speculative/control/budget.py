@@ -95,6 +95,9 @@ class BudgetController:
             if not after_alone:
                 self.estimates.observe_delivery(report, plan.tokens_per_s)
         self.estimates.observe(report)
+        if report.tree is not None:
+            self.tree_calibration.observe(report.tree.expected, report.accepted)
+            self.tree_first_choice.observe(report.tree.first_choices)
 
     def assume_verifier(self, seconds_by_width: dict[int, float]) -> None:
         """Start from the verifier's forward costs measured before serving (see

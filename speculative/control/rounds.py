@@ -48,6 +48,17 @@ class DraftCall:
 
 
 @dataclass(frozen=True)
+class TreeOutcome:
+    """What a dynamic tree round tells the controller of its scores: ``expected``, the
+    verified nodes' estimated acceptance summed (against the report's ``accepted``), and
+    ``first_choices``, below the root and each accepted node, whether verification took the
+    draft's first choice."""
+
+    expected: float
+    first_choices: tuple[bool, ...] = ()
+
+
+@dataclass(frozen=True)
 class RoundReport:
     """What one round did and cost. ``gamma`` and ``branches`` are the shape drafted (the
     rule picks its own); ``accepted`` counts drafted tokens accepted on the best branch."""
@@ -76,6 +87,7 @@ class RoundReport:
     # trial of the other core choice)
     alone_round_s: float | None = None
     alone_compute_s: float | None = None
+    tree: TreeOutcome | None = None  # a dynamic tree round's
 
     @property
     def drafted(self) -> int:

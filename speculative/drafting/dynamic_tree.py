@@ -126,6 +126,21 @@ def best_width(
     return best
 
 
+def first_choice_offers(parents: Sequence[int], path: Sequence[int]) -> tuple[bool, ...]:
+    """Of a verified tree (ranked nodes, ``parents``) and its accepted ``path``: below the root
+    and each accepted node that has children, whether verification took the first-listed
+    child (the draft's own choice)."""
+    first: dict[int, int] = {}
+    for node, parent in enumerate(parents):
+        first.setdefault(int(parent), node)
+    offers = []
+    for depth, parent in enumerate([ROOT, *path]):
+        if parent not in first:
+            break
+        offers.append(depth < len(path) and path[depth] == first[parent])
+    return tuple(offers)
+
+
 @dataclass
 class FirstChoice:
     """How often verification accepts the draft's first choice below an accepted node, over
@@ -136,17 +151,10 @@ class FirstChoice:
     _accepted: float = 0.0
     _offered: float = 0.0
 
-    def observe(self, parents: Sequence[int], path: Sequence[int]) -> None:
-        """One verified tree (ranked nodes, ``parents``) and its accepted ``path``: below the
-        root and each accepted node, was the first-listed child (the draft's choice) taken?"""
-        first: dict[int, int] = {}
-        for node, parent in enumerate(parents):
-            first.setdefault(int(parent), node)
-        below = [ROOT, *path]
-        for depth, parent in enumerate(below):
-            if parent not in first:
-                break
-            taken = depth < len(path) and path[depth] == first[parent]
+    def observe(self, offers: Sequence[bool]) -> None:
+        """One verified tree's offers (``first_choice_offers``): each, whether the draft's
+        first choice was taken."""
+        for taken in offers:
             self._accepted = self._accepted * self.decay + taken
             self._offered = self._offered * self.decay + 1
 

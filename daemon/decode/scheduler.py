@@ -1,0 +1,220 @@
+"""Every trick that hides a round's latency, and nothing of the algorithm.
+
+The next round's plan is chosen while a call runs; the next round's draft is sent as soon as
+this round's tokens are known (the drafter drafts while the daemon reports, learns and
+streams); the drafter is woken before that draft comes; the daemon's own work runs beside a
+verification; and the target computes on the drafter's cores while the drafter idles, where
+that measured faster (now and then the other choice, as a trial). A round asks the scheduler
+for its calls; what it decides from their replies is its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from hetspec.daemon.decode.autoregressive import alone_tokens
+from hetspec.daemon.decode.round_context import RoundContext, RoundKind
+from hetspec.daemon.decode.verdict_site import VerdictSite
+from hetspec.protocol import worker_messages as m
+from hetspec.speculative.control.budget import Choice
+from hetspec.speculative.control.rounds import DraftCall, Plan
+
+
+def shaped(plan: Plan, remaining: int) -> Plan:
+    """The round a plan runs with ``remaining`` tokens left to emit: gamma cut to them (an
+    overlapped round drafts at least one); what was expected of it is not carried."""
+    gamma = min(plan.gamma, remaining)
+    return Plan(max(gamma, 1) if plan.overlap else gamma, plan.branches, plan.overlap, plan.rule)
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()  # nothing awaits it: its failure is not news
+
+
+@dataclass(frozen=True)
+class Verification:
+    reply: m.Verified
+    seconds: float  # as the daemon saw it, the link included
+    trial: bool  # a trial of the core choice not preferred: not what such rounds cost
+
+
+@dataclass(frozen=True)
+class AloneDecode:
+    reply: m.Decoded
+    frames: list
+    usual: bool  # what decoding alone costs (not a trial, not beside a drafter at work)
+
+
+class Scheduler:
+    """One request's latency hiding. ``upcoming``: the next round's plan, chosen ahead (not
+    committed until that round runs); ``early_draft``: the next round's draft call, sent."""
+
+    def __init__(self, ctx: RoundContext) -> None:
+        self.ctx = ctx
+        self.upcoming: Choice | None = None
+        self.early_draft: asyncio.Future | None = None
+
+    # ------------------------------------------------------------ plans
+
+    def plan(self, remaining: int) -> Plan:
+        """The next round's plan, committed: the request's own, the one chosen ahead, or the
+        controller's choice now; shaped for ``remaining`` tokens left to emit."""
+        ctx = self.ctx
+        if ctx.fixed is not None:
+            return shaped(ctx.fixed, remaining)
+        choice, self.upcoming = self.upcoming or ctx.controller.choose(), None
+        return shaped(ctx.controller.commit(choice), remaining)
+
+    def _weigh_next_plan(self) -> None:
+        if self.ctx.fixed is None and self.upcoming is None:
+            self.upcoming = self.ctx.controller.choose()
+
+    @property
+    def _weighs_beside_draft(self) -> bool:
+        """Where a drafting round weighs the next plan: beside its draft where the verifier
+        computes on the CPU (the verification may borrow every core, and a core taken from it
+        stalls all its threads), else beside its verification (on a GPU box the longer call,
+        where an early draft may be done before the weighing would start)."""
+        return self.ctx.pair.verifier_on_cpu
+
+    async def awaiting(self, call: Awaitable, *, weigh: bool = True):
+        """Await a worker call, choosing the next round's plan while it runs (weighing every
+        candidate takes most of a millisecond the round would otherwise wait) unless not
+        ``weigh``. ``call``: a coroutine, or the task of a call whose command was sent."""
+        sent = isinstance(call, asyncio.Future)
+        task = asyncio.ensure_future(call)
+        try:
+            if weigh and self.ctx.fixed is None and self.upcoming is None:
+                await asyncio.sleep(0)  # the call's command goes out first
+                self._weigh_next_plan()
+            # a sent call's task runs to its reply: cancelled before its first step, it
+            # would never hear of it
+            return await (asyncio.shield(task) if sent else task)
+        except BaseException:
+            if sent:
+                task.add_done_callback(_retrieved)
+            else:
+                task.cancel()
+            raise
+
+    # ------------------------------------------------------------ drafts
+
+    async def draft(self, plan: Plan, kind: RoundKind) -> tuple[m.Drafted, DraftCall, float]:
+        """A drafting round's draft: the one sent early for it, else a new call; the reply,
+        its cost and the call's seconds."""
+        early, self.early_draft = self.early_draft, None
+        call = early if early is not None else self._draft_call(plan, kind, post=False)
+        return await self.awaiting(call, weigh=self._weighs_beside_draft)
+
+    def _draft_call(self, plan: Plan, kind: RoundKind, *, post: bool):
+        """A plain or tree round's draft call; with ``post``, its command sent now (the
+        drafter's prefill done) rather than once awaited."""
+        ctx, limits = self.ctx, self.ctx.controller.limits
+        drafter = ctx.drafter
+        if kind is RoundKind.TREE:
+            depth, k = plan.gamma, limits.tree_k
+            size = min(limits.max_width - 1, k * (1 + (depth - 1) * k))
+            call = drafter.post_tree if post else drafter.draft_tree
+            first_accept = ctx.controller.tree_first_choice.rate
+            return call(depth, k, size, ctx.params, length=ctx.position, first_accept=first_accept)
+        scale = ctx.controller.config.rule_scale if plan.rule else None
+        call = drafter.post_draft if post else drafter.draft
+        return call(plan.gamma, plan.branches, ctx.params, scale, length=ctx.position)
+
+    def _next_drafting_plan(self, remaining: int) -> tuple[Plan, RoundKind] | None:
+        """The next round's plan where it is known already (fixed, or chosen ahead) and drafts
+        a plain or tree round, shaped for ``remaining`` tokens left; else None."""
+        ctx = self.ctx
+        chosen = ctx.fixed or (self.upcoming.plan if self.upcoming is not None else None)
+        if chosen is None or remaining <= 0 or not ctx.drafter.can_post():
+            return None
+        plan = shaped(chosen, remaining)
+        kind = ctx.kind(plan)
+        return (plan, kind) if kind in (RoundKind.PLAIN, RoundKind.TREE) else None
+
+    def post_next_draft(self, remaining: int, stopped: bool) -> None:
+        """Send the next round's draft now that this round's tokens are known, where that
+        round drafts a plan known already. ``remaining``: what the request may emit after
+        this round. Call it once nothing reads this round's draft rows (the next replace them)."""
+        upcoming = None if stopped else self._next_drafting_plan(remaining)
+        if upcoming is not None:
+            plan, kind = upcoming
+            self.early_draft = asyncio.ensure_future(self._draft_call(plan, kind, post=True))
+
+    def drop_early_draft(self) -> None:
+        """The request ended with a draft sent for a round that will not run: it runs to its
+        reply (cancelled before its first step, its call would never hear of it), unread."""
+        early, self.early_draft = self.early_draft, None
+        if early is not None:
+            early.add_done_callback(_retrieved)
+
+    # ------------------------------------------------------------ verification
+
+    async def verify(
+        self,
+        tokens: Sequence[int],
+        parents: Sequence[int],
+        remaining: int,
+        *,
+        site: VerdictSite,
+        walk: m.SampledWalk | None = None,
+        beside: Callable[[], None] | None = None,
+    ) -> Verification:
+        """A drafting round's verification once its draft is done: the drafter idles, so the
+        verifier may borrow its cores (the measured better choice, now and then the other as
+        a trial); ``beside``: the daemon's work while the verifier computes. ``remaining``:
+        what the request may emit from this round on (it emits at least one)."""
+        ctx = self.ctx
+        cores = ctx.pair.verify_cores if ctx.pair.verifier.spec.spare_cores else None
+        spare_cores = cores is not None and cores.choose()
+        start = time.perf_counter()
+        reply = ctx.verifier.verify(
+            list(tokens),
+            list(parents),
+            spare_cores=spare_cores,
+            argmax_only=site is VerdictSite.ARGMAX,
+            walk=walk,
+        )
+        if beside is not None:
+            beside()
+        if not self._weighs_beside_draft:
+            self._weigh_next_plan()
+        verified, _ = await reply
+        seconds = time.perf_counter() - start
+        # wake the drafter for the draft about to be posted: it waits awake through the
+        # verdict instead of waking when the draft comes (where the verifier borrowed its
+        # cores, that wake-up was most of a draft call's link); wrong only where the round
+        # ends the request: a short spin
+        if self._next_drafting_plan(remaining - 1) is not None:
+            ctx.drafter.announce()
+        if cores is None:
+            return Verification(verified, seconds, False)
+        # per one-node verification: calls of every width compare
+        size = ctx.controller.estimates.verify_size(len(tokens) + 1)
+        cores.record(spare_cores, verified.elapsed_ms / 1000 / size)
+        return Verification(verified, seconds, cores.exploring)
+
+    # ------------------------------------------------------------ the target alone
+
+    async def decode_alone(self, remaining: int) -> AloneDecode:
+        """The target decodes a few tokens by itself (``alone_tokens`` of them), on the
+        drafter's cores too where that measured faster and the drafter idles (it may still
+        prefill: then the target keeps to its own cores)."""
+        ctx = self.ctx
+        idle = ctx.drafter.idle()
+        cores = ctx.pair.alone_cores
+        spare_cores = idle and cores.choose()
+        steps = alone_tokens(
+            ctx.controller.estimates.target_alone_s(), trial=idle and cores.exploring
+        )
+        call = ctx.verifier.decode(
+            min(steps, remaining), ctx.params, spare_cores=spare_cores, logprobs=ctx.logprobs
+        )
+        decoded, frames = await self.awaiting(call)
+        if idle:
+            cores.record(spare_cores, decoded.elapsed_ms / 1000 / len(decoded.tokens))
+        return AloneDecode(decoded, frames, usual=idle and not cores.exploring)
