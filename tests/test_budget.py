@@ -11,6 +11,7 @@ from hetspec.speculative.control.budget import BudgetController, ControllerConfi
 from hetspec.speculative.control.core_choice import SpareCoreChoice
 from hetspec.speculative.control.cost_model import (
     TABULATED_WIDTHS,
+    ByOverlap,
     CostModel,
     ProfileCurve,
     ProfiledVerify,
@@ -120,9 +121,9 @@ class SimulatedBox:
         slow = self.contention
         k = self.rule_branches if unsure else 1
         return CostModel(
-            step_s={False: self.draft_step_s, True: self.draft_step_s * slow},
-            latency_s={False: self.call_latency_s, True: self.call_latency_s},
-            verify={False: self.verify_cost(), True: self.verify_cost(slow)},
+            step_s=ByOverlap(self.draft_step_s, self.draft_step_s * slow),
+            latency_s=ByOverlap(self.call_latency_s, self.call_latency_s),
+            verify=ByOverlap(self.verify_cost(), self.verify_cost(slow)),
             reach=reach,
             overhead_s=0.0,
             alone_s=self.alone_s(),
@@ -513,7 +514,7 @@ def test_the_rule_s_budgets_weighed_at_once_equal_one_by_one() -> None:
             length = branch_length(int(budget), k)
             forwards = budget if k == 1 else length + 1
             expected_tokens += share.share * (1 + share.reach[1 : length + 1].sum())
-            verify = model.verify[False].at(k * length + 1)
+            verify = model.verify.plain.at(k * length + 1)
             verify *= model.branched_verify if k > 1 else 1.0
             expected_s += share.share * (model.draft_s(forwards, k) + verify)
         assert tokens[i] == pytest.approx(expected_tokens, rel=1e-12)
@@ -997,7 +998,7 @@ def test_the_summary_stays_plain_json_once_branches_were_drafted() -> None:
         )
     summary = estimates.summary()
     assert summary["branch_factor"][0] == pytest.approx(2.0)
-    assert type(summary["draft_step_ms"]["alone"]) is float
+    assert type(summary["draft_step_ms"]["plain"]) is float
     assert msgspec.json.decode(msgspec.json.encode(summary))["branch_factor"]
 
 
@@ -1048,7 +1049,7 @@ def test_the_target_alone_is_priced_by_the_load_profile_until_it_is_measured() -
     model = aware.estimates.cost_model(rule=False)
     assert model.alone_s == pytest.approx(0.00036)
     # the plain rounds never measured are priced by the profile's line too
-    assert float(model.verify[False].at(5)) == pytest.approx(0.00095, rel=0.1)
+    assert float(model.verify.plain.at(5)) == pytest.approx(0.00095, rel=0.1)
     assert aware.choose().plan.gamma == 0
     with pytest.raises(ValueError, match="width 1"):
         aware.assume_verifier({2: 0.001})

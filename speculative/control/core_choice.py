@@ -31,7 +31,9 @@ class SpareCoreChoice:
         usual_window: int = 48,
         slower: float = 1.25,
     ) -> None:
-        self._cost: dict[bool, deque[float]] = {c: deque(maxlen=window) for c in (True, False)}
+        # recent costs per unit of work, with the spare cores and on the target's own cores
+        self._spare: deque[float] = deque(maxlen=window)
+        self._own: deque[float] = deque(maxlen=window)
         self._usual = deque(maxlen=usual_window)  # borrowing's calls over a longer time
         self.explore_every, self.recheck_every = explore_every, recheck_every
         self.slower = slower
@@ -40,8 +42,11 @@ class SpareCoreChoice:
         self._confirming = False  # ... and it measured better: try it again at once
         self._best = True
 
+    def _samples(self, spare_cores: bool) -> deque[float]:
+        return self._spare if spare_cores else self._own
+
     def _median(self, spare_cores: bool) -> float | None:
-        samples = self._cost[spare_cores]
+        samples = self._samples(spare_cores)
         return statistics.median(samples) if samples else None
 
     def preferred(self) -> bool:
@@ -57,7 +62,7 @@ class SpareCoreChoice:
         if best != self._best:
             self._best, self._confirming = best, False
         self._since_trial += 1
-        measured = bool(self._cost[False])  # keeping to its own cores, measured at least once
+        measured = bool(self._own)  # keeping to its own cores, measured at least once
         every = self.recheck_every if best and measured else self.explore_every
         self._exploring = (
             self._confirming
@@ -68,7 +73,7 @@ class SpareCoreChoice:
             self._since_trial = 0
             if best:  # borrowing's level now is its usual, until it slows again
                 self._usual.clear()
-                self._usual.extend(self._cost[True])
+                self._usual.extend(self._spare)
         return not best if self._exploring else best
 
     def _borrowing_slowed(self) -> bool:
@@ -99,7 +104,7 @@ class SpareCoreChoice:
         if self._exploring:
             other = self._median(not spare_cores)
             self._confirming = other is not None and seconds_per_token < other
-        self._cost[spare_cores].append(seconds_per_token)
+        self._samples(spare_cores).append(seconds_per_token)
         if spare_cores:
             self._usual.append(seconds_per_token)
 

@@ -26,8 +26,11 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Generic, TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
 
 # Integer widths a profile curve tabulates: every tree a round may verify (the controller
 # prices every candidate's width at each choice)
@@ -122,6 +125,21 @@ class ProfiledVerify:
         return np.maximum(self.base + self.scale * self.profile.at(width), self.floor)
 
 
+VerifyCost = VerifyLine | ProfiledVerify
+
+
+@dataclass(frozen=True)
+class ByOverlap(Generic[T]):
+    """One quantity kept apart for plain rounds (one worker computes at a time) and
+    overlapped ones (the drafter drafts ahead while the verifier verifies)."""
+
+    plain: T
+    overlapped: T
+
+    def of(self, overlapped: bool) -> T:
+        return self.overlapped if overlapped else self.plain
+
+
 @dataclass(frozen=True)
 class RuleShare:
     """How often the rule picks ``k`` branches, and reach by depth in those rounds."""
@@ -138,9 +156,9 @@ def linear_branch_factor(branch_cost: float, max_branches: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class CostModel:
-    step_s: dict[bool, float]  # seconds per draft step of one branch, by "overlapped"
-    latency_s: dict[bool, float]  # a draft call's seconds besides its steps, by "overlapped"
-    verify: dict[bool, VerifyLine | ProfiledVerify]  # by "overlapped"
+    step_s: ByOverlap[float]  # seconds per draft step of one branch
+    latency_s: ByOverlap[float]  # a draft call's seconds besides its steps
+    verify: ByOverlap[VerifyCost]
     reach: np.ndarray  # [branches, depth]: P(the first depth tokens accepted); row 0 unused
     overhead_s: float
     # [branches]: a draft step of that many branches against one of a chain (index 0 unused)
@@ -157,8 +175,8 @@ class CostModel:
 
     def draft_s(self, steps, branches=1, overlapped: bool = False):
         """A draft call of ``steps`` steps, from sending it to having its reply."""
-        step = self.step_s[overlapped] * self.branch_factor[np.asarray(branches)]
-        return self.latency_s[overlapped] + np.asarray(steps) * step
+        step = self.step_s.of(overlapped) * self.branch_factor[np.asarray(branches)]
+        return self.latency_s.of(overlapped) + np.asarray(steps) * step
 
     def predict(self, gamma, branches=1, overlap=False) -> tuple[np.ndarray, np.ndarray]:
         """Expected (tokens committed, seconds) of rounds of these shapes; the arguments
@@ -171,10 +189,10 @@ class CostModel:
         tokens = np.where(drafted, 1.0 + accepted[branches, g - 1], 1.0)
         fresh = self.draft_s(g, branches)
         premium = np.where(branches > 1, self.branched_verify, 1.0)
-        plain = fresh + self.verify[False].at(g * branches + 1) * premium
+        plain = fresh + self.verify.plain.at(g * branches + 1) * premium
         ahead = self.draft_s(g + 1, 1, overlapped=True)
         held = self.reach[1, np.minimum(g + 1, self.reach.shape[1] - 1)]
-        overlapped = np.maximum(ahead, self.verify[True].at(g + 1)) + (1 - held) * fresh
+        overlapped = np.maximum(ahead, self.verify.overlapped.at(g + 1)) + (1 - held) * fresh
         seconds = np.where(overlap, overlapped, plain) + self.overhead_s
         return tokens, np.where(drafted, seconds, self.alone_s)
 
@@ -206,7 +224,7 @@ class CostModel:
         length = np.maximum(1, budget // k)  # branch_length, elementwise
         forwards = np.where(k == 1, budget, length + 1)
         kept = accepted[np.arange(len(self.rule)).reshape(column), length]
-        verify = self.verify[False].at(k * length + 1)
+        verify = self.verify.plain.at(k * length + 1)
         verify = verify * np.where(k > 1, self.branched_verify, 1.0)
         tokens = (share * kept).sum(axis=0)
         seconds = self.overhead_s + (share * (self.draft_s(forwards, k) + verify)).sum(axis=0)

@@ -1,4 +1,4 @@
-"""What the controller has measured, learned from round reports alone.
+"""What the controller has measured, learned from round reports only.
 
 - A draft step: a level (a windowed median of recent steps, each scaled to one branch, so
   every round refreshes it whatever its branch count; a median, so one preempted step does
@@ -19,30 +19,32 @@
   ``alone_max_age`` rounds: the controller then measures it again.
 - Before a cost is measured, the verifier's forward costs measured at load (the runtime
   choice's profile), where the daemon has them: ``assume_verifier``; after, their shape.
-Costs are kept apart for rounds where one worker computes at a time and overlapped ones.
-Medians forget samples older than ``max_age`` rounds, so a choice measured long ago is judged
-by its prior again (and tried again) rather than ruled out by a stale figure.
+Costs are kept apart for plain rounds and overlapped ones (``ByOverlap``). Each quantity has
+its tracker (``trackers``: windowed medians, decayed rates, delivered against predicted), and
+a verification's cost by width is fitted through its medians (``verify_fit``). Medians
+forget samples older than ``max_age`` rounds, so a choice measured long ago is judged by its
+prior again (and tried again) rather than ruled out by a stale figure.
 """
 
 from __future__ import annotations
 
-import statistics
-from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
 from hetspec.speculative.control.cost_model import (
+    ByOverlap,
     CostModel,
     ProfileCurve,
     ProfiledVerify,
     RuleShare,
+    VerifyCost,
     VerifyLine,
     linear_branch_factor,
 )
 from hetspec.speculative.control.rounds import DraftCall, RoundReport
-
-VerifyCost = VerifyLine | ProfiledVerify
+from hetspec.speculative.control.trackers import DecayedRate, Delivered, WindowedMedian
+from hetspec.speculative.control.verify_fit import fit_line, fit_profile, scaled
 
 
 @dataclass(frozen=True)
@@ -77,117 +79,14 @@ class EstimateConfig:
     delivered_trusted_above: float = 0.8
 
 
-class WindowedMedian:
-    """The median of the last ``window`` samples, ignoring those older than ``max_age``
-    ticks of ``clock``."""
-
-    def __init__(
-        self, window: int, clock=None, max_age: int | None = None, *, keep_last: bool = False
-    ) -> None:
-        """``keep_last``: once every sample is too old, the value is the latest sample's
-        (and the count 0: stale) rather than None."""
-        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
-        self._clock = clock or (lambda: 0)
-        self._max_age = max_age
-        self._keep_last = keep_last
-        # (clock, (median, count)) until a sample is added: a controller's choice reads each
-        # median several times between two rounds
-        self._cached: tuple[int, tuple[float | None, int]] | None = None
-
-    def add(self, value: float) -> None:
-        self._samples.append((self._clock(), value))
-        self._cached = None
-
-    def _fresh(self) -> list[float]:
-        if self._max_age is None:
-            return [value for _, value in self._samples]
-        oldest = self._clock() - self._max_age
-        return [value for tick, value in self._samples if tick >= oldest]
-
-    def __len__(self) -> int:
-        return self.median_and_count()[1]
-
-    @property
-    def value(self) -> float | None:
-        return self.median_and_count()[0]
-
-    def median_and_count(self) -> tuple[float | None, int]:
-        """``value`` and ``len`` from one pass over the samples (again only once a sample
-        was added or the clock moved)."""
-        now = self._clock()
-        if self._cached is None or self._cached[0] != now:
-            fresh = self._fresh()
-            if fresh:
-                median = statistics.median(fresh)
-            else:
-                median = self._samples[-1][1] if self._keep_last and self._samples else None
-            self._cached = now, (median, len(fresh))
-        return self._cached[1]
-
-
-class DecayedRate:
-    """Successes over tries, both decayed each round: a rate that follows recent rounds."""
-
-    def __init__(self, size: int) -> None:
-        self.tries = np.zeros(size)
-        self.hits = np.zeros(size)
-
-    def decay(self, factor: float) -> None:
-        self.tries *= factor
-        self.hits *= factor
-
-    def add(self, index: int, hit: bool) -> None:
-        self.tries[index] += 1
-        self.hits[index] += hit
-
-    def cap(self, tries: float) -> None:
-        """Scale each index's counts down to at most ``tries`` tries, keeping its rate."""
-        scale = np.minimum(1.0, tries / np.maximum(self.tries, 1e-12))
-        self.tries *= scale
-        self.hits *= scale
-
-    def rate(self, index, prior: float, weight: float):
-        """hits / tries at ``index`` (an int or an array of them), with ``weight`` tries of
-        ``prior`` added: one unlucky try must not rule a choice out."""
-        return (self.hits[index] + prior * weight) / (self.tries[index] + weight)
-
-
-class Delivered:
-    """What drafted rounds delivered against what the cost model predicted for them: tokens
-    committed, and the tokens the predicted rate would have committed in the rounds' whole
-    periods, both decayed per round. The model predicts a round from its parts (acceptance
-    by depth, costs by width), and those can each be right on average while the prediction
-    is not (priors of shapes seldom tried, costs that shift with the text)."""
-
-    def __init__(self) -> None:
-        self.tokens = self.predicted = 0.0
-
-    def add(self, tokens: int, predicted: float) -> None:
-        self.tokens += tokens
-        self.predicted += predicted
-
-    def decay(self, factor: float) -> None:
-        self.tokens *= factor
-        self.predicted *= factor
-
-    def cap(self, predicted: float) -> None:
-        """Scale down to at most ``predicted`` predicted tokens' worth, keeping the ratio."""
-        if self.predicted > predicted:
-            scale = predicted / self.predicted
-            self.tokens, self.predicted = self.tokens * scale, predicted
-
-    def share(self, prior_tokens: float) -> float:
-        """Delivered over predicted, drawn toward 1 by ``prior_tokens`` predicted tokens."""
-        return (self.tokens + prior_tokens) / (self.predicted + prior_tokens)
-
-
 class Estimates:
     def __init__(self, config: EstimateConfig = EstimateConfig()) -> None:
         self.config = c = config
         self.rounds = 0  # rounds observed: the medians' clock
-        self._draft_level = {o: self._median() for o in (False, True)}
-        self._draft_latency = {o: self._median() for o in (False, True)}
-        self._verify: dict[bool, dict[int, WindowedMedian]] = {False: {}, True: {}}
+        self._draft_level = ByOverlap(self._median(), self._median())
+        self._draft_latency = ByOverlap(self._median(), self._median())
+        # verifications of one chain, by tree width
+        self._verify: ByOverlap[dict[int, WindowedMedian]] = ByOverlap({}, {})
         self._branched: dict[int, WindowedMedian] = {}  # verifications of several branches
         self._overhead = self._median()
         # never forgotten (without it the target alone is priced as a one-node verification),
@@ -237,14 +136,14 @@ class Estimates:
         else:
             if report.verify_width > 0 and report.verify_s > 0:
                 branched = report.branches > 1 and not report.verify_overlapped
-                widths = self._branched if branched else self._verify[report.verify_overlapped]
+                widths = self._branched if branched else self._verify.of(report.verify_overlapped)
                 widths.setdefault(report.verify_width, self._median()).add(report.verify_s)
             self._overhead.add(max(0.0, report.overhead_s))
         self._observe_acceptance(report)
 
     def _observe_draft(self, call: DraftCall) -> None:
         if call.steps > 0 and call.compute_s > 0:
-            step, level = call.compute_s / call.steps, self._draft_level[call.overlapped]
+            step, level = call.compute_s / call.steps, self._draft_level.of(call.overlapped)
             branches = min(call.branches, self.config.max_branches)
             if branches > 1:
                 if level.value:
@@ -253,7 +152,7 @@ class Estimates:
                 step /= float(self.branch_factor()[branches])  # a float: the summary is JSON
             level.add(step)
         # paid once a call: the link, and the catch-up (one forward or none, in a round)
-        self._draft_latency[call.overlapped].add(max(0.0, call.latency_s + call.catch_up_s))
+        self._draft_latency.of(call.overlapped).add(max(0.0, call.latency_s + call.catch_up_s))
 
     def _observe_acceptance(self, report: RoundReport) -> None:
         self.rounds += 1
@@ -326,30 +225,31 @@ class Estimates:
         return factors
 
     def draft_step_s(self, overlapped: bool = False) -> float | None:
-        """Seconds per draft step of one branch; a condition never measured borrows the other's."""
+        """Seconds per draft step of one branch; a kind of round (plain, overlapped) never
+        measured borrows the other's."""
         level = self._draft_level
-        return level[overlapped].value or level[not overlapped].value
+        return level.of(overlapped).value or level.of(not overlapped).value
 
     def draft_latency_s(self, overlapped: bool = False) -> float:
         latency = self._draft_latency
-        return latency[overlapped].value or latency[not overlapped].value or 0.0
+        return latency.of(overlapped).value or latency.of(not overlapped).value or 0.0
 
     def verify_line(self, overlapped: bool, borrow: bool = True) -> VerifyCost | None:
         """Through the medians per width, each weighted by its samples (a width tried once,
         as the first rounds try 2, must not tilt what dozens of rounds put through theirs):
         where the verifier's profile is known, the profile's curve raised and stretched to
-        them (``_fit_profile``); else a least-squares line (slope >= 0). Where one width only
-        was measured, the line's slope comes from the other condition's line, scaled to this
-        one's level: flat, it priced narrow trees like the one wide tree measured."""
-        points = self._points(self._verify[overlapped])
+        them (``verify_fit.fit_profile``); else a least-squares line (slope >= 0). Where one
+        width only was measured, the line's slope comes from the other kind's line, scaled to
+        this one's level: flat, it priced narrow trees like the one wide tree measured."""
+        points = self._points(self._verify.of(overlapped))
         if not points and not overlapped:  # only trees verified so far: priced as chains
             points = self._points(self._branched)
         if not points:
             return None
         widths, times, samples = np.array(points).T
         if self._profile is not None:
-            return _fit_profile(self._profile, widths, times, samples)
-        line = _fit(widths, times, samples)
+            return fit_profile(self._profile, widths, times, samples)
+        line = fit_line(widths, times, samples)
         if len(points) == 1 and borrow:  # one width: no slope of its own
             other = self.verify_line(not overlapped, borrow=False)
             if other is not None:
@@ -367,7 +267,7 @@ class Estimates:
         """What a verification of several branches costs against one chain of its width (the
         chains' line, ``line`` where the caller has fitted it): the samples' weighted mean
         ratio, 1 until both were measured."""
-        chains = self._points(self._verify[False])
+        chains = self._points(self._verify.plain)
         trees = self._points(self._branched)
         if not chains or not trees:
             return 1.0
@@ -384,8 +284,8 @@ class Estimates:
         self._overlap_factor = factor
 
     def _verify_or_stand_in(self, overlapped: bool) -> VerifyCost | None:
-        """This condition's line; where never measured, the profile measured at load, then
-        the other condition's line, each as ``assume_overlap_factor`` relates them."""
+        """This kind's line; where never measured, the profile measured at load, then
+        the other kind's line, each as ``assume_overlap_factor`` relates them."""
         line = self.verify_line(overlapped)
         if line is not None:
             return line
@@ -393,7 +293,7 @@ class Estimates:
         if self._profile is not None:  # timed as plain rounds verify
             return ProfiledVerify(self._profile, 0.0, factor if overlapped else 1.0, 0.0)
         other = self.verify_line(not overlapped)
-        return None if other is None else _scaled(other, factor if overlapped else 1 / factor)
+        return None if other is None else scaled(other, factor if overlapped else 1 / factor)
 
     def verify_s(self, width: int, overlapped: bool = False) -> float | None:
         line = self._verify_or_stand_in(overlapped)
@@ -486,9 +386,9 @@ class Estimates:
     def cost_model(self, rule: bool) -> CostModel | None:
         """The costs and acceptance as measured; None before a draft and a verification
         were; ``rule``: include the rule's rounds as candidates."""
-        step = {o: self.draft_step_s(o) for o in (False, True)}
-        verify = {o: self._verify_or_stand_in(o) for o in (False, True)}
-        if step[False] is None or verify[False] is None:
+        step = ByOverlap(self.draft_step_s(False), self.draft_step_s(True))
+        verify = ByOverlap(self._verify_or_stand_in(False), self._verify_or_stand_in(True))
+        if step.plain is None or verify.plain is None:
             return None
         deeper = self._deeper_acceptance()
         branches = range(1, self.config.max_branches + 1)
@@ -500,7 +400,7 @@ class Estimates:
         elif self._profile is not None:  # a call decoding alone carries many tokens
             alone = float(self._profile.at(1))
         else:
-            alone = float(verify[False].at(1)) + overhead
+            alone = float(verify.plain.at(1)) + overhead
         shares = ()
         if rule:
             picked = self.rule_shares()
@@ -508,7 +408,7 @@ class Estimates:
             shares = tuple(
                 RuleShare(k, share, row) for (k, share), row in zip(picked, rows, strict=True)
             )
-        latency = {o: self.draft_latency_s(o) for o in (False, True)}
+        latency = ByOverlap(self.draft_latency_s(False), self.draft_latency_s(True))
         return CostModel(
             step,
             latency,
@@ -518,7 +418,7 @@ class Estimates:
             self.branch_factor(),
             alone,
             shares,
-            self.branched_verify(verify[False]),
+            self.branched_verify(verify.plain),
         )
 
     def summary(self) -> dict:
@@ -533,23 +433,25 @@ class Estimates:
 
         return {
             "draft_step_ms": {
-                "alone": ms(self._draft_level[False].value),
-                "overlapped": ms(self._draft_level[True].value),
+                "plain": ms(self._draft_level.plain.value),
+                "overlapped": ms(self._draft_level.overlapped.value),
             },
             "draft_latency_ms": {
-                "alone": ms(self._draft_latency[False].value),
-                "overlapped": ms(self._draft_latency[True].value),
+                "plain": ms(self._draft_latency.plain.value),
+                "overlapped": ms(self._draft_latency.overlapped.value),
             },
             "verify_ms": {
                 kind: {w: fit(w, o) for w in (1, 2, 5, 9, 17)}
-                for kind, o in (("alone", False), ("overlapped", True))
+                for kind, o in (("plain", False), ("overlapped", True))
             },
             # what the line is fitted through: {width: [median, samples]}
             "verify_medians_ms": {
                 kind: {
-                    w: [ms(m.value), len(m)] for w, m in sorted(self._verify[o].items()) if len(m)
+                    w: [ms(m.value), len(m)]
+                    for w, m in sorted(self._verify.of(o).items())
+                    if len(m)
                 }
-                for kind, o in (("alone", False), ("overlapped", True))
+                for kind, o in (("plain", False), ("overlapped", True))
             },
             "branched_verify": round(self.branched_verify(), 3),
             "branch_factor": [round(f, 2) for f in self.branch_factor()[2:].tolist()],
@@ -560,35 +462,6 @@ class Estimates:
         }
 
 
-FIT_SPAN = 1.5  # the profile's dearest measured width against its cheapest, to fit a slope
-
-
-def _fit_profile(
-    profile: ProfileCurve, widths: np.ndarray, times: np.ndarray, weights: np.ndarray
-) -> ProfiledVerify:
-    """base + scale x the profile, fitted to (width, seconds) medians by weighted least
-    squares where three widths or more were measured whose profile costs span at least
-    ``FIT_SPAN`` (the profile is taken as plain rounds verify, on the drafter's cores too
-    where the verifier may borrow them; overlapped rounds verify on its own cores beside a
-    drafting drafter, another level and slope), else the profile scaled by the ratio of the
-    medians to it: over a narrow span the noise tilts the line, and a controller that
-    believes other widths dear never measures them again (docs/design-notes.md)."""
-    expected = profile.at(widths.astype(np.int64))  # tree widths: the profile's table
-    floor = float(times.min()) * 0.5
-    total = float(weights.sum())  # dot products: np.average's checks cost more than its sums
-    if len(widths) >= 3 and expected.max() >= FIT_SPAN * expected.min():
-        mean_p = float(weights @ expected) / total
-        mean_t = float(weights @ times) / total
-        off_p = expected - mean_p
-        spread = float(weights @ (off_p * off_p))
-        if spread > 0:
-            scale = float(weights @ (off_p * (times - mean_t))) / spread
-            if scale > 0:
-                return ProfiledVerify(profile, mean_t - scale * mean_p, scale, floor)
-    scale = float(weights @ times) / float(weights @ expected)
-    return ProfiledVerify(profile, 0.0, scale, floor)
-
-
 def _reach_rows(firsts: list[float], deeper: np.ndarray) -> np.ndarray:
     """[row, depth]: P(the first depth tokens accepted), depth 0 .. max_gamma + 1, for each
     first-token acceptance in ``firsts`` over the same later depths (``deeper``)."""
@@ -597,26 +470,3 @@ def _reach_rows(firsts: list[float], deeper: np.ndarray) -> np.ndarray:
     steps[:, 1] = firsts
     steps[:, 2:] = deeper
     return np.cumprod(steps, axis=1)
-
-
-def _scaled(line: VerifyCost, factor: float) -> VerifyCost:
-    """``line``'s seconds times ``factor`` at every width."""
-    if isinstance(line, ProfiledVerify):
-        return replace(
-            line, base=line.base * factor, scale=line.scale * factor, floor=line.floor * factor
-        )
-    return replace(
-        line, mean_t=line.mean_t * factor, slope=line.slope * factor, floor=line.floor * factor
-    )
-
-
-def _fit(widths: np.ndarray, times: np.ndarray, weights: np.ndarray | None = None) -> VerifyLine:
-    """The weighted least-squares line (slope >= 0) through (width, seconds) points."""
-    weights = np.ones_like(widths) if weights is None else weights
-    mean_w = float(np.average(widths, weights=weights))
-    mean_t = float(np.average(times, weights=weights))
-    spread = (weights * (widths - mean_w) ** 2).sum()
-    slope = 0.0
-    if spread > 0:
-        slope = max(0.0, float((weights * (widths - mean_w) * (times - mean_t)).sum() / spread))
-    return VerifyLine(mean_w, mean_t, slope, float(times.min()) * 0.5)
