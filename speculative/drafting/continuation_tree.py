@@ -1,0 +1,85 @@
+"""The continuation tree: what followed the recent occurrences of the text's ending, as a tree.
+
+SuffixDecoding's idea over one request: the longest ending of the text, ``min_order``..
+``max_order`` tokens, that occurred before is matched, and the continuations of its latest
+``occurrences`` occurrences are merged into a tree by their common prefixes: the subtree below
+that ending in a suffix tree of the request's tokens, restricted to recent occurrences. It is
+built from ``OccurrenceIndex`` when asked, and only as far as the ranking reaches, so its cost
+is bounded by the occurrences read and the nodes emitted, never by the length of the text.
+
+Every path of the tree followed an occurrence of the matched ending in the text itself (no
+periodic copy here: a continuation ends where the text does). A node's conditional
+probability is the share of the occurrences reaching its parent (whose continuation is known
+there) that went on with its token, over their count plus ``prior``; siblings are ranked by
+that share, the one seen latest first on ties. ``propose`` follows the likeliest child from
+the root down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from hetspec.speculative.drafting.model_free import Child, TreeProposal, ranked_tree
+from hetspec.speculative.drafting.occurrences import OccurrenceIndex
+
+
+class ContinuationTree:
+    """A ``ModelFreeDrafter`` proposing the merged continuations of the recent occurrences of
+    the text's longest matching ending."""
+
+    def __init__(
+        self,
+        *,
+        max_order: int = 4,
+        min_order: int = 1,
+        max_depth: int = 32,
+        occurrences: int = 16,
+        prior: float = 0.5,
+        max_contexts: int = 1 << 18,
+    ) -> None:
+        if not 1 <= min_order <= max_order:
+            raise ValueError(f"need 1 <= min_order <= max_order, not {min_order}, {max_order}")
+        if max_depth < 1 or occurrences < 1 or prior <= 0:
+            raise ValueError("max_depth and occurrences must be at least 1, prior above 0")
+        self.index = OccurrenceIndex(max_order, max_contexts)
+        self.min_order = min_order
+        self.max_depth = max_depth
+        self.occurrences = occurrences
+        self.prior = prior
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        self.index.extend(tokens)
+
+    def propose(self, max_tokens: int) -> list[int]:
+        chain: list[int] = []
+        positions = self._matched()
+        while positions and len(chain) < min(max_tokens, self.max_depth):
+            best = self._children(positions)[:1]
+            if not best:
+                break
+            token, _, positions = best[0]
+            chain.append(token)
+        return chain
+
+    def propose_tree(self, max_nodes: int, max_children: int | None = None) -> TreeProposal:
+        return ranked_tree(self._matched(), self._children, max_nodes, self.max_depth, max_children)
+
+    def _matched(self) -> list[int]:
+        """Positions after the latest occurrences of the longest matching ending."""
+        order, latest = self.index.longest_match(self.min_order)
+        return self.index.earlier(order, latest, self.occurrences) if order else []
+
+    def _children(self, positions: list[int]) -> list[Child]:
+        """The tokens at ``positions`` (continuations that reached this node), grouped: each
+        with its share and the positions after it, most shared first."""
+        history, end = self.index.tokens, len(self.index.tokens)
+        after: dict[int, list[int]] = {}  # insertion order: positions are newest first
+        for position in positions:
+            if position < end:
+                after.setdefault(history[position], []).append(position + 1)
+        known = sum(map(len, after.values())) + self.prior
+        ranked = sorted(after.items(), key=lambda item: -len(item[1]))  # stable: ties newest first
+        return [(token, len(nexts) / known, nexts) for token, nexts in ranked]
