@@ -207,8 +207,9 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # (speculative/drafting/dynamic_tree.py). 0: chains and DuoDecoding's branches.
     draft_tree: int = 0
     # Where both workers compute on the CPU (no CUDA), the verifier computes on the drafter's
-    # cores too whenever the drafter has nothing to do: the target decoding alone, a plain
-    # round's verification (see workers/runtimes/spare_cores.py). False keeps each on its own cores.
+    # spare cores too whenever the drafter has nothing to do: the target alone, a plain
+    # round's verification (see workers/runtimes/spare_cores.py). False keeps each on its own
+    # cores.
     lend_cores: bool = True
     # Where both workers compute on the CPU, the daemon keeps off the drafter's cores: its
     # work between calls overlaps the draft, and on the drafter's core it delays it (see
@@ -257,8 +258,8 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     heartbeat_timeout_s: float = 10.0
     call_timeout_s: float = 300.0  # longest one worker command may take before it is killed
     # After a reply a worker polls this long for its next command before it sleeps: a sleeping
-    # thread's wake-up costs ~200 us on an idle VM, but polling slows the other worker (on a
-    # 2-vCPU VM a busy sibling made a torch forward 1.7x slower), so keep it short.
+    # thread's wake-up costs ~200 us on an idle VM, but polling slows the other worker where
+    # the two share a core's execution resources (docs/design-notes.md, "Cores"): keep it short.
     worker_spin_us: float = 100.0
     # After sending a worker a call the daemon reads its replies this long on every pass of
     # its event loop instead of sleeping until a reply wakes it (0: it sleeps). That saves a

@@ -51,12 +51,9 @@ class LlamaCppSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     n_seq_max: int = 16
     mmap: bool = True
     # None: by role. A verifying llama.cpp gets flash attention "off", an f16 K cache and an
-    # f32 V cache: a tree's logits then stay closest to each path's evaluated alone, so greedy
-    # output is the target's own token for token (flash attention moved them by up to 0.13 on
-    # the demo target, flipping near-ties; llama.cpp's CPU kernels differ a little between one
-    # token and a batch whatever the types). Greedy tokens of the demo target that differed
-    # between 5-token trees and one token at a time, of 2,356: f16 K and V 5, f32 K and V 1,
-    # f16 K with f32 V 0; and an f32 K cache made a 5-token tree 1.9x slower to evaluate.
+    # f32 V cache: a tree's logits then stay closest to each path's evaluated on its own, so
+    # greedy output is the target's own token for token (the types compared:
+    # docs/design-notes.md, "llama.cpp's settings").
     # A drafter gets "auto" and "f16" (faster; a draft only has to be good, not exact);
     # "auto" means "off" where no layer is offloaded (on the CPU it only slows llama.cpp).
     flash_attention: FlashAttention | None = None

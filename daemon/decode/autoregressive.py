@@ -25,11 +25,11 @@ from hetspec.speculative.verify.logprobs import token_logprob
 from hetspec.speculative.verify.samplers import Sampler, sampler_for
 
 # When the target decodes alone (autoregressive mode, rounds without a draft) a call decodes
-# as many tokens as take about ALONE_CALL_S of its compute: each call costs ~0.8 ms besides
-# (messages, the daemon streaming the tokens; measured on a 2-vCPU VM), and every 16th call
-# measures the other core choice (see spare_cores), so few tokens per call cost a slow target
-# up to 15%. 50 ms of tokens arriving at once still read as a stream (20 pieces a second), a
-# stop string or a client that hangs up wastes at most that.
+# as many tokens as take about ALONE_CALL_S of its compute: each call has a fixed cost besides
+# (messages, the daemon streaming the tokens), and every 16th call measures the other core
+# choice (see spare_cores), so few tokens per call cost a slow target dearly
+# (docs/design-notes.md, "Tokens per call"). 50 ms of tokens arriving at once still read as a
+# stream (20 pieces a second), a stop string or a client that hangs up wastes at most that.
 ALONE_CALL_S = 0.05
 MAX_ALONE_TOKENS = 128
 TRIAL_TOKENS = 2  # a call that measures the other core choice (see SpareCoreChoice.exploring)

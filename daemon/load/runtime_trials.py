@@ -49,8 +49,7 @@ CANDIDATES = ("llama.cpp", "native", "torch")
 # controller fits the rounds' measured costs to this profile's shape. Trees reach the widest
 # a slot holds (gamma x branches, up to 64 nodes), where a CPU's verification is bound by its
 # arithmetic, not the weights' bandwidth: 32 and 64 measure that slope rather than leaving it
-# to the last segment's (16 -> 17: noise, often flat, which priced a 40-node tree of
-# heavy-300m at 31 ms against the 75 it took).
+# to the last segment's (16 -> 17: noise, often flat; docs/design-notes.md, "Verify cost").
 VERIFY_WIDTHS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 32, 64]
 # On CUDA a verifier's forwards are 16 rows wide (the width-invariant default), so its cost
 # climbs a forward at 17, 33 and 49 nodes: each step's both sides.

@@ -1,10 +1,10 @@
 """Which CPU cores each worker owns.
 
 llama.cpp's speed collapses when its threads outnumber the cores they run on (they spin and
-wait on each other; measured here: a 2-thread draft step went from ~0.5 ms to ~1 s while another
-process kept both cores busy), so each worker gets its own cores and never more threads than it
-owns. With CUDA the GPU worker mostly launches kernels and needs one core; llama.cpp takes the
-rest. Without CUDA both compute on the CPU and split the box in half.
+wait on each other: docs/design-notes.md, "Cores"), so each worker gets its own cores and
+never more threads than it owns. With CUDA the GPU worker mostly launches kernels and needs
+one core; llama.cpp takes the rest. Without CUDA both compute on the CPU and split the box in
+half.
 """
 
 from __future__ import annotations

@@ -1,19 +1,19 @@
-"""Whether the target, decoding alone, should also compute on the drafter's cores.
+"""Whether the target should also compute on the drafter's spare cores, for one kind of
+call: the daemon keeps one choice for the target alone and one for plain verifications.
 
 Where both workers compute on the CPU the target may borrow the drafter's cores while the
-drafter idles (see hetspec.workers.runtimes.spare_cores): on a 2-vCPU VM that doubled its speed. But
-when another process keeps those cores busy, the target's extra threads wait on each other
-at every step, and borrowing made it five times slower than its own core alone (the bench's
-busy-core run). So the daemon measures both: the target's own compute per token with and
-without the spare cores, the better one is used, and the other is tried now and then, so
-that a change either way is noticed. The two trials are not worth the same. While the target
-keeps to its own cores, only a trial shows that a busy process left the spare cores: so
-borrowing is tried every ``explore_every`` calls. While it borrows, its own calls show a
-busy process arriving by slowing down; what they cannot show is whether keeping to its own
-cores is now the better choice, so that is tried again at once when borrowing's calls slow
-(their recent median ``slower`` times their usual), and otherwise only every
-``recheck_every`` calls (each such trial costs ~1.6x a call on a 2-vCPU VM: every 16th call
-made them 3-4% of a run's verification time).
+drafter idles (see hetspec.workers.runtimes.spare_cores). But when another process keeps
+those cores busy, the target's extra threads wait on each other at every step, and
+borrowing costs more than it gains (docs/design-notes.md, "Spare cores"). So the daemon
+measures both: the target's own compute per unit of work with and without the spare cores,
+the better one is used, and the other is tried now and then, so that a change either way is
+noticed. The two trials are not worth the same. While the target keeps to its own cores,
+only a trial shows that a busy process left the spare cores: so borrowing is tried every
+``explore_every`` calls. While it borrows, its own calls show a busy process arriving by
+slowing down; what they cannot show is whether keeping to its own cores is now the better
+choice, so that is tried again at once when borrowing's calls slow (their recent median
+``slower`` times their usual), and otherwise only every ``recheck_every`` calls (each such
+trial is a slower call).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class SpareCoreChoice:
         return with_spare is None or without is None or with_spare <= without
 
     def choose(self) -> bool:
-        """For the next call of the target alone: the preferred choice, or now and then the
+        """For the next call of its kind: the preferred choice, or now and then the
         other one, to measure it again (and again at once while it measures better, so that
         a few calls overturn a median of old measurements)."""
         best = self.preferred()
@@ -87,8 +87,7 @@ class SpareCoreChoice:
     @property
     def exploring(self) -> bool:
         """The last ``choose()`` tried the choice not preferred: keep that call short, since
-        it is a measurement that may well be twice as slow (a long trial call of a slow
-        target cost ~9% of its decoding)."""
+        it is a measurement that may well be twice as slow."""
         return self._exploring
 
     def cost_s(self) -> float | None:

@@ -166,7 +166,7 @@ class CostModel:
     alone_s: float  # seconds per token of the target decoding alone
     rule: tuple[RuleShare, ...] = ()  # empty: the rule is not a candidate
     # a verification of several branches against one chain of its width (a verifier whose
-    # trees gather each path's keys pays more for them: 1.35x on the third session's GPU)
+    # trees gather each path's keys pays more for them: docs/design-notes.md)
     branched_verify: float = 1.0
 
     @property

@@ -61,8 +61,8 @@ class EstimateConfig:
     prior_weight: float = 3.0  # in rounds: one unlucky round must not rule a depth out
     branch_cost: float = 0.4  # each extra branch adds this share of a draft step, unmeasured
     # P(a sibling's token is accepted at depth 1 | the draft's own first choice was not), each
-    # sibling, until branched rounds measure it: far below the first choice's own rate (the
-    # bundled pair: 0.27 measured where its first choice kept 0.8)
+    # sibling, until branched rounds measure it: far below the first choice's own rate, as
+    # the round logs showed (docs/design-notes.md, "Chains learned while branching")
     prior_rescue: float = 0.3
     # At a new request, acceptance counts are cut to this many rounds' worth (0: kept): what
     # a draft accepts depends on the text, so earlier requests' counts are a prior that the
@@ -199,7 +199,7 @@ class Estimates:
         included): they price the target alone and verifications until rounds measure them,
         and then give the shape the measured verifications are fitted to. Without them the
         target alone, never measured, was priced as a verification timed while the drafter
-        drafted beside it, up to 10x dearer than a token alone on a 2-core box."""
+        drafted beside it, many times dearer than it is (docs/design-notes.md)."""
         if 1 not in seconds_by_width or min(seconds_by_width.values()) <= 0:
             raise ValueError(
                 f"a verifier profile needs positive costs from width 1 on, not {seconds_by_width}"

@@ -33,9 +33,8 @@ from hetspec.speculative.control.planning import Limits, best_drafted, plan_of
 from hetspec.speculative.control.rounds import Plan
 
 # A probe from gamma 0 takes its overlapped turn only where the model expects that kind at
-# least this share of the plain kind's rate: on a 2-core box an overlapped probe verified
-# without the drafter's core and cost a whole 11 ms request (the bundled pair), or drafted a
-# chain too short to show what the text accepts (gamma 2 on heavy-100m)
+# least this share of the plain kind's rate: one priced far below plain costs more than it
+# shows (docs/design-notes.md, "A probe from gamma 0 skips its overlapped turn")
 OVERLAPPED_PROBE_SHARE = 0.8
 
 

@@ -92,9 +92,9 @@ class NativeRuntime(TreeRuntime[np.ndarray]):
         return self._vocabulary.special_tokens()
 
     # The widest chain first, then 1, 2, ... for a second. The kernels keep no state per width
-    # (torch's reason to run every width), but a width's first call costs up to ~0.7 ms more
-    # than the next ones (the bundled target: 1.1 ms against 0.8 at 13 tokens): all of a small
-    # model's first calls, nothing on a large one, where every width took a 1B model 38 s.
+    # (torch's reason to run every width), but a width's first call costs a little more than
+    # the next ones: what matters on a small model, nothing on a large one, where warming up
+    # every width would take half a minute (docs/design-notes.md, "Warm-up of widths").
     warm_up_s = 1.0
 
     def warm_up_widths(self, width: int) -> Iterable[int]:

@@ -1,9 +1,10 @@
 """Computing on the other worker's cores while it idles.
 
 Without CUDA both workers compute on the CPU and the daemon splits the cores between them, so
-the target decoding alone (autoregressive mode, rounds where drafting does not pay, the
-verification of a plain round) would leave the drafter's half of the box idle: on a 2-core
-box llama.cpp decodes the demo target 2x faster with both cores than with one. The daemon
+the target computing while the drafter has nothing to do (the target alone: autoregressive
+mode and rounds where drafting does not pay; a plain round's verification) would leave the
+drafter's half of the box idle: on a 2-core box llama.cpp decodes the demo target 2x faster
+with both cores than with one. The daemon
 knows when the drafter has nothing in flight and says so in the command; the worker then
 raises its runtime's thread count by one per spare core, and lowers it again for the next
 command that does not say so.
@@ -22,8 +23,8 @@ from collections.abc import Callable, Iterable
 
 # How long OpenMP's threads spin for the next parallel step before they sleep, for a worker
 # with spare cores (libgomp's default, 300k pauses, is milliseconds: after a call on the
-# spare cores its threads kept spinning there while the drafter drafted; measured on the
-# 2-vCPU VM, plain rounds 16% and parallel ones 5% faster with this, decoding alone as fast)
+# spare cores its threads kept spinning there while the drafter drafted; docs/design-notes.md,
+# "Spare cores")
 SPARE_CORES_SPIN_COUNT = "20000"
 
 

@@ -147,10 +147,10 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
     # ------------------------------------------------------------ setup helpers
 
     def _flash_attention(self, setting: str) -> str:
-        """llama.cpp's "auto" turns flash attention on for the CPU too, where (demo target,
-        500 tokens of context, one thread) it made a step 1.5x and a 5-token batch 4x slower;
-        so "auto" means "off" unless layers are on a GPU of this machine (rpc-servers
-        compute on their CPUs, as a rule)."""
+        """llama.cpp's "auto" turns flash attention on for the CPU too, where it slows steps
+        and batches down (docs/design-notes.md, "llama.cpp's settings"); so "auto" means
+        "off" unless layers are on a GPU of this machine (rpc-servers compute on their CPUs,
+        as a rule)."""
         return "off" if setting == "auto" and not self._on_local_gpu else setting
 
     def _load_model(

@@ -278,7 +278,8 @@ class DecoderLayer(nn.Module):
 
 def unfilled_embedding(vocab: int, width: int) -> nn.Embedding:
     """An embedding whose weight a checkpoint fills: not initialised first. (On the meta
-    device nn.Embedding's random init imports torch._dynamo: 2-3 s of every model load.)"""
+    device nn.Embedding's random init imports torch._dynamo, seconds of every model load:
+    docs/design-notes.md, "Loading a torch model".)"""
     return nn.Embedding(vocab, width, _weight=torch.empty(vocab, width))
 
 
