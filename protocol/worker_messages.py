@@ -98,7 +98,7 @@ class TorchSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag
     chain_in_place: bool = True
     # "split": fixed-width forwards read the cache in place up to a point each row's position
     # fixes and gather only its path's last 33-48 keys (workers/runtimes/torch_runtime/
-    # split_attention.py): any tree in one forward, bit-identical to its rows alone by
+    # split_attention.py): any tree in one forward, bit-identical to its rows on their own by
     # construction, at about a chain's cost; "gathered": paths gathered as above
     attention: AttentionKind = "gathered"
     # "triton": linear layers of at most 16 rows (every fixed-width forward) in hetspec's

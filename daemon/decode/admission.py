@@ -1,6 +1,6 @@
 """One request decodes at a time; the others wait their turn in a bounded FIFO queue.
 
-Edge boxes serve one user at a time, so requests are not batched: each runs alone at full
+Edge boxes serve one user at a time, so requests are not batched: each runs by itself at full
 speed. A request that arrives to a full queue is refused at once (429) with an estimate of
 when to retry, instead of waiting without bound. A waiter that gives up (its client
 disconnected) leaves the queue without disturbing the others' order.

@@ -6,7 +6,7 @@ every stage's measured compute time and rows); ``timeline`` replays them. Stages
 taking segments in the order sent (each stage is first in, first out); every hop
 (coordinator to stage, stage to stage, last stage to coordinator) adds ``link_s``. A segment
 costs each stage what a ``CostProfile`` says for the rows it computed there (compute times
-measured while that stage ran alone), or else the time measured in the run itself (inflated
+measured while that stage ran by itself), or else the time measured in the run itself (inflated
 where stages shared cores). Pure arithmetic: the decisions (what was sent when, what was
 pruned) are the real run's.
 """

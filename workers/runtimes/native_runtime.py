@@ -5,7 +5,7 @@ Laid out as the torch runtime is: the committed tokens' keys/values fill cache s
 committing a path copies its slots right after the prefix. Each new node attends to the
 prefix and to its ancestors' slots, listed per node (no dense mask). The kernels compute every
 row the same way whatever the width of the call, so a token's logits inside a tree equal its
-logits evaluated alone, bit for bit: greedy verification returns exactly what this runtime
+logits evaluated on their own, bit for bit: greedy verification returns exactly what this runtime
 decodes alone. The vocabulary comes from llama.cpp (the file loaded ``vocab_only``), so this
 runtime tokenizes exactly as the llama.cpp workers do.
 """

@@ -128,9 +128,9 @@ class TorchRuntime(TreeRuntime[TreeOutput]):
         chain's verification) attends to the cache in place, with no gather, where a check
         at load finds its bits the one-path shape's (``chains_in_place``).
         ``attention`` "split": fixed-width forwards attend as split_attention.py does instead
-        (any tree in one forward, its rows' bits their own alone by construction); a call
-        with a row too deep below where its path leaves the cache's order for that runs in
-        eager gathered forwards (``deep_rows`` counts them).
+        (any tree in one forward, each row's bits those it gets on its own, by construction);
+        a call with a row too deep below where its path leaves the cache's order for that runs
+        in eager gathered forwards (``deep_rows`` counts them).
         ``compile`` runs the model through torch.compile: each fixed shape's forward (compiled
         at load with the graphs on CUDA), or where shapes vary each new shape's first forward.
         ``matmul`` "triton": linear layers of at most 16 rows in ``skinny_matmul`` (a GPU, or

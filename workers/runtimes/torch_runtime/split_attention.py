@@ -2,18 +2,18 @@
 from the cache, the last few gathered into position order, both in one softmax.
 
 A width-invariant verifier needs every token to see the same keys in the same places whether
-it is evaluated alone, in a chain or in a tree (static_forward.py). Gathering each row's whole
+it is evaluated on its own, in a chain or in a tree (static_forward.py). Gathering each row's whole
 path into position order gives that but copies the span a path; reading the cache in place
 does not, but a tree's siblings sit between a node's ancestors there. The keys that a tree can
 have moved are only its last few positions, so each row splits at
 ``split_point(p) = block * floor(p / block) - 2 * block``: the keys before it are committed
 (in their own slots) for any row at most ``2 * block`` deep below where its path leaves the
-cache's order, and are read in place through a mask that depends on ``p`` alone; the
+cache's order, and are read in place through a mask that depends on ``p`` only; the
 ``3 * block`` positions from it on are gathered per row from its own path. Both parts'
 scores (float32) sit side by side in one softmax, and each part's weights multiply its own
 values. The arithmetic a row runs depends on its position, its keys and the forward's fixed
 shape only, so a tree costs a chain plus a small gathered tail, and the bits are the same
-alone, in a chain or in a tree by construction.
+on its own, in a chain or in a tree by construction.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ before the row's split point in place (only those: the span bucket does not matt
 its gathered tail, with the running maximum, sum and weighted values of an online softmax,
 all in float32. What a program computes depends on its row's position, its query and the
 keys it reads, never on the other rows or on how many there are, so a row's bits are the
-same alone, in a chain or in a tree by construction, as the torch version's are.
+same on its own, in a chain or in a tree by construction, as the torch version's are.
 
 Triton compiles for the GPU; with ``TRITON_INTERPRET=1`` it runs on the CPU (slowly), which
 is how the tests check it where there is no GPU.
