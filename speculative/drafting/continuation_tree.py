@@ -56,7 +56,11 @@ class ContinuationTree:
     def propose(self, max_tokens: int) -> list[int]:
         chain: list[int] = []
         positions = self._matched()
-        while positions and len(chain) < min(max_tokens, self.max_depth):
+        length = min(max_tokens, self.max_depth)
+        while positions and len(chain) < length:
+            if len(positions) == 1:  # one continuation left: the rest of the path is a copy
+                chain += self.index.tokens[positions[0] : positions[0] + length - len(chain)]
+                break
             best = self._children(positions)[:1]
             if not best:
                 break
@@ -76,10 +80,18 @@ class ContinuationTree:
         """The tokens at ``positions`` (continuations that reached this node), grouped: each
         with its share and the positions after it, most shared first."""
         history, end = self.index.tokens, len(self.index.tokens)
+        if len(positions) == 1:  # deep in a tree most nodes hold one continuation: no grouping
+            position = positions[0]
+            return (
+                [(history[position], 1 / (1 + self.prior), [position + 1])]
+                if position < end
+                else []
+            )
         after: dict[int, list[int]] = {}  # insertion order: positions are newest first
+        known = self.prior
         for position in positions:
             if position < end:
                 after.setdefault(history[position], []).append(position + 1)
-        known = sum(map(len, after.values())) + self.prior
+                known += 1
         ranked = sorted(after.items(), key=lambda item: -len(item[1]))  # stable: ties newest first
         return [(token, len(nexts) / known, nexts) for token, nexts in ranked]

@@ -86,11 +86,12 @@ class NgramTable:
         return sum(len(seen.counts) for seen in self._table.values())
 
     def extend(self, tokens: Iterable[int]) -> None:
-        history, table = self._tokens, self._table
+        history, table, max_order = self._tokens, self._table, self.max_order
+        window = tuple(history[-max_order:])  # the contexts before the next token, longest
         for token in map(int, tokens):
-            position = len(history)
-            for order in range(1, min(self.max_order, position) + 1):
-                context = tuple(history[position - order :])
+            known = len(window)
+            for order in range(1, known + 1):
+                context = window[known - order :]
                 seen = table.get(context)
                 if seen is None:
                     if len(table) >= self.max_contexts:
@@ -98,16 +99,19 @@ class NgramTable:
                     seen = table[context] = Followers()
                 seen.add(token, self.followers)
             history.append(token)
+            window = (*window, token)[-max_order:]
 
     def propose(self, max_tokens: int) -> list[int]:
+        """The likeliest child at every step: ``_children``'s first, without listing the rest."""
         chain: list[int] = []
         window = tuple(self._tokens[-self.max_order :])
         while len(chain) < min(max_tokens, self.max_depth):
-            best = self._children(window)[:1]
-            if not best:
+            seen = self._longest_counted(window)
+            if seen is None:
                 break
-            token, _, window = best[0]
+            token = max(seen.counts, key=seen.counts.__getitem__)  # the first counted on ties
             chain.append(token)
+            window = (*window, token)[-self.max_order :]
         return chain
 
     def propose_tree(self, max_nodes: int, max_children: int | None = None) -> TreeProposal:
@@ -117,14 +121,19 @@ class NgramTable:
     def _children(self, window: tuple[int, ...]) -> list[Child]:
         """The counted followers of the longest counted context ending ``window`` (the last
         ``max_order`` tokens of the text and of the path so far), most counted first."""
-        for order in range(len(window), 0, -1):
-            seen = self._table.get(window[-order:])
-            if seen is not None and seen.counts:
-                break
-        else:
+        seen = self._longest_counted(window)
+        if seen is None:
             return []
         total = seen.occurrences + self.prior
         ranked = sorted(seen.counts.items(), key=lambda item: -item[1])  # stable: first counted
         return [
             (token, count / total, (*window, token)[-self.max_order :]) for token, count in ranked
         ]
+
+    def _longest_counted(self, window: tuple[int, ...]) -> Followers | None:
+        """The followers of the longest context ending ``window`` that has counts."""
+        for order in range(len(window), 0, -1):
+            seen = self._table.get(window[-order:])
+            if seen is not None and seen.counts:
+                return seen
+        return None

@@ -48,20 +48,26 @@ class OccurrenceIndex:
         return self._contexts
 
     def extend(self, tokens: Iterable[int]) -> None:
-        history = self.tokens
-        for token in tokens:
-            position = len(history)
-            for order in range(1, self.max_order + 1):
-                previous = NONE
-                if order <= position:
-                    context = tuple(history[position - order :])
-                    latest = self._latest[order - 1]
-                    previous = latest.get(context, NONE)
-                    if previous != NONE or self._contexts < self.max_contexts:
-                        self._contexts += previous == NONE
-                        latest[context] = position
-                self._previous[order - 1].append(previous)  # kept for every position: O(1) reads
-            history.append(int(token))
+        history, max_order = self.tokens, self.max_order
+        orders = list(enumerate(zip(self._latest, self._previous, strict=True), start=1))
+        window = tuple(history[-max_order:])  # the contexts before the next position, longest
+        contexts, most = self._contexts, self.max_contexts
+        try:
+            for token in map(int, tokens):
+                position, known = len(history), len(window)
+                for order, (latest, chain) in orders:
+                    previous = NONE
+                    if order <= known:
+                        context = window[known - order :]
+                        previous = latest.get(context, NONE)
+                        if previous != NONE or contexts < most:
+                            contexts += previous == NONE
+                            latest[context] = position
+                    chain.append(previous)  # kept for every position and order: O(1) reads
+                history.append(token)
+                window = (*window, token)[-max_order:]
+        finally:  # a token that is no integer stops the feed with the count still right
+            self._contexts = contexts
 
     def longest_match(self, min_order: int) -> tuple[int, int]:
         """(n, p): the largest order n >= ``min_order`` whose context ending the text occurred
