@@ -58,10 +58,10 @@ class ScriptedController(BudgetController):
         )
 
 
-def decode(pair, controller, *, plan=None, max_tokens=40, log=None, **options):
+def decode(pair, controller, *, plan=None, max_tokens=40, log=None, lookup=None, **options):
     request = GenerateRequest(prompt=PROMPT, max_tokens=max_tokens, ignore_eos=True, **options)
     stats, result = SpeculativeStats(), GenerationResult()
-    decoder = Decoder(request, pair, controller, stats, plan=plan, log=log)
+    decoder = Decoder(request, pair, controller, stats, plan=plan, log=log, lookup=lookup)
 
     async def run() -> str:
         return "".join([piece async for piece in decoder.stream(result)])

@@ -10,7 +10,8 @@ keyed choices (``samplers.KeyedSampler``), the same whatever the rounds were.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from hetspec.daemon.decode.autoregressive import first_token
@@ -23,6 +24,7 @@ from hetspec.daemon.decode.requests import (
 from hetspec.daemon.decode.round_context import Emitted, RoundContext, RoundKind
 from hetspec.daemon.decode.round_kinds import (
     alone_round,
+    lookup_round,
     overlapped_round,
     plain_round,
     tree_round,
@@ -35,10 +37,11 @@ from hetspec.protocol import frame_array
 from hetspec.protocol import worker_messages as m
 from hetspec.speculative.control.budget import BudgetController
 from hetspec.speculative.control.rounds import Plan, RoundReport
+from hetspec.speculative.drafting.model_free import ModelFreeDrafter
 from hetspec.speculative.verify.logprobs import token_logprob
 from hetspec.speculative.verify.samplers import sampler_for
 
-__all__ = ["Decoder", "WorkerPair"]
+__all__ = ["Decoder", "LookupSource", "WorkerPair"]
 
 
 class RoundSink(Protocol):
@@ -47,6 +50,15 @@ class RoundSink(Protocol):
     def __call__(
         self, plan: Plan, report: RoundReport, *, seconds: float, emitted: int
     ) -> None: ...
+
+
+@dataclass(frozen=True)
+class LookupSource:
+    """Where a request's model-free drafter comes from: ``drafter()`` makes one, and
+    ``children`` bounds the children it may propose below a node (1: chains)."""
+
+    drafter: Callable[[], ModelFreeDrafter]
+    children: int | None = None
 
 
 class Decoder:
@@ -62,9 +74,12 @@ class Decoder:
         *,
         plan: Plan | None = None,
         log: RoundSink | None = None,
+        lookup: LookupSource | None = None,
     ) -> None:
         self.request, self.pair, self.controller, self.stats = request, pair, controller, stats
         self.fixed = plan
+        # model-free drafts, weighed against the controller's plans (not a request's own)
+        self.lookup = lookup if plan is None else None
         self.log = log  # each round's plan and report, where a round log is kept
         self.ctx: RoundContext | None = None  # once the prompt is tokenized
         self.schedule: Scheduler | None = None
@@ -133,6 +148,9 @@ class Decoder:
             DrafterSide(pair, prompt, request.seed),
             fixed=self.fixed,
         )
+        if self.lookup is not None:
+            ctx.lookup, ctx.lookup_children = self.lookup.drafter(), self.lookup.children
+            ctx.lookup.extend(prompt)
         self.schedule = Scheduler(ctx)
         if self.fixed is None:
             self.controller.begin_request(self.max_tokens)
@@ -165,6 +183,7 @@ class Decoder:
         ctx.position = len(prompt) + 1
         first = first_token(logits, ctx.params, ctx.sampler, len(prompt))
         ctx.verifier.bonus, ctx.drafter.unseen = first, [first]
+        ctx.emitted([first])
         if first in ctx.ends:
             return Emitted([], True)
         top = request.logprobs
@@ -176,12 +195,13 @@ class Decoder:
         learns from its report."""
         ctx, schedule = self.ctx, self.schedule
         began = ctx.settled_at
-        plan = schedule.plan(remaining)
-        kind = ctx.kind(plan)
+        plan, kind, proposal = schedule.next_round(remaining)
         if kind is not RoundKind.OVERLAPPED:
             ctx.drafter.run_ahead = None  # its pending nodes go with the next draft's append
         if kind is RoundKind.ALONE:
             emitted, report = await alone_round(ctx, schedule, remaining)
+        elif kind is RoundKind.LOOKUP:
+            emitted, report = await lookup_round(ctx, schedule, proposal, remaining)
         elif kind is RoundKind.OVERLAPPED:
             emitted, report = await overlapped_round(ctx, schedule, plan, remaining)
         elif kind is RoundKind.TREE:
@@ -193,7 +213,8 @@ class Decoder:
         self.controller.observe(report)
         self.stats.count(report)
         if self.log is not None:  # the plan as chosen, with what the controller expected
-            chosen = self.fixed or self.controller.history[-1]
+            lookup = kind is RoundKind.LOOKUP
+            chosen = plan if lookup else self.fixed or self.controller.history[-1]
             seconds = ctx.settled_at - began
             self.log(chosen, report, seconds=seconds, emitted=len(emitted.tokens))
         return emitted

@@ -18,6 +18,7 @@ from hetspec.protocol import worker_messages as m
 from hetspec.protocol.sampling import SamplingParams
 from hetspec.speculative.control.budget import BudgetController
 from hetspec.speculative.control.rounds import Plan
+from hetspec.speculative.drafting.model_free import ModelFreeDrafter
 from hetspec.speculative.verify.logprobs import token_logprob
 from hetspec.speculative.verify.samplers import KeyedSampler, Sampler
 from hetspec.speculative.verify.verdicts import RowsOnDemand, Verdict
@@ -28,6 +29,7 @@ class RoundKind(enum.Enum):
     PLAIN = "plain"  # a draft of branches x gamma (or by the rule), verified as one tree
     TREE = "tree"  # EAGLE-2's dynamic tree, its best ranked prefix verified
     OVERLAPPED = "overlapped"  # the next round drafted while this one is verified
+    LOOKUP = "lookup"  # a model-free draft from the request's own tokens, verified as a tree
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,10 @@ class RoundContext:
     settled_at: float = 0.0
     fixed: Plan | None = None  # the request's own plan, else the controller's
     alone_streak: int = 0  # rounds in a row without a draft, up to the last one
+    # the request's model-free drafter, fed every committed token (None: not used), and the
+    # children it may propose below a node (1: chains, for a verifier of chains only)
+    lookup: ModelFreeDrafter | None = None
+    lookup_children: int | None = None
 
     @property
     def keyed(self) -> bool:
@@ -98,6 +104,11 @@ class RoundContext:
             draft_rows=draft_rows,
         )
 
+    def emitted(self, tokens: list[int]) -> None:
+        """The sequence grew by ``tokens`` (committed): the model-free drafter learns them."""
+        if self.lookup is not None:
+            self.lookup.extend(tokens)
+
     def commit(
         self,
         verdict: Verdict,
@@ -115,6 +126,7 @@ class RoundContext:
         self.position += len(emitted)
         emitted, stopped = cut_at_end(emitted, self.ends)
         emitted = emitted[:remaining]
+        self.emitted(emitted)
         self.verifier.accepted(verdict)
         if self.drafter.features is not None:
             kept = self.verifier.kept_features(verified, self.pair.arena)

@@ -39,6 +39,7 @@ from hetspec.speculative.drafting.dynamic_tree import (
     first_choice_offers,
     within_leaves,
 )
+from hetspec.speculative.drafting.model_free import TreeProposal
 from hetspec.speculative.verify.verdicts import RowsOnDemand
 
 Round = tuple[Emitted, RoundReport]
@@ -181,6 +182,35 @@ async def overlapped_round(
     return emitted, report
 
 
+async def lookup_round(
+    ctx: RoundContext, schedule: Scheduler, proposal: TreeProposal, remaining: int
+) -> Round:
+    """A model-free draft (proposed from the request's own tokens: no draft call), verified
+    as one tree below the bonus. A drawn request's walk reads it as one-hot proposals: each
+    node kept with the target's probability of it, the bonus drawn from what is left."""
+    tokens, parents = list(proposal.tokens), list(proposal.parents)
+    site = ctx.site(drawn_walk=False)  # the daemon walks a drawn request's one-hot rows
+    walk = walk_command(site, ctx.params, ctx.sampler, ctx.position)
+    verification = await schedule.verify(tokens, parents, remaining, site=site, walk=walk)
+    one_hot = None if ctx.params.greedy else _one_hot_rows(ctx, tokens, verification.reply)
+    judged = ctx.judge(site, tokens, parents, verification.reply, one_hot)
+    emitted = ctx.commit(judged.verdict, tokens, remaining, judged, verification.reply)
+    ctx.drafter.unseen += emitted.tokens  # a draft model catches up with its next draft
+    schedule.post_next_draft(remaining - len(emitted.tokens), emitted.stopped)
+    period_s = time.perf_counter() - ctx.settled_at
+    path = judged.verdict.path
+    report = RoundReport(
+        max(len(path), 1),
+        1,
+        len(path),
+        **_verification_fields(verification, len(tokens)),
+        overhead_s=period_s - verification.seconds,
+        period_s=period_s,
+        lookup=float(sum(proposal.acceptance)),
+    )
+    return emitted, report
+
+
 async def alone_round(ctx: RoundContext, schedule: Scheduler, remaining: int) -> Round:
     """The target decodes a few tokens alone, drawing them in its own process; the drafter
     falls behind by them and catches up when drafting resumes."""
@@ -193,6 +223,7 @@ async def alone_round(ctx: RoundContext, schedule: Scheduler, remaining: int) ->
     ctx.position += len(tokens)
     emitted, stopped = cut_at_end(tokens, ctx.ends)
     emitted = emitted[:remaining]
+    ctx.emitted(emitted)
     ctx.drafter.unseen += emitted
     # Not what decoding alone costs: the first round without a draft (a transition: it
     # evaluates the last round's bonus and moves the target onto the spare cores), a trial of
@@ -298,6 +329,18 @@ def _verification_fields(verification, drafted_nodes: int) -> dict:
         "verify_s": 0.0 if verification.trial else verification.seconds,
         "verify_compute_s": verification.reply.elapsed_ms / 1000,
     }
+
+
+def _one_hot_rows(ctx: RoundContext, tokens: list[int], verified: m.Verified) -> RowsOnDemand:
+    """A model-free draft's nodes as draft rows: each certain of its own token."""
+    width = ctx.pair.arena.view(verified.logits).shape[-1] if verified.logits is not None else 0
+
+    def row(node: int) -> np.ndarray:
+        one_hot = np.zeros(width, np.float32)
+        one_hot[tokens[node]] = 1.0
+        return one_hot
+
+    return RowsOnDemand((len(tokens), width), row)
 
 
 def _leaves(ctx: RoundContext) -> int | None:

@@ -21,6 +21,7 @@ from hetspec.daemon.decode.verdict_site import VerdictSite
 from hetspec.protocol import worker_messages as m
 from hetspec.speculative.control.budget import Choice
 from hetspec.speculative.control.rounds import DraftCall, Plan
+from hetspec.speculative.drafting.model_free import TreeProposal
 
 
 def shaped(plan: Plan, remaining: int) -> Plan:
@@ -28,6 +29,13 @@ def shaped(plan: Plan, remaining: int) -> Plan:
     overlapped round drafts at least one); what was expected of it is not carried."""
     gamma = min(plan.gamma, remaining)
     return Plan(max(gamma, 1) if plan.overlap else gamma, plan.branches, plan.overlap, plan.rule)
+
+
+def _depth(parents: Sequence[int]) -> int:
+    depth = [0] * len(parents)
+    for node, parent in enumerate(parents):
+        depth[node] = 1 if parent < 0 else depth[parent] + 1
+    return max(depth, default=0)
 
 
 def _retrieved(task: asyncio.Future) -> None:
@@ -57,17 +65,54 @@ class Scheduler:
         self.ctx = ctx
         self.upcoming: Choice | None = None
         self.early_draft: asyncio.Future | None = None
+        self._busy_drafter: asyncio.Future | None = None  # a draft dropped for a lookup
+        # rounds since the last model-free draft's: the target alone decodes longer calls
+        # as they grow (a lookup is weighed only between calls)
+        self.rounds_without_lookup = 0
 
     # ------------------------------------------------------------ plans
 
-    def plan(self, remaining: int) -> Plan:
-        """The next round's plan, committed: the request's own, the one chosen ahead, or the
-        controller's choice now; shaped for ``remaining`` tokens left to emit."""
+    def next_round(self, remaining: int) -> tuple[Plan, RoundKind, TreeProposal | None]:
+        """The next round: its plan, its kind, and for a model-free draft's round the nodes
+        to verify. The request's own plan, else the one chosen ahead or the controller's
+        choice now, committed only if it runs: a model-free draft runs instead where the
+        controller prices it above that plan (the plan waits for the next round)."""
         ctx = self.ctx
         if ctx.fixed is not None:
-            return shaped(ctx.fixed, remaining)
+            plan = shaped(ctx.fixed, remaining)
+            return plan, ctx.kind(plan), None
         choice, self.upcoming = self.upcoming or ctx.controller.choose(), None
-        return shaped(ctx.controller.commit(choice), remaining)
+        proposal = self._lookup_offer(choice.plan, remaining)
+        if proposal is not None:
+            self.upcoming = choice
+            self.rounds_without_lookup = 0
+            if self.early_draft is not None:  # sent for the plan, which waits
+                self._busy_drafter, self.early_draft = self.early_draft, None
+                self._busy_drafter.add_done_callback(_retrieved)
+            chain = max(proposal.parents, default=-1) == len(proposal.parents) - 2
+            plan = Plan(_depth(proposal.parents), 1 if chain else 2)
+            return plan, RoundKind.LOOKUP, proposal
+        self.rounds_without_lookup += 1
+        plan = shaped(ctx.controller.commit(choice), remaining)
+        return plan, ctx.kind(plan), None
+
+    def _lookup_offer(self, rival: Plan, remaining: int) -> TreeProposal | None:
+        """The model-free draft's nodes worth verifying instead of ``rival``, or None."""
+        ctx = self.ctx
+        nodes = min(ctx.controller.limits.max_width - 1, remaining - 1)
+        if ctx.lookup is None or nodes < 1:
+            return None
+        proposal = ctx.lookup.propose_tree(nodes, ctx.lookup_children)
+        width = ctx.controller.lookup_width(proposal.acceptance, rival)
+        if width == 0:
+            return None
+        return TreeProposal(*(column[:width] for column in proposal))
+
+    def drafter_idle(self) -> bool:
+        """Whether the drafter computes nothing: no prefill, no draft sent for a plan that
+        waits (its cores may be borrowed)."""
+        busy = self._busy_drafter
+        return self.ctx.drafter.idle() and (busy is None or busy.done())
 
     def _weigh_next_plan(self) -> None:
         if self.ctx.fixed is None and self.upcoming is None:
@@ -134,7 +179,11 @@ class Scheduler:
             return None
         plan = shaped(chosen, remaining)
         kind = ctx.kind(plan)
-        return (plan, kind) if kind in (RoundKind.PLAIN, RoundKind.TREE) else None
+        if kind not in (RoundKind.PLAIN, RoundKind.TREE):
+            return None
+        if ctx.fixed is None and self._lookup_offer(chosen, remaining) is not None:
+            return None  # a model-free draft will likely run first
+        return plan, kind
 
     def post_next_draft(self, remaining: int, stopped: bool) -> None:
         """Send the next round's draft now that this round's tokens are known, where that
@@ -169,7 +218,8 @@ class Scheduler:
         a trial); ``beside``: the daemon's work while the verifier computes. ``remaining``:
         what the request may emit from this round on (it emits at least one)."""
         ctx = self.ctx
-        cores = ctx.pair.verify_cores if ctx.pair.verifier.spec.spare_cores else None
+        borrow = ctx.pair.verifier.spec.spare_cores and self.drafter_idle()
+        cores = ctx.pair.verify_cores if borrow else None
         spare_cores = cores is not None and cores.choose()
         start = time.perf_counter()
         reply = ctx.verifier.verify(
@@ -205,12 +255,14 @@ class Scheduler:
         drafter's cores too where that measured faster and the drafter idles (it may still
         prefill: then the target keeps to its own cores)."""
         ctx = self.ctx
-        idle = ctx.drafter.idle()
+        idle = self.drafter_idle()
         cores = ctx.pair.alone_cores
         spare_cores = idle and cores.choose()
         steps = alone_tokens(
             ctx.controller.estimates.target_alone_s(), trial=idle and cores.exploring
         )
+        if ctx.lookup is not None:  # soon after a lookup paid, weigh the next one soon
+            steps = min(steps, 1 << min(self.rounds_without_lookup, 7))
         call = ctx.verifier.decode(
             min(steps, remaining), ctx.params, spare_cores=spare_cores, logprobs=ctx.logprobs
         )

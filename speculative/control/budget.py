@@ -20,6 +20,7 @@ made ahead for a round that never runs is simply dropped.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hetspec.speculative.control import exploration as explore
@@ -27,7 +28,7 @@ from hetspec.speculative.control.estimates import EstimateConfig, Estimates
 from hetspec.speculative.control.exploration import ExplorationConfig, ExplorationState
 from hetspec.speculative.control.planning import Limits, best_plan, plan_of
 from hetspec.speculative.control.rounds import Plan, RoundReport
-from hetspec.speculative.drafting.dynamic_tree import Calibration, FirstChoice
+from hetspec.speculative.drafting.dynamic_tree import Calibration, FirstChoice, best_width
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,8 @@ class BudgetController:
         # what tree rounds accept: of the nodes' scores, and of the draft's first choices
         self.tree_calibration = Calibration()
         self.tree_first_choice = FirstChoice()
+        # what model-free drafts accept, of their counted estimates
+        self.lookup_calibration = Calibration()
 
     @property
     def limits(self) -> Limits:
@@ -88,6 +91,10 @@ class BudgetController:
     def observe(self, report: RoundReport) -> None:
         """Learn from the round of the plan committed last."""
         plan = self.history[-1] if self.history else None
+        if report.lookup is not None:  # ran instead of a plan: it teaches costs, not the plan
+            self.estimates.observe(report)
+            self.lookup_calibration.observe(report.lookup, report.accepted)
+            return
         if report.gamma and plan is not None and plan.gamma and plan.round_s > 0:
             # the first drafted round after the target alone catches the drafter up on what
             # it decoded: the price of switching, not of drafting
@@ -98,6 +105,22 @@ class BudgetController:
         if report.tree is not None:
             self.tree_calibration.observe(report.tree.expected, report.accepted)
             self.tree_first_choice.observe(report.tree.first_choices)
+
+    def lookup_width(self, acceptance: Sequence[float], rival: Plan) -> int:
+        """How many of a model-free draft's ranked nodes (their estimated ``acceptance``) to
+        verify in a round instead of running ``rival``: the count that commits the most
+        tokens per second, where that beats ``rival``'s expected rate; 0: run ``rival``. A
+        verification of unmeasured cost is tried (its cost is learned)."""
+        if not acceptance:
+            return 0
+        factor = self.lookup_calibration.factor
+        width = best_width(acceptance, factor, self.estimates.verify_s)
+        seconds = self.estimates.verify_s(width + 1)
+        if seconds is None:
+            return width
+        expected = 1.0 + factor * float(sum(acceptance[:width]))
+        rate = expected / (seconds + self.estimates.overhead_s())
+        return width if rate > rival.tokens_per_s else 0
 
     def assume_verifier(self, seconds_by_width: dict[int, float]) -> None:
         """Start from the verifier's forward costs measured before serving (see

@@ -139,7 +139,8 @@ class Estimates:
                 widths = self._branched if branched else self._verify.of(report.verify_overlapped)
                 widths.setdefault(report.verify_width, self._median()).add(report.verify_s)
             self._overhead.add(max(0.0, report.overhead_s))
-        self._observe_acceptance(report)
+        if report.lookup is None:  # a model-free draft's acceptance is not the draft model's
+            self._observe_acceptance(report)
 
     def _observe_draft(self, call: DraftCall) -> None:
         if call.steps > 0 and call.compute_s > 0:
@@ -310,6 +311,10 @@ class Estimates:
         """DuoDecoding's c = T_verify / T_draft, once both were measured."""
         step, verify = self.draft_step_s(), self.verify_s(2)
         return None if step is None or verify is None else verify / step
+
+    def overhead_s(self) -> float:
+        """A drafting round's own seconds besides its calls (the daemon's), as measured."""
+        return self._overhead.value or 0.0
 
     def target_alone_s(self) -> float | None:
         """The target's own seconds per token decoding alone, once measured."""
