@@ -11,11 +11,11 @@ to verify can be decided after drafting, from the scores and the measured cost o
 A node's score estimates the chance that verification accepts it: the sum of the kept scores
 estimates the tokens a round accepts, and ``Calibration`` learns how far that is off. EAGLE-2
 scores by the draft's own path probability; greedy (and keyed) verification, though, accepts
-the draft's first choice whenever the two choices agree, whatever its probability (measured
-here: chains kept ~0.83 a step where path probabilities ranked siblings above them and trees
-lost to chains). So with ``first_accept`` (the rate at which first choices are accepted,
-learned from rounds by ``FirstChoice``) a first choice scores that rate, and another child
-x the rest, shared in proportion to the draft: (1 - rate) q(x) / (1 - q(first)).
+the draft's first choice whenever the two choices agree, whatever its probability (scored
+by path probability, trees lost to chains: docs/design-notes.md, "Dynamic trees' scores").
+So with ``first_accept`` (the rate at which first choices are accepted, learned from rounds
+by ``FirstChoice``) a first choice scores that rate, and another child x the rest, shared in
+proportion to the draft: (1 - rate) q(x) / (1 - q(first)).
 """
 
 from __future__ import annotations
