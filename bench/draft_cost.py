@@ -20,7 +20,7 @@ import numpy as np
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.sampling import SamplingParams
 from hetspec.speculative.verify.samplers import DrawnSampler
-from hetspec.workers.process import LoadError, claim_cores, core_list, load_runtime
+from hetspec.workers.runtimes.loading import LoadError, claim_cores, core_list, load_runtime
 from hetspec.workers.tools.timing import positive_int, positive_int_list
 
 SETTINGS = {"native": m.NativeSettings, "llama.cpp": m.LlamaCppSettings}
@@ -40,7 +40,7 @@ def round_calls_us(runtime, gamma: int, *, prefix: int, rounds: int, seed: int =
         drafted = draft.tokens[0].tolist()
         bonus = (drafted[accepted] + 1) % runtime.vocab_size if accepted < gamma else 0
         start = time.perf_counter()
-        if runtime.chains_in_one_call(params):  # as the worker does (workers/process.py)
+        if runtime.chains_in_one_call(params):  # as the worker does (workers/compute_handlers.py)
             first = runtime.catch_up([*drafted[:accepted], bonus])
             draft = runtime.draft(gamma, params, sampler, out=out, first=first)
         else:

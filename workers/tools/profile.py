@@ -20,7 +20,13 @@ import numpy as np
 
 from hetspec.protocol import ProbeFailure, RuntimeProfile, encode_runtime_report
 from hetspec.protocol import worker_messages as m
-from hetspec.workers.process import RUNTIMES, LoadError, claim_cores, core_list, load_runtime
+from hetspec.workers.runtimes.loading import (
+    RUNTIMES,
+    LoadError,
+    claim_cores,
+    core_list,
+    load_runtime,
+)
 from hetspec.workers.runtimes.spare_cores import SpareCores
 from hetspec.workers.tools.timing import positive_int_list, timed_ms
 

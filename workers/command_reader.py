@@ -1,0 +1,139 @@
+"""The command socket (or mailbox), read by the worker's compute thread itself.
+
+Contract: ``CommandReader.next`` returns the next command to run with its frames, in the
+order the daemon sent them; a malformed one is answered (``Failed``, no request) and never
+returned, a ``Cancel`` answers the queued command it names in its place, and
+``running_cancelled`` says whether the command taken last has been cancelled since.
+"""
+
+from __future__ import annotations
+
+import select
+import time
+from collections import deque
+
+import msgspec
+import zmq
+
+from hetspec.protocol import Codec, MessageError
+from hetspec.protocol import worker_messages as m
+from hetspec.protocol.mailbox import Mailbox
+
+
+class CommandReader:
+    """The command socket, read by the compute thread itself.
+
+    A hand-off from a receiving thread would cost a thread wake-up per command, and on an idle
+    (virtual) CPU a wake-up costs tens of microseconds; so the compute thread receives, and
+    after each command it spins for ``spin_s`` before it blocks, because in a speculative
+    round the next command follows within a fraction of a millisecond. Whatever arrived
+    with a command is drained into the backlog too, so a ``Cancel`` read there stops a
+    command still queued.
+
+    A ``Cancel`` for the command running now is remembered until the next one starts: a long
+    one (a prompt's prefill) asks ``running_cancelled`` between its chunks. Any other
+    ``Cancel`` for a command not in the backlog is dropped: the daemon sends a command before
+    its ``Cancel``, on this one connection, so that command was answered already.
+    Remembering such late cancels would grow without bound.
+
+    With a ``mailbox`` the commands come through it (a socket message only where a marker in
+    it says so), and spinning reads shared memory instead of asking ZeroMQ. A wake-up that
+    announced a command (``Mailbox.announce``: the daemon knows the next draft follows a
+    verification's verdict) but brought none is followed by a spin of ``ANNOUNCED_SPIN_S``,
+    so that the command finds the reader awake.
+    """
+
+    ANNOUNCED_SPIN_S = 0.001  # the daemon posts the command ~0.1-0.5 ms after announcing it
+
+    def __init__(
+        self,
+        context: zmq.Context,
+        endpoint: str,
+        spin_s: float,
+        failed,
+        mailbox: Mailbox | None = None,
+    ) -> None:
+        self.socket = context.socket(zmq.PULL)
+        self.socket.connect(endpoint)
+        self.mailbox = mailbox
+        self._bell = select.poll()  # where a sleeping reader waits for the mailbox's bell
+        if mailbox is not None:
+            self._bell.register(mailbox.bell_fd, select.POLLIN)
+        self.spin_s = spin_s
+        self.codec = Codec(m.Command)
+        self.failed = failed  # how to answer a malformed or cancelled command
+        self.backlog: deque[tuple[msgspec.Struct, list[bytes]]] = deque()
+        self._announcements = 0  # announcements seen when the last command was taken
+        self._running: int | None = None  # the request of the command taken last
+        self._running_cancelled = False
+
+    def _take(self, frames: list[bytes]) -> None:
+        try:
+            command = self.codec.decode(frames)
+        except MessageError as error:
+            self.failed(m.Failed(request=None, kind="protocol", message=str(error)))
+            return
+        if isinstance(command, m.Cancel):
+            self._cancel(command.request)
+        else:
+            self.backlog.append((command, frames))
+
+    def _cancel(self, request: int) -> None:
+        """Answer the queued command ``request`` as cancelled and drop it; none queued: it
+        was answered already, and the Cancel has nothing left to do."""
+        for entry in self.backlog:
+            if getattr(entry[0], "request", None) == request:
+                self.backlog.remove(entry)
+                self.failed(m.Failed(request=request, kind="cancelled", message="cancelled"))
+                return
+        if request == self._running:
+            self._running_cancelled = True
+
+    def running_cancelled(self) -> bool:
+        """Whether the daemon has cancelled the command taken last (reads what came since)."""
+        self._drain()
+        return self._running_cancelled
+
+    def _drain(self) -> None:
+        if self.mailbox is not None:
+            while (frames := self.mailbox.take()) is not None:
+                # diverted: the daemon sent it on the socket before it posted the marker
+                self._take(frames if isinstance(frames, list) else self.socket.recv_multipart())
+            return
+        while True:
+            try:
+                self._take(self.socket.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+
+    def _wait(self) -> None:
+        """Sleep until a command may have come."""
+        if self.mailbox is None:
+            self._take(self.socket.recv_multipart())
+            return
+        self._bell.poll()
+        self.mailbox.clear()  # before draining: a command posted after the drain rings again
+
+    def next(self) -> tuple[msgspec.Struct, list[bytes]]:
+        self._drain()  # a Cancel that came while the last command ran stops a queued one
+        self._spin(self.spin_s)
+        while not self.backlog:
+            self._wait()
+            self._drain()
+            if not self.backlog and self._announced():
+                self._spin(self.ANNOUNCED_SPIN_S)
+        if self.mailbox is not None:  # announcements made before it are this command's
+            self._announcements = self.mailbox.announcements()
+        command = self.backlog.popleft()
+        self._running = getattr(command[0], "request", None)
+        self._running_cancelled = False
+        return command
+
+    def _spin(self, seconds: float) -> None:
+        deadline = time.perf_counter() + seconds
+        while not self.backlog and time.perf_counter() < deadline:
+            self._drain()
+
+    def _announced(self) -> bool:
+        """Whether a command was announced since the last one was taken."""
+        return self.mailbox is not None and self.mailbox.announcements() != self._announcements

@@ -1,0 +1,325 @@
+"""What each command does to the engine and the arena: the worker's handlers.
+
+Contract: a handler takes a command and its frames and returns ``(reply, arrays)``: the reply
+to send and the arrays to send with it as frames. Outputs too big for a frame (probability
+rows, logits, features for the drafter) go to the arena slot the command names, and the reply
+says where. A handler raises instead of answering where the command cannot be done
+(``RuntimeUsageError``, ``ArenaError``, ``LoadError`` with no model loaded, ...); the
+worker's loop (``worker.Worker``) turns that into ``Failed``. Handlers never send: one reply
+a command, sent by the loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+
+import msgspec
+import numpy as np
+
+from hetspec.protocol import Arena, ArenaError, MessageError, frame_array, frame_ref
+from hetspec.protocol import worker_messages as m
+from hetspec.speculative.verify.samplers import DrawnSampler, KeyedSampler, Sampler, sampler_for
+from hetspec.speculative.verify.verdicts import RowsOnDemand, Verdict, verify_sampled
+from hetspec.workers.runtimes.loading import LoadError
+from hetspec.workers.runtimes.spare_cores import SpareCores
+from hetspec.workers.runtimes.tree_runtime import RuntimeUsageError
+
+
+class ComputeHandlers:
+    """The engine (``runtime``, once loaded), the arena and the request's sampler, and a
+    handler for each command that computes or reads them."""
+
+    def __init__(self, spare: SpareCores) -> None:
+        self.spare = spare
+        self.runtime = None
+        self.arena: Arena | None = None
+        self.sampler: Sampler = DrawnSampler()  # a request's, from its Prefill's seed
+        # whether the daemon cancelled the command running now (see Worker.serve)
+        self.cancelled: Callable[[], bool] = lambda: False
+
+    def _engine(self, spare_cores: bool | None = None):
+        """The runtime, computing on the spare cores too when a compute command says so
+        (None: light work, which leaves the cores as they are)."""
+        if self.runtime is None:
+            raise LoadError("no model is loaded")
+        if spare_cores is not None:
+            self.spare.use(spare_cores, self.runtime.set_extra_threads)
+        return self.runtime
+
+    def _slot(self, slot: int, shape: tuple[int, ...]) -> np.ndarray:
+        if self.arena is None:
+            raise ArenaError("no shared-memory arena was given at load")
+        return self.arena.empty(slot, shape)
+
+    def _features_in(self, engine, ref: m.ArrayRef, frames) -> np.ndarray:
+        if not hasattr(engine, "provide_features"):
+            raise RuntimeUsageError("this worker drafts without the target's features")
+        if ref.frame < 1:
+            raise MessageError("input features travel in a frame")
+        return frame_array(ref, frames)
+
+    @contextlib.contextmanager
+    def _reporting(self, engine, wanted: bool):
+        """Collect the features of what is evaluated inside the block, when ``wanted``."""
+        if not wanted:
+            yield None
+            return
+        with engine.features_captured() as sink:
+            yield sink
+
+    @staticmethod
+    def _stacked(engine, sink: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(sink) if sink else np.zeros((0, engine.feature_size), np.float32)
+
+    def _reported(self, reply, engine, sink: list[np.ndarray] | None) -> tuple:
+        """``reply`` with the features ``sink`` collected, ending at the committed end, in a
+        frame (none asked: as it is)."""
+        if sink is None:
+            return reply, ()
+        rows = self._stacked(engine, sink)
+        reply = msgspec.structs.replace(
+            reply, features=frame_ref(rows, 1), features_start=engine.committed - len(rows)
+        )
+        return reply, (rows,)
+
+    def prefill(self, command: m.Prefill, frames) -> tuple:
+        start = time.perf_counter()
+        engine = self._engine(command.spare_cores)
+        engine.interrupt = self.cancelled  # a long prompt stops between chunks when cancelled
+        try:
+            with self._reporting(engine, command.report_features) as sink:
+                if command.features is not None:
+                    features = self._features_in(engine, command.features, frames)
+                    reused = engine.prefill(
+                        command.tokens, features=features, start=command.features_start
+                    )
+                else:
+                    reused = engine.prefill(command.tokens)
+        finally:
+            engine.interrupt = None
+        self.sampler = sampler_for(command.seed)
+        logits = None
+        if command.out >= 0:
+            row = self._slot(command.out, (1, engine.vocab_size))
+            row[0] = engine.last_logits()
+            logits = m.ArrayRef(row.dtype.str, row.shape, slot=command.out)
+        elapsed = (time.perf_counter() - start) * 1000
+        committed = engine.committed
+        reply = m.Prefilled(command.request, reused, committed, elapsed, logits)
+        return self._reported(reply, engine, sink)
+
+    def draft(self, command: m.Draft, frames) -> tuple:
+        start = time.perf_counter()
+        engine = self._engine(command.spare_cores)
+        dynamic = command.dynamic is not None and command.after is None
+        # a dynamic draft's shape is known only once drafted: it is copied to the slot then
+        shape = (command.branches, command.steps, engine.vocab_size)
+        out = None if dynamic else self._slot(command.out, shape)
+        first = None  # the append's last token to evaluate: the draft's first forward
+        one_chain = (
+            command.tree is None
+            and command.after is None
+            and engine.chains_in_one_call(command.sampling, command.branches, command.dynamic)
+        )
+        if command.features is not None:
+            features = self._features_in(engine, command.features, frames)
+            if len(features) != len(command.append):
+                raise RuntimeUsageError(
+                    f"{len(command.append)} tokens to append but {len(features)} feature rows"
+                )
+            engine.append_after_features(command.append, features)
+        elif command.append and one_chain:
+            first = engine.catch_up(command.append)
+        elif command.append:
+            engine.append(command.append)  # what is new in one forward (llama.cpp: a batch)
+        append_ms = (time.perf_counter() - start) * 1000
+        forwards = engine.forwards
+        if command.tree is not None:
+            depth, top_k = command.tree
+            tree = engine.draft_tree(
+                depth,
+                top_k,
+                command.steps,
+                command.sampling,
+                self.sampler,
+                first_accept=command.tree_first_accept,
+            )
+            probs = m.ArrayRef("<f4", (1, 0, engine.vocab_size), slot=command.out)
+            reply = m.Drafted(
+                command.request,
+                [tree.tokens.tolist()],
+                [tree.nodes.tolist()],
+                probs,
+                (time.perf_counter() - start) * 1000,
+                append_ms,
+                engine.forwards - forwards,
+                parents=tree.parents.tolist(),
+                acceptance=tree.acceptance.tolist(),
+            )
+            return reply, ()
+        result = engine.draft(
+            command.steps,
+            command.sampling,
+            self.sampler,
+            branches=command.branches,
+            out=out,
+            after=command.after,
+            dynamic=command.dynamic,
+            first=first,
+        )
+        if out is None:
+            out = self._slot(command.out, result.probs.shape)
+            np.copyto(out, result.probs)
+        probs = m.ArrayRef(out.dtype.str, out.shape, slot=command.out)
+        elapsed = (time.perf_counter() - start) * 1000
+        reply = m.Drafted(
+            command.request,
+            result.tokens.tolist(),
+            result.nodes.tolist(),
+            probs,
+            elapsed,
+            append_ms,
+            engine.forwards - forwards,
+            result.root,
+        )
+        return reply, ()
+
+    def decode(self, command: m.Decode, frames) -> tuple:
+        start = time.perf_counter()
+        engine = self._engine(command.spare_cores)
+        logprobs = [] if command.logprobs is not None else None
+        with self._reporting(engine, command.report_features) as sink:
+            if command.append:
+                engine.append(command.append)
+            tokens = engine.decode(
+                command.steps,
+                command.sampling,
+                self.sampler,
+                logprobs=logprobs,
+                top=command.logprobs or 0,
+            )
+        elapsed = (time.perf_counter() - start) * 1000
+        reply = m.Decoded(command.request, tokens, elapsed, logprobs or [])
+        return self._reported(reply, engine, sink)
+
+    def verify(self, command: m.VerifyTree, frames) -> tuple:
+        start = time.perf_counter()
+        engine = self._engine(command.spare_cores)
+        first = 1 if command.root_row else 0
+        out, logits, argmax, verdict = None, None, [], None
+        walk = command.walk
+        if walk is not None and (command.argmax_only or command.root_row):
+            raise RuntimeUsageError("a sampled walk takes neither argmax_only nor root_row")
+        if not command.argmax_only and walk is None:
+            out = self._slot(command.out, (first + len(command.tokens), engine.vocab_size))
+        if command.commit:
+            engine.commit(command.commit)
+        if command.root_row:
+            root = engine.last_logits()
+            if out is None:
+                argmax.append(int(np.argmax(root)))
+            else:
+                out[0] = root
+        with self._reporting(engine, command.features_out >= 0) as sink:
+            tree = (command.tokens, command.parents)
+            if walk is not None:
+                rows = engine.evaluate_rows(*tree, extend=command.extend)
+                verdict = self._walk(walk, command.tokens, command.parents, rows)
+            elif out is None:
+                argmax.extend(engine.evaluate_argmax(*tree, extend=command.extend))
+            else:
+                engine.evaluate_tree(*tree, extend=command.extend, out=out[first:])
+        if command.spare_cores:  # give the drafter its cores back before it drafts
+            self._engine(False)
+        if out is not None:
+            logits = m.ArrayRef(out.dtype.str, out.shape, slot=command.out)
+        features = None
+        if sink is not None:
+            rows = self._stacked(engine, sink)
+            target = self._slot(command.features_out, rows.shape)
+            np.copyto(target, rows)
+            features = m.ArrayRef(rows.dtype.str, rows.shape, slot=command.features_out)
+        elapsed = (time.perf_counter() - start) * 1000
+        path, bonus = (verdict.path, verdict.bonus) if verdict is not None else ([], -1)
+        return m.Verified(command.request, logits, elapsed, features, argmax, path, bonus), ()
+
+    def _walk(self, walk: m.SampledWalk, tokens: list[int], parents: list[int], rows) -> Verdict:
+        """The verdict of ``walk`` over the draft below node 0 (the last round's bonus)."""
+        if not parents or parents[0] != -1 or -1 in parents[1:]:
+            raise RuntimeUsageError("a sampled walk needs one tree below its first node")
+        draft_tokens, draft_parents = tokens[1:], [parent - 1 for parent in parents[1:]]
+        if walk.keyed:
+            if not isinstance(self.sampler, KeyedSampler):
+                raise RuntimeUsageError("a keyed walk needs the request's Prefill with a seed")
+            return verify_sampled(
+                draft_tokens,
+                draft_parents,
+                rows,
+                walk.sampling,
+                position=walk.position,
+                keyed=self.sampler,
+            )
+        if walk.draft is None or len(walk.draft_rows) != len(draft_tokens):
+            raise RuntimeUsageError(
+                f"a drawn walk over {len(draft_tokens)} drafted nodes needs "
+                f"as many draft rows, not {len(walk.draft_rows)}"
+            )
+        if self.arena is None:
+            raise ArenaError("no shared-memory arena was given at load")
+        drafted = self.arena.view(walk.draft)
+        drafted = drafted.reshape(-1, drafted.shape[-1])
+        if not all(0 <= row < len(drafted) for row in walk.draft_rows):
+            raise RuntimeUsageError(
+                f"draft rows {walk.draft_rows} outside the draft's {len(drafted)}"
+            )
+        return verify_sampled(
+            draft_tokens,
+            draft_parents,
+            rows,
+            walk.sampling,
+            position=walk.position,
+            rng=np.random.default_rng(walk.seed),
+            draft=RowsOnDemand.at(drafted, walk.draft_rows),
+        )
+
+    def commit(self, command: m.Commit, frames) -> tuple:
+        start = time.perf_counter()
+        engine = self._engine()
+        engine.commit(command.nodes)
+        if command.tokens:
+            engine.append(command.tokens)
+        elapsed = (time.perf_counter() - start) * 1000
+        return m.Committed(command.request, engine.committed, elapsed), ()
+
+    def rollback(self, command: m.Rollback, frames) -> tuple:
+        start = time.perf_counter()
+        engine = self._engine()
+        engine.rollback(command.length)
+        elapsed = (time.perf_counter() - start) * 1000
+        return m.Committed(command.request, engine.committed, elapsed), ()
+
+    def tokenize(self, command: m.Tokenize, frames) -> tuple:
+        tokens = self._engine().tokenize(command.text, add_special=command.add_special)
+        return m.Tokenized(command.request, tokens), ()
+
+    def echo(self, command: m.Echo, frames) -> tuple:
+        """Copy the array back: into slot ``out``, or as a frame when ``out`` is -1, after
+        computing ``hold_us`` (a busy wait)."""
+        until = time.perf_counter() + min(max(command.hold_us, 0.0), 1e6) / 1e6  # <= 1 s
+        while time.perf_counter() < until:
+            pass
+        if command.data.frame >= 1:
+            data = frame_array(command.data, frames)
+        else:
+            if self.arena is None:
+                raise ArenaError("no shared-memory arena was given at load")
+            data = self.arena.view(command.data)
+        if command.out < 0:
+            return m.Echoed(command.request, frame_ref(data, 1)), (data,)
+        target = self._slot(command.out, data.shape)
+        np.copyto(target, data, casting="no")
+        return m.Echoed(
+            command.request, m.ArrayRef(data.dtype.str, data.shape, slot=command.out)
+        ), ()

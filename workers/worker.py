@@ -1,0 +1,141 @@
+"""The worker's command loop: one engine, one command at a time, one reply each.
+
+Contract: ``Worker.serve`` takes commands from a ``CommandReader`` until ``Shutdown``, marks
+the watchdog busy with each one's request while it runs, and sends exactly one reply a
+command: the handler's, or ``Failed`` with a kind the daemon acts on (``load``,
+``cancelled``, ``usage``, or ``internal`` with the place it failed). Replies go through the
+replies mailbox where the link has one, else (or when it is full) the socket. ``load``
+replaces the engine and the arena; every other command goes to ``ComputeHandlers``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import structlog
+import zmq
+
+from hetspec.protocol import Arena, ArenaError, Codec, MessageError
+from hetspec.protocol import worker_messages as m
+from hetspec.protocol.arena import SHM_DIR
+from hetspec.protocol.mailbox import Mailbox, MailboxFull
+from hetspec.protocol.sampling import SamplingError
+from hetspec.workers.command_reader import CommandReader
+from hetspec.workers.compute_handlers import ComputeHandlers
+from hetspec.workers.runtimes.loading import LoadError, load_runtime
+from hetspec.workers.runtimes.spare_cores import SpareCores
+from hetspec.workers.runtimes.tree_runtime import Interrupted, RuntimeUsageError
+from hetspec.workers.watchdog import Watchdog
+
+log = structlog.get_logger("hetspec.worker")
+
+
+class Worker(ComputeHandlers):
+    """The compute side: one engine, the arena, and the handlers for each command."""
+
+    def __init__(
+        self,
+        kind: str,
+        replies: zmq.Socket,
+        watchdog: Watchdog,
+        spare: SpareCores,
+        outbox: Mailbox | None = None,
+    ) -> None:
+        super().__init__(spare)
+        self.kind = kind
+        self.replies = replies
+        self.outbox = outbox  # replies go here when the link uses mailboxes
+        self.watchdog = watchdog
+        self.codec = Codec(m.Command)
+        self.handlers: dict[type, Callable] = {
+            m.Load: self.load,
+            m.Prefill: self.prefill,
+            m.Draft: self.draft,
+            m.Decode: self.decode,
+            m.VerifyTree: self.verify,
+            m.Commit: self.commit,
+            m.Rollback: self.rollback,
+            m.Tokenize: self.tokenize,
+            m.Echo: self.echo,
+        }
+
+    def send(self, message: msgspec.Struct, arrays=()) -> None:
+        frames = self.codec.encode(message, arrays)
+        if self.outbox is not None:
+            # replies are matched by request, not order: one too big for the ring (or one
+            # the daemon has no room for yet) may overtake others by the socket
+            with contextlib.suppress(MailboxFull):
+                if self.outbox.post(frames):
+                    self.outbox.ring()
+                    return
+        # zero-copy only pays for big frames; pyzmq's zero-copy path costs more for small ones
+        self.replies.send_multipart(frames, copy=not arrays)
+
+    def serve(self, commands: CommandReader) -> None:
+        self.cancelled = commands.running_cancelled
+        while True:
+            command, frames = commands.next()
+            if isinstance(command, m.Shutdown):
+                return
+            request = getattr(command, "request", None)
+            self.watchdog.busy = request
+            try:
+                reply, arrays = self.handlers[type(command)](command, frames)
+            except Exception as error:
+                reply, arrays = self.failure(command, error), ()
+            finally:
+                self.watchdog.busy = None
+            self.send(reply, arrays)
+
+    def failure(self, command: msgspec.Struct, error: Exception) -> m.Failed:
+        request = getattr(command, "request", None)
+        if isinstance(error, LoadError):
+            return m.Failed(request=request, kind="load", message=str(error))
+        if isinstance(error, Interrupted):
+            return m.Failed(request=request, kind="cancelled", message=str(error))
+        if isinstance(error, RuntimeUsageError | SamplingError | ArenaError | MessageError):
+            return m.Failed(request=request, kind="usage", message=str(error))
+        where = traceback.extract_tb(error.__traceback__)[-1]
+        log.error("command failed", op=type(command).__name__, exc_info=error)
+        message = f"{type(error).__name__}: {error} (at {where.filename}:{where.lineno})"
+        return m.Failed(request=request, kind="internal", message=message)
+
+    def load(self, command: m.Load, frames) -> tuple:
+        start = time.perf_counter()
+        if self.runtime is not None:
+            self.spare.use(False, self.runtime.set_extra_threads)
+            getattr(self.runtime, "close", lambda: None)()
+            self.runtime = None
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+        if command.arena is not None:
+            # only a shared-memory object: never a file elsewhere the command happens to name
+            if Path(command.arena.path).parent != SHM_DIR:
+                raise LoadError(
+                    f"the arena must be a shared-memory object in {SHM_DIR}, not "
+                    f"{command.arena.path}"
+                )
+            self.arena = Arena.attach(command.arena)
+        self.runtime, device = load_runtime(self.kind, command.model, command.settings)
+        runtime = self.runtime
+        if self.arena is not None:  # the widest tree a verification can send
+            runtime.warm_up(self.arena.layout.slot_bytes // (runtime.vocab_size * 4))
+            runtime.pin_host_memory(self.arena.memory())  # logits straight into the arena
+        ready = m.Ready(
+            model=command.model,
+            device=device,
+            vocab=runtime.vocab_info(),
+            context=runtime.capacity,
+            threads=runtime.threads,
+            load_ms=(time.perf_counter() - start) * 1000,
+            token_bytes=[runtime.token_bytes(i) for i in range(runtime.vocab_size)],
+            special_tokens=runtime.special_tokens(),
+        )
+        log.info("model loaded", model=command.model, device=device, ms=round(ready.load_ms))
+        return ready, ()
