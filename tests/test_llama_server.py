@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hetspec.bench import peers
+from hetspec.bench import llama_server_peers
 from hetspec.bench.llama_server import (
     BUILD_SCRIPT,
     LlamaServer,
@@ -266,9 +266,9 @@ class FakeServer:
 
 @pytest.mark.process
 def test_server_pool_keeps_the_most_recently_used(monkeypatch) -> None:
-    monkeypatch.setattr(peers, "LlamaServer", FakeServer)
+    monkeypatch.setattr(llama_server_peers, "LlamaServer", FakeServer)
     FakeServer.started = []
-    pool = peers.ServerPool(Path("llama-server"), limit=2)
+    pool = llama_server_peers.ServerPool(Path("llama-server"), limit=2)
     one, two, three = (ServerConfig(TARGET, DRAFT, n, threads=1) for n in (1, 2, 3))
     first = pool.get(one)
     assert pool.get(two) is not first
