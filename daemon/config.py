@@ -206,6 +206,14 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # likeliest drafted nodes are verified, as many as the measured costs make pay
     # (speculative/drafting/dynamic_tree.py). 0: chains and DuoDecoding's branches.
     draft_tree: int = 0
+    # Drafts without a draft model, from the request's own tokens (the prompt and the text so
+    # far), weighed each round of mode adaptive against the controller's plan and run where
+    # they pay (speculative/drafting/): "continuation-tree", what followed the text's ending
+    # before, as a tree; "prompt-lookup", one chain copied from its latest occurrence;
+    # "ngram-table", counts of what followed short contexts; "off".
+    model_free_draft: Literal["continuation-tree", "prompt-lookup", "ngram-table", "off"] = (
+        "continuation-tree"
+    )
     # Where both workers compute on the CPU (no CUDA), the verifier computes on the drafter's
     # spare cores too whenever the drafter has nothing to do: the target alone, a plain
     # round's verification (see workers/runtimes/spare_cores.py). False keeps each on its own

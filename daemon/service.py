@@ -37,7 +37,7 @@ from hetspec.daemon.api.status import native_routes
 from hetspec.daemon.config import BUNDLED_MODELS, DaemonConfig, ModelPaths
 from hetspec.daemon.decode.admission import Admission, QueueFull
 from hetspec.daemon.decode.autoregressive import generate
-from hetspec.daemon.decode.engine import Decoder, WorkerPair
+from hetspec.daemon.decode.engine import Decoder, LookupSource, WorkerPair
 from hetspec.daemon.decode.requests import GenerateRequest, GenerationResult, check_messages_fit
 from hetspec.daemon.decode.round_log import RoundLog
 from hetspec.daemon.decode.round_stats import SpeculativeStats
@@ -71,6 +71,9 @@ from hetspec.protocol.arena import Arena, ArenaError
 from hetspec.speculative.control.budget import BudgetController, ControllerConfig
 from hetspec.speculative.control.core_choice import SpareCoreChoice
 from hetspec.speculative.control.rounds import Plan
+from hetspec.speculative.drafting.continuation_tree import ContinuationTree
+from hetspec.speculative.drafting.ngram_table import NgramTable
+from hetspec.speculative.drafting.prompt_lookup import PromptLookup
 
 log = structlog.get_logger("hetspec.daemon")
 
@@ -96,6 +99,13 @@ def mode_controllers(config: DaemonConfig, *, chains_only: bool = False) -> dict
         "parallel": BudgetController(ControllerConfig.of(max_width=width, max_branches=1)),
         "adaptive": BudgetController(ControllerConfig.of(max_width=width, **tree)),
     }
+
+
+MODEL_FREE_DRAFTERS = {
+    "continuation-tree": ContinuationTree,
+    "prompt-lookup": PromptLookup,
+    "ngram-table": NgramTable,
+}
 
 
 class Service:
@@ -264,6 +274,14 @@ class Service:
             self.config, specs, self.instance.runtime_dir, self.arena.layout
         )
         await self.supervisor.start()
+
+    def lookup_source(self) -> LookupSource | None:
+        """The requests' model-free drafter, as configured; chains where the verifier
+        verifies chains only."""
+        drafter = MODEL_FREE_DRAFTERS.get(self.config.model_free_draft)
+        if drafter is None:
+            return None
+        return LookupSource(drafter, 1 if self.chains_only else None)
 
     def _keep_off_drafter(self, drafter: WorkerSpec) -> None:
         """Move the event loop off ``drafter``'s cores where that is the better place
@@ -629,7 +647,9 @@ class Service:
                     feature_slot,
                 )
                 log = self.round_log and functools.partial(self.round_log.write, run_id, mode)
-                return Decoder(body, pair, controller, stats, plan=fixed, log=log).stream(result)
+                lookup = self.lookup_source() if mode == "adaptive" else None
+                decoder = Decoder(body, pair, controller, stats, plan=fixed, log=log, lookup=lookup)
+                return decoder.stream(result)
 
             def reset() -> None:  # for a start over: what the first attempt counted goes
                 started = result.started  # (the time to the first token counts the wait)

@@ -44,6 +44,12 @@ def _retrieved(task: asyncio.Future) -> None:
 
 
 @dataclass(frozen=True)
+class LookupOffer:
+    proposal: TreeProposal  # the model-free draft's nodes to verify
+    plan: Plan  # its shape (depth, 1 branch or 2: a tree) and what the controller expects
+
+
+@dataclass(frozen=True)
 class Verification:
     reply: m.Verified
     seconds: float  # as the daemon saw it, the link included
@@ -82,31 +88,34 @@ class Scheduler:
             plan = shaped(ctx.fixed, remaining)
             return plan, ctx.kind(plan), None
         choice, self.upcoming = self.upcoming or ctx.controller.choose(), None
-        proposal = self._lookup_offer(choice.plan, remaining)
-        if proposal is not None:
+        offer = self._lookup_offer(choice.plan, remaining)
+        if offer is not None:
             self.upcoming = choice
             self.rounds_without_lookup = 0
             if self.early_draft is not None:  # sent for the plan, which waits
                 self._busy_drafter, self.early_draft = self.early_draft, None
                 self._busy_drafter.add_done_callback(_retrieved)
-            chain = max(proposal.parents, default=-1) == len(proposal.parents) - 2
-            plan = Plan(_depth(proposal.parents), 1 if chain else 2)
-            return plan, RoundKind.LOOKUP, proposal
+            return offer.plan, RoundKind.LOOKUP, offer.proposal
         self.rounds_without_lookup += 1
         plan = shaped(ctx.controller.commit(choice), remaining)
         return plan, ctx.kind(plan), None
 
-    def _lookup_offer(self, rival: Plan, remaining: int) -> TreeProposal | None:
+    def _lookup_offer(self, rival: Plan, remaining: int) -> LookupOffer | None:
         """The model-free draft's nodes worth verifying instead of ``rival``, or None."""
         ctx = self.ctx
         nodes = min(ctx.controller.limits.max_width - 1, remaining - 1)
         if ctx.lookup is None or nodes < 1:
             return None
         proposal = ctx.lookup.propose_tree(nodes, ctx.lookup_children)
-        width = ctx.controller.lookup_width(proposal.acceptance, rival)
+        width, tokens, seconds = ctx.controller.lookup_price(proposal.acceptance, rival)
         if width == 0:
             return None
-        return TreeProposal(*(column[:width] for column in proposal))
+        proposal = TreeProposal(*(column[:width] for column in proposal))
+        chain = max(proposal.parents) == width - 2
+        plan = Plan(
+            _depth(proposal.parents), 1 if chain else 2, expected_tokens=tokens, round_s=seconds
+        )
+        return LookupOffer(proposal, plan)
 
     def drafter_idle(self) -> bool:
         """Whether the drafter computes nothing: no prefill, no draft sent for a plan that

@@ -106,21 +106,22 @@ class BudgetController:
             self.tree_calibration.observe(report.tree.expected, report.accepted)
             self.tree_first_choice.observe(report.tree.first_choices)
 
-    def lookup_width(self, acceptance: Sequence[float], rival: Plan) -> int:
+    def lookup_price(self, acceptance: Sequence[float], rival: Plan) -> tuple[int, float, float]:
         """How many of a model-free draft's ranked nodes (their estimated ``acceptance``) to
-        verify in a round instead of running ``rival``: the count that commits the most
-        tokens per second, where that beats ``rival``'s expected rate; 0: run ``rival``. A
-        verification of unmeasured cost is tried (its cost is learned)."""
+        verify in a round instead of running ``rival``, and that round's expected tokens and
+        seconds: the count that commits the most tokens per second, where that beats
+        ``rival``'s expected rate; 0 nodes: run ``rival``. A verification of unmeasured cost
+        is tried (seconds 0: not priced), so that its cost is learned."""
         if not acceptance:
-            return 0
+            return 0, 1.0, 0.0
         factor = self.lookup_calibration.factor
         width = best_width(acceptance, factor, self.estimates.verify_s)
-        seconds = self.estimates.verify_s(width + 1)
-        if seconds is None:
-            return width
         expected = 1.0 + factor * float(sum(acceptance[:width]))
-        rate = expected / (seconds + self.estimates.overhead_s())
-        return width if rate > rival.tokens_per_s else 0
+        verify_s = self.estimates.verify_s(width + 1)
+        if verify_s is None:
+            return width, expected, 0.0
+        seconds = verify_s + self.estimates.overhead_s()
+        return (width if expected / seconds > rival.tokens_per_s else 0), expected, seconds
 
     def assume_verifier(self, seconds_by_width: dict[int, float]) -> None:
         """Start from the verifier's forward costs measured before serving (see
