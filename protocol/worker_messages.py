@@ -22,7 +22,7 @@ from hetspec.protocol.arena import ArenaLayout, ArrayRef
 from hetspec.protocol.sampling import SamplingParams, TokenLogprob
 from hetspec.protocol.vocab import VocabInfo
 
-PROTOCOL_VERSION = 19
+PROTOCOL_VERSION = 20
 
 
 class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"):
@@ -168,31 +168,68 @@ class Prefill(_Message, tag="prefill"):
     features_start: int = 0
 
 
+class _Shape(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="shape"):
+    pass
+
+
+class Chains(_Shape, tag="chains"):
+    """``branches`` chains of ``steps`` tokens each, one forward a step; their first tokens
+    are the top ``branches`` (greedy) or the sampler's candidates, then each chain draws on."""
+
+    steps: int
+    branches: int = 1
+
+
+class RuleBranches(_Shape, tag="rule"):
+    """DuoDecoding's dynamic multi-sequence drafting: the drafter picks k <= ``most`` chains by
+    its uncertainty (threshold scale ``scale``), k chains of ``budget // k`` tokens; the
+    reply's rows say which k."""
+
+    budget: int
+    most: int
+    scale: float
+
+
+class DynamicTree(_Shape, tag="tree"):
+    """EAGLE-2's dynamic tree: ``depth`` layers, each expanding the ``top_k`` likeliest nodes;
+    the ``size`` likeliest nodes come back ranked (``Drafted.parents``, ``acceptance``), scored
+    by ``first_accept`` (see speculative/drafting/dynamic_tree.py) where given, else by the
+    draft's path probability."""
+
+    depth: int
+    top_k: int
+    size: int
+    first_accept: float | None = None
+
+
+class RunAhead(_Shape, tag="run_ahead"):
+    """Continue a pending draft below ``token`` (drafted, not evaluated yet) as a child of
+    pending node ``node`` (-1: the committed end), keeping the pending tree, for ``steps``
+    tokens: how a drafter drafts the next round while its last draft is verified. It appends
+    nothing."""
+
+    node: int
+    token: int
+    steps: int
+
+
+DraftShape = Chains | RuleBranches | DynamicTree | RunAhead
+
+
 class Draft(_Message, tag="draft"):
-    """Draft ``branches`` x ``steps`` tokens; the probability rows go to arena slot ``out``.
-    ``append`` is first made to follow the committed sequence (the tokens the last round
-    emitted: the accepted drafted ones are reused, not recomputed), saving a round trip."""
+    """Draft ``shape`` (one of four: decoded strictly, each with only its own fields); the
+    probability rows go to arena slot ``out``. ``append`` is first made to follow the
+    committed sequence (the tokens the last round emitted: the accepted drafted ones are
+    reused, not recomputed), saving a round trip."""
 
     request: int
-    steps: int
+    shape: DraftShape
     sampling: SamplingParams
     out: int
-    branches: int = 1
     append: list[int] = []
-    # (pending node, token): continue a pending draft below ``token`` instead of starting from
-    # the committed end; the pending tree is kept (running ahead of verification)
-    after: tuple[int, int] | None = None
-    # DuoDecoding's dynamic multi-sequence drafting, with this threshold scale: the drafter
-    # picks k <= ``branches`` by its uncertainty, k sequences of ``steps // k`` tokens
-    dynamic: float | None = None
     spare_cores: bool = False
     # a draft head's input: row i is the target's feature of the position before append[i]
     features: ArrayRef | None = None
-    # EAGLE-2's dynamic tree, (depth, top_k): the ``steps`` likeliest of the nodes drafted by
-    # expanding the top_k likeliest of each layer; the reply's ``parents`` give its shape
-    tree: tuple[int, int] | None = None
-    tree_first_accept: float | None = None  # nodes ranked by this acceptance model (see
-    # speculative/drafting/dynamic_tree.py) instead of the draft's path probability
 
 
 class Decode(_Message, tag="decode"):

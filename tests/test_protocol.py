@@ -37,8 +37,14 @@ COMMANDS = [
     ),
     m.Prefill(request=1, tokens=[1, 2, 3], seed=7),
     m.Draft(
-        request=2, steps=4, sampling=m.SamplingParams(temperature=0.7, top_k=40), out=1, branches=2
+        request=2,
+        shape=m.Chains(4, branches=2),
+        sampling=m.SamplingParams(temperature=0.7, top_k=40),
+        out=1,
     ),
+    m.Draft(request=2, shape=m.RuleBranches(8, 4, 1.0), sampling=m.SamplingParams(), out=1),
+    m.Draft(request=2, shape=m.DynamicTree(4, 2, 9, 0.7), sampling=m.SamplingParams(), out=1),
+    m.Draft(request=2, shape=m.RunAhead(3, 17, 5), sampling=m.SamplingParams(), out=0),
     m.VerifyTree(request=3, tokens=[5, 6], parents=[-1, 0], out=0, extend=True),
     m.Commit(request=4, nodes=[0, 1], tokens=[9]),
     m.Rollback(request=5, length=3),
@@ -71,7 +77,7 @@ def test_malformed_messages_are_refused_with_the_reason() -> None:
                     {
                         "op": "draft",
                         "request": 1,
-                        "steps": 2,
+                        "shape": {"shape": "chains", "steps": 2},
                         "out": 0,
                         "sampling": {"temperature": float("nan")},
                     }
@@ -80,6 +86,12 @@ def test_malformed_messages_are_refused_with_the_reason() -> None:
         )
     with pytest.raises(MessageError, match="empty message"):
         commands.decode([])
+    # a draft is one shape with its own fields: a chain with a tree's field is refused
+    draft = {"op": "draft", "request": 1, "out": 0, "sampling": {}}
+    with pytest.raises(MessageError, match="unknown field `top_k`"):
+        commands.decode([encode({**draft, "shape": {"shape": "chains", "steps": 2, "top_k": 3}})])
+    with pytest.raises(MessageError, match="Invalid value 'branches'"):
+        commands.decode([encode({**draft, "shape": {"shape": "branches", "steps": 2}})])
     with pytest.raises(ValueError, match="either in one frame"):
         ArrayRef("<f4", (3,), frame=1, slot=0)
 

@@ -90,7 +90,7 @@ async def test_both_engines_hand_shake_draft_and_verify_through_the_arena(
             assert reply.committed == len(prompt)
         draft, _ = await cpu.call(
             m.Draft(
-                request=cpu.next_request(), steps=4, sampling=m.SamplingParams(), out=0, branches=2
+                request=cpu.next_request(), shape=m.Chains(4, 2), sampling=m.SamplingParams(), out=0
             )
         )
         probs = arena.view(draft.probs)
@@ -125,7 +125,7 @@ async def test_both_engines_hand_shake_draft_and_verify_through_the_arena(
         again, _ = await cpu.call(
             m.Draft(
                 request=cpu.next_request(),
-                steps=3,
+                shape=m.Chains(3),
                 out=0,
                 sampling=m.SamplingParams(),
                 append=[*chain[:2], bonus],
@@ -265,7 +265,12 @@ async def test_a_native_drafter_evaluates_the_bonus_in_its_chain_call(tmp_path) 
             )
             await cpu.call(m.Prefill(request=cpu.next_request(), tokens=reply.tokens))
             first, _ = await cpu.call(
-                m.Draft(request=cpu.next_request(), steps=4, out=0, sampling=m.SamplingParams())
+                m.Draft(
+                    request=cpu.next_request(),
+                    shape=m.Chains(4),
+                    out=0,
+                    sampling=m.SamplingParams(),
+                )
             )
             assert first.forwards == 3  # its first token drawn from the prefill's logits
             chain = first.tokens[0]
@@ -273,7 +278,7 @@ async def test_a_native_drafter_evaluates_the_bonus_in_its_chain_call(tmp_path) 
             again, _ = await cpu.call(
                 m.Draft(
                     request=cpu.next_request(),
-                    steps=5,
+                    shape=m.Chains(5),
                     out=0,
                     sampling=m.SamplingParams(),
                     append=[*chain[:2], bonus],
@@ -314,22 +319,23 @@ async def test_a_daemon_polling_for_replies_reads_them_and_then_lets_its_loop_sl
         arena.empty(2, (8,))[:] = np.arange(8, dtype=np.float32)
         data = ArrayRef("<f4", (8,), slot=2)
         bells = []
-        on_bell = cpu._on_bell
-        cpu._on_bell = lambda: bells.append(len(cpu._calls)) or on_bell()
+        link = cpu._link
+        on_bell = link.on_bell
+        link.on_bell = lambda: bells.append(len(cpu._pending.calls)) or on_bell()
         loop = asyncio.get_running_loop()
-        loop.remove_reader(cpu._inbox.bell_fd)
-        loop.add_reader(cpu._inbox.bell_fd, cpu._on_bell)
+        loop.remove_reader(link.inbox.bell_fd)
+        loop.add_reader(link.inbox.bell_fd, link.on_bell)
         echoed, _ = await cpu.call(
             m.Echo(request=cpu.next_request(), data=data, out=3, hold_us=20_000.0)
         )
         np.testing.assert_array_equal(arena.view(echoed.data), np.arange(8))
         assert all(pending == 0 for pending in bells)  # the poll read it before any bell
         await asyncio.sleep(0.01)
-        assert cpu._polling_until is None  # no call pending: the loop may sleep again
+        assert link.polling_until is None  # no call pending: the loop may sleep again
         held = m.Echo(request=cpu.next_request(), data=data, out=3, hold_us=80_000.0)
         call = asyncio.ensure_future(cpu.call(held))
         await asyncio.sleep(0.065)
-        assert cpu._polling_until is None  # 50 ms are up: the bell reads this one
+        assert link.polling_until is None  # 50 ms are up: the bell reads this one
         await call
         assert bells[-1] == 1  # the bell's callback found the call pending and answered it
     finally:
@@ -430,7 +436,10 @@ async def test_a_killed_worker_fails_the_call_in_flight_at_once(gguf, tmp_path, 
             asyncio.ensure_future(
                 cpu.call(
                     m.Draft(
-                        request=cpu.next_request(), steps=16, sampling=m.SamplingParams(), out=i % 2
+                        request=cpu.next_request(),
+                        shape=m.Chains(16),
+                        sampling=m.SamplingParams(),
+                        out=i % 2,
                     )
                 )
             )

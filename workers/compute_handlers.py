@@ -112,66 +112,49 @@ class ComputeHandlers:
 
     def draft(self, command: m.Draft, frames) -> tuple:
         start = time.perf_counter()
-        engine = self._engine(command.spare_cores)
-        dynamic = command.dynamic is not None and command.after is None
-        # a dynamic draft's shape is known only once drafted: it is copied to the slot then
-        shape = (command.branches, command.steps, engine.vocab_size)
-        out = None if dynamic else self._slot(command.out, shape)
-        first = None  # the append's last token to evaluate: the draft's first forward
-        one_chain = (
-            command.tree is None
-            and command.after is None
-            and engine.chains_in_one_call(command.sampling, command.branches, command.dynamic)
+        engine, shape = self._engine(command.spare_cores), command.shape
+        if isinstance(shape, m.RunAhead) and command.append:
+            raise RuntimeUsageError("a run-ahead continues a pending draft: it appends nothing")
+        one_chain = isinstance(shape, m.Chains) and engine.chains_in_one_call(
+            command.sampling, shape.branches, None
         )
-        if command.features is not None:
-            features = self._features_in(engine, command.features, frames)
-            if len(features) != len(command.append):
-                raise RuntimeUsageError(
-                    f"{len(command.append)} tokens to append but {len(features)} feature rows"
-                )
-            engine.append_after_features(command.append, features)
-        elif command.append and one_chain:
-            first = engine.catch_up(command.append)
-        elif command.append:
-            engine.append(command.append)  # what is new in one forward (llama.cpp: a batch)
+        first = self._catch_up(engine, command, frames, one_chain)
         append_ms = (time.perf_counter() - start) * 1000
         forwards = engine.forwards
-        if command.tree is not None:
-            depth, top_k = command.tree
-            tree = engine.draft_tree(
-                depth,
-                top_k,
-                command.steps,
-                command.sampling,
-                self.sampler,
-                first_accept=command.tree_first_accept,
-            )
-            probs = m.ArrayRef("<f4", (1, 0, engine.vocab_size), slot=command.out)
-            reply = m.Drafted(
-                command.request,
-                [tree.tokens.tolist()],
-                [tree.nodes.tolist()],
-                probs,
-                (time.perf_counter() - start) * 1000,
-                append_ms,
-                engine.forwards - forwards,
-                parents=tree.parents.tolist(),
-                acceptance=tree.acceptance.tolist(),
-            )
-            return reply, ()
-        result = engine.draft(
-            command.steps,
-            command.sampling,
-            self.sampler,
-            branches=command.branches,
-            out=out,
-            after=command.after,
-            dynamic=command.dynamic,
-            first=first,
-        )
-        if out is None:
-            out = self._slot(command.out, result.probs.shape)
-            np.copyto(out, result.probs)
+        match shape:
+            case m.DynamicTree(depth, top_k, size, first_accept):
+                tree = engine.draft_tree(
+                    depth, top_k, size, command.sampling, self.sampler, first_accept=first_accept
+                )
+                probs = m.ArrayRef("<f4", (1, 0, engine.vocab_size), slot=command.out)
+                reply = m.Drafted(
+                    command.request,
+                    [tree.tokens.tolist()],
+                    [tree.nodes.tolist()],
+                    probs,
+                    (time.perf_counter() - start) * 1000,
+                    append_ms,
+                    engine.forwards - forwards,
+                    parents=tree.parents.tolist(),
+                    acceptance=tree.acceptance.tolist(),
+                )
+                return reply, ()
+            case m.Chains(steps, branches):
+                out = self._slot(command.out, (branches, steps, engine.vocab_size))
+                result = engine.draft(
+                    steps, command.sampling, self.sampler, branches=branches, out=out, first=first
+                )
+            case m.RunAhead(node, token, steps):
+                out = self._slot(command.out, (1, steps, engine.vocab_size))
+                after = (node, token)
+                result = engine.draft(steps, command.sampling, self.sampler, out=out, after=after)
+            case m.RuleBranches(budget, most, scale):
+                # the rule's shape is known once drafted: its rows are copied to the slot then
+                result = engine.draft(
+                    budget, command.sampling, self.sampler, branches=most, dynamic=scale
+                )
+                out = self._slot(command.out, result.probs.shape)
+                np.copyto(out, result.probs)
         probs = m.ArrayRef(out.dtype.str, out.shape, slot=command.out)
         elapsed = (time.perf_counter() - start) * 1000
         reply = m.Drafted(
@@ -185,6 +168,24 @@ class ComputeHandlers:
             result.root,
         )
         return reply, ()
+
+    def _catch_up(self, engine, command: m.Draft, frames, one_chain: bool) -> int | None:
+        """Make ``command.append`` follow the committed sequence: with a head's features, or
+        all but its last token where a one-chain draft evaluates that one in its own call
+        (returned, the draft's first forward), else all of it in one forward."""
+        if command.features is not None:
+            features = self._features_in(engine, command.features, frames)
+            if len(features) != len(command.append):
+                raise RuntimeUsageError(
+                    f"{len(command.append)} tokens to append but {len(features)} feature rows"
+                )
+            engine.append_after_features(command.append, features)
+            return None
+        if command.append and one_chain:
+            return engine.catch_up(command.append)
+        if command.append:
+            engine.append(command.append)  # what is new in one forward (llama.cpp: a batch)
+        return None
 
     def decode(self, command: m.Decode, frames) -> tuple:
         start = time.perf_counter()

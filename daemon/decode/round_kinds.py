@@ -121,7 +121,8 @@ async def overlapped_round(
 ) -> Round:
     start, drafts = time.perf_counter(), []
     if ctx.drafter.run_ahead is None:  # the last run-ahead missed: draft afresh first
-        drafted, fresh, _ = await ctx.drafter.draft(plan.gamma, 1, ctx.params, length=ctx.position)
+        fresh_chain = m.Chains(plan.gamma)
+        drafted, fresh, _ = await ctx.drafter.draft(fresh_chain, ctx.params, length=ctx.position)
         ctx.drafter.run_ahead, drafts = Unverified.of(drafted, ctx.pair.arena), [fresh]
     fresh_s = time.perf_counter() - start
     chain, ctx.drafter.run_ahead = ctx.drafter.run_ahead, None

@@ -129,39 +129,14 @@ class DrafterSide:
         return self.prefill is None or self.prefill.done()
 
     async def draft(
-        self,
-        gamma: int,
-        branches: int,
-        params: SamplingParams,
-        rule_scale: float | None = None,
-        *,
-        length: int,
+        self, shape: m.DraftShape, params: SamplingParams, *, length: int
     ) -> tuple[m.Drafted, DraftCall, float]:
-        """Draft after appending what it has not seen (the sequence being ``length`` tokens
-        long); the reply, its cost and the call's seconds. The append's last forward yields
-        the first token's distribution, so gamma tokens cost gamma forwards."""
+        """Draft ``shape`` after appending what it has not seen (the sequence being
+        ``length`` tokens long); the reply, its cost and the call's seconds. The append's
+        last forward yields the first token's distribution, so gamma tokens cost gamma
+        forwards (a tree: the append's, then one per layer below the first)."""
         waited = await self._prefilled()
-        return await self.post_draft(
-            gamma, branches, params, rule_scale, length=length, waited=waited
-        )
-
-    async def draft_tree(
-        self,
-        depth: int,
-        top_k: int,
-        size: int,
-        params: SamplingParams,
-        *,
-        length: int,
-        first_accept: float,
-    ) -> tuple[m.Drafted, DraftCall, float]:
-        """EAGLE-2's dynamic tree after appending what it has not seen: ``size`` nodes ranked
-        best first (see ``draft``). Its forwards: the append's, then one per layer below the
-        first, each of ``top_k`` nodes."""
-        waited = await self._prefilled()
-        return await self.post_tree(
-            depth, top_k, size, params, length=length, first_accept=first_accept, waited=waited
-        )
+        return await self.post(shape, params, length=length, waited=waited)
 
     def can_post(self) -> bool:
         """Whether a draft's command may be sent at once: the drafter's prefill went out and
@@ -178,49 +153,11 @@ class DrafterSide:
         """Wake the drafter to wait awake for a draft about to be posted."""
         self.client.announce()
 
-    def post_draft(
-        self,
-        gamma: int,
-        branches: int,
-        params: SamplingParams,
-        rule_scale: float | None = None,
-        *,
-        length: int,
-        waited: float = 0.0,
-    ):
+    def post(self, shape: m.DraftShape, params: SamplingParams, *, length: int, waited=0.0):
         """``draft``'s command, sent now (only where ``can_post``): a coroutine for its
         result, to await or wrap in a task."""
-        return self._post(
-            length,
-            waited,
-            None,
-            steps=gamma,
-            sampling=params,
-            branches=branches,
-            dynamic=rule_scale,
-        )
-
-    def post_tree(
-        self,
-        depth: int,
-        top_k: int,
-        size: int,
-        params: SamplingParams,
-        *,
-        length: int,
-        first_accept: float,
-        waited: float = 0.0,
-    ):
-        """``draft_tree``'s command, sent now (see ``post_draft``)."""
-        return self._post(
-            length,
-            waited,
-            top_k,
-            steps=size,
-            sampling=params,
-            tree=(depth, top_k),
-            tree_first_accept=first_accept,
-        )
+        cost_branches = shape.top_k if isinstance(shape, m.DynamicTree) else None
+        return self._post(shape, params, length, waited, cost_branches)
 
     async def _prefilled(self) -> float:
         """Wait for the drafter's prefill (starting it if it was not): the seconds waited."""
@@ -228,22 +165,28 @@ class DrafterSide:
         await self.start_prefill()
         return time.perf_counter() - waiting
 
-    def _post(self, length: int, waited: float, cost_branches: int | None, **fields):
-        """Send a ``Draft`` of ``fields`` that first appends the unseen tokens (with their
+    def _post(
+        self,
+        shape: m.DraftShape,
+        params: SamplingParams,
+        length: int,
+        waited: float,
+        cost_branches: int | None,
+    ):
+        """Send a ``Draft`` of ``shape`` that first appends the unseen tokens (with their
         features for a head); a coroutine for the reply, its cost (of ``cost_branches``, else
         as many as drafted) and the call's seconds, ``waited`` for the prefill included."""
         start = time.perf_counter()
         features, arrays = self._appended_features(length)
-        reply = self.client.post(
-            m.Draft(
-                request=self.client.next_request(),
-                out=self.slot,
-                append=self.unseen,
-                features=features,
-                **fields,
-            ),
-            arrays,
+        command = m.Draft(
+            request=self.client.next_request(),
+            shape=shape,
+            sampling=params,
+            out=self.slot,
+            append=self.unseen,
+            features=features,
         )
+        reply = self.client.post(command, arrays)
         self.unseen = []
         return self._costed(reply, start, waited, cost_branches)
 
@@ -263,10 +206,9 @@ class DrafterSide:
             return None
         command = m.Draft(
             request=self.client.next_request(),
-            steps=gamma + 1,
+            shape=m.RunAhead(draft.last_parent, draft.tokens[-1], gamma + 1),
             sampling=params,
             out=self.slot,
-            after=(draft.last_parent, draft.tokens[-1]),
         )
         return asyncio.ensure_future(_timed(self.client.call(command)))
 

@@ -167,17 +167,21 @@ class Scheduler:
     def _draft_call(self, plan: Plan, kind: RoundKind, *, post: bool):
         """A plain or tree round's draft call; with ``post``, its command sent now (the
         drafter's prefill done) rather than once awaited."""
-        ctx, limits = self.ctx, self.ctx.controller.limits
-        drafter = ctx.drafter
+        ctx, shape = self.ctx, self._shape(plan, kind)
+        call = ctx.drafter.post if post else ctx.drafter.draft
+        return call(shape, ctx.params, length=ctx.position)
+
+    def _shape(self, plan: Plan, kind: RoundKind) -> m.DraftShape:
+        """What a plain or tree round of ``plan`` asks the drafter to draft."""
+        controller = self.ctx.controller
+        limits = controller.limits
         if kind is RoundKind.TREE:
             depth, k = plan.gamma, limits.tree_k
             size = min(limits.max_width - 1, k * (1 + (depth - 1) * k))
-            call = drafter.post_tree if post else drafter.draft_tree
-            first_accept = ctx.controller.tree_first_choice.rate
-            return call(depth, k, size, ctx.params, length=ctx.position, first_accept=first_accept)
-        scale = ctx.controller.config.rule_scale if plan.rule else None
-        call = drafter.post_draft if post else drafter.draft
-        return call(plan.gamma, plan.branches, ctx.params, scale, length=ctx.position)
+            return m.DynamicTree(depth, k, size, controller.tree_first_choice.rate)
+        if plan.rule:
+            return m.RuleBranches(plan.gamma, plan.branches, controller.config.rule_scale)
+        return m.Chains(plan.gamma, plan.branches)
 
     def _next_drafting_plan(self, remaining: int) -> tuple[Plan, RoundKind] | None:
         """The next round's plan where it is known already (fixed, or chosen ahead) and drafts

@@ -61,11 +61,10 @@ class PipelineDrafter:
         drafted, _ = await self.client.call(
             m.Draft(
                 request=self.client.next_request(),
-                steps=shape.size,
+                shape=m.DynamicTree(shape.depth, shape.top_k, shape.size),
                 sampling=SamplingParams(),
                 out=self.slot,
                 append=final[self.seen :],
-                tree=(shape.depth, shape.top_k),
             )
         )
         self.seen, self.root = len(final), tree.root
@@ -108,10 +107,9 @@ class PipelineDrafter:
         drafted, _ = await self.client.call(
             m.Draft(
                 request=self.client.next_request(),
-                steps=shape.expand_steps,
+                shape=m.RunAhead(self.pending[node.parent], node.token, shape.expand_steps),
                 sampling=SamplingParams(),
                 out=self.slot,
-                after=(self.pending[node.parent], node.token),
             )
         )
         self.pending[leaf] = drafted.root
