@@ -26,9 +26,8 @@ FLAGS = [
     "-fopenmp",
     "-ffp-contract=off",
     f"-I{SOURCES}",
-    str(SOURCES / "hsnative.c"),
-    str(SOURCES / "unpacked.c"),
-    str(SOURCES / "selftest.c"),
+    # every kernel source and the self-test's main; module.c is only the Python module's
+    *sorted(str(path) for path in SOURCES.glob("*.c") if path.name != "module.c"),
     "-lm",
 ]
 

@@ -1,5 +1,5 @@
-/* The block transposes that the features-in-lanes kernels and bench/c/staging_ceiling.c
- * share (x86; include after internal.h). */
+/* The block transposes that the features-in-lanes kernels (kernels_*.c, unpacked_*.c) and
+ * bench/c/staging_ceiling.c share (x86; include after internal.h). */
 #ifndef HS_TRANSPOSES_H
 #define HS_TRANSPOSES_H
 

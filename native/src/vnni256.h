@@ -1,13 +1,13 @@
 /* The 256-bit vpdpbusd kernels for Q8_0 and Q4_0, written once for both of the instruction's
- * encodings. hsnative.c includes this file once per level, with
+ * encodings. kernels_vnni.c and kernels_avx_vnni.c include this file, each once, with
  *   V256_ATTR    the functions' target attribute (HS_VNNI, HS_AVX_VNNI),
  *   V256_DPBUSD  the intrinsic (_mm256_dpbusd_epi32, _mm256_dpbusd_avx_epi32),
  *   V256(name)   a function's name at that level,
  * and vnni_start, load_unsigned_weights, weight_scale_of, transposed_block, UNGROUPED_ROWS
- * and FEATURES8_PASSES in scope. No include guard: one copy per level, on purpose. The
- * AVX-VNNI level runs them all (quantized_features_256); the AVX-512 VNNI level takes the
- * one-row, features-in-lanes and one-group kernels (for Q4_0's groups and small leftovers)
- * and puts 16 features or two groups at a time in 512-bit vectors instead. (A lone group as
+ * and FEATURES8_PASSES in scope (internal.h, kernels_x86.h). No include guard: one copy per
+ * level, on purpose. The AVX-VNNI level runs them all (quantized_features_256); the AVX-512
+ * VNNI level takes the one-row, features-in-lanes and one-group kernels (for Q4_0's groups and
+ * small leftovers) and puts 16 features or two groups at a time in 512-bit vectors instead. (A lone group as
  * 8 rows against two weight rows in a 512-bit vector, placed by a permute per four weights,
  * measured 8% slower a forward than these 256-bit broadcasts.) */
 
