@@ -8,11 +8,11 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from fake_worker import VOCAB, TableModel
+from fake_worker import VOCAB, InProcessWorker, TableModel
 from laws import chi2_critical, chi_square, exact_marginals
 from test_engine import PROMPT, decode, workers
 
-from hetspec.daemon.decode.engine import LookupSource
+from hetspec.daemon.decode.engine import LookupSource, WorkerPair
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.arena import Arena
 from hetspec.protocol.sampling import SamplingParams
@@ -142,3 +142,39 @@ def test_drawn_tokens_follow_the_targets_law_whatever_the_model_free_draft_propo
     for index in range(3):
         statistic, df = chi_square(counts[index], law[index], trials)
         assert statistic < chi2_critical(df, 0.001 / 3), (index, statistic, df)
+
+
+def target_only(arena):
+    target, _ = TableModel.pair(0, 1.0, -4.0)
+    reference, _ = TableModel.pair(0, 1.0, -4.0)
+    pair = WorkerPair(
+        None, InProcessWorker("gpu", target, arena), arena, draft_slot=0, verify_slot=1
+    )
+    return pair, reference
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_target_without_a_draft_model_speculates_from_its_own_text(arena, temperature) -> None:
+    """No draft model: rounds are the target alone and model-free drafts; greedy output is
+    the target's own and seeded text the target alone's."""
+    texts = []
+    for lookup in (None, LookupSource(ContinuationTree)):
+        pair, reference = target_only(arena)
+        rounds = Rounds()
+        options = {"temperature": temperature, "seed": 5} if temperature else {}
+        result, _, _ = decode(
+            pair, controller(), max_tokens=80, log=rounds, lookup=lookup, **options
+        )
+        texts.append(result.tokens)
+        assert (rounds.lookups > 0) == (lookup is not None)
+        assert all(report.lookup is not None or report.gamma == 0 for _, report in rounds.rounds)
+        assert all(plan.round_s > 0 for plan, _ in rounds.rounds[3:])  # priced once measured
+    assert texts[0] == texts[1]
+    if not temperature:
+        assert texts[0] == reference.greedy(PROMPT, 80)
+
+
+def test_a_draft_length_without_a_draft_model_is_refused(arena) -> None:
+    pair, _ = target_only(arena)
+    with pytest.raises(ValueError, match="needs a draft model"):
+        decode(pair, controller(), plan=Plan(3))

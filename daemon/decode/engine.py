@@ -29,7 +29,7 @@ from hetspec.daemon.decode.round_kinds import (
     plain_round,
     tree_round,
 )
-from hetspec.daemon.decode.round_sides import DrafterSide, VerifierSide, WorkerPair
+from hetspec.daemon.decode.round_sides import DrafterSide, NoDrafter, VerifierSide, WorkerPair
 from hetspec.daemon.decode.round_stats import SpeculativeStats
 from hetspec.daemon.decode.scheduler import Scheduler
 from hetspec.daemon.decode.text_output import TextOutput
@@ -76,6 +76,8 @@ class Decoder:
         log: RoundSink | None = None,
         lookup: LookupSource | None = None,
     ) -> None:
+        if pair.drafter is None and plan is not None and plan.gamma > 0:
+            raise ValueError(f"a draft of {plan.gamma} tokens a round needs a draft model")
         self.request, self.pair, self.controller, self.stats = request, pair, controller, stats
         self.fixed = plan
         # model-free drafts, weighed against the controller's plans (not a request's own)
@@ -126,7 +128,9 @@ class Decoder:
         drafting is planned; otherwise with the first draft."""
         request, pair, verifier = self.request, self.pair, self.pair.verifier
         started = time.perf_counter()
-        context = min(pair.drafter.ready.context, verifier.ready.context)
+        context = verifier.ready.context
+        if pair.drafter is not None:
+            context = min(pair.drafter.ready.context, context)
         verifier.prompt_bound.check(request.prompt, context)
         tokenized, _ = await verifier.call(
             m.Tokenize(request=verifier.next_request(), text=request.prompt)
@@ -145,7 +149,7 @@ class Decoder:
             end_ids(request, verifier.ready.vocab),
             request.logprobs,
             VerifierSide(pair),
-            DrafterSide(pair, prompt, request.seed),
+            NoDrafter() if pair.drafter is None else DrafterSide(pair, prompt, request.seed),
             fixed=self.fixed,
         )
         if self.lookup is not None:
@@ -213,8 +217,8 @@ class Decoder:
         self.controller.observe(report)
         self.stats.count(report)
         if self.log is not None:  # the plan as chosen, with what the controller expected
-            lookup = kind is RoundKind.LOOKUP
-            chosen = plan if lookup else self.fixed or self.controller.history[-1]
+            own = kind is RoundKind.LOOKUP or self.pair.drafter is None  # no plan committed
+            chosen = plan if own else self.fixed or self.controller.history[-1]
             seconds = ctx.settled_at - began
             self.log(chosen, report, seconds=seconds, emitted=len(emitted.tokens))
         return emitted

@@ -27,7 +27,7 @@ from hetspec.speculative.verify.verdicts import Verdict
 
 @dataclass(frozen=True)
 class WorkerPair:
-    drafter: WorkerClient
+    drafter: WorkerClient | None  # None: no draft model (the target alone, model-free drafts)
     verifier: WorkerClient
     arena: Arena
     draft_slot: int  # where the drafter writes its probability rows
@@ -243,6 +243,34 @@ async def _timed(call):
     start = time.perf_counter()
     reply, _ = await call
     return reply, time.perf_counter() - start
+
+
+class NoDrafter:
+    """The drafter's side where there is no draft model: nothing drafts, nothing is pending,
+    and the sequence's tokens need not be told to anyone."""
+
+    unseen: list[int]
+    run_ahead = None
+    features = None
+    prompt_features = None
+
+    def __init__(self) -> None:
+        self.unseen = []
+
+    def idle(self) -> bool:
+        return True
+
+    def can_post(self) -> bool:
+        return False
+
+    def start_prefill(self) -> None:
+        pass
+
+    def announce(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class VerifierSide:

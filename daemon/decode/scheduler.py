@@ -87,6 +87,15 @@ class Scheduler:
         if ctx.fixed is not None:
             plan = shaped(ctx.fixed, remaining)
             return plan, ctx.kind(plan), None
+        if ctx.pair.drafter is None:  # no draft model: the target alone, or a lookup
+            alone = ctx.controller.alone_plan()
+            offer = self._lookup_offer(alone, remaining)
+            self.rounds_without_lookup = 0 if offer else self.rounds_without_lookup + 1
+            return (
+                (offer.plan, RoundKind.LOOKUP, offer.proposal)
+                if offer
+                else (alone, RoundKind.ALONE, None)
+            )
         choice, self.upcoming = self.upcoming or ctx.controller.choose(), None
         offer = self._lookup_offer(choice.plan, remaining)
         if offer is not None:

@@ -106,6 +106,10 @@ class BudgetController:
             self.tree_calibration.observe(report.tree.expected, report.accepted)
             self.tree_first_choice.observe(report.tree.first_choices)
 
+    def alone_plan(self) -> Plan:
+        """The target alone as a plan priced by what was measured (seconds 0: not yet)."""
+        return Plan(0, expected_tokens=1.0, round_s=self.estimates.alone_s() or 0.0)
+
     def lookup_price(self, acceptance: Sequence[float], rival: Plan) -> tuple[int, float, float]:
         """How many of a model-free draft's ranked nodes (their estimated ``acceptance``) to
         verify in a round instead of running ``rival``, and that round's expected tokens and

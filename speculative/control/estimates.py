@@ -312,6 +312,17 @@ class Estimates:
         step, verify = self.draft_step_s(), self.verify_s(2)
         return None if step is None or verify is None else verify / step
 
+    def alone_s(self) -> float | None:
+        """Seconds per token of the target alone, its calls' overhead included: as measured,
+        else by the load profile (a call decoding alone carries many tokens), else by a
+        one-node verification; None before anything was."""
+        if self._alone.value:
+            return self._alone.value
+        if self._profile is not None:
+            return float(self._profile.at(1))
+        verify = self._verify_or_stand_in(False)
+        return None if verify is None else float(verify.at(1)) + self.overhead_s()
+
     def overhead_s(self) -> float:
         """A drafting round's own seconds besides its calls (the daemon's), as measured."""
         return self._overhead.value or 0.0
@@ -400,12 +411,7 @@ class Estimates:
         reach = _reach_rows([0.0] + [self.acceptance(1, b) for b in branches], deeper)
         reach[0] = 0.0  # unused: no round drafts zero branches
         overhead = self._overhead.value or 0.0
-        if self._alone.value:
-            alone = self._alone.value
-        elif self._profile is not None:  # a call decoding alone carries many tokens
-            alone = float(self._profile.at(1))
-        else:
-            alone = float(verify.plain.at(1)) + overhead
+        alone = self.alone_s()
         shares = ()
         if rule:
             picked = self.rule_shares()
