@@ -201,7 +201,7 @@ async def test_junk_frames_do_not_keep_a_hung_worker_alive(gguf, tmp_path, arena
     await client.start(LOAD_TIMEOUT)
     junk = zmq.Context.instance().socket(zmq.PUSH)
     junk.setsockopt(zmq.LINGER, 0)
-    junk.connect(client._endpoint("replies"))
+    junk.connect(client._link.endpoint("replies"))
     try:
         os.kill(client.pid, signal.SIGSTOP)  # hung: no more heartbeats
         stopped = time.monotonic()
@@ -231,7 +231,7 @@ async def test_a_command_that_is_lost_fails_its_call_in_about_a_second(
     await client.start(LOAD_TIMEOUT)
     thief = zmq.Context.instance().socket(zmq.PULL)
     thief.setsockopt(zmq.LINGER, 0)
-    thief.connect(client._endpoint("commands"))
+    thief.connect(client._link.endpoint("commands"))
     await asyncio.sleep(0.3)  # connected: PUSH now deals commands to both
     outcomes = []
     try:
@@ -268,7 +268,7 @@ async def test_a_command_the_worker_cannot_read_fails_the_pending_calls_at_once(
     try:
         text = "x"
         if unreadable == "junk":
-            client._send([b"garbage"])  # by the mailbox where there is one
+            client._link.send([b"garbage"])  # by the mailbox where there is one
         else:
             text = 123  # encodes, but the worker's codec wants a str
         started = time.monotonic()
@@ -297,7 +297,7 @@ async def test_worker_endpoints_are_the_owners_alone_whatever_the_umask(gguf, ar
         await client.start(LOAD_TIMEOUT)
         assert os.umask(0) == 0  # the daemon's own umask is left as it was
         for role in ("commands", "replies"):
-            path = client._endpoint(role).removeprefix("ipc://")
+            path = client._link.endpoint(role).removeprefix("ipc://")
             assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, role
             probe = subprocess.run(
                 [

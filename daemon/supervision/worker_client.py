@@ -27,7 +27,6 @@ import contextlib
 import itertools
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,26 +37,28 @@ import structlog
 import zmq
 
 from hetspec.daemon.supervision.prompt_bound import PromptBound
+from hetspec.daemon.supervision.worker_calls import LOST_AFTER_IDLE_BEATS, PendingCall, PendingCalls
+from hetspec.daemon.supervision.worker_errors import WorkerDied, WorkerError, WorkerStartError
+from hetspec.daemon.supervision.worker_link import WorkerLink, bind_private
+from hetspec.daemon.supervision.worker_spec import WorkerSpec, worker_argv
 from hetspec.protocol import Codec, MessageError
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.arena import ArenaLayout
-from hetspec.protocol.mailbox import Mailbox, MailboxFull
-from hetspec.protocol.mailbox import supported as mailboxes_supported
+
+# The parts, a module each: worker_spec (what a worker is, its command line), worker_errors,
+# worker_link (the endpoints and mailboxes), worker_calls (the calls in flight). What callers
+# imported from here stays importable here.
+__all__ = [
+    "LOST_AFTER_IDLE_BEATS",
+    "WorkerClient",
+    "WorkerDied",
+    "WorkerError",
+    "WorkerSpec",
+    "WorkerStartError",
+    "bind_private",
+]
 
 log = structlog.get_logger("hetspec.daemon.worker")
-
-
-class WorkerError(RuntimeError):
-    """A worker answered a command with ``Failed``; ``kind`` says what sort of failure."""
-
-    def __init__(self, worker: str, kind: str, message: str, text: str | None = None) -> None:
-        super().__init__(text or f"{worker} worker: {message}")
-        self.worker, self.kind, self.message = worker, kind, message
-
-
-class WorkerDied(WorkerError):
-    def __init__(self, worker: str, reason: str) -> None:
-        super().__init__(worker, "died", reason, f"the {worker} worker {reason}")
 
 
 def _exit_reason(code: int) -> str:
@@ -67,54 +68,6 @@ def _exit_reason(code: int) -> str:
     return f"was killed by {signal.Signals(-code).name}"
 
 
-class WorkerStartError(RuntimeError):
-    """A worker could not be started or could not load its model."""
-
-
-# Idle heartbeats received while a call is pending before the call counts as lost. The first
-# may have been sent before the command arrived, and a reply may trail the beat that followed
-# it by a moment (they travel on different connections): three span at least two intervals.
-LOST_AFTER_IDLE_BEATS = 3
-
-
-def bind_private(sock: zmq.Socket, endpoint: str) -> None:
-    """Bind an ``ipc://`` endpoint that only this user can connect to, whatever the umask.
-
-    libzmq creates the socket file inside ``bind`` in this thread, so a restrictive umask
-    around it leaves no moment in which the file is open to others; the chmod repeats it in
-    case the file system ignored the umask. (The umask is process-wide: the daemon's event
-    loop is single-threaded and nothing else creates files while this runs.)
-    """
-    previous = os.umask(0o077)
-    try:
-        sock.bind(endpoint)
-    finally:
-        os.umask(previous)
-    os.chmod(endpoint.removeprefix("ipc://"), 0o600)
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    name: str  # "cpu" or "gpu": how logs and errors name it
-    runtime: str  # "llama.cpp" or "torch"
-    model: str
-    settings: m.RuntimeSettings
-    cores: tuple[int, ...] = ()
-    # the other worker's cores, computed on too when a command says that worker is idle
-    spare_cores: tuple[int, ...] = ()
-    heartbeat_s: float = 0.5  # the worker's beat interval
-    heartbeat_timeout_s: float = 10.0  # silence after which the worker is killed
-    call_timeout_s: float = 300.0  # a command taking longer means a wedged engine: kill it
-    log_format: str = "json"
-    spin_us: float = 100.0  # how long the worker polls for its next command before it sleeps
-    # after a call is sent, how long the daemon reads the replies mailbox on every pass of its
-    # event loop, which then never sleeps (0: it waits for the bell, a wake-up per reply)
-    reply_spin_us: float = 0.0
-    # commands and replies through shared-memory mailboxes (protocol/mailbox.py) where they
-    # work (x86-64 Linux); False, or elsewhere: through the ZeroMQ sockets alone
-    mailbox: bool = True
-
-
 class _Expired(Exception):
     """A call's timer fired before its reply came."""
 
@@ -122,13 +75,6 @@ class _Expired(Exception):
 def _expire(future: asyncio.Future) -> None:
     if not future.done():
         future.set_exception(_Expired())
-
-
-@dataclass
-class _Call:
-    future: asyncio.Future
-    command: str
-    idle_beats: int = 0  # heartbeats saying the worker is idle since this was sent
 
 
 @dataclass
@@ -143,30 +89,29 @@ class WorkerClient:
     died: asyncio.Future = field(init=False)  # resolves to the reason once the worker is gone
 
     def __post_init__(self) -> None:
-        self._context = zmq.Context.instance()
         self._codec = Codec(m.Reply)
-        self._calls: dict[int, _Call] = {}
-        # cancelled calls the worker has not answered: it may still run them
-        self._abandoned: dict[int, _Call] = {}
-        self._settling: list[tuple[set[int], asyncio.Future]] = []  # see settled()
         self._ids = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
         self._process: asyncio.subprocess.Process | None = None
         self._death_write: int | None = None
         self._last_beat = time.monotonic()
-        self._reading = False  # the replies socket is registered with the event loop
         self._stopping = False
         self._handshake: asyncio.Future | None = None  # resolves to Hello
-        self._outbox: Mailbox | None = None  # commands, when the link uses mailboxes
-        self._inbox: Mailbox | None = None  # replies from the compute thread
-        self._polling_until: float | None = None  # perf_counter; None: not polling (see call)
         self._loading: asyncio.Future | None = None  # resolves to Ready
         self.died = asyncio.get_running_loop().create_future()
+        self._pending = PendingCalls(self.spec.name, self.died)
+        self._link = WorkerLink(
+            self.runtime_dir,
+            self.spec.name,
+            self.generation,
+            self.died,
+            reply_spin_us=self.spec.reply_spin_us,
+            on_frames=self._dispatch,
+            after_replies=self._pending.after_replies,
+            awaiting=self._pending.awaiting,
+        )
 
     # ------------------------------------------------------------ lifecycle
-
-    def _endpoint(self, role: str) -> str:
-        return f"ipc://{self.runtime_dir}/{self.spec.name}-{self.generation}-{role}.sock"
 
     async def start(self, load_timeout_s: float) -> m.Ready:
         """Spawn, handshake and load; raises ``WorkerStartError`` with the reason on failure
@@ -194,12 +139,7 @@ class WorkerClient:
         return ready
 
     async def _start(self, load_timeout_s: float) -> m.Ready:
-        self._commands = self._context.socket(zmq.PUSH)
-        self._commands.setsockopt(zmq.LINGER, 0)
-        bind_private(self._commands, self._endpoint("commands"))
-        self._replies = self._context.socket(zmq.PULL)
-        self._replies.setsockopt(zmq.LINGER, 0)
-        bind_private(self._replies, self._endpoint("replies"))
+        self._link.bind()
         death_read, self._death_write = os.pipe()
         try:
             self._process = await self._spawn(death_read)
@@ -208,11 +148,7 @@ class WorkerClient:
         self.pid = self._process.pid
         loop = asyncio.get_running_loop()
         self._handshake = loop.create_future()
-        loop.add_reader(self._replies.FD, self._on_readable)
-        if self._inbox is not None:
-            loop.add_reader(self._inbox.bell_fd, self._on_bell)
-        self._reading = True
-        self._on_readable()  # anything that arrived before the reader was registered
+        self._link.listen()
         self._tasks = [
             asyncio.create_task(self._watch_exit(), name=f"{self.spec.name}-exit"),
             asyncio.create_task(self._watch_heartbeats(), name=f"{self.spec.name}-beats"),
@@ -233,7 +169,7 @@ class WorkerClient:
             )
         load = m.Load(model=self.spec.model, settings=self.spec.settings, arena=self.arena)
         self._loading = loop.create_future()
-        await self._send_first(self._codec.encode(load), load_timeout_s)
+        await self._link.send_first(self._codec.encode(load), load_timeout_s)
         try:
             self.ready = await self._wait(self._loading, load_timeout_s, "load its model")
             self.prompt_bound = PromptBound.of(self.ready.token_bytes, self.ready.special_tokens)
@@ -243,42 +179,13 @@ class WorkerClient:
 
     async def _spawn(self, death_read: int) -> asyncio.subprocess.Process:
         """Start the worker's interpreter, with the mailboxes when the link uses them."""
-        inherited = [death_read]
-        if self.spec.mailbox and mailboxes_supported():
-            self._outbox = Mailbox.create()
-            self._inbox = Mailbox.create()
-            inherited += [*self._outbox.fds, *self._inbox.fds]
-        argv = [
-            sys.executable,
-            "-m",
-            "hetspec.workers.process",
-            "--runtime",
-            self.spec.runtime,
-            "--name",
-            self.spec.name,
-            "--commands",
-            self._endpoint("commands"),
-            "--replies",
-            self._endpoint("replies"),
-            "--death-fd",
-            str(death_read),
-            "--parent",
-            str(os.getpid()),
-            "--cores",
-            ",".join(map(str, self.spec.cores)),
-            "--spare-cores",
-            ",".join(map(str, self.spec.spare_cores)),
-            "--heartbeat",
-            str(self.spec.heartbeat_s),
-            "--log-format",
-            self.spec.log_format,
-            "--spin-us",
-            str(self.spec.spin_us),
-        ]
-        if self._outbox is not None:
-            argv += ["--mailboxes", ",".join(map(str, inherited[1:]))]
+        link = self._link
+        mailboxes = link.create_mailboxes(self.spec.mailbox)
+        argv = worker_argv(
+            self.spec, link.endpoint("commands"), link.endpoint("replies"), death_read, mailboxes
+        )
         return await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, pass_fds=inherited
+            *argv, stdin=asyncio.subprocess.DEVNULL, pass_fds=[death_read, *mailboxes]
         )
 
     async def _wait(self, future: asyncio.Future, timeout_s: float, what: str):
@@ -299,7 +206,7 @@ class WorkerClient:
         process = self._process
         if process is not None and process.returncode is None:
             with contextlib.suppress(zmq.ZMQError, WorkerError):  # no reader: signals follow
-                self._send(self._codec.encode(m.Shutdown()))
+                self._link.send(self._codec.encode(m.Shutdown()))
             for action in (None, signal.SIGTERM, signal.SIGKILL):
                 if action is not None:
                     with contextlib.suppress(ProcessLookupError):
@@ -329,22 +236,7 @@ class WorkerClient:
 
     def _close_sockets(self) -> None:
         """Close what ``_start`` got so far, however far it got."""
-        replies = getattr(self, "_replies", None)
-        if self._reading and not replies.closed:
-            asyncio.get_running_loop().remove_reader(replies.FD)
-            if self._inbox is not None:
-                asyncio.get_running_loop().remove_reader(self._inbox.bell_fd)
-            self._reading = False
-        for box in (self._outbox, self._inbox):
-            if box is not None:
-                box.close()
-        self._outbox = self._inbox = None
-        for sock in (getattr(self, "_commands", None), getattr(self, "_replies", None)):
-            if sock is not None:
-                sock.close(linger=0)
-        for role in ("commands", "replies"):
-            with contextlib.suppress(OSError):  # never bound, or not ours to remove
-                os.unlink(self._endpoint(role).removeprefix("ipc://"))
+        self._link.close()
         if self._death_write is not None:
             os.close(self._death_write)
             self._death_write = None
@@ -352,9 +244,10 @@ class WorkerClient:
     def _mark_dead(self, reason: str) -> None:
         if not self.died.done():
             self.died.set_result(reason)
-        self._fail_calls(lambda call: WorkerDied(self.spec.name, f"{reason} during {call.command}"))
-        self._abandoned.clear()  # a dead worker writes nothing more
-        self._wake_settled()
+        pending = self._pending
+        pending.fail_all(lambda call: WorkerDied(self.spec.name, f"{reason} during {call.command}"))
+        pending.abandoned.clear()  # a dead worker writes nothing more
+        pending.wake_settled()
 
     async def _watch_exit(self) -> None:
         reason = _exit_reason(await self._process.wait())
@@ -382,52 +275,6 @@ class WorkerClient:
                 self.kill()
                 return
 
-    def _on_readable(self) -> None:
-        """The replies socket's FD fired. ZeroMQ signals edges, so drain until it is empty.
-
-        A plain socket with a reader callback, rather than zmq.asyncio: each reply then costs
-        one callback instead of several futures and task switches (~100 us less a round trip).
-        """
-        while self._replies.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self._dispatch(self._replies.recv_multipart(zmq.NOBLOCK))
-        if self._settling:
-            self._wake_settled()
-
-    def _on_bell(self) -> None:
-        """The replies mailbox's bell rang: reset it, then read every reply posted."""
-        self._inbox.clear()
-        self._read_inbox()
-
-    def _read_inbox(self) -> None:
-        while (frames := self._inbox.take()) is not None:
-            if isinstance(frames, list):  # the worker never diverts: big replies just use zmq
-                self._dispatch(frames)
-        if self._settling:
-            self._wake_settled()
-
-    def _poll_replies(self) -> None:
-        """Read the replies mailbox, and again on the event loop's next pass while a call is
-        pending and the poll lasts: the loop then never sleeps, so a reply is read without
-        waiting to be woken. Its bell still rings; ``_on_bell`` then finds nothing new."""
-        until = self._polling_until
-        if self._inbox is None or until is None:
-            self._polling_until = None
-            return
-        self._read_inbox()
-        if self._calls and time.perf_counter() < until and not self.died.done():
-            asyncio.get_running_loop().call_soon(self._poll_replies)
-        else:
-            self._polling_until = None
-
-    def _start_polling(self) -> None:
-        """Poll the replies mailbox for ``reply_spin_us`` from now (``_poll_replies``)."""
-        if self._inbox is None or self.spec.reply_spin_us <= 0:
-            return
-        polling = self._polling_until is not None
-        self._polling_until = time.perf_counter() + self.spec.reply_spin_us / 1e6
-        if not polling:
-            asyncio.get_running_loop().call_soon(self._poll_replies)
-
     def _dispatch(self, frames: list[bytes]) -> None:
         try:
             reply = self._codec.decode(frames)
@@ -446,32 +293,19 @@ class WorkerClient:
                 worker=self.spec.name,
                 kind=reply.kind,
                 error=reply.message,
-                failing=len(self._calls),
+                failing=len(self._pending.calls),
             )
-            self._fail_calls(lambda call: WorkerError(self.spec.name, reply.kind, reply.message))
+            self._pending.fail_all(
+                lambda call: WorkerError(self.spec.name, reply.kind, reply.message)
+            )
             return
-        call = self._calls.pop(request, None) if request is not None else None
-        if call is None:
-            if self._abandoned.pop(request, None) is None:  # else: a cancelled call's answer
-                log.warning(
-                    "reply nobody waits for",
-                    worker=self.spec.name,
-                    op=type(reply).__name__,
-                    request=request,
-                )
-            return
-        if call.future.done():
-            return
-        if isinstance(reply, m.Failed):
-            call.future.set_exception(WorkerError(self.spec.name, reply.kind, reply.message))
-        else:
-            call.future.set_result((reply, frames))
+        self._pending.answer(request, reply, frames)
 
     def _control(self, reply: msgspec.Struct) -> bool:
         """Handle a message that answers no call (heartbeat, handshake, load); False if not."""
         if isinstance(reply, m.Heartbeat):
-            if reply.busy is None and (self._calls or self._abandoned):
-                self._note_idle()
+            if reply.busy is None and (self._pending.calls or self._pending.abandoned):
+                self._pending.note_idle()
             return True
         if isinstance(reply, m.Hello):
             if self._handshake is not None and not self._handshake.done():
@@ -484,45 +318,6 @@ class WorkerClient:
             self._settle_load(reply)
             return True
         return False
-
-    def _note_idle(self) -> None:
-        """The worker says it computes nothing while calls are pending: after enough such
-        beats their commands (or replies) were lost; fail them instead of waiting for
-        ``call_timeout_s``."""
-        lost = []
-        for request, call in self._calls.items():
-            call.idle_beats += 1
-            if call.idle_beats >= LOST_AFTER_IDLE_BEATS:
-                lost.append(request)
-        for request in lost:
-            call = self._calls.pop(request)
-            log.error(
-                "command lost: the worker is idle and never answered",
-                op=call.command,
-                worker=self.spec.name,
-                request=request,
-            )
-            if not call.future.done():
-                call.future.set_exception(
-                    WorkerError(
-                        self.spec.name,
-                        "lost",
-                        f"no answer to {call.command}: the worker is idle, "
-                        "so the command or its reply was lost",
-                    )
-                )
-        # a cancelled command the idle worker never answered is not running either
-        for request, call in list(self._abandoned.items()):
-            call.idle_beats += 1
-            if call.idle_beats >= LOST_AFTER_IDLE_BEATS:
-                del self._abandoned[request]
-
-    def _fail_calls(self, error_for) -> None:
-        """Fail every pending call with ``error_for(call)``."""
-        calls, self._calls = self._calls, {}
-        for call in calls.values():
-            if not call.future.done():
-                call.future.set_exception(error_for(call))
 
     def _settle_load(self, reply: m.Ready | m.Failed) -> None:
         if self._loading is None or self._loading.done():
@@ -542,12 +337,12 @@ class WorkerClient:
         if self.died.done():
             future.set_exception(WorkerDied(self.spec.name, self.died.result()))
             return future
-        self._calls[request] = _Call(future, type(command).__name__)
+        self._pending.calls[request] = PendingCall(future, type(command).__name__)
         # zero-copy pays only for big frames; pyzmq's zero-copy path costs more for small ones
         try:
-            self._send(self._codec.encode(command, arrays), copy=not arrays)
+            self._link.send(self._codec.encode(command, arrays), copy=not arrays)
         except WorkerError as refused:
-            self._calls.pop(request, None)
+            self._pending.calls.pop(request, None)
             # no reader because the process is gone, not because it is slow: ZeroMQ drops a
             # dead peer's pipe at once, often before the exit watcher runs
             ended = self._exit_status()
@@ -572,51 +367,11 @@ class WorkerClient:
             return None
         return _exit_reason(ended.si_status if ended.si_code == os.CLD_EXITED else -ended.si_status)
 
-    async def _send_first(self, frames: list, timeout_s: float) -> None:
-        """The first command: the worker's commands connection may still be in its handshake
-        when its Hello arrives (a different socket), and until then PUSH has nowhere to send.
-        A mailbox is there from the start."""
-        if self._outbox is not None:
-            self._send(frames)
-            return
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                self._commands.send_multipart(frames, flags=zmq.NOBLOCK)
-                return
-            except zmq.Again:
-                if time.monotonic() > deadline or self.died.done():
-                    raise WorkerStartError(
-                        f"{self.spec.name} worker never connected its command socket"
-                    ) from None
-                await asyncio.sleep(0.001)
-
-    def _send(self, frames: list, copy: bool = True) -> None:
-        """Queue frames for the worker; zero-copy only for big arrays (pyzmq's zero-copy path
-        costs more than a copy for small frames). Never blocks the event loop.
-
-        With mailboxes, a message too big for the ring goes by the socket, and a marker in
-        the ring says where it was, so that the worker reads commands in the order sent."""
-        try:
-            if self._outbox is None:
-                self._commands.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
-                return
-            if not self._outbox.post(frames):
-                self._commands.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
-                self._outbox.divert()
-            self._outbox.ring()
-        except (zmq.Again, MailboxFull):
-            raise WorkerError(
-                self.spec.name, "overloaded", "its command queue is full (it stopped reading)"
-            ) from None
-
     def announce(self) -> None:
         """Wake the worker to wait awake for a command about to be sent (the mailbox link's
         ``announce``; nothing over ZeroMQ alone), so that the command's own wake-up is off
         the path from now to its reply."""
-        if self._outbox is not None and not self.died.done():
-            with contextlib.suppress(OSError):  # a bell gone with the worker: nothing to wake
-                self._outbox.announce()
+        self._link.announce()
 
     async def call(self, command: msgspec.Struct, arrays: tuple[np.ndarray, ...] = ()):
         """Send ``command`` (whose ``request`` came from ``next_request``) and return the reply
@@ -634,7 +389,7 @@ class WorkerClient:
 
     async def _reply(self, command: msgspec.Struct, future: asyncio.Future):
         request = command.request
-        self._start_polling()
+        self._link.start_polling()
         # a timer handle instead of asyncio.wait_for, which costs ~50 us per call
         timer = asyncio.get_running_loop().call_later(self.spec.call_timeout_s, _expire, future)
         try:
@@ -647,7 +402,7 @@ class WorkerClient:
                 op=type(command).__name__,
                 timeout_s=self.spec.call_timeout_s,
             )
-            self._calls.pop(request, None)
+            self._pending.calls.pop(request, None)
             self.kill()
             raise WorkerError(
                 self.spec.name,
@@ -657,13 +412,14 @@ class WorkerClient:
             ) from None
         except asyncio.CancelledError:
             timer.cancel()
-            call = self._calls.pop(request, None)  # None: already answered
+            call = self._pending.calls.pop(request, None)  # None: already answered
             if call is not None and not self.died.done():
-                self._abandoned[request] = call  # until the worker is done with the command
+                # until the worker is done with the command
+                self._pending.abandoned[request] = call
                 # best effort: a full queue (WorkerError "overloaded") or a closed socket must
                 # not turn the cancellation into a failure; the command runs and is answered
                 with contextlib.suppress(zmq.ZMQError, WorkerError):
-                    self._send(self._codec.encode(m.Cancel(request=request)))
+                    self._link.send(self._codec.encode(m.Cancel(request=request)))
             raise
         finally:
             timer.cancel()
@@ -672,25 +428,7 @@ class WorkerClient:
         """A future that resolves once the worker is done with every call in flight now,
         awaited or cancelled: each answered, failed, given up as lost, or the worker gone.
         Until then a cancelled call's command may still run and write the slot it names."""
-        future = asyncio.get_running_loop().create_future()
-        waiting = self._calls.keys() | self._abandoned.keys()
-        if waiting and not self.died.done():
-            self._settling.append((waiting, future))
-        else:
-            future.set_result(None)
-        return future
-
-    def _wake_settled(self) -> None:
-        outstanding = self._calls.keys() | self._abandoned.keys()
-        waiting = []
-        for requests, future in self._settling:
-            if future.done():  # given up by whoever waited
-                continue
-            if self.died.done() or not requests & outstanding:  # ids are never reused
-                future.set_result(None)
-            else:
-                waiting.append((requests, future))
-        self._settling = waiting
+        return self._pending.settled()
 
     @property
     def alive(self) -> bool:
