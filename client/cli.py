@@ -83,11 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="wait up to this long for the workers to be ready",
     )
     models = commands.add_parser(
-        "models", help="check model files before serving them: hetspec models check TARGET DRAFT"
+        "models", help="check model files before serving them: hetspec models check TARGET [DRAFT]"
     )
     models.add_argument("action", choices=["check"])
     models.add_argument(
-        "arguments", nargs=argparse.REMAINDER, help="TARGET DRAFT (see hetspec models check --help)"
+        "arguments",
+        nargs=argparse.REMAINDER,
+        help="TARGET [DRAFT] (see hetspec models check --help)",
     )
     bench = commands.add_parser(
         "bench",

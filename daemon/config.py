@@ -250,7 +250,10 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             gguf=str(BUNDLED_MODELS / "target" / "target-q8_0.gguf"),
         )
     )
-    draft: ModelPaths = msgspec.field(
+    # None ("none" in a file or --set): no draft model; the daemon drafts from the text
+    # itself (model_free_draft). A configuration that names a target and no draft has none;
+    # the bundled target comes with the bundled draft.
+    draft: ModelPaths | None = msgspec.field(
         default_factory=lambda: ModelPaths(
             folder=str(BUNDLED_MODELS / "draft"),
             gguf=str(BUNDLED_MODELS / "draft" / "draft-q8_0.gguf"),
@@ -331,8 +334,17 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def _check_combinations(self) -> None:
         """Settings that are each valid but not together."""
         for name, model in (("target", self.target), ("draft", self.draft)):
-            if not model.folder and not model.gguf:
+            if model is not None and not model.folder and not model.gguf:
                 raise ValueError(f"{name}: give its folder, its gguf or both; both are empty")
+        if self.draft is None:
+            if self.placement != "draft-cpu" or self.pipeline.enabled:
+                raise ValueError(
+                    "draft: none serves the target alone on one worker (placement "
+                    '"draft-cpu", no pipeline); draft-gpu and the pipeline need a draft model'
+                )
+            if self.draft_head not in ("auto", "none"):
+                raise ValueError("draft_head: a draft head drafts in placement draft-gpu")
+            return
         on_cpu = "draft" if self.placement == "draft-cpu" else "target"
         if not getattr(self, on_cpu).gguf:
             raise ValueError(
@@ -425,6 +437,10 @@ def load_config(
     for dotted, value, source in layered:
         _set_path(tree, dotted, value, source)
         sources[dotted] = source
+    if "target" in tree and "draft" not in tree:
+        tree["draft"] = None  # a target named alone: no draft model (not the bundled one)
+    elif str(tree.get("draft", "")).lower() == "none":
+        tree["draft"] = None
     try:
         return msgspec.convert(tree, DaemonConfig, strict=False)
     except msgspec.ValidationError as error:

@@ -259,12 +259,15 @@ class Service:
             controller.assume_overlap_factor(overlap_factor)
         self.notifier.status("loading the models")
         await self._start_workers(specs, features=decision.runtime == "head")
-        self._keep_off_drafter(specs[roles(self.config.placement).drafter])
+        drafter_name = roles(self.config.placement).drafter
+        if drafter_name in specs:  # else no draft model: the verifier has every core
+            self._keep_off_drafter(specs[drafter_name])
 
     async def _start_workers(self, specs: dict, *, features: bool = False) -> None:
         """The arena (a slot holds a tree's probability rows, or with ``features`` its
         target features if wider) and the supervised workers of ``specs``."""
-        width = max(model_number_of(self.config.target), model_number_of(self.config.draft))
+        models = [m for m in (self.config.target, self.config.draft) if m is not None]
+        width = max(model_number_of(model) for model in models)
         if features:
             width = max(width, model_number_of(self.config.target, "hidden_size"))
         self.arena = self.instance.create_arena(
@@ -522,7 +525,7 @@ class Service:
             "model": self.model_name,
             "models": {
                 "target": {"folder": config.target.folder, "gguf": config.target.gguf},
-                "draft": {"folder": config.draft.folder, "gguf": config.draft.gguf},
+                "draft": msgspec.to_builtins(config.draft),  # None: no draft model
             },
             "placement": config.placement,
             "devices": devices,
@@ -575,6 +578,13 @@ class Service:
         except ValueError as error:
             raise ApiError(400, f"invalid request: {error}") from None
         gamma = body.gamma or (self.config.gamma if mode == "parallel" else None)
+        if self.config.draft is None and (gamma or mode in ("sequential", "parallel")):
+            raise ApiError(
+                400,
+                f"mode {mode} with a draft length needs a draft model, and hetspecd serves "
+                "its target without one: use mode adaptive (drafts from the text itself) "
+                "or autoregressive",
+            )
         if gamma and gamma * (body.branches or 1) + 1 > self.config.max_tree_nodes:
             raise ApiError(
                 400,
@@ -605,17 +615,17 @@ class Service:
             async with self._start_pipeline(body, mode, waited_s) as run:
                 yield run
             return
-        roles = self.supervisor.roles
         try:
-            verifier = await self.supervisor.worker(roles.verifier, self.config.restart_wait_s)
-            drafter = await self.supervisor.worker(roles.drafter, self.config.restart_wait_s)
+            verifier, drafter = await self._workers()
         except WorkerUnavailable as error:
             raise ApiError(503, str(error), retry_after_s=5) from None
         run_id = f"{int(self.started_wall):x}-{next(self._run_ids)}"
-        devices = {"target": verifier.ready.device, "draft": drafter.ready.device}
+        devices = {"target": verifier.ready.device}
+        if drafter is not None:
+            devices["draft"] = drafter.ready.device
         # a slot comes back once no call of this run may still write it (cancelled ones too)
         settled = self.supervisor.settled
-        head = drafter.spec.runtime == "head"  # it reads the verifier's features
+        head = drafter is not None and drafter.spec.runtime == "head"  # reads the features
         async with (
             self.slots.lease(run_id, settled) as draft_slot,
             self.slots.lease(run_id, settled) as verify_slot,
@@ -671,6 +681,15 @@ class Service:
             )
             async with self._counted(run):
                 yield run
+
+    async def _workers(self) -> tuple[WorkerClient, WorkerClient | None]:
+        """The live verifier and drafter (None: no draft model), waiting for a restarting
+        one up to ``restart_wait_s`` (``WorkerUnavailable``)."""
+        roles, wait_s = self.supervisor.roles, self.config.restart_wait_s
+        verifier = await self.supervisor.worker(roles.verifier, wait_s)
+        if self.config.draft is None:
+            return verifier, None
+        return verifier, await self.supervisor.worker(roles.drafter, wait_s)
 
     @contextlib.asynccontextmanager
     async def _counted(self, run: Run) -> AsyncIterator[Run]:
@@ -754,7 +773,8 @@ class Service:
                     raise
                 reason = str(error)
             else:
-                dead = [] if whole else [c for c in (verifier, drafter) if c.died.done()]
+                workers = [c for c in (verifier, drafter) if c is not None]
+                dead = [] if whole else [c for c in workers if c.died.done()]
                 if not (retry and dead):
                     break
                 reason = f"the {dead[0].spec.name} worker {dead[0].died.result()}"
@@ -763,9 +783,7 @@ class Service:
                 "a worker died before the request answered anything; starting over", reason=reason
             )
             reset()
-            roles, wait_s = self.supervisor.roles, self.config.restart_wait_s
-            verifier = await self.supervisor.worker(roles.verifier, wait_s)
-            drafter = await self.supervisor.worker(roles.drafter, wait_s)
+            verifier, drafter = await self._workers()
             stream = pieces(verifier, drafter)
         try:
             for piece in held:

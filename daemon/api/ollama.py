@@ -472,7 +472,7 @@ class OllamaApi:
                 "modified_at": facts.modified.isoformat(),
                 "hetspec": {
                     "placement": config.placement,
-                    "draft": {"folder": config.draft.folder, "gguf": config.draft.gguf},
+                    "draft": msgspec.to_builtins(config.draft),  # None: no draft model
                     "served_context": self.served_context(),
                 },
             }

@@ -339,6 +339,38 @@ def check(target: Model, draft: Model) -> tuple[list[str], bool]:
     return lines, default_ok
 
 
+def check_alone(target: Model) -> tuple[list[str], bool]:
+    """The report of a target served without a draft model (it drafts from the text itself:
+    ``model_free_draft``), and whether it can be served."""
+    lines = describe_model(target)
+    reports = read_vocabs(
+        {
+            ("target", kind): path
+            for kind, path in (("gguf", target.gguf), ("folder", target.folder))
+            if path is not None
+        }
+    )
+    failures = [f"  target {kind}: {r.error}" for (_, kind), r in reports.items() if r.error]
+    if failures:
+        lines += ["vocabulary: cannot be read, the daemon would refuse the target:", *failures]
+    context = min([c for c in (target.facts.context_length,) if c] + [DEFAULT_CONTEXT_LIMIT])
+    lines.append(f"context: served by default: {context} tokens (n_ctx / max_context set it)")
+    lines.append(
+        "no draft model: one worker verifies, and the daemon drafts from the prompt and the "
+        'text so far (model_free_draft "continuation-tree"); modes adaptive and '
+        "autoregressive"
+    )
+    ok = False
+    for runtime in ("torch", "llama.cpp", "native"):
+        side = Side("verifies", "GPU worker", runtime, target)
+        usable = not failures and side.unusable() is None
+        ok |= usable
+        lines.append(f'  gpu_runtime "{runtime}": {"can serve" if usable else "cannot serve"}')
+        lines.append(side.line(context))
+    lines += ["", "hetspecd.toml:", *example_config(target)]
+    return lines, ok
+
+
 def describe_heads(target: Model) -> list[str]:
     """Which draft head draft-gpu would draft with (``draft_head = "auto"``, torch), and
     why each candidate does or does not match the target."""
@@ -358,9 +390,11 @@ def describe_heads(target: Model) -> list[str]:
     return lines
 
 
-def example_config(target: Model, draft: Model) -> list[str]:
+def example_config(target: Model, draft: Model | None = None) -> list[str]:
+    """The configuration that serves these models (without a draft: none, as a target named
+    alone has)."""
     lines = []
-    for model in (target, draft):
+    for model in (target, draft) if draft is not None else (target,):
         lines.append(f"[{model.name}]")
         lines.append(f'folder = "{model.folder or ""}"  # torch loads this')
         lines.append(f'gguf = "{model.gguf or ""}"  # llama.cpp and the native kernels load this')
@@ -374,17 +408,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "target", type=Path, help="the target: a model folder, a GGUF file, or a folder with both"
     )
-    parser.add_argument("draft", type=Path, help="the draft, likewise")
+    parser.add_argument(
+        "draft",
+        type=Path,
+        nargs="?",
+        help="the draft, likewise; none: the target served alone, drafting from its own text",
+    )
     args = parser.parse_args(argv)
     try:
-        target, draft = find_exports("target", args.target), find_exports("draft", args.draft)
+        target = find_exports("target", args.target)
+        draft = None if args.draft is None else find_exports("draft", args.draft)
     except CheckError as error:
         print(f"hetspec models check: {error}", file=sys.stderr)
         return 2
     except CannotServe as error:
         print(f"hetspec models check: cannot serve: {error}", file=sys.stderr)
         return 1
-    lines, ok = check(target, draft)
+    lines, ok = check(target, draft) if draft is not None else check_alone(target)
     print("\n".join(lines))
     return 0 if ok else 1
 

@@ -272,7 +272,7 @@ async def decide_gpu_runtime(
     timeout_s = config.load_timeout_s
     draft_ms = None
     cached = True
-    if role == "verifier":  # the drafter is the CPU worker either way
+    if role == "verifier" and config.draft is not None:  # the drafter is the CPU worker
         draft_ms = drafter.draft_ms() if drafter is not None else None
         if draft_ms is None:
             spec = worker_specs(
@@ -378,7 +378,7 @@ async def decide_drafter(
     token timed in a profile process per runtime (llama.cpp, native) and thread count (1, 2,
     4 .. its cores), cached like the GPU worker's profiles; see
     ``speculative.runtime_choice.fastest_drafter``."""
-    if config.placement != "draft-cpu":
+    if config.placement != "draft-cpu" or config.draft is None:
         return None
     runtimes = ["llama.cpp", "native"] if config.cpu_runtime == "auto" else [config.cpu_runtime]
     cores = len(set(worker_specs(config, log_format, gpu_runtime="llama.cpp")["cpu"].cores))

@@ -90,7 +90,7 @@ def check_model_files(config: DaemonConfig) -> None:
     models check`` makes (protocol/gguf_checks.py). Every configured GGUF, whichever worker
     would load it: a broken file is a mistake to report, not one to route around."""
     for model in (config.target, config.draft):
-        if not model.gguf:
+        if model is None or not model.gguf:
             continue
         try:
             check_model_file(model.gguf)
@@ -109,6 +109,11 @@ def export_read_by(runtime: str) -> str:
 def missing_export(config: DaemonConfig, gpu_runtime: str) -> None:
     """Raise StartupError, naming the setting, where a worker would load an export the
     configuration leaves empty ("")."""
+    if config.draft is None:  # the target alone, on the GPU worker
+        reader = f"the GPU worker's {gpu_runtime}"
+        needs = [("target", config.target, export_read_by(gpu_runtime), reader)]
+        _need(needs)
+        return
     drafting_on_cpu = config.placement == "draft-cpu"
     on_cpu = ("draft", config.draft) if drafting_on_cpu else ("target", config.target)
     on_gpu = ("target", config.target) if drafting_on_cpu else ("draft", config.draft)
@@ -116,6 +121,10 @@ def missing_export(config: DaemonConfig, gpu_runtime: str) -> None:
         (*on_cpu, "gguf", "the CPU worker's llama.cpp"),
         (*on_gpu, export_read_by(gpu_runtime), f"the GPU worker's {gpu_runtime}"),
     ]
+    _need(needs)
+
+
+def _need(needs: list[tuple]) -> None:
     for name, paths, export, reader in needs:
         if not getattr(paths, export):
             other = "gguf" if export == "folder" else "folder"
@@ -138,6 +147,8 @@ def worker_specs(
     drafting in ``drafter_runtime`` (default: the configured ``cpu_runtime``, llama.cpp for
     "auto") one token on ``drafter_threads`` threads where its threads are not configured
     (see runtime_choice.decide_drafter; llama.cpp's batches keep every core)."""
+    if config.draft is None:
+        return _verifier_alone(config, log_format, gpu_runtime)
     gpu_runtime = gpu_runtime or config.gpu_runtime
     if gpu_runtime not in ("torch", "llama.cpp", "native", "head"):
         raise ValueError(f"the GPU worker's runtime must be decided, not {gpu_runtime!r}")
@@ -249,6 +260,20 @@ def worker_specs(
     }
 
 
+def _verifier_alone(
+    config: DaemonConfig, log_format: str, gpu_runtime: str | None
+) -> dict[str, WorkerSpec]:
+    """Without a draft model, the one worker: the verifier of draft-cpu (the GPU worker, in
+    whichever runtime verifies fastest), on every core the daemon owns unless its cores are
+    configured, with no drafter's cores to borrow."""
+    gpu_worker = config.gpu_worker
+    if not gpu_worker.cores and not cuda_present(gpu_worker.device):
+        gpu_worker = msgspec.structs.replace(gpu_worker, cores=sorted(owned_cores()))
+    # the specs of the target drafting for itself, of which the verifier's is the one
+    alone = msgspec.structs.replace(config, draft=config.target, gpu_worker=gpu_worker)
+    return {"gpu": worker_specs(alone, log_format, gpu_runtime)["gpu"]}
+
+
 def _llama_settings(cfg, *, verifies: bool, **changes) -> m.LlamaCppSettings:
     """llama.cpp settings by role, where the configuration leaves them open: a verifier gets
     logits closest to one token at a time (no flash attention, an f32 V cache, see
@@ -328,9 +353,11 @@ class Supervisor:
                     raise failure
             raise StartupError("; ".join(str(f) for f in failures))
         self.workers = started
-        drafter, verifier = started[self.roles.drafter], started.get(self.roles.verifier)
-        # (no verifier worker: pipeline stages verify, daemon/pipeline/backend.py)
-        problems = verifier and incompatibilities(drafter.ready.vocab, verifier.ready.vocab)
+        drafter, verifier = started.get(self.roles.drafter), started.get(self.roles.verifier)
+        # (no verifier worker: pipeline stages verify, daemon/pipeline/backend.py; no
+        # drafter: no draft model)
+        both = drafter is not None and verifier is not None
+        problems = both and incompatibilities(drafter.ready.vocab, verifier.ready.vocab)
         if problems:
             await asyncio.gather(*(c.stop() for c in started.values()))
             raise StartupError(
