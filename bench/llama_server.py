@@ -127,6 +127,10 @@ class ServerConfig:
     # the target's (-ngl) and the draft's (-ngld; 0 drafts on the CPU)
     gpu_layers: int | None = None
     draft_gpu_layers: int | None = None
+    # drafting without a draft model: --spec-type (e.g. "ngram-simple", "ngram-mod") and its
+    # own flags, e.g. ("--spec-ngram-simple-size-n", "3")
+    spec_type: str | None = None
+    spec_args: tuple[str, ...] = ()
 
 
 def server_args(binary: Path, config: ServerConfig, socket: Path) -> list[str]:
@@ -150,6 +154,8 @@ def server_args(binary: Path, config: ServerConfig, socket: Path) -> list[str]:
             args += ["--spec-draft-p-min", str(config.p_min)]
         if config.draft_gpu_layers is not None:
             args += ["-ngld", str(config.draft_gpu_layers)]
+    elif config.spec_type is not None:
+        args += ["--spec-type", config.spec_type, *config.spec_args]
     return args
 
 
@@ -189,9 +195,15 @@ def timing_of(reply: Mapping) -> Timing:
 
 
 def completion_request(
-    prompt: str, max_tokens: int, temperature: float = 0.0, seed: int | None = None
+    prompt: str,
+    max_tokens: int,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    *,
+    ignore_eos: bool = True,
 ) -> dict:
-    """Exactly ``max_tokens`` tokens (EOS ignored), the whole prompt prefilled. Greedy at
+    """Exactly ``max_tokens`` tokens (EOS ignored: never sampled; with not ``ignore_eos`` at
+    most that many, ending at an end token), the whole prompt prefilled. Greedy at
     ``temperature`` 0; above it, drawn from the softmax at that temperature alone (the server's
     default top-k 40, top-p 0.95 and min-p 0.05 switched off, as hetspec's requests have
     them), with ``seed`` (None: the server's own)."""
@@ -200,7 +212,7 @@ def completion_request(
         "n_predict": max_tokens,
         "temperature": 0.0,
         "top_k": 1,
-        "ignore_eos": True,
+        "ignore_eos": ignore_eos,
         "cache_prompt": False,
         "return_tokens": True,
         "stream": False,
@@ -288,14 +300,20 @@ class LlamaServer:
         )
 
     def generate(
-        self, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int | None = None
+        self,
+        prompt: str,
+        max_tokens: int,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        *,
+        ignore_eos: bool = True,
     ) -> dict:
         """The raw /completion reply (``content``, ``tokens``, ``timings``, ...); sampling as
         ``completion_request``'s."""
         if self.client is None:
             raise LlamaServerError("this llama-server is stopped")
         try:
-            body = completion_request(prompt, max_tokens, temperature, seed)
+            body = completion_request(prompt, max_tokens, temperature, seed, ignore_eos=ignore_eos)
             response = self.client.post("/completion", json=body)
         except httpx.HTTPError as error:
             raise LlamaServerError(

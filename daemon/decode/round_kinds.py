@@ -201,7 +201,7 @@ async def lookup_round(
     period_s = time.perf_counter() - ctx.settled_at
     path = judged.verdict.path
     report = RoundReport(
-        max(len(path), 1),
+        len(tokens),  # its nodes, as a chain's: what was offered to the target
         1,
         len(path),
         **_verification_fields(verification, len(tokens)),

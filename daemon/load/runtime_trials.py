@@ -34,6 +34,8 @@ from hetspec.daemon.supervision.supervisor import export_read_by, roles, worker_
 from hetspec.daemon.supervision.worker_client import WorkerSpec
 from hetspec.protocol import LlamaCppReport, ProbeFailure, RuntimeProfile, decode_profile
 from hetspec.speculative.control.runtime_choice import (
+    MODEL_FREE_ACCEPTANCE,
+    PRIOR_ACCEPTANCE,
     Rate,
     best_rate,
     fastest,
@@ -316,7 +318,13 @@ async def decide_gpu_runtime(
     if not profiles:
         reasons = "; ".join(f"{f.runtime}: {f.message}" for f in failures)
         raise RuntimeChoiceError(f"no runtime can hold the GPU worker's model: {reasons}")
-    rates: dict[str, Rate] = {p.runtime: best_rate(p.cost_ms(), draft_ms) for p in profiles}
+    acceptance = PRIOR_ACCEPTANCE
+    if role == "verifier" and config.draft is None and config.model_free_draft != "off":
+        # no draft model: drafts from the text itself cost nothing and are accepted less
+        draft_ms, acceptance = 0.0, MODEL_FREE_ACCEPTANCE
+    rates: dict[str, Rate] = {
+        p.runtime: best_rate(p.cost_ms(), draft_ms, acceptance) for p in profiles
+    }
     return RuntimeDecision(
         runtime=fastest(rates),
         chosen_by="measurement",

@@ -88,8 +88,8 @@ class RoundReport:
     alone_round_s: float | None = None
     alone_compute_s: float | None = None
     tree: TreeOutcome | None = None  # a dynamic tree round's
-    # a model-free draft's round (``gamma``: its depth; 2 branches: a tree): the verified
-    # nodes' estimated acceptance, summed, against ``accepted``
+    # a model-free draft's round (``gamma``: the nodes it verified, one branch whatever
+    # their shape): their estimated acceptance, summed, against ``accepted``
     lookup: float | None = None
 
     @property

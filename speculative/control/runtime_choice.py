@@ -12,6 +12,10 @@ from dataclasses import dataclass
 # The fraction of drafted tokens a verifier accepts, before anything is measured: the bundled
 # pair accepts about 0.75 per token, real pairs 0.6-0.8 on code and chat.
 PRIOR_ACCEPTANCE = 0.7
+# ... of tokens drafted from the text itself (no draft model): a copy is often right where
+# the text repeats and absent where it does not; a run of the model-free drafts' own
+# estimate for one earlier sighting (2/3) where they propose, none elsewhere
+MODEL_FREE_ACCEPTANCE = 0.5
 
 
 def expected_tokens(gamma: int, acceptance: float) -> float:
