@@ -243,6 +243,8 @@ def test_the_daemon_serves_a_qwen2_target_on_the_native_kernels_losslessly(tmp_p
         f"target.gguf={json.dumps(str(target))}",
         "--set",
         f"target.folder={json.dumps(str(target.parent))}",
+        "--set",  # the bundled draft with it (a target named alone would have none)
+        f"draft.gguf={json.dumps(str(BUNDLED_MODELS / 'draft' / 'draft-q8_0.gguf'))}",
     )
     try:
         runtime = NativeRuntime(target, n_ctx=1024)
