@@ -6,41 +6,35 @@ load); start both workers; tell systemd READY=1; serve. SIGTERM or SIGINT drains
 new requests get 503, the queue and the request in flight may finish (bounded by
 ``drain_timeout_s``), then the workers stop and the socket, the endpoints and the
 shared-memory segment are removed. Every exit path runs that cleanup.
+
+What the endpoints need of a running daemon is a module each: ``api.http_server`` (where it
+listens and who may ask), ``api.generations`` (a request's turn to generate, counted for the
+drain) and ``api.status`` (what ``/health``, ``/props`` and ``/metrics`` report). This module
+keeps the lifecycle: the lock, loading, the workers, draining and the cleanup.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import hmac
-import itertools
 import os
 import signal
-import socket
 import time
-from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
-import msgspec
 import structlog
-from aiohttp import web
 
-from hetspec import __version__
 from hetspec.daemon.api.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
-from hetspec.daemon.api.errors import ApiError, json_errors
-from hetspec.daemon.api.guard import GuardedRunner
-from hetspec.daemon.api.ollama import OllamaApi
-from hetspec.daemon.api.openai import openai_routes
+from hetspec.daemon.api.errors import ApiError
+from hetspec.daemon.api.generations import Generations
+from hetspec.daemon.api.http_server import HttpServer
 from hetspec.daemon.api.runs import Run
-from hetspec.daemon.api.status import native_routes
 from hetspec.daemon.config import BUNDLED_MODELS, DaemonConfig, ModelPaths
-from hetspec.daemon.decode.admission import Admission, QueueFull
-from hetspec.daemon.decode.autoregressive import generate
-from hetspec.daemon.decode.engine import Decoder, LookupSource, WorkerPair
-from hetspec.daemon.decode.requests import GenerateRequest, GenerationResult, check_messages_fit
+from hetspec.daemon.decode.admission import Admission
+from hetspec.daemon.decode.engine import LookupSource
+from hetspec.daemon.decode.requests import GenerateRequest, check_messages_fit
 from hetspec.daemon.decode.round_log import RoundLog
-from hetspec.daemon.decode.round_stats import SpeculativeStats
 from hetspec.daemon.instance import Instance, InstanceError
 from hetspec.daemon.load.head_choice import HeadChoiceError
 from hetspec.daemon.load.model_facts import ModelFacts, read_model_facts
@@ -59,26 +53,21 @@ from hetspec.daemon.supervision.slots import SlotPool
 from hetspec.daemon.supervision.supervisor import (
     StartupError,
     Supervisor,
-    WorkerUnavailable,
     check_model_files,
     model_number_of,
     roles,
     worker_specs,
 )
-from hetspec.daemon.supervision.worker_client import WorkerClient, WorkerDied, WorkerSpec
+from hetspec.daemon.supervision.worker_client import WorkerClient, WorkerSpec
 from hetspec.daemon.systemd import Notifier, activated_sockets, watchdog_loop
 from hetspec.protocol.arena import Arena, ArenaError
 from hetspec.speculative.control.budget import BudgetController, ControllerConfig
 from hetspec.speculative.control.core_choice import SpareCoreChoice
-from hetspec.speculative.control.rounds import Plan
 from hetspec.speculative.drafting.continuation_tree import ContinuationTree
 from hetspec.speculative.drafting.ngram_table import NgramTable
 from hetspec.speculative.drafting.prompt_lookup import PromptLookup
 
 log = structlog.get_logger("hetspec.daemon")
-
-MAX_BODY_BYTES = 4 << 20
-
 
 # The exit status of a drain that SIGHUP asked for: the systemd unit restarts the daemon on it
 # (RestartForceExitStatus) and does not count it a failure (SuccessExitStatus).
@@ -119,13 +108,10 @@ class Service:
         self.pipeline: PipelineBackend | None = None  # [pipeline]: stages verify
         self.runtime_decision: RuntimeDecision | None = None
         self.drafter: DrafterChoice | None = None
-        self.runner: web.AppRunner | None = None
+        self.http = HttpServer(self)  # where it listens, once run() starts
         self.draining = False
         self.reloading = False  # SIGHUP: drain, then exit RELOAD_EXIT_STATUS
-        self.own_socket: Path | None = None  # the socket file we created (not systemd's)
-        self.in_flight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self.generations = Generations(self)  # the requests' runs, counted for the drain
         self.admission = Admission(config.max_queue)
         self.slots = SlotPool(config.arena_slots)
         self.metrics = Metrics()
@@ -140,7 +126,6 @@ class Service:
         # for the daemon's life, by every mode
         self.spare_cores = SpareCoreChoice()
         self.verify_cores = SpareCoreChoice()  # the same for a plain round's verification
-        self._run_ids = itertools.count(1)
         self._stop = asyncio.Event()
         self.started = time.monotonic()
         self.started_wall = time.time()
@@ -158,7 +143,7 @@ class Service:
             if self.config.round_log:
                 self.round_log = RoundLog(self.config.round_log)
             self._load_chat_template()
-            await self._listen()
+            await self.http.listen(activated_sockets)
             self.notifier.status("loading the models")
             watchdog = asyncio.ensure_future(watchdog_loop(self.notifier, self._heartbeats_fresh))
             start = asyncio.ensure_future(self._load())
@@ -338,20 +323,22 @@ class Service:
             )
             self.reloading = True
         if not self.draining:
-            log.info("draining", signal=signal.Signals(signum).name, in_flight=self.in_flight)
+            in_flight = self.generations.in_flight
+            log.info("draining", signal=signal.Signals(signum).name, in_flight=in_flight)
             self.notifier.stopping()
         self.draining = True
         self._stop.set()
 
     async def _drain(self) -> None:
         try:
-            await asyncio.wait_for(self._idle.wait(), self.config.drain_timeout_s)
+            await asyncio.wait_for(self.generations.idle.wait(), self.config.drain_timeout_s)
         except TimeoutError:
-            log.warning("drain timed out; stopping with requests in flight", count=self.in_flight)
+            count = self.generations.in_flight
+            log.warning("drain timed out; stopping with requests in flight", count=count)
 
     async def _cleanup(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
+        if self.http.runner is not None:
+            await self.http.runner.cleanup()
         if self.pipeline is not None:
             await self.pipeline.stop()
         if self.supervisor is not None:
@@ -360,9 +347,9 @@ class Service:
             self.arena.close()
         if self.round_log is not None:
             self.round_log.close()
-        if self.own_socket is not None:
+        if self.http.own_socket is not None:
             with contextlib.suppress(FileNotFoundError):
-                self.own_socket.unlink()
+                self.http.own_socket.unlink()
         self.instance.release()
         log.info("stopped")
 
@@ -371,70 +358,6 @@ class Service:
         self.chat_template = load_chat_template(target.folder, target.gguf)
         if self.chat_template is None:
             log.warning("the target model has no chat template; /v1/chat/completions is off")
-
-    async def _listen(self) -> None:
-        app = web.Application(
-            middlewares=[json_errors, self._authorize], client_max_size=MAX_BODY_BYTES
-        )
-        app.add_routes([*native_routes(self), *OllamaApi(self).routes(), *openai_routes(self)])
-        app.on_response_prepare.append(self._count_response)
-        self.runner = GuardedRunner(
-            app,
-            max_connections=self.config.http_max_connections,
-            idle_timeout_s=self.config.http_idle_timeout_s,
-            on_refused=self._refused_connection,
-            handler_cancellation=True,
-            access_log=None,
-        )
-        await self.runner.setup()
-        passed = activated_sockets()
-        if passed:  # socket activation: systemd owns the socket file and its permissions
-            for listener in passed:
-                await web.SockSite(self.runner, listener).start()
-            log.info("listening on sockets passed by systemd", count=len(passed))
-        else:
-            path = Path(self.config.socket)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.instance.claim_socket(path)  # refuses while another daemon serves there
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()  # a stale socket of a dead instance; the lock says none is alive
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            listener.bind(str(path))
-            os.chmod(path, 0o660)  # before listening: never reachable with looser rights
-            listener.listen(128)
-            self.own_socket = path
-            await web.SockSite(self.runner, listener).start()
-        if self.config.tcp.listen:
-            host, _, port = self.config.tcp.listen.rpartition(":")
-            await web.TCPSite(self.runner, host.strip("[]") or None, int(port)).start()
-            log.info("listening on TCP (bearer token required)", address=self.config.tcp.listen)
-
-    @web.middleware
-    async def _authorize(self, request: web.Request, handler) -> web.StreamResponse:
-        """Requests over TCP must carry the configured bearer token; the Unix socket's file
-        permissions are its access control."""
-        peer = request.transport.get_extra_info("peername") if request.transport else None
-        if isinstance(peer, tuple):  # an IP peer: (host, port, ...)
-            token = self.config.tcp.token or ""
-            # as bytes, exactly as received: aiohttp decoded the header with surrogateescape,
-            # and a token from argv may hold surrogates too (then any byte compares)
-            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-            expected = f"Bearer {token}".encode("utf-8", "surrogateescape")
-            if not token or not hmac.compare_digest(given, expected):
-                raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer ...)")
-        return await handler(request)
-
-    def _refused_connection(self) -> None:
-        self.metrics.connections_refused.inc()
-        log.warning(
-            "too many open HTTP connections; refusing new ones",
-            limit=self.config.http_max_connections,
-        )
-
-    async def _count_response(self, request: web.Request, response: web.StreamResponse) -> None:
-        route = request.match_info.route.resource
-        endpoint = route.canonical if route is not None else "unmatched"
-        self.metrics.requests.labels(endpoint, str(response.status)).inc()
 
     # ------------------------------------------------------------ what endpoints use
 
@@ -482,323 +405,11 @@ class Service:
                 raise ApiError(503, f"the target model cannot be described: {error}") from None
         return self._facts[path]
 
-    def health(self) -> dict:
-        supervisor = self.supervisor
-        ready = self.ready()
-        workers = {}
-        if supervisor is not None:
-            for name, client in supervisor.workers.items():
-                workers[name] = {
-                    "pid": client.pid,
-                    "alive": client.alive,
-                    "restarts": supervisor.restarts[name],
-                    "device": client.ready.device if client.ready else None,
-                    "model": client.spec.model,
-                    "cores": list(client.spec.cores),
-                    "spare_cores": list(client.spec.spare_cores),
-                }
-        daemon = {"pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0))}
-        status = "ready" if ready else ("draining" if self.draining else "loading")
-        health = {"status": status, "version": __version__, "workers": workers, "daemon": daemon}
-        if self.pipeline is not None:
-            health["pipeline"] = self.pipeline.health()
-        return health
-
-    def props(self) -> dict:
-        """What serves here: models, placement, devices, the queue and the live gamma."""
-        health = self.health()
-        roles = self.supervisor.roles if self.supervisor else None
-        devices = {}
-        if roles is not None:
-            for role, name in (("target", roles.verifier), ("draft", roles.drafter)):
-                devices[role] = health["workers"].get(name, {}).get("device")
-            if self.pipeline is not None:  # the stages verify: no verifier worker
-                devices["target"] = "pipeline"
-        config = self.config
-        last = {
-            mode: controller.history[-1] if controller.history else None
-            for mode, controller in self.controllers.items()
-        }
-        return {
-            "version": __version__,
-            "status": health["status"],
-            "model": self.model_name,
-            "models": {
-                "target": {"folder": config.target.folder, "gguf": config.target.gguf},
-                "draft": msgspec.to_builtins(config.draft),  # None: no draft model
-            },
-            "placement": config.placement,
-            "devices": devices,
-            "gpu_runtime": msgspec.to_builtins(self.runtime_decision)
-            if self.runtime_decision
-            else None,
-            "drafter": msgspec.to_builtins(self.drafter) if self.drafter else None,
-            "pipeline": health.get("pipeline"),
-            "mode": config.mode,
-            "gamma": {
-                mode: {"gamma": d.gamma, "branches": d.branches, "overlap": d.overlap}
-                if d
-                else None
-                for mode, d in last.items()
-            },
-            "parallel_gamma": config.gamma,
-            "queue": {
-                "running": self.admission.running,
-                "waiting": self.admission.waiting,
-                "capacity": self.admission.capacity,
-                "refused": self.admission.refused,
-            },
-            "chat_template": self.chat_template is not None,
-            "uptime_s": round(time.monotonic() - self.started, 1),
-            "workers": health["workers"],
-            # the verifier on the drafter's cores too, per token alone and per node verified
-            "spare_cores": {
-                "alone": self.spare_cores.snapshot(),
-                "verify": self.verify_cores.snapshot(),
-            },
-        }
-
-    def refresh_gauges(self) -> None:
-        self.metrics.queue_waiting.set(self.admission.waiting)
-        self.metrics.queue_refused.set(self.admission.refused)
-        if self.supervisor is not None:
-            for name, count in self.supervisor.restarts.items():
-                self.metrics.worker_restarts.labels(name).set(count)
-                client = self.supervisor.workers.get(name)
-                self.metrics.worker_up.labels(name).set(int(bool(client and client.alive)))
-
-    @contextlib.asynccontextmanager
-    async def generation(self, body: GenerateRequest) -> AsyncIterator[Run]:
+    def generation(self, body: GenerateRequest) -> AbstractAsyncContextManager[Run]:
         """A turn to generate: waits in the queue, then yields the run (its pieces are
-        produced as the caller iterates). Client errors are ``ApiError``s."""
-        if self.draining:
-            raise ApiError(503, "hetspecd is shutting down", retry_after_s=5)
-        try:
-            mode = body.resolve_mode(self.config.mode)
-        except ValueError as error:
-            raise ApiError(400, f"invalid request: {error}") from None
-        gamma = body.gamma or (self.config.gamma if mode == "parallel" else None)
-        if self.config.draft is None and (gamma or mode in ("sequential", "parallel")):
-            raise ApiError(
-                400,
-                f"mode {mode} with a draft length needs a draft model, and hetspecd serves "
-                "its target without one: use mode adaptive (drafts from the text itself) "
-                "or autoregressive",
-            )
-        if gamma and gamma * (body.branches or 1) + 1 > self.config.max_tree_nodes:
-            raise ApiError(
-                400,
-                f"gamma x branches + 1 = {gamma * (body.branches or 1) + 1} "
-                f"exceeds max_tree_nodes ({self.config.max_tree_nodes})",
-            )
-        if self.supervisor is None or not self.supervisor.workers:
-            raise ApiError(503, "the workers are still loading", retry_after_s=5)
-        self.in_flight += 1
-        self._idle.clear()
-        try:
-            async with self.admission.turn() as waited_s:
-                self.metrics.queue_wait.observe(waited_s)
-                async with self._start(body, mode, gamma, waited_s) as run:
-                    yield run
-        except QueueFull as error:
-            raise ApiError(429, str(error), retry_after_s=error.retry_after_s) from None
-        finally:
-            self.in_flight -= 1
-            if not self.in_flight:
-                self._idle.set()
-
-    @contextlib.asynccontextmanager
-    async def _start(
-        self, body: GenerateRequest, mode: str, gamma: int | None, waited_s: float
-    ) -> AsyncIterator[Run]:
-        if self.pipeline is not None:
-            async with self._start_pipeline(body, mode, waited_s) as run:
-                yield run
-            return
-        try:
-            verifier, drafter = await self._workers()
-        except WorkerUnavailable as error:
-            raise ApiError(503, str(error), retry_after_s=5) from None
-        run_id = f"{int(self.started_wall):x}-{next(self._run_ids)}"
-        devices = {"target": verifier.ready.device}
-        if drafter is not None:
-            devices["draft"] = drafter.ready.device
-        # a slot comes back once no call of this run may still write it (cancelled ones too)
-        settled = self.supervisor.settled
-        head = drafter is not None and drafter.spec.runtime == "head"  # reads the features
-        async with (
-            self.slots.lease(run_id, settled) as draft_slot,
-            self.slots.lease(run_id, settled) as verify_slot,
-            self.slots.lease(run_id, settled) if head else _no_slot() as feature_slot,
-        ):
-            result = GenerationResult()
-            stats, controller = SpeculativeStats(), self.controllers.get(mode)
-            fixed = None  # the request's gamma fixes every round's plan
-            if gamma:
-                overlap = mode != "sequential"
-                branches = body.branches or (controller.limits.max_branches if body.dynamic else 1)
-                if self.chains_only:  # see _load: one branch keeps the target's own output
-                    branches = 1
-                fixed = Plan(gamma, 1 if overlap else branches, overlap, body.dynamic)
-
-            def pieces(verifier: WorkerClient, drafter: WorkerClient) -> AsyncIterator[str]:
-                if mode == "autoregressive":
-                    return generate(
-                        body, verifier, draft_slot, result, arena=self.arena, cores=self.spare_cores
-                    )
-                pair = WorkerPair(
-                    drafter,
-                    verifier,
-                    self.arena,
-                    draft_slot,
-                    verify_slot,
-                    self.spare_cores,
-                    self.verify_cores,
-                    feature_slot,
-                )
-                log = self.round_log and functools.partial(self.round_log.write, run_id, mode)
-                lookup = self.lookup_source() if mode == "adaptive" else None
-                decoder = Decoder(body, pair, controller, stats, plan=fixed, log=log, lookup=lookup)
-                return decoder.stream(result)
-
-            def reset() -> None:  # for a start over: what the first attempt counted goes
-                started = result.started  # (the time to the first token counts the wait)
-                result.__init__()
-                result.started = started
-                stats.__init__()
-
-            speculative = (stats, controller) if mode != "autoregressive" else (None, None)
-            again = self._again_if_died(pieces, verifier, drafter, reset, whole=not body.stream)
-            run = Run(
-                run_id,
-                mode,
-                again,
-                result,
-                devices,
-                waited_s * 1000,
-                *speculative,
-                token_bytes=verifier.ready.token_bytes,
-            )
-            async with self._counted(run):
-                yield run
-
-    async def _workers(self) -> tuple[WorkerClient, WorkerClient | None]:
-        """The live verifier and drafter (None: no draft model), waiting for a restarting
-        one up to ``restart_wait_s`` (``WorkerUnavailable``)."""
-        roles, wait_s = self.supervisor.roles, self.config.restart_wait_s
-        verifier = await self.supervisor.worker(roles.verifier, wait_s)
-        if self.config.draft is None:
-            return verifier, None
-        return verifier, await self.supervisor.worker(roles.drafter, wait_s)
-
-    @contextlib.asynccontextmanager
-    async def _counted(self, run: Run) -> AsyncIterator[Run]:
-        """Yield ``run``; however it ends, stop its decoding and count it in the metrics."""
-        result = run.result
-        try:
-            yield run
-        except (asyncio.CancelledError, ConnectionError):  # the client left (or we stop)
-            result.done_reason = "cancelled"
-            raise
-        except Exception:  # answered as an error (collect); stream() already says so
-            result.done_reason = "error"
-            raise
-        finally:
-            await run.pieces.aclose()  # a stream left early: stop its decoding now
-            if result.tokens or result.prompt_tokens:
-                self.metrics.observe_generation(
-                    mode=run.mode,
-                    reason=result.done_reason,
-                    prompt_tokens=result.prompt_tokens,
-                    tokens=len(result.tokens),
-                    ttft_ms=result.ttft_ms,
-                    decode_ms=result.decode_ms,
-                    speculative=run.speculative(),
-                )
-
-    @contextlib.asynccontextmanager
-    async def _start_pipeline(
-        self, body: GenerateRequest, mode: str, waited_s: float
-    ) -> AsyncIterator[Run]:
-        """A run decoded through the pipeline's stages: FlowSpec's schedule in every
-        speculative mode, the plain pipeline in autoregressive mode."""
-        if body.logprobs is not None:
-            raise ApiError(400, "logprobs are not available through the pipeline")
-        try:
-            drafter = await self.supervisor.worker(
-                self.supervisor.roles.drafter, self.config.restart_wait_s
-            )
-        except WorkerUnavailable as error:
-            raise ApiError(503, str(error), retry_after_s=5) from None
-        run_id = f"{int(self.started_wall):x}-{next(self._run_ids)}"
-        devices = {"target": "pipeline", "draft": drafter.ready.device}
-        async with self.slots.lease(run_id, self.supervisor.settled) as slot:
-            result = GenerationResult()
-            pieces = self.pipeline.generate(
-                body,
-                drafter,
-                result,
-                arena=self.arena,
-                slot=slot,
-                speculative=mode != "autoregressive",
-            )
-            run = Run(
-                run_id,
-                mode,
-                pieces,
-                result,
-                devices,
-                waited_s * 1000,
-                token_bytes=drafter.ready.token_bytes,
-            )
-            async with self._counted(run):
-                yield run
-
-    async def _again_if_died(
-        self, pieces, verifier: WorkerClient, drafter: WorkerClient, reset, *, whole: bool
-    ) -> AsyncIterator[str]:
-        """``pieces(verifier, drafter)``, started over once (after ``reset()``) with the
-        restarted workers when a worker dies before anything reached the client: before the
-        first piece, or for a ``whole`` (not streamed) request before the last. That is a
-        worker killed just before the request came, its death noticed only during it."""
-        stream = pieces(verifier, drafter)
-        for retry in (True, False):
-            try:
-                if whole:  # the client gets nothing before the end anyway
-                    held = [piece async for piece in stream]
-                else:
-                    held = [piece async for piece in _first(stream)]
-            except WorkerDied as error:
-                if not retry:
-                    raise
-                reason = str(error)
-            else:
-                workers = [c for c in (verifier, drafter) if c is not None]
-                dead = [] if whole else [c for c in workers if c.died.done()]
-                if not (retry and dead):
-                    break
-                reason = f"the {dead[0].spec.name} worker {dead[0].died.result()}"
-            await stream.aclose()
-            log.info(
-                "a worker died before the request answered anything; starting over", reason=reason
-            )
-            reset()
-            verifier, drafter = await self._workers()
-            stream = pieces(verifier, drafter)
-        try:
-            for piece in held:
-                yield piece
-            async for piece in stream:
-                yield piece
-        finally:
-            await stream.aclose()
-
-
-async def _first(stream: AsyncIterator[str]) -> AsyncIterator[str]:
-    """The first piece of ``stream`` (none if it is empty), leaving the rest in it."""
-    async for piece in stream:
-        yield piece
-        return
+        produced as the caller iterates). Client errors are ``ApiError``s. See
+        ``api.generations``."""
+        return self.generations.generation(body)
 
 
 def _model_name(target: ModelPaths) -> str:
@@ -808,9 +419,3 @@ def _model_name(target: ModelPaths) -> str:
         return Path(target.gguf).stem
     path = Path(target.folder).resolve()
     return "hetspec-demo" if path == (BUNDLED_MODELS / "target").resolve() else path.name
-
-
-@contextlib.asynccontextmanager
-async def _no_slot() -> AsyncIterator[int]:
-    """The feature slot of a pair whose drafter reads no features: none (-1)."""
-    yield -1
