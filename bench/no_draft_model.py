@@ -258,7 +258,9 @@ def measure(systems: dict, client: Client, repeats: int, max_tokens: int, say) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hetspec.bench.no_draft_model", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m hetspec.bench.no_draft_model", description=__doc__
+    )
     parser.add_argument("--target", default="smollm2", help='"smollm2", "bundled" or a GGUF')
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=192)
