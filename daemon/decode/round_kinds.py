@@ -228,8 +228,8 @@ async def alone_round(ctx: RoundContext, schedule: Scheduler, remaining: int) ->
     ctx.drafter.unseen += emitted
     # Not what decoding alone costs: the first round without a draft (a transition: it
     # evaluates the last round's bonus and moves the target onto the spare cores), a trial of
-    # the core choice not preferred, a round beside a drafter at work (design-notes: "one
-    # sample priced the target alone 1.4x too dear").
+    # the core choice not preferred, a round beside a drafter at work (design-notes: "A trial
+    # of the other core choice does not price the target alone").
     compute_s = decode.reply.elapsed_ms / 1000 / len(tokens)
     period_s = time.perf_counter() - ctx.settled_at
     round_s = period_s / len(tokens) if ctx.alone_streak else None
