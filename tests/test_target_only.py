@@ -66,5 +66,20 @@ def test_the_configuration_models_check_prints_for_a_target_alone_serves_it(tmp_
         assert "needs a draft model" in refused["error"]
         status, refused = generate(daemon, "adaptive", gamma=4)
         assert status == 400
+        # bad input for the model-free drafter: served, with the target's own tokens
+        for prompt in ("x", "the " * 600):  # one token; one token repeated hundreds of times
+            body = native(prompt, max_tokens=48, temperature=0.0, mode="autoregressive")
+            status, alone = request(daemon.socket, "POST", "/api/generate", body)
+            assert status == 200, alone
+            body["mode"] = "adaptive"
+            status, adaptive = request(daemon.socket, "POST", "/api/generate", body)
+            assert status == 200, adaptive
+            assert adaptive["tokens"] == alone["tokens"]
+        # the context full to its last slot: the rounds shrink to fit, nothing is lost
+        body = native("the " * 900, max_tokens=-1, temperature=0.0, mode="adaptive")
+        status, full = request(daemon.socket, "POST", "/api/generate", body)
+        assert status == 200, full
+        assert full["done_reason"] in ("length", "stop")
+        assert full["prompt_eval_count"] + full["eval_count"] <= 1024
     finally:
         assert daemon.stop() == 0
