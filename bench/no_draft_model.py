@@ -31,7 +31,7 @@ from hetspec.bench.llama_server import (
     find_llama_server,
     timing_of,
 )
-from hetspec.bench.targets import BUNDLED_TARGET, ModelFiles, smollm2_files
+from hetspec.bench.targets import BUNDLED_DRAFT, BUNDLED_TARGET, ModelFiles, smollm2_files
 from hetspec.client.clients import Client
 from hetspec.client.daemon_process import DaemonProcess
 from hetspec.models.corpus import FORGET_PROMPT
@@ -203,7 +203,7 @@ def table(rows: list[Row], reference: str) -> list[str]:
         alone = max(v for k, v in rates.items() if "alone" in k or "autoregressive" in k)
         peers = [v for k, v in rates.items() if "ngram" in k]
         for system, rate in rates.items():
-            if system.startswith("hetspec adaptive"):
+            if system.startswith("hetspec adaptive"):  # also "... on llama.cpp"
                 text = f"\n{system}: {rate / alone:.2f}x the fastest target alone"
                 if peers:
                     text += f", {rate / max(peers):.2f}x llama-server's best n-gram speculation"
@@ -234,13 +234,19 @@ def tune_peers(binary: Path, target: ModelFiles, max_tokens: int, say) -> dict:
     return tuned
 
 
-def measure(systems: dict, client: Client, repeats: int, max_tokens: int, say) -> list[Row]:
-    """Every prompt ``repeats`` times in every system, interleaved, the order rotating."""
+def hetspecd_process(command: list[str]) -> DaemonProcess:
+    run = Path(tempfile.mkdtemp(prefix="hetspec-bench-no-draft-"))
+    return DaemonProcess(run, *command, log=run / "hetspecd.log")
+
+
+def measure(systems: dict, repeats: int, max_tokens: int, say) -> list[Row]:
+    """Every prompt ``repeats`` times in every system (a ``Peer``, or a daemon's client and
+    mode), interleaved, the order rotating."""
     for system in systems.values():  # warm up every system once
         if isinstance(system, Peer):
             system.run(SWEEP_PROMPT, 8)
         else:
-            hetspec_row(client, system, SWEEP_PROMPT, 8)
+            hetspec_row(*system, SWEEP_PROMPT, 8)
     names, rows = list(systems), []
     for repeat in range(repeats):
         for kind, prompts in PROMPTS.items():
@@ -251,10 +257,30 @@ def measure(systems: dict, client: Client, repeats: int, max_tokens: int, say) -
                     if isinstance(system, Peer):
                         figures = system.run(prompt, max_tokens)
                     else:
-                        figures = hetspec_row(client, system, prompt, max_tokens)
+                        figures = hetspec_row(*system, prompt, max_tokens)
                     rows.append(Row(name, kind, index, *figures))
         say(f"pass {repeat + 1}/{repeats} done")
     return rows
+
+
+def hetspec_daemons(target: ModelFiles, spec: str, *, with_draft: bool) -> dict:
+    """hetspecd on the target alone (the runtime chosen at load; llama.cpp's, the peer's own
+    kernels), and with ``with_draft`` on the pair with the target's draft model, with and
+    without model-free drafts; by row suffix."""
+    settings = {"target.gguf": str(target.gguf), "target.folder": target.folder_setting}
+    command = [i for k, v in settings.items() for i in ("--set", f"{k}={json.dumps(v)}")]
+    daemons = {
+        "": hetspecd_process(command),
+        " on llama.cpp": hetspecd_process([*command, "--set", 'gpu_runtime="llama.cpp"']),
+    }
+    if with_draft:
+        draft = smollm2_files("smollm2", None)[2] if spec == "smollm2" else BUNDLED_DRAFT
+        paired = [*command, "--set", f"draft.gguf={json.dumps(str(draft.gguf))}"]
+        paired += ["--set", f"draft.folder={json.dumps(draft.folder_setting)}"]
+        daemons[" with the draft model"] = hetspecd_process(paired)
+        off = [*paired, "--set", 'model_free_draft="off"']
+        daemons[" with the draft model, no model-free drafts"] = hetspecd_process(off)
+    return daemons
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,6 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--json", type=Path, help="write every request's figures here")
+    parser.add_argument(
+        "--with-draft",
+        action="store_true",
+        help="also hetspecd with the target's draft model (SmolLM2's: the one hetspec trains), "
+        "its adaptive mode with and without model-free drafts",
+    )
     args = parser.parse_args(argv)
 
     def say(line: str) -> None:
@@ -275,24 +307,22 @@ def main(argv: list[str] | None = None) -> int:
         say(note)
     binary = find_llama_server(True, progress=sys.stderr)
     tuned = tune_peers(binary, target, args.max_tokens, say)
-    run = Path(tempfile.mkdtemp(prefix="hetspec-bench-model-free-"))
-    settings = {"target.gguf": str(target.gguf), "target.folder": target.folder_setting}
-    command = [i for k, v in settings.items() for i in ("--set", f"{k}={json.dumps(v)}")]
-    hetspecd = DaemonProcess(run, *command, log=run / "hetspecd.log")
+    daemons = hetspec_daemons(target, args.target, with_draft=args.with_draft)
     servers = {name: LlamaServer(binary, config) for name, config in tuned.items()}
     try:
-        hetspecd.wait_ready(900)
-        systems = {
-            **{name: Peer(name, server) for name, server in servers.items()},
-            "hetspec autoregressive": "autoregressive",
-            "hetspec adaptive (model-free drafts)": "adaptive",
-        }
-        client = Client(f"unix://{hetspecd.socket}")
-        rows = measure(systems, client, args.repeats, args.max_tokens, say)
+        systems: dict = {name: Peer(name, server) for name, server in servers.items()}
+        for suffix, hetspecd in daemons.items():
+            hetspecd.wait_ready(900)
+            client = Client(f"unix://{hetspecd.socket}")
+            if "draft model" not in suffix:  # the same target alone as the row above
+                systems[f"hetspec autoregressive{suffix}"] = (client, "autoregressive")
+            systems[f"hetspec adaptive{suffix}"] = (client, "adaptive")
+        rows = measure(systems, args.repeats, args.max_tokens, say)
     finally:
         for server in servers.values():
             server.close()
-        hetspecd.stop()
+        for hetspecd in daemons.values():
+            hetspecd.stop()
     stamp = time.strftime("%Y-%m-%d %H:%M")
     print(f"# Drafting without a draft model: {target.gguf.name} ({stamp})\n")
     print(f"{args.repeats} passes, greedy, at most {args.max_tokens} tokens (each stops at the")
@@ -300,6 +330,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, config in tuned.items():
         print(f"- {name}: flash attention {config.flash_attention} {' '.join(config.spec_args)}")
     print("\n".join(table(rows, "llama-server alone")))
+    for system in sorted({r.system for r in rows if r.system.startswith("hetspec adaptive")}):
+        own = system.replace("adaptive", "autoregressive")
+        alone = {(r.kind, r.prompt): r.tokens for r in rows if r.system == own}
+        if not alone:  # with the draft model: its verifier's runtime has no row of its own
+            continue
+        mine = [r for r in rows if r.system == system]
+        same = sum(r.tokens == alone[r.kind, r.prompt] for r in mine)
+        print(f"\n{system}: tokens = {own}'s in {same}/{len(mine)} requests")
     if args.json:
         args.json.write_text(json.dumps([r.__dict__ | {"tps": r.tokens_per_s} for r in rows]))
     return 0
