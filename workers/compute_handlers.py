@@ -24,7 +24,7 @@ from hetspec.speculative.verify.samplers import DrawnSampler, KeyedSampler, Samp
 from hetspec.speculative.verify.verdicts import RowsOnDemand, Verdict, verify_sampled
 from hetspec.workers.runtimes.loading import LoadError
 from hetspec.workers.runtimes.spare_cores import SpareCores
-from hetspec.workers.runtimes.tree_runtime import RuntimeUsageError
+from hetspec.workers.runtimes.tree_runtime import RuntimeUsageError, TreeDraftResult
 
 
 class ComputeHandlers:
@@ -121,40 +121,30 @@ class ComputeHandlers:
         first = self._catch_up(engine, command, frames, one_chain)
         append_ms = (time.perf_counter() - start) * 1000
         forwards = engine.forwards
-        match shape:
-            case m.DynamicTree(depth, top_k, size, first_accept):
-                tree = engine.draft_tree(
-                    depth, top_k, size, command.sampling, self.sampler, first_accept=first_accept
-                )
-                probs = m.ArrayRef("<f4", (1, 0, engine.vocab_size), slot=command.out)
-                reply = m.Drafted(
-                    command.request,
-                    [tree.tokens.tolist()],
-                    [tree.nodes.tolist()],
-                    probs,
-                    (time.perf_counter() - start) * 1000,
-                    append_ms,
-                    engine.forwards - forwards,
-                    parents=tree.parents.tolist(),
-                    acceptance=tree.acceptance.tolist(),
-                )
-                return reply, ()
-            case m.Chains(steps, branches):
-                out = self._slot(command.out, (branches, steps, engine.vocab_size))
-                result = engine.draft(
-                    steps, command.sampling, self.sampler, branches=branches, out=out, first=first
-                )
-            case m.RunAhead(node, token, steps):
-                out = self._slot(command.out, (1, steps, engine.vocab_size))
-                after = (node, token)
-                result = engine.draft(steps, command.sampling, self.sampler, out=out, after=after)
-            case m.RuleBranches(budget, most, scale):
-                # the rule's shape is known once drafted: its rows are copied to the slot then
-                result = engine.draft(
-                    budget, command.sampling, self.sampler, branches=most, dynamic=scale
-                )
-                out = self._slot(command.out, result.probs.shape)
-                np.copyto(out, result.probs)
+        result = engine.draft_shape(
+            shape,
+            command.sampling,
+            self.sampler,
+            rows=lambda rows: self._slot(command.out, rows),
+            first=first,
+        )
+        if isinstance(result, TreeDraftResult):
+            probs = m.ArrayRef("<f4", (1, 0, engine.vocab_size), slot=command.out)
+            reply = m.Drafted(
+                command.request,
+                [result.tokens.tolist()],
+                [result.nodes.tolist()],
+                probs,
+                (time.perf_counter() - start) * 1000,
+                append_ms,
+                engine.forwards - forwards,
+                parents=result.parents.tolist(),
+                acceptance=result.acceptance.tolist(),
+            )
+            return reply, ()
+        out = self._slot(command.out, result.probs.shape)
+        if isinstance(shape, m.RuleBranches):  # its rows are the result's own: copied here
+            np.copyto(out, result.probs)
         probs = m.ArrayRef(out.dtype.str, out.shape, slot=command.out)
         elapsed = (time.perf_counter() - start) * 1000
         reply = m.Drafted(

@@ -18,10 +18,12 @@ are importable from here, as before the split.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from hetspec.protocol import worker_messages as m
 from hetspec.protocol.sampling import TokenLogprob
 from hetspec.speculative.drafting.branching import branch_length, uncertainty_branches
 from hetspec.speculative.drafting.dynamic_tree import child_scores, rank_nodes, within_leaves
@@ -164,6 +166,36 @@ class TreeRuntime(OneCallDrafts[Output]):
             distribution(self._step_logits(output), params, out=out[:, step])
             tokens[:, step] = pick(out[:, step], params, sampler, position + step)
         return result
+
+    def draft_shape(
+        self,
+        shape: m.DraftShape,
+        params: SamplingParams,
+        sampler: Sampler,
+        *,
+        rows: Callable[[tuple[int, ...]], np.ndarray] | None = None,
+        first: int | None = None,
+    ) -> DraftResult | TreeDraftResult:
+        """Draft one of the four shapes a ``Draft`` command carries (``draft`` or
+        ``draft_tree`` underneath). ``rows(shape)``: the array the probability rows go to (a
+        shared-memory slot), where the shape fixes them before drafting; a rule's shape is
+        known only once drafted (its rows are the result's own). ``first``: as ``draft``'s,
+        for a chain."""
+        out = None
+        match shape:
+            case m.DynamicTree(depth, top_k, size, first_accept):
+                return self.draft_tree(
+                    depth, top_k, size, params, sampler, first_accept=first_accept
+                )
+            case m.Chains(steps, branches):
+                out = rows((branches, steps, self.vocab_size)) if rows else None
+                return self.draft(steps, params, sampler, branches=branches, out=out, first=first)
+            case m.RunAhead(node, token, steps):
+                out = rows((1, steps, self.vocab_size)) if rows else None
+                return self.draft(steps, params, sampler, out=out, after=(node, token))
+            case m.RuleBranches(budget, most, scale):
+                return self.draft(budget, params, sampler, branches=most, dynamic=scale)
+        raise RuntimeUsageError(f"not a draft shape: {shape!r}")
 
     def draft_tree(
         self,
