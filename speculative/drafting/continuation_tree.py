@@ -17,41 +17,16 @@ the root down.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from hetspec.speculative.drafting.model_free import Child, TreeProposal, ranked_tree
-from hetspec.speculative.drafting.occurrences import OccurrenceIndex
+from hetspec.speculative.drafting.occurrences import OccurrenceDrafter
 
 
-class ContinuationTree:
+class ContinuationTree(OccurrenceDrafter):
     """A ``ModelFreeDrafter`` proposing the merged continuations of the recent occurrences of
     the text's longest matching ending."""
 
-    def __init__(
-        self,
-        *,
-        max_order: int = 4,
-        min_order: int = 1,
-        max_depth: int = 32,
-        occurrences: int = 16,
-        prior: float = 0.5,
-        max_contexts: int = 1 << 18,
-    ) -> None:
-        if not 1 <= min_order <= max_order:
-            raise ValueError(f"need 1 <= min_order <= max_order, not {min_order}, {max_order}")
-        if max_depth < 1 or occurrences < 1 or prior <= 0:
-            raise ValueError("max_depth and occurrences must be at least 1, prior above 0")
-        self.index = OccurrenceIndex(max_order, max_contexts)
-        self.min_order = min_order
-        self.max_depth = max_depth
-        self.occurrences = occurrences
-        self.prior = prior
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def extend(self, tokens: Iterable[int]) -> None:
-        self.index.extend(tokens)
+    def __init__(self, *, min_order: int = 1, **settings) -> None:
+        super().__init__(min_order=min_order, **settings)
 
     def propose(self, max_tokens: int) -> list[int]:
         chain: list[int] = []

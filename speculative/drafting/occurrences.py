@@ -88,3 +88,37 @@ class OccurrenceIndex:
             found.append(position)
             position = chain[position]
         return found
+
+
+class OccurrenceDrafter:
+    """What the drafters over an ``OccurrenceIndex`` share: the index of the text's contexts
+    of up to ``max_order`` tokens (at most ``max_contexts``), the shortest ending matched
+    (``min_order``), the deepest proposal (``max_depth``), the occurrences read
+    (``occurrences``) and the pseudo-count that keeps one sighting from reading as certainty
+    (``prior``); ``extend`` feeds the index."""
+
+    def __init__(
+        self,
+        *,
+        max_order: int = 4,
+        min_order: int = 1,
+        max_depth: int = 32,
+        occurrences: int = 16,
+        prior: float = 0.5,
+        max_contexts: int = 1 << 18,
+    ) -> None:
+        if not 1 <= min_order <= max_order:
+            raise ValueError(f"need 1 <= min_order <= max_order, not {min_order}, {max_order}")
+        if max_depth < 1 or occurrences < 1 or prior <= 0:
+            raise ValueError("max_depth and occurrences must be at least 1, prior above 0")
+        self.index = OccurrenceIndex(max_order, max_contexts)
+        self.min_order = min_order
+        self.max_depth = max_depth
+        self.occurrences = occurrences
+        self.prior = prior
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        self.index.extend(tokens)
