@@ -75,6 +75,7 @@ class Scheduler:
         # rounds since the last model-free draft's: the target alone decodes longer calls
         # as they grow (a lookup is weighed only between calls)
         self.rounds_without_lookup = 0
+        self._proposed: tuple[tuple[int, int], TreeProposal] | None = None  # _proposal's
 
     # ------------------------------------------------------------ plans
 
@@ -115,7 +116,7 @@ class Scheduler:
         nodes = min(ctx.controller.limits.max_width - 1, remaining - 1)
         if ctx.lookup is None or nodes < 1:
             return None
-        proposal = ctx.lookup.propose_tree(nodes, ctx.lookup_children)
+        proposal = self._proposal(nodes)
         width, tokens, seconds = ctx.controller.lookup_price(proposal.acceptance, rival)
         if width == 0:
             return None
@@ -125,6 +126,14 @@ class Scheduler:
             _depth(proposal.parents), 1 if chain else 2, expected_tokens=tokens, round_s=seconds
         )
         return LookupOffer(proposal, plan)
+
+    def _proposal(self, nodes: int) -> TreeProposal:
+        """The model-free drafter's proposal of ``nodes`` nodes, made once for the text as it
+        stands (a round asks whether to post, to wake the drafter and what to run next)."""
+        key = (len(self.ctx.lookup), nodes)
+        if self._proposed is None or self._proposed[0] != key:
+            self._proposed = key, self.ctx.lookup.propose_tree(nodes, self.ctx.lookup_children)
+        return self._proposed[1]
 
     def drafter_idle(self) -> bool:
         """Whether the drafter computes nothing: no prefill, no draft sent for a plan that

@@ -410,7 +410,7 @@ class Estimates:
         branches = range(1, self.config.max_branches + 1)
         reach = _reach_rows([0.0] + [self.acceptance(1, b) for b in branches], deeper)
         reach[0] = 0.0  # unused: no round drafts zero branches
-        overhead = self._overhead.value or 0.0
+        overhead = self.overhead_s()
         alone = self.alone_s()
         shares = ()
         if rule:
