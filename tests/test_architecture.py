@@ -60,6 +60,7 @@ SUBPACKAGES = {
         "drafting": {"verify"},
         "control": {"drafting", "verify"},
         "flow": {"verify"},
+        "constrain": {"verify"},
     },
     "workers": {
         "runtimes": set(),

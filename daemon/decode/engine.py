@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from hetspec.daemon.decode.autoregressive import first_token
+from hetspec.daemon.decode.prompt_input import prompt_ids, record_prompt, wanted_prompt_logprobs
 from hetspec.daemon.decode.requests import (
     GenerateRequest,
     GenerationResult,
@@ -24,6 +25,7 @@ from hetspec.daemon.decode.requests import (
 from hetspec.daemon.decode.round_context import Emitted, RoundContext, RoundKind
 from hetspec.daemon.decode.round_kinds import (
     alone_round,
+    grammar_round,
     lookup_round,
     overlapped_round,
     plain_round,
@@ -35,6 +37,7 @@ from hetspec.daemon.decode.scheduler import Scheduler
 from hetspec.daemon.decode.text_output import TextOutput
 from hetspec.protocol import frame_array
 from hetspec.protocol import worker_messages as m
+from hetspec.speculative.constrain.constraint import Constraint
 from hetspec.speculative.control.budget import BudgetController
 from hetspec.speculative.control.rounds import Plan, RoundReport
 from hetspec.speculative.drafting.model_free import ModelFreeDrafter
@@ -75,6 +78,7 @@ class Decoder:
         plan: Plan | None = None,
         log: RoundSink | None = None,
         lookup: LookupSource | None = None,
+        constraint: Constraint | None = None,
     ) -> None:
         if pair.drafter is None and plan is not None and plan.gamma > 0:
             raise ValueError(f"a draft of {plan.gamma} tokens a round needs a draft model")
@@ -83,6 +87,7 @@ class Decoder:
         # model-free drafts, weighed against the controller's plans (not a request's own)
         self.lookup = lookup if plan is None else None
         self.log = log  # each round's plan and report, where a round log is kept
+        self.constraint = constraint  # the request's grammar, fresh (nothing consumed)
         self.ctx: RoundContext | None = None  # once the prompt is tokenized
         self.schedule: Scheduler | None = None
         self.max_tokens = 0
@@ -95,6 +100,8 @@ class Decoder:
             if self.ctx is not None:
                 self.ctx.drafter.close()
             raise
+        if self.max_tokens == 0:  # the prompt's prefill alone (an echo)
+            outcome = Emitted([], False)
         ctx = self.ctx
         decode_start = ctx.settled_at = time.perf_counter()
         ready = self.pair.verifier.ready
@@ -110,6 +117,8 @@ class Decoder:
                 if any(pieces):
                     yield "".join(pieces)
                 if outcome.stopped or output.stopped:
+                    if not output.stopped and outcome.logprobs:  # the end token's: reported
+                        result.logprobs += outcome.logprobs[len(outcome.tokens) :]
                     result.done_reason = "stop"
                     break
                 if len(result.tokens) >= self.max_tokens:
@@ -131,11 +140,7 @@ class Decoder:
         context = verifier.ready.context
         if pair.drafter is not None:
             context = min(pair.drafter.ready.context, context)
-        verifier.prompt_bound.check(request.prompt, context)
-        tokenized, _ = await verifier.call(
-            m.Tokenize(request=verifier.next_request(), text=request.prompt)
-        )
-        prompt = tokenized.tokens
+        prompt = await prompt_ids(request, verifier, context)
         room = self.controller.limits.max_width + 1
         self.max_tokens = token_budget(request, len(prompt), context, room)
         # Seeded: keyed choices, the same noise as both workers'. Unseeded: speculative
@@ -151,6 +156,7 @@ class Decoder:
             VerifierSide(pair),
             NoDrafter() if pair.drafter is None else DrafterSide(pair, prompt, request.seed),
             fixed=self.fixed,
+            constraint=self.constraint,
         )
         if self.lookup is not None:
             ctx.lookup, ctx.lookup_children = self.lookup.drafter(), self.lookup.children
@@ -174,8 +180,10 @@ class Decoder:
                 seed=request.seed,
                 spare_cores=spare_cores,
                 report_features=pair.head,
+                prompt_logprobs=wanted_prompt_logprobs(request),
             )
         )
+        record_prompt(result, prompt, prefilled)
         if pair.head and prefilled.features is not None:
             rows = frame_array(prefilled.features, frames).copy()
             ctx.drafter.prompt_features = (prefilled.features_start, rows)
@@ -184,14 +192,16 @@ class Decoder:
         result.prompt_tokens = len(prompt)
         result.prompt_ms = (time.perf_counter() - started) * 1000
         logits = pair.arena.view(prefilled.logits)
+        if ctx.constraint is not None:  # the first token is chosen under the grammar too
+            logits = ctx.constraint.masked(logits[0])[None, :]
         ctx.position = len(prompt) + 1
         first = first_token(logits, ctx.params, ctx.sampler, len(prompt))
         ctx.verifier.bonus, ctx.drafter.unseen = first, [first]
         ctx.emitted([first])
-        if first in ctx.ends:
-            return Emitted([], True)
         top = request.logprobs
         logprob = None if top is None else [token_logprob(logits[0], first, top)]
+        if first in ctx.ends:  # reported, not emitted: a scorer reads the answer's first row
+            return Emitted([], True, logprob)
         return Emitted([first], False, logprob)
 
     async def round(self, remaining: int) -> Emitted:
@@ -206,6 +216,8 @@ class Decoder:
             emitted, report = await alone_round(ctx, schedule, remaining)
         elif kind is RoundKind.LOOKUP:
             emitted, report = await lookup_round(ctx, schedule, proposal, remaining)
+        elif kind is RoundKind.GRAMMAR:
+            emitted, report = await grammar_round(ctx, schedule, proposal, remaining)
         elif kind is RoundKind.OVERLAPPED:
             emitted, report = await overlapped_round(ctx, schedule, plan, remaining)
         elif kind is RoundKind.TREE:
@@ -217,7 +229,8 @@ class Decoder:
         self.controller.observe(report)
         self.stats.count(report)
         if self.log is not None:  # the plan as chosen, with what the controller expected
-            own = kind is RoundKind.LOOKUP or self.pair.drafter is None  # no plan committed
+            # no plan committed
+            own = kind in (RoundKind.LOOKUP, RoundKind.GRAMMAR) or self.pair.drafter is None
             chosen = plan if own else self.fixed or self.controller.history[-1]
             seconds = ctx.settled_at - began
             self.log(chosen, report, seconds=seconds, emitted=len(emitted.tokens))

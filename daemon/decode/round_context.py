@@ -16,6 +16,7 @@ from hetspec.daemon.decode.verdict_site import Judged, VerdictSite, judge, verdi
 from hetspec.protocol import TokenLogprob
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.sampling import SamplingParams
+from hetspec.speculative.constrain.constraint import Constraint
 from hetspec.speculative.control.budget import BudgetController
 from hetspec.speculative.control.rounds import Plan
 from hetspec.speculative.drafting.model_free import ModelFreeDrafter
@@ -30,6 +31,8 @@ class RoundKind(enum.Enum):
     TREE = "tree"  # EAGLE-2's dynamic tree, its best ranked prefix verified
     OVERLAPPED = "overlapped"  # the next round drafted while this one is verified
     LOOKUP = "lookup"  # a model-free draft from the request's own tokens, verified as a tree
+    # a grammar's round: the tokens it forces (none: one masked choice of the target)
+    GRAMMAR = "grammar"
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class RoundContext:
     # children it may propose below a node (1: chains, for a verifier of chains only)
     lookup: ModelFreeDrafter | None = None
     lookup_children: int | None = None
+    constraint: Constraint | None = None  # the request's grammar, advanced by every commit
 
     @property
     def keyed(self) -> bool:
@@ -73,13 +77,19 @@ class RoundContext:
         accepted with the target's probability of each)."""
         if plan.gamma == 0:
             return RoundKind.ALONE
-        if plan.overlap:
+        if plan.overlap and self.constraint is None:  # a run-ahead's guess reads no mask
             return RoundKind.OVERLAPPED
         tree_fits = plan.branches == 1 and not plan.rule and (self.params.greedy or self.keyed)
         return RoundKind.TREE if tree_fits and self.controller.limits.tree_k else RoundKind.PLAIN
 
     def site(self, *, drawn_walk: bool) -> VerdictSite:
-        return verdict_site(self.params, self.logprobs, self.sampler, drawn_walk=drawn_walk)
+        return verdict_site(
+            self.params,
+            self.logprobs,
+            self.sampler,
+            drawn_walk=drawn_walk,
+            constrained=self.constraint is not None,
+        )
 
     def judge(
         self,
@@ -102,12 +112,16 @@ class RoundContext:
             sampler=self.sampler,
             position=self.position,
             draft_rows=draft_rows,
+            constraint=self.constraint,
         )
 
     def emitted(self, tokens: list[int]) -> None:
-        """The sequence grew by ``tokens`` (committed): the model-free drafter learns them."""
+        """The sequence grew by ``tokens`` (committed): the model-free drafter learns them,
+        the grammar advances past them."""
         if self.lookup is not None:
             self.lookup.extend(tokens)
+        if self.constraint is not None:
+            self.constraint.advance(tokens)
 
     def commit(
         self,

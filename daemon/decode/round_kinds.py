@@ -10,7 +10,10 @@
   below it, guessing the bonus; if the whole chain and the guess hold, that run-ahead is the
   next round's draft at no waiting (its tokens were drawn given the guess, so they are as valid
   a proposal as a fresh draft: output stays lossless);
-- alone (gamma 0): the target decodes a few tokens by itself, where drafting does not pay.
+- alone (gamma 0): the target decodes a few tokens by itself, where drafting does not pay;
+- grammar (a request with a grammar): the tokens the grammar forces, verified with no draft
+  (the target computes them and chooses the next token under the grammar); with none forced,
+  the target's one masked choice, where an unconstrained request would decode alone.
 
 Only verified tokens are emitted. Each function reads top to bottom: its calls go through the
 scheduler (``ctx.schedule``), its verdict is taken where ``ctx.site`` says, and the controller
@@ -210,6 +213,26 @@ async def lookup_round(
         lookup=float(sum(proposal.acceptance)),
     )
     return emitted, report
+
+
+async def grammar_round(
+    ctx: RoundContext, schedule: Scheduler, forced: TreeProposal, remaining: int
+) -> Round:
+    """The chain of tokens the request's grammar forces (maybe none), verified below the
+    bonus: each is the only token the masked target may choose, so it is kept, and the target
+    chooses the token after them under the grammar. The controller learns no cost from it
+    (neither a draft's nor the target alone's)."""
+    tokens, parents = list(forced.tokens), list(forced.parents)
+    site = ctx.site(drawn_walk=False)  # the grammar's masks are the daemon's: LOGITS
+    verification = await schedule.verify(tokens, parents, remaining, site=site)
+    one_hot = None if ctx.params.greedy else _one_hot_rows(ctx, tokens, verification.reply)
+    judged = ctx.judge(site, tokens, parents, verification.reply, one_hot)
+    emitted = ctx.commit(judged.verdict, tokens, remaining, judged, verification.reply)
+    ctx.stats.grammar_forced += min(len(judged.verdict.path), len(emitted.tokens))
+    ctx.drafter.unseen += emitted.tokens
+    schedule.post_next_draft(remaining - len(emitted.tokens), emitted.stopped)
+    period_s = time.perf_counter() - ctx.settled_at
+    return emitted, RoundReport(0, 1, 0, overhead_s=period_s - verification.seconds)
 
 
 async def alone_round(ctx: RoundContext, schedule: Scheduler, remaining: int) -> Round:

@@ -32,6 +32,7 @@ class SpeculativeStats:
     verify_link_ms: float = 0.0
     verifications: int = 0
     prefill_wait_ms: float = 0.0  # waiting for the drafter's late prefill (DraftCall's)
+    grammar_forced: int = 0  # tokens a grammar forced, emitted with no draft
 
     def count(self, report: RoundReport) -> None:
         self.rounds += 1
@@ -75,6 +76,7 @@ class SpeculativeStats:
             "run_ahead_held": self.run_ahead_held,
             "rule_rounds": self.rule_rounds,
             "verified_nodes": self.verified_nodes,
+            "grammar_forced": self.grammar_forced,
             "t_overhead_ms": round(self.overhead_ms / per, 3) if per else None,
             "t_prefill_wait_ms": round(self.prefill_wait_ms / per, 3) if per else None,
             "t_draft_link_ms": _mean(self.draft_link_ms, self.draft_calls),

@@ -21,7 +21,7 @@ from hetspec.daemon.decode.verdict_site import VerdictSite
 from hetspec.protocol import worker_messages as m
 from hetspec.speculative.control.budget import Choice
 from hetspec.speculative.control.rounds import DraftCall, Plan
-from hetspec.speculative.drafting.model_free import TreeProposal
+from hetspec.speculative.drafting.model_free import TreeProposal, empty_tree
 
 
 def shaped(plan: Plan, remaining: int) -> Plan:
@@ -80,10 +80,35 @@ class Scheduler:
     # ------------------------------------------------------------ plans
 
     def next_round(self, remaining: int) -> tuple[Plan, RoundKind, TreeProposal | None]:
-        """The next round: its plan, its kind, and for a model-free draft's round the nodes
-        to verify. The request's own plan, else the one chosen ahead or the controller's
-        choice now, committed only if it runs: a model-free draft runs instead where the
-        controller prices it above that plan (the plan waits for the next round)."""
+        """The next round: its plan, its kind, and for a model-free draft's or a grammar's
+        round the nodes to verify. Where the request's grammar forces the next tokens, they
+        are verified alone (the plan waits); where the plan is the target alone, a grammar
+        round lets the target choose one token under the grammar."""
+        ctx = self.ctx
+        if ctx.constraint is None:
+            return self._chosen_round(remaining)
+        nodes = min(ctx.controller.limits.max_width - 1, remaining - 1)
+        forced = ctx.constraint.forced(nodes)
+        if forced:
+            self._drop_early_draft_for_later()
+            chain = TreeProposal(forced, list(range(-1, len(forced) - 1)), [1.0] * len(forced))
+            return Plan(len(forced), 1), RoundKind.GRAMMAR, chain
+        plan, kind, proposal = self._chosen_round(remaining)
+        if kind is RoundKind.ALONE:  # the target alone draws unmasked
+            return plan, RoundKind.GRAMMAR, empty_tree()
+        return plan, kind, proposal
+
+    def _drop_early_draft_for_later(self) -> None:
+        """A round without the drafter runs first: a draft sent for the plan, which waits,
+        is dropped (the text it drafted from will have grown)."""
+        if self.early_draft is not None:
+            self._busy_drafter, self.early_draft = self.early_draft, None
+            self._busy_drafter.add_done_callback(_retrieved)
+
+    def _chosen_round(self, remaining: int) -> tuple[Plan, RoundKind, TreeProposal | None]:
+        """The request's own plan, else the one chosen ahead or the controller's choice now,
+        committed only if it runs: a model-free draft runs instead where the controller
+        prices it above that plan (the plan waits for the next round)."""
         ctx = self.ctx
         if ctx.fixed is not None:
             plan = shaped(ctx.fixed, remaining)
@@ -102,9 +127,7 @@ class Scheduler:
         if offer is not None:
             self.upcoming = choice
             self.rounds_without_lookup = 0
-            if self.early_draft is not None:  # sent for the plan, which waits
-                self._busy_drafter, self.early_draft = self.early_draft, None
-                self._busy_drafter.add_done_callback(_retrieved)
+            self._drop_early_draft_for_later()
             return offer.plan, RoundKind.LOOKUP, offer.proposal
         self.rounds_without_lookup += 1
         plan = shaped(ctx.controller.commit(choice), remaining)

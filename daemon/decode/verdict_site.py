@@ -18,6 +18,7 @@ from hetspec.daemon.supervision.worker_client import WorkerError
 from hetspec.protocol import Arena
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.sampling import SamplingParams
+from hetspec.speculative.constrain.constraint import Constraint
 from hetspec.speculative.verify.distributions import distribution
 from hetspec.speculative.verify.samplers import KeyedSampler, Sampler
 from hetspec.speculative.verify.tree import is_path
@@ -37,13 +38,19 @@ class VerdictSite(enum.Enum):
 
 
 def verdict_site(
-    params: SamplingParams, logprobs: int | None, sampler: Sampler, *, drawn_walk: bool
+    params: SamplingParams,
+    logprobs: int | None,
+    sampler: Sampler,
+    *,
+    drawn_walk: bool,
+    constrained: bool = False,
 ) -> VerdictSite:
     """Where a round's verdict is taken. ``drawn_walk``: whether the verifier may walk a drawn
     (unseeded) request's tree, i.e. the round gives it the drafter's rows and reads no row of
-    the target afterwards (an overlapped round's second opinion reads the last one)."""
-    if logprobs is not None:
-        return VerdictSite.LOGITS  # the log-probabilities are the target's rows'
+    the target afterwards (an overlapped round's second opinion reads the last one);
+    ``constrained``: a grammar masks the target's rows, which the daemon holds."""
+    if logprobs is not None or constrained:
+        return VerdictSite.LOGITS  # the log-probabilities (or the grammar) need the rows
     if params.greedy:
         return VerdictSite.ARGMAX
     keyed = isinstance(sampler, KeyedSampler)
@@ -91,11 +98,13 @@ def judge(
     sampler: Sampler,
     position: int,
     draft_rows: RowsOnDemand | np.ndarray | None = None,
+    constraint: Constraint | None = None,
 ) -> Judged:
     """The verdict on a drafted tree (``tokens``, ``parents``) from a reply taken at ``site``;
-    row 0 of the target's rows chooses the token at ``position``. A reply that does not carry
-    what its site needs, or a walk whose verdict does not fit the tree, is the worker's fault
-    (``WorkerError``): nothing unverified is emitted."""
+    row 0 of the target's rows chooses the token at ``position``; ``constraint``: the
+    request's grammar, which masks each row the walk reads (``LOGITS`` only). A reply that
+    does not carry what its site needs, or a walk whose verdict does not fit the tree, is the
+    worker's fault (``WorkerError``): nothing unverified is emitted."""
     if site is VerdictSite.VERIFIER:
         return Judged(_walked(parents, verified, vocab_size, verifier_name), None)
     if site is VerdictSite.ARGMAX:
@@ -106,6 +115,8 @@ def judge(
     if verified.logits is None:
         raise _misfit(verifier_name, "no logits", len(tokens))
     rows = arena.view(verified.logits)
+    if constraint is not None:
+        rows = constraint.rows(rows, tokens, parents)
     if params.greedy:
         return Judged(verify_greedy(list(tokens), list(parents), rows), rows)
     keyed = sampler if isinstance(sampler, KeyedSampler) else None

@@ -191,6 +191,10 @@ class RowsOnDemand:
         """Rows ``index[i]`` of a 2-d ``array`` as row i, read in place."""
         return cls((len(index), array.shape[1]), lambda row: array[index[row]])
 
+    @property
+    def ndim(self) -> int:
+        return 2
+
     def __len__(self) -> int:
         return self.shape[0]
 

@@ -1,0 +1,93 @@
+"""One request's grammar state, and the target's rows as the grammar lets it choose.
+
+Lossless under the grammar: every row the verdict reads is the target's row with the tokens
+the grammar forbids after that row's prefix set to -inf, so greedy verification returns the
+constrained target's own greedy output and speculative sampling follows the masked,
+renormalized target law, whatever the draft proposed (a forbidden drafted token has target
+probability 0 and is never kept).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import llguidance
+import numpy as np
+
+from hetspec.speculative.constrain.grammars import GrammarError, parser_limits
+from hetspec.speculative.verify.verdicts import RowsOnDemand
+
+
+class ConstraintBroken(RuntimeError):
+    """Tokens the grammar forbids reached a committed state: a bug, never the request's."""
+
+
+class Constraint:
+    """A grammar's state after the tokens ``advance`` was given (the committed text)."""
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
+        self._matcher = llguidance.LLMatcher(
+            tokenizer, grammar, log_level=0, limits=parser_limits()
+        )
+        if self._matcher.is_error():
+            raise GrammarError(f"the grammar does not compile: {self._matcher.get_error()}")
+        self.vocab = tokenizer.vocab_size
+        self._bits = np.full((self.vocab + 31) // 32, -1, np.int32)
+        self.forced_tokens = 0  # tokens emitted because the grammar allowed nothing else
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        """The committed text grew by ``tokens`` (each allowed where it stands)."""
+        if tokens and not self._matcher.consume_tokens(list(tokens)):
+            raise ConstraintBroken(f"committed tokens broke the grammar: {self.error()}")
+
+    def error(self) -> str:
+        return self._matcher.get_error()
+
+    @property
+    def finished(self) -> bool:
+        """The grammar allows nothing more but ending."""
+        return self._matcher.is_stopped()
+
+    def forced(self, limit: int) -> list[int]:
+        """Up to ``limit`` tokens the grammar forces next (jump-forward): the only
+        continuation it allows, tokenized as the library's canonical tokens."""
+        return self._matcher.compute_ff_tokens()[:limit] if limit > 0 else []
+
+    def allowed(self) -> np.ndarray:
+        """Which of the vocabulary's tokens the grammar allows next (bool, vocab)."""
+        self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        return np.unpackbits(self._bits.view(np.uint8), count=self.vocab, bitorder="little").view(
+            np.bool_
+        )
+
+    def masked(self, logits: np.ndarray) -> np.ndarray:
+        """A copy of one logits row with what the grammar forbids next at -inf (entries past
+        the vocabulary, a runtime's padding, too)."""
+        out = np.full(logits.shape[-1], -np.inf, np.float32)
+        allowed = np.flatnonzero(self.allowed())
+        out[allowed] = logits[allowed]
+        return out
+
+    def rows(self, target, tokens: Sequence[int], parents: Sequence[int]) -> RowsOnDemand:
+        """The target's rows of a verified tree (row 0 after the committed text, row i + 1
+        after node i), each masked by the grammar's state after its own prefix, computed when
+        the walk reads it. A row below a node the grammar forbids is never read by a walk
+        (that node's target probability is 0); reading one is a ``ConstraintBroken``."""
+        tokens, parents = list(tokens), list(parents)
+
+        def read(row: int) -> np.ndarray:
+            path, node = [], row - 1
+            while node >= 0:
+                path.append(tokens[node])
+                node = parents[node]
+            path.reverse()
+            consumed = self._matcher.try_consume_tokens(path)
+            try:
+                if consumed != len(path):
+                    raise ConstraintBroken(f"row {row} lies below a token the grammar forbids")
+                return self.masked(target[row])
+            finally:
+                if consumed:
+                    self._matcher.rollback(consumed)
+
+        return RowsOnDemand((len(tokens) + 1, target.shape[-1]), read)
