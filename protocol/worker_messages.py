@@ -9,7 +9,9 @@ Protocol version history: 1 = the first one; 2 = spare cores (``Hello.spare_core
 ``spare_cores`` flag of the compute commands); 3 = ``Decode`` (the target decoding alone);
 4 = ``Ready.special_tokens`` (control tokens, which the daemon never renders as text);
 5 = log-probabilities (``Decode.logprobs``); 6 = the target's features for a draft head
-(``features`` fields: the hidden state entering the LM head, float32 rows, one per position).
+(``features`` fields: the hidden state entering the LM head, float32 rows, one per position);
+21 = the prompt's own log-probabilities (``Prefill.prompt_logprobs``, and
+``Prefilled``'s).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from hetspec.protocol.arena import ArenaLayout, ArrayRef
 from hetspec.protocol.sampling import SamplingParams, TokenLogprob
 from hetspec.protocol.vocab import VocabInfo
 
-PROTOCOL_VERSION = 20
+PROTOCOL_VERSION = 21
 
 
 class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"):
@@ -166,6 +168,9 @@ class Prefill(_Message, tag="prefill"):
     # a draft head's input: the target's features of positions features_start.. (a frame)
     features: ArrayRef | None = None
     features_start: int = 0
+    # 0..20: evaluate the whole prompt afresh and reply with each token's log-probability
+    # after the first (given the tokens before it) and that many alternatives (protocol 21)
+    prompt_logprobs: int | None = None
 
 
 class _Shape(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="shape"):
@@ -381,6 +386,8 @@ class Prefilled(_Message, tag="prefilled"):
     # with report_features: (evaluated, feature size), of positions features_start.. (a frame)
     features: ArrayRef | None = None
     features_start: int = 0
+    # with prompt_logprobs: one per prompt token after the first, in order
+    prompt_logprobs: list[TokenLogprob] = []
 
 
 class Drafted(_Message, tag="drafted"):

@@ -88,9 +88,15 @@ class ComputeHandlers:
         start = time.perf_counter()
         engine = self._engine(command.spare_cores)
         engine.interrupt = self.cancelled  # a long prompt stops between chunks when cancelled
+        prompt_logprobs = []
         try:
             with self._reporting(engine, command.report_features) as sink:
-                if command.features is not None:
+                if command.prompt_logprobs is not None:  # every position's row: nothing reused
+                    prompt_logprobs = engine.prompt_logprobs(
+                        command.tokens, command.prompt_logprobs
+                    )
+                    reused = 0
+                elif command.features is not None:
                     features = self._features_in(engine, command.features, frames)
                     reused = engine.prefill(
                         command.tokens, features=features, start=command.features_start
@@ -107,7 +113,9 @@ class ComputeHandlers:
             logits = m.ArrayRef(row.dtype.str, row.shape, slot=command.out)
         elapsed = (time.perf_counter() - start) * 1000
         committed = engine.committed
-        reply = m.Prefilled(command.request, reused, committed, elapsed, logits)
+        reply = m.Prefilled(
+            command.request, reused, committed, elapsed, logits, prompt_logprobs=prompt_logprobs
+        )
         return self._reported(reply, engine, sink)
 
     def draft(self, command: m.Draft, frames) -> tuple:

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 
+from hetspec.daemon.decode.prompt_input import prompt_ids, record_prompt, wanted_prompt_logprobs
 from hetspec.daemon.decode.requests import (
     GenerateRequest,
     GenerationResult,
@@ -70,9 +71,7 @@ async def generate(
     pays."""
     ready = worker.ready
     started = time.perf_counter()
-    worker.prompt_bound.check(request.prompt, ready.context)
-    tokenized, _ = await worker.call(m.Tokenize(request=worker.next_request(), text=request.prompt))
-    prompt = tokenized.tokens
+    prompt = await prompt_ids(request, worker, ready.context)
     max_tokens = token_budget(request, len(prompt), ready.context)
     prefilled, _ = await worker.call(
         m.Prefill(
@@ -81,14 +80,18 @@ async def generate(
             seed=request.seed,
             out=slot,
             spare_cores=cores.preferred(),
+            prompt_logprobs=wanted_prompt_logprobs(request),
         )
     )
+    record_prompt(result, prompt, prefilled)
     # the worker's keyed choices continue the daemon's (seeded); unseeded draws are independent
     sampler = sampler_for(request.seed)
     logits = arena.view(prefilled.logits)
     tokens = [first_token(logits, request.sampling, sampler, len(prompt))]
     top = request.logprobs  # None: no log-probabilities
     logprobs = [token_logprob(logits[0], tokens[0], top)] if top is not None else None
+    if max_tokens == 0:  # the prompt's prefill alone (an echo)
+        tokens = []
     result.prompt_tokens = len(prompt)
     result.prompt_ms = (time.perf_counter() - started) * 1000
     decode_start = time.perf_counter()
@@ -100,6 +103,8 @@ async def generate(
             pieces = []  # one write per call, not per token
             for index, token in enumerate(tokens):
                 if token in ends:
+                    if logprobs and index < len(logprobs):  # the end token's: reported
+                        result.logprobs.append(logprobs[index])
                     result.done_reason = "stop"
                     break
                 result.add(token, logprobs[index] if logprobs else None)

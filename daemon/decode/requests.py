@@ -34,16 +34,20 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     dynamic: bool = False
     # each generated token's log-probability under the target, with this many alternatives
     logprobs: int | None = None
+    # the prompt as the target's token ids, used as given (``prompt`` is then ignored)
+    prompt_tokens: list[int] | None = None
+    # with logprobs: each prompt token's too, after the first (``GenerationResult``'s)
+    prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
-        if not self.prompt:
-            raise ValueError("prompt must not be empty")
+        self._check_prompt()
         for text in (self.prompt, *self.stops):
             check_unicode(text)
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in 0..2**63-1, not {self.seed}")
-        if self.max_tokens is not None and not 1 <= self.max_tokens <= 1_000_000:
-            raise ValueError(f"max_tokens must be in 1..1000000, not {self.max_tokens}")
+        # 0: the prompt's prefill alone (its log-probabilities, an echo)
+        if self.max_tokens is not None and not 0 <= self.max_tokens <= 1_000_000:
+            raise ValueError(f"max_tokens must be in 0..1000000, not {self.max_tokens}")
         self.sampling  # noqa: B018 - validates temperature/top_k/top_p
         if self.mode is not None and self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
@@ -57,10 +61,20 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError(f"branches must be in 1..{MAX_BRANCHES}, not {self.branches}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(
-                f"top log-probabilities must be 0..{MAX_TOP_LOGPROBS}, not {self.logprobs}"
+                f"logprobs: top log-probabilities must be 0..{MAX_TOP_LOGPROBS}, "
+                f"not {self.logprobs}"
             )
         if self.mode is not None:
             self.resolve_mode(self.mode)
+
+    def _check_prompt(self) -> None:
+        if self.prompt_tokens is not None:
+            if not self.prompt_tokens:
+                raise ValueError("prompt must hold at least one token id")
+        elif not self.prompt:
+            raise ValueError("prompt must not be empty")
+        if self.prompt_logprobs and self.logprobs is None:
+            raise ValueError("the prompt's log-probabilities need logprobs (0..20)")
 
     def resolve_mode(self, default: str) -> str:
         """The mode this request runs in, given the daemon's configured one."""
@@ -153,6 +167,9 @@ class GenerationResult:
     started: float = field(default_factory=time.perf_counter)  # when the request began
     ttft_ms: float | None = None  # request start to the first verified token
     logprobs: list[TokenLogprob] = field(default_factory=list)  # when the request asked
+    prompt_ids: list[int] = field(default_factory=list)  # the prompt as the target read it
+    # with GenerateRequest.prompt_logprobs: one per prompt token after the first
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def add(self, token: int, logprob: TokenLogprob | None = None) -> None:
         if self.ttft_ms is None:

@@ -24,6 +24,8 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
+from hetspec.protocol.sampling import TokenLogprob
+from hetspec.speculative.verify.logprobs import token_logprob
 from hetspec.speculative.verify.tree import (
     ancestor_mask,
     depths,
@@ -382,6 +384,34 @@ class PendingTree(ABC, Generic[Output]):
         common = self._rollback_to_common_prefix(prompt)
         self.append(prompt[common:], chunk_size)
         return common
+
+    def prompt_logprobs(
+        self, prompt: Sequence[int], top: int = 0, chunk_size: int = 256
+    ) -> list[TokenLogprob]:
+        """Make the committed sequence exactly ``prompt``, evaluated afresh (nothing reused:
+        every position's logits are needed), and return each token's log-probability after
+        the first under the logits of the tokens before it, with ``top`` alternatives.
+
+        The tokens after the first are evaluated as chains of ``chunk_size`` pending nodes
+        (every runtime returns all of a tree's rows), each committed once its rows are read,
+        so no more than ``chunk_size`` rows are held at once."""
+        if not len(prompt):
+            raise RuntimeUsageError("the prompt is empty")
+        tokens = [int(token) for token in prompt]
+        self.rollback(0)
+        self._checked_tokens(tokens, len(tokens))
+        self._extend(tokens[:1])
+        logprobs: list[TokenLogprob] = []
+        for begin in range(1, len(tokens), chunk_size):
+            if begin > 1 and self.interrupt is not None and self.interrupt():
+                raise Interrupted(f"stopped after {begin} of {len(tokens)} tokens")
+            chunk = tokens[begin : begin + chunk_size]
+            # read before the forward, which may reuse the buffer it lies in
+            logprobs.append(token_logprob(self.last_logits(), chunk[0], top))
+            rows = self.evaluate_tree(chunk, list(range(-1, len(chunk) - 1)))
+            logprobs += [token_logprob(rows[i - 1], chunk[i], top) for i in range(1, len(chunk))]
+            self.commit(range(len(chunk)))  # its last row becomes the next-token logits
+        return logprobs
 
     def _rollback_to_common_prefix(self, prompt: Sequence[int]) -> int:
         """Roll back to the longest prefix shared with ``prompt`` but its last token; its length."""

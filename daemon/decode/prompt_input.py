@@ -1,0 +1,40 @@
+"""A request's prompt as the target reads it: its token ids, and what its prefill reports."""
+
+from __future__ import annotations
+
+from hetspec.daemon.decode.requests import GenerateRequest, GenerationResult
+from hetspec.daemon.supervision.worker_client import WorkerClient
+from hetspec.protocol import worker_messages as m
+
+
+async def prompt_ids(request: GenerateRequest, worker: WorkerClient, context: int) -> list[int]:
+    """The prompt's token ids: the request's own (checked against the target's vocabulary and
+    the ``context``), else the target's tokenization of its text. Bad input: ValueError,
+    naming the field."""
+    if request.prompt_tokens is None:
+        worker.prompt_bound.check(request.prompt, context)
+        tokenized, _ = await worker.call(
+            m.Tokenize(request=worker.next_request(), text=request.prompt)
+        )
+        return tokenized.tokens
+    size = worker.ready.vocab.size
+    outside = next((t for t in request.prompt_tokens if not 0 <= t < size), None)
+    if outside is not None:
+        raise ValueError(f"prompt: token id {outside} is outside the vocabulary (0..{size - 1})")
+    if len(request.prompt_tokens) > context:
+        raise ValueError(
+            f"prompt: {len(request.prompt_tokens)} tokens exceed the {context}-token context"
+        )
+    return list(request.prompt_tokens)
+
+
+def wanted_prompt_logprobs(request: GenerateRequest) -> int | None:
+    """``Prefill.prompt_logprobs`` for this request: the alternatives per prompt token, or
+    None where its prompt's log-probabilities were not asked for."""
+    return request.logprobs if request.prompt_logprobs else None
+
+
+def record_prompt(result: GenerationResult, prompt: list[int], prefilled: m.Prefilled) -> None:
+    """What the answer reports of its prompt: the ids, and the prefill's log-probabilities."""
+    result.prompt_ids = prompt
+    result.prompt_logprobs = list(prefilled.prompt_logprobs)
