@@ -33,6 +33,7 @@ from hetspec.daemon.api.runs import Run
 from hetspec.daemon.config import BUNDLED_MODELS, DaemonConfig, ModelPaths
 from hetspec.daemon.decode.admission import Admission
 from hetspec.daemon.decode.engine import LookupSource
+from hetspec.daemon.decode.grammar_compiler import GrammarCompiler
 from hetspec.daemon.decode.requests import GenerateRequest, check_messages_fit
 from hetspec.daemon.decode.round_log import RoundLog
 from hetspec.daemon.instance import Instance, InstanceError
@@ -122,6 +123,7 @@ class Service:
         # one controller for the daemon's life: costs measured in one request still hold
         self.controllers = mode_controllers(config)
         self.chains_only = False  # the verifier verifies chains only (set at load)
+        self.grammars = GrammarCompiler()  # structured output: grammars for the target
         # whether the target decoding alone computes on the drafter's cores too: measured
         # for the daemon's life, by every mode
         self.spare_cores = SpareCoreChoice()

@@ -16,12 +16,13 @@ from laws import chi2_critical, chi_square
 from test_engine import FIXED, PROMPT, workers
 
 from hetspec.daemon.decode.engine import Decoder, LookupSource
+from hetspec.daemon.decode.grammar_compiler import GrammarCompiler
 from hetspec.daemon.decode.requests import GenerateRequest, GenerationResult
 from hetspec.daemon.decode.round_stats import SpeculativeStats
 from hetspec.protocol.arena import Arena
 from hetspec.protocol.sampling import SamplingParams
-from hetspec.speculative.constrain.constraint import Constraint
-from hetspec.speculative.constrain.grammars import grammar_text
+from hetspec.speculative.constrain.constraint import Constraint, ConstraintBroken
+from hetspec.speculative.constrain.grammars import Grammar, GrammarError, grammar_text
 from hetspec.speculative.constrain.token_table import grammar_tokenizer
 from hetspec.speculative.control.budget import BudgetController, ControllerConfig
 from hetspec.speculative.drafting.continuation_tree import ContinuationTree
@@ -164,3 +165,19 @@ def test_drawn_tokens_follow_the_masked_targets_law(arena, tokenizer, kind) -> N
     for index in range(2):
         statistic, df = chi_square(counts[index], law[index], trials)
         assert statistic < chi2_critical(df, 0.001 / 2), (index, statistic, df)
+
+
+def test_the_compiler_builds_one_table_per_verifier_and_names_bad_grammars(arena) -> None:
+    pair, _ = workers(arena)
+    ready, compiler = pair.verifier.ready, GrammarCompiler()
+    first = asyncio.run(compiler.compile(Grammar("regex", "ab+"), ready))
+    second = asyncio.run(compiler.compile(Grammar("regex", "cd"), ready))
+    assert compiler._table[0] is ready
+    first.advance([0, 1, 1])  # "abb"
+    assert first.fresh().forced(4) == [0, 1]  # from the start: "ab" is forced
+    with pytest.raises(ConstraintBroken):
+        second.advance([0])
+    with pytest.raises(GrammarError, match="regex"):
+        asyncio.run(compiler.compile(Grammar("regex", "(a"), ready))
+    with pytest.raises(GrammarError, match="within"):
+        asyncio.run(GrammarCompiler(timeout_s=1e-6).compile(Grammar("regex", "x"), ready))

@@ -10,6 +10,7 @@ import msgspec
 from hetspec.protocol.modes import MODES
 from hetspec.protocol.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 from hetspec.protocol.vocab import VocabInfo
+from hetspec.speculative.constrain.grammars import Grammar
 
 MAX_GAMMA = 32
 MAX_BRANCHES = 8
@@ -38,9 +39,12 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prompt_tokens: list[int] | None = None
     # with logprobs: each prompt token's too, after the first (``GenerationResult``'s)
     prompt_logprobs: bool = False
+    # structured output: every emitted token keeps the text valid under this grammar
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         self._check_prompt()
+        self._check_grammar()
         for text in (self.prompt, *self.stops):
             check_unicode(text)
         if self.seed is not None and not 0 <= self.seed < 2**63:
@@ -66,6 +70,16 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             )
         if self.mode is not None:
             self.resolve_mode(self.mode)
+
+    def _check_grammar(self) -> None:
+        if self.grammar is None:
+            return
+        self.grammar.text()  # GrammarError (a ValueError) naming what is wrong
+        if self.ignore_eos:
+            raise ValueError(
+                "ignore_eos cannot be combined with a grammar: the grammar says where the "
+                "output may end"
+            )
 
     def _check_prompt(self) -> None:
         if self.prompt_tokens is not None:

@@ -26,14 +26,25 @@ class Constraint:
     """A grammar's state after the tokens ``advance`` was given (the committed text)."""
 
     def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
-        self._matcher = llguidance.LLMatcher(
-            tokenizer, grammar, log_level=0, limits=parser_limits()
-        )
-        if self._matcher.is_error():
-            raise GrammarError(f"the grammar does not compile: {self._matcher.get_error()}")
-        self.vocab = tokenizer.vocab_size
-        self._bits = np.full((self.vocab + 31) // 32, -1, np.int32)
-        self.forced_tokens = 0  # tokens emitted because the grammar allowed nothing else
+        """Compile ``grammar`` (``grammars.grammar_text``'s) for ``tokenizer``'s vocabulary;
+        ``GrammarError`` where it does not compile. Drops the GIL while it compiles."""
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
+        if matcher.is_error():
+            raise GrammarError(f"the grammar does not compile: {matcher.get_error()}")
+        self._start(matcher, tokenizer.vocab_size)
+
+    def _start(self, matcher: llguidance.LLMatcher, vocab: int) -> None:
+        self._matcher, self.vocab = matcher, vocab
+        self._bits = np.full((vocab + 31) // 32, -1, np.int32)
+
+    def fresh(self) -> Constraint:
+        """The same grammar from its start, without compiling it again (a request decoded
+        again after a worker died)."""
+        matcher = self._matcher.deep_copy()
+        matcher.reset()
+        copy = Constraint.__new__(Constraint)
+        copy._start(matcher, self.vocab)
+        return copy
 
     def advance(self, tokens: Sequence[int]) -> None:
         """The committed text grew by ``tokens`` (each allowed where it stands)."""

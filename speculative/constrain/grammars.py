@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 import llguidance
+import msgspec
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 KINDS = ("json_schema", "json", "regex", "lark", "gbnf")
@@ -26,6 +27,19 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 
 class GrammarError(ValueError):
     """A grammar that cannot be used; the message names the problem."""
+
+
+class Grammar(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """What a request constrains its output with: ``type`` one of ``KINDS``, ``value`` the
+    schema (an object or its text), the regular expression or the grammar's text (none for
+    ``json``)."""
+
+    type: str
+    value: Any = None
+
+    def text(self) -> str:
+        """The llguidance grammar (``GrammarError`` where it cannot be made)."""
+        return grammar_text(self.type, self.value)
 
 
 def parser_limits() -> llguidance.LLParserLimits:
