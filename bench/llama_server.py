@@ -307,13 +307,15 @@ class LlamaServer:
         seed: int | None = None,
         *,
         ignore_eos: bool = True,
+        extra: Mapping | None = None,
     ) -> dict:
         """The raw /completion reply (``content``, ``tokens``, ``timings``, ...); sampling as
-        ``completion_request``'s."""
+        ``completion_request``'s; ``extra``: more of the request's fields (``json_schema``)."""
         if self.client is None:
             raise LlamaServerError("this llama-server is stopped")
         try:
             body = completion_request(prompt, max_tokens, temperature, seed, ignore_eos=ignore_eos)
+            body |= extra or {}
             response = self.client.post("/completion", json=body)
         except httpx.HTTPError as error:
             raise LlamaServerError(

@@ -128,6 +128,7 @@ class Decoder:
                 yield tail
         finally:
             result.decode_ms = (time.perf_counter() - decode_start) * 1000
+            self.stats.grammar_cost(ctx.constraint)
             self.schedule.drop_early_draft()
             ctx.drafter.close()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hetspec.speculative.constrain.constraint import Constraint
 from hetspec.speculative.control.budget import BudgetController
 from hetspec.speculative.control.rounds import RoundReport
 
@@ -33,6 +34,8 @@ class SpeculativeStats:
     verifications: int = 0
     prefill_wait_ms: float = 0.0  # waiting for the drafter's late prefill (DraftCall's)
     grammar_forced: int = 0  # tokens a grammar forced, emitted with no draft
+    grammar_masks: int = 0  # the grammar's masks computed, and their time
+    grammar_mask_ms: float = 0.0
 
     def count(self, report: RoundReport) -> None:
         self.rounds += 1
@@ -59,6 +62,11 @@ class SpeculativeStats:
         for depth in range(report.accepted):
             depths[depth] += 1
 
+    def grammar_cost(self, constraint: Constraint | None) -> None:
+        """What the request's grammar computed (None: it had none)."""
+        if constraint is not None:
+            self.grammar_masks, self.grammar_mask_ms = constraint.masks, constraint.mask_s * 1000
+
     def summary(self, controller: BudgetController) -> dict:
         per = self.rounds or None
         step = self.draft_compute_ms / self.draft_steps if self.draft_steps else None
@@ -77,6 +85,8 @@ class SpeculativeStats:
             "rule_rounds": self.rule_rounds,
             "verified_nodes": self.verified_nodes,
             "grammar_forced": self.grammar_forced,
+            "grammar_masks": self.grammar_masks,
+            "grammar_mask_ms": round(self.grammar_mask_ms, 3),
             "t_overhead_ms": round(self.overhead_ms / per, 3) if per else None,
             "t_prefill_wait_ms": round(self.prefill_wait_ms / per, 3) if per else None,
             "t_draft_link_ms": _mean(self.draft_link_ms, self.draft_calls),

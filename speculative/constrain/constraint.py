@@ -9,6 +9,7 @@ probability 0 and is never kept).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import llguidance
@@ -36,6 +37,7 @@ class Constraint:
     def _start(self, matcher: llguidance.LLMatcher, vocab: int) -> None:
         self._matcher, self.vocab = matcher, vocab
         self._bits = np.full((vocab + 31) // 32, -1, np.int32)
+        self.masks, self.mask_s = 0, 0.0  # masks computed and their time (the grammar's cost)
 
     def fresh(self) -> Constraint:
         """The same grammar from its start, without compiling it again (a request decoded
@@ -66,10 +68,12 @@ class Constraint:
 
     def allowed(self) -> np.ndarray:
         """Which of the vocabulary's tokens the grammar allows next (bool, vocab)."""
+        start = time.perf_counter()
         self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        return np.unpackbits(self._bits.view(np.uint8), count=self.vocab, bitorder="little").view(
-            np.bool_
-        )
+        bits = np.unpackbits(self._bits.view(np.uint8), count=self.vocab, bitorder="little")
+        self.masks += 1
+        self.mask_s += time.perf_counter() - start
+        return bits.view(np.bool_)
 
     def masked(self, logits: np.ndarray) -> np.ndarray:
         """A copy of one logits row with what the grammar forbids next at -inf (entries past
