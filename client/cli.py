@@ -37,6 +37,25 @@ def _add_generation_options(parser: argparse.ArgumentParser, max_tokens: int | N
     parser.add_argument("--quiet", action="store_true", help="no summary line on stderr")
 
 
+def _add_connection_options(parser: argparse.ArgumentParser, socket, flag) -> None:
+    parser.add_argument(
+        "--host",
+        default=None if socket is not argparse.SUPPRESS else socket,
+        help="unix:///path or http://host:port (default $HETSPEC_HOST, else "
+        f"unix://{DEFAULT_SOCKET}); a TCP daemon needs $HETSPEC_TOKEN",
+    )
+    parser.add_argument(
+        "--socket", default=socket, help="the daemon's Unix socket (same as --host unix://PATH)"
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        default=flag,
+        help="machine-readable output: one JSON document per answer (chat: one line per "
+        'turn), or {"error": ...} when the daemon cannot answer',
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hetspec",
@@ -47,34 +66,31 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Check the box the daemon runs on with `hetspecd --check`.",
     )
     parser.add_argument("--version", action="version", version=f"hetspec {__version__}")
-    parser.add_argument(
-        "--host",
-        default=None,
-        help="unix:///path or http://host:port (default $HETSPEC_HOST, else "
-        f"unix://{DEFAULT_SOCKET}); a TCP daemon needs $HETSPEC_TOKEN",
-    )
-    parser.add_argument(
-        "--socket",
-        default=os.environ.get("HETSPEC_SOCKET"),
-        help="the daemon's Unix socket (same as --host unix://PATH)",
-    )
-    parser.add_argument(
-        "--json",
-        action="store_true",
-        help="machine-readable output: one JSON document per answer (chat: one line per "
-        'turn), or {"error": ...} when the daemon cannot answer',
-    )
+    _add_connection_options(parser, os.environ.get("HETSPEC_SOCKET"), False)
+    # the same options after the subcommand (`hetspec run "..." --host ...`); there a default
+    # is SUPPRESS, so that one given before the subcommand is not overwritten
+    after = argparse.ArgumentParser(add_help=False)
+    _add_connection_options(after, argparse.SUPPRESS, argparse.SUPPRESS)
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser(
-        "run", aliases=["generate"], help="stream a completion of PROMPT, then a summary line"
+        "run",
+        aliases=["generate"],
+        parents=[after],
+        help="stream a completion of PROMPT, then a summary line",
     )
     run.add_argument("prompt", help="the text to continue; - reads it from standard input")
     _add_generation_options(run, 128)
-    chat = commands.add_parser("chat", help="an interactive chat (the model's chat template)")
+    chat = commands.add_parser(
+        "chat", parents=[after], help="an interactive chat (the model's chat template; /help)"
+    )
     chat.add_argument("--system", help="a system message to start the chat with")
     _add_generation_options(chat, 512)
-    commands.add_parser("status", help="models, devices, placement, queue and live gamma")
-    health = commands.add_parser("health", help="is the daemon ready? (exit 0 when it is)")
+    commands.add_parser(
+        "status", parents=[after], help="models, devices, placement, queue and live gamma"
+    )
+    health = commands.add_parser(
+        "health", parents=[after], help="is the daemon ready? (exit 0 when it is)"
+    )
     health.add_argument(
         "--wait",
         type=float,
@@ -173,9 +189,59 @@ def run_generate(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+CHAT_HELP = """\
+/help         this list
+/clear        forget the conversation (the system message stays)
+/exit, /quit  leave (so does Ctrl-D)
+Ctrl-C stops the answer being written and keeps the chat."""
+
+
+def _chat_command(text: str, messages: list[dict], system: str | None) -> bool | None:
+    """Run a /command: True to leave the chat, False when done, None: not a command."""
+    command = text.strip()
+    if command in ("/exit", "/quit"):
+        return True
+    if command in ("/help", "/?"):
+        print(CHAT_HELP, flush=True)
+        return False
+    if command == "/clear":
+        messages[:] = [{"role": "system", "content": system}] if system else []
+        print("(the conversation is forgotten)", flush=True)
+        return False
+    if command.startswith("/") and " " not in command:
+        print(f"unknown command {command}: /help lists them", flush=True)
+        return False
+    return None
+
+
+def _streamed_reply(client: Client, messages: list[dict], args, interactive: bool) -> str:
+    """Stream the answer to ``messages``; Ctrl-C stops it (the connection closes, so the
+    daemon cancels it) and what was written stays the assistant's turn."""
+    if interactive:
+        print("assistant> ", end="", flush=True)
+    written = []
+    try:
+        with client.chat_stream(messages, **_options(args)) as answer:
+            for piece in answer:
+                written.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        sys.stdout.write(" [stopped]\n")
+        sys.stdout.flush()
+        return "".join(written)
+    sys.stdout.write("\n")
+    done = answer.completion
+    if done is not None and not args.quiet:
+        print(summary_line(done), file=sys.stderr)
+    return done.text if done else "".join(written)
+
+
 def run_chat(client: Client, args: argparse.Namespace) -> int:
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
+    if interactive:
+        print("(/help lists the commands)", flush=True)
     while True:
         if interactive:
             print("you> ", end="", flush=True)
@@ -185,24 +251,19 @@ def run_chat(client: Client, args: argparse.Namespace) -> int:
         text = line.rstrip("\n")
         if not text.strip():
             continue
-        if text.strip() in ("/exit", "/quit"):
-            return 0
+        command = _chat_command(text, messages, args.system)
+        if command is not None:
+            if command:
+                return 0
+            continue
         messages.append({"role": "user", "content": text})
         if args.json:
             done = client.chat(messages, **_options(args))
             print(_as_json(done), flush=True)
+            reply = done.text
         else:
-            if interactive:
-                print("assistant> ", end="", flush=True)
-            with client.chat_stream(messages, **_options(args)) as answer:
-                for piece in answer:
-                    sys.stdout.write(piece)
-                    sys.stdout.flush()
-            sys.stdout.write("\n")
-            done = answer.completion
-            if done is not None and not args.quiet:
-                print(summary_line(done), file=sys.stderr)
-        messages.append({"role": "assistant", "content": done.text if done else ""})
+            reply = _streamed_reply(client, messages, args, interactive)
+        messages.append({"role": "assistant", "content": reply})
 
 
 def run_health(client: Client, args: argparse.Namespace) -> int:

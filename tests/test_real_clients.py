@@ -178,7 +178,6 @@ def test_ollama_options_stop_top_k_and_neutral_values(local, http) -> None:
     [
         ({"options": {"repeat_penalty": 1.3}}, "options.repeat_penalty"),
         ({"options": {"mirostat": 2}}, "options.mirostat"),
-        ({"options": {"num_ctx": 1 << 20}}, "options.num_ctx"),
         ({"options": {"num_predict": -5}}, "options.num_predict"),
         ({"options": {"top_p": 0}}, "top_p"),
         ({"keep_alive": 0}, "keep_alive 0"),

@@ -21,6 +21,7 @@ KINDS = {
     405: "invalid_request_error",
     413: "invalid_request_error",
     429: "queue_full",
+    501: "not_implemented_error",
     503: "unavailable",
 }
 

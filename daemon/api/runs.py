@@ -52,6 +52,11 @@ class Run:
         self._logprobs_sent += len(entries)
         return self._logprob_entries(entries)
 
+    def prompt_logprobs(self) -> list[dict]:
+        """The prompt's tokens after the first with their log-probabilities (an echo's), in
+        ``unsent_logprobs``' form; empty where the request did not ask."""
+        return self._logprob_entries(self.result.prompt_logprobs)
+
     def _logprob_entries(self, entries: list[TokenLogprob]) -> list[dict]:
 
         def token(token_id: int, logprob: float) -> dict:
