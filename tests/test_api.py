@@ -234,7 +234,7 @@ def test_chat_content_as_text_parts_and_neutral_openai_values(http) -> None:
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     for body, named in (
         ({"messages": image}, "'image_url'"),
-        ({"messages": whole, "response_format": {"type": "json_object"}}, "'json_object'"),
+        ({"messages": whole, "response_format": {"type": "yaml"}}, "'yaml'"),
         ({"messages": whole, "store": True}, "store"),
     ):
         refused = http.post("/v1/chat/completions", json={**body, **greedy})
@@ -518,10 +518,9 @@ JUNK = st.one_of(
     st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
 )
 OUT_OF_RANGE = {  # each value is wrong for its field on every endpoint that has the field
-    # (Ollama's num_predict takes -1 and -2: to the end of the context)
-    "max_tokens": st.one_of(
-        st.integers(max_value=-3), st.just(0), st.integers(min_value=1_000_001)
-    ),
+    # (Ollama's num_predict takes -1 and -2: to the end of the context; completions take 0:
+    # the prompt's log-probabilities alone, with echo)
+    "max_tokens": st.one_of(st.integers(max_value=-3), st.integers(min_value=1_000_001)),
     "temperature": st.one_of(st.floats(max_value=-1e-9, allow_nan=False), st.just(1e400)),
     "top_p": st.one_of(st.floats(max_value=0, allow_nan=False), st.floats(min_value=1.001)),
     "top_k": st.integers(max_value=-1),

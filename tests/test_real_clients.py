@@ -182,7 +182,7 @@ def test_ollama_options_stop_top_k_and_neutral_values(local, http) -> None:
         ({"options": {"top_p": 0}}, "top_p"),
         ({"keep_alive": 0}, "keep_alive 0"),
         ({"keep_alive": "0s"}, "keep_alive 0"),
-        ({"format": "json"}, "format"),
+        ({"format": {"type": "object", "properties": {"a": {"$ref": "#/no"}}}}, "format"),
         ({"think": True}, "think"),
         ({"suffix": "return x"}, "suffix"),
         ({"images": [b"\x89PNG"]}, "images"),
@@ -334,9 +334,9 @@ def test_openai_models_and_refusals(remote) -> None:
         remote.models.retrieve("gpt-4o")
     with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
         remote.chat.completions.create(model="x", messages=QUESTION, frequency_penalty=0.5)
-    with pytest.raises(openai.BadRequestError, match="json_object"):
+    with pytest.raises(openai.BadRequestError, match="response_format"):
         remote.chat.completions.create(
-            model="x", messages=QUESTION, response_format={"type": "json_object"}
+            model="x", messages=QUESTION, response_format={"type": "xml"}
         )
     wrong = openai.OpenAI(base_url=remote.base_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):

@@ -34,6 +34,8 @@ from hetspec.daemon.decode.requests import GenerateRequest, GenerationResult
 from hetspec.daemon.decode.round_stats import SpeculativeStats
 from hetspec.daemon.supervision.supervisor import WorkerUnavailable
 from hetspec.daemon.supervision.worker_client import WorkerClient, WorkerDied
+from hetspec.speculative.constrain.grammars import GrammarError
+from hetspec.speculative.control.budget import BudgetController, ControllerConfig
 from hetspec.speculative.control.rounds import Plan
 
 if TYPE_CHECKING:
@@ -77,6 +79,8 @@ class Generations:
                 f"gamma x branches + 1 = {gamma * (body.branches or 1) + 1} "
                 f"exceeds max_tree_nodes ({service.config.max_tree_nodes})",
             )
+        if body.grammar is not None and service.pipeline is not None:
+            raise ApiError(400, "structured output is not served by the pipeline placement yet")
         if service.supervisor is None or not service.supervisor.workers:
             raise ApiError(503, "the workers are still loading", retry_after_s=5)
         self.in_flight += 1
@@ -106,6 +110,7 @@ class Generations:
             verifier, drafter = await self._workers()
         except WorkerUnavailable as error:
             raise ApiError(503, str(error), retry_after_s=5) from None
+        constraint = await self._constraint(body, verifier)
         run_id = f"{int(service.started_wall):x}-{next(self._run_ids)}"
         devices = {"target": verifier.ready.device}
         if drafter is not None:
@@ -121,6 +126,11 @@ class Generations:
             result = GenerationResult()
             stats, controller = SpeculativeStats(), service.controllers.get(mode)
             fixed = None  # the request's gamma fixes every round's plan
+            if constraint is not None and mode == "autoregressive":
+                # the worker decoding alone would draw unmasked: one masked choice a round,
+                # with a controller of its own (it learns nothing of the modes')
+                width = service.config.max_tree_nodes - 1
+                fixed, controller = Plan(0), BudgetController(ControllerConfig.of(max_width=width))
             if gamma:
                 overlap = mode != "sequential"
                 branches = body.branches or (controller.limits.max_branches if body.dynamic else 1)
@@ -129,7 +139,7 @@ class Generations:
                 fixed = Plan(gamma, 1 if overlap else branches, overlap, body.dynamic)
 
             def pieces(verifier: WorkerClient, drafter: WorkerClient) -> AsyncIterator[str]:
-                if mode == "autoregressive":
+                if mode == "autoregressive" and constraint is None:
                     return generate(
                         body,
                         verifier,
@@ -150,7 +160,17 @@ class Generations:
                 )
                 log = service.round_log and functools.partial(service.round_log.write, run_id, mode)
                 lookup = service.lookup_source() if mode == "adaptive" else None
-                decoder = Decoder(body, pair, controller, stats, plan=fixed, log=log, lookup=lookup)
+                grammar = None if constraint is None else constraint.fresh()  # per attempt
+                decoder = Decoder(
+                    body,
+                    pair,
+                    controller,
+                    stats,
+                    plan=fixed,
+                    log=log,
+                    lookup=lookup,
+                    constraint=grammar,
+                )
                 return decoder.stream(result)
 
             def reset() -> None:  # for a start over: what the first attempt counted goes
@@ -159,7 +179,9 @@ class Generations:
                 result.started = started
                 stats.__init__()
 
-            speculative = (stats, controller) if mode != "autoregressive" else (None, None)
+            # a grammar's rounds are counted in every mode (its forced tokens, its masks' cost)
+            counted = mode != "autoregressive" or constraint is not None
+            speculative = (stats, controller) if counted else (None, None)
             again = self._again_if_died(pieces, verifier, drafter, reset, whole=not body.stream)
             run = Run(
                 run_id,
@@ -173,6 +195,16 @@ class Generations:
             )
             async with self._counted(run):
                 yield run
+
+    async def _constraint(self, body: GenerateRequest, verifier: WorkerClient):
+        """The request's grammar compiled for the verifier's vocabulary (None: none asked);
+        a 400 naming what is wrong with it."""
+        if body.grammar is None:
+            return None
+        try:
+            return await self.service.grammars.compile(body.grammar, verifier.ready)
+        except GrammarError as error:
+            raise ApiError(400, f"{body.grammar.field}: {error}") from None
 
     async def _workers(self) -> tuple[WorkerClient, WorkerClient | None]:
         """The live verifier and drafter (None: no draft model), waiting for a restarting
@@ -218,6 +250,8 @@ class Generations:
         service = self.service
         if body.logprobs is not None:
             raise ApiError(400, "logprobs are not available through the pipeline")
+        if body.prompt_tokens is not None:
+            raise ApiError(400, "prompt: the pipeline takes text, not token ids")
         try:
             drafter = await service.supervisor.worker(
                 service.supervisor.roles.drafter, service.config.restart_wait_s

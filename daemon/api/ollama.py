@@ -7,8 +7,9 @@ extensions at the top level, and the last object of a generation also carries ou
 ``tokens``, llama.cpp-style ``timings``, ``mode``, ``devices`` and ``speculative`` statistics.
 Options hetspec cannot honour are refused with a 400 naming them, unless at their neutral
 value; the load-time options (``num_ctx``, ``num_gpu``, ...) are the daemon's configuration,
-which a request does not change: accepted, and ``num_ctx`` refused when above the served
-context. Errors are Ollama's ``{"error": "message"}``.
+which a request does not change: accepted, and a ``num_ctx`` above the served context served at
+that context, the last object saying so (``served_context``). Errors are Ollama's
+``{"error": "message"}``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from hetspec import __version__
 from hetspec.daemon.api.chat_template import ChatMessage, ChatTemplateError
 from hetspec.daemon.api.errors import ApiError, decode
 from hetspec.daemon.api.runs import Run, collect, stream
+from hetspec.daemon.api.structured import ollama_grammar
 from hetspec.daemon.decode.requests import GenerateRequest
+from hetspec.speculative.constrain.grammars import Grammar
 
 if TYPE_CHECKING:
     from hetspec.daemon.load.model_facts import ModelFacts
@@ -100,11 +103,6 @@ class Options(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             for name, neutral in _NEUTRAL.items()
             if getattr(self, name) not in (None, neutral)
         ]
-        if context is not None and self.num_ctx is not None and self.num_ctx > context:
-            found.append(
-                f"options.num_ctx {self.num_ctx} exceeds the served context "
-                f"({context} tokens, set in the daemon's configuration)"
-            )
         return found
 
 
@@ -114,7 +112,7 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str | None = None  # any name is served by the one loaded model
     stream: bool = True
     options: Options | None = None
-    format: Any = None  # "" only: structured output is not supported
+    format: Any = None  # structured output: "json" or a JSON schema
     keep_alive: float | str | None = None
     think: bool | str | None = None
     logprobs: bool | None = None
@@ -124,6 +122,7 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     branches: int | None = None
     dynamic: bool = False
     ignore_eos: bool = False
+    grammar: Grammar | None = None  # a regex, Lark or GBNF grammar (see structured.py)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -131,8 +130,6 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def problems(self, context: int | None) -> list[str]:
         found = self.options.problems(context) if self.options else []
-        if self.format not in (None, ""):
-            found.append("format (structured output) is not supported")
         if self.think not in (None, False):
             found.append("think is not supported: the model has no thinking mode")
         if self.keep_alive is not None and _is_zero(self.keep_alive):
@@ -164,6 +161,7 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 branches=self.branches,
                 dynamic=self.dynamic,
                 logprobs=(self.top_logprobs or 0) if self.wants_logprobs else None,
+                grammar=ollama_grammar(self.format, self.grammar),
             )
         except ValueError as error:
             raise ApiError(400, f"invalid request: {error}") from None
@@ -323,6 +321,10 @@ class OllamaApi:
         total_ms = (time.perf_counter() - received) * 1000
         if body.wants_logprobs:  # what no streamed piece carried (not streamed: all)
             fields["logprobs"] = run.unsent_logprobs()
+        served = self.served_context()
+        asked = body.options.num_ctx if body.options else None
+        if asked is not None and served is not None and asked > served:
+            fields["served_context"] = served  # front ends ask 8192 whatever the model holds
         return {
             "model": self._model(body),
             "created_at": _now(),

@@ -3,8 +3,10 @@
 
 Existing tools send OpenAI's parameters, so every one of them is accepted at its neutral value
 and refused, with a message that says so, at any value hetspec cannot honour (penalties,
-``echo``); a parameter OpenAI does not have is refused too. Log-probabilities are the target's
-(``logprobs`` on completions, ``logprobs``/``top_logprobs`` on chat). Several answers (``n``,
+``suffix``); those that change nothing here (``user``, ``metadata``, ...) are ignored; a
+parameter OpenAI does not have is refused, naming it. Log-probabilities are the target's
+(``logprobs`` on completions, with ``echo`` the prompt's too; ``logprobs``/``top_logprobs`` on
+chat). Several answers (``n``,
 a list of prompts) are generated one after another, each a turn in the queue. hetspec's own knobs
 (``top_k``, ``mode``, ``gamma``) are extensions, and responses carry llama.cpp-style
 ``timings`` and our ``speculative`` statistics beside OpenAI's fields.
@@ -22,7 +24,11 @@ from aiohttp import web
 from hetspec.daemon.api.chat_template import ChatMessage, ChatTemplateError
 from hetspec.daemon.api.errors import ApiError, decode
 from hetspec.daemon.api.runs import Run, collect, stream_runs
+from hetspec.daemon.api.structured import ResponseFormat, openai_grammar
+from hetspec.daemon.api.tokens import token_routes
 from hetspec.daemon.decode.requests import GenerateRequest
+from hetspec.protocol.sampling import MAX_TOP_LOGPROBS
+from hetspec.speculative.constrain.grammars import Grammar
 
 if TYPE_CHECKING:
     from hetspec.daemon.service import Service
@@ -33,6 +39,9 @@ MAX_CHOICES = 16  # answers in one request (n x prompts); they run one after ano
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    # accepted and ignored: per-chunk usage (vLLM's), padding against length attacks (OpenAI's)
+    continuous_usage_stats: bool = False
+    include_obfuscation: bool = True
 
 
 class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -48,20 +57,37 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    # accepted and ignored: they change nothing hetspec generates
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None  # there are no tools to call
     # hetspec's extensions
     top_k: int = 0
     mode: str | None = None
     gamma: int | None = None
+    grammar: Grammar | None = None  # a regex, Lark or GBNF grammar (see structured.py)
 
     def wanted_logprobs(self) -> int | None:
         """How many alternatives each token's log-probability comes with; None: none."""
         return None
 
+    def wanted_grammar(self) -> Grammar | None:
+        """The grammar the output must keep (ValueError where the fields conflict)."""
+        return self.grammar
+
     def shaped_logprobs(self, entries: list[dict], offset: int) -> dict | None:
         """A choice's ``logprobs`` for these tokens (``Run.unsent_logprobs``); ``offset``:
         where their text begins in the answer."""
         return None
+
+    def wants_prompt_logprobs(self) -> bool:
+        return False
+
+    def choice_logprobs(self, run: Run, echoed: str) -> dict | None:
+        """A whole (not streamed) choice's ``logprobs``; ``echoed``: the prompt's text
+        where the choice begins with it."""
+        return self.shaped_logprobs(run.unsent_logprobs(), 0)
 
     def _unsupported(self) -> list[str]:
         problems = []
@@ -75,7 +101,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return problems
 
     def generate_requests(
-        self, prompts: list[str], max_tokens: int | None, stops: list[str]
+        self, prompts: list[str | list[int]], max_tokens: int | None, stops: list[str]
     ) -> list[GenerateRequest]:
         """One generation per answer: ``n`` for each prompt, in the order of the response's
         choices; with a seed, the j-th answer to a prompt is drawn with seed + j (the same
@@ -93,7 +119,9 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         try:
             return [
                 GenerateRequest(
-                    prompt=prompt,
+                    prompt=prompt if isinstance(prompt, str) else "",
+                    prompt_tokens=None if isinstance(prompt, str) else prompt,
+                    prompt_logprobs=self.wants_prompt_logprobs(),
                     max_tokens=max_tokens,
                     temperature=self.temperature,
                     top_k=self.top_k,
@@ -104,6 +132,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                     mode=self.mode,
                     gamma=self.gamma,
                     logprobs=self.wanted_logprobs(),
+                    grammar=self.wanted_grammar(),
                 )
                 for prompt in prompts
                 for answer in range(self.n)
@@ -113,21 +142,44 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class CompletionRequest(_Common, forbid_unknown_fields=True, kw_only=True):
-    prompt: str | list[str]
+    # a text, a list of texts, token ids (one prompt), or a list of token-id lists
+    prompt: str | list[str | int | list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
-    echo: bool = False
+    echo: bool = False  # the answer begins with the prompt (with logprobs: its tokens' too)
     logprobs: int | None = None
     suffix: str | None = None
     best_of: int = 1
 
     def __post_init__(self) -> None:
-        if isinstance(self.prompt, list) and not self.prompt:
-            raise ValueError("prompt must be a string or a list of strings, not an empty list")
-        if self.echo or self.suffix or self.best_of != 1:
-            raise ValueError("echo, suffix and best_of are not supported")
+        self.prompts()  # validates the prompt's shape
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be 0..{MAX_TOP_LOGPROBS}, not {self.logprobs}")
+        if self.echo and self.stream:
+            raise ValueError("echo is not streamed: send stream: false with echo")
+        if self.suffix or self.best_of != 1:
+            raise ValueError("suffix and best_of are not supported")
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: its text or its token ids (ValueError: neither)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and all(isinstance(p, int) for p in prompt):
+            return [prompt]
+        if prompt and all(isinstance(p, str) for p in prompt):
+            return prompt
+        if prompt and all(isinstance(p, list) and p for p in prompt):
+            return prompt
+        raise ValueError(
+            "prompt must be a string, a list of strings, a list of token ids or a list of "
+            "non-empty token-id lists"
+        )
 
     def wanted_logprobs(self) -> int | None:
         return self.logprobs
+
+    def wants_prompt_logprobs(self) -> bool:
+        return self.echo and self.logprobs is not None
 
     def shaped_logprobs(self, entries: list[dict], offset: int) -> dict | None:
         """The completions API's older form: parallel lists, alternatives as dicts."""
@@ -148,9 +200,36 @@ class CompletionRequest(_Common, forbid_unknown_fields=True, kw_only=True):
             "text_offset": offsets,
         }
 
+    def choice_logprobs(self, run: Run, echoed: str) -> dict | None:
+        """With echo, the prompt's tokens first: the first with no log-probability (nothing
+        precedes it: ``null``, its alternatives ``null``), each later one the target's given
+        the tokens before it; then the answer's. Offsets count in the tokens' texts joined
+        (the choice's text, but for a control token such as a BOS the prompt began with)."""
+        if not self.wants_prompt_logprobs():
+            return super().choice_logprobs(run, echoed)
+        ids = run.result.prompt_ids
+        first = run.token_bytes[ids[0]].decode(errors="replace")
+        entries = run.prompt_logprobs()
+        prompt = self.shaped_logprobs(entries, len(first))
+        end = len(first) + sum(len(entry["token"]) for entry in entries)
+        answer = self.shaped_logprobs(run.unsent_logprobs(), end)
+        return {
+            "tokens": [first, *prompt["tokens"], *answer["tokens"]],
+            "token_logprobs": [None, *prompt["token_logprobs"], *answer["token_logprobs"]],
+            "top_logprobs": [None, *prompt["top_logprobs"], *answer["top_logprobs"]]
+            if self.logprobs
+            else None,
+            "text_offset": [0, *prompt["text_offset"], *answer["text_offset"]],
+        }
 
-class ResponseFormat(msgspec.Struct, kw_only=True):
-    type: str
+    def echoed(self, run: Run, generate: GenerateRequest) -> str:
+        """The text an answer begins with: its prompt as sent (token ids: their text), or
+        nothing without echo."""
+        if not self.echo:
+            return ""
+        if generate.prompt_tokens is None:
+            return generate.prompt
+        return b"".join(run.token_bytes[t] for t in generate.prompt_tokens).decode(errors="replace")
 
 
 class ChatRequest(_Common, forbid_unknown_fields=True, kw_only=True):
@@ -158,8 +237,8 @@ class ChatRequest(_Common, forbid_unknown_fields=True, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    # accepted at their neutral values: plain text, nothing stored
-    response_format: ResponseFormat | None = None
+    response_format: ResponseFormat | None = None  # structured output
+    # accepted at its neutral value: nothing stored
     store: bool = False
 
     def __post_init__(self) -> None:
@@ -167,16 +246,17 @@ class ChatRequest(_Common, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("messages must hold at least one message")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(
-                f"response_format {self.response_format.type!r} is not supported: "
-                f"only {{'type': 'text'}}"
-            )
+        self.wanted_grammar()  # response_format and grammar: a 400 now where they conflict
+        if 0 in (self.max_tokens, self.max_completion_tokens):  # only an echo makes no tokens
+            raise ValueError("max_tokens and max_completion_tokens must be at least 1")
         if self.store:
             raise ValueError("store is not supported: hetspec keeps no completions")
 
     def wanted_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def wanted_grammar(self) -> Grammar | None:
+        return openai_grammar(self.response_format, self.grammar)
 
     def shaped_logprobs(self, entries: list[dict], offset: int) -> dict | None:
         return {"content": entries, "refusal": None} if self.logprobs else None
@@ -270,10 +350,13 @@ def openai_routes(service: Service) -> list[web.RouteDef]:
                 async with service.generation(generate) as run:
                     text = await collect(run)
                 runs.append(run)
+                echoed = "" if chat else body.echoed(run, generate)
                 content = (
-                    {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+                    {"message": {"role": "assistant", "content": text}}
+                    if chat
+                    else {"text": echoed + text}
                 )
-                logprobs = body.shaped_logprobs(run.unsent_logprobs(), 0)
+                logprobs = body.choice_logprobs(run, echoed)
                 choices.append(
                     {
                         "index": index,
@@ -306,8 +389,7 @@ def openai_routes(service: Service) -> list[web.RouteDef]:
 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = decode(await request.read(), CompletionRequest)
-        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-        generates = body.generate_requests(prompts, body.max_tokens, [])
+        generates = body.generate_requests(body.prompts(), body.max_tokens, [])
         return await respond(request, body, generates, chat=False)
 
     async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -347,4 +429,5 @@ def openai_routes(service: Service) -> list[web.RouteDef]:
         web.post("/v1/chat/completions", chat_completions),
         web.get("/v1/models", models),
         web.get("/v1/models/{model}", model),
+        *token_routes(service),
     ]

@@ -10,7 +10,7 @@ import msgspec
 from hetspec.protocol.modes import MODES
 from hetspec.protocol.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 from hetspec.protocol.vocab import VocabInfo
-from hetspec.speculative.constrain.grammars import Grammar
+from hetspec.speculative.constrain.grammars import Grammar, GrammarError
 
 MAX_GAMMA = 32
 MAX_BRANCHES = 8
@@ -74,7 +74,10 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def _check_grammar(self) -> None:
         if self.grammar is None:
             return
-        self.grammar.text()  # GrammarError (a ValueError) naming what is wrong
+        try:
+            self.grammar.text()
+        except GrammarError as error:
+            raise ValueError(f"{self.grammar.field}: {error}") from None
         if self.ignore_eos:
             raise ValueError(
                 "ignore_eos cannot be combined with a grammar: the grammar says where the "

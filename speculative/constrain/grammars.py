@@ -37,6 +37,11 @@ class Grammar(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     type: str
     value: Any = None
 
+    @property
+    def field(self) -> str:
+        """The request's field it came from, for its errors."""
+        return "grammar"
+
     def text(self) -> str:
         """The llguidance grammar (``GrammarError`` where it cannot be made)."""
         return grammar_text(self.type, self.value)
