@@ -66,6 +66,8 @@ def test_wheel_holds_only_the_hetspec_namespace(tmp_path: Path) -> None:
     for name in SUBPACKAGES:  # every module, nested packages included
         for module in (REPO / name).rglob("*.py"):
             assert f"hetspec/{name}/{module.relative_to(REPO / name)}" in names
+    for page_file in (REPO / "daemon" / "api" / "web").iterdir():  # the web page at /
+        assert f"hetspec/daemon/api/web/{page_file.name}" in names
 
     # Imported from the unpacked wheel alone (no editable finder: -S skips .pth files).
     unpacked = tmp_path / "unpacked"

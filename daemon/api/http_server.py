@@ -4,11 +4,12 @@ Contract: ``HttpServer.listen`` serves the routes of every API (the native statu
 Ollama's and OpenAI's) on the sockets systemd passed, or else on the configured Unix socket:
 claimed first (a second daemon serving there is refused), a stale file of a dead instance
 removed, created mode 0660 before it listens. Where ``tcp.listen`` is set it serves over TCP
-too, and there every request must carry the configured bearer token (401 otherwise); the Unix
-socket's file permissions are its access control. Bodies over ``MAX_BODY_BYTES`` are refused,
-connections beyond ``http_max_connections`` refused and counted, and every response is counted
-by endpoint and status. ``runner`` and ``own_socket`` say what it got so far, however far it
-got, for the service to release when it stops.
+too, and there every request must carry the configured bearer token (401 otherwise; the web
+page's static files excepted: web_page.py); the Unix socket's file permissions are its access
+control. Bodies over ``MAX_BODY_BYTES`` are refused, connections beyond
+``http_max_connections`` refused and counted, and every response is counted by endpoint and
+status. ``runner`` and ``own_socket`` say what it got so far, however far it got, for the
+service to release when it stops.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from hetspec.daemon.api.guard import GuardedRunner
 from hetspec.daemon.api.ollama import OllamaApi
 from hetspec.daemon.api.openai import openai_routes
 from hetspec.daemon.api.status import native_routes
+from hetspec.daemon.api.web_page import WebPage, is_public
 
 if TYPE_CHECKING:
     from hetspec.daemon.service import Service
@@ -54,9 +56,9 @@ class HttpServer:
         app = web.Application(
             middlewares=[json_errors, self._authorize], client_max_size=MAX_BODY_BYTES
         )
-        app.add_routes(
-            [*native_routes(service), *OllamaApi(service).routes(), *openai_routes(service)]
-        )
+        page = WebPage()
+        routes = [*native_routes(service), *OllamaApi(service).routes(), *openai_routes(service)]
+        app.add_routes([*page.with_page_at_root(routes), *page.asset_routes()])
         app.on_response_prepare.append(self._count_response)
         self.runner = GuardedRunner(
             app,
@@ -91,10 +93,11 @@ class HttpServer:
 
     @web.middleware
     async def _authorize(self, request: web.Request, handler) -> web.StreamResponse:
-        """Requests over TCP must carry the configured bearer token; the Unix socket's file
-        permissions are its access control."""
+        """Requests over TCP must carry the configured bearer token, but for the web page's
+        static files (which ask for the token); the Unix socket's file permissions are its
+        access control."""
         peer = request.transport.get_extra_info("peername") if request.transport else None
-        if isinstance(peer, tuple):  # an IP peer: (host, port, ...)
+        if isinstance(peer, tuple) and not is_public(request):  # an IP peer: (host, port, ...)
             token = self.service.config.tcp.token or ""
             # as bytes, exactly as received: aiohttp decoded the header with surrogateescape,
             # and a token from argv may hold surrogates too (then any byte compares)
