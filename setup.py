@@ -30,6 +30,7 @@ setup(
                 "native/src/unpacked_neon.c",
                 "native/src/attention.c",
                 "native/src/forward.c",
+                "native/src/sequences.c",
                 "native/src/sampling.c",
                 "native/src/module.c",
             ],

@@ -129,6 +129,8 @@ class Model(ctypes.Structure):
 
 
 SILU, GELU_TANH = 0, 1  # hs_model.activation
+# hs_sequence's fields: an (n_sequences, 5) int32 array of these columns is an array of them
+SEQUENCE_FIELDS = ("rows", "prefix_start", "prefix_len", "start", "first_logit")
 
 
 def row_bytes(kind: int, cols: int) -> int:
@@ -198,6 +200,7 @@ class Kernels:
         library.hs_matmul.restype = ctypes.c_int
         library.hs_dequantize_rows.restype = ctypes.c_int
         library.hs_forward.restype = ctypes.c_int
+        library.hs_forward_sequences.restype = ctypes.c_int
         library.hs_draft_chain.restype = ctypes.c_int
         library.hs_draft_branches.restype = ctypes.c_int
         library.hs_pack_q8_0.restype = ctypes.c_int
@@ -312,6 +315,48 @@ class Kernels:
         if status:
             raise ValueError(
                 "hs_forward refused its arguments (a token, position, slot or shape out of range)"
+            )
+
+    def forward_sequences(
+        self,
+        model: Model,
+        sequences: np.ndarray,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        *,
+        offsets: np.ndarray,
+        visible: np.ndarray,
+        logits: np.ndarray,
+        threads: int,
+    ) -> None:
+        """``hs_forward_sequences``: the rows of several sequences in one forward;
+        ``sequences`` (n_sequences, 5) int32 in ``SEQUENCE_FIELDS`` order, ``logits`` each
+        sequence's rows first_logit.. in turn."""
+        if sequences.ndim != 2 or sequences.shape[1] != len(SEQUENCE_FIELDS):
+            raise ValueError(f"sequences must be (n, 5), not {sequences.shape}")
+        rows = int(sequences[:, 0].sum())
+        outputs = rows - int(sequences[:, 4].sum())
+        if len(tokens) != rows or len(positions) != rows or len(offsets) != rows + 1:
+            raise ValueError(f"{rows} rows need as many tokens and positions, {rows + 1} offsets")
+        if (np.diff(offsets) < 0).any() or offsets[-1] > len(visible):
+            raise ValueError(f"offsets must increase to at most {len(visible)} visible slots")
+        if logits.shape != (outputs, model.vocab):
+            raise ValueError(f"logits must be {(outputs, model.vocab)}, not {logits.shape}")
+        status = self.library.hs_forward_sequences(
+            ctypes.byref(model),
+            len(sequences),
+            _pointer(sequences, np.int32),
+            _pointer(tokens, np.int32),
+            _pointer(positions, np.int32),
+            _pointer(offsets, np.int32),
+            _pointer(visible, np.int32),
+            _pointer(logits, np.float32),
+            threads,
+        )
+        if status:
+            raise ValueError(
+                "hs_forward_sequences refused its arguments (a token, position, slot or shape "
+                "out of range, or sequences whose slots overlap)"
             )
 
     def draft_branches(

@@ -10,10 +10,17 @@ shape) and return logits and tokens as new arrays. The KV cache is ``keys`` and 
 (layers, KV heads, slots, head_dim), written by the calls at the slots they are given and
 moved by ``move_slots`` alone. ``ModelFormatError``, ``FAMILIES``, ``ROPE_SCALINGS``, the
 other constants and ``rope_tables`` are importable from here, as before the split.
+
+Several sequences share one cache by owning ranges of its slots: ``forward`` with
+``prefix_start`` computes one sequence's rows in its range, ``forward_sequences`` the rows of
+several (``SequenceRows`` each) in one call, each row bit for bit what it is in a call of its
+own (the kernels' width invariance, across sequences).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -48,8 +55,28 @@ __all__ = [
     "ROPE_SCALINGS",
     "ModelFormatError",
     "NativeModel",
+    "SequenceRows",
     "rope_tables",
 ]
+
+
+@dataclass(frozen=True)
+class SequenceRows:
+    """One sequence's rows in ``NativeModel.forward_sequences``: ``tokens`` at ``positions``
+    (counted within the sequence) into cache slots start..start+rows-1; row j sees the
+    sequence's committed prefix, slots prefix_start..prefix_start+prefix-1, then
+    ``visible[offsets[j]:offsets[j + 1]]`` (cache slots after the prefix up to its own, in
+    increasing order: its pending ancestors, ending with itself); logits for rows
+    first_logit.. (0: every row, a tree to verify; rows - 1: a prompt's chunk)."""
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    prefix_start: int
+    prefix: int
+    start: int
+    offsets: np.ndarray
+    visible: np.ndarray
+    first_logit: int = 0
 
 
 class NativeModel(ModelFile):
@@ -128,9 +155,16 @@ class NativeModel(ModelFile):
         visible: np.ndarray,
         first_logit: int,
         threads: int,
+        prefix_start: int = 0,
     ) -> np.ndarray:
         """Logits (n - first_logit, vocab) of new tokens at cache slots start..start+n-1; row
-        i sees slots 0..prefix-1 and ``visible[offsets[i]:offsets[i + 1]]``."""
+        i sees slots prefix_start..prefix_start+prefix-1 and ``visible[offsets[i]:offsets[i +
+        1]]`` (a sequence in a range of the cache: ``SequenceRows``'s meaning)."""
+        if prefix_start:
+            rows = SequenceRows(
+                tokens, positions, prefix_start, prefix, start, offsets, visible, first_logit
+            )
+            return self.forward_sequences([rows], threads=threads)[0]
         logits = np.empty((len(tokens) - first_logit, self.vocab), np.float32)
         self.kernels.forward(
             self.struct,
@@ -145,6 +179,42 @@ class NativeModel(ModelFile):
             threads=threads,
         )
         return logits
+
+    def forward_sequences(
+        self, sequences: Sequence[SequenceRows], *, threads: int
+    ) -> list[np.ndarray]:
+        """The rows of several sequences in one forward: each sequence's logits (rows -
+        first_logit, vocab), views of one array. Each row's logits, and the keys and values it
+        writes, are bit for bit those of the same row computed in a call of its own. The
+        sequences' spans (prefix_start..start+rows-1) must not overlap: ``ValueError``."""
+        if not sequences:
+            raise ValueError("a forward needs at least one sequence")
+        for rows in sequences:
+            if len(rows.offsets) != len(rows.tokens) + 1:
+                raise ValueError(f"{len(rows.tokens)} rows need {len(rows.tokens) + 1} offsets")
+        table = np.array(
+            [
+                (len(rows.tokens), rows.prefix_start, rows.prefix, rows.start, rows.first_logit)
+                for rows in sequences
+            ],
+            np.int32,
+        )
+        offsets = np.zeros(int(table[:, 0].sum()) + 1, np.int32)
+        np.cumsum(np.concatenate([np.diff(rows.offsets) for rows in sequences]), out=offsets[1:])
+        visible = [rows.visible[rows.offsets[0] : rows.offsets[-1]] for rows in sequences]
+        outputs = table[:, 0] - table[:, 4]
+        logits = np.empty((int(outputs.sum()), self.vocab), np.float32)
+        self.kernels.forward_sequences(
+            self.struct,
+            table,
+            np.concatenate([rows.tokens for rows in sequences]).astype(np.int32),
+            np.concatenate([rows.positions for rows in sequences]).astype(np.int32),
+            offsets=offsets,
+            visible=np.concatenate(visible).astype(np.int32),
+            logits=logits,
+            threads=threads,
+        )
+        return np.split(logits, np.cumsum(outputs)[:-1])
 
     def draft_chain(
         self,

@@ -1,5 +1,6 @@
-/* Attention over the half-precision KV cache: each new row of a forward attends to the
- * committed prefix (dense) and to the slots it lists (its pending ancestors), in slot order.
+/* Attention over the half-precision KV cache: each new row of a forward attends to its
+ * sequence's committed prefix (dense) and to the slots it lists (its pending ancestors), in
+ * slot order.
  * On x86 one call takes a KV head's query heads for up to ATTEND_ROWS rows, widening each
  * block of prefix keys and values to floats once for all of them; each (row, head) still runs
  * the same float steps in the same order whatever rows share the call, so its bits depend on
@@ -125,7 +126,8 @@ HS_AVX2 INLINE void add_values(const float *weights, const kv_block *values, int
 #define WIDEN_QUERIES 8 /* queries of a call from which widening a block once pays */
 
 /* The query heads of one GQA group (sharing one KV head) for `rows` rows of a forward, their
- * queries and outputs `stride` floats apart: each row sees the prefix (slots 0..n_prefix-1) and
+ * queries and outputs `stride` floats apart: each row sees the prefix (slots
+ * prefix_first..prefix_first+n_prefix-1, its t-th keys for t < n_prefix) and
  * its own slots visible[offsets[r]..offsets[r + 1]), in that order, from its t-th key on where
  * firsts[r] = t > 0 (a sliding window). Dense prefix once for all rows, sparse rest per row
  * (Ghidorah's split); where `widen`, each block of keys and values is widened to floats once,
@@ -136,10 +138,12 @@ HS_AVX2 INLINE void add_values(const float *weights, const kv_block *values, int
  * visible + 1) floats. head_dim: a multiple of 8, at most 256. */
 HS_AVX2 INLINE void attend_rows_body(const uint16_t *keys, const uint16_t *values, int hd,
                                      const float *queries, size_t stride, int rows, int group,
-                                     int n_prefix, const int32_t *visible,
+                                     int prefix_first, int n_prefix, const int32_t *visible,
                                      const int32_t *offsets, const int32_t *firsts, float scale,
                                      float softcap, float *scores, float *out, const int chunks,
                                      const int widen) {
+    const uint16_t *prefix_keys = keys + (size_t)prefix_first * hd,
+                   *prefix_values = values + (size_t)prefix_first * hd;
     int widest = 0, lowest = n_prefix;
     for (int r = 0; r < rows; r++) {
         if (offsets[r + 1] - offsets[r] > widest) widest = offsets[r + 1] - offsets[r];
@@ -171,15 +175,16 @@ HS_AVX2 INLINE void attend_rows_body(const uint16_t *keys, const uint16_t *value
             body                                                                             \
         }                                                                                    \
     }
-    const uint16_t *block_cache = keys;
+    const uint16_t *block_cache = prefix_keys;
     const int32_t *block_slots = NULL;
-    BLOCKS(keys, NULL, lowest, n_prefix, {
+    BLOCKS(prefix_keys, NULL, lowest, n_prefix, {
         for (int r = 0; r < rows; r++)
             PART(r, 0, {
                 for (int g = 0; g < group; g++)
                     score_keys(QUERY(r, g), &block, part, hd, chunks, scale, ROW(r, g) + at, widen);
             })
     })
+    block_cache = keys;
     for (int r = 0; r < rows; r++) {
         block_slots = OWN(r);
         const int from = firsts[r] > n_prefix ? firsts[r] - n_prefix : 0;
@@ -196,15 +201,16 @@ HS_AVX2 INLINE void attend_rows_body(const uint16_t *keys, const uint16_t *value
             ROW(r, g)[width - 1] = softmax_weights(ROW(r, g) + firsts[r], n_prefix + SEEN(r) - firsts[r]);
             memset(OUT(r, g), 0, (size_t)hd * sizeof(float));
         }
-    block_cache = values;
+    block_cache = prefix_values;
     block_slots = NULL;
-    BLOCKS(values, NULL, lowest, n_prefix, {
+    BLOCKS(prefix_values, NULL, lowest, n_prefix, {
         for (int r = 0; r < rows; r++)
             PART(r, 0, {
                 for (int g = 0; g < group; g++)
                     add_values(ROW(r, g) + at, &block, part, hd, chunks, OUT(r, g), widen);
             })
     })
+    block_cache = values;
     for (int r = 0; r < rows; r++) {
         block_slots = OWN(r);
         const int from = firsts[r] > n_prefix ? firsts[r] - n_prefix : 0;
@@ -234,17 +240,19 @@ HS_AVX2 INLINE void attend_rows_body(const uint16_t *keys, const uint16_t *value
  * a store-to-load round trip per value and chunk), and whether it widens. */
 HS_AVX2 static void attend_rows_avx2(const uint16_t *keys, const uint16_t *values, int hd,
                                      const float *queries, size_t stride, int rows, int group,
-                                     int n_prefix, const int32_t *visible,
+                                     int prefix_first, int n_prefix, const int32_t *visible,
                                      const int32_t *offsets, const int32_t *firsts,
                                      float scale, float softcap, float *scores, float *out) {
     const int widen = rows * group >= WIDEN_QUERIES;
 #define BODY(chunks)                                                                          \
     if (widen)                                                                                \
-        attend_rows_body(keys, values, hd, queries, stride, rows, group, n_prefix, visible,   \
-                         offsets, firsts, scale, softcap, scores, out, chunks, 1);            \
+        attend_rows_body(keys, values, hd, queries, stride, rows, group, prefix_first,        \
+                         n_prefix, visible, offsets, firsts, scale, softcap, scores, out,     \
+                         chunks, 1);                                                          \
     else                                                                                      \
-        attend_rows_body(keys, values, hd, queries, stride, rows, group, n_prefix, visible,   \
-                         offsets, firsts, scale, softcap, scores, out, chunks, 0);
+        attend_rows_body(keys, values, hd, queries, stride, rows, group, prefix_first,        \
+                         n_prefix, visible, offsets, firsts, scale, softcap, scores, out,     \
+                         chunks, 0);
     switch (hd / 8) {
     case 4: BODY(4); break;
     case 8: BODY(8); break;
@@ -273,11 +281,11 @@ static int first_key(int window, int position) {
     return window > 0 && position >= window ? position - window + 1 : 0;
 }
 
-/* One (row, head) of attention over the slots the row may see, in slot order, from its
- * `first` (first_key). */
-static void attend(const hs_model *m, int layer, const float *query, int kv_head, int n_prefix,
-                   const int32_t *visible, int n_visible, int first, float *scores, float *out,
-                   int simd) {
+/* One (row, head) of attention over the slots the row may see (its prefix, slots
+ * prefix_first.., then `visible`), in slot order, from its `first` (first_key). */
+static void attend(const hs_model *m, int layer, const float *query, int kv_head,
+                   int prefix_first, int n_prefix, const int32_t *visible, int n_visible,
+                   int first, float *scores, float *out, int simd) {
     const int hd = m->head_dim;
     const size_t base = ((size_t)layer * m->n_kv_heads + kv_head) * m->capacity;
     (void)simd; /* the keys come as halves: no f32 kernel applies */
@@ -286,7 +294,7 @@ static void attend(const hs_model *m, int layer, const float *query, int kv_head
     const int total = n_prefix + n_visible;
     float highest = -INFINITY;
     for (int t = first; t < total; t++) {
-        const int slot = t < n_prefix ? t : visible[t - n_prefix];
+        const int slot = t < n_prefix ? prefix_first + t : visible[t - n_prefix];
         const uint16_t *key = keys + (size_t)slot * hd;
         float dot = 0.0f;
         for (int k = 0; k < hd; k++) dot += query[k] * half_to_float(key[k]);
@@ -301,7 +309,7 @@ static void attend(const hs_model *m, int layer, const float *query, int kv_head
     }
     for (int k = 0; k < hd; k++) out[k] = 0.0f;
     for (int t = first; t < total; t++) {
-        const int slot = t < n_prefix ? t : visible[t - n_prefix];
+        const int slot = t < n_prefix ? prefix_first + t : visible[t - n_prefix];
         const uint16_t *v = values + (size_t)slot * hd;
         const float p = scores[t];
         for (int k = 0; k < hd; k++) out[k] += p * half_to_float(v[k]);
@@ -310,38 +318,50 @@ static void attend(const hs_model *m, int layer, const float *query, int kv_head
     for (int k = 0; k < hd; k++) out[k] *= inverse;
 }
 
-void hs_attention(const hs_model *m, int layer, int n, const int32_t *positions, int n_prefix,
-                  const int32_t *offsets, const int32_t *visible, const float *queries,
+int hs_attention_sets(int n, const int32_t *prefix_start, const int32_t *prefix_len,
+                      int32_t *sets) {
+    int count = 0;
+    for (int i = 0; i < n; i++) /* a set starts at a new prefix, or where the last one is full */
+        if (!count || i - sets[count - 1] == ATTEND_ROWS || prefix_start[i] != prefix_start[i - 1] ||
+            prefix_len[i] != prefix_len[i - 1])
+            sets[count++] = i;
+    sets[count] = n;
+    return count;
+}
+
+void hs_attention(const hs_model *m, int layer, const hs_rows *rows, const float *queries,
                   float *attended, float *scores, int simd) {
     const int hd = m->head_dim, heads = m->n_heads, kv_heads = m->n_kv_heads, qd = heads * hd;
     const int group = heads / kv_heads;
     const hs_layer *y = &m->layers[layer];
+    const int32_t *positions = rows->positions, *offsets = rows->offsets, *visible = rows->visible;
 #if HS_X86
     if (simd && hd % 8 == 0 && hd <= 256) {
         const size_t layer_base = (size_t)layer * kv_heads * m->capacity * hd;
-        const int row_sets = (n + ATTEND_ROWS - 1) / ATTEND_ROWS;
+        const int sets = rows->n_sets;
 #pragma omp for schedule(static)
-        for (int item = 0; item < kv_heads * row_sets; item++) { /* head-major: a
-            head's keys and values stay in L2 for all rows */
-            const int h = item / row_sets, i = item % row_sets * ATTEND_ROWS;
-            const int rows = n - i < ATTEND_ROWS ? n - i : ATTEND_ROWS;
+        for (int item = 0; item < kv_heads * sets; item++) { /* head-major: a head's keys
+            and values stay in L2 for all rows */
+            const int h = item / sets, set = item % sets, i = rows->sets[set];
+            const int count = rows->sets[set + 1] - i;
             const size_t head = layer_base + (size_t)h * m->capacity * hd;
             const size_t first = (size_t)i * qd + (size_t)h * group * hd;
             int32_t firsts[ATTEND_ROWS];
-            for (int r = 0; r < rows; r++) firsts[r] = first_key(y->window, positions[i + r]);
+            for (int r = 0; r < count; r++) firsts[r] = first_key(y->window, positions[i + r]);
             attend_rows_avx2(m->k_cache + head, m->v_cache + head, hd, queries + first, qd,
-                             rows, group, n_prefix, visible, offsets + i, firsts,
-                             attention_scale(m), m->attn_softcap, scores, attended + first);
+                             count, group, rows->prefix_start[i], rows->prefix_len[i], visible,
+                             offsets + i, firsts, attention_scale(m), m->attn_softcap, scores,
+                             attended + first);
         }
     } else
 #endif
     {
 #pragma omp for schedule(static)
-        for (int item = 0; item < n * heads; item++) {
+        for (int item = 0; item < rows->n * heads; item++) {
             const int i = item / heads, h = item % heads;
-            attend(m, layer, queries + (size_t)i * qd + (size_t)h * hd, h / group, n_prefix,
-                   visible + offsets[i], offsets[i + 1] - offsets[i],
-                   first_key(y->window, positions[i]), scores,
+            attend(m, layer, queries + (size_t)i * qd + (size_t)h * hd, h / group,
+                   rows->prefix_start[i], rows->prefix_len[i], visible + offsets[i],
+                   offsets[i + 1] - offsets[i], first_key(y->window, positions[i]), scores,
                    attended + (size_t)i * qd + (size_t)h * hd, simd);
         }
     }

@@ -221,12 +221,10 @@ static int matrix_ok(const hs_matrix *w, int rows, int cols) {
            (!is_quantized(w->type) || cols % HS_BLOCK == 0);
 }
 
-static int forward_ok(const hs_model *m, int n, const int32_t *tokens, const int32_t *positions,
-                      int start, int n_prefix, const int32_t *offsets, const int32_t *visible,
-                      int first_logit, int threads) {
-    if (n < 1 || threads < 1 || start < 0 || start + n > m->capacity || n_prefix < 0 ||
-        n_prefix > start || first_logit < 0 || first_logit > n || m->head_dim % 2 ||
-        m->n_kv_heads < 1 || m->n_heads % m->n_kv_heads)
+/* Whether the kernels can run the model: its matrices' shapes and types, its heads. */
+static int model_ok(const hs_model *m) {
+    if (m->head_dim % 2 || m->n_kv_heads < 1 || m->n_heads % m->n_kv_heads ||
+        (m->activation != HS_SILU && m->activation != HS_GELU_TANH))
         return 0;
     if (!matrix_ok(&m->embed, m->vocab, m->d_model) || !matrix_ok(&m->output, m->vocab, m->d_model))
         return 0;
@@ -239,26 +237,14 @@ static int forward_ok(const hs_model *m, int n, const int32_t *tokens, const int
             !matrix_ok(&y->down, m->d_model, m->n_ff))
             return 0;
     }
-    if (offsets[0] != 0 || (m->activation != HS_SILU && m->activation != HS_GELU_TANH)) return 0;
-    int windows = 0;
-    for (int l = 0; l < m->n_layers; l++) windows |= m->layers[l].window > 0;
-    for (int i = 0; i < n; i++) {
-        if (windows && positions[i] != n_prefix + offsets[i + 1] - offsets[i] - 1) return 0;
-        if (tokens[i] < 0 || tokens[i] >= m->vocab || positions[i] < 0 ||
-            positions[i] >= m->capacity || offsets[i + 1] < offsets[i] ||
-            offsets[i + 1] - offsets[i] > m->capacity - n_prefix)
-            return 0;
-        for (int t = offsets[i]; t < offsets[i + 1]; t++)
-            if (visible[t] < n_prefix || visible[t] > start + i) return 0;
-    }
     return 1;
 }
 
-/* hs_forward's work, run by every thread of its team, or by the caller alone (no team). */
-static void forward_rows(const hs_model *m, const scratch *s, int n, const int32_t *tokens,
-                         const int32_t *positions, int start, int n_prefix,
-                         const int32_t *offsets, const int32_t *visible, int first_logit,
-                         float *logits, int simd) {
+/* The forward's work, run by every thread of its team, or by the caller alone (no team). */
+static void forward_rows(const hs_model *m, const scratch *s, const hs_rows *rows, float *logits,
+                         int simd) {
+    const int n = rows->n;
+    const int32_t *tokens = rows->tokens, *positions = rows->positions;
     const int d = m->d_model, f = m->n_ff, hd = m->head_dim, heads = m->n_heads,
               kv_heads = m->n_kv_heads, qd = heads * hd, kvd = kv_heads * hd;
     const int half = hd / 2;
@@ -299,12 +285,12 @@ static void forward_rows(const hs_model *m, const scratch *s, int n, const int32
             rope_row(k, kv_heads, hd, m->rope_halves, cos, sin);
             for (int h = 0; h < kv_heads; h++) {
                 const size_t slot =
-                    (((size_t)l * kv_heads + h) * m->capacity + (size_t)(start + i)) * hd;
+                    (((size_t)l * kv_heads + h) * m->capacity + (size_t)rows->slot[i]) * hd;
                 store_half(m->k_cache + slot, s->k + (size_t)i * kvd + (size_t)h * hd, hd, simd);
                 store_half(m->v_cache + slot, s->v + (size_t)i * kvd + (size_t)h * hd, hd, simd);
             }
         }
-        hs_attention(m, l, n, positions, n_prefix, offsets, visible, s->q, s->attended, scores, simd);
+        hs_attention(m, l, rows, s->q, s->attended, scores, simd);
 #pragma omp for schedule(static)
         for (int i = 0; i < n; i++)
             quantize_input(s, spans_of(&y->o, NULL, NULL), s->attended + (size_t)i * qd, i, n, qd, simd);
@@ -342,13 +328,13 @@ static void forward_rows(const hs_model *m, const scratch *s, int n, const int32
             for (int k = 0; k < d; k++) x[k] += projected[k];
         }
     }
-    const int outputs = n - first_logit;
+    const int outputs = rows->outputs;
     if (outputs > 0) {
 #pragma omp for schedule(static)
-        for (int i = first_logit; i < n; i++) {
-            const size_t r = (size_t)(i - first_logit);
-            rms_norm(s->x + (size_t)i * d, m->output_norm, d, m->eps, s->normed + r * d);
-            quantize_input(s, spans_of(&m->output, NULL, NULL), s->normed + r * d, (int)r, outputs, d, simd);
+        for (int r = 0; r < outputs; r++) {
+            const size_t i = (size_t)rows->logit_rows[r];
+            rms_norm(s->x + i * d, m->output_norm, d, m->eps, s->normed + (size_t)r * d);
+            quantize_input(s, spans_of(&m->output, NULL, NULL), s->normed + (size_t)r * d, r, outputs, d, simd);
         }
         hs_matmul_items(&m->output, acts_for(s, &m->output), s->normed, outputs, logits, simd, 1);
         if (m->final_softcap > 0.0f) {
@@ -377,25 +363,26 @@ static int has_mins_anywhere(const hs_model *m) {
     return found;
 }
 
-int hs_forward(const hs_model *m, int n, const int32_t *tokens, const int32_t *positions,
-               int start, int n_prefix, const int32_t *offsets, const int32_t *visible,
-               int first_logit, float *logits, int threads) {
-    if (!forward_ok(m, n, tokens, positions, start, n_prefix, offsets, visible, first_logit,
-                    threads))
-        return -1;
+int hs_forward_rows(const hs_model *m, const hs_rows *rows, float *logits, int threads) {
+    if (threads < 1 || !model_ok(m)) return -1;
     scratch s;
-    if (scratch_alloc(&s, m, n, threads)) return -1;
+    if (scratch_alloc(&s, m, rows->n, threads)) return -1;
     const int simd = hs_simd_for(m->simd);
     s.acts.with_sums = s.super.with_sums = simd >= HS_SIMD_AVX_VNNI || has_mins_anywhere(m);
     if (threads == 1) { /* no team: its worksharing loops are orphaned and skip their barriers,
         where a team of one still makes a futex call at each (about 26 a forward) */
-        forward_rows(m, &s, n, tokens, positions, start, n_prefix, offsets, visible, first_logit,
-                     logits, simd);
+        forward_rows(m, &s, rows, logits, simd);
     } else {
 #pragma omp parallel num_threads(threads)
-        forward_rows(m, &s, n, tokens, positions, start, n_prefix, offsets, visible, first_logit,
-                     logits, simd);
+        forward_rows(m, &s, rows, logits, simd);
     }
     free(s.base);
     return 0;
+}
+
+int hs_forward(const hs_model *m, int n, const int32_t *tokens, const int32_t *positions,
+               int start, int n_prefix, const int32_t *offsets, const int32_t *visible,
+               int first_logit, float *logits, int threads) {
+    const hs_sequence one = {n, 0, n_prefix, start, first_logit};
+    return hs_forward_sequences(m, 1, &one, tokens, positions, offsets, visible, logits, threads);
 }

@@ -126,6 +126,30 @@ int hs_forward(const hs_model *m, int n, const int32_t *tokens, const int32_t *p
                int start, int n_prefix, const int32_t *offsets, const int32_t *visible,
                int first_logit, float *logits, int threads);
 
+/* One sequence of a several-sequence forward (hs_forward_sequences): `rows` consecutive rows
+ * of the call, written to cache slots start..start+rows-1, each seeing the sequence's committed
+ * prefix, slots prefix_start..prefix_start+prefix_len-1, as the t-th keys; its rows from
+ * first_logit on have logits. hs_forward is the one sequence {n, 0, n_prefix, start,
+ * first_logit}. (An (n_sequences, 5) int32 array has this layout.) */
+typedef struct {
+    int32_t rows, prefix_start, prefix_len, start, first_logit;
+} hs_sequence;
+
+/* hs_forward for the rows of several sequences in one call: sequence s's rows follow those
+ * of sequences 0..s-1 (tokens, positions and offsets hold sum of rows entries, + 1 for
+ * offsets). Row j of a sequence sees its prefix, then visible[offsets[i]..offsets[i+1]) (i:
+ * the row's index in the call), slots between its prefix's end and its own slot start + j, in
+ * increasing order; positions as hs_forward's, counted within the sequence. Each sequence's
+ * span, prefix_start..start+rows-1, must not overlap another's (a row never reads what another
+ * sequence writes). Logits: each sequence's rows first_logit..rows-1, sequence after sequence.
+ * A row's results are bit for bit those of the same row in a call of its own (hs_forward
+ * with the sequence's slots), whatever other sequences share the call. Returns 0, or -1 for
+ * bad input. */
+int hs_forward_sequences(const hs_model *m, int n_sequences, const hs_sequence *sequences,
+                         const int32_t *tokens, const int32_t *positions,
+                         const int32_t *offsets, const int32_t *visible, float *logits,
+                         int threads);
+
 /* The index of the largest of row[0..n) (the lowest of equal ones: a greedy chain's choice),
  * at kernel level `simd_cap` (as hs_matmul's); -1 for n < 1. */
 int hs_argmax(const float *row, int n, int simd_cap);

@@ -14,6 +14,8 @@
  *                    formats and portable C, then a file per level (unpacked.h, unpacked_x86.h)
  *   attention.c      attention over the half-precision KV cache
  *   forward.c        the forward (hs_forward) and its per-row float steps
+ *   sequences.c      several sequences' rows in one forward (hs_forward_sequences): their
+ *                    layout in the cache, checked, as the forward's per-row arrays
  *   sampling.c       choosing tokens from logits (hs_argmax), and the draft loops that do
  *
  * Build with -ffp-contract=off (setup.py): a fused multiply-add that the compiler forms in one
@@ -239,14 +241,39 @@ HS_DOTPROD HS_INTERNAL void hs_quantized_features_neon(const hs_matrix *w, const
                                                        int n, int first, int end, float *out);
 #endif
 
+/* Where the n rows of a forward sit in the cache (sequences.c lays them out from
+ * hs_forward_sequences' arguments): row i's key and value go to slot[i]; it sees its
+ * sequence's committed prefix, slots prefix_start[i]..prefix_start[i]+prefix_len[i]-1, then
+ * visible[offsets[i]..offsets[i+1]); a sequence's rows are consecutive and share its prefix.
+ * Attention takes rows in sets (rows sets[k]..sets[k+1]-1, n_sets of them: one sequence's,
+ * hs_attention_sets). Logits are computed for rows logit_rows[0..outputs), in that order. */
+typedef struct {
+    int n;
+    const int32_t *tokens, *positions, *offsets, *visible;
+    const int32_t *slot, *prefix_start, *prefix_len;
+    const int32_t *sets;
+    int n_sets;
+    const int32_t *logit_rows;
+    int outputs;
+} hs_rows;
+
+/* forward.c: the forward of rows laid out and checked (sequences.c), logits (rows->outputs,
+ * vocab); 0, or -1 for a model the kernels cannot run or no memory. */
+HS_INTERNAL int hs_forward_rows(const hs_model *m, const hs_rows *rows, float *logits,
+                                int threads);
+
 /* attention.c: the scores one thread's attention needs (floats), and layer `layer`'s attention
- * for the n rows of a forward (hs_forward's arguments): queries (n, n_heads * head_dim) into
- * attended (the same shape). A worksharing loop, run by every thread of the caller's team or
- * by the caller alone; scores: the calling thread's. */
+ * for a forward's rows: queries (n, n_heads * head_dim) into attended (the same shape). A
+ * worksharing loop, run by every thread of the caller's team or by the caller alone; scores:
+ * the calling thread's. */
 HS_INTERNAL size_t hs_attention_scratch(const hs_model *m);
-HS_INTERNAL void hs_attention(const hs_model *m, int layer, int n, const int32_t *positions,
-                              int n_prefix, const int32_t *offsets, const int32_t *visible,
+HS_INTERNAL void hs_attention(const hs_model *m, int layer, const hs_rows *rows,
                               const float *queries, float *attended, float *scores, int simd);
+/* attention.c: the row sets of n rows (prefix_start, prefix_len: each row's) into sets (room
+ * for n + 1): runs of rows sharing a prefix, at most as many as one attention call takes;
+ * returns how many. */
+HS_INTERNAL int hs_attention_sets(int n, const int32_t *prefix_start, const int32_t *prefix_len,
+                                  int32_t *sets);
 #if HS_X86
 /* attention.c: scores -> exp(score - the largest) in place, returning their sum (its softmax,
  * which sampling.c's probabilities use too) */

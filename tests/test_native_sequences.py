@@ -1,0 +1,303 @@
+"""Several sequences in one native forward (issue #72's first stage): each sequence owns a range
+of the KV cache, and a row computed beside other sequences' rows has bit for bit the logits,
+keys and values it has in a call of its own. That is what makes a request's output independent
+of the load, so it is tested hard: random layouts of sequences in the cache, committed lengths,
+pending trees and new trees of mixed widths, at every kernel level here and on every weight
+type the native tests cover, windowed and soft-capped models included.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hetspec.native.kernels import BEST, SIMD_LEVELS, Kernels
+from hetspec.native.model import NativeModel, SequenceRows
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
+TARGET = MODELS / "target"
+LEVELS = Kernels.load().simd_levels()
+LEVEL_NAMES = {value: name for name, value in SIMD_LEVELS.items()}
+
+
+# ---------------------------------------------------------------- random layouts
+
+
+def random_parents(rng: np.random.Generator, count: int, before: int) -> list[int]:
+    """Parents of ``count`` nodes after ``before`` existing ones: -1 (the committed end) or an
+    earlier node, often the one just before (chains), sometimes any (branches)."""
+    parents = []
+    for index in range(before, before + count):
+        if index == 0 or rng.random() < 0.15:
+            parents.append(-1)
+        elif rng.random() < 0.6:
+            parents.append(index - 1)
+        else:
+            parents.append(int(rng.integers(0, index)))
+    return parents
+
+
+@functools.cache
+def node_paths(parents: tuple[int, ...]) -> list[list[int]]:
+    """Each node's ancestors and itself, root first."""
+    paths: list[list[int]] = []
+    for node, parent in enumerate(parents):
+        paths.append([*(paths[parent] if parent >= 0 else []), node])
+    return paths
+
+
+class Layout:
+    """One sequence in slots base..base+context-1: ``committed`` tokens, then the nodes of
+    ``parents`` (pending ones first, then the new ones, evaluated in one forward)."""
+
+    def __init__(self, rng, model: NativeModel, base: int, context: int, committed: int) -> None:
+        self.base = base
+        room = context - 1
+        self.committed = min(committed, room)
+        self.pending = int(rng.integers(0, min(room - self.committed, 8) + 1))
+        widest = min(room + 1 - self.committed - self.pending, 17)
+        self.new = int(rng.choice([1, 1, 2, 5, 8, 9, 16, 17, widest]).clip(1, widest))
+        self.parents = tuple(random_parents(rng, self.pending + self.new, 0))
+        self.tokens = rng.integers(0, model.vocab, self.committed + self.pending + self.new)
+        self.first_logit = int(rng.choice([0, 0, self.new - 1, self.new]))
+
+    def rows(self, first: int, count: int, first_logit: int = 0) -> SequenceRows:
+        """Nodes first..first+count-1 (of the pending and new ones) as the kernels take them."""
+        paths = node_paths(self.parents)[first : first + count]
+        after = self.base + self.committed  # the first pending slot
+        offsets = np.cumsum([0, *(len(path) for path in paths)])
+        return SequenceRows(
+            self.tokens[self.committed + first : self.committed + first + count],
+            np.array([self.committed + len(path) - 1 for path in paths]),
+            self.base,
+            self.committed,
+            after + first,
+            offsets,
+            np.concatenate([after + np.asarray(path) for path in paths]),
+            first_logit,
+        )
+
+    def prepare(self, model: NativeModel) -> None:
+        """Its committed tokens and pending nodes into the cache, each call alone."""
+        if self.committed:
+            count = self.committed
+            model.forward(
+                self.tokens[:count],
+                np.arange(count),
+                start=self.base,
+                prefix=0,
+                offsets=np.cumsum([0, *range(1, count + 1)]),
+                visible=np.concatenate([self.base + np.arange(i + 1) for i in range(count)]),
+                first_logit=count - 1,
+                threads=2,
+                prefix_start=self.base,
+            )
+        if self.pending:
+            self.forward_alone(model, self.rows(0, self.pending))
+
+    @staticmethod
+    def forward_alone(model: NativeModel, rows: SequenceRows) -> np.ndarray:
+        return model.forward(
+            rows.tokens,
+            rows.positions,
+            start=rows.start,
+            prefix=rows.prefix,
+            offsets=rows.offsets,
+            visible=rows.visible,
+            first_logit=rows.first_logit,
+            threads=2,
+            prefix_start=rows.prefix_start,
+        )
+
+    def new_rows(self) -> SequenceRows:
+        return self.rows(self.pending, self.new, self.first_logit)
+
+    def new_slots(self) -> slice:
+        first = self.base + self.committed + self.pending
+        return slice(first, first + self.new)
+
+
+def random_layouts(rng, model: NativeModel, count: int) -> list[Layout]:
+    """``count`` sequences in disjoint ranges of the cache, in a random order, with gaps; in
+    half the layouts all as long as they may be up to one length (rows of different sequences
+    with prefixes of one length, which attention must still tell apart)."""
+    capacity = model.capacity
+    contexts = rng.integers(8, capacity // count + 1, count)
+    spare = capacity - int(contexts.sum())
+    gaps = rng.multinomial(spare, np.ones(count + 1) / (count + 1))
+    if rng.random() < 0.5:
+        gaps[0] = 0  # slot 0 on: the old single-sequence entry point computes it alone
+    common = int(rng.integers(0, 91)) if rng.random() < 0.5 else None
+    layouts, base = [], 0
+    for context, gap in zip(contexts, gaps, strict=False):
+        base += int(gap)
+        committed = int(rng.integers(0, 91)) if common is None else common
+        layouts.append(Layout(rng, model, base, int(context), committed))
+        base += int(context)
+    return [layouts[i] for i in rng.permutation(count)]
+
+
+@functools.cache
+def model_of(path: Path, level: int) -> NativeModel:
+    return NativeModel(path, capacity=256, simd=level)
+
+
+def at_slot_0(path: Path, level: int, layout: Layout) -> np.ndarray:
+    """The new rows' logits of ``layout`` moved to slot 0 of another model's cache (the old
+    single-sequence call): where a sequence sits in the cache changes none of its bits."""
+    moved = copy.copy(layout)
+    moved.base = 0
+    model = model_of(path, level)
+    moved.prepare(model)
+    return Layout.forward_alone(model, moved.new_rows())
+
+
+def check_together_is_alone(
+    model: NativeModel, rng: np.random.Generator, trials: int, level: int = BEST
+) -> None:
+    """Random layouts: each sequence's new rows computed alone, then all sequences' in one
+    forward (in a random order): the same logits and the same keys and values, bit for bit;
+    and alone, the same logits as the sequence at slot 0 of a cache of its own."""
+    for trial in range(trials):
+        layouts = random_layouts(rng, model, int(rng.integers(1, 7)))
+        for layout in layouts:
+            layout.prepare(model)
+        alone, written = [], []
+        for layout in layouts:
+            alone.append(Layout.forward_alone(model, layout.new_rows()).copy())
+            np.testing.assert_array_equal(at_slot_0(model.path, level, layout), alone[-1])
+            slots = layout.new_slots()
+            written.append((model.keys[:, :, slots].copy(), model.values[:, :, slots].copy()))
+            model.keys[:, :, slots] = model.values[:, :, slots] = np.nan  # must be rewritten
+        together = model.forward_sequences([layout.new_rows() for layout in layouts], threads=2)
+        for index, layout in enumerate(layouts):
+            message = f"trial {trial}, sequence {index} of {len(layouts)}"
+            np.testing.assert_array_equal(together[index], alone[index], err_msg=message)
+            assert together[index].shape == (layout.new - layout.first_logit, model.vocab)
+            keys, values = written[index]
+            np.testing.assert_array_equal(model.keys[:, :, layout.new_slots()], keys, message)
+            np.testing.assert_array_equal(model.values[:, :, layout.new_slots()], values, message)
+
+
+# ---------------------------------------------------------------- the kernels
+
+
+@pytest.mark.parametrize("level", LEVELS, ids=[LEVEL_NAMES[level] for level in LEVELS])
+def test_sequences_in_one_forward_are_their_rows_alone_on_the_bundled_target(level) -> None:
+    model = NativeModel(TARGET / "target-q8_0.gguf", capacity=640, simd=level)
+    check_together_is_alone(model, np.random.default_rng(level + 1), 12, level)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["f16", "q8_0", "q4_0"])
+def test_sequences_in_one_forward_are_their_rows_alone_on_heavy_100m(heavy, kind) -> None:
+    """A 1024-wide model with 16 query heads over 4 KV heads: attention's sets of 16 rows
+    and its widened key blocks, with prefixes past one block of 32 keys. (The portable
+    level's F16 products are slow: its attention is checked on the bundled target.)"""
+    model = NativeModel(heavy.gguf(kind), capacity=512)
+    check_together_is_alone(model, np.random.default_rng(len(kind)), 3)
+
+
+@pytest.fixture(scope="module")
+def k_quant_target(tmp_path_factory):
+    """The bundled target in llama.cpp's K-quant and IQ4 mixes (test_native's types: Q4_K,
+    Q5_K, Q6_K, Q5_0, Q5_1, Q8_0, IQ4_XS, IQ4_NL between them)."""
+    from hetspec.models.llama_quantize import quantize_gguf  # noqa: PLC0415
+
+    folder = tmp_path_factory.mktemp("kquant")
+
+    @functools.cache
+    def made(quant_type: str) -> Path:
+        out = folder / f"target-{quant_type}.gguf"
+        quantize_gguf(TARGET / "target-f16.gguf", out, quant_type, threads=1)
+        return out
+
+    return made
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quant_type", ["q4_k_m", "q5_k_m", "iq4_xs"])
+def test_sequences_in_one_forward_are_their_rows_alone_on_k_quants(k_quant_target, quant_type):
+    for level in LEVELS:
+        model = NativeModel(k_quant_target(quant_type), capacity=512, simd=level)
+        check_together_is_alone(model, np.random.default_rng(level), 3, level)
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    """Tiny Gemma 2 and Gemma 3 files: sliding windows of 6 positions on some layers (a
+    row's window starts inside its own sequence's prefix or its tree), Gemma 2's soft caps."""
+    from tiny_models import write_tiny_gguf  # noqa: PLC0415
+
+    @functools.cache
+    def export(name: str) -> Path:
+        folder = tmp_path_factory.mktemp(name)
+        return write_tiny_gguf(folder, name, gguf_type="q8_0", context=256, intermediate_size=128)
+
+    return export
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_windowed_sequences_in_one_forward_are_their_rows_alone(windowed, name) -> None:
+    for level in LEVELS:
+        model = NativeModel(windowed(name), capacity=256, simd=level)
+        check_together_is_alone(model, np.random.default_rng(level), 6, level)
+
+
+def test_one_sequence_at_slot_0_is_the_old_single_sequence_call() -> None:
+    """hs_forward is the one-sequence case: the same rows through either entry point."""
+    model = NativeModel(TARGET / "target-q8_0.gguf", capacity=128)
+    rng = np.random.default_rng(5)
+    layout = Layout(rng, model, 0, 128, 40)
+    layout.prepare(model)
+    rows = layout.rows(layout.pending, layout.new)
+    old = model.forward(
+        rows.tokens,
+        rows.positions,
+        start=rows.start,
+        prefix=rows.prefix,
+        offsets=rows.offsets,
+        visible=rows.visible,
+        first_logit=0,
+        threads=1,
+    ).copy()
+    np.testing.assert_array_equal(model.forward_sequences([rows], threads=1)[0], old)
+
+
+def test_a_forward_that_would_mix_sequences_is_refused() -> None:
+    """A sequence's rows never read or write another's slots: spans that overlap, a visible
+    slot outside the row's own sequence, a prefix running into the new rows are refused."""
+    model = NativeModel(TARGET / "target-q8_0.gguf", capacity=64)
+
+    def rows(base, prefix, start, visible, count=1):
+        return SequenceRows(
+            np.zeros(count, np.int32),
+            np.arange(prefix, prefix + count),
+            base,
+            prefix,
+            start,
+            np.arange(count + 1) * (len(visible) // count),
+            np.asarray(visible),
+        )
+
+    fine = [rows(0, 4, 4, [4]), rows(10, 4, 14, [14])]
+    assert [len(out) for out in model.forward_sequences(fine, threads=1)] == [1, 1]
+    refused = [
+        [rows(0, 4, 4, [4]), rows(3, 1, 4, [4])],  # the second's prefix holds the first's row
+        [rows(0, 4, 4, [4]), rows(4, 0, 4, [4])],  # both write slot 4
+        [rows(0, 4, 4, [4]), rows(10, 4, 14, [4])],  # sees the other sequence's slot
+        [rows(0, 4, 4, [3])],  # a visible slot inside its own prefix
+        [rows(0, 4, 4, [5])],  # a visible slot after its own
+        [rows(0, 5, 4, [4])],  # prefix past the first new slot
+        [rows(60, 2, 62, [62, 63, 64, 65], count=4)],  # past the cache
+    ]
+    for sequences in refused:
+        with pytest.raises(ValueError, match=r"refused|must"):
+            model.forward_sequences(sequences, threads=1)
+    with pytest.raises(ValueError, match="at least one"):
+        model.forward_sequences([], threads=1)
