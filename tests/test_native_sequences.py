@@ -17,6 +17,17 @@ import pytest
 
 from hetspec.native.kernels import BEST, SIMD_LEVELS, Kernels
 from hetspec.native.model import NativeModel, SequenceRows
+from hetspec.speculative.verify.distributions import SamplingParams
+from hetspec.speculative.verify.samplers import DrawnSampler
+from hetspec.workers.runtimes.native_runtime import NativeRuntime
+from hetspec.workers.runtimes.native_sequences import (
+    Chunk,
+    NativeSequence,
+    NativeSequences,
+    SlotRanges,
+    Tree,
+)
+from hetspec.workers.runtimes.tree_runtime import RuntimeUsageError
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 TARGET = MODELS / "target"
@@ -301,3 +312,192 @@ def test_a_forward_that_would_mix_sequences_is_refused() -> None:
             model.forward_sequences(sequences, threads=1)
     with pytest.raises(ValueError, match="at least one"):
         model.forward_sequences([], threads=1)
+
+
+# ---------------------------------------------------------------- the runtime
+
+
+def test_slot_ranges_hand_out_disjoint_ranges_and_merge_what_comes_back() -> None:
+    """Random allocations and releases against a slot-by-slot account: ranges never overlap,
+    a request is refused exactly when no free run is long enough, and freed neighbours merge
+    (everything given back is one free range again)."""
+    capacity = 300
+    ranges, taken = SlotRanges(capacity), {}
+    used = np.zeros(capacity, bool)
+    rng = np.random.default_rng(11)
+
+    def longest_free() -> int:
+        runs = np.diff(np.flatnonzero(np.diff(np.concatenate([[1], used, [1]]).astype(int))))
+        return int(runs[::2].max()) if len(runs) else 0
+
+    for _ in range(600):
+        if taken and rng.random() < 0.45:
+            start = int(rng.choice(list(taken)))
+            ranges.release(start, taken[start])
+            used[start : start + taken.pop(start)] = False
+        else:
+            size = int(rng.integers(1, 80))
+            if longest_free() < size:
+                with pytest.raises(RuntimeUsageError, match="free slots"):
+                    ranges.allocate(size)
+                continue
+            start = ranges.allocate(size)
+            assert not used[start : start + size].any()
+            assert start + size <= capacity
+            used[start : start + size] = True
+            taken[start] = size
+        assert ranges.free == capacity - used.sum()
+        assert ranges.longest == longest_free()
+    for start, size in taken.items():
+        ranges.release(start, size)
+    assert (ranges.free, ranges.longest) == (capacity, capacity)
+    start = ranges.allocate(10)
+    with pytest.raises(RuntimeUsageError, match="not taken"):
+        ranges.release(start, 11)  # more than was taken
+    ranges.release(start, 10)
+    with pytest.raises(RuntimeUsageError, match="not taken"):
+        ranges.release(start, 10)  # twice
+
+
+def greedy_verdict(tokens: list[int], parents: list[int], logits: np.ndarray) -> list[int]:
+    """The accepted path of a greedy verification: from node 0 (the last round's bonus), the
+    child holding each node's argmax, as long as there is one."""
+    path = [0]
+    while True:
+        wanted = int(logits[path[-1]].argmax())
+        child = next(
+            (n for n, p in enumerate(parents) if p == path[-1] and tokens[n] == wanted), None
+        )
+        if child is None:
+            return path
+        path.append(child)
+
+
+class Request:
+    """A request of the batch test: its prompt, the tokens it decodes alone (``steps``) and,
+    once started, its sequence, the tokens drawn so far (the last one the bonus, not committed
+    yet) and how much of its prompt is committed."""
+
+    def __init__(self, prompt: list[int], decoded: list[int]) -> None:
+        self.prompt, self.decoded = prompt, decoded
+        self.context = len(prompt) + len(decoded) + 8
+        self.sequence: NativeSequence | None = None
+        self.drawn: list[int] = []
+        self.prefilled = 0
+
+    def start(self, batch: NativeSequences, rng: np.random.Generator) -> None:
+        """Open its sequence; prefill it alone, or leave the prompt to chunks beside others."""
+        self.sequence = batch.open(self.context)
+        if rng.random() < 0.5:
+            self.sequence.prefill(self.prompt)
+            self.prefilled = len(self.prompt)
+            self.drawn.append(int(self.sequence.last_logits().argmax()))
+
+    def work(self, rng: np.random.Generator, vocab: int) -> Tree | Chunk:
+        """A chunk of its prompt, or a tree: the bonus and a random draft below it (chains
+        and branches, 70% of its tokens the right ones)."""
+        if self.prefilled < len(self.prompt):
+            size = int(rng.integers(1, 40))
+            return Chunk(self.sequence, self.prompt[self.prefilled : self.prefilled + size])
+        tokens, parents = [self.drawn[-1]], [-1]
+        for _ in range(int(rng.integers(0, 6))):
+            at = len(self.drawn) - 1 + len(tokens)
+            right = self.decoded[at] if at < len(self.decoded) else 0
+            tokens.append(right if rng.random() < 0.7 else int(rng.integers(0, vocab)))
+            chained = rng.random() < 0.8
+            parents.append(len(tokens) - 2 if chained else int(rng.integers(0, len(tokens) - 1)))
+        return Tree(self.sequence, tokens, parents)
+
+    def take(self, item: Tree | Chunk, logits: np.ndarray) -> bool:
+        """Apply what the forward gave ``item``; whether the request has all its tokens."""
+        if isinstance(item, Chunk):
+            assert logits.shape == (self.sequence.vocab_size,)
+            self.prefilled += len(item.tokens)
+            if self.prefilled == len(self.prompt):
+                self.drawn.append(int(logits.argmax()))
+            return False
+        path = greedy_verdict(list(item.tokens), list(item.parents), logits)
+        self.sequence.commit(path)
+        self.drawn += [item.tokens[node] for node in path[1:]]
+        self.drawn.append(int(logits[path[-1]].argmax()))
+        return len(self.drawn) >= len(self.decoded)
+
+
+def test_sequences_verified_together_decode_what_each_decodes_alone() -> None:
+    """Requests joining and leaving: prompts prefilled alone or as chunks beside the others'
+    rounds, greedy rounds of random drafts verified in one forward, a finished sequence's
+    slots reused by the next: every request's tokens are those it decodes alone, and a
+    round's rows are those its sequence evaluates alone."""
+    path = TARGET / "target-q8_0.gguf"
+    batch = NativeSequences.load(path, 700, threads=2)
+    rng = np.random.default_rng(23)
+    alone = NativeRuntime(path, n_ctx=256, threads=2)
+    waiting = []
+    for _ in range(7):
+        prompt = rng.integers(0, alone.vocab_size, int(rng.integers(1, 120))).tolist()
+        alone.prefill(prompt)
+        waiting.append(Request(prompt, alone.decode(24, SamplingParams(), DrawnSampler(0))))
+    active: list[Request] = []
+    checked_alone = 0
+    while waiting or active:
+        while waiting and batch.slots.longest >= waiting[0].context and len(active) < 4:
+            active.append(waiting.pop(0))
+            active[-1].start(batch, rng)
+        work = {
+            id(item): (request, item)
+            for request in active
+            for item in [request.work(rng, alone.vocab_size)]
+        }
+        items = [item for _, item in work.values()]
+        rng.shuffle(items)
+        trees = [item for item in items if isinstance(item, Tree)]
+        own = None
+        if trees and rng.random() < 0.5:  # one tree alone first: the same rows together
+            alone_tree = trees[int(rng.integers(0, len(trees)))]
+            own = alone_tree.sequence.evaluate_tree(alone_tree.tokens, alone_tree.parents).copy()
+        for item, logits in zip(items, batch.evaluate(items), strict=True):
+            request = work[id(item)][0]
+            if own is not None and item is alone_tree:
+                np.testing.assert_array_equal(logits, own)
+                checked_alone += 1
+            if request.take(item, logits):
+                assert request.drawn[: len(request.decoded)] == request.decoded
+                batch.close(request.sequence)
+                active.remove(request)
+    assert checked_alone > 3
+    assert batch.slots.free == batch.model.capacity
+    assert not batch.sequences
+
+
+def test_what_a_batch_cannot_do_is_refused_and_changes_nothing() -> None:
+    path = TARGET / "target-q8_0.gguf"
+    batch = NativeSequences.load(path, 100, threads=1)
+    first, second = batch.open(40), batch.open(40)
+    with pytest.raises(RuntimeUsageError, match="free slots"):
+        batch.open(21)  # 20 left
+    first.prefill([1, 2, 3])
+    second.prefill([4, 5])
+    first.forward_tree([6, 7], [-1, 0])
+    before = first.last_logits().copy()
+    other = NativeSequences.load(path, 50, threads=1).open(10)
+    for work, match in [
+        ([], "nothing"),
+        ([Tree(first, [1], [-1]), Tree(first, [2], [-1])], "at most one"),
+        ([Tree(second, [1], [-1]), Tree(other, [1], [-1])], "not open here"),
+        ([Tree(second, [1] * 39, list(range(-1, 38)))], "context full"),
+        ([Chunk(second, [])], "at least one"),
+        ([Tree(second, [1], [3])], "parent must be"),  # a TreeError, as forward_tree's
+    ]:
+        with pytest.raises(ValueError, match=match):
+            batch.evaluate(work)
+    assert first.pending == 2  # refused before its plan: its pending tree stands
+    assert (first.tokens, second.tokens) == ([1, 2, 3], [4, 5])
+    np.testing.assert_array_equal(first.last_logits(), before)
+    batch.close(second)
+    with pytest.raises(RuntimeUsageError, match="not open here"):
+        batch.close(second)
+    with pytest.raises(RuntimeUsageError, match="not open here"):
+        batch.evaluate([Tree(second, [1], [-1])])
+    with pytest.raises(RuntimeUsageError, match="closed"):
+        second.prefill([1, 2])  # alone: its old slots may be another sequence's now
+    assert batch.slots.free == 60

@@ -3,11 +3,13 @@
 Laid out as the torch runtime is: the committed tokens' keys/values fill cache slots
 0..committed-1 and the pending tree's nodes the slots after them, in evaluation order;
 committing a path copies its slots right after the prefix. Each new node attends to the
-prefix and to its ancestors' slots, listed per node (no dense mask). The kernels compute every
-row the same way whatever the width of the call, so a token's logits inside a tree equal its
-logits evaluated on their own, bit for bit: greedy verification returns exactly what this runtime
-decodes alone. The vocabulary comes from llama.cpp (the file loaded ``vocab_only``), so this
-runtime tokenizes exactly as the llama.cpp workers do.
+prefix and to its ancestors' slots, listed per node (no dense mask): the hooks are
+``native_sequences.NativeSequence``'s, this runtime being the sequence that owns the whole
+cache. The kernels compute every row the same way whatever the width of the call, so a
+token's logits inside a tree equal its logits evaluated on their own, bit for bit: greedy
+verification returns exactly what this runtime decodes alone. The vocabulary comes from
+llama.cpp (the file loaded ``vocab_only``), so this runtime tokenizes exactly as the
+llama.cpp workers do.
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ from hetspec.native.model import NativeModel
 from hetspec.speculative.drafting.vocab_match import VocabInfo
 from hetspec.speculative.verify.samplers import ChainDraws
 from hetspec.workers.runtimes.llama_cpp_runtime.vocabulary import VocabularyFile
-from hetspec.workers.runtimes.tree_runtime import TreeRuntime
+from hetspec.workers.runtimes.native_sequences import NativeSequence
 
 
-class NativeRuntime(TreeRuntime[np.ndarray]):
+class NativeRuntime(NativeSequence):
     def __init__(
         self,
         model_path: str | Path,
@@ -45,32 +47,29 @@ class NativeRuntime(TreeRuntime[np.ndarray]):
         if not path.is_file():
             raise NativeUnavailable(f"{path}: no such file")
         owned = len(os.sched_getaffinity(0))
-        self.threads = threads or owned
-        if not 0 < self.threads <= owned:
+        threads = threads or owned
+        if not 0 < threads <= owned:
             raise NativeUnavailable(
-                f"{self.threads} threads requested but this process owns {owned} cores"
+                f"{threads} threads requested but this process owns {owned} cores"
             )
-        self._extra_threads = 0
         if simd is not None and simd not in SIMD_LEVELS:
             raise NativeUnavailable(
                 f"no {simd} kernels on this architecture: it has {', '.join(SIMD_LEVELS)}"
             )
-        self.model = NativeModel(
-            path, n_ctx, BEST if simd is None else SIMD_LEVELS[simd], pack=pack
-        )
-        level = self.model.kernels.level_for(BEST if simd is None else SIMD_LEVELS[simd])
+        model = NativeModel(path, n_ctx, BEST if simd is None else SIMD_LEVELS[simd], pack=pack)
+        level = model.kernels.level_for(BEST if simd is None else SIMD_LEVELS[simd])
         self.kernels = next(name for name, value in SIMD_LEVELS.items() if value == level)
         vocabulary = VocabularyFile.open(path)
         if vocabulary is None:
             raise NativeUnavailable(f"{path}: llama.cpp could not read its vocabulary")
-        if vocabulary.size != self.model.vocab:
+        if vocabulary.size != model.vocab:
             raise NativeUnavailable(
                 f"{path}: {vocabulary.size} tokens in the vocabulary but "
-                f"{self.model.vocab} embedding rows"
+                f"{model.vocab} embedding rows"
             )
         self._vocabulary = vocabulary
         self.path = path
-        super().__init__(self.model.vocab, self.model.capacity)
+        super().__init__(model, 0, model.capacity, threads)
 
     def set_extra_threads(self, extra: int) -> None:
         """Compute with ``extra`` threads beyond the configured ones (on cores lent for now:
@@ -101,25 +100,6 @@ class NativeRuntime(TreeRuntime[np.ndarray]):
         return (width, *range(1, width))
 
     # ------------------------------------------------------------ TreeRuntime hooks
-
-    def _forward(
-        self, tokens: np.ndarray, positions: np.ndarray, rows: np.ndarray, first_logit: int
-    ) -> np.ndarray:
-        """New nodes into the slots after the pending ones; ``rows`` (new, pending + new) says
-        which pending slots each sees besides the committed prefix."""
-        node, column = np.nonzero(rows)  # row-major: each node's slots in increasing order
-        offsets = np.zeros(len(tokens) + 1, np.int32)
-        np.cumsum(np.bincount(node, minlength=len(tokens)), out=offsets[1:])
-        return self.model.forward(
-            tokens,
-            positions,
-            start=self.committed + self.pending,
-            prefix=self.committed,
-            offsets=offsets,
-            visible=self.committed + column,
-            first_logit=first_logit,
-            threads=self.threads + self._extra_threads,
-        )
 
     def _run_chain(
         self,
@@ -164,30 +144,3 @@ class NativeRuntime(TreeRuntime[np.ndarray]):
             threads=self.threads + self._extra_threads,
             probs=probs,
         )
-
-    def _run(
-        self, tokens: np.ndarray, parents: np.ndarray, positions: np.ndarray, rows: np.ndarray
-    ) -> np.ndarray:
-        return self._forward(tokens, positions, rows, 0)
-
-    def _node_logits(self, output: np.ndarray, index: int) -> np.ndarray:
-        return output[index].copy()
-
-    def _step_logits(self, output: np.ndarray) -> np.ndarray:
-        return output
-
-    def _keep_path(self, path: list[int]) -> None:
-        if path != list(range(len(path))):
-            self.model.move_slots(self.committed + np.asarray(path), self.committed)
-
-    def _drop_pending_kv(self) -> None:
-        """Nothing to do: pending slots are overwritten by the next forward."""
-
-    def _truncate_kv(self, length: int) -> None:
-        """Nothing to do: slots past the committed length are never attended to."""
-
-    def _extend_committed(self, tokens: np.ndarray) -> np.ndarray:
-        count = len(tokens)
-        rows = np.tril(np.ones((count, count), bool))
-        positions = self.committed + np.arange(count)
-        return self._forward(tokens, positions, rows, count - 1)[0]
