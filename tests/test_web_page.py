@@ -244,6 +244,18 @@ async def test_a_question_streams_and_the_plots_show_the_metrics_figures(
     assert tab.exceptions() == []
 
 
+async def queue_reaches(daemon, condition, timeout_s: float = 30) -> dict:
+    """/props' queue once ``condition(queue)`` holds, polled every 20 ms."""
+    deadline = time.monotonic() + timeout_s
+    with on_socket(daemon) as http:
+        while time.monotonic() < deadline:
+            queue = http.get("/props").json()["queue"]
+            if condition(queue):
+                return queue
+            await asyncio.sleep(0.02)
+    raise TimeoutError(f"the queue stayed {queue}")
+
+
 @needs_chromium
 async def test_stop_leaves_the_queue_and_the_page_says_so(daemon, tab) -> None:
     """An answer that waits behind a long one: stop takes it out of the queue."""
@@ -257,19 +269,22 @@ async def test_stop_leaves_the_queue_and_the_page_says_so(daemon, tab) -> None:
                 "stream": False,
                 "ignore_eos": True,
                 "mode": "autoregressive",
-                "options": {"num_predict": 1500, "temperature": 0},
+                "options": {"num_predict": 1800, "temperature": 0},
             },
         )
     )
     long_one.start()
     try:
-        await tab.wait_for(f"{text_of('#status')}.startsWith('answering')", 10)
+        await queue_reaches(daemon, lambda queue: queue["running"])
         await tab.type("#prompt", QUESTION)
         await tab.click("#send")
-        await tab.wait_for(f"{text_of('#status')}.includes('(1 waiting)')", 10)
+        await queue_reaches(daemon, lambda queue: queue["waiting"] == 1)
         await tab.click("#stop")
         await tab.wait_for("document.querySelector('.turn.note')?.textContent === 'stopped'", 5)
-        await tab.wait_for(f"{text_of('#status')}.includes('(0 waiting)')", 10)
+        await queue_reaches(daemon, lambda queue: queue["waiting"] == 0)
+        # it never began: no answer on the page, the question still there
+        assert await tab.evaluate("document.querySelector('.turn.assistant')") is None
+        assert await tab.evaluate(text_of(".turn.user")) == QUESTION
         assert await tab.evaluate("document.querySelector('#send').disabled") is False
     finally:
         await asyncio.to_thread(long_one.join, 120)

@@ -178,6 +178,7 @@ async function send(event) {
     showCosts(page.answers, page.props);
   } catch (error) {
     page.messages.pop(); // the question stays on screen, not in the next request's history
+    if (!answer.textContent) answer.remove();
     if (error.name === "AbortError") {
       addTurn("note", "stopped");
       stats.textContent = "stopped";
@@ -185,7 +186,6 @@ async function send(event) {
       const message = error instanceof Problem ? error.message : "the answer failed";
       addTurn("error", message);
       stats.textContent = "";
-      if (!answer.textContent) answer.remove();
     }
   } finally {
     page.running = null;
