@@ -93,7 +93,7 @@ class Layout:
         )
 
     def prepare(self, model: NativeModel) -> None:
-        """Its committed tokens and pending nodes into the cache, each call alone."""
+        """Its committed tokens and pending nodes into the cache, in calls of their own."""
         if self.committed:
             count = self.committed
             model.forward(
@@ -108,10 +108,10 @@ class Layout:
                 prefix_start=self.base,
             )
         if self.pending:
-            self.forward_alone(model, self.rows(0, self.pending))
+            self.forward_on_its_own(model, self.rows(0, self.pending))
 
     @staticmethod
-    def forward_alone(model: NativeModel, rows: SequenceRows) -> np.ndarray:
+    def forward_on_its_own(model: NativeModel, rows: SequenceRows) -> np.ndarray:
         return model.forward(
             rows.tokens,
             rows.positions,
@@ -141,7 +141,7 @@ def random_layouts(rng, model: NativeModel, count: int) -> list[Layout]:
     spare = capacity - int(contexts.sum())
     gaps = rng.multinomial(spare, np.ones(count + 1) / (count + 1))
     if rng.random() < 0.5:
-        gaps[0] = 0  # slot 0 on: the old single-sequence entry point computes it alone
+        gaps[0] = 0  # slot 0 on: the old single-sequence entry point computes it
     common = int(rng.integers(0, 91)) if rng.random() < 0.5 else None
     layouts, base = [], 0
     for context, gap in zip(contexts, gaps, strict=False):
@@ -164,30 +164,30 @@ def at_slot_0(path: Path, level: int, layout: Layout) -> np.ndarray:
     moved.base = 0
     model = model_of(path, level)
     moved.prepare(model)
-    return Layout.forward_alone(model, moved.new_rows())
+    return Layout.forward_on_its_own(model, moved.new_rows())
 
 
-def check_together_is_alone(
+def check_together_is_on_its_own(
     model: NativeModel, rng: np.random.Generator, trials: int, level: int = BEST
 ) -> None:
-    """Random layouts: each sequence's new rows computed alone, then all sequences' in one
+    """Random layouts: each sequence's new rows computed on their own, then all sequences' in one
     forward (in a random order): the same logits and the same keys and values, bit for bit;
-    and alone, the same logits as the sequence at slot 0 of a cache of its own."""
+    and on their own, the same logits as the sequence at slot 0 of another cache."""
     for trial in range(trials):
         layouts = random_layouts(rng, model, int(rng.integers(1, 7)))
         for layout in layouts:
             layout.prepare(model)
-        alone, written = [], []
+        own, written = [], []
         for layout in layouts:
-            alone.append(Layout.forward_alone(model, layout.new_rows()).copy())
-            np.testing.assert_array_equal(at_slot_0(model.path, level, layout), alone[-1])
+            own.append(Layout.forward_on_its_own(model, layout.new_rows()).copy())
+            np.testing.assert_array_equal(at_slot_0(model.path, level, layout), own[-1])
             slots = layout.new_slots()
             written.append((model.keys[:, :, slots].copy(), model.values[:, :, slots].copy()))
             model.keys[:, :, slots] = model.values[:, :, slots] = np.nan  # must be rewritten
         together = model.forward_sequences([layout.new_rows() for layout in layouts], threads=2)
         for index, layout in enumerate(layouts):
             message = f"trial {trial}, sequence {index} of {len(layouts)}"
-            np.testing.assert_array_equal(together[index], alone[index], err_msg=message)
+            np.testing.assert_array_equal(together[index], own[index], err_msg=message)
             assert together[index].shape == (layout.new - layout.first_logit, model.vocab)
             keys, values = written[index]
             np.testing.assert_array_equal(model.keys[:, :, layout.new_slots()], keys, message)
@@ -198,19 +198,19 @@ def check_together_is_alone(
 
 
 @pytest.mark.parametrize("level", LEVELS, ids=[LEVEL_NAMES[level] for level in LEVELS])
-def test_sequences_in_one_forward_are_their_rows_alone_on_the_bundled_target(level) -> None:
+def test_sequences_in_one_forward_are_their_rows_on_their_own_on_the_bundled_target(level) -> None:
     model = NativeModel(TARGET / "target-q8_0.gguf", capacity=640, simd=level)
-    check_together_is_alone(model, np.random.default_rng(level + 1), 12, level)
+    check_together_is_on_its_own(model, np.random.default_rng(level + 1), 12, level)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["f16", "q8_0", "q4_0"])
-def test_sequences_in_one_forward_are_their_rows_alone_on_heavy_100m(heavy, kind) -> None:
+def test_sequences_in_one_forward_are_their_rows_on_their_own_on_heavy_100m(heavy, kind) -> None:
     """A 1024-wide model with 16 query heads over 4 KV heads: attention's sets of 16 rows
     and its widened key blocks, with prefixes past one block of 32 keys. (The portable
     level's F16 products are slow: its attention is checked on the bundled target.)"""
     model = NativeModel(heavy.gguf(kind), capacity=512)
-    check_together_is_alone(model, np.random.default_rng(len(kind)), 3)
+    check_together_is_on_its_own(model, np.random.default_rng(len(kind)), 3)
 
 
 @pytest.fixture(scope="module")
@@ -232,10 +232,12 @@ def k_quant_target(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("quant_type", ["q4_k_m", "q5_k_m", "iq4_xs"])
-def test_sequences_in_one_forward_are_their_rows_alone_on_k_quants(k_quant_target, quant_type):
+def test_sequences_in_one_forward_are_their_rows_on_their_own_on_k_quants(
+    k_quant_target, quant_type
+):
     for level in LEVELS:
         model = NativeModel(k_quant_target(quant_type), capacity=512, simd=level)
-        check_together_is_alone(model, np.random.default_rng(level), 3, level)
+        check_together_is_on_its_own(model, np.random.default_rng(level), 3, level)
 
 
 @pytest.fixture(scope="module")
@@ -254,10 +256,10 @@ def windowed(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])
-def test_windowed_sequences_in_one_forward_are_their_rows_alone(windowed, name) -> None:
+def test_windowed_sequences_in_one_forward_are_their_rows_on_their_own(windowed, name) -> None:
     for level in LEVELS:
         model = NativeModel(windowed(name), capacity=256, simd=level)
-        check_together_is_alone(model, np.random.default_rng(level), 6, level)
+        check_together_is_on_its_own(model, np.random.default_rng(level), 6, level)
 
 
 def test_one_sequence_at_slot_0_is_the_old_single_sequence_call() -> None:
@@ -374,7 +376,7 @@ def greedy_verdict(tokens: list[int], parents: list[int], logits: np.ndarray) ->
 
 
 class Request:
-    """A request of the batch test: its prompt, the tokens it decodes alone (``steps``) and,
+    """A request of the batch test: its prompt, the tokens it decodes on its own (``steps``) and,
     once started, its sequence, the tokens drawn so far (the last one the bonus, not committed
     yet) and how much of its prompt is committed."""
 
@@ -386,7 +388,7 @@ class Request:
         self.prefilled = 0
 
     def start(self, batch: NativeSequences, rng: np.random.Generator) -> None:
-        """Open its sequence; prefill it alone, or leave the prompt to chunks beside others."""
+        """Open its sequence; prefill it on its own, or leave the prompt to chunks beside others."""
         self.sequence = batch.open(self.context)
         if rng.random() < 0.5:
             self.sequence.prefill(self.prompt)
@@ -423,22 +425,22 @@ class Request:
         return len(self.drawn) >= len(self.decoded)
 
 
-def test_sequences_verified_together_decode_what_each_decodes_alone() -> None:
-    """Requests joining and leaving: prompts prefilled alone or as chunks beside the others'
+def test_sequences_verified_together_decode_what_each_decodes_on_its_own() -> None:
+    """Requests joining and leaving: prompts prefilled on their own or as chunks beside the others'
     rounds, greedy rounds of random drafts verified in one forward, a finished sequence's
-    slots reused by the next: every request's tokens are those it decodes alone, and a
-    round's rows are those its sequence evaluates alone."""
+    slots reused by the next: every request's tokens are those it decodes on its own, and
+    a round's rows are those its sequence evaluates on its own."""
     path = TARGET / "target-q8_0.gguf"
     batch = NativeSequences.load(path, 700, threads=2)
     rng = np.random.default_rng(23)
-    alone = NativeRuntime(path, n_ctx=256, threads=2)
+    single = NativeRuntime(path, n_ctx=256, threads=2)
     waiting = []
     for _ in range(7):
-        prompt = rng.integers(0, alone.vocab_size, int(rng.integers(1, 120))).tolist()
-        alone.prefill(prompt)
-        waiting.append(Request(prompt, alone.decode(24, SamplingParams(), DrawnSampler(0))))
+        prompt = rng.integers(0, single.vocab_size, int(rng.integers(1, 120))).tolist()
+        single.prefill(prompt)
+        waiting.append(Request(prompt, single.decode(24, SamplingParams(), DrawnSampler(0))))
     active: list[Request] = []
-    checked_alone = 0
+    checked_own = 0
     while waiting or active:
         while waiting and batch.slots.longest >= waiting[0].context and len(active) < 4:
             active.append(waiting.pop(0))
@@ -446,25 +448,25 @@ def test_sequences_verified_together_decode_what_each_decodes_alone() -> None:
         work = {
             id(item): (request, item)
             for request in active
-            for item in [request.work(rng, alone.vocab_size)]
+            for item in [request.work(rng, single.vocab_size)]
         }
         items = [item for _, item in work.values()]
         rng.shuffle(items)
         trees = [item for item in items if isinstance(item, Tree)]
         own = None
-        if trees and rng.random() < 0.5:  # one tree alone first: the same rows together
-            alone_tree = trees[int(rng.integers(0, len(trees)))]
-            own = alone_tree.sequence.evaluate_tree(alone_tree.tokens, alone_tree.parents).copy()
+        if trees and rng.random() < 0.5:  # one tree on its own first: the same rows together
+            own_tree = trees[int(rng.integers(0, len(trees)))]
+            own = own_tree.sequence.evaluate_tree(own_tree.tokens, own_tree.parents).copy()
         for item, logits in zip(items, batch.evaluate(items), strict=True):
             request = work[id(item)][0]
-            if own is not None and item is alone_tree:
+            if own is not None and item is own_tree:
                 np.testing.assert_array_equal(logits, own)
-                checked_alone += 1
+                checked_own += 1
             if request.take(item, logits):
                 assert request.drawn[: len(request.decoded)] == request.decoded
                 batch.close(request.sequence)
                 active.remove(request)
-    assert checked_alone > 3
+    assert checked_own > 3
     assert batch.slots.free == batch.model.capacity
     assert not batch.sequences
 
@@ -499,5 +501,20 @@ def test_what_a_batch_cannot_do_is_refused_and_changes_nothing() -> None:
     with pytest.raises(RuntimeUsageError, match="not open here"):
         batch.evaluate([Tree(second, [1], [-1])])
     with pytest.raises(RuntimeUsageError, match="closed"):
-        second.prefill([1, 2])  # alone: its old slots may be another sequence's now
+        second.prefill([1, 2])  # its old slots may be another sequence's now
     assert batch.slots.free == 60
+
+
+def test_the_bench_times_k_sequences_in_one_forward_against_k_forwards(capsys) -> None:
+    """bench/batched_verify.py (docs/bench/batched-verify.md) on the bundled target: a row for
+    every k and w, the rows together and on their own checked to be the same bits as it times them,
+    and a model it cannot find skipped with its reason."""
+    from hetspec.bench import batched_verify  # noqa: PLC0415
+
+    argv = ["--models", "bundled,nowhere.gguf", "--sequences", "2,1", "--widths", "3,1"]
+    assert batched_verify.main([*argv, "--passes", "1", "--prefix", "16"]) == 0
+    out = capsys.readouterr().out
+    for k, w in [(1, 1), (2, 1), (1, 3), (2, 3)]:
+        assert f"\n| {k} | {w} | {k * w} | " in out
+    assert "### nowhere.gguf: skipped (nowhere.gguf: not bundled" in out
+    assert "KiB a slot" in out

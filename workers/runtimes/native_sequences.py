@@ -11,7 +11,7 @@ The first stage of serving several requests at once (issue #72), at the runtime 
   context), ``evaluate`` several sequences' trees and prompt chunks in one forward, ``close``.
 
 Contract: a row evaluated in ``evaluate`` has bit for bit the logits (and writes bit for bit
-the keys and values) it has when its sequence evaluates it alone, whatever else shares the
+the keys and values) it has when its sequence evaluates it on its own, whatever else shares the
 forward: output does not depend on load. Nothing is shared between sequences but the weights
 and the forward: each row attends to its own sequence's slots only. ``evaluate`` leaves each
 sequence as its own ``evaluate_tree`` (a tree) or ``append`` of new tokens (a chunk) would.
@@ -131,7 +131,7 @@ class NativeSequence(TreeRuntime[np.ndarray]):
     def _forward(
         self, tokens: np.ndarray, positions: np.ndarray, rows: np.ndarray, first_logit: int
     ) -> np.ndarray:
-        """``_rows`` evaluated in a forward of this sequence alone."""
+        """``_rows`` evaluated in a forward of their own."""
         part = self._rows(tokens, positions, rows, first_logit)
         return self.model.forward(
             part.tokens,
@@ -296,7 +296,7 @@ class NativeSequences:
         """Every item's rows in one forward, at most one item a sequence: a ``Tree``'s
         logits (nodes, vocab), its nodes left pending; a ``Chunk``'s logits (vocab,) after its
         last token, its tokens committed. Each row's logits are bit for bit those its sequence
-        gets evaluating it alone (``evaluate_tree``, ``append``). Refusals
+        gets evaluating it on its own (``evaluate_tree``, ``append``). Refusals
         (``RuntimeUsageError``, a tree's ``TreeError``) come before the forward, so nothing is
         evaluated; but as in ``forward_tree``, a ``Tree`` without ``extend`` (or a ``Chunk``)
         checked by then has dropped its sequence's pending tree."""
