@@ -11,7 +11,8 @@ Protocol version history: 1 = the first one; 2 = spare cores (``Hello.spare_core
 5 = log-probabilities (``Decode.logprobs``); 6 = the target's features for a draft head
 (``features`` fields: the hidden state entering the LM head, float32 rows, one per position);
 21 = the prompt's own log-probabilities (``Prefill.prompt_logprobs``, and
-``Prefilled``'s).
+``Prefilled``'s); 22 = a request's grammar in ``Draft`` and ``Decode`` (``GrammarAt``: drafts
+and the target alone choose only tokens it allows).
 """
 
 from __future__ import annotations
@@ -24,7 +25,15 @@ from hetspec.protocol.arena import ArenaLayout, ArrayRef
 from hetspec.protocol.sampling import SamplingParams, TokenLogprob
 from hetspec.protocol.vocab import VocabInfo
 
-PROTOCOL_VERSION = 21
+PROTOCOL_VERSION = 22
+
+
+class GrammarAt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A request's grammar (llguidance's text) and where its output starts in the sequence:
+    the committed tokens from ``start`` on are the text it has matched so far."""
+
+    text: str
+    start: int
 
 
 class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"):
@@ -235,6 +244,7 @@ class Draft(_Message, tag="draft"):
     spare_cores: bool = False
     # a draft head's input: row i is the target's feature of the position before append[i]
     features: ArrayRef | None = None
+    grammar: GrammarAt | None = None  # drafted tokens keep the text valid (Chains only)
 
 
 class Decode(_Message, tag="decode"):
@@ -251,6 +261,7 @@ class Decode(_Message, tag="decode"):
     spare_cores: bool = False
     logprobs: int | None = None
     report_features: bool = False  # reply with the features of the positions evaluated
+    grammar: GrammarAt | None = None  # every token drawn keeps the text valid
 
 
 class SampledWalk(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -104,6 +104,9 @@ class TableModel(TreeRuntime):
     def token_bytes(self, token: int) -> bytes:
         return bytes([ord("a") + token % 26]) if token < 26 else f"<{token}>".encode()
 
+    def special_tokens(self) -> list[int]:
+        return []
+
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
         return [ord(char) % 26 for char in text]
 

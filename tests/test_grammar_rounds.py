@@ -123,7 +123,7 @@ def test_a_grammar_that_ends_ends_the_request(arena, tokenizer, kind) -> None:
     result, stats, text = decode(pair, BudgetController(), grammar, plan=FIXED[kind])
     assert re.fullmatch("(ab|cd)[e-z]{2}quvw", text), text
     assert result.done_reason == "stop"
-    assert stats.grammar_forced >= 3
+    assert stats.grammar_forced >= 1  # "uvw" after "q", where the drafter did not draft it
 
 
 def masked_law(model: TableModel, tokenizer, params: SamplingParams) -> list[dict[int, float]]:

@@ -25,6 +25,7 @@ from hetspec.speculative.verify.verdicts import RowsOnDemand, Verdict, verify_sa
 from hetspec.workers.runtimes.loading import LoadError
 from hetspec.workers.runtimes.spare_cores import SpareCores
 from hetspec.workers.runtimes.tree_runtime import RuntimeUsageError, TreeDraftResult
+from hetspec.workers.worker_grammar import WorkerGrammar
 
 
 class ComputeHandlers:
@@ -38,6 +39,7 @@ class ComputeHandlers:
         self.sampler: Sampler = DrawnSampler()  # a request's, from its Prefill's seed
         # whether the daemon cancelled the command running now (see Worker.serve)
         self.cancelled: Callable[[], bool] = lambda: False
+        self.grammar = WorkerGrammar(lambda: self.runtime)  # the request's, where it has one
 
     def _engine(self, spare_cores: bool | None = None):
         """The runtime, computing on the spare cores too when a compute command says so
@@ -123,10 +125,13 @@ class ComputeHandlers:
         engine, shape = self._engine(command.spare_cores), command.shape
         if isinstance(shape, m.RunAhead) and command.append:
             raise RuntimeUsageError("a run-ahead continues a pending draft: it appends nothing")
-        one_chain = isinstance(shape, m.Chains) and engine.chains_in_one_call(
-            command.sampling, shape.branches, None
+        one_chain = (
+            isinstance(shape, m.Chains)
+            and command.grammar is None
+            and engine.chains_in_one_call(command.sampling, shape.branches, None)
         )
         first = self._catch_up(engine, command, frames, one_chain)
+        grammar = self.grammar.at(command.grammar, engine.tokens)
         append_ms = (time.perf_counter() - start) * 1000
         forwards = engine.forwards
         result = engine.draft_shape(
@@ -135,6 +140,7 @@ class ComputeHandlers:
             self.sampler,
             rows=lambda rows: self._slot(command.out, rows),
             first=first,
+            grammar=grammar,
         )
         if isinstance(result, TreeDraftResult):
             probs = m.ArrayRef("<f4", (1, 0, engine.vocab_size), slot=command.out)
@@ -198,6 +204,7 @@ class ComputeHandlers:
                 self.sampler,
                 logprobs=logprobs,
                 top=command.logprobs or 0,
+                grammar=self.grammar.at(command.grammar, engine.tokens),
             )
         elapsed = (time.perf_counter() - start) * 1000
         reply = m.Decoded(command.request, tokens, elapsed, logprobs or [])

@@ -159,6 +159,9 @@ class Decoder:
             fixed=self.fixed,
             constraint=self.constraint,
         )
+        if self.constraint is not None:
+            ctx.grammar_at = m.GrammarAt(self.constraint.text, len(prompt))
+            ctx.drafter.grammar = ctx.grammar_at
         if self.lookup is not None:
             ctx.lookup, ctx.lookup_children = self.lookup.drafter(), self.lookup.children
             ctx.lookup.extend(prompt)

@@ -31,8 +31,7 @@ class RoundKind(enum.Enum):
     TREE = "tree"  # EAGLE-2's dynamic tree, its best ranked prefix verified
     OVERLAPPED = "overlapped"  # the next round drafted while this one is verified
     LOOKUP = "lookup"  # a model-free draft from the request's own tokens, verified as a tree
-    # a grammar's round: the tokens it forces (none: one masked choice of the target)
-    GRAMMAR = "grammar"
+    GRAMMAR = "grammar"  # the tokens a grammar forces, verified with no draft
 
 
 @dataclass(frozen=True)
@@ -66,6 +65,7 @@ class RoundContext:
     lookup: ModelFreeDrafter | None = None
     lookup_children: int | None = None
     constraint: Constraint | None = None  # the request's grammar, advanced by every commit
+    grammar_at: m.GrammarAt | None = None  # the same for the workers: its text, where it starts
 
     @property
     def keyed(self) -> bool:
@@ -79,7 +79,12 @@ class RoundContext:
             return RoundKind.ALONE
         if plan.overlap and self.constraint is None:  # a run-ahead's guess reads no mask
             return RoundKind.OVERLAPPED
-        tree_fits = plan.branches == 1 and not plan.rule and (self.params.greedy or self.keyed)
+        tree_fits = (
+            plan.branches == 1
+            and not plan.rule
+            and (self.params.greedy or self.keyed)
+            and self.constraint is None  # a grammar's draft is one chain
+        )
         return RoundKind.TREE if tree_fits and self.controller.limits.tree_k else RoundKind.PLAIN
 
     def site(self, *, drawn_walk: bool) -> VerdictSite:

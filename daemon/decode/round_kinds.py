@@ -12,8 +12,8 @@
   a proposal as a fresh draft: output stays lossless);
 - alone (gamma 0): the target decodes a few tokens by itself, where drafting does not pay;
 - grammar (a request with a grammar): the tokens the grammar forces, verified with no draft
-  (the target computes them and chooses the next token under the grammar); with none forced,
-  the target's one masked choice, where an unconstrained request would decode alone.
+  (the target computes them and chooses the next token under the grammar). A grammar's other
+  rounds are plain (one chain) or alone, the workers keeping to the grammar as they draw.
 
 Only verified tokens are emitted. Each function reads top to bottom: its calls go through the
 scheduler (``ctx.schedule``), its verdict is taken where ``ctx.site`` says, and the controller
@@ -218,8 +218,7 @@ async def lookup_round(
 async def grammar_round(
     ctx: RoundContext, schedule: Scheduler, forced: TreeProposal, remaining: int
 ) -> Round:
-    """The chain of tokens the request's grammar forces (maybe none), verified below the
-    bonus: each is the only token the masked target may choose, so it is kept, and the target
+    """The chain of tokens the request's grammar forces, verified below the bonus: each is the only token the masked target may choose, so it is kept, and the target
     chooses the token after them under the grammar. The controller learns no cost from it
     (neither a draft's nor the target alone's)."""
     tokens, parents = list(forced.tokens), list(forced.parents)

@@ -101,6 +101,7 @@ class DrafterSide:
         # a draft head's: the prompt's features (from the verifier's prefill), then the rest
         self.prompt_features: tuple[int, np.ndarray] | None = None
         self.features = FeatureBook() if pair.head else None
+        self.grammar: m.GrammarAt | None = None  # the request's: its drafts keep to it
 
     def start_prefill(self) -> asyncio.Future:
         if self.prefill is None:
@@ -185,6 +186,7 @@ class DrafterSide:
             out=self.slot,
             append=self.unseen,
             features=features,
+            grammar=self.grammar,
         )
         reply = self.client.post(command, arrays)
         self.unseen = []
@@ -253,6 +255,7 @@ class NoDrafter:
     run_ahead = None
     features = None
     prompt_features = None
+    grammar = None
 
     def __init__(self) -> None:
         self.unseen = []
@@ -324,10 +327,16 @@ class VerifierSide:
         self.bonus = verdict.bonus
 
     def decode(
-        self, steps: int, params: SamplingParams, *, spare_cores: bool, logprobs: int | None = None
+        self,
+        steps: int,
+        params: SamplingParams,
+        *,
+        spare_cores: bool,
+        logprobs: int | None = None,
+        grammar: m.GrammarAt | None = None,
     ):
         """The call decoding ``steps`` tokens alone after committing the last round's path
-        and evaluating the bonus; see ``decoded``."""
+        and evaluating the bonus (each token kept to ``grammar``); see ``decoded``."""
         kept = [self._tree[node] for node in self._keep]
         return self.client.call(
             m.Decode(
@@ -338,6 +347,7 @@ class VerifierSide:
                 spare_cores=spare_cores,
                 logprobs=logprobs,
                 report_features=self.feature_slot >= 0,
+                grammar=grammar,
             )
         )
 

@@ -21,7 +21,7 @@ from hetspec.daemon.decode.verdict_site import VerdictSite
 from hetspec.protocol import worker_messages as m
 from hetspec.speculative.control.budget import Choice
 from hetspec.speculative.control.rounds import DraftCall, Plan
-from hetspec.speculative.drafting.model_free import TreeProposal, empty_tree
+from hetspec.speculative.drafting.model_free import TreeProposal
 
 
 def shaped(plan: Plan, remaining: int) -> Plan:
@@ -82,8 +82,7 @@ class Scheduler:
     def next_round(self, remaining: int) -> tuple[Plan, RoundKind, TreeProposal | None]:
         """The next round: its plan, its kind, and for a model-free draft's or a grammar's
         round the nodes to verify. Where the request's grammar forces the next tokens, they
-        are verified alone (the plan waits); where the plan is the target alone, a grammar
-        round lets the target choose one token under the grammar."""
+        are verified with no draft (the plan waits)."""
         ctx = self.ctx
         if ctx.constraint is None:
             return self._chosen_round(remaining)
@@ -93,10 +92,7 @@ class Scheduler:
             self._drop_early_draft_for_later()
             chain = TreeProposal(forced, list(range(-1, len(forced) - 1)), [1.0] * len(forced))
             return Plan(len(forced), 1), RoundKind.GRAMMAR, chain
-        plan, kind, proposal = self._chosen_round(remaining)
-        if kind is RoundKind.ALONE:  # the target alone draws unmasked
-            return plan, RoundKind.GRAMMAR, empty_tree()
-        return plan, kind, proposal
+        return self._chosen_round(remaining)
 
     def _drop_early_draft_for_later(self) -> None:
         """A round without the drafter runs first: a draft sent for the plan, which waits,
@@ -216,6 +212,8 @@ class Scheduler:
         """What a plain or tree round of ``plan`` asks the drafter to draft."""
         controller = self.ctx.controller
         limits = controller.limits
+        if self.ctx.constraint is not None:  # the drafter keeps a grammar's draft one chain
+            return m.Chains(plan.gamma)
         if kind is RoundKind.TREE:
             depth, k = plan.gamma, limits.tree_k
             size = min(limits.max_width - 1, k * (1 + (depth - 1) * k))
@@ -318,7 +316,11 @@ class Scheduler:
         if ctx.lookup is not None:  # soon after a lookup paid, weigh the next one soon
             steps = min(steps, 1 << min(self.rounds_without_lookup, 7))
         call = ctx.verifier.decode(
-            min(steps, remaining), ctx.params, spare_cores=spare_cores, logprobs=ctx.logprobs
+            min(steps, remaining),
+            ctx.params,
+            spare_cores=spare_cores,
+            logprobs=ctx.logprobs,
+            grammar=ctx.grammar_at,
         )
         decoded, frames = await self.awaiting(call)
         if idle:

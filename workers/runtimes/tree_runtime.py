@@ -25,6 +25,7 @@ import numpy as np
 
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.sampling import TokenLogprob
+from hetspec.speculative.constrain.constraint import Constraint
 from hetspec.speculative.drafting.branching import branch_length, uncertainty_branches
 from hetspec.speculative.drafting.dynamic_tree import child_scores, rank_nodes, within_leaves
 from hetspec.speculative.verify.distributions import SamplingParams, distribution, top_tokens
@@ -59,12 +60,15 @@ class TreeRuntime(OneCallDrafts[Output]):
         *,
         logprobs: list[TokenLogprob] | None = None,
         top: int = 0,
+        grammar: Constraint | None = None,
     ) -> list[int]:
         """Decode alone: draw ``steps`` tokens after the committed sequence, one forward each,
         committing every token but the last as it is drawn (the last is drawn, not evaluated).
         Greedy draws take the argmax of the logits, as ``verify_greedy`` does. The cheapest
         way to decode: no pending tree and no probability rows. Given a ``logprobs`` list,
         each drawn token's log-probability (and ``top`` alternatives) is appended to it.
+        ``grammar`` (at the committed sequence's state): each token is drawn from the logits
+        masked by it, and advances it.
 
         A token's position (for a keyed ``sampler``) is its index in the whole sequence, here
         and in ``draft``: the first token after the committed ones is at ``committed``."""
@@ -74,10 +78,14 @@ class TreeRuntime(OneCallDrafts[Output]):
         drawn: list[int] = []
         logits = self.last_logits()
         while True:
+            if grammar is not None:
+                logits = grammar.masked(logits)
             if params.greedy:
                 token = int(logits.argmax())
             else:
                 token = int(sampler.choose(distribution(logits[None], params), self.committed)[0])
+            if grammar is not None:
+                grammar.try_advance(token)  # past its end (an end token), nothing is emitted
             drawn.append(token)
             if logprobs is not None:
                 logprobs.append(token_logprob(logits, token, top))
@@ -99,6 +107,7 @@ class TreeRuntime(OneCallDrafts[Output]):
         after: tuple[int, int] | None = None,
         dynamic: float | None = None,
         first: int | None = None,
+        grammar: Constraint | None = None,
     ) -> DraftResult:
         """Draft ``branches`` continuations of ``steps`` tokens each, one forward per step.
 
@@ -119,12 +128,15 @@ class TreeRuntime(OneCallDrafts[Output]):
         ``first`` (the token ``catch_up`` left) is appended first, its forward the one whose
         logits the first step draws from: inside the call that drafts a one-branch chain
         where the runtime has one (``_run_chain``), else as ``append`` would.
+
+        ``grammar`` (at the committed sequence's state, after ``first``): one chain, each
+        token drawn from the rows masked by the grammar after the tokens before it (the rows
+        reported are those masked ones); the grammar is left after the drafted tokens.
         """
-        if steps < 1 or not 1 <= branches <= self.vocab_size:
-            raise RuntimeUsageError(f"cannot draft {branches} branches of {steps} steps")
-        if first is not None and after is not None:
-            raise RuntimeUsageError("a draft continues a pending one or appends, not both")
-        one_call = self.chains_in_one_call(params, branches, dynamic)
+        self._check_draft(
+            steps, branches, after, first, constrained=grammar is not None, dynamic=dynamic
+        )
+        one_call = grammar is None and self.chains_in_one_call(params, branches, dynamic)
         if first is not None and not one_call:
             self.append([first])
             first = None
@@ -150,20 +162,62 @@ class TreeRuntime(OneCallDrafts[Output]):
             position = self.committed + int(self._pending_depths[root]) + 1
         tokens = np.empty((branches, steps), np.int64)
         nodes = np.full((branches, steps), -1, np.int64)
+        if grammar is not None:
+            first_logits = grammar.masked(first_logits)
         distribution(first_logits, params, out=out[0, 0])
         out[1:, 0] = out[0, 0]
         tokens[:, 0] = proposals(out[0, 0], params, sampler, position, branches)
         result = DraftResult(tokens, out, nodes, root)
-        if steps > 1 and (
-            self._draft_chained(result, position, params, sampler)
-            or self._draft_branched(result, params)
+        if (
+            steps > 1
+            and grammar is None
+            and (
+                self._draft_chained(result, position, params, sampler)
+                or self._draft_branched(result, params)
+            )
         ):
             return result
+        return self._draft_steps(result, position, params, sampler, grammar)
+
+    def _check_draft(
+        self,
+        steps: int,
+        branches: int,
+        after: tuple[int, int] | None,
+        first: int | None,
+        *,
+        constrained: bool,
+        dynamic: float | None,
+    ) -> None:
+        """Refuse a draft ``draft`` cannot make: a grammar's is one chain from the committed
+        end, drawn step by step."""
+        if steps < 1 or not 1 <= branches <= self.vocab_size:
+            raise RuntimeUsageError(f"cannot draft {branches} branches of {steps} steps")
+        if first is not None and after is not None:
+            raise RuntimeUsageError("a draft continues a pending one or appends, not both")
+        if constrained and (branches > 1 or after is not None or dynamic is not None):
+            raise RuntimeUsageError("a draft under a grammar is one chain from the committed end")
+
+    def _draft_steps(
+        self,
+        result: DraftResult,
+        position: int,
+        params: SamplingParams,
+        sampler: Sampler,
+        grammar: Constraint | None,
+    ) -> DraftResult:
+        """A draft's steps after its first tokens, one forward each (see ``draft``)."""
+        tokens, out, nodes, root = result.tokens, result.probs, result.nodes, result.root
+        branches, steps = tokens.shape
         for step in range(1, steps):
             parents = nodes[:, step - 2] if step > 1 else np.full(branches, root)
             nodes[:, step - 1] = self.pending + np.arange(branches)
             output = self.forward_tree(tokens[:, step - 1], parents, extend=True)
-            distribution(self._step_logits(output), params, out=out[:, step])
+            logits = self._step_logits(output)
+            if grammar is not None:  # one chain: its next row, after the token drafted last
+                grammar.try_advance(int(tokens[0, step - 1]))  # not past its end
+                logits = grammar.masked(logits[0])[None]
+            distribution(logits, params, out=out[:, step])
             tokens[:, step] = pick(out[:, step], params, sampler, position + step)
         return result
 
@@ -175,13 +229,16 @@ class TreeRuntime(OneCallDrafts[Output]):
         *,
         rows: Callable[[tuple[int, ...]], np.ndarray] | None = None,
         first: int | None = None,
+        grammar: Constraint | None = None,
     ) -> DraftResult | TreeDraftResult:
         """Draft one of the four shapes a ``Draft`` command carries (``draft`` or
         ``draft_tree`` underneath). ``rows(shape)``: the array the probability rows go to (a
         shared-memory slot), where the shape fixes them before drafting; a rule's shape is
-        known only once drafted (its rows are the result's own). ``first``: as ``draft``'s,
-        for a chain."""
+        known only once drafted (its rows are the result's own). ``first`` and ``grammar``:
+        as ``draft``'s, for a chain (a grammar takes no other shape)."""
         out = None
+        if grammar is not None and not isinstance(shape, m.Chains):
+            raise RuntimeUsageError(f"a draft under a grammar is a chain, not {shape!r}")
         match shape:
             case m.DynamicTree(depth, top_k, size, first_accept):
                 return self.draft_tree(
@@ -189,7 +246,15 @@ class TreeRuntime(OneCallDrafts[Output]):
                 )
             case m.Chains(steps, branches):
                 out = rows((branches, steps, self.vocab_size)) if rows else None
-                return self.draft(steps, params, sampler, branches=branches, out=out, first=first)
+                return self.draft(
+                    steps,
+                    params,
+                    sampler,
+                    branches=branches,
+                    out=out,
+                    first=first,
+                    grammar=grammar,
+                )
             case m.RunAhead(node, token, steps):
                 out = rows((1, steps, self.vocab_size)) if rows else None
                 return self.draft(steps, params, sampler, out=out, after=(node, token))

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from hetspec.protocol.sampling import TokenLogprob
+from hetspec.speculative.constrain.constraint import Constraint
 from hetspec.speculative.verify.distributions import SamplingParams, distribution
 from hetspec.speculative.verify.logprobs import token_logprob
 from hetspec.speculative.verify.samplers import ChainDraws, Sampler
@@ -68,6 +69,7 @@ class DeviceChains(TorchForwards):
         *,
         logprobs: list[TokenLogprob] | None = None,
         top: int = 0,
+        grammar: Constraint | None = None,
     ) -> list[int]:
         """``TreeRuntime.decode``; in fixed shapes the forwards run back to back on the
         device, each next token chosen there (the same bits: each forward is the one
@@ -75,10 +77,14 @@ class DeviceChains(TorchForwards):
         Sampled at a temperature alone: as the sampler's ``ChainDraws`` say, each choice
         guarded (``DeviceChoice.safe``): from the first one the host might have made
         otherwise, the host chooses and decoding goes on from there, so the tokens are the
-        host loop's. Truncating samplers (top-k, top-p) decode in the host's loop."""
+        host loop's. Truncating samplers (top-k, top-p) and a grammar (its masks are the
+        host's) decode in the host's loop."""
         truncates = 0 < params.top_k < self.vocab_size or params.top_p < 1
-        if steps < 2 or self._static is None or (not params.greedy and truncates):
-            return super().decode(steps, params, sampler, logprobs=logprobs, top=top)
+        host = grammar is not None or (not params.greedy and truncates)
+        if steps < 2 or self._static is None or host:
+            return super().decode(
+                steps, params, sampler, logprobs=logprobs, top=top, grammar=grammar
+            )
         self.discard_pending()
         before = self.last_logits()
         if params.greedy:
