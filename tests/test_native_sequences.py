@@ -307,6 +307,7 @@ def test_a_forward_that_would_mix_sequences_is_refused() -> None:
         [rows(0, 4, 4, [3])],  # a visible slot inside its own prefix
         [rows(0, 4, 4, [5])],  # a visible slot after its own
         [rows(0, 5, 4, [4])],  # prefix past the first new slot
+        [rows(2**31 - 1, 10, 4, [4])],  # a prefix whose end would wrap around
         [rows(60, 2, 62, [62, 63, 64, 65], count=4)],  # past the cache
     ]
     for sequences in refused:

@@ -15,11 +15,12 @@ static int has_windows(const hs_model *m) {
 }
 
 /* Whether sequence q's own numbers are in range: rows, a prefix before its first new slot,
- * every slot inside the cache. */
+ * every slot inside the cache (compared so that no sum can overflow). */
 static int sequence_ok(const hs_model *m, const hs_sequence *q) {
-    return q->rows >= 1 && q->prefix_start >= 0 && q->prefix_len >= 0 &&
-           q->prefix_start + q->prefix_len <= q->start && q->start <= m->capacity - q->rows &&
-           q->first_logit >= 0 && q->first_logit <= q->rows;
+    return q->rows >= 1 && q->rows <= m->capacity && q->start <= m->capacity - q->rows &&
+           q->prefix_start >= 0 && q->prefix_start <= q->start && q->prefix_len >= 0 &&
+           q->prefix_len <= q->start - q->prefix_start && q->first_logit >= 0 &&
+           q->first_logit <= q->rows;
 }
 
 /* Whether the spans (prefix_start..start+rows-1) of sequences a and b are apart. */
