@@ -9,8 +9,10 @@ implicit stop strings, so a chat answer ends with its turn.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
+from typing import Any
 
 import jinja2
 import msgspec
@@ -21,6 +23,7 @@ from hetspec.protocol.tokenizer_files import END_OF_TURN_TEXTS, adds_bos, specia
 
 # end-of-turn markers of common template families (ChatML, Llama 3, Phi, Gemma; Llama 2's </s>)
 TURN_ENDS = (*END_OF_TURN_TEXTS, "</s>")
+ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
 class ChatTemplateError(ValueError):
@@ -40,23 +43,80 @@ class ContentPart(msgspec.Struct, kw_only=True):
             )
 
 
+class CalledFunction(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A call an assistant message made (OpenAI's ``tool_calls`` entry)."""
+
+    id: str = ""
+    type: str = "function"
+    function: CalledFunction
+
+    def arguments(self) -> Any:
+        """The arguments as a value (templates index them): the JSON text parsed, or the
+        text itself where it is not JSON."""
+        try:
+            return json.loads(self.function.arguments)
+        except ValueError:
+            return self.function.arguments
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A message; an assistant's may hold ``tool_calls`` (its content then may be null), a
+    ``tool`` message answers the call ``tool_call_id`` names (``name``: the tool's)."""
+
     role: str
-    content: str | list[ContentPart]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None  # an assistant message sent back as the API returned it
 
     def __post_init__(self) -> None:
-        if self.role not in ("system", "user", "assistant", "developer"):
+        if self.role not in ROLES:
             raise ValueError(
-                f"role must be system, user, assistant or developer, not {self.role!r}"
+                f"role must be {', '.join(ROLES[:-1])} or {ROLES[-1]}, not {self.role!r}"
+            )
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls belong to assistant messages")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id belongs to tool messages")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(
+                f"a {self.role} message needs content (only an assistant's "
+                "message with tool_calls may leave it null)"
             )
 
     @property
     def text(self) -> str:
-        """The content as one text: a list of text parts joined as given."""
+        """The content as one text: a list of text parts joined as given (null: empty)."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def template_form(self) -> dict:
+        """The message as Hugging Face chat templates read it (a call's arguments as a
+        value, the content a string: templates concatenate it)."""
+        form: dict[str, Any] = {"role": self.role, "content": self.text}
+        if self.tool_calls:
+            form["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": call.arguments()},
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            form["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            form["name"] = self.name
+        return form
 
 
 def _raise(message: str) -> None:
@@ -80,15 +140,33 @@ class ChatTemplate:
         self.adds_bos = adds_bos
         self.stops = [marker for marker in TURN_ENDS if marker in source and marker != eos_token]
 
-    def render(self, messages: list[ChatMessage]) -> str:
-        """The prompt for these messages, ending where the assistant's answer begins."""
-        plain = [{"role": m.role, "content": m.text} for m in messages]
+    @property
+    def handles_tools(self) -> bool:
+        """The template renders a ``tools`` list itself (Hugging Face's convention)."""
+        return "tools" in self.source
+
+    @functools.cached_property
+    def renders_any_role(self) -> bool:
+        """A message of role ``tool`` comes out under its own role (ChatML's templates write
+        whatever role they get; others refuse it or drop it)."""
+        mark = "\u2063probe\u2063"
+        try:
+            prompt = self.render([ChatMessage(role="tool", content=mark)])
+        except ChatTemplateError:
+            return False
+        return mark in prompt and "tool" in prompt.replace(mark, "")
+
+    def render(self, messages: list[ChatMessage], tools: list[dict] | None = None) -> str:
+        """The prompt for these messages, ending where the assistant's answer begins;
+        ``tools`` (OpenAI's tool objects) passed to a template that renders them."""
+        variables = {"tools": tools} if tools else {}
         try:
             prompt = self._template.render(
-                messages=plain,
+                messages=[message.template_form() for message in messages],
                 add_generation_prompt=True,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
+                **variables,
             )
         except ChatTemplateError:
             raise

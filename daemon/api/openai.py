@@ -6,7 +6,8 @@ and refused, with a message that says so, at any value hetspec cannot honour (pe
 ``suffix``); those that change nothing here (``user``, ``metadata``, ...) are ignored; a
 parameter OpenAI does not have is refused, naming it. Log-probabilities are the target's
 (``logprobs`` on completions, with ``echo`` the prompt's too; ``logprobs``/``top_logprobs`` on
-chat). Several answers (``n``,
+chat). Chat takes ``tools`` and ``tool_choice``: an answer may be a call, its
+arguments kept valid by the tool's schema (tool_calls.py). Several answers (``n``,
 a list of prompts) are generated one after another, each a turn in the queue. hetspec's own knobs
 (``top_k``, ``mode``, ``gamma``) are extensions, and responses carry llama.cpp-style
 ``timings`` and our ``speculative`` statistics beside OpenAI's fields.
@@ -26,6 +27,16 @@ from hetspec.daemon.api.errors import ApiError, decode
 from hetspec.daemon.api.runs import Run, collect, stream_runs
 from hetspec.daemon.api.structured import ResponseFormat, openai_grammar
 from hetspec.daemon.api.tokens import token_routes
+from hetspec.daemon.api.tool_calls import (
+    NamedToolChoice,
+    ReplyReader,
+    Tool,
+    ToolUse,
+    chat_prompt,
+    check_tools,
+    tool_use,
+    whole_reply,
+)
 from hetspec.daemon.decode.requests import GenerateRequest
 from hetspec.protocol.sampling import MAX_TOP_LOGPROBS
 from hetspec.speculative.constrain.grammars import Grammar
@@ -61,7 +72,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     user: str | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None  # there are no tools to call
+    parallel_tool_calls: bool | None = None  # an answer makes one call at most either way
     # hetspec's extensions
     top_k: int = 0
     mode: str | None = None
@@ -238,6 +249,8 @@ class ChatRequest(_Common, forbid_unknown_fields=True, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None  # structured output
+    tools: list[Tool] | None = None  # see tool_calls.py
+    tool_choice: str | NamedToolChoice | None = None
     # accepted at its neutral value: nothing stored
     store: bool = False
 
@@ -246,7 +259,8 @@ class ChatRequest(_Common, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("messages must hold at least one message")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        self.wanted_grammar()  # response_format and grammar: a 400 now where they conflict
+        check_tools(self.tools)
+        self.wanted_grammar()  # response_format, grammar, tools: a 400 now where they conflict
         if 0 in (self.max_tokens, self.max_completion_tokens):  # only an echo makes no tokens
             raise ValueError("max_tokens and max_completion_tokens must be at least 1")
         if self.store:
@@ -255,8 +269,33 @@ class ChatRequest(_Common, forbid_unknown_fields=True, kw_only=True):
     def wanted_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def tool_use(self) -> ToolUse | None:
+        """What the tools ask (None: none offered); ValueError naming the field."""
+        return tool_use(self.tools, self.tool_choice)
+
     def wanted_grammar(self) -> Grammar | None:
-        return openai_grammar(self.response_format, self.grammar)
+        grammar = openai_grammar(self.response_format, self.grammar)
+        use = self.tool_use()
+        if use is None or not use.may_call:
+            return grammar
+        if grammar is not None:
+            raise ValueError(
+                f"{grammar.field} cannot constrain an answer that may call a tool: send "
+                'tool_choice "none" with it, or leave it out'
+            )
+        return use.grammar()
+
+    def reply(self, text: str, done_reason: str) -> tuple[dict, str]:
+        """A whole answer's ``message`` and ``finish_reason`` (a call: ``tool_calls``)."""
+        use = self.tool_use()
+        if use is None or not use.may_call:
+            return {"role": "assistant", "content": text}, done_reason
+        return whole_reply(text, done_reason, use.must_call)
+
+    def reply_reader(self) -> ReplyReader | None:
+        """What reads a streamed answer that may be a call (None: it is text)."""
+        use = self.tool_use()
+        return ReplyReader(use.must_call) if use is not None and use.may_call else None
 
     def shaped_logprobs(self, entries: list[dict], offset: int) -> dict | None:
         return {"content": entries, "refusal": None} if self.logprobs else None
@@ -291,6 +330,7 @@ class _StreamedAnswers:
         self.opened: list[Run] = []  # the response's id is the first one's
         self.started: set[int] = set()  # the choices whose first chunk went out
         self.offsets: dict[int, int] = {}  # per choice: where its next token's text begins
+        self.readers: dict[int, ReplyReader | None] = {}  # per chat choice: its call, if any
 
     @contextlib.asynccontextmanager
     async def answer(self, generate: GenerateRequest):
@@ -298,10 +338,26 @@ class _StreamedAnswers:
             self.opened.append(run)
             yield run
 
-    def chunk(self, index: int, text: str | None, reason: str | None = None) -> bytes:
-        """One choice's piece of text (None: none), and why it ended where it did."""
+    def reader(self, index: int) -> ReplyReader | None:
+        if index not in self.readers:
+            self.readers[index] = self.body.reply_reader() if self.chat else None
+        return self.readers[index]
+
+    def piece(self, index: int, text: str) -> bytes:
+        """One choice's piece of text; one that may be a call goes as its reader says."""
+        reader = self.reader(index)
+        if reader is None:
+            return self.chunk(index, text)
+        delta = reader.feed(text)
+        return b"" if delta is None else self.chunk(index, None, delta=delta)
+
+    def chunk(
+        self, index: int, text: str | None, reason: str | None = None, delta: dict | None = None
+    ) -> bytes:
+        """One choice's piece of text (None: none) or chat ``delta``, and why it ended where
+        it did."""
         if self.chat:
-            delta = {} if text is None else {"content": text}
+            delta = delta or ({} if text is None else {"content": text})
             if index not in self.started:  # a choice's first chunk names the role
                 delta = {"role": "assistant", **delta}
             choice = {"delta": delta}
@@ -319,7 +375,12 @@ class _StreamedAnswers:
 
     def run_end(self, run: Run) -> bytes:
         # answers run one after another: the one ending is the last opened
-        return self.chunk(len(self.opened) - 1, None, run.result.done_reason)
+        index = len(self.opened) - 1
+        reader = self.reader(index)
+        if reader is None:
+            return self.chunk(index, None, run.result.done_reason)
+        delta, reason = reader.finish(run.result.done_reason)
+        return self.chunk(index, None, reason, delta=delta)
 
     def end(self, runs: list[Run]) -> bytes:
         options = self.body.stream_options
@@ -351,18 +412,19 @@ def openai_routes(service: Service) -> list[web.RouteDef]:
                     text = await collect(run)
                 runs.append(run)
                 echoed = "" if chat else body.echoed(run, generate)
-                content = (
-                    {"message": {"role": "assistant", "content": text}}
-                    if chat
-                    else {"text": echoed + text}
-                )
+                reason = run.result.done_reason
+                if chat:
+                    message, reason = body.reply(text, reason)
+                    content = {"message": message}
+                else:
+                    content = {"text": echoed + text}
                 logprobs = body.choice_logprobs(run, echoed)
                 choices.append(
                     {
                         "index": index,
                         **content,
                         "logprobs": logprobs,
-                        "finish_reason": run.result.done_reason,
+                        "finish_reason": reason,
                     }
                 )
             document = {
@@ -381,7 +443,7 @@ def openai_routes(service: Service) -> list[web.RouteDef]:
             request,
             [answers.answer(generate) for generate in generates],
             content_type="text/event-stream",
-            encode_piece=answers.chunk,
+            encode_piece=answers.piece,
             encode_run_end=answers.run_end,
             encode_end=answers.end,
             encode_failure=answers.failure,
@@ -399,7 +461,7 @@ def openai_routes(service: Service) -> list[web.RouteDef]:
             raise ApiError(400, "the target model has no chat template; use /v1/completions")
         service.check_chat_size(len(body.messages))
         try:
-            prompt = template.render(body.messages)
+            prompt = chat_prompt(template, body.messages, body.tool_use())
         except ChatTemplateError as error:
             raise ApiError(400, str(error)) from None
         limit = body.max_completion_tokens or body.max_tokens  # None: up to the context
