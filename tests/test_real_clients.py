@@ -195,12 +195,8 @@ def test_ollama_refuses_what_it_cannot_honour_naming_it(local, call, named) -> N
     assert named in refused.value.error
 
 
-def test_ollama_chat_refuses_tools_and_images(local) -> None:
-    parameters = {"type": "object", "properties": {}}
-    function = {"name": "add", "description": "adds", "parameters": parameters}
-    tool = {"type": "function", "function": function}
-    with pytest.raises(ollama.ResponseError, match="tools are not supported"):
-        local.chat(model="x", messages=QUESTION, tools=[tool])
+def test_ollama_chat_refuses_images_and_no_messages(local) -> None:
+    # tools are served: tests/test_tool_calls.py
     with pytest.raises(ollama.ResponseError, match="images are not supported"):
         local.chat(model="x", messages=[{**QUESTION[0], "images": [b"\x89PNG"]}])
     with pytest.raises(ollama.ResponseError, match="at least one message"):
@@ -222,7 +218,7 @@ def test_ollama_model_listing_show_ps_version_and_load(local, http) -> None:
     assert shown.modelinfo["general.parameter_count"] == 5_048_576
     assert "<|im_start|>" in shown.template
     assert "num_predict 128" in shown.parameters
-    assert shown.capabilities == ["completion"]
+    assert shown.capabilities == ["completion", "tools"]
     with pytest.raises(ollama.ResponseError) as missing:
         local.show("llama3")
     assert missing.value.status_code == 404

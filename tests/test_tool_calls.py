@@ -2,7 +2,8 @@
 (and, for ``auto``, text), the prompt tells a ChatML model of the tools and of earlier calls,
 a reply reads back as OpenAI's ``tool_calls``; then a real daemon on the bundled models,
 driven with the ``openai`` package: a round trip, required, named and auto choices, a
-streamed call equal to the whole one, bad tools refused naming the field."""
+streamed call equal to the whole one, bad tools refused naming the field; and Ollama's
+/api/chat ``tools`` with the ``ollama`` package."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ import httpx
 import jsonschema
 import llguidance
 import msgspec
+import ollama
 import openai
 import pytest
 from test_api import free_port
 from test_lossless import BundledDaemon
 
 from hetspec.daemon.api.chat_template import ChatMessage, ChatTemplate, load_chat_template
+from hetspec.daemon.api.ollama import ReplyFields
 from hetspec.daemon.api.openai import ChatRequest
 from hetspec.daemon.api.tool_calls import (
     NamedToolChoice,
@@ -274,6 +277,34 @@ def test_a_streamed_reply_accumulates_to_the_whole_one() -> None:
     assert whole_reply(CALL[:50], "length", True)[1] == "length"
 
 
+def test_ollamas_chat_sends_a_call_whole_in_the_last_object() -> None:
+    reply = ReplyFields(lambda text: {"message": {"role": "assistant", "content": text}}, True)
+    assert [reply.piece(CALL[i : i + 4]) for i in range(0, len(CALL), 4)] == [None] * 19
+    fields, reason = reply.last("", "stop")
+    assert reason == "stop"
+    assert fields == {
+        "message": {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": {"city": "Paris", "unit": "celsius"},
+                    }
+                }
+            ],
+        }
+    }
+    text = ReplyFields(lambda text: {"response": text}, True)
+    assert text.piece(" ") is None  # undecided until the first non-space character
+    assert text.piece(" Sunny") == {"response": "  Sunny"}
+    assert text.last("", "length") == ({"response": ""}, "length")  # all sent already
+    cut = ReplyFields(lambda text: {"response": text}, True)
+    assert cut.piece(CALL[:20]) is None
+    assert cut.last("", "length") == ({"response": CALL[:20]}, "length")  # a call cut short
+
+
 # ------------------------------------------------------------------ a real daemon
 
 
@@ -351,9 +382,17 @@ def test_a_named_choice_calls_that_tool(client) -> None:
 
 @pytest.mark.process
 def test_auto_answers_a_valid_call_or_text(client) -> None:
+    """The bundled model, trained on code, answers text (a fence) where it may choose: the
+    call path of ``auto`` is the unit tests' (``ReplyReader``), the grammar's above."""
     kinds = set()
     for seed in range(6):
         choice = ask(client, temperature=1.0, seed=seed).choices[0]
+        chunks = list(ask(client, temperature=1.0, seed=seed, stream=True))
+        deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+        assert "".join(delta.content or "" for delta in deltas) == (choice.message.content or "")
+        assert [d.tool_calls is not None for d in deltas].count(True) == (
+            len(deltas) - 1 if choice.message.tool_calls else 0
+        )
         if choice.message.tool_calls:
             assert choice.finish_reason == "tool_calls"
             assert choice.message.content is None
@@ -438,3 +477,72 @@ def test_tools_beside_a_plain_request_change_nothing_else(daemon) -> None:
     assert set(message) == {"role", "content"}
     assert isinstance(message["content"], str)
     assert reply["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+# ------------------------------------------------------------------ Ollama's /api/chat
+
+
+@pytest.fixture(scope="module")
+def local(daemon):
+    transport = httpx.HTTPTransport(uds=str(daemon.socket))
+    with ollama.Client(host="http://hetspecd", transport=transport, timeout=120) as client:
+        yield client
+
+
+def ollama_reply(local, stream: bool, **fields):
+    """The reply's content, calls and done_reason; streamed: the pieces accumulated."""
+    body = {"model": "x", "messages": QUESTION, "tools": TOOLS, "stream": stream, **fields}
+    if not stream:
+        reply = local.chat(**body)
+        return reply.message.content, reply.message.tool_calls, reply.done_reason
+    content, calls, reason = "", None, None
+    for part in local.chat(**body):
+        content += part.message.content or ""
+        calls = part.message.tool_calls or calls
+        reason = part.done_reason or reason
+    return content, calls, reason
+
+
+@pytest.mark.process
+def test_ollamas_chat_answers_a_call_or_text_streamed_or_not(local) -> None:
+    kinds = set()
+    for seed in range(6):
+        options = {"temperature": 1.0, "seed": seed, "num_predict": 120}
+        whole = ollama_reply(local, False, options=options)
+        assert ollama_reply(local, True, options=options) == whole  # seeded: the same answer
+        content, calls, reason = whole
+        if calls:
+            (call,) = calls
+            jsonschema.validate(dict(call.function.arguments), SCHEMAS[call.function.name])
+            assert content == ""
+            assert reason == "stop"
+            kinds.add("call")
+        else:
+            assert not content.lstrip().startswith("{")
+            kinds.add("text")
+    assert kinds
+
+
+@pytest.mark.process
+def test_ollamas_chat_round_trip_and_tools_beside_format(local) -> None:
+    call = {"function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}
+    messages = [
+        *QUESTION,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_name": "get_weather", "content": "18 degrees, sunny"},
+    ]
+    reply = local.chat(model="x", messages=messages, options={"num_predict": 24, "temperature": 0})
+    assert isinstance(reply.message.content, str)
+    assert reply.done_reason in ("stop", "length")
+    with pytest.raises(ollama.ResponseError, match="format cannot constrain"):
+        local.chat(model="x", messages=QUESTION, tools=TOOLS, format="json")
+
+
+@pytest.mark.process
+def test_ollamas_chat_refuses_bad_tools_naming_them(daemon) -> None:
+    # raw: the ollama package itself refuses a parameters schema whose type is not "object"
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(daemon.socket)), timeout=120) as http:
+        reply = http.post("http://hetspecd/api/chat", json={"messages": QUESTION, "tools": bad})
+    assert reply.status_code == 400
+    assert "tools[0].function.parameters (f)" in reply.json()["error"]

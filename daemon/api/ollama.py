@@ -8,12 +8,14 @@ extensions at the top level, and the last object of a generation also carries ou
 Options hetspec cannot honour are refused with a 400 naming them, unless at their neutral
 value; the load-time options (``num_ctx``, ``num_gpu``, ...) are the daemon's configuration,
 which a request does not change: accepted, and a ``num_ctx`` above the served context served at
-that context, the last object saying so (``served_context``). Errors are Ollama's
-``{"error": "message"}``.
+that context, the last object saying so (``served_context``). ``/api/chat`` takes ``tools``:
+an answer may call one (tool_calls.py), the call in the last object's ``message.tool_calls``.
+Errors are Ollama's ``{"error": "message"}``.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from datetime import UTC, datetime
@@ -23,10 +25,24 @@ import msgspec
 from aiohttp import web
 
 from hetspec import __version__
-from hetspec.daemon.api.chat_template import ChatMessage, ChatTemplateError
+from hetspec.daemon.api.chat_template import (
+    CalledFunction,
+    ChatMessage,
+    ChatTemplateError,
+    MessageToolCall,
+)
 from hetspec.daemon.api.errors import ApiError, decode
 from hetspec.daemon.api.runs import Run, collect, stream
 from hetspec.daemon.api.structured import ollama_grammar
+from hetspec.daemon.api.tool_calls import (
+    ReplyReader,
+    Tool,
+    ToolUse,
+    chat_prompt,
+    check_tools,
+    tool_use,
+    whole_reply,
+)
 from hetspec.daemon.decode.requests import GenerateRequest
 from hetspec.speculative.constrain.grammars import Grammar
 
@@ -139,6 +155,9 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             )
         return found
 
+    def wanted_grammar(self) -> Grammar | None:
+        return ollama_grammar(self.format, self.grammar)
+
     def generate_request(
         self, prompt: str, stops: list[str], default_predict: int | None
     ) -> GenerateRequest:
@@ -161,7 +180,7 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 branches=self.branches,
                 dynamic=self.dynamic,
                 logprobs=(self.top_logprobs or 0) if self.wants_logprobs else None,
-                grammar=ollama_grammar(self.format, self.grammar),
+                grammar=self.wanted_grammar(),
             )
         except ValueError as error:
             raise ApiError(400, f"invalid request: {error}") from None
@@ -216,20 +235,87 @@ class Message(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def chat_message(self) -> ChatMessage:
         if self.images:
             raise ValueError("images are not supported: the model reads text only")
-        if self.tool_calls or self.tool_name or self.role == "tool":
-            raise ValueError("tool calls are not supported")
-        return ChatMessage(role=self.role, content=self.content or "")
+        calls = [_called(call) for call in self.tool_calls or []]
+        return ChatMessage(
+            role=self.role,
+            content=self.content or "",
+            name=self.tool_name,
+            tool_calls=calls or None,
+        )
+
+
+def _called(call: Any) -> MessageToolCall:
+    """Ollama's form of a call, ``{"function": {"name", "arguments": {...}}}``, as OpenAI's."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ValueError('a tool_calls entry is {"function": {"name": ..., "arguments": {...}}}')
+    arguments = json.dumps(function.get("arguments") or {})
+    return MessageToolCall(
+        id=str(call.get("id") or ""),
+        function=CalledFunction(name=function["name"], arguments=arguments),
+    )
 
 
 class ChatBody(_Body, forbid_unknown_fields=True, kw_only=True):
     messages: list[Message] = []
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None  # OpenAI's tool objects; the answer may call one (auto)
 
-    def problems(self, context: int | None) -> list[str]:
-        found = super().problems(context)
-        if self.tools:
-            found.append("tools are not supported")
-        return found
+    def __post_init__(self) -> None:
+        check_tools(self.tools)
+        self.wanted_grammar()  # format, grammar, tools: a 400 now where they conflict
+
+    def tool_use(self) -> ToolUse | None:
+        return tool_use(self.tools, None)
+
+    def wanted_grammar(self) -> Grammar | None:
+        grammar = super().wanted_grammar()
+        use = self.tool_use()
+        if use is None:
+            return grammar
+        if grammar is not None:
+            raise ValueError(f"{grammar.field} cannot constrain an answer that may call a tool")
+        return use.grammar()
+
+
+class ReplyFields:
+    """What a generation's objects carry of its text: ``field(text)`` for each piece; for
+    /api/chat with tools, the text or the call the answer makes, which Ollama sends whole in
+    the last object (a call is held back from the pieces)."""
+
+    def __init__(self, field, may_call: bool = False) -> None:
+        self.field = field
+        self.reader = ReplyReader(must_call=False) if may_call else None
+        self.text, self.sent = "", False
+
+    def piece(self, text: str) -> dict | None:
+        """A streamed piece's fields (None: nothing to send yet)."""
+        if self.reader is None:
+            return self.field(text)
+        self.text += text
+        delta = self.reader.feed(text)
+        if delta is None or "tool_calls" in delta:
+            return None
+        self.sent = True
+        return self.field(delta["content"])
+
+    def last(self, text: str, done_reason: str) -> tuple[dict, str]:
+        """The last object's fields and ``done_reason``; ``text``: what no piece carried."""
+        if self.reader is None:
+            return self.field(text), done_reason
+        self.text += text
+        message, reason = whole_reply(self.text, done_reason, must_call=False)
+        if reason != "tool_calls":  # text, or a call cut short: as text
+            return self.field("" if self.sent else self.text), done_reason
+        calls = [
+            {
+                "function": {
+                    "name": c["function"]["name"],
+                    "arguments": json.loads(c["function"]["arguments"]),
+                }
+            }
+            for c in message["tool_calls"]
+        ]
+        return {"message": {"role": "assistant", "content": "", "tool_calls": calls}}, "stop"
 
 
 class ShowBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -309,14 +395,16 @@ class OllamaApi:
         messages.append(ChatMessage(role="user", content=body.prompt))
         return self._render(messages), template.stops
 
-    def _render(self, messages: list[ChatMessage]) -> str:
+    def _render(self, messages: list[ChatMessage], tools: ToolUse | None = None) -> str:
         self.service.check_chat_size(len(messages))
         try:
-            return self.service.chat_template.render(messages)
+            return chat_prompt(self.service.chat_template, messages, tools)
         except ChatTemplateError as error:
             raise ApiError(400, str(error)) from None
 
-    def _final(self, run: Run, body: _Body, received: float, **fields: Any) -> dict:
+    def _final(
+        self, run: Run, body: _Body, received: float, done_reason: str | None = None, **fields: Any
+    ) -> dict:
         result = run.result
         total_ms = (time.perf_counter() - received) * 1000
         if body.wants_logprobs:  # what no streamed piece carried (not streamed: all)
@@ -330,7 +418,7 @@ class OllamaApi:
             "created_at": _now(),
             **fields,
             "done": True,
-            "done_reason": result.done_reason,
+            "done_reason": done_reason or result.done_reason,
             "total_duration": _ns(total_ms),
             "load_duration": 0,  # the models stay loaded; time in the queue is in the total
             "prompt_eval_count": result.prompt_tokens,
@@ -346,30 +434,35 @@ class OllamaApi:
         request: web.Request,
         body: _Body,
         generate: GenerateRequest,
-        piece_fields,
+        reply: ReplyFields,
         received: float,
     ) -> web.StreamResponse:
-        """Run one generation; ``piece_fields(text)`` is the part of an object that carries
-        text (``response`` or ``message``)."""
+        """Run one generation; ``reply`` makes the part of an object that carries text
+        (``response`` or ``message``)."""
         model = self._model(body)
         async with self.service.generation(generate) as run:
             if not body.stream:
                 text = await collect(run)
-                return web.json_response(self._final(run, body, received, **piece_fields(text)))
+                fields, reason = reply.last(text, run.result.done_reason)
+                return web.json_response(self._final(run, body, received, reason, **fields))
 
             def piece(text: str) -> bytes:
-                chunk = {"model": model, "created_at": _now(), **piece_fields(text), "done": False}
+                fields = reply.piece(text)
+                if fields is None:
+                    return b""
+                chunk = {"model": model, "created_at": _now(), **fields, "done": False}
                 if body.wants_logprobs:  # the tokens generated since the last piece
                     chunk["logprobs"] = run.unsent_logprobs()
                 return msgspec.json.encode(chunk) + b"\n"
 
             def end() -> bytes:
-                final = self._final(run, body, received, **piece_fields(""))
+                fields, reason = reply.last("", run.result.done_reason)
+                final = self._final(run, body, received, reason, **fields)
                 return msgspec.json.encode(final) + b"\n"
 
             def failure(error: ApiError) -> bytes:
                 document = {
-                    **self._final(run, body, received, **piece_fields("")),
+                    **self._final(run, body, received, **reply.field("")),
                     "done_reason": "error",
                     "error": error.message,
                 }
@@ -401,9 +494,8 @@ class OllamaApi:
             return web.json_response(document)
         prompt, stops = self._prompt(body)
         generate = body.generate_request(prompt, stops, DEFAULT_NUM_PREDICT)
-        return await self._respond(
-            request, body, generate, lambda text: {"response": text}, received
-        )
+        reply = ReplyFields(lambda text: {"response": text})
+        return await self._respond(request, body, generate, reply, received)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         received = time.perf_counter()
@@ -417,16 +509,13 @@ class OllamaApi:
             messages = [message.chat_message() for message in body.messages]
         except ValueError as error:
             raise ApiError(400, f"invalid request: {error}") from None
-        generate = body.generate_request(
-            self._render(messages), self.service.chat_template.stops, None
+        use = body.tool_use()
+        prompt = self._render(messages, use)
+        generate = body.generate_request(prompt, self.service.chat_template.stops, None)
+        reply = ReplyFields(
+            lambda text: {"message": {"role": "assistant", "content": text}}, use is not None
         )
-        return await self._respond(
-            request,
-            body,
-            generate,
-            lambda text: {"message": {"role": "assistant", "content": text}},
-            received,
-        )
+        return await self._respond(request, body, generate, reply, received)
 
     # ------------------------------------------------------------ models
 
@@ -457,7 +546,8 @@ class OllamaApi:
         facts = await self.service.target_facts()
         template = self.service.chat_template
         config = self.service.config
-        capabilities = ["completion"]
+        # tools: /api/chat's answers may call them (tool_calls.py); that needs the chat template
+        capabilities = ["completion"] + (["tools"] if template is not None else [])
         parameters = self.parameters()
         modelfile = f"# served by hetspecd {__version__}\nFROM {facts.path}\n" + "".join(
             f"PARAMETER {line}\n" for line in parameters.splitlines()
