@@ -274,7 +274,10 @@ def test_a_streamed_reply_accumulates_to_the_whole_one() -> None:
     assert call["id"].startswith("call_")
     assert call["type"] == "function"
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "unit": "celsius"}
-    assert whole_reply(CALL[:50], "length", True)[1] == "length"
+    cut, reason = whole_reply(CALL[:50], "length", True)  # the arguments as far as they went
+    assert reason == "length"
+    assert cut["tool_calls"][0]["function"]["arguments"] == CALL[:50].split('"arguments": ')[1]
+    assert whole_reply(CALL[:20], "length", True)[0]["content"] == CALL[:20]  # no name yet
 
 
 def test_ollamas_chat_sends_a_call_whole_in_the_last_object() -> None:
