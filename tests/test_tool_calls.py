@@ -104,6 +104,14 @@ def test_required_takes_exactly_a_call_to_one_of_the_tools() -> None:
         assert not accepts(required, wrong), wrong
 
 
+def test_a_recursive_schema_refers_to_its_own_root() -> None:
+    tree = {"type": "object", "properties": {"child": {"$ref": "#"}}, "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "tree", "parameters": tree}}
+    required = ToolUse(msgspec.convert([tool], list[Tool]), "required")
+    assert accepts(required, '{"name": "tree", "arguments": {"child": {"child": {}}}}')
+    assert not accepts(required, '{"name": "tree", "arguments": {"child": {"leaf": {}}}}')
+
+
 def test_a_named_choice_takes_that_tool_alone() -> None:
     choice = {"type": "function", "function": {"name": "get_time"}}
     named = tool_use(tools(), msgspec.convert(choice, NamedToolChoice))

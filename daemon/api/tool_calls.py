@@ -177,14 +177,15 @@ def call_schema(tool: Tool) -> dict:
 
 
 def _relocated(schema: Any, root: str) -> Any:
-    """A copy of ``schema`` whose local references (``#``, ``#/...``) point below ``root``."""
+    """A copy of ``schema`` whose local references (``#``, ``#/...``) point below ``root``
+    (anchors and other documents' references are left as they are)."""
     if isinstance(schema, list):
         return [_relocated(item, root) for item in schema]
     if not isinstance(schema, dict):
         return schema
     copy = {}
     for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
             copy[key] = root + value[1:]
         elif key in _DATA_KEYWORDS:
             copy[key] = value
