@@ -6,14 +6,12 @@ from __future__ import annotations
 
 from datetime import datetime
 
-import httpx
 import numpy as np
 import ollama
 import openai
 import pytest
 import torch
-from test_api import free_port
-from test_lossless import BundledDaemon
+from real_daemon import ollama_client, openai_client, socket_http, tcp_daemon
 
 from hetspec import __version__
 from hetspec.daemon.config import BUNDLED_MODELS
@@ -28,44 +26,25 @@ QUESTION = [{"role": "user", "content": "Write a function that adds two numbers.
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    port = free_port()
-    daemon = BundledDaemon(
-        tmp_path_factory.mktemp("clients"),
-        "draft-cpu",
-        "--set",
-        f'tcp.listen="127.0.0.1:{port}"',
-        "--set",
-        f'tcp.token="{TOKEN}"',
-    )
-    daemon.port = port
-    yield daemon
-    daemon.stop()
+    with tcp_daemon(tmp_path_factory.mktemp("clients"), TOKEN) as daemon:
+        yield daemon
 
 
 @pytest.fixture(scope="module")
 def local(daemon):
-    """Ollama's client on the Unix socket, as a user of the box reaches the daemon."""
-    transport = httpx.HTTPTransport(uds=str(daemon.socket))
-    with ollama.Client(host="http://hetspecd", transport=transport, timeout=120) as client:
+    with ollama_client(daemon) as client:
         yield client
 
 
 @pytest.fixture(scope="module")
 def http(daemon):
-    with httpx.Client(
-        transport=httpx.HTTPTransport(uds=str(daemon.socket)),
-        base_url="http://hetspecd",
-        timeout=120,
-    ) as http:
+    with socket_http(daemon) as http:
         yield http
 
 
 @pytest.fixture(scope="module")
 def remote(daemon):
-    """OpenAI's client over TCP, as a tool elsewhere on the network would."""
-    return openai.OpenAI(
-        base_url=f"http://127.0.0.1:{daemon.port}/v1", api_key=TOKEN, max_retries=0, timeout=120
-    )
+    return openai_client(daemon, TOKEN)
 
 
 def _check_ollama_final(final, text_tokens: int | None = None) -> None:

@@ -9,14 +9,11 @@ import json
 import re
 from typing import Literal
 
-import httpx
 import jsonschema
-import ollama
 import openai
 import pydantic
 import pytest
-from test_api import free_port
-from test_lossless import BundledDaemon
+from real_daemon import ollama_client, openai_client, socket_http, tcp_daemon
 
 pytestmark = pytest.mark.process
 
@@ -37,42 +34,25 @@ SCHEMA = Reading.model_json_schema()
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    port = free_port()
-    daemon = BundledDaemon(
-        tmp_path_factory.mktemp("structured"),
-        "draft-cpu",
-        "--set",
-        f'tcp.listen="127.0.0.1:{port}"',
-        "--set",
-        f'tcp.token="{TOKEN}"',
-    )
-    daemon.port = port
-    yield daemon
-    daemon.stop()
+    with tcp_daemon(tmp_path_factory.mktemp("structured"), TOKEN) as daemon:
+        yield daemon
 
 
 @pytest.fixture(scope="module")
 def local(daemon):
-    transport = httpx.HTTPTransport(uds=str(daemon.socket))
-    with ollama.Client(host="http://hetspecd", transport=transport, timeout=120) as client:
+    with ollama_client(daemon) as client:
         yield client
 
 
 @pytest.fixture(scope="module")
 def http(daemon):
-    with httpx.Client(
-        transport=httpx.HTTPTransport(uds=str(daemon.socket)),
-        base_url="http://hetspecd",
-        timeout=120,
-    ) as http:
+    with socket_http(daemon) as http:
         yield http
 
 
 @pytest.fixture(scope="module")
 def remote(daemon):
-    return openai.OpenAI(
-        base_url=f"http://127.0.0.1:{daemon.port}/v1", api_key=TOKEN, max_retries=0, timeout=120
-    )
+    return openai_client(daemon, TOKEN)
 
 
 def generate(http, **body) -> dict:

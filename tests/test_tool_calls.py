@@ -16,8 +16,7 @@ import msgspec
 import ollama
 import openai
 import pytest
-from test_api import free_port
-from test_lossless import BundledDaemon
+from real_daemon import ollama_client, openai_client, tcp_daemon
 
 from hetspec.daemon.api.chat_template import ChatMessage, ChatTemplate, load_chat_template
 from hetspec.daemon.api.ollama import ReplyFields
@@ -321,25 +320,13 @@ def test_ollamas_chat_sends_a_call_whole_in_the_last_object() -> None:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    port = free_port()
-    daemon = BundledDaemon(
-        tmp_path_factory.mktemp("tools"),
-        "draft-cpu",
-        "--set",
-        f'tcp.listen="127.0.0.1:{port}"',
-        "--set",
-        f'tcp.token="{TOKEN}"',
-    )
-    daemon.port = port
-    yield daemon
-    daemon.stop()
+    with tcp_daemon(tmp_path_factory.mktemp("tools"), TOKEN) as daemon:
+        yield daemon
 
 
 @pytest.fixture(scope="module")
 def client(daemon):
-    return openai.OpenAI(
-        base_url=f"http://127.0.0.1:{daemon.port}/v1", api_key=TOKEN, max_retries=0, timeout=120
-    )
+    return openai_client(daemon, TOKEN)
 
 
 def ask(client, **fields):
@@ -495,8 +482,7 @@ def test_tools_beside_a_plain_request_change_nothing_else(daemon) -> None:
 
 @pytest.fixture(scope="module")
 def local(daemon):
-    transport = httpx.HTTPTransport(uds=str(daemon.socket))
-    with ollama.Client(host="http://hetspecd", transport=transport, timeout=120) as client:
+    with ollama_client(daemon) as client:
         yield client
 
 
