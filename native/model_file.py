@@ -90,11 +90,15 @@ class ModelFile:
         capacity: int | None = None,
         simd: int = BEST,
         pack: bool | None = None,
+        *,
+        shared: bool = False,
     ) -> None:
         """``simd``: the most capable kernel level to use (``kernels.SIMD_LEVELS``);
         ``pack``: whether Q8_0 matrices get a packed copy, with values of the kind the level
         reads (None: where the level reads one and the model's Q8_0 weights are at most
-        ``PACK_LIMIT_BYTES``)."""
+        ``PACK_LIMIT_BYTES``); ``shared``: the cache is shared by several sequences, so it
+        may hold more slots than the trained context, and ``context`` (the most positions
+        one sequence may reach) is the trained context, not the whole cache."""
         self.path = Path(path)
         self.kernels = Kernels.load()
         shape = self._read_header()
@@ -114,9 +118,10 @@ class ModelFile:
         self.eps = float(self._hparam("attention.layer_norm_rms_epsilon"))
         trained = shape.context_length
         self.capacity = capacity or min(trained, DEFAULT_MAX_CONTEXT)
-        if not 0 < self.capacity <= trained:
+        self.context = min(self.capacity, trained) if shared else self.capacity
+        if not 0 < self.context <= trained:
             raise ModelFormatError(
-                f"{self.path}: context {self.capacity} is outside what the "
+                f"{self.path}: context {self.context} is outside what the "
                 f"model allows (1..{trained})"
             )
         self._used: set[str] = set()  # the tensors read: any other one is refused

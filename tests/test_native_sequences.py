@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from hetspec.native.kernels import BEST, SIMD_LEVELS, Kernels
-from hetspec.native.model import NativeModel, SequenceRows
+from hetspec.native.model import ModelFormatError, NativeModel, SequenceRows
 from hetspec.speculative.verify.distributions import SamplingParams
 from hetspec.speculative.verify.samplers import DrawnSampler
 from hetspec.workers.runtimes.native_runtime import NativeRuntime
@@ -519,3 +519,46 @@ def test_the_bench_times_k_sequences_in_one_forward_against_k_forwards(capsys) -
         assert f"\n| {k} | {w} | {k * w} | " in out
     assert "### nowhere.gguf: skipped (nowhere.gguf: not bundled" in out
     assert "KiB a slot" in out
+
+
+def test_a_shared_cache_may_hold_more_slots_than_the_trained_context() -> None:
+    """Positions count within a sequence, so only a sequence's context is bounded by the
+    model's (the bundled target's 2048); a sequence in slots past 2048 computes what it
+    does in a runtime of its own."""
+    path = TARGET / "target-q8_0.gguf"
+    batch = NativeSequences.load(path, 2600, threads=2)
+    assert (batch.model.capacity, batch.model.context) == (2600, 2048)
+    with pytest.raises(RuntimeUsageError, match="past the model's 2048"):
+        batch.open(2049)
+    first, second = batch.open(2048), batch.open(552)
+    assert second.base == 2048
+    prompt = list(range(3, 503))
+    second.prefill(prompt)
+    single = NativeRuntime(path, n_ctx=600, threads=2)
+    single.prefill(prompt)
+    np.testing.assert_array_equal(second.last_logits(), single.last_logits())
+    [rows] = batch.evaluate([Tree(second, [7, 8, 9], [-1, 0, 0])])
+    np.testing.assert_array_equal(rows, single.evaluate_tree([7, 8, 9], [-1, 0, 0]))
+    first.prefill(prompt[:10])
+    with pytest.raises(ModelFormatError, match=r"outside what the model allows \(1..2048\)"):
+        NativeModel(path, capacity=2049)  # a cache of one sequence: the context as before
+
+
+def resident_mib() -> float:
+    return int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) / 1024
+
+
+def test_a_shared_cache_takes_memory_as_its_slots_are_written() -> None:
+    """A 65536-slot cache of the bundled target is 128 MiB; a sequence writing 100 slots of
+    it must not make more of it resident (numpy's huge-page advice made 2 MiB of every plane
+    a write touched resident: 64 MiB here)."""
+    batch = NativeSequences.load(TARGET / "target-q8_0.gguf", 65536, threads=2)
+    assert batch.model.keys.nbytes + batch.model.values.nbytes == 128 * 2**20
+    batch.open(2048).prefill([5])  # scratch and weights touched once, before measuring
+    for _ in range(15):  # the next one far from the first's pages
+        batch.open(2048)
+    sequence = batch.open(2048)
+    assert sequence.base == 32768
+    before = resident_mib()
+    sequence.prefill(list(range(3, 103)))
+    assert resident_mib() - before < 8

@@ -268,8 +268,8 @@ class NativeSequences:
         pack: bool | None = None,
     ) -> NativeSequences:
         """The model of GGUF file ``path`` (``NativeModel``'s arguments) with a cache of
-        ``slots`` slots to share."""
-        return cls(NativeModel(path, slots, simd, pack=pack), threads)
+        ``slots`` slots to share (more than the model's trained context if need be)."""
+        return cls(NativeModel(path, slots, simd, pack=pack, shared=True), threads)
 
     @property
     def sequences(self) -> list[NativeSequence]:
@@ -277,7 +277,12 @@ class NativeSequences:
         return [self._open[base] for base in sorted(self._open)]
 
     def open(self, context: int) -> NativeSequence:
-        """A new empty sequence of up to ``context`` tokens (committed and pending together)."""
+        """A new empty sequence of up to ``context`` tokens (committed and pending together),
+        at most the model's ``context`` (its trained context, for a shared cache)."""
+        if context > self.model.context:
+            raise RuntimeUsageError(
+                f"a context of {context} tokens is past the model's {self.model.context}"
+            )
         base = self.slots.allocate(context)
         sequence = NativeSequence(self.model, base, context, self.threads)
         self._open[base] = sequence
