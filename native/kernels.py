@@ -334,12 +334,12 @@ class Kernels:
         sequence's rows first_logit.. in turn."""
         if sequences.ndim != 2 or sequences.shape[1] != len(SEQUENCE_FIELDS):
             raise ValueError(f"sequences must be (n, 5), not {sequences.shape}")
-        rows = int(sequences[:, 0].sum())
-        outputs = rows - int(sequences[:, 4].sum())
+        rows, *_, first_logits = sequences.sum(axis=0).tolist()
+        outputs = rows - first_logits
         if len(tokens) != rows or len(positions) != rows or len(offsets) != rows + 1:
             raise ValueError(f"{rows} rows need as many tokens and positions, {rows + 1} offsets")
-        if (np.diff(offsets) < 0).any() or offsets[-1] > len(visible):
-            raise ValueError(f"offsets must increase to at most {len(visible)} visible slots")
+        if offsets[-1] > len(visible):  # (C refuses offsets that decrease before reading)
+            raise ValueError(f"offsets must end at most at {len(visible)} visible slots")
         if logits.shape != (outputs, model.vocab):
             raise ValueError(f"logits must be {(outputs, model.vocab)}, not {logits.shape}")
         status = self.library.hs_forward_sequences(

@@ -205,9 +205,6 @@ class NativeModel(ModelFile):
         sequences' spans (prefix_start..start+rows-1) must not overlap: ``ValueError``."""
         if not sequences:
             raise ValueError("a forward needs at least one sequence")
-        for rows in sequences:
-            if len(rows.offsets) != len(rows.tokens) + 1:
-                raise ValueError(f"{len(rows.tokens)} rows need {len(rows.tokens) + 1} offsets")
         table = np.array(
             [
                 (len(rows.tokens), rows.prefix_start, rows.prefix, rows.start, rows.first_logit)
@@ -215,22 +212,29 @@ class NativeModel(ModelFile):
             ],
             np.int32,
         )
-        offsets = np.zeros(int(table[:, 0].sum()) + 1, np.int32)
-        np.cumsum(np.concatenate([np.diff(rows.offsets) for rows in sequences]), out=offsets[1:])
-        visible = [rows.visible[rows.offsets[0] : rows.offsets[-1]] for rows in sequences]
-        outputs = table[:, 0] - table[:, 4]
-        logits = np.empty((int(outputs.sum()), self.vocab), np.float32)
+        # each sequence's offsets moved to where its visible slots land in the concatenation
+        offsets, visible, shift = [np.zeros(1, np.int32)], [], 0
+        for rows in sequences:
+            if len(rows.offsets) != len(rows.tokens) + 1:
+                raise ValueError(f"{len(rows.tokens)} rows need {len(rows.tokens) + 1} offsets")
+            first, last = int(rows.offsets[0]), int(rows.offsets[-1])
+            offsets.append(np.asarray(rows.offsets[1:]) + (shift - first))
+            visible.append(rows.visible[first:last])
+            shift += last - first
+        outputs = [len(rows.tokens) - rows.first_logit for rows in sequences]
+        logits = np.empty((sum(outputs), self.vocab), np.float32)
         self.kernels.forward_sequences(
             self.struct,
             table,
-            np.concatenate([rows.tokens for rows in sequences]).astype(np.int32),
-            np.concatenate([rows.positions for rows in sequences]).astype(np.int32),
-            offsets=offsets,
-            visible=np.concatenate(visible).astype(np.int32),
+            np.concatenate([rows.tokens for rows in sequences]).astype(np.int32, copy=False),
+            np.concatenate([rows.positions for rows in sequences]).astype(np.int32, copy=False),
+            offsets=np.concatenate(offsets).astype(np.int32, copy=False),
+            visible=np.concatenate(visible).astype(np.int32, copy=False),
             logits=logits,
             threads=threads,
         )
-        return np.split(logits, np.cumsum(outputs)[:-1])
+        ends = np.cumsum(outputs).tolist()
+        return [logits[end - count : end] for count, end in zip(outputs, ends, strict=True)]
 
     def draft_chain(
         self,

@@ -59,6 +59,8 @@ int hs_forward_sequences(const hs_model *m, int n_sequences, const hs_sequence *
     }
     if (total > m->capacity) return -1; /* the spans are apart: more rows cannot fit */
     const int n = (int)total, windows = has_windows(m);
+    for (int i = 0; i < n; i++) /* before any visible slot is read: they end at offsets[n] */
+        if (offsets[i + 1] < offsets[i]) return -1;
     int32_t *arrays = malloc(sizeof(int32_t) * (5 * (size_t)n + 1));
     if (!arrays) return -1;
     int32_t *slot = arrays, *prefix_start = slot + n, *prefix_len = prefix_start + n,
