@@ -218,9 +218,10 @@ async def lookup_round(
 async def grammar_round(
     ctx: RoundContext, schedule: Scheduler, forced: TreeProposal, remaining: int
 ) -> Round:
-    """The chain of tokens the request's grammar forces, verified below the bonus: each is the only token the masked target may choose, so it is kept, and the target
-    chooses the token after them under the grammar. The controller learns no cost from it
-    (neither a draft's nor the target alone's)."""
+    """The chain of tokens the request's grammar forces, verified below the bonus: each is
+    the only token the masked target may choose, so it is kept, and the target chooses the
+    token after them under the grammar. The controller learns no cost from it (neither a
+    draft's nor the target alone's)."""
     tokens, parents = list(forced.tokens), list(forced.parents)
     site = ctx.site(drawn_walk=False)  # the grammar's masks are the daemon's: LOGITS
     verification = await schedule.verify(tokens, parents, remaining, site=site)
