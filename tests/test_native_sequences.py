@@ -310,6 +310,10 @@ def test_a_forward_that_would_mix_sequences_is_refused() -> None:
         [rows(2**31 - 1, 10, 4, [4])],  # a prefix whose end would wrap around
         [rows(60, 2, 62, [62, 63, 64, 65], count=4)],  # past the cache
     ]
+    backwards = SequenceRows(  # offsets that decrease: refused before a slot is read
+        np.zeros(2, np.int32), np.array([4, 5]), 0, 4, 4, np.array([0, 2, 1]), np.array([4, 5])
+    )
+    refused.append([backwards])
     for sequences in refused:
         with pytest.raises(ValueError, match=r"refused|must"):
             model.forward_sequences(sequences, threads=1)
