@@ -10,7 +10,8 @@ sweep on a schema prompt of its own, flash attention on/off for the target alone
 passes time the systems; one seeded pass at temperature 0.7 checks validity when sampling.
 Every answer is parsed and validated against its schema. Requests interleave system by
 system, the order rotating; figures are medians of ``--repeats`` passes; ratios of medians.
-The grammar's own cost is the daemon's: mask computations and their time per emitted token.
+The grammar's own cost: its masks' time per emitted token, the daemon's (verification, forced
+runs) and the workers' (drafting, decoding alone) together.
 """
 
 from __future__ import annotations
@@ -237,7 +238,7 @@ class Hetspec:
             timings.get("draft_n", 0),
             timings.get("draft_n_accepted", 0),
             spec.get("grammar_forced", 0),
-            spec.get("grammar_mask_ms", 0.0),
+            spec.get("grammar_mask_ms", 0.0) + spec.get("grammar_worker_mask_ms", 0.0),
         )
 
 

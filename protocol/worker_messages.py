@@ -36,6 +36,15 @@ class GrammarAt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     start: int
 
 
+class GrammarCost(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a command's grammar cost the worker: masks computed, their milliseconds (within
+    ``elapsed_ms``), and the milliseconds to compile the grammar (a request's first command)."""
+
+    masks: int
+    mask_ms: float
+    compile_ms: float = 0.0
+
+
 class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"):
     pass
 
@@ -418,6 +427,7 @@ class Drafted(_Message, tag="drafted"):
     # speculative/drafting/dynamic_tree.py); ``probs`` is then empty (nodes are chosen, not drawn)
     parents: list[int] = []
     acceptance: list[float] = []
+    grammar: GrammarCost | None = None  # with the command's grammar: its masks' cost
 
 
 class Decoded(_Message, tag="decoded"):
@@ -427,6 +437,7 @@ class Decoded(_Message, tag="decoded"):
     logprobs: list[TokenLogprob] = []  # one per token, when the command asked
     features: ArrayRef | None = None  # with report_features, as Prefilled's
     features_start: int = 0
+    grammar: GrammarCost | None = None  # with the command's grammar: its masks' cost
 
 
 class Verified(_Message, tag="verified"):

@@ -88,6 +88,8 @@ def test_speculation_keeps_the_constrained_targets_text(http) -> None:
         alone = texts["autoregressive"]["response"]
         jsonschema.validate(json.loads(alone), SCHEMA)
         assert all(reply["response"] == alone for reply in texts.values()), texts
+    alone = texts["autoregressive"]["speculative"]  # the target alone masks in its worker
+    assert alone["grammar_worker_masks"] > 0
     adaptive = generate(http, format=SCHEMA, mode="adaptive", options={"temperature": 0})
     assert adaptive["speculative"]["grammar_forced"] > 0  # keys and separators
     assert adaptive["speculative"]["grammar_masks"] >= len(adaptive["tokens"])

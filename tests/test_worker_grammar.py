@@ -115,9 +115,14 @@ def test_the_workers_grammar_follows_the_committed_sequence(runtime) -> None:
     at = m.GrammarAt(grammar_text("regex", REGEX), len(prompt))
     first = follower.at(at, runtime.tokens)
     drafted = runtime.draft(4, SamplingParams(), DrawnSampler(0), grammar=first)
+    cost = follower.cost()  # a mask a drafted token, and the grammar's compile
+    assert cost.masks == 4
+    assert cost.mask_ms > 0
+    assert cost.compile_ms > 0
     kept = drafted.tokens[0, :2].tolist()  # two accepted, the rest refused
     runtime.append(kept)
     again = follower.at(at, runtime.tokens)
+    assert follower.cost() == m.GrammarCost(0, 0.0, 0.0)  # kept: nothing compiled again
     assert again is first  # kept, rolled back to the committed text
     assert again.consumed == kept
     fresh = grammar_of(runtime)

@@ -170,6 +170,7 @@ class ComputeHandlers:
             append_ms,
             engine.forwards - forwards,
             result.root,
+            grammar=self.grammar.cost(),
         )
         return reply, ()
 
@@ -207,7 +208,9 @@ class ComputeHandlers:
                 grammar=self.grammar.at(command.grammar, engine.tokens),
             )
         elapsed = (time.perf_counter() - start) * 1000
-        reply = m.Decoded(command.request, tokens, elapsed, logprobs or [])
+        reply = m.Decoded(
+            command.request, tokens, elapsed, logprobs or [], grammar=self.grammar.cost()
+        )
         return self._reported(reply, engine, sink)
 
     def verify(self, command: m.VerifyTree, frames) -> tuple:

@@ -9,6 +9,7 @@ grammar of the last command is kept and follows the committed sequence from call
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import llguidance
@@ -24,16 +25,30 @@ class WorkerGrammar:
         self._table: tuple[object, llguidance.LLTokenizer] | None = None
         self._constraint: Constraint | None = None
         self._start = 0
+        self._since: tuple[int, float, float] | None = None  # masks, seconds, compile ms
+
+    def cost(self) -> m.GrammarCost | None:
+        """What the grammar computed since ``at`` (None: the command had none)."""
+        if self._since is None or self._constraint is None:
+            return None
+        masks, seconds, compile_ms = self._since
+        self._since = None
+        kept = self._constraint
+        return m.GrammarCost(kept.masks - masks, (kept.mask_s - seconds) * 1000, compile_ms)
 
     def at(self, grammar: m.GrammarAt | None, committed: Sequence[int]) -> Constraint | None:
         """``grammar``'s state after ``committed[grammar.start:]`` (None: no grammar)."""
+        self._since = None
         if grammar is None:
             return None
-        kept = self._constraint
+        began, kept = time.perf_counter(), self._constraint
+        compile_ms = 0.0
         if kept is None or kept.text != grammar.text or self._start != grammar.start:
             kept = self._constraint = Constraint(self._tokenizer(), grammar.text)
             self._start = grammar.start
+            compile_ms = (time.perf_counter() - began) * 1000
         kept.follow(committed[grammar.start :])
+        self._since = (kept.masks, kept.mask_s, compile_ms)
         return kept
 
     def _tokenizer(self) -> llguidance.LLTokenizer:

@@ -51,6 +51,7 @@ Round = tuple[Emitted, RoundReport]
 async def plain_round(ctx: RoundContext, schedule: Scheduler, plan: Plan, remaining: int) -> Round:
     """A draft of ``plan``'s branches, verified as one tree below the bonus."""
     drafted, draft, draft_s = await schedule.draft(plan, ctx.kind(plan))
+    ctx.stats.worker_grammar(drafted.grammar)
     branches = Branches.of(drafted, ctx.pair.arena)
     rule = RuleProbe.of(ctx, plan, branches)
     site = ctx.site(drawn_walk=True)
@@ -239,6 +240,7 @@ async def alone_round(ctx: RoundContext, schedule: Scheduler, remaining: int) ->
     """The target decodes a few tokens alone, drawing them in its own process; the drafter
     falls behind by them and catches up when drafting resumes."""
     decode = await schedule.decode_alone(remaining)
+    ctx.stats.worker_grammar(decode.reply.grammar)
     tokens = decode.reply.tokens
     if decode.reply.features is not None and ctx.drafter.features is not None:
         features = frame_array(decode.reply.features, decode.frames)

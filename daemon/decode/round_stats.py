@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hetspec.protocol import worker_messages as m
 from hetspec.speculative.constrain.constraint import Constraint
 from hetspec.speculative.control.budget import BudgetController
 from hetspec.speculative.control.rounds import RoundReport
@@ -34,8 +35,12 @@ class SpeculativeStats:
     verifications: int = 0
     prefill_wait_ms: float = 0.0  # waiting for the drafter's late prefill (DraftCall's)
     grammar_forced: int = 0  # tokens a grammar forced, emitted with no draft
-    grammar_masks: int = 0  # the grammar's masks computed, and their time
+    grammar_masks: int = 0  # the grammar's masks the daemon computed, and their time
     grammar_mask_ms: float = 0.0
+    # ... and the workers' (drafting, decoding alone), their compiles besides
+    grammar_worker_masks: int = 0
+    grammar_worker_mask_ms: float = 0.0
+    grammar_compile_ms: float = 0.0
 
     def count(self, report: RoundReport) -> None:
         self.rounds += 1
@@ -62,6 +67,13 @@ class SpeculativeStats:
         for depth in range(report.accepted):
             depths[depth] += 1
 
+    def worker_grammar(self, cost: m.GrammarCost | None) -> None:
+        """A worker's reply's grammar cost (None: it reported none)."""
+        if cost is not None:
+            self.grammar_worker_masks += cost.masks
+            self.grammar_worker_mask_ms += cost.mask_ms
+            self.grammar_compile_ms += cost.compile_ms
+
     def grammar_cost(self, constraint: Constraint | None) -> None:
         """What the request's grammar computed (None: it had none)."""
         if constraint is not None:
@@ -87,6 +99,9 @@ class SpeculativeStats:
             "grammar_forced": self.grammar_forced,
             "grammar_masks": self.grammar_masks,
             "grammar_mask_ms": round(self.grammar_mask_ms, 3),
+            "grammar_worker_masks": self.grammar_worker_masks,
+            "grammar_worker_mask_ms": round(self.grammar_worker_mask_ms, 3),
+            "grammar_compile_ms": round(self.grammar_compile_ms, 3),
             "t_overhead_ms": round(self.overhead_ms / per, 3) if per else None,
             "t_prefill_wait_ms": round(self.prefill_wait_ms / per, 3) if per else None,
             "t_draft_link_ms": _mean(self.draft_link_ms, self.draft_calls),
