@@ -12,7 +12,7 @@ Protocol version history: 1 = the first one; 2 = spare cores (``Hello.spare_core
 (``features`` fields: the hidden state entering the LM head, float32 rows, one per position);
 21 = the prompt's own log-probabilities (``Prefill.prompt_logprobs``, and
 ``Prefilled``'s); 22 = a request's grammar in ``Draft`` and ``Decode`` (``GrammarAt``: drafts
-and the target alone choose only tokens it allows).
+and the target alone choose only tokens it allows), its cost in their replies (``GrammarCost``).
 """
 
 from __future__ import annotations
