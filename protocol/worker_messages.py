@@ -12,7 +12,8 @@ Protocol version history: 1 = the first one; 2 = spare cores (``Hello.spare_core
 (``features`` fields: the hidden state entering the LM head, float32 rows, one per position);
 21 = the prompt's own log-probabilities (``Prefill.prompt_logprobs``, and
 ``Prefilled``'s); 22 = a request's grammar in ``Draft`` and ``Decode`` (``GrammarAt``: drafts
-and the target alone choose only tokens it allows), its cost in their replies (``GrammarCost``).
+and the target alone choose only tokens it allows), its cost in their replies (``GrammarCost``),
+``Decode.ends`` (decoding alone may stop at an end token).
 """
 
 from __future__ import annotations
@@ -271,6 +272,9 @@ class Decode(_Message, tag="decode"):
     logprobs: int | None = None
     report_features: bool = False  # reply with the features of the positions evaluated
     grammar: GrammarAt | None = None  # every token drawn keeps the text valid
+    # the ids that end the request: the worker may stop once it draws one (the last, not
+    # evaluated), since nothing after it is emitted
+    ends: list[int] = []
 
 
 class SampledWalk(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -128,3 +128,20 @@ def test_the_workers_grammar_follows_the_committed_sequence(runtime) -> None:
     fresh = grammar_of(runtime)
     fresh.advance(kept)
     assert np.array_equal(again.allowed(), fresh.allowed())
+
+
+def test_decoding_alone_stops_at_an_end_token(runtime) -> None:
+    """Nothing after an end token is emitted: the worker draws no more once it draws one."""
+    prompt = runtime.tokenize(PROMPT)
+    runtime.prefill(prompt)
+    vocab = runtime.vocab_info()
+    ends = frozenset({vocab.eos, *vocab.ends} - {-1})
+    decoded = runtime.decode(24, SamplingParams(), DrawnSampler(0), grammar=grammar_of(runtime))
+    runtime.prefill(prompt)
+    stopped = runtime.decode(
+        24, SamplingParams(), DrawnSampler(0), grammar=grammar_of(runtime), ends=ends
+    )
+    first_end = next(i for i, token in enumerate(decoded) if token in ends)
+    assert first_end < 23  # the grammar ends within the call
+    assert stopped == decoded[: first_end + 1]
+    assert runtime.committed == len(prompt) + first_end  # the end token drawn, not evaluated

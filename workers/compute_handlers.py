@@ -206,6 +206,7 @@ class ComputeHandlers:
                 logprobs=logprobs,
                 top=command.logprobs or 0,
                 grammar=self.grammar.at(command.grammar, engine.tokens),
+                ends=frozenset(command.ends),
             )
         elapsed = (time.perf_counter() - start) * 1000
         reply = m.Decoded(

@@ -126,6 +126,7 @@ async def generate(
                     append=tokens[-1:],  # the last call's last token: drawn, not evaluated
                     spare_cores=spare_cores,
                     logprobs=top,
+                    ends=sorted(ends),
                 )
             )
             tokens, logprobs = decoded.tokens, decoded.logprobs

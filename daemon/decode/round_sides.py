@@ -334,6 +334,7 @@ class VerifierSide:
         spare_cores: bool,
         logprobs: int | None = None,
         grammar: m.GrammarAt | None = None,
+        ends: frozenset[int] = frozenset(),
     ):
         """The call decoding ``steps`` tokens alone after committing the last round's path
         and evaluating the bonus (each token kept to ``grammar``); see ``decoded``."""
@@ -348,6 +349,7 @@ class VerifierSide:
                 logprobs=logprobs,
                 report_features=self.feature_slot >= 0,
                 grammar=grammar,
+                ends=sorted(ends),
             )
         )
 

@@ -321,6 +321,7 @@ class Scheduler:
             spare_cores=spare_cores,
             logprobs=ctx.logprobs,
             grammar=ctx.grammar_at,
+            ends=ctx.ends,
         )
         decoded, frames = await self.awaiting(call)
         if idle:

@@ -18,7 +18,7 @@ are importable from here, as before the split.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,9 +61,11 @@ class TreeRuntime(OneCallDrafts[Output]):
         logprobs: list[TokenLogprob] | None = None,
         top: int = 0,
         grammar: Constraint | None = None,
+        ends: Collection[int] = (),
     ) -> list[int]:
         """Decode alone: draw ``steps`` tokens after the committed sequence, one forward each,
-        committing every token but the last as it is drawn (the last is drawn, not evaluated).
+        committing every token but the last as it is drawn (the last is drawn, not evaluated);
+        fewer where one of ``ends`` is drawn (then the last: nothing after it is emitted).
         Greedy draws take the argmax of the logits, as ``verify_greedy`` does. The cheapest
         way to decode: no pending tree and no probability rows. Given a ``logprobs`` list,
         each drawn token's log-probability (and ``top`` alternatives) is appended to it.
@@ -89,7 +91,7 @@ class TreeRuntime(OneCallDrafts[Output]):
             drawn.append(token)
             if logprobs is not None:
                 logprobs.append(token_logprob(logits, token, top))
-            if len(drawn) == steps:
+            if len(drawn) == steps or token in ends:
                 return drawn
             # append() without its pending-tree matching: ~6% of a demo-target token
             logits = self._extend_committed(self._checked_tokens([token], 1))

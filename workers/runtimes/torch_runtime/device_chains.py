@@ -15,7 +15,7 @@ top-p), ``decode`` is ``TreeRuntime.decode``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import replace
 
 import numpy as np
@@ -70,6 +70,7 @@ class DeviceChains(TorchForwards):
         logprobs: list[TokenLogprob] | None = None,
         top: int = 0,
         grammar: Constraint | None = None,
+        ends: Collection[int] = (),
     ) -> list[int]:
         """``TreeRuntime.decode``; in fixed shapes the forwards run back to back on the
         device, each next token chosen there (the same bits: each forward is the one
@@ -78,12 +79,13 @@ class DeviceChains(TorchForwards):
         guarded (``DeviceChoice.safe``): from the first one the host might have made
         otherwise, the host chooses and decoding goes on from there, so the tokens are the
         host loop's. Truncating samplers (top-k, top-p) and a grammar (its masks are the
-        host's) decode in the host's loop."""
+        host's) decode in the host's loop, which also stops at ``ends`` (the device's chains
+        run their steps whatever they draw)."""
         truncates = 0 < params.top_k < self.vocab_size or params.top_p < 1
         host = grammar is not None or (not params.greedy and truncates)
         if steps < 2 or self._static is None or host:
             return super().decode(
-                steps, params, sampler, logprobs=logprobs, top=top, grammar=grammar
+                steps, params, sampler, logprobs=logprobs, top=top, grammar=grammar, ends=ends
             )
         self.discard_pending()
         before = self.last_logits()
