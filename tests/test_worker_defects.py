@@ -319,5 +319,7 @@ async def test_a_prefill_cancelled_while_it_runs_stops_between_its_chunks(tmp_pa
     finally:
         await client.stop()
     assert whole[0].reused == 0
-    assert 1 < again.reused < len(prompt) // 2, again  # it had begun, and it stopped
+    # it had begun, and it stopped well before the end (cancelled at a quarter of the whole
+    # prefill's time; a busy 2-core box reads the Cancel a few chunks late)
+    assert 1 < again.reused < len(prompt) * 3 // 4, again
     assert settled_s < whole_s / 2, (settled_s, whole_s)
