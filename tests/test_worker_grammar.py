@@ -14,7 +14,7 @@ from hetspec.protocol import worker_messages as m
 from hetspec.protocol.sampling import SamplingParams
 from hetspec.speculative.constrain.constraint import Constraint
 from hetspec.speculative.constrain.grammars import grammar_text
-from hetspec.speculative.constrain.token_table import grammar_tokenizer
+from hetspec.speculative.constrain.token_table import grammar_tokenizer, vocabulary_ends
 from hetspec.speculative.verify.samplers import DrawnSampler
 from hetspec.workers.runtimes.llama_cpp_runtime.runtime import LlamaCppRuntime
 from hetspec.workers.runtimes.native_runtime import NativeRuntime
@@ -51,7 +51,7 @@ def grammar_of(runtime) -> Constraint:
     table = grammar_tokenizer(
         [runtime.token_bytes(i) for i in range(runtime.vocab_size)],
         runtime.special_tokens(),
-        {vocab.eos, *vocab.ends} - {-1},
+        vocabulary_ends(vocab),
     )
     return Constraint(table, grammar_text("regex", REGEX))
 
@@ -135,7 +135,7 @@ def test_decoding_alone_stops_at_an_end_token(runtime) -> None:
     prompt = runtime.tokenize(PROMPT)
     runtime.prefill(prompt)
     vocab = runtime.vocab_info()
-    ends = frozenset({vocab.eos, *vocab.ends} - {-1})
+    ends = frozenset(vocabulary_ends(vocab))
     decoded = runtime.decode(24, SamplingParams(), DrawnSampler(0), grammar=grammar_of(runtime))
     runtime.prefill(prompt)
     stopped = runtime.decode(

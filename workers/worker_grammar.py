@@ -16,7 +16,7 @@ import llguidance
 
 from hetspec.protocol import worker_messages as m
 from hetspec.speculative.constrain.constraint import Constraint
-from hetspec.speculative.constrain.token_table import grammar_tokenizer
+from hetspec.speculative.constrain.token_table import grammar_tokenizer, vocabulary_ends
 
 
 class WorkerGrammar:
@@ -56,7 +56,6 @@ class WorkerGrammar:
         if self._table is None or self._table[0] is not runtime:
             vocab = runtime.vocab_info()
             token_bytes = [runtime.token_bytes(i) for i in range(runtime.vocab_size)]
-            ends = {vocab.eos, *vocab.ends} - {-1}
-            table = grammar_tokenizer(token_bytes, runtime.special_tokens(), ends)
+            table = grammar_tokenizer(token_bytes, runtime.special_tokens(), vocabulary_ends(vocab))
             self._table = (runtime, table)
         return self._table[1]

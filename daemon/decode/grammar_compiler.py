@@ -15,7 +15,7 @@ import llguidance
 from hetspec.protocol import worker_messages as m
 from hetspec.speculative.constrain.constraint import Constraint
 from hetspec.speculative.constrain.grammars import Grammar, GrammarError
-from hetspec.speculative.constrain.token_table import grammar_tokenizer
+from hetspec.speculative.constrain.token_table import grammar_tokenizer, vocabulary_ends
 
 COMPILE_S = 10.0  # a grammar's compile, the vocabulary's table included on first use
 
@@ -43,7 +43,8 @@ class GrammarCompiler:
     def _tokenizer(self, ready: m.Ready) -> llguidance.LLTokenizer:
         if self._table is None or self._table[0] is not ready:
             vocab = ready.vocab
-            ends = {vocab.eos, *vocab.ends} - {-1}
-            table = grammar_tokenizer(ready.token_bytes, ready.special_tokens, ends)
+            table = grammar_tokenizer(
+                ready.token_bytes, ready.special_tokens, vocabulary_ends(vocab)
+            )
             self._table = (ready, table)
         return self._table[1]

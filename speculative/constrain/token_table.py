@@ -7,8 +7,16 @@ from collections.abc import Iterable, Sequence
 
 import llguidance
 
+from hetspec.protocol.vocab import VocabInfo
+
 # llguidance's mark for a token that stands for no text (a control token)
 SPECIAL_MARK = b"\xff"
+
+
+def vocabulary_ends(vocab: VocabInfo) -> set[int]:
+    """The ids that end generation in ``vocab`` (EOS and the end-of-turn tokens): where a
+    grammar may end, one of them is allowed."""
+    return {vocab.eos, *vocab.ends} - {-1}
 
 
 def grammar_tokenizer(
