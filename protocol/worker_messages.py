@@ -13,7 +13,9 @@ Protocol version history: 1 = the first one; 2 = spare cores (``Hello.spare_core
 21 = the prompt's own log-probabilities (``Prefill.prompt_logprobs``, and
 ``Prefilled``'s); 22 = a request's grammar in ``Draft`` and ``Decode`` (``GrammarAt``: drafts
 and the target alone choose only tokens it allows), its cost in their replies (``GrammarCost``),
-``Decode.ends`` (decoding alone may stop at an end token).
+``Decode.ends`` (decoding alone may stop at an end token); 23 = several sequences
+(``Load.sequences``, ``Ready.sequences``, and the ``sequence`` each compute command works on:
+a request's own KV cache, sampler and grammar in the worker, several requests at once).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from hetspec.protocol.arena import ArenaLayout, ArrayRef
 from hetspec.protocol.sampling import SamplingParams, TokenLogprob
 from hetspec.protocol.vocab import VocabInfo
 
-PROTOCOL_VERSION = 22
+PROTOCOL_VERSION = 23
 
 
 class GrammarAt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -169,6 +171,9 @@ class Load(_Message, tag="load"):
     model: str
     settings: RuntimeSettings
     arena: ArenaLayout | None = None
+    # sequences served at once, each with its own cache of ``Ready.context`` tokens, its
+    # sampler and its grammar; the compute commands name theirs (0 .. sequences - 1)
+    sequences: int = 1
 
 
 class Prefill(_Message, tag="prefill"):
@@ -190,6 +195,7 @@ class Prefill(_Message, tag="prefill"):
     # 0..20: evaluate the whole prompt afresh and reply with each token's log-probability
     # after the first (given the tokens before it) and that many alternatives (protocol 21)
     prompt_logprobs: int | None = None
+    sequence: int = 0  # which of the worker's sequences (Load.sequences)
 
 
 class _Shape(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="shape"):
@@ -255,6 +261,7 @@ class Draft(_Message, tag="draft"):
     # a draft head's input: row i is the target's feature of the position before append[i]
     features: ArrayRef | None = None
     grammar: GrammarAt | None = None  # drafted tokens keep the text valid (Chains only)
+    sequence: int = 0  # which of the worker's sequences (Load.sequences)
 
 
 class Decode(_Message, tag="decode"):
@@ -275,6 +282,7 @@ class Decode(_Message, tag="decode"):
     # the ids that end the request: the worker may stop once it draws one (the last, not
     # evaluated), since nothing after it is emitted
     ends: list[int] = []
+    sequence: int = 0  # which of the worker's sequences (Load.sequences)
 
 
 class SampledWalk(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -314,6 +322,7 @@ class VerifyTree(_Message, tag="verify"):
     features_out: int = -1  # >= 0: every node's feature (nodes, feature size) to this slot
     argmax_only: bool = False
     walk: SampledWalk | None = None
+    sequence: int = 0  # which of the worker's sequences (Load.sequences)
 
 
 class Commit(_Message, tag="commit"):
@@ -322,11 +331,13 @@ class Commit(_Message, tag="commit"):
     request: int
     nodes: list[int] = []
     tokens: list[int] = []
+    sequence: int = 0  # which of the worker's sequences (Load.sequences)
 
 
 class Rollback(_Message, tag="rollback"):
     request: int
     length: int
+    sequence: int = 0  # which of the worker's sequences (Load.sequences)
 
 
 class Tokenize(_Message, tag="tokenize"):
@@ -394,6 +405,7 @@ class Ready(_Message, tag="ready"):
     load_ms: float
     token_bytes: list[bytes]  # what every id stands for, so the daemon can detokenize
     special_tokens: list[int] = []  # control tokens: they end a turn or render as nothing
+    sequences: int = 1  # sequences served at once: Load's, or fewer where the runtime cannot
 
 
 class Heartbeat(_Message, tag="heartbeat"):
