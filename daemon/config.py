@@ -182,7 +182,10 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # how requests that name no mode are decoded (see hetspec.protocol.modes)
     mode: Literal["autoregressive", "sequential", "parallel", "adaptive"] = "adaptive"
     gamma: int = 4  # the draft length of mode "parallel" when a request gives none
-    max_queue: int = 16  # requests that may wait while one decodes; more get 429
+    # requests that decode together, each on its own sequence in both workers (their
+    # verifications share forwards where the runtime can); others wait in the queue
+    max_parallel: int = 4
+    max_queue: int = 16  # requests that may wait while max_parallel decode; more get 429
     # The GPU worker's runtime: torch (the model folder), or llama.cpp (the GGUF file, every
     # layer offloaded when llama.cpp was built for the GPU; on a box without one, two
     # llama.cpp workers on their own cores still overlap drafting with verifying), or "auto":
@@ -306,6 +309,8 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         for key, value in positive.items():
             if not value > 0:
                 raise ValueError(f"{key} must be > 0, not {value}")
+        if not 1 <= self.max_parallel <= 64:
+            raise ValueError(f"max_parallel must be in 1..64, not {self.max_parallel}")
         if not 0 <= self.max_queue <= 10_000:
             raise ValueError(f"max_queue must be in 0..10000, not {self.max_queue}")
         if not 1 <= self.http_max_connections <= 1_000_000:

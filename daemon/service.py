@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import os
 import signal
 import time
@@ -32,6 +33,7 @@ from hetspec.daemon.api.http_server import HttpServer
 from hetspec.daemon.api.runs import Run
 from hetspec.daemon.config import BUNDLED_MODELS, DaemonConfig, ModelPaths
 from hetspec.daemon.decode.admission import Admission
+from hetspec.daemon.decode.core_lending import CoreLending
 from hetspec.daemon.decode.engine import LookupSource
 from hetspec.daemon.decode.grammar_compiler import GrammarCompiler
 from hetspec.daemon.decode.requests import GenerateRequest, check_messages_fit
@@ -63,7 +65,6 @@ from hetspec.daemon.supervision.worker_client import WorkerClient, WorkerSpec
 from hetspec.daemon.systemd import Notifier, activated_sockets, watchdog_loop
 from hetspec.protocol.arena import Arena, ArenaError
 from hetspec.speculative.control.budget import BudgetController, ControllerConfig
-from hetspec.speculative.control.core_choice import SpareCoreChoice
 from hetspec.speculative.drafting.continuation_tree import ContinuationTree
 from hetspec.speculative.drafting.ngram_table import NgramTable
 from hetspec.speculative.drafting.prompt_lookup import PromptLookup
@@ -91,6 +92,16 @@ def mode_controllers(config: DaemonConfig, *, chains_only: bool = False) -> dict
     }
 
 
+# arena slots a request holds: its draft's rows, its tree's logits, a head's features
+RUN_SLOTS = 3
+
+
+def arena_slot_count(config: DaemonConfig) -> int:
+    """``arena_slots`` for one request, and a request's slots for each other one served at
+    once."""
+    return config.arena_slots + RUN_SLOTS * (config.max_parallel - 1)
+
+
 MODEL_FREE_DRAFTERS = {
     "continuation-tree": ContinuationTree,
     "prompt-lookup": PromptLookup,
@@ -113,8 +124,8 @@ class Service:
         self.draining = False
         self.reloading = False  # SIGHUP: drain, then exit RELOAD_EXIT_STATUS
         self.generations = Generations(self)  # the requests' runs, counted for the drain
-        self.admission = Admission(config.max_queue)
-        self.slots = SlotPool(config.arena_slots)
+        self.admission = Admission(config.max_queue)  # one seat until the workers serve more
+        self.slots = SlotPool(arena_slot_count(config))
         self.metrics = Metrics()
         self.round_log: RoundLog | None = None  # opened by run() where configured
         self.chat_template: ChatTemplate | None = None
@@ -122,15 +133,34 @@ class Service:
         self.model_name = config.model_name or _model_name(config.target)
         # one controller for the daemon's life: costs measured in one request still hold
         self.controllers = mode_controllers(config)
+        self._seat_controllers: dict[tuple[str, int], BudgetController] = {}  # see controller()
         self.chains_only = False  # the verifier verifies chains only (set at load)
         self.grammars = GrammarCompiler()  # structured output: grammars for the target
         # whether the target decoding alone computes on the drafter's cores too: measured
         # for the daemon's life, by every mode
-        self.spare_cores = SpareCoreChoice()
-        self.verify_cores = SpareCoreChoice()  # the same for a plain round's verification
+        # (lent only while one request decodes)
+        alone = self._decoding_alone
+        self.spare_cores = CoreLending(alone)
+        self.verify_cores = CoreLending(alone)  # the same for a plain round's verification
         self._stop = asyncio.Event()
         self.started = time.monotonic()
         self.started_wall = time.time()
+
+    def controller(self, mode: str, sequence: int) -> BudgetController | None:
+        """Mode ``mode``'s controller for requests on seat ``sequence`` (None: the mode has
+        none). Seat 0, where a lone user decodes, has the mode's own; another seat has its
+        own too, first copied from seat 0's (what it measured holds for the others), so that
+        requests decoding at once never interleave their plans in one controller."""
+        base = self.controllers.get(mode)
+        if base is None or sequence == 0:
+            return base
+        key = (mode, sequence)
+        if key not in self._seat_controllers:
+            self._seat_controllers[key] = copy.deepcopy(base)
+        return self._seat_controllers[key]
+
+    def _decoding_alone(self) -> bool:
+        return self.admission.running <= 1
 
     # ------------------------------------------------------------ lifecycle
 
@@ -237,6 +267,7 @@ class Service:
         chains_only = verifier.runtime == "llama.cpp"
         if chains_only != self.chains_only:
             self.controllers = mode_controllers(self.config, chains_only=chains_only)
+            self._seat_controllers.clear()
             self.chains_only = chains_only
         own = len(set(verifier.cores)) or 1
         overlap_factor = (own + len(verifier.spare_cores)) / own  # spare: none of its own
@@ -246,6 +277,9 @@ class Service:
             controller.assume_overlap_factor(overlap_factor)
         self.notifier.status("loading the models")
         await self._start_workers(specs, features=decision.runtime == "head")
+        # as many requests at once as every worker serves sequences
+        served = [client.ready.sequences for client in self.supervisor.workers.values()]
+        self.admission.seat_count(min([self.config.max_parallel, *served]))
         drafter_name = roles(self.config.placement).drafter
         if drafter_name in specs:  # else no draft model: the verifier has every core
             self._keep_off_drafter(specs[drafter_name])
@@ -258,7 +292,7 @@ class Service:
         if features:
             width = max(width, model_number_of(self.config.target, "hidden_size"))
         self.arena = self.instance.create_arena(
-            self.config.arena_slots, self.config.max_tree_nodes * width * 4
+            arena_slot_count(self.config), self.config.max_tree_nodes * width * 4
         )
         self.supervisor = Supervisor(
             self.config, specs, self.instance.runtime_dir, self.arena.layout

@@ -27,7 +27,7 @@ import structlog
 
 from hetspec.daemon.api.errors import ApiError
 from hetspec.daemon.api.runs import Run
-from hetspec.daemon.decode.admission import QueueFull
+from hetspec.daemon.decode.admission import QueueFull, Seat
 from hetspec.daemon.decode.autoregressive import generate
 from hetspec.daemon.decode.engine import Decoder, WorkerPair
 from hetspec.daemon.decode.requests import GenerateRequest, GenerationResult
@@ -86,9 +86,9 @@ class Generations:
         self.in_flight += 1
         self.idle.clear()
         try:
-            async with service.admission.turn() as waited_s:
-                service.metrics.queue_wait.observe(waited_s)
-                async with self._start(body, mode, gamma, waited_s) as run:
+            async with service.admission.turn() as seat:
+                service.metrics.queue_wait.observe(seat.waited_s)
+                async with self._start(body, mode, gamma, seat) as run:
                     yield run
         except QueueFull as error:
             raise ApiError(429, str(error), retry_after_s=error.retry_after_s) from None
@@ -99,9 +99,9 @@ class Generations:
 
     @contextlib.asynccontextmanager
     async def _start(
-        self, body: GenerateRequest, mode: str, gamma: int | None, waited_s: float
+        self, body: GenerateRequest, mode: str, gamma: int | None, seat: Seat
     ) -> AsyncIterator[Run]:
-        service = self.service
+        service, waited_s = self.service, seat.waited_s
         if service.pipeline is not None:
             async with self._start_pipeline(body, mode, waited_s) as run:
                 yield run
@@ -124,7 +124,7 @@ class Generations:
             service.slots.lease(run_id, settled) if head else _no_slot() as feature_slot,
         ):
             result = GenerationResult()
-            stats, controller = SpeculativeStats(), service.controllers.get(mode)
+            stats, controller = SpeculativeStats(), service.controller(mode, seat.sequence)
             fixed = None  # the request's gamma fixes every round's plan
             if constraint is not None and mode == "autoregressive":
                 # the worker decoding alone would draw unmasked: one masked choice a round,
@@ -147,6 +147,7 @@ class Generations:
                         result,
                         arena=service.arena,
                         cores=service.spare_cores,
+                        sequence=seat.sequence,
                     )
                 pair = WorkerPair(
                     drafter,
@@ -157,6 +158,7 @@ class Generations:
                     service.spare_cores,
                     service.verify_cores,
                     feature_slot,
+                    seat.sequence,
                 )
                 log = service.round_log and functools.partial(service.round_log.write, run_id, mode)
                 lookup = service.lookup_source() if mode == "adaptive" else None

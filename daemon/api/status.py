@@ -105,6 +105,7 @@ def props_of(service: Service) -> dict:
         "parallel_gamma": config.gamma,
         "queue": {
             "running": service.admission.running,
+            "parallel": service.admission.parallel,  # requests that decode at once
             "waiting": service.admission.waiting,
             "capacity": service.admission.capacity,
             "refused": service.admission.refused,

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 
+from hetspec.daemon.decode.core_lending import CoreLending
 from hetspec.daemon.decode.prompt_input import prompt_ids, record_prompt, wanted_prompt_logprobs
 from hetspec.daemon.decode.requests import (
     GenerateRequest,
@@ -60,7 +61,8 @@ async def generate(
     result: GenerationResult,
     *,
     arena: Arena,
-    cores: SpareCoreChoice,
+    cores: SpareCoreChoice | CoreLending,
+    sequence: int = 0,
 ) -> AsyncIterator[str]:
     """Yield text pieces; ``result`` holds the tokens and timings (complete when exhausted).
     The first token is chosen here from the prefill's logits (in arena slot ``slot``), as the
@@ -68,7 +70,7 @@ async def generate(
     (``alone_tokens``, ``Decode``): the worker evaluates the last call's last token and draws
     the next ones, one forward each, committing them as it goes. The drafter has nothing to
     do in this mode: the target computes on its cores too, where ``cores`` finds that this
-    pays."""
+    pays. ``sequence``: the request's in the worker."""
     ready = worker.ready
     started = time.perf_counter()
     prompt = await prompt_ids(request, worker, ready.context)
@@ -81,6 +83,7 @@ async def generate(
             out=slot,
             spare_cores=cores.preferred(),
             prompt_logprobs=wanted_prompt_logprobs(request),
+            sequence=sequence,
         )
     )
     record_prompt(result, prompt, prefilled)
@@ -127,6 +130,7 @@ async def generate(
                     spare_cores=spare_cores,
                     logprobs=top,
                     ends=sorted(ends),
+                    sequence=sequence,
                 )
             )
             tokens, logprobs = decoded.tokens, decoded.logprobs

@@ -185,6 +185,7 @@ class Decoder:
                 spare_cores=spare_cores,
                 report_features=pair.head,
                 prompt_logprobs=wanted_prompt_logprobs(request),
+                sequence=pair.sequence,
             )
         )
         record_prompt(result, prompt, prefilled)

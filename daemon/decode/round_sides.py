@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
+from hetspec.daemon.decode.core_lending import CoreLending
 from hetspec.daemon.supervision.worker_client import WorkerClient
 from hetspec.protocol import Arena, frame_ref
 from hetspec.protocol import worker_messages as m
@@ -33,11 +34,12 @@ class WorkerPair:
     draft_slot: int  # where the drafter writes its probability rows
     verify_slot: int  # where the verifier writes the tree's logits
     # whether the target, decoding alone, also computes on the drafter's cores
-    alone_cores: SpareCoreChoice = field(default_factory=SpareCoreChoice)
+    alone_cores: SpareCoreChoice | CoreLending = field(default_factory=SpareCoreChoice)
     # ... and whether it does while it verifies a plain round's draft (the drafter waits)
-    verify_cores: SpareCoreChoice = field(default_factory=SpareCoreChoice)
+    verify_cores: SpareCoreChoice | CoreLending = field(default_factory=SpareCoreChoice)
     # >= 0: the drafter is a draft head; the verifier writes its features to this slot
     feature_slot: int = -1
+    sequence: int = 0  # the request's sequence in both workers (its admission seat)
 
     @property
     def head(self) -> bool:
@@ -94,6 +96,7 @@ class DrafterSide:
 
     def __init__(self, pair: WorkerPair, prompt: list[int], seed: int | None) -> None:
         self.client, self.arena, self.slot = pair.drafter, pair.arena, pair.draft_slot
+        self.sequence = pair.sequence
         self._prompt, self._seed = prompt, seed
         self.prefill: asyncio.Future | None = None
         self.unseen: list[int] = []  # the sequence's last tokens, emitted since its last draft
@@ -106,7 +109,10 @@ class DrafterSide:
     def start_prefill(self) -> asyncio.Future:
         if self.prefill is None:
             command = m.Prefill(
-                request=self.client.next_request(), tokens=self._prompt, seed=self._seed
+                request=self.client.next_request(),
+                tokens=self._prompt,
+                seed=self._seed,
+                sequence=self.sequence,
             )
             arrays = ()
             if self.prompt_features is not None:
@@ -187,6 +193,7 @@ class DrafterSide:
             append=self.unseen,
             features=features,
             grammar=self.grammar,
+            sequence=self.sequence,
         )
         reply = self.client.post(command, arrays)
         self.unseen = []
@@ -211,6 +218,7 @@ class DrafterSide:
             shape=m.RunAhead(draft.last_parent, draft.tokens[-1], gamma + 1),
             sampling=params,
             out=self.slot,
+            sequence=self.sequence,
         )
         return asyncio.ensure_future(_timed(self.client.call(command)))
 
@@ -282,7 +290,7 @@ class VerifierSide:
 
     def __init__(self, pair: WorkerPair) -> None:
         self.client, self.slot = pair.verifier, pair.verify_slot
-        self.feature_slot = pair.feature_slot
+        self.feature_slot, self.sequence = pair.feature_slot, pair.sequence
         self.bonus = -1
         self._tree: list[int] = []  # the tokens of the last tree evaluated: [bonus, *draft]
         self._keep: list[int] = []  # its nodes to commit: the bonus and the accepted path
@@ -313,6 +321,7 @@ class VerifierSide:
                 features_out=self.feature_slot,
                 argmax_only=argmax_only,
                 walk=walk,
+                sequence=self.sequence,
             )
         )
 
@@ -350,6 +359,7 @@ class VerifierSide:
                 report_features=self.feature_slot >= 0,
                 grammar=grammar,
                 ends=sorted(ends),
+                sequence=self.sequence,
             )
         )
 

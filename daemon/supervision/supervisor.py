@@ -233,6 +233,7 @@ def worker_specs(
         "reply_spin_us": config.daemon_spin_us,
         "mailbox": config.worker_mailboxes,
         "log_format": log_format,
+        "sequences": config.max_parallel,
     }
     # Both compute on the CPU: the verifier may borrow the drafter's cores while it idles.
     lend = config.lend_cores and not cuda

@@ -167,7 +167,12 @@ class WorkerClient:
                 f"{self.spec.name} worker speaks protocol {hello.protocol}, the daemon "
                 f"{m.PROTOCOL_VERSION}: reinstall hetspec so both come from one version"
             )
-        load = m.Load(model=self.spec.model, settings=self.spec.settings, arena=self.arena)
+        load = m.Load(
+            model=self.spec.model,
+            settings=self.spec.settings,
+            arena=self.arena,
+            sequences=self.spec.sequences,
+        )
         self._loading = loop.create_future()
         await self._link.send_first(self._codec.encode(load), load_timeout_s)
         try:

@@ -37,6 +37,8 @@ class WorkerSpec:
     # commands and replies through shared-memory mailboxes (protocol/mailbox.py) where they
     # work (x86-64 Linux); False, or elsewhere: through the ZeroMQ sockets alone
     mailbox: bool = True
+    # requests served at once: each its own sequence (cache, sampler, grammar) in the worker
+    sequences: int = 1
 
 
 def worker_argv(
