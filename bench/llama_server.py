@@ -8,7 +8,8 @@ and caches it under ``$HETSPEC_CACHE_DIR`` (default ``~/.cache/hetspec``)
 
 A ``LlamaServer`` is one server process for one configuration (target alone, or target and
 draft at one draft length), listening on a Unix socket in a private temporary folder (never a
-TCP port), one slot, every request prefilling its whole prompt.
+TCP port), one slot unless ``ServerConfig.parallel`` asks for more, every request prefilling
+its whole prompt.
 """
 
 from __future__ import annotations
@@ -131,6 +132,9 @@ class ServerConfig:
     # own flags, e.g. ("--spec-ngram-simple-size-n", "3")
     spec_type: str | None = None
     spec_args: tuple[str, ...] = ()
+    # slots (-np): requests decoded together by continuous batching; each slot gets
+    # context / parallel of the context (the KV cache is not unified when -np is given)
+    parallel: int = 1
 
 
 def server_args(binary: Path, config: ServerConfig, socket: Path) -> list[str]:
@@ -138,7 +142,7 @@ def server_args(binary: Path, config: ServerConfig, socket: Path) -> list[str]:
     llama-server built from llama-cpp-python 0.3.36's llama.cpp)."""
     threads = str(config.threads)
     args = [str(binary), "-m", str(config.target), "--host", str(socket)]  # a .sock host: Unix
-    args += ["-t", threads, "-tb", threads, "-c", str(config.context), "-np", "1"]
+    args += ["-t", threads, "-tb", threads, "-c", str(config.context), "-np", str(config.parallel)]
     # nothing kept between requests: no prompt cache in RAM, no prefix reuse in the slot
     args += ["--no-webui", "--cache-ram", "0", "--no-cache-prompt"]
     if config.flash_attention is not None:
