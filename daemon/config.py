@@ -186,6 +186,9 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # verifications share forwards where the runtime can); others wait in the queue
     max_parallel: int = 4
     max_queue: int = 16  # requests that may wait while max_parallel decode; more get 429
+    # with max_parallel > 1, prompts are prefilled this many tokens a call, so that the rounds
+    # of requests decoding beside a new one run between its calls
+    prefill_chunk: int = 256
     # The GPU worker's runtime: torch (the model folder), or llama.cpp (the GGUF file, every
     # layer offloaded when llama.cpp was built for the GPU; on a box without one, two
     # llama.cpp workers on their own cores still overlap drafting with verifying), or "auto":
@@ -309,25 +312,24 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         for key, value in positive.items():
             if not value > 0:
                 raise ValueError(f"{key} must be > 0, not {value}")
-        if not 1 <= self.max_parallel <= 64:
-            raise ValueError(f"max_parallel must be in 1..64, not {self.max_parallel}")
-        if not 0 <= self.max_queue <= 10_000:
-            raise ValueError(f"max_queue must be in 0..10000, not {self.max_queue}")
-        if not 1 <= self.http_max_connections <= 1_000_000:
-            raise ValueError(
-                f"http_max_connections must be in 1..1000000, not {self.http_max_connections}"
-            )
-        for key in ("worker_spin_us", "daemon_spin_us"):
-            if not 0 <= getattr(self, key) <= 100_000:
-                raise ValueError(f"{key} must be in 0..100000, not {getattr(self, key)}")
-        if not 1 <= self.gamma <= 32:
-            raise ValueError(f"gamma must be in 1..32, not {self.gamma}")
-        if not 0 <= self.draft_tree <= 8:
-            raise ValueError(f"draft_tree must be in 0..8 (0: no trees), not {self.draft_tree}")
+        ranges = {  # key: (lowest, highest, what the range means where it needs saying)
+            "prefill_chunk": (16, 1_000_000, ""),
+            "max_parallel": (1, 64, ""),
+            "max_queue": (0, 10_000, ""),
+            "http_max_connections": (1, 1_000_000, ""),
+            "worker_spin_us": (0, 100_000, ""),
+            "daemon_spin_us": (0, 100_000, ""),
+            "gamma": (1, 32, ""),
+            "draft_tree": (0, 8, " (0: no trees)"),
+            "restart_wait_s": (0, 3600, ""),
+        }
+        for key, (lowest, highest, meaning) in ranges.items():
+            if not lowest <= getattr(self, key) <= highest:
+                raise ValueError(
+                    f"{key} must be in {lowest}..{highest}{meaning}, not {getattr(self, key)}"
+                )
         if self.heartbeat_timeout_s <= 2 * self.heartbeat_s:
             raise ValueError("heartbeat_timeout_s must exceed two heartbeat_s intervals")
-        if not 0 <= self.restart_wait_s <= 3600:
-            raise ValueError(f"restart_wait_s must be in 0..3600, not {self.restart_wait_s}")
         self._check_combinations()
         low, high = self.restart_backoff_s
         if not 0 < low <= high:

@@ -138,6 +138,9 @@ class Generations:
                     branches = 1
                 fixed = Plan(gamma, 1 if overlap else branches, overlap, body.dynamic)
 
+            # with others beside it, a long prompt must not hold their rounds up for long
+            chunk = service.config.prefill_chunk if service.admission.parallel > 1 else 0
+
             def pieces(verifier: WorkerClient, drafter: WorkerClient) -> AsyncIterator[str]:
                 if mode == "autoregressive" and constraint is None:
                     return generate(
@@ -148,6 +151,7 @@ class Generations:
                         arena=service.arena,
                         cores=service.spare_cores,
                         sequence=seat.sequence,
+                        prefill_chunk=chunk,
                     )
                 pair = WorkerPair(
                     drafter,
@@ -159,6 +163,7 @@ class Generations:
                     service.verify_cores,
                     feature_slot,
                     seat.sequence,
+                    chunk,
                 )
                 log = service.round_log and functools.partial(service.round_log.write, run_id, mode)
                 lookup = service.lookup_source() if mode == "adaptive" else None

@@ -9,7 +9,12 @@ from collections.abc import AsyncIterator
 import numpy as np
 
 from hetspec.daemon.decode.core_lending import CoreLending
-from hetspec.daemon.decode.prompt_input import prompt_ids, record_prompt, wanted_prompt_logprobs
+from hetspec.daemon.decode.prompt_input import (
+    prefill,
+    prompt_ids,
+    record_prompt,
+    wanted_prompt_logprobs,
+)
 from hetspec.daemon.decode.requests import (
     GenerateRequest,
     GenerationResult,
@@ -63,6 +68,7 @@ async def generate(
     arena: Arena,
     cores: SpareCoreChoice | CoreLending,
     sequence: int = 0,
+    prefill_chunk: int = 0,
 ) -> AsyncIterator[str]:
     """Yield text pieces; ``result`` holds the tokens and timings (complete when exhausted).
     The first token is chosen here from the prefill's logits (in arena slot ``slot``), as the
@@ -70,12 +76,13 @@ async def generate(
     (``alone_tokens``, ``Decode``): the worker evaluates the last call's last token and draws
     the next ones, one forward each, committing them as it goes. The drafter has nothing to
     do in this mode: the target computes on its cores too, where ``cores`` finds that this
-    pays. ``sequence``: the request's in the worker."""
+    pays. ``sequence``: the request's in the worker; ``prefill_chunk``: see ``prefill``."""
     ready = worker.ready
     started = time.perf_counter()
     prompt = await prompt_ids(request, worker, ready.context)
     max_tokens = token_budget(request, len(prompt), ready.context)
-    prefilled, _ = await worker.call(
+    prefilled, _ = await prefill(
+        worker,
         m.Prefill(
             request=worker.next_request(),
             tokens=prompt,
@@ -84,7 +91,8 @@ async def generate(
             spare_cores=cores.preferred(),
             prompt_logprobs=wanted_prompt_logprobs(request),
             sequence=sequence,
-        )
+        ),
+        prefill_chunk,
     )
     record_prompt(result, prompt, prefilled)
     # the worker's keyed choices continue the daemon's (seeded); unseeded draws are independent

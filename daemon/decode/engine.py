@@ -15,7 +15,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from hetspec.daemon.decode.autoregressive import first_token
-from hetspec.daemon.decode.prompt_input import prompt_ids, record_prompt, wanted_prompt_logprobs
+from hetspec.daemon.decode.prompt_input import (
+    prefill,
+    prompt_ids,
+    record_prompt,
+    wanted_prompt_logprobs,
+)
 from hetspec.daemon.decode.requests import (
     GenerateRequest,
     GenerationResult,
@@ -176,7 +181,8 @@ class Decoder:
         spare_cores = bool(verifier.spec.spare_cores) and pair.alone_cores.preferred()
         if not (spare_cores or alone or pair.head):  # a head prefills from the target's features
             ctx.drafter.start_prefill()
-        prefilled, frames = await verifier.call(
+        prefilled, frames = await prefill(
+            verifier,
             m.Prefill(
                 request=verifier.next_request(),
                 tokens=prompt,
@@ -186,7 +192,8 @@ class Decoder:
                 report_features=pair.head,
                 prompt_logprobs=wanted_prompt_logprobs(request),
                 sequence=pair.sequence,
-            )
+            ),
+            pair.prefill_chunk,
         )
         record_prompt(result, prompt, prefilled)
         if pair.head and prefilled.features is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from hetspec.daemon.decode.requests import GenerateRequest, GenerationResult
 from hetspec.daemon.supervision.worker_client import WorkerClient
 from hetspec.protocol import worker_messages as m
@@ -38,3 +40,25 @@ def record_prompt(result: GenerationResult, prompt: list[int], prefilled: m.Pref
     """What the answer reports of its prompt: the ids, and the prefill's log-probabilities."""
     result.prompt_ids = prompt
     result.prompt_logprobs = list(prefilled.prompt_logprobs)
+
+
+async def prefill(worker: WorkerClient, command: m.Prefill, chunk: int = 0):
+    """``worker.call(command)``, the prompt in calls of ``chunk`` tokens where it is longer
+    (0: one call): each call makes a longer prefix of it the committed sequence, reusing the
+    last, so that requests decoding beside it have their commands run between the calls
+    instead of waiting for the whole prompt. A prefill that reads every position (the
+    prompt's log-probabilities, a head's features) is one call. The last call's reply."""
+    tokens = command.tokens
+    whole = (
+        command.prompt_logprobs is not None
+        or command.report_features
+        or command.features is not None
+    )
+    if chunk <= 0 or len(tokens) <= chunk or whole:
+        return await worker.call(command)
+    for end in range(chunk, len(tokens), chunk):
+        part = msgspec.structs.replace(
+            command, request=worker.next_request(), tokens=tokens[:end], out=-1
+        )
+        await worker.call(part)
+    return await worker.call(command)

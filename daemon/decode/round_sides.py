@@ -17,6 +17,7 @@ import msgspec
 import numpy as np
 
 from hetspec.daemon.decode.core_lending import CoreLending
+from hetspec.daemon.decode.prompt_input import prefill
 from hetspec.daemon.supervision.worker_client import WorkerClient
 from hetspec.protocol import Arena, frame_ref
 from hetspec.protocol import worker_messages as m
@@ -40,6 +41,8 @@ class WorkerPair:
     # >= 0: the drafter is a draft head; the verifier writes its features to this slot
     feature_slot: int = -1
     sequence: int = 0  # the request's sequence in both workers (its admission seat)
+    # > 0: prompts prefilled this many tokens a call (others decode beside this request)
+    prefill_chunk: int = 0
 
     @property
     def head(self) -> bool:
@@ -96,7 +99,7 @@ class DrafterSide:
 
     def __init__(self, pair: WorkerPair, prompt: list[int], seed: int | None) -> None:
         self.client, self.arena, self.slot = pair.drafter, pair.arena, pair.draft_slot
-        self.sequence = pair.sequence
+        self.sequence, self.prefill_chunk = pair.sequence, pair.prefill_chunk
         self._prompt, self._seed = prompt, seed
         self.prefill: asyncio.Future | None = None
         self.unseen: list[int] = []  # the sequence's last tokens, emitted since its last draft
@@ -121,7 +124,12 @@ class DrafterSide:
                     command, features=frame_ref(rows, 1), features_start=start
                 )
                 arrays = (rows,)
-            self.prefill = asyncio.ensure_future(self.client.call(command, arrays))
+            call = (
+                self.client.call(command, arrays)
+                if arrays
+                else prefill(self.client, command, self.prefill_chunk)
+            )
+            self.prefill = asyncio.ensure_future(call)
         return self.prefill
 
     def _appended_features(self, length: int) -> tuple[m.ArrayRef | None, tuple]:
