@@ -17,15 +17,16 @@ reply to the one before it has come) to each system, the clients starting togeth
 Every request generates exactly ``--max-tokens`` tokens (end tokens ignored, as in ``hetspec
 bench``), greedily, streamed, each on a connection of its own; every time is the client's
 own. Before each run every client sends a two-token request of another prompt, so that no slot
-or sequence keeps a prefix of the bench's prompts. The passes (``--repeats``) take turns system by system, the order rotating.
-Per row: aggregate tokens/s (all of a run's tokens over its wall time, from the first request
-sent to the last reply; the median of the passes, and their range); over every request of
-every pass: per-request decode tokens/s (the tokens after the first over the time from the
-first to the last; median), latency p50 and p99 (request sent to its last token), TTFT p50
-(sent to the first token, waiting in a queue included); "tokens = alone": the requests whose
-token ids equal their prompt's run alone (one client, hetspecd one at a time, run before the
-passes). Ratios are of this run's medians. A system that cannot be had (no llama-server, a
-hetspecd without ``max_parallel``, a server that will not start) is a row that says why.
+or sequence keeps a prefix of the bench's prompts. The passes (``--repeats``) take turns system
+by system, the order rotating. Per row: aggregate tokens/s (all of a run's tokens over its wall
+time, from the first request sent to the last reply; the median of the passes, and their
+range); over every request of every pass: per-request decode tokens/s (the tokens after the
+first over the time from the first to the last; median), latency p50 and p99 (request sent to
+its last token), TTFT p50 (sent to the first token, waiting in a queue included); "tokens =
+alone": the requests whose token ids equal their prompt's run alone (one client, hetspecd one
+at a time, run before the passes). Ratios are of this run's medians. A system that cannot be
+had (no llama-server, a hetspecd without ``max_parallel``, a server that will not start) is a
+row that says why.
 """
 
 from __future__ import annotations
@@ -620,6 +621,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--clients",
         type=positive_list,
+        metavar="N,N,...",
         default=[1, 2, 4, 8],
         help="comma-separated client counts (default 1,2,4,8)",
     )
@@ -679,7 +681,8 @@ def llama_server_binary(choice: str) -> tuple[Path | None, str]:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m hetspec.bench.clients") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    description = __doc__.split("\n\n")[0].replace("``", "")
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     add_arguments(parser)
     args = parser.parse_args(argv)
     prompts = prompt_set(args.prompts)

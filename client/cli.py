@@ -118,7 +118,24 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="bench the daemon at --host instead of starting one (its placement only)",
     )
+    bench.add_argument(
+        "--clients",
+        metavar="N,N,...",
+        help="instead of the modes: N clients at once against hetspecd (max_parallel N, and "
+        "one at a time) and llama-server -np N, a bench with options of its own (hetspec "
+        "bench --clients 1 --help)",
+    )
     return parser
+
+
+def _clients_bench_arguments(argv: list[str]) -> list[str] | None:
+    """The arguments after ``bench`` when the command line is ``hetspec bench ... --clients
+    ...``: the clients bench (``hetspec.bench.clients``), which parses them itself; else
+    None."""
+    if argv[:1] != ["bench"]:
+        return None
+    rest = argv[1:]
+    return rest if any(a == "--clients" or a.startswith("--clients=") for a in rest) else None
 
 
 def _options(args: argparse.Namespace) -> dict:
@@ -316,6 +333,9 @@ def _without_a_client(args: argparse.Namespace, argv: list[str] | None, host: st
     if args.command == "models":  # the daemon's own check, in a process of its own
         check = [sys.executable, "-m", "hetspec.daemon.load.model_check", *args.arguments]
         return subprocess.run(check, check=False).returncode
+    if args.clients is not None:  # options before `bench` kept it from _clients_bench_arguments
+        print("hetspec bench --clients: give no options before `bench`", file=sys.stderr)
+        return 2
     args.argv = sys.argv[2:] if argv is None else argv[1:]
     if args.running and args.settings:
         print(
@@ -329,6 +349,15 @@ def _without_a_client(args: argparse.Namespace, argv: list[str] | None, host: st
 
 
 def main(argv: list[str] | None = None) -> int:
+    clients = _clients_bench_arguments(sys.argv[1:] if argv is None else argv)
+    if clients is not None:
+        from hetspec.bench import clients as clients_bench  # noqa: PLC0415 - only for it
+
+        return clients_bench.main(clients, prog="hetspec bench")
+    return _run(argv)
+
+
+def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     host = args.host or (f"unix://{args.socket}" if args.socket else None)
     if args.command in ("bench", "models"):
