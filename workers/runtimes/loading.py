@@ -27,8 +27,13 @@ class LoadError(RuntimeError):
     """The model could not be loaded; the message says why."""
 
 
-def load_runtime(kind: str, model: str, settings: m.RuntimeSettings):
-    """Import and build the engine only now, in this process, after the cores are set."""
+def load_runtime(kind: str, model: str, settings: m.RuntimeSettings, sequences: int = 1):
+    """Import and build the engine only now, in this process, after the cores are set; with
+    ``sequences`` > 1, the native and llama.cpp engines open that many sharing the weights
+    (``sequence_engines``), torch's and the draft head's one (their CUDA graphs and static
+    forwards are built on one cache)."""
+    if sequences < 1:
+        raise LoadError(f"a worker serves at least one sequence, not {sequences}")
     options = {k: v for k, v in msgspec.structs.asdict(settings).items() if v is not None}
     if kind == "llama.cpp":
         from hetspec.workers.runtimes.llama_cpp_runtime import LlamaCppError, LlamaCppRuntime  # noqa: PLC0415
@@ -36,7 +41,7 @@ def load_runtime(kind: str, model: str, settings: m.RuntimeSettings):
         if not isinstance(settings, m.LlamaCppSettings):
             raise LoadError("the llama.cpp worker takes llama.cpp settings")
         try:
-            runtime = LlamaCppRuntime(model, **options)
+            runtime = LlamaCppRuntime(model, sequences=sequences, **options)
             return runtime, "gpu (llama.cpp)" if runtime.offloaded else "cpu"
         except LlamaCppError as error:
             raise LoadError(str(error)) from None
@@ -47,7 +52,7 @@ def load_runtime(kind: str, model: str, settings: m.RuntimeSettings):
         if not isinstance(settings, m.NativeSettings):
             raise LoadError("the native worker takes native settings")
         try:
-            runtime = NativeRuntime(model, **options)
+            runtime = NativeRuntime(model, sequences=sequences, **options)
             return runtime, f"cpu (native, {runtime.kernels})"
         except NativeUnavailable as error:
             raise LoadError(str(error)) from None
@@ -66,6 +71,12 @@ def load_runtime(kind: str, model: str, settings: m.RuntimeSettings):
     if not isinstance(settings, m.TorchSettings):
         raise LoadError("the torch worker takes torch settings")
     return load_torch(model, settings, options)
+
+
+def sequence_engines(runtime) -> list:
+    """The engines of a loaded runtime's sequences: the runtime itself (sequence 0), then
+    the others sharing its weights (its ``siblings``, where it has any)."""
+    return [runtime, *getattr(runtime, "siblings", ())]
 
 
 def load_torch(model: str, settings: m.TorchSettings, options: dict):

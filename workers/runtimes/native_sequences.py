@@ -9,6 +9,8 @@ The first stage of serving several requests at once (issue #72), at the runtime 
   appends, evaluates trees, commits, rolls back and decodes as any ``TreeRuntime``.
 - ``NativeSequences`` owns the model and its ranges: ``open`` a sequence (a range sized to its
   context), ``evaluate`` several sequences' trees and prompt chunks in one forward, ``close``.
+  A worker serving several sequences (``Load.sequences``) is a ``NativeRuntime`` at slot 0
+  (``adopt``-ed) and ``NativeSequence``s after it, each a range of ``n_ctx`` slots.
 
 Contract: a row evaluated in ``evaluate`` has bit for bit the logits (and writes bit for bit
 the keys and values) it has when its sequence evaluates it on its own, whatever else shares the
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,10 @@ import numpy as np
 from hetspec.native.kernels import BEST
 from hetspec.native.model import NativeModel, SequenceRows
 from hetspec.speculative.verify.tree import ancestor_mask, depths, validate_parents
+from hetspec.workers.runtimes.sequence_work import Chunk, Tree
 from hetspec.workers.runtimes.tree_runtime import RuntimeUsageError, TreeRuntime
+
+__all__ = ["Chunk", "NativeSequence", "NativeSequences", "SlotRanges", "Tree"]
 
 
 class SlotRanges:
@@ -105,6 +109,11 @@ class NativeSequence(TreeRuntime[np.ndarray]):
         self._extra_threads = 0
         self.closed = False  # its slots given back: it must not write them again
         super().__init__(model.vocab, capacity)
+
+    def set_extra_threads(self, extra: int) -> None:
+        """Compute with ``extra`` threads beyond the configured ones (on cores lent for now:
+        see workers/runtimes/spare_cores.py); 0 restores the configured count."""
+        self._extra_threads = extra
 
     def _rows(
         self, tokens: np.ndarray, positions: np.ndarray, rows: np.ndarray, first_logit: int
@@ -222,26 +231,6 @@ class NativeSequence(TreeRuntime[np.ndarray]):
         return self._forward(tokens, positions, rows, count - 1)[0]
 
 
-@dataclass(frozen=True)
-class Tree:
-    """Work for ``NativeSequences.evaluate``: a token tree below ``sequence``'s committed end
-    (``parents`` as ``forward_tree``'s), or with ``extend`` joining its pending tree."""
-
-    sequence: NativeSequence
-    tokens: Sequence[int]
-    parents: Sequence[int]
-    extend: bool = False
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """Work for ``NativeSequences.evaluate``: tokens to follow ``sequence``'s committed ones
-    (a prompt's chunk; the pending tree is dropped), committed once evaluated."""
-
-    sequence: NativeSequence
-    tokens: Sequence[int]
-
-
 class NativeSequences:
     """One ``NativeModel`` whose cache of ``model.capacity`` slots holds several sequences,
     each in a range of its own, and forwards that evaluate several of them at once.
@@ -288,6 +277,19 @@ class NativeSequences:
         self._open[base] = sequence
         return sequence
 
+    def adopt(self, sequence: NativeSequence) -> None:
+        """Count ``sequence``, built on this model in the first free range (as ``open`` would
+        place it: ``NativeRuntime``, the sequence at slot 0), as open here."""
+        if sequence.model is not self.model:
+            raise RuntimeUsageError("that sequence is on another model")
+        base = self.slots.allocate(sequence.capacity)
+        if base != sequence.base:
+            self.slots.release(base, sequence.capacity)
+            raise RuntimeUsageError(
+                f"the first free range starts at slot {base}, not the sequence's {sequence.base}"
+            )
+        self._open[base] = sequence
+
     def close(self, sequence: NativeSequence) -> None:
         """Give ``sequence``'s slots back; the sequence must not be used after."""
         if self._open.get(sequence.base) is not sequence:
@@ -297,11 +299,14 @@ class NativeSequences:
         sequence.rollback(0)
         sequence.closed = True
 
-    def evaluate(self, work: Sequence[Tree | Chunk]) -> list[np.ndarray]:
-        """Every item's rows in one forward, at most one item a sequence: a ``Tree``'s
-        logits (nodes, vocab), its nodes left pending; a ``Chunk``'s logits (vocab,) after its
-        last token, its tokens committed. Each row's logits are bit for bit those its sequence
-        gets evaluating it on its own (``evaluate_tree``, ``append``). Refusals
+    def evaluate(
+        self, work: Sequence[Tree | Chunk], *, threads: int | None = None
+    ) -> list[np.ndarray]:
+        """Every item's rows in one forward (on ``threads``, default the batch's), at most
+        one item a sequence: a ``Tree``'s logits (nodes, vocab), its nodes left pending; a
+        ``Chunk``'s logits (vocab,) after its last token, its tokens committed. Each row's
+        logits are bit for bit those its sequence gets evaluating it on its own
+        (``evaluate_tree``, ``append``). Refusals
         (``RuntimeUsageError``, a tree's ``TreeError``) come before the forward, so nothing is
         evaluated; but as in ``forward_tree``, a ``Tree`` without ``extend`` (or a ``Chunk``)
         checked by then has dropped its sequence's pending tree."""
@@ -324,7 +329,7 @@ class NativeSequences:
                 plan = sequence._plan_chunk(item.tokens)
                 parts.append(sequence._chunk_rows(plan))
             plans.append(plan)
-        outputs = self.model.forward_sequences(parts, threads=self.threads)
+        outputs = self.model.forward_sequences(parts, threads=threads or self.threads)
         results = []
         for item, plan, logits in zip(work, plans, outputs, strict=True):
             if isinstance(item, Tree):

@@ -10,6 +10,7 @@ keeps only sequence 0; nothing is recomputed and no state is saved or restored.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import os
 from pathlib import Path
@@ -61,6 +62,8 @@ class LlamaCppError(RuntimeError):
 
 
 class LlamaCppRuntime(TreeRuntime[np.ndarray]):
+    _owns_model = True  # False in a sibling: the runtime it came from frees the model
+
     def __init__(
         self,
         model_path: str | Path,
@@ -77,11 +80,14 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
         v_type: str | None = None,
         gpu_layers: int = 0,
         rpc_servers: tuple[str, ...] | list[str] = (),
+        sequences: int = 1,
     ) -> None:
         """Load a GGUF file. ``n_seq_max`` - 1 is the most leaves a pending tree may have;
         threads default to the cores this process may run on and may not exceed them. With
         ``rpc_servers`` (HOST:PORT of llama.cpp rpc-servers), the last ``gpu_layers`` layers
-        (-1: all, and the output layer) run on those hosts, split by their free memory."""
+        (-1: all, and the output layer) run on those hosts, split by their free memory.
+        ``sequences`` > 1: ``siblings`` are that many less one runtimes of the same loaded
+        model, each a context (and KV cache) of its own, closed with this one."""
         path = Path(model_path)
         self.path = path
         owned = len(os.sched_getaffinity(0))
@@ -93,7 +99,7 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
                 "cores; more threads than cores only slows llama.cpp down"
             )
         v_type = v_type or kv_type
-        self._check_options(flash_attention, kv_type, v_type, n_seq_max)
+        self._check_options(flash_attention, kv_type, v_type, n_seq_max, sequences)
         self._check_file(path)
         self._log = llama_log()
         L.llama_backend_init()
@@ -127,22 +133,39 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
         context_params.type_k, context_params.type_v = KV_TYPES[kv_type], KV_TYPES[v_type]
         context_params.kv_unified = True  # tree nodes carry several sequence ids
         context_params.no_perf = True
-        mark = self._log.count
-        self._context = L.llama_init_from_model(self._model, context_params)
-        if not self._context:
-            self.close()
-            raise self._error(f"{path}: llama.cpp could not create a context", mark)
-        self._memory = L.llama_get_memory(self._context)
-        self.n_batch = n_batch
-        self.n_seq_max = n_seq_max
+        self._context_params = context_params
+        self.n_batch, self.n_seq_max = n_batch, n_seq_max
         self.max_leaves = n_seq_max - 1
         self.default_chunk = n_batch
         self.threads, self.threads_batch = threads, threads_batch
-        self._batch = L.llama_batch_init(n_batch, 0, n_seq_max)
         self._vocabulary = Vocabulary(self._model)
-        super().__init__(self._vocabulary.size, n_ctx)
         self.feature_size = L.llama_model_n_embd(self._model)
+        try:
+            self._open_context(n_ctx)
+            self.siblings = [self._sibling() for _ in range(sequences - 1)]
+        except LlamaCppError:
+            self.close()
+            raise
+
+    def _open_context(self, n_ctx: int) -> None:
+        """A context of this runtime's settings on its model, and an empty sequence in it."""
+        mark = self._log.count
+        self._context = L.llama_init_from_model(self._model, self._context_params)
+        if not self._context:
+            raise self._error(f"{self.path}: llama.cpp could not create a context", mark)
+        self._memory = L.llama_get_memory(self._context)
+        self._batch = L.llama_batch_init(self.n_batch, 0, self.n_seq_max)
+        super().__init__(self._vocabulary.size, n_ctx)
         self._embeddings = False  # llama.cpp's per-token output of the final norm: features
+
+    def _sibling(self) -> LlamaCppRuntime:
+        """Another sequence on this runtime's model: a shallow copy (the model, vocabulary
+        and settings shared) given a context, batch and sequence state of its own."""
+        sibling = copy.copy(self)
+        sibling._context = sibling._batch = None
+        sibling.siblings, sibling._owns_model = [], False
+        sibling._open_context(self.capacity)
+        return sibling
 
     # ------------------------------------------------------------ setup helpers
 
@@ -189,7 +212,9 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
         return model
 
     @staticmethod
-    def _check_options(flash_attention: str, kv_type: str, v_type: str, n_seq_max: int) -> None:
+    def _check_options(
+        flash_attention: str, kv_type: str, v_type: str, n_seq_max: int, sequences: int
+    ) -> None:
         if flash_attention not in FLASH_ATTENTION:
             raise LlamaCppError(f"flash_attention must be one of {', '.join(FLASH_ATTENTION)}")
         for name, value in (("kv_type", kv_type), ("v_type", v_type)):
@@ -197,6 +222,8 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
                 raise LlamaCppError(f"{name} must be one of {', '.join(KV_TYPES)}, not {value!r}")
         if not 2 <= n_seq_max <= MAX_SEQUENCES:
             raise LlamaCppError(f"n_seq_max must be in 2..{MAX_SEQUENCES}, not {n_seq_max}")
+        if sequences < 1:
+            raise LlamaCppError(f"cannot serve {sequences} sequences")
 
     @staticmethod
     def _check_file(path: Path) -> None:
@@ -224,16 +251,20 @@ class LlamaCppRuntime(TreeRuntime[np.ndarray]):
         return LlamaCppError(message + detail)
 
     def close(self) -> None:
-        """Free the context, batch and model (also done when the object is collected)."""
+        """Free the siblings' contexts, then this one's context, batch and model (also done
+        when the object is collected); a sibling frees its own context and batch only."""
+        for sibling in getattr(self, "siblings", ()):
+            sibling.close()
+        self.siblings = []
         if getattr(self, "_batch", None) is not None:
             L.llama_batch_free(self._batch)
             self._batch = None
         if getattr(self, "_context", None):
             L.llama_free(self._context)
             self._context = None
-        if getattr(self, "_model", None):
+        if getattr(self, "_model", None) and self._owns_model:
             L.llama_model_free(self._model)
-            self._model = None
+        self._model = None
 
     def __del__(self) -> None:
         self.close()
