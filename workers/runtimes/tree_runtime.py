@@ -29,9 +29,9 @@ from hetspec.speculative.constrain.constraint import Constraint
 from hetspec.speculative.drafting.branching import branch_length, uncertainty_branches
 from hetspec.speculative.drafting.dynamic_tree import child_scores, rank_nodes, within_leaves
 from hetspec.speculative.verify.distributions import SamplingParams, distribution, top_tokens
-from hetspec.speculative.verify.logprobs import token_logprob
 from hetspec.speculative.verify.samplers import KeyedSampler, Sampler, pick, proposals
 from hetspec.speculative.verify.tree import ROOT
+from hetspec.workers.runtimes.decode_steps import DecodeSteps
 from hetspec.workers.runtimes.one_call_drafts import DraftResult, OneCallDrafts
 from hetspec.workers.runtimes.pending_tree import Interrupted, Output, RuntimeUsageError
 
@@ -74,29 +74,18 @@ class TreeRuntime(OneCallDrafts[Output]):
 
         A token's position (for a keyed ``sampler``) is its index in the whole sequence, here
         and in ``draft``: the first token after the committed ones is at ``committed``."""
-        if steps < 1:
-            raise RuntimeUsageError(f"cannot decode {steps} tokens")
+        decoding = DecodeSteps(
+            steps, params, sampler, logprobs=logprobs, top=top, grammar=grammar, ends=ends
+        )
         self.discard_pending()
-        drawn: list[int] = []
         logits = self.last_logits()
-        while True:
-            if grammar is not None:
-                logits = grammar.masked(logits)
-            if params.greedy:
-                token = int(logits.argmax())
-            else:
-                token = int(sampler.choose(distribution(logits[None], params), self.committed)[0])
-            if grammar is not None:
-                grammar.try_advance(token)  # past its end (an end token), nothing is emitted
-            drawn.append(token)
-            if logprobs is not None:
-                logprobs.append(token_logprob(logits, token, top))
-            if len(drawn) == steps or token in ends:
-                return drawn
+        while decoding.draw(logits, self.committed):
+            token = decoding.drawn[-1]
             # append() without its pending-tree matching: ~6% of a demo-target token
             logits = self._extend_committed(self._checked_tokens([token], 1))
             self._last_logits = logits
             self.tokens.append(token)
+        return decoding.drawn
 
     def draft(
         self,
