@@ -1,7 +1,11 @@
 """What each command does to the engine and the arena: the worker's handlers.
 
 Contract: a handler takes a command and its frames and returns ``(reply, arrays)``: the reply
-to send and the arrays to send with it as frames. Outputs too big for a frame (probability
+to send and the arrays to send with it as frames. A compute command acts on its ``sequence``'s
+state alone (``SequenceState``: its engine, with its own KV cache, committed tokens and pending
+tree; the sampler its Prefill's seed set; its grammar); a sequence the worker does not serve is
+a ``RuntimeUsageError`` naming both numbers. Tokenize and the load-level calls use sequence 0's
+engine; the spare cores are lent to the whole worker. Outputs too big for a frame (probability
 rows, logits, features for the drafter) go to the arena slot the command names, and the reply
 says where. A handler raises instead of answering where the command cannot be done
 (``RuntimeUsageError``, ``ArenaError``, ``LoadError`` with no model loaded, ...); the
@@ -14,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
@@ -22,33 +27,86 @@ from hetspec.protocol import Arena, ArenaError, MessageError, frame_array, frame
 from hetspec.protocol import worker_messages as m
 from hetspec.speculative.verify.samplers import DrawnSampler, KeyedSampler, Sampler, sampler_for
 from hetspec.speculative.verify.verdicts import RowsOnDemand, Verdict, verify_sampled
-from hetspec.workers.runtimes.loading import LoadError
+from hetspec.workers.runtimes.loading import LoadError, sequence_engines
 from hetspec.workers.runtimes.spare_cores import SpareCores
 from hetspec.workers.runtimes.tree_runtime import RuntimeUsageError, TreeDraftResult
-from hetspec.workers.worker_grammar import WorkerGrammar
+from hetspec.workers.worker_grammar import GrammarTable, WorkerGrammar
+
+
+@dataclass
+class SequenceState:
+    """One sequence a worker serves: its engine (a runtime, or one of its ``siblings``), the
+    sampler of the request on it (from its Prefill's seed) and that request's grammar."""
+
+    engine: object
+    grammar: WorkerGrammar
+    sampler: Sampler = field(default_factory=DrawnSampler)
+
+
+@dataclass
+class Verification:
+    """A ``VerifyTree`` between its start (its checks, commit and root row) and its reply."""
+
+    command: m.VerifyTree
+    state: SequenceState
+    first: int  # the arena row of the tree's first node: 1 after a root row, else 0
+    out: np.ndarray | None = None  # the arena's rows, where the logits go there
+    argmax: list[int] = field(default_factory=list)
+    verdict: Verdict | None = None  # a sampled walk's
 
 
 class ComputeHandlers:
-    """The engine (``runtime``, once loaded), the arena and the request's sampler, and a
-    handler for each command that computes or reads them."""
+    """The sequences (``sequences``, once loaded; ``runtime`` is sequence 0's engine), the
+    arena, and a handler for each command that computes or reads them."""
 
     def __init__(self, spare: SpareCores) -> None:
         self.spare = spare
-        self.runtime = None
+        self.sequences: list[SequenceState] = []
         self.arena: Arena | None = None
-        self.sampler: Sampler = DrawnSampler()  # a request's, from its Prefill's seed
         # whether the daemon cancelled the command running now (see Worker.serve)
         self.cancelled: Callable[[], bool] = lambda: False
-        self.grammar = WorkerGrammar(lambda: self.runtime)  # the request's, where it has one
+        self._grammar_table = GrammarTable()  # the vocabulary's, for every sequence's grammar
 
-    def _engine(self, spare_cores: bool | None = None):
-        """The runtime, computing on the spare cores too when a compute command says so
-        (None: light work, which leaves the cores as they are)."""
-        if self.runtime is None:
+    @property
+    def runtime(self):
+        """Sequence 0's engine (the loaded runtime itself), or None before a load."""
+        return self.sequences[0].engine if self.sequences else None
+
+    @runtime.setter
+    def runtime(self, runtime) -> None:
+        self.serve_engines(sequence_engines(runtime) if runtime is not None else [])
+
+    def serve_engines(self, engines: list) -> None:
+        """Serve one sequence an engine (none: nothing loaded), each with a fresh sampler and
+        grammar."""
+        self.sequences = [
+            SequenceState(engine, WorkerGrammar(lambda: self.runtime, self._grammar_table))
+            for engine in engines
+        ]
+
+    def _sequence(self, sequence: int) -> SequenceState:
+        """The state of ``sequence``: ``LoadError`` before a load, ``RuntimeUsageError`` for a
+        sequence this worker does not serve."""
+        if not self.sequences:
             raise LoadError("no model is loaded")
+        if not 0 <= sequence < len(self.sequences):
+            raise RuntimeUsageError(
+                f"sequence {sequence} is not served here: this worker serves "
+                f"{len(self.sequences)} (0..{len(self.sequences) - 1})"
+            )
+        return self.sequences[sequence]
+
+    def _engine(self, state: SequenceState, spare_cores: bool | None = None):
+        """``state``'s engine, computing on the spare cores too when a compute command says
+        so (None: light work, which leaves the cores as they are)."""
         if spare_cores is not None:
-            self.spare.use(spare_cores, self.runtime.set_extra_threads)
-        return self.runtime
+            self.spare.use(spare_cores, self._set_extra_threads)
+        return state.engine
+
+    def _set_extra_threads(self, extra: int) -> None:
+        """The spare cores are the worker's: every sequence's engine computes on them."""
+        for state in self.sequences:
+            state.engine.set_extra_threads(extra)
 
     def _slot(self, slot: int, shape: tuple[int, ...]) -> np.ndarray:
         if self.arena is None:
@@ -88,7 +146,8 @@ class ComputeHandlers:
 
     def prefill(self, command: m.Prefill, frames) -> tuple:
         start = time.perf_counter()
-        engine = self._engine(command.spare_cores)
+        state = self._sequence(command.sequence)
+        engine = self._engine(state, command.spare_cores)
         engine.interrupt = self.cancelled  # a long prompt stops between chunks when cancelled
         prompt_logprobs = []
         try:
@@ -107,7 +166,7 @@ class ComputeHandlers:
                     reused = engine.prefill(command.tokens)
         finally:
             engine.interrupt = None
-        self.sampler = sampler_for(command.seed)
+        state.sampler = sampler_for(command.seed)
         logits = None
         if command.out >= 0:
             row = self._slot(command.out, (1, engine.vocab_size))
@@ -122,7 +181,8 @@ class ComputeHandlers:
 
     def draft(self, command: m.Draft, frames) -> tuple:
         start = time.perf_counter()
-        engine, shape = self._engine(command.spare_cores), command.shape
+        state = self._sequence(command.sequence)
+        engine, shape = self._engine(state, command.spare_cores), command.shape
         if isinstance(shape, m.RunAhead) and command.append:
             raise RuntimeUsageError("a run-ahead continues a pending draft: it appends nothing")
         one_chain = (
@@ -131,13 +191,13 @@ class ComputeHandlers:
             and engine.chains_in_one_call(command.sampling, shape.branches, None)
         )
         first = self._catch_up(engine, command, frames, one_chain)
-        grammar = self.grammar.at(command.grammar, engine.tokens)
+        grammar = state.grammar.at(command.grammar, engine.tokens)
         append_ms = (time.perf_counter() - start) * 1000
         forwards = engine.forwards
         result = engine.draft_shape(
             shape,
             command.sampling,
-            self.sampler,
+            state.sampler,
             rows=lambda rows: self._slot(command.out, rows),
             first=first,
             grammar=grammar,
@@ -170,7 +230,7 @@ class ComputeHandlers:
             append_ms,
             engine.forwards - forwards,
             result.root,
-            grammar=self.grammar.cost(),
+            grammar=state.grammar.cost(),
         )
         return reply, ()
 
@@ -194,7 +254,8 @@ class ComputeHandlers:
 
     def decode(self, command: m.Decode, frames) -> tuple:
         start = time.perf_counter()
-        engine = self._engine(command.spare_cores)
+        state = self._sequence(command.sequence)
+        engine = self._engine(state, command.spare_cores)
         logprobs = [] if command.logprobs is not None else None
         with self._reporting(engine, command.report_features) as sink:
             if command.append:
@@ -202,66 +263,93 @@ class ComputeHandlers:
             tokens = engine.decode(
                 command.steps,
                 command.sampling,
-                self.sampler,
+                state.sampler,
                 logprobs=logprobs,
                 top=command.logprobs or 0,
-                grammar=self.grammar.at(command.grammar, engine.tokens),
+                grammar=state.grammar.at(command.grammar, engine.tokens),
                 ends=frozenset(command.ends),
             )
         elapsed = (time.perf_counter() - start) * 1000
         reply = m.Decoded(
-            command.request, tokens, elapsed, logprobs or [], grammar=self.grammar.cost()
+            command.request, tokens, elapsed, logprobs or [], grammar=state.grammar.cost()
         )
         return self._reported(reply, engine, sink)
 
     def verify(self, command: m.VerifyTree, frames) -> tuple:
         start = time.perf_counter()
-        engine = self._engine(command.spare_cores)
-        first = 1 if command.root_row else 0
-        out, logits, argmax, verdict = None, None, [], None
-        walk = command.walk
-        if walk is not None and (command.argmax_only or command.root_row):
-            raise RuntimeUsageError("a sampled walk takes neither argmax_only nor root_row")
-        if not command.argmax_only and walk is None:
-            out = self._slot(command.out, (first + len(command.tokens), engine.vocab_size))
-        if command.commit:
-            engine.commit(command.commit)
-        if command.root_row:
-            root = engine.last_logits()
-            if out is None:
-                argmax.append(int(np.argmax(root)))
-            else:
-                out[0] = root
+        state = self._sequence(command.sequence)
+        engine = self._engine(state, command.spare_cores)
+        job = self._verify_start(command, state)
         with self._reporting(engine, command.features_out >= 0) as sink:
             tree = (command.tokens, command.parents)
-            if walk is not None:
+            if command.walk is not None:
                 rows = engine.evaluate_rows(*tree, extend=command.extend)
-                verdict = self._walk(walk, command.tokens, command.parents, rows)
-            elif out is None:
-                argmax.extend(engine.evaluate_argmax(*tree, extend=command.extend))
+                job.verdict = self._walk(state, command.walk, *tree, rows)
+            elif job.out is None:
+                job.argmax.extend(engine.evaluate_argmax(*tree, extend=command.extend))
             else:
-                engine.evaluate_tree(*tree, extend=command.extend, out=out[first:])
+                engine.evaluate_tree(*tree, extend=command.extend, out=job.out[job.first :])
         if command.spare_cores:  # give the drafter its cores back before it drafts
-            self._engine(False)
-        if out is not None:
-            logits = m.ArrayRef(out.dtype.str, out.shape, slot=command.out)
+            self.spare.use(False, self._set_extra_threads)
         features = None
         if sink is not None:
             rows = self._stacked(engine, sink)
             target = self._slot(command.features_out, rows.shape)
             np.copyto(target, rows)
             features = m.ArrayRef(rows.dtype.str, rows.shape, slot=command.features_out)
-        elapsed = (time.perf_counter() - start) * 1000
-        path, bonus = (verdict.path, verdict.bonus) if verdict is not None else ([], -1)
-        return m.Verified(command.request, logits, elapsed, features, argmax, path, bonus), ()
+        return self._verified(job, (time.perf_counter() - start) * 1000, features), ()
 
-    def _walk(self, walk: m.SampledWalk, tokens: list[int], parents: list[int], rows) -> Verdict:
-        """The verdict of ``walk`` over the draft below node 0 (the last round's bonus)."""
+    def _verify_start(self, command: m.VerifyTree, state: SequenceState) -> Verification:
+        """A verification's checks, its arena rows, its ``commit`` and its root row: all
+        before its tree is evaluated."""
+        engine = state.engine
+        job = Verification(command, state, 1 if command.root_row else 0)
+        if command.walk is not None and (command.argmax_only or command.root_row):
+            raise RuntimeUsageError("a sampled walk takes neither argmax_only nor root_row")
+        if not command.argmax_only and command.walk is None:
+            shape = (job.first + len(command.tokens), engine.vocab_size)
+            job.out = self._slot(command.out, shape)
+        if command.commit:
+            engine.commit(command.commit)
+        if command.root_row:
+            root = engine.last_logits()
+            if job.out is None:
+                job.argmax.append(int(np.argmax(root)))
+            else:
+                job.out[0] = root
+        return job
+
+    def _verify_rows(self, job: Verification, rows: np.ndarray) -> None:
+        """What ``verify`` makes of its tree's logits, from ``rows`` evaluated elsewhere
+        (a forward of several sequences): the same values, bit for bit."""
+        command = job.command
+        if command.walk is not None:
+            job.verdict = self._walk(job.state, command.walk, command.tokens, command.parents, rows)
+        elif job.out is None:
+            job.argmax.extend(rows.argmax(axis=-1).tolist())
+        else:
+            np.copyto(job.out[job.first :], rows)
+
+    @staticmethod
+    def _verified(job: Verification, elapsed: float, features: m.ArrayRef | None = None):
+        logits = None
+        if job.out is not None:
+            logits = m.ArrayRef(job.out.dtype.str, job.out.shape, slot=job.command.out)
+        verdict = job.verdict
+        path, bonus = (verdict.path, verdict.bonus) if verdict is not None else ([], -1)
+        request = job.command.request
+        return m.Verified(request, logits, elapsed, features, job.argmax, path, bonus)
+
+    def _walk(
+        self, state: SequenceState, walk: m.SampledWalk, tokens: list[int], parents: list[int], rows
+    ) -> Verdict:
+        """The verdict of ``walk`` over the draft below node 0 (the last round's bonus), with
+        ``state``'s sampler where it is keyed."""
         if not parents or parents[0] != -1 or -1 in parents[1:]:
             raise RuntimeUsageError("a sampled walk needs one tree below its first node")
         draft_tokens, draft_parents = tokens[1:], [parent - 1 for parent in parents[1:]]
         if walk.keyed:
-            if not isinstance(self.sampler, KeyedSampler):
+            if not isinstance(state.sampler, KeyedSampler):
                 raise RuntimeUsageError("a keyed walk needs the request's Prefill with a seed")
             return verify_sampled(
                 draft_tokens,
@@ -269,7 +357,7 @@ class ComputeHandlers:
                 rows,
                 walk.sampling,
                 position=walk.position,
-                keyed=self.sampler,
+                keyed=state.sampler,
             )
         if walk.draft is None or len(walk.draft_rows) != len(draft_tokens):
             raise RuntimeUsageError(
@@ -296,7 +384,7 @@ class ComputeHandlers:
 
     def commit(self, command: m.Commit, frames) -> tuple:
         start = time.perf_counter()
-        engine = self._engine()
+        engine = self._sequence(command.sequence).engine
         engine.commit(command.nodes)
         if command.tokens:
             engine.append(command.tokens)
@@ -305,13 +393,13 @@ class ComputeHandlers:
 
     def rollback(self, command: m.Rollback, frames) -> tuple:
         start = time.perf_counter()
-        engine = self._engine()
+        engine = self._sequence(command.sequence).engine
         engine.rollback(command.length)
         elapsed = (time.perf_counter() - start) * 1000
         return m.Committed(command.request, engine.committed, elapsed), ()
 
     def tokenize(self, command: m.Tokenize, frames) -> tuple:
-        tokens = self._engine().tokenize(command.text, add_special=command.add_special)
+        tokens = self._sequence(0).engine.tokenize(command.text, add_special=command.add_special)
         return m.Tokenized(command.request, tokens), ()
 
     def echo(self, command: m.Echo, frames) -> tuple:
