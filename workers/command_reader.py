@@ -3,14 +3,20 @@
 Contract: ``CommandReader.next`` returns the next command to run with its frames, in the
 order the daemon sent them; a malformed one is answered (``Failed``, no request) and never
 returned, a ``Cancel`` answers the queued command it names in its place, and
-``running_cancelled`` says whether the command taken last has been cancelled since.
+``running_cancelled`` says whether a command running now has been cancelled since it was
+taken. ``take_along`` takes queued commands early, to run beside the one taken last (several
+sequences' verifications in one forward): only commands of other sequences that no earlier
+queued command of their sequence precedes, and never past a command of no sequence (a Load,
+Shutdown, Tokenize or Echo), so each sequence still sees its commands in the order sent.
 """
 
 from __future__ import annotations
 
+import itertools
 import select
 import time
 from collections import deque
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -30,11 +36,13 @@ class CommandReader:
     with a command is drained into the backlog too, so a ``Cancel`` read there stops a
     command still queued.
 
-    A ``Cancel`` for the command running now is remembered until the next one starts: a long
-    one (a prompt's prefill) asks ``running_cancelled`` between its chunks. Any other
-    ``Cancel`` for a command not in the backlog is dropped: the daemon sends a command before
-    its ``Cancel``, on this one connection, so that command was answered already.
-    Remembering such late cancels would grow without bound.
+    A ``Cancel`` for a command running now (the one ``next`` took, or one ``take_along``
+    took beside it) is remembered until the next one starts: a long one (a prompt's prefill)
+    asks ``running_cancelled`` between its chunks; commands run together do not stop for it
+    and are answered as computed (one reply a command either way). Any other ``Cancel`` for a
+    command not in the backlog is dropped: the daemon sends a command before its ``Cancel``,
+    on this one connection, so that command was answered already. Remembering such late
+    cancels would grow without bound.
 
     With a ``mailbox`` the commands come through it (a socket message only where a marker in
     it says so), and spinning reads shared memory instead of asking ZeroMQ. A wake-up that
@@ -64,7 +72,7 @@ class CommandReader:
         self.failed = failed  # how to answer a malformed or cancelled command
         self.backlog: deque[tuple[msgspec.Struct, list[bytes]]] = deque()
         self._announcements = 0  # announcements seen when the last command was taken
-        self._running: int | None = None  # the request of the command taken last
+        self._running: set[int] = set()  # the requests of the commands running now
         self._running_cancelled = False
 
     def _take(self, frames: list[bytes]) -> None:
@@ -86,11 +94,11 @@ class CommandReader:
                 self.backlog.remove(entry)
                 self.failed(m.Failed(request=request, kind="cancelled", message="cancelled"))
                 return
-        if request == self._running:
+        if request in self._running:
             self._running_cancelled = True
 
     def running_cancelled(self) -> bool:
-        """Whether the daemon has cancelled the command taken last (reads what came since)."""
+        """Whether the daemon has cancelled a command running now (reads what came since)."""
         self._drain()
         return self._running_cancelled
 
@@ -125,9 +133,33 @@ class CommandReader:
         if self.mailbox is not None:  # announcements made before it are this command's
             self._announcements = self.mailbox.announcements()
         command = self.backlog.popleft()
-        self._running = getattr(command[0], "request", None)
+        self._running = {getattr(command[0], "request", None)}
         self._running_cancelled = False
         return command
+
+    def take_along(
+        self, first: msgspec.Struct, joins: Callable[[msgspec.Struct], bool]
+    ) -> list[tuple[msgspec.Struct, list[bytes]]]:
+        """The queued commands (with their frames) to run beside ``first``, the command
+        ``next`` returned last, in the order they came: each one ``joins`` accepts whose
+        sequence neither ``first``, nor a command taken, nor any command before it in the
+        backlog names; the search stops at a command of no sequence. Reads what has come
+        first (without waiting); the commands taken leave the backlog and run with ``first``."""
+        self._drain()
+        seen = {first.sequence}
+        taken: list[tuple[msgspec.Struct, list[bytes]]] = []
+        left: list[tuple[msgspec.Struct, list[bytes]]] = []
+        for index, entry in enumerate(self.backlog):
+            sequence = getattr(entry[0], "sequence", None)
+            if sequence is None:  # a Load, Shutdown, Tokenize or Echo: nothing passes it
+                left.extend(itertools.islice(self.backlog, index, None))
+                break
+            (taken if sequence not in seen and joins(entry[0]) else left).append(entry)
+            seen.add(sequence)
+        if taken:
+            self.backlog = deque(left)
+            self._running.update(command.request for command, _ in taken)
+        return taken
 
     def _spin(self, seconds: float) -> None:
         deadline = time.perf_counter() + seconds

@@ -3,7 +3,10 @@
 Contract: ``Worker.serve`` takes commands from a ``CommandReader`` until ``Shutdown``, marks
 the watchdog busy with each one's request while it runs, and sends exactly one reply a
 command: the handler's, or ``Failed`` with a kind the daemon acts on (``load``,
-``cancelled``, ``usage``, or ``internal`` with the place it failed). Replies go through the
+``cancelled``, ``usage``, or ``internal`` with the place it failed). A verification (or a
+decoding alone) taken while others of other sequences are queued takes them along
+(``CommandReader.take_along``, ``BatchedHandlers``) and the replies go out in the order the
+commands came. Replies go through the
 replies mailbox where the link has one, else (or when it is full) the socket. ``load``
 replaces the engine and the arena; every other command goes to ``ComputeHandlers``.
 """
@@ -11,6 +14,7 @@ replaces the engine and the arena; every other command goes to ``ComputeHandlers
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import traceback
 from collections.abc import Callable
@@ -25,8 +29,8 @@ from hetspec.protocol import worker_messages as m
 from hetspec.protocol.arena import SHM_DIR
 from hetspec.protocol.mailbox import Mailbox, MailboxFull
 from hetspec.protocol.sampling import SamplingError
+from hetspec.workers.batched_handlers import BatchedHandlers
 from hetspec.workers.command_reader import CommandReader
-from hetspec.workers.compute_handlers import ComputeHandlers
 from hetspec.workers.runtimes.loading import LoadError, load_runtime
 from hetspec.workers.runtimes.spare_cores import SpareCores
 from hetspec.workers.runtimes.tree_runtime import Interrupted, RuntimeUsageError
@@ -35,8 +39,9 @@ from hetspec.workers.watchdog import Watchdog
 log = structlog.get_logger("hetspec.worker")
 
 
-class Worker(ComputeHandlers):
-    """The compute side: one engine, the arena, and the handlers for each command."""
+class Worker(BatchedHandlers):
+    """The compute side: the sequences' engines, the arena, and the handlers for each
+    command (several sequences' verifications run together where they can)."""
 
     def __init__(
         self,
@@ -82,15 +87,35 @@ class Worker(ComputeHandlers):
             command, frames = commands.next()
             if isinstance(command, m.Shutdown):
                 return
-            request = getattr(command, "request", None)
-            self.watchdog.busy = request
+            along = []
+            if self.leads(command):  # other sequences' commands queued: one forward for all
+                along = commands.take_along(command, functools.partial(self.joins, command))
+            self.watchdog.busy = getattr(command, "request", None)
             try:
-                reply, arrays = self.handlers[type(command)](command, frames)
-            except Exception as error:
-                reply, arrays = self.failure(command, error), ()
+                if along:
+                    batch = [command, *(queued for queued, _ in along)]
+                    answers = list(zip(batch, self._together(batch), strict=True))
+                else:
+                    answers = [(command, self._alone(command, frames))]
             finally:
                 self.watchdog.busy = None
-            self.send(reply, arrays)
+            for ran, answer in answers:  # one reply a command, in the order they came
+                if isinstance(answer, Exception):
+                    self.send(self.failure(ran, answer))
+                else:
+                    self.send(*answer)
+
+    def _alone(self, command: msgspec.Struct, frames) -> tuple | Exception:
+        try:
+            return self.handlers[type(command)](command, frames)
+        except Exception as error:
+            return error
+
+    def _together(self, batch: list[msgspec.Struct]) -> list[tuple | Exception]:
+        try:
+            return self.run_together(batch)
+        except Exception as error:  # a fault of the batch itself: every command's answer
+            return [error] * len(batch)
 
     def failure(self, command: msgspec.Struct, error: Exception) -> m.Failed:
         request = getattr(command, "request", None)
@@ -108,8 +133,8 @@ class Worker(ComputeHandlers):
     def load(self, command: m.Load, frames) -> tuple:
         start = time.perf_counter()
         if self.runtime is not None:
-            self.spare.use(False, self.runtime.set_extra_threads)
-            getattr(self.runtime, "close", lambda: None)()
+            self.spare.use(False, self._set_extra_threads)
+            getattr(self.runtime, "close", lambda: None)()  # its siblings' too
             self.runtime = None
         if self.arena is not None:
             self.arena.close()
@@ -122,9 +147,12 @@ class Worker(ComputeHandlers):
                     f"{command.arena.path}"
                 )
             self.arena = Arena.attach(command.arena)
-        self.runtime, device = load_runtime(self.kind, command.model, command.settings)
-        runtime = self.runtime
-        if self.arena is not None:  # the widest tree a verification can send
+        runtime, device = load_runtime(
+            self.kind, command.model, command.settings, command.sequences
+        )
+        self.runtime = runtime  # and its siblings: a sequence an engine
+        if self.arena is not None:  # the widest tree a verification can send (warmed once:
+            # every sequence computes with the same kernels)
             runtime.warm_up(self.arena.layout.slot_bytes // (runtime.vocab_size * 4))
             runtime.pin_host_memory(self.arena.memory())  # logits straight into the arena
         ready = m.Ready(
@@ -136,6 +164,13 @@ class Worker(ComputeHandlers):
             load_ms=(time.perf_counter() - start) * 1000,
             token_bytes=[runtime.token_bytes(i) for i in range(runtime.vocab_size)],
             special_tokens=runtime.special_tokens(),
+            sequences=len(self.sequences),
         )
-        log.info("model loaded", model=command.model, device=device, ms=round(ready.load_ms))
+        log.info(
+            "model loaded",
+            model=command.model,
+            device=device,
+            sequences=ready.sequences,
+            ms=round(ready.load_ms),
+        )
         return ready, ()

@@ -1,0 +1,209 @@
+"""Several sequences' commands in one forward: ``VerifyTree``s (and ``Decode``s) of different
+sequences, taken together from the command reader's backlog (``CommandReader.take_along``),
+evaluated in one forward a step where the runtime has multi-sequence forwards
+(``evaluate_together``: the native runtime's).
+
+Contract: ``leads(command)`` says whether a command taken may gather others to run with it,
+``joins(first, queued)`` whether a queued one may join it: the plain cases only (a tree's
+logits to the arena, ``argmax_only`` or a sampled ``walk``, with ``commit``, ``root_row`` and
+``extend``; decoding alone with no grammar and no features), in a worker serving several
+sequences on a runtime that evaluates them together; anything else runs on its own.
+``run_together`` runs such commands and returns one result a command, in their order: its
+``(reply, arrays)``, or the exception it failed with (the loop answers ``Failed``). Each reply
+holds exactly what its command answers run alone (the kernels' rows are bit for bit those of a
+forward of one sequence; decoding draws with ``DecodeSteps``, as ``TreeRuntime.decode`` does);
+a refusal before a forward (one sequence's context full, a bad tree) runs that step's work
+sequence by sequence instead, each with its own answer. ``together`` counts the batches run,
+by command and size.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+from hetspec.protocol import worker_messages as m
+from hetspec.protocol.sampling import TokenLogprob
+from hetspec.workers.compute_handlers import ComputeHandlers, Verification
+from hetspec.workers.runtimes.decode_steps import DecodeSteps
+from hetspec.workers.runtimes.sequence_work import Chunk, Tree
+
+Result = tuple | Exception  # a command's (reply, arrays), or why it failed
+
+
+@dataclass(eq=False)
+class _Decoding:
+    """One ``Decode`` of a batch: its engine, its draws, and the token it waits to have
+    evaluated (None: its logits are ``logits``)."""
+
+    index: int
+    command: m.Decode
+    engine: object
+    steps: DecodeSteps
+    logprobs: list[TokenLogprob] | None
+    token: int | None = None
+    logits: np.ndarray | Exception | None = None
+
+
+class BatchedHandlers(ComputeHandlers):
+    """``ComputeHandlers`` that also run several sequences' commands in one forward."""
+
+    def __init__(self, spare) -> None:
+        super().__init__(spare)
+        self.together: Counter[tuple[str, int]] = Counter()  # (command, how many): batches
+
+    def leads(self, command: msgspec.Struct) -> bool:
+        """Whether ``command`` may run beside queued commands of other sequences."""
+        return (
+            len(self.sequences) > 1
+            and hasattr(self.runtime, "evaluate_together")
+            and self._plain(command)
+        )
+
+    def joins(self, first: msgspec.Struct, queued: msgspec.Struct) -> bool:
+        """Whether ``queued`` may run in ``first``'s batch."""
+        return type(queued) is type(first) and self._plain(queued)
+
+    def _plain(self, command: msgspec.Struct) -> bool:
+        if not 0 <= getattr(command, "sequence", -1) < len(self.sequences):
+            return False  # answered on its own: Failed, naming the sequence
+        if isinstance(command, m.VerifyTree):
+            return command.features_out < 0
+        if isinstance(command, m.Decode):  # (a refused step count: refused as alone)
+            return command.grammar is None and not command.report_features and command.steps > 0
+        return False
+
+    def run_together(self, commands: Sequence[msgspec.Struct]) -> list[Result]:
+        """One result a command of ``commands`` (all ``joins`` the first), in their order.
+        Every reply's ``elapsed_ms`` is the whole batch's: the daemon's controller prices a
+        round by the time its verification (or decoding) took, and each command waited for
+        the batch."""
+        self.together[type(commands[0]).__name__, len(commands)] += 1
+        # the spare cores are the worker's: lent to the batch only where every command says
+        self.spare.use(all(c.spare_cores for c in commands), self._set_extra_threads)
+        if isinstance(commands[0], m.VerifyTree):
+            return self._verify_together(commands)
+        return self._decode_together(commands)
+
+    # ------------------------------------------------------------ verification
+
+    def _verify_together(self, commands: Sequence[m.VerifyTree]) -> list[Result]:
+        start = time.perf_counter()
+        results: list[Result | None] = [None] * len(commands)
+        jobs: list[tuple[int, Verification]] = []
+        for index, command in enumerate(commands):
+            try:
+                jobs.append((index, self._verify_start(command, self._sequence(command.sequence))))
+            except Exception as error:  # answered as Failed, as the loop answers any command
+                results[index] = error
+        work = [Tree(job.state.engine, *_tree(job.command)) for _, job in jobs]
+        for (index, job), rows in zip(jobs, self._evaluate(work), strict=True):
+            try:
+                if isinstance(rows, Exception):
+                    raise rows
+                self._verify_rows(job, rows)
+            except Exception as error:
+                results[index] = error
+        if any(c.spare_cores for c in commands):  # give the drafter its cores back
+            self.spare.use(False, self._set_extra_threads)
+        elapsed = (time.perf_counter() - start) * 1000
+        for index, job in jobs:
+            if results[index] is None:
+                results[index] = (self._verified(job, elapsed), ())
+        return results
+
+    # ------------------------------------------------------------ decoding alone
+
+    def _decode_together(self, commands: Sequence[m.Decode]) -> list[Result]:
+        """Each sequence's step in one forward (holding each still running sequence's
+        token), each sequence stopping at its own ``steps`` or end token."""
+        start = time.perf_counter()
+        results: list[Result | None] = [None] * len(commands)
+        running: list[_Decoding] = []
+        for index, command in enumerate(commands):
+            try:
+                running.append(self._decoding(index, command))
+            except Exception as error:
+                results[index] = error
+        done: list[_Decoding] = []
+        while running:
+            waiting = [run for run in running if run.token is not None]
+            work = [Chunk(run.engine, [run.token]) for run in waiting]
+            for run, logits in zip(waiting, self._evaluate(work), strict=True):
+                run.token, run.logits = None, logits
+            going = []
+            for run in running:
+                try:
+                    if isinstance(run.logits, Exception):
+                        raise run.logits
+                    more = run.steps.draw(run.logits, run.engine.committed)
+                except Exception as error:
+                    results[run.index] = error
+                    continue
+                if more:
+                    run.token = run.steps.drawn[-1]
+                    going.append(run)
+                else:
+                    done.append(run)
+            running = going
+        elapsed = (time.perf_counter() - start) * 1000
+        for run in done:
+            reply = m.Decoded(run.command.request, run.steps.drawn, elapsed, run.logprobs or [])
+            results[run.index] = (reply, ())
+        return results
+
+    def _decoding(self, index: int, command: m.Decode) -> _Decoding:
+        """A ``Decode``'s start, as ``decode`` makes it: ``append`` made to follow (all but
+        the last token it evaluates, which waits for the batch's first forward)."""
+        state = self._sequence(command.sequence)
+        engine = state.engine
+        logprobs = [] if command.logprobs is not None else None
+        steps = DecodeSteps(
+            command.steps,
+            command.sampling,
+            state.sampler,
+            logprobs=logprobs,
+            top=command.logprobs or 0,
+            ends=frozenset(command.ends),
+        )
+        run = _Decoding(index, command, engine, steps, logprobs)
+        run.token = engine.catch_up(command.append) if command.append else None
+        if run.token is None:
+            engine.discard_pending()
+            run.logits = engine.last_logits()
+        return run
+
+    # ------------------------------------------------------------ shared
+
+    def _evaluate(self, work: list[Tree | Chunk]) -> list[np.ndarray | Exception]:
+        """Each item's logits (a ``Tree``'s rows, a ``Chunk``'s last row) from one forward;
+        where the runtime refuses the forward (refusals come before it: nothing evaluated),
+        each item on its own, with its own answer or error."""
+        if not work:
+            return []
+        try:
+            return self.runtime.evaluate_together(work)
+        except ValueError:  # RuntimeUsageError, TreeError: one sequence's, before the forward
+            return [_alone(item) for item in work]
+
+
+def _tree(command: m.VerifyTree) -> tuple:
+    return command.tokens, command.parents, command.extend
+
+
+def _alone(item: Tree | Chunk) -> np.ndarray | Exception:
+    """What ``evaluate_together`` gives for ``item``, from its sequence's engine alone, or
+    the exception it raised there."""
+    engine = item.sequence
+    try:
+        if isinstance(item, Tree):
+            return engine.evaluate_tree(item.tokens, item.parents, extend=item.extend)
+        engine.append(item.tokens)
+        return engine.last_logits()
+    except Exception as error:  # that item's own answer: Failed
+        return error
