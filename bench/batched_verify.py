@@ -2,7 +2,7 @@
 forward against k forwards, one a sequence (issue #72's premise, measured at the runtime level).
 
     python -m hetspec.bench.batched_verify [--models bundled,smollm2] [--sequences 1,2,4,8]
-        [--widths 1,5] [--prefix 128] [--passes 7] [--threads 2]
+        [--widths 1,5] [--prefix 128] [--passes 7] [--threads 2] [--worker]
 
 For each model it opens the most sequences asked for in one ``NativeSequences`` (a range of
 one cache each), prefills each with ``--prefix`` random tokens, and then, for every k and w,
@@ -15,11 +15,19 @@ figures are only as quiet as the machine), and the KV cache's size a slot.
 Models: ``bundled`` (the demo target, Q8_0), ``smollm2`` (SmolLM2-135M-Instruct, Q4_1, from the
 cache where ``hetspec.models.smollm2`` put it; skipped with the reason where it cannot be had),
 ``heavy-100m`` / ``heavy-300m`` (Q8_0, made in the cache when absent), or a GGUF path.
+
+``--worker`` measures the same through a real native worker process instead (the daemon's
+``WorkerClient``, a worker loaded with ``Load.sequences`` = the most sequences asked): k
+``VerifyTree``s (``argmax_only``, one chain of w tokens a sequence) posted at once, which the
+worker takes together where they are queued when it reads them, against the same k sent one
+by one, each after the last one's reply; the wall time of all k replies, the worker's own
+``elapsed_ms`` (summed over the batches it ran), and how many commands shared a batch.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import statistics
 import sys
@@ -111,6 +119,103 @@ def measure_model(
     return {"figures": figures, "slot_bytes": slot_bytes, "context": context}
 
 
+async def measure_worker(
+    path: Path, sequences: list[int], widths: list[int], *, prefix: int, passes: int, threads: int
+) -> dict:
+    """{(k, w): ((together wall ms, worker ms, commands a batch), (one by one wall ms, worker
+    ms))} per pass, through a native worker process serving max(sequences) sequences."""
+    import tempfile  # noqa: PLC0415 - the worker mode alone starts a process
+
+    from hetspec.daemon.supervision.worker_client import WorkerClient, WorkerSpec  # noqa: PLC0415
+    from hetspec.protocol import worker_messages as m  # noqa: PLC0415
+
+    context = prefix + max(widths) + 1
+    most = max(sequences)
+    cores = tuple(sorted(os.sched_getaffinity(0))[:threads])
+    spec = WorkerSpec(
+        name="target",
+        runtime="native",
+        model=str(path),
+        settings=m.NativeSettings(n_ctx=context, threads=threads),
+        cores=cores,
+        log_format="console",
+        sequences=most,
+    )
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as run_dir:
+        client = WorkerClient(spec, Path(run_dir), generation=1)
+        ready = await client.start(120)
+        if ready.sequences < most:
+            raise AssertionError(f"the worker serves {ready.sequences} sequences, not {most}")
+        try:
+            vocab = len(ready.token_bytes)
+            for sequence in range(most):
+                tokens = rng.integers(0, vocab, prefix).tolist()
+                await client.call(m.Prefill(client.next_request(), tokens, sequence=sequence))
+            figures = {(k, w): ([], []) for w in widths for k in sequences}
+            for index in range(passes + 1):
+                for (k, w), (together, separately) in figures.items():
+                    chains = [rng.integers(0, vocab, w).tolist() for _ in range(k)]
+
+                    def commands(chains=chains, w=w):
+                        return [
+                            m.VerifyTree(
+                                client.next_request(),
+                                chain,
+                                chain_parents(w).tolist(),
+                                out=-1,
+                                argmax_only=True,
+                                sequence=sequence,
+                            )
+                            for sequence, chain in enumerate(chains)
+                        ]
+
+                    async def posted(commands=commands):
+                        sent = [client.post(command) for command in commands()]
+                        return [reply for reply, _ in await asyncio.gather(*sent)]
+
+                    async def one_by_one(commands=commands):
+                        return [(await client.call(command))[0] for command in commands()]
+
+                    order = (posted, one_by_one) if index % 2 else (one_by_one, posted)
+                    results = {}
+                    for call in order:
+                        start = time.perf_counter()
+                        replies = await call()
+                        results[call] = ((time.perf_counter() - start) * 1000, replies)
+                    (ours_ms, ours), (theirs_ms, theirs) = results[posted], results[one_by_one]
+                    if [r.argmax for r in ours] != [r.argmax for r in theirs]:
+                        raise AssertionError(f"k={k} w={w}: argmax differ together and alone")
+                    if index:  # a batch's replies share its elapsed_ms
+                        batches = {reply.elapsed_ms for reply in ours}
+                        together.append((ours_ms, sum(batches), k / len(batches)))
+                        separately.append((theirs_ms, sum(r.elapsed_ms for r in theirs)))
+        finally:
+            await client.stop()
+    return {"figures": figures}
+
+
+def worker_table(name: str, measured: dict, *, prefix: int, passes: int) -> str:
+    lines = [
+        f"\n### {name}, through a worker process: k sequences' chains of w tokens after "
+        f"{prefix} tokens each (ms, median of {passes} passes, min-max)\n",
+        "| k | w | posted at once: wall | worker | commands a batch | one by one: wall "
+        "| worker | wall, one by one / at once |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for (k, w), (together, separately) in measured["figures"].items():
+        ratio = statistics.median(t[0] for t in separately) / statistics.median(
+            t[0] for t in together
+        )
+        lines.append(
+            f"| {k} | {w} | {spread([t[0] for t in together])} | "
+            f"{spread([t[1] for t in together])} | {spread([t[2] for t in together])} | "
+            f"{spread([t[0] for t in separately])} | {spread([t[1] for t in separately])} | "
+            f"{ratio:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
 def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
@@ -150,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix", type=positive, default=128, help="tokens before (128)")
     parser.add_argument("--passes", type=positive, default=7, help="timed passes (7)")
     parser.add_argument("--threads", type=positive, default=2, help="threads (2)")
+    parser.add_argument(
+        "--worker", action="store_true", help="through a native worker process (see above)"
+    )
     args = parser.parse_args(argv)
     if args.threads > len(os.sched_getaffinity(0)):
         parser.error(f"{args.threads} threads but this process runs on fewer cores")
@@ -161,6 +269,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n### {name}: skipped ({error})")
             continue
         print(f"{name} ...", file=sys.stderr, flush=True)
+        if args.worker:
+            measured = asyncio.run(
+                measure_worker(
+                    path,
+                    sorted(args.sequences),
+                    sorted(args.widths),
+                    prefix=args.prefix,
+                    passes=args.passes,
+                    threads=args.threads,
+                )
+            )
+            title = f"{name} ({path.name})"
+            print(worker_table(title, measured, prefix=args.prefix, passes=args.passes))
+            continue
         measured = measure_model(
             path,
             sorted(args.sequences),

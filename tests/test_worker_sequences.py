@@ -461,3 +461,17 @@ async def test_a_worker_process_verifies_commands_posted_together_in_one_forward
         assert len({reply.elapsed_ms for reply in alone}) == 3
     finally:
         await client.stop()
+
+
+@pytest.mark.process
+def test_the_bench_times_verifications_posted_together_through_a_worker(capsys) -> None:
+    """bench/batched_verify.py --worker on the bundled target: a row for every k and w, the
+    argmax posted together and one by one checked equal as it times them."""
+    from hetspec.bench import batched_verify  # noqa: PLC0415
+
+    argv = ["--worker", "--models", "bundled", "--sequences", "1,2", "--widths", "2"]
+    assert batched_verify.main([*argv, "--passes", "1", "--prefix", "16", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    for k in (1, 2):
+        assert f"\n| {k} | 2 | " in out
+    assert "through a worker process" in out
