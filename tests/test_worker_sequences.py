@@ -1,5 +1,6 @@
 """Several sequences in one worker (#72, protocol 23), with the real worker loop, command reader
-and runtimes on the bundled target, in this process: each sequence's commands give exactly
+and runtimes on the bundled target, in this process (and, marked ``process``, through the
+daemon's client to a worker process and its bench): each sequence's commands give exactly
 what they give on a worker serving that sequence alone, whatever the other sequences do
 between them; verifications (and decodings alone) of several sequences queued together run in
 one forward and answer bit for bit what they answer one by one; a queued command never passes
