@@ -150,13 +150,15 @@ class HcmpForward:
     def _split_linears(self, x: torch.Tensor, shares: list[ColumnShares]) -> list[torch.Tensor]:
         n, inner = x.shape
         outs = [torch.empty(n, s.columns, device=self.home, dtype=x.dtype) for s in shares]
-        with self._threads(GPU):  # queued first: on CUDA it runs while the host computes
+        # the input crosses before the GPU side's kernels are queued: a copy to the host waits
+        # for everything queued before it, which would leave nothing to overlap
+        host_x = self._to_host(x) if any(s.split < s.columns for s in shares) else None
+        with self._threads(GPU):  # queued: on CUDA it runs while the host computes below
             for share, out in zip(shares, outs, strict=True):
                 if share.split:
                     out[:, : share.split] = F.linear(x, share.gpu_weight, share.gpu_bias)
                     self._note(GPU, "linear", share.name, rows=n, inner=inner, columns=share.split)
-        if any(s.split < s.columns for s in shares):
-            host_x = self._to_host(x)
+        if host_x is not None:
             with self._threads(CPU):
                 for share, out in zip(shares, outs, strict=True):
                     if share.split < share.columns:
@@ -197,23 +199,28 @@ class HcmpForward:
         span = start + n
         boundary = attention_boundary(committed, self.settings.shift, span)
         scale = attn.scale or attn.head_dim**-0.5
-        parts = []
-        for side, kind, keep in (
+        plan = [
             (self.dense_side, "dense", slice(0, boundary)),
             (self.sparse_side, "sparse", slice(boundary, span)),
-        ):  # the dense part is queued on the GPU side before the host takes the sparse one
-            device = self._device(side)
-            part_mask = None if mask is None else mask[:, keep].to(device)
+        ]
+        # each part's inputs on its side's device, the host's copied before any kernel of
+        # this step is queued (a copy to the host waits for the queue); then the GPU side's
+        # part is queued and the host computes its own meanwhile
+        inputs = [
+            (
+                q.to(self._device(side)),
+                keys[:, keep].to(self._device(side)),
+                values[:, keep].to(self._device(side)),
+                None if mask is None else mask[:, keep].to(self._device(side)),
+            )
+            for side, _, keep in plan
+        ]
+        parts = []
+        for index in sorted(range(len(plan)), key=lambda i: plan[i][0] != GPU):
+            side, kind, keep = plan[index]
             with self._threads(side):
-                part = partial_attention(
-                    q.to(device),
-                    keys[:, keep].to(device),
-                    values[:, keep].to(device),
-                    part_mask,
-                    scale=scale,
-                    softcap=attn.softcap,
-                )
-            parts.append(part.to(self.home, non_blocking=self.crosses and device == HOST))
+                part = partial_attention(*inputs[index], scale=scale, softcap=attn.softcap)
+            parts.append(part.to(self.home))
             self._note(
                 side,
                 kind,
