@@ -66,6 +66,9 @@ class Metrics:
         )
         self.gamma = Gauge("hetspec_gamma", "Draft length of the latest round", registry=r)
         self.queue_waiting = Gauge("hetspec_queue_waiting", "Requests waiting", registry=r)
+        self.queue_running = Gauge(
+            "hetspec_queue_running", "Requests decoding (at most max_parallel)", registry=r
+        )
         self.queue_refused = Gauge(
             "hetspec_queue_refused", "Requests refused with 429 since start", registry=r
         )

@@ -46,6 +46,10 @@ def daemon(tmp_path_factory):
         "draft-cpu",
         "--set",
         f"max_queue={QUEUE}",
+        # the queue's tests here need one request decoding while the others wait
+        # (several at once: test_parallel_requests)
+        "--set",
+        "max_parallel=1",
         "--set",
         f'tcp.listen="127.0.0.1:{port}"',
         "--set",

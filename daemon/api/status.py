@@ -124,6 +124,7 @@ def props_of(service: Service) -> dict:
 def refresh_gauges(service: Service) -> None:
     """The gauges /metrics reads as they are now: the queue, each worker's restarts and life."""
     service.metrics.queue_waiting.set(service.admission.waiting)
+    service.metrics.queue_running.set(service.admission.running)
     service.metrics.queue_refused.set(service.admission.refused)
     if service.supervisor is not None:
         for name, count in service.supervisor.restarts.items():
