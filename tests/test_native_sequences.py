@@ -18,7 +18,7 @@ import pytest
 from hetspec.native.kernels import BEST, SIMD_LEVELS, Kernels
 from hetspec.native.model import ModelFormatError, NativeModel, SequenceRows
 from hetspec.speculative.verify.distributions import SamplingParams
-from hetspec.speculative.verify.samplers import DrawnSampler
+from hetspec.speculative.verify.samplers import DrawnSampler, KeyedSampler
 from hetspec.workers.runtimes.native_runtime import NativeRuntime
 from hetspec.workers.runtimes.native_sequences import (
     Chunk,
@@ -566,3 +566,32 @@ def test_a_shared_cache_takes_memory_as_its_slots_are_written() -> None:
     before = resident_mib()
     sequence.prefill(list(range(3, 103)))
     assert resident_mib() - before < 8
+
+
+def test_every_sequence_of_a_native_drafter_drafts_in_one_call_what_the_first_drafts() -> None:
+    """A sequence after the cache's first range drafts a chain and side-by-side branches in
+    one call of the draft loops (its committed slots listed, not the prefix), the same tokens
+    and rows as the first range, greedy and seeded."""
+    runtime = NativeRuntime(TARGET / "target-q8_0.gguf", n_ctx=256, sequences=3)
+    calls = []
+    for sequence in (runtime, *runtime.siblings):
+        chain, branches = sequence._run_chain, sequence._run_branches
+        sequence._run_chain = lambda *a, _run=chain, **k: calls.append("chain") or _run(*a, **k)
+        sequence._run_branches = lambda *a, _run=branches, **k: (
+            calls.append("branches") or _run(*a, **k)
+        )
+    prompt = runtime.tokenize("def fibonacci(n):\n    ")
+    drafts = []
+    for sequence in (runtime, *runtime.siblings):
+        sequence.prefill(prompt[: len(prompt) - 2])
+        sequence.append(prompt[-2:])  # a committed length that is not the prompt's
+        greedy = sequence.draft(5, SamplingParams(), DrawnSampler(0))
+        sequence.rollback(len(prompt))
+        seeded = sequence.draft(4, SamplingParams(temperature=0.8), KeyedSampler(7))
+        sequence.rollback(len(prompt))
+        branched = sequence.draft(3, SamplingParams(), DrawnSampler(0), branches=3)
+        drafts.append((greedy.tokens.tolist(), seeded.tokens.tolist(), branched.tokens.tolist()))
+    assert drafts[1] == drafts[0]
+    assert drafts[2] == drafts[0]
+    assert calls.count("chain") == 6
+    assert calls.count("branches") == 3

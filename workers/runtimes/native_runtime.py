@@ -10,9 +10,7 @@ The kernels compute every row the same way whatever the width of the call, so a
 token's logits inside a tree equal its logits evaluated on their own, bit for bit: greedy
 verification returns exactly what this runtime decodes alone. The vocabulary comes from
 llama.cpp (the file loaded ``vocab_only``), so this runtime tokenizes exactly as the
-llama.cpp workers do. Its ``siblings`` (the other sequences of a worker serving several) draft
-node by node: the one-call draft loops (``hs_draft_chain``, ``hs_draft_branches``) address
-slot 0 on, which only this runtime's range starts at.
+llama.cpp workers do.
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ from hetspec.native.model import DEFAULT_MAX_CONTEXT, NativeModel
 from hetspec.protocol.gguf_checks import GGUFMetadataError, check_model_file
 from hetspec.protocol.gguf_header import GGUFFormatError
 from hetspec.speculative.drafting.vocab_match import VocabInfo
-from hetspec.speculative.verify.samplers import ChainDraws
 from hetspec.workers.runtimes.llama_cpp_runtime.vocabulary import VocabularyFile
 from hetspec.workers.runtimes.native_sequences import NativeSequence, NativeSequences
 from hetspec.workers.runtimes.sequence_work import Chunk, Tree
@@ -135,49 +132,3 @@ class NativeRuntime(NativeSequence):
 
     def warm_up_widths(self, width: int) -> Iterable[int]:
         return (width, *range(1, width))
-
-    # ------------------------------------------------------------ TreeRuntime hooks
-
-    def _run_chain(
-        self,
-        first: int,
-        positions: np.ndarray,
-        rows: np.ndarray,
-        draws: ChainDraws | None,
-        temperature: float,
-        *,
-        probs_out: np.ndarray | None = None,
-    ):
-        existing = self.pending  # the first node's pending ancestors, in slot order
-        return self.model.draft_chain(
-            first,
-            len(rows),
-            position=int(positions[0]),
-            start=self.committed + existing,
-            prefix=self.committed,
-            base=self.committed + np.flatnonzero(rows[0, :existing]),
-            threads=self.threads + self._extra_threads,
-            temperature=temperature,
-            noise=None if draws is None else draws.noise,
-            uniforms=None if draws is None else draws.uniforms,
-            probs=probs_out,
-        )
-
-    def _run_branches(
-        self,
-        firsts: np.ndarray,
-        count: int,
-        position: int,
-        base: np.ndarray,
-        probs: np.ndarray | None,
-    ):
-        return self.model.draft_branches(
-            firsts,
-            count,
-            position=position,
-            start=self.committed + self.pending,
-            prefix=self.committed,
-            base=self.committed + base,
-            threads=self.threads + self._extra_threads,
-            probs=probs,
-        )

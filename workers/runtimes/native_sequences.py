@@ -17,7 +17,9 @@ the keys and values) it has when its sequence evaluates it on its own, whatever 
 forward: output does not depend on load. Nothing is shared between sequences but the weights
 and the forward: each row attends to its own sequence's slots only. ``evaluate`` leaves each
 sequence as its own ``evaluate_tree`` (a tree) or ``append`` of new tokens (a chunk) would.
-The one-call draft loops (``hs_draft_chain``) address slot 0 on: a sequence drafts node by node.
+Every sequence drafts a chain (or branches side by side) in one call of the draft loops
+(``hs_draft_chain``), which see the cache's first range as their prefix and another's committed
+slots listed.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import numpy as np
 
 from hetspec.native.kernels import BEST
 from hetspec.native.model import NativeModel, SequenceRows
+from hetspec.speculative.verify.samplers import ChainDraws
 from hetspec.speculative.verify.tree import ancestor_mask, depths, validate_parents
 from hetspec.workers.runtimes.sequence_work import Chunk, Tree
 from hetspec.workers.runtimes.tree_runtime import RuntimeUsageError, TreeRuntime
@@ -135,6 +138,62 @@ class NativeSequence(TreeRuntime[np.ndarray]):
             offsets,
             first_pending + column,
             first_logit,
+        )
+
+    def _visible(self, pending: np.ndarray) -> tuple[int, np.ndarray]:
+        """What a draft loop's first node sees besides its own chain, as the kernels take it:
+        slots 0..prefix-1 and ``base``: the committed slots and the ``pending`` ones (indices
+        among the pending nodes). The cache's first range is its prefix; another lists them."""
+        first_pending = self.base + self.committed
+        if self.base == 0:
+            return self.committed, first_pending + pending
+        committed = np.arange(self.base, first_pending, dtype=np.int64)
+        return 0, np.concatenate([committed, first_pending + pending])
+
+    def _run_chain(
+        self,
+        first: int,
+        positions: np.ndarray,
+        rows: np.ndarray,
+        draws: ChainDraws | None,
+        temperature: float,
+        *,
+        probs_out: np.ndarray | None = None,
+    ):
+        existing = self.pending  # the first node's pending ancestors, in slot order
+        prefix, base = self._visible(np.flatnonzero(rows[0, :existing]))
+        return self.model.draft_chain(
+            first,
+            len(rows),
+            position=int(positions[0]),
+            start=self.base + self.committed + existing,
+            prefix=prefix,
+            base=base,
+            threads=self.threads + self._extra_threads,
+            temperature=temperature,
+            noise=None if draws is None else draws.noise,
+            uniforms=None if draws is None else draws.uniforms,
+            probs=probs_out,
+        )
+
+    def _run_branches(
+        self,
+        firsts: np.ndarray,
+        count: int,
+        position: int,
+        base: np.ndarray,
+        probs: np.ndarray | None,
+    ):
+        prefix, visible = self._visible(base)
+        return self.model.draft_branches(
+            firsts,
+            count,
+            position=position,
+            start=self.base + self.committed + self.pending,
+            prefix=prefix,
+            base=visible,
+            threads=self.threads + self._extra_threads,
+            probs=probs,
         )
 
     def _forward(
