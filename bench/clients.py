@@ -23,10 +23,10 @@ time, from the first request sent to the last reply; the median of the passes, a
 range); over every request of every pass: per-request decode tokens/s (the tokens after the
 first over the time from the first to the last; median), latency p50 and p99 (request sent to
 its last token), TTFT p50 (sent to the first token, waiting in a queue included); "tokens =
-alone": the requests whose token ids equal their prompt's run alone (one client, hetspecd one
-at a time, run before the passes). Ratios are of this run's medians. A system that cannot be
-had (no llama-server, a hetspecd without ``max_parallel``, a server that will not start) is a
-row that says why.
+alone": the requests whose token ids equal their prompt's run alone, run before the passes
+(one client; hetspec's rows: hetspecd one at a time; llama-server's: one slot, the target
+alone). Ratios are of this run's medians. A system that cannot be had (no llama-server, a
+hetspecd without ``max_parallel``, a server that will not start) is a row that says why.
 """
 
 from __future__ import annotations
@@ -292,9 +292,9 @@ def percentile(values: list[float], share: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (place - low)
 
 
-def summary(runs: list[Run], alone: dict[int, list[int]]) -> dict:
+def summary(runs: list[Run], alone: dict[int, list[int]] | None) -> dict:
     """One row's figures from its passes (see the module's docstring); ``error`` where a pass
-    failed."""
+    failed. ``alone``: every prompt's tokens alone (None: not known, nothing compared)."""
     failed = [r.error for r in runs if r.error]
     if failed:
         return {"error": f"failed: {failed[0]}"}
@@ -308,7 +308,9 @@ def summary(runs: list[Run], alone: dict[int, list[int]]) -> dict:
         "latency_p50_ms": statistics.median(latencies),
         "latency_p99_ms": percentile(latencies, 0.99),
         "ttft_p50_ms": statistics.median(q.ttft_ms for q in requests),
-        "same_as_alone": (sum(q.tokens == alone.get(q.prompt) for q in requests), len(requests)),
+        "same_as_alone": None
+        if alone is None
+        else (sum(q.tokens == alone.get(q.prompt) for q in requests), len(requests)),
         "drafted": sum(q.drafted for q in requests),
         "accepted": sum(q.accepted for q in requests),
         "passes": len(runs),
@@ -319,13 +321,13 @@ def table_row(clients: int, system: str, figures: dict) -> str:
     if "error" in figures:
         return f"| {clients} | {system} | {figures['error']} | - | - | - | - | - | - |"
     low, high = figures["aggregate_range"]
-    same, count = figures["same_as_alone"]
+    same = "/".join(map(str, figures["same_as_alone"] or ())) or "-"
     drafted = figures["drafted"]
     share = f"{figures['accepted']}/{drafted}" if drafted else "-"
     return (
         f"| {clients} | {system} | {figures['aggregate_tokens_per_s']:.1f} ({low:.1f}-{high:.1f})"
         f" | {figures['decode_tokens_per_s']:.1f} | {figures['latency_p50_ms']:.0f} | "
-        f"{figures['latency_p99_ms']:.0f} | {figures['ttft_p50_ms']:.0f} | {same}/{count} | "
+        f"{figures['latency_p99_ms']:.0f} | {figures['ttft_p50_ms']:.0f} | {same} | "
         f"{share} |"
     )
 
@@ -382,11 +384,20 @@ def goals(rows: dict[tuple[int, str], dict]) -> list[str]:
     lines.append(
         f"- 1 client, aggregate against hetspec one at a time: {_ratio(*lone)} (goal >= 0.98x)"
     )
-    hetspec = [f for (_, s), f in rows.items() if s.startswith("hetspec") and "error" not in f]
-    same = sum(f["same_as_alone"][0] for f in hetspec)
-    count = sum(f["same_as_alone"][1] for f in hetspec)
+    same, count = _same_as_alone(rows, "hetspec")
     lines.append(f"- tokens of every hetspec request = its run alone: {same}/{count} (goal: all)")
+    same, count = _same_as_alone(rows, "llama-server")
+    if count:
+        lines.append(f"- llama-server's tokens = its own run alone: {same}/{count} (no goal)")
     return lines
+
+
+def _same_as_alone(rows: dict[tuple[int, str], dict], prefix: str) -> tuple[int, int]:
+    """Requests of the measured rows whose system starts with ``prefix``: equal to their run
+    alone, and compared."""
+    pairs = [f.get("same_as_alone") for (_, s), f in rows.items() if s.startswith(prefix)]
+    pairs = [pair for pair in pairs if pair]
+    return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
 
 
 def daemon_knows_max_parallel() -> bool:
@@ -539,6 +550,7 @@ class TargetBench:
         self.batched = daemon_knows_max_parallel()
         self.hetspecds = Hetspecds(plan, target)
         self.alone: dict[int, list[int]] = {}
+        self.peer_alone: dict[int, list[int]] | None = None
 
     def one_at_a_time(self) -> System:
         return self.hetspecds.get(1 if self.batched else None, ONE_AT_A_TIME)
@@ -548,18 +560,19 @@ class TargetBench:
         rows: dict[tuple[int, str], dict] = {}
         runs: list[Run] = []
         try:
-            self.say(f"{self.target.name}: every prompt alone (one client, one at a time)")
-            fire(self.one_at_a_time(), [WARMUP_PROMPT], 1, 8)
-            reference = fire(self.one_at_a_time(), self.plan.prompts, 1, self.plan.max_tokens)
-            if reference.error:
-                raise HetspecError(f"the prompts alone failed: {reference.error}")
-            self.alone = {r.prompt: r.tokens for r in reference.requests}
+            self.say(f"{self.target.name}: every prompt alone (one client)")
+            self.alone = self.tokens_alone(self.one_at_a_time())
+            if self.alone is None:
+                raise HetspecError("hetspecd failed the prompts alone (one client)")
+            self.peer_alone = self.llama_server_alone()
             for clients in self.plan.clients:
                 self.say(f"{self.target.name}: {clients} clients")
                 for name, outcome in self.rows_at(clients).items():
                     if isinstance(outcome, list):
                         runs += outcome
-                        rows[clients, name] = summary(outcome, self.alone)
+                        peer = name.startswith("llama-server")
+                        alone = self.peer_alone if peer else self.alone
+                        rows[clients, name] = summary(outcome, alone)
                     else:
                         rows[clients, name] = outcome
         finally:
@@ -573,6 +586,22 @@ class TargetBench:
             "runs": [asdict(r) for r in runs],
         }
         return section, document
+
+    def tokens_alone(self, system: System) -> dict[int, list[int]] | None:
+        """Every prompt's tokens from ``system`` with one client, after a warm-up (None:
+        a request failed)."""
+        fire(system, [WARMUP_PROMPT], 1, 8)
+        reference = fire(system, self.plan.prompts, 1, self.plan.max_tokens)
+        return None if reference.error else {r.prompt: r.tokens for r in reference.requests}
+
+    def llama_server_alone(self) -> dict[int, list[int]] | None:
+        """Every prompt's tokens from llama-server with one slot, the target alone (None:
+        no llama-server, or it failed)."""
+        if not self.configs:
+            return None
+        one = llama_server_rows({"target alone": self.configs["target alone"]}, 1)
+        with llama_servers(self.plan, one, {}) as servers:
+            return next((self.tokens_alone(s) for s in servers.values()), None)
 
     def rows_at(self, clients: int) -> dict:
         """Every row at ``clients``, in the table's order: its runs (a list), or a stand-in

@@ -88,7 +88,8 @@ def test_figures_and_goals_are_ratios_of_medians_and_unmeasured_ones_say_so() ->
         ),
         (4, clients.ONE_AT_A_TIME): clients.summary([_run("o", 8, 2.0)], alone),
         (4, "llama-server -np 4 speculative n-max=3 p-min=0.0"): clients.summary(
-            [_run("l", 8, 4.0)], alone
+            [_run("l", 8, 4.0)],
+            None,  # its own tokens alone unknown: not compared
         ),
         (1, clients.ONE_AT_A_TIME): {"error": "failed: RequestFailed: no"},
     }
@@ -107,7 +108,10 @@ def test_figures_and_goals_are_ratios_of_medians_and_unmeasured_ones_say_so() ->
     assert "not measured" in lines[2]  # no 8 clients
     assert "not measured" in lines[3]  # 1 client: one at a time failed
     assert lines[4] == "- tokens of every hetspec request = its run alone: 32/32 (goal: all)"
+    assert len(lines) == 5  # nothing said of llama-server's tokens, never compared
     table = clients.table(rows)
+    peer = table[4].split("|")
+    assert [c.strip() for c in peer[6:10]] == ["4000", "1000", "-", "-"]  # p99, TTFT; unknown
     assert "| 1 | hetspec one at a time | failed: RequestFailed: no | - |" in table[-1]
     assert clients.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 0.99) == pytest.approx(4.96)
     assert clients.shares(8, 3) == [[0, 3, 6], [1, 4, 7], [2, 5]]
