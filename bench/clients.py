@@ -437,15 +437,19 @@ class Hetspecds:
         self.plan, self.target = plan, target
         self.stack: dict[int | None, contextlib.ExitStack] = {}
         self.systems: dict[int | None, System] = {}
+        self.starts = 0
 
     def get(self, max_parallel: int | None, name: str) -> System:
+        """The daemon at ``max_parallel`` as the system ``name``, started (and waited for)
+        unless it runs; ``HetspecError`` if it will not start."""
         if max_parallel not in self.systems:
+            self.starts += 1
             stack = contextlib.ExitStack()
             self.stack[max_parallel] = stack
             settings = list(self.plan.settings)
             if max_parallel is not None:
                 settings.append(f"max_parallel={max_parallel}")
-            label = f"{self.target.name}-max-parallel-{max_parallel or 'unset'}"
+            label = f"{self.target.name}-{self.starts}-max-parallel-{max_parallel or 'unset'}"
             client = stack.enter_context(
                 daemon(
                     "draft-cpu", None, self.plan.log_dir, self.target, settings=settings, name=label
