@@ -182,6 +182,9 @@ export function showCosts(answers, props) {
   if (decision) parts.push(`chosen: ${decision.runtime} (by ${decision.chosen_by})`);
   if (drafter) parts.push(`drafter ${drafter.runtime}, ${fixed(perToken, 3)} ms a token`);
   const queue = props?.queue;
-  if (queue) parts.push(`queue ${queue.running ? "running" : "idle"}, ${queue.waiting} waiting`);
+  if (queue) {
+    const seats = queue.parallel ?? 1;
+    parts.push(`queue ${queue.running} of ${seats} decoding, ${queue.waiting} waiting`);
+  }
   headline("plot-profile", parts.join(" · "));
 }

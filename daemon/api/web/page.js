@@ -55,7 +55,8 @@ function statusOf(props) {
     .join(", ");
   const queue = props.queue || {};
   if (queue.running) {
-    return [`answering (${queue.waiting} waiting) · ${devices}`, "busy"];
+    const together = queue.running > 1 ? ` ${queue.running} at once` : "";
+    return [`answering${together} (${queue.waiting} waiting) · ${devices}`, "busy"];
   }
   return [`ready · ${devices}${page.note ? ` · ${page.note}` : ""}`, "ready"];
 }
