@@ -337,6 +337,31 @@ def test_queued_verifications_run_in_one_forward_bit_for_bit(workers, flavour) -
     assert not single.worker.together
 
 
+def test_verifications_and_decodings_alone_share_the_first_forward(workers) -> None:
+    """Two sequences' verifications queued with a third's decoding alone: their trees ride
+    in the decoding's first step, each reply what its command gives alone, and the
+    verifications answered before the decoding's later steps (their own time)."""
+    batched, single = workers("native", 3), workers("native", 3)
+    prefilled(batched), prefilled(single)
+
+    def commands(worker):
+        verify = verifications(worker, "logits")[:2]
+        return [*verify, m.Decode(worker.request(), 6, GREEDY, append=[4, 6], sequence=2)]
+
+    sent = commands(batched)
+    replies = batched.run(*sent)
+    assert batched.worker.together == {("Decode + VerifyTree", 3): 1}
+    decoded = replies[sent[2].request]
+    assert replies[sent[0].request].elapsed_ms < decoded.elapsed_ms
+    got = answers(batched, replies, sent[:2])
+    for command, mine in zip(commands(single), [*got, decoded], strict=True):
+        reply = single.call(command)
+        if isinstance(command, m.Decode):
+            assert reply.tokens == mine.tokens
+        else:
+            assert same(list(mine), list(answers(single, {command.request: reply}, [command])[0]))
+
+
 def test_queued_decodings_stop_each_at_its_own_end(workers) -> None:
     batched, single = workers("native", 3), workers("native", 3)
     prefilled(batched), prefilled(single)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -66,8 +66,9 @@ class BatchedHandlers(ComputeHandlers):
         )
 
     def joins(self, first: msgspec.Struct, queued: msgspec.Struct) -> bool:
-        """Whether ``queued`` may run in ``first``'s batch."""
-        return type(queued) is type(first) and self._plain(queued)
+        """Whether ``queued`` may run in ``first``'s batch: verifications and decodings alone
+        mix (a verification's tree rides in the first step's forward)."""
+        return self._plain(first) and self._plain(queued)
 
     def _plain(self, command: msgspec.Struct) -> bool:
         if not 0 <= getattr(command, "sequence", -1) < len(self.sequences):
@@ -78,84 +79,91 @@ class BatchedHandlers(ComputeHandlers):
             return command.grammar is None and not command.report_features and command.steps > 0
         return False
 
-    def run_together(self, commands: Sequence[msgspec.Struct]) -> list[Result]:
+    def run_together(
+        self,
+        commands: Sequence[msgspec.Struct],
+        early: Callable[[int, Result], None] | None = None,
+    ) -> list[Result]:
         """One result a command of ``commands`` (all ``joins`` the first), in their order.
-        Every reply's ``elapsed_ms`` is the whole batch's: the daemon's controller prices a
-        round by the time its verification (or decoding) took, and each command waited for
-        the batch."""
-        self.together[type(commands[0]).__name__, len(commands)] += 1
+        The verifications' trees go in the first step's forward, beside each decoding's first
+        token; the decodings then step on, one forward a step holding each still running
+        sequence's token, each stopping at its own ``steps`` or end token. ``early(index,
+        result)``, where given, has each verification's result once its tree is evaluated
+        (its reply need not wait for the decodings' later steps); the list holds them too.
+        A reply's ``elapsed_ms`` is the batch's time until its own result: the daemon's
+        controller prices a round by what it waited for."""
+        kinds = Counter(type(command).__name__ for command in commands)
+        self.together[" + ".join(sorted(kinds)), len(commands)] += 1
         # the spare cores are the worker's: lent to the batch only where every command says
         self.spare.use(all(c.spare_cores for c in commands), self._set_extra_threads)
-        if isinstance(commands[0], m.VerifyTree):
-            return self._verify_together(commands)
-        return self._decode_together(commands)
-
-    # ------------------------------------------------------------ verification
-
-    def _verify_together(self, commands: Sequence[m.VerifyTree]) -> list[Result]:
         start = time.perf_counter()
         results: list[Result | None] = [None] * len(commands)
         jobs: list[tuple[int, Verification]] = []
+        running: list[_Decoding] = []
         for index, command in enumerate(commands):
             try:
-                jobs.append((index, self._verify_start(command, self._sequence(command.sequence))))
+                if isinstance(command, m.VerifyTree):
+                    state = self._sequence(command.sequence)
+                    jobs.append((index, self._verify_start(command, state)))
+                else:
+                    running.append(self._decoding(index, command))
             except Exception as error:  # answered as Failed, as the loop answers any command
                 results[index] = error
-        work = [Tree(job.state.engine, *_tree(job.command)) for _, job in jobs]
-        for (index, job), rows in zip(jobs, self._evaluate(work), strict=True):
+        trees = [Tree(job.state.engine, *_tree(job.command)) for _, job in jobs]
+        done: list[_Decoding] = []
+        while trees or running:
+            waiting = [run for run in running if run.token is not None]
+            chunks = [Chunk(run.engine, [run.token]) for run in waiting]
+            outputs, first = self._evaluate([*trees, *chunks]), len(trees)
+            if trees:
+                self._verify_done(jobs, outputs[:first], results, start, early)
+                trees = []
+            for run, logits in zip(waiting, outputs[first:], strict=True):
+                run.token, run.logits = None, logits
+            running = self._step(running, results, done)
+        if any(c.spare_cores for c in commands):  # give the drafter its cores back
+            self.spare.use(False, self._set_extra_threads)
+        elapsed = (time.perf_counter() - start) * 1000
+        for run in done:
+            reply = m.Decoded(run.command.request, run.steps.drawn, elapsed, run.logprobs or [])
+            results[run.index] = (reply, ())
+        return results
+
+    def _verify_done(self, jobs, rows_by_job, results, start: float, early) -> None:
+        """Each verification's reply (or error) from its tree's rows, handed to ``early``."""
+        for (index, job), rows in zip(jobs, rows_by_job, strict=True):
             try:
                 if isinstance(rows, Exception):
                     raise rows
                 self._verify_rows(job, rows)
             except Exception as error:
                 results[index] = error
-        if any(c.spare_cores for c in commands):  # give the drafter its cores back
-            self.spare.use(False, self._set_extra_threads)
         elapsed = (time.perf_counter() - start) * 1000
         for index, job in jobs:
             if results[index] is None:
                 results[index] = (self._verified(job, elapsed), ())
-        return results
+            if early is not None:
+                early(index, results[index])
 
-    # ------------------------------------------------------------ decoding alone
-
-    def _decode_together(self, commands: Sequence[m.Decode]) -> list[Result]:
-        """Each sequence's step in one forward (holding each still running sequence's
-        token), each sequence stopping at its own ``steps`` or end token."""
-        start = time.perf_counter()
-        results: list[Result | None] = [None] * len(commands)
-        running: list[_Decoding] = []
-        for index, command in enumerate(commands):
+    @staticmethod
+    def _step(running: list[_Decoding], results: list, done: list[_Decoding]) -> list[_Decoding]:
+        """Each decoding's draw from its logits: those still going (their next token to
+        evaluate), the finished ones added to ``done``, a failure into ``results``."""
+        going = []
+        for run in running:
             try:
-                running.append(self._decoding(index, command))
+                if isinstance(run.logits, Exception):
+                    raise run.logits
+                more = run.steps.draw(run.logits, run.engine.committed)
             except Exception as error:
-                results[index] = error
-        done: list[_Decoding] = []
-        while running:
-            waiting = [run for run in running if run.token is not None]
-            work = [Chunk(run.engine, [run.token]) for run in waiting]
-            for run, logits in zip(waiting, self._evaluate(work), strict=True):
-                run.token, run.logits = None, logits
-            going = []
-            for run in running:
-                try:
-                    if isinstance(run.logits, Exception):
-                        raise run.logits
-                    more = run.steps.draw(run.logits, run.engine.committed)
-                except Exception as error:
-                    results[run.index] = error
-                    continue
-                if more:
-                    run.token = run.steps.drawn[-1]
-                    going.append(run)
-                else:
-                    done.append(run)
-            running = going
-        elapsed = (time.perf_counter() - start) * 1000
-        for run in done:
-            reply = m.Decoded(run.command.request, run.steps.drawn, elapsed, run.logprobs or [])
-            results[run.index] = (reply, ())
-        return results
+                results[run.index] = error
+                continue
+            if more:
+                run.token = run.steps.drawn[-1]
+                going.append(run)
+            else:
+                done.append(run)
+        return going
 
     def _decoding(self, index: int, command: m.Decode) -> _Decoding:
         """A ``Decode``'s start, as ``decode`` makes it: ``append`` made to follow (all but

@@ -5,7 +5,8 @@ the watchdog busy with each one's request while it runs, and sends exactly one r
 command: the handler's, or ``Failed`` with a kind the daemon acts on (``load``,
 ``cancelled``, ``usage``, or ``internal`` with the place it failed). A verification (or a
 decoding alone) taken while others of other sequences are queued takes them along
-(``CommandReader.take_along``, ``BatchedHandlers``) and the replies go out in the order the
+(``CommandReader.take_along``, ``BatchedHandlers``): a verification's reply goes out once its
+tree is evaluated, the others' once the batch is done; each sequence's in the order its
 commands came. Replies go through the
 replies mailbox where the link has one, else (or when it is full) the socket. ``load``
 replaces the engine and the arena; every other command goes to ``ComputeHandlers``.
@@ -91,19 +92,29 @@ class Worker(BatchedHandlers):
             if self.leads(command):  # other sequences' commands queued: one forward for all
                 along = commands.take_along(command, functools.partial(self.joins, command))
             self.watchdog.busy = getattr(command, "request", None)
+            sent: set[int] = set()
             try:
                 if along:
                     batch = [command, *(queued for queued, _ in along)]
-                    answers = list(zip(batch, self._together(batch), strict=True))
+
+                    def early(index: int, answer, batch=batch, sent=sent) -> None:
+                        self._answer(batch[index], answer)
+                        sent.add(index)
+
+                    answers = list(zip(batch, self._together(batch, early), strict=True))
                 else:
                     answers = [(command, self._alone(command, frames))]
             finally:
                 self.watchdog.busy = None
-            for ran, answer in answers:  # one reply a command, in the order they came
-                if isinstance(answer, Exception):
-                    self.send(self.failure(ran, answer))
-                else:
-                    self.send(*answer)
+            for index, (ran, answer) in enumerate(answers):  # one reply a command
+                if index not in sent:
+                    self._answer(ran, answer)
+
+    def _answer(self, command: msgspec.Struct, answer: tuple | Exception) -> None:
+        if isinstance(answer, Exception):
+            self.send(self.failure(command, answer))
+        else:
+            self.send(*answer)
 
     def _alone(self, command: msgspec.Struct, frames) -> tuple | Exception:
         try:
@@ -111,9 +122,9 @@ class Worker(BatchedHandlers):
         except Exception as error:
             return error
 
-    def _together(self, batch: list[msgspec.Struct]) -> list[tuple | Exception]:
+    def _together(self, batch: list[msgspec.Struct], early) -> list[tuple | Exception]:
         try:
-            return self.run_together(batch)
+            return self.run_together(batch, early)
         except Exception as error:  # a fault of the batch itself: every command's answer
             return [error] * len(batch)
 
