@@ -92,6 +92,11 @@ def mode_controllers(config: DaemonConfig, *, chains_only: bool = False) -> dict
     }
 
 
+# with several requests decoding, the drafter's cores are lent to the target once it has had
+# no call for this long: every request decodes alone (a probe's draft soon after overlaps one
+# borrowing call at most)
+DRAFTER_QUIET_S = 0.1
+
 # arena slots a request holds: its draft's rows, its tree's logits, a head's features
 RUN_SLOTS = 3
 
@@ -139,9 +144,9 @@ class Service:
         # whether the target decoding alone computes on the drafter's cores too: measured
         # for the daemon's life, by every mode
         # (lent only while one request decodes)
-        alone = self._decoding_alone
-        self.spare_cores = CoreLending(alone)
-        self.verify_cores = CoreLending(alone)  # the same for a plain round's verification
+        alone, quiet = self._decoding_alone, self._drafter_quiet
+        self.spare_cores = CoreLending(alone, quiet)
+        self.verify_cores = CoreLending(alone, quiet)  # the same for a plain round's verification
         self._stop = asyncio.Event()
         self.started = time.monotonic()
         self.started_wall = time.time()
@@ -161,6 +166,13 @@ class Service:
 
     def _decoding_alone(self) -> bool:
         return self.admission.running <= 1
+
+    def _drafter_quiet(self) -> bool:
+        """Whether the drafter has had no call for ``DRAFTER_QUIET_S`` (or there is none)."""
+        if self.supervisor is None:
+            return False
+        drafter = self.supervisor.workers.get(self.supervisor.roles.drafter)
+        return drafter is None or not drafter.busy_within(DRAFTER_QUIET_S)
 
     # ------------------------------------------------------------ lifecycle
 

@@ -1,11 +1,13 @@
-"""The drafter's cores lent to the target only while one request decodes.
+"""The drafter's cores lent to the target while the drafter has nothing to do.
 
 ``SpareCoreChoice`` measures whether the target gains by computing on the drafter's idle
-cores too. With several requests at once the drafter is never idle for long (it drafts for
-the others), and a target that borrowed its cores would oversubscribe them: both would wait
-on each other's threads at every step. So while more than one request decodes nothing is
-borrowed, and nothing measured then counts for the choice (a batched forward's cost per
-token is not a lone one's).
+cores too. With one request decoding, the request's own rounds say when the drafter idles.
+With several, the drafter drafts for whichever of them draft, and a target that borrowed its
+cores then would oversubscribe them (both would wait on each other's threads at every step):
+so the cores are lent only while the drafter has had no call for ``quiet_s`` (every request
+decodes alone, or none has a draft model to use), at the choice measured so far, with no
+trials; and only a lone request's calls are measured (a batched forward's cost per token is
+not a lone one's).
 """
 
 from __future__ import annotations
@@ -16,17 +18,25 @@ from hetspec.speculative.control.core_choice import SpareCoreChoice
 
 
 class CoreLending:
-    """``choice``, consulted only while ``alone()`` says one request decodes."""
+    """``choice``, consulted while ``alone()`` (one request decodes), or at its preferred
+    choice while ``drafter_quiet()`` (several do, none drafting)."""
 
-    def __init__(self, alone: Callable[[], bool], choice: SpareCoreChoice | None = None) -> None:
-        self.alone = alone
+    def __init__(
+        self,
+        alone: Callable[[], bool],
+        drafter_quiet: Callable[[], bool] = lambda: False,
+        choice: SpareCoreChoice | None = None,
+    ) -> None:
+        self.alone, self.drafter_quiet = alone, drafter_quiet
         self.choice = choice or SpareCoreChoice()
 
     def preferred(self) -> bool:
-        return self.alone() and self.choice.preferred()
+        return (self.alone() or self.drafter_quiet()) and self.choice.preferred()
 
     def choose(self) -> bool:
-        return self.alone() and self.choice.choose()
+        if self.alone():
+            return self.choice.choose()
+        return self.drafter_quiet() and self.choice.preferred()
 
     @property
     def exploring(self) -> bool:

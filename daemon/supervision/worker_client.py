@@ -95,6 +95,7 @@ class WorkerClient:
         self._process: asyncio.subprocess.Process | None = None
         self._death_write: int | None = None
         self._last_beat = time.monotonic()
+        self._last_reply = 0.0  # when the last call ended (time.monotonic())
         self._stopping = False
         self._handshake: asyncio.Future | None = None  # resolves to Hello
         self._loading: asyncio.Future | None = None  # resolves to Ready
@@ -428,6 +429,13 @@ class WorkerClient:
             raise
         finally:
             timer.cancel()
+            self._last_reply = time.monotonic()
+
+    def busy_within(self, seconds: float) -> bool:
+        """Whether a call is in flight, or one ended less than ``seconds`` ago."""
+        if self._pending.awaiting():
+            return True
+        return time.monotonic() - self._last_reply < seconds
 
     def settled(self) -> asyncio.Future:
         """A future that resolves once the worker is done with every call in flight now,
