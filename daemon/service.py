@@ -95,7 +95,7 @@ def mode_controllers(config: DaemonConfig, *, chains_only: bool = False) -> dict
 # with several requests decoding, the drafter's cores are lent to the target once it has had
 # no call for this long: every request decodes alone (a probe's draft soon after overlaps one
 # borrowing call at most)
-DRAFTER_QUIET_S = 0.1
+DRAFTER_QUIET_S = 0.0
 
 # arena slots a request holds: its draft's rows, its tree's logits, a head's features
 RUN_SLOTS = 3

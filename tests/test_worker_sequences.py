@@ -501,3 +501,28 @@ def test_the_bench_times_verifications_posted_together_through_a_worker(capsys) 
     for k in (1, 2):
         assert f"\n| {k} | 2 | " in out
     assert "through a worker process" in out
+
+
+def test_the_reader_gathers_the_sequences_about_to_send_until_they_have(tmp_path) -> None:
+    """``gather`` returns once a command of each sequence waited for is queued, or after its
+    time when one never comes; it takes nothing out of the backlog."""
+    context = zmq.Context.instance()
+    push = context.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.bind(f"ipc://{tmp_path}/gather.sock")
+    reader = CommandReader(context, f"ipc://{tmp_path}/gather.sock", 0.0, lambda *_: None)
+    codec = Codec(m.Command)
+    try:
+        for sequence in (1, 2):
+            push.send_multipart(codec.encode(m.Rollback(sequence, 0, sequence=sequence)))
+        start = time.perf_counter()
+        reader.gather({1, 2}, 5.0)
+        assert time.perf_counter() - start < 2.5  # both came: no waiting out the 5 s
+        assert [c.sequence for c, _ in reader.backlog] == [1, 2]
+        start = time.perf_counter()
+        reader.gather({1, 2, 3}, 0.05)  # sequence 3 never sends
+        assert time.perf_counter() - start >= 0.05
+        assert len(reader.backlog) == 2
+    finally:
+        reader.socket.close()
+        push.close()

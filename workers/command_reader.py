@@ -161,6 +161,15 @@ class CommandReader:
             self._running.update(command.request for command, _ in taken)
         return taken
 
+    def gather(self, sequences: set[int], seconds: float) -> None:
+        """Read what comes for up to ``seconds``, until the backlog holds a command of each
+        of ``sequences``: the commands about to come that could run beside the one taken."""
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            self._drain()
+            if sequences <= {getattr(c, "sequence", None) for c, _ in self.backlog}:
+                return
+
     def _spin(self, seconds: float) -> None:
         deadline = time.perf_counter() + seconds
         while not self.backlog and time.perf_counter() < deadline:

@@ -39,6 +39,13 @@ from hetspec.workers.watchdog import Watchdog
 
 log = structlog.get_logger("hetspec.worker")
 
+# A verification (or decoding) of one sequence waits for the others' commands at most
+# GATHER_S, and at most GATHER_SHARE of the last batch's time, where they were busy within
+# BUSY_S (a sequence idle longer has no request decoding)
+GATHER_S = 0.003
+GATHER_SHARE = 0.1
+BUSY_S = 0.5
+
 
 class Worker(BatchedHandlers):
     """The compute side: the sequences' engines, the arena, and the handlers for each
@@ -69,6 +76,8 @@ class Worker(BatchedHandlers):
             m.Tokenize: self.tokenize,
             m.Echo: self.echo,
         }
+        self._seen: dict[int, float] = {}  # when each sequence's last command was taken
+        self._batch_s = 0.0  # how long the last verification or decoding took, with its batch
 
     def send(self, message: msgspec.Struct, arrays=()) -> None:
         frames = self.codec.encode(message, arrays)
@@ -88,11 +97,15 @@ class Worker(BatchedHandlers):
             command, frames = commands.next()
             if isinstance(command, m.Shutdown):
                 return
+            if (sequence := getattr(command, "sequence", None)) is not None:
+                self._seen[sequence] = time.perf_counter()
             along = []
             if self.leads(command):  # other sequences' commands queued: one forward for all
+                self._gather(commands, command)
                 along = commands.take_along(command, functools.partial(self.joins, command))
             self.watchdog.busy = getattr(command, "request", None)
             sent: set[int] = set()
+            began = time.perf_counter()
             try:
                 if along:
                     batch = [command, *(queued for queued, _ in along)]
@@ -106,9 +119,20 @@ class Worker(BatchedHandlers):
                     answers = [(command, self._alone(command, frames))]
             finally:
                 self.watchdog.busy = None
+            if self.leads(command):
+                self._batch_s = time.perf_counter() - began
             for index, (ran, answer) in enumerate(answers):  # one reply a command
                 if index not in sent:
                     self._answer(ran, answer)
+
+    def _gather(self, commands: CommandReader, command: msgspec.Struct) -> None:
+        """Wait a little for the sequences that were busy lately and have no command queued:
+        their drafts, made one after the other, end a few milliseconds apart, and a forward
+        that left them out would make them wait for the next one."""
+        now = time.perf_counter()
+        busy = {s for s, at in self._seen.items() if now - at < BUSY_S} - {command.sequence}
+        if busy:
+            commands.gather(busy, min(GATHER_S, GATHER_SHARE * self._batch_s))
 
     def _answer(self, command: msgspec.Struct, answer: tuple | Exception) -> None:
         if isinstance(answer, Exception):
