@@ -93,8 +93,10 @@ def mode_controllers(config: DaemonConfig, *, chains_only: bool = False) -> dict
 
 
 # with several requests decoding, the drafter's cores are lent to the target once it has had
-# no call for this long: every request decodes alone (a probe's draft soon after overlaps one
-# borrowing call at most)
+# no call for this long (0: whenever none is in flight). A cheap draft posted during a
+# borrowing call shares a core with it for that draft's few milliseconds: measured on
+# heavy-300m with four clients, lending whenever the drafter idles gave 98 tok/s against 74
+# after 0.1 s quiet (the drafter is idle most of a round, yet never for 0.1 s)
 DRAFTER_QUIET_S = 0.0
 
 # arena slots a request holds: its draft's rows, its tree's logits, a head's features

@@ -3,11 +3,10 @@
 ``SpareCoreChoice`` measures whether the target gains by computing on the drafter's idle
 cores too. With one request decoding, the request's own rounds say when the drafter idles.
 With several, the drafter drafts for whichever of them draft, and a target that borrowed its
-cores then would oversubscribe them (both would wait on each other's threads at every step):
-so the cores are lent only while the drafter has had no call for ``quiet_s`` (every request
-decodes alone, or none has a draft model to use), at the choice measured so far, with no
-trials; and only a lone request's calls are measured (a batched forward's cost per token is
-not a lone one's).
+cores while it drafts would oversubscribe them (both would wait on each other's threads at
+every step): so the cores are lent only while ``drafter_quiet()`` (the daemon's rule: no
+drafter call in flight), at the choice measured so far, with no trials; and only a lone
+request's calls are measured (a batched forward's cost per token is not a lone one's).
 """
 
 from __future__ import annotations
