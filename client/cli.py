@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _clients_bench_arguments(argv: list[str]) -> list[str] | None:
     """The arguments after ``bench`` when the command line is ``hetspec bench ... --clients
-    ...``: the clients bench (``hetspec.bench.clients``), which parses them itself; else
+    ...``: the clients bench (``hetspec.bench.parallel_clients``), which parses them itself; else
     None."""
     if argv[:1] != ["bench"]:
         return None
@@ -351,7 +351,7 @@ def _without_a_client(args: argparse.Namespace, argv: list[str] | None, host: st
 def main(argv: list[str] | None = None) -> int:
     clients = _clients_bench_arguments(sys.argv[1:] if argv is None else argv)
     if clients is not None:
-        from hetspec.bench import clients as clients_bench  # noqa: PLC0415 - only for it
+        from hetspec.bench import parallel_clients as clients_bench  # noqa: PLC0415 - only for it
 
         return clients_bench.main(clients, prog="hetspec bench")
     return _run(argv)

@@ -1,5 +1,5 @@
-"""hetspec bench --clients (hetspec.bench.clients): several clients at once, end to end small,
-and its figures and goals from made-up runs."""
+"""hetspec bench --clients (hetspec.bench.parallel_clients): several clients at once, end to
+end small, and its figures and goals from made-up runs."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hetspec.bench import clients
+from hetspec.bench import parallel_clients as clients
 
 
 @pytest.mark.process

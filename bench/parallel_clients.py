@@ -1,4 +1,4 @@
-"""``python -m hetspec.bench.clients`` (``hetspec bench --clients``): several clients at once.
+"""``python -m hetspec.bench.parallel_clients`` (``hetspec bench --clients``): clients at once.
 
 For each client count N of ``--clients``, N clients send the held-back prompts of ``hetspec
 bench`` (``--prompts`` code prompts and the chat prompts: 8 requests per run in all by
@@ -713,7 +713,9 @@ def llama_server_binary(choice: str) -> tuple[Path | None, str]:
         return None, f"no llama-server: {error}"
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m hetspec.bench.clients") -> int:
+def main(
+    argv: list[str] | None = None, prog: str = "python -m hetspec.bench.parallel_clients"
+) -> int:
     description = __doc__.split("\n\n")[0].replace("``", "")
     parser = argparse.ArgumentParser(prog=prog, description=description)
     add_arguments(parser)
