@@ -16,7 +16,9 @@ from test_daemon import CONTEXT, STARTUP_TIMEOUT, Daemon, request, segments
 from test_worker_process import LOAD_TIMEOUT, spec
 from tiny_models import write_tiny_gguf_llama, write_tiny_pair
 
+from hetspec.daemon.config import DaemonConfig
 from hetspec.daemon.instance import Instance
+from hetspec.daemon.service import RUN_SLOTS
 from hetspec.daemon.supervision.supervisor import config_number_of
 from hetspec.daemon.supervision.worker_client import WorkerClient, WorkerStartError
 from hetspec.protocol.arena import SHM_DIR, Arena, ArenaError, ArenaLayout
@@ -195,6 +197,8 @@ def test_a_dev_shm_too_small_for_the_arena_is_one_clear_line(tmp_path, models) -
     slots = (free + (1 << 30)) // slot_bytes  # a GiB more than /dev/shm has free
     daemon = Daemon(tmp_path, models["target"], models["draft"], "--set", f"arena_slots={slots}")
     log = refused(daemon)
+    # arena_slots for one request, and a request's slots for each further one at once
+    slots += RUN_SLOTS * (DaemonConfig().max_parallel - 1)
     assert f"the shared-memory arena needs {slots * slot_bytes / 2**20:.1f} MiB but " in log
     assert "/dev/shm has " in log
     assert not segments(daemon.runtime_dir)
