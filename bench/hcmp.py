@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 
 from hetspec.arguments import positive, positive_list
+from hetspec.protocol.config_shape import ConfigShape
 from hetspec.speculative.control.arca import Profile, choose
-from hetspec.speculative.control.hcmp_work import TargetShape, forward_work
+from hetspec.speculative.control.hcmp_work import forward_work
 from hetspec.speculative.control.unified_board import (
     Board,
     forward_seconds,
@@ -64,7 +65,7 @@ PREFIX_TEXT = (
 # Ghidorah, Table I: acceptance length (tokens a step emits) of Medusa's trees on Vicuna-7B,
 # MT-bench, at verification widths 1-64
 PAPER_EMITTED = {1: 1.0, 2: 1.72, 4: 2.28, 8: 2.59, 16: 2.93, 32: 3.19, 64: 3.34}
-VICUNA_7B = TargetShape(
+VICUNA_7B = ConfigShape(
     layers=32, hidden=4096, heads=32, kv_heads=32, head_dim=128, intermediate=11008, vocab=32000
 )
 BOARD_RATIOS = [r / 20 for r in range(21)]
@@ -173,7 +174,7 @@ def board_rows(board: Board, work_of, emitted: dict[int, float], widths: list[in
 def report(args: argparse.Namespace) -> str:
     torch.set_num_threads(args.threads)
     target, prefix, costs, emitted = profile_here(args)
-    shape = TargetShape.from_config(json.loads((args.target / "config.json").read_text()))
+    shape = ConfigShape.from_config(json.loads((args.target / "config.json").read_text()))
     best_emitted = {w: max(n for (x, _), n in emitted.items() if x == w) for w in args.widths}
     here = choose(Profile(costs, emitted))
     out = [

@@ -49,9 +49,9 @@ from hetspec.daemon.pipeline.local_stages import LocalRpcServers, LocalStages
 from hetspec.daemon.supervision.worker_client import WorkerClient, WorkerSpec, WorkerStartError
 from hetspec.protocol import Arena
 from hetspec.protocol import worker_messages as m
+from hetspec.protocol.config_shape import ConfigShape
 from hetspec.protocol.sampling import SamplingParams
 from hetspec.speculative.flow.layer_split import (
-    ModelShape,
     SplitError,
     balanced_split,
     counts_split,
@@ -112,7 +112,7 @@ async def run_system(client, drafter, prompts, *, tokens, system, link_ms, **sch
     return Row(system, link_ms, produced, seconds, clock, total, texts)
 
 
-def splits(args, shape: ModelShape) -> list[tuple[int, int]] | None:
+def splits(args, shape: ConfigShape) -> list[tuple[int, int]] | None:
     """The first split to run (``--layers``); None, with the reason printed, if it is bad."""
     try:
         if args.layers in ("even", "auto"):
@@ -128,7 +128,7 @@ def splits(args, shape: ModelShape) -> list[tuple[int, int]] | None:
 
 async def run(args: argparse.Namespace) -> int:
     target = Path(args.target).expanduser()
-    shape = ModelShape.from_config(json.loads((target / "config.json").read_text()))
+    shape = ConfigShape.from_config(json.loads((target / "config.json").read_text()))
     if (bounds := splits(args, shape)) is None:
         return 2
     tokenizer_prompts = tokenize(target, PROMPTS[: args.prompts])
@@ -190,7 +190,7 @@ async def on_stages(stages: LocalStages, drafters, prompts, args, link_ms: float
         stages.stop()
 
 
-def split_by_cost(shape: ModelShape, bounds, flowspec: tuple, args, link_ms: float):
+def split_by_cost(shape: ConfigShape, bounds, flowspec: tuple, args, link_ms: float):
     """The split whose slowest stage is fastest, from each stage's busy time per parameter in
     FlowSpec's replayed run on ``bounds`` (the first stage computes rows the later ones never
     see: pruned in flight)."""

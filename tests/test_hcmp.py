@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from tiny_models import build_reference, save_reference
 
-from hetspec.speculative.control.hcmp_work import TargetShape, forward_work
+from hetspec.protocol.config_shape import ConfigShape
+from hetspec.speculative.control.hcmp_work import forward_work
 from hetspec.speculative.verify.distributions import SamplingParams
 from hetspec.speculative.verify.samplers import DrawnSampler
 from hetspec.speculative.verify.tree import path_to
@@ -165,7 +166,7 @@ def test_the_forward_records_the_work_its_model_predicts(loaded, ratio) -> None:
     split.record_work(record)
     split.forward_tree(*TREE)
     split.record_work(None)
-    shape = TargetShape.from_config(json.loads((TARGET / "config.json").read_text()))
+    shape = ConfigShape.from_config(json.loads((TARGET / "config.json").read_text()))
     predicted = forward_work(
         shape, width=len(TREE[0]), committed=split.committed, ratio=ratio, shift=2
     )

@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
+from hetspec.protocol.config_shape import ConfigShape
 from hetspec.speculative.flow.layer_split import (
-    ModelShape,
     SplitError,
     balanced_split,
     counts_split,
@@ -18,7 +18,7 @@ from hetspec.speculative.flow.layer_split import (
     stage_weights,
 )
 
-HEAVY_100M = ModelShape(
+HEAVY_100M = ConfigShape(
     layers=8, hidden=1024, heads=32, kv_heads=16, head_dim=32, intermediate=2816, vocab=4096
 )
 
@@ -58,7 +58,7 @@ def test_weights_count_every_parameter_of_the_model() -> None:
     assert sum(stage_weights(shape, even_split(8, 3))) == 8 * (attention + mlp) + 4096 * 1024 + 1024
 
 
-def brute_force(shape: ModelShape, rates: list[float]) -> float:
+def brute_force(shape: ConfigShape, rates: list[float]) -> float:
     best = float("inf")
     for cuts in itertools.combinations(range(1, 2 * shape.layers), len(rates) - 1):
         bounds = list(zip([0, *cuts], [*cuts, 2 * shape.layers], strict=True))

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from hetspec.speculative.control.hcmp_work import CPU, GPU, TargetShape, column_split, forward_work
+from hetspec.protocol.config_shape import ConfigShape
+from hetspec.speculative.control.hcmp_work import CPU, GPU, column_split, forward_work
 from hetspec.speculative.control.unified_board import (
     forward_seconds,
     orin_nx_full_clocks,
     xavier_nx_as_the_paper_ran_it,
 )
 
-VICUNA_7B = TargetShape(
+VICUNA_7B = ConfigShape(
     layers=32, hidden=4096, heads=32, kv_heads=32, head_dim=128, intermediate=11008, vocab=32000
 )
 

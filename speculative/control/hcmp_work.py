@@ -19,43 +19,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hetspec.protocol.config_shape import ConfigShape
+
 GPU = "gpu"
 CPU = "cpu"
-
-
-@dataclass(frozen=True)
-class TargetShape:
-    """What the work needs of a Llama-family target's config."""
-
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-
-    @classmethod
-    def from_config(cls, config: dict) -> TargetShape:
-        """From a Hugging Face ``config.json``'s fields."""
-        heads = config["num_attention_heads"]
-        hidden = config["hidden_size"]
-        return cls(
-            layers=config["num_hidden_layers"],
-            hidden=hidden,
-            heads=heads,
-            kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or hidden // heads,
-            intermediate=config["intermediate_size"],
-            vocab=config["vocab_size"],
-        )
-
-    @property
-    def parameters(self) -> int:
-        """Weights the forward reads once (the linears and the output head)."""
-        attention = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-        mlp = 3 * self.hidden * self.intermediate
-        return self.layers * (attention + mlp) + self.hidden * self.vocab
 
 
 @dataclass(frozen=True)
@@ -117,7 +84,7 @@ def linear_step(
 
 
 def forward_work(
-    shape: TargetShape,
+    shape: ConfigShape,
     *,
     width: int,
     committed: int,

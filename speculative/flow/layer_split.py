@@ -15,49 +15,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+
+from hetspec.protocol.config_shape import ConfigShape
 
 
 class SplitError(ValueError):
     """A layer range or split that the model cannot have."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What a split needs of a decoder-only model's config."""
-
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-
-    @classmethod
-    def from_config(cls, config: dict) -> ModelShape:
-        """From a Hugging Face ``config.json``'s fields (a Llama-style model)."""
-        heads = config["num_attention_heads"]
-        hidden = config["hidden_size"]
-        return cls(
-            layers=config["num_hidden_layers"],
-            hidden=hidden,
-            heads=heads,
-            kv_heads=config.get("num_key_value_heads", heads),
-            head_dim=config.get("head_dim") or hidden // heads,
-            intermediate=config["intermediate_size"],
-            vocab=config["vocab_size"],
-        )
-
-    def half_weights(self) -> list[int]:
-        """Parameters of each half-layer (what one row's compute there scales with)."""
-        attention = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads) + self.hidden
-        mlp = 3 * self.hidden * self.intermediate + self.hidden
-        return [attention, mlp] * self.layers
-
-    def head_weight(self) -> int:
-        """The final norm and LM head: the last stage's on top of its half-layers."""
-        return self.vocab * self.hidden + self.hidden
 
 
 def parse_range(text: str, layers: int) -> tuple[int, int]:
@@ -107,7 +70,7 @@ def counts_split(counts: list[float], layers: int) -> list[tuple[int, int]]:
     return [(end - int(h), end) for h, end in zip(halves, ends, strict=True)]
 
 
-def stage_weights(shape: ModelShape, bounds: list[tuple[int, int]]) -> list[int]:
+def stage_weights(shape: ConfigShape, bounds: list[tuple[int, int]]) -> list[int]:
     """Parameters each stage computes with (the last stage's LM head included)."""
     halves = shape.half_weights()
     weights = [sum(halves[a:b]) for a, b in bounds]
@@ -115,7 +78,7 @@ def stage_weights(shape: ModelShape, bounds: list[tuple[int, int]]) -> list[int]
     return weights
 
 
-def balanced_split(shape: ModelShape, cost_per_weight: list[float]) -> list[tuple[int, int]]:
+def balanced_split(shape: ConfigShape, cost_per_weight: list[float]) -> list[tuple[int, int]]:
     """The split into ``len(cost_per_weight)`` stages whose slowest stage is fastest, where
     stage k's time is ``cost_per_weight[k]`` times the parameters it holds (``stage_weights``);
     ties go to the split whose costs are most even. Exhaustive over half-layer boundaries:
