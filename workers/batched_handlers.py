@@ -92,8 +92,8 @@ class BatchedHandlers(ComputeHandlers):
         (its reply need not wait for the decodings' later steps); the list holds them too.
         A reply's ``elapsed_ms`` is the batch's time until its own result: the daemon's
         controller prices a round by what it waited for."""
-        kinds = Counter(type(command).__name__ for command in commands)
-        self.together[" + ".join(sorted(kinds)), len(commands)] += 1
+        kinds = sorted({type(command).__name__ for command in commands})
+        self.together[" + ".join(kinds), len(commands)] += 1
         # the spare cores are the worker's: lent to the batch only where every command says
         self.spare.use(all(c.spare_cores for c in commands), self._set_extra_threads)
         start = time.perf_counter()

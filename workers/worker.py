@@ -99,8 +99,8 @@ class Worker(BatchedHandlers):
                 return
             if (sequence := getattr(command, "sequence", None)) is not None:
                 self._seen[sequence] = time.perf_counter()
-            along = []
-            if self.leads(command):  # other sequences' commands queued: one forward for all
+            along, leads = [], self.leads(command)
+            if leads:  # other sequences' commands queued: one forward for all
                 self._gather(commands, command)
                 along = commands.take_along(command, functools.partial(self.joins, command))
             self.watchdog.busy = getattr(command, "request", None)
@@ -119,7 +119,7 @@ class Worker(BatchedHandlers):
                     answers = [(command, self._alone(command, frames))]
             finally:
                 self.watchdog.busy = None
-            if self.leads(command):
+            if leads:
                 self._batch_s = time.perf_counter() - began
             for index, (ran, answer) in enumerate(answers):  # one reply a command
                 if index not in sent:

@@ -42,8 +42,8 @@ def record_prompt(result: GenerationResult, prompt: list[int], prefilled: m.Pref
     result.prompt_logprobs = list(prefilled.prompt_logprobs)
 
 
-async def prefill(worker: WorkerClient, command: m.Prefill, chunk: int = 0):
-    """``worker.call(command)``, the prompt in calls of ``chunk`` tokens where it is longer
+async def prefill(worker: WorkerClient, command: m.Prefill, chunk: int = 0, arrays=()):
+    """``worker.call(command, arrays)``, the prompt in calls of ``chunk`` tokens where it is longer
     (0: one call): each call makes a longer prefix of it the committed sequence, reusing the
     last, so that requests decoding beside it have their commands run between the calls
     instead of waiting for the whole prompt. A prefill that reads every position (the
@@ -55,7 +55,7 @@ async def prefill(worker: WorkerClient, command: m.Prefill, chunk: int = 0):
         or command.features is not None
     )
     if chunk <= 0 or len(tokens) <= chunk or whole:
-        return await worker.call(command)
+        return await worker.call(command, arrays)
     for end in range(chunk, len(tokens), chunk):
         part = msgspec.structs.replace(
             command, request=worker.next_request(), tokens=tokens[:end], out=-1

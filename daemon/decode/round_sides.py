@@ -124,11 +124,7 @@ class DrafterSide:
                     command, features=frame_ref(rows, 1), features_start=start
                 )
                 arrays = (rows,)
-            call = (
-                self.client.call(command, arrays)
-                if arrays
-                else prefill(self.client, command, self.prefill_chunk)
-            )
+            call = prefill(self.client, command, self.prefill_chunk, arrays)
             self.prefill = asyncio.ensure_future(call)
         return self.prefill
 
