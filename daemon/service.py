@@ -33,6 +33,7 @@ from hetspec.daemon.api.http_server import HttpServer
 from hetspec.daemon.api.runs import Run
 from hetspec.daemon.config import BUNDLED_MODELS, DaemonConfig, ModelPaths
 from hetspec.daemon.decode.admission import Admission
+from hetspec.daemon.decode.batch_board import BatchBoard
 from hetspec.daemon.decode.core_lending import CoreLending
 from hetspec.daemon.decode.engine import LookupSource
 from hetspec.daemon.decode.grammar_compiler import GrammarCompiler
@@ -141,6 +142,7 @@ class Service:
         # one controller for the daemon's life: costs measured in one request still hold
         self.controllers = mode_controllers(config)
         self._seat_controllers: dict[tuple[str, int], BudgetController] = {}  # see controller()
+        self.batch_board = BatchBoard()  # what each seat's rounds put in a forward
         self.chains_only = False  # the verifier verifies chains only (set at load)
         self.grammars = GrammarCompiler()  # structured output: grammars for the target
         # whether the target decoding alone computes on the drafter's cores too: measured

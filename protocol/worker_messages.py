@@ -28,7 +28,7 @@ from hetspec.protocol.arena import ArenaLayout, ArrayRef
 from hetspec.protocol.sampling import SamplingParams, TokenLogprob
 from hetspec.protocol.vocab import VocabInfo
 
-PROTOCOL_VERSION = 23
+PROTOCOL_VERSION = 24
 
 
 class GrammarAt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -464,6 +464,9 @@ class Verified(_Message, tag="verified"):
     argmax: list[int] = []  # with argmax_only: each row's argmax (the first of equal ones)
     path: list[int] = []  # with a walk: the accepted draft nodes (node 1 of the tree is 0)
     bonus: int = -1  # with a walk: the target's own token after the path
+    # rows of the forward that evaluated this tree, every sequence's (0: its own alone):
+    # what ``elapsed_ms`` paid for
+    batch_rows: int = 0
 
 
 class Committed(_Message, tag="committed"):

@@ -896,10 +896,10 @@ def test_a_target_alone_choice_is_kept_a_few_rounds_and_history_stays_bounded() 
     weighed = 0
     original = controller.estimates.cost_model
 
-    def counting(rule: bool):
+    def counting(rule: bool, beside):
         nonlocal weighed
         weighed += 1
-        return original(rule)
+        return original(rule, beside)
 
     controller.estimates.cost_model = counting
     for _ in range(40):

@@ -330,6 +330,9 @@ def test_queued_verifications_run_in_one_forward_bit_for_bit(workers, flavour) -
     replies = batched.run(*commands)
     assert batched.worker.together == {("VerifyTree", 3): 1}
     assert len({replies[c.request].elapsed_ms for c in commands}) == 1  # the batch's time
+    # each says how wide the forward that paid for it was: every sequence's nodes
+    width = sum(len(c.tokens) for c in commands)
+    assert {replies[c.request].batch_rows for c in commands} == {width}
     got = answers(batched, replies, commands)
     for command, mine in zip(verifications(single, flavour), got, strict=True):
         alone = answers(single, single.run(command), [command])[0]
@@ -353,6 +356,8 @@ def test_verifications_and_decodings_alone_share_the_first_forward(workers) -> N
     assert batched.worker.together == {("Decode + VerifyTree", 3): 1}
     decoded = replies[sent[2].request]
     assert replies[sent[0].request].elapsed_ms < decoded.elapsed_ms
+    trees = sum(len(c.tokens) for c in sent[:2])
+    assert replies[sent[0].request].batch_rows == trees + 1  # and the decoding's token
     got = answers(batched, replies, sent[:2])
     for command, mine in zip(commands(single), [*got, decoded], strict=True):
         reply = single.call(command)
@@ -360,6 +365,51 @@ def test_verifications_and_decodings_alone_share_the_first_forward(workers) -> N
             assert reply.tokens == mine.tokens
         else:
             assert same(list(mine), list(answers(single, {command.request: reply}, [command])[0]))
+
+
+def test_commands_queued_while_a_batch_decodes_join_its_next_step(workers) -> None:
+    """A verification and a decoding that come while two sequences decode alone join the
+    batch's next forward (not after its last step): each answers what it answers alone,
+    the verification with the rows of the forward it rode in and its own time."""
+    batched, single = workers("native", 4), workers("native", 4)
+    prompts = [*PROMPTS, "import os\n"]
+
+    def prefill(worker):
+        for sequence, text in enumerate(prompts):
+            prompt = worker.worker.runtime.tokenize(text)
+            worker.call(m.Prefill(worker.request(), prompt, seed=5, sequence=sequence))
+
+    def commands(worker):
+        decodes = [m.Decode(worker.request(), 8, GREEDY, sequence=s) for s in (0, 1)]
+        verify = verifications(worker, "logits")[2]
+        late = m.Decode(worker.request(), 3, GREEDY, append=[6], sequence=3)
+        return decodes, verify, late
+
+    prefill(batched), prefill(single)
+    decodes, verify, late = commands(batched)
+    asked: list[set[int]] = []
+
+    def more(busy: set[int]) -> list:
+        asked.append(set(busy))
+        return [verify, late] if len(asked) == 2 else []  # they come after the first step
+
+    batch = list(decodes)
+    results = batched.worker.run_together(batch, more=more)
+    assert batch == [*decodes, verify, late]
+    assert len(results) == 4
+    assert asked[0] == {0, 1}
+    assert asked[2] == {0, 1, 2, 3}  # never a sequence twice
+    assert batched.worker.together[("joined VerifyTree", 2)] == 1
+    verified = results[2][0]
+    assert verified.batch_rows == len(verify.tokens) + 3  # beside three decodings' tokens
+    decoded = [result[0] for result in results[:2]]
+    assert verified.elapsed_ms < decoded[0].elapsed_ms  # its own time, not the batch's
+    logits = batched.arena.view(verified.logits).copy()  # the arena is both workers'
+    alone_decodes, alone_verify, alone_late = commands(single)
+    for mine, command in zip([*decoded, results[3][0]], [*alone_decodes, alone_late], strict=True):
+        assert mine.tokens == single.call(command).tokens
+    reply = single.call(alone_verify)
+    assert same(logits, single.arena.view(reply.logits).copy())
 
 
 def test_queued_decodings_stop_each_at_its_own_end(workers) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -81,56 +81,83 @@ class BatchedHandlers(ComputeHandlers):
 
     def run_together(
         self,
-        commands: Sequence[msgspec.Struct],
+        commands: list[msgspec.Struct],
         early: Callable[[int, Result], None] | None = None,
+        more: Callable[[set[int]], list[msgspec.Struct]] | None = None,
     ) -> list[Result]:
         """One result a command of ``commands`` (all ``joins`` the first), in their order.
         The verifications' trees go in the first step's forward, beside each decoding's first
         token; the decodings then step on, one forward a step holding each still running
-        sequence's token, each stopping at its own ``steps`` or end token. ``early(index,
-        result)``, where given, has each verification's result once its tree is evaluated
-        (its reply need not wait for the decodings' later steps); the list holds them too.
-        A reply's ``elapsed_ms`` is the batch's time until its own result: the daemon's
-        controller prices a round by what it waited for."""
+        sequence's token, each stopping at its own ``steps`` or end token. ``more(busy)``,
+        where given, is asked before each later step for commands queued since, of sequences
+        not in ``busy``: they join the batch (appended to ``commands``), a verification's
+        tree in that step's forward, a decoding from that step on, so that no request waits
+        for the others' decodings to end. ``early(index, result)``, where given, has each
+        verification's result once its tree is evaluated (its reply need not wait for the
+        decodings' later steps); the list holds them too. A reply's ``elapsed_ms`` is the
+        time from its joining to its own result, and a verification's ``batch_rows`` the rows
+        of the forward that evaluated it: the daemon's controller prices a round by what it
+        waited for."""
         kinds = sorted({type(command).__name__ for command in commands})
         self.together[" + ".join(kinds), len(commands)] += 1
-        # the spare cores are the worker's: lent to the batch only where every command says
-        self.spare.use(all(c.spare_cores for c in commands), self._set_extra_threads)
+        # lent where any command was sent with them: the batch's forward is the long call,
+        # and the drafter's short drafts beside it cost less than the core it leaves idle
+        self.spare.use(any(c.spare_cores for c in commands), self._set_extra_threads)
         start = time.perf_counter()
         results: list[Result | None] = [None] * len(commands)
-        jobs: list[tuple[int, Verification]] = []
+        joined = [start] * len(commands)  # when each command joined the batch
+        pending: list[tuple[int, Verification]] = []  # trees for the next forward
         running: list[_Decoding] = []
-        for index, command in enumerate(commands):
-            try:
-                if isinstance(command, m.VerifyTree):
-                    state = self._sequence(command.sequence)
-                    jobs.append((index, self._verify_start(command, state)))
-                else:
-                    running.append(self._decoding(index, command))
-            except Exception as error:  # answered as Failed, as the loop answers any command
-                results[index] = error
-        trees = [Tree(job.state.engine, *_tree(job.command)) for _, job in jobs]
+        self._join(commands, range(len(commands)), results, pending, running)
         done: list[_Decoding] = []
-        while trees or running:
+        while pending or running:
             waiting = [run for run in running if run.token is not None]
             chunks = [Chunk(run.engine, [run.token]) for run in waiting]
+            trees = [Tree(job.state.engine, *_tree(job.command)) for _, job in pending]
             outputs, first = self._evaluate([*trees, *chunks]), len(trees)
-            if trees:
-                self._verify_done(jobs, outputs[:first], results, start, early)
-                trees = []
+            if pending:
+                width = sum(len(tree.tokens) for tree in trees) + len(chunks)
+                self._verify_done(pending, outputs[:first], results, joined, early, width=width)
+                pending = []
             for run, logits in zip(waiting, outputs[first:], strict=True):
                 run.token, run.logits = None, logits
             running = self._step(running, results, done)
+            if more is not None and running:
+                busy = {command.sequence for command in commands}
+                late = [c for c in more(busy) if self.joins(commands[0], c)]
+                if late:
+                    indices = range(len(commands), len(commands) + len(late))
+                    commands.extend(late)
+                    results.extend([None] * len(late))
+                    joined.extend([time.perf_counter()] * len(late))
+                    self.together["joined " + type(late[0]).__name__, len(late)] += 1
+                    self._join(commands, indices, results, pending, running)
         if any(c.spare_cores for c in commands):  # give the drafter its cores back
             self.spare.use(False, self._set_extra_threads)
-        elapsed = (time.perf_counter() - start) * 1000
+        end = time.perf_counter()
         for run in done:
+            elapsed = (end - joined[run.index]) * 1000
             reply = m.Decoded(run.command.request, run.steps.drawn, elapsed, run.logprobs or [])
             results[run.index] = (reply, ())
         return results
 
-    def _verify_done(self, jobs, rows_by_job, results, start: float, early) -> None:
-        """Each verification's reply (or error) from its tree's rows, handed to ``early``."""
+    def _join(self, commands, indices, results, pending, running) -> None:
+        """The commands at ``indices`` into the batch: a verification's checks (its tree to
+        the next forward), a decoding's start; a refusal is that command's result."""
+        for index in indices:
+            command = commands[index]
+            try:
+                if isinstance(command, m.VerifyTree):
+                    state = self._sequence(command.sequence)
+                    pending.append((index, self._verify_start(command, state)))
+                else:
+                    running.append(self._decoding(index, command))
+            except Exception as error:  # answered as Failed, as the loop answers any command
+                results[index] = error
+
+    def _verify_done(self, jobs, rows_by_job, results, joined, early, *, width: int) -> None:
+        """Each verification's reply (or error) from its tree's rows, handed to ``early``;
+        ``width``: the forward's rows, every sequence's."""
         for (index, job), rows in zip(jobs, rows_by_job, strict=True):
             try:
                 if isinstance(rows, Exception):
@@ -138,10 +165,11 @@ class BatchedHandlers(ComputeHandlers):
                 self._verify_rows(job, rows)
             except Exception as error:
                 results[index] = error
-        elapsed = (time.perf_counter() - start) * 1000
+        now = time.perf_counter()
         for index, job in jobs:
             if results[index] is None:
-                results[index] = (self._verified(job, elapsed), ())
+                elapsed = (now - joined[index]) * 1000
+                results[index] = (self._verified(job, elapsed, batch_rows=width), ())
             if early is not None:
                 early(index, results[index])
 

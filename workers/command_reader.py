@@ -16,7 +16,7 @@ import itertools
 import select
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import msgspec
 import zmq
@@ -138,15 +138,19 @@ class CommandReader:
         return command
 
     def take_along(
-        self, first: msgspec.Struct, joins: Callable[[msgspec.Struct], bool]
+        self,
+        first: msgspec.Struct,
+        joins: Callable[[msgspec.Struct], bool],
+        busy: Iterable[int] = (),
     ) -> list[tuple[msgspec.Struct, list[bytes]]]:
         """The queued commands (with their frames) to run beside ``first``, the command
         ``next`` returned last, in the order they came: each one ``joins`` accepts whose
-        sequence neither ``first``, nor a command taken, nor any command before it in the
-        backlog names; the search stops at a command of no sequence. Reads what has come
-        first (without waiting); the commands taken leave the backlog and run with ``first``."""
+        sequence neither ``first``, nor ``busy`` (sequences already running beside it), nor
+        a command taken, nor any command before it in the backlog names; the search stops at
+        a command of no sequence. Reads what has come first (without waiting); the commands
+        taken leave the backlog and run with ``first``."""
         self._drain()
-        seen = {first.sequence}
+        seen = {first.sequence, *busy}
         taken: list[tuple[msgspec.Struct, list[bytes]]] = []
         left: list[tuple[msgspec.Struct, list[bytes]]] = []
         for index, entry in enumerate(self.backlog):

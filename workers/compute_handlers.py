@@ -331,14 +331,19 @@ class ComputeHandlers:
             np.copyto(job.out[job.first :], rows)
 
     @staticmethod
-    def _verified(job: Verification, elapsed: float, features: m.ArrayRef | None = None):
+    def _verified(
+        job: Verification,
+        elapsed: float,
+        features: m.ArrayRef | None = None,
+        batch_rows: int = 0,
+    ):
         logits = None
         if job.out is not None:
             logits = m.ArrayRef(job.out.dtype.str, job.out.shape, slot=job.command.out)
         verdict = job.verdict
         path, bonus = (verdict.path, verdict.bonus) if verdict is not None else ([], -1)
         request = job.command.request
-        return m.Verified(request, logits, elapsed, features, job.argmax, path, bonus)
+        return m.Verified(request, logits, elapsed, features, job.argmax, path, bonus, batch_rows)
 
     def _walk(
         self, state: SequenceState, walk: m.SampledWalk, tokens: list[int], parents: list[int], rows

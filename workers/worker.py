@@ -114,7 +114,14 @@ class Worker(BatchedHandlers):
                         self._answer(batch[index], answer)
                         sent.add(index)
 
-                    answers = list(zip(batch, self._together(batch, early), strict=True))
+                    def more(busy: set[int], first=command) -> list[msgspec.Struct]:
+                        joins = functools.partial(self.joins, first)
+                        taken = [queued for queued, _ in commands.take_along(first, joins, busy)]
+                        now = time.perf_counter()
+                        self._seen.update((queued.sequence, now) for queued in taken)
+                        return taken
+
+                    answers = list(zip(batch, self._together(batch, early, more), strict=True))
                 else:
                     answers = [(command, self._alone(command, frames))]
             finally:
@@ -146,9 +153,9 @@ class Worker(BatchedHandlers):
         except Exception as error:
             return error
 
-    def _together(self, batch: list[msgspec.Struct], early) -> list[tuple | Exception]:
+    def _together(self, batch: list[msgspec.Struct], early, more) -> list[tuple | Exception]:
         try:
-            return self.run_together(batch, early)
+            return self.run_together(batch, early, more)
         except Exception as error:  # a fault of the batch itself: every command's answer
             return [error] * len(batch)
 

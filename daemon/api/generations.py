@@ -88,8 +88,9 @@ class Generations:
         try:
             async with service.admission.turn() as seat:
                 service.metrics.queue_wait.observe(seat.waited_s)
-                async with self._start(body, mode, gamma, seat) as run:
-                    yield run
+                with service.batch_board.seated(seat.sequence):
+                    async with self._start(body, mode, gamma, seat) as run:
+                        yield run
         except QueueFull as error:
             raise ApiError(429, str(error), retry_after_s=error.retry_after_s) from None
         finally:
@@ -164,6 +165,7 @@ class Generations:
                     feature_slot,
                     seat.sequence,
                     chunk,
+                    service.batch_board,
                 )
                 log = service.round_log and functools.partial(service.round_log.write, run_id, mode)
                 lookup = service.lookup_source() if mode == "adaptive" else None

@@ -96,7 +96,10 @@ async def tree_round(ctx: RoundContext, schedule: Scheduler, plan: Plan, remaini
     drafted, draft, draft_s = await schedule.draft(plan, ctx.kind(plan))
     acceptance = drafted.acceptance[: within_leaves(drafted.parents, _leaves(ctx))]
     calibration = ctx.controller.tree_calibration.factor
-    width = best_width(acceptance, calibration, ctx.controller.estimates.verify_s)
+    beside = schedule.beside()
+    verify_s = ctx.controller.estimates.verify_s
+    width = best_width(acceptance, calibration, verify_s, beside.rows, beside.tokens)
+    schedule.post(width + 1, 1.0 + calibration * float(sum(acceptance[:width])))
     tokens, parents = drafted.tokens[0][:width], drafted.parents[:width]
     site = ctx.site(drawn_walk=False)  # greedy or keyed: trees are not drawn
     walk = walk_command(site, ctx.params, ctx.sampler, ctx.position)
@@ -178,6 +181,7 @@ async def overlapped_round(
         rule_k=_rule_would_pick(ctx, chain.probs),
         drafts=tuple(drafts),
         verify_width=len(tokens) + 1,
+        batch_rows=verified.batch_rows,
         verify_s=verify_s,
         verify_compute_s=verified.elapsed_ms / 1000,
         verify_overlapped=ahead is not None,
@@ -264,6 +268,7 @@ async def alone_round(ctx: RoundContext, schedule: Scheduler, remaining: int) ->
         0,
         alone_round_s=round_s if decode.usual else None,
         alone_compute_s=compute_s if decode.usual else None,
+        batch_rows=decode.batch_rows,
     )
     return Emitted(emitted, stopped, decode.reply.logprobs or None), report
 
@@ -354,6 +359,7 @@ def _verification_fields(verification, drafted_nodes: int) -> dict:
         "verify_width": drafted_nodes + 1,
         "verify_s": 0.0 if verification.trial else verification.seconds,
         "verify_compute_s": verification.reply.elapsed_ms / 1000,
+        "batch_rows": verification.reply.batch_rows,
     }
 
 

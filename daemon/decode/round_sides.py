@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
+from hetspec.daemon.decode.batch_board import BatchBoard
 from hetspec.daemon.decode.core_lending import CoreLending
 from hetspec.daemon.decode.prompt_input import prefill
 from hetspec.daemon.supervision.worker_client import WorkerClient
@@ -43,6 +44,7 @@ class WorkerPair:
     sequence: int = 0  # the request's sequence in both workers (its admission seat)
     # > 0: prompts prefilled this many tokens a call (others decode beside this request)
     prefill_chunk: int = 0
+    board: BatchBoard | None = None  # the requests decoding at once (None: this one only)
 
     @property
     def head(self) -> bool:

@@ -20,7 +20,7 @@ from hetspec.daemon.decode.round_context import RoundContext, RoundKind
 from hetspec.daemon.decode.verdict_site import VerdictSite
 from hetspec.protocol import worker_messages as m
 from hetspec.speculative.control.budget import Choice
-from hetspec.speculative.control.rounds import DraftCall, Plan
+from hetspec.speculative.control.rounds import NO_ONE_BESIDE, Beside, DraftCall, Plan
 from hetspec.speculative.drafting.model_free import TreeProposal
 
 
@@ -61,6 +61,7 @@ class AloneDecode:
     reply: m.Decoded
     frames: list
     usual: bool  # what decoding alone costs (not a trial, not beside a drafter at work)
+    batch_rows: int = 0  # > 1: beside other requests, 1 + their rows a forward
 
 
 class Scheduler:
@@ -108,26 +109,50 @@ class Scheduler:
         ctx = self.ctx
         if ctx.fixed is not None:
             plan = shaped(ctx.fixed, remaining)
+            self.post(plan.gamma * plan.branches + 1, plan.expected_tokens)
             return plan, ctx.kind(plan), None
         if ctx.pair.drafter is None:  # no draft model: the target alone, or a lookup
             alone = ctx.controller.alone_plan()
             offer = self._lookup_offer(alone, remaining)
             self.rounds_without_lookup = 0 if offer else self.rounds_without_lookup + 1
-            return (
-                (offer.plan, RoundKind.LOOKUP, offer.proposal)
-                if offer
-                else (alone, RoundKind.ALONE, None)
-            )
-        choice, self.upcoming = self.upcoming or ctx.controller.choose(), None
+            if offer is None:
+                self.post(1, 1.0)
+                return alone, RoundKind.ALONE, None
+            self._post_lookup(offer)
+            return offer.plan, RoundKind.LOOKUP, offer.proposal
+        choice, self.upcoming = self.upcoming or self._choose(), None
         offer = self._lookup_offer(choice.plan, remaining)
         if offer is not None:
             self.upcoming = choice
             self.rounds_without_lookup = 0
             self._drop_early_draft_for_later()
+            self._post_lookup(offer)
             return offer.plan, RoundKind.LOOKUP, offer.proposal
         self.rounds_without_lookup += 1
-        plan = shaped(ctx.controller.commit(choice), remaining)
+        committed = ctx.controller.commit(choice)
+        self.post(committed.gamma * committed.branches + 1, committed.expected_tokens)
+        plan = shaped(committed, remaining)
         return plan, ctx.kind(plan), None
+
+    # ------------------------------------------------------------ the requests beside
+
+    def beside(self) -> Beside:
+        """What the other requests decoding now put in each forward."""
+        board = self.ctx.pair.board
+        return NO_ONE_BESIDE if board is None else board.beside(self.ctx.pair.sequence)
+
+    def post(self, rows: int, tokens: float) -> None:
+        """This request's rounds now verify ``rows`` nodes a forward, committing ``tokens``
+        (for the others' plans)."""
+        board = self.ctx.pair.board
+        if board is not None:
+            board.post(self.ctx.pair.sequence, rows, tokens)
+
+    def _post_lookup(self, offer: LookupOffer) -> None:
+        self.post(len(offer.proposal.tokens) + 1, offer.plan.expected_tokens)
+
+    def _choose(self) -> Choice:
+        return self.ctx.controller.choose(self.beside())
 
     def _lookup_offer(self, rival: Plan, remaining: int) -> LookupOffer | None:
         """The model-free draft's nodes worth verifying instead of ``rival``, or None."""
@@ -136,7 +161,8 @@ class Scheduler:
         if ctx.lookup is None or nodes < 1:
             return None
         proposal = self._proposal(nodes)
-        width, tokens, seconds = ctx.controller.lookup_price(proposal.acceptance, rival)
+        price = ctx.controller.lookup_price(proposal.acceptance, rival, self.beside())
+        width, tokens, seconds = price
         if width == 0:
             return None
         proposal = TreeProposal(*(column[:width] for column in proposal))
@@ -162,7 +188,7 @@ class Scheduler:
 
     def _weigh_next_plan(self) -> None:
         if self.ctx.fixed is None and self.upcoming is None:
-            self.upcoming = self.ctx.controller.choose()
+            self.upcoming = self._choose()
 
     @property
     def _weighs_beside_draft(self) -> bool:
@@ -308,6 +334,8 @@ class Scheduler:
         prefill: then the target keeps to its own cores)."""
         ctx = self.ctx
         idle = self.drafter_idle()
+        # beside other requests a token costs their rows too: priced apart
+        beside_rows = self.beside().rows
         cores = ctx.pair.alone_cores
         spare_cores = idle and cores.choose()
         steps = alone_tokens(
@@ -326,4 +354,5 @@ class Scheduler:
         decoded, frames = await self.awaiting(call)
         if idle:
             cores.record(spare_cores, decoded.elapsed_ms / 1000 / len(decoded.tokens))
-        return AloneDecode(decoded, frames, usual=idle and not cores.exploring)
+        usual = idle and not cores.exploring
+        return AloneDecode(decoded, frames, usual, 1 + beside_rows if beside_rows else 0)

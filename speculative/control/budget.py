@@ -27,7 +27,7 @@ from hetspec.speculative.control import exploration as explore
 from hetspec.speculative.control.estimates import EstimateConfig, Estimates
 from hetspec.speculative.control.exploration import ExplorationConfig, ExplorationState
 from hetspec.speculative.control.planning import Limits, best_plan, plan_of
-from hetspec.speculative.control.rounds import Plan, RoundReport
+from hetspec.speculative.control.rounds import NO_ONE_BESIDE, Beside, Plan, RoundReport
 from hetspec.speculative.drafting.dynamic_tree import Calibration, FirstChoice, best_width
 
 
@@ -110,22 +110,27 @@ class BudgetController:
         """The target alone as a plan priced by what was measured (seconds 0: not yet)."""
         return Plan(0, expected_tokens=1.0, round_s=self.estimates.alone_s() or 0.0)
 
-    def lookup_price(self, acceptance: Sequence[float], rival: Plan) -> tuple[int, float, float]:
+    def lookup_price(
+        self, acceptance: Sequence[float], rival: Plan, beside: Beside = NO_ONE_BESIDE
+    ) -> tuple[int, float, float]:
         """How many of a model-free draft's ranked nodes (their estimated ``acceptance``) to
         verify in a round instead of running ``rival``, and that round's expected tokens and
         seconds: the count that commits the most tokens per second, where that beats
         ``rival``'s expected rate; 0 nodes: run ``rival``. A verification of unmeasured cost
-        is tried (seconds 0: not priced), so that its cost is learned."""
+        is tried (seconds 0: not priced), so that its cost is learned. ``beside``: as for
+        ``choose``, the rows and tokens of the requests verified in the same forwards."""
         if not acceptance:
             return 0, 1.0, 0.0
-        factor = self.lookup_calibration.factor
-        width = best_width(acceptance, factor, self.estimates.verify_s)
+        factor, verify_s = self.lookup_calibration.factor, self.estimates.verify_s
+        width = best_width(acceptance, factor, verify_s, beside.rows, beside.tokens)
         expected = 1.0 + factor * float(sum(acceptance[:width]))
-        verify_s = self.estimates.verify_s(width + 1)
-        if verify_s is None:
+        seconds = verify_s(width + 1 + beside.rows)
+        if seconds is None:
             return width, expected, 0.0
-        seconds = verify_s + self.estimates.overhead_s()
-        return (width if expected / seconds > rival.tokens_per_s else 0), expected, seconds
+        seconds += self.estimates.overhead_s()
+        rate, rival_rate = expected + beside.tokens, rival.expected_tokens + beside.tokens
+        rival_s = rival.round_s if rival.round_s > 0 else float("inf")
+        return (width if rate / seconds > rival_rate / rival_s else 0), expected, seconds
 
     def assume_verifier(self, seconds_by_width: dict[int, float]) -> None:
         """Start from the verifier's forward costs measured before serving (see
@@ -170,8 +175,9 @@ class BudgetController:
             del self.history[: self.HISTORY_KEPT]
         return choice.plan
 
-    def choose(self) -> Choice:
-        """The next round's plan; nothing changes until it is committed."""
+    def choose(self, beside: Beside = NO_ONE_BESIDE) -> Choice:
+        """The next round's plan, weighed beside what the requests decoding at the same
+        time put in each forward; nothing changes until it is committed."""
         config, limits, rounds = self.config, self.config.limits, self.estimates.rounds
         last = self.history[-1] if self.history else None
         alone = last is not None and last.gamma == 0
@@ -189,7 +195,7 @@ class BudgetController:
         if alone and explore.keeps_alone(config.exploration, self._state, due):
             return Choice(last, dataclasses.replace(self._state, kept=self._state.kept + 1))
         state = dataclasses.replace(self._state, kept=0)
-        model = self.estimates.cost_model(rule=limits.rule and limits.max_branches > 1)
+        model = self.estimates.cost_model(limits.rule and limits.max_branches > 1, beside)
         if model is None:  # nothing measured yet: a one-token round measures both sides,
             # or, where it did not, two: a drafter whose catch-up's last forward yields the
             # first token's distribution (llama.cpp's) drafts one token without a step of its
@@ -203,7 +209,8 @@ class BudgetController:
             # on the drafter's cores too, an overlapped round verifies without them
             kinds = (False, True) if limits.overlap else (False,)
             plans = [plan_of(model, limits, gamma, overlap=kind) for kind in kinds]
-            return Choice(max(plans, key=lambda plan: plan.tokens_per_s), state)
+            rate = lambda plan: model.batch_rate(plan.expected_tokens, plan.round_s)  # noqa: E731
+            return Choice(max(plans, key=rate), state)
         entry = 1.0 if alone else 1 / (1 + config.alone_entry_margin)
         # drafting is weighed at what its rounds delivered against their predictions
         best = best_plan(model, limits, entry / self.estimates.delivered_share())

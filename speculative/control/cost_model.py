@@ -13,9 +13,13 @@ P(the first d drafted tokens are accepted, b branches drafted) it commits
 - a round without a draft: the target decoding one token alone.
 A draft step of b branches costs ``branch_factor[b]`` steps of a chain (measured: it depends
 on how the drafter's runtime drafts branches).
-Every drafted round also pays ``overhead`` (messages, bookkeeping). Costs are kept apart for
-one worker computing at a time and both at once (``overlapped``): on cores that share
-execution resources each runs slower then, and that decides whether overlapping pays.
+Every drafted round also pays ``overhead`` (messages, bookkeeping). Where other requests
+decode at the same time (``beside``), their rows share each forward: a round verifies at its
+own width plus theirs, and a shape is weighed by what the whole batch commits a round (its
+tokens plus theirs) per second, so a request's wider draft pays for slowing the others too.
+Costs are kept apart for one worker computing at a time and both at once (``overlapped``): on
+cores that share execution resources each runs slower then, and that decides whether
+overlapping pays.
 
 The controller builds one from its estimates each time it weighs the candidates; the tests'
 simulated box builds one from its true costs, so the two cannot drift apart.
@@ -29,6 +33,8 @@ from functools import cached_property
 from typing import Generic, TypeVar
 
 import numpy as np
+
+from hetspec.speculative.control.rounds import NO_ONE_BESIDE, Beside
 
 T = TypeVar("T")
 
@@ -168,6 +174,9 @@ class CostModel:
     # a verification of several branches against one chain of its width (a verifier whose
     # trees gather each path's keys pays more for them: docs/design-notes.md)
     branched_verify: float = 1.0
+    beside: Beside = NO_ONE_BESIDE  # the other requests' rows in each forward
+    # seconds per token of the target alone beside them, as measured (None: not yet)
+    alone_beside_s: float | None = None
 
     @property
     def max_gamma(self) -> int:
@@ -189,12 +198,32 @@ class CostModel:
         tokens = np.where(drafted, 1.0 + accepted[branches, g - 1], 1.0)
         fresh = self.draft_s(g, branches)
         premium = np.where(branches > 1, self.branched_verify, 1.0)
-        plain = fresh + self.verify.plain.at(g * branches + 1) * premium
+        rows = self.beside.rows
+        plain = fresh + self.verify.plain.at(g * branches + 1 + rows) * premium
         ahead = self.draft_s(g + 1, 1, overlapped=True)
         held = self.reach[1, np.minimum(g + 1, self.reach.shape[1] - 1)]
-        overlapped = np.maximum(ahead, self.verify.overlapped.at(g + 1)) + (1 - held) * fresh
+        verify_ahead = self.verify.overlapped.at(g + 1 + rows)
+        overlapped = np.maximum(ahead, verify_ahead) + (1 - held) * fresh
         seconds = np.where(overlap, overlapped, plain) + self.overhead_s
-        return tokens, np.where(drafted, seconds, self.alone_s)
+        return tokens, np.where(drafted, seconds, self.alone_batched_s)
+
+    @cached_property
+    def alone_batched_s(self) -> float:
+        """A token of the target alone beside the other requests: as measured beside
+        others, else ``alone_s`` (measured without them) raised as a one-node verification
+        is by their rows."""
+        rows = self.beside.rows
+        if not rows:
+            return self.alone_s
+        if self.alone_beside_s:
+            return self.alone_beside_s
+        plain = self.verify.plain
+        return self.alone_s * float(plain.at(1 + rows)) / max(float(plain.at(1)), 1e-12)
+
+    def batch_rate(self, tokens, seconds):
+        """What the whole batch commits per second, this request's rounds of ``tokens`` in
+        ``seconds`` beside the others' (arrays broadcast)."""
+        return (np.asarray(tokens) + self.beside.tokens) / seconds
 
     @cached_property
     def _rule_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -224,7 +253,7 @@ class CostModel:
         length = np.maximum(1, budget // k)  # branch_length, elementwise
         forwards = np.where(k == 1, budget, length + 1)
         kept = accepted[np.arange(len(self.rule)).reshape(column), length]
-        verify = self.verify.plain.at(k * length + 1)
+        verify = self.verify.plain.at(k * length + 1 + self.beside.rows)
         verify = verify * np.where(k > 1, self.branched_verify, 1.0)
         tokens = (share * kept).sum(axis=0)
         seconds = self.overhead_s + (share * (self.draft_s(forwards, k) + verify)).sum(axis=0)

@@ -42,7 +42,7 @@ from hetspec.speculative.control.cost_model import (
     VerifyLine,
     linear_branch_factor,
 )
-from hetspec.speculative.control.rounds import DraftCall, RoundReport
+from hetspec.speculative.control.rounds import NO_ONE_BESIDE, Beside, DraftCall, RoundReport
 from hetspec.speculative.control.trackers import DecayedRate, Delivered, WindowedMedian
 from hetspec.speculative.control.verify_fit import fit_line, fit_profile, scaled
 
@@ -93,6 +93,8 @@ class Estimates:
         # but measured again once stale
         self._alone = self._median(c.alone_max_age, keep_last=True)
         self._alone_compute = self._median(c.alone_max_age, keep_last=True)
+        # a token of the target alone in forwards shared with other requests' rows
+        self._alone_beside = self._median()
         self._depth = DecayedRate(c.max_gamma + 1)  # index: depth (1-based)
         # a draft step of b branches against the chains' level at the time (b >= 2)
         self._branch_ratio: dict[int, WindowedMedian] = {}
@@ -128,7 +130,10 @@ class Estimates:
         )
         for call in report.drafts:
             self._observe_draft(call)
-        if report.gamma == 0:
+        if report.gamma == 0 and report.batch_rows > 1:  # beside others: not its own price
+            if report.alone_round_s:
+                self._alone_beside.add(report.alone_round_s)
+        elif report.gamma == 0:
             if report.alone_round_s:
                 self._alone.add(report.alone_round_s)
             if report.alone_compute_s:
@@ -137,7 +142,9 @@ class Estimates:
             if report.verify_width > 0 and report.verify_s > 0:
                 branched = report.branches > 1 and not report.verify_overlapped
                 widths = self._branched if branched else self._verify.of(report.verify_overlapped)
-                widths.setdefault(report.verify_width, self._median()).add(report.verify_s)
+                # a forward shared with other requests' rows cost what its whole width does
+                width = max(report.verify_width, report.batch_rows)
+                widths.setdefault(width, self._median()).add(report.verify_s)
             self._overhead.add(max(0.0, report.overhead_s))
         if report.lookup is None:  # a model-free draft's acceptance is not the draft model's
             self._observe_acceptance(report)
@@ -399,9 +406,10 @@ class Estimates:
 
     # ------------------------------------------------------------ the model
 
-    def cost_model(self, rule: bool) -> CostModel | None:
+    def cost_model(self, rule: bool, beside: Beside = NO_ONE_BESIDE) -> CostModel | None:
         """The costs and acceptance as measured; None before a draft and a verification
-        were; ``rule``: include the rule's rounds as candidates."""
+        were; ``rule``: include the rule's rounds as candidates; ``beside``: what the
+        requests decoding at the same time put in each forward."""
         step = ByOverlap(self.draft_step_s(False), self.draft_step_s(True))
         verify = ByOverlap(self._verify_or_stand_in(False), self._verify_or_stand_in(True))
         if step.plain is None or verify.plain is None:
@@ -430,6 +438,8 @@ class Estimates:
             alone,
             shares,
             self.branched_verify(verify.plain),
+            beside,
+            self._alone_beside.value if beside.rows else None,
         )
 
     def summary(self) -> dict:
@@ -468,6 +478,7 @@ class Estimates:
             "branch_factor": [round(f, 2) for f in self.branch_factor()[2:].tolist()],
             "overhead_ms": ms(self._overhead.value),
             "target_alone_round_ms": ms(self._alone.value),
+            "target_alone_beside_others_round_ms": ms(self._alone_beside.value),
             "delivered_share": round(self.delivered_share(), 3),
             "acceptance_by_depth": [round(self.acceptance(d), 3) for d in range(1, 9)],
         }

@@ -90,7 +90,7 @@ def best_drafted(model: CostModel, limits: Limits, overlap: bool) -> Plan:
     kind = overlaps == (overlap and limits.overlap)
     gammas, branches, overlaps = gammas[kind], branches[kind], overlaps[kind]
     tokens, seconds = model.predict(gammas, branches, overlaps)
-    best = int(np.argmax(tokens / seconds))
+    best = int(np.argmax(model.batch_rate(tokens, seconds)))
     return Plan(
         int(gammas[best]),
         int(branches[best]),
@@ -105,8 +105,7 @@ def best_plan(model: CostModel, limits: Limits, alone_weight: float = 1.0) -> Pl
     is weighed by ``alone_weight`` (below 1: drafting stops only for a clearly better rate)."""
     gammas, branches, overlaps = _grid(limits)
     tokens, seconds = model.predict(gammas, branches, overlaps)
-    rates = tokens / seconds
-    best = int(np.argmax(rates))
+    best = int(np.argmax(model.batch_rate(tokens, seconds)))
     plan = Plan(
         int(gammas[best]),
         int(branches[best]),
@@ -118,8 +117,9 @@ def best_plan(model: CostModel, limits: Limits, alone_weight: float = 1.0) -> Pl
         budgets = np.arange(2, min(limits.max_gamma, limits.max_width - 1) + 1)
         if budgets.size:
             tokens, seconds = model.predict_rule(budgets)
-            top = int(np.argmax(tokens / seconds))
-            if tokens[top] / seconds[top] > plan.tokens_per_s:
+            rates = model.batch_rate(tokens, seconds)
+            top = int(np.argmax(rates))
+            if rates[top] > model.batch_rate(plan.expected_tokens, plan.round_s):
                 plan = Plan(
                     int(budgets[top]),
                     limits.max_branches,
@@ -127,6 +127,8 @@ def best_plan(model: CostModel, limits: Limits, alone_weight: float = 1.0) -> Pl
                     expected_tokens=float(tokens[top]),
                     round_s=float(seconds[top]),
                 )
-    if alone_weight / model.alone_s > plan.tokens_per_s:
-        return Plan(0, expected_tokens=1.0, round_s=model.alone_s)
+    alone_s = model.alone_batched_s
+    beside = model.beside.tokens
+    if (alone_weight + beside) / alone_s > model.batch_rate(plan.expected_tokens, plan.round_s):
+        return Plan(0, expected_tokens=1.0, round_s=alone_s)
     return plan

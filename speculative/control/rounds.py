@@ -30,6 +30,20 @@ class Plan:
 
 
 @dataclass(frozen=True)
+class Beside:
+    """What the other requests decoding at the same time put in each verifier forward,
+    by their latest plans: ``rows`` nodes (a request decoding alone: one) and ``tokens``
+    committed a round. Requests verified together share one forward, so a request's plan
+    is priced at the forward's whole width and weighed by what the whole batch commits."""
+
+    rows: int = 0
+    tokens: float = 0.0
+
+
+NO_ONE_BESIDE = Beside()
+
+
+@dataclass(frozen=True)
 class DraftCall:
     """One draft call's cost: ``steps`` forwards of ``branches`` branches took ``compute_s``
     of the drafter's own time (steps 0: not a measure of a step, e.g. a long catch-up), its
@@ -73,6 +87,10 @@ class RoundReport:
     first_branch_accepted: int | None = None
     drafts: tuple[DraftCall, ...] = ()
     verify_width: int = 0  # nodes verified: the pending bonus and the draft
+    # rows of the forward that verified them, every request's (0: its own alone): what
+    # ``verify_s`` paid for; a round of the target alone: 1 + the rows the other requests
+    # decoding at the time put in a forward (their rounds share its forwards)
+    batch_rows: int = 0
     verify_s: float = 0.0  # 0: not what such a round costs (a trial of the other core choice)
     verify_compute_s: float = 0.0  # of that, the verifier's own time (the rest: the link)
     verify_overlapped: bool = False  # verified while the drafter drafted ahead

@@ -107,17 +107,22 @@ class Calibration:
 
 
 def best_width(
-    acceptance: Sequence[float], factor: float, verify_s: Callable[[int], float | None]
+    acceptance: Sequence[float],
+    factor: float,
+    verify_s: Callable[[int], float | None],
+    beside_rows: int = 0,
+    beside_tokens: float = 0.0,
 ) -> int:
     """How many of the ranked nodes to verify (at least 1), once drafted (the draft is paid):
     the count n whose round commits the most tokens per verification second,
     (1 + factor * the first n nodes' acceptance) / verify_s(n + 1); ``verify_s(width)`` is
     None where the cost is not known, and such widths are not chosen (unless none is known:
-    then all nodes)."""
-    expected = 1 + factor * np.cumsum(np.asarray(acceptance, np.float64))
+    then all nodes). Other requests verified in the same forward (``beside_rows`` nodes,
+    committing ``beside_tokens`` a round) widen each forward and count in what it commits."""
+    expected = 1 + factor * np.cumsum(np.asarray(acceptance, np.float64)) + beside_tokens
     best, best_rate = len(expected), -1.0
     for count in range(1, len(expected) + 1):
-        seconds = verify_s(count + 1)
+        seconds = verify_s(count + 1 + beside_rows)
         if seconds is None:
             continue
         rate = expected[count - 1] / seconds
