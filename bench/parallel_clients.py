@@ -16,7 +16,9 @@ reply to the one before it has come) to each system, the clients starting togeth
 
 Every request generates exactly ``--max-tokens`` tokens (end tokens ignored, as in ``hetspec
 bench``), greedily, streamed, each on a connection of its own; every time is the client's
-own. Before each run every client sends a two-token request of another prompt, so that no slot
+own. Each hetspecd starts afresh for each client count and first serves every prompt alone
+(one client), so that every daemon's controller has seen the same requests before its passes.
+Before each run every client sends a two-token request of another prompt, so that no slot
 or sequence keeps a prefix of the bench's prompts. The passes (``--repeats``) take turns system
 by system, the order rotating. Per row: aggregate tokens/s (all of a run's tokens over its wall
 time, from the first request sent to the last reply; the median of the passes, and their
@@ -439,9 +441,11 @@ class Hetspecds:
         self.systems: dict[int | None, System] = {}
         self.starts = 0
 
-    def get(self, max_parallel: int | None, name: str) -> System:
+    def get(
+        self, max_parallel: int | None, name: str, warm: Callable[[System], None] | None = None
+    ) -> System:
         """The daemon at ``max_parallel`` as the system ``name``, started (and waited for)
-        unless it runs; ``HetspecError`` if it will not start."""
+        unless it runs, then ``warm``ed; ``HetspecError`` if it will not start."""
         if max_parallel not in self.systems:
             self.starts += 1
             stack = contextlib.ExitStack()
@@ -457,6 +461,8 @@ class Hetspecds:
             )
             address = client.address
             self.systems[max_parallel] = System(name, lambda: HetspecSession(address))
+            if warm is not None:
+                warm(self.systems[max_parallel])
         return replace(self.systems[max_parallel], name=name)
 
     def stop(self, max_parallel: int | None) -> None:
@@ -557,7 +563,14 @@ class TargetBench:
         self.peer_alone: dict[int, list[int]] | None = None
 
     def one_at_a_time(self) -> System:
-        return self.hetspecds.get(1 if self.batched else None, ONE_AT_A_TIME)
+        return self.hetspecds.get(1 if self.batched else None, ONE_AT_A_TIME, self.warm)
+
+    def warm(self, system: System) -> None:
+        """A hetspecd just started serves every prompt alone first, as the first one did for
+        the reference: each daemon's controller has then seen the same requests before its
+        passes (one that had not drafted colder, and compared worse than it is)."""
+        if self.alone:
+            self.tokens_alone(system)
 
     def measure(self) -> tuple[list[str], dict]:
         """The target's section of the report (markdown lines) and its JSON: every row."""
@@ -618,7 +631,7 @@ class TargetBench:
             out[name] = {"error": "skipped: this hetspecd has no max_parallel (one at a time)"}
         else:
             try:
-                systems[name] = self.hetspecds.get(max_parallel, name)
+                systems[name] = self.hetspecds.get(max_parallel, name, self.warm)
             except HetspecError as error:
                 out[name] = {"error": f"failed: {first_line(error)}"}
         systems[ONE_AT_A_TIME] = self.one_at_a_time()
@@ -633,8 +646,9 @@ class TargetBench:
             out[order[-1]] = {"error": f"skipped: {why}"}
         with llama_servers(self.plan, peers, out) as servers:
             out |= passes(systems | servers, clients, self.plan, self.say)
-        if self.batched and max_parallel != 1:
-            self.hetspecds.stop(max_parallel)
+        # each client count's daemons start afresh (and warm alike): none carries more
+        # history into the next than the other
+        self.hetspecds.close()
         return {row: out[row] for row in order if row in out}
 
     def settings_line(self) -> str:
