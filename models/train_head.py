@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
+from hetspec.models.cache_files import remove, temp_name
 from hetspec.models.corpus import stdlib_sources
 from hetspec.models.train_demo import chat_examples, cosine_lr, encode_documents, windows
 from hetspec.workers.runtimes.torch_runtime.config import ModelConfig
@@ -195,6 +196,26 @@ def train(head, pieces, teacher, stream, *, args, rope) -> tuple[int, list[tuple
     return step, losses
 
 
+def save_head(head: DraftHead, config: HeadConfig, out: Path) -> None:
+    """The head's fp16 weights and config as the folder ``out``, which appears whole or not
+    at all (built in a hidden sibling and renamed over any earlier head): an interrupted run
+    never leaves a head that loads but is half-written."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    temp = temp_name(out)
+    temp.mkdir()
+    try:
+        state = {n: p.detach().to(torch.float16).contiguous() for n, p in head.named_parameters()}
+        save_file(state, str(temp / "model.safetensors"))
+        config.save(temp)
+        # safetensors creates its file owner-only; give it the umask's mode like the config
+        (temp / "model.safetensors").chmod((temp / HEAD_CONFIG).stat().st_mode & 0o777)
+        if out.exists():
+            remove(out)
+        temp.rename(out)
+    finally:
+        remove(temp)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hetspec.models.train_head")
     parser.add_argument("--target", type=Path, default=MODELS / "target")
@@ -256,12 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     train_minutes = round((time.perf_counter() - train_start) / 60, 1)
     metrics = held_out(head, pieces, teacher, held_out_stream, length=args.seq_len, rope=(cos, sin))
     print(f"held out: {metrics}", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    state = {name: p.detach().to(torch.float16).contiguous() for name, p in head.named_parameters()}
-    save_file(state, str(args.out / "model.safetensors"))
-    config.save(args.out)
-    # safetensors creates its file owner-only; give it the umask's mode like the config
-    (args.out / "model.safetensors").chmod((args.out / HEAD_CONFIG).stat().st_mode & 0o777)
+    save_head(head, config, args.out)
     report = {
         "shape": {"blocks": config.blocks, "fusion": config.fusion, "width": config.width},
         "parameters": parameters,
