@@ -412,6 +412,53 @@ def test_commands_queued_while_a_batch_decodes_join_its_next_step(workers) -> No
     assert same(logits, single.arena.view(reply.logits).copy())
 
 
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_queued_drafts_of_several_sequences_are_drafted_together_as_alone(workers, params):
+    """Chain drafts of three sequences queued together: their catch-ups in one forward, then
+    one forward a step (chains of different lengths each stop at its own); each reply's
+    tokens and nodes are what its draft alone gives, its probability rows too within float
+    rounding (a chain alone is drafted in one C call, which normalizes its rows itself)."""
+    batched, single = workers("native", 3), workers("native", 3)
+    prefilled(batched), prefilled(single)
+
+    def commands(worker):
+        shapes = [(5, [4, 6]), (3, []), (7, [9])]
+        return [
+            m.Draft(worker.request(), m.Chains(steps), params, out=s, append=append, sequence=s)
+            for s, (steps, append) in enumerate(shapes)
+        ]
+
+    sent = commands(batched)
+    replies = batched.run(*sent)
+    assert batched.worker.together == {("Draft", 3): 1}
+    drafted = []
+    for command in sent:
+        reply = replies[command.request]
+        assert isinstance(reply, m.Drafted), reply
+        drafted.append((reply, batched.arena.view(reply.probs).copy()))
+    assert drafted[1][0].elapsed_ms < drafted[2][0].elapsed_ms  # the shorter answered first
+    for command, (mine, rows) in zip(commands(single), drafted, strict=True):
+        alone = single.call(command)
+        assert (mine.tokens, mine.nodes, mine.root) == (alone.tokens, alone.nodes, alone.root)
+        assert mine.forwards == len(alone.tokens[0]) - 1  # the catch-up's forward apart
+        np.testing.assert_allclose(rows, single.arena.view(alone.probs), rtol=1e-5, atol=1e-9)
+    assert not single.worker.together
+
+
+def test_a_draft_refused_in_a_batch_of_drafts_fails_alone(workers) -> None:
+    batched = workers("native", 3)
+    prefilled(batched)
+    good = m.Draft(batched.request(), m.Chains(4), GREEDY, out=0, append=[5], sequence=0)
+    bad = m.Draft(batched.request(), m.Chains(4), GREEDY, out=SLOTS + 3, sequence=1)
+    replies = batched.run(good, bad)
+    assert batched.worker.together == {("Draft", 2): 1}
+    assert isinstance(replies[good.request], m.Drafted)
+    assert len(replies[good.request].tokens[0]) == 4
+    failed = replies[bad.request]
+    assert isinstance(failed, m.Failed)
+    assert failed.kind == "usage", failed
+
+
 def test_queued_decodings_stop_each_at_its_own_end(workers) -> None:
     batched, single = workers("native", 3), workers("native", 3)
     prefilled(batched), prefilled(single)

@@ -13,7 +13,8 @@ sequences on a runtime that evaluates them together; anything else runs on its o
 holds exactly what its command answers run alone (the kernels' rows are bit for bit those of a
 forward of one sequence; decoding draws with ``DecodeSteps``, as ``TreeRuntime.decode`` does);
 a refusal before a forward (one sequence's context full, a bad tree) runs that step's work
-sequence by sequence instead, each with its own answer. ``together`` counts the batches run,
+sequence by sequence instead, each with its own answer. Plain chain ``Draft``s of several
+sequences batch among themselves (``batched_drafts.py``). ``together`` counts the batches run,
 by command and size.
 """
 
@@ -29,6 +30,7 @@ import numpy as np
 
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.sampling import TokenLogprob
+from hetspec.workers.batched_drafts import draft_together, plain_draft
 from hetspec.workers.compute_handlers import ComputeHandlers, Verification
 from hetspec.workers.runtimes.decode_steps import DecodeSteps
 from hetspec.workers.runtimes.sequence_work import Chunk, Tree
@@ -62,13 +64,18 @@ class BatchedHandlers(ComputeHandlers):
         return (
             len(self.sequences) > 1
             and hasattr(self.runtime, "evaluate_together")
-            and self._plain(command)
+            and (self._plain(command) or self._plain_draft(command))
         )
 
     def joins(self, first: msgspec.Struct, queued: msgspec.Struct) -> bool:
         """Whether ``queued`` may run in ``first``'s batch: verifications and decodings alone
-        mix (a verification's tree rides in the first step's forward)."""
+        mix (a verification's tree rides in the first step's forward); drafts go with drafts."""
+        if isinstance(first, m.Draft):
+            return self._plain_draft(first) and self._plain_draft(queued)
         return self._plain(first) and self._plain(queued)
+
+    def _plain_draft(self, command: msgspec.Struct) -> bool:
+        return plain_draft(command) and 0 <= command.sequence < len(self.sequences)
 
     def _plain(self, command: msgspec.Struct) -> bool:
         if not 0 <= getattr(command, "sequence", -1) < len(self.sequences):
@@ -103,6 +110,11 @@ class BatchedHandlers(ComputeHandlers):
         # lent where any command was sent with them: the batch's forward is the long call,
         # and the drafter's short drafts beside it cost less than the core it leaves idle
         self.spare.use(any(c.spare_cores for c in commands), self._set_extra_threads)
+        if isinstance(commands[0], m.Draft):
+            results = draft_together(commands, self._sequence, self._slot, self._evaluate, early)
+            if any(c.spare_cores for c in commands):
+                self.spare.use(False, self._set_extra_threads)
+            return results
         start = time.perf_counter()
         results: list[Result | None] = [None] * len(commands)
         joined = [start] * len(commands)  # when each command joined the batch
