@@ -20,7 +20,7 @@ from hetspec.protocol.arena import Arena
 from hetspec.speculative.control.budget import BudgetController, Choice, ControllerConfig
 from hetspec.speculative.control.core_choice import SpareCoreChoice
 from hetspec.speculative.control.exploration import ExplorationState
-from hetspec.speculative.control.rounds import DraftCall, Plan, RoundReport
+from hetspec.speculative.control.rounds import NO_ONE_BESIDE, Beside, DraftCall, Plan, RoundReport
 
 PROMPT = "def read(path):"
 
@@ -52,7 +52,7 @@ class ScriptedController(BudgetController):
         super().__init__(ControllerConfig.of(max_width=63))
         self.script = list(plans)
 
-    def choose(self) -> Choice:
+    def choose(self, beside: Beside = NO_ONE_BESIDE) -> Choice:
         return Choice(
             self.script.pop(0) if len(self.script) > 1 else self.script[0], ExplorationState()
         )
@@ -495,9 +495,9 @@ class WeighingLog(ScriptedController):
 
         worker.post, worker.call = post, call
 
-    def choose(self) -> Choice:
+    def choose(self, beside: Beside = NO_ONE_BESIDE) -> Choice:
         self.in_flight.append(set(self.pending))
-        return super().choose()
+        return super().choose(beside)
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda:0"])
