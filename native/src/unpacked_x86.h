@@ -32,14 +32,27 @@ HS_AVX2 INLINE void unpack_factors_avx2(const char *chunk, const int type, unpac
         return;
     }
     if (small_blocks(type)) { /* d first in each block; Q4_1's and Q5_1's m next */
-        uint16_t d[SUB] = {0}, m[SUB] = {0}; /* a short chunk's missing blocks: 0 */
-        for (int b = 0; b < u->blocks; b++) {
-            const uint16_t *halves = (const uint16_t *)(chunk + (size_t)b * block_bytes(type));
-            d[b] = halves[0];
-            if (has_mins(type)) m[b] = halves[1];
+        /* Each block's first 4 bytes (d, and m or qh's first half) in a dword, by one masked
+         * gather: a short chunk's missing blocks read nothing and are 0. Halves written to a
+         * stack array one by one and read back as a vector stalled on store forwarding (a
+         * quarter of a Q4_1 forward's time). */
+        const int bytes = (int)block_bytes(type);
+        const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(bytes));
+        const __m256i present = _mm256_cmpgt_epi32(_mm256_set1_epi32(u->blocks), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256i words;
+        if (u->blocks == SUB) { /* scalar loads: measured faster than the gather */
+            int32_t w[SUB];
+            for (int b = 0; b < SUB; b++) memcpy(&w[b], chunk + (size_t)b * bytes, 4);
+            words = _mm256_setr_epi32(w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]);
+        } else {
+            words = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)chunk, at, present, 1);
         }
-        _mm256_store_ps(u->d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d)));
-        _mm256_store_ps(u->offset, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)m)));
+        /* dword k's low half (d) to bytes 2k, 2k+1 of each 128-bit lane, its high half (m) to 8+2k, 8+2k+1 */
+        const __m256i split = _mm256_shuffle_epi8(words, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                                                          0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+        const __m256i halves = _mm256_permute4x64_epi64(split, 0xd8); /* d of blocks 0-7, then their m */
+        _mm256_store_ps(u->d, _mm256_cvtph_ps(_mm256_castsi256_si128(halves)));
+        _mm256_store_ps(u->offset, has_mins(type) ? _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1)) : _mm256_setzero_ps());
         return;
     }
     const block_q4_k *blk = (const block_q4_k *)chunk;
@@ -349,6 +362,67 @@ HS_AVX2 INLINE __m256i block_scale16(const int type, const unpacked *u, const in
         }                                                                                    \
     }
 
+/* chunk_sum8 of eight vectors at once: lane t of the result is chunk_sum8(v[t]) (its hadd
+ * pairs, their pairs, then the halves' sums added: the same additions, the same bits). */
+HS_AVX2 INLINE __m256 chunk_sums8(const __m256 v[8]) {
+    const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+}
+
+/* Fewer rows than a group, the 32-value types (Q5_0, Q4_1, Q5_1, IQ4_NL): 8 output features
+ * [j, j + 8) at a time. Each feature's chunk is unpacked once and met by every row as
+ * rows_major does; a row's 8 chunk terms are summed by chunk_sums8 and its 8 features
+ * accumulate in the lanes of one vector (rows_major: a horizontal sum and a scalar add per
+ * feature, through memory): the same bits. Defined per kernel level, on its block_sums. */
+#define ROWS_ALONE8(ATTR, SUFFIX)                                                                               \
+    ATTR INLINE void rows_alone8_##SUFFIX(const hs_matrix *w, const int type, const activations *a,            \
+                                          const int n, const int j, float *out) {                              \
+        const int blocks = w->cols / HS_BLOCK, chunks = (blocks + SUB - 1) / SUB;                               \
+        const size_t stride = hs_unpacked_row_bytes(type, w->cols);                                             \
+        __m256 acc[PAD_FROM], v[PAD_FROM][8];                                                                   \
+        for (int r = 0; r < n; r++) acc[r] = _mm256_setzero_ps();                                               \
+        for (int c = 0; c < chunks; c++) {                                                                      \
+            const int present = chunk_blocks(blocks, c);                                                        \
+            __m256 x_scales[PAD_FROM];                                                                          \
+            __m256i x_sums[PAD_FROM];                                                                           \
+            for (int r = 0; r < n; r++) { /* a short chunk's missing blocks: scale and sum 0 */                 \
+                const size_t at = (size_t)r * blocks + (size_t)c * SUB;                                         \
+                float scales[SUB] = {0};                                                                        \
+                int32_t sums_x[SUB] = {0};                                                                      \
+                memcpy(scales, a->d + at, sizeof(float) * (size_t)present);                                     \
+                if (has_mins(type)) memcpy(sums_x, a->sum + at, sizeof(int32_t) * (size_t)present);             \
+                x_scales[r] = _mm256_loadu_ps(scales);                                                          \
+                x_sums[r] = _mm256_loadu_si256((const __m256i *)sums_x);                                        \
+            }                                                                                                   \
+            for (int t = 0; t < 8; t++) {                                                                       \
+                const char *chunk = chunk_at((const char *)w->data + stride * (size_t)(j + t), type, c);        \
+                for (size_t line = 0; line < chunk_bytes(type); line += 64) /* the stream 8 rows on */          \
+                    _mm_prefetch(chunk + stride * 8 + line, _MM_HINT_T0);                                       \
+                unpacked u;                                                                                     \
+                unpack_avx2(chunk, type, present, &u);                                                          \
+                const __m256 d = _mm256_load_ps(u.d), offset = _mm256_load_ps(u.offset);                        \
+                for (int r = 0; r < n; r++) {                                                                   \
+                    const int8_t *x = a->q + (size_t)r * w->cols + (size_t)c * HS_SUPER;                        \
+                    __m256i sums[SUB];                                                                          \
+                    for (int b = 0; b < SUB; b++)                                                               \
+                        sums[b] = b < present                                                                   \
+                                      ? block_sums_##SUFFIX(type, _mm256_load_si256((const __m256i *)(u.q + 32 * b)), \
+                                                            _mm256_loadu_si256((const __m256i *)(x + 32 * b)))  \
+                                      : _mm256_setzero_si256();                                                 \
+                    v[r][t] = block_terms(type, _mm256_cvtepi32_ps(block_products(sums)), x_scales[r], x_sums[r], \
+                                          d, offset);                                                           \
+                }                                                                                               \
+            }                                                                                                   \
+            for (int r = 0; r < n; r++) acc[r] = _mm256_add_ps(acc[r], chunk_sums8(v[r]));                       \
+        }                                                                                                       \
+        for (int r = 0; r < n; r++) {                                                                           \
+            float lanes[8];                                                                                     \
+            _mm256_storeu_ps(lanes, acc[r]);                                                                    \
+            memcpy(out + (size_t)r * w->rows + j, lanes, sizeof lanes);                                         \
+        }                                                                                                       \
+    }
+
 /* features_typed's call for each type as a literal (each call is compiled for its own type):
  * rows_alone_typed where there are fewer rows than a group (w, a, n, first, end and out in
  * scope). */
@@ -364,8 +438,13 @@ HS_AVX2 INLINE __m256i block_scale16(const int type, const unpacked *u, const in
     default: TYPED_CALL(SUFFIX, HS_Q5_0) break;                                              \
     }
 #define TYPED_CALL(SUFFIX, type)                                                             \
-    if (grouped_rows(n) >= GROUP) features_typed_##SUFFIX(w, type, a, n, first, end, out);   \
-    else rows_alone_typed_##SUFFIX(w, type, a, n, first, end, out);
+    if (grouped_rows(n) >= GROUP) {                                                          \
+        features_typed_##SUFFIX(w, type, a, n, first, end, out);                             \
+    } else {                                                                                 \
+        if (small_blocks(type))                                                              \
+            for (; first + 8 <= end; first += 8) rows_alone8_##SUFFIX(w, type, a, n, first, out); \
+        if (first < end) rows_alone_typed_##SUFFIX(w, type, a, n, first, end, out);          \
+    }
 
 /* All n rows against output features [first, end): passes of up to two whole groups rows in
  * lanes, the last pass also taking the rows outside whole groups (fewer than PAD_FROM) one
