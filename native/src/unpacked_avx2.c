@@ -62,7 +62,7 @@ HS_AVX2 INLINE __m256i dp4_signed_avx2(const __m256i acc, const __m256i w, const
 }
 SUPER8_IN_LANES(HS_AVX2, avx2, dp4_avx2, dp4_signed_avx2, 0)
 ROWS_ALONE(HS_AVX2, avx2)
-ROWS_ALONE8(HS_AVX2, avx2)
+ROWS_ALONE8(HS_AVX2, avx2, dp4_avx2)
 /* Super-block calls of 2-5 rows go 8 features in lanes; from 6 rows vpmaddubsw's products made
  * groups of rows in lanes as fast or faster (heavy-100m Q4_K_M T(4) 7.56 -> 6.55 ms, T(7)
  * 9.05 against 10.62) */

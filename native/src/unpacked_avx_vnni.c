@@ -69,7 +69,7 @@ SUPER_IN_LANES(HS_AVX_VNNI, avx_vnni)
 ROWS_IN_LANES(HS_AVX_VNNI, avx_vnni)
 SUPER8_IN_LANES(HS_AVX_VNNI, avx_vnni, _mm256_dpbusd_avx_epi32, _mm256_dpbusd_avx_epi32, 1)
 ROWS_ALONE(HS_AVX_VNNI, avx_vnni)
-ROWS_ALONE8(HS_AVX_VNNI, avx_vnni)
+ROWS_ALONE8(HS_AVX_VNNI, avx_vnni, _mm256_dpbusd_avx_epi32)
 /* Super-block calls of any width go 8 features in lanes (heavy-100m Q4_K_M T(4) 6.97 -> 4.99 ms,
  * T(12) 15.59 -> 11.96; 8 and 32 rows as fast as groups) */
 FEATURES_IN_PASSES(HS_AVX_VNNI, avx_vnni, INT_MAX)

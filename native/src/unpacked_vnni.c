@@ -218,7 +218,7 @@ HS_VNNI INLINE void features_typed_vnni(const hs_matrix *w, const int type, cons
 }
 
 ROWS_ALONE(HS_VNNI, vnni)
-ROWS_ALONE8(HS_VNNI, vnni)
+ROWS_ALONE8(HS_VNNI, vnni, _mm256_dpbusd_epi32)
 
 /* Q4_K, Q5_K (unsigned values, with mins), Q6_K (signed, a scale a half-block) and IQ4_XS
  * (signed table values): rows [r0, r0 + m) (m <= FEATURES16_PASS) against 16 weight rows

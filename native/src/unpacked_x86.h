@@ -370,12 +370,48 @@ HS_AVX2 INLINE __m256 chunk_sums8(const __m256 v[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
 }
 
+/* out[k] lane b = dword k of in[b]: an 8 x 8 transpose of 32-bit lanes. */
+HS_AVX2 INLINE void transpose8x8_epi32(const __m256i in[8], __m256i out[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 2; i++) {
+        const __m256i *v = in + 4 * i;
+        t[4 * i] = _mm256_unpacklo_epi32(v[0], v[1]), t[4 * i + 1] = _mm256_unpackhi_epi32(v[0], v[1]);
+        t[4 * i + 2] = _mm256_unpacklo_epi32(v[2], v[3]), t[4 * i + 3] = _mm256_unpackhi_epi32(v[2], v[3]);
+        u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]), u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int k = 0; k < 4; k++) {
+        out[k] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x20);
+        out[4 + k] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x31);
+    }
+}
+
+/* A whole chunk of Q4_1 with its blocks in lanes: w[k] lane b holds values 4k..4k+3 of block
+ * b (dword k of its unpacked values), taken from the nibbles directly: dword k of a block's qs
+ * holds values 4k.. in its low nibbles and 16 + 4k.. in its high. */
+HS_AVX2 INLINE void q4_1_blocks_in_lanes(const char *chunk, __m256i w[8]) {
+    __m256i pairs[4]; /* blocks b and b + 4 */
+    for (int b = 0; b < 4; b++)
+        pairs[b] = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)((const block_q4_1 *)chunk + b + 4)->qs),
+                                    _mm_loadu_si128((const __m128i *)((const block_q4_1 *)chunk + b)->qs));
+    const __m256i t0 = _mm256_unpacklo_epi32(pairs[0], pairs[1]), t1 = _mm256_unpackhi_epi32(pairs[0], pairs[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(pairs[2], pairs[3]), t3 = _mm256_unpackhi_epi32(pairs[2], pairs[3]);
+    const __m256i q[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2), _mm256_unpacklo_epi64(t1, t3),
+                          _mm256_unpackhi_epi64(t1, t3)};
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    for (int k = 0; k < 4; k++) {
+        w[k] = _mm256_and_si256(q[k], low4);
+        w[4 + k] = _mm256_and_si256(_mm256_srli_epi16(q[k], 4), low4);
+    }
+}
+
 /* Fewer rows than a group, the 32-value types (Q5_0, Q4_1, Q5_1, IQ4_NL): 8 output features
  * [j, j + 8) at a time. Each feature's chunk is unpacked once and met by every row as
  * rows_major does; a row's 8 chunk terms are summed by chunk_sums8 and its 8 features
  * accumulate in the lanes of one vector (rows_major: a horizontal sum and a scalar add per
  * feature, through memory): the same bits. Defined per kernel level, on its block_sums. */
-#define ROWS_ALONE8(ATTR, SUFFIX)                                                                               \
+#define ROWS_ALONE8(ATTR, SUFFIX, DP4)                                                                             \
     ATTR INLINE void rows_alone8_##SUFFIX(const hs_matrix *w, const int type, const activations *a,            \
                                           const int n, const int j, float *out) {                              \
         const int blocks = w->cols / HS_BLOCK, chunks = (blocks + SUB - 1) / SUB;                               \
@@ -394,6 +430,34 @@ HS_AVX2 INLINE __m256 chunk_sums8(const __m256 v[8]) {
                 if (has_mins(type)) memcpy(sums_x, a->sum + at, sizeof(int32_t) * (size_t)present);             \
                 x_scales[r] = _mm256_loadu_ps(scales);                                                          \
                 x_sums[r] = _mm256_loadu_si256((const __m256i *)sums_x);                                        \
+            }                                                                                                   \
+            if (type == HS_Q4_1 && present == SUB) { /* blocks in lanes: no horizontal sums */                \
+                __m256i xt[PAD_FROM][8];                                                                        \
+                for (int r = 0; r < n; r++) {                                                                   \
+                    const int8_t *x = a->q + (size_t)r * w->cols + (size_t)c * HS_SUPER;                        \
+                    __m256i xb[8];                                                                              \
+                    for (int b = 0; b < SUB; b++) xb[b] = _mm256_loadu_si256((const __m256i *)(x + 32 * b));    \
+                    transpose8x8_epi32(xb, xt[r]);                                                              \
+                }                                                                                               \
+                for (int t = 0; t < 8; t++) {                                                                   \
+                    const char *chunk = chunk_at((const char *)w->data + stride * (size_t)(j + t), type, c);    \
+                    for (size_t line = 0; line < chunk_bytes(type); line += 64)                                 \
+                        _mm_prefetch(chunk + stride * 8 + line, _MM_HINT_T0);                                   \
+                    unpacked u;                                                                                 \
+                    u.blocks = SUB;                                                                             \
+                    unpack_factors_avx2(chunk, type, &u);                                                       \
+                    __m256i wt[8];                                                                              \
+                    q4_1_blocks_in_lanes(chunk, wt);                                                            \
+                    const __m256 d = _mm256_load_ps(u.d), offset = _mm256_load_ps(u.offset);                    \
+                    for (int r = 0; r < n; r++) {                                                               \
+                        __m256i products[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};                 \
+                        for (int k = 0; k < 8; k++) products[k & 1] = DP4(products[k & 1], wt[k], xt[r][k]);    \
+                        v[r][t] = block_terms(type, _mm256_cvtepi32_ps(_mm256_add_epi32(products[0], products[1])), \
+                                              x_scales[r], x_sums[r], d, offset);                               \
+                    }                                                                                           \
+                }                                                                                               \
+                for (int r = 0; r < n; r++) acc[r] = _mm256_add_ps(acc[r], chunk_sums8(v[r]));                   \
+                continue;                                                                                       \
             }                                                                                                   \
             for (int t = 0; t < 8; t++) {                                                                       \
                 const char *chunk = chunk_at((const char *)w->data + stride * (size_t)(j + t), type, c);        \
