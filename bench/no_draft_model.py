@@ -235,8 +235,12 @@ def tune_peers(binary: Path, target: ModelFiles, max_tokens: int, say) -> dict:
 
 
 def hetspecd_process(command: list[str]) -> DaemonProcess:
+    """hetspecd started and ready: each loads alone, since the runtimes it measures at load
+    (and caches) would otherwise be timed against the others' loads."""
     run = Path(tempfile.mkdtemp(prefix="hetspec-bench-no-draft-"))
-    return DaemonProcess(run, *command, log=run / "hetspecd.log")
+    daemon = DaemonProcess(run, *command, log=run / "hetspecd.log")
+    daemon.wait_ready(900)
+    return daemon
 
 
 def measure(systems: dict, repeats: int, max_tokens: int, say) -> list[Row]:
@@ -269,17 +273,22 @@ def hetspec_daemons(target: ModelFiles, spec: str, *, with_draft: bool) -> dict:
     without model-free drafts; by row suffix."""
     settings = {"target.gguf": str(target.gguf), "target.folder": target.folder_setting}
     command = [i for k, v in settings.items() for i in ("--set", f"{k}={json.dumps(v)}")]
-    daemons = {
-        "": hetspecd_process(command),
-        " on llama.cpp": hetspecd_process([*command, "--set", 'gpu_runtime="llama.cpp"']),
-    }
+    commands = {"": command, " on llama.cpp": [*command, "--set", 'gpu_runtime="llama.cpp"']}
     if with_draft:
         draft = smollm2_files("smollm2", None)[2] if spec == "smollm2" else BUNDLED_DRAFT
         paired = [*command, "--set", f"draft.gguf={json.dumps(str(draft.gguf))}"]
         paired += ["--set", f"draft.folder={json.dumps(draft.folder_setting)}"]
-        daemons[" with the draft model"] = hetspecd_process(paired)
+        commands[" with the draft model"] = paired
         off = [*paired, "--set", 'model_free_draft="off"']
-        daemons[" with the draft model, no model-free drafts"] = hetspecd_process(off)
+        commands[" with the draft model, no model-free drafts"] = off
+    daemons: dict[str, DaemonProcess] = {}
+    try:
+        for suffix, args in commands.items():
+            daemons[suffix] = hetspecd_process(args)
+    except BaseException:
+        for daemon in daemons.values():
+            daemon.stop()
+        raise
     return daemons
 
 

@@ -344,10 +344,19 @@ def hetspec_daemons(target, draft) -> dict[str, DaemonProcess]:
     paired += ["--set", f"draft.folder={json.dumps(draft.folder_setting)}"]
 
     def process(args: list[str]) -> DaemonProcess:
+        """Started and ready: each loads alone (its load-time runtime measurements, which are
+        cached, would otherwise be timed against the other's load)."""
         run = Path(tempfile.mkdtemp(prefix="hetspec-bench-structured-"))
-        return DaemonProcess(run, *args, log=run / "hetspecd.log")
+        daemon = DaemonProcess(run, *args, log=run / "hetspecd.log")
+        daemon.wait_ready(900)
+        return daemon
 
-    return {"pair": process(paired), "target alone": process(command)}
+    pair = process(paired)
+    try:
+        return {"pair": pair, "target alone": process(command)}
+    except BaseException:
+        pair.stop()
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:
