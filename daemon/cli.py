@@ -16,6 +16,7 @@ from hetspec.daemon.config import (
     DEFAULT_CONFIG_FILE,
     ConfigError,
     DaemonConfig,
+    cache_dir,
     load_config,
     model_paths_of,
     parse_value,
@@ -23,7 +24,6 @@ from hetspec.daemon.config import (
 from hetspec.daemon.load.runtime_check import check_runtimes, describe
 from hetspec.daemon.load.runtime_trials import (
     RuntimeChoiceError,
-    cache_dir,
     decide_drafter,
     decide_gpu_runtime,
 )

@@ -28,6 +28,16 @@ BUNDLED_MODELS = Path(__file__).resolve().parents[1] / "models"
 ENV_PREFIX = "HETSPEC_"
 
 
+def cache_dir(configured: str | None, environ: dict[str, str] | None = None) -> Path:
+    """hetspec's cache: the configured ``cache_dir``, else ``$XDG_CACHE_HOME/hetspec``, else
+    ``~/.cache/hetspec``."""
+    if configured:
+        return Path(configured)
+    environ = os.environ if environ is None else environ
+    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "hetspec"
+
+
 class ConfigError(ValueError):
     """One line that names the bad key, what is wrong and where the value came from."""
 

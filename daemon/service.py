@@ -31,7 +31,7 @@ from hetspec.daemon.api.errors import ApiError
 from hetspec.daemon.api.generations import Generations
 from hetspec.daemon.api.http_server import HttpServer
 from hetspec.daemon.api.runs import Run
-from hetspec.daemon.config import BUNDLED_MODELS, DaemonConfig, ModelPaths
+from hetspec.daemon.config import BUNDLED_MODELS, DaemonConfig, ModelPaths, cache_dir
 from hetspec.daemon.decode.admission import Admission
 from hetspec.daemon.decode.batch_board import BatchBoard
 from hetspec.daemon.decode.core_lending import CoreLending
@@ -46,7 +46,6 @@ from hetspec.daemon.load.runtime_trials import (
     DrafterChoice,
     RuntimeChoiceError,
     RuntimeDecision,
-    cache_dir,
     decide_drafter,
     decide_gpu_runtime,
 )

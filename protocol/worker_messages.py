@@ -15,7 +15,9 @@ Protocol version history: 1 = the first one; 2 = spare cores (``Hello.spare_core
 and the target alone choose only tokens it allows), its cost in their replies (``GrammarCost``),
 ``Decode.ends`` (decoding alone may stop at an end token); 23 = several sequences
 (``Load.sequences``, ``Ready.sequences``, and the ``sequence`` each compute command works on:
-a request's own KV cache, sampler and grammar in the worker, several requests at once).
+a request's own KV cache, sampler and grammar in the worker, several requests at once);
+24 = ``Verified.batch_rows`` (the rows a batched forward held); 25 = HCMP's split in the torch
+worker (``TorchSettings.split_ratio``, ``split_cache``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from hetspec.protocol.arena import ArenaLayout, ArrayRef
 from hetspec.protocol.sampling import SamplingParams, TokenLogprob
 from hetspec.protocol.vocab import VocabInfo
 
-PROTOCOL_VERSION = 24
+PROTOCOL_VERSION = 25
 
 
 class GrammarAt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -137,6 +139,14 @@ class TorchSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag
     # Set by the daemon for the worker that verifies: dtype "auto" is then bfloat16 in fixed
     # shapes on CUDA (width-invariant), float32 on the CPU.
     verifies: bool = False
+    # HCMP, Ghidorah's split (docs/architecture.md "Ghidorah"): the GPU side's share of every
+    # linear's output columns, the rest computed on the CPU at the same time, and each attention
+    # head's draft-tree part on the CPU (None: unsplit). "auto": ARCA measures each verification
+    # width's cheapest share at load (kept in split_cache, per model and box) and each forward
+    # takes its width's. A split that cannot run here is refused in one line (in the worker's
+    # device words) and the worker verifies unsplit.
+    split_ratio: float | Literal["auto"] | None = None
+    split_cache: str | None = None  # the folder of ARCA's profiles (the daemon sets its cache's)
 
 
 class NativeSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="native"):

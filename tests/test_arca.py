@@ -17,8 +17,11 @@ from hetspec.speculative.control.arca import (
     choose,
     decide,
     initial_ratio,
+    load_costs,
     load_profile,
+    ratios_by_width,
     refine_ratio,
+    save_costs,
     save_profile,
 )
 
@@ -135,6 +138,23 @@ def test_a_damaged_or_missing_cache_means_unsplit(saved, tmp_path) -> None:
     assert "not an ARCA profile" in decide(path, identity, unsplit_ratio=0.0).refused
     missing = decide(tmp_path / "none.json", identity, unsplit_ratio=0.0)
     assert (missing.ratio, missing.choice, missing.refused) == (0.0, None, None)
+
+
+def test_a_verifiers_costs_alone_give_each_width_its_cheapest_ratio(tmp_path) -> None:
+    """What a verifier measures at load without the draft: costs, no acceptance."""
+    table = costs(lambda w: 10.0 * w, lambda w: 12.0 * w)
+    path = tmp_path / "arca" / "costs.json"
+    identity = Identity(model="m1", box="box-a")
+    save_costs(path, identity, table)
+    assert [p.name for p in path.parent.iterdir()] == ["costs.json"]  # nothing half-written
+    assert load_costs(path, identity) == table
+    assert ratios_by_width(table) == {w: best_ratio(table, w)[0] for w in (1, 4, 16)}
+    with pytest.raises(ProfileMismatch, match="profile made for box 'box-a'"):
+        load_costs(path, Identity(model="m1", box="box-b"))
+    del table[4, 0.0], table[4, 1.0]
+    save_costs(path, identity, table)
+    with pytest.raises(ProfileMismatch, match=r"not an ARCA profile .*no unsplit cost"):
+        load_costs(path, identity)
 
 
 @pytest.mark.process

@@ -15,11 +15,10 @@ import pytest
 from test_daemon import request
 from test_lossless import BundledDaemon
 
-from hetspec.daemon.config import BUNDLED_MODELS, ConfigError, load_config
+from hetspec.daemon.config import BUNDLED_MODELS, ConfigError, cache_dir, load_config
 from hetspec.daemon.load.runtime_trials import (
     CUDA_VERIFY_WIDTHS,
     VERIFY_WIDTHS,
-    cache_dir,
     decide_drafter,
     decide_gpu_runtime,
     profile_key,

@@ -107,16 +107,6 @@ class RuntimeChoiceError(RuntimeError):
     """No runtime could hold the model; the message says why each failed."""
 
 
-def cache_dir(configured: str | None, environ: dict[str, str] | None = None) -> Path:
-    """hetspec's cache: the configured ``cache_dir``, else ``$XDG_CACHE_HOME/hetspec``, else
-    ``~/.cache/hetspec``."""
-    if configured:
-        return Path(configured)
-    environ = os.environ if environ is None else environ
-    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "hetspec"
-
-
 def _file_identity(path: Path) -> list:
     """What changes when a model changes: size and modification time of its files."""
     files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]

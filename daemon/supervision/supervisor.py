@@ -20,7 +20,7 @@ from pathlib import Path
 import msgspec
 import structlog
 
-from hetspec.daemon.config import DaemonConfig, ModelPaths
+from hetspec.daemon.config import DaemonConfig, ModelPaths, cache_dir
 from hetspec.daemon.load.head_choice import draft_head_for
 from hetspec.daemon.load.model_facts import CONFIG_KEYS
 from hetspec.daemon.supervision.cores import check_cores, cuda_present, owned_cores, split_cores
@@ -224,7 +224,9 @@ def worker_specs(
             threads=torch_settings.threads,
         )
     else:
-        gpu_settings = _torch_settings(gpu_cfg, verifies=drafting_on_cpu, cores=gpu_cores)
+        gpu_settings = _torch_settings(
+            gpu_cfg, verifies=drafting_on_cpu, cores=gpu_cores, cache=config.cache_dir
+        )
     common = {
         "heartbeat_s": config.heartbeat_s,
         "heartbeat_timeout_s": config.heartbeat_timeout_s,
@@ -289,10 +291,14 @@ def _llama_settings(cfg, *, verifies: bool, **changes) -> m.LlamaCppSettings:
     )
 
 
-def _torch_settings(cfg, *, verifies: bool, cores: list[int]) -> m.TorchSettings:
+def _torch_settings(
+    cfg, *, verifies: bool, cores: list[int], cache: str | None = None
+) -> m.TorchSettings:
     settings = m.TorchSettings(**_fields(cfg, m.TorchSettings))
     if settings.threads is None:  # torch would otherwise size its pool from the whole box
         settings = msgspec.structs.replace(settings, threads=len(set(cores)))
+    if settings.split_ratio == "auto" and settings.split_cache is None:  # ARCA's profiles
+        settings = msgspec.structs.replace(settings, split_cache=str(cache_dir(cache)))
     if verifies:
         # A verifier's logits must not depend on what a token is verified with, or greedy
         # output would leave the target's own (seen on an H100 in bf16: a tree's logits

@@ -156,7 +156,7 @@ def model_identity(folder: Path) -> str:
 def box_identity(gpu: str | None) -> str:
     """This box: its machine, CPU model and core count, and the GPU named by the caller
     (``gpu``: a device name, None where there is none)."""
-    cpu = platform.processor()
+    cpu = None
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -164,6 +164,7 @@ def box_identity(gpu: str | None) -> str:
                 break
     except OSError:
         pass
+    cpu = cpu or platform.processor()  # elsewhere (it may run `uname -p`)
     return f"{platform.machine()} | {cpu} x{os.cpu_count()} | gpu: {gpu or 'none'}"
 
 
@@ -180,9 +181,10 @@ def save_profile(path: Path, identity: Identity, profile: Profile) -> None:
     path.write_text(json.dumps(record, indent=1) + "\n")
 
 
-def load_profile(path: Path, identity: Identity) -> tuple[Profile, Choice]:
-    """The cached profile and choice for ``identity``; ``ProfileMismatch`` where the file was
-    made for another model or box or is not a profile (``OSError`` where it is unreadable)."""
+def _read_record(path: Path, identity: Identity, reader: Callable[[dict], object]):
+    """``reader`` of the cache file's record, checked to be ``identity``'s: ``ProfileMismatch``
+    where it was made for another model or box or is not a profile (``OSError`` where the file
+    is unreadable)."""
     try:
         record = json.loads(path.read_text())
         if record.get("format") != FORMAT:
@@ -193,15 +195,65 @@ def load_profile(path: Path, identity: Identity) -> tuple[Profile, Choice]:
                     f"{path}: profile made for {field} {record[field]!r}, "
                     f"not this {field} {getattr(identity, field)!r}"
                 )
-        profile = Profile(
-            {(int(w), float(r)): float(ms) for w, r, ms in record["cost_ms"]},
-            {(int(w), str(t)): float(n) for w, t, n in record["emitted"]},
-        )
-        return profile, Choice(**record["choice"])
-    except (KeyError, TypeError, ValueError) as error:
+        return reader(record)
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
         if isinstance(error, ProfileMismatch):
             raise
         raise ProfileMismatch(f"{path}: not an ARCA profile ({error!r})") from None
+
+
+def _costs(record: dict) -> dict[tuple[int, float], float]:
+    return {(int(w), float(r)): float(ms) for w, r, ms in record["cost_ms"]}
+
+
+def load_profile(path: Path, identity: Identity) -> tuple[Profile, Choice]:
+    """The cached profile and choice for ``identity``; ``ProfileMismatch`` where the file was
+    made for another model or box or is not a profile (``OSError`` where it is unreadable)."""
+
+    def read(record: dict) -> tuple[Profile, Choice]:
+        emitted = {(int(w), str(t)): float(n) for w, t, n in record["emitted"]}
+        return Profile(_costs(record), emitted), Choice(**record["choice"])
+
+    return _read_record(path, identity, read)
+
+
+# A verifier on its own does not know the draft's acceptance: it keeps each width's cheapest
+# ratio, and the budget controller, which prices widths by measured acceptance, then makes
+# ``choose``'s choice of width from these costs (the best emitted / cost of a width is at its
+# cheapest ratio, whatever it emits).
+
+
+def ratios_by_width(cost_ms: Mapping[tuple[int, float], float]) -> dict[int, float]:
+    """Each measured width's cheapest ratio (``best_ratio``)."""
+    return {w: best_ratio(cost_ms, w)[0] for w in sorted({w for w, _ in cost_ms})}
+
+
+def save_costs(path: Path, identity: Identity, cost_ms: Mapping[tuple[int, float], float]) -> None:
+    """Write a verifier's measured costs for ``identity``, whole or not at all (a hidden
+    sibling renamed over the file)."""
+    record = {
+        "format": FORMAT,
+        "model": identity.model,
+        "box": identity.box,
+        "cost_ms": [[w, r, ms] for (w, r), ms in sorted(cost_ms.items())],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(json.dumps(record, indent=1) + "\n")
+    partial.replace(path)
+
+
+def load_costs(path: Path, identity: Identity) -> dict[tuple[int, float], float]:
+    """``save_costs``' costs for ``identity`` (``ProfileMismatch``, ``OSError`` as
+    ``load_profile``); every width must hold an unsplit cost."""
+
+    def read(record: dict) -> dict[tuple[int, float], float]:
+        costs = _costs(record)
+        for width in {w for w, _ in costs}:
+            unsplit_ms(costs, width)  # ValueError: refused as not a profile
+        return costs
+
+    return _read_record(path, identity, read)
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,18 @@ def load_torch(model: str, settings: m.TorchSettings, options: dict):
     if settings.matmul_tiling is not None:  # the fields it changes, as plain values
         tiling = msgspec.structs.asdict(settings.matmul_tiling)
         options["matmul_tiling"] = {k: v for k, v in tiling.items() if v is not None}
+    options.pop("split_ratio", None)
+    options.pop("split_cache", None)
+    notes = []
     try:
+        if settings.split_ratio is not None:  # HCMP: or one line why not, then unsplit
+            from hetspec.workers.runtimes.torch_runtime.hcmp_choice import load_split  # noqa: PLC0415
+
+            split = load_split(model, settings)
+            if split.runtime is not None:
+                split.runtime.vocab_info()
+                return split.runtime, f"{split.runtime.device} ({split.words})"
+            notes.append(split.words)
         runtime = TorchRuntime(model, **options)
         runtime.vocab_info()  # a folder without a usable tokenizer fails here, at load
     except ModelLoadError as error:
@@ -98,7 +109,8 @@ def load_torch(model: str, settings: m.TorchSettings, options: dict):
             f"{model} does not fit in the GPU's free memory ({why}): a smaller gpu_worker."
             'max_context shrinks its KV cache, gpu_worker.weights = "int8" halves its weights'
         ) from None
-    notes = ["int8 weights"] if runtime.weights == "int8" else []
+    if runtime.weights == "int8":
+        notes.append("int8 weights")
     if runtime.matmul_refused:  # slower, never wrong: say so
         notes.append(f"matmul torch: the Triton kernel refused: {runtime.matmul_refused}")
     if runtime.in_place_differed:  # slower, never wrong: say so

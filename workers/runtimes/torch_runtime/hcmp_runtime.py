@@ -8,6 +8,8 @@ one side holds everything and the forward is the unsplit runtime's own, bit for 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -51,27 +53,51 @@ class HcmpRuntime(TorchRuntime):
             fixed_width=0,
         )
         self.hcmp = HcmpForward(self.model, settings)
+        self._by_width: list[tuple[int, HcmpForward]] = []  # (width, its forward), narrowest first
 
     @property
     def settings(self) -> HcmpSettings:
         return self.hcmp.settings
 
     def set_split(self, settings: HcmpSettings) -> None:
-        """Another ratio or shift over the same sides (the profiler's sweep)."""
+        """Another ratio or shift over the same sides (the profiler's sweep), for every width."""
         settings = checked(settings)
         if home_device(settings) != home_device(self.settings):
             raise ValueError("set_split keeps the sides; load another runtime for others")
         self.hcmp = HcmpForward(self.model, settings)
+        self._by_width = []
+
+    def split_by_width(self, ratios: Mapping[int, float]) -> None:
+        """Each forward at the ratio of the narrowest width in ``ratios`` that holds it (the
+        widest's beyond them): ARCA's choice a width. One split forward a distinct ratio."""
+        forwards: dict[float, HcmpForward] = {}
+        for ratio in sorted(set(ratios.values())):
+            settings = checked(replace(self.settings, ratio=ratio))
+            forwards[ratio] = HcmpForward(self.model, settings)
+        self._by_width = sorted(((w, forwards[r]) for w, r in ratios.items()), key=lambda p: p[0])
+
+    def ratio_for(self, width: int) -> float:
+        """The split ratio a forward of ``width`` rows computes at."""
+        return self._forward_for(width).settings.ratio
+
+    def _forward_for(self, width: int) -> HcmpForward:
+        for most, forward in self._by_width:
+            if width <= most:
+                return forward
+        return self._by_width[-1][1] if self._by_width else self.hcmp
+
+    def _splits(self, ratio: float) -> bool:
+        return 0.0 < ratio < 1.0 or (ratio == 0.0 and self.device.type != "cpu")
 
     @property
     def splits(self) -> bool:
         """Whether forwards take the split path (else the unsplit runtime's)."""
-        ratio = self.settings.ratio
-        return 0.0 < ratio < 1.0 or (ratio == 0.0 and self.device.type != "cpu")
+        return self._splits(self.settings.ratio)
 
     def record_work(self, record: list[Work] | None) -> None:
         """Append each split forward's ``Work`` items to ``record`` (None: stop)."""
-        self.hcmp.record = record
+        for forward in (self.hcmp, *(f for _, f in self._by_width)):
+            forward.record = record
 
     def _evaluate(
         self,
@@ -82,11 +108,12 @@ class HcmpRuntime(TorchRuntime):
         *,
         last_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.splits:
+        forward = self._forward_for(len(tokens))
+        if not self._splits(forward.settings.ratio):
             return super()._evaluate(tokens, positions, rows, parents, last_only=last_only)
         existing = self.pending
         at = torch.from_numpy(positions).to(self.device)
-        hidden = self.hcmp.hidden(
+        hidden = forward.hidden(
             torch.from_numpy(tokens).to(self.device),
             self._cos[:, at].to(self.dtype),
             self._sin[:, at].to(self.dtype),
@@ -96,4 +123,4 @@ class HcmpRuntime(TorchRuntime):
             committed=self.committed,
             masks=self._attention_masks(rows, positions, existing),
         )
-        return self.hcmp.logits(hidden[-1:] if last_only else hidden), hidden
+        return forward.logits(hidden[-1:] if last_only else hidden), hidden
