@@ -32,6 +32,7 @@ from hetspec.daemon.supervision.cores import CoreError
 from hetspec.daemon.supervision.supervisor import StartupError
 from hetspec.logs import LOG_LEVELS, configure_logging, get_logger
 from hetspec.protocol import ProbeFailure
+from hetspec.speculative.control.arca import cache_path, describe_cached
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,6 +117,21 @@ async def decide_runtimes(config: DaemonConfig):
     return drafter, await decide_gpu_runtime(config, "console", cache, drafter)
 
 
+def split_summary(config: DaemonConfig) -> str:
+    """What ``gpu_worker.split_ratio`` will do (HCMP), for ``--check``."""
+    ratio = config.gpu_worker.split_ratio
+    if config.placement != "draft-cpu":
+        return f"split_ratio {ratio}: ignored, the GPU worker drafts in {config.placement}"
+    if config.gpu_runtime not in ("torch", "auto"):
+        return f"split_ratio {ratio}: applies where the GPU worker runs torch only"
+    if ratio != "auto":
+        return f"HCMP split, GPU share {ratio:g} (or one line in the device words why not)"
+    device = config.gpu_worker.device
+    gpu = "cuda" if device == "auto" else device
+    path = cache_path(cache_dir(config.cache_dir), Path(config.target.folder), gpu)
+    return f"HCMP auto: {describe_cached(path)}"
+
+
 def run_check(as_json: bool, config: DaemonConfig | None) -> int:
     """Describe the runtimes; with a configuration, also decide the GPU worker's runtime as
     the daemon would (measuring for "auto", or reading the cached profiles)."""
@@ -147,6 +163,8 @@ def run_check(as_json: bool, config: DaemonConfig | None) -> int:
             print(f"{config.placement}: {drafter.summary()}")
         if decision is not None:
             print(f"{config.placement}: {decision.summary()}")
+        if config is not None and config.gpu_worker.split_ratio is not None:
+            print(f"{config.placement}: {split_summary(config)}")
         if problem is not None:
             print(f"ERROR choosing the GPU worker's runtime: {problem}")
     return 1 if failed or problem else 0

@@ -6,6 +6,7 @@ verifier losslessly, showing the split in /props."""
 from __future__ import annotations
 
 import json
+import platform
 
 import pytest
 import torch
@@ -13,12 +14,15 @@ from test_daemon import request
 from test_hcmp import TARGET
 from test_lossless import BundledDaemon
 
+from hetspec.daemon.cli import split_summary
+from hetspec.daemon.config import load_config
 from hetspec.protocol import worker_messages as m
+from hetspec.speculative.control.arca import cache_path, describe_cached
 from hetspec.speculative.verify.distributions import SamplingParams
 from hetspec.speculative.verify.samplers import DrawnSampler
 from hetspec.workers.runtimes.loading import load_runtime
 from hetspec.workers.runtimes.torch_runtime import TorchRuntime
-from hetspec.workers.runtimes.torch_runtime.hcmp_choice import ARCA_WIDTHS, cache_path
+from hetspec.workers.runtimes.torch_runtime.hcmp_choice import ARCA_WIDTHS
 from hetspec.workers.runtimes.torch_runtime.hcmp_runtime import HcmpRuntime
 
 TOKENS = [11, 42, 7, 300, 12, 5, 99, 3]
@@ -94,6 +98,10 @@ def test_arca_measures_each_widths_ratio_at_load_and_reads_it_back(
         assert mine[ratio] == min(mine.values())
     assert greedy(runtime) == unsplit_tokens
 
+    shown = describe_cached(cache_path(tmp_path, TARGET, "cpu"))  # hetspecd --check's line
+    assert shown.startswith(f"ARCA profile (measured on {platform.machine()} | ")
+    assert ", ".join(f"width {w} ratio {r:g}" for w, r in chosen.items()) in shown
+
     again, words = load_runtime("torch", str(TARGET), auto)
     assert words.startswith("cpu (HCMP by ARCA (cached profile): ")
     assert {w: again.ratio_for(w) for w in ARCA_WIDTHS} == chosen
@@ -135,3 +143,23 @@ def test_the_daemon_serves_a_split_verifier_losslessly_and_says_so(tmp_path) -> 
             assert out["tokens"] == alone["tokens"], mode
     finally:
         daemon.stop()
+
+
+def test_check_says_what_the_split_will_do(tmp_path) -> None:
+    """``hetspecd --check``'s line: a ratio, ARCA's cached choice, or why it is ignored."""
+
+    def config(**overrides):
+        return load_config(environ={}, overrides={"cache_dir": str(tmp_path), **overrides})
+
+    auto = {"gpu_runtime": "torch", "gpu_worker.split_ratio": "auto"}
+    assert split_summary(config(**auto)) == (
+        "HCMP auto: no ARCA profile yet: the GPU worker measures one at its first start"
+    )
+    folder = config(**auto).target.folder
+    load_runtime("torch", folder, settings(split_ratio="auto", split_cache=str(tmp_path)))
+    shown = split_summary(config(**auto, **{"gpu_worker.device": "cpu"}))
+    assert shown.startswith("HCMP auto: ARCA profile (measured on ")
+    fixed = {"gpu_runtime": "torch", "gpu_worker.split_ratio": 0.5}
+    assert split_summary(config(**fixed)).startswith("HCMP split, GPU share 0.5")
+    drafting = config(**fixed, placement="draft-gpu")
+    assert split_summary(drafting) == "split_ratio 0.5: ignored, the GPU worker drafts in draft-gpu"

@@ -297,6 +297,8 @@ def _torch_settings(
     settings = m.TorchSettings(**_fields(cfg, m.TorchSettings))
     if settings.threads is None:  # torch would otherwise size its pool from the whole box
         settings = msgspec.structs.replace(settings, threads=len(set(cores)))
+    if not verifies:  # HCMP splits a verification: a drafting GPU worker runs whole
+        settings = msgspec.structs.replace(settings, split_ratio=None)
     if settings.split_ratio == "auto" and settings.split_cache is None:  # ARCA's profiles
         settings = msgspec.structs.replace(settings, split_cache=str(cache_dir(cache)))
     if verifies:

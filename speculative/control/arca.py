@@ -228,6 +228,28 @@ def ratios_by_width(cost_ms: Mapping[tuple[int, float], float]) -> dict[int, flo
     return {w: best_ratio(cost_ms, w)[0] for w in sorted({w for w, _ in cost_ms})}
 
 
+def cache_path(cache: Path, model: Path, gpu: str) -> Path:
+    """Where a verifier's costs for ``model`` split with ``gpu`` are kept under the cache
+    folder: one file a model path and device, whose contents name the model and box they were
+    measured for."""
+    key = hashlib.sha256(f"{model.resolve()}|{gpu}".encode()).hexdigest()[:24]
+    return cache / "arca" / f"{key}.json"
+
+
+def describe_cached(path: Path) -> str:
+    """One line on what the cached costs at ``path`` choose, and the box they were measured
+    on, for ``hetspecd --check`` (whether they fit this box is the worker's check)."""
+    if not path.exists():
+        return "no ARCA profile yet: the GPU worker measures one at its first start"
+    try:
+        record = json.loads(path.read_text())
+        costs = _costs(record)
+        chosen = ", ".join(f"width {w} ratio {r:g}" for w, r in ratios_by_width(costs).items())
+        return f"ARCA profile (measured on {record['box']}): {chosen}"
+    except (OSError, KeyError, TypeError, ValueError) as error:
+        return f"{path}: not an ARCA profile ({error!r}); the GPU worker will verify unsplit"
+
+
 def save_costs(path: Path, identity: Identity, cost_ms: Mapping[tuple[int, float], float]) -> None:
     """Write a verifier's measured costs for ``identity``, whole or not at all (a hidden
     sibling renamed over the file)."""

@@ -10,7 +10,6 @@ cannot split); the caller then loads the unsplit runtime.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from hetspec.speculative.control.arca import (
     Identity,
     ProfileMismatch,
     box_identity,
+    cache_path,
     initial_ratio,
     load_costs,
     model_identity,
@@ -96,13 +96,6 @@ def _arca(runtime: HcmpRuntime, model: Path, gpu: str, cache: str | None) -> Spl
     ratios = ratios_by_width(costs)
     runtime.split_by_width(ratios)
     return SplitLoad(runtime, describe(costs, ratios, cached))
-
-
-def cache_path(cache: Path, model: Path, gpu: str) -> Path:
-    """ARCA's profile of ``model`` split with ``gpu``: one file a model path and device, whose
-    contents name the model and box they were measured for."""
-    key = hashlib.sha256(f"{model.resolve()}|{gpu}".encode()).hexdigest()[:24]
-    return cache / "arca" / f"{key}.json"
 
 
 def measure_costs(runtime: HcmpRuntime) -> dict[tuple[int, float], float]:
