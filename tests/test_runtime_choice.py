@@ -19,8 +19,10 @@ from hetspec.daemon.config import BUNDLED_MODELS, ConfigError, cache_dir, load_c
 from hetspec.daemon.load.runtime_trials import (
     CUDA_VERIFY_WIDTHS,
     VERIFY_WIDTHS,
+    CpuClock,
     decide_drafter,
     decide_gpu_runtime,
+    measure,
     profile_key,
 )
 from hetspec.daemon.supervision.supervisor import worker_specs
@@ -171,6 +173,36 @@ def test_auto_measures_every_runtime_chooses_the_fastest_and_reuses_the_figures(
     assert again.cached
     assert again.profiles == decision.profiles
     assert again.runtime == decision.runtime
+
+
+def test_other_processes_busy_time_is_the_box_s_less_our_own() -> None:
+    before = CpuClock(wall_s=10.0, box_busy_s=100.0, ours_s=5.0)
+    after = CpuClock(wall_s=12.0, box_busy_s=104.0, ours_s=7.5)  # we used 2.5 s of 4
+    assert after.others_cores_since(before) == pytest.approx(0.75)
+    assert CpuClock(12.0, None, 7.5).others_cores_since(before) is None  # no /proc/stat
+    assert CpuClock(12.0, 101.0, 7.5).others_cores_since(before) == 0.0  # rounding: never < 0
+    assert CpuClock.now().wall_s > 0
+
+
+@pytest.mark.process
+def test_a_runtime_timed_beside_a_busy_process_is_not_cached(tmp_path) -> None:
+    """Its figures are that moment's: the next start measures again (four daemons started
+    at once once cached the wrong runtime for good)."""
+    config = load_config(environ={"HETSPEC_GPU_WORKER__DEVICE": "cpu"})
+    spec = worker_specs(config, "json", gpu_runtime="native")["gpu"]
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        busy, hit = asyncio.run(measure(spec, [1, 4], 120, tmp_path))
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert isinstance(busy, RuntimeProfile)
+    assert not hit
+    assert not list((tmp_path / "profiles").glob("*.json"))
+    quiet, hit = asyncio.run(measure(spec, [1, 4], 120, tmp_path))
+    assert isinstance(quiet, RuntimeProfile)
+    assert len(list((tmp_path / "profiles").glob("*.json"))) == 1
+    assert asyncio.run(measure(spec, [1, 4], 120, tmp_path))[1]  # now from the cache
 
 
 @pytest.mark.process

@@ -19,7 +19,10 @@ import importlib.util
 import json
 import os
 import platform
+import resource
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -200,6 +203,7 @@ async def measure(
         "--spare-cores",
         ",".join(map(str, spec.spare_cores)),
     ]
+    before = CpuClock.now()
     process = await asyncio.create_subprocess_exec(
         *command,
         stdin=asyncio.subprocess.DEVNULL,
@@ -225,9 +229,54 @@ async def measure(
         return ProbeFailure(
             runtime=spec.runtime, message=f"profiling exited with {process.returncode}: {said}"
         ), False
+    others = CpuClock.now().others_cores_since(before)
     if path is not None and isinstance(result, RuntimeProfile):
-        _store(path, msgspec.json.encode(result))
+        if others is not None and others > BUSY_CORES:  # a figure of this moment only
+            log.warning(
+                "runtime measured on a busy box: not cached, the next start measures again",
+                runtime=spec.runtime,
+                other_processes_cores=round(others, 2),
+            )
+        else:
+            _store(path, msgspec.json.encode(result))
     return result, False
+
+
+# Cores other processes may keep busy while a runtime is timed before its profile is too much
+# of that moment to keep: four daemons started at once timed each other's loads (the native
+# kernels at 4.4x their own time) and cached the wrong choice for good.
+BUSY_CORES = 0.75
+
+
+@dataclass(frozen=True)
+class CpuClock:
+    """The box's busy CPU time (all cores: user, nice, system, interrupts; not steal, which
+    is the host's) and this process's and its reaped children's, at one moment."""
+
+    wall_s: float
+    box_busy_s: float | None  # None: no /proc/stat here
+    ours_s: float
+
+    @classmethod
+    def now(cls) -> CpuClock:
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        ours = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+        try:
+            fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+            user, nice, system, _idle, _iowait, irq, softirq = (int(v) for v in fields[1:8])
+            busy = (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError):
+            busy = None
+        return cls(time.monotonic(), busy, ours)
+
+    def others_cores_since(self, before: CpuClock) -> float | None:
+        """Cores other processes kept busy on average since ``before`` (None: unknown)."""
+        wall = self.wall_s - before.wall_s
+        if self.box_busy_s is None or before.box_busy_s is None or wall <= 0:
+            return None
+        others = (self.box_busy_s - before.box_busy_s) - (self.ours_s - before.ours_s)
+        return max(others, 0.0) / wall
 
 
 def _store(path: Path, data: bytes) -> None:
