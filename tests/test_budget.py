@@ -534,6 +534,23 @@ def test_a_trial_of_the_other_core_choice_is_not_priced_as_a_verification() -> N
     assert Estimates().verify_size(7) == 7.0  # no profile: per node
 
 
+def test_a_verification_fit_is_kept_until_a_round_or_a_verification_is_observed() -> None:
+    """A choice prices dozens of widths against one fit: the kept fit is the one a fresh
+    computation gives, and a new verification or round refits it."""
+    estimates = Estimates()
+    estimates.assume_verifier({1: 0.007, 2: 0.0099, 8: 0.0144, 16: 0.021})
+    for width, seconds in ((2, 0.011), (5, 0.014), (9, 0.019)):
+        estimates.observe(RoundReport(width - 1, 1, 1, verify_width=width, verify_s=seconds))
+    kept = estimates.verify_line(False)
+    assert estimates.verify_line(False) is kept  # not refitted between two observations
+    assert kept == estimates._fit_verify(False, True)  # what a fresh fit gives
+    estimates.observe(RoundReport(3, 1, 3, verify_width=4, verify_s=0.03))
+    refitted = estimates.verify_line(False)
+    assert refitted is not kept
+    assert refitted == estimates._fit_verify(False, True)
+    assert refitted.at(4) > kept.at(4)  # the dear new sample raised the fit
+
+
 def test_the_estimated_model_approaches_the_box_s_true_one() -> None:
     """What the controller predicts for its settled plans is near what the box delivers."""
     box = SimulatedBox(0.001, 0.006, 0.0002, 0.7, np.random.default_rng(1), contention=1.2)

@@ -108,6 +108,13 @@ class Estimates:
         self._rule_first = DecayedRate(c.max_branches + 1)  # rounds the rule drafted, by k
         self._single_first = DecayedRate(c.max_branches + 1)  # one branch, by would-be k
         self._profile: ProfileCurve | None = None  # the verifier's, measured before serving
+        # verify_line's fits until a verification or a round is observed: a choice prices
+        # dozens of widths (a dynamic tree's best_width), each fit a pass over the medians
+        self._verify_samples = 0
+        self._lines: tuple[tuple[int, int], dict[tuple[bool, bool], VerifyCost | None]] = (
+            (-1, -1),
+            {},
+        )
         self._overlap_factor = 1.0  # an overlapped verification against a plain one, unmeasured
         self._delivered = Delivered()
 
@@ -145,6 +152,7 @@ class Estimates:
                 # a forward shared with other requests' rows cost what its whole width does
                 width = max(report.verify_width, report.batch_rows)
                 widths.setdefault(width, self._median()).add(report.verify_s)
+                self._verify_samples += 1
             self._overhead.add(max(0.0, report.overhead_s))
         if report.lookup is None:  # a model-free draft's acceptance is not the draft model's
             self._observe_acceptance(report)
@@ -215,6 +223,7 @@ class Estimates:
         widths = np.array(sorted(seconds_by_width), float)
         times = np.array([seconds_by_width[int(w)] for w in widths])
         self._profile = ProfileCurve(tuple(widths.tolist()), tuple(times.tolist()))
+        self._verify_samples += 1
 
     # ------------------------------------------------------------ costs
 
@@ -249,6 +258,15 @@ class Estimates:
         them (``verify_fit.fit_profile``); else a least-squares line (slope >= 0). Where one
         width only was measured, the line's slope comes from the other kind's line, scaled to
         this one's level: flat, it priced narrow trees like the one wide tree measured."""
+        state = (self.rounds, self._verify_samples)
+        if self._lines[0] != state:
+            self._lines = (state, {})
+        fits = self._lines[1]
+        if (overlapped, borrow) not in fits:
+            fits[overlapped, borrow] = self._fit_verify(overlapped, borrow)
+        return fits[overlapped, borrow]
+
+    def _fit_verify(self, overlapped: bool, borrow: bool) -> VerifyCost | None:
         points = self._points(self._verify.of(overlapped))
         if not points and not overlapped:  # only trees verified so far: priced as chains
             points = self._points(self._branched)
