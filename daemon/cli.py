@@ -32,7 +32,7 @@ from hetspec.daemon.supervision.cores import CoreError
 from hetspec.daemon.supervision.supervisor import StartupError
 from hetspec.logs import LOG_LEVELS, configure_logging, get_logger
 from hetspec.protocol import ProbeFailure
-from hetspec.speculative.control.arca import cache_path, describe_cached
+from hetspec.speculative.control.arca import cache_path, describe_cached, split_gpu
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,8 +126,7 @@ def split_summary(config: DaemonConfig) -> str:
         return f"split_ratio {ratio}: applies where the GPU worker runs torch only"
     if ratio != "auto":
         return f"HCMP split, GPU share {ratio:g} (or one line in the device words why not)"
-    device = config.gpu_worker.device
-    gpu = "cuda" if device == "auto" else device
+    gpu = split_gpu(config.gpu_worker.device)
     path = cache_path(cache_dir(config.cache_dir), Path(config.target.folder), gpu)
     return f"HCMP auto: {describe_cached(path)}"
 

@@ -37,14 +37,15 @@ HS_AVX2 INLINE void unpack_factors_avx2(const char *chunk, const int type, unpac
          * stack array one by one and read back as a vector stalled on store forwarding (a
          * quarter of a Q4_1 forward's time). */
         const int bytes = (int)block_bytes(type);
-        const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(bytes));
-        const __m256i present = _mm256_cmpgt_epi32(_mm256_set1_epi32(u->blocks), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
         __m256i words;
         if (u->blocks == SUB) { /* scalar loads: measured faster than the gather */
             int32_t w[SUB];
             for (int b = 0; b < SUB; b++) memcpy(&w[b], chunk + (size_t)b * bytes, 4);
             words = _mm256_setr_epi32(w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]);
         } else {
+            const __m256i blocks = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            const __m256i at = _mm256_mullo_epi32(blocks, _mm256_set1_epi32(bytes));
+            const __m256i present = _mm256_cmpgt_epi32(_mm256_set1_epi32(u->blocks), blocks);
             words = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)chunk, at, present, 1);
         }
         /* dword k's low half (d) to bytes 2k, 2k+1 of each 128-bit lane, its high half (m) to 8+2k, 8+2k+1 */

@@ -228,6 +228,11 @@ def ratios_by_width(cost_ms: Mapping[tuple[int, float], float]) -> dict[int, flo
     return {w: best_ratio(cost_ms, w)[0] for w in sorted({w for w, _ in cost_ms})}
 
 
+def split_gpu(device: str) -> str:
+    """The GPU side's device for a torch worker's ``device`` setting ("auto" is CUDA's)."""
+    return "cuda" if device == "auto" else device
+
+
 def cache_path(cache: Path, model: Path, gpu: str) -> Path:
     """Where a verifier's costs for ``model`` split with ``gpu`` are kept under the cache
     folder: one file a model path and device, whose contents name the model and box they were

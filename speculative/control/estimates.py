@@ -111,10 +111,8 @@ class Estimates:
         # verify_line's fits until a verification or a round is observed: a choice prices
         # dozens of widths (a dynamic tree's best_width), each fit a pass over the medians
         self._verify_samples = 0
-        self._lines: tuple[tuple[int, int], dict[tuple[bool, bool], VerifyCost | None]] = (
-            (-1, -1),
-            {},
-        )
+        self._fits: dict[tuple[bool, bool], VerifyCost | None] = {}  # by (overlapped, borrow)
+        self._fits_at = (-1, -1)  # (rounds, verification samples) the fits are of
         self._overlap_factor = 1.0  # an overlapped verification against a plain one, unmeasured
         self._delivered = Delivered()
 
@@ -258,13 +256,11 @@ class Estimates:
         them (``verify_fit.fit_profile``); else a least-squares line (slope >= 0). Where one
         width only was measured, the line's slope comes from the other kind's line, scaled to
         this one's level: flat, it priced narrow trees like the one wide tree measured."""
-        state = (self.rounds, self._verify_samples)
-        if self._lines[0] != state:
-            self._lines = (state, {})
-        fits = self._lines[1]
-        if (overlapped, borrow) not in fits:
-            fits[overlapped, borrow] = self._fit_verify(overlapped, borrow)
-        return fits[overlapped, borrow]
+        if self._fits_at != (self.rounds, self._verify_samples):
+            self._fits_at, self._fits = (self.rounds, self._verify_samples), {}
+        if (overlapped, borrow) not in self._fits:
+            self._fits[overlapped, borrow] = self._fit_verify(overlapped, borrow)
+        return self._fits[overlapped, borrow]
 
     def _fit_verify(self, overlapped: bool, borrow: bool) -> VerifyCost | None:
         points = self._points(self._verify.of(overlapped))

@@ -27,6 +27,7 @@ from hetspec.speculative.control.arca import (
     ratios_by_width,
     refine_ratio,
     save_costs,
+    split_gpu,
     unsplit_ms,
 )
 from hetspec.workers.runtimes.torch_runtime.config import ModelLoadError
@@ -51,10 +52,9 @@ class SplitLoad:
 def load_split(model: str, settings: m.TorchSettings) -> SplitLoad:
     """The torch verifier of ``model`` split as ``settings.split_ratio`` asks (see the module)."""
     ratio = settings.split_ratio
-    gpu = "cuda" if settings.device == "auto" else settings.device
+    gpu = split_gpu(settings.device)
     sides = {"gpu": Side(gpu, settings.threads), "cpu": Side("cpu", settings.threads)}
-    cuda = torch.device(gpu).type == "cuda" if _is_device(gpu) else False
-    if ratio == "auto" and cuda and not torch.cuda.is_available():
+    if ratio == "auto" and gpu.startswith("cuda") and not torch.cuda.is_available():
         return SplitLoad(None, "HCMP auto: this box has no CUDA device to split with; unsplit")
     try:
         first = checked(HcmpSettings(1.0 if ratio == "auto" else ratio, **sides))
@@ -66,18 +66,11 @@ def load_split(model: str, settings: m.TorchSettings) -> SplitLoad:
     return _arca(runtime, Path(model), gpu, settings.split_cache)
 
 
-def _is_device(name: str) -> bool:
-    try:
-        torch.device(name)
-    except RuntimeError:
-        return False
-    return True
-
-
 def _arca(runtime: HcmpRuntime, model: Path, gpu: str, cache: str | None) -> SplitLoad:
     """ARCA's ratio for every width: from the cache where it holds this model's and box's,
     else measured now (and cached)."""
-    name = torch.cuda.get_device_name(0) if torch.device(gpu).type == "cuda" else None
+    device = torch.device(gpu)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     identity = Identity(model_identity(model), box_identity(name))
     path = cache_path(Path(cache), model, gpu) if cache else None
     cached = path is not None and path.exists()
@@ -85,7 +78,6 @@ def _arca(runtime: HcmpRuntime, model: Path, gpu: str, cache: str | None) -> Spl
         try:
             costs = load_costs(path, identity)
         except (ProfileMismatch, OSError) as error:
-            del runtime
             return SplitLoad(
                 None, f"HCMP auto: {error}; unsplit (delete the file to measure again)"
             )
