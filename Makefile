@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.hetspec-installed
 
-.PHONY: help setup demo heavy check test lint format clean wheelhouse device-bundle
+.PHONY: help setup demo bench-snapshot heavy check test lint format clean wheelhouse device-bundle
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -79,6 +79,9 @@ demo: setup ## start hetspecd on the real model (else the bundled pair), stream 
 	kill -TERM $$pid; wait $$pid || rc=$$?; \
 	if [ $$rc -ne 0 ]; then tail -20 $$dir/hetspecd.log; echo "(kept for a look: $$dir)"; \
 	else rm -rf "$$dir"; fi; exit $$rc
+
+bench-snapshot: $(NATIVE_BUILT) ## a frozen copy of HEAD to run long benches from while you edit (prints its PYTHONPATH)
+	bench/snapshot.sh $(SNAPSHOT)
 
 heavy: setup ## make the default heavy target, heavy-100m, in the cache
 	$(BIN)/python -m hetspec.models.heavy --params 100m

@@ -99,6 +99,10 @@ HS_VNNI INLINE void features16_in_lanes_vnni(const char *wrows, const size_t str
 /* rows from which Q8_0 goes 16 features in lanes; a lone row measured the same either way and
  * keeps one_row_in_lanes */
 #define IN_PLACE16_FROM 2
+/* rows up to which a packed Q8_0 copy serves (passes of 4): it beat 16 features in lanes at
+ * every width to 16 on the small models that get a copy (SmolLM2's 30 MB head: T(8) 13.4 ->
+ * 12.1 ms; docs/bench/native/q4_1-smollm2.md) */
+#define PACKED_MAX_ROWS 16
 
 /* All n rows against output features [j, j + 16) of a Q8_0 matrix, in passes of at most
  * FEATURES16_PASS rows of equal size; literal row counts up to 16 (each call compiled for its
@@ -155,11 +159,12 @@ HS_VNNI void hs_quantized_features_vnni(const hs_matrix *w, const activations *a
                                         int first, int end, float *out) {
     /* Q8_0: calls of 2 or more rows go 16 features in lanes (one pass over the weights for up
      * to 32 rows, the transposes shared by all: it beat rows in lanes at every width from 2
-     * to 128 rows); a packed copy serves up to 4 rows better (no transposes: the bundled
-     * target's T(4) 0.22 against 0.25 ms). Q4_0 goes rows in lanes. */
-    const int in_place16 = w->type == HS_Q8_0 && n >= IN_PLACE16_FROM && (!w->packed || n > 4);
+     * to 128 rows); a packed copy serves up to PACKED_MAX_ROWS rows better (no transposes).
+     * Q4_0 goes rows in lanes. */
+    const int packed = w->type == HS_Q8_0 && w->packed && n <= PACKED_MAX_ROWS;
+    const int in_place16 = w->type == HS_Q8_0 && n >= IN_PLACE16_FROM && !packed;
     const int blocks = w->cols / HS_BLOCK;
-    const int groups = in_place16 ? 0 : grouped_rows(n) / GROUP;
+    const int groups = in_place16 || packed ? 0 : grouped_rows(n) / GROUP;
     const int grouped = groups * GROUP < n ? groups * GROUP : n;
     const size_t stride = row_bytes(w);
     const char *data = w->data;

@@ -324,15 +324,11 @@ HS_AVX2 INLINE __m256i block_scale16(const int type, const unpacked *u, const in
             if (u->blocks == SUB) {                                                                            \
                 x_scales = _mm256_loadu_ps(a->d + at);                                                         \
                 if (has_mins(type)) x_sums = _mm256_loadu_si256((const __m256i *)(a->sum + at));               \
-            } else { /* a short chunk: the missing blocks' terms are 0 * 0 */                                  \
-                float scales[SUB] = {0};                                                                       \
-                int32_t sums_x[SUB] = {0};                                                                     \
-                memcpy(scales, a->d + at, sizeof(float) * (size_t)u->blocks);                                  \
-                x_scales = _mm256_loadu_ps(scales);                                                            \
-                if (has_mins(type)) {                                                                          \
-                    memcpy(sums_x, a->sum + at, sizeof(int32_t) * (size_t)u->blocks);                          \
-                    x_sums = _mm256_loadu_si256((const __m256i *)sums_x);                                      \
-                }                                                                                              \
+            } else { /* a short chunk: the missing blocks' terms are 0 * 0 (masked loads) */               \
+                const __m256i present = _mm256_cmpgt_epi32(_mm256_set1_epi32(u->blocks),                      \
+                                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));         \
+                x_scales = _mm256_maskload_ps(a->d + at, present);                                             \
+                if (has_mins(type)) x_sums = _mm256_maskload_epi32((const int *)(a->sum + at), present);       \
             }                                                                                                  \
             acc[r] = acc[r] + chunk_sum8(block_terms(type, _mm256_cvtepi32_ps(products), x_scales, x_sums,     \
                                                      _mm256_load_ps(u->d), _mm256_load_ps(u->offset)));        \
@@ -407,6 +403,18 @@ HS_AVX2 INLINE void q4_1_blocks_in_lanes(const char *chunk, __m256i w[8]) {
     }
 }
 
+#define ALONE8_ROWS 8 /* rows a pass of rows_alone8 takes at most */
+/* Rows up to which a 32-value type goes 8 features at a time (rows_alone8, in passes of up
+ * to ALONE8_ROWS) rather than in groups, per kernel level: Q4_1's whole chunks take their
+ * blocks in lanes, which at the AVX-512 VNNI level measured cheaper than a padded group's
+ * tiles up to 12 rows (16 rows: the tiles); at AVX2 (vpmaddubsw's products) the tiles won at
+ * 6 and 8 rows; the other types (unpacked blocks, not measured on a real file) and the AVX
+ * VNNI level (not measured) below a group's PAD_FROM. */
+#define Q4_1_ALONE8_MAX_vnni 12
+#define Q4_1_ALONE8_MAX_avx_vnni (PAD_FROM - 1)
+#define Q4_1_ALONE8_MAX_avx2 (PAD_FROM - 1)
+#define ALONE8_MAX(SUFFIX, type) ((type) == HS_Q4_1 ? Q4_1_ALONE8_MAX_##SUFFIX : PAD_FROM - 1)
+
 /* Fewer rows than a group, the 32-value types (Q5_0, Q4_1, Q5_1, IQ4_NL): 8 output features
  * [j, j + 8) at a time. Each feature's chunk is unpacked once and met by every row as
  * rows_major does; a row's 8 chunk terms are summed by chunk_sums8 and its 8 features
@@ -414,28 +422,29 @@ HS_AVX2 INLINE void q4_1_blocks_in_lanes(const char *chunk, __m256i w[8]) {
  * feature, through memory): the same bits. Defined per kernel level, on its block_sums. */
 #define ROWS_ALONE8(ATTR, SUFFIX, DP4)                                                                             \
     ATTR INLINE void rows_alone8_##SUFFIX(const hs_matrix *w, const int type, const activations *a,            \
-                                          const int n, const int j, float *out) {                              \
+                                          const int r0, const int n, const int j, float *out) {                              \
         const int blocks = w->cols / HS_BLOCK, chunks = (blocks + SUB - 1) / SUB;                               \
         const size_t stride = hs_unpacked_row_bytes(type, w->cols);                                             \
-        __m256 acc[PAD_FROM], v[PAD_FROM][8];                                                                   \
+        __m256 acc[ALONE8_ROWS], v[ALONE8_ROWS][8];                                                                     \
         for (int r = 0; r < n; r++) acc[r] = _mm256_setzero_ps();                                               \
         for (int c = 0; c < chunks; c++) {                                                                      \
             const int present = chunk_blocks(blocks, c);                                                        \
-            __m256 x_scales[PAD_FROM];                                                                          \
-            __m256i x_sums[PAD_FROM];                                                                           \
-            for (int r = 0; r < n; r++) { /* a short chunk's missing blocks: scale and sum 0 */                 \
-                const size_t at = (size_t)r * blocks + (size_t)c * SUB;                                         \
-                float scales[SUB] = {0};                                                                        \
-                int32_t sums_x[SUB] = {0};                                                                      \
-                memcpy(scales, a->d + at, sizeof(float) * (size_t)present);                                     \
-                if (has_mins(type)) memcpy(sums_x, a->sum + at, sizeof(int32_t) * (size_t)present);             \
-                x_scales[r] = _mm256_loadu_ps(scales);                                                          \
-                x_sums[r] = _mm256_loadu_si256((const __m256i *)sums_x);                                        \
+            __m256 x_scales[ALONE8_ROWS];                                                                          \
+            __m256i x_sums[ALONE8_ROWS];                                                                           \
+            /* a short chunk's missing blocks: scale and sum 0 (a masked load: a memcpy of a                   \
+             * variable length here was a libc call a row a chunk, a fifth of a Q4_1 forward) */                \
+            const __m256i present_lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(present),                       \
+                                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));        \
+            for (int r = 0; r < n; r++) {                                                                       \
+                const size_t at = (size_t)(r0 + r) * blocks + (size_t)c * SUB;                                         \
+                x_scales[r] = _mm256_maskload_ps(a->d + at, present_lanes);                                     \
+                x_sums[r] = has_mins(type) ? _mm256_maskload_epi32((const int *)(a->sum + at), present_lanes)   \
+                                           : _mm256_setzero_si256();                                            \
             }                                                                                                   \
             if (type == HS_Q4_1 && present == SUB) { /* blocks in lanes: no horizontal sums */                \
-                __m256i xt[PAD_FROM][8];                                                                        \
+                __m256i xt[ALONE8_ROWS][8];                                                                        \
                 for (int r = 0; r < n; r++) {                                                                   \
-                    const int8_t *x = a->q + (size_t)r * w->cols + (size_t)c * HS_SUPER;                        \
+                    const int8_t *x = a->q + (size_t)(r0 + r) * w->cols + (size_t)c * HS_SUPER;                        \
                     __m256i xb[8];                                                                              \
                     for (int b = 0; b < SUB; b++) xb[b] = _mm256_loadu_si256((const __m256i *)(x + 32 * b));    \
                     transpose8x8_epi32(xb, xt[r]);                                                              \
@@ -468,7 +477,7 @@ HS_AVX2 INLINE void q4_1_blocks_in_lanes(const char *chunk, __m256i w[8]) {
                 unpack_avx2(chunk, type, present, &u);                                                          \
                 const __m256 d = _mm256_load_ps(u.d), offset = _mm256_load_ps(u.offset);                        \
                 for (int r = 0; r < n; r++) {                                                                   \
-                    const int8_t *x = a->q + (size_t)r * w->cols + (size_t)c * HS_SUPER;                        \
+                    const int8_t *x = a->q + (size_t)(r0 + r) * w->cols + (size_t)c * HS_SUPER;                        \
                     __m256i sums[SUB];                                                                          \
                     for (int b = 0; b < SUB; b++)                                                               \
                         sums[b] = b < present                                                                   \
@@ -484,7 +493,7 @@ HS_AVX2 INLINE void q4_1_blocks_in_lanes(const char *chunk, __m256i w[8]) {
         for (int r = 0; r < n; r++) {                                                                           \
             float lanes[8];                                                                                     \
             _mm256_storeu_ps(lanes, acc[r]);                                                                    \
-            memcpy(out + (size_t)r * w->rows + j, lanes, sizeof lanes);                                         \
+            memcpy(out + (size_t)(r0 + r) * w->rows + j, lanes, sizeof lanes);                                         \
         }                                                                                                       \
     }
 
@@ -503,12 +512,34 @@ HS_AVX2 INLINE void q4_1_blocks_in_lanes(const char *chunk, __m256i w[8]) {
     default: TYPED_CALL(SUFFIX, HS_Q5_0) break;                                              \
     }
 #define TYPED_CALL(SUFFIX, type)                                                             \
-    if (grouped_rows(n) >= GROUP) {                                                          \
-        features_typed_##SUFFIX(w, type, a, n, first, end, out);                             \
-    } else {                                                                                 \
-        if (small_blocks(type))                                                              \
-            for (; first + 8 <= end; first += 8) rows_alone8_##SUFFIX(w, type, a, n, first, out); \
-        if (first < end) rows_alone_typed_##SUFFIX(w, type, a, n, first, end, out);          \
+    if (small_blocks(type) && n <= ALONE8_MAX(SUFFIX, type)) {                                       \
+        const int passes = (n + ALONE8_ROWS - 1) / ALONE8_ROWS;                              \
+        for (; first + 8 <= end; first += 8)                                                 \
+            for (int p = 0, r0 = 0; p < passes; p++) {                                       \
+                const int m = pass_rows(n, r0, p, passes);                                   \
+                ALONE8_ROWS_LITERAL(SUFFIX, type, r0, m)                                     \
+                r0 += m;                                                                     \
+            }                                                                                \
+    }                                                                                        \
+    if (first < end) {                                                                       \
+        if (grouped_rows(n) >= GROUP)                                                        \
+            features_typed_##SUFFIX(w, type, a, n, first, end, out);                         \
+        else                                                                                 \
+            rows_alone_typed_##SUFFIX(w, type, a, n, first, end, out);                       \
+    }
+
+/* rows_alone8 with its row count a literal (each compiled for its own: the rows' vectors stay
+ * in registers) */
+#define ALONE8_ROWS_LITERAL(SUFFIX, type, r0, m)                                             \
+    switch (m) {                                                                             \
+    case 1: rows_alone8_##SUFFIX(w, type, a, r0, 1, first, out); break;                      \
+    case 2: rows_alone8_##SUFFIX(w, type, a, r0, 2, first, out); break;                      \
+    case 3: rows_alone8_##SUFFIX(w, type, a, r0, 3, first, out); break;                      \
+    case 4: rows_alone8_##SUFFIX(w, type, a, r0, 4, first, out); break;                      \
+    case 5: rows_alone8_##SUFFIX(w, type, a, r0, 5, first, out); break;                      \
+    case 6: rows_alone8_##SUFFIX(w, type, a, r0, 6, first, out); break;                      \
+    case 7: rows_alone8_##SUFFIX(w, type, a, r0, 7, first, out); break;                      \
+    default: rows_alone8_##SUFFIX(w, type, a, r0, m, first, out); break;                     \
     }
 
 /* All n rows against output features [first, end): passes of up to two whole groups rows in
