@@ -22,6 +22,7 @@ import zmq
 from hetspec.daemon.config import BUNDLED_MODELS
 from hetspec.protocol import Arena, ArrayRef, Codec
 from hetspec.protocol import worker_messages as m
+from hetspec.workers.batched_handlers import PREFILL_BESIDE, PREFILL_JOINS_UP_TO
 from hetspec.workers.command_reader import CommandReader
 from hetspec.workers.runtimes.spare_cores import SpareCores
 from hetspec.workers.worker import Worker
@@ -410,6 +411,60 @@ def test_commands_queued_while_a_batch_decodes_join_its_next_step(workers) -> No
         assert mine.tokens == single.call(command).tokens
     reply = single.call(alone_verify)
     assert same(logits, single.arena.view(reply.logits).copy())
+
+
+def test_a_prompt_queued_with_decodings_rides_in_their_steps_as_alone(workers) -> None:
+    """A new request's prompt queued beside two sequences' decodings is evaluated in their
+    steps, PREFILL_BESIDE tokens a step (so they never wait for the whole prompt): answered
+    once its last chunk is, with what the prompt alone answers (tokens reused, committed, the
+    next-token logits), and every sequence decodes on as it does alone."""
+    batched, single = workers("native", 3), workers("native", 3)
+    long_prompt = "import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n"
+    prompt = batched.worker.runtime.tokenize(long_prompt * 2)
+    assert len(prompt) > 2 * PREFILL_BESIDE  # three steps at least
+
+    def commands(worker):
+        for sequence, text in enumerate(PROMPTS[:2]):
+            worker.call(
+                m.Prefill(
+                    worker.request(),
+                    worker.worker.runtime.tokenize(text),
+                    seed=5,
+                    sequence=sequence,
+                )
+            )
+        decodes = [m.Decode(worker.request(), 10, GREEDY, sequence=s) for s in (0, 1)]
+        return [*decodes, m.Prefill(worker.request(), prompt, seed=5, out=2, sequence=2)]
+
+    sent = commands(batched)
+    replies = batched.run(*sent)
+    assert batched.worker.together == {("Decode + Prefill", 3): 1}
+    prefilled = replies[sent[2].request]
+    assert isinstance(prefilled, m.Prefilled), prefilled
+    assert prefilled.elapsed_ms < replies[sent[0].request].elapsed_ms  # answered early
+    logits = batched.arena.view(prefilled.logits).copy()
+    alone = commands(single)
+    for mine, command in zip([replies[c.request] for c in sent[:2]], alone[:2], strict=True):
+        assert mine.tokens == single.call(command).tokens
+    reply = single.call(alone[2])
+    assert (
+        (prefilled.reused, prefilled.committed)
+        == (reply.reused, reply.committed)
+        == (0, len(prompt))
+    )
+    assert same(logits, single.arena.view(reply.logits).copy())
+    after = [m.Decode(w.request(), 6, SAMPLED, sequence=2) for w in (batched, single)]
+    assert batched.call(after[0]).tokens == single.call(after[1]).tokens  # its sampler too
+
+
+def test_a_long_prompt_or_one_with_log_probabilities_runs_alone(workers) -> None:
+    worker = workers("native", 2)
+    handlers = worker.worker
+    decode = m.Decode(1, 4, GREEDY, sequence=0)
+    assert handlers.joins(decode, m.Prefill(2, [1] * PREFILL_JOINS_UP_TO, sequence=1))
+    assert not handlers.joins(decode, m.Prefill(2, [1] * (PREFILL_JOINS_UP_TO + 1), sequence=1))
+    assert not handlers.joins(decode, m.Prefill(2, [1, 2], prompt_logprobs=0, sequence=1))
+    assert not handlers.joins(decode, m.Prefill(2, [1, 2], report_features=True, sequence=1))
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])

@@ -6,8 +6,12 @@ evaluated in one forward a step where the runtime has multi-sequence forwards
 Contract: ``leads(command)`` says whether a command taken may gather others to run with it,
 ``joins(first, queued)`` whether a queued one may join it: the plain cases only (a tree's
 logits to the arena, ``argmax_only`` or a sampled ``walk``, with ``commit``, ``root_row`` and
-``extend``; decoding alone with no grammar and no features), in a worker serving several
-sequences on a runtime that evaluates them together; anything else runs on its own.
+``extend``; decoding alone with no grammar and no features; a prompt of at most
+``PREFILL_JOINS_UP_TO`` tokens with no features and no prompt log-probabilities), in a worker
+serving several sequences on a runtime that evaluates them together; anything else runs on
+its own. A prompt rides in the batch's steps ``PREFILL_BESIDE`` tokens a step while other
+sequences' work shares the forward (so the others' decodings never stop for it), in the
+runtime's own chunks where it is alone.
 ``run_together`` runs such commands and returns one result a command, in their order: its
 ``(reply, arrays)``, or the exception it failed with (the loop answers ``Failed``). Each reply
 holds exactly what its command answers run alone (the kernels' rows are bit for bit those of a
@@ -23,19 +27,28 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
 
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.sampling import TokenLogprob
+from hetspec.speculative.verify.samplers import sampler_for
 from hetspec.workers.batched_drafts import draft_together, plain_draft
 from hetspec.workers.compute_handlers import ComputeHandlers, Verification
 from hetspec.workers.runtimes.decode_steps import DecodeSteps
 from hetspec.workers.runtimes.sequence_work import Chunk, Tree
 
 Result = tuple | Exception  # a command's (reply, arrays), or why it failed
+
+# a prompt's tokens a step while other sequences' work shares the forward: a step's time is
+# the others' token time, so a chunk this size costs them about three tokens' forwards (the
+# native kernels, T(16) ~ 4x T(3) on a small CPU model) rather than the whole prompt's wait
+PREFILL_BESIDE = 16
+# longer prompts run alone, in the runtime's own chunks (and stop between them if cancelled:
+# commands run together do not stop for a Cancel)
+PREFILL_JOINS_UP_TO = 1024
 
 
 @dataclass(eq=False)
@@ -50,6 +63,30 @@ class _Decoding:
     logprobs: list[TokenLogprob] | None
     token: int | None = None
     logits: np.ndarray | Exception | None = None
+
+
+@dataclass(eq=False)
+class _Prefilling:
+    """One ``Prefill`` of a batch: its engine, the tokens it reused and those still to
+    evaluate."""
+
+    index: int
+    command: m.Prefill
+    engine: object
+    reused: int
+    rest: list[int]
+
+
+@dataclass(eq=False)
+class _Batch:
+    """What a batch holds between its steps: a result and a joining time per command, the
+    verifications whose trees go in the next forward, the decodings and the prompts going."""
+
+    results: list
+    joined: list[float]
+    pending: list[tuple[int, Verification]] = field(default_factory=list)
+    running: list[_Decoding] = field(default_factory=list)
+    prompts: list[_Prefilling] = field(default_factory=list)
 
 
 class BatchedHandlers(ComputeHandlers):
@@ -84,6 +121,13 @@ class BatchedHandlers(ComputeHandlers):
             return command.features_out < 0
         if isinstance(command, m.Decode):  # (a refused step count: refused as alone)
             return command.grammar is None and not command.report_features and command.steps > 0
+        if isinstance(command, m.Prefill):
+            return (
+                command.prompt_logprobs is None
+                and command.features is None
+                and not command.report_features
+                and 0 < len(command.tokens) <= PREFILL_JOINS_UP_TO
+            )
         return False
 
     def run_together(
@@ -101,10 +145,11 @@ class BatchedHandlers(ComputeHandlers):
         tree in that step's forward, a decoding from that step on, so that no request waits
         for the others' decodings to end. ``early(index, result)``, where given, has each
         verification's result once its tree is evaluated (its reply need not wait for the
-        decodings' later steps); the list holds them too. A reply's ``elapsed_ms`` is the
-        time from its joining to its own result, and a verification's ``batch_rows`` the rows
-        of the forward that evaluated it: the daemon's controller prices a round by what it
-        waited for."""
+        decodings' later steps), and each prompt's once its last chunk is (a prompt rides
+        PREFILL_BESIDE tokens a step beside other work); the list holds them too. A reply's
+        ``elapsed_ms`` is the time from its joining to its own result, and a verification's
+        ``batch_rows`` the rows of the forward that evaluated it: the daemon's controller
+        prices a round by what it waited for."""
         kinds = sorted({type(command).__name__ for command in commands})
         self.together[" + ".join(kinds), len(commands)] += 1
         # lent where any command was sent with them: the batch's forward is the long call,
@@ -116,56 +161,98 @@ class BatchedHandlers(ComputeHandlers):
                 self.spare.use(False, self._set_extra_threads)
             return results
         start = time.perf_counter()
-        results: list[Result | None] = [None] * len(commands)
-        joined = [start] * len(commands)  # when each command joined the batch
-        pending: list[tuple[int, Verification]] = []  # trees for the next forward
-        running: list[_Decoding] = []
-        self._join(commands, range(len(commands)), results, pending, running)
+        batch = _Batch([None] * len(commands), [start] * len(commands))
+        self._join(commands, range(len(commands)), batch)
         done: list[_Decoding] = []
-        while pending or running:
-            waiting = [run for run in running if run.token is not None]
+        while batch.pending or batch.running or batch.prompts:
+            waiting = [run for run in batch.running if run.token is not None]
             chunks = [Chunk(run.engine, [run.token]) for run in waiting]
-            trees = [Tree(job.state.engine, *_tree(job.command)) for _, job in pending]
-            outputs, first = self._evaluate([*trees, *chunks]), len(trees)
-            if pending:
-                width = sum(len(tree.tokens) for tree in trees) + len(chunks)
-                self._verify_done(pending, outputs[:first], results, joined, early, width=width)
-                pending = []
-            for run, logits in zip(waiting, outputs[first:], strict=True):
+            trees = [Tree(job.state.engine, *_tree(job.command)) for _, job in batch.pending]
+            beside = len(trees) + len(chunks) + len(batch.prompts) > 1
+            parts = [
+                Chunk(p.engine, p.rest[: PREFILL_BESIDE if beside else p.engine.default_chunk])
+                for p in batch.prompts
+            ]
+            outputs = self._evaluate([*trees, *chunks, *parts])
+            first, after = len(trees), len(trees) + len(chunks)
+            if batch.pending:
+                width = sum(len(item.tokens) for item in (*trees, *parts)) + len(chunks)
+                self._verify_done(
+                    batch.pending, outputs[:first], batch.results, batch.joined, early, width=width
+                )
+                batch.pending = []
+            for run, logits in zip(waiting, outputs[first:after], strict=True):
                 run.token, run.logits = None, logits
-            running = self._step(running, results, done)
-            if more is not None and running:
+            batch.running = self._step(batch.running, batch.results, done)
+            batch.prompts = self._prefill_step(batch, parts, outputs[after:], early)
+            if more is not None and (batch.running or batch.prompts):
                 busy = {command.sequence for command in commands}
                 late = [c for c in more(busy) if self.joins(commands[0], c)]
                 if late:
                     indices = range(len(commands), len(commands) + len(late))
                     commands.extend(late)
-                    results.extend([None] * len(late))
-                    joined.extend([time.perf_counter()] * len(late))
+                    batch.results.extend([None] * len(late))
+                    batch.joined.extend([time.perf_counter()] * len(late))
                     self.together["joined " + type(late[0]).__name__, len(late)] += 1
-                    self._join(commands, indices, results, pending, running)
+                    self._join(commands, indices, batch)
         if any(c.spare_cores for c in commands):  # give the drafter its cores back
             self.spare.use(False, self._set_extra_threads)
         end = time.perf_counter()
         for run in done:
-            elapsed = (end - joined[run.index]) * 1000
+            elapsed = (end - batch.joined[run.index]) * 1000
             reply = m.Decoded(run.command.request, run.steps.drawn, elapsed, run.logprobs or [])
-            results[run.index] = (reply, ())
-        return results
+            batch.results[run.index] = (reply, ())
+        return batch.results
 
-    def _join(self, commands, indices, results, pending, running) -> None:
+    def _join(self, commands, indices, batch: _Batch) -> None:
         """The commands at ``indices`` into the batch: a verification's checks (its tree to
-        the next forward), a decoding's start; a refusal is that command's result."""
+        the next forward), a decoding's start, a prompt's common prefix kept (the rest to
+        evaluate in the next steps); a refusal is that command's result."""
         for index in indices:
             command = commands[index]
             try:
                 if isinstance(command, m.VerifyTree):
                     state = self._sequence(command.sequence)
-                    pending.append((index, self._verify_start(command, state)))
+                    batch.pending.append((index, self._verify_start(command, state)))
+                elif isinstance(command, m.Prefill):
+                    engine = self._sequence(command.sequence).engine
+                    reused, rest = engine.start_prefill(command.tokens)
+                    batch.prompts.append(_Prefilling(index, command, engine, reused, rest))
                 else:
-                    running.append(self._decoding(index, command))
+                    batch.running.append(self._decoding(index, command))
             except Exception as error:  # answered as Failed, as the loop answers any command
-                results[index] = error
+                batch.results[index] = error
+
+    def _prefill_step(self, batch: _Batch, parts, outputs, early) -> list[_Prefilling]:
+        """Each prompt's chunk evaluated (``parts``, ``outputs``): those with tokens left;
+        a finished one's reply (``prefill``'s: its sampler started, the last logits to its
+        slot) or error is its result, handed to ``early``."""
+        going = []
+        for prompt, part, logits in zip(batch.prompts, parts, outputs, strict=True):
+            command = prompt.command
+            try:
+                if isinstance(logits, Exception):
+                    raise logits
+                prompt.rest = prompt.rest[len(part.tokens) :]
+                if prompt.rest:
+                    going.append(prompt)
+                    continue
+                self._sequence(command.sequence).sampler = sampler_for(command.seed)
+                row = None
+                if command.out >= 0:
+                    slot = self._slot(command.out, (1, prompt.engine.vocab_size))
+                    slot[0] = logits
+                    row = m.ArrayRef(slot.dtype.str, slot.shape, slot=command.out)
+                elapsed = (time.perf_counter() - batch.joined[prompt.index]) * 1000
+                reply = m.Prefilled(
+                    command.request, prompt.reused, prompt.engine.committed, elapsed, row
+                )
+                batch.results[prompt.index] = (reply, ())
+            except Exception as error:
+                batch.results[prompt.index] = error
+            if early is not None:
+                early(prompt.index, batch.results[prompt.index])
+        return going
 
     def _verify_done(self, jobs, rows_by_job, results, joined, early, *, width: int) -> None:
         """Each verification's reply (or error) from its tree's rows, handed to ``early``;

@@ -385,6 +385,16 @@ class PendingTree(ABC, Generic[Output]):
         self.append(prompt[common:], chunk_size)
         return common
 
+    def start_prefill(self, prompt: Sequence[int]) -> tuple[int, list[int]]:
+        """``prefill``'s first half, for a caller that evaluates the rest itself (in chunks,
+        beside other sequences' work): roll back to the longest common prefix, check that the
+        rest is made of vocabulary ids and fits the context; returns how many tokens were
+        reused and the tokens left to evaluate (at least one)."""
+        common = self._rollback_to_common_prefix(prompt)
+        rest = [int(token) for token in prompt[common:]]
+        self._checked_tokens(rest, len(rest))
+        return common, rest
+
     def prompt_logprobs(
         self, prompt: Sequence[int], top: int = 0, chunk_size: int = 256
     ) -> list[TokenLogprob]:
