@@ -4,7 +4,12 @@
 # bump once spoke a newer protocol than the daemon that started it).
 #
 #   bench/snapshot.sh [DIR]      (default /tmp/hetspec-snapshot; prints the PYTHONPATH to use)
-#   cd DIR/repo && PYTHONPATH=DIR/site .venv/bin/python -m hetspec.bench.parallel_clients ...
+#   cd DIR && PYTHONPATH=DIR/site .venv/bin/python -m hetspec.bench.parallel_clients ...
+#
+# Run from DIR, not from DIR/repo or the repository: Python puts the working directory first
+# on its path, and a `hetspec/` folder there (the repository's own) would be imported instead
+# of DIR/site/hetspec, its subpackages then found by the editable install's finder, in the
+# working tree.
 set -euo pipefail
 out=${1:-/tmp/hetspec-snapshot}
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -17,4 +22,11 @@ cp -r "$out/repo/hetspec/." "$out/site/hetspec/"
 for pkg in bench client daemon models native protocol speculative workers; do
     ln -s "$out/repo/$pkg" "$out/site/hetspec/$pkg"
 done
-echo "PYTHONPATH=$out/site"
+# where the daemon's code comes from, as a bench run from $out imports it
+where=$(cd "$out" && PYTHONPATH="$out/site" "$repo/.venv/bin/python" -c \
+    'import hetspec.daemon, hetspec.workers; print(hetspec.daemon.__file__, hetspec.workers.__file__)')
+case "$where" in
+"$out"/*" $out"/*) ;;
+*) echo "the snapshot does not import as hetspec: $where" >&2; exit 1 ;;
+esac
+echo "PYTHONPATH=$out/site (run from $out)"
