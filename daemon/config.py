@@ -29,11 +29,14 @@ ENV_PREFIX = "HETSPEC_"
 
 
 def cache_dir(configured: str | None, environ: dict[str, str] | None = None) -> Path:
-    """hetspec's cache: the configured ``cache_dir``, else ``$XDG_CACHE_HOME/hetspec``, else
-    ``~/.cache/hetspec``."""
+    """hetspec's cache: the configured ``cache_dir``, else ``$HETSPEC_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/hetspec``, else ``~/.cache/hetspec`` (where the model builders keep
+    their models: ``hetspec.models.cache_files``)."""
     if configured:
         return Path(configured)
     environ = os.environ if environ is None else environ
+    if environ.get("HETSPEC_CACHE_DIR"):
+        return Path(environ["HETSPEC_CACHE_DIR"])
     base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "hetspec"
 
@@ -244,8 +247,9 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # aarch64 "dotprod" or "portable". Every x86 SIMD level gives the same bits; a cap is for
     # measuring what a level is worth, or for a box whose CPU reports an extension it mishandles.
     native_kernels: Literal["best", "vnni", "avx_vnni", "avx2", "dotprod", "portable"] = "best"
-    # Measured runtime profiles (gpu_runtime "auto") are kept here; None: $XDG_CACHE_HOME/hetspec,
-    # else ~/.cache/hetspec (the systemd unit points XDG_CACHE_HOME at its CacheDirectory).
+    # Measured runtime profiles (gpu_runtime "auto") are kept here; None: $HETSPEC_CACHE_DIR,
+    # else $XDG_CACHE_HOME/hetspec, else ~/.cache/hetspec (the systemd unit points
+    # XDG_CACHE_HOME at its CacheDirectory).
     cache_dir: str | None = None
     model_name: str | None = None  # the name the API serves; None: the target's folder name
     tcp: TcpConfig = msgspec.field(default_factory=TcpConfig)

@@ -144,6 +144,10 @@ def test_the_cache_dir_follows_the_environment() -> None:
     assert cache_dir("/x", {"XDG_CACHE_HOME": "/y"}) == Path("/x")
     assert cache_dir(None, {"XDG_CACHE_HOME": "/y"}) == Path("/y/hetspec")
     assert cache_dir(None, {"HOME": "/home/z"}).name == "hetspec"
+    # as the model builders': the tests' daemons keep their profiles out of the user's cache
+    both = {"HETSPEC_CACHE_DIR": "/h", "XDG_CACHE_HOME": "/y"}
+    assert cache_dir(None, both) == Path("/h")
+    assert cache_dir("/x", both) == Path("/x")
 
 
 @pytest.mark.process
