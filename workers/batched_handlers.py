@@ -34,7 +34,6 @@ import numpy as np
 
 from hetspec.protocol import worker_messages as m
 from hetspec.protocol.sampling import TokenLogprob
-from hetspec.speculative.verify.samplers import sampler_for
 from hetspec.workers.batched_drafts import draft_together, plain_draft
 from hetspec.workers.compute_handlers import ComputeHandlers, Verification
 from hetspec.workers.runtimes.decode_steps import DecodeSteps
@@ -237,16 +236,8 @@ class BatchedHandlers(ComputeHandlers):
                 if prompt.rest:
                     going.append(prompt)
                     continue
-                self._sequence(command.sequence).sampler = sampler_for(command.seed)
-                row = None
-                if command.out >= 0:
-                    slot = self._slot(command.out, (1, prompt.engine.vocab_size))
-                    slot[0] = logits
-                    row = m.ArrayRef(slot.dtype.str, slot.shape, slot=command.out)
-                elapsed = (time.perf_counter() - batch.joined[prompt.index]) * 1000
-                reply = m.Prefilled(
-                    command.request, prompt.reused, prompt.engine.committed, elapsed, row
-                )
+                start = batch.joined[prompt.index]
+                reply = self._prefilled(command, prompt.engine, prompt.reused, logits, start)
                 batch.results[prompt.index] = (reply, ())
             except Exception as error:
                 batch.results[prompt.index] = error

@@ -166,18 +166,23 @@ class ComputeHandlers:
                     reused = engine.prefill(command.tokens)
         finally:
             engine.interrupt = None
-        state.sampler = sampler_for(command.seed)
-        logits = None
+        reply = self._prefilled(command, engine, reused, engine.last_logits(), start)
+        reply = msgspec.structs.replace(reply, prompt_logprobs=prompt_logprobs)
+        return self._reported(reply, engine, sink)
+
+    def _prefilled(
+        self, command: m.Prefill, engine, reused: int, logits: np.ndarray, start: float
+    ) -> m.Prefilled:
+        """A prompt's end, alone or in a batch: its sequence's sampler started (the seed's),
+        ``logits`` (the next token's) to the command's slot, the reply timed from ``start``."""
+        self._sequence(command.sequence).sampler = sampler_for(command.seed)
+        ref = None
         if command.out >= 0:
             row = self._slot(command.out, (1, engine.vocab_size))
-            row[0] = engine.last_logits()
-            logits = m.ArrayRef(row.dtype.str, row.shape, slot=command.out)
+            row[0] = logits
+            ref = m.ArrayRef(row.dtype.str, row.shape, slot=command.out)
         elapsed = (time.perf_counter() - start) * 1000
-        committed = engine.committed
-        reply = m.Prefilled(
-            command.request, reused, committed, elapsed, logits, prompt_logprobs=prompt_logprobs
-        )
-        return self._reported(reply, engine, sink)
+        return m.Prefilled(command.request, reused, engine.committed, elapsed, ref)
 
     def draft(self, command: m.Draft, frames) -> tuple:
         start = time.perf_counter()

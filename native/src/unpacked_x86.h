@@ -12,6 +12,12 @@
 #if HS_X86
 #define PREFETCH_AHEAD 2048 /* bytes of weights the AVX2 kernels ask for ahead of their use */
 
+/* Lanes 0..count-1 all ones, the rest zero: a short chunk's present blocks, for masked loads
+ * and gathers that read nothing past them. */
+HS_AVX2 INLINE __m256i first_lanes(const int count) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
 /* unpack_factors_portable's factors that the kernels read (for the super-block types: not
  * d_b and m_b). Q4_K's and Q5_K's
  * packed scales and mins as four 32-bit words: scales 0-3 and mins 0-3 are the low 6 bits of
@@ -43,10 +49,8 @@ HS_AVX2 INLINE void unpack_factors_avx2(const char *chunk, const int type, unpac
             for (int b = 0; b < SUB; b++) memcpy(&w[b], chunk + (size_t)b * bytes, 4);
             words = _mm256_setr_epi32(w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]);
         } else {
-            const __m256i blocks = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-            const __m256i at = _mm256_mullo_epi32(blocks, _mm256_set1_epi32(bytes));
-            const __m256i present = _mm256_cmpgt_epi32(_mm256_set1_epi32(u->blocks), blocks);
-            words = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)chunk, at, present, 1);
+            const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(bytes));
+            words = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)chunk, at, first_lanes(u->blocks), 1);
         }
         /* dword k's low half (d) to bytes 2k, 2k+1 of each 128-bit lane, its high half (m) to 8+2k, 8+2k+1 */
         const __m256i split = _mm256_shuffle_epi8(words, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
@@ -325,8 +329,7 @@ HS_AVX2 INLINE __m256i block_scale16(const int type, const unpacked *u, const in
                 x_scales = _mm256_loadu_ps(a->d + at);                                                         \
                 if (has_mins(type)) x_sums = _mm256_loadu_si256((const __m256i *)(a->sum + at));               \
             } else { /* a short chunk: the missing blocks' terms are 0 * 0 (masked loads) */               \
-                const __m256i present = _mm256_cmpgt_epi32(_mm256_set1_epi32(u->blocks),                      \
-                                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));         \
+                const __m256i present = first_lanes(u->blocks);                                                \
                 x_scales = _mm256_maskload_ps(a->d + at, present);                                             \
                 if (has_mins(type)) x_sums = _mm256_maskload_epi32((const int *)(a->sum + at), present);       \
             }                                                                                                  \
@@ -433,8 +436,7 @@ HS_AVX2 INLINE void q4_1_blocks_in_lanes(const char *chunk, __m256i w[8]) {
             __m256i x_sums[ALONE8_ROWS];                                                                           \
             /* a short chunk's missing blocks: scale and sum 0 (a masked load: a memcpy of a                   \
              * variable length here was a libc call a row a chunk, a fifth of a Q4_1 forward) */                \
-            const __m256i present_lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(present),                       \
-                                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));        \
+            const __m256i present_lanes = first_lanes(present);                                                 \
             for (int r = 0; r < n; r++) {                                                                       \
                 const size_t at = (size_t)(r0 + r) * blocks + (size_t)c * SUB;                                         \
                 x_scales[r] = _mm256_maskload_ps(a->d + at, present_lanes);                                     \

@@ -381,8 +381,8 @@ class PendingTree(ABC, Generic[Output]):
         The longest common prefix with what is committed stays in the cache (a chat's earlier
         turns); at least one token is re-evaluated so the next-token logits are fresh.
         """
-        common = self._rollback_to_common_prefix(prompt)
-        self.append(prompt[common:], chunk_size)
+        common, rest = self.start_prefill(prompt)
+        self._extend(rest, chunk_size)
         return common
 
     def start_prefill(self, prompt: Sequence[int]) -> tuple[int, list[int]]:
